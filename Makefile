@@ -1,0 +1,42 @@
+# flashdecode: every target sets up what it needs on a fresh machine.
+#   make test       CPU suite (Triton kernels in the interpreter) in .venv
+#   make demo       the same set-up, then `flashdecode demo`
+#   make gpu-check  on the GPU machine: GPU tests + quick benchmarks, JSON/PNG to $OUT (never reinstalls torch)
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+# CPU-only machines get the CPU build of torch from local disk; an unpinned torch would pull a multi-GB CUDA build.
+CPU_PINS  := torch==2.13.0 triton==3.6.0 "numpy<2.3"
+PYTEST_WORKERS ?= 2
+HAS_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+ifeq ($(HAS_GPU),1)
+# GPU machine: torch is already there and must not be reinstalled; run from the source tree.
+RUN       := PYTHONPATH=$(CURDIR) python3
+SETUP     :=
+else
+RUN       := TRITON_INTERPRET=1 $(PY)
+SETUP     := $(STAMP)
+endif
+
+.PHONY: test demo gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(CPU_PINS)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(SETUP)
+	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) tests
+
+demo: $(SETUP)
+	$(RUN) -m flashdecode demo
+
+# The GPU machine has torch/triton/transformers installed: run from the source tree with its python3.
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

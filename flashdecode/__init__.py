@@ -1,0 +1,10 @@
+"""flashdecode: exact, IO-aware attention (FlashAttention, Flash-Decoding) in Triton, and a small inference engine.
+
+Public API (see README.md): the reference spec lives in ``flashdecode.reference``.
+"""
+
+from flashdecode import reference  # noqa: F401
+
+__version__ = "0.1.0"
+
+__all__ = ["reference", "__version__"]

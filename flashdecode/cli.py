@@ -1,0 +1,148 @@
+"""Command line: ``flashdecode demo | bench {decode,prefill,e2e} | generate``.
+
+Subcommands whose modules are not part of this build are simply not offered. Each module registers itself through
+two functions: ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+# subcommand name -> module implementing add_arguments/run
+_BENCHES = {
+    "decode": "flashdecode.bench.decode",
+    "prefill": "flashdecode.bench.prefill",
+    "e2e": "flashdecode.bench.e2e",
+}
+_GENERATE = "flashdecode.engine.cli"
+
+
+def _optional_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:  # only a missing module of ours is optional; a broken import is a bug
+        if e.name is not None and name.startswith(e.name):
+            return None
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# demo
+# ----------------------------------------------------------------------------------------------------------------
+
+def _demo_device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.cuda.get_device_name()
+    mode = "Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "no Triton kernels"
+    return torch.device("cpu"), f"CPU ({mode})"
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def demo_rows(device, gen):
+    """(algorithm, dtype, max |out - naive float64|, max |lse - naive|, seconds) for a small GQA problem."""
+    import torch
+
+    import flashdecode
+    from flashdecode import reference as ref
+
+    batch, seqlen, nheads, nheads_kv, headdim = 2, 97, 8, 2, 64
+    q = torch.randn(batch, seqlen, nheads, headdim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, seqlen, nheads_kv, headdim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, seqlen, nheads_kv, headdim, generator=gen, dtype=torch.float64)
+    lens = torch.tensor([seqlen, 40], dtype=torch.int32)
+    o_naive, lse_naive = ref.attention_ref(q, k, v, causal=True)
+    od_naive, lsed_naive = ref.decode_ref(q[:, -1], k, v, lens)
+    rows = []
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        res = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return res, time.perf_counter() - t0
+
+    (o, lse), dt = timed(lambda: ref.attention_blockwise_ref(q, k, v, causal=True, block_n=16))
+    rows.append(("blockwise online softmax (reference)", "float64", _max_err(o, o_naive), _max_err(lse, lse_naive), dt))
+
+    def split_merge():
+        o_s, lse_s = ref.decode_split_ref(q[:, -1], k, v, lens, num_splits=5)
+        return ref.merge_states_many_ref(o_s, lse_s)
+
+    (o, lse), dt = timed(split_merge)
+    rows.append(("split-KV (5 splits) + LSE merge (reference)", "float64", _max_err(o, od_naive),
+                 _max_err(lse, lsed_naive), dt))
+
+    kdtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # the interpreter's bf16 dot is broken
+    qd, kd, vd = (x.to(device, kdtype) for x in (q, k, v))
+    if hasattr(flashdecode, "flash_attn"):
+        (o, lse), dt = timed(lambda: flashdecode.flash_attn(qd, kd, vd, causal=True, return_lse=True))
+        rows.append(("flash_attn (Triton, causal)", str(kdtype).replace("torch.", ""), _max_err(o.cpu(), o_naive),
+                     _max_err(lse.cpu(), lse_naive), dt))
+    if hasattr(flashdecode, "flash_decode"):
+        (o, lse), dt = timed(lambda: flashdecode.flash_decode(qd[:, -1], kd, vd, lens.to(device), num_splits=4,
+                                                              return_lse=True))
+        rows.append(("flash_decode (Triton, 4 splits)", str(kdtype).replace("torch.", ""),
+                     _max_err(o.cpu(), od_naive), _max_err(lse.cpu(), lsed_naive), dt))
+    return rows
+
+
+def _run_demo(args) -> int:
+    import torch
+
+    device, name = _demo_device()
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = demo_rows(device, gen)
+    print(f"flashdecode demo on {name}: batch 2, seqlen 97 (decode lengths 97/40), 8 q heads / 2 kv heads, "
+          f"head dim 64, causal")
+    header = ("algorithm", "dtype", "max|out err|", "max|lse err|", "seconds")
+    widths = [max(len(str(r[i])) if i < 2 else 10 for r in rows + [header]) for i in range(5)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        cells = [r[0], r[1], f"{r[2]:.2e}", f"{r[3]:.2e}", f"{r[4]:.3f}"]
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+    print("errors are against naive softmax(QK^T)V in float64")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashdecode", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="run the kernels and the reference on a small problem and print their errors")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, modname in _BENCHES.items():
+        mod = _optional_module(modname)
+        if mod is not None:
+            bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
+            mod.add_arguments(bp)
+            bp.set_defaults(func=mod.run)
+
+    gen_mod = _optional_module(_GENERATE)
+    if gen_mod is not None:
+        gp = sub.add_parser("generate", help="generate text with the inference engine")
+        gen_mod.add_arguments(gp)
+        gp.set_defaults(func=gen_mod.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

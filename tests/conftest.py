@@ -1,0 +1,36 @@
+"""Test set-up: Triton kernels run on the GPU when there is one, else through the CPU interpreter.
+
+TRITON_INTERPRET must be set before any @triton.jit function is defined, so it is set here, before the tests
+import flashdecode.kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run by `make gpu-check` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture
+def gen():
+    """A fresh, seeded CPU generator per test: inputs are random (never zeros) and reproducible."""
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,40 @@
+"""Shared test helpers: random inputs and the FlashAttention tolerance rule.
+
+The rule (flash-attn's tests): a kernel's error against the float64 reference must be at most ``factor`` times
+the error of a plain PyTorch implementation run in the kernel's own dtype, plus a small atol. factor is 2 for
+forward outputs, 3 for gradients and decode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
+
+# The Triton interpreter computes bf16 tl.dot wrong (KERNEL_NOTES.md): CPU kernel tests use fp16/fp32.
+KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
+
+
+def randn(*shape, gen, dtype=torch.float32, device=DEVICE, scale=1.0):
+    """Standard-normal tensor drawn on the CPU from ``gen`` (reproducible), then moved."""
+    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| over entries where ref is finite; x must be -inf exactly where ref is -inf."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    inf = torch.isinf(ref)
+    if inf.any():
+        assert torch.equal(torch.isinf(x), inf), "-inf pattern differs from the reference"
+        x, ref = x[~inf], ref[~inf]
+    return (x - ref).abs().max().item() if ref.numel() else 0.0
+
+
+def assert_fa_close(out: torch.Tensor, ref64: torch.Tensor, same_dtype: torch.Tensor, *, factor: float = 2.0,
+                    atol: float = 1e-5, name: str = "out"):
+    """FlashAttention rule: err(out) <= factor * err(same-dtype PyTorch) + atol, both against the float64 ref."""
+    assert not torch.isnan(out).any(), f"{name} has NaN"
+    err = max_err(out, ref64)
+    base = max_err(same_dtype, ref64)
+    assert err <= factor * base + atol, f"{name}: error {err:.3e} > {factor} x {base:.3e} + {atol:.1e}"
+    return err, base
