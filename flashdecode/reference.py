@@ -100,14 +100,21 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
     s = _scores(q, k, scale, softcap)
     mask = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
-    s = s.masked_fill(~mask, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
+    return _softmax_pv(s.masked_fill(~mask, float("-inf")), v)
+
+
+def _softmax_pv(s, v):
+    """Masked scores s (b, h, sq, sk) (-inf = hidden) and v (b, sk, h, d) -> out (b, sq, h, d), lse (b, h, sq)."""
+    if s.shape[-1] == 0:  # no keys at all: every row is empty
+        m = torch.zeros(s.shape[:-1] + (1,), dtype=s.dtype, device=s.device)
+    else:
+        m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: exp(-inf - 0) = 0, not NaN
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
     out = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), v)
     lse = (m + torch.log(l)).squeeze(-1)  # log(0) = -inf on empty rows
-    return out, lse.to(_lse_dtype(q.dtype))
+    return out, lse.to(_lse_dtype(v.dtype))
 
 
 def attention_blockwise_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -225,13 +232,7 @@ def _masked_attention(q, k, v, mask, softmax_scale, softcap):
     nheads, headdim = q.shape[2], q.shape[3]
     scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
     k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
-    s = _scores(q, k, scale, softcap).masked_fill(~mask, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    l = p.sum(dim=-1, keepdim=True)
-    out = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), v)
-    return out, (m + torch.log(l)).squeeze(-1).to(_lse_dtype(q.dtype))
+    return _softmax_pv(_scores(q, k, scale, softcap).masked_fill(~mask, float("-inf")), v)
 
 
 def merge_states_many_ref(outs: torch.Tensor, lses: torch.Tensor):
