@@ -1,0 +1,77 @@
+"""Regenerate docs/benchmarks.md from the result files in benchmarks/results/ (JSON written by `flashdecode bench`).
+
+    python3 scripts/write_benchmarks_md.py [--results benchmarks/results] [--out docs/benchmarks.md]
+
+Each JSON holds env (device, versions, date), the command, the rows and a short summary; this script only lays
+them out, newest run of each kind first, so every figure in the docs names its device, versions and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TITLES = {"decode": "Decode (Flash-Decoding)", "prefill": "Prefill / training (FlashAttention)",
+          "e2e": "End to end (engine)"}
+INTRO = """# Benchmarks
+
+Every figure below was measured on the GPU machine with the peers in the same run, following
+BENCHMARKING.md (decode: CUDA-graph replays with K/V rotated beyond L2; prefill: triton.testing.do_bench median).
+Files: `benchmarks/results/` (JSON with every row, PNG plots). Regenerate this page with
+`python3 scripts/write_benchmarks_md.py` after copying new results there.
+"""
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "-" if v is None else str(v)
+
+
+def table(rows: list[dict]) -> str:
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def section(path: Path) -> str:
+    rec = json.loads(path.read_text())
+    env = rec.get("env", {})
+    parts = [f"### {path.stem}",
+             f"Device {env.get('device')} · torch {env.get('torch')} · triton {env.get('triton')} · "
+             f"CUDA {env.get('cuda')} · {env.get('date')}  ",
+             f"Command: `{rec.get('command', '?')}`", ""]
+    if rec.get("summary"):
+        parts += ["Summary:", ""] + [f"- {s}" for s in rec["summary"]] + [""]
+    for note in rec.get("notes", []):
+        parts.append(f"> {note}")
+    if rec.get("rows"):
+        parts += [table(rec["rows"]), ""]
+    for png in sorted(path.parent.glob(path.stem + "*.png")):
+        parts.append(f"![{png.stem}](../benchmarks/results/{png.name})")
+    return "\n".join(parts) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--out", default="docs/benchmarks.md")
+    args = ap.parse_args()
+    files = sorted(Path(args.results).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    out = [INTRO]
+    for kind, title in TITLES.items():
+        mine = [f for f in files if f.stem.startswith(kind + "_")]
+        if mine:
+            out.append(f"## {title}\n")
+            out += [section(f) for f in mine]
+    Path(args.out).write_text("\n".join(out))
+    print(f"wrote {args.out} from {len(files)} result files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
