@@ -1,0 +1,223 @@
+"""Attention backends: one interface, five implementations, picked by name.
+
+    prefill(q, k, v, meta) -> out    q (tokens, nheads, d), k/v (tokens, nheads_kv, d), causal per sequence
+    decode(q, k_cache, v_cache, meta) -> out    q (batch, nheads, d), paged cache (num_pages, page_size, hk, d)
+    write_kv(k_cache, v_cache, k, v, meta)      k/v (tokens, hk, d) into the page slots meta.slot_mapping
+
+Backends ("flashdecode" is the default on CUDA, "torch" on the CPU):
+  flashdecode          flash_attn_varlen for prefill, flash_decode (split-KV, heuristic split count) for decode
+  flashdecode-nosplit  the same with num_splits=1 (the no-split ablation; the seeds' FA2-style decode column)
+  sdpa                 torch scaled_dot_product_attention (prefill per sequence; decode on gathered pages + mask)
+  eager                matmul - softmax - matmul in PyTorch (HF's "eager"; the seeds' PyTorch column)
+  torch                flashdecode.reference (attention_varlen_ref / decode_ref): the spec, CPU only (host syncs)
+
+The K/V write is a plain index_copy_ into the flattened page pool (slot = page * page_size + offset) for every
+backend: one kernel, no host sync, so it sits inside the decode CUDA graph; padded graph rows write to a scratch
+page that no sequence owns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from flashdecode import reference
+
+BACKENDS = ("flashdecode", "flashdecode-nosplit", "sdpa", "eager", "torch")
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by all layers.
+
+    slot_mapping: int64 (tokens,) flat page slot of each new token.
+    Prefill: cu_seqlens int32 (batch + 1,), max_seqlen, seqlens (host list).
+    Decode: block_tables int32 (batch, max_pages), context_lens int32 (batch,) = live tokens incl. the new one.
+    rope_lens: int64 (tokens,), the sequence length each token's rotary uses (only dynamic rope reads it).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    seqlens: list[int] | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    rope_lens: torch.Tensor | None = None
+
+
+class AttentionBackend:
+    name = "base"
+    supports_cuda_graphs = True
+
+    def __init__(self, window_left: int = -1):
+        self.window_size = (window_left, 0)  # causal, optionally a sliding window of window_left + 1 keys
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+    def prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """The executable spec (flashdecode.reference). Loops on the host: CPU tests, never CUDA graphs."""
+
+    name = "torch"
+    supports_cuda_graphs = False
+
+    def prefill(self, q, k, v, meta):
+        out, _ = reference.attention_varlen_ref(q, k, v, meta.cu_seqlens, meta.cu_seqlens, causal=True,
+                                                window_size=self.window_size)
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta):
+        out, _ = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
+                                      window_size=self.window_size)
+        return out
+
+
+def _visible(seqlen_q: int, key_pos: torch.Tensor, query_pos: torch.Tensor, window_left: int) -> torch.Tensor:
+    """Bool mask (..., seqlen_q, keys): key j visible to query i iff j <= pos_i (and j >= pos_i - window_left)."""
+    mask = key_pos <= query_pos
+    if window_left >= 0:
+        mask &= key_pos >= query_pos - window_left
+    return mask
+
+
+def _gathered_decode_inputs(q, k_cache, v_cache, meta, window_left):
+    """Gather each row's pages into (batch, max_pages * page_size, hk, d) and build its visibility mask
+    (batch, 1, 1, keys). Shapes are fixed by the block table width, so this is CUDA-graph safe."""
+    bt = meta.block_tables.long()
+    batch, pages = bt.shape
+    k = k_cache[bt].view(batch, pages * k_cache.shape[1], *k_cache.shape[2:])
+    v = v_cache[bt].view(batch, pages * v_cache.shape[1], *v_cache.shape[2:])
+    key_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    query_pos = (meta.context_lens.long() - 1)[:, None]
+    mask = _visible(1, key_pos, query_pos, window_left)
+    return k, v, mask[:, None, None, :]
+
+
+def _expand_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(batch, hk, keys, d) -> (batch, nheads, keys, d) (GQA: each kv head serves nheads // hk query heads)."""
+    group = nheads // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+class SdpaBackend(AttentionBackend):
+    """torch SDPA: causal per sequence in prefill; masked SDPA over gathered pages in decode."""
+
+    name = "sdpa"
+
+    def prefill(self, q, k, v, meta):
+        out = torch.empty_like(q)
+        start = 0
+        for n in meta.seqlens:
+            qs, ks, vs = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))
+            ks, vs = _expand_heads(ks, q.shape[1]), _expand_heads(vs, q.shape[1])
+            if self.window_size[0] >= 0:
+                pos = torch.arange(n, device=q.device)
+                mask = _visible(n, pos[None, :], pos[:, None], self.window_size[0])
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            out[start:start + n] = o[0].transpose(0, 1)
+            start += n
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta):
+        k, v, mask = _gathered_decode_inputs(q, k_cache, v_cache, meta, self.window_size[0])
+        k, v = _expand_heads(k.transpose(1, 2), q.shape[1]), _expand_heads(v.transpose(1, 2), q.shape[1])
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask)  # (b, h, 1, d)
+        return o[:, :, 0, :]
+
+
+class EagerBackend(AttentionBackend):
+    """Matmul - softmax (float32) - matmul, like HF's eager attention."""
+
+    name = "eager"
+    PREFILL_ROWS = 2048  # query rows per chunk: bounds the (heads, rows, keys) score matrix of long prompts
+
+    @staticmethod
+    def _attend(q, k, v, mask):
+        """q (b, h, sq, d), k/v (b, h, sk, d), mask bool broadcastable to (b, h, sq, sk)."""
+        s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v)
+
+    def prefill(self, q, k, v, meta):
+        out = torch.empty_like(q)
+        start = 0
+        for n in meta.seqlens:
+            qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+            ks, vs = _expand_heads(ks[None], q.shape[1])[0], _expand_heads(vs[None], q.shape[1])[0]
+            key_pos = torch.arange(n, device=q.device)[None, :]
+            for r0 in range(0, n, self.PREFILL_ROWS):
+                r1 = min(n, r0 + self.PREFILL_ROWS)
+                query_pos = torch.arange(r0, r1, device=q.device)[:, None]
+                mask = _visible(r1 - r0, key_pos[:, :r1], query_pos, self.window_size[0])
+                o = self._attend(qs[:, r0:r1], ks[:, :r1], vs[:, :r1], mask)
+                out[start + r0:start + r1] = o.transpose(0, 1)
+            start += n
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta):
+        k, v, mask = _gathered_decode_inputs(q, k_cache, v_cache, meta, self.window_size[0])
+        k, v = _expand_heads(k.transpose(1, 2), q.shape[1]), _expand_heads(v.transpose(1, 2), q.shape[1])
+        return self._attend(q[:, :, None, :], k, v, mask)[:, :, 0, :]
+
+
+class FlashDecodeBackend(AttentionBackend):
+    """The Triton kernels: flashdecode.flash_attn_varlen (prefill) and flashdecode.flash_decode (paged decode)."""
+
+    name = "flashdecode"
+
+    def __init__(self, window_left: int = -1, num_splits: int | None = None):
+        super().__init__(window_left)
+        import flashdecode
+
+        missing = [f for f in ("flash_attn_varlen", "flash_decode") if not hasattr(flashdecode, f)]
+        if missing:
+            raise RuntimeError(f"attention backend {self.name!r} needs flashdecode.{' and '.join(missing)}, which "
+                               f"this build does not export; use attn_backend='torch' or 'sdpa'")
+        self._varlen = flashdecode.flash_attn_varlen
+        self._decode = flashdecode.flash_decode
+        self.num_splits = num_splits
+
+    def prefill(self, q, k, v, meta):
+        return self._varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
+                            causal=True, window_size=self.window_size)
+
+    def decode(self, q, k_cache, v_cache, meta):
+        return self._decode(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
+                            num_splits=self.num_splits, window_size=self.window_size)
+
+
+class FlashDecodeNoSplitBackend(FlashDecodeBackend):
+    name = "flashdecode-nosplit"
+
+    def __init__(self, window_left: int = -1):
+        super().__init__(window_left, num_splits=1)
+
+
+_CLASSES = {c.name: c for c in (FlashDecodeBackend, FlashDecodeNoSplitBackend, SdpaBackend, EagerBackend,
+                                TorchBackend)}
+
+
+def default_backend(device: torch.device) -> str:
+    return "flashdecode" if torch.device(device).type == "cuda" else "torch"
+
+
+def make_backend(name: str | None, device, window_left: int = -1) -> AttentionBackend:
+    """Backend by name (None = the device's default). ValueError lists the names."""
+    name = name or default_backend(device)
+    if name not in _CLASSES:
+        raise ValueError(f"attn_backend must be one of {list(BACKENDS)}, got {name!r}")
+    return _CLASSES[name](window_left)

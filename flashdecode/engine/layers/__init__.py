@@ -1,0 +1,1 @@
+"""Model building blocks: RMSNorm, rotary embedding, merged linear layers, sampler."""

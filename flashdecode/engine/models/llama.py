@@ -1,0 +1,136 @@
+"""Llama family (Llama 2/3/3.1/3.2, CodeLlama, Mistral) for the engine.
+
+Module and parameter names follow HF (model.layers.N.self_attn.o_proj.weight, ...) except the two fused
+projections: q/k/v_proj live in ``self_attn.qkv_proj`` and gate/up_proj in ``mlp.gate_up_proj``; ``PACKED_MODULES``
+says which HF tensor goes to which shard, and the loader reads it.
+
+Activations are flat over tokens: input_ids (tokens,), a prefill packs many prompts, a decode step has one token
+per sequence. Attention is delegated to an attention backend (flashdecode.engine.attention) with the per-step
+metadata and each layer's paged K/V cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
+from flashdecode.engine.config import ModelConfig
+from flashdecode.engine.layers.linear import Linear, MergedLinear
+from flashdecode.engine.layers.norm import RMSNorm
+from flashdecode.engine.layers.rotary import RotaryEmbedding
+
+# HF module name -> (our fused module name, shard)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.nheads, self.nheads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                                     cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.splits = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+
+    def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend):
+        """x (tokens, hidden) -> (tokens, hidden); writes this step's K/V into kv_cache = (k_pages, v_pages)."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(tokens, self.nheads, self.head_dim)
+        k = k.view(tokens, self.nheads_kv, self.head_dim)
+        v = v.view(tokens, self.nheads_kv, self.head_dim)
+        q, k = rotary(q, k, positions, meta.rope_lens)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k_cache, v_cache, k, v, meta)
+        if meta.is_prefill:
+            o = backend.prefill(q, k, v, meta)
+        else:
+            o = backend.decode(q, k_cache, v_cache, meta)
+        return self.o_proj(o.reshape(tokens, self.nheads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, False, dtype, device)
+        self.down_proj = Linear(i, cfg.hidden_size, False, dtype, device)
+        self.intermediate_size = i
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x, positions, rotary, meta, kv_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                                             device=device))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. ``max_positions`` sizes the rotary table (positions beyond it are rejected upstream)."""
+
+    PACKED_MODULES = PACKED_MODULES
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions int64 (tokens,) -> final hidden states (tokens, hidden) in the model dtype."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, meta, kv_cache, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (rows, hidden) -> float32 logits (rows, vocab)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (benchmarks; no checkpoint can be downloaded here): N(0, std), norms 1, biases small."""
+        gen = torch.Generator(device=self.model.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
