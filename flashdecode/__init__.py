@@ -4,7 +4,8 @@ Public API (see README.md): the reference spec lives in ``flashdecode.reference`
 """
 
 from flashdecode import reference  # noqa: F401
+from flashdecode.ops.attention import flash_attn, flash_attn_varlen  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["reference", "__version__"]
+__all__ = ["reference", "flash_attn", "flash_attn_varlen", "__version__"]

@@ -55,3 +55,45 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
     blocks = cdiv(max_seqlen_k, block_n)
     by_length = max(1, blocks // min_blocks_per_split)
     return max(1, min(want, by_length, max_splits))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prefill (flash_attn): autotune candidates, shared-memory pruning, shape buckets
+# ----------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: Q rows per program x KV rows per step. BLOCK_M is a multiple
+# of 64 and num_warps of 4 so Hopper's wgmma is used (KERNEL_NOTES.md).
+PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3))
+# Backward dK/dV program: (BLOCK_N kv rows held, BLOCK_M q rows per step, warps, stages); dQ program: (BLOCK_M q rows
+# held, BLOCK_N kv rows per step, warps, stages).
+PREFILL_BWD_KV_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3))
+PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3))
+# One small fixed config for the CPU interpreter (speed there scales with the number of ops, not the tile size).
+PREFILL_INTERPRET_BLOCKS = (32, 32)
+
+
+def prefill_shared_bytes(block_rows: int, block_stream: int, head_dim_pad: int, num_stages: int, elem_bytes: int,
+                         streamed_tensors: int = 2, held_tensors: int = 1) -> int:
+    """Rough shared memory of an attention program: the tiles it holds once plus ``num_stages`` copies of the
+    tiles it streams (K and V in the forward)."""
+    held = held_tensors * block_rows * head_dim_pad
+    streamed = num_stages * streamed_tensors * block_stream * head_dim_pad
+    return (held + streamed) * elem_bytes
+
+
+def prefill_configs_that_fit(candidates, head_dim_pad: int, elem_bytes: int, smem_limit: int,
+                             streamed_tensors: int = 2, held_tensors: int = 1):
+    """Candidates whose tiles fit in ``smem_limit`` bytes; the smallest candidate if none does."""
+    fits = [c for c in candidates
+            if prefill_shared_bytes(c[0], c[1], head_dim_pad, c[3], elem_bytes, streamed_tensors,
+                                    held_tensors) <= smem_limit]
+    if fits:
+        return fits
+    return [min(candidates, key=lambda c: prefill_shared_bytes(c[0], c[1], head_dim_pad, c[3], elem_bytes,
+                                                                 streamed_tensors, held_tensors))]
+
+
+def seqlen_bucket(n: int) -> int:
+    """Autotune key for a length: its power-of-two ceiling capped at 16k, so a growing prompt re-tunes at most
+    log2 times and never recompiles (lengths themselves are runtime arguments)."""
+    return min(next_power_of_2(max(1, n)), 16384)

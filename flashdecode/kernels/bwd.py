@@ -1,0 +1,273 @@
+"""FlashAttention backward in Triton: FA-2's split into a dK/dV pass and a dQ pass, P recomputed from the saved lse.
+
+With P = exp(S - lse), D_i = rowsum(dO_i * O_i) (computed by the launcher), dP = dO V^T and dS = P * (dP - D):
+    dV = P^T dO,   dK = scale * dS^T Q,   dQ = scale * dS K
+(soft-capping multiplies dS by 1 - tanh^2). Neither pass uses atomics, so gradients are bitwise deterministic:
+  * attn_bwd_dkdv_kernel: one program per (KV block, batch * kv head) holds K, V and loops over the Q blocks of
+    every query head of its GQA group (the group sum happens in registers);
+  * attn_bwd_dq_kernel: one program per (Q block, batch * head) holds Q, dO and loops over KV blocks.
+Both loops skip blocks outside the causal/window band and mask only the edge blocks (segments as in fwd.py).
+Rows with lse = -inf (no visible key) get P = 0, hence zero gradients.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashdecode.kernels.fwd import (clamp_segments, kv_segments, load_rows, logits_log2, sequence_bounds,
+                                     visible)
+
+
+@triton.jit
+def load_lse_log2(lse_ptrs, rows, nrows):
+    """Saved natural-log lse -> log2 units; rows out of range and rows with no key (-inf) give +inf, so that
+    P = exp2(S - lse) is exactly 0 there."""
+    lse = tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def softcap_grad(ds, s, softcap_log2, SOFTCAP: tl.constexpr):
+    """Chain rule through softcap * tanh(x / softcap): multiply by 1 - tanh^2, tanh recovered from the logits s."""
+    if SOFTCAP:
+        t = s * (1.0 / softcap_log2)
+        return ds * (1.0 - t * t)
+    else:
+        return ds
+
+
+@triton.jit
+def q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Q loop bounds for the KV block starting at key n_start: (lo, full_lo, full_hi, hi), multiples of BLOCK_M
+    except hi. [lo, full_lo): the causal / right-window edge (masked); [full_lo, full_hi): Q blocks whose rows all
+    see every key of the block (unmasked); [full_hi, hi): left-window edge and the ragged Q tail (masked)."""
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    full_lo = 0
+    hi = seqlen_q
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:  # row i sees key j iff j <= i + diag + right
+        lo = (tl.maximum(n_start - diag - window_right, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - diag - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:  # row i sees key j iff j >= i + diag - left
+        hi = tl.maximum(tl.minimum(n_start + BLOCK_N - diag + window_left, seqlen_q), 0)
+        full_hi = tl.minimum((tl.maximum(n_start - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M, full_hi)
+    # a ragged last KV block needs the key-bounds mask everywhere
+    full_hi = tl.where(n_start + BLOCK_N <= seqlen_k, full_hi, 0)
+    return clamp_segments(lo, full_lo, full_hi, hi)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dK / dV
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
+                        stride_dod, start, end, k_pos, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
+                        window_left, window_right, qk_scale, softcap_log2,
+                        MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
+    form: S^T = K Q^T (BLOCK_N, BLOCK_M)."""
+    q_ptrs = q_base + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = do_base + start.to(tl.int64) * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
+        lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q)
+        s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
+        p_t = tl.exp2(s_t - lse2[None, :])
+        if MASKED:
+            vis = visible((rows + diag)[None, :], k_pos[:, None], seqlen_k, window_left, window_right,
+                          HAS_LEFT, HAS_RIGHT)
+            p_t = tl.where(vis, p_t, 0.0)
+        do = load_rows(do_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qs
+        do_ptrs += BLOCK_M * stride_dos
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    nheads, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    bucket_q, bucket_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (cdiv(max_seqlen_k, BLOCK_N), batch * nheads_kv). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
+    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    nheads_kv = nheads // group_size
+    batch = pid_bh // nheads_kv
+    head_kv = pid_bh % nheads_kv
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    n_start = pid_n * BLOCK_N
+    if n_start >= seqlen_k:
+        return
+
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    b64 = batch.to(tl.int64)
+    k_row0 = k_start.to(tl.int64)
+    k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
+    k = load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, offs_n, seqlen_k, d_mask,
+                  True, EVEN_D)
+    v = load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, offs_n, seqlen_k, d_mask,
+                  True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    diag = seqlen_k - seqlen_q
+    lo, full_lo, full_hi, hi = q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    q_row0 = q_start.to(tl.int64)
+    for g in range(group_size):  # GQA: sum over the query heads that read this kv head, in registers
+        head = (head_kv * group_size + g).to(tl.int64)
+        q_base = Q + b64 * stride_qb + q_row0 * stride_qs + head * stride_qh
+        do_base = DO + b64 * stride_dob + q_row0 * stride_dos + head * stride_doh
+        lse_base = Lse + b64 * stride_lb + head * stride_lh + q_row0
+        delta_base = Delta + b64 * stride_deltab + head * stride_deltah + q_row0
+        if HAS_RIGHT:  # causal diagonal / right window edge
+            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
+                                         stride_dos, stride_dod, lo, full_lo, offs_n, offs_m, offs_d, d_mask,
+                                         seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
+                                         softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                                         BLOCK_M)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
+                                     stride_dos, stride_dod, full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
+                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
+                                     stride_dos, stride_dod, full_hi, hi, offs_n, offs_m, offs_d, d_mask,
+                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M)
+
+    out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
+    dk_base = DK + b64 * stride_dkb + k_row0 * stride_dks + head_kv.to(tl.int64) * stride_dkh
+    dv_base = DV + b64 * stride_dvb + k_row0 * stride_dvs + head_kv.to(tl.int64) * stride_dvh
+    tl.store(dk_base + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dQ
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                      start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                      qk_scale, softcap_log2,
+                      MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate KV blocks [start, end) into dq (BLOCK_M, HEAD_DIM_PAD) fp32 (unscaled: times sm_scale later)."""
+    k_ptrs = k_base + start.to(tl.int64) * stride_ks + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + start.to(tl.int64) * stride_vs + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_rows(k_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
+        s = logits_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            vis = visible(q_pos[:, None], cols[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(vis, p, 0.0)
+        v = load_rows(v_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = softcap_grad(p * (dp - delta[:, None]), s, softcap_log2, SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    nheads, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    bucket_q, bucket_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    head_kv = head // group_size
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    q_row0 = q_start.to(tl.int64)
+    k_row0 = k_start.to(tl.int64)
+    q_base = Q + b64 * stride_qb + q_row0 * stride_qs + h64 * stride_qh
+    do_base = DO + b64 * stride_dob + q_row0 * stride_dos + h64 * stride_doh
+    k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
+    q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
+                  True, EVEN_D)
+    do = load_rows(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, offs_m, seqlen_q, d_mask,
+                   True, EVEN_D)
+    lse2 = load_lse_log2(Lse + b64 * stride_lb + h64 * stride_lh + q_row0 + offs_m, offs_m, seqlen_q)
+    delta = tl.load(Delta + b64 * stride_deltab + h64 * stride_deltah + q_row0 + offs_m, mask=offs_m < seqlen_q,
+                    other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    q_pos = offs_m + (seqlen_k - seqlen_q)
+    lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:
+        dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                               lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                               qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                               BLOCK_N)
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                           full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                           qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                           BLOCK_N)
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                           full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                           qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                           BLOCK_N)
+    dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + h64 * stride_dqh
+    tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_mask[None, :])

@@ -1,0 +1,240 @@
+"""FlashAttention forward in Triton: FA-2 loop order (one program per (Q block, batch * head), KV blocks inner).
+
+Math (docs/algorithms.md): S = scale * Q K^T (optionally soft-capped), online softmax over KV blocks with an
+unnormalised accumulator, one division at the end. Everything inside the kernel is in log2 units: log2(e) is folded
+into the scale so the exponentials are exp2; the natural-log LSE is produced at the store.
+
+Masks are bottom-right aligned: query row i sits at key position i + seqlen_k - seqlen_q ("diag offset"). A Q block's
+KV range is cut into three segments: [lo, full_lo) blocks at the left window edge (masked), [full_lo, full_hi)
+blocks every row sees entirely (no mask, no bounds checks), [full_hi, hi) the diagonal / right edge / ragged tail
+(masked). Blocks outside the band are never visited.
+
+The helpers below (block ranges, visibility mask, soft-capped logits, row loads) are shared with kernels/bwd.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers (inlined by Triton)
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def tanh_saturating(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 for huge |x| (exp2 -> inf or 0), never NaN."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def logits_log2(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """Raw dot products qk -> logits in log2 units.
+
+    Without softcap qk_scale = softmax_scale * log2(e). With softcap qk_scale = softmax_scale / softcap and
+    softcap_log2 = softcap * log2(e), so the result is log2(e) * softcap * tanh(scale * qk / softcap).
+    """
+    if SOFTCAP:
+        return tanh_saturating(qk * qk_scale) * softcap_log2
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
+def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Bool mask, broadcast of q_pos and k_pos: key k_pos exists and lies in [q_pos - left, q_pos + right].
+
+    q_pos is the query's *key-aligned* position (row + seqlen_k - seqlen_q); causal is HAS_RIGHT with right = 0.
+    """
+    mask = k_pos < seqlen_k
+    if HAS_RIGHT:
+        mask = mask & (k_pos <= q_pos + window_right)
+    if HAS_LEFT:
+        mask = mask & (k_pos >= q_pos - window_left)
+    return mask
+
+
+@triton.jit
+def clamp_segments(lo, full_lo, full_hi, hi):
+    """Order the four loop bounds so that lo <= full_lo <= full_hi <= hi (empty segments where needed)."""
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """KV loop bounds for the Q block starting at row m_start: (lo, full_lo, full_hi, hi), multiples of BLOCK_N
+    except hi. Blocks in [full_lo, full_hi) are visible to every row of the Q block and lie inside seqlen_k."""
+    diag = seqlen_k - seqlen_q
+    first = m_start + diag  # key-aligned position of the block's first and last rows
+    last = m_start + BLOCK_M - 1 + diag
+    lo = 0
+    full_lo = 0
+    hi = seqlen_k
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = (tl.maximum(first - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(last + window_right + 1, seqlen_k), 0)
+        full_hi = tl.minimum((tl.maximum(first + window_right + 1, 0) // BLOCK_N) * BLOCK_N, full_hi)
+    return clamp_segments(lo, full_lo, full_hi, hi)
+
+
+@triton.jit
+def load_rows(ptrs, row_idx, nrows, d_mask, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, HEAD_DIM_PAD) tile; out-of-range rows and padded head-dim columns read as 0."""
+    if CHECK_ROWS:
+        if EVEN_D:
+            return tl.load(ptrs, mask=row_idx[:, None] < nrows, other=0.0)
+        else:
+            return tl.load(ptrs, mask=(row_idx[:, None] < nrows) & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def sequence_bounds(batch, cu_seqlens, seqlen_dense, IS_VARLEN: tl.constexpr):
+    """(start, length) of sequence ``batch``: from int32 cu_seqlens (packed varlen) or the dense seqlen."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + batch)
+        return start, tl.load(cu_seqlens + batch + 1) - start
+    else:
+        return seqlen_dense * 0, seqlen_dense  # a runtime zero (seqlen is never specialised), so .to() works
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inner loop: one segment of KV blocks, running softmax state (acc, m_i, l_i) in and out
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                   qk_scale, softcap_log2,
+                   MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
+
+    acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
+    running sum. MASKED blocks apply the visibility mask and guard rows that have seen no key yet (m = -inf) so
+    that exp2(-inf - -inf) never happens; unmasked blocks skip both.
+    """
+    k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(start, end, BLOCK_N):
+        k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
+        if MASKED:
+            vis = visible(q_pos[:, None], (start_n + offs_n)[None, :], seqlen_k, window_left, window_right,
+                          HAS_LEFT, HAS_RIGHT)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(v_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_i, l_i
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_fwd_kernel(
+    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    nheads, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, window_left, window_right,
+    bucket_q, bucket_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads).
+
+    Dense: Q (batch, seqlen_q, nheads, HEAD_DIM), K/V (batch, seqlen_k, nheads_kv, HEAD_DIM), Lse (batch, nheads,
+    seqlen_q) fp32. Varlen (IS_VARLEN): Q (total_q, nheads, HEAD_DIM) etc. with batch strides 0, the sequence start
+    read from int32 cu_seqlens_q/k, Lse (nheads, total_q). Out has Q's shape. Query head h reads kv head
+    h // group_size. bucket_q/bucket_k only key the autotuner (log2 buckets of the max lengths).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    head_kv = head // group_size
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    q_base = Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + head_kv.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + head_kv.to(tl.int64) * stride_vh
+    q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
+                  True, EVEN_D)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_pos = offs_m + (seqlen_k - seqlen_q)
+    lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:  # left edge of a sliding window: masked
+        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
+                                       window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                       SOFTCAP, DOT_PRECISION, BLOCK_N)
+    # the bulk: blocks every row sees completely
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                   full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
+                                   window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DOT_PRECISION, BLOCK_N)
+    # diagonal / right window edge / ragged tail: masked
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                   full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
+                                   window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                   SOFTCAP, DOT_PRECISION, BLOCK_N)
+
+    # epilogue: one division; rows that saw no key give out 0 and lse -inf
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_base = Out + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    row_ok = offs_m < seqlen_q
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_mask[None, :])
+    lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start.to(tl.int64)
+    tl.store(lse_base + offs_m, lse, mask=row_ok)

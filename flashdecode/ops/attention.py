@@ -1,0 +1,377 @@
+"""flash_attn / flash_attn_varlen: input checks, defaults, kernel choice, autograd and torch.library registration.
+
+Public API (flash-attn compatible shapes and names, DESIGN.md):
+  flash_attn(q, k, v, *, causal, softmax_scale, window_size, softcap, return_lse)
+      q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim) -> out like q
+      [, lse (batch, nheads, seqlen_q) float32, natural log].
+  flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, same options)
+      q (total_q, nheads, headdim), k/v (total_k, nheads_kv, headdim), int32 cu_seqlens (batch + 1,)
+      -> out like q [, lse (nheads, total_q)].
+
+Both are differentiable in q, k, v (lse is returned as a non-differentiable output, like flash-attn). The forward
+and backward are torch.library custom ops (flashdecode::attn_fwd / attn_bwd) with fake implementations, so
+torch.compile traces them without a graph break; _FlashAttnFunction ties them together for autograd.
+
+Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
+copied. Off the GPU the kernels run only in Triton's CPU interpreter (TRITON_INTERPRET=1); plain CPU tensors
+otherwise raise (use flashdecode.reference for a pure-PyTorch CPU path).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from flashdecode import heuristics
+from flashdecode.kernels import bwd as bwd_kernels
+from flashdecode.kernels import fwd as fwd_kernels
+
+__all__ = ["flash_attn", "flash_attn_varlen"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2E = fwd_kernels.LOG2E
+
+# Set FLASHDECODE_AUTOTUNE=0 to use the first candidate that fits shared memory instead of timing a handful
+# (tests do this to keep compile counts down).
+AUTOTUNE = os.environ.get("FLASHDECODE_AUTOTUNE", "1") != "0"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input validation (ValueError / TypeError naming the argument; never asserts)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_tensor_args(q, k, v, ndim: int, layout: str):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type == "cpu" and not _interpreting():
+        raise ValueError("q, k, v are CPU tensors: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+                         "flashdecode.reference.attention_ref is the pure-PyTorch CPU path")
+    headdim = q.shape[-1]
+    if k.shape[-1] != headdim or v.shape[-1] != headdim:
+        raise ValueError(f"k and v head dim must equal q's ({headdim}), got k {k.shape[-1]}, v {v.shape[-1]}")
+    if not 1 <= headdim <= MAX_HEAD_DIM:
+        raise ValueError(f"q head dim must be in 1..{MAX_HEAD_DIM}, got {headdim}")
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != nheads_kv:
+        raise ValueError(f"v must have nheads_kv = {nheads_kv} heads like k, got {v.shape[-2]}")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k/v ({nheads_kv})")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k and v must have the same leading shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def _check_options(causal, softmax_scale, window_size, softcap):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise TypeError(f"softmax_scale must be None or a finite float, got {softmax_scale!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}")
+    if not isinstance(softcap, (int, float)) or not softcap >= 0.0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: int, max_seqlen, max_name: str,
+                      device) -> int:
+    """Check one cu_seqlens tensor; returns its batch size. Value checks cost one host sync (skipped while
+    torch.compile traces)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} must have length batch + 1 = {batch + 1} (like cu_seqlens_q), got {cu.numel()}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+    if not torch.compiler.is_compiling() and cu.numel() > 1:
+        lens = cu[1:] - cu[:-1]
+        first, last, min_len, max_len = torch.stack([cu[0], cu[-1], lens.min(), lens.max()]).tolist()
+        if first != 0 or min_len < 0:
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
+        if last > total:
+            raise ValueError(f"{name}[-1] = {last} exceeds the {total} packed tokens")
+        if max_len > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
+                             f"in {name}")
+    return cu.numel() - 1
+
+
+def _normalise_options(headdim, causal, softmax_scale, window_size, softcap):
+    scale = float(headdim ** -0.5 if softmax_scale is None else softmax_scale)
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    return scale, left, right, float(softcap)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel choice (autotuned on the GPU, one fixed small config in the interpreter)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _head_dim_pad(headdim: int) -> int:
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def _smem_limit(device) -> int:
+    if device.type != "cuda":
+        return 228 * 1024
+    props = torch.cuda.get_device_properties(device)
+    # Triton also keeps layout-conversion scratch in shared memory: leave some room for it.
+    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)) - 16 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int, autotune: bool):
+    """(kernel, fixed constexpr kwargs) for one kernel, head-dim bucket and element size.
+
+    Candidates that cannot fit shared memory are pruned here, once. With autotune the survivors are timed per
+    key (shape buckets + mask flags); without it the first survivor is used.
+    """
+    kernel, candidates, held, streamed, names, key = _KERNELS[kernel_name]
+    fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
+                                                streamed_tensors=streamed, held_tensors=held)
+    configs = [triton.Config({names[0]: c[0], names[1]: c[1]}, num_warps=c[2], num_stages=c[3]) for c in fits]
+    if not autotune:
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.Tensor, head_dim_pad: int):
+    if _interpreting():
+        names = _KERNELS[kernel_name][4]
+        blocks = heuristics.PREFILL_INTERPRET_BLOCKS
+        meta = {names[0]: blocks[0], names[1]: blocks[1]}
+        _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
+        return
+    tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device), AUTOTUNE)
+    with torch.cuda.device(q.device):
+        tuned[grid_fn](*args, **constexprs)
+
+
+_FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION"]
+# name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
+_KERNELS = {
+    "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
+    "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
+                 ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
+    "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
+               _FLAG_KEYS),
+}
+
+
+def _strides(x: torch.Tensor, varlen: bool):
+    """(batch, seq, head, dim) strides; a packed varlen tensor has batch stride 0 (sequences start at cu_seqlens)."""
+    if varlen:
+        return (0,) + tuple(x.stride())
+    return tuple(x.stride())
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool):
+    """(batch, head) strides of lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _common_constexprs(headdim, varlen, left, right, softcap, dtype):
+    return dict(HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, HAS_LEFT=left >= 0,
+                HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0.0,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _scale_args(scale: float, softcap: float):
+    """(qk_scale, softcap_log2) as fwd.logits_log2 expects them."""
+    if softcap > 0.0:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
+def _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        return varlen, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1]
+    return varlen, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+    varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, sq)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or batch == 0 or sq == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    headdim = q.shape[-1]
+    qk_scale, softcap_log2 = _scale_args(scale, softcap)
+    args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
+            *_lse_strides(lse, varlen),
+            nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, max(left, 0), max(right, 0),
+            heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
+    constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * nheads)  # noqa: E731
+    _launch("fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    return out, lse
+
+
+def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+              softcap):
+    varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if batch == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # delta_i = rowsum(dO_i * O_i) (FA-2's D), laid out like lse; fp32.
+    delta = (dout.float() * out.float()).sum(-1)
+    delta = (delta.transpose(0, 1) if varlen else delta.transpose(1, 2)).contiguous()
+    headdim = q.shape[-1]
+    qk_scale, softcap_log2 = _scale_args(scale, softcap)
+    constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
+    common_tail = (*_lse_strides(lse, varlen), *_lse_strides(delta, varlen),
+                   nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, scale, max(left, 0), max(right, 0),
+                   heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                 *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
+                 *_strides(dk, varlen), *_strides(dv, varlen), *common_tail)
+    grid_kv = lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * nheads_kv)  # noqa: E731
+    _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
+               *_strides(dq, varlen), *common_tail)
+    grid_q = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * nheads)  # noqa: E731
+    _launch("bwd_dq", grid_q, dq_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library custom ops (+ fake implementations for torch.compile) and autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashdecode::attn_fwd", mutates_args=())
+def attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (dense when cu_seqlens_q is None, else varlen); window_right = 0 is causal. Returns (out, lse)."""
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                     window_right, softcap)
+
+
+@attn_fwd_op.register_fake
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                   window_right, softcap):
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("flashdecode::attn_bwd", mutates_args=())
+def attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward from the saved lse: (dq, dk, dv), deterministic (no atomics)."""
+    return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, window_left, window_right, softcap)
+
+
+@attn_bwd_op.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   window_left, window_right, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+        out, lse = torch.ops.flashdecode.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  scale, left, right, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = torch.ops.flashdecode.attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                    *ctx.params)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+               softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+               return_lse: bool = False):
+    """Exact attention softmax(scale * Q K^T) V, FlashAttention-2 style, differentiable in q, k, v.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim) float16 / bfloat16 / float32 (fp32 uses IEEE-precision dots).
+        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device; nheads % nheads_kv == 0 (GQA/MQA:
+            query head h reads kv head h // (nheads // nheads_kv)); headdim <= 256.
+        causal: mask keys after the query, bottom-right aligned when seqlen_q != seqlen_k.
+        softmax_scale: defaults to headdim ** -0.5.
+        window_size: (left, right) sliding window, -1 = unbounded (causal forces right = 0).
+        softcap: > 0 applies softcap * tanh(S / softcap) to the scaled logits.
+        return_lse: also return lse (batch, nheads, seqlen_q) float32, natural log (-inf on rows with no key).
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) like q [, lse]. Rows with no visible key give out 0, lse -inf.
+    """
+    _check_tensor_args(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
+    _check_options(causal, softmax_scale, window_size, softcap)
+    scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
+    out, lse = _FlashAttnFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                      softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+                      return_lse: bool = False):
+    """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); dtypes and rules as flash_attn.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0; sequence b owns rows
+            cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence.
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
+    Returns:
+        out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
+    """
+    _check_tensor_args(q, k, v, 3, "(total, nheads, headdim)")
+    _check_options(causal, softmax_scale, window_size, softcap)
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.shape[0], max_seqlen_q, "max_seqlen_q",
+                              q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
+    scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
+    out, lse = _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
+                                        right, cap)
+    return (out, lse) if return_lse else out
