@@ -62,7 +62,8 @@ class LLM:
     """An engine instance: model weights, page pool, scheduler and runner.
 
     Args:
-        model: HF checkpoint directory (config.json + safetensors) or a ModelConfig (random weights).
+        model: HF checkpoint directory (config.json + safetensors), a ModelConfig (random weights), or an already
+            built engine model (e.g. another LLM's ``.model``: engines then share the weights).
         dtype: "bfloat16"/"float16"/"float32" (default bf16 on CUDA, fp32 on CPU).
         device: "cuda" / "cpu" (default cuda when available).
         attn_backend: flashdecode | flashdecode-nosplit | sdpa | eager | torch (default flashdecode on CUDA,
@@ -82,15 +83,23 @@ class LLM:
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0):
+        prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
+                                                                             ModelConfig) else None
+        if prebuilt is not None:  # share one set of weights between engines (benchmarks)
+            weight = prebuilt.lm_head_weight
+            device, dtype = weight.device, weight.dtype
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        if isinstance(model, ModelConfig):
+        if prebuilt is not None:
+            self.config, self.model_dir = prebuilt.config, None
+        elif isinstance(model, ModelConfig):
             self.config, self.model_dir = model, None
         elif isinstance(model, (str, Path)):
             self.model_dir = Path(model)
             self.config = load_config(self.model_dir)
         else:
-            raise TypeError(f"model must be a checkpoint directory or a ModelConfig, got {type(model).__name__}")
+            raise TypeError(f"model must be a checkpoint directory, a ModelConfig or an engine model, "
+                            f"got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -100,19 +109,26 @@ class LLM:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.backend = make_backend(attn_backend, self.device, (cfg.sliding_window - 1) if cfg.sliding_window else -1)
 
-        self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len)
-        if self.model_dir is None:
-            self.model.init_random_(seed)
+        if prebuilt is not None:
+            self.model = prebuilt
+            table = getattr(prebuilt.rotary, "cos_table", None)
+            if table is not None and table.shape[0] < self.max_model_len:
+                raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's rotary table "
+                                 f"({table.shape[0]} positions)")
         else:
-            load_checkpoint(self.model, self.model_dir)
+            self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len)
+            if self.model_dir is None:
+                self.model.init_random_(seed)
+            else:
+                load_checkpoint(self.model, self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
 
         page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
                                     self.dtype)
+        self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
         num_pages = self._num_pages(kv_cache_memory, page_bytes, page_size, max_num_seqs)
         self.block_manager = BlockManager(num_pages, page_size)
-        tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.scheduler_tokens, self.max_model_len)
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
@@ -122,7 +138,7 @@ class LLM:
         wanted = max_num_seqs * -(-self.max_model_len // page_size) * page_bytes
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
-            cap = int(0.9 * free)
+            cap = int(0.9 * free) - self._activation_reserve()
         else:
             free, cap = None, 2**30
         if kv_cache_memory is None:
@@ -141,6 +157,13 @@ class LLM:
         if pages < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no page of {page_bytes} bytes")
         return int(pages)
+
+    def _activation_reserve(self) -> int:
+        """Rough bytes a full prefill batch needs beside the pool (gate/up, qkv, hidden states), + 1 GiB slack."""
+        cfg = self.config
+        tokens = self.scheduler_tokens
+        width = 3 * cfg.intermediate_size + 6 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size
+        return tokens * width * torch.empty((), dtype=self.dtype).element_size() + 2**30
 
     # ---------------------------------------------------------------------------------------------- prompts
     def _encode(self, prompt) -> list[int]:

@@ -1,0 +1,277 @@
+"""End-to-end decode tokens/s of the engine per attention backend and context, against the bandwidth roofline.
+
+Decode: for each backend and context, a fresh engine (same random weights) gets ``batch`` sequences whose KV cache
+is filled with random values instead of running the prefill (decode speed does not depend on the cache content; a
+64k prefill per backend would cost minutes), then the normal engine loop (CUDA-graphed decode step, greedy sampling,
+scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (weight bytes + KV bytes read per
+token), weight bytes counting every parameter (embedding included), as in BENCHMARKING.md. Prefill: one prompt of
+``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
+
+    flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
+        --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from flashdecode.bench import report, timing
+
+DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model", help="HF checkpoint directory")
+    src.add_argument("--random-weights", metavar="CONFIG_NAME", default=None,
+                     help="named shape with random weights (llama3-8b [default], llama3.2-1b, qwen2.5-1.5b, "
+                          "codellama-34b)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only N layers (quick runs; roofline follows)")
+    parser.add_argument("--contexts", default="512,4096,16384,65536,131072")
+    parser.add_argument("--backends", default=DEFAULT_BACKENDS)
+    parser.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
+    parser.add_argument("--batched", default="16,64", help="extra batch sizes run at --batched-context "
+                                                           "(flashdecode and sdpa); '' to skip")
+    parser.add_argument("--batched-context", type=int, default=4096)
+    parser.add_argument("--prefill", type=int, default=65536, help="prefill length timed (0 to skip)")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per point")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true",
+                        help="<= 3 min on an H100: full llama3-8b, contexts 512,4096,16384,65536, 32 steps")
+    parser.add_argument("--out", default=None)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _build_model(args, max_positions: int):
+    from flashdecode.engine.config import load_config, named_config
+    from flashdecode.engine.loader import load_checkpoint
+    from flashdecode.engine.models import model_class
+
+    if args.model:
+        cfg = load_config(args.model)
+        if args.layers:
+            raise ValueError("--layers only applies to --random-weights")
+    else:
+        cfg = named_config(args.random_weights or "llama3-8b", args.layers)
+    model = model_class(cfg)(cfg, torch.bfloat16, torch.device("cuda"), max_positions=max_positions)
+    if args.model:
+        load_checkpoint(model, args.model)
+    else:
+        model.init_random_(0)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _fill_running(llm, batch: int, context: int, steps: int) -> None:
+    """``batch`` running sequences of ``context`` tokens whose pages already hold (random) K/V."""
+    from flashdecode.engine.sampling import SamplingParams
+    from flashdecode.engine.scheduler import Sequence, Status
+
+    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+    gen = torch.Generator().manual_seed(context + batch)
+    for _ in range(batch):
+        ids = torch.randint(0, llm.config.vocab_size, (context,), generator=gen).tolist()
+        seq = Sequence(ids, params)
+        llm.scheduler.add(seq)
+        llm.scheduler.waiting.remove(seq)
+        llm.block_manager.allocate(seq.seq_id, context)
+        seq.status = Status.RUNNING
+        llm.scheduler.running.append(seq)
+
+
+def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
+                        page_size: int) -> float:
+    """Sequence tokens/s (all sequences together) of the engine's decode loop at ``context`` tokens."""
+    from flashdecode.engine import LLM
+    from flashdecode.engine.kv_cache import bytes_per_page
+
+    cfg = model.config
+    warm = 3
+    total_steps = warm + repeats * steps + 1
+    max_len = context + total_steps + 1
+    pages = batch * -(-max_len // page_size)
+    budget = pages * bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
+                                    model.lm_head_weight.dtype)
+    llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
+              max_model_len=max_len)
+    try:
+        llm.runner.pool.normal_()  # random K/V instead of a prefill
+        _fill_running(llm, batch, context, total_steps)
+        for _ in range(warm):
+            llm.step()
+        _sync(llm.device)
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                llm.step()
+            _sync(llm.device)
+            rates.append(batch * steps / (time.perf_counter() - t0))
+        return statistics.median(rates)
+    finally:
+        del llm
+        _release()
+
+
+def prefill_seconds(model, backend: str, length: int, page_size: int) -> float:
+    """Wall seconds of one prompt's prefill (+ its first token) through the engine; best of 2 after a warm-up."""
+    from flashdecode.engine import LLM
+    from flashdecode.engine.kv_cache import bytes_per_page
+    from flashdecode.engine.sampling import SamplingParams
+
+    cfg = model.config
+    budget = (-(-(length + 2) // page_size)) * bytes_per_page(cfg.num_hidden_layers, page_size,
+                                                              cfg.num_key_value_heads, cfg.head_dim, model.lm_head_weight.dtype)
+    llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=1,
+              max_model_len=length + 2, enforce_eager=True)
+    try:
+        gen = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, cfg.vocab_size, (length,), generator=gen).tolist()
+        llm.generate([ids[:1024]], SamplingParams(max_new_tokens=1))  # compile / warm up
+        times = []
+        for _ in range(2):
+            llm.add_request(ids, SamplingParams(max_new_tokens=1))
+            _sync(llm.device)
+            t0 = time.perf_counter()
+            llm.step()
+            _sync(llm.device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    finally:
+        del llm
+        _release()
+
+
+def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float) -> float:
+    weight_bytes = cfg.num_parameters() * 2
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * context
+    return batch * bandwidth / (weight_bytes + batch * kv_bytes)
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench e2e needs a CUDA GPU")
+        return 2
+    from tqdm import tqdm
+
+    if args.quick:
+        args.contexts = "512,4096,16384,65536"
+        args.steps = min(args.steps, 32)
+        args.repeats = min(args.repeats, 2)
+        args.prefill = min(args.prefill, 65536)
+    contexts, batches = _ints(args.contexts), _ints(args.batch)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    batched = _ints(args.batched) if args.batched else []
+    env = timing.env_info()
+    bandwidth = timing.copy_bandwidth_bytes_per_s()
+    max_ctx = max(contexts + [args.batched_context if batched else 0, args.prefill])
+    model = _build_model(args, max_positions=max_ctx + 4 * args.steps + 64)
+    cfg = model.config
+    name = args.model or (args.random_weights or "llama3-8b")
+    what = (f"{name}: {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B params, bf16, random "
+            f"weights" if not args.model else f"{name}, bf16")
+    print(f"bench e2e on {env['device']} (torch {env['torch']}, triton {env['triton']}): {what}; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; KV caches filled with random values instead of a prefill; "
+          f"{args.steps} timed decode steps x {args.repeats} (median), page size {args.page_size}")
+
+    points = [(b, c, bs) for bs in batches for c in contexts for b in backends]
+    points += [(b, args.batched_context, bs) for bs in batched for b in ("flashdecode", "sdpa") if b in backends]
+    rows = []
+    for backend, ctx, bs in tqdm(points, desc="e2e decode"):
+        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth)
+        try:
+            rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size)
+            err = None
+        except torch.cuda.OutOfMemoryError as e:
+            rate, err = None, f"OOM: {str(e)[:80]}"
+            _release()
+        rows.append(dict(kind="decode", backend=backend, context=ctx, batch=bs, tokens_per_s=rate,
+                         roofline_tokens_per_s=roof, pct_roofline=None if rate is None else 100 * rate / roof,
+                         error=err))
+    if args.prefill:
+        for backend in [b for b in ("flashdecode", "sdpa") if b in backends]:
+            secs = prefill_seconds(model, backend, args.prefill, args.page_size)
+            rows.append(dict(kind="prefill", backend=backend, context=args.prefill, batch=1, seconds=secs,
+                             tokens_per_s=args.prefill / secs))
+            print(f"prefill {args.prefill} tokens, {backend}: {secs:.2f} s")
+    return _write(args, env, rows, cfg, name, what, bandwidth, backends)
+
+
+def _rate(rows, backend, ctx, bs):
+    for r in rows:
+        if r["kind"] == "decode" and r["backend"] == backend and r["context"] == ctx and r["batch"] == bs:
+            return r["tokens_per_s"]
+    return None
+
+
+def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
+    table_rows, summary = [], []
+    for bs, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows if r["kind"] == "decode"):
+        ours = _rate(rows, "flashdecode", ctx, bs)
+        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth)
+        row = {"batch": bs, "context": ctx, "roofline tok/s": roof}
+        for b in backends:
+            row[f"{b} tok/s"] = _rate(rows, b, ctx, bs)
+        row["flashdecode % roofline"] = None if ours is None else 100 * ours / roof
+        for b in backends:
+            other = _rate(rows, b, ctx, bs)
+            if b != "flashdecode" and ours and other:
+                row[f"x vs {b}"] = ours / other
+        table_rows.append(row)
+        if ours:
+            peers = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in backends
+                              if b != "flashdecode" and row.get(f"{b} tok/s"))
+            summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
+                           + (f", {peers}" if peers else ""))
+    for r in rows:
+        if r["kind"] == "prefill":
+            summary.append(f"prefill {r['context']}: {r['backend']} {r['seconds']:.2f} s")
+    columns = list(dict.fromkeys(k for r in table_rows for k in r))
+    md = report.markdown_table(table_rows, columns, {c: ".1f" for c in columns if c not in
+                                                                ("batch", "context")})
+    prefill_rows = [r for r in rows if r["kind"] == "prefill"]
+    if prefill_rows:
+        md += "\n\n" + report.markdown_table(prefill_rows, ["backend", "context", "seconds", "tokens_per_s"],
+                                             {"seconds": ".2f", "tokens_per_s": ".0f"})
+    header = (f"# e2e decode, {what}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; KV caches filled with random values (no prefill) for "
+              f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
+              f"--contexts {args.contexts} --backends {','.join(backends)} --batch {args.batch}\n")
+    print(header)
+    print(md)
+    print("\n".join(summary))
+    out = report.results_dir(args.out)
+    stem = report.result_stem("e2e", env)
+    report.write_json(out / f"{stem}.json", "e2e", env, rows,
+                      {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
+                       "table": table_rows, "notes": "decode KV filled with random values instead of a prefill; "
+                                                     "roofline counts all weights (embedding included)"})
+    (out / f"{stem}.md").write_text(header + "\n" + md + "\n")
+    for bs in dict.fromkeys(r["batch"] for r in rows if r["kind"] == "decode"):
+        series = {b: [(r["context"], r["tokens_per_s"]) for r in rows
+                      if r["kind"] == "decode" and r["backend"] == b and r["batch"] == bs] for b in backends}
+        series["roofline"] = [(r["context"], roofline_tokens_per_s(cfg, r["context"], bs, bandwidth))
+                              for r in table_rows if r["batch"] == bs]
+        if sum(len(v) for v in series.values()) > len(series):
+            report.line_plot(out / f"{stem}_b{bs}.png", series, title=f"e2e decode, batch {bs}: {what}",
+                             xlabel="context (tokens)", ylabel="tokens/s", logy=True)
+    return 0
