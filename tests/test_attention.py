@@ -1,0 +1,399 @@
+"""flash_attn / flash_attn_varlen against the float64 reference (FlashAttention rule: 2x for out and lse, 3x for
+gradients), masks (causal, window, bottom-right alignment, empty rows), softcap, GQA, strides, determinism,
+torch.compile, and bad input.
+
+CPU (Triton interpreter): small shapes in fp16/fp32. GPU (`gpu` marker): the big sweeps in bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import reference as ref
+from flashdecode.ops import attention as attn_ops
+from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn
+
+
+@pytest.fixture(autouse=True)
+def _fixed_config(monkeypatch):
+    """One kernel config per shape class (no autotuning) keeps GPU compile counts down; test_autotuned_path
+    turns it back on."""
+    monkeypatch.setattr(attn_ops, "AUTOTUNE", False)
+
+
+def _inputs(gen, dtype, q_shape, kv_shape, scale=1.0):
+    q = randn(*q_shape, gen=gen, dtype=dtype, scale=scale)
+    k = randn(*kv_shape, gen=gen, dtype=dtype, scale=scale)
+    v = randn(*kv_shape, gen=gen, dtype=dtype)
+    return q, k, v
+
+
+def _leaf(*xs, dtype=None):
+    return [x.detach().to(dtype or x.dtype).requires_grad_() for x in xs]
+
+
+def check_against_reference(run, run_ref, q, k, v, gen, *, grads: bool, gen_dout_scale=1.0):
+    """Compare run(q, k, v) -> (out, lse) with run_ref in float64 and in q's dtype; gradients of out too.
+
+    run / run_ref take (q, k, v) and return (out, lse). Returns our (out, lse, grads) for further checks.
+    """
+    qx, kx, vx = _leaf(q, k, v)
+    out, lse = run(qx, kx, vx)
+    q64, k64, v64 = _leaf(q, k, v, dtype=torch.float64)
+    out64, lse64 = run_ref(q64, k64, v64)
+    qd, kd, vd = _leaf(q, k, v)
+    out_d, lse_d = run_ref(qd, kd, vd)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.dtype == torch.float32 and lse.shape == lse64.shape
+    assert_fa_close(out, out64, out_d, factor=2.0, name="out")
+    assert_fa_close(lse, lse64, lse_d, factor=2.0, name="lse")
+    if not grads:
+        return out, lse, None
+    dout = randn(*out.shape, gen=gen, dtype=q.dtype, scale=gen_dout_scale)
+    out.backward(dout)
+    out64.backward(dout.double())
+    out_d.backward(dout)
+    for name, ours, r64, rd in (("dq", qx, q64, qd), ("dk", kx, k64, kd), ("dv", vx, v64, vd)):
+        assert ours.grad.shape == ours.shape and ours.grad.dtype == ours.dtype
+        assert_fa_close(ours.grad, r64.grad, rd.grad, factor=3.0, atol=1e-4, name=name)
+    return out, lse, (qx.grad, kx.grad, vx.grad)
+
+
+def check_dense(gen, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, *, grads=False, logit_scale=1.0,
+                **opts):
+    q, k, v = _inputs(gen, dtype, (batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_kv, headdim),
+                      scale=logit_scale)
+    return check_against_reference(
+        lambda a, b, c: flashdecode.flash_attn(a, b, c, return_lse=True, **opts),
+        lambda a, b, c: ref.attention_ref(a, b, c, **opts), q, k, v, gen, grads=grads)
+
+
+def _cu_seqlens(lengths):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu.to(DEVICE)
+
+
+def check_varlen(gen, dtype, lens_q, lens_k, nheads, nheads_kv, headdim, *, grads=False, **opts):
+    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
+    q, k, v = _inputs(gen, dtype, (sum(lens_q), nheads, headdim), (sum(lens_k), nheads_kv, headdim))
+    return check_against_reference(
+        lambda a, b, c: flashdecode.flash_attn_varlen(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                      return_lse=True, **opts),
+        lambda a, b, c: ref.attention_varlen_ref(a, b, c, cu_q, cu_k, **opts), q, k, v, gen, grads=grads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward (CPU-sized)
+# ----------------------------------------------------------------------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, options)
+FORWARD_CASES = [
+    (1, 1, 1, 2, 1, 64, {}),
+    (2, 2, 17, 2, 2, 64, dict(causal=True)),
+    (1, 17, 17, 4, 2, 80, dict(causal=True)),
+    (3, 97, 97, 2, 1, 64, {}),
+    (2, 128, 128, 2, 2, 96, dict(causal=True)),
+    (1, 129, 129, 5, 1, 32, dict(causal=True)),
+    (4, 33, 70, 8, 1, 64, {}),
+    (1, 70, 33, 16, 1, 64, dict(causal=True)),
+    (1, 1, 129, 2, 1, 128, dict(causal=True)),
+    (1, 40, 97, 2, 1, 64, dict(causal=True, window_size=(20, 3))),
+    (1, 97, 97, 2, 2, 64, dict(window_size=(16, -1))),
+    (1, 97, 64, 2, 2, 64, dict(window_size=(-1, 5))),
+    (1, 65, 70, 2, 1, 64, dict(softcap=2.0, causal=True)),
+    (1, 17, 33, 2, 1, 256, dict(softmax_scale=0.3)),
+]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"{c[:6]}{c[6]}")
+def test_forward_matches_reference(gen, dtype, case):
+    check_dense(gen, dtype, *case[:6], **case[6])
+
+
+def test_seqlen_q_longer_than_k_causal_gives_empty_rows(gen):
+    """Bottom-right alignment: the first seqlen_q - seqlen_k rows see no key: out 0, lse -inf, zero grads."""
+    out, lse, grads = check_dense(gen, torch.float16, 1, 50, 17, 2, 1, 64, causal=True, grads=True)
+    assert torch.all(out[:, :33] == 0) and torch.all(lse[:, :, :33] == float("-inf"))
+    assert torch.all(lse[:, :, 33:].isfinite())
+    assert torch.all(grads[0][:, :33] == 0)
+    for g in grads:
+        assert not torch.isnan(g).any()
+
+
+def test_window_leaving_rows_empty_is_not_nan(gen):
+    """A window (0, 0) with seqlen_q > seqlen_k: rows past the keys are empty, the rest see exactly one key."""
+    out, lse, _ = check_dense(gen, torch.float32, 1, 40, 20, 2, 2, 64, window_size=(0, 0))
+    assert torch.all(lse[:, :, :20] == float("-inf")) and torch.all(out[:, :20] == 0)
+
+
+def test_softcap_with_huge_logits_stays_finite(gen):
+    """Logits ~ +-1e3 before capping: tanh saturates, nothing overflows, gradients match the reference."""
+    out, lse, grads = check_dense(gen, torch.float32, 1, 33, 40, 2, 1, 64, softcap=30.0, causal=True,
+                                  logit_scale=6.0, grads=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_no_keys_at_all(gen):
+    q, k, v = _inputs(gen, torch.float16, (2, 5, 2, 64), (2, 0, 2, 64))
+    out, lse = flashdecode.flash_attn(q, k, v, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_default_returns_only_out(gen):
+    q, k, v = _inputs(gen, torch.float16, (1, 17, 2, 64), (1, 17, 2, 64))
+    out = flashdecode.flash_attn(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward (CPU-sized: the interpreter is slow here)
+# ----------------------------------------------------------------------------------------------------------------
+
+BACKWARD_CASES = [
+    (2, 17, 17, 2, 1, 64, dict(causal=True)),
+    (1, 97, 97, 2, 2, 80, {}),
+    (1, 97, 40, 5, 1, 64, dict(causal=True)),
+    (1, 40, 97, 2, 1, 64, dict(causal=True, window_size=(20, 3))),
+    (1, 65, 70, 2, 2, 64, dict(softcap=2.0, window_size=(10, -1))),
+]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"{c[:6]}{c[6]}")
+def test_backward_matches_reference(gen, dtype, case):
+    check_dense(gen, dtype, *case[:6], grads=True, **case[6])
+
+
+def test_gradients_are_deterministic(gen):
+    q, k, v = _inputs(gen, KERNEL_DTYPES[0], (1, 70, 4, 64), (1, 70, 2, 64))
+    dout = randn(1, 70, 4, 64, gen=gen, dtype=q.dtype)
+    first = _grads(q, k, v, dout, causal=True)
+    for _ in range(50 if HAS_CUDA else 1):
+        again = _grads(q, k, v, dout, causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def _grads(q, k, v, dout, **opts):
+    qx, kx, vx = _leaf(q, k, v)
+    flashdecode.flash_attn(qx, kx, vx, **opts).backward(dout)
+    return qx.grad, kx.grad, vx.grad
+
+
+def test_strided_views_of_packed_qkv(gen):
+    """q, k, v as views of one (batch, seqlen, 3, heads, headdim) tensor: same results as contiguous copies,
+    gradients land in the packed tensor."""
+    dtype = KERNEL_DTYPES[0]
+    qkv = randn(2, 33, 3, 2, 64, gen=gen, dtype=dtype).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out = flashdecode.flash_attn(q, k, v, causal=True)
+    dout = randn(*out.shape, gen=gen, dtype=dtype)
+    out.backward(dout)
+    qc, kc, vc = _leaf(q.contiguous(), k.contiguous(), v.contiguous())
+    out_c = flashdecode.flash_attn(qc, kc, vc, causal=True)
+    out_c.backward(dout)
+    assert torch.equal(out, out_c)
+    assert torch.equal(qkv.grad, torch.stack([qc.grad, kc.grad, vc.grad], dim=2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Varlen
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_varlen_forward_ragged_lengths(gen):
+    lens_q = [1, 300, 0, 37, 129]
+    lens_k = [1, 300, 5, 64, 129]
+    check_varlen(gen, KERNEL_DTYPES[0], lens_q, lens_k, 4, 2, 64, causal=True)
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(8, 0), softcap=5.0), {}], ids=str)
+def test_varlen_backward(gen, opts):
+    lens_q = [17, 1, 0, 40]
+    lens_k = [17, 9, 3, 33]
+    check_varlen(gen, KERNEL_DTYPES[0], lens_q, lens_k, 2, 1, 64, grads=True, **opts)
+
+
+def test_varlen_matches_dense_per_sequence(gen):
+    """Equal lengths: varlen over the flattened batch equals the dense call bit for bit."""
+    q, k, v = _inputs(gen, KERNEL_DTYPES[0], (3, 40, 2, 64), (3, 40, 2, 64))
+    cu = _cu_seqlens([40, 40, 40])
+    dense, lse = flashdecode.flash_attn(q, k, v, causal=True, return_lse=True)
+    packed, lse_p = flashdecode.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 40,
+                                                  40, causal=True, return_lse=True)
+    assert torch.equal(dense.flatten(0, 1), packed)
+    assert torch.equal(lse.transpose(0, 1).flatten(1, 2), lse_p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library / torch.compile
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_custom_op_schema_and_fake():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _inputs(gen, torch.float16, (1, 17, 2, 64), (1, 17, 1, 64))
+    torch.library.opcheck(torch.ops.flashdecode.attn_fwd.default,
+                          (q, k, v, None, None, 17, 17, 0.125, -1, 0, 0.0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_without_graph_break(gen):
+    """fullgraph=True raises on any graph break; aot_eager runs the fake implementations and autograd."""
+    q, k, v = _leaf(*_inputs(gen, KERNEL_DTYPES[0], (1, 33, 4, 64), (1, 33, 2, 64)))
+
+    def step(a, b, c):
+        return flashdecode.flash_attn(a, b, c, causal=True).float().square().sum()
+
+    backend = "inductor" if HAS_CUDA else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(q, k, v)
+    loss.backward()
+    q2, k2, v2 = _leaf(q, k, v)
+    eager = step(q2, k2, v2)
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-3)
+    assert torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------
+
+def _ok(dtype=torch.float16, q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64)):
+    gen = torch.Generator().manual_seed(0)
+    return _inputs(gen, dtype, q_shape, kv_shape)
+
+
+def test_rejects_mixed_dtypes():
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="q, k, v must share one dtype"):
+        flashdecode.flash_attn(q, k.float(), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64] + ([torch.float8_e4m3fn]
+                                                                   if hasattr(torch, "float8_e4m3fn") else []),
+                         ids=str)
+def test_rejects_unsupported_dtypes(dtype):
+    q, k, v = _ok()
+    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32"):
+        flashdecode.flash_attn(q.to(dtype), k.to(dtype), v.to(dtype))
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((1, 8, 4, 64), (1, 8, 2, 32)), "head dim must equal q's"),
+    (((1, 8, 4, 320), (1, 8, 2, 320)), "head dim must be in 1..256"),
+    (((1, 8, 6, 64), (1, 8, 4, 64)), "multiple of nheads_kv"),
+    (((2, 8, 4, 64), (1, 8, 2, 64)), "batch"),
+    (((8, 4, 64), (8, 2, 64)), "q must be 4-D"),
+], ids=["headdim", "headdim>256", "gqa", "batch", "ndim"])
+def test_rejects_bad_shapes(shapes, match):
+    q, k, v = _ok(q_shape=shapes[0], kv_shape=shapes[1])
+    with pytest.raises(ValueError, match=match):
+        flashdecode.flash_attn(q, k, v)
+
+
+def test_rejects_v_shape_mismatch():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="same leading shape"):
+        flashdecode.flash_attn(q, k, v[:, :5])
+
+
+def test_rejects_bad_options():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="window_size"):
+        flashdecode.flash_attn(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        flashdecode.flash_attn(q, k, v, softcap=-1.0)
+    with pytest.raises(TypeError, match="causal"):
+        flashdecode.flash_attn(q, k, v, causal="yes")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs two devices (cpu + cuda)")
+def test_rejects_tensors_on_different_devices():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="one device"):
+        flashdecode.flash_attn(q, k.cpu(), v)
+
+
+def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (x.cpu() for x in _ok())
+    with pytest.raises(ValueError, match="CPU tensors"):
+        flashdecode.flash_attn(q, k, v)
+
+
+def _varlen_call(cu_q, cu_k, max_q=8, max_k=8):
+    q, k, v = (x.flatten(0, 1) for x in _ok(q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64)))
+    return flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_rejects_bad_cu_seqlens():
+    good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        _varlen_call(good.long(), good)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+        _varlen_call(torch.tensor([0, 5, 3], dtype=torch.int32, device=DEVICE), good)
+    with pytest.raises(ValueError, match="cu_seqlens_k must have length batch \\+ 1 = 3"):
+        _varlen_call(good, good[:2])
+    with pytest.raises(ValueError, match="exceeds the 8 packed tokens"):
+        _varlen_call(good, torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="max_seqlen_q = 4 is smaller"):
+        _varlen_call(good, good, max_q=4)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):
+        _varlen_call(good, [0, 3, 8])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: large shapes, bf16, every head dim, determinism, the autotuned path
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("headdim", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_head_dims_fwd_bwd(gen, dtype, headdim, causal):
+    check_dense(gen, dtype, 2, 1025, 1025, 4, 2, headdim, causal=causal, grads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2, 5, 8, 16])
+def test_gpu_gqa_ratios_long(gen, ratio):
+    check_dense(gen, torch.bfloat16, 1, 4097, 4097, 16 if ratio != 5 else 10, (16 if ratio != 5 else 10) // ratio,
+                128, causal=True, grads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(window_size=(256, 0)), dict(window_size=(100, 50)),
+                                  dict(softcap=30.0, causal=True)], ids=str)
+def test_gpu_window_softcap(gen, opts):
+    check_dense(gen, torch.bfloat16, 2, 2049, 3000, 4, 1, 128, grads=True, **opts)
+
+
+@pytest.mark.gpu
+def test_gpu_seqlen_16k_forward(gen):
+    check_dense(gen, torch.bfloat16, 1, 16384, 16384, 2, 1, 128, causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_q_longer_than_k(gen):
+    check_dense(gen, torch.bfloat16, 2, 1500, 700, 4, 4, 64, causal=True, grads=True)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_many_sequences(gen):
+    lens = torch.randint(1, 301, (24,), generator=gen).tolist()
+    check_varlen(gen, torch.bfloat16, lens, lens, 8, 2, 128, causal=True, grads=True)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_inputs(gen):
+    check_dense(gen, torch.float32, 1, 300, 300, 2, 1, 64, causal=True, grads=True)
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_path(gen, monkeypatch):
+    monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
+    check_dense(gen, torch.bfloat16, 2, 2048, 2048, 8, 2, 128, causal=True, grads=True)
