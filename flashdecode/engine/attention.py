@@ -175,7 +175,12 @@ class EagerBackend(AttentionBackend):
 
 
 class FlashDecodeBackend(AttentionBackend):
-    """The Triton kernels: flashdecode.flash_attn_varlen (prefill) and flashdecode.flash_decode (paged decode)."""
+    """The Triton kernels: flashdecode.flash_attn_varlen (prefill) and flashdecode.flash_decode (paged decode).
+
+    Decode goes through one flashdecode.DecodePlan per (batch, heads, dtype) - made on the first call of that
+    shape, i.e. during the warm-up before a CUDA-graph capture - so the split count is fixed from the block table
+    capacity (host-side shape, no sync) and every buffer is preallocated: the call is capturable.
+    """
 
     name = "flashdecode"
 
@@ -183,21 +188,33 @@ class FlashDecodeBackend(AttentionBackend):
         super().__init__(window_left)
         import flashdecode
 
-        missing = [f for f in ("flash_attn_varlen", "flash_decode") if not hasattr(flashdecode, f)]
+        missing = [f for f in ("flash_attn_varlen", "flash_decode", "DecodePlan") if not hasattr(flashdecode, f)]
         if missing:
-            raise RuntimeError(f"attention backend {self.name!r} needs flashdecode.{' and '.join(missing)}, which "
+            raise RuntimeError(f"attention backend {self.name!r} needs flashdecode.{', '.join(missing)}, which "
                                f"this build does not export; use attn_backend='torch' or 'sdpa'")
         self._varlen = flashdecode.flash_attn_varlen
-        self._decode = flashdecode.flash_decode
+        self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
+        self.plans: dict[tuple, object] = {}
 
     def prefill(self, q, k, v, meta):
         return self._varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
                             causal=True, window_size=self.window_size)
 
+    def _plan(self, q, k_cache, block_tables):
+        capacity = block_tables.shape[1] * k_cache.shape[1]
+        key = (q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, capacity)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._plan_cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], max_seqlen_k=capacity,
+                                  dtype=q.dtype, device=q.device, num_splits=self.num_splits)
+            self.plans[key] = plan
+        return plan
+
     def decode(self, q, k_cache, v_cache, meta):
-        return self._decode(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
-                            num_splits=self.num_splits, window_size=self.window_size)
+        plan = self._plan(q, k_cache, meta.block_tables)
+        return plan.run(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
+                        window_size=self.window_size)
 
 
 class FlashDecodeNoSplitBackend(FlashDecodeBackend):
