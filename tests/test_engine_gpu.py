@@ -16,6 +16,13 @@ from flashdecode.engine.models import model_class
 pytestmark = pytest.mark.gpu
 
 
+def _set_attn(model, impl: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
+
+
 @pytest.fixture(scope="module")
 def llama8b_2l():
     """HF Llama with the Llama-3-8B shape cut to 2 layers (random weights, rounded to bf16), our model loaded from
@@ -30,12 +37,12 @@ def llama8b_2l():
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf32 = LlamaForCausalLM(cfg).eval()
-    hf32.config._attn_implementation = "eager"
+    _set_attn(hf32, "eager")
     with torch.no_grad():
         for p in hf32.parameters():
             p.copy_(p.bfloat16().float())
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    hf16.config._attn_implementation = "sdpa"
+    _set_attn(hf16, "sdpa")
     ours_cfg = named_config("llama3-8b", num_layers=2)
     ours = model_class(ours_cfg)(ours_cfg, torch.bfloat16, torch.device("cuda"), max_positions=2048)
     load_weights(ours, hf16.state_dict().items())
@@ -74,15 +81,3 @@ def test_paged_vs_contiguous_and_graphs_vs_eager_identical(llama8b_2l):
     assert tokens(page_size=16, enforce_eager=True) == paged_graph
     assert tokens(page_size=512) == paged_graph  # one page per sequence: a contiguous cache
 
-
-def test_greedy_batch_equals_single_requests(llama8b_2l):
-    """Continuous batching changes nothing: each prompt alone gives the same tokens as in the ragged batch."""
-    ours = llama8b_2l[0]
-    prompts = _prompts((17, 200, 64), seed=2)
-    sp = SamplingParams(max_new_tokens=16)
-    llm = LLM(ours, attn_backend="flashdecode", max_model_len=512, max_num_seqs=4)
-    together = [o.token_ids for o in llm.generate(prompts, sp)]
-    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
-    agree = sum(a == b for a, b in zip(together, alone))
-    # bucket padding changes the GEMM shapes (batch 4 vs 1), so bf16 rounding may flip a near-tie; most agree
-    assert agree >= 2, (together, alone)
