@@ -4,8 +4,11 @@ Public API (see README.md): the reference spec lives in ``flashdecode.reference`
 """
 
 from flashdecode import reference  # noqa: F401
+from flashdecode.ops.decode import DecodePlan, append_kv, flash_decode  # noqa: F401
+from flashdecode.ops.merge import merge_states, merge_states_many  # noqa: F401
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen  # noqa: F401
 
 __version__ = "0.1.0"
 
-__all__ = ["reference", "flash_attn", "flash_attn_varlen", "__version__"]
+__all__ = ["reference", "flash_decode", "DecodePlan", "append_kv", "merge_states", "merge_states_many",
+           "flash_attn", "flash_attn_varlen", "__version__"]

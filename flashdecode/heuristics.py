@@ -38,23 +38,54 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# Flash-Decoding policy constants: the most splits a sequence gets (partial-buffer size) and the fewest KV blocks
+# a non-empty split holds.
+DECODE_MAX_SPLITS = 64
+DECODE_MIN_BLOCKS_PER_SPLIT = 1
+
+
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
-                      block_n: int = 64, min_blocks_per_split: int = 2, max_splits: int = 64,
-                      waves: float = 1.0) -> int:
+                      block_n: int = 64, min_blocks_per_split: int = 1, max_splits: int = 64,
+                      waves: float = 1.0, total_seqlen_k: int | None = None) -> int:
     """How many programs share one sequence's KV range in Flash-Decoding.
 
-    Enough splits that batch * nheads_kv * splits programs cover ``waves`` waves of the SMs, but never so many
-    that a split gets fewer than ``min_blocks_per_split`` KV blocks (the merge and the per-program prologue cost
-    more than they save), and never more than ``max_splits`` (the workspace is sized for it).
+    Balance: the kernel takes as long as its longest program, which holds max_seqlen_k / splits keys, while the
+    whole batch holds nheads_kv * total_seqlen_k keys spread over ``num_sms * waves`` program slots. Equal work
+    per slot needs splits >= num_sms * waves * max_seqlen_k / (nheads_kv * total_seqlen_k): for equal lengths that
+    is num_sms * waves / (batch * nheads_kv), and one 128k sequence among short ones gets about num_sms / nheads_kv
+    splits instead of the one that batch * nheads_kv alone would suggest (total_seqlen_k=None means equal lengths).
+    Capped so that every split keeps >= ``min_blocks_per_split`` KV blocks of ``block_n`` keys (the partial write
+    and the merge cost more than they save below that) and by ``max_splits`` (the workspace size).
     ``max_seqlen_k`` is the longest *live* length, never the cache capacity.
     """
     if batch <= 0 or nheads_kv <= 0 or max_seqlen_k <= 0:
         return 1
-    programs = batch * nheads_kv
-    want = cdiv(int(num_sms * waves), programs)
-    blocks = cdiv(max_seqlen_k, block_n)
-    by_length = max(1, blocks // min_blocks_per_split)
+    if total_seqlen_k is None or total_seqlen_k < max_seqlen_k:
+        total_seqlen_k = batch * max_seqlen_k
+    want = cdiv(int(num_sms * waves) * max_seqlen_k, nheads_kv * total_seqlen_k)
+    by_length = max(1, cdiv(max_seqlen_k, block_n * min_blocks_per_split))
     return max(1, min(want, by_length, max_splits))
+
+
+def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
+    """Stage-1 launch constants for flash_decode: BLOCK_N keys per step, warps, pipeline stages.
+
+    On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md;
+    2 stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every
+    head dim and dtype. In the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross
+    several blocks and splits.
+    """
+    if interpret:
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    head_dim_pad = next_power_of_2(max(16, headdim))
+    block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+
+
+def decode_block_m(group_rows: int) -> int:
+    """Query rows (GQA group x new tokens) per stage-1 program: padded to the MMA minimum of 16, at most 64
+    (bigger groups are split over more programs, each reading K/V again)."""
+    return min(max(16, next_power_of_2(group_rows)), 64)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""Flash-Decoding stage 1: split-KV attention of a few query rows against a contiguous or paged KV cache.
+
+Grid (NUM_SPLITS, nheads_kv * NUM_M_BLOCKS, batch). One program owns one split of one sequence's live KV range
+for one kv head, and serves every query row of that kv head's GQA group at once: the rows (seqlen_q new tokens x
+GROUP query heads, row r = t * GROUP + g) form one BLOCK_M tile (padded to the MMA minimum of 16), so each K/V tile
+is read from memory once per kv head, not once per query head.
+
+Split ranges are derived on the device from cache_seqlens, so a launch with a fixed grid (CUDA graphs) stays
+correct when the lengths change: chunk = max(ceil(live / (NUM_SPLITS * BLOCK_N)) * BLOCK_N, MIN_CHUNK) keys, split
+s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen)); splits past the end are empty, write lse = -inf and
+exit. With FINAL (one split) the program writes the normalised output and natural-log lse directly; otherwise it
+writes a normalised fp32 partial and its log2 lse for ``kernels.merge``.
+
+Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
+position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
+Blocks that every row sees entirely run without masks; only the tail (or every block under a window) is masked.
+"""
+
+import triton
+import triton.language as tl
+
+from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step
+
+
+@triton.jit
+def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr):
+    """int64 element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer.
+
+    PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
+    one block-table read. Otherwise (pages of 1, 3, 16 ... tokens): a gather of one page id per key.
+    """
+    if PAGE_SIZE == 0:
+        rows = offs_n.to(tl.int64) * stride_tok
+    elif PAGE_SIZE % BLOCK_N == 0:
+        # blocks start at multiples of BLOCK_N, so a block never straddles a page
+        page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + ((offs_n % PAGE_SIZE) * stride_tok).to(tl.int64)
+    else:
+        if MASKED:
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + ((offs_n % PAGE_SIZE) * stride_tok).to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys and padded head-dim columns load as 0 (never garbage, so a
+    NaN left in an unused cache slot cannot leak through 0 * NaN)."""
+    ptrs = ptr_base + rows[:, None] + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=(offs_n < end)[:, None] & (offs_d < HEADDIM)[None, :], other=0.0)
+    elif BLOCK_D == HEADDIM:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(offs_d < HEADDIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, bt_row, lo, hi, end, qpos, window_left,
+                   score_scale, softcap_out, stride_page, stride_tok,
+                   HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
+
+    Scores are in log2 units: s = qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e).
+    MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
+    blocks that every row sees entirely.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE, BLOCK_N, MASKED)
+        k = _load_kv_tile(k_base, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
+        else:
+            s = qk * score_scale
+        if MASKED:
+            visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
+            if WINDOW:
+                visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
+            s = tl.where(visible, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
+        v = _load_kv_tile(v_base, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
+    """[start, end) of keys this split attends to, from the live length on the device (see module doc)."""
+    kv_lo = 0
+    if WINDOW:  # keys left of every row's window are skipped entirely; align so blocks stay page-aligned
+        kv_lo = (tl.maximum(seqlen - SEQLEN_Q - window_left, 0) // BLOCK_N) * BLOCK_N
+    live = tl.maximum(seqlen - kv_lo, 0)
+    chunk = tl.maximum(tl.cdiv(live, NUM_SPLITS * BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = kv_lo + split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    return start, end
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE,
+    score_scale, softcap_out, window_left, capacity,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh,
+    stride_btb,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lt, stride_lh, stride_ls,
+    SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stage 1 (see module doc).
+
+    Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
+    (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
+    stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
+    BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
+    fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
+    """
+    split = tl.program_id(0)
+    pid_hm = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = pid_hm // NUM_M_BLOCKS
+    m_block = pid_hm % NUM_M_BLOCKS
+
+    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * SEQLEN_Q
+    t = rows // GROUP
+    head = hk * GROUP + rows % GROUP
+    o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
+    lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls
+    if not FINAL:
+        if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
+            tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEADDIM
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh \
+        + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if PAGE_SIZE == 0:
+        kv_off = b.to(tl.int64) * stride_kb + hk * stride_kh
+    else:
+        kv_off = hk * stride_kh
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+    qpos = seqlen - SEQLEN_Q + t
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys below seqlen - SEQLEN_Q + 1 are visible to every row (causal bound of row 0): no masks there.
+    full_hi = start
+    if not WINDOW:
+        full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K + kv_off, V + kv_off, bt_row, start, full_hi, end, qpos,
+                                   window_left, score_scale, softcap_out, stride_kb, stride_kt,
+                                   HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False, SOFTCAP, WINDOW, DOT_PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K + kv_off, V + kv_off, bt_row, full_hi, end, end, qpos,
+                                   window_left, score_scale, softcap_out, stride_kb, stride_kt,
+                                   HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True, SOFTCAP, WINDOW, DOT_PRECISION)
+    o, lse2 = normalize_state(acc, m_i, l_i)
+
+    o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
+    if FINAL:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse2 * LN2, mask=row_ok)
+    else:
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse2, mask=row_ok)

@@ -1,0 +1,85 @@
+"""Log-sum-exp merges of attention states: Flash-Decoding's stage 2 and the public merge_states primitives.
+
+Rows are addressed with two indices (r_outer, r_inner) - e.g. (batch * seqlen_q, head) - and explicit strides, so
+the split-KV partial buffer (batch, seqlen_q, nheads, splits, headdim) and any (..., nheads, headdim) tensor are
+read in place. Inputs are normalised states (o, lse); LSE_LOG2 says whether the input lse is in log2 units (our
+own partials) or natural log (user tensors). Outputs: o in O_OUT's dtype, lse natural log fp32.
+"""
+
+import triton
+import triton.language as tl
+
+from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, merge_two_states, normalize_state
+
+
+@triton.jit
+def merge_many_kernel(
+    O_IN, LSE_IN, O_OUT, LSE_OUT, num_states, num_inner,
+    stride_io, stride_ii, stride_in, stride_id,
+    stride_lio, stride_lii, stride_lin,
+    stride_oo, stride_oi, stride_od,
+    stride_loo, stride_loi,
+    HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    LSE_LOG2: tl.constexpr,
+):
+    """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R)).
+
+    O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN is never
+    read. The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
+    """
+    r_outer = tl.program_id(0).to(tl.int64)
+    r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r_inner < num_inner
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEADDIM
+    o_base = O_IN + r_outer * stride_io + r_inner[:, None, None] * stride_ii + offs_d[None, None, :] * stride_id
+    lse_base = LSE_IN + r_outer * stride_lio + r_inner[:, None] * stride_lii
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for n0 in range(0, num_states, BLOCK_S):
+        n = n0 + offs_s
+        lse_ok = r_ok[:, None] & (n < num_states)[None, :]
+        lse = tl.load(lse_base + n[None, :] * stride_lin, mask=lse_ok, other=float("-inf")).to(tl.float32)
+        if not LSE_LOG2:
+            lse = lse * LOG2E
+        live = lse > float("-inf")
+        o = tl.load(o_base + n[None, :, None] * stride_in, mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o.to(tl.float32), lse)
+    # Each state is already normalised, so (acc, m, l) is exactly a running state over the union of their keys.
+    o, lse2 = normalize_state(acc, m_i, l_i)
+    out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok)
+
+
+@triton.jit
+def merge_two_kernel(
+    O_A, LSE_A, O_B, LSE_B, O_OUT, LSE_OUT, num_inner,
+    stride_ao, stride_ai, stride_ad, stride_lao, stride_lai,
+    stride_bo, stride_bi, stride_bd, stride_lbo, stride_lbi,
+    stride_oo, stride_oi, stride_od, stride_loo, stride_loi,
+    HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Two-way merge of natural-log states, rows (r_outer, r_inner). Grid (num_outer, cdiv(num_inner, BLOCK_R))."""
+    r_outer = tl.program_id(0).to(tl.int64)
+    r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r_inner < num_inner
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEADDIM
+    lse_a = tl.load(LSE_A + r_outer * stride_lao + r_inner * stride_lai, mask=r_ok, other=float("-inf"))
+    lse_b = tl.load(LSE_B + r_outer * stride_lbo + r_inner * stride_lbi, mask=r_ok, other=float("-inf"))
+    lse_a = lse_a.to(tl.float32) * LOG2E
+    lse_b = lse_b.to(tl.float32) * LOG2E
+    mask_a = (lse_a > float("-inf"))[:, None] & d_ok[None, :]
+    mask_b = (lse_b > float("-inf"))[:, None] & d_ok[None, :]
+    o_a = tl.load(O_A + r_outer * stride_ao + r_inner[:, None] * stride_ai + offs_d[None, :] * stride_ad,
+                  mask=mask_a, other=0.0).to(tl.float32)
+    o_b = tl.load(O_B + r_outer * stride_bo + r_inner[:, None] * stride_bi + offs_d[None, :] * stride_bd,
+                  mask=mask_b, other=0.0).to(tl.float32)
+    o, lse2 = merge_two_states(o_a, lse_a, o_b, lse_b)
+    out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok)

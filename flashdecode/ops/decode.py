@@ -1,0 +1,431 @@
+"""flash_decode, DecodePlan and append_kv: input checks, split policy and launches of kernels/decode.py,
+kernels/merge.py and kernels/append_kv.py.
+
+Two ways to call decode attention:
+  - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it reads cache_seqlens once on
+    the host to choose the split count from the live lengths (one device->host sync), and allocates its outputs.
+  - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
+    split count from a host-side length hint and owns every buffer; each call is two launches with a fixed grid,
+    lengths and block tables are read on the device, no host sync, no allocation. Capture once, change the
+    contents of cache_seqlens / block_table, replay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from flashdecode import heuristics
+from flashdecode.kernels.append_kv import append_kv_kernel
+from flashdecode.kernels.decode import decode_split_kernel
+from flashdecode.ops.merge import launch_merge_many
+
+__all__ = ["flash_decode", "DecodePlan", "append_kv"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEADDIM = 256
+LOG2E = 1.4426950408889634
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks (ValueError / TypeError naming the argument; host metadata only, never a device sync)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_tensor(name, x, dims, dtypes=None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
+
+
+def _check_device(name, x, device):
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+
+
+def _check_cache_pair(k_cache, v_cache, dtype, device):
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, x, (4,))
+        if x.dtype != dtype:
+            raise TypeError(f"{name} dtype {x.dtype} must match q / k_new dtype {dtype}")
+        _check_device(name, x, device)
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on its last (head) dim, got strides {x.stride()}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must have the same shape and strides, got {tuple(k_cache.shape)} / "
+                         f"{k_cache.stride()} and {tuple(v_cache.shape)} / {v_cache.stride()}")
+
+
+def _check_lengths_and_table(cache_seqlens, block_table, batch, device):
+    _check_tensor("cache_seqlens", cache_seqlens, (1,))
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    _check_device("cache_seqlens", cache_seqlens, device)
+    if block_table is not None:
+        _check_tensor("block_table", block_table, (2,))
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape ({batch}, max_pages_per_seq), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.stride(-1) != 1:
+            raise ValueError("block_table must have unit stride on its last dim")
+        _check_device("block_table", block_table, device)
+
+
+def _cache_capacity(k_cache, block_table, batch) -> int:
+    """Keys one sequence's cache can hold: max_seqlen (contiguous) or pages_per_seq * page_size (paged)."""
+    if block_table is None:
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"contiguous k_cache holds {k_cache.shape[0]} sequences, fewer than batch {batch}")
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _check_host_lengths(cache_seqlens, capacity, added=0, name="cache_seqlens"):
+    """Lengths that live on the host are checked against the capacity (device lengths cannot be, without a sync:
+    the kernels clamp them to the capacity instead)."""
+    if cache_seqlens.device.type != "cpu" or cache_seqlens.numel() == 0:
+        return
+    lo, hi = int(cache_seqlens.min()), int((cache_seqlens + added).max())
+    if lo < 0:
+        raise ValueError(f"{name} must be >= 0, got a minimum of {lo}")
+    if hi > capacity:
+        raise ValueError(f"{name} asks for {hi} keys but the cache holds {capacity} per sequence")
+
+
+class _DecodeShape:
+    """The host-side facts of one decode call, validated."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size):
+        _check_tensor("q", q, (3, 4), _DTYPES)
+        self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
+        self.device = q.device
+        _check_cache_pair(k_cache, v_cache, q.dtype, self.device)
+        self.nheads_kv = k_cache.shape[2]
+        if k_cache.shape[3] != self.headdim:
+            raise ValueError(f"k_cache head dim {k_cache.shape[3]} must match q head dim {self.headdim}")
+        if not 1 <= self.headdim <= _MAX_HEADDIM:
+            raise ValueError(f"head dim must be in 1..{_MAX_HEADDIM}, got {self.headdim}")
+        if self.nheads % self.nheads_kv != 0:
+            raise ValueError(f"q heads ({self.nheads}) must be a multiple of the cache's kv heads ({self.nheads_kv})")
+        if self.seqlen_q < 1:
+            raise ValueError("q must hold at least one token per sequence")
+        _check_lengths_and_table(cache_seqlens, block_table, self.batch, self.device)
+        self.paged = block_table is not None
+        self.page_size = k_cache.shape[1] if self.paged else 0
+        self.capacity = _cache_capacity(k_cache, block_table, self.batch)
+        _check_host_lengths(cache_seqlens, self.capacity)
+        if softcap is None or softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+        if len(window_size) != 2:
+            raise ValueError(f"window_size must be (left, right), got {window_size}")
+        self.window_left = int(window_size[0])
+        self.scale = self.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
+        self.softcap = float(softcap)
+        self.group = self.nheads // self.nheads_kv
+        cfg = heuristics.decode_block_config(self.headdim, q.element_size(), _interpreting(self.device))
+        self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+        self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
+        self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
+        self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
+
+    def check_out(self, out, q):
+        if out is None:
+            return
+        _check_tensor("out", out, (q.dim(),))
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
+                             f"{out.dtype} on {out.device}")
+        if q.dim() == 4 and self.seqlen_q > 1 and out.stride(0) != self.seqlen_q * out.stride(1):
+            raise ValueError("out must have collapsible (batch, seqlen_q) dims (e.g. be contiguous)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launches
+# ----------------------------------------------------------------------------------------------------------------
+
+def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_table, o4, lse3, num_splits,
+                   final: bool, min_chunk: int):
+    """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials)."""
+    q4 = shape.q4
+    score_scale = shape.scale / shape.softcap if shape.softcap > 0 else shape.scale * LOG2E
+    softcap_out = shape.softcap * LOG2E
+    bt = block_table if block_table is not None else cache_seqlens
+    stride_os = 0 if final else o4.stride(3)
+    stride_od = o4.stride(3) if final else o4.stride(4)
+    stride_ls = 0 if final else lse3.stride(3)
+    grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
+    decode_split_kernel[grid](
+        q4, k_cache, v_cache, cache_seqlens, bt, o4, lse3,
+        score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
+        q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0,
+        o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
+        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
+        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
+        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
+        NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
+        SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32",
+        num_warps=shape.num_warps, num_stages=shape.num_stages,
+    )
+
+
+def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
+                num_splits, min_chunk):
+    """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3."""
+    if num_splits == 1:  # no partials, no second kernel
+        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
+        return
+    _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits, False,
+                   min_chunk)
+    b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
+    launch_merge_many(
+        partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
+        out4.reshape(b * sq, h, shape.headdim) if sq == 1 else _collapse_bt(out4), lse3.view(b * sq, h),
+        states_dim=2, lse_log2=True)
+
+
+def _collapse_bt(x4):
+    """(b, sq, h, d) -> (b * sq, h, d) as a view (checked collapsible by _DecodeShape.check_out)."""
+    b, sq, h, d = x4.shape
+    return x4.as_strided((b * sq, h, d), (x4.stride(1), x4.stride(2), x4.stride(3)))
+
+
+def _min_chunk(shape) -> int:
+    """Fewest keys a non-empty split holds (the kernel's MIN_CHUNK): with a plan's fixed split count, short
+    sequences then use fewer splits instead of many tiny ones."""
+    return shape.block_n * heuristics.DECODE_MIN_BLOCKS_PER_SPLIT
+
+
+def _choose_splits(shape, cache_seqlens, num_splits, max_seqlen_k):
+    """num_splits as given, else from the live lengths: max_seqlen_k if given, else one read of cache_seqlens."""
+    if num_splits is not None:
+        if int(num_splits) < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        return int(num_splits)
+    total = None
+    if max_seqlen_k is None:
+        lengths = cache_seqlens.to("cpu", torch.int64)  # the one host sync of the convenience path
+        max_seqlen_k, total = int(lengths.max()) if lengths.numel() else 0, int(lengths.sum())
+        if max_seqlen_k > shape.capacity:
+            raise ValueError(f"cache_seqlens asks for {max_seqlen_k} keys but the cache holds {shape.capacity}")
+    return _policy_splits(shape, min(int(max_seqlen_k), shape.capacity), total, shape.batch)
+
+
+def _policy_splits(shape, max_seqlen_k, total_seqlen_k, batch):
+    if shape.window_left >= 0:  # only the window's keys are live
+        max_seqlen_k = min(max_seqlen_k, shape.window_left + shape.seqlen_q)
+        total_seqlen_k = None
+    return heuristics.decode_num_splits(
+        batch, shape.nheads_kv * shape.num_m_blocks, max_seqlen_k, heuristics.num_sms(shape.device),
+        block_n=shape.block_n, min_blocks_per_split=heuristics.DECODE_MIN_BLOCKS_PER_SPLIT,
+        total_seqlen_k=total_seqlen_k, max_splits=heuristics.DECODE_MAX_SPLITS)
+
+
+def _lse_view(lse3, q):
+    return lse3[:, 0] if q.dim() == 3 else lse3
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
+                 softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None):
+    """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
+
+    Args:
+        q: (batch, nheads, headdim) or (batch, seqlen_q, nheads, headdim) fp16/bf16/fp32; the seqlen_q tokens are
+            the LAST seqlen_q positions of each sequence and are causal among themselves (bottom-right aligned).
+        k_cache, v_cache: same dtype as q, same shape and strides, unit stride on headdim. Contiguous
+            (batch_cache >= batch, max_seqlen, nheads_kv, headdim), or paged (num_pages, page_size, nheads_kv,
+            headdim) when ``block_table`` is given. nheads % nheads_kv == 0 (GQA/MQA, any group size).
+        cache_seqlens: int32 (batch,) on q's device: live keys per sequence INCLUDING the seqlen_q new ones
+            (call append_kv first). 0 is allowed (out 0, lse -inf). Values on the host are checked against the
+            capacity; values on the device are clamped to it by the kernel (too-long lengths cannot be detected
+            without a sync).
+        block_table: int32 (batch, max_pages_per_seq) page ids (paged cache only); any page_size >= 1.
+        softmax_scale: default headdim ** -0.5. softcap: logits -> softcap * tanh(logits / softcap), 0 = off.
+        window_size: (left, right); left >= 0 restricts row i to keys >= its position - left. right is moot:
+            decode rows see no keys after their own position.
+        num_splits: KV splits per sequence; None = heuristic from the live lengths, 1 = one kernel, no merge.
+        max_seqlen_k: optional host-side bound on cache_seqlens for the heuristic (avoids its one host sync).
+        plan: a DecodePlan; the call then runs plan.run(...) (capturable, buffers owned by the plan).
+        out: optional output tensor like q.
+    Returns:
+        out like q, and if return_lse, lse float32 (batch, [seqlen_q,] nheads), natural log.
+    """
+    if plan is not None:
+        if num_splits is not None or max_seqlen_k is not None:
+            raise ValueError("num_splits / max_seqlen_k are fixed by the plan; do not pass them with plan=")
+        return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out)
+    shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+    shape.check_out(out, q)
+    splits = _choose_splits(shape, cache_seqlens, num_splits, max_seqlen_k)
+    b, sq, h, d = shape.q4.shape
+    out = torch.empty_like(q) if out is None else out
+    out4 = out.unsqueeze(1) if q.dim() == 3 else out
+    lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
+    partial_o = partial_lse = None
+    if splits > 1:
+        partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
+    _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
+                _min_chunk(shape))
+    return (out, _lse_view(lse3, q)) if return_lse else out
+
+
+class DecodePlan:
+    """Workspace for CUDA-graph-capturable decode (FlashInfer's plan/run idea).
+
+    Sized once for (max_batch, max_seqlen_q, nheads, headdim) and a split count chosen on the host from
+    ``max_seqlen_k`` (the longest context the plan expects; lengths beyond it stay correct, only the split count
+    may be less than ideal). With ``balance_mixed=True`` the split count also covers one long sequence among
+    short ones (about num_sms / nheads_kv splits) - the kernel gives short sequences fewer splits by itself, so
+    the price for uniform batches is only extra empty programs. Every ``run`` then launches a fixed grid
+    (num_splits, nheads_kv, batch) + the merge, reads cache_seqlens / block_table on the device, and writes
+    into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
+    those buffers and are overwritten by the next run.
+    """
+
+    def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
+                 dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
+                 balance_mixed: bool = True):
+        if max_batch < 1 or nheads < 1 or nheads_kv < 1 or max_seqlen_q < 1:
+            raise ValueError("max_batch, nheads, nheads_kv and max_seqlen_q must be >= 1")
+        if nheads % nheads_kv:
+            raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
+        self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
+        self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, torch.device(device)
+        self.max_seqlen_k = max_seqlen_k
+        self.num_splits = num_splits if num_splits is not None else self._default_splits(balance_mixed)
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        rows = max_batch * max_seqlen_q * nheads
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._out = torch.empty(rows * headdim, dtype=dtype, device=self.device)
+        self._lse = torch.empty(rows, **f32)
+        splits = self.num_splits if self.num_splits > 1 else 0
+        self._partial_o = torch.empty(rows * splits * headdim, **f32)
+        self._partial_lse = torch.empty(rows * splits, **f32)
+
+    def _default_splits(self, balance_mixed):
+        cfg = heuristics.decode_block_config(self.headdim, torch.empty((), dtype=self.dtype).element_size(),
+                                             _interpreting(self.device))
+        group_rows = (self.nheads // self.nheads_kv) * self.max_seqlen_q
+        kv_programs = self.nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows))
+        sms = heuristics.num_sms(self.device)
+        kw = dict(block_n=cfg["BLOCK_N"], max_splits=heuristics.DECODE_MAX_SPLITS,
+                  min_blocks_per_split=heuristics.DECODE_MIN_BLOCKS_PER_SPLIT)
+        splits = heuristics.decode_num_splits(self.max_batch, kv_programs, self.max_seqlen_k, sms, **kw)
+        if balance_mixed:  # the worst mix: one max-length sequence, the others nearly empty
+            splits = max(splits, heuristics.decode_num_splits(self.max_batch, kv_programs, self.max_seqlen_k, sms,
+                                                              total_seqlen_k=self.max_seqlen_k, **kw))
+        return splits
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
+            window_size=(-1, -1), return_lse=False, out=None):
+        """flash_decode with the plan's split count and buffers (same arguments and results)."""
+        shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+        shape.check_out(out, q)
+        b, sq, h, d = shape.q4.shape
+        if b > self.max_batch or sq > self.max_seqlen_q or h != self.nheads or d != self.headdim \
+                or shape.nheads_kv != self.nheads_kv or q.dtype != self.dtype or q.device != self.device:
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} on {q.device} does not fit this plan (max_batch "
+                             f"{self.max_batch}, max_seqlen_q {self.max_seqlen_q}, heads {self.nheads}/"
+                             f"{self.nheads_kv}, headdim {self.headdim}, {self.dtype} on {self.device})")
+        rows = b * sq * h
+        if out is None:
+            out = self._out[: rows * d].view(q.shape)
+        out4 = out.unsqueeze(1) if q.dim() == 3 else out
+        lse3 = self._lse[:rows].view(b, sq, h)
+        s = self.num_splits
+        partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if s > 1 else None
+        partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if s > 1 else None
+        _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, s,
+                    _min_chunk(shape))
+        return (out, _lse_view(lse3, q)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# append_kv
+# ----------------------------------------------------------------------------------------------------------------
+
+def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *, cu_seqlens_new=None,
+              max_seqlen_new=None):
+    """Write new K/V tokens into a contiguous or paged cache, one launch, in place.
+
+    Args:
+        k_cache, v_cache: contiguous (batch_cache, max_seqlen, nheads_kv, headdim) or paged (num_pages,
+            page_size, nheads_kv, headdim) with ``block_table`` int32 (batch, max_pages_per_seq).
+        k_new, v_new: same dtype. Dense: (batch, seqlen_new, nheads_kv, headdim). Varlen/packed (e.g. a whole
+            ragged prefill): (total, nheads_kv, headdim) with ``cu_seqlens_new`` int32 (batch + 1,) giving each
+            sequence's rows [cu[b], cu[b+1]).
+        cache_seqlens: int32 (batch,): each sequence's length BEFORE the append. Token i of sequence b is written
+            at position cache_seqlens[b] + i. cache_seqlens is NOT modified (the caller advances it, e.g. before
+            flash_decode, whose cache_seqlens counts the new tokens).
+        max_seqlen_new: optional host bound on the varlen lengths (sizes the grid; default the packed total, which
+            is always enough but launches idle programs).
+    Positions past the cache's capacity raise ValueError when cache_seqlens (and cu_seqlens_new) are on the host;
+    with device tensors they are skipped by the kernel (not written), since checking would need a host sync.
+    """
+    _check_tensor("k_new", k_new, (3, 4), _DTYPES)
+    device = k_new.device
+    _check_cache_pair(k_cache, v_cache, k_new.dtype, device)
+    _check_tensor("v_new", v_new, (k_new.dim(),))
+    if v_new.shape != k_new.shape or v_new.dtype != k_new.dtype or v_new.device != device:
+        raise ValueError(f"v_new must match k_new ({tuple(k_new.shape)}, {k_new.dtype}), got "
+                         f"{tuple(v_new.shape)}, {v_new.dtype} on {v_new.device}")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        raise ValueError("k_new and v_new must have unit stride on their last (head) dim")
+    varlen = cu_seqlens_new is not None
+    if varlen != (k_new.dim() == 3):
+        raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
+                         f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
+                         f"{'given' if varlen else 'None'}")
+    if tuple(k_new.shape[-2:]) != tuple(k_cache.shape[-2:]):
+        raise ValueError(f"k_new (nheads_kv, headdim) {tuple(k_new.shape[-2:])} must match the cache's "
+                         f"{tuple(k_cache.shape[-2:])}")
+    if varlen:
+        _check_tensor("cu_seqlens_new", cu_seqlens_new, (1,))
+        if cu_seqlens_new.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens_new must be int32, got {cu_seqlens_new.dtype}")
+        _check_device("cu_seqlens_new", cu_seqlens_new, device)
+        batch = cu_seqlens_new.shape[0] - 1
+        max_new = int(max_seqlen_new) if max_seqlen_new is not None else k_new.shape[0]
+        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if cu_seqlens_new.device.type == "cpu" else 0
+    else:
+        batch, max_new, added = k_new.shape[0], k_new.shape[1], k_new.shape[1]
+    _check_lengths_and_table(cache_seqlens, block_table, batch, device)
+    capacity = _cache_capacity(k_cache, block_table, batch)
+    _check_host_lengths(cache_seqlens, capacity, added)
+    if batch == 0 or max_new == 0:
+        return
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
+    block_t = 16 if _interpreting(device) else 32
+    bt = block_table if block_table is not None else cache_seqlens
+    cu = cu_seqlens_new if varlen else cache_seqlens
+    kb = (0, k_new.stride(0), k_new.stride(1)) if varlen else (k_new.stride(0), k_new.stride(1), k_new.stride(2))
+    vb = (0, v_new.stride(0), v_new.stride(1)) if varlen else (v_new.stride(0), v_new.stride(1), v_new.stride(2))
+    grid = (batch, triton.cdiv(max_new, block_t), nheads_kv)
+    append_kv_kernel[grid](
+        k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, capacity, 0 if varlen else k_new.shape[1],
+        *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0,
+        HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
+        PAGE_SIZE=page_size, VARLEN=varlen, num_warps=4,
+    )

@@ -1,0 +1,122 @@
+"""merge_states / merge_states_many: the log-sum-exp merge of attention states as a public primitive (cascade and
+shared-prefix attention, sequence parallelism), and the launcher that Flash-Decoding's stage 2 shares."""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+
+from flashdecode import heuristics
+from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
+
+__all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TILE_ELEMS = 4096  # fp32 elements of the (rows, states, headdim) tile one merge program holds
+
+
+def _check_state(name_o, o, name_lse, lse):
+    for name, x in ((name_o, o), (name_lse, lse)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if o.dtype not in _DTYPES:
+        raise TypeError(f"{name_o} must be float16/bfloat16/float32, got {o.dtype}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{name_lse} must be float32 (natural log), got {lse.dtype}")
+    if o.dim() < 2 or tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"{name_o} must be (..., nheads, headdim) and {name_lse} (..., nheads); got "
+                         f"{tuple(o.shape)} and {tuple(lse.shape)}")
+    if lse.device != o.device:
+        raise ValueError(f"{name_lse} is on {lse.device} but {name_o} is on {o.device}")
+
+
+def _rows3(x, headdim_last: bool):
+    """(..., nheads[, headdim]) -> (outer, nheads[, headdim]) view when possible (reshape copies otherwise)."""
+    if headdim_last:
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x.reshape(-1, x.shape[-1])
+
+
+def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool):
+    """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
+    lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides."""
+    if states_dim == 2:
+        o_in_s, lse_in_s = o_in, lse_in
+    else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
+        o_in_s, lse_in_s = o_in.permute(1, 2, 0, 3), lse_in.permute(1, 2, 0)
+    outer, inner, num_states, headdim = o_in_s.shape
+    if outer == 0 or inner == 0:
+        return
+    block_d = heuristics.next_power_of_2(max(16, headdim))
+    block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
+    block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
+    grid = (outer, triton.cdiv(inner, block_r))
+    merge_many_kernel[grid](
+        o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
+        *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
+        HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, num_warps=4,
+    )
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge two attention states over disjoint key sets into the state over their union.
+
+    Args:
+        o_a, o_b: (..., nheads, headdim) fp16/bf16/fp32, each normalised over its own keys; same shape and dtype.
+        lse_a, lse_b: (..., nheads) float32, natural-log log-sum-exp of each key set (-inf = empty set).
+    Returns:
+        o (..., nheads, headdim) in o_a's dtype, lse (..., nheads) float32:
+        lse = log(e^lse_a + e^lse_b), o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b. A side with lse = -inf
+        contributes nothing (its o is never read); both -inf gives (0, -inf).
+    """
+    _check_state("o_a", o_a, "lse_a", lse_a)
+    _check_state("o_b", o_b, "lse_b", lse_b)
+    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
+        raise ValueError(f"o_a and o_b must match in shape, dtype and device; got {tuple(o_a.shape)} {o_a.dtype} "
+                         f"and {tuple(o_b.shape)} {o_b.dtype}")
+    out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
+    if out.numel() == 0:
+        return out, lse
+    a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
+    o3, l2 = out.view(-1, *out.shape[-2:]), lse.view(-1, lse.shape[-1])
+    outer, inner, headdim = a.shape
+    block_d = heuristics.next_power_of_2(max(16, headdim))
+    block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
+    merge_two_kernel[(outer, triton.cdiv(inner, block_r))](
+        a, la, b_, lb, o3, l2, inner,
+        *a.stride(), *la.stride(), *b_.stride(), *lb.stride(), *o3.stride(), *l2.stride(),
+        HEADDIM=headdim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )
+    return out, lse
+
+
+def merge_states_many(outs, lses):
+    """Merge N attention states along dim 0 (Flash-Decoding's reduction as a primitive).
+
+    Args:
+        outs: (N, ..., nheads, headdim) fp16/bf16/fp32 tensor, or a sequence of N (..., nheads, headdim) tensors.
+        lses: (N, ..., nheads) float32 natural log (or a sequence); -inf marks an empty state (never read).
+    Returns:
+        o (..., nheads, headdim) in outs' dtype, lse (..., nheads) float32; (0, -inf) where every state is empty.
+    """
+    if isinstance(outs, (list, tuple)):
+        outs = torch.stack(list(outs))
+    if isinstance(lses, (list, tuple)):
+        lses = torch.stack(list(lses))
+    _check_state("outs", outs, "lses", lses)
+    if outs.dim() < 3:
+        raise ValueError(f"outs must be (N, ..., nheads, headdim), got {tuple(outs.shape)}")
+    n = outs.shape[0]
+    out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
+    lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
+    if out.numel() == 0:
+        return out, lse
+    if n == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    o4 = outs.reshape(n, -1, outs.shape[-2], outs.shape[-1])
+    l3 = lses.reshape(n, -1, lses.shape[-1])
+    launch_merge_many(o4, l3, out.view(-1, *out.shape[-2:]), lse.view(-1, lse.shape[-1]), states_dim=0,
+                      lse_log2=False)
+    return out, lse

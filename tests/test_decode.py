@@ -1,0 +1,267 @@
+"""flash_decode against the float64 reference (reference.decode_ref) with the FlashAttention rule (3x for decode).
+
+CPU (interpreter) tests use small shapes that still cross several 16-key blocks, splits and pages; the GPU adds
+bf16, long contexts (100k+), the production tile sizes and CUDA-graph capture/replay.
+"""
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import reference as ref
+from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
+
+
+def _lens(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _make(gen, batch, max_seqlen, nheads, nheads_kv, headdim, dtype, seqlen_q=1):
+    shape_q = (batch, nheads, headdim) if seqlen_q == 1 else (batch, seqlen_q, nheads, headdim)
+    q = randn(*shape_q, gen=gen, dtype=dtype)
+    k = randn(batch, max_seqlen, nheads_kv, headdim, gen=gen, dtype=dtype)
+    v = randn(batch, max_seqlen, nheads_kv, headdim, gen=gen, dtype=dtype)
+    return q, k, v
+
+
+def _check(q, k, v, lens, *, page_size=None, gen=None, **kw):
+    """Run flash_decode (contiguous, or paged via a random page permutation) and compare out and lse with the
+    float64 reference under the FlashAttention rule; returns (out, lse)."""
+    ref_kw = {name: kw[name] for name in ("softmax_scale", "softcap", "window_size") if name in kw}
+    if page_size is None:
+        out, lse = flashdecode.flash_decode(q, k, v, lens, return_lse=True, **kw)
+    else:
+        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=2, generator=gen)
+        out, lse = flashdecode.flash_decode(q, kp, vp, lens, block_table=table, return_lse=True, **kw)
+    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, **ref_kw)
+    o_same, lse_same = ref.decode_ref(q, k, v, lens, **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == lse64.shape and lse.dtype == torch.float32
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_ragged_lengths_including_zero(gen, dtype, num_splits):
+    q, k, v = _make(gen, 6, 70, 4, 2, 64, dtype)
+    lens = _lens([0, 1, 15, 17, 70, 33])
+    out, lse = _check(q, k, v, lens, num_splits=num_splits)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64, 256])
+def test_paged_random_permutation(gen, page_size):
+    # lengths at page boundaries +-1 (and at 16-key block boundaries) plus a short one
+    p = page_size
+    lens = [max(p - 1, 0), p, p + 1, 2 * p + 1 if p < 64 else 5]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
+def test_forced_splits_agree(gen, num_splits):
+    """Any split count (also more splits than keys) gives the reference result, and the same result as one split."""
+    q, k, v = _make(gen, 2, 40, 4, 1, 64, torch.float16)
+    lens = _lens([40, 5])
+    out, lse = _check(q, k, v, lens, num_splits=num_splits)
+    out1, lse1 = flashdecode.flash_decode(q, k, v, lens, num_splits=1, return_lse=True)
+    torch.testing.assert_close(out, out1, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, lse1, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv", [(2, 2), (4, 2), (5, 1), (12, 2), (8, 1), (16, 1)])
+def test_gqa_group_sizes(gen, nheads, nheads_kv):
+    q, k, v = _make(gen, 2, 37, nheads, nheads_kv, 64, torch.float16)
+    _check(q, k, v, _lens([37, 20]), num_splits=2)
+
+
+@pytest.mark.parametrize("headdim", [64, 80, 96, 128, 256])
+def test_head_dims(gen, headdim):
+    q, k, v = _make(gen, 2, 33, 4, 2, headdim, torch.float16)
+    _check(q, k, v, _lens([33, 18]), num_splits=2)
+
+
+def test_fp32_ieee(gen):
+    q, k, v = _make(gen, 2, 50, 6, 2, 80, torch.float32)
+    _check(q, k, v, _lens([50, 31]), num_splits=3)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_softcap_and_scale(gen, softcap):
+    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
+    q = q * 4  # large logits: capping matters
+    _check(q, k, v, _lens([40, 9]), num_splits=2, softcap=softcap, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("seqlen_q", [2, 3, 4])
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_multi_token_causal(gen, seqlen_q, page_size):
+    """Speculative verification: seqlen_q new tokens, causal among themselves; also lengths < seqlen_q."""
+    q, k, v = _make(gen, 3, 45, 6, 2, 64, torch.float16, seqlen_q=seqlen_q)
+    _check(q, k, v, _lens([45, 17, seqlen_q - 1]), page_size=page_size, gen=gen, num_splits=3)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 20])
+def test_sliding_window(gen, window_left):
+    q, k, v = _make(gen, 2, 60, 4, 2, 64, torch.float16, seqlen_q=2)
+    _check(q, k, v, _lens([60, 11]), num_splits=2, window_size=(window_left, -1))
+
+
+def test_garbage_past_length_never_leaks(gen):
+    """Cache slots past cache_seqlens (and unused pages) may hold NaN/inf: they must not reach the output."""
+    q, k, v = _make(gen, 2, 50, 4, 2, 64, torch.float16)
+    lens = _lens([21, 40])
+    for b, n in enumerate([21, 40]):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("inf")
+    for num_splits in (1, 4):
+        out = flashdecode.flash_decode(q, k, v, lens, num_splits=num_splits)
+        assert torch.isfinite(out).all()
+    o_clean, _ = ref.decode_ref(q.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()), lens)
+    torch.testing.assert_close(out.double(), o_clean, atol=3e-3, rtol=0)
+
+
+def test_heuristic_splits_and_out_argument(gen):
+    q, k, v = _make(gen, 2, 64, 4, 2, 64, torch.float16)
+    lens = _lens([64, 30])
+    out = torch.empty_like(q)
+    res = flashdecode.flash_decode(q, k, v, lens, out=out, max_seqlen_k=64)
+    assert res.data_ptr() == out.data_ptr()
+    o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, _ = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_plan_fixed_grid_with_changing_lengths(gen, page_size):
+    """A DecodePlan sized once (fixed split count) stays exact when lengths and block tables change."""
+    q, k, v = _make(gen, 3, 64, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(4, 4, 2, 64, max_seqlen_k=64, dtype=torch.float16, device=DEVICE, num_splits=4)
+    kp = vp = table = None
+    if page_size:
+        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    for lengths in ([64, 3, 0], [1, 64, 40]):
+        lens = _lens(lengths)
+        if page_size:
+            out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
+        else:
+            out, lse = flashdecode.flash_decode(q, k, v, lens, plan=plan, return_lse=True)
+        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, lse_same = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,error,word", [
+    (lambda q, k, v: dict(cache_seqlens=torch.tensor([16, 3], dtype=torch.int64, device=DEVICE)), TypeError,
+     "cache_seqlens"),
+    (lambda q, k, v: dict(cache_seqlens=torch.tensor([17, 3], dtype=torch.int32)), ValueError, "cache_seqlens"),
+    (lambda q, k, v: dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)), ValueError,
+     "cache_seqlens"),
+    (lambda q, k, v: dict(k_cache=k.float()), TypeError, "k_cache"),
+    (lambda q, k, v: dict(v_cache=v[:, :8]), ValueError, "v_cache"),
+    (lambda q, k, v: dict(k_cache=k[..., :32].contiguous(), v_cache=v[..., :32].contiguous()), ValueError, "head dim"),
+    (lambda q, k, v: dict(q=q[:, :3]), ValueError, "multiple"),
+    (lambda q, k, v: dict(q=q.int()), TypeError, "q"),
+    (lambda q, k, v: dict(block_table=torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)), TypeError,
+     "block_table"),
+    (lambda q, k, v: dict(block_table=torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)), ValueError,
+     "block_table"),
+    (lambda q, k, v: dict(out=torch.empty_like(q[:1])), ValueError, "out"),
+    (lambda q, k, v: dict(num_splits=0), ValueError, "num_splits"),
+])
+def test_bad_input_names_the_argument(gen, change, error, word):
+    q, k, v = _make(gen, 2, 16, 4, 2, 64, torch.float16)
+    args = dict(k_cache=k, v_cache=v, cache_seqlens=_lens([16, 3]))
+    args.update(change(q, k, v))
+    q = args.pop("q", q)
+    with pytest.raises(error, match=word):
+        flashdecode.flash_decode(q, args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"), **args)
+
+
+def test_host_lengths_larger_than_paged_capacity(gen):
+    q, k, v = _make(gen, 2, 16, 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 4, generator=gen)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashdecode.flash_decode(q, kp, vp, torch.tensor([17, 1], dtype=torch.int32), block_table=table.cpu())
+
+
+def test_plan_rejects_mismatched_q(gen):
+    q, k, v = _make(gen, 3, 16, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(2, 4, 2, 64, max_seqlen_k=16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="plan"):
+        plan.run(q, k, v, _lens([1, 2, 3]))
+    with pytest.raises(ValueError, match="nheads"):
+        flashdecode.DecodePlan(2, 5, 2, 64, max_seqlen_k=16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: bf16, long contexts, production tiles, CUDA graphs
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 256])
+def test_gpu_long_ragged(gen, dtype, page_size):
+    lens = [100_003, 1, 0, 4097, 255, 257]
+    q, k, v = _make(gen, len(lens), max(lens), 16, 2, 128, dtype)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("nheads,nheads_kv", [(32, 8), (40, 8), (42, 6), (28, 4), (16, 1), (64, 4)])
+def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
+    lens = [3000, 129, 1]
+    q, k, v = _make(gen, len(lens), max(lens), nheads, nheads_kv, headdim, torch.bfloat16, seqlen_q=1)
+    _check(q, k, v, _lens(lens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q", [2, 4])
+def test_gpu_multi_token_softcap_window(gen, seqlen_q):
+    lens = [5000, 300, 3]
+    q, k, v = _make(gen, 3, max(lens), 32, 8, 128, torch.bfloat16, seqlen_q=seqlen_q)
+    _check(q, k, v, _lens(lens), page_size=16, gen=gen, softcap=30.0)
+    _check(q, k, v, _lens(lens), window_size=(1000, -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size):
+    """Capture once with a plan, then change cache_seqlens and block_table contents and replay."""
+    lens0 = [9000, 17, 4000, 0]
+    q, k, v = _make(gen, 4, 9000, 32, 8, 128, torch.bfloat16)
+    plan = flashdecode.DecodePlan(4, 32, 8, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE)
+    lens = _lens(lens0)
+    table = None
+    kc, vc = k, v
+    if page_size:
+        kc, vc, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    static_out = plan.run(q, kc, vc, lens, block_table=table)  # warm-up / compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = plan.run(q, kc, vc, lens, block_table=table)
+    for new_lens in ([1, 9000, 2, 5000], [8191, 8192, 8193, 1]):
+        lens.copy_(_lens(new_lens))
+        if page_size:  # move every page: new contents of the same block_table tensor
+            perm = torch.randperm(kc.shape[0], generator=gen).to(DEVICE)
+            new_k = torch.empty_like(kc)
+            new_v = torch.empty_like(vc)
+            new_k[perm] = kc
+            new_v[perm] = vc
+            kc.copy_(new_k)
+            vc.copy_(new_v)
+            table.copy_(perm[table.long()].to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, _ = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)

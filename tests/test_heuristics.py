@@ -1,0 +1,42 @@
+"""Decode launch policy (flashdecode.heuristics): split counts from live lengths, SMs and the batch."""
+
+from flashdecode import heuristics as hx
+
+
+def test_decode_splits_fill_the_sms_at_batch_1():
+    # b1, 2 kv heads, 64k: enough splits for ~132 programs, capped by DECODE_MAX_SPLITS
+    assert hx.decode_num_splits(1, 2, 65536, 132, block_n=128, max_splits=64) == 64
+    assert hx.decode_num_splits(1, 2, 65536, 132, block_n=128, max_splits=128) == 66
+
+
+def test_decode_splits_never_exceed_blocks_of_the_live_length():
+    assert hx.decode_num_splits(1, 2, 512, 132, block_n=128) == 4
+    assert hx.decode_num_splits(1, 2, 512, 132, block_n=128, min_blocks_per_split=2) == 2
+    assert hx.decode_num_splits(1, 2, 1, 132, block_n=128) == 1
+    assert hx.decode_num_splits(3, 2, 0, 132) == 1
+
+
+def test_decode_splits_shrink_with_batch():
+    assert hx.decode_num_splits(64, 8, 8192, 132, block_n=128) == 1
+    assert hx.decode_num_splits(4, 8, 8192, 132, block_n=128) == 5
+
+
+def test_decode_splits_balance_one_long_sequence_among_short_ones():
+    uniform = hx.decode_num_splits(64, 8, 131072, 132, block_n=128)
+    mixed = hx.decode_num_splits(64, 8, 131072, 132, block_n=128, total_seqlen_k=131072 + 63 * 100)
+    assert uniform == 1 and mixed >= 16  # the long sequence alone is spread over ~num_sms / nheads_kv splits
+
+
+def test_decode_block_config_fits_shared_memory():
+    for headdim in (64, 80, 96, 128, 256):
+        for elem in (2, 4):
+            cfg = hx.decode_block_config(headdim, elem, interpret=False)
+            pad = hx.next_power_of_2(headdim)
+            assert cfg["num_stages"] * 2 * cfg["BLOCK_N"] * pad * elem <= 200 * 1024
+            assert cfg["BLOCK_N"] >= 16 and cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) == 0
+    assert hx.decode_block_config(128, 2, interpret=False)["BLOCK_N"] == 128
+    assert hx.decode_block_config(128, 2, interpret=True)["BLOCK_N"] == 16
+
+
+def test_decode_block_m_pads_to_mma_minimum():
+    assert [hx.decode_block_m(n) for n in (1, 5, 16, 17, 64, 200)] == [16, 16, 16, 32, 64, 64]

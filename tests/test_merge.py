@@ -1,0 +1,104 @@
+"""merge_states / merge_states_many against reference.merge_states_ref / merge_states_many_ref (float64)."""
+
+import math
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import reference as ref
+from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
+
+INF = float("inf")
+
+
+def _states(gen, n, lead, nheads, headdim, dtype, lse_scale=3.0):
+    outs = randn(n, *lead, nheads, headdim, gen=gen, dtype=dtype)
+    lses = randn(n, *lead, nheads, gen=gen, dtype=torch.float32, scale=lse_scale)
+    return outs, lses
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("headdim", [64, 80])
+def test_merge_two_matches_reference(gen, dtype, headdim):
+    outs, lses = _states(gen, 2, (3, 5), 6, headdim, dtype)
+    lses[0, 0, 0, 0] = -INF  # one side empty -> the other side
+    lses[1, 0, 1, 2] = -INF
+    lses[:, 1, 2, 3] = -INF  # both empty -> (0, -inf)
+    o, lse = flashdecode.merge_states(outs[0], lses[0], outs[1], lses[1])
+    o64, lse64 = ref.merge_states_ref(outs[0].double(), lses[0].double(), outs[1].double(), lses[1].double())
+    o_same, lse_same = ref.merge_states_ref(outs[0], lses[0], outs[1], lses[1])
+    assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == outs[0].shape
+    assert_fa_close(o, o64, o_same, factor=3.0, atol=1e-5)
+    assert_fa_close(lse, lse64, lse_same.float(), factor=3.0, atol=1e-5, name="lse")
+    assert torch.equal(o[0, 0, 0].cpu(), outs[1, 0, 0, 0].cpu())  # exactly the other side
+    assert torch.all(o[1, 2, 3] == 0) and lse[1, 2, 3] == -INF
+
+
+def test_merge_two_ignores_garbage_on_empty_side(gen):
+    outs, lses = _states(gen, 2, (4,), 3, 64, torch.float32)
+    outs[0, :, 0] = float("nan")
+    lses[0, :, 0] = -INF
+    o, lse = flashdecode.merge_states(outs[0], lses[0], outs[1], lses[1])
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o[:, 0], outs[1, :, 0])
+    torch.testing.assert_close(lse[:, 0], lses[1, :, 0])
+
+
+@pytest.mark.parametrize("n", [1, 3, 70])
+def test_merge_many_matches_reference(gen, n):
+    outs, lses = _states(gen, n, (2,), 4, 64, torch.float16)
+    lses[0, 0, 0] = -INF
+    lses[:, 1, 3] = -INF
+    outs[:, 1, 3] = float("nan")  # never read
+    o, lse = flashdecode.merge_states_many(outs, lses)
+    o64, lse64 = ref.merge_states_many_ref(outs.double().nan_to_num(), lses.double())
+    o_same, lse_same = ref.merge_states_many_ref(outs.nan_to_num(), lses)
+    assert_fa_close(o, o64, o_same, factor=3.0, atol=1e-5)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-5, name="lse")
+
+
+def test_merge_many_accepts_lists_and_is_associative(gen):
+    outs, lses = _states(gen, 4, (), 8, 64, torch.float32)
+    o_all, lse_all = flashdecode.merge_states_many(list(outs), list(lses))
+    o_ab, lse_ab = flashdecode.merge_states(outs[0], lses[0], outs[1], lses[1])
+    o_cd, lse_cd = flashdecode.merge_states_many(outs[2:], lses[2:])
+    o_tree, lse_tree = flashdecode.merge_states(o_ab, lse_ab, o_cd, lse_cd)
+    torch.testing.assert_close(o_all, o_tree, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_all, lse_tree, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_split_attention_is_full_attention(gen):
+    """Attention over keys [0, 40) == merge of attention over [0, 17) and [17, 40) (cascade attention)."""
+    q = randn(1, 1, 4, 64, gen=gen, dtype=torch.float32)
+    k = randn(1, 40, 4, 64, gen=gen, dtype=torch.float32)
+    v = randn(1, 40, 4, 64, gen=gen, dtype=torch.float32)
+    o_full, lse_full = ref.attention_ref(q, k, v)
+    o_a, lse_a = ref.attention_ref(q, k[:, :17], v[:, :17])
+    o_b, lse_b = ref.attention_ref(q, k[:, 17:], v[:, 17:])
+    to_nh = lambda lse: lse.transpose(1, 2).contiguous()  # (b, h, sq) -> (b, sq, h)
+    o, lse = flashdecode.merge_states(o_a, to_nh(lse_a), o_b, to_nh(lse_b))
+    torch.testing.assert_close(o, o_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, to_nh(lse_full), atol=1e-5, rtol=1e-5)
+    assert math.isfinite(lse.max().item())
+
+
+@pytest.mark.parametrize("call,error,word", [
+    (lambda o, l: flashdecode.merge_states(o, l.double(), o, l), TypeError, "lse_a"),
+    (lambda o, l: flashdecode.merge_states(o, l, o[:, :2], l[:, :2]), ValueError, "o_a and o_b"),
+    (lambda o, l: flashdecode.merge_states(o, l[:, :2], o, l), ValueError, "lse_a"),
+    (lambda o, l: flashdecode.merge_states(o.int(), l, o, l), TypeError, "o_a"),
+    (lambda o, l: flashdecode.merge_states_many(o[0], l[0]), ValueError, "outs"),
+    (lambda o, l: flashdecode.merge_states_many(o[None], l[None].half()), TypeError, "lses"),
+])
+def test_bad_input(gen, call, error, word):
+    o = randn(2, 3, 64, gen=gen, dtype=torch.float32)
+    lse = randn(2, 3, gen=gen, dtype=torch.float32)
+    with pytest.raises(error, match=word):
+        call(o, lse)
+
+
+def test_device_of_results(gen):
+    outs, lses = _states(gen, 2, (1,), 2, 64, torch.float32)
+    o, lse = flashdecode.merge_states_many(outs, lses)
+    assert o.device.type == DEVICE.type and lse.device.type == DEVICE.type
