@@ -227,6 +227,8 @@ def attn_bwd_dq_kernel(
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
     if m_start >= seqlen_q:
         return

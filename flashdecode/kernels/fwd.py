@@ -118,21 +118,26 @@ def sequence_bounds(batch, cu_seqlens, seqlen_dense, IS_VARLEN: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn, stride_vd,
                    start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
                    qk_scale, softcap_log2,
                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                   SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
 
     acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
     running sum. MASKED blocks apply the visibility mask and guard rows that have seen no key yet (m = -inf) so
-    that exp2(-inf - -inf) never happens; unmasked blocks skip both.
+    that exp2(-inf - -inf) never happens; unmasked blocks skip both. USE_TMA loads K/V through tensor descriptors
+    (k_desc/v_desc, bounded by the sequence, zero-filled outside), else through pointers from k_base/v_base.
     """
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in range(start, end, BLOCK_N):
-        k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
         if MASKED:
@@ -147,13 +152,25 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, strid
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_rows(v_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = load_rows(v_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, m_i, l_i
+
+
+@triton.jit
+def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        HEAD_DIM_PAD: tl.constexpr):
+    """TMA descriptor over one head of one sequence: (nrows, HEAD_DIM) at ``base`` with unit column stride.
+    Reads outside it (rows past the sequence, padded head-dim columns) return 0; stores there are dropped."""
+    return tl.make_tensor_descriptor(base, shape=[nrows, HEAD_DIM], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, HEAD_DIM_PAD])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,6 +191,7 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads).
 
@@ -181,6 +199,9 @@ def attn_fwd_kernel(
     seqlen_q) fp32. Varlen (IS_VARLEN): Q (total_q, nheads, HEAD_DIM) etc. with batch strides 0, the sequence start
     read from int32 cu_seqlens_q/k, Lse (nheads, total_q). Out has Q's shape. Query head h reads kv head
     h // group_size. bucket_q/bucket_k only key the autotuner (log2 buckets of the max lengths).
+    USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride, 16-byte
+    aligned rows and a triton allocator); WARP_SPECIALIZE asks Triton to split producer/consumer warps in the
+    unmasked loop.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -189,6 +210,8 @@ def attn_fwd_kernel(
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
     if m_start >= seqlen_q:
         return
@@ -202,8 +225,15 @@ def attn_fwd_kernel(
     q_base = Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + head_kv.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + head_kv.to(tl.int64) * stride_vh
-    q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
-                  True, EVEN_D)
+    if USE_TMA:
+        k_desc = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        q = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+    else:
+        k_desc = k_base
+        v_desc = v_base
+        q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
+                      True, EVEN_D)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -212,20 +242,20 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:  # left edge of a sliding window: masked
-        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                       lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
-                                       window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                       SOFTCAP, DOT_PRECISION, BLOCK_N)
+        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
+                                       stride_vs, stride_vd, lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                                       window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
+                                       HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, False)
     # the bulk: blocks every row sees completely
-    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                   full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
-                                   window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DOT_PRECISION, BLOCK_N)
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
+                                   stride_vs, stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                                   window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, WARP_SPECIALIZE)
     # diagonal / right window edge / ragged tail: masked
-    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                   full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
-                                   window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                   SOFTCAP, DOT_PRECISION, BLOCK_N)
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
+                                   stride_vs, stride_vd, full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                                   window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
+                                   HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, False)
 
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0
@@ -233,8 +263,11 @@ def attn_fwd_kernel(
     out = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_base = Out + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
-    row_ok = offs_m < seqlen_q
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & d_mask[None, :])
+    if USE_TMA:
+        sequence_descriptor(o_base, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).store(
+            [m_start, 0], out.to(Out.dtype.element_ty))
+    else:
+        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty),
+                 mask=(offs_m < seqlen_q)[:, None] & d_mask[None, :])
     lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start.to(tl.int64)
-    tl.store(lse_base + offs_m, lse, mask=row_ok)
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)

@@ -40,6 +40,11 @@ LOG2E = fwd_kernels.LOG2E
 # Set FLASHDECODE_AUTOTUNE=0 to use the first candidate that fits shared memory instead of timing a handful
 # (tests do this to keep compile counts down).
 AUTOTUNE = os.environ.get("FLASHDECODE_AUTOTUNE", "1") != "0"
+# Hopper forward path through tensor descriptors (TMA): "auto" = on sm90+ when the layout allows it, "0" = never,
+# "1" = whenever the layout allows it (also in the CPU interpreter, which emulates descriptors: tests use this).
+TMA_MODE = os.environ.get("FLASHDECODE_TMA", "auto")
+# Triton's warp specialisation of the unmasked forward loop (needs the TMA path); off unless measured faster.
+WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
 
 
 def _interpreting() -> bool:
@@ -172,7 +177,8 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
         tuned[grid_fn](*args, **constexprs)
 
 
-_FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION"]
+_FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
+              "USE_TMA", "WARP_SPECIALIZE"]
 # name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
 _KERNELS = {
     "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
@@ -181,6 +187,38 @@ _KERNELS = {
     "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
                _FLAG_KEYS),
 }
+
+
+def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a unit head-dim stride, 16-byte aligned base and row strides, and >= 16-byte rows."""
+    for t in tensors:
+        elem = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.shape[-1] * elem < 16:
+            return False
+        if any((st * elem) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _use_tma(q, k, v, out) -> bool:
+    if TMA_MODE == "0" or not _tma_layout_ok(q, k, v, out):
+        return False
+    if TMA_MODE == "1":
+        return True
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_triton_allocator():
+    """Device-side tensor descriptors live in a small global scratch that Triton asks an allocator for."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                         device=torch.cuda.current_device()
+                                                                         if torch.cuda.is_available() else "cpu"))
+        _ALLOCATOR_SET = True
 
 
 def _strides(x: torch.Tensor, varlen: bool):
@@ -230,6 +268,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
             nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, max(left, 0), max(right, 0),
             heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
     constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
+    use_tma = _use_tma(q, k, v, out)
+    if use_tma:
+        _ensure_triton_allocator()
+    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * nheads)  # noqa: E731
     _launch("fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return out, lse
