@@ -60,13 +60,24 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BL
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, bt_row, lo, hi, end, qpos, window_left,
-                   score_scale, softcap_out, stride_page, stride_tok,
+def _tma_row(bt_row, start_n, tma_row_base, PAGE_SIZE: tl.constexpr):
+    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins."""
+    if PAGE_SIZE == 0:
+        return tma_row_base + start_n
+    page = tl.load(bt_row + start_n // PAGE_SIZE)
+    return page * PAGE_SIZE + start_n % PAGE_SIZE
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
+                   score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
+    k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
+    as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N).
     Scores are in log2 units: s = qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e).
     MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
     blocks that every row sees entirely.
@@ -74,8 +85,12 @@ def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, bt_row, lo, hi, end, qpos, 
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE, BLOCK_N, MASKED)
-        k = _load_kv_tile(k_base, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        if USE_TMA:
+            row0 = _tma_row(bt_row, start_n, tma_row_base, PAGE_SIZE)
+            k = k_src.load([row0, tma_col])
+        else:
+            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE, BLOCK_N, MASKED)
+            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
@@ -88,7 +103,12 @@ def _attend_blocks(acc, m_i, l_i, q, k_base, v_base, bt_row, lo, hi, end, qpos, 
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
-        v = _load_kv_tile(v_base, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        if USE_TMA:
+            v = v_src.load([row0, tma_col])
+            if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
+                v = tl.where((offs_n < end)[:, None], v, 0.0)
+        else:
+            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -120,10 +140,12 @@ def decode_split_kernel(
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Stage 1 (see module doc).
 
-    Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
+    Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
+    cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
@@ -155,10 +177,19 @@ def decode_split_kernel(
         + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    if PAGE_SIZE == 0:
-        kv_off = b.to(tl.int64) * stride_kb + hk * stride_kh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+        tma_row_base = b * stride_kb  # contiguous: the sequence's first row (stride_kb = max_seqlen there)
     else:
-        kv_off = hk * stride_kh
+        if PAGE_SIZE == 0:
+            kv_off = b.to(tl.int64) * stride_kb + hk * stride_kh
+        else:
+            kv_off = hk * stride_kh
+        k_src = K + kv_off
+        v_src = V + kv_off
+        tma_row_base = 0
+    tma_col = hk * HEADDIM
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
     qpos = seqlen - SEQLEN_Q + t
 
@@ -169,12 +200,14 @@ def decode_split_kernel(
     full_hi = start
     if not WINDOW:
         full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K + kv_off, V + kv_off, bt_row, start, full_hi, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt,
-                                   HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False, SOFTCAP, WINDOW, DOT_PRECISION)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, K + kv_off, V + kv_off, bt_row, full_hi, end, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt,
-                                   HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True, SOFTCAP, WINDOW, DOT_PRECISION)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
+                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   tma_col, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False, SOFTCAP, WINDOW,
+                                   DOT_PRECISION, USE_TMA)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
+                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   tma_col, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True, SOFTCAP, WINDOW,
+                                   DOT_PRECISION, USE_TMA)
     o, lse2 = normalize_state(acc, m_i, l_i)
 
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od

@@ -8,6 +8,7 @@ own partials) or natural log (user tensors). Outputs: o in O_OUT's dtype, lse na
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, merge_two_states, normalize_state
 
@@ -20,13 +21,16 @@ def merge_many_kernel(
     stride_oo, stride_oi, stride_od,
     stride_loo, stride_loi,
     HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    LSE_LOG2: tl.constexpr,
+    LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R)).
 
     O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN is never
     read. The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
+    USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only).
     """
+    if USE_PDL:
+        gdc_wait()
     r_outer = tl.program_id(0).to(tl.int64)
     r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r_inner < num_inner

@@ -140,6 +140,9 @@ class _DecodeShape:
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
+        self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
+                                                                    self.block_d)
+        self.use_pdl = cfg.get("USE_PDL", False)
 
     def check_out(self, out, q):
         if out is None:
@@ -150,6 +153,29 @@ class _DecodeShape:
                              f"{out.dtype} on {out.device}")
         if q.dim() == 4 and self.seqlen_q > 1 and out.stride(0) != self.seqlen_q * out.stride(1):
             raise ValueError("out must have collapsible (batch, seqlen_q) dims (e.g. be contiguous)")
+
+
+def _tma_compatible(k_cache, page_size, block_n, block_d) -> bool:
+    """The TMA path views the cache as 2-D (rows, nheads_kv * headdim): rows of one sequence (or page) must be
+    consecutive, the head dim a power of two (one box), and a block must not straddle a page."""
+    _, rows, hk, d = k_cache.shape
+    dense = k_cache.stride(2) == d and k_cache.stride(1) == hk * d and k_cache.stride(0) == rows * hk * d
+    aligned = k_cache.data_ptr() % 16 == 0 and (hk * d * k_cache.element_size()) % 16 == 0
+    pages_ok = page_size == 0 or page_size % block_n == 0
+    return dense and aligned and pages_ok and d == block_d
+
+
+def _kv_sources(shape, k_cache, v_cache):
+    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim)."""
+    if not shape.use_tma:
+        return k_cache, v_cache, k_cache.stride(0)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    width = k_cache.shape[2] * k_cache.shape[3]
+    box = [shape.block_n, shape.headdim]
+    k_desc, v_desc = (TensorDescriptor(x, [rows, width], [width, 1], box) for x in (k_cache, v_cache))
+    return k_desc, v_desc, k_cache.shape[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,11 +193,12 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     stride_od = o4.stride(3) if final else o4.stride(4)
     stride_ls = 0 if final else lse3.stride(3)
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
+    k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     decode_split_kernel[grid](
-        q4, k_cache, v_cache, cache_seqlens, bt, o4, lse3,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3,
         score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
         lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
@@ -179,7 +206,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         num_warps=shape.num_warps, num_stages=shape.num_stages,
     )
 
@@ -195,14 +222,15 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
     b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
-        out4.reshape(b * sq, h, shape.headdim) if sq == 1 else _collapse_bt(out4), lse3.view(b * sq, h),
-        states_dim=2, lse_log2=True)
+        _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=shape.use_pdl)
 
 
 def _collapse_bt(x4):
-    """(b, sq, h, d) -> (b * sq, h, d) as a view (checked collapsible by _DecodeShape.check_out)."""
+    """(b, sq, h, d) -> (b * sq, h, d) as a view (checked collapsible by _DecodeShape.check_out), never a copy:
+    the merge writes through it."""
     b, sq, h, d = x4.shape
-    return x4.as_strided((b * sq, h, d), (x4.stride(1), x4.stride(2), x4.stride(3)))
+    outer = x4.stride(1) if sq > 1 else x4.stride(0)
+    return x4.as_strided((b * sq, h, d), (outer, x4.stride(2), x4.stride(3)), x4.storage_offset())
 
 
 def _min_chunk(shape) -> int:
