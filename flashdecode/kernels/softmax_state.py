@@ -11,8 +11,9 @@ every shift by a maximum goes through ``safe_max`` so that exp2(-inf - -inf) is 
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # log2(e): natural-log lse * LOG2E = log2 lse
-LN2: tl.constexpr = 0.6931471805599453  # ln(2): log2 lse * LN2 = natural-log lse
+# constexpr *instances* (not annotations), so that kernels in other modules may read them as globals on the GPU
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): natural-log lse * LOG2E = log2 lse
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log2 lse * LN2 = natural-log lse
 
 
 @triton.jit
