@@ -1,9 +1,12 @@
-"""RMSNorm as HF Llama/Qwen2 compute it: normalise in float32, cast back, then scale by the weight."""
+"""RMSNorm as HF Llama/Qwen2 compute it: normalise in float32, cast back, then scale by the weight; optionally
+fused with the residual add that precedes it (the residual stream is carried beside the hidden states)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from flashdecode.engine.layers import fused
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +15,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (tokens, hidden) in the model dtype -> same shape and dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, use_fused: bool = False):
+        """x (tokens, hidden). Without residual: returns norm(x). With it: s = residual + x, returns (norm(s), s);
+        the fused kernel writes s into ``residual`` in place."""
+        if use_fused:
+            out = fused.add_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual + x
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -82,3 +82,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos_table[positions], self.sin_table[positions]
         cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    @property
+    def has_table(self) -> bool:
+        """Static scaling: cos/sin come from a position table (what the fused rope kernel reads)."""
+        return not self.dynamic

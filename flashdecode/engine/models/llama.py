@@ -17,6 +17,7 @@ from torch import nn
 
 from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
 from flashdecode.engine.config import ModelConfig
+from flashdecode.engine.layers import fused
 from flashdecode.engine.layers.linear import Linear, MergedLinear
 from flashdecode.engine.layers.norm import RMSNorm
 from flashdecode.engine.layers.rotary import RotaryEmbedding
@@ -40,16 +41,22 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
         self.splits = (cfg.q_size, cfg.kv_size, cfg.kv_size)
 
-    def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend):
+    def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
+                use_fused: bool = False):
         """x (tokens, hidden) -> (tokens, hidden); writes this step's K/V into kv_cache = (k_pages, v_pages)."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(tokens, self.nheads, self.head_dim)
-        k = k.view(tokens, self.nheads_kv, self.head_dim)
-        v = v.view(tokens, self.nheads_kv, self.head_dim)
-        q, k = rotary(q, k, positions, meta.rope_lens)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        backend.write_kv(k_cache, v_cache, k, v, meta)
+        if use_fused and rotary.has_table:  # one kernel: rotate q/k, write k/v into the pages
+            q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
+                                           k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim)
+        else:
+            q, k, v = qkv.split(self.splits, dim=-1)
+            q = q.view(tokens, self.nheads, self.head_dim)
+            k = k.view(tokens, self.nheads_kv, self.head_dim)
+            v = v.view(tokens, self.nheads_kv, self.head_dim)
+            q, k = rotary(q, k, positions, meta.rope_lens)
+            backend.write_kv(k_cache, v_cache, k, v, meta)
         if meta.is_prefill:
             o = backend.prefill(q, k, v, meta)
         else:
@@ -65,8 +72,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, cfg.hidden_size, False, dtype, device)
         self.intermediate_size = i
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x, use_fused: bool = False):
+        gate_up = self.gate_up_proj(x)
+        if use_fused:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -78,9 +88,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x, positions, rotary, meta, kv_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, meta, kv_cache, backend, use_fused: bool):
+        """Residual-stream form of HF's block: returns (mlp output, residual) with residual + output = HF's layer
+        output; the adds happen inside the next norms (fused with them on CUDA). residual None = first layer."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, use_fused=use_fused)
+        else:
+            h, residual = self.input_layernorm(x, residual, use_fused=use_fused)
+        h = self.self_attn(h, positions, rotary, meta, kv_cache, backend, use_fused)
+        h, residual = self.post_attention_layernorm(h, residual, use_fused=use_fused)
+        return self.mlp(h, use_fused), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, device)
+        # fused Triton elementwise kernels (norm+residual, rope+KV write, silu*mul): on CUDA by default
+        self.use_fused = torch.device(device).type == "cuda"
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -116,10 +135,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions int64 (tokens,) -> final hidden states (tokens, hidden) in the model dtype."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, meta, kv_cache, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache, backend, self.use_fused)
+        return self.model.norm(x, residual, use_fused=self.use_fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (rows, hidden) -> float32 logits (rows, vocab)."""

@@ -1,0 +1,138 @@
+"""Fused elementwise kernels for the decode step: a CUDA-graphed token still launches every kernel, and at batch 1
+each launch costs ~2 us of GPU time, so the ~40 small PyTorch ops per layer (RMSNorm in float32, rotary, silu*mul,
+K/V writes) cost as much as reading a third of the weights. These Triton kernels do each group in one launch.
+
+Each kernel reproduces the PyTorch (HF) op order and its roundings to the activation dtype, so results match the
+unfused path (``fused=False``, the CPU default) to the last bit up to reduction order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, HIDDEN, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: (residual += x; x = residual) then out = w * (x * rsqrt(mean(x^2) + eps)) in HF's roundings."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < HIDDEN
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(RES + row * stride_r + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RES + row * stride_r + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HIDDEN
+    normed = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + offs, mask=ok, other=0.0)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_o + offs, out, mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x (tokens, hidden). With ``residual`` (same shape, contiguous, updated IN PLACE to residual + x) the norm
+    is of the sum. Returns the normalised (tokens, hidden) tensor in x's dtype."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _add_rms_norm_kernel[(tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
+                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+    return out
+
+
+@triton.jit
+def _rope_heads(X, OUT, row, stride_x, stride_o, c, s, NHEADS: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Rotate-half rotary of NHEADS heads of one token: out = x * cos + rotate_half(x) * sin (HF roundings)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    ok = h < NHEADS
+    base = X + row * stride_x + h * (2 * HALF) + j
+    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    dt = OUT.dtype.element_ty
+    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    obase = OUT + row * stride_o + h * (2 * HALF) + j
+    tl.store(obase, o1, mask=ok)
+    tl.store(obase + HALF, o2, mask=ok)
+    return o1, o2
+
+
+@triton.jit
+def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT, K_CACHE, V_CACHE,
+                       stride_qkv, stride_q, stride_k, stride_v, stride_tab, stride_page_slot,
+                       NHEADS: tl.constexpr, NHEADS_KV: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr):
+    """One token: rotate q and k from the fused qkv row, write q/k/v out contiguously and k/v into its page slot."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + row)
+    j = tl.arange(0, HALF)[None, :]
+    dt = Q_OUT.dtype.element_ty
+    c = tl.load(COS + pos * stride_tab + j).to(dt).to(tl.float32)  # table halves are equal (cat(freqs, freqs))
+    s = tl.load(SIN + pos * stride_tab + j).to(dt).to(tl.float32)
+    _rope_heads(QKV, Q_OUT, row, stride_qkv, stride_q, c, s, NHEADS, HALF, BLOCK_H)
+    k1, k2 = _rope_heads(QKV + NHEADS * 2 * HALF, K_OUT, row, stride_qkv, stride_k, c, s, NHEADS_KV, HALF,
+                         BLOCK_HK)
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    ok = h < NHEADS_KV
+    vb = QKV + row * stride_qkv + (NHEADS + NHEADS_KV) * 2 * HALF + h * (2 * HALF) + j
+    v1 = tl.load(vb, mask=ok, other=0.0)
+    v2 = tl.load(vb + HALF, mask=ok, other=0.0)
+    ob = V_OUT + row * stride_v + h * (2 * HALF) + j
+    tl.store(ob, v1, mask=ok)
+    tl.store(ob + HALF, v2, mask=ok)
+    slot = tl.load(SLOTS + row)  # int64: slot * row_size can exceed 2**31 on big pools
+    cb = slot * stride_page_slot + h * (2 * HALF) + j
+    tl.store(K_CACHE + cb, k1, mask=ok)
+    tl.store(K_CACHE + cb + HALF, k2, mask=ok)
+    tl.store(V_CACHE + cb, v1, mask=ok)
+    tl.store(V_CACHE + cb + HALF, v2, mask=ok)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nheads: int,
+                   nheads_kv: int, head_dim: int):
+    """qkv (tokens, (nheads + 2 nheads_kv) head_dim) -> q (tokens, nheads, d), k, v (tokens, nheads_kv, d), all
+    contiguous, q/k rotated; k/v also written to the paged cache (num_pages, page_size, nheads_kv, d) at the flat
+    int64 ``slot_mapping``. cos/sin_table float32 (max_positions, d); positions int64 (tokens,)."""
+    tokens = qkv.shape[0]
+    q = torch.empty((tokens, nheads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, nheads_kv, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    if qkv.stride(1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("rope_and_store needs a row-major qkv and contiguous caches")
+    _rope_store_kernel[(tokens,)](
+        qkv, positions, cos_table, sin_table, slot_mapping, q, k, v, k_cache, v_cache,
+        qkv.stride(0), q.stride(0), k.stride(0), v.stride(0), cos_table.stride(0), nheads_kv * head_dim,
+        NHEADS=nheads, NHEADS_KV=nheads_kv, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(nheads),
+        BLOCK_HK=triton.next_power_of_2(nheads_kv))
+    return q, k, v
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < INTER
+    g = tl.load(GU + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + INTER + offs, mask=ok, other=0.0).to(tl.float32)
+    dt = OUT.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(OUT + row * stride_o + offs, (act * u).to(dt), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (tokens, 2 * inter) = [gate | up] -> silu(gate) * up, (tokens, inter)."""
+    tokens, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                                          BLOCK=block)
+    return out
+
