@@ -13,7 +13,7 @@ from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TILE_ELEMS = 4096  # fp32 elements of the (rows, states, headdim) tile one merge program holds
+_TILE_ELEMS = 8192  # fp32 elements of the (rows, states, headdim) tile one merge program holds: 64 splits x hd128
 
 
 def _check_state(name_o, o, name_lse, lse):
