@@ -141,12 +141,17 @@ def _head_dim_pad(headdim: int) -> int:
     return max(16, triton.next_power_of_2(headdim))
 
 
-def _smem_limit(device) -> int:
-    if device.type != "cuda":
-        return 228 * 1024
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple[int, int]:
+    """(shared memory per block in bytes, compute capability major) of a CUDA device, cached: no per-call
+    driver queries on the launch path."""
     props = torch.cuda.get_device_properties(device)
-    # Triton also keeps layout-conversion scratch in shared memory: leave some room for it.
-    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)) - 16 * 1024
+    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)), props.major
+
+
+def _smem_limit(device) -> int:
+    # A config that still overflows (Triton's own scratch) fails to compile and the autotuner drops it.
+    return _device_facts(device)[0] if device.type == "cuda" else 227 * 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,8 +178,11 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
         _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
         return
     tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device), AUTOTUNE)
-    with torch.cuda.device(q.device):
+    if q.device.index == torch.cuda.current_device():
         tuned[grid_fn](*args, **constexprs)
+    else:
+        with torch.cuda.device(q.device):
+            tuned[grid_fn](*args, **constexprs)
 
 
 _FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
@@ -205,7 +213,7 @@ def _use_tma(q, k, v, out) -> bool:
         return False
     if TMA_MODE == "1":
         return True
-    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    return q.is_cuda and _device_facts(q.device)[1] >= 9
 
 
 _ALLOCATOR_SET = False
@@ -344,13 +352,27 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _fwd(*args):
+    """The forward op: through the registered custom op while torch.compile traces (so it sees one opaque node
+    with a fake implementation), straight to the implementation in eager mode (the dispatcher layers of a
+    torch.library op cost ~100 us per call, which is most of a short prefill)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flashdecode.attn_fwd(*args)
+    return _fwd_impl(*args)
+
+
+def _bwd(*args):
+    if torch.compiler.is_compiling():
+        return torch.ops.flashdecode.attn_bwd(*args)
+    return _bwd_impl(*args)
+
+
 class _FlashAttnFunction(torch.autograd.Function):
     """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
-        out, lse = torch.ops.flashdecode.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  scale, left, right, softcap)
+        out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
         ctx.mark_non_differentiable(lse)
@@ -359,8 +381,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flashdecode.attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                    *ctx.params)
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
