@@ -73,13 +73,24 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md;
     2 stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every
     head dim and dtype. In the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross
-    several blocks and splits.
+    several blocks and splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
+    (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline). USE_TMA: host tensor
+    descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal
+    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge.
     """
     if interpret:
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
+            "USE_TMA": _is_hopper_or_newer(), "USE_PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper_or_newer() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def decode_block_m(group_rows: int) -> int:

@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compiled FlexAttention peer (default: on, off in --quick: compiles per shape)")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per point (median reported)")
     parser.add_argument("--tune", action="store_true",
-                        help="instead of the peers: time our kernel under stage-1 config variants (tile, warps, "
-                             "stages, TMA, PDL, max splits) at b1 16/2, contexts 4k/32k/128k, contiguous + page 16")
+                        help="instead of the peers: time our kernel under stage-1 config variants (tile, stages, "
+                             "TMA, PDL, block-table preload, max splits) at b1 16/2, contexts 4k/32k/128k, "
+                             "contiguous + page 16")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -271,18 +272,17 @@ def _points(args, base):
         yield "mixed", 16, [131072] + [1024] * 15, LLAMA_SHAPE, 16
 
 
-# (label, BLOCK_N, num_warps, num_stages, USE_TMA, USE_PDL, max_splits)
+# (label, overrides of heuristics.decode_block_config's answer, DECODE_MAX_SPLITS)
 TUNE_VARIANTS = [
-    ("bn128 w4 s3 ptr", 128, 4, 3, False, False, 64),
-    ("bn128 w4 s3 ptr pdl", 128, 4, 3, False, True, 64),
-    ("bn128 w4 s3 tma", 128, 4, 3, True, False, 64),
-    ("bn128 w4 s3 tma pdl", 128, 4, 3, True, True, 64),
-    ("bn128 w4 s4 tma pdl", 128, 4, 4, True, True, 64),
-    ("bn128 w4 s3 tma pdl split128", 128, 4, 3, True, True, 128),
-    ("bn64 w4 s4 ptr pdl", 64, 4, 4, False, True, 64),
-    ("bn64 w4 s5 tma pdl", 64, 4, 5, True, True, 64),
-    ("bn128 w8 s3 ptr pdl", 128, 8, 3, False, True, 64),
-    ("bn128 w4 s2 ptr pdl", 128, 4, 2, False, True, 64),
+    ("default", {}, 64),
+    ("pdl", {"USE_PDL": True}, 64),
+    ("no-tma", {"USE_TMA": False}, 64),
+    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, 64),
+    ("no-tma no-preload", {"USE_TMA": False, "PRELOAD_PAGES_MAX": 0}, 64),
+    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, 64),
+    ("bn64 s6 pdl", {"BLOCK_N": 64, "num_stages": 6, "USE_PDL": True}, 64),
+    ("s2", {"num_stages": 2}, 64),
+    ("splits32", {}, 32),
 ]
 
 
@@ -305,10 +305,8 @@ def _tune(args, bandwidth, env) -> int:
                         for _ in range(rotation_count(kv_bytes))]
                 row = dict(context=ctx, layout="contig" if layout == 0 else f"page{layout}",
                            floor_us=kv_bytes / bandwidth * 1e6)
-                for label, bn, warps, stages, tma, pdl, max_splits in TUNE_VARIANTS:
-                    heuristics.decode_block_config = (lambda *a, _c=dict(BLOCK_N=bn, num_warps=warps,
-                                                                         num_stages=stages, USE_TMA=tma,
-                                                                         USE_PDL=pdl), **k: dict(_c))
+                for label, overrides, max_splits in TUNE_VARIANTS:
+                    heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
                     heuristics.DECODE_MAX_SPLITS = max_splits
                     try:
                         fns, _ = _ours(sets)

@@ -18,30 +18,45 @@ Blocks that every row sees entirely run without masks; only the tail (or every b
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step
 
 
 @triton.jit
-def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr):
+def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
+    """Page id of the block starting at key start_n (pages that are multiples of BLOCK_N: one page per block).
+    With PRELOAD_PAGES, picked from the split's page ids already in registers instead of a memory read in the loop."""
+    if PRELOAD_PAGES > 0:
+        pick = tl.arange(0, PRELOAD_PAGES) == (start_n // PAGE_SIZE - first_page)
+        return tl.sum(tl.where(pick, split_pages, 0), 0)
+    return tl.load(bt_row + start_n // PAGE_SIZE)
+
+
+@triton.jit
+def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
     """int64 element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer.
 
     PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
-    one block-table read. Otherwise (pages of 1, 3, 16 ... tokens): a gather of one page id per key.
+    one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, gathered from the preloaded
+    split_pages (registers) when PRELOAD_PAGES, else from the block table in memory.
     """
     if PAGE_SIZE == 0:
         rows = offs_n.to(tl.int64) * stride_tok
-    elif PAGE_SIZE % BLOCK_N == 0:
-        # blocks start at multiples of BLOCK_N, so a block never straddles a page
-        page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
-        rows = page * stride_page + ((offs_n % PAGE_SIZE) * stride_tok).to(tl.int64)
     else:
-        if MASKED:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0).to(tl.int64)
+        if PAGE_SIZE % BLOCK_N == 0:
+            # blocks start at multiples of BLOCK_N, so a block never straddles a page
+            page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
+        elif PRELOAD_PAGES > 0:
+            # clamp: masked tail keys past the split may index beyond the preloaded pages
+            idx = tl.minimum(offs_n // PAGE_SIZE - first_page, PRELOAD_PAGES - 1)
+            page = tl.gather(split_pages, idx, 0)
+        elif MASKED:
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
-        rows = page * stride_page + ((offs_n % PAGE_SIZE) * stride_tok).to(tl.int64)
+            page = tl.load(bt_row + offs_n // PAGE_SIZE)
+        rows = page.to(tl.int64) * stride_page + ((offs_n % PAGE_SIZE) * stride_tok).to(tl.int64)
     return rows
 
 
@@ -60,20 +75,21 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BL
 
 
 @triton.jit
-def _tma_row(bt_row, start_n, tma_row_base, PAGE_SIZE: tl.constexpr):
+def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE: tl.constexpr,
+             PRELOAD_PAGES: tl.constexpr):
     """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins."""
     if PAGE_SIZE == 0:
         return tma_row_base + start_n
-    page = tl.load(bt_row + start_n // PAGE_SIZE)
+    page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
     return page * PAGE_SIZE + start_n % PAGE_SIZE
 
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
-                   score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col,
+                   score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -86,10 +102,11 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            row0 = _tma_row(bt_row, start_n, tma_row_base, PAGE_SIZE)
+            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
             k = k_src.load([row0, tma_col])
         else:
-            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, PAGE_SIZE, BLOCK_N, MASKED)
+            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
+                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
@@ -140,17 +157,22 @@ def decode_split_kernel(
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
 ):
     """Stage 1 (see module doc).
 
     Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
-    cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
+    cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic.
+    PRELOAD_PAGES (a power of two >= the pages one split spans, or 0): the split's block-table slice is read into
+    registers before the KV loop, so no block-table read sits between a block's address and its load.
+    USE_PDL: let the merge kernel (a programmatic dependent launch) start early; it waits on the device. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
     fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
     """
+    if USE_PDL:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     pid_hm = tl.program_id(1)
     b = tl.program_id(2)
@@ -191,6 +213,12 @@ def decode_split_kernel(
         tma_row_base = 0
     tma_col = hk * HEADDIM
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+    first_page = 0
+    split_pages = 0
+    if PAGE_SIZE > 0 and PRELOAD_PAGES > 0:
+        first_page = start // PAGE_SIZE
+        page_idx = first_page + tl.arange(0, PRELOAD_PAGES)
+        split_pages = tl.load(bt_row + page_idx, mask=page_idx < tl.cdiv(end, PAGE_SIZE), other=0)
     qpos = seqlen - SEQLEN_Q + t
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -202,12 +230,12 @@ def decode_split_kernel(
         full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
-                                   tma_col, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False, SOFTCAP, WINDOW,
-                                   DOT_PRECISION, USE_TMA)
+                                   tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
-                                   tma_col, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True, SOFTCAP, WINDOW,
-                                   DOT_PRECISION, USE_TMA)
+                                   tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
     o, lse2 = normalize_state(acc, m_i, l_i)
 
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od

@@ -25,8 +25,8 @@ def merge_many_kernel(
 ):
     """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R)).
 
-    O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN is never
-    read. The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
+    O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN may be
+    garbage (it weighs exactly 0). The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
     USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only).
     """
     if USE_PDL:
@@ -49,9 +49,11 @@ def merge_many_kernel(
         lse = tl.load(lse_base + n[None, :] * stride_lin, mask=lse_ok, other=float("-inf")).to(tl.float32)
         if not LSE_LOG2:
             lse = lse * LOG2E
-        live = lse > float("-inf")
-        o = tl.load(o_base + n[None, :, None] * stride_in, mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
-        acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o.to(tl.float32), lse)
+        # o is loaded beside lse (not behind it: one memory round trip, not two); empty states' o may be
+        # garbage (never written), so it is zeroed after the load.
+        o = tl.load(o_base + n[None, :, None] * stride_in, mask=lse_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        o = tl.where((lse > float("-inf"))[:, :, None], o.to(tl.float32), 0.0)
+        acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
     # Each state is already normalised, so (acc, m, l) is exactly a running state over the union of their keys.
     o, lse2 = normalize_state(acc, m_i, l_i)
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od

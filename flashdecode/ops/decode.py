@@ -29,6 +29,14 @@ _MAX_HEADDIM = 256
 LOG2E = 1.4426950408889634
 
 
+def _full_device(device) -> torch.device:
+    """torch.device with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to tensor.device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _interpreting(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -143,6 +151,7 @@ class _DecodeShape:
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
                                                                     self.block_d)
         self.use_pdl = cfg.get("USE_PDL", False)
+        self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
 
     def check_out(self, out, q):
         if out is None:
@@ -207,8 +216,19 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
+        USE_PDL=shape.use_pdl and not final, PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
         num_warps=shape.num_warps, num_stages=shape.num_stages,
     )
+
+
+def _preload_pages(shape, num_splits, min_chunk) -> int:
+    """Block-table entries one split can span (power of two), to hold in registers; 0 when too many (then the
+    loop reads the block table). The bound comes from the capacity, a host-side shape: no sync."""
+    if not shape.paged or shape.preload_max <= 0:
+        return 0
+    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * shape.block_n) * shape.block_n, min_chunk)
+    pages = heuristics.next_power_of_2(heuristics.cdiv(chunk_max, shape.page_size) + 1)
+    return pages if pages <= shape.preload_max else 0
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
@@ -337,7 +357,7 @@ class DecodePlan:
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
         self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
-        self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, torch.device(device)
+        self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, _full_device(device)
         self.max_seqlen_k = max_seqlen_k
         self.num_splits = num_splits if num_splits is not None else self._default_splits(balance_mixed)
         if self.num_splits < 1:
