@@ -94,6 +94,12 @@ def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT, K_CACHE, 
     tl.store(V_CACHE + cb + HALF, v2, mask=ok)
 
 
+def rope_supported(head_dim: int) -> bool:
+    """The rope kernel tiles half a head with tl.arange, which needs a power of two (head dims 16 .. 256)."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 1 and (half & (half - 1)) == 0
+
+
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nheads: int,
                    nheads_kv: int, head_dim: int):

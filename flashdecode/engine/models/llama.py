@@ -40,6 +40,7 @@ class Attention(nn.Module):
                                      cfg.qkv_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
         self.splits = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.fused_rope = fused.rope_supported(cfg.head_dim)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
                 use_fused: bool = False):
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        if use_fused and rotary.has_table:  # one kernel: rotate q/k, write k/v into the pages
+        if use_fused and self.fused_rope and rotary.has_table:  # one kernel: rotate q/k, write k/v to pages
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
                                            k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim)
         else:
