@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensor
 
 from flashdecode import heuristics
 from flashdecode.kernels import bwd as bwd_kernels
@@ -352,17 +353,21 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _tracing(x: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or isinstance(x, FakeTensor)
+
+
 def _fwd(*args):
     """The forward op: through the registered custom op while torch.compile traces (so it sees one opaque node
     with a fake implementation), straight to the implementation in eager mode (the dispatcher layers of a
     torch.library op cost ~100 us per call, which is most of a short prefill)."""
-    if torch.compiler.is_compiling():
+    if _tracing(args[0]):
         return torch.ops.flashdecode.attn_fwd(*args)
     return _fwd_impl(*args)
 
 
 def _bwd(*args):
-    if torch.compiler.is_compiling():
+    if _tracing(args[0]):
         return torch.ops.flashdecode.attn_bwd(*args)
     return _bwd_impl(*args)
 
