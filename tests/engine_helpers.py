@@ -23,15 +23,19 @@ def tiny_config(kind: str, rope_scaling=None, **overrides):
         return LlamaConfig(rope_scaling=rope_scaling, **common)
     if kind == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
+    if kind == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**common)
     raise ValueError(kind)
 
 
 def save_tiny(path: Path, kind: str, seed: int = 0, shard: str | None = None, **kw) -> Path:
     """Random tiny model saved with save_pretrained (safetensors); biases made non-zero so they are tested."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[kind]
     model = cls(tiny_config(kind, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

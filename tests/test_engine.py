@@ -97,6 +97,19 @@ def test_rope_scaling_linear_dynamic(tmp_path, rope):
     assert rel_err(llm.prompt_logits(ids), hf_prompt_logits(hf_model(path), ids)) < 1e-4
 
 
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_mistral_sliding_window(tmp_path, backend):
+    """Mistral with a sliding window of 8 keys: prompts and generations longer than the window."""
+    path = save_tiny(tmp_path / "mistral", "mistral", sliding_window=8)
+    assert load_config(path).sliding_window == 8
+    hf = hf_model(path)
+    llm = LLM(path, device="cpu", attn_backend=backend, max_model_len=64)
+    ids = random_prompts([21], seed=8)[0]
+    assert rel_err(llm.prompt_logits(ids), hf_prompt_logits(hf, ids)) < 1e-4
+    out = llm.generate([ids], SamplingParams(max_new_tokens=6))[0]
+    assert out.token_ids == hf_greedy(hf, ids, 6)
+
+
 def test_sharded_checkpoint(tmp_path, ckpts):
     path = save_tiny(tmp_path / "sharded", "qwen2", shard="40KB")
     assert (path / "model.safetensors.index.json").is_file()
