@@ -189,6 +189,8 @@ def run(args) -> int:
     name = args.model or (args.random_weights or "llama3-8b")
     what = (f"{name}: {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B params, bf16, random "
             f"weights" if not args.model else f"{name}, bf16")
+    what += (f"; engine: whole decode step CUDA-graphed, fused qkv/gate_up, "
+             f"{'fused Triton norm/rope/silu kernels' if model.use_fused else 'PyTorch elementwise ops'}")
     print(f"bench e2e on {env['device']} (torch {env['torch']}, triton {env['triton']}): {what}; copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; KV caches filled with random values instead of a prefill; "
           f"{args.steps} timed decode steps x {args.repeats} (median), page size {args.page_size}")
