@@ -42,6 +42,9 @@ def next_power_of_2(n: int) -> int:
 # a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
+# Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
+# smaller pages read their ids from the block table inside the KV loop.
+DECODE_MIN_PRELOAD_PAGE = 8
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,

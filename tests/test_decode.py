@@ -51,7 +51,7 @@ def test_ragged_lengths_including_zero(gen, dtype, num_splits):
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16, 64, 256])
+@pytest.mark.parametrize("page_size", [1, 3, 8, 16, 64, 256])
 def test_paged_random_permutation(gen, page_size):
     # lengths at page boundaries +-1 (and at 16-key block boundaries) plus a short one
     p = page_size
@@ -96,7 +96,7 @@ def test_softcap_and_scale(gen, softcap):
 
 
 @pytest.mark.parametrize("seqlen_q", [2, 3, 4])
-@pytest.mark.parametrize("page_size", [None, 3])
+@pytest.mark.parametrize("page_size", [None, 3, 8])
 def test_multi_token_causal(gen, seqlen_q, page_size):
     """Speculative verification: seqlen_q new tokens, causal among themselves; also lengths < seqlen_q."""
     q, k, v = _make(gen, 3, 45, 6, 2, 64, torch.float16, seqlen_q=seqlen_q)

@@ -34,13 +34,29 @@ def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexp
 
 
 @triton.jit
+def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRELOAD_PAGES: tl.constexpr):
+    """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
+    that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). Two small select-and-sum steps in
+    registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then spread it over the keys."""
+    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
+    NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
+    table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
+    row = (start_n // PAGE_SIZE - first_page) // PAGES_PER_BLOCK
+    block_pages = tl.sum(tl.where((tl.arange(0, NUM_ROWS) == row)[:, None], table, 0), 0)
+    key_page = tl.arange(0, BLOCK_N) // PAGE_SIZE
+    spread = key_page[:, None] == tl.arange(0, PAGES_PER_BLOCK)[None, :]
+    return tl.sum(tl.where(spread, block_pages[None, :], 0), 1)
+
+
+@triton.jit
 def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
     """int64 element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer.
 
     PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
-    one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, gathered from the preloaded
-    split_pages (registers) when PRELOAD_PAGES, else from the block table in memory.
+    one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded split_pages
+    (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in memory.
     """
     if PAGE_SIZE == 0:
         rows = offs_n.to(tl.int64) * stride_tok
@@ -49,9 +65,7 @@ def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages,
             # blocks start at multiples of BLOCK_N, so a block never straddles a page
             page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
         elif PRELOAD_PAGES > 0:
-            # clamp: masked tail keys past the split may index beyond the preloaded pages
-            idx = tl.minimum(offs_n // PAGE_SIZE - first_page, PRELOAD_PAGES - 1)
-            page = tl.gather(split_pages, idx, 0)
+            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
         elif MASKED:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
@@ -163,8 +177,9 @@ def decode_split_kernel(
 
     Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
     cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic.
-    PRELOAD_PAGES (a power of two >= the pages one split spans, or 0): the split's block-table slice is read into
-    registers before the KV loop, so no block-table read sits between a block's address and its load.
+    PRELOAD_PAGES (a power of two >= the pages one split spans, or 0; the launcher only sets it for pages that
+    divide BLOCK_N or are multiples of it): the split's block-table slice is read into registers before the KV
+    loop, so no block-table read sits between a block's address and its load.
     USE_PDL: let the merge kernel (a programmatic dependent launch) start early; it waits on the device. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.

@@ -224,10 +224,14 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
 def _preload_pages(shape, num_splits, min_chunk) -> int:
     """Block-table entries one split can span (power of two), to hold in registers; 0 when too many (then the
     loop reads the block table). The bound comes from the capacity, a host-side shape: no sync."""
+    page, block_n = shape.page_size, shape.block_n
     if not shape.paged or shape.preload_max <= 0:
         return 0
-    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * shape.block_n) * shape.block_n, min_chunk)
-    pages = heuristics.next_power_of_2(heuristics.cdiv(chunk_max, shape.page_size) + 1)
+    small_pages = page < block_n and block_n % page == 0 and page >= heuristics.DECODE_MIN_PRELOAD_PAGE
+    if not (small_pages or page % block_n == 0):
+        return 0  # e.g. pages of 1 or 3 keys: the loop gathers page ids from memory
+    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * block_n) * block_n, min_chunk)
+    pages = heuristics.next_power_of_2(max(heuristics.cdiv(chunk_max, page) + 1, block_n // page))
     return pages if pages <= shape.preload_max else 0
 
 
