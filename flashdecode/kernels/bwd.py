@@ -60,6 +60,41 @@ def q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Preprocess: D = rowsum(dO * O)
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def attn_bwd_delta_kernel(
+    Out, DO, Delta, cu_seqlens_q,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_deltab, stride_deltah,
+    nheads, seqlen_q,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads). Out, DO like Q; Delta fp32 laid out like lse:
+    D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // nheads
+    head = (pid_bh % nheads).to(tl.int64)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m * BLOCK_M >= seqlen_q:
+        return
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    b64 = batch.to(tl.int64)
+    row0 = q_start.to(tl.int64)
+    o = load_rows(Out + b64 * stride_ob + row0 * stride_os + head * stride_oh + offs_m[:, None] * stride_os
+                  + offs_d[None, :] * stride_od, offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
+    do = load_rows(DO + b64 * stride_dob + row0 * stride_dos + head * stride_doh + offs_m[:, None] * stride_dos
+                   + offs_d[None, :] * stride_dod, offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_deltab + head * stride_deltah + row0 + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # dK / dV
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -286,16 +286,25 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     return out, lse
 
 
+def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim):
+    """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q))."""
+    delta = torch.empty_like(lse)
+    block_m = 64 if headdim <= 128 else 32
+    grid = (triton.cdiv(sq, block_m), batch * nheads)
+    bwd_kernels.attn_bwd_delta_kernel[grid](
+        out, dout, delta, cu_seqlens_q, *_strides(out, varlen), *_strides(dout, varlen), *_lse_strides(delta, varlen),
+        nheads, sq, HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m)
+    return delta
+
+
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
               softcap):
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # delta_i = rowsum(dO_i * O_i) (FA-2's D), laid out like lse; fp32.
-    delta = (dout.float() * out.float()).sum(-1)
-    delta = (delta.transpose(0, 1) if varlen else delta.transpose(1, 2)).contiguous()
     headdim = q.shape[-1]
+    delta = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
     common_tail = (*_lse_strides(lse, varlen), *_lse_strides(delta, varlen),
