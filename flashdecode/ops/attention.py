@@ -97,10 +97,9 @@ def _check_options(causal, softmax_scale, window_size, softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: int, max_seqlen, max_name: str,
-                      device) -> int:
-    """Check one cu_seqlens tensor; returns its batch size. Value checks cost one host sync (skipped while
-    torch.compile traces)."""
+def _check_cu_seqlens_layout(name: str, cu: torch.Tensor, batch: Optional[int], max_seqlen, max_name: str,
+                             device) -> int:
+    """Type, shape and device of one cu_seqlens tensor (no host sync); returns its batch size."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -113,9 +112,20 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: 
         raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
     if not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
-    if not torch.compiler.is_compiling() and cu.numel() > 1:
+    return cu.numel() - 1
+
+
+def _check_cu_seqlens_values(checks):
+    """checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, within the packed tokens,
+    longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces)."""
+    if torch.compiler.is_compiling() or checks[0][1].numel() < 2:
+        return
+    stats = []
+    for _, cu, _, _, _ in checks:
         lens = cu[1:] - cu[:-1]
-        first, last, min_len, max_len = torch.stack([cu[0], cu[-1], lens.min(), lens.max()]).tolist()
+        stats.append(torch.stack([cu[0], cu[-1], lens.min(), lens.max()]))
+    for (name, cu, total, max_seqlen, max_name), (first, last, min_len, max_len) in zip(
+            checks, torch.stack(stats).tolist()):
         if first != 0 or min_len < 0:
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
         if last > total:
@@ -123,7 +133,6 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, batch: Optional[int], total: 
         if max_len > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
                              f"in {name}")
-    return cu.numel() - 1
 
 
 def _normalise_options(headdim, causal, softmax_scale, window_size, softcap):
@@ -440,14 +449,16 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0; sequence b owns rows
             cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
+        The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
     _check_tensor_args(q, k, v, 3, "(total, nheads, headdim)")
     _check_options(causal, softmax_scale, window_size, softcap)
-    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.shape[0], max_seqlen_q, "max_seqlen_q",
-                              q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
+    batch = _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
+    _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+                              ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
                                         right, cap)
