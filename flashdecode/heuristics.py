@@ -111,10 +111,11 @@ def decode_block_m(group_rows: int) -> int:
 # was fastest at hd128 (525 TFLOP/s vs 483 for (128, 64, 8, 3)), (128, 128, 4, 3) at hd64.
 PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3))
 # Backward dK/dV program: (BLOCK_N kv rows held, BLOCK_M q rows per step, warps, stages); dQ program: (BLOCK_M q rows
-# held, BLOCK_N kv rows per step, warps, stages). Measured on the H100 (bf16, hd128, 16k): these two were the
-# fastest of six for each pass; candidates are listed best first (the first that fits is the untuned default).
-PREFILL_BWD_KV_CANDIDATES = ((64, 64, 4, 2), (128, 64, 8, 3))
-PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (64, 64, 4, 2))
+# held, BLOCK_N kv rows per step, warps, stages). On the H100 (bf16, 16k) the first of each was fastest in a sweep
+# (and is the untuned default); the others come from the autotuned set of an earlier run that reached 363 TFLOP/s
+# fwd+bwd at hd128 non-causal (vs 317 with only two candidates each). (128, 32, 4, 3) is 2x slower for dK/dV.
+PREFILL_BWD_KV_CANDIDATES = ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3))
+PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2))
 # One small fixed config for the CPU interpreter (speed there scales with the number of ops, not the tile size).
 PREFILL_INTERPRET_BLOCKS = (32, 32)
 
