@@ -72,12 +72,11 @@ def attn_bwd_delta_kernel(
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads). Out, DO like Q; Delta fp32 laid out like lse:
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Out, DO like Q; Delta fp32 laid out like lse:
     D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // nheads
-    head = (pid_bh % nheads).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2)
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if pid_m * BLOCK_M >= seqlen_q:
@@ -146,13 +145,11 @@ def attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_k, BLOCK_N), batch * nheads_kv). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
+    """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
     (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    nheads_kv = nheads // group_size
-    batch = pid_bh // nheads_kv
-    head_kv = pid_bh % nheads_kv
+    head_kv = tl.program_id(1)
+    batch = tl.program_id(2)
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
@@ -254,11 +251,10 @@ def attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)

@@ -193,7 +193,8 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), batch * nheads).
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
+    grid dims 1 and 2).
 
     Dense: Q (batch, seqlen_q, nheads, HEAD_DIM), K/V (batch, seqlen_k, nheads_kv, HEAD_DIM), Lse (batch, nheads,
     seqlen_q) fp32. Varlen (IS_VARLEN): Q (total_q, nheads, HEAD_DIM) etc. with batch strides 0, the sequence start
@@ -204,9 +205,8 @@ def attn_fwd_kernel(
     unmasked loop.
     """
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)

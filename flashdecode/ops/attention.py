@@ -290,7 +290,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if use_tma:
         _ensure_triton_allocator()
     constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE)
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * nheads)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
     _launch("fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return out, lse
 
@@ -299,7 +299,7 @@ def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
     """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q))."""
     delta = torch.empty_like(lse)
     block_m = 64 if headdim <= 128 else 32
-    grid = (triton.cdiv(sq, block_m), batch * nheads)
+    grid = (triton.cdiv(sq, block_m), nheads, batch)
     bwd_kernels.attn_bwd_delta_kernel[grid](
         out, dout, delta, cu_seqlens_q, *_strides(out, varlen), *_strides(dout, varlen), *_lse_strides(delta, varlen),
         nheads, sq, HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m)
@@ -322,12 +322,12 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
                  *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
                  *_strides(dk, varlen), *_strides(dv, varlen), *common_tail)
-    grid_kv = lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * nheads_kv)  # noqa: E731
+    grid_kv = lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch)  # noqa: E731
     _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
                *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
                *_strides(dq, varlen), *common_tail)
-    grid_q = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * nheads)  # noqa: E731
+    grid_q = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
     _launch("bwd_dq", grid_q, dq_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return dq, dk, dv
 
