@@ -233,12 +233,14 @@ def test_gpu_multi_token_softcap_window(gen, seqlen_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size):
-    """Capture once with a plan, then change cache_seqlens and block_table contents and replay."""
+@pytest.mark.parametrize("page_size,use_pdl", [(None, False), (16, False), (None, True), (64, True)])
+def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
+    """Capture once with a plan, then change cache_seqlens and block_table contents and replay (also with the merge
+    as a programmatic dependent launch)."""
     lens0 = [9000, 17, 4000, 0]
     q, k, v = _make(gen, 4, 9000, 32, 8, 128, torch.bfloat16)
-    plan = flashdecode.DecodePlan(4, 32, 8, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE)
+    plan = flashdecode.DecodePlan(4, 32, 8, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE,
+                                  use_pdl=use_pdl)
     lens = _lens(lens0)
     table = None
     kc, vc = k, v

@@ -5,8 +5,8 @@ medians, fresh random bf16 inputs; floor = K/V bytes / measured copy bandwidth (
 Two sweeps: latency vs context at batch 1, 16 q / 2 kv heads, head dim 128 (the seeds' microbenchmark) and a
 batch sweep at the Llama-3-8B shape (32 / 8 heads, 8k context); contiguous and paged caches (random page
 permutation). Ours runs through a DecodePlan (the capturable path the engine uses); "ours-nosplit" is the
-num_splits=1 ablation. Writes decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and
-prints a markdown table.
+num_splits=1 ablation, "ours-pdl" the same plan with the merge as a programmatic dependent launch. Writes
+decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and prints a markdown table.
 
     python -m flashdecode bench decode --quick --out DIR
 """
@@ -25,8 +25,9 @@ QUICK = dict(contexts=[512, 4096, 32768, 65536, 131072], ctx_layouts=[0, 16], ba
              batch_layouts=[0, 16], batch_context=8192, mixed=True)
 FULL = dict(contexts=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072], ctx_layouts=[0, 1, 16, 64],
             batches=[1, 2, 4, 8, 16, 32, 64], batch_layouts=[0, 1, 16, 64], batch_context=8192, mixed=True)
-CONTIG_PEERS = ("ours", "ours-nosplit", "FA2", "cuDNN", "flex", "FlashInfer")
-PAGED_PEERS = ("ours", "ours-nosplit", "FlashInfer")
+CONTIG_PEERS = ("ours", "ours-nosplit", "ours-pdl", "FA2", "cuDNN", "flex", "FlashInfer")
+PAGED_PEERS = ("ours", "ours-nosplit", "ours-pdl", "FlashInfer")
+OURS = ("ours", "ours-nosplit", "ours-pdl")  # ablations of our kernel, never "the best peer"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,13 +74,14 @@ def _make_set(batch, context_lens, nheads, nheads_kv, headdim, page_size, dtype,
     return dict(q=q, k=k, v=v, lens=lens, table=table, page_size=page_size, context_lens=context_lens)
 
 
-def _ours(sets, num_splits=None):
+def _ours(sets, num_splits=None, use_pdl=None):
     import flashdecode
 
     s0 = sets[0]
     batch, nheads, headdim = s0["q"].shape
     plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, max_seqlen_k=max(s0["context_lens"]),
-                                  dtype=s0["q"].dtype, device=s0["q"].device, num_splits=num_splits)
+                                  dtype=s0["q"].dtype, device=s0["q"].device, num_splits=num_splits,
+                                  use_pdl=use_pdl)
 
     def call(s):
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"])
@@ -157,7 +159,8 @@ def _flashinfer(sets):
 
 
 BUILDERS: dict[str, Callable] = {
-    "ours": _ours, "ours-nosplit": lambda sets: _ours(sets, num_splits=1), "FA2": _sdpa("FLASH_ATTENTION"),
+    "ours": _ours, "ours-nosplit": lambda sets: _ours(sets, num_splits=1),
+    "ours-pdl": lambda sets: _ours(sets, use_pdl=True), "FA2": _sdpa("FLASH_ATTENTION"),
     "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex, "FlashInfer": _flashinfer,
 }
 
@@ -207,7 +210,7 @@ def bench_point(sweep, batch, context_lens, shape, page_size, peers, reps, bandw
 
 
 def _best_peer(row, peers):
-    times = [(p, row[p]) for p in peers if p not in ("ours", "ours-nosplit") and row.get(p)]
+    times = [(p, row[p]) for p in peers if p not in OURS and row.get(p)]
     return min(times, key=lambda t: t[1]) if times else None
 
 
@@ -223,7 +226,8 @@ def summary_line(row) -> str:
     s = f"{head}: ours {row['ours']:.1f}us"
     if row.get("best_peer"):
         s += f" vs best peer {row['best_peer']} {row[row['best_peer']]:.1f}us ({row['ours_vs_best']:.2f}x)"
-    return s + f", {row['ours_%floor']:.0f}% of floor"
+    s += f", {row['ours_%floor']:.0f}% of floor"
+    return s + (f" (with PDL {row['ours-pdl']:.1f}us)" if row.get("ours-pdl") else "")
 
 
 def _paged_vs_contig(rows) -> list[str]:

@@ -37,6 +37,11 @@ def _full_device(device) -> torch.device:
     return device
 
 
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper (sm_90) or newer GPU and no interpreter (inline asm)."""
+    return not _interpreting(device) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _interpreting(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -348,12 +353,13 @@ class DecodePlan:
     the price for uniform batches is only extra empty programs. Every ``run`` then launches a fixed grid
     (num_splits, nheads_kv, batch) + the merge, reads cache_seqlens / block_table on the device, and writes
     into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
-    those buffers and are overwritten by the next run.
+    those buffers and are overwritten by the next run. ``use_pdl`` forces the merge's programmatic dependent
+    launch on or off (None: the heuristics' default; ignored where the GPU or the interpreter cannot do it).
     """
 
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
                  dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
-                 balance_mixed: bool = True):
+                 balance_mixed: bool = True, use_pdl: bool | None = None):
         if max_batch < 1 or nheads < 1 or nheads_kv < 1 or max_seqlen_q < 1:
             raise ValueError("max_batch, nheads, nheads_kv and max_seqlen_q must be >= 1")
         if nheads % nheads_kv:
@@ -363,6 +369,8 @@ class DecodePlan:
         self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
         self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, _full_device(device)
         self.max_seqlen_k = max_seqlen_k
+        # Programmatic dependent launch of the merge (Hopper+): None = the heuristics' default.
+        self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and _pdl_capable(self.device)
         self.num_splits = num_splits if num_splits is not None else self._default_splits(balance_mixed)
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
@@ -393,6 +401,8 @@ class DecodePlan:
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
         shape.check_out(out, q)
+        if self.use_pdl is not None:
+            shape.use_pdl = self.use_pdl
         b, sq, h, d = shape.q4.shape
         if b > self.max_batch or sq > self.max_seqlen_q or h != self.nheads or d != self.headdim \
                 or shape.nheads_kv != self.nheads_kv or q.dtype != self.dtype or q.device != self.device:
