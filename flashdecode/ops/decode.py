@@ -349,8 +349,10 @@ class DecodePlan:
     Sized once for (max_batch, max_seqlen_q, nheads, headdim) and a split count chosen on the host from
     ``max_seqlen_k`` (the longest context the plan expects; lengths beyond it stay correct, only the split count
     may be less than ideal). With ``balance_mixed=True`` the split count also covers one long sequence among
-    short ones (about num_sms / nheads_kv splits) - the kernel gives short sequences fewer splits by itself, so
-    the price for uniform batches is only extra empty programs. Every ``run`` then launches a fixed grid
+    short ones (about num_sms / nheads_kv splits; the kernel gives short sequences fewer splits by itself). The
+    price is paid by large uniform batches of long sequences, which then split when they need not: measured on
+    the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
+    sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
     (num_splits, nheads_kv, batch) + the merge, reads cache_seqlens / block_table on the device, and writes
     into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
     those buffers and are overwritten by the next run. ``use_pdl`` forces the merge's programmatic dependent
