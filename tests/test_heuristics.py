@@ -10,10 +10,15 @@ def test_decode_splits_fill_the_sms_at_batch_1():
 
 
 def test_decode_splits_never_exceed_blocks_of_the_live_length():
-    assert hx.decode_num_splits(1, 2, 512, 132, block_n=128) == 4
-    assert hx.decode_num_splits(1, 2, 512, 132, block_n=128, min_blocks_per_split=2) == 2
+    assert hx.decode_num_splits(1, 2, 1024, 132, block_n=128) == 8
+    assert hx.decode_num_splits(1, 2, 1024, 132, block_n=128, min_blocks_per_split=2) == 4
     assert hx.decode_num_splits(1, 2, 1, 132, block_n=128) == 1
     assert hx.decode_num_splits(3, 2, 0, 132) == 1
+
+
+def test_short_contexts_are_not_split():
+    assert hx.decode_num_splits(1, 2, hx.DECODE_NO_SPLIT_MAX_KEYS, 132, block_n=128) == 1
+    assert hx.decode_num_splits(1, 2, hx.DECODE_NO_SPLIT_MAX_KEYS + 1, 132, block_n=128) > 1
 
 
 def test_decode_splits_shrink_with_batch():
