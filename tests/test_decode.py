@@ -356,3 +356,23 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("Triton's ptxas is not available here")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
+    from triton.runtime.errors import OutOfResources
+
+    from flashdecode.ops import decode as ops_decode
+
+    tried = []
+
+    def launch(stages):
+        tried.append(stages)
+        if stages > 2:
+            raise OutOfResources(240000, 232448, "shared memory")
+
+    key = ("test-only tile",)
+    ops_decode._launch_within_shared_memory(launch, 4, key)
+    ops_decode._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
+    assert tried == [4, 3, 2, 2]
+    with pytest.raises(OutOfResources):
+        ops_decode._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))

@@ -208,7 +208,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     stride_ls = 0 if final else lse3.stride(3)
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
-    decode_split_kernel[grid](
+    launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3,
         score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
@@ -222,8 +222,32 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final, PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
-        num_warps=shape.num_warps, num_stages=shape.num_stages,
+        num_warps=shape.num_warps, num_stages=num_stages,
     )
+    _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
+                                                           q4.dtype, shape.use_tma))
+
+
+# Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
+_STAGES_THAT_FIT: dict = {}
+
+
+def _launch_within_shared_memory(launch, num_stages, key):
+    """launch(num_stages); if the tiles do not fit in shared memory (e.g. hd256 with 64 query rows), retry with
+    fewer stages. The failure comes at compile/load time, before anything is enqueued, so this is safe during
+    warm-up; the depth that fitted is remembered, so later (captured) calls launch directly."""
+    from triton.runtime.errors import OutOfResources
+
+    stages = min(num_stages, _STAGES_THAT_FIT.get(key, num_stages))
+    while True:
+        try:
+            launch(stages)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGES_THAT_FIT[key] = stages
 
 
 def _preload_pages(shape, num_splits, min_chunk) -> int:
