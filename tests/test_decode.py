@@ -376,3 +376,29 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
     assert tried == [4, 3, 2, 2]
     with pytest.raises(OutOfResources):
         ops_decode._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_cache_beyond_2_pow_31_elements(gen, paged):
+    """Offsets past 2**31 elements (int64 address math): 17 x 128k x 8 x 128 = 2.28e9 elements per cache; the last
+    sequence is the long one, so its keys sit past the int32 range (pages 16 with an identity block table)."""
+    batch, cap, hk, d = 17, 131072, 8, 128
+    k = torch.randn(batch, cap, hk, d, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(batch, cap, hk, d, device=DEVICE, dtype=torch.bfloat16)
+    assert k.numel() > 2**31
+    q = randn(batch, 8, d, gen=gen, dtype=torch.bfloat16)
+    lens = _lens([5] * (batch - 1) + [cap - 3])
+    if paged:
+        page = 16
+        kc, vc = k.view(-1, page, hk, d), v.view(-1, page, hk, d)
+        table = torch.arange(batch * cap // page, device=DEVICE, dtype=torch.int32).view(batch, cap // page)
+        out = flashdecode.flash_decode(q, kc, vc, lens, block_table=table)
+    else:
+        out = flashdecode.flash_decode(q, k, v, lens)
+    last = slice(batch - 1, batch)
+    o64, _ = ref.decode_ref(q[last].double(), k[last].double(), v[last].double(), lens[last])
+    o_same, _ = ref.decode_ref(q[last], k[last], v[last], lens[last])
+    assert_fa_close(out[last], o64, o_same, factor=3.0, atol=1e-4)
+    o64_first, _ = ref.decode_ref(q[:1].double(), k[:1].double(), v[:1].double(), lens[:1])
+    torch.testing.assert_close(out[:1].double(), o64_first, atol=2e-2, rtol=0)
