@@ -64,7 +64,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(PARTS))
     ap.add_argument("--full", action="store_true", help="full benchmark sweeps instead of --quick")
-    ap.add_argument("--pytest-args", default="-n 8 tests", help="what pytest runs (default: the whole suite)")
+    ap.add_argument("--pytest-args", default="-n 6 --dist loadgroup tests", help="what pytest runs (default: the whole suite)")
     ap.add_argument("--tests-timeout", type=int, default=330)
     ap.add_argument("--bench-timeout", type=int, default=240, help="seconds per benchmark")
     args = ap.parse_args()

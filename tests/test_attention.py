@@ -391,6 +391,7 @@ def test_gpu_window_softcap(gen, opts):
     check_dense(gen, torch.bfloat16, 2, 2049, 3000, 4, 1, 128, grads=True, **opts)
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
 @pytest.mark.gpu
 def test_gpu_seqlen_16k_forward(gen):
     check_dense(gen, torch.bfloat16, 1, 16384, 16384, 2, 1, 128, causal=True)

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from flashdecode import heuristics
+from conftest import DEVICE
 from flashdecode.cli import build_parser, demo_rows
 
 
@@ -21,7 +22,7 @@ def test_cdiv_and_next_power_of_2():
 
 
 def test_demo_reference_rows_are_exact():
-    rows = demo_rows(torch.device("cpu"), torch.Generator().manual_seed(0))
+    rows = demo_rows(DEVICE, torch.Generator().manual_seed(0))
     names = [r[0] for r in rows]
     assert any("blockwise" in n for n in names) and any("split-KV" in n for n in names)
     for name, dtype, out_err, lse_err, _ in rows:
