@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(SETUP)
-	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 demo: $(SETUP)
 	$(RUN) -m flashdecode demo
