@@ -25,7 +25,7 @@ def test_decode_and_prefill_measurements_and_report(tmp_path):
     secs = e2e.prefill_seconds(model, "sdpa", 200, 16)
     rows.append(dict(kind="prefill", backend="sdpa", context=200, batch=1, seconds=secs, tokens_per_s=200 / secs))
     rows[0]["backend"] = "flashdecode"  # the report keys its speedups on this name
-    args = argparse.Namespace(quick=True, contexts="70", batch="2", out=str(tmp_path))
+    args = argparse.Namespace(quick=True, contexts="70", batch="2", page_size=16, out=str(tmp_path))
     env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
     e2e._write(args, env, rows, cfg, "tiny", "tiny", 3e12, ["flashdecode", "sdpa"])
     record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bf16 on CUDA, fp32 CPU)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--attn-backend", default=None, choices=BACKENDS)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 128 on CUDA)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 

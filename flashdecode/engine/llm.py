@@ -39,6 +39,10 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype), got {dtype!r}")
 
 
+def default_page_size(device: torch.device) -> int:
+    return 128 if torch.device(device).type == "cuda" else 16
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """One request's result: ``token_ids`` are the generated ids (EOS included when it stopped there)."""
@@ -68,7 +72,9 @@ class LLM:
         device: "cuda" / "cpu" (default cuda when available).
         attn_backend: flashdecode | flashdecode-nosplit | sdpa | eager | torch (default flashdecode on CUDA,
             torch on the CPU).
-        page_size: tokens per KV page.
+        page_size: tokens per KV page; default 128 on CUDA (a multiple of flash_decode's 128-key block, so its
+            stage 1 reads pages through TMA like a contiguous cache: page 16 measured +8..+50% decode time on the
+            H100, bench decode), 16 elsewhere.
         kv_cache_memory: KV pool size, int bytes or a float in (0, 1] = fraction of the free GPU memory after the
             weights are loaded; default: what max_num_seqs sequences of max_model_len tokens need, capped at 90%
             of free memory (CUDA) or 1 GiB (CPU).
@@ -79,7 +85,7 @@ class LLM:
         seed: seed of the random weights when ``model`` is a ModelConfig.
     """
 
-    def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int = 16,
+    def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0):
@@ -100,6 +106,8 @@ class LLM:
         else:
             raise TypeError(f"model must be a checkpoint directory, a ModelConfig or an engine model, "
                             f"got {type(model).__name__}")
+        if page_size is None:
+            page_size = default_page_size(self.device)
         for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -193,8 +201,11 @@ class LLM:
         if not seqs:
             return []
         tables = [self.block_manager.table(s.seq_id) for s in seqs]
-        logits = self.runner.prefill(seqs, tables) if is_prefill else self.runner.decode(seqs, tables)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if is_prefill:
+            logits, greedy = self.runner.prefill(seqs, tables), None
+        else:
+            logits, greedy = self.runner.decode(seqs, tables)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy)
         return self.scheduler.postprocess(seqs, tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -3,9 +3,10 @@ model (decode steps through CUDA graphs when on CUDA), and returns float32 logit
 
 Decode batches are padded up to a bucket (1, 2, 4, 8, 16, 32, ...) in graph and eager mode alike, so both run the
 very same kernels on the very same shapes (identical results). Padded rows read one token of the scratch page and
-write their K/V there. Inputs go through pinned host buffers and one non-blocking copy each; a sequence's block
-table is copied incrementally (only the pages it gained since the last step), so a 128k-token context does not
-cost a host-side rebuild per token.
+write their K/V there. The step inputs go through one pinned host buffer and one non-blocking copy; a sequence's
+block table is copied incrementally (only the pages it gained since the last step, and only on steps where some
+row gained one), so a 128k-token context does not cost a host-side rebuild per token. The GPU idles while the host
+prepares a step, so this path is kept free of per-element torch calls. The greedy argmax runs inside the graph.
 """
 
 from __future__ import annotations
@@ -50,21 +51,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------------ buffers
     def _init_decode_buffers(self, max_bs: int) -> None:
+        """Per-step inputs live in one pinned int64 host buffer (rows: input ids, positions, page slots, context
+        lengths) written through a numpy view (a numpy store costs ~0.1 us, a torch setitem a few us - per
+        sequence and step, at batch 64 that was milliseconds of idle GPU) and sent with one copy. The block
+        table has its own buffer and is copied only when a row gained pages."""
         pin = self.device.type == "cuda"
-        host = dict(dtype=torch.int64, pin_memory=pin)
-        self.h_input_ids = torch.zeros(max_bs, **host)
-        self.h_positions = torch.zeros(max_bs, **host)
-        self.h_slots = torch.zeros(max_bs, **host)
-        self.h_context_lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
+        self.h_step = torch.zeros((4, max_bs), dtype=torch.int64, pin_memory=pin)
+        self.h_step_np = self.h_step.numpy()
+        self.h_step_np[3] = 1
         self.h_block_tables = torch.full((max_bs, self.max_pages), self.scratch_page, dtype=torch.int32,
                                          pin_memory=pin)
+        self.h_block_tables_np = self.h_block_tables.numpy()
         self.row_owner = [(None, 0)] * max_bs  # ((seq_id, preemptions), pages written) per block-table row
-        dev = dict(device=self.device)
-        self.input_ids = self.h_input_ids.to(**dev)
-        self.positions = self.h_positions.to(**dev)
-        self.slots = self.h_slots.to(**dev)
-        self.context_lens = self.h_context_lens.to(**dev)
-        self.block_tables = self.h_block_tables.to(**dev)
+        self.step_inputs = self.h_step.to(self.device)
+        self.input_ids, self.positions, self.slots, self.context_lens_i64 = self.step_inputs.unbind(0)
+        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)  # what the kernels read
+        self.block_tables = self.h_block_tables.to(self.device)
+        self.greedy_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
 
     def bucket(self, batch: int) -> int:
         for b in self.buckets:
@@ -83,56 +86,64 @@ class ModelRunner:
         """Fill the host buffers for one decode step and copy them to the device. Returns the padded batch."""
         n, bs = len(seqs), self.bucket(len(seqs))
         ps = self.page_size
+        step, bt = self.h_step_np, self.h_block_tables_np
+        positions = [len(seq) - 1 for seq in seqs]  # the newest token is not in the cache yet
+        step[0, :n] = [seq.token_ids[-1] for seq in seqs]
+        step[1, :n] = positions
+        step[2, :n] = [table[p // ps] * ps + p % ps for table, p in zip(tables, positions)]
+        step[3, :n] = [p + 1 for p in positions]
+        if bs > n:  # padding rows: one token on the scratch page
+            step[:, n:bs] = ((0,), (0,), (self.scratch_page * ps,), (1,))
+        dirty_from = None  # first block-table column written this step
         for i, (seq, table) in enumerate(zip(seqs, tables)):
-            pos = len(seq) - 1  # the newest token is not in the cache yet
-            self.h_input_ids[i] = seq.token_ids[-1]
-            self.h_positions[i] = pos
-            self.h_slots[i] = table[pos // ps] * ps + pos % ps
-            self.h_context_lens[i] = pos + 1
             owner, written = self.row_owner[i]
             # a preempted sequence comes back with new pages: key the row by (id, preemption count)
             key = (seq.seq_id, seq.num_preemptions)
             if owner != key or written > len(table):
                 written = 0
             if written < len(table):
-                self.h_block_tables[i, written:len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+                bt[i, written:len(table)] = table[written:]
+                dirty_from = written if dirty_from is None else min(dirty_from, written)
             self.row_owner[i] = (key, len(table))
-        for i in range(n, bs):  # padding rows: one token on the scratch page
-            self.h_input_ids[i] = 0
-            self.h_positions[i] = 0
-            self.h_slots[i] = self.scratch_page * ps
-            self.h_context_lens[i] = 1
+        for i in range(n, bs):
             if self.row_owner[i][0] is not None:
-                self.h_block_tables[i, 0] = self.scratch_page
+                bt[i, 0] = self.scratch_page
                 self.row_owner[i] = (None, 0)
-        width = max(len(t) for t in tables)
-        for dst, src in ((self.input_ids, self.h_input_ids), (self.positions, self.h_positions),
-                         (self.slots, self.h_slots), (self.context_lens, self.h_context_lens)):
-            dst[:bs].copy_(src[:bs], non_blocking=True)
-        # stale entries beyond a row's length are never read (the kernels stop at context_lens)
-        self.block_tables[:bs, :width].copy_(self.h_block_tables[:bs, :width], non_blocking=True)
+                dirty_from = 0
+        self.step_inputs.copy_(self.h_step, non_blocking=True)
+        if dirty_from is not None:
+            # stale entries beyond a row's length are never read (the kernels stop at context_lens)
+            width = max(len(t) for t in tables)
+            self.block_tables[:bs, dirty_from:width].copy_(self.h_block_tables[:bs, dirty_from:width],
+                                                           non_blocking=True)
         return bs
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
-        """One token for each sequence. Returns float32 logits (len(seqs), vocab) (a view of a static buffer)."""
+    def decode(self, seqs: list[Sequence], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for each sequence. Returns float32 logits (len(seqs), vocab) and their argmax int64
+        (len(seqs),) (the greedy tokens, computed on the device in the same graph), views of static buffers."""
+        n = len(seqs)
         bs = self.prepare_decode(seqs, tables)
         if bs in self.graphs:
             self.graphs[bs].replay()
-            return self.graph_logits[bs][:len(seqs)]
-        return self._decode_forward(bs)[:len(seqs)]
+            logits = self.graph_logits[bs]
+        else:
+            logits = self._decode_forward(bs)
+        return logits[:n], self.greedy_tokens[:n]
 
     def _decode_forward(self, bs: int) -> torch.Tensor:
+        self.context_lens[:bs].copy_(self.context_lens_i64[:bs])  # int32 for the kernels, inside the graph
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._decode_meta(bs), self.kv_caches,
                             self.backend)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        torch.argmax(logits, dim=-1, out=self.greedy_tokens[:bs])
+        return logits
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture one decode graph per bucket, largest first, sharing one memory pool."""
-        self.h_slots.fill_(self.scratch_page * self.page_size)
-        self.slots.copy_(self.h_slots)
-        self.context_lens.fill_(1)
+        self.h_step_np[:] = ((0,), (0,), (self.scratch_page * self.page_size,), (1,))
+        self.step_inputs.copy_(self.h_step)
         self.block_tables.fill_(self.scratch_page)
         pool = None
         side = torch.cuda.Stream()

@@ -58,16 +58,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           greedy_tokens: torch.Tensor | None = None) -> list[int]:
     """Pick one token per row. logits float32 (batch, vocab); one params/generator per row. Returns host ints.
 
-    Greedy rows are one batched argmax; sampled rows draw with the exponential-race trick
-    (argmax p / E, E ~ Exp(1)), which is a categorical draw from p using the row's own generator.
+    Greedy rows are one batched argmax (or ``greedy_tokens``, int64 (batch,), the argmax already computed on the
+    device - the decode graph does it - so an all-greedy batch costs one small copy to the host); sampled rows
+    draw with the exponential-race trick (argmax p / E, E ~ Exp(1)), which is a categorical draw from p using the
+    row's own generator.
     """
     out = [0] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        if len(greedy_rows) == len(params):
+        if greedy_tokens is not None:
+            picked = greedy_tokens if len(greedy_rows) == len(params) else greedy_tokens[greedy_rows]
+        elif len(greedy_rows) == len(params):
             picked = logits.argmax(-1)
         else:
             picked = logits[greedy_rows].argmax(-1)

@@ -17,7 +17,7 @@ from torch import nn
 
 from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
 from flashdecode.engine.config import ModelConfig
-from flashdecode.engine.layers import fused
+from flashdecode.engine.layers import fused, gemv
 from flashdecode.engine.layers.linear import Linear, MergedLinear
 from flashdecode.engine.layers.norm import RMSNorm
 from flashdecode.engine.layers.rotary import RotaryEmbedding
@@ -45,8 +45,12 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
                 use_fused: bool = False):
         """x (tokens, hidden) -> (tokens, hidden); writes this step's K/V into kv_cache = (k_pages, v_pages)."""
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions, rotary, meta, kv_cache, backend, use_fused)
+
+    def attend(self, qkv, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
+               use_fused: bool = False, use_gemv: bool = False):
+        """qkv (tokens, q_size + 2 kv_size) = the qkv projection -> attention + o_proj, (tokens, hidden)."""
+        tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if use_fused and self.fused_rope and rotary.has_table:  # one kernel: rotate q/k, write k/v to pages
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
@@ -62,7 +66,10 @@ class Attention(nn.Module):
             o = backend.prefill(q, k, v, meta)
         else:
             o = backend.decode(q, k_cache, v_cache, meta)
-        return self.o_proj(o.reshape(tokens, self.nheads * self.head_dim))
+        o = o.reshape(tokens, self.nheads * self.head_dim)
+        if use_gemv:
+            return gemv.gemv(o, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -100,6 +107,24 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual, use_fused=use_fused)
         return self.mlp(h, use_fused), residual
 
+    def forward_one_token(self, x, residual, positions, rotary, meta, kv_cache, backend):
+        """forward() for a single token with every projection a Triton GEMV and the norms / silu*mul fused into
+        the GEMV input loads (6-7 launches per layer instead of 9-10). x, residual (1, hidden)."""
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None:
+            residual = x
+            qkv = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.RMSNORM,
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+        else:
+            qkv, residual = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.ADD_NORM,
+                                      residual=residual, norm_weight=self.input_layernorm.weight,
+                                      eps=self.input_layernorm.eps)
+        h = attn.attend(qkv, positions, rotary, meta, kv_cache, backend, use_fused=True, use_gemv=True)
+        gate_up, residual = gemv.gemv(h, mlp.gate_up_proj.weight, prologue=gemv.ADD_NORM, residual=residual,
+                                      norm_weight=self.post_attention_layernorm.weight,
+                                      eps=self.post_attention_layernorm.eps)
+        return gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device):
@@ -123,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, dtype, device)
         # fused Triton elementwise kernels (norm+residual, rope+KV write, silu*mul): on CUDA by default
         self.use_fused = torch.device(device).type == "cuda"
+        # single-token steps (batch-1 decode) through the Triton GEMV with fused norm/silu prologues
+        self.use_gemv = torch.device(device).type == "cuda"
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -137,12 +164,18 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions int64 (tokens,) -> final hidden states (tokens, hidden) in the model dtype."""
         x, residual = self.model.embed_tokens(input_ids), None
+        one_token = self.use_gemv and input_ids.shape[0] == 1 and self.use_fused
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache, backend, self.use_fused)
+            if one_token:
+                x, residual = layer.forward_one_token(x, residual, positions, self.rotary, meta, kv_cache, backend)
+            else:
+                x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache, backend, self.use_fused)
         return self.model.norm(x, residual, use_fused=self.use_fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (rows, hidden) -> float32 logits (rows, vocab)."""
+        if self.use_gemv and hidden.shape[0] == 1 and hidden.is_contiguous():
+            return gemv.gemv(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
