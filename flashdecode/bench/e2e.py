@@ -9,6 +9,11 @@ token), weight bytes counting every parameter (embedding included), as in BENCHM
 
     flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
         --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
+
+``--profile`` first says where a batch-1 step's time goes, in one run: engine step vs graph replay (the host's
+share), the eager step's kernels by device time, both with the Triton GEMV path and with cuBLAS projections;
+per weight shape, cuBLAS at 1/16/64 tokens vs the GEMV configs vs the copy-bandwidth floor; and the kernels of
+one long prefill (the first call of a new prefill length also autotunes the attention: read its totals with care).
 """
 
 from __future__ import annotations
