@@ -20,10 +20,33 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["tests", "decode", "prefill", "e2e"]
 
 
-def run_tests(out: Path, args: str, timeout_s: int) -> dict:
-    """The whole suite on the GPU (unmarked tests run there too, with DEVICE=cuda), pytest-xdist workers."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + args.split()
-    t0 = time.time()
+def default_test_phases() -> list[str]:
+    """The whole suite on the GPU (unmarked tests run there too, with DEVICE=cuda) in two phases: kernel tests on 6
+    pytest-xdist workers, then the engine tests (each builds models of the Llama-3-8B shape and sizes a KV pool from
+    free memory) on 2, so that the workers sharing the GPU do not run it out of memory."""
+    engine = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_engine*.py"))
+    engine += ["tests/test_kv_cache.py", "tests/test_scheduler.py"]
+    ignores = " ".join(f"--ignore={p}" for p in engine)
+    return [f"-n 6 --dist loadgroup tests {ignores}", "-n 2 --dist loadgroup " + " ".join(engine)]
+
+
+def run_tests(out: Path, phases: list[str], timeout_s: int) -> dict:
+    logs, rcs, t0 = [], [], time.time()
+    for args in phases:
+        rc, log = run_pytest(args, timeout_s)
+        rcs.append(rc)
+        logs.append(f"$ pytest {args}\n{log}")
+        print("\n".join(log.strip().splitlines()[-15:]))
+    log = "\n".join(logs)
+    (out / "gpu_tests.log").write_text(log)
+    tails = [l for l in log.splitlines() if " passed" in l or " failed" in l]
+    rc = next((r for r in rcs if r != 0), 0)
+    return {"part": "tests", "status": "ok" if rc == 0 else f"rc={rc}", "summary": " | ".join(tails),
+            "seconds": round(time.time() - t0)}
+
+
+def run_pytest(args: str, timeout_s: int) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"] + args.split()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         log, rc = proc.stdout + proc.stderr, proc.returncode
@@ -31,11 +54,7 @@ def run_tests(out: Path, args: str, timeout_s: int) -> dict:
         log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         log += f"\n[gpu-check] pytest stopped after {timeout_s} s"
         rc = 124
-    (out / "gpu_tests.log").write_text(log)
-    tail = [l for l in log.strip().splitlines() if l.strip()][-1:] or ["(no output)"]
-    print("\n".join(log.strip().splitlines()[-25:]))
-    return {"part": "tests", "status": "ok" if rc == 0 else f"rc={rc}",
-            "summary": tail[0], "seconds": round(time.time() - t0)}
+    return rc, log
 
 
 def run_bench(name: str, out: Path, full: bool, timeout_s: int) -> dict:
@@ -64,7 +83,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(PARTS))
     ap.add_argument("--full", action="store_true", help="full benchmark sweeps instead of --quick")
-    ap.add_argument("--pytest-args", default="-n 6 --dist loadgroup tests", help="what pytest runs (default: the whole suite)")
+    ap.add_argument("--pytest-args", action="append", default=None,
+                    help="one pytest phase (repeatable); default: kernel tests on 6 workers, then engine tests on 2")
     ap.add_argument("--tests-timeout", type=int, default=330)
     ap.add_argument("--bench-timeout", type=int, default=240, help="seconds per benchmark")
     args = ap.parse_args()
@@ -79,7 +99,7 @@ def main() -> int:
     for part in args.only.split(","):
         part = part.strip()
         if part == "tests":
-            results.append(run_tests(out, args.pytest_args, args.tests_timeout))
+            results.append(run_tests(out, args.pytest_args or default_test_phases(), args.tests_timeout))
         elif part in PARTS:
             results.append(run_bench(part, out, args.full, args.bench_timeout))
         else:

@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """GPU suites run several pytest-xdist workers on one GPU: give each test's cached blocks back to the driver so
+    one worker's peak (a 16k float64 reference, a 2**31-element cache) does not starve the others."""
+    yield
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     return DEVICE

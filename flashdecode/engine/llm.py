@@ -162,6 +162,10 @@ class LLM:
         else:
             raise ValueError(f"kv_cache_memory must be int bytes > 0 or a float fraction, got {kv_cache_memory!r}")
         pages = budget // page_bytes
+        if pages < 1 and kv_cache_memory is None:
+            raise MemoryError(f"no GPU memory left for the KV cache: {free} bytes free on {self.device}, of which "
+                              f"~{self._activation_reserve()} are kept for activations; pass kv_cache_memory=<bytes> "
+                              f"or free GPU memory")
         if pages < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no page of {page_bytes} bytes")
         return int(pages)
