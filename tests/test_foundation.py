@@ -21,13 +21,17 @@ def test_cdiv_and_next_power_of_2():
     assert [heuristics.next_power_of_2(n) for n in (0, 1, 2, 3, 17, 64)] == [1, 1, 2, 4, 32, 64]
 
 
-def test_demo_reference_rows_are_exact():
+def test_demo_rows_are_exact_or_within_the_flash_attention_rule():
     rows = demo_rows(DEVICE, torch.Generator().manual_seed(0))
-    names = [r[0] for r in rows]
+    names = [r["algorithm"] for r in rows]
     assert any("blockwise" in n for n in names) and any("split-KV" in n for n in names)
-    for name, dtype, out_err, lse_err, _ in rows:
-        limit = 1e-12 if dtype == "float64" else 1e-2
-        assert out_err <= limit and lse_err <= limit, (name, out_err, lse_err)
+    assert any("flash_attn" in n for n in names) and any("flash_decode" in n for n in names)
+    for r in rows:
+        if r["dtype"] == "float64":
+            assert r["out_err"] <= 1e-12 and r["lse_err"] <= 1e-12, r
+        else:  # kernels: within 3x of naive attention in the same dtype (the decode factor of the rule)
+            assert r["out_err"] <= 3 * r["torch_same_dtype_err"] + 1e-3, r
+            assert r["lse_err"] <= 1e-2, r
 
 
 def test_cli_demo_prints_table():
