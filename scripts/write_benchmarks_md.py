@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 TITLES = {"decode": "Decode (Flash-Decoding)", "prefill": "Prefill / training (FlashAttention)",
@@ -41,15 +42,21 @@ def table(rows: list[dict]) -> str:
 def section(path: Path) -> str:
     rec = json.loads(path.read_text())
     env = rec.get("env", {})
+    command = re.sub(r"\S*flashdecode/__main__\.py", "python -m flashdecode", rec.get("command", "?"))
     parts = [f"### {path.stem}",
              f"Device {env.get('device')} · torch {env.get('torch')} · triton {env.get('triton')} · "
              f"CUDA {env.get('cuda')} · {env.get('date')}  ",
-             f"Command: `{rec.get('command', '?')}`", ""]
+             f"Command: `{command}`", ""]
     if rec.get("summary"):
         parts += ["Summary:", ""] + [f"- {s}" for s in rec["summary"]] + [""]
-    for note in rec.get("notes", []):
-        parts.append(f"> {note}")
-    if rec.get("rows"):
+    notes = rec.get("notes") or []
+    for note in [notes] if isinstance(notes, str) else notes:
+        parts += [f"> {note}", ""]
+    if isinstance(rec.get("table"), str):  # the benchmark's own markdown table
+        parts += [rec["table"], ""]
+    elif isinstance(rec.get("table"), list):
+        parts += [table(rec["table"]), ""]
+    elif rec.get("rows"):
         parts += [table(rec["rows"]), ""]
     for png in sorted(path.parent.glob(path.stem + "*.png")):
         parts.append(f"![{png.stem}](../benchmarks/results/{png.name})")
@@ -63,6 +70,9 @@ def main() -> int:
     args = ap.parse_args()
     files = sorted(Path(args.results).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     out = [INTRO]
+    targets = Path(args.results) / "targets.md"  # hand-written comparison with the issues' targets, if present
+    if targets.exists():
+        out.append(targets.read_text())
     for kind, title in TITLES.items():
         mine = [f for f in files if f.stem.startswith(kind + "_")]
         if mine:
