@@ -18,6 +18,7 @@ page that no sequence owns.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 import torch
@@ -48,7 +49,9 @@ class AttentionMetadata:
     rope_lens: torch.Tensor | None = None
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
+    """One attention implementation for the engine: prefill over packed prompts, decode over the paged cache."""
+
     name = "base"
     supports_cuda_graphs = True
 
@@ -59,11 +62,13 @@ class AttentionBackend:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
+    @abc.abstractmethod
     def prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        raise NotImplementedError
+        """q (total, nheads, headdim), k/v (total, nheads_kv, headdim) packed by meta.cu_seqlens -> out like q."""
 
+    @abc.abstractmethod
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        raise NotImplementedError
+        """q (batch, nheads, headdim) against the paged cache (meta.block_tables, meta.context_lens) -> like q."""
 
 
 class TorchBackend(AttentionBackend):
