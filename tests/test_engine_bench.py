@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 
 from flashdecode.bench import e2e
@@ -38,3 +39,84 @@ def test_roofline_matches_benchmarking_md():
     cfg = named_config("llama3-8b")
     assert round(e2e.roofline_tokens_per_s(cfg, 512, 1, 3.02e12)) == 187
     assert round(e2e.roofline_tokens_per_s(cfg, 65536, 1, 3.02e12)) in (122, 123)
+
+
+def _tiny_model(model_type: str, **extra):
+    raw = dict(model_type=model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **extra)
+    cfg = config_from_dict(raw)
+    model = model_class(cfg)(cfg, torch.float32, torch.device("cpu"), 512)
+    model.init_random_(0)
+    return model
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", dict(rope_parameters=LLAMA3_ROPE)),
+                                              ("qwen2", dict(tie_word_embeddings=True))])
+def test_hf_peer_shares_our_weights_and_matches_our_model(model_type, extra):
+    """The transformers peer is a fair one: same tensors (no copy), same logits and greedy tokens as our engine."""
+    pytest.importorskip("transformers")
+    from flashdecode.engine import LLM, SamplingParams
+
+    model = _tiny_model(model_type, **extra)
+    llm = LLM(model, attn_backend="torch", max_model_len=256, max_num_seqs=1)
+    ids = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours_logits = llm.prompt_logits(ids)
+    ours_tokens = llm.generate([ids], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    ours_ptrs = {p.data_ptr() for p in model.parameters()}
+    for impl in e2e.HF_IMPLEMENTATIONS:
+        hf = e2e.build_hf_peer(model, impl)
+        assert hf.config._attn_implementation == impl
+        for name, p in hf.named_parameters():  # views of our storage (fused qkv / gate_up rows): no second copy
+            assert p.untyped_storage().data_ptr() in ours_ptrs, name
+        with torch.inference_mode():
+            theirs_logits = hf(torch.tensor([ids])).logits[0].float()
+            cache = e2e.hf_prefilled_cache(hf, 0)
+            out = hf(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            first = out.logits[:, -1].argmax(-1, keepdim=True)
+            rest = [first]
+            for _ in range(11):  # the bench's own decode loop, one step at a time
+                rest.append(e2e.hf_greedy_steps(hf, cache, rest[-1], 1))
+        torch.testing.assert_close(theirs_logits, ours_logits, atol=1e-4, rtol=1e-4)
+        assert [t.item() for t in rest] == ours_tokens, impl
+
+
+def test_hf_peer_measurements_and_report(tmp_path):
+    pytest.importorskip("transformers")
+    model = _tiny_model("llama", rope_parameters=LLAMA3_ROPE)
+    hf = e2e.build_hf_peer(model, "sdpa")
+    cache = e2e.hf_prefilled_cache(hf, 70)
+    assert cache.get_seq_length() == 70
+    rows = e2e.hf_peer_rows(model, ["sdpa", "eager"], [70], steps=3, repeats=1, prefill=200)
+    decode = {r["backend"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decode) == {"hf-sdpa", "hf-eager"} and all(r["tokens_per_s"] > 0 for r in decode.values())
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    assert [r["backend"] for r in prefill] == ["hf-sdpa"] and prefill[0]["seconds"] > 0
+    ours = e2e.decode_tokens_per_s(model, "torch", context=70, batch=1, steps=3, repeats=1, page_size=16)
+    rows.append(dict(kind="decode", backend="flashdecode", context=70, batch=1, tokens_per_s=ours))
+    rows.append(dict(kind="prefill", backend="flashdecode", context=200, batch=1, seconds=0.5, tokens_per_s=400))
+    args = argparse.Namespace(quick=False, contexts="70", batch="1", page_size=16, out=str(tmp_path), hf="sdpa,eager",
+                              hf_note="hf peer: test")
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    e2e._write(args, env, rows, model.config, "tiny", "tiny", 3e12, ["flashdecode", "hf-sdpa", "hf-eager"])
+    record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    assert "x hf-sdpa" in record["summary"][0] and "x hf-eager" in record["summary"][0]
+    assert "x vs hf-sdpa" in record["table"][0] and "hf-eager tok/s" in record["table"][0]
+    assert any("x hf-sdpa)" in s for s in record["summary"] if s.startswith("prefill 200: flashdecode"))
+    assert "hf peer: test" in record["notes"]
+
+
+def test_hf_plan_parses_and_rejects():
+    args = argparse.Namespace(hf="auto", quick=True, batch="1")
+    impls, note = e2e._hf_plan(args)
+    if e2e.hf_unavailable_reason() is None:
+        assert impls == ["sdpa"]
+        args.quick = False
+        assert e2e._hf_plan(args)[0] == ["sdpa", "eager"]
+        assert e2e._hf_plan(argparse.Namespace(hf="auto", quick=False, batch="16"))[0] == []
+    assert e2e._hf_plan(argparse.Namespace(hf="none", quick=False, batch="1")) == ([], "hf peer: not run (--hf none)")
+    with pytest.raises(ValueError, match="--hf"):
+        e2e._hf_plan(argparse.Namespace(hf="flash", quick=False, batch="1"))

@@ -7,6 +7,12 @@ scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (
 token), weight bytes counting every parameter (embedding included), as in BENCHMARKING.md. Prefill: one prompt of
 ``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
 
+Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
+random weights, no second 16 GB copy): batch-1 greedy decode as users run it (``model(next_token,
+past_key_values=cache)`` in a Python loop, CUDA-event timed) with a DynamicCache pre-filled with random K/V of each
+context, and an hf-sdpa forward over the ``--prefill`` prompt (last-position logits). Skipped, with the reason
+printed, when transformers cannot be imported.
+
     flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
         --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
 
@@ -46,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=65536, help="prefill length timed (0 to skip)")
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per point")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    parser.add_argument("--hf", default="auto",
+                        help="transformers peer sharing our random weights, batch-1 decode per context + an sdpa "
+                             "prefill: comma-separated attn_implementations (sdpa,eager); 'auto' = sdpa,eager "
+                             "(--quick: sdpa); 'none' to skip. Skipped with a printed reason without transformers")
     parser.add_argument("--page-size", type=int, default=128,
                         help="KV page size (the engine's CUDA default; 16 for the run before 2026-11-22 05:40)")
     parser.add_argument("--quick", action="store_true",
@@ -173,6 +183,217 @@ def prefill_seconds(model, backend: str, length: int, page_size: int) -> float:
         _release()
 
 
+# ------------------------------------------------------------------------------------------------------ HF peer
+HF_IMPLEMENTATIONS = ("sdpa", "eager")
+HF_KV_NOTE = "hf decode: DynamicCache pre-filled with random K/V (no prefill), eager PyTorch loop, batch 1"
+
+
+def hf_unavailable_reason() -> str | None:
+    """Why the transformers peer cannot run here (None when it can)."""
+    try:
+        import transformers  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install: the peer is optional, say why it is skipped
+        return f"transformers not importable ({type(e).__name__}: {str(e)[:80]})"
+    return None
+
+
+def hf_config(cfg, attn_implementation: str):
+    """Our ModelConfig -> the transformers config of the same architecture and shape (4.x rope spelling, which 5.x
+    converts to ``rope_parameters``)."""
+    import transformers
+
+    if attn_implementation not in HF_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {HF_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    rope = cfg.rope
+    scaling = None
+    if rope.rope_type != "default":
+        scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
+        if rope.rope_type == "llama3":
+            scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
+        if rope.original_max_position_embeddings is not None:
+            scaling["original_max_position_embeddings"] = rope.original_max_position_embeddings
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                  num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                  max_position_embeddings=cfg.max_position_embeddings, rope_theta=rope.theta, rope_scaling=scaling,
+                  tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=None, bos_token_id=None,
+                  attn_implementation=attn_implementation)
+    if cfg.model_type == "qwen2":
+        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    if cfg.model_type == "mistral":
+        return (transformers.MistralConfig(sliding_window=cfg.sliding_window, **common),
+                transformers.MistralForCausalLM)
+    return (transformers.LlamaConfig(attention_bias=cfg.qkv_bias or cfg.o_bias, **common),
+            transformers.LlamaForCausalLM)
+
+
+def _our_tensor(model, hf_name: str) -> torch.Tensor:
+    """The tensor of our model that holds HF parameter ``hf_name``: a row slice (a view) of a fused projection,
+    the same tensor otherwise."""
+    if hf_name == "lm_head.weight":
+        return model.lm_head_weight
+    module_path, _, param = hf_name.rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    if leaf in model.PACKED_MODULES:
+        fused_name, shard = model.PACKED_MODULES[leaf]
+        fused_module = model.get_submodule(f"{parent}.{fused_name}")
+        start, end = fused_module.shard_rows[shard]
+        return getattr(fused_module, param)[start:end]
+    return getattr(model.get_submodule(module_path), param)
+
+
+def build_hf_peer(model, attn_implementation: str):
+    """transformers' *ForCausalLM of ``model``'s shape whose parameters ARE ``model``'s tensors (views into the
+    fused qkv / gate_up weights): the same weights, no second copy in memory. eval mode, no grad.
+
+    Only the rotary inv_freq buffers are new (recomputed by transformers from the config on ``model``'s device).
+    """
+    from torch import nn
+
+    cfg, cls = hf_config(model.config, attn_implementation)
+    weight = model.lm_head_weight
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cfg.dtype = weight.dtype
+    else:
+        cfg.torch_dtype = weight.dtype
+    with torch.device("meta"):
+        hf = cls(cfg)
+    for name, _ in list(hf.named_parameters(remove_duplicate=False)):
+        module_path, _, param = name.rpartition(".")
+        ours = _our_tensor(model, name)
+        target = hf.get_submodule(module_path)
+        if tuple(getattr(target, param).shape) != tuple(ours.shape):
+            raise ValueError(f"HF peer {name}: shape {tuple(getattr(target, param).shape)} vs ours {tuple(ours.shape)}")
+        target._parameters[param] = nn.Parameter(ours, requires_grad=False)
+    for module_name, module in list(hf.named_modules()):
+        if module_name.endswith("rotary_emb"):  # built on meta: rebuild it (transformers computes it on the CPU)
+            parent, _, leaf = module_name.rpartition(".")
+            rebuilt = type(module)(config=cfg).to(weight.device)
+            setattr(hf.get_submodule(parent) if parent else hf, leaf, rebuilt)
+    leftover = [n for n, b in hf.named_buffers() if b.is_meta] + [n for n, p in hf.named_parameters() if p.is_meta]
+    if leftover:
+        raise ValueError(f"HF peer: tensors left on the meta device: {leftover[:6]}")
+    return hf.eval()
+
+
+def _timed(device: torch.device, fn):
+    """(seconds, result) of ``fn()``: CUDA events around it on CUDA (no host sync inside), wall time on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, result
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def hf_prefilled_cache(hf, context: int, seed: int = 0):
+    """A DynamicCache holding ``context`` positions of random K/V per layer, (1, kv_heads, context, head_dim) in the
+    model dtype (decode speed does not depend on the cache content; a real 128k prefill would cost minutes)."""
+    from transformers import DynamicCache
+
+    cfg = hf.config
+    weight = hf.get_output_embeddings().weight
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    cache = DynamicCache()
+    shape = (1, cfg.num_key_value_heads, context, head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
+        v = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
+        cache.update(k, v, layer)
+        del k, v
+    return cache
+
+
+@torch.inference_mode()
+def hf_greedy_steps(hf, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy decode steps as users run them: model(next_token, past_key_values=cache) in a Python loop.
+    token int64 (1, 1) on the model's device -> the last generated token (1, 1); no host sync in the loop."""
+    for _ in range(steps):
+        logits = hf(input_ids=token, past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)
+    return token
+
+
+def hf_decode_tokens_per_s(hf, context: int, steps: int, repeats: int) -> float:
+    """Batch-1 tokens/s of transformers' greedy decode with ``context`` cached positions (median of ``repeats``)."""
+    device = hf.get_output_embeddings().weight.device
+    cache = hf_prefilled_cache(hf, context, seed=context)
+    try:
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        token = hf_greedy_steps(hf, cache, token, 3)  # warm-up
+        _sync(device)
+        rates = []
+        for _ in range(repeats):
+            secs, token = _timed(device, lambda: hf_greedy_steps(hf, cache, token, steps))
+            rates.append(steps / secs)
+        return statistics.median(rates)
+    finally:
+        del cache
+        _release()
+
+
+def _logits_to_keep_kwarg(hf) -> dict:
+    import inspect
+
+    params = inspect.signature(hf.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # transformers >= 4.50 / 4.45-4.49
+        if name in params:
+            return {name: 1}
+    return {}
+
+
+def hf_prefill_seconds(hf, length: int, seed: int = 0) -> float:
+    """Seconds of transformers' forward over one ``length``-token prompt (no KV cache kept, logits of the last
+    position only where the API allows); best of 2 after a 1024-token warm-up."""
+    device = hf.get_output_embeddings().weight.device
+    gen = torch.Generator().manual_seed(length + seed)
+    ids = torch.randint(0, hf.config.vocab_size, (1, length), generator=gen).to(device)
+    extra = _logits_to_keep_kwarg(hf)
+    with torch.inference_mode():
+        hf(input_ids=ids[:, :1024], use_cache=False, **extra)
+        _sync(device)
+        times = [_timed(device, lambda: hf(input_ids=ids, use_cache=False, **extra))[0] for _ in range(2)]
+    _release()
+    return min(times)
+
+
+def hf_peer_rows(model, impls: list[str], contexts: list[int], steps: int, repeats: int, prefill: int) -> list:
+    """Decode rows (backend ``hf-<impl>``, batch 1) per context and a ``hf-sdpa`` prefill row, measured on a
+    transformers model sharing ``model``'s weights. An OOM point becomes a row with its error."""
+    from tqdm import tqdm
+
+    rows = []
+    for impl in impls:
+        hf = build_hf_peer(model, impl)
+        for ctx in tqdm(contexts, desc=f"hf-{impl} decode"):
+            try:
+                rate, err = hf_decode_tokens_per_s(hf, ctx, steps, repeats), None
+            except torch.cuda.OutOfMemoryError as e:
+                rate, err = None, f"OOM: {str(e)[:80]}"
+                _release()
+            rows.append(dict(kind="decode", backend=f"hf-{impl}", context=ctx, batch=1, tokens_per_s=rate,
+                             roofline_tokens_per_s=None, pct_roofline=None, error=err, kv=HF_KV_NOTE))
+        if prefill and impl == "sdpa":  # eager materialises (heads, n, n) scores: 256 GB at 64k, not run
+            try:
+                secs = hf_prefill_seconds(hf, prefill)
+                rows.append(dict(kind="prefill", backend="hf-sdpa", context=prefill, batch=1, seconds=secs,
+                                 tokens_per_s=prefill / secs))
+                print(f"prefill {prefill} tokens, hf-sdpa: {secs:.2f} s")
+            except torch.cuda.OutOfMemoryError as e:
+                print(f"prefill {prefill} tokens, hf-sdpa: OOM ({str(e)[:80]})")
+                _release()
+        del hf
+        _release()
+    return rows
+
+
 def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float) -> float:
     weight_bytes = cfg.num_parameters() * 2
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * context
@@ -231,7 +452,42 @@ def run(args) -> int:
             rows.append(dict(kind="prefill", backend=backend, context=args.prefill, batch=1, seconds=secs,
                              tokens_per_s=args.prefill / secs))
             print(f"prefill {args.prefill} tokens, {backend}: {secs:.2f} s")
+    impls, hf_note = _hf_plan(args)
+    print(hf_note)
+    if impls:  # weights shared with our model: no second copy; each point frees its cache
+        hf_rows = hf_peer_rows(model, impls, contexts, args.steps, args.repeats, args.prefill)
+        for r in hf_rows:
+            if r["kind"] == "decode":
+                r["roofline_tokens_per_s"] = roofline_tokens_per_s(cfg, r["context"], 1, bandwidth)
+                r["pct_roofline"] = None if r["tokens_per_s"] is None else 100 * r["tokens_per_s"] / r[
+                    "roofline_tokens_per_s"]
+        rows += hf_rows
+        backends = backends + [f"hf-{i}" for i in impls]
+    args.hf_note = hf_note
     return _write(args, env, rows, cfg, name, what, bandwidth, backends)
+
+
+def _hf_plan(args) -> tuple[list[str], str]:
+    """(attn_implementations of the transformers peer to run, a line saying what is run or why not)."""
+    text = (args.hf or "none").strip()
+    if text == "auto":
+        text = "sdpa" if args.quick else ",".join(HF_IMPLEMENTATIONS)
+    impls = [] if text == "none" else [i.strip() for i in text.split(",") if i.strip()]
+    bad = [i for i in impls if i not in HF_IMPLEMENTATIONS]
+    if bad:
+        raise ValueError(f"--hf must list {', '.join(HF_IMPLEMENTATIONS)} (or 'auto' / 'none'), got {bad}")
+    if not impls:
+        return [], "hf peer: not run (--hf none)"
+    reason = hf_unavailable_reason()
+    if reason:
+        return [], f"hf peer: skipped, {reason}"
+    if 1 not in _ints(args.batch):
+        return [], "hf peer: skipped, it runs at batch 1 only (--batch has no 1)"
+    import transformers
+
+    return impls, (f"hf peer: transformers {transformers.__version__} {', '.join('hf-' + i for i in impls)} "
+                   f"sharing our weights; {HF_KV_NOTE}; hf-sdpa prefill of --prefill tokens (use_cache=False, "
+                   f"last-position logits)")
 
 
 def _rate(rows, backend, ctx, bs):
@@ -260,9 +516,13 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
                               if b != "flashdecode" and row.get(f"{b} tok/s"))
             summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
                            + (f", {peers}" if peers else ""))
+    prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
-            summary.append(f"prefill {r['context']}: {r['backend']} {r['seconds']:.2f} s")
+            ratio = ""
+            if r["backend"] == "flashdecode" and "hf-sdpa" in prefill_s:
+                ratio = f" ({prefill_s['hf-sdpa'] / r['seconds']:.2f}x hf-sdpa)"
+            summary.append(f"prefill {r['context']}: {r['backend']} {r['seconds']:.2f} s{ratio}")
     columns = list(dict.fromkeys(k for r in table_rows for k in r))
     md = report.markdown_table(table_rows, columns, {c: ".1f" for c in columns if c not in
                                                                 ("batch", "context")})
@@ -273,7 +533,9 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     header = (f"# e2e decode, {what}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
               f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; KV caches filled with random values (no prefill) for "
               f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
-              f"--contexts {args.contexts} --backends {','.join(backends)} --batch {args.batch} --page-size {args.page_size}\n")
+              f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
+              f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')}\n"
+              f"{getattr(args, 'hf_note', 'hf peer: not run')}\n")
     print(header)
     print(md)
     print("\n".join(summary))
@@ -282,7 +544,8 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     report.write_json(out / f"{stem}.json", "e2e", env, rows,
                       {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
                        "table": table_rows, "notes": "decode KV filled with random values instead of a prefill; "
-                                                     "roofline counts all weights (embedding included)"})
+                                                     "roofline counts all weights (embedding included); "
+                                                     + getattr(args, "hf_note", "hf peer: not run")})
     (out / f"{stem}.md").write_text(header + "\n" + md + "\n")
     for bs in dict.fromkeys(r["batch"] for r in rows if r["kind"] == "decode"):
         series = {b: [(r["context"], r["tokens_per_s"]) for r in rows
