@@ -309,6 +309,80 @@ def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
     _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# FUSED_MERGE (opt-in): one launch, the last program of each (batch, kv head, row block) merges
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fused_merge(monkeypatch):
+    """Turn FUSED_MERGE on through the config and make the separate merge kernel unusable, so a passing test proves
+    that the single-launch path produced the result."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), FUSED_MERGE=True))
+
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("FUSED_MERGE must not launch the separate merge kernel")
+
+    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+
+
+def test_fused_merge_is_off_by_default(gen):
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    assert heuristics.decode_block_config(128, 2, False)["FUSED_MERGE"] is False
+    assert heuristics.decode_block_config(64, 2, True)["FUSED_MERGE"] is False
+    q, k, v = _make(gen, 1, 16, 4, 2, 64, torch.float16)
+    assert not ops_decode._DecodeShape(q, k, v, _lens([16]), None, None, 0.0, (-1, -1)).fused_merge
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16])
+def test_fused_merge_ragged_and_paged(gen, fused_merge, page_size):
+    q, k, v = _make(gen, 4, 50, 4, 2, 64, torch.float16)
+    out, lse = _check(q, k, v, _lens([0, 1, 17, 50]), page_size=page_size, gen=gen, num_splits=3)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_fused_merge_forced_splits(gen, fused_merge, num_splits):
+    """Any split count, also more splits than keys (empty splits still draw tickets, and may draw the last one)."""
+    q, k, v = _make(gen, 2, 40, 4, 1, 64, torch.float16)
+    _check(q, k, v, _lens([40, 5]), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q", [(2, 2, 1), (5, 1, 3), (8, 1, 1), (16, 1, 5)])
+def test_fused_merge_gqa_and_multi_token(gen, fused_merge, nheads, nheads_kv, seqlen_q):
+    """GQA groups 1/5/8 and seqlen_q 1/3; 16 heads x 5 tokens = 80 rows use two row blocks (two counters)."""
+    q, k, v = _make(gen, 2, 37, nheads, nheads_kv, 64, torch.float32 if seqlen_q == 3 else torch.float16,
+                    seqlen_q=seqlen_q)
+    _check(q, k, v, _lens([37, 20]), num_splits=3)
+
+
+def test_fused_merge_window_and_softcap(gen, fused_merge):
+    q, k, v = _make(gen, 2, 60, 4, 2, 64, torch.float16, seqlen_q=2)
+    _check(q, k, v, _lens([60, 11]), num_splits=4, window_size=(20, -1), softcap=5.0)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
+    """Repeated runs on one plan (changing lengths, as in CUDA-graph replay) stay exact: the last program of each
+    row block resets its counter, so the plan's buffer is all zeros after every run."""
+    q, k, v = _make(gen, 3, 64, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(4, 4, 2, 64, max_seqlen_k=64, dtype=torch.float16, device=DEVICE, num_splits=4)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    for lengths in ([64, 3, 0], [1, 64, 40], [64, 3, 0]):
+        lens = _lens(lengths)
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, lse_same = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        assert torch.all(plan._tickets == 0)
+
+
 _HOPPER_COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
@@ -332,8 +406,24 @@ for page, tma, preload, pdl in [(0, True, 0, True), (16, False, 64, False), (256
                  score_scale="fp32", softcap_out="fp32")
     consts = dict(SEQLEN_Q=2, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                   NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=True, WINDOW=False, FINAL=False,
-                  DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=pdl, PRELOAD_PAGES=preload)
+                  DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=pdl, PRELOAD_PAGES=preload, FUSED_MERGE=False,
+                  MERGE_BLOCK_S=1)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
+    ttgir = kernel.asm["ttgir"]
+    assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
+# FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset
+for page, tma, preload in [(0, True, 0), (16, False, 64)]:
+    kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
+    types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
+                 O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", score_scale="fp32", softcap_out="fp32")
+    consts = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
+                  NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
+                  DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PRELOAD_PAGES=preload, FUSED_MERGE=True,
+                  MERGE_BLOCK_S=4)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
+    ptx = kernel.asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
+    assert "ld.global.cg" in ptx, "partials must be read from L2"
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
@@ -345,7 +435,7 @@ print("compiled")
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals, KERNEL_NOTES.md). Compile
-    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers) and the merge for sm_90 with Triton's own
+    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers, FUSED_MERGE) and the merge for sm_90 with Triton's own
     ptxas - no GPU needed - and check that the K/V loads are software-pipelined (cp.async or TMA)."""
     import os
     import subprocess

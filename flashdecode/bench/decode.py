@@ -287,6 +287,9 @@ TUNE_VARIANTS = [
     ("bn64 s6 pdl", {"BLOCK_N": 64, "num_stages": 6, "USE_PDL": True}, 64),
     ("s2", {"num_stages": 2}, 64),
     ("splits32", {}, 32),
+    # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4; PDL is moot there)
+    ("fused-merge", {"FUSED_MERGE": True}, 64),
+    ("fused-merge bn64 s4", {"FUSED_MERGE": True, "BLOCK_N": 64, "num_stages": 4}, 64),
 ]
 
 

@@ -11,6 +11,11 @@ s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen)); splits past the en
 exit. With FINAL (one split) the program writes the normalised output and natural-log lse directly; otherwise it
 writes a normalised fp32 partial and its log2 lse for ``kernels.merge``.
 
+FUSED_MERGE (opt-in, one launch instead of two): after writing its partial, every program - empty splits included -
+draws a ticket from a per-(batch, kv head, row block) int32 counter; the program that draws ticket NUM_SPLITS - 1
+merges the NUM_SPLITS partials of its rows itself, writes the final output and lse, and sets the counter back to 0
+(so the same buffer serves the next launch and CUDA-graph replays without a memset).
+
 Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
 position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
 Blocks that every row sees entirely run without masks; only the tail (or every block under a window) is masked.
@@ -20,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step
+from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, normalize_state, online_softmax_step
 
 
 @triton.jit
@@ -145,6 +150,45 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
 
 
 @triton.jit
+def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows, lse_final_ptrs,
+                          row_ok, stride_os, stride_od, stride_ls, stride_fd,
+                          HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
+    """FUSED_MERGE epilogue, run by every program after it stored its partial (o, lse2) rows.
+
+    o_base/lse_base (BLOCK_M,): element offsets of the rows' split-0 partials in O (fp32) and LSE (log2);
+    o_final_rows (BLOCK_M,) offsets into O_FINAL (output dtype), lse_final_ptrs (BLOCK_M,) pointers to the natural-log
+    lse. ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch.
+    """
+    # All threads' partial stores must precede the release: the barrier orders them before the one thread that
+    # performs the atomic, whose acq_rel (release, cumulative) then publishes them at GPU scope.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:  # every other split has published its partial: merge them (acquire side)
+        offs_s = tl.arange(0, MERGE_BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEADDIM
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s0 in range(0, NUM_SPLITS, MERGE_BLOCK_S):
+            n = s0 + offs_s
+            ok = row_ok[:, None] & (n < NUM_SPLITS)[None, :]
+            # .cg: read other programs' partials from L2, never from a (non-coherent) L1 line
+            lse = tl.load(LSE + lse_base[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            o = tl.load(O + o_base[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od,
+                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)  # empty splits' o was never written
+            acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
+        o, lse2 = normalize_state(acc, m_i, l_i)
+        tl.store(O_FINAL + o_final_rows[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_final_ptrs, lse2 * LN2, mask=row_ok)
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # all tickets drawn: ready for the next launch
+
+
+@triton.jit
 def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
                 BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
     """[start, end) of keys this split attends to, from the live length on the device (see module doc)."""
@@ -160,18 +204,21 @@ def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, NUM_SPLITS: 
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS,
     score_scale, softcap_out, window_left, capacity,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
     stride_ob, stride_ot, stride_oh, stride_os, stride_od,
     stride_lb, stride_lt, stride_lh, stride_ls,
+    stride_fb, stride_ft, stride_fh, stride_fd,
+    stride_flb, stride_flt, stride_flh,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
 ):
     """Stage 1 (see module doc).
 
@@ -185,6 +232,9 @@ def decode_split_kernel(
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
     fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
+    FUSED_MERGE (not FINAL): also O_FINAL like Q (strides stride_f*), LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
+    natural log (strides stride_fl*), TICKETS int32 (batch * nheads_kv * NUM_M_BLOCKS,) zeros; the last program of
+    each row block merges (see module doc), MERGE_BLOCK_S partials at a time. Unused (any tensor) otherwise.
     """
     if USE_PDL:
         gdc_launch_dependents()
@@ -201,11 +251,21 @@ def decode_split_kernel(
     row_ok = rows < GROUP * SEQLEN_Q
     t = rows // GROUP
     head = hk * GROUP + rows % GROUP
-    o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
-    lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls
+    o_base = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh
+    lse_base = b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
+    o_rows = o_base + split * stride_os
+    lse_ptrs = LSE + lse_base + split * stride_ls
+    if FUSED_MERGE:
+        o_final_rows = b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
+        lse_final_ptrs = LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh
+        ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm
     if not FINAL:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            if FUSED_MERGE:  # it still draws its ticket: it may be the last one
+                _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows,
+                                      lse_final_ptrs, row_ok, stride_os, stride_od, stride_ls, stride_fd,
+                                      HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS, MERGE_BLOCK_S)
             return
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -260,3 +320,7 @@ def decode_split_kernel(
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows,
+                                  lse_final_ptrs, row_ok, stride_os, stride_od, stride_ls, stride_fd,
+                                  HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS, MERGE_BLOCK_S)

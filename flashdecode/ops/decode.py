@@ -157,6 +157,7 @@ class _DecodeShape:
                                                                     self.block_d)
         self.use_pdl = cfg.get("USE_PDL", False)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
+        self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
 
     def check_out(self, out, q):
         if out is None:
@@ -197,8 +198,10 @@ def _kv_sources(shape, k_cache, v_cache):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_table, o4, lse3, num_splits,
-                   final: bool, min_chunk: int):
-    """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials)."""
+                   final: bool, min_chunk: int, fused=None):
+    """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials).
+    fused: None, or (out4 (batch, seqlen_q, nheads, headdim), lse_out (batch, seqlen_q, nheads) fp32, tickets int32
+    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path."""
     q4 = shape.q4
     score_scale = shape.scale / shape.softcap if shape.softcap > 0 else shape.scale * LOG2E
     softcap_out = shape.softcap * LOG2E
@@ -208,25 +211,34 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     stride_ls = 0 if final else lse3.stride(3)
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
+    fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
+    f_strides = (*fo4.stride()[:3], fo4.stride(-1), *flse3.stride()[:3])
+    merge_block_s = max(1, min(heuristics.next_power_of_2(num_splits), _FUSED_MERGE_TILE_ELEMS //
+                               (shape.block_m * shape.block_d)))
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets,
         score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
-        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
+        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls, *f_strides,
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
-        USE_PDL=shape.use_pdl and not final, PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
+        USE_PDL=shape.use_pdl and not final and fused is None,
+        PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
+        FUSED_MERGE=fused is not None, MERGE_BLOCK_S=merge_block_s,
         num_warps=shape.num_warps, num_stages=num_stages,
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma))
 
+
+# fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per step (as ops/merge.py).
+_FUSED_MERGE_TILE_ELEMS = 8192
 
 # Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
 _STAGES_THAT_FIT: dict = {}
@@ -265,10 +277,16 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-                num_splits, min_chunk):
-    """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3."""
+                num_splits, min_chunk, tickets=None):
+    """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3.
+    With shape.fused_merge and num_splits > 1, one launch: stage 1 merges in its last program per row block, using
+    ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the kernel)."""
     if num_splits == 1:  # no partials, no second kernel
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
+        return
+    if shape.fused_merge:
+        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
+                       False, min_chunk, fused=(out4, lse3, tickets))
         return
     _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits, False,
                    min_chunk)
@@ -362,9 +380,18 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     if splits > 1:
         partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
+    tickets = None
+    if splits > 1 and shape.fused_merge:
+        tickets = torch.zeros(_num_tickets(b, sq, h, shape.nheads_kv), dtype=torch.int32, device=q.device)
     _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
-                _min_chunk(shape))
+                _min_chunk(shape), tickets)
     return (out, _lse_view(lse3, q)) if return_lse else out
+
+
+def _num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
+    """FUSED_MERGE counters: one per (batch, kv head, stage-1 row block) of a launch with seqlen_q new tokens."""
+    group_rows = (nheads // nheads_kv) * seqlen_q
+    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows))
 
 
 class DecodePlan:
@@ -381,6 +408,8 @@ class DecodePlan:
     into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
     those buffers and are overwritten by the next run. ``use_pdl`` forces the merge's programmatic dependent
     launch on or off (None: the heuristics' default; ignored where the GPU or the interpreter cannot do it).
+    With the config's FUSED_MERGE (off by default) a split run is one launch; the plan owns its int32 ticket
+    counters, zero at rest (each run leaves them zero again).
     """
 
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
@@ -407,6 +436,10 @@ class DecodePlan:
         splits = self.num_splits if self.num_splits > 1 else 0
         self._partial_o = torch.empty(rows * splits * headdim, **f32)
         self._partial_lse = torch.empty(rows * splits, **f32)
+        # FUSED_MERGE ticket counters (zeros; every fused launch leaves them zero again). Row blocks per kv head
+        # never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
+        self._tickets = torch.zeros(_num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
+                                    dtype=torch.int32, device=self.device)
 
     def _default_splits(self, balance_mixed):
         cfg = heuristics.decode_block_config(self.headdim, torch.empty((), dtype=self.dtype).element_size(),
@@ -444,7 +477,7 @@ class DecodePlan:
         partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if s > 1 else None
         partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if s > 1 else None
         _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, s,
-                    _min_chunk(shape))
+                    _min_chunk(shape), self._tickets)
         return (out, _lse_view(lse3, q)) if return_lse else out
 
 
