@@ -400,32 +400,30 @@ def compile_for_sm90(fn, types, consts, num_stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
-for page, tma, preload, pdl in [(0, True, 0, True), (16, False, 64, False), (256, True, 8, False), (3, False, 0, False)]:
+def compile_stage1(page, tma, preload, fused, **consts):
+    """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
     types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
                  score_scale="fp32", softcap_out="fp32")
-    consts = dict(SEQLEN_Q=2, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
-                  NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=True, WINDOW=False, FINAL=False,
-                  DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=pdl, PRELOAD_PAGES=preload, FUSED_MERGE=False,
-                  MERGE_BLOCK_S=1)
+    if fused:
+        types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
+    consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
+                       NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
+                       DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PRELOAD_PAGES=preload,
+                       FUSED_MERGE=fused, MERGE_BLOCK_S=4 if fused else 1), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
+    return kernel
+
+
+for page, tma, preload, pdl in [(0, True, 0, True), (16, False, 64, False), (256, True, 8, False), (3, False, 0, False)]:
+    compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl)
 # FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset
 for page, tma, preload in [(0, True, 0), (16, False, 64)]:
-    kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
-    types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
-                 O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", score_scale="fp32", softcap_out="fp32")
-    consts = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
-                  NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
-                  DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PRELOAD_PAGES=preload, FUSED_MERGE=True,
-                  MERGE_BLOCK_S=4)
-    kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
-    ptx = kernel.asm["ptx"]
+    ptx = compile_stage1(page, tma, preload, True).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
     assert "ld.global.cg" in ptx, "partials must be read from L2"
-    ttgir = kernel.asm["ttgir"]
-    assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True), 1)
