@@ -57,7 +57,8 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
 
     Balance: the kernel takes as long as its longest program, which holds max_seqlen_k / splits keys, while the
     whole batch holds nheads_kv * total_seqlen_k keys spread over ``num_sms * waves`` program slots. Equal work
-    per slot needs splits >= num_sms * waves * max_seqlen_k / (nheads_kv * total_seqlen_k): for equal lengths that
+    per slot needs splits ~ num_sms * waves * max_seqlen_k / (nheads_kv * total_seqlen_k), rounded down so the
+    programs fit the slots: for equal lengths that
     is num_sms * waves / (batch * nheads_kv), and one 128k sequence among short ones gets about num_sms / nheads_kv
     splits instead of the one that batch * nheads_kv alone would suggest (total_seqlen_k=None means equal lengths).
     Capped so that every split keeps >= ``min_blocks_per_split`` KV blocks of ``block_n`` keys (the partial write
@@ -69,7 +70,9 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
         return 1
     if total_seqlen_k is None or total_seqlen_k < max_seqlen_k:
         total_seqlen_k = batch * max_seqlen_k
-    want = cdiv(int(num_sms * waves) * max_seqlen_k, nheads_kv * total_seqlen_k)
+    # Rounded down: one stage-1 program fills an SM (192 KiB of shared memory), so 17 splits x 8 kv heads = 136
+    # programs on 132 SMs leave 4 programs for a second wave, while 16 x 8 = 128 fit in one.
+    want = max(1, (int(num_sms * waves) * max_seqlen_k) // (nheads_kv * total_seqlen_k))
     by_length = max(1, cdiv(max_seqlen_k, block_n * min_blocks_per_split))
     return max(1, min(want, by_length, max_splits))
 

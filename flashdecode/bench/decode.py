@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of the peers: time our kernel under stage-1 config variants (tile, stages, "
                              "TMA, PDL, block-table preload, max splits) at b1 16/2, contexts 4k/32k/128k, "
                              "contiguous + page 16")
+    parser.add_argument("--heads", default="16,2", help="--tune: q heads,kv heads (e.g. 32,8 for Llama-3-8B)")
+    parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -277,19 +279,23 @@ def _points(args, base):
 
 
 # (label, overrides of heuristics.decode_block_config's answer, DECODE_MAX_SPLITS)
-TUNE_VARIANTS = [
-    ("default", {}, 64),
-    ("pdl", {"USE_PDL": True}, 64),
-    ("no-tma", {"USE_TMA": False}, 64),
-    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, 64),
-    ("no-tma no-preload", {"USE_TMA": False, "PRELOAD_PAGES_MAX": 0}, 64),
-    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, 64),
-    ("bn64 s6 pdl", {"BLOCK_N": 64, "num_stages": 6, "USE_PDL": True}, 64),
-    ("s2", {"num_stages": 2}, 64),
-    ("splits32", {}, 32),
+TUNE_VARIANTS = [  # (label, config overrides, DECODE_MAX_SPLITS, forced num_splits or None)
+    ("default", {}, 64, None),
+    ("pdl", {"USE_PDL": True}, 64, None),
+    ("no-tma", {"USE_TMA": False}, 64, None),
+    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, 64, None),
+    ("no-tma no-preload", {"USE_TMA": False, "PRELOAD_PAGES_MAX": 0}, 64, None),
+    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, 64, None),
+    ("bn64 s6 pdl", {"BLOCK_N": 64, "num_stages": 6, "USE_PDL": True}, 64, None),
+    ("s2", {"num_stages": 2}, 64, None),
+    ("splits32", {}, 32, None),
     # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4; PDL is moot there)
-    ("fused-merge", {"FUSED_MERGE": True}, 64),
-    ("fused-merge bn64 s4", {"FUSED_MERGE": True, "BLOCK_N": 64, "num_stages": 4}, 64),
+    ("fused-merge", {"FUSED_MERGE": True}, 64, None),
+    ("fused-merge bn64 s4", {"FUSED_MERGE": True, "BLOCK_N": 64, "num_stages": 4}, 64, None),
+    # wave quantisation at 32/8 heads, batch 1: 16 splits = 128 programs (one wave of 132 SMs), 17 = 136 (two)
+    ("n16", {}, 64, 16),
+    ("n17", {}, 64, 17),
+    ("n32", {}, 64, 32),
 ]
 
 
@@ -303,20 +309,22 @@ def _tune(args, bandwidth, env) -> int:
     gen = torch.Generator(device="cuda").manual_seed(1)
     contexts = _list(args.contexts, [4096, 32768, 131072])
     layouts = _list(args.layouts, [0, 16])
+    nheads, nheads_kv = _list(args.heads, [16, 2])
+    variants = [v for v in TUNE_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
     try:
         for layout in layouts:
             for ctx in contexts:
-                kv_bytes = _kv_bytes([ctx], 2, 128, 2)
-                sets = [_make_set(1, [ctx], 16, 2, 128, layout, torch.bfloat16, gen)
+                kv_bytes = _kv_bytes([ctx], nheads_kv, 128, 2)
+                sets = [_make_set(1, [ctx], nheads, nheads_kv, 128, layout, torch.bfloat16, gen)
                         for _ in range(rotation_count(kv_bytes))]
-                row = dict(context=ctx, layout="contig" if layout == 0 else f"page{layout}",
+                row = dict(heads=f"{nheads}/{nheads_kv}", context=ctx, layout="contig" if layout == 0 else f"page{layout}",
                            floor_us=kv_bytes / bandwidth * 1e6)
-                for label, overrides, max_splits in TUNE_VARIANTS:
+                for label, overrides, max_splits, forced_splits in variants:
                     heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
                     heuristics.DECODE_MAX_SPLITS = max_splits
                     try:
-                        fns, _ = _ours(sets)
+                        fns, _ = _ours(sets, num_splits=forced_splits)
                         row[label] = cuda_graph_time_us(fns, reps=args.reps)
                     except Exception as e:
                         row[label] = None
@@ -329,8 +337,8 @@ def _tune(args, bandwidth, env) -> int:
                 torch.cuda.empty_cache()
     finally:
         heuristics.decode_block_config, heuristics.DECODE_MAX_SPLITS = base_cfg, base_max
-    labels = [v[0] for v in TUNE_VARIANTS]
-    table = markdown_table(rows, ["context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
+    labels = [v[0] for v in variants]
+    table = markdown_table(rows, ["heads", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
     out_dir = results_dir(args.out)
     write_json(out_dir / f"{result_stem('decodetune', env)}.json", "decodetune", env, rows, {"table": table})
     print(table)
