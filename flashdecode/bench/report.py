@@ -18,7 +18,10 @@ def results_dir(explicit: str | None = None) -> Path:
 
 def result_stem(kind: str, env: dict) -> str:
     device = re.sub(r"[^A-Za-z0-9]+", "-", str(env.get("device", "cpu"))).strip("-").lower()
-    return f"{kind}_{device}_{env.get('date', '')[:10]}"
+    # date and UTC time (e.g. 2026-11-22T0654): several runs a day must not overwrite each other's files
+    date = env.get("date", "")
+    stamp = date[:10] + ("T" + date[11:16].replace(":", "") if len(date) >= 16 else "")
+    return f"{kind}_{device}_{stamp}"
 
 
 def markdown_table(rows: list[dict], columns: list[str], fmt: dict | None = None) -> str:
