@@ -57,8 +57,9 @@ def run_pytest(args: str, timeout_s: int) -> tuple[int, str]:
     return rc, log
 
 
-def run_bench(name: str, out: Path, full: bool, timeout_s: int) -> dict:
+def run_bench(name: str, out: Path, full: bool, timeout_s: int, extra: list[str] | None = None) -> dict:
     cmd = [sys.executable, "-m", "flashdecode", "bench", name, "--out", str(out)] + ([] if full else ["--quick"])
+    cmd += extra or []
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout_s)
@@ -87,7 +88,15 @@ def main() -> int:
                     help="one pytest phase (repeatable); default: kernel tests on 6 workers, then engine tests on 2")
     ap.add_argument("--tests-timeout", type=int, default=330)
     ap.add_argument("--bench-timeout", type=int, default=240, help="seconds per benchmark")
+    ap.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
+                    help="extra arguments for one benchmark, e.g. 'e2e=--contexts 512,131072 --hf sdpa,eager'")
     args = ap.parse_args()
+    extra = {}
+    for item in args.bench_args:
+        name, sep, rest = item.partition("=")
+        if not sep or name not in PARTS[1:]:
+            raise SystemExit(f"--bench-args: expected NAME=ARGS with NAME in {PARTS[1:]}, got {item!r}")
+        extra[name] = rest.split()
     out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
@@ -101,7 +110,7 @@ def main() -> int:
         if part == "tests":
             results.append(run_tests(out, args.pytest_args or default_test_phases(), args.tests_timeout))
         elif part in PARTS:
-            results.append(run_bench(part, out, args.full, args.bench_timeout))
+            results.append(run_bench(part, out, args.full, args.bench_timeout, extra.get(part)))
         else:
             raise SystemExit(f"--only: unknown part {part!r}; expected some of {PARTS}")
     print("\n== gpu-check summary:", env.get("device"), "torch", env.get("torch"), "triton", env.get("triton"))
