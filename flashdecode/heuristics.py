@@ -124,6 +124,9 @@ PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (
 # fwd+bwd at hd128 non-causal (vs 317 with only two candidates each). (128, 32, 4, 3) is 2x slower for dK/dV.
 PREFILL_BWD_KV_CANDIDATES = ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3))
 PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2))
+# deterministic=False: the dK/dV program also adds dQ by atomics, (BLOCK_N, BLOCK_M, warps, stages). 128 KV rows per
+# program (FA2's tile at hd128) halve the atomic traffic of 64; the 64-row tiles stay for large head dims.
+PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
 # One small fixed config for the CPU interpreter (speed there scales with the number of ops, not the tile size).
 PREFILL_INTERPRET_BLOCKS = (32, 32)
 

@@ -67,11 +67,12 @@ def check_against_reference(run, run_ref, q, k, v, gen, *, grads: bool, gen_dout
 
 
 def check_dense(gen, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, *, grads=False, logit_scale=1.0,
-                **opts):
+                kernel_opts=None, **opts):
+    """kernel_opts: options only our kernel takes (deterministic)."""
     q, k, v = _inputs(gen, dtype, (batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_kv, headdim),
                       scale=logit_scale)
     return check_against_reference(
-        lambda a, b, c: flashdecode.flash_attn(a, b, c, return_lse=True, **opts),
+        lambda a, b, c: flashdecode.flash_attn(a, b, c, return_lse=True, **(kernel_opts or {}), **opts),
         lambda a, b, c: ref.attention_ref(a, b, c, **opts), q, k, v, gen, grads=grads)
 
 
@@ -81,12 +82,12 @@ def _cu_seqlens(lengths):
     return cu.to(DEVICE)
 
 
-def check_varlen(gen, dtype, lens_q, lens_k, nheads, nheads_kv, headdim, *, grads=False, **opts):
+def check_varlen(gen, dtype, lens_q, lens_k, nheads, nheads_kv, headdim, *, grads=False, kernel_opts=None, **opts):
     cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     q, k, v = _inputs(gen, dtype, (sum(lens_q), nheads, headdim), (sum(lens_k), nheads_kv, headdim))
     return check_against_reference(
         lambda a, b, c: flashdecode.flash_attn_varlen(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                      return_lse=True, **opts),
+                                                      return_lse=True, **(kernel_opts or {}), **opts),
         lambda a, b, c: ref.attention_varlen_ref(a, b, c, cu_q, cu_k, **opts), q, k, v, gen, grads=grads)
 
 
@@ -132,6 +133,20 @@ def test_forward_tensor_descriptor_path(gen, monkeypatch, case):
 def test_varlen_tensor_descriptor_path(gen, monkeypatch):
     monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
     check_varlen(gen, KERNEL_DTYPES[0], [5, 0, 70, 33], [5, 3, 70, 40], 4, 1, 64, causal=True)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0], ids=str)
+def test_negative_and_zero_softmax_scale(gen, scale):
+    """The raw-max forward loop folds a negative scale into Q's sign and is skipped for a zero scale (0 * -inf)."""
+    check_dense(gen, KERNEL_DTYPES[0], 1, 40, 70, 2, 1, 64, causal=True, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("case", [(1, 70, 33, 2, 1, 64, dict(causal=True)), (1, 40, 97, 2, 2, 64, {})],
+                         ids=lambda c: f"{c[:6]}{c[6]}")
+def test_forward_without_raw_max(gen, monkeypatch, case):
+    """The plain scale-then-max loop (FLASHDECODE_FWD_RAW_MAX=0), kept for A/B timing, stays correct."""
+    monkeypatch.setattr(attn_ops, "FWD_RAW_MAX", False)
+    check_dense(gen, KERNEL_DTYPES[0], *case[:6], **case[6])
 
 
 def test_seqlen_q_longer_than_k_causal_gives_empty_rows(gen):
@@ -195,6 +210,42 @@ def test_gradients_are_deterministic(gen):
     for _ in range(50 if HAS_CUDA else 1):
         again = _grads(q, k, v, dout, causal=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# deterministic=False: dQ by fp32 atomics inside the dK/dV pass
+NONDETERMINISTIC_CASES = [
+    (1, 65, 65, 4, 2, 64, dict(causal=True)),
+    (1, 70, 40, 5, 1, 80, dict(causal=True)),
+    (1, 40, 70, 2, 2, 64, dict(softcap=2.0, window_size=(10, 3))),
+]
+
+
+@pytest.mark.parametrize("dtype", CASE_DTYPES, ids=str)
+@pytest.mark.parametrize("case", NONDETERMINISTIC_CASES, ids=lambda c: f"{c[:6]}{c[6]}")
+def test_nondeterministic_backward_matches_reference(gen, dtype, case):
+    check_dense(gen, dtype, *case[:6], grads=True, kernel_opts=dict(deterministic=False), **case[6])
+
+
+def test_nondeterministic_varlen_backward(gen):
+    check_varlen(gen, KERNEL_DTYPES[0], [17, 1, 0, 40], [17, 9, 3, 33], 2, 1, 64, grads=True, causal=True,
+                 kernel_opts=dict(deterministic=False))
+
+
+def test_nondeterministic_mode_skips_the_dq_pass(gen, monkeypatch):
+    """deterministic=False launches the atomic dK/dV kernel and no dQ kernel; its gradients equal the
+    deterministic ones up to fp32 summation order."""
+    launched = []
+    launch = attn_ops._launch
+    monkeypatch.setattr(attn_ops, "_launch", lambda name, *a, **kw: (launched.append(name), launch(name, *a, **kw)))
+    q, k, v = _inputs(gen, KERNEL_DTYPES[0], (1, 40, 2, 64), (1, 40, 1, 64))
+    dout = randn(1, 40, 2, 64, gen=gen, dtype=q.dtype)
+    det = _grads(q, k, v, dout, causal=True)
+    assert launched == ["fwd", "bwd_dkdv", "bwd_dq"]
+    launched.clear()
+    nondet = _grads(q, k, v, dout, causal=True, deterministic=False)
+    assert launched == ["fwd", "bwd_dkdv_atomic"]
+    for a, b in zip(det, nondet):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
 
 def _grads(q, k, v, dout, **opts):
@@ -328,6 +379,8 @@ def test_rejects_bad_options():
         flashdecode.flash_attn(q, k, v, softcap=-1.0)
     with pytest.raises(TypeError, match="causal"):
         flashdecode.flash_attn(q, k, v, causal="yes")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashdecode.flash_attn(q, k, v, deterministic="no")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs two devices (cpu + cuda)")
@@ -418,3 +471,80 @@ def test_gpu_autotuned_path(gen, monkeypatch):
     """Forward through the autotuner (every candidate that fits is compiled and timed, the fastest kept)."""
     monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
     check_dense(gen, torch.bfloat16, 2, 2048, 2048, 8, 2, 128, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, causal", [(64, True), (128, True), (128, False), (256, True)], ids=str)
+def test_gpu_nondeterministic_fwd_bwd(gen, headdim, causal):
+    check_dense(gen, torch.bfloat16, 2, 1025, 1025, 4, 2, headdim, causal=causal, grads=True,
+                kernel_opts=dict(deterministic=False))
+
+
+@pytest.mark.gpu
+def test_gpu_nondeterministic_gqa_long_and_varlen(gen):
+    check_dense(gen, torch.bfloat16, 1, 4097, 4097, 16, 4, 128, causal=True, grads=True,
+                kernel_opts=dict(deterministic=False))
+    lens = torch.randint(1, 301, (24,), generator=gen).tolist()
+    check_varlen(gen, torch.bfloat16, lens, lens, 8, 2, 128, causal=True, grads=True,
+                 kernel_opts=dict(deterministic=False))
+
+
+@pytest.mark.gpu
+def test_gpu_nondeterministic_autotuned(gen, monkeypatch):
+    """Through the autotuner: every timed candidate adds into the dQ buffer, which must be re-zeroed after tuning."""
+    monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
+    check_dense(gen, torch.bfloat16, 1, 2048, 2048, 8, 2, 128, causal=True, grads=True,
+                kernel_opts=dict(deterministic=False))
+
+
+_HOPPER_COMPILE_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashdecode.kernels.bwd import attn_bwd_dkdv_kernel
+from flashdecode.kernels.fwd import attn_fwd_kernel
+
+MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
+             DOT_PRECISION="tf32")
+SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", sm_scale="fp32")
+
+
+def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
+    # what the launcher specializes: unit head-dim strides, other pointers and strides divisible by 16
+    consts = dict(consts, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")})
+    sig = {n: "constexpr" if n in consts else pointers.get(n, SCALARS.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              num_stages=num_stages))
+
+
+bf16 = dict.fromkeys(["Q", "K", "V", "DO", "DK", "DV", "Out"], "*bf16")
+fp32 = dict.fromkeys(["Lse", "Delta", "DQ"], "*fp32")
+ints = dict.fromkeys(["cu_seqlens_q", "cu_seqlens_k"], "*i32")
+kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints,
+                          dict(MASKS, BLOCK_N=128, BLOCK_M=64, ATOMIC_DQ=True), 8, 2)
+ptx = kernel.asm["ptx"]
+assert "atom.global.gpu.relaxed.add.v4.f32" in ptx or "red.global.gpu.relaxed.add.v4.f32" in ptx, "dQ atomics"
+assert "wgmma" in ptx, "dK/dV not on wgmma"
+kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
+                          dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, RAW_MAX=True), 8, 3)
+assert "wgmma" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"], "forward not on TMA + wgmma"
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics, wgmma) and the TMA raw-max forward compile
+    for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts code the GPU compiler rejects)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("Triton's ptxas is not available here")
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

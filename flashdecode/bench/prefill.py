@@ -6,6 +6,11 @@ for causal; forward+backward counts 3.5x the forward (backward = 2.5x). Every pr
 (batch = tokens // seqlen). Writes prefill_<device>_<date>.json (rows + "summary" strings) and PNGs to --out and
 prints a markdown table.
 
+Variants of our kernel timed as extra peers (``--variants``): ``nd`` = flash_attn(deterministic=False) (dQ by atomics
+in the dK/dV pass; fwd+bwd only), ``plainmax`` = forward with FLASHDECODE_FWD_RAW_MAX off (A/B of the raw-max loop).
+``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
+flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
+
     python -m flashdecode bench prefill --quick --out DIR
 """
 
@@ -18,6 +23,8 @@ from typing import Callable, Optional
 import torch
 
 PEERS = ("ours", "FA2", "cuDNN", "flex", "FA3")
+VARIANTS = ("nd", "plainmax")
+LONG = dict(seqlen=65536, nheads=32, nheads_kv=8, headdim=128)
 QUICK = dict(dtypes=["bf16"], headdims=[128, 64], seqlens=[16384, 1024], nheads=[16], causal=[False, True],
              modes=["fwd", "fwd+bwd"])
 FULL = dict(dtypes=["bf16", "fp16"], headdims=[64, 128, 256], seqlens=[512, 1024, 2048, 4096, 8192, 16384],
@@ -42,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FlashAttention-3 via FlashInfer when importable (default: on, off in --quick: its "
                              "first call JIT-compiles ~1 minute)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement window per point")
+    parser.add_argument("--variants", default=None,
+                        help="comma list of our extra variants timed as peers: nd (deterministic=False), plainmax "
+                             "(forward without the raw-max loop); default nd")
+    parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
+                        help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
 
 
 def _list(value: Optional[str], default, cast=str):
@@ -74,11 +86,42 @@ def _ours(q, k, v, causal):
     return lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal), (q, k, v)
 
 
+def _ours_nd(q, k, v, causal):
+    import flashdecode
+
+    return lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal, deterministic=False), (q, k, v)
+
+
+def _ours_plainmax(q, k, v, causal):
+    import flashdecode
+    from flashdecode.ops import attention as attn_ops
+
+    def fwd(a, b, c):
+        saved, attn_ops.FWD_RAW_MAX = attn_ops.FWD_RAW_MAX, False
+        try:
+            return flashdecode.flash_attn(a, b, c, causal=causal)
+        finally:
+            attn_ops.FWD_RAW_MAX = saved
+    return fwd, (q, k, v)
+
+
+def _ours_varlen(q, k, v, causal):
+    """One packed sequence per batch row through flash_attn_varlen (the engine's prefill call)."""
+    import flashdecode
+
+    batch, seqlen = q.shape[:2]
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=q.device)
+    flat = tuple(x.detach().reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
+    return (lambda a, b, c: flashdecode.flash_attn_varlen(a, b, c, cu, cu, seqlen, seqlen, causal=causal)), flat
+
+
 def _sdpa(backend_name):
     def build(q, k, v, causal):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = getattr(SDPBackend, backend_name)
+        if k.shape[2] != q.shape[2]:  # GQA: repeat K/V to every q head (same FLOPs; the peers' GQA support varies)
+            k, v = (x.detach().repeat_interleave(q.shape[2] // k.shape[2], dim=2) for x in (k, v))
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v))
 
         def fwd(a, b, c):
@@ -118,8 +161,9 @@ def _fa3(q, k, v, causal):
 
 
 BUILDERS = {"ours": _ours, "FA2": _sdpa("FLASH_ATTENTION"), "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex,
-            "FA3": _fa3}
-FORWARD_ONLY = {"FA3"}
+            "FA3": _fa3, "nd": _ours_nd, "plainmax": _ours_plainmax, "varlen": _ours_varlen}
+FORWARD_ONLY = {"FA3", "plainmax", "varlen"}
+BACKWARD_ONLY = {"nd"}  # deterministic=False changes only the backward
 
 
 def _time_peer(name, q, k, v, causal, mode, rep_ms):
@@ -128,6 +172,8 @@ def _time_peer(name, q, k, v, causal, mode, rep_ms):
 
     if mode == "fwd+bwd" and name in FORWARD_ONLY:
         return None, "forward only"
+    if mode == "fwd" and name in BACKWARD_ONLY:
+        return None, "same forward as ours"
     try:
         fwd, inputs = BUILDERS[name](q, k, v, causal)
         if mode == "fwd+bwd":
@@ -153,15 +199,18 @@ def _peer_available(name: str) -> bool:
     return torch.cuda.get_device_capability()[0] == 9  # FA3 is Hopper-only
 
 
-def bench_point(dtype_name, headdim, seqlen, nheads, causal, mode, peers, tokens, rep_ms) -> dict:
+def bench_point(dtype_name, headdim, seqlen, nheads, causal, mode, peers, tokens, rep_ms, nheads_kv=None) -> dict:
     dtype = DTYPES[dtype_name]
     batch = max(1, tokens // seqlen)
+    nheads_kv = nheads_kv or nheads
     gen = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + headdim)
     need_grad = mode == "fwd+bwd"
-    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen)
-               .requires_grad_(need_grad) for _ in range(3))
+    q, k, v = (torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype, generator=gen)
+               .requires_grad_(need_grad) for h in (nheads, nheads_kv, nheads_kv))
     row = dict(mode=mode, dtype=dtype_name, headdim=headdim, nheads=nheads, seqlen=seqlen, batch=batch,
                causal=causal)
+    if nheads_kv != nheads:
+        row["nheads_kv"] = nheads_kv
     for name in peers:
         ms, why = _time_peer(name, q, k, v, causal, mode, rep_ms)
         row[f"{name}_ms"] = ms
@@ -183,9 +232,10 @@ def summary_lines(rows, peers) -> list[str]:
     """Short strings like 'fwd hd128 16k causal: ours 480 vs FA2 328 (1.46x), cuDNN 571' (bf16, 16 heads)."""
     lines = []
     for r in rows:
-        if r["nheads"] != 16:
+        if r["nheads"] != 16 and "nheads_kv" not in r:
             continue
-        head = (f"{r['mode']} {r['dtype']} hd{r['headdim']} {_fmt_len(r['seqlen'])} "
+        heads = f" {r['nheads']}/{r['nheads_kv']}h" if "nheads_kv" in r else ""
+        head = (f"{r['mode']} {r['dtype']} hd{r['headdim']} {_fmt_len(r['seqlen'])}{heads} "
                 f"{'causal' if r['causal'] else 'non-causal'}")
         if r.get("ours") is None:
             lines.append(f"{head}: ours failed ({r.get('ours_skipped', '?')})")
@@ -239,6 +289,12 @@ def run(args) -> int:
     use_flex = (not args.quick) if args.flex is None else args.flex
     use_fa3 = (not args.quick) if args.fa3 is None else args.fa3
     peers = [p for p in PEERS if (p != "flex" or use_flex) and (p != "FA3" or use_fa3) and _peer_available(p)]
+    variants = _list(args.variants, ["nd"])
+    unknown = [x for x in variants if x not in VARIANTS]
+    if unknown:
+        print(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+        return 2
+    peers += variants
 
     env = env_info()
     peak = matmul_flops_per_s(8192, torch.bfloat16) / 1e12
@@ -258,6 +314,13 @@ def run(args) -> int:
                                 row["ours_%peak"] = 100.0 * row["ours"] / peak
                             rows.append(row)
                             print("  " + (summary_lines([row], peers) or [str(row)])[0], flush=True)
+    if args.long:  # the engine's 64k prefill: varlen (its call) vs dense vs peers, forward only
+        long_peers = ["ours", "varlen"] + [p for p in peers if p in ("FA2", "cuDNN", "FA3", "plainmax")]
+        row = bench_point("bf16", LONG["headdim"], LONG["seqlen"], LONG["nheads"], True, "fwd", long_peers,
+                          LONG["seqlen"], args.rep_ms, nheads_kv=LONG["nheads_kv"])
+        rows.append(row)
+        print("  " + summary_lines([row], long_peers)[0], flush=True)
+        peers = peers + ["varlen"]
 
     out_dir = results_dir(args.out)
     stem = result_stem("prefill", env)

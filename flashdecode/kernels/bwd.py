@@ -6,6 +6,9 @@ With P = exp(S - lse), D_i = rowsum(dO_i * O_i) (computed by the launcher), dP =
   * attn_bwd_dkdv_kernel: one program per (KV block, batch * kv head) holds K, V and loops over the Q blocks of
     every query head of its GQA group (the group sum happens in registers);
   * attn_bwd_dq_kernel: one program per (Q block, batch * head) holds Q, dO and loops over KV blocks.
+Opt-in non-deterministic mode (ATOMIC_DQ, FA2/FA3's choice): the dK/dV program also computes dQ += dS K for every
+Q block it visits and adds it into an fp32 buffer with atomics, so the dQ pass (and its recomputation of Q K^T and
+dO V^T: 3 of the 7 matmuls) disappears; the order of the fp32 additions varies run to run.
 Both loops skip blocks outside the causal/window band and mask only the edge blocks (segments as in fwd.py).
 Rows with lse = -inf (no visible key) get P = 0, hence zero gradients.
 """
@@ -98,15 +101,18 @@ def attn_bwd_delta_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos,
-                        stride_dod, start, end, k_pos, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
-                        window_left, window_right, qk_scale, softcap_log2,
+def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_qd,
+                        stride_dos, stride_dod, stride_dqs, stride_dqd, start, end, k_pos, offs_m, offs_d, d_mask,
+                        seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                        SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
-    form: S^T = K Q^T (BLOCK_N, BLOCK_M)."""
+    form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
+    buffer at dq_base with atomics."""
     q_ptrs = q_base + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
     do_ptrs = do_base + start.to(tl.int64) * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+    dq_ptrs = dq_base + start.to(tl.int64) * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
         q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
@@ -121,8 +127,17 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, str
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < seqlen_q) & d_mask[None, :], sem="relaxed")
+            elif EVEN_D:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+            dq_ptrs += BLOCK_M * stride_dqs
         q_ptrs += BLOCK_M * stride_qs
         do_ptrs += BLOCK_M * stride_dos
     return dk, dv
@@ -130,23 +145,25 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, str
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_deltab, stride_deltah,
     nheads, group_size, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
-    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V."""
+    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
+    like Q that receives sum_j dS_j K_j (times sm_scale later) by atomic adds; otherwise DQ is unused."""
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
@@ -181,20 +198,23 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + b64 * stride_dob + q_row0 * stride_dos + head * stride_doh
         lse_base = Lse + b64 * stride_lb + head * stride_lh + q_row0
         delta_base = Delta + b64 * stride_deltab + head * stride_deltah + q_row0
+        dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + head * stride_dqh
         if HAS_RIGHT:  # causal diagonal / right window edge
-            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
-                                         stride_dos, stride_dod, lo, full_lo, offs_n, offs_m, offs_d, d_mask,
+            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
+                                         stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask,
                                          seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
                                          softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                                         BLOCK_M)
-        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
-                                     stride_dos, stride_dod, full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
+                                         BLOCK_M, ATOMIC_DQ)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
+                                     stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
                                      seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M)
-        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd,
-                                     stride_dos, stride_dod, full_hi, hi, offs_n, offs_m, offs_d, d_mask,
+                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
+                                     ATOMIC_DQ)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
+                                     stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, full_hi, hi, offs_n, offs_m, offs_d, d_mask,
                                      seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M)
+                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
+                                     ATOMIC_DQ)
 
     out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
     dk_base = DK + b64 * stride_dkb + k_row0 * stride_dks + head_kv.to(tl.int64) * stride_dkh

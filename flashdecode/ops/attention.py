@@ -46,6 +46,9 @@ AUTOTUNE = os.environ.get("FLASHDECODE_AUTOTUNE", "1") != "0"
 TMA_MODE = os.environ.get("FLASHDECODE_TMA", "auto")
 # Triton's warp specialisation of the unmasked forward loop (needs the TMA path); off unless measured faster.
 WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
+# Forward row max on the raw dot products, scale fused into the exponent's FMA (fwd.attn_fwd_inner); "0" = the
+# plain scale-then-max loop (kept for A/B timing).
+FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "1") == "1"
 
 
 def _interpreting() -> bool:
@@ -85,9 +88,10 @@ def _check_tensor_args(q, k, v, ndim: int, layout: str):
         raise ValueError(f"k and v must have the same leading shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
-def _check_options(causal, softmax_scale, window_size, softcap):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+def _check_options(causal, softmax_scale, window_size, softcap, deterministic=True):
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be None or a finite float, got {softmax_scale!r}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -177,7 +181,9 @@ def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
     configs = [triton.Config({names[0]: c[0], names[1]: c[1]}, num_warps=c[2], num_stages=c[3]) for c in fits]
     if not autotune:
         configs = configs[:1]
-    return triton.autotune(configs=configs, key=key)(kernel)
+    # the atomic dQ buffer accumulates across launches: zero it before every timed candidate (and after tuning)
+    reset = ["DQ"] if kernel_name in _ACCUMULATING_KERNELS else None
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(kernel)
 
 
 def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.Tensor, head_dim_pad: int):
@@ -195,13 +201,18 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
             tuned[grid_fn](*args, **constexprs)
 
 
+_ACCUMULATING_KERNELS = {"bwd_dkdv_atomic"}
 _FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-              "USE_TMA", "WARP_SPECIALIZE"]
+              "USE_TMA", "WARP_SPECIALIZE", "RAW_MAX", "ATOMIC_DQ"]
 # name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
 _KERNELS = {
     "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
     "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
                  ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
+    # deterministic=False: dK/dV program that also adds dQ with atomics (its own candidates: bigger KV blocks
+    # halve the atomic traffic)
+    "bwd_dkdv_atomic": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_ATOMIC_CANDIDATES, 2, 2,
+                        ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
                _FLAG_KEYS),
 }
@@ -289,7 +300,9 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     use_tma = _use_tma(q, k, v, out)
     if use_tma:
         _ensure_triton_allocator()
-    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE)
+    # a zero scale would make the masked -inf logits 0 * -inf = NaN on the raw-max path
+    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE,
+                      RAW_MAX=FWD_RAW_MAX and softcap == 0.0 and scale != 0.0)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
     _launch("fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return out, lse
@@ -307,11 +320,15 @@ def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-              softcap):
+              softcap, deterministic=True):
+    """dq, dk, dv like q, k, v. deterministic: separate dK/dV and dQ passes (bitwise reproducible); otherwise one
+    dK/dV pass that adds dQ into an fp32 buffer with atomics, then scales and casts it."""
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
+    dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     headdim = q.shape[-1]
     delta = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
@@ -319,10 +336,14 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     common_tail = (*_lse_strides(lse, varlen), *_lse_strides(delta, varlen),
                    nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, scale, max(left, 0), max(right, 0),
                    heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k,
                  *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
-                 *_strides(dk, varlen), *_strides(dv, varlen), *common_tail)
+                 *_strides(dk, varlen), *_strides(dv, varlen), *_strides(dq, varlen), *common_tail)
     grid_kv = lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch)  # noqa: E731
+    if not deterministic:
+        _launch("bwd_dkdv_atomic", grid_kv, dkdv_args, dict(constexprs, ATOMIC_DQ=True), q,
+                constexprs["HEAD_DIM_PAD"])
+        return dq.mul_(scale).to(q.dtype), dk, dv
     _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
                *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
@@ -359,15 +380,15 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward from the saved lse: (dq, dk, dv), deterministic (no atomics)."""
+                softcap: float, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward from the saved lse: (dq, dk, dv); deterministic (no atomics) unless told otherwise."""
     return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, softcap)
+                     softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 @attn_bwd_op.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, softcap):
+                   window_left, window_right, softcap, deterministic=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -394,10 +415,11 @@ class _FlashAttnFunction(torch.autograd.Function):
     """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                deterministic):
         out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
+        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -405,7 +427,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -414,7 +436,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-               return_lse: bool = False):
+               return_lse: bool = False, deterministic: bool = True):
     """Exact attention softmax(scale * Q K^T) V, FlashAttention-2 style, differentiable in q, k, v.
 
     Args:
@@ -426,22 +448,26 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         window_size: (left, right) sliding window, -1 = unbounded (causal forces right = 0).
         softcap: > 0 applies softcap * tanh(S / softcap) to the scaled logits.
         return_lse: also return lse (batch, nheads, seqlen_q) float32, natural log (-inf on rows with no key).
+        deterministic: True (default) = bitwise reproducible gradients (separate dK/dV and dQ passes); False =
+            dQ accumulated with fp32 atomics inside the dK/dV pass (FlashAttention-2/3's way: fewer matmuls,
+            gradients vary in the last bits from run to run).
     Returns:
         out (batch, seqlen_q, nheads, headdim) like q [, lse]. Rows with no visible key give out 0, lse -inf.
     """
     _check_tensor_args(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
-    _check_options(causal, softmax_scale, window_size, softcap)
+    _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
-    out, lse = _FlashAttnFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap)
+    out, lse = _FlashAttnFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap,
+                                        deterministic)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-                      return_lse: bool = False):
+                      return_lse: bool = False, deterministic: bool = True):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
 
     Args:
@@ -450,16 +476,17 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
+        deterministic: as flash_attn.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
     _check_tensor_args(q, k, v, 3, "(total, nheads, headdim)")
-    _check_options(causal, softmax_scale, window_size, softcap)
+    _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     batch = _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
     _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
                               ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
-                                        right, cap)
+                                        right, cap, deterministic)
     return (out, lse) if return_lse else out
