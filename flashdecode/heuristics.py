@@ -86,15 +86,18 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     several blocks and splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
     (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline). USE_TMA: host tensor
     descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal
-    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge. FUSED_MERGE: split launches merge in
-    their last program per kv head (atomic ticket) instead of a second kernel; off until measured (issue 4).
+    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge (H100, b1 16/2: 7.5 vs 8.2 us at 4k,
+    8.6 vs 9.7 at 4k page 16, never slower). PDL_WAIT: stage 1 itself is a programmatic dependent of the kernel
+    before it (waits on the device before touching memory). FUSED_MERGE: split launches merge in their last program
+    per kv head (atomic ticket) instead of a second kernel (issue 4).
     """
     if interpret:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
+    hopper = _is_hopper_or_newer()
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "USE_TMA": _is_hopper_or_newer(), "USE_PDL": False, "FUSED_MERGE": False}
+            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": False, "FUSED_MERGE": False}
 
 
 @functools.lru_cache(maxsize=None)

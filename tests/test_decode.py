@@ -271,6 +271,51 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
         assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,page_size", [
+    (dict(USE_PDL=True, PDL_WAIT=True), None), (dict(USE_PDL=True, PDL_WAIT=True), 16),
+    (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16)])
+def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
+    """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
+    three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
+    from flashdecode import heuristics
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), **variant))
+    q_all, k, v = _make(gen, 4, 9000, 16, 2, 128, torch.bfloat16)
+    qs = [randn(*q_all.shape, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
+    lens_src = [_lens(x) for x in ([9000, 5, 3000, 0], [1, 8192, 129, 4097], [4000, 4000, 9000, 17])]
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = flashdecode.DecodePlan(4, 16, 2, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE)
+    q_static, lens_static = torch.empty_like(qs[0]), torch.empty_like(lens_src[0])
+    outs = [torch.empty_like(q) for q in qs]
+
+    def calls():
+        for q, lens, out in zip(qs, lens_src, outs):
+            torch.add(q, 0.0, out=q_static)  # kernels, not copies: PDL orders kernel after kernel
+            torch.add(lens, 0, out=lens_static)
+            plan.run(q_static, kc, vc, lens_static, block_table=table, out=out)
+
+    def check():
+        for q, lens, out in zip(qs, lens_src, outs):
+            o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+            o_same, _ = ref.decode_ref(q, k, v, lens)
+            assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+    calls()  # eager (also compiles outside the capture)
+    torch.cuda.synchronize()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for out in outs:
+        out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    check()
+
+
 @pytest.mark.parametrize("page_size", [None, 16, 32])
 def test_tma_path(gen, monkeypatch, page_size):
     """The tensor-descriptor (TMA) path, forced on (the interpreter runs host descriptors too); NaN in unused
@@ -400,6 +445,18 @@ def compile_for_sm90(fn, types, consts, num_stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
+def spilled_bytes(kernel):
+    """Register spill stores of a compiled kernel, from cuobjdump (bundled with Triton) on its cubin."""
+    import os, re, subprocess, tempfile
+    import triton.backends.nvidia as nv
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 def compile_stage1(page, tma, preload, fused, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
@@ -409,8 +466,8 @@ def compile_stage1(page, tma, preload, fused, **consts):
         types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
-                       DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PRELOAD_PAGES=preload,
-                       FUSED_MERGE=fused, MERGE_BLOCK_S=4 if fused else 1), **consts)
+                       DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
+                       FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -418,12 +475,17 @@ def compile_stage1(page, tma, preload, fused, **consts):
 
 
 for page, tma, preload, pdl in [(0, True, 0, True), (16, False, 64, False), (256, True, 8, False), (3, False, 0, False)]:
-    compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl)
-# FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset
-for page, tma, preload in [(0, True, 0), (16, False, 64)]:
-    ptx = compile_stage1(page, tma, preload, True).asm["ptx"]
+    ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
+# FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
+# not spill (its tile is held in registers)
+for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),
+                                   (0, True, 0, dict(NUM_SPLITS=64, MERGE_SPLITS=64))]:
+    kernel = compile_stage1(page, tma, preload, True, **consts)
+    ptx = kernel.asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
     assert "ld.global.cg" in ptx, "partials must be read from L2"
+    assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True), 1)

@@ -278,24 +278,35 @@ def _points(args, base):
         yield "mixed", 16, [131072] + [1024] * 15, LLAMA_SHAPE, 16
 
 
-# (label, overrides of heuristics.decode_block_config's answer, DECODE_MAX_SPLITS)
-TUNE_VARIANTS = [  # (label, config overrides, DECODE_MAX_SPLITS, forced num_splits or None)
-    ("default", {}, 64, None),
-    ("pdl", {"USE_PDL": True}, 64, None),
-    ("no-tma", {"USE_TMA": False}, 64, None),
-    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, 64, None),
-    ("no-tma no-preload", {"USE_TMA": False, "PRELOAD_PAGES_MAX": 0}, 64, None),
-    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, 64, None),
-    ("bn64 s6 pdl", {"BLOCK_N": 64, "num_stages": 6, "USE_PDL": True}, 64, None),
-    ("s2", {"num_stages": 2}, 64, None),
-    ("splits32", {}, 32, None),
-    # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4; PDL is moot there)
-    ("fused-merge", {"FUSED_MERGE": True}, 64, None),
-    ("fused-merge bn64 s4", {"FUSED_MERGE": True, "BLOCK_N": 64, "num_stages": 4}, 64, None),
+# Config of the decode path before issue 4's second round (no PDL at all, separate merge kernel): the baseline
+# every variant is compared with in the same run.
+_OLD = {"USE_PDL": False, "PDL_WAIT": False, "FUSED_MERGE": False}
+_PDL2 = {"USE_PDL": True, "PDL_WAIT": True, "FUSED_MERGE": False}
+_FUSED = {"FUSED_MERGE": True, "PDL_WAIT": True}
+_SHORT = {"DECODE_NO_SPLIT_MAX_KEYS": 128}  # split 512 keys too (4 one-block splits at BLOCK_N 128)
+TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forced num_splits or None)
+    ("old", _OLD, {}, None),
+    ("default", {}, {}, None),
+    ("pdl", {"USE_PDL": True, "PDL_WAIT": False, "FUSED_MERGE": False}, {}, None),
+    ("pdl2", _PDL2, {}, None),
+    ("pdl2 short", _PDL2, _SHORT, None),
+    ("pdl2 short mb2", _PDL2, dict(_SHORT, DECODE_MIN_BLOCKS_PER_SPLIT=2), None),
+    ("pdl2 w8", dict(_PDL2, num_warps=8), {}, None),
+    ("no-tma", {"USE_TMA": False}, {}, None),
+    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
+    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
+    ("s2", {"num_stages": 2}, {}, None),
+    ("splits32", {}, {"DECODE_MAX_SPLITS": 32}, None),
+    # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4)
+    ("fused-merge", dict(_FUSED, PDL_WAIT=False), {}, None),
+    ("fused pdlw", _FUSED, {}, None),
+    ("fused pdlw short", _FUSED, _SHORT, None),
+    ("fused pdlw short mb2", _FUSED, dict(_SHORT, DECODE_MIN_BLOCKS_PER_SPLIT=2), None),
+    ("fused pdlw splits32", _FUSED, {"DECODE_MAX_SPLITS": 32}, None),
     # wave quantisation at 32/8 heads, batch 1: 16 splits = 128 programs (one wave of 132 SMs), 17 = 136 (two)
-    ("n16", {}, 64, 16),
-    ("n17", {}, 64, 17),
-    ("n32", {}, 64, 32),
+    ("n16", {}, {}, 16),
+    ("n17", {}, {}, 17),
+    ("n32", {}, {}, 32),
 ]
 
 
@@ -305,7 +316,8 @@ def _tune(args, bandwidth, env) -> int:
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.bench.timing import cuda_graph_time_us, rotation_count
 
-    base_cfg, base_max = heuristics.decode_block_config, heuristics.DECODE_MAX_SPLITS
+    base_cfg = heuristics.decode_block_config
+    base_attrs = {name: getattr(heuristics, name) for _, _, attrs, _ in TUNE_VARIANTS for name in attrs}
     gen = torch.Generator(device="cuda").manual_seed(1)
     contexts = _list(args.contexts, [4096, 32768, 131072])
     layouts = _list(args.layouts, [0, 16])
@@ -320,9 +332,10 @@ def _tune(args, bandwidth, env) -> int:
                         for _ in range(rotation_count(kv_bytes))]
                 row = dict(heads=f"{nheads}/{nheads_kv}", context=ctx, layout="contig" if layout == 0 else f"page{layout}",
                            floor_us=kv_bytes / bandwidth * 1e6)
-                for label, overrides, max_splits, forced_splits in variants:
+                for label, overrides, attrs, forced_splits in variants:
                     heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
-                    heuristics.DECODE_MAX_SPLITS = max_splits
+                    for name, value in dict(base_attrs, **attrs).items():
+                        setattr(heuristics, name, value)
                     try:
                         fns, _ = _ours(sets, num_splits=forced_splits)
                         row[label] = cuda_graph_time_us(fns, reps=args.reps)
@@ -336,7 +349,9 @@ def _tune(args, bandwidth, env) -> int:
                 del sets
                 torch.cuda.empty_cache()
     finally:
-        heuristics.decode_block_config, heuristics.DECODE_MAX_SPLITS = base_cfg, base_max
+        heuristics.decode_block_config = base_cfg
+        for name, value in base_attrs.items():
+            setattr(heuristics, name, value)
     labels = [v[0] for v in variants]
     table = markdown_table(rows, ["heads", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
     out_dir = results_dir(args.out)

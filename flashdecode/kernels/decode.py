@@ -23,9 +23,9 @@ Blocks that every row sees entirely run without masks; only the tail (or every b
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, normalize_state, online_softmax_step
+from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
 @triton.jit
@@ -150,41 +150,66 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
 
 
 @triton.jit
-def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows, lse_final_ptrs,
-                          row_ok, stride_os, stride_od, stride_ls, stride_fd,
-                          HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
+def _group_rows(m_block, hk, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+                SEQLEN_Q: tl.constexpr):
+    """The first ROWS query rows of row block ``m_block`` of kv head ``hk``: (t, head, ok), each (ROWS,).
+    Row r = t * GROUP + g serves query head hk * GROUP + g of new token t; ok marks rows that exist."""
+    rows = m_block * BLOCK_M + tl.arange(0, ROWS)
+    return rows // GROUP, hk * GROUP + rows % GROUP, rows < GROUP * SEQLEN_Q
+
+
+@triton.jit
+def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
+                          stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+                          stride_lb, stride_lt, stride_lh, stride_ls,
+                          stride_fb, stride_ft, stride_fh, stride_fd,
+                          stride_flb, stride_flt, stride_flh,
+                          GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEADDIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
     """FUSED_MERGE epilogue, run by every program after it stored its partial (o, lse2) rows.
 
-    o_base/lse_base (BLOCK_M,): element offsets of the rows' split-0 partials in O (fp32) and LSE (log2);
-    o_final_rows (BLOCK_M,) offsets into O_FINAL (output dtype), lse_final_ptrs (BLOCK_M,) pointers to the natural-log
-    lse. ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch.
+    ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch. The merging program
+    works on the MERGE_M (the real rows, padded to a power of two, <= BLOCK_M) rows only, not on the MMA padding.
+    Latency, not bandwidth, is its cost (one program reads all partials of its rows from L2), so it takes one
+    round trip for every split's lse (MERGE_SPLITS = NUM_SPLITS padded to a power of two) to fix the max and the
+    normaliser first; the partial outputs are then folded MERGE_BLOCK_S splits at a time in an unrolled loop whose
+    loads do not depend on each other, so they can all be in flight together.
     """
     # All threads' partial stores must precede the release: the barrier orders them before the one thread that
     # performs the atomic, whose acq_rel (release, cumulative) then publishes them at GPU scope.
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == NUM_SPLITS - 1:  # every other split has published its partial: merge them (acquire side)
-        offs_s = tl.arange(0, MERGE_BLOCK_S)
+        t, head, row_ok = _group_rows(m_block, hk, MERGE_M, BLOCK_M, GROUP, SEQLEN_Q)
+        lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
+        o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEADDIM
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s0 in range(0, NUM_SPLITS, MERGE_BLOCK_S):
+        # .cg: read other programs' partials from L2, never from a (non-coherent) L1 line
+        n_all = tl.arange(0, MERGE_SPLITS)
+        lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls,
+                          mask=row_ok[:, None] & (n_all < NUM_SPLITS)[None, :], other=float("-inf"),
+                          cache_modifier=".cg")
+        shift = safe_max(tl.max(lse_all, 1))  # empty splits (-inf) weigh exactly 0 below
+        total = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
+        acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
+        offs_s = tl.arange(0, MERGE_BLOCK_S)
+        for s0 in tl.static_range(0, NUM_SPLITS, MERGE_BLOCK_S):
             n = s0 + offs_s
             ok = row_ok[:, None] & (n < NUM_SPLITS)[None, :]
-            # .cg: read other programs' partials from L2, never from a (non-coherent) L1 line
-            lse = tl.load(LSE + lse_base[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
+            lse = tl.load(lse_rows[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
                           cache_modifier=".cg")
-            o = tl.load(O + o_base[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od,
+            o = tl.load(o_rows[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od,
                         mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
             o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)  # empty splits' o was never written
-            acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
-        o, lse2 = normalize_state(acc, m_i, l_i)
-        tl.store(O_FINAL + o_final_rows[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty),
+            acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o, 1)
+        o, lse2 = normalize_state(acc, shift, total)
+        o_final = O_FINAL + b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
+        tl.store(o_final[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_final_ptrs, lse2 * LN2, mask=row_ok)
+        tl.store(LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh, lse2 * LN2,
+                 mask=row_ok)
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # all tickets drawn: ready for the next launch
 
 
@@ -217,8 +242,8 @@ def decode_split_kernel(
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
 ):
     """Stage 1 (see module doc).
 
@@ -227,15 +252,20 @@ def decode_split_kernel(
     PRELOAD_PAGES (a power of two >= the pages one split spans, or 0; the launcher only sets it for pages that
     divide BLOCK_N or are multiples of it): the split's block-table slice is read into registers before the KV
     loop, so no block-table read sits between a block's address and its load.
-    USE_PDL: let the merge kernel (a programmatic dependent launch) start early; it waits on the device. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
+    USE_PDL: let the merge kernel (a programmatic dependent launch) start early; it waits on the device.
+    PDL_WAIT: this kernel is itself launched as a programmatic dependent of the previous kernel in the stream (its
+    launch overlaps that kernel's tail); it waits for that kernel's completion and writes before it reads or writes
+    any memory. K, V: contiguous (batch, max_seqlen, nheads_kv, HEADDIM)
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
     fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
     FUSED_MERGE (not FINAL): also O_FINAL like Q (strides stride_f*), LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
     natural log (strides stride_fl*), TICKETS int32 (batch * nheads_kv * NUM_M_BLOCKS,) zeros; the last program of
-    each row block merges (see module doc), MERGE_BLOCK_S partials at a time. Unused (any tensor) otherwise.
+    each row block merges (see module doc and _merge_if_last_ticket). Unused (any tensor) otherwise.
     """
+    if PDL_WAIT:  # nothing before this line touches memory: the previous kernel may still be writing q, K/V, lengths
+        gdc_wait()
     if USE_PDL:
         gdc_launch_dependents()
     split = tl.program_id(0)
@@ -247,26 +277,16 @@ def decode_split_kernel(
     seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
 
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP * SEQLEN_Q
-    t = rows // GROUP
-    head = hk * GROUP + rows % GROUP
-    o_base = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh
-    lse_base = b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
-    o_rows = o_base + split * stride_os
-    lse_ptrs = LSE + lse_base + split * stride_ls
-    if FUSED_MERGE:
-        o_final_rows = b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
-        lse_final_ptrs = LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh
-        ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm
-    if not FINAL:
+    t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
+    o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
+    lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls
+    ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm  # FUSED_MERGE only
+    if not FINAL and not FUSED_MERGE:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
-            if FUSED_MERGE:  # it still draws its ticket: it may be the last one
-                _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows,
-                                      lse_final_ptrs, row_ok, stride_os, stride_od, stride_ls, stride_fd,
-                                      HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS, MERGE_BLOCK_S)
             return
+    # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
+    # it may be the last one.)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
@@ -321,6 +341,9 @@ def decode_split_kernel(
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
         if FUSED_MERGE:
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o_base, lse_base, o_final_rows,
-                                  lse_final_ptrs, row_ok, stride_os, stride_od, stride_ls, stride_fd,
-                                  HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS, MERGE_BLOCK_S)
+            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
+                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+                                  stride_lb, stride_lt, stride_lh, stride_ls,
+                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
+                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
+                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)

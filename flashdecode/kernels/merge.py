@@ -8,7 +8,7 @@ own partials) or natural log (user tensors). Outputs: o in O_OUT's dtype, lse na
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, merge_two_states, normalize_state
 
@@ -27,10 +27,13 @@ def merge_many_kernel(
 
     O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN may be
     garbage (it weighs exactly 0). The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
-    USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only).
+    USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only),
+    then let the next kernel (e.g. the next decode call's stage 1, itself a dependent launch that waits for this
+    one to finish) be scheduled early.
     """
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()
     r_outer = tl.program_id(0).to(tl.int64)
     r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r_inner < num_inner

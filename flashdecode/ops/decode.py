@@ -155,7 +155,8 @@ class _DecodeShape:
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
                                                                     self.block_d)
-        self.use_pdl = cfg.get("USE_PDL", False)
+        self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
+        self.pdl_wait = cfg.get("PDL_WAIT", False) and _pdl_capable(self.device)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
         self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
 
@@ -213,8 +214,10 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     f_strides = (*fo4.stride()[:3], fo4.stride(-1), *flse3.stride()[:3])
+    merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
     merge_block_s = max(1, min(heuristics.next_power_of_2(num_splits), _FUSED_MERGE_TILE_ELEMS //
-                               (shape.block_m * shape.block_d)))
+                               (merge_m * shape.block_d)))
+    pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets,
         score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
@@ -228,17 +231,19 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
-        USE_PDL=shape.use_pdl and not final and fused is None,
+        USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
-        FUSED_MERGE=fused is not None, MERGE_BLOCK_S=merge_block_s,
-        num_warps=shape.num_warps, num_stages=num_stages,
+        FUSED_MERGE=fused is not None, MERGE_M=merge_m, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
+        MERGE_BLOCK_S=merge_block_s, num_warps=shape.num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma))
 
 
-# fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per step (as ops/merge.py).
-_FUSED_MERGE_TILE_ELEMS = 8192
+# fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per unrolled step: small, so that
+# ptxas can keep the loads of every step in flight at once without spilling (sm_90 compile: 8192 spills at 32+ splits).
+_FUSED_MERGE_TILE_ELEMS = 4096
 
 # Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
 _STAGES_THAT_FIT: dict = {}
@@ -460,8 +465,9 @@ class DecodePlan:
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
         shape.check_out(out, q)
-        if self.use_pdl is not None:
+        if self.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
             shape.use_pdl = self.use_pdl
+            shape.pdl_wait = shape.pdl_wait and self.use_pdl
         b, sq, h, d = shape.q4.shape
         if b > self.max_batch or sq > self.max_seqlen_q or h != self.nheads or d != self.headdim \
                 or shape.nheads_kv != self.nheads_kv or q.dtype != self.dtype or q.device != self.device:
