@@ -130,6 +130,12 @@ def test_forward_tensor_descriptor_path(gen, monkeypatch, case):
     check_dense(gen, KERNEL_DTYPES[0], *case[:6], **case[6])
 
 
+def test_backward_tensor_descriptor_path(gen, monkeypatch):
+    """The Hopper backward: Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors, ragged tails zero-filled."""
+    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
+    check_dense(gen, KERNEL_DTYPES[0], 1, 97, 70, 4, 2, 80, causal=True, grads=True)
+
+
 def test_varlen_tensor_descriptor_path(gen, monkeypatch):
     monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
     check_varlen(gen, KERNEL_DTYPES[0], [5, 0, 70, 33], [5, 3, 70, 40], 4, 1, 64, causal=True)
@@ -501,7 +507,7 @@ _HOPPER_COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flashdecode.kernels.bwd import attn_bwd_dkdv_kernel
+from flashdecode.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flashdecode.kernels.fwd import attn_fwd_kernel
 
 MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
@@ -524,20 +530,28 @@ bf16 = dict.fromkeys(["Q", "K", "V", "DO", "DK", "DV", "Out"], "*bf16")
 fp32 = dict.fromkeys(["Lse", "Delta", "DQ"], "*fp32")
 ints = dict.fromkeys(["cu_seqlens_q", "cu_seqlens_k"], "*i32")
 kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints,
-                          dict(MASKS, BLOCK_N=128, BLOCK_M=64, ATOMIC_DQ=True), 8, 2)
+                          dict(MASKS, BLOCK_N=128, BLOCK_M=64, ATOMIC_DQ=True, USE_TMA=False), 8, 2)
 ptx = kernel.asm["ptx"]
 assert "atom.global.gpu.relaxed.add.v4.f32" in ptx or "red.global.gpu.relaxed.add.v4.f32" in ptx, "dQ atomics"
 assert "wgmma" in ptx, "dK/dV not on wgmma"
+kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints,
+                          dict(MASKS, BLOCK_N=128, BLOCK_M=64, ATOMIC_DQ=True, USE_TMA=True), 8, 2)
+assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not added by a bulk TMA reduction"
+kernel = compile_for_sm90(attn_bwd_dq_kernel, bf16 | ints | dict(Lse="*fp32", Delta="*fp32", DQ="*bf16"),
+                          dict(MASKS, BLOCK_M=128, BLOCK_N=64, USE_TMA=True), 8, 3)
+assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "dQ pass not on TMA"
 kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
-                          dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, RAW_MAX=True), 8, 3)
+                          dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=True),
+                          8, 3)
 assert "wgmma" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"], "forward not on TMA + wgmma"
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics, wgmma) and the TMA raw-max forward compile
-    for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts code the GPU compiler rejects)."""
+    """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics / bulk TMA reduction, wgmma), the TMA dQ pass
+    and the TMA raw-max forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
+    code the GPU compiler rejects, and has no descriptor reduction at all)."""
     import os
     import subprocess
     import sys

@@ -10,6 +10,10 @@ Opt-in non-deterministic mode (ATOMIC_DQ, FA2/FA3's choice): the dK/dV program a
 Q block it visits and adds it into an fp32 buffer with atomics, so the dQ pass (and its recomputation of Q K^T and
 dO V^T: 3 of the 7 matmuls) disappears; the order of the fp32 additions varies run to run.
 Both loops skip blocks outside the causal/window band and mask only the edge blocks (segments as in fwd.py).
+USE_TMA (Hopper): the streamed and held tiles move through device-side tensor descriptors bounded by the sequence
+(zero-filled outside, so no row masks on loads), and ATOMIC_DQ adds each dQ tile with one bulk TMA reduction
+(cp.reduce.async.bulk) instead of per-element atomics. The interpreter has no descriptor reduction: the launcher
+uses pointer atomics there.
 Rows with lse = -inf (no visible key) get P = 0, hence zero gradients.
 """
 
@@ -19,7 +23,7 @@ import triton
 import triton.language as tl
 
 from flashdecode.kernels.fwd import (clamp_segments, kv_segments, load_rows, logits_log2, sequence_bounds,
-                                     visible)
+                                     sequence_descriptor, visible)
 
 
 @triton.jit
@@ -101,12 +105,13 @@ def attn_bwd_delta_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_qd,
-                        stride_dos, stride_dod, stride_dqs, stride_dqd, start, end, k_pos, offs_m, offs_d, d_mask,
-                        seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc, dq_desc,
+                        stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, start, end, k_pos,
+                        offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
+                        softcap_log2,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr):
+                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
     form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
     buffer at dq_base with atomics."""
@@ -115,7 +120,10 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
     dq_ptrs = dq_base + start.to(tl.int64) * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m
-        q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])
+        else:
+            q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
         lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q)
         s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         p_t = tl.exp2(s_t - lse2[None, :])
@@ -123,7 +131,10 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
             vis = visible((rows + diag)[None, :], k_pos[:, None], seqlen_k, window_left, window_right,
                           HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(vis, p_t, 0.0)
-        do = load_rows(do_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
+        if USE_TMA:
+            do = do_desc.load([start_m, 0])
+        else:
+            do = load_rows(do_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -131,7 +142,9 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
-            if MASKED:
+            if USE_TMA:  # rows past the sequence and padded columns fall outside the descriptor: dropped
+                dq_desc.atomic_add([start_m, 0], dq)
+            elif MASKED:
                 tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < seqlen_q) & d_mask[None, :], sem="relaxed")
             elif EVEN_D:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
@@ -159,7 +172,7 @@ def attn_bwd_dkdv_kernel(
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
     (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
@@ -182,10 +195,14 @@ def attn_bwd_dkdv_kernel(
     k_row0 = k_start.to(tl.int64)
     k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
-    k = load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, offs_n, seqlen_k, d_mask,
-                  True, EVEN_D)
-    v = load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, offs_n, seqlen_k, d_mask,
-                  True, EVEN_D)
+    if USE_TMA:
+        k = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
+        v = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
+    else:
+        k = load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, offs_n, seqlen_k, d_mask,
+                      True, EVEN_D)
+        v = load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, offs_n, seqlen_k, d_mask,
+                      True, EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     diag = seqlen_k - seqlen_q
@@ -199,22 +216,33 @@ def attn_bwd_dkdv_kernel(
         lse_base = Lse + b64 * stride_lb + head * stride_lh + q_row0
         delta_base = Delta + b64 * stride_deltab + head * stride_deltah + q_row0
         dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + head * stride_dqh
+        if USE_TMA:
+            q_desc = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            do_desc = sequence_descriptor(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            if ATOMIC_DQ:
+                dq_desc = sequence_descriptor(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            else:
+                dq_desc = dq_base
+        else:
+            q_desc = q_base
+            do_desc = do_base
+            dq_desc = dq_base
         if HAS_RIGHT:  # causal diagonal / right window edge
-            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
-                                         stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask,
-                                         seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
-                                         softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                                         BLOCK_M, ATOMIC_DQ)
-        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
-                                     stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
-                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
-                                     ATOMIC_DQ)
-        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
-                                     stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, full_hi, hi, offs_n, offs_m, offs_d, d_mask,
-                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
-                                     ATOMIC_DQ)
+            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
+                                         do_desc, dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs,
+                                         stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k,
+                                         diag, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
+                                         HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
+                                     dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
+                                     full_lo, full_hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
+                                     window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT,
+                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
+        dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
+                                     dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
+                                     full_hi, hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
+                                     window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
+                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
 
     out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
     dk_base = DK + b64 * stride_dkb + k_row0 * stride_dks + head_kv.to(tl.int64) * stride_dkh
@@ -230,23 +258,30 @@ def attn_bwd_dkdv_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                      start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
+                      stride_vd, start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
                       qk_scale, softcap_log2,
                       MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                      USE_TMA: tl.constexpr):
     """Accumulate KV blocks [start, end) into dq (BLOCK_M, HEAD_DIM_PAD) fp32 (unscaled: times sm_scale later)."""
     k_ptrs = k_base + start.to(tl.int64) * stride_ks + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vs + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = load_rows(k_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
         s = logits_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             vis = visible(q_pos[:, None], cols[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(vis, p, 0.0)
-        v = load_rows(v_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = load_rows(v_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = softcap_grad(p * (dp - delta[:, None]), s, softcap_log2, SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -269,7 +304,7 @@ def attn_bwd_dq_kernel(
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
     pid_m = tl.program_id(0)
@@ -297,10 +332,18 @@ def attn_bwd_dq_kernel(
     do_base = DO + b64 * stride_dob + q_row0 * stride_dos + h64 * stride_doh
     k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
-    q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
-                  True, EVEN_D)
-    do = load_rows(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, offs_m, seqlen_q, d_mask,
-                   True, EVEN_D)
+    if USE_TMA:
+        q = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+        do = sequence_descriptor(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+        k_desc = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    else:
+        q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
+                      True, EVEN_D)
+        do = load_rows(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, offs_m, seqlen_q,
+                       d_mask, True, EVEN_D)
+        k_desc = k_base
+        v_desc = v_base
     lse2 = load_lse_log2(Lse + b64 * stride_lb + h64 * stride_lh + q_row0 + offs_m, offs_m, seqlen_q)
     delta = tl.load(Delta + b64 * stride_deltab + h64 * stride_deltah + q_row0 + offs_m, mask=offs_m < seqlen_q,
                     other=0.0)
@@ -309,18 +352,18 @@ def attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:
-        dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                               lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                               qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                               BLOCK_N)
-    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                           full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                           qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                           BLOCK_N)
-    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                           full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                           qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                           BLOCK_N)
+        dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
+                               stride_vs, stride_vd, lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                               window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
+                           stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
+                           window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                           DOT_PRECISION, BLOCK_N, USE_TMA)
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
+                           stride_vd, full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
+                           qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
+                           USE_TMA)
     dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + h64 * stride_dqh
     tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_mask[None, :])

@@ -48,7 +48,10 @@ TMA_MODE = os.environ.get("FLASHDECODE_TMA", "auto")
 WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
 # Forward row max on the raw dot products, scale fused into the exponent's FMA (fwd.attn_fwd_inner); "0" = the
 # plain scale-then-max loop (kept for A/B timing).
-FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "1") == "1"
+FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
+# Backward through tensor descriptors (TMA loads; bulk TMA reduction of dQ when deterministic=False) wherever the
+# forward would use them; "0" = pointer loads (kept for A/B timing).
+BWD_TMA = os.environ.get("FLASHDECODE_BWD_TMA", "1") == "1"
 
 
 def _interpreting() -> bool:
@@ -210,8 +213,9 @@ _KERNELS = {
     "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
                  ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     # deterministic=False: dK/dV program that also adds dQ with atomics (its own candidates: bigger KV blocks
-    # halve the atomic traffic)
-    "bwd_dkdv_atomic": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_ATOMIC_CANDIDATES, 2, 2,
+    # halve the atomic traffic). 4 held tiles: K, V plus the staging of dS^T and of the dQ tile (sm_90 compiles at
+    # hd256: (64, 64, 4, 2) needs 263-271 KB, (64, 32, 4, 2) 168-180 KB)
+    "bwd_dkdv_atomic": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_ATOMIC_CANDIDATES, 4, 2,
                         ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
                _FLAG_KEYS),
@@ -333,6 +337,11 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     delta = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
+    # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
+    use_tma = BWD_TMA and _use_tma(q, k, v, dout) and (deterministic or not _interpreting())
+    if use_tma:
+        _ensure_triton_allocator()
+    constexprs["USE_TMA"] = use_tma
     common_tail = (*_lse_strides(lse, varlen), *_lse_strides(delta, varlen),
                    nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, scale, max(left, 0), max(right, 0),
                    heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
