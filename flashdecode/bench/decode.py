@@ -337,9 +337,6 @@ def _tune(args, bandwidth, env) -> int:
                 row = dict(heads=f"{nheads}/{nheads_kv}", context=ctx, layout="contig" if layout == 0 else f"page{layout}",
                            floor_us=kv_bytes / bandwidth * 1e6)
                 for label, overrides, attrs, forced_splits in variants:
-                    if overrides.get("PAGED_TMA") and layout == 0:  # same as without it on a contiguous cache
-                        row[label] = None
-                        continue
                     heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
                     for name, value in dict(base_attrs, **attrs).items():
                         setattr(heuristics, name, value)
