@@ -89,8 +89,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     at 64k on our H100). USE_PDL: programmatic dependent launch of the merge (H100, b1 16/2: 7.5 vs 8.2 us at 4k,
     8.6 vs 9.7 at 4k page 16, never slower). PDL_WAIT: stage 1 itself is a programmatic dependent of the kernel
     before it (waits on the device before touching memory). FUSED_MERGE: split launches merge in their last program
-    per kv head (atomic ticket) instead of a second kernel (issue 4). PAGED_TMA: pages of 16+ keys smaller than
-    BLOCK_N are read as one TMA box per page (else per-key pointer gathers).
+    per kv head (atomic ticket) instead of a second kernel (issue 4).
     """
     if interpret:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
@@ -98,8 +97,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": False, "FUSED_MERGE": False,
-            "PAGED_TMA": False}
+            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": False, "FUSED_MERGE": False}
 
 
 @functools.lru_cache(maxsize=None)

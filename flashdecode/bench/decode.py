@@ -292,10 +292,6 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pdl2 short", _PDL2, _SHORT, None),
     ("pdl2 short mb2", _PDL2, dict(_SHORT, DECODE_MIN_BLOCKS_PER_SPLIT=2), None),
     ("pdl2 w8", dict(_PDL2, num_warps=8), {}, None),
-    # pages < BLOCK_N (e.g. 16) read as one TMA box per page instead of per-key pointer gathers
-    ("paged-tma", {"PAGED_TMA": True}, {}, None),
-    ("paged-tma pdl2", dict(_PDL2, PAGED_TMA=True), {}, None),
-    ("paged-tma pdl2 short", dict(_PDL2, PAGED_TMA=True), _SHORT, None),
     ("no-tma", {"USE_TMA": False}, {}, None),
     ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),

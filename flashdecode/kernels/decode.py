@@ -39,25 +39,16 @@ def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexp
 
 
 @triton.jit
-def _block_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRELOAD_PAGES: tl.constexpr):
-    """The BLOCK_N // PAGE_SIZE page ids of the block at start_n (pages that divide BLOCK_N), picked in registers
-    from the split's preloaded page ids viewed as a (blocks, pages per block) table."""
-    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
-    NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
-    table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
-    row = (start_n // PAGE_SIZE - first_page) // PAGES_PER_BLOCK
-    return tl.sum(tl.where((tl.arange(0, NUM_ROWS) == row)[:, None], table, 0), 0)
-
-
-@triton.jit
 def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRELOAD_PAGES: tl.constexpr):
     """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
     that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). Two small select-and-sum steps in
-    registers: pick the block's page ids (_block_pages), then spread them over the keys."""
+    registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then spread it over the keys."""
     PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
-    block_pages = _block_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
+    NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
+    table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
+    row = (start_n // PAGE_SIZE - first_page) // PAGES_PER_BLOCK
+    block_pages = tl.sum(tl.where((tl.arange(0, NUM_ROWS) == row)[:, None], table, 0), 0)
     key_page = tl.arange(0, BLOCK_N) // PAGE_SIZE
     spread = key_page[:, None] == tl.arange(0, PAGES_PER_BLOCK)[None, :]
     return tl.sum(tl.where(spread, block_pages[None, :], 0), 1)
@@ -113,50 +104,6 @@ def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE: 
 
 
 @triton.jit
-def _masked_scores(qk, offs_n, end, qpos, window_left, score_scale, softcap_out, MASKED: tl.constexpr,
-                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
-    """Scores in log2 units from q.k^T (rows, keys): s = qk * scale * log2(e), or softcap * tanh(qk * scale /
-    softcap) * log2(e); with MASKED, -inf where a key is past the split end, after the row's position, or left of
-    its window."""
-    if SOFTCAP:
-        # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
-        s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
-    else:
-        s = qk * score_scale
-    if MASKED:
-        visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
-        if WINDOW:
-            visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
-        s = tl.where(visible, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _attend_page_boxes(acc, m_i, l_i, q, k_src, v_src, start_n, end, qpos, window_left, score_scale, softcap_out,
-                       tma_col, split_pages, first_page, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
-    """One BLOCK_N-key block of a paged cache whose pages (PAGE_SIZE >= 16 keys) divide BLOCK_N, read as
-    BLOCK_N // PAGE_SIZE page-sized TMA boxes (k_src/v_src: descriptors with box (PAGE_SIZE, HEADDIM)): the copy
-    engine gathers the pages, no per-key address math, and every box of the pipelined stages is in flight at once.
-    Each page is one online-softmax step (a 16..64-key tile)."""
-    block_pages = _block_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
-    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
-    for i in tl.static_range(PAGES_PER_BLOCK):
-        page = tl.sum(tl.where(tl.arange(0, PAGES_PER_BLOCK) == i, block_pages, 0), 0)
-        offs_n = start_n + i * PAGE_SIZE + tl.arange(0, PAGE_SIZE)
-        k = k_src.load([page * PAGE_SIZE, tma_col])
-        v = v_src.load([page * PAGE_SIZE, tma_col])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = _masked_scores(qk, offs_n, end, qpos, window_left, score_scale, softcap_out, MASKED, SOFTCAP, WINDOW)
-        p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
-        if MASKED:  # whole pages are read: slots past the end may hold garbage, and 0 * NaN = NaN
-            v = tl.where((offs_n < end)[:, None], v, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
                    score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -165,38 +112,40 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
-    as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N with box
-    (BLOCK_N, HEADDIM); pages of 16+ keys that divide BLOCK_N with box (PAGE_SIZE, HEADDIM), _attend_page_boxes).
+    as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N).
     Scores are in log2 units: s = qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e).
     MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
     blocks that every row sees entirely.
     """
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
-        if USE_TMA and PAGE_SIZE > 0 and PAGE_SIZE < BLOCK_N:
-            acc, m_i, l_i = _attend_page_boxes(acc, m_i, l_i, q, k_src, v_src, start_n, end, qpos, window_left,
-                                               score_scale, softcap_out, tma_col, split_pages, first_page, BLOCK_N,
-                                               PAGE_SIZE, MASKED, SOFTCAP, WINDOW, DOT_PRECISION, PRELOAD_PAGES)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if USE_TMA:
+            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
+            k = k_src.load([row0, tma_col])
         else:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            if USE_TMA:
-                row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
-                k = k_src.load([row0, tma_col])
-            else:
-                rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-                                PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES)
-                k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s = _masked_scores(qk, offs_n, end, qpos, window_left, score_scale, softcap_out, MASKED, SOFTCAP,
-                               WINDOW)
-            p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
-            if USE_TMA:
-                v = v_src.load([row0, tma_col])
-                if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
-                    v = tl.where((offs_n < end)[:, None], v, 0.0)
-            else:
-                v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
+                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES)
+            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
+        else:
+            s = qk * score_scale
+        if MASKED:
+            visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
+            if WINDOW:
+                visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
+            s = tl.where(visible, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
+        if USE_TMA:
+            v = v_src.load([row0, tma_col])
+            if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
+                v = tl.where((offs_n < end)[:, None], v, 0.0)
+        else:
+            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 

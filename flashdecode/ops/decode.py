@@ -154,7 +154,7 @@ class _DecodeShape:
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
-                                                                    self.block_d, cfg.get("PAGED_TMA", False))
+                                                                    self.block_d)
         self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
         self.pdl_wait = cfg.get("PDL_WAIT", False) and _pdl_capable(self.device)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
@@ -171,33 +171,25 @@ class _DecodeShape:
             raise ValueError("out must have collapsible (batch, seqlen_q) dims (e.g. be contiguous)")
 
 
-def _tma_compatible(k_cache, page_size, block_n, block_d, page_boxes=False) -> bool:
+def _tma_compatible(k_cache, page_size, block_n, block_d) -> bool:
     """The TMA path views the cache as 2-D (rows, nheads_kv * headdim): rows of one sequence (or page) must be
-    consecutive, the head dim a power of two (one box), and a block must not straddle a page - or, with
-    ``page_boxes``, be made of whole pages of >= 16 keys (one box per page; 16 = the MMA's minimum K)."""
+    consecutive, the head dim a power of two (one box), and a block must not straddle a page."""
     _, rows, hk, d = k_cache.shape
     dense = k_cache.stride(2) == d and k_cache.stride(1) == hk * d and k_cache.stride(0) == rows * hk * d
     aligned = k_cache.data_ptr() % 16 == 0 and (hk * d * k_cache.element_size()) % 16 == 0
-    pages_ok = page_size == 0 or page_size % block_n == 0 or (
-        page_boxes and _is_page_box(page_size, block_n))
+    pages_ok = page_size == 0 or page_size % block_n == 0
     return dense and aligned and pages_ok and d == block_d
 
 
-def _is_page_box(page_size, block_n) -> bool:
-    """Pages read as one TMA box each (kernels/decode.py _attend_page_boxes): >= 16 keys, dividing BLOCK_N."""
-    return 16 <= page_size < block_n and block_n % page_size == 0
-
-
-def _kv_sources(shape, k_cache, v_cache, use_tma):
-    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim) with a
-    box of one block (or of one page, for page boxes)."""
-    if not use_tma:
+def _kv_sources(shape, k_cache, v_cache):
+    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim)."""
+    if not shape.use_tma:
         return k_cache, v_cache, k_cache.stride(0)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = k_cache.shape[0] * k_cache.shape[1]
     width = k_cache.shape[2] * k_cache.shape[3]
-    box = [shape.page_size if _is_page_box(shape.page_size, shape.block_n) else shape.block_n, shape.headdim]
+    box = [shape.block_n, shape.headdim]
     k_desc, v_desc = (TensorDescriptor(x, [rows, width], [width, 1], box) for x in (k_cache, v_cache))
     return k_desc, v_desc, k_cache.shape[1]
 
@@ -219,10 +211,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     stride_od = o4.stride(3) if final else o4.stride(4)
     stride_ls = 0 if final else lse3.stride(3)
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
-    preload = _preload_pages(shape, num_splits, min_chunk)
-    # page boxes pick their page ids from the preloaded table: without one, take the pointer path
-    use_tma = shape.use_tma and (preload > 0 or not _is_page_box(shape.page_size, shape.block_n))
-    k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache, use_tma)
+    k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     f_strides = (*fo4.stride()[:3], fo4.stride(-1), *flse3.stride()[:3])
     merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
@@ -241,15 +230,15 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=use_tma,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
-        PRELOAD_PAGES=preload,
+        PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
         FUSED_MERGE=fused is not None, MERGE_M=merge_m, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         MERGE_BLOCK_S=merge_block_s, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
-                                                           q4.dtype, use_tma))
+                                                           q4.dtype, shape.use_tma))
 
 
 # fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per unrolled step: small, so that
