@@ -42,9 +42,10 @@ def next_power_of_2(n: int) -> int:
 # a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
-# Contexts this short run unsplit: one kernel beats split + merge (H100, b1 16/2 hd128 at 512 keys: 8.7 us unsplit
-# vs 9.3 us with 4 splits; at 4k, 44 us unsplit vs 8.9 us with 32 splits).
-DECODE_NO_SPLIT_MAX_KEYS = 512
+# Contexts this short run unsplit (one KV block at hd128 bf16). With the merge and stage 1 both programmatic dependent
+# launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4 splits
+# 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
+DECODE_NO_SPLIT_MAX_KEYS = 128
 # Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
 # smaller pages read their ids from the block table inside the KV loop.
 DECODE_MIN_PRELOAD_PAGE = 8
@@ -86,10 +87,14 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     several blocks and splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
     (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline). USE_TMA: host tensor
     descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal
-    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge (H100, b1 16/2: 7.5 vs 8.2 us at 4k,
-    8.6 vs 9.7 at 4k page 16, never slower). PDL_WAIT: stage 1 itself is a programmatic dependent of the kernel
-    before it (waits on the device before touching memory). FUSED_MERGE: split launches merge in their last program
-    per kv head (atomic ticket) instead of a second kernel (issue 4).
+    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
+    programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
+    before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
+    8.2 / 18.5 / 30.2, merge PDL 6.9 / 7.4 / 18.5 / 30.4, both 6.7 / 6.8 / 18.0 / 29.5 (page 16: 10.4 / 9.6 / 20.7 /
+    34.6 -> 10.1 / 8.3 / 19.7 / 33.7). FUSED_MERGE: split launches merge in their last program per kv head (atomic
+    ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits
+    5.3 vs 5.6 us contiguous but 7.2 vs 6.9 at page 16; 32/8 heads 32k 50.1 vs 51.2) and lost from 4k up (8.2 vs
+    6.8 at 4k, 19.5 vs 18.0 at 32k: one program reads all of a head's partials).
     """
     if interpret:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
@@ -97,7 +102,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": False, "FUSED_MERGE": False}
+            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False}
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,16 @@ def test_decode_splits_never_exceed_blocks_of_the_live_length():
 def test_short_contexts_are_not_split():
     assert hx.decode_num_splits(1, 2, hx.DECODE_NO_SPLIT_MAX_KEYS, 132, block_n=128) == 1
     assert hx.decode_num_splits(1, 2, hx.DECODE_NO_SPLIT_MAX_KEYS + 1, 132, block_n=128) > 1
+    # with PDL, 512 keys already pay for a split: one 128-key block per program (H100: 5.6 vs 6.7 us unsplit)
+    assert hx.decode_num_splits(1, 2, 512, 132, block_n=128) == 4
+
+
+def test_decode_pdl_only_where_the_gpu_has_it():
+    """Both programmatic dependent launches (merge after stage 1, stage 1 after the previous kernel) are on for
+    Hopper and off elsewhere; the interpreter config never asks for them (inline asm)."""
+    cfg = hx.decode_block_config(128, 2, interpret=False)
+    assert cfg["USE_PDL"] == cfg["PDL_WAIT"] == hx._is_hopper_or_newer()
+    assert not hx.decode_block_config(128, 2, interpret=True).get("PDL_WAIT", False)
 
 
 def test_decode_splits_shrink_with_batch():

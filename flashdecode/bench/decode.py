@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "contiguous + page 16")
     parser.add_argument("--heads", default="16,2", help="--tune: q heads,kv heads (e.g. 32,8 for Llama-3-8B)")
     parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
+    parser.add_argument("--tune-batch", type=int, default=1, help="--tune: batch size (equal lengths)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -278,31 +279,24 @@ def _points(args, base):
         yield "mixed", 16, [131072] + [1024] * 15, LLAMA_SHAPE, 16
 
 
-# Config of the decode path before issue 4's second round (no PDL at all, separate merge kernel): the baseline
-# every variant is compared with in the same run.
+# The decode path before issue 4's second round (no PDL at all, 512 keys unsplit): the baseline every variant is
+# compared with in the same run.
 _OLD = {"USE_PDL": False, "PDL_WAIT": False, "FUSED_MERGE": False}
-_PDL2 = {"USE_PDL": True, "PDL_WAIT": True, "FUSED_MERGE": False}
-_FUSED = {"FUSED_MERGE": True, "PDL_WAIT": True}
-_SHORT = {"DECODE_NO_SPLIT_MAX_KEYS": 128}  # split 512 keys too (4 one-block splits at BLOCK_N 128)
 TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forced num_splits or None)
-    ("old", _OLD, {}, None),
+    ("old", _OLD, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("default", {}, {}, None),
-    ("pdl", {"USE_PDL": True, "PDL_WAIT": False, "FUSED_MERGE": False}, {}, None),
-    ("pdl2", _PDL2, {}, None),
-    ("pdl2 short", _PDL2, _SHORT, None),
-    ("pdl2 short mb2", _PDL2, dict(_SHORT, DECODE_MIN_BLOCKS_PER_SPLIT=2), None),
-    ("pdl2 w8", dict(_PDL2, num_warps=8), {}, None),
+    ("merge-pdl-only", {"PDL_WAIT": False}, {}, None),
+    ("unsplit512", {}, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("no-tma", {"USE_TMA": False}, {}, None),
     ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
+    ("bn64", {"BLOCK_N": 64}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
+    ("w8", {"num_warps": 8}, {}, None),
     ("s2", {"num_stages": 2}, {}, None),
     ("splits32", {}, {"DECODE_MAX_SPLITS": 32}, None),
+    ("mb2", {}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
     # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4)
-    ("fused-merge", dict(_FUSED, PDL_WAIT=False), {}, None),
-    ("fused pdlw", _FUSED, {}, None),
-    ("fused pdlw short", _FUSED, _SHORT, None),
-    ("fused pdlw short mb2", _FUSED, dict(_SHORT, DECODE_MIN_BLOCKS_PER_SPLIT=2), None),
-    ("fused pdlw splits32", _FUSED, {"DECODE_MAX_SPLITS": 32}, None),
+    ("fused", {"FUSED_MERGE": True}, {}, None),
     # wave quantisation at 32/8 heads, batch 1: 16 splits = 128 programs (one wave of 132 SMs), 17 = 136 (two)
     ("n16", {}, {}, 16),
     ("n17", {}, {}, 17),
@@ -327,11 +321,12 @@ def _tune(args, bandwidth, env) -> int:
     try:
         for layout in layouts:
             for ctx in contexts:
-                kv_bytes = _kv_bytes([ctx], nheads_kv, 128, 2)
-                sets = [_make_set(1, [ctx], nheads, nheads_kv, 128, layout, torch.bfloat16, gen)
+                lens = [ctx] * args.tune_batch
+                kv_bytes = _kv_bytes(lens, nheads_kv, 128, 2)
+                sets = [_make_set(len(lens), lens, nheads, nheads_kv, 128, layout, torch.bfloat16, gen)
                         for _ in range(rotation_count(kv_bytes))]
-                row = dict(heads=f"{nheads}/{nheads_kv}", context=ctx, layout="contig" if layout == 0 else f"page{layout}",
-                           floor_us=kv_bytes / bandwidth * 1e6)
+                row = dict(heads=f"{nheads}/{nheads_kv}", batch=len(lens), context=ctx,
+                           layout="contig" if layout == 0 else f"page{layout}", floor_us=kv_bytes / bandwidth * 1e6)
                 for label, overrides, attrs, forced_splits in variants:
                     heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
                     for name, value in dict(base_attrs, **attrs).items():
@@ -353,7 +348,7 @@ def _tune(args, bandwidth, env) -> int:
         for name, value in base_attrs.items():
             setattr(heuristics, name, value)
     labels = [v[0] for v in variants]
-    table = markdown_table(rows, ["heads", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
+    table = markdown_table(rows, ["heads", "batch", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
     out_dir = results_dir(args.out)
     write_json(out_dir / f"{result_stem('decodetune', env)}.json", "decodetune", env, rows, {"table": table})
     print(table)

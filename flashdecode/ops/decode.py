@@ -411,8 +411,9 @@ class DecodePlan:
     sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
     (num_splits, nheads_kv, batch) + the merge, reads cache_seqlens / block_table on the device, and writes
     into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
-    those buffers and are overwritten by the next run. ``use_pdl`` forces the merge's programmatic dependent
-    launch on or off (None: the heuristics' default; ignored where the GPU or the interpreter cannot do it).
+    those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic dependent launches on
+    or off (the merge after stage 1; False also stops stage 1 from being a dependent of the kernel before it; None:
+    the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
     With the config's FUSED_MERGE (off by default) a split run is one launch; the plan owns its int32 ticket
     counters, zero at rest (each run leaves them zero again).
     """
