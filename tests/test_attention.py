@@ -131,9 +131,31 @@ def test_forward_tensor_descriptor_path(gen, monkeypatch, case):
 
 
 def test_backward_tensor_descriptor_path(gen, monkeypatch):
-    """The Hopper backward: Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors, ragged tails zero-filled."""
+    """The Hopper backward (opt-in FLASHDECODE_BWD_TMA): Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors,
+    ragged tails zero-filled."""
     monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
+    monkeypatch.setattr(attn_ops, "BWD_TMA", True)
     check_dense(gen, KERNEL_DTYPES[0], 1, 97, 70, 4, 2, 80, causal=True, grads=True)
+
+
+def test_descriptor_allocator_is_set_in_every_thread():
+    """Triton's allocator is per thread (a ContextVar) and autograd runs CUDA backwards on its own thread: a flag
+    set once by the forward's thread left the backward's descriptors without scratch memory on the H100."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    attn_ops._ensure_triton_allocator()
+    seen = []
+
+    def in_new_thread():
+        attn_ops._ensure_triton_allocator()
+        seen.append(_allocation._allocator.get())
+
+    worker = threading.Thread(target=in_new_thread)
+    worker.start()
+    worker.join()
+    assert seen == [attn_ops._scratch_allocator]
 
 
 def test_varlen_tensor_descriptor_path(gen, monkeypatch):
@@ -501,6 +523,15 @@ def test_gpu_nondeterministic_autotuned(gen, monkeypatch):
     monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
     check_dense(gen, torch.bfloat16, 1, 2048, 2048, 8, 2, 128, causal=True, grads=True,
                 kernel_opts=dict(deterministic=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, deterministic", [(128, True), (128, False), (256, False), (64, False)], ids=str)
+def test_gpu_backward_tensor_descriptors(gen, monkeypatch, headdim, deterministic):
+    """Opt-in FLASHDECODE_BWD_TMA: descriptor loads, and the bulk TMA reduction of dQ when not deterministic."""
+    monkeypatch.setattr(attn_ops, "BWD_TMA", True)
+    check_dense(gen, torch.bfloat16, 2, 1025, 1025, 4, 2, headdim, causal=True, grads=True,
+                kernel_opts=dict(deterministic=deterministic))
 
 
 _HOPPER_COMPILE_SCRIPT = r'''

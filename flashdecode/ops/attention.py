@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -50,8 +51,9 @@ WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
 # plain scale-then-max loop (kept for A/B timing).
 FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
 # Backward through tensor descriptors (TMA loads; bulk TMA reduction of dQ when deterministic=False) wherever the
-# forward would use them; "0" = pointer loads (kept for A/B timing).
-BWD_TMA = os.environ.get("FLASHDECODE_BWD_TMA", "1") == "1"
+# forward would use them. Opt-in ("1"): compiled for sm_90 and tested in the interpreter, but its only GPU run
+# failed before reaching the kernels (allocator unset in autograd's backward thread, fixed since): not yet timed.
+BWD_TMA = os.environ.get("FLASHDECODE_BWD_TMA", "0") == "1"
 
 
 def _interpreting() -> bool:
@@ -241,17 +243,22 @@ def _use_tma(q, k, v, out) -> bool:
     return q.is_cuda and _device_facts(q.device)[1] >= 9
 
 
-_ALLOCATOR_SET = False
+_ALLOCATOR_SET = threading.local()
+
+
+def _scratch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8,
+                       device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
 
 def _ensure_triton_allocator():
-    """Device-side tensor descriptors live in a small global scratch that Triton asks an allocator for."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
-                                                                         device=torch.cuda.current_device()
-                                                                         if torch.cuda.is_available() else "cpu"))
-        _ALLOCATOR_SET = True
+    """Device-side tensor descriptors live in a small global scratch that Triton asks an allocator for.
+
+    Triton keeps the allocator in a ContextVar, i.e. per thread: autograd runs the backward of CUDA tensors on its
+    own worker thread, which never saw the forward's set_allocator, so the flag is per thread too."""
+    if not getattr(_ALLOCATOR_SET, "done", False):
+        triton.set_allocator(_scratch_allocator)
+        _ALLOCATOR_SET.done = True
 
 
 def _strides(x: torch.Tensor, varlen: bool):
