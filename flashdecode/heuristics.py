@@ -42,7 +42,7 @@ def next_power_of_2(n: int) -> int:
 # a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
-# Contexts this short run unsplit (one KV block at hd128 bf16). With the merge and stage 1 both programmatic dependent
+# Contexts this short run unsplit (one or two KV blocks at hd128 bf16). With the merge and stage 1 both programmatic dependent
 # launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4 splits
 # 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
 DECODE_NO_SPLIT_MAX_KEYS = 128
@@ -78,12 +78,17 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
     return max(1, min(want, by_length, max_splits))
 
 
-def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
+def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs: int | None = None,
+                        num_sms: int = DEFAULT_NUM_SMS) -> dict:
     """Stage-1 launch constants for flash_decode: BLOCK_N keys per step, warps, pipeline stages.
 
     On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md;
     2 stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every
-    head dim and dtype. In the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross
+    head dim and dtype. With few (batch, kv head) pairs (``kv_pairs`` * 2 <= ``num_sms``: the SMs are filled by
+    splits, as at batch 1) the tiles shrink to 16 KiB but >= 64 keys (bf16 hd128: 64): twice the splits at short
+    contexts, a shorter pipeline ramp. H100, b1 16/2 hd128 bf16, one run (with the PDL and split defaults below),
+    us at 512 / 4k / 32k / 64k: contiguous 5.1 / 7.0 / 16.9 / 28.0 vs 5.5 / 6.9 / 17.7 / 29.3 with 128 keys,
+    page 16 5.3 / 7.9 / 18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross
     several blocks and splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
     (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline). USE_TMA: host tensor
     descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal
@@ -100,6 +105,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool) -> dict:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
+    if kv_pairs is not None and 2 * kv_pairs <= num_sms:
+        block_n = min(block_n, max(64, 16384 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False}

@@ -56,6 +56,11 @@ def test_decode_block_config_fits_shared_memory():
             assert cfg["num_stages"] * 2 * cfg["BLOCK_N"] * pad * elem <= 200 * 1024
             assert cfg["BLOCK_N"] >= 16 and cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) == 0
     assert hx.decode_block_config(128, 2, interpret=False)["BLOCK_N"] == 128
+    # few (batch, kv head) pairs, e.g. batch 1 with 2 kv heads: 16 KiB tiles, never below 64 keys
+    assert hx.decode_block_config(128, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 64
+    assert hx.decode_block_config(128, 2, interpret=False, kv_pairs=128, num_sms=132)["BLOCK_N"] == 128
+    assert hx.decode_block_config(64, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 128
+    assert hx.decode_block_config(256, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 64
     assert hx.decode_block_config(128, 2, interpret=True)["BLOCK_N"] == 16
 
 

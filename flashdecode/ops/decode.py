@@ -120,7 +120,10 @@ def _check_host_lengths(cache_seqlens, capacity, added=0, name="cache_seqlens"):
 class _DecodeShape:
     """The host-side facts of one decode call, validated."""
 
-    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size):
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                 grid_batch=None):
+        """grid_batch: the batch the tile config is chosen for (a plan's max_batch, so that one plan always
+        launches one kernel variant); default q's batch."""
         _check_tensor("q", q, (3, 4), _DTYPES)
         self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
         self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
@@ -148,10 +151,11 @@ class _DecodeShape:
         self.scale = self.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
         self.softcap = float(softcap)
         self.group = self.nheads // self.nheads_kv
-        cfg = heuristics.decode_block_config(self.headdim, q.element_size(), _interpreting(self.device))
-        self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
+        cfg = _block_config(self.headdim, q.element_size(), self.device,
+                            (grid_batch or self.batch) * self.nheads_kv * self.num_m_blocks)
+        self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
                                                                     self.block_d)
@@ -169,6 +173,12 @@ class _DecodeShape:
                              f"{out.dtype} on {out.device}")
         if q.dim() == 4 and self.seqlen_q > 1 and out.stride(0) != self.seqlen_q * out.stride(1):
             raise ValueError("out must have collapsible (batch, seqlen_q) dims (e.g. be contiguous)")
+
+
+def _block_config(headdim, elem_bytes, device, kv_pairs) -> dict:
+    """heuristics.decode_block_config for this device and (batch x kv heads x row blocks) programs per split."""
+    return heuristics.decode_block_config(headdim, elem_bytes, _interpreting(device), kv_pairs=kv_pairs,
+                                          num_sms=heuristics.num_sms(device))
 
 
 def _tma_compatible(k_cache, page_size, block_n, block_d) -> bool:
@@ -448,10 +458,10 @@ class DecodePlan:
                                     dtype=torch.int32, device=self.device)
 
     def _default_splits(self, balance_mixed):
-        cfg = heuristics.decode_block_config(self.headdim, torch.empty((), dtype=self.dtype).element_size(),
-                                             _interpreting(self.device))
         group_rows = (self.nheads // self.nheads_kv) * self.max_seqlen_q
         kv_programs = self.nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows))
+        cfg = _block_config(self.headdim, torch.empty((), dtype=self.dtype).element_size(), self.device,
+                            self.max_batch * kv_programs)
         sms = heuristics.num_sms(self.device)
         kw = dict(block_n=cfg["BLOCK_N"], max_splits=heuristics.DECODE_MAX_SPLITS,
                   min_blocks_per_split=heuristics.DECODE_MIN_BLOCKS_PER_SPLIT)
@@ -464,7 +474,8 @@ class DecodePlan:
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
             window_size=(-1, -1), return_lse=False, out=None):
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
-        shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+        shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                             grid_batch=self.max_batch)
         shape.check_out(out, q)
         if self.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
             shape.use_pdl = self.use_pdl
