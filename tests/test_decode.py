@@ -459,7 +459,7 @@ def spilled_bytes(kernel):
 
 def compile_stage1(page, tma, preload, fused, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
-    kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
+    kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
     types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
                  score_scale="fp32", softcap_out="fp32")
     if fused:
@@ -474,8 +474,10 @@ def compile_stage1(page, tma, preload, fused, **consts):
     return kernel
 
 
-for page, tma, preload, pdl in [(0, True, 0, True), (16, False, 64, False), (256, True, 8, False), (3, False, 0, False)]:
-    ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl).asm["ptx"]
+for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64, False, 128), (256, True, 8, False, 128),
+                                        (3, False, 0, False, 128), (0, True, 0, True, 64), (16, False, 16, True, 64)]:
+    ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
+                         BLOCK_N=block_n).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
 # FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
 # not spill (its tile is held in registers)
