@@ -129,6 +129,18 @@ def decode_block_m(group_rows: int) -> int:
 # Prefill (flash_attn): autotune candidates, shared-memory pruning, shape buckets
 # ----------------------------------------------------------------------------------------------------------------
 
+# Backward through tensor descriptors by default from this many keys (H100, bf16, 16 heads, fwd+bwd TFLOP/s, TMA
+# vs pointer loads in one run: 16k 426 vs 375 non-causal, 366 vs 364 causal at hd128, 343 vs 330 / 285 vs 270 at
+# hd64; but 1k causal 126 vs 218 and hd64 1k 167 vs 216). Only the 1k and 16k points were measured.
+PREFILL_BWD_TMA_MIN_KEYS = 8192
+
+
+def use_bwd_tma(max_seqlen_k: int, deterministic: bool) -> bool:
+    """Default for the tensor-descriptor backward (the caller still checks the GPU and the layout): long sequences,
+    deterministic mode only (the atomic mode with descriptors was never timed)."""
+    return deterministic and max_seqlen_k >= PREFILL_BWD_TMA_MIN_KEYS
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: Q rows per program x KV rows per step. BLOCK_M is a multiple
 # of 64 and num_warps of 4 so Hopper's wgmma is used (KERNEL_NOTES.md). H100, bf16, 16k, TMA path: (128, 128, 8, 3)
 # was fastest at hd128 (525 TFLOP/s vs 483 for (128, 64, 8, 3)), (128, 128, 4, 3) at hd64.

@@ -131,7 +131,7 @@ def test_forward_tensor_descriptor_path(gen, monkeypatch, case):
 
 
 def test_backward_tensor_descriptor_path(gen, monkeypatch):
-    """The Hopper backward (opt-in FLASHDECODE_BWD_TMA): Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors,
+    """The Hopper backward (FLASHDECODE_BWD_TMA=1; default from 8k keys): Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors,
     ragged tails zero-filled."""
     monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
     monkeypatch.setattr(attn_ops, "BWD_TMA", True)
@@ -528,7 +528,7 @@ def test_gpu_nondeterministic_autotuned(gen, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim, deterministic", [(128, True), (128, False), (256, False), (64, False)], ids=str)
 def test_gpu_backward_tensor_descriptors(gen, monkeypatch, headdim, deterministic):
-    """Opt-in FLASHDECODE_BWD_TMA: descriptor loads, and the bulk TMA reduction of dQ when not deterministic."""
+    """FLASHDECODE_BWD_TMA forced on: descriptor loads, and the bulk TMA reduction of dQ when not deterministic."""
     monkeypatch.setattr(attn_ops, "BWD_TMA", True)
     check_dense(gen, torch.bfloat16, 2, 1025, 1025, 4, 2, headdim, causal=True, grads=True,
                 kernel_opts=dict(deterministic=deterministic))

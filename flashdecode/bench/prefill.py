@@ -8,7 +8,8 @@ prints a markdown table.
 
 Variants of our kernel timed as extra peers (``--variants``): ``nd`` = flash_attn(deterministic=False) (dQ by atomics
 in the dK/dV pass; fwd+bwd only), ``rawmax`` = forward with FLASHDECODE_FWD_RAW_MAX on (A/B of the raw-max loop),
-``bwdtma`` = backward with FLASHDECODE_BWD_TMA on (tensor descriptors instead of pointer loads; fwd+bwd only).
+``bwdtma`` / ``bwdptr`` = backward with FLASHDECODE_BWD_TMA forced on / off (tensor descriptors or pointer loads;
+fwd+bwd only; "ours" picks by sequence length, heuristics.use_bwd_tma).
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
 
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 PEERS = ("ours", "FA2", "cuDNN", "flex", "FA3")
-VARIANTS = ("nd", "rawmax", "bwdtma")
+VARIANTS = ("nd", "rawmax", "bwdtma", "bwdptr")
 LONG = dict(seqlen=65536, nheads=32, nheads_kv=8, headdim=128)
 QUICK = dict(dtypes=["bf16"], headdims=[128, 64], seqlens=[16384, 1024], nheads=[16], causal=[False, True],
              modes=["fwd", "fwd+bwd"])
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement window per point")
     parser.add_argument("--variants", default=None,
                         help="comma list of our extra variants timed as peers: nd (deterministic=False), rawmax "
-                             "(forward with the raw-max loop), bwdtma (backward through TMA); default nd")
+                             "(forward with the raw-max loop), bwdtma / bwdptr (backward through TMA / pointers); default nd")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                         help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
 
@@ -183,9 +184,10 @@ def _fa3(q, k, v, causal):
 
 BUILDERS = {"ours": _ours, "FA2": _sdpa("FLASH_ATTENTION"), "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex,
             "FA3": _fa3, "nd": _ours_nd, "rawmax": _ours_with("FWD_RAW_MAX", True),
-            "bwdtma": _ours_with("BWD_TMA", True), "varlen": _ours_varlen}
+            "bwdtma": _ours_with("BWD_TMA", True),
+            "bwdptr": _ours_with("BWD_TMA", False), "varlen": _ours_varlen}
 FORWARD_ONLY = {"FA3", "rawmax", "varlen"}
-BACKWARD_ONLY = {"nd", "bwdtma"}  # variants that change only the backward
+BACKWARD_ONLY = {"nd", "bwdtma", "bwdptr"}  # variants that change only the backward
 
 
 def _time_peer(name, q, k, v, causal, mode, rep_ms):

@@ -51,9 +51,9 @@ WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
 # plain scale-then-max loop (kept for A/B timing).
 FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
 # Backward through tensor descriptors (TMA loads; bulk TMA reduction of dQ when deterministic=False) wherever the
-# forward would use them. Opt-in ("1"): compiled for sm_90 and tested in the interpreter, but its only GPU run
-# failed before reaching the kernels (allocator unset in autograd's backward thread, fixed since): not yet timed.
-BWD_TMA = os.environ.get("FLASHDECODE_BWD_TMA", "0") == "1"
+# forward would use them: "1" = always, "0" = never, unset = auto (heuristics.use_bwd_tma: the deterministic
+# backward of long sequences on Hopper, where the H100 measured it faster; short ones lost).
+BWD_TMA = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_TMA", "auto"))
 
 
 def _interpreting() -> bool:
@@ -345,7 +345,8 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
     # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
-    use_tma = BWD_TMA and _use_tma(q, k, v, dout) and (deterministic or not _interpreting())
+    want_tma = BWD_TMA if BWD_TMA is not None else heuristics.use_bwd_tma(sk, deterministic)
+    use_tma = want_tma and _use_tma(q, k, v, dout) and (deterministic or not _interpreting())
     if use_tma:
         _ensure_triton_allocator()
     constexprs["USE_TMA"] = use_tma
