@@ -129,9 +129,10 @@ def decode_block_m(group_rows: int) -> int:
 # Prefill (flash_attn): autotune candidates, shared-memory pruning, shape buckets
 # ----------------------------------------------------------------------------------------------------------------
 
-# Backward through tensor descriptors by default from this many keys (H100, bf16, 16 heads, fwd+bwd TFLOP/s, TMA
-# vs pointer loads in one run: 16k 426 vs 375 non-causal, 366 vs 364 causal at hd128, 343 vs 330 / 285 vs 270 at
-# hd64; but 1k causal 126 vs 218 and hd64 1k 167 vs 216). Only the 1k and 16k points were measured.
+# Backward through tensor descriptors by default from this many keys (H100, bf16, 16 heads, hd128 16k fwd+bwd:
+# 428 / 371 TFLOP/s non-causal / causal with descriptors vs 375-389 / 364-366 with pointer loads over three runs;
+# hd64 16k 333 / 285 vs 330 / 270). Shorter sequences keep the pointer backward: the 1k A/B was confounded by the
+# benchmark's switching wrapper (docs/performance_notes.md), so nothing supports a change there.
 PREFILL_BWD_TMA_MIN_KEYS = 8192
 
 

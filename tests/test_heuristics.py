@@ -70,5 +70,5 @@ def test_decode_block_m_pads_to_mma_minimum():
 
 def test_tensor_descriptor_backward_only_for_long_deterministic_runs():
     assert hx.use_bwd_tma(hx.PREFILL_BWD_TMA_MIN_KEYS, deterministic=True)
-    assert not hx.use_bwd_tma(1024, deterministic=True)  # 1k causal measured 126 vs 218 TFLOP/s with descriptors
+    assert not hx.use_bwd_tma(1024, deterministic=True)  # short sequences keep the pointer backward
     assert not hx.use_bwd_tma(16384, deterministic=False)  # the atomic mode with descriptors was never timed
