@@ -430,6 +430,18 @@ def _varlen_call(cu_q, cu_k, max_q=8, max_k=8):
     return flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
+def test_varlen_without_the_seqlens_check_is_exact_and_never_reads_them_on_the_host(gen, monkeypatch):
+    """check_seqlens=False (the engine's prefill): no value check, so no host sync; same results."""
+    def no_check(checks):
+        raise AssertionError("check_seqlens=False must skip the cu_seqlens value check")
+    monkeypatch.setattr(attn_ops, "_check_cu_seqlens_values", no_check)
+    check_varlen(gen, torch.float16, [5, 17], [5, 17], 4, 2, 64, causal=True, kernel_opts={"check_seqlens": False})
+    with pytest.raises(TypeError, match="check_seqlens must be a bool"):
+        good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+        q, k, v = (x.flatten(0, 1) for x in _ok(q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64)))
+        flashdecode.flash_attn_varlen(q, k, v, good, good, 8, 8, check_seqlens=None)
+
+
 def test_varlen_rejects_bad_cu_seqlens():
     good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):

@@ -484,7 +484,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-                      return_lse: bool = False, deterministic: bool = True):
+                      return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
 
     Args:
@@ -493,6 +493,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
+        check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
+            e.g. a serving engine's prefill step or a CUDA graph: wrong values then give wrong results, not errors.
         deterministic: as flash_attn.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
@@ -501,8 +503,11 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     batch = _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
-    _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-                              ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
+    if not isinstance(check_seqlens, bool):
+        raise TypeError(f"check_seqlens must be a bool, got {check_seqlens!r}")
+    if check_seqlens:
+        _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+                                  ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
                                         right, cap, deterministic)
