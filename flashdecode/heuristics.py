@@ -155,6 +155,26 @@ PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (1
 # deterministic=False: the dK/dV program also adds dQ by atomics, (BLOCK_N, BLOCK_M, warps, stages). 128 KV rows per
 # program (FA2's tile at hd128) halve the atomic traffic of 64; the 64-row tiles stay for large head dims.
 PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
+# Head dim 256 at 16-bit: the lists above fit shared memory only with 4-warp tiles whose fp32 accumulators spill
+# (sm_90 compiles: forward (128, 64, 4, 2) 1976 stack bytes, dK/dV (64, 64, 4, 2) 1832), and the H100 measured the
+# forward at 100 TFLOP/s vs FA2's 314 (bf16, 32 heads, 16k). These 8-warp / 64-row tiles compile without spills
+# (dK/dV (64, 16, 8, 2): 48 bytes, the least of those that fit) and fit shared memory; NOT yet timed on a GPU.
+PREFILL_LARGE_HEAD_DIM = 256
+PREFILL_LARGE_HEAD_DIM_CANDIDATES = {
+    "fwd": ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)),
+    "bwd_dkdv": ((64, 16, 8, 2), (64, 32, 8, 2)),
+    "bwd_dq": ((64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)),
+}
+
+
+def prefill_candidates(kernel_name: str, default: tuple, head_dim_pad: int, elem_bytes: int) -> tuple:
+    """Autotune candidates of one prefill kernel for a padded head dim: the large-head-dim tiles at 16-bit hd256,
+    ``default`` otherwise (fp32 keeps the default list and its shared-memory pruning)."""
+    if head_dim_pad >= PREFILL_LARGE_HEAD_DIM and elem_bytes == 2:
+        return PREFILL_LARGE_HEAD_DIM_CANDIDATES.get(kernel_name, default)
+    return default
+
+
 # One small fixed config for the CPU interpreter (speed there scales with the number of ops, not the tile size).
 PREFILL_INTERPRET_BLOCKS = (32, 32)
 

@@ -38,3 +38,21 @@ def assert_fa_close(out: torch.Tensor, ref64: torch.Tensor, same_dtype: torch.Te
     base = max_err(same_dtype, ref64)
     assert err <= factor * base + atol, f"{name}: error {err:.3e} > {factor} x {base:.3e} + {atol:.1e}"
     return err, base
+
+
+def spilled_bytes(kernel) -> int:
+    """Stack bytes (register spills) of a kernel compiled for a GPU target, from cuobjdump (bundled with Triton) on
+    its cubin: the sm_90 compile-on-CPU checks use it to prove a tile configuration holds its state in registers."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return int(re.search(r"STACK:(\d+)", usage).group(1))

@@ -587,6 +587,21 @@ kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
                           dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=True),
                           8, 3)
 assert "wgmma" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"], "forward not on TMA + wgmma"
+# head dim 256: the first large-head-dim tile of each kernel holds its accumulators in registers
+import sys
+sys.path.insert(0, "tests")
+from helpers import spilled_bytes
+from flashdecode.heuristics import PREFILL_LARGE_HEAD_DIM_CANDIDATES as BIG
+HD256 = dict(MASKS, HEAD_DIM=256, HEAD_DIM_PAD=256)
+bm, bn, warps, stages = BIG["fwd"][0]
+kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
+                          dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=False),
+                          warps, stages)
+assert spilled_bytes(kernel) == 0, "hd256 forward spills"
+bm, bn, warps, stages = BIG["bwd_dq"][0]
+kernel = compile_for_sm90(attn_bwd_dq_kernel, bf16 | ints | dict(Lse="*fp32", Delta="*fp32", DQ="*bf16"),
+                          dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True), warps, stages)
+assert spilled_bytes(kernel) == 0, "hd256 dQ pass spills"
 print("compiled")
 '''
 
@@ -594,7 +609,7 @@ print("compiled")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics / bulk TMA reduction, wgmma), the TMA dQ pass
     and the TMA raw-max forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
-    code the GPU compiler rejects, and has no descriptor reduction at all)."""
+    code the GPU compiler rejects, and has no descriptor reduction at all); the hd256 tiles compile without spills."""
     import os
     import subprocess
     import sys

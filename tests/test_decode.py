@@ -429,11 +429,14 @@ def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
 
 
 _HOPPER_COMPILE_SCRIPT = r'''
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flashdecode.kernels.decode import decode_split_kernel
 from flashdecode.kernels.merge import merge_many_kernel
+sys.path.insert(0, "tests")
+from helpers import spilled_bytes
 
 
 def compile_for_sm90(fn, types, consts, num_stages):
@@ -443,18 +446,6 @@ def compile_for_sm90(fn, types, consts, num_stages):
              if n not in consts and (sig[n].startswith("*") or "stride" in n)}
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
-
-
-def spilled_bytes(kernel):
-    """Register spill stores of a compiled kernel, from cuobjdump (bundled with Triton) on its cubin."""
-    import os, re, subprocess, tempfile
-    import triton.backends.nvidia as nv
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def compile_stage1(page, tma, preload, fused, **consts):

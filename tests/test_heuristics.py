@@ -72,3 +72,14 @@ def test_tensor_descriptor_backward_only_for_long_deterministic_runs():
     assert hx.use_bwd_tma(hx.PREFILL_BWD_TMA_MIN_KEYS, deterministic=True)
     assert not hx.use_bwd_tma(1024, deterministic=True)  # short sequences keep the pointer backward
     assert not hx.use_bwd_tma(16384, deterministic=False)  # the atomic mode with descriptors was never timed
+
+
+def test_head_dim_256_uses_tiles_that_fit_without_the_spilling_four_warp_ones():
+    for name, default in (("fwd", hx.PREFILL_FWD_CANDIDATES), ("bwd_dkdv", hx.PREFILL_BWD_KV_CANDIDATES),
+                          ("bwd_dq", hx.PREFILL_BWD_Q_CANDIDATES)):
+        big = hx.prefill_candidates(name, default, 256, 2)
+        assert big == hx.PREFILL_LARGE_HEAD_DIM_CANDIDATES[name]
+        fits = hx.prefill_configs_that_fit(big, 256, 2, 227 * 1024, held_tensors=1 if name == "fwd" else 2)
+        assert fits == list(big)  # every large-head-dim tile fits the H100's shared memory
+        assert hx.prefill_candidates(name, default, 128, 2) == default
+        assert hx.prefill_candidates(name, default, 256, 4) == default  # fp32: unchanged

@@ -181,6 +181,7 @@ def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
     key (shape buckets + mask flags); without it the first survivor is used.
     """
     kernel, candidates, held, streamed, names, key = _KERNELS[kernel_name]
+    candidates = heuristics.prefill_candidates(kernel_name, candidates, head_dim_pad, elem_bytes)
     fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
                                                 streamed_tensors=streamed, held_tensors=held)
     configs = [triton.Config({names[0]: c[0], names[1]: c[1]}, num_warps=c[2], num_stages=c[3]) for c in fits]
