@@ -13,7 +13,7 @@ import torch
 import flashdecode
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
-from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn
+from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
 # CPU-sized cases run in fp16/fp32 in the interpreter; on the GPU they run once, in bf16 (the GPU-marked sweeps cover
@@ -610,13 +610,4 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics / bulk TMA reduction, wgmma), the TMA dQ pass
     and the TMA raw-max forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
     code the GPU compiler rejects, and has no descriptor reduction at all); the hd256 tiles compile without spills."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's ptxas is not available here")
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)

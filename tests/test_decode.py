@@ -9,7 +9,7 @@ import torch
 
 import flashdecode
 from flashdecode import reference as ref
-from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
+from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
 def _lens(values):
@@ -490,16 +490,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals, KERNEL_NOTES.md). Compile
     the main stage-1 variants (TMA, PDL, preloaded page tables, gathers, FUSED_MERGE) and the merge for sm_90 with Triton's own
     ptxas - no GPU needed - and check that the K/V loads are software-pipelined (cp.async or TMA)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's ptxas is not available here")
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)
 
 
 def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
