@@ -155,6 +155,32 @@ PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (1
 # deterministic=False: the dK/dV program also adds dQ by atomics, (BLOCK_N, BLOCK_M, warps, stages). 128 KV rows per
 # program (FA2's tile at hd128) halve the atomic traffic of 64; the 64-row tiles stay for large head dims.
 PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
+# Deterministic backward in one launch (kernels/bwd.py attn_bwd_dkdv_kernel with FUSED_DQ): (BLOCK_N kv rows held
+# by the dK/dV phase, BLOCK_M q rows per step, BLOCK_M2 q rows held by the dQ phase, BLOCK_N2 kv rows per step, warps,
+# stages). BLOCK_N == BLOCK_M2 pairs KV block j with Q block j, which balances causal work per program. The first is
+# FlexAttention's sm_90 default at hd128 (it also runs both kinds of programs in one launch).
+PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 2), (64, 64, 64, 64, 4, 2),
+                                (128, 32, 128, 32, 8, 3), (64, 64, 64, 64, 4, 3))
+# The fused backward by default (use_bwd_fused) from this many keys; None = opt-in only (FLASHDECODE_BWD_FUSED=1).
+PREFILL_BWD_FUSED_MIN_KEYS = None
+
+
+def use_bwd_fused(max_seqlen_k: int) -> bool:
+    """Default for the one-launch deterministic backward (FLASHDECODE_BWD_FUSED overrides it)."""
+    return PREFILL_BWD_FUSED_MIN_KEYS is not None and max_seqlen_k >= PREFILL_BWD_FUSED_MIN_KEYS
+
+
+def prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad: int, elem_bytes: int, smem_limit: int):
+    """Fused-backward candidates whose larger phase fits ``smem_limit`` bytes (both phases hold two tiles, K/V or
+    Q/dO, and stream two, Q/dO or K/V; the compiler reuses one phase's shared memory for the other); the smallest
+    candidate if none does."""
+    def need(c):
+        return max(prefill_shared_bytes(c[0], c[1], head_dim_pad, c[5], elem_bytes, 2, 2),
+                   prefill_shared_bytes(c[2], c[3], head_dim_pad, c[5], elem_bytes, 2, 2))
+    fits = [c for c in candidates if need(c) <= smem_limit]
+    return fits or [min(candidates, key=need)]
+
+
 # Head dim 256 at 16-bit: the lists above fit shared memory only with 4-warp tiles whose fp32 accumulators spill
 # (sm_90 compiles: forward (128, 64, 4, 2) 1976 stack bytes, dK/dV (64, 64, 4, 2) 1832), and the H100 measured the
 # forward at 100 TFLOP/s vs FA2's 314 (bf16, 32 heads, 16k). These 8-warp / 64-row tiles compile without spills
@@ -164,6 +190,7 @@ PREFILL_LARGE_HEAD_DIM_CANDIDATES = {
     "fwd": ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)),
     "bwd_dkdv": ((64, 16, 8, 2), (64, 32, 8, 2)),
     "bwd_dq": ((64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)),
+    "bwd_fused": ((64, 16, 64, 64, 8, 2), (64, 32, 64, 32, 8, 2)),
 }
 
 

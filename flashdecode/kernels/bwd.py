@@ -5,7 +5,9 @@ With P = exp(S - lse), D_i = rowsum(dO_i * O_i) (computed by the launcher), dP =
 (soft-capping multiplies dS by 1 - tanh^2). Neither pass uses atomics, so gradients are bitwise deterministic:
   * attn_bwd_dkdv_kernel: one program per (KV block, batch * kv head) holds K, V and loops over the Q blocks of
     every query head of its GQA group (the group sum happens in registers);
-  * attn_bwd_dq_kernel: one program per (Q block, batch * head) holds Q, dO and loops over KV blocks.
+  * attn_bwd_dq_kernel: one program per (Q block, batch * head) holds Q, dO and loops over KV blocks;
+  * or both in one launch (FUSED_DQ): program j of a kv head runs the dK/dV program of KV block j, then the dQ
+    programs of Q block j (attn_bwd_dkdv_program / attn_bwd_dq_program are the two bodies).
 Opt-in non-deterministic mode (ATOMIC_DQ, FA2/FA3's choice): the dK/dV program also computes dQ += dS K for every
 Q block it visits and adds it into an fp32 buffer with atomics, so the dQ pass (and its recomputation of Q K^T and
 dO V^T: 3 of the 7 matmuls) disappears; the order of the fp32 additions varies run to run.
@@ -156,9 +158,9 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
-def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
+@triton.jit
+def attn_bwd_dkdv_program(
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -167,25 +169,15 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_deltab, stride_deltah,
-    nheads, group_size, seqlen_q, seqlen_k,
+    batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
-    bucket_q, bucket_k,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
-    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
-    like Q that receives sum_j dS_j K_j (times sm_scale later) by atomic adds; otherwise DQ is unused."""
-    pid_n = tl.program_id(0)
-    head_kv = tl.program_id(1)
-    batch = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
-    n_start = pid_n * BLOCK_N
-    if n_start >= seqlen_k:
-        return
-
+    """dK, dV of the BLOCK_N keys from n_start (< seqlen_k) of one (sequence, kv head): holds K, V and loops over
+    the Q blocks of every query head of the GQA group. Arguments as attn_bwd_dkdv_kernel; q_start / k_start: first
+    packed row of the sequence (0 when dense)."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -253,6 +245,66 @@ def attn_bwd_dkdv_kernel(
              mask=out_mask)
 
 
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    nheads, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    bucket_q, bucket_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr = False, BLOCK_M2: tl.constexpr = 64, BLOCK_N2: tl.constexpr = 64,
+):
+    """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
+    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
+    like Q that receives sum_j dS_j K_j (times sm_scale later) by atomic adds; otherwise DQ is unused.
+
+    FUSED_DQ (the deterministic backward in one launch; DQ like Q, the output): grid (max(cdiv(max_seqlen_k,
+    BLOCK_N), cdiv(max_seqlen_q, BLOCK_M2)), nheads_kv, batch); program j first computes dK, dV of KV block j, then
+    dQ of Q block j (BLOCK_M2 rows, keys stepped by BLOCK_N2) for each query head of the group. Pairing block j
+    with block j balances causal work: KV block j sees the Q blocks from j on, Q block j the KV blocks up to j, so
+    with seqlen_q == seqlen_k every program visits about the same number of tiles (in two launches the programs
+    run 1 to n tiles, and each launch ends on its own tail). Still no atomics: every element has one writer."""
+    pid_n = tl.program_id(0)
+    head_kv = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    n_start = pid_n * BLOCK_N
+    if n_start < seqlen_k:
+        attn_bwd_dkdv_program(
+            Q, K, V, DO, Lse, Delta, DK, DV, DQ,
+            stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+            stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+            stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
+            batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
+            qk_scale, softcap_log2, sm_scale, window_left, window_right,
+            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
+            USE_TMA)
+    if FUSED_DQ:
+        m_start = pid_n * BLOCK_M2
+        if m_start < seqlen_q:
+            for g in range(group_size):
+                attn_bwd_dq_program(
+                    Q, K, V, DO, Lse, Delta, DQ,
+                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
+                    stride_deltah, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q, k_start, seqlen_k,
+                    m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # dQ
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,35 +342,23 @@ def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, st
     return dq
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
-def attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+@triton.jit
+def attn_bwd_dq_program(
+    Q, K, V, DO, Lse, Delta, DQ,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_deltab, stride_deltah,
-    nheads, group_size, seqlen_q, seqlen_k,
+    batch, head, head_kv, q_start, seqlen_q, k_start, seqlen_k, m_start,
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
-    bucket_q, bucket_k,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    head_kv = head // group_size
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
-    if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    m_start = pid_m * BLOCK_M
-    if m_start >= seqlen_q:
-        return
-
+    """dQ of the BLOCK_M query rows from m_start (< seqlen_q) of one (sequence, query head): holds Q, dO and loops
+    over the visible KV blocks of kv head head_kv. Arguments as attn_bwd_dq_kernel."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -367,3 +407,40 @@ def attn_bwd_dq_kernel(
     dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + h64 * stride_dqh
     tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    nheads, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    bucket_q, bucket_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
+):
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    m_start = pid_m * BLOCK_M
+    if m_start < seqlen_q:
+        attn_bwd_dq_program(
+            Q, K, V, DO, Lse, Delta, DQ,
+            stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+            stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
+            batch, head, head // group_size, q_start, seqlen_q, k_start, seqlen_k, m_start,
+            qk_scale, softcap_log2, sm_scale, window_left, window_right,
+            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA)
+

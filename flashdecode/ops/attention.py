@@ -54,6 +54,9 @@ FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
 # forward would use them: "1" = always, "0" = never, unset = auto (heuristics.use_bwd_tma: the deterministic
 # backward of long sequences on Hopper, where the H100 measured it faster; short ones lost).
 BWD_TMA = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_TMA", "auto"))
+# Deterministic backward in one launch (bwd.attn_bwd_dkdv_kernel with FUSED_DQ: program j does dK/dV of KV block j,
+# then dQ of Q block j) instead of a dK/dV launch and a dQ launch: "1" = always, "0" = never, unset = heuristics.use_bwd_fused.
+BWD_FUSED = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_FUSED", "auto"))
 
 
 def _interpreting() -> bool:
@@ -182,9 +185,13 @@ def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
     """
     kernel, candidates, held, streamed, names, key = _KERNELS[kernel_name]
     candidates = heuristics.prefill_candidates(kernel_name, candidates, head_dim_pad, elem_bytes)
-    fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
-                                                streamed_tensors=streamed, held_tensors=held)
-    configs = [triton.Config({names[0]: c[0], names[1]: c[1]}, num_warps=c[2], num_stages=c[3]) for c in fits]
+    if len(names) == 4:  # the fused backward: two tile shapes, (dK/dV rows, Q step, dQ rows, KV step, warps, stages)
+        fits = heuristics.prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit)
+    else:
+        fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
+                                                    streamed_tensors=streamed, held_tensors=held)
+    configs = [triton.Config(dict(zip(names, c)), num_warps=c[len(names)], num_stages=c[len(names) + 1])
+               for c in fits]
     if not autotune:
         configs = configs[:1]
     # the atomic dQ buffer accumulates across launches: zero it before every timed candidate (and after tuning)
@@ -196,7 +203,7 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
     if _interpreting():
         names = _KERNELS[kernel_name][4]
         blocks = heuristics.PREFILL_INTERPRET_BLOCKS
-        meta = {names[0]: blocks[0], names[1]: blocks[1]}
+        meta = {name: blocks[i % 2] for i, name in enumerate(names)}
         _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
         return
     tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device), AUTOTUNE)
@@ -209,7 +216,7 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
 
 _ACCUMULATING_KERNELS = {"bwd_dkdv_atomic"}
 _FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-              "USE_TMA", "WARP_SPECIALIZE", "RAW_MAX", "ATOMIC_DQ"]
+              "USE_TMA", "WARP_SPECIALIZE", "RAW_MAX", "ATOMIC_DQ", "FUSED_DQ"]
 # name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
 _KERNELS = {
     "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
@@ -222,6 +229,10 @@ _KERNELS = {
                         ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
                _FLAG_KEYS),
+    # deterministic backward in one launch (FUSED_DQ): the dK/dV tile shape, then the dQ tile shape (the tile counts
+    # of the held/streamed columns are unused: heuristics.prefill_bwd_fused_configs_that_fit sizes both phases)
+    "bwd_fused": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_FUSED_CANDIDATES, 2, 2,
+                  ("BLOCK_N", "BLOCK_M", "BLOCK_M2", "BLOCK_N2"), _FLAG_KEYS),
 }
 
 
@@ -333,8 +344,9 @@ def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
               softcap, deterministic=True):
-    """dq, dk, dv like q, k, v. deterministic: separate dK/dV and dQ passes (bitwise reproducible); otherwise one
-    dK/dV pass that adds dQ into an fp32 buffer with atomics, then scales and casts it."""
+    """dq, dk, dv like q, k, v. deterministic: dK/dV and dQ computed by different programs, no atomics (bitwise
+    reproducible), either in one launch (BWD_FUSED / heuristics.use_bwd_fused) or two; otherwise one dK/dV pass that
+    adds dQ into an fp32 buffer with atomics, then scales and casts it."""
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
@@ -362,6 +374,12 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _launch("bwd_dkdv_atomic", grid_kv, dkdv_args, dict(constexprs, ATOMIC_DQ=True), q,
                 constexprs["HEAD_DIM_PAD"])
         return dq.mul_(scale).to(q.dtype), dk, dv
+    fused = BWD_FUSED if BWD_FUSED is not None else heuristics.use_bwd_fused(sk)
+    if fused:
+        def grid_pair(meta):  # one program per (KV block j, Q block j) pair: the longer of the two block counts
+            return max(triton.cdiv(sk, meta["BLOCK_N"]), triton.cdiv(sq, meta["BLOCK_M2"])), nheads_kv, batch
+        _launch("bwd_fused", grid_pair, dkdv_args, dict(constexprs, FUSED_DQ=True), q, constexprs["HEAD_DIM_PAD"])
+        return dq, dk, dv
     _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
                *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
