@@ -274,7 +274,10 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,page_size", [
     (dict(USE_PDL=True, PDL_WAIT=True), None), (dict(USE_PDL=True, PDL_WAIT=True), 16),
-    (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16)])
+    (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16),
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3)])
 def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
     """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
     three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
@@ -352,6 +355,25 @@ def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PRELOAD_PAGES_MAX=0))
     q, k, v = _make(gen, 3, 70, 4, 2, 64, torch.float16, seqlen_q=2)
     _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
+
+
+def test_prefetch_shape_stays_within_a_split():
+    """Stage 1's pre-wait L2 prefetch covers PREFETCH_BLOCKS blocks but never more than a split can hold (rounded
+    to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""
+    from types import SimpleNamespace
+
+    from flashdecode.ops.decode import _prefetch_shape
+
+    k_bf16 = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16)
+    shape = SimpleNamespace(prefetch_blocks=4, capacity=32768, block_n=64, headdim=128)
+    assert _prefetch_shape(shape, k_bf16, 64, 64) == (256, 64, 2)  # 512-key splits: 4 blocks
+    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] <= 512
+    shape.capacity = 4096  # 64-key splits: one block
+    assert _prefetch_shape(shape, k_bf16, 64, 64) == (64, 64, 2)
+    shape.headdim = 80  # 160 bytes: two lines, the second clamped to the row by the kernel
+    assert _prefetch_shape(shape, torch.empty(1, dtype=torch.float32), 64, 64) == (64, 32, 4)
+    shape.prefetch_blocks = 0
+    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,14 +473,15 @@ def compile_for_sm90(fn, types, consts, num_stages):
 def compile_stage1(page, tma, preload, fused, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
-    types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
-                 score_scale="fp32", softcap_out="fp32")
+    types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
+                 O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32")
     if fused:
         types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
-                       FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1), **consts)
+                       FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -470,6 +493,13 @@ for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64
     ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
                          BLOCK_N=block_n).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
+# L2 prefetch: issued before the PDL wait, its length / block-table reads bypass L1 (.cg), no spills
+for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, True, 0, 128), (3, False, 0, 128)]:
+    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
+                            PREFETCH_KEYS=256, LINE_ELEMS=64, NUM_LINES=2)
+    ptx = kernel.asm["ptx"]
+    assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
+    assert "ld.global.cg" in ptx and spilled_bytes(kernel) == 0
 # FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
 # not spill (its tile is held in registers)
 for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),
@@ -481,7 +511,10 @@ for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False
     assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
-                                               USE_PDL=True), 1)
+                                               USE_PDL=True, EARLY_TRIGGER=False), 1)
+ptx = compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128,
+                                                     LSE_LOG2=True, USE_PDL=True, EARLY_TRIGGER=True), 1).asm["ptx"]
+assert 0 <= ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait"), "early trigger"
 print("compiled")
 '''
 

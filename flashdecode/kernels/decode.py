@@ -228,9 +228,48 @@ def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, NUM_SPLITS: 
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Hint: bring the 128-byte lines at ``ptrs`` into L2 (no data, no fault semantics needed: callers clamp every
+    address into the cache's allocation). Not a memory read in the memory model, so it may run before gdc_wait."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, num_pages, window_left,
+                         stride_rb, stride_kt, stride_kh,
+                         SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         HEADDIM: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                         NUM_LINES: tl.constexpr):
+    """L2 prefetch of the first PREFETCH_KEYS keys of this split's K and V rows (kv head hk), issued BEFORE
+    gdc_wait, while the previous kernel still runs: the DRAM latency of the first tiles then overlaps it.
+
+    The lengths (and block table) read here may be stale - the previous kernel may still be writing them - so they
+    only steer the hint and are read again after the wait; .cg keeps them out of L1, so that later read cannot hit
+    a stale L1 line. Every address is clamped into the cache (keys into [0, capacity), page ids into
+    [0, num_pages)), whatever the stale values. stride_rb: the raw cache's batch (contiguous) or page stride.
+    """
+    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
+    if start < end:
+        keys = tl.minimum(start + tl.arange(0, PREFETCH_KEYS), end - 1)
+        if PAGE_SIZE == 0:
+            rows = b.to(tl.int64) * stride_rb + keys.to(tl.int64) * stride_kt
+        else:
+            page = tl.load(bt_row + keys // PAGE_SIZE, cache_modifier=".cg")
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            rows = page.to(tl.int64) * stride_rb + ((keys % PAGE_SIZE) * stride_kt).to(tl.int64)
+        cols = tl.minimum(tl.arange(0, NUM_LINES) * LINE_ELEMS, HEADDIM - 1)
+        offs = rows[:, None] + (hk * stride_kh + cols)[None, :]
+        _prefetch_l2(K_RAW + offs)
+        _prefetch_l2(V_RAW + offs)
+
+
+@triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS,
-    score_scale, softcap_out, window_left, capacity,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, K_RAW, V_RAW,
+    score_scale, softcap_out, window_left, capacity, num_pages, stride_rb,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
@@ -244,6 +283,7 @@ def decode_split_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
 ):
     """Stage 1 (see module doc).
 
@@ -263,16 +303,25 @@ def decode_split_kernel(
     FUSED_MERGE (not FINAL): also O_FINAL like Q (strides stride_f*), LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
     natural log (strides stride_fl*), TICKETS int32 (batch * nheads_kv * NUM_M_BLOCKS,) zeros; the last program of
     each row block merges (see module doc and _merge_if_last_ticket). Unused (any tensor) otherwise.
+    PREFETCH_KEYS (0 = off; a power of two): L2 prefetch of the split's first keys before anything else (before
+    gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
+    stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
+    of two) per head-dim row. Only a hint: the data is read again after the wait.
     """
-    if PDL_WAIT:  # nothing before this line touches memory: the previous kernel may still be writing q, K/V, lengths
-        gdc_wait()
-    if USE_PDL:
-        gdc_launch_dependents()
     split = tl.program_id(0)
     pid_hm = tl.program_id(1)
     b = tl.program_id(2)
     hk = pid_hm // NUM_M_BLOCKS
     m_block = pid_hm % NUM_M_BLOCKS
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+    if PREFETCH_KEYS > 0:
+        _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, num_pages, window_left,
+                             stride_rb, stride_kt, stride_kh, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW,
+                             PAGE_SIZE, HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+    if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
+        gdc_wait()
+    if USE_PDL:
+        gdc_launch_dependents()
 
     seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
@@ -307,7 +356,6 @@ def decode_split_kernel(
         v_src = V + kv_off
         tma_row_base = 0
     tma_col = hk * HEADDIM
-    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
     first_page = 0
     split_pages = 0
     if PAGE_SIZE > 0 and PRELOAD_PAGES > 0:

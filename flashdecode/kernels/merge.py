@@ -21,7 +21,7 @@ def merge_many_kernel(
     stride_oo, stride_oi, stride_od,
     stride_loo, stride_loi,
     HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr,
+    LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
 ):
     """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R)).
 
@@ -30,10 +30,16 @@ def merge_many_kernel(
     USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only),
     then let the next kernel (e.g. the next decode call's stage 1, itself a dependent launch that waits for this
     one to finish) be scheduled early.
+    EARLY_TRIGGER (with USE_PDL): let the next kernel launch before this one's wait, i.e. while the producer still
+    runs. Safe for a next kernel that waits (gdc_wait) before it reads: it then waits for this kernel, and this one
+    for the producer. It gives that kernel's pre-wait prologue (decode stage 1's L2 prefetch) more time.
     """
     if USE_PDL:
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not EARLY_TRIGGER:
+            gdc_launch_dependents()
     r_outer = tl.program_id(0).to(tl.int64)
     r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r_inner < num_inner

@@ -163,6 +163,9 @@ class _DecodeShape:
         self.pdl_wait = cfg.get("PDL_WAIT", False) and _pdl_capable(self.device)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
         self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
+        # L2 prefetch before the PDL wait (inline asm: GPU only) and the merge's early trigger that gives it time
+        self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
+        self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
 
     def check_out(self, out, q):
         if out is None:
@@ -228,9 +231,10 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     merge_block_s = max(1, min(heuristics.next_power_of_2(num_splits), _FUSED_MERGE_TILE_ELEMS //
                                (merge_m * shape.block_d)))
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
+    prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets,
-        score_scale, softcap_out, max(shape.window_left, 0), shape.capacity,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
+        score_scale, softcap_out, max(shape.window_left, 0), shape.capacity, k_cache.shape[0], k_cache.stride(0),
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
@@ -244,11 +248,24 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
         FUSED_MERGE=fused is not None, MERGE_M=merge_m, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
-        MERGE_BLOCK_S=merge_block_s, num_warps=shape.num_warps, num_stages=num_stages,
+        MERGE_BLOCK_S=merge_block_s, PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
+        num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma))
+
+
+def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
+    """(PREFETCH_KEYS, LINE_ELEMS, NUM_LINES) of stage 1's pre-wait L2 prefetch: the first PREFETCH_BLOCKS blocks of
+    a split, no more than a split can hold (a power of two, so a short split does not prefetch past its end
+    repeatedly); 128-byte lines of one head-dim row."""
+    if shape.prefetch_blocks <= 0:
+        return 0, 64, 1
+    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * shape.block_n) * shape.block_n, min_chunk)
+    keys = heuristics.next_power_of_2(min(shape.prefetch_blocks * shape.block_n, chunk_max))
+    line_elems = 128 // k_cache.element_size()
+    return keys, line_elems, heuristics.next_power_of_2(heuristics.cdiv(shape.headdim, line_elems))
 
 
 # fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per unrolled step: small, so that
@@ -308,7 +325,8 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
     b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
-        _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=shape.use_pdl)
+        _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=shape.use_pdl,
+        early_trigger=shape.merge_early_trigger and shape.pdl_wait)
 
 
 def _collapse_bt(x4):

@@ -38,11 +38,13 @@ def _rows3(x, headdim_last: bool):
     return x.reshape(-1, x.shape[-1])
 
 
-def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False):
+def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
+                      early_trigger: bool = False):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
-    kernel's writes, while its launch overlaps that kernel's tail)."""
+    kernel's writes, while its launch overlaps that kernel's tail). early_trigger (with use_pdl): let the next
+    kernel launch before this one waits (only for next kernels that wait on the device before reading)."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -58,7 +60,7 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
         *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
         HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
-        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        EARLY_TRIGGER=bool(use_pdl and early_trigger), num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
