@@ -146,6 +146,21 @@ def use_bwd_tma(max_seqlen_k: int, deterministic: bool) -> bool:
 # of 64 and num_warps of 4 so Hopper's wgmma is used (KERNEL_NOTES.md). H100, bf16, 16k, TMA path: (128, 128, 8, 3)
 # was fastest at hd128 (525 TFLOP/s vs 483 for (128, 64, 8, 3)), (128, 128, 4, 3) at hd64.
 PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3))
+# Forward with the unmasked loop pipelined by one QK^T (PIPELINE_QK): both score tiles stay in registers only at
+# (128, 128, 8 warps); sm_90 compiles at hd128: 2 stages 253 registers, no spills, wgmma not serialised (3 stages
+# need 262 KB of shared memory); (128, 64, 8, *) and 4-warp tiles serialise their wgmma (ptxas C7515 / C7511).
+PREFILL_FWD_PIPELINED_CANDIDATES = ((128, 128, 8, 2), (128, 128, 8, 3))
+# PIPELINE_QK by default from this many keys; None = opt-in only (FLASHDECODE_FWD_PIPELINE_QK=1). H100, bf16, hd128,
+# sustained back-to-back calls (power-capped at 700 W, as in the engine), fixed tiles, one run (T0907): pipelined
+# (128, 128, 8, 2) 501 TFLOP/s vs the plain loop's (128, 128, 8, 3) 515 at the engine's 64k 32/8 causal shape, 437
+# vs 485 at 16k causal, 462 vs 504 at 16k non-causal, 384 vs 389 at 4k; the 64k engine prefill with it forced on was
+# 3.81 s vs transformers+SDPA 3.72 s in the same run (e2e T0906). Kept opt-in.
+PREFILL_FWD_PIPELINE_MIN_KEYS = None
+
+
+def use_fwd_pipeline(max_seqlen_k: int) -> bool:
+    """Default for the pipelined forward where it applies (descriptor path, 16-bit, head dim <= 128)."""
+    return PREFILL_FWD_PIPELINE_MIN_KEYS is not None and max_seqlen_k >= PREFILL_FWD_PIPELINE_MIN_KEYS
 # Backward dK/dV program: (BLOCK_N kv rows held, BLOCK_M q rows per step, warps, stages); dQ program: (BLOCK_M q rows
 # held, BLOCK_N kv rows per step, warps, stages). On the H100 (bf16, 16k) the first of each was fastest in a sweep
 # (and is the untuned default); the others come from the autotuned set of an earlier run that reached 363 TFLOP/s

@@ -177,6 +177,32 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
 
 
 @triton.jit
+def attn_fwd_inner_pipelined(acc, m_i, l_i, q, k_desc, v_desc, start, end, qk_scale, BLOCK_N: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
+    """attn_fwd_inner for the unmasked blocks [start, end) (start < end) through descriptors, without softcap or
+    raw max, software-pipelined by one QK^T: the dot of block j + 1 is issued before the softmax of block j, so
+    the tensor cores work on it while the warps compute block j's exponentials (FA3's intra-warpgroup overlap;
+    the plain loop waits for each QK^T and then leaves the tensor cores idle through the softmax). sm_90 compile:
+    (128, 128, 8 warps, 2 stages) holds both score tiles in 253 registers without spills or serialised wgmma;
+    other tiles serialise (ptxas C7515) and RAW_MAX spills. The dot issued after the last block reads rows the
+    descriptor bounds (zero-filled past the sequence) and is dropped."""
+    qk = tl.dot(q, tl.trans(k_desc.load([start, 0])), input_precision=DOT_PRECISION)
+    for start_n in tl.range(start, end, BLOCK_N):
+        qk_next = tl.dot(q, tl.trans(k_desc.load([start_n + BLOCK_N, 0])), input_precision=DOT_PRECISION)
+        s = qk * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([start_n, 0])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        qk = qk_next
+    return acc, m_i, l_i
+
+
+@triton.jit
 def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                         HEAD_DIM_PAD: tl.constexpr):
     """TMA descriptor over one head of one sequence: (nrows, HEAD_DIM) at ``base`` with unit column stride.
@@ -204,6 +230,7 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, RAW_MAX: tl.constexpr = False,
+    PIPELINE_QK: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
@@ -216,6 +243,7 @@ def attn_fwd_kernel(
     aligned rows and a triton allocator); WARP_SPECIALIZE asks Triton to split producer/consumer warps in the
     unmasked loop. RAW_MAX (launcher: no softcap and a non-zero scale): row max on the raw dot products
     (attn_fwd_inner); a negative scale is folded into Q's sign so that the scale the loop sees is positive.
+    PIPELINE_QK (needs USE_TMA, no SOFTCAP, no RAW_MAX): the unmasked blocks go through attn_fwd_inner_pipelined.
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -230,6 +258,8 @@ def attn_fwd_kernel(
         return
 
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
+    tl.static_assert(not PIPELINE_QK or (USE_TMA and not SOFTCAP and not RAW_MAX),
+                     "PIPELINE_QK needs the descriptor path without softcap or raw max")
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -264,10 +294,16 @@ def attn_fwd_kernel(
                                        window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
                                        HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, False, RAW_MAX)
     # the bulk: blocks every row sees completely
-    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
-                                   stride_vs, stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                                   window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, WARP_SPECIALIZE, RAW_MAX)
+    if PIPELINE_QK:
+        if full_lo < full_hi:
+            acc, m_i, l_i = attn_fwd_inner_pipelined(acc, m_i, l_i, q, k_desc, v_desc, full_lo, full_hi, qk_scale,
+                                                     BLOCK_N, DOT_PRECISION)
+    else:
+        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
+                                       stride_vs, stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
+                                       seqlen_k, window_left, window_right, qk_scale, softcap_log2, False, EVEN_D,
+                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
+                                       WARP_SPECIALIZE, RAW_MAX)
     # diagonal / right window edge / ragged tail: masked
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
                                    stride_vs, stride_vd, full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,

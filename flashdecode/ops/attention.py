@@ -50,6 +50,9 @@ WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
 # Forward row max on the raw dot products, scale fused into the exponent's FMA (fwd.attn_fwd_inner); "0" = the
 # plain scale-then-max loop (kept for A/B timing).
 FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
+# Forward with the unmasked loop software-pipelined by one QK^T (fwd.attn_fwd_inner_pipelined, its own tiles):
+# "1" = wherever it applies, "0" = never, unset = heuristics.use_fwd_pipeline.
+FWD_PIPELINE_QK = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_FWD_PIPELINE_QK", "auto"))
 # Backward through tensor descriptors (TMA loads; bulk TMA reduction of dQ when deterministic=False) wherever the
 # forward would use them: "1" = always, "0" = never, unset = auto (heuristics.use_bwd_tma: the deterministic
 # backward of long sequences on Hopper, where the H100 measured it faster; short ones lost).
@@ -220,6 +223,10 @@ _FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_
 # name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
 _KERNELS = {
     "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
+    # PIPELINE_QK forward (own autotune cache): two score tiles live and one K tile more in flight; 2 held tiles
+    # make the shared-memory estimate match its sm_90 compiles (hd128 (128, 128, 8, 2): 192 KiB)
+    "fwd_pipelined": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_PIPELINED_CANDIDATES, 2, 2,
+                      ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
     "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
                  ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     # deterministic=False: dK/dV program that also adds dQ with atomics (its own candidates: bigger KV blocks
@@ -305,6 +312,14 @@ def _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     return varlen, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
 
 
+def _use_fwd_pipeline(use_tma: bool, q: torch.Tensor, softcap: float, max_seqlen_k: int) -> bool:
+    """PIPELINE_QK forward: descriptor path, 16-bit, head dim <= 128, no softcap; FLASHDECODE_FWD_PIPELINE_QK
+    forces it on or off, otherwise heuristics.use_fwd_pipeline decides."""
+    if not use_tma or softcap > 0.0 or q.element_size() != 2 or _head_dim_pad(q.shape[-1]) > 128:
+        return False
+    return FWD_PIPELINE_QK if FWD_PIPELINE_QK is not None else heuristics.use_fwd_pipeline(max_seqlen_k)
+
+
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = torch.empty_like(q)
@@ -323,11 +338,13 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     use_tma = _use_tma(q, k, v, out)
     if use_tma:
         _ensure_triton_allocator()
+    pipeline = _use_fwd_pipeline(use_tma, q, softcap, sk)
     # a zero scale would make the masked -inf logits 0 * -inf = NaN on the raw-max path
-    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE,
-                      RAW_MAX=FWD_RAW_MAX and softcap == 0.0 and scale != 0.0)
+    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE and not pipeline,
+                      RAW_MAX=FWD_RAW_MAX and softcap == 0.0 and scale != 0.0 and not pipeline,
+                      PIPELINE_QK=pipeline)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
-    _launch("fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    _launch("fwd_pipelined" if pipeline else "fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return out, lse
 
 
