@@ -49,6 +49,10 @@ DECODE_NO_SPLIT_MAX_KEYS = 128
 # Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
 # smaller pages read their ids from the block table inside the KV loop.
 DECODE_MIN_PRELOAD_PAGE = 8
+# Paged caches whose pages need gathers from preloaded page ids (DECODE_MIN_PRELOAD_PAGE <= page < a 16 KiB tile)
+# take 16 KiB tiles at any batch when a split holds at most this many live keys (measured at page 16: 512 faster,
+# 8192 slower; see decode_block_config).
+DECODE_SMALL_TILE_MAX_SPLIT_KEYS = 2048
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -79,7 +83,7 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
 
 
 def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs: int | None = None,
-                        num_sms: int = DEFAULT_NUM_SMS) -> dict:
+                        num_sms: int = DEFAULT_NUM_SMS, page_size: int = 0, split_keys: int | None = None) -> dict:
     """Stage-1 launch constants for flash_decode: BLOCK_N keys per step, warps, pipeline stages.
 
     On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md;
@@ -100,16 +104,34 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits
     5.3 vs 5.6 us contiguous but 7.2 vs 6.9 at page 16; 32/8 heads 32k 50.1 vs 51.2) and lost from 4k up (8.2 vs
     6.8 at 4k, 19.5 vs 18.0 at 32k: one program reads all of a head's partials).
+    ``split_keys``: the host's estimate of live keys per split (max_seqlen_k / num_splits; None = not known yet),
+    ``page_size``: 0 contiguous. Round 3 (H100, same runs, decodetune T0902 / T0903):
+    PREFETCH_BLOCKS: with few (batch, kv head) pairs, stage 1 prefetches its split's first block into L2 before
+    the PDL wait (b1 16/2 contiguous 4.8 / 6.7 / 16.4 / 27.4 / 49.0 vs 5.0 / 7.0 / 16.9 / 28.1 / 49.4 us at 512 /
+    4k / 32k / 64k / 128k; page 16 5.0 / 7.4 / 18.7 / 31.5 / 54.4 vs 5.3 / 7.9 / 18.5 / 31.3 / 54.9; 4 blocks: no
+    better). MERGE_EARLY_TRIGGER: the merge lets the next kernel launch before its own wait, so the next call's
+    stage 1 prefetches during this call; only for splits of one block (latency-bound calls: with the prefetch
+    4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k) - from 8 blocks per split it loses (17.1 vs 16.4 at 32k). Many pairs,
+    paged with pages that need gathers and short splits (one 128k sequence's balance_mixed splits over a uniform
+    batch): 16 KiB tiles too (Llama 32/8 b16 8k page 16: 195.8 vs 212.4 us; with 8k-key splits the in-loop block
+    table reads made them slower, 237.7 vs 192.8).
     """
     if interpret:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
-    if kv_pairs is not None and 2 * kv_pairs <= num_sms:
-        block_n = min(block_n, max(64, 16384 // (head_dim_pad * elem_bytes)))
+    small_tile = max(64, 16384 // (head_dim_pad * elem_bytes))
+    few_pairs = kv_pairs is not None and 2 * kv_pairs <= num_sms
+    short_gathered_splits = (DECODE_MIN_PRELOAD_PAGE <= page_size < small_tile and split_keys is not None
+                             and split_keys <= DECODE_SMALL_TILE_MAX_SPLIT_KEYS)
+    if few_pairs or short_gathered_splits:
+        block_n = min(block_n, small_tile)
     hopper = _is_hopper_or_newer()
+    prefetch = 1 if hopper and few_pairs else 0
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False}
+            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
+            "PREFETCH_BLOCKS": prefetch,
+            "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None and split_keys <= block_n)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -357,6 +357,36 @@ def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
     _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
 
 
+def test_merge_in_head_dim_chunks(gen, monkeypatch):
+    """MERGE_D_CHUNKS (config): stage 2 as head-dim slices gives the same result (GQA, ragged, paged)."""
+    from flashdecode import heuristics
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), MERGE_D_CHUNKS=2))
+    q, k, v = _make(gen, 3, 90, 8, 2, 64, torch.float16)
+    _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3)
+
+
+def test_round3_config_rules():
+    """heuristics.decode_block_config, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's
+    early trigger only for one-block splits; 16 KiB tiles at batch for gathered pages in short splits only."""
+    from flashdecode import heuristics as hx
+
+    hopper = hx._is_hopper_or_newer()
+    few = dict(kv_pairs=2, num_sms=132)
+    assert hx.decode_block_config(128, 2, False, **few)["PREFETCH_BLOCKS"] == (1 if hopper else 0)
+    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PREFETCH_BLOCKS"] == 0
+    assert hx.decode_block_config(128, 2, False, **few, split_keys=64)["MERGE_EARLY_TRIGGER"] == hopper
+    assert not hx.decode_block_config(128, 2, False, **few, split_keys=512)["MERGE_EARLY_TRIGGER"]
+    assert not hx.decode_block_config(128, 2, False, **few)["MERGE_EARLY_TRIGGER"]  # split length unknown
+    batch = dict(kv_pairs=128, num_sms=132)
+    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=512)["BLOCK_N"] == 64
+    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=8192)["BLOCK_N"] == 128
+    assert hx.decode_block_config(128, 2, False, **batch, page_size=0, split_keys=512)["BLOCK_N"] == 128
+    assert hx.decode_block_config(128, 2, False, **batch, page_size=64, split_keys=512)["BLOCK_N"] == 128
+    assert hx.decode_block_config(128, 2, False, **batch, page_size=4, split_keys=512)["BLOCK_N"] == 128
+
+
 def test_prefetch_shape_stays_within_a_split():
     """Stage 1's pre-wait L2 prefetch covers PREFETCH_BLOCKS blocks but never more than a split can hold (rounded
     to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""

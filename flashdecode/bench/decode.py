@@ -285,6 +285,9 @@ _OLD = {"USE_PDL": False, "PDL_WAIT": False, "FUSED_MERGE": False}
 TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forced num_splits or None)
     ("old", _OLD, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("default", {}, {}, None),
+    # the defaults of round 2 (T0806: no prefetch, no early trigger, 32 KiB tiles for page 16 at batch)
+    ("r2", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False}, {}, None),
+    ("r2 bn128", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False, "BLOCK_N": 128}, {}, None),
     ("merge-pdl-only", {"PDL_WAIT": False}, {}, None),
     ("unsplit512", {}, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("no-tma", {"USE_TMA": False}, {}, None),
@@ -306,13 +309,17 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # L2 prefetch of each split's first blocks before stage 1's PDL wait, and the merge's early trigger that lets
     # the next stage 1 launch (and prefetch) while this one still runs (issue 4, round 3)
     ("et", {"MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("pf1", {"PREFETCH_BLOCKS": 1}, {}, None),
+    ("pf1", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": False}, {}, None),
     ("pf4", {"PREFETCH_BLOCKS": 4}, {}, None),
     ("pf1 et", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf2 et", {"PREFETCH_BLOCKS": 2, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("bn64 pf4 et", {"BLOCK_N": 64, "PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
+    # the merge over more, smaller programs (head-dim slices), with the round-3 defaults
+    ("md2", {"MERGE_D_CHUNKS": 2}, {}, None),
+    ("md4", {"MERGE_D_CHUNKS": 4}, {}, None),
+    ("pf1 et mb2", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
     # where the fixed cost goes (results are wrong on purpose: a stage is skipped): time of stage 1 alone, the
     # merge alone (reading stale partials), and an empty kernel per call (the graph's launch floor)
     ("stage1-only", {}, {}, None),

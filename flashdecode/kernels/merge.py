@@ -23,7 +23,9 @@ def merge_many_kernel(
     HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
 ):
-    """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R)).
+    """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R), head-dim chunks): program
+    (., ., c) merges head-dim columns [c * BLOCK_D, (c + 1) * BLOCK_D) (one chunk when BLOCK_D covers HEADDIM; more
+    chunks spread a small merge over more SMs); chunk 0 writes the lse.
 
     O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN may be
     garbage (it weighs exactly 0). The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
@@ -42,9 +44,10 @@ def merge_many_kernel(
             gdc_launch_dependents()
     r_outer = tl.program_id(0).to(tl.int64)
     r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d_chunk = tl.program_id(2)
     r_ok = r_inner < num_inner
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d_chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_base = O_IN + r_outer * stride_io + r_inner[:, None, None] * stride_ii + offs_d[None, None, :] * stride_id
     lse_base = LSE_IN + r_outer * stride_lio + r_inner[:, None] * stride_lii
@@ -67,7 +70,7 @@ def merge_many_kernel(
     o, lse2 = normalize_state(acc, m_i, l_i)
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok)
+    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok & (d_chunk == 0))
 
 
 @triton.jit

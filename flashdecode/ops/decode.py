@@ -121,9 +121,10 @@ class _DecodeShape:
     """The host-side facts of one decode call, validated."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                 grid_batch=None):
+                 grid_batch=None, split_keys=None):
         """grid_batch: the batch the tile config is chosen for (a plan's max_batch, so that one plan always
-        launches one kernel variant); default q's batch."""
+        launches one kernel variant); default q's batch. split_keys: host estimate of live keys per split (None:
+        not known yet; see configure)."""
         _check_tensor("q", q, (3, 4), _DTYPES)
         self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
         self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
@@ -153,10 +154,20 @@ class _DecodeShape:
         self.group = self.nheads // self.nheads_kv
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
-        cfg = _block_config(self.headdim, q.element_size(), self.device,
-                            (grid_batch or self.batch) * self.nheads_kv * self.num_m_blocks)
-        self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+        self.kv_pairs = (grid_batch or self.batch) * self.nheads_kv * self.num_m_blocks
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
+        self._k_cache = k_cache
+        self.configure(split_keys)
+
+    def configure(self, split_keys):
+        """(Re)choose the stage-1 launch config (heuristics.decode_block_config) for an estimate of the live keys
+        per split (None: unknown); split-dependent choices (tile at batch for gathered pages, the merge's early
+        trigger) need it, so the convenience path calls this again once it has picked its split count."""
+        k_cache = self._k_cache
+        cfg = heuristics.decode_block_config(self.headdim, k_cache.element_size(), _interpreting(self.device),
+                                             kv_pairs=self.kv_pairs, num_sms=heuristics.num_sms(self.device),
+                                             page_size=self.page_size, split_keys=split_keys)
+        self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
                                                                     self.block_d)
         self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
@@ -166,6 +177,7 @@ class _DecodeShape:
         # L2 prefetch before the PDL wait (inline asm: GPU only) and the merge's early trigger that gives it time
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
+        self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
 
     def check_out(self, out, q):
         if out is None:
@@ -326,7 +338,7 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
         _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=shape.use_pdl,
-        early_trigger=shape.merge_early_trigger and shape.pdl_wait)
+        early_trigger=shape.merge_early_trigger and shape.pdl_wait, d_chunks=shape.merge_d_chunks)
 
 
 def _collapse_bt(x4):
@@ -344,18 +356,22 @@ def _min_chunk(shape) -> int:
 
 
 def _choose_splits(shape, cache_seqlens, num_splits, max_seqlen_k):
-    """num_splits as given, else from the live lengths: max_seqlen_k if given, else one read of cache_seqlens."""
+    """(splits, live keys bound). splits as given, else from the live lengths: max_seqlen_k if given, else one read
+    of cache_seqlens. The bound is max_seqlen_k (or the cache capacity when neither it nor the policy read the
+    lengths), for split-dependent launch choices."""
     if num_splits is not None:
         if int(num_splits) < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        return int(num_splits)
+        bound = shape.capacity if max_seqlen_k is None else min(int(max_seqlen_k), shape.capacity)
+        return int(num_splits), bound
     total = None
     if max_seqlen_k is None:
         lengths = cache_seqlens.to("cpu", torch.int64)  # the one host sync of the convenience path
         max_seqlen_k, total = int(lengths.max()) if lengths.numel() else 0, int(lengths.sum())
         if max_seqlen_k > shape.capacity:
             raise ValueError(f"cache_seqlens asks for {max_seqlen_k} keys but the cache holds {shape.capacity}")
-    return _policy_splits(shape, min(int(max_seqlen_k), shape.capacity), total, shape.batch)
+    live = min(int(max_seqlen_k), shape.capacity)
+    return _policy_splits(shape, live, total, shape.batch), live
 
 
 def _policy_splits(shape, max_seqlen_k, total_seqlen_k, batch):
@@ -404,7 +420,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
     shape.check_out(out, q)
-    splits = _choose_splits(shape, cache_seqlens, num_splits, max_seqlen_k)
+    splits, live_keys = _choose_splits(shape, cache_seqlens, num_splits, max_seqlen_k)
+    shape.configure(heuristics.cdiv(max(live_keys, 1), splits))
     b, sq, h, d = shape.q4.shape
     out = torch.empty_like(q) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
@@ -493,7 +510,8 @@ class DecodePlan:
             window_size=(-1, -1), return_lse=False, out=None):
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                             grid_batch=self.max_batch)
+                             grid_batch=self.max_batch,
+                             split_keys=heuristics.cdiv(max(self.max_seqlen_k, 1), self.num_splits))
         shape.check_out(out, q)
         if self.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
             shape.use_pdl = self.use_pdl

@@ -39,12 +39,14 @@ def _rows3(x, headdim_last: bool):
 
 
 def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
-                      early_trigger: bool = False):
+                      early_trigger: bool = False, d_chunks: int = 1):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
     kernel's writes, while its launch overlaps that kernel's tail). early_trigger (with use_pdl): let the next
-    kernel launch before this one waits (only for next kernels that wait on the device before reading)."""
+    kernel launch before this one waits (only for next kernels that wait on the device before reading).
+    d_chunks: programs per row block, each merging a slice of the head dim (a power of two; more, smaller
+    programs for merges of few rows)."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -52,10 +54,12 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     outer, inner, num_states, headdim = o_in_s.shape
     if outer == 0 or inner == 0:
         return
-    block_d = heuristics.next_power_of_2(max(16, headdim))
+    if d_chunks < 1 or d_chunks & (d_chunks - 1):
+        raise ValueError(f"d_chunks must be a power of two >= 1, got {d_chunks}")
+    block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
     block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
     block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
-    grid = (outer, triton.cdiv(inner, block_r))
+    grid = (outer, triton.cdiv(inner, block_r), triton.cdiv(headdim, block_d))
     merge_many_kernel[grid](
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
         *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
