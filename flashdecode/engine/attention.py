@@ -1,6 +1,7 @@
 """Attention backends: one interface, five implementations, picked by name.
 
     prefill(q, k, v, meta) -> out    q (tokens, nheads, d), k/v (tokens, nheads_kv, d), causal per sequence
+    prefill_last(q, k, v, meta) -> out    q (batch, nheads, d): each sequence's last query only, against all its keys
     decode(q, k_cache, v_cache, meta) -> out    q (batch, nheads, d), paged cache (num_pages, page_size, hk, d)
     write_kv(k_cache, v_cache, k, v, meta)      k/v (tokens, hk, d) into the page slots meta.slot_mapping
 
@@ -66,6 +67,26 @@ class AttentionBackend(abc.ABC):
     def prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q (total, nheads, headdim), k/v (total, nheads_kv, headdim) packed by meta.cu_seqlens -> out like q."""
 
+    def prefill_last(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """q (batch, nheads, headdim): the query of each sequence's last token; k/v (total, nheads_kv, headdim)
+        packed by meta.cu_seqlens -> out like q (each query sees every key of its sequence, within the window).
+        The model's last layer in a prefill that only needs last-token logits. Generic version: one masked
+        attention per sequence (_masked_attention)."""
+        out = torch.empty_like(q)
+        start = 0
+        for i, n in enumerate(meta.seqlens):
+            ks, vs = (_expand_heads(x[start:start + n].transpose(0, 1)[None], q.shape[1]) for x in (k, v))
+            pos = torch.arange(n, device=q.device)
+            mask = _visible(1, pos[None, :], pos[-1:, None], self.window_size[0])  # (1, n)
+            out[i] = self._masked_attention(q[i][None, :, None, :], ks, vs, mask)[0, :, 0, :]
+            start += n
+        return out
+
+    @staticmethod
+    def _masked_attention(q, k, v, mask):
+        """q (b, h, sq, d), k/v (b, h, sk, d), bool mask broadcastable to (b, h, sq, sk)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     @abc.abstractmethod
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q (batch, nheads, headdim) against the paged cache (meta.block_tables, meta.context_lens) -> like q."""
@@ -79,6 +100,13 @@ class TorchBackend(AttentionBackend):
 
     def prefill(self, q, k, v, meta):
         out, _ = reference.attention_varlen_ref(q, k, v, meta.cu_seqlens, meta.cu_seqlens, causal=True,
+                                                window_size=self.window_size)
+        return out
+
+    def prefill_last(self, q, k, v, meta):
+        # one query per sequence; causal masks are bottom-right aligned, so it sees all of its sequence's keys
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        out, _ = reference.attention_varlen_ref(q, k, v, cu_q, meta.cu_seqlens, causal=True,
                                                 window_size=self.window_size)
         return out
 
@@ -157,6 +185,8 @@ class EagerBackend(AttentionBackend):
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(p, v)
 
+    _masked_attention = _attend  # prefill_last in the same matmul - softmax - matmul form
+
     def prefill(self, q, k, v, meta):
         out = torch.empty_like(q)
         start = 0
@@ -206,6 +236,12 @@ class FlashDecodeBackend(AttentionBackend):
         # the runner built cu_seqlens from host lengths: skip the value check's host sync (one per layer)
         return self._varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
                             causal=True, window_size=self.window_size, check_seqlens=False)
+
+    def prefill_last(self, q, k, v, meta):
+        # one query row per sequence (bottom-right aligned causal mask: it sees every key of its sequence)
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return self._varlen(q, k, v, cu_q, meta.cu_seqlens, 1, meta.max_seqlen, causal=True,
+                            window_size=self.window_size, check_seqlens=False)
 
     def _plan(self, q, k_cache, block_tables):
         capacity = block_tables.shape[1] * k_cache.shape[1]

@@ -192,8 +192,8 @@ class ModelRunner:
         """Run every token of each sequence, write their K/V into its pages. Returns float32 logits of the last
         token of each sequence, (len(seqs), vocab)."""
         ids, pos, meta, last = self._prefill_inputs([s.token_ids for s in seqs], tables)
-        hidden = self.model(ids, pos, meta, self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model(ids, pos, meta, self.kv_caches, self.backend, last_rows=last)  # (len(seqs), hidden)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

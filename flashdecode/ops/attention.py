@@ -209,7 +209,8 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
         meta = {name: blocks[i % 2] for i, name in enumerate(names)}
         _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
         return
-    tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device), AUTOTUNE)
+    tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device),
+                   AUTOTUNE and kernel_name not in _UNTUNED_KERNELS)
     if q.device.index == torch.cuda.current_device():
         tuned[grid_fn](*args, **constexprs)
     else:
@@ -218,6 +219,7 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
 
 
 _ACCUMULATING_KERNELS = {"bwd_dkdv_atomic"}
+_UNTUNED_KERNELS = {"fwd_long"}  # the first candidate that fits shared memory, never timed
 _FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
               "USE_TMA", "WARP_SPECIALIZE", "RAW_MAX", "ATOMIC_DQ", "FUSED_DQ"]
 # name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
@@ -227,6 +229,9 @@ _KERNELS = {
     # make the shared-memory estimate match its sm_90 compiles (hd128 (128, 128, 8, 2): 192 KiB)
     "fwd_pipelined": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_PIPELINED_CANDIDATES, 2, 2,
                       ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
+    # long sequences (heuristics.use_fwd_long_config): a fixed tile, untimed (_UNTUNED_KERNELS)
+    "fwd_long": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_LONG_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"),
+                 _FLAG_KEYS),
     "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
                  ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
     # deterministic=False: dK/dV program that also adds dQ with atomics (its own candidates: bigger KV blocks
@@ -344,7 +349,13 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                       RAW_MAX=FWD_RAW_MAX and softcap == 0.0 and scale != 0.0 and not pipeline,
                       PIPELINE_QK=pipeline)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
-    _launch("fwd_pipelined" if pipeline else "fwd", grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    if pipeline:
+        name = "fwd_pipelined"
+    elif heuristics.use_fwd_long_config(sk, constexprs["HEAD_DIM_PAD"], q.element_size(), use_tma):
+        name = "fwd_long"
+    else:
+        name = "fwd"
+    _launch(name, grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
     return out, lse
 
 

@@ -51,6 +51,30 @@ class Attention(nn.Module):
                use_fused: bool = False, use_gemv: bool = False):
         """qkv (tokens, q_size + 2 kv_size) = the qkv projection -> attention + o_proj, (tokens, hidden)."""
         tokens = qkv.shape[0]
+        q, k, v = self._rotate_and_store(qkv, positions, rotary, meta, kv_cache, backend, use_fused)
+        k_cache, v_cache = kv_cache
+        if meta.is_prefill:
+            o = backend.prefill(q, k, v, meta)
+        else:
+            o = backend.decode(q, k_cache, v_cache, meta)
+        o = o.reshape(tokens, self.nheads * self.head_dim)
+        if use_gemv:
+            return gemv.gemv(o, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o)
+
+    def forward_last_rows(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
+                          use_fused: bool, last_rows: torch.Tensor) -> torch.Tensor:
+        """Prefill where only the rows ``last_rows`` (int64 (n,), one per sequence: its last token) are wanted
+        downstream: K/V of every token are still rotated and written to the cache, but only those rows attend
+        (to all keys of their sequence) and go through o_proj. x (tokens, hidden) -> (n, hidden)."""
+        q, k, v = self._rotate_and_store(self.qkv_proj(x), positions, rotary, meta, kv_cache, backend, use_fused)
+        o = backend.prefill_last(q[last_rows], k, v, meta)
+        return self.o_proj(o.reshape(last_rows.shape[0], self.nheads * self.head_dim))
+
+    def _rotate_and_store(self, qkv, positions, rotary, meta: AttentionMetadata, kv_cache, backend, use_fused):
+        """qkv (tokens, q_size + 2 kv_size) -> rotated q (tokens, nheads, d), k and v (tokens, nheads_kv, d); k/v
+        also written to this layer's pages."""
+        tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if use_fused and self.fused_rope and rotary.has_table:  # one kernel: rotate q/k, write k/v to pages
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
@@ -62,14 +86,7 @@ class Attention(nn.Module):
             v = v.view(tokens, self.nheads_kv, self.head_dim)
             q, k = rotary(q, k, positions, meta.rope_lens)
             backend.write_kv(k_cache, v_cache, k, v, meta)
-        if meta.is_prefill:
-            o = backend.prefill(q, k, v, meta)
-        else:
-            o = backend.decode(q, k_cache, v_cache, meta)
-        o = o.reshape(tokens, self.nheads * self.head_dim)
-        if use_gemv:
-            return gemv.gemv(o, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(o)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -105,6 +122,19 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual, use_fused=use_fused)
         h = self.self_attn(h, positions, rotary, meta, kv_cache, backend, use_fused)
         h, residual = self.post_attention_layernorm(h, residual, use_fused=use_fused)
+        return self.mlp(h, use_fused), residual
+
+    def forward_last_rows(self, x, residual, positions, rotary, meta, kv_cache, backend, use_fused: bool,
+                          last_rows: torch.Tensor):
+        """forward() of the model's last layer in a prefill that only needs the rows ``last_rows``: the input norm
+        and the K/V write cover every token, attention output, MLP and the residual stream only those rows.
+        Returns (mlp output, residual), both (len(last_rows), hidden)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, use_fused=use_fused)
+        else:
+            h, residual = self.input_layernorm(x, residual, use_fused=use_fused)
+        h = self.self_attn.forward_last_rows(h, positions, rotary, meta, kv_cache, backend, use_fused, last_rows)
+        h, residual = self.post_attention_layernorm(h, residual[last_rows], use_fused=use_fused)
         return self.mlp(h, use_fused), residual
 
     def forward_one_token(self, x, residual, positions, rotary, meta, kv_cache, backend):
@@ -161,15 +191,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions int64 (tokens,) -> final hidden states (tokens, hidden) in the model dtype."""
+                kv_caches: list, backend: AttentionBackend, last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions int64 (tokens,) -> final hidden states (tokens, hidden) in the model dtype.
+
+        last_rows (prefill only): int64 (n,) rows whose hidden states are wanted, one per sequence (its last
+        token, whose logits sample the next one); the result is then (n, hidden) and the last layer skips the other
+        rows after its K/V write (at 64k tokens that is 1/32 of the attention and of the MLP / o_proj GEMMs).
+        """
         x, residual = self.model.embed_tokens(input_ids), None
         one_token = self.use_gemv and input_ids.shape[0] == 1 and self.use_fused
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        last_layer = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             if one_token:
                 x, residual = layer.forward_one_token(x, residual, positions, self.rotary, meta, kv_cache, backend)
+            elif last_rows is not None and i == last_layer:
+                x, residual = layer.forward_last_rows(x, residual, positions, self.rotary, meta, kv_cache, backend,
+                                                      self.use_fused, last_rows)
             else:
                 x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache, backend, self.use_fused)
+        if one_token and last_rows is not None:
+            x, residual = x[last_rows], residual[last_rows]
         return self.model.norm(x, residual, use_fused=self.use_fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The forward with its unmasked loop pipelined by one QK^T (PIPELINE_QK, fwd.attn_fwd_inner_pipelined) against the
-float64 reference: causal / non-causal / sliding window, ragged tails (the look-ahead dot reads past the last
+"""Forward launch variants against the float64 reference. (1) Long sequences on the descriptor path take a fixed,
+untimed tile ("fwd_long", heuristics.use_fwd_long_config). (2) The forward with its unmasked loop pipelined by one
+QK^T (PIPELINE_QK, fwd.attn_fwd_inner_pipelined, opt-in): causal / non-causal / sliding window, ragged tails (the look-ahead dot reads past the last
 unmasked block), padded head dims, GQA, varlen with empty sequences. The interpreter emulates tensor descriptors, so
 the path runs on the CPU (fp16); the GPU adds bf16 at the engine's head shape. An sm_90 compile on the CPU checks
 that the pipelined tile keeps both score tiles in registers (no spills) on wgmma + TMA.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashdecode import heuristics
 from flashdecode.ops import attention as attn_ops
 from helpers import HAS_CUDA, KERNEL_DTYPES, run_sm90_compile_script
 from test_attention import check_dense, check_varlen
@@ -53,6 +55,24 @@ def test_pipeline_skipped_where_it_does_not_apply(gen, _pipelined, dtype, softca
     """fp32 (tiles twice the size) and softcap keep the plain loop, and stay correct."""
     check_dense(gen, dtype, 1, 40, 70, 2, 1, 64, causal=True, softcap=softcap)
     assert _pipelined == ["fwd"]
+
+
+@pytest.mark.parametrize("seqlen, launched", [(300, "fwd_long"), (100, "fwd")], ids=str)
+def test_long_sequences_take_the_fixed_tile(gen, monkeypatch, _pipelined, seqlen, launched):
+    """From PREFILL_FWD_LONG_MIN_KEYS keys (lowered here to 128) the descriptor forward skips autotuning."""
+    monkeypatch.setattr(attn_ops, "FWD_PIPELINE_QK", False)
+    monkeypatch.setattr(heuristics, "PREFILL_FWD_LONG_MIN_KEYS", 128)
+    check_dense(gen, KERNEL_DTYPES[0], 1, seqlen, seqlen, 4, 2, 128, causal=True)
+    assert _pipelined == [launched]
+
+
+def test_fixed_tile_policy():
+    assert heuristics.use_fwd_long_config(65536, 128, 2, True)
+    assert not heuristics.use_fwd_long_config(65536, 256, 2, True)  # hd256 has its own tiles
+    assert not heuristics.use_fwd_long_config(65536, 128, 4, True)  # fp32
+    assert not heuristics.use_fwd_long_config(65536, 128, 2, False)  # pointer path (pre-Hopper): autotuned
+    assert not heuristics.use_fwd_long_config(heuristics.PREFILL_FWD_LONG_MIN_KEYS - 1, 128, 2, True)
+    assert heuristics.PREFILL_FWD_LONG_CANDIDATES[0] == (128, 128, 8, 3)
 
 
 @pytest.mark.gpu
