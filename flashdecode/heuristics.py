@@ -53,6 +53,8 @@ DECODE_MIN_PRELOAD_PAGE = 8
 # take 16 KiB tiles at any batch when a split holds at most this many live keys (measured at page 16: 512 faster,
 # 8192 slower; see decode_block_config).
 DECODE_SMALL_TILE_MAX_SPLIT_KEYS = 2048
+# The merge's early PDL trigger (see decode_block_config) for splits of at most this many KV blocks.
+DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -110,11 +112,12 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     the PDL wait (b1 16/2 contiguous 4.8 / 6.7 / 16.4 / 27.4 / 49.0 vs 5.0 / 7.0 / 16.9 / 28.1 / 49.4 us at 512 /
     4k / 32k / 64k / 128k; page 16 5.0 / 7.4 / 18.7 / 31.5 / 54.4 vs 5.3 / 7.9 / 18.5 / 31.3 / 54.9; 4 blocks: no
     better). MERGE_EARLY_TRIGGER: the merge lets the next kernel launch before its own wait, so the next call's
-    stage 1 prefetches during this call; only for splits of one block (latency-bound calls: with the prefetch
-    4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k) - from 8 blocks per split it loses (17.1 vs 16.4 at 32k). Many pairs,
-    paged with pages that need gathers and short splits (one 128k sequence's balance_mixed splits over a uniform
-    batch): 16 KiB tiles too (Llama 32/8 b16 8k page 16: 195.8 vs 212.4 us; with 8k-key splits the in-loop block
-    table reads made them slower, 237.7 vs 192.8).
+    stage 1 prefetches during this call; only for splits of <= 2 blocks (latency-bound calls: with the prefetch
+    4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k; T0921: 8k 7.3 vs 8.0, page 16 8.8 vs 9.6) - from 4 blocks per split it
+    loses (16k 11.3 vs 10.9, 32k 17.1 vs 16.4). Many pairs, paged with pages that need gathers and short splits (one
+    128k sequence's balance_mixed splits over a uniform batch): 16 KiB tiles too (Llama 32/8 8k page 16: b16 195.8
+    vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with 8k-key splits the in-loop block table reads
+    made them slower, 237.7 vs 192.8).
     """
     if interpret:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False}
@@ -131,7 +134,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
-            "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None and split_keys <= block_n)}
+            "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
+                                        and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n)}
 
 
 @functools.lru_cache(maxsize=None)

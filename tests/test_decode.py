@@ -369,7 +369,7 @@ def test_merge_in_head_dim_chunks(gen, monkeypatch):
 
 def test_round3_config_rules():
     """heuristics.decode_block_config, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's
-    early trigger only for one-block splits; 16 KiB tiles at batch for gathered pages in short splits only."""
+    early trigger only for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only."""
     from flashdecode import heuristics as hx
 
     hopper = hx._is_hopper_or_newer()
@@ -377,7 +377,8 @@ def test_round3_config_rules():
     assert hx.decode_block_config(128, 2, False, **few)["PREFETCH_BLOCKS"] == (1 if hopper else 0)
     assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PREFETCH_BLOCKS"] == 0
     assert hx.decode_block_config(128, 2, False, **few, split_keys=64)["MERGE_EARLY_TRIGGER"] == hopper
-    assert not hx.decode_block_config(128, 2, False, **few, split_keys=512)["MERGE_EARLY_TRIGGER"]
+    assert hx.decode_block_config(128, 2, False, **few, split_keys=128)["MERGE_EARLY_TRIGGER"] == hopper
+    assert not hx.decode_block_config(128, 2, False, **few, split_keys=256)["MERGE_EARLY_TRIGGER"]
     assert not hx.decode_block_config(128, 2, False, **few)["MERGE_EARLY_TRIGGER"]  # split length unknown
     batch = dict(kv_pairs=128, num_sms=132)
     assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=512)["BLOCK_N"] == 64

@@ -305,6 +305,7 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("n17", {}, {}, 17),
     ("n32", {}, {}, 32),
     ("n1", {}, {}, 1),
+    ("n128", {}, {}, 128),  # b1 16/2: 256 programs, two per SM with 16 KiB tiles
     ("bn64 n1", {"BLOCK_N": 64}, {}, 1),
     # L2 prefetch of each split's first blocks before stage 1's PDL wait, and the merge's early trigger that lets
     # the next stage 1 launch (and prefetch) while this one still runs (issue 4, round 3)
@@ -416,7 +417,9 @@ def _tune(args, bandwidth, env) -> int:
     labels = [v[0] for v in variants]
     table = markdown_table(rows, ["heads", "batch", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
     out_dir = results_dir(args.out)
-    write_json(out_dir / f"{result_stem('decodetune', env)}.json", "decodetune", env, rows, {"table": table})
+    # heads and batch in the name: several tune calls in one command (same minute) must not overwrite each other
+    stem = result_stem("decodetune", env) + f"_h{nheads}-{nheads_kv}_b{args.tune_batch}"
+    write_json(out_dir / f"{stem}.json", "decodetune", env, rows, {"table": table})
     print(table)
     return 0
 
