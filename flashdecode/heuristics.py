@@ -211,18 +211,25 @@ PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (1
 # program (FA2's tile at hd128) halve the atomic traffic of 64; the 64-row tiles stay for large head dims.
 PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
 # Deterministic backward in one launch (kernels/bwd.py attn_bwd_dkdv_kernel with FUSED_DQ): (BLOCK_N kv rows held
-# by the dK/dV phase, BLOCK_M q rows per step, BLOCK_M2 q rows held by the dQ phase, BLOCK_N2 kv rows per step, warps,
-# stages). BLOCK_N == BLOCK_M2 pairs KV block j with Q block j, which balances causal work per program. The first is
-# FlexAttention's sm_90 default at hd128 (it also runs both kinds of programs in one launch).
-PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 2), (64, 64, 64, 64, 4, 2),
-                                (128, 32, 128, 32, 8, 3), (64, 64, 64, 64, 4, 3))
-# The fused backward by default (use_bwd_fused) from this many keys; None = opt-in only (FLASHDECODE_BWD_FUSED=1).
-PREFILL_BWD_FUSED_MIN_KEYS = None
+# by the dK/dV phase, BLOCK_M q rows per step, BLOCK_M2 q rows held by the dQ phase, BLOCK_N2 kv rows per step,
+# SPLIT_DKDV, warps, stages). BLOCK_N == BLOCK_M2 (BLOCK_N / 2 with SPLIT_DKDV) pairs KV block j with Q block j,
+# which balances causal work per program. The first is FlexAttention's sm_90 default at hd128 (it also runs both
+# kinds of programs in one launch).
+PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, False, 8, 3), (128, 64, 128, 64, False, 8, 2),
+                                (64, 64, 64, 64, False, 4, 2), (128, 32, 128, 32, False, 8, 3),
+                                (64, 64, 64, 64, False, 4, 3))
+# The interpreter runs the split dK / dV programs (SPLIT_DKDV) only when a test asks for them.
+PREFILL_INTERPRET_SPLIT_DKDV = False
+# The fused backward by default (use_bwd_fused) for 16-bit head dim 256 from this many keys. H100, bf16, 32 heads,
+# 16k, backward only, same run: 97.0 vs 111.2 ms non-causal, 57.9 vs 66.6 causal (autotune picked the split dK / dV
+# programs, (128, 32, 64, 64, True, 8, 2)). At hd128 the one launch was slower (28.5 vs 27.6 ms, 18.2 vs 17.0:
+# the two launches' best tiles, (64, 64, 4 warps, 2 stages) each, leave less to gain from pairing): opt-in there.
+PREFILL_BWD_FUSED_MIN_KEYS = 8192
 
 
-def use_bwd_fused(max_seqlen_k: int) -> bool:
+def use_bwd_fused(max_seqlen_k: int, head_dim_pad: int, elem_bytes: int) -> bool:
     """Default for the one-launch deterministic backward (FLASHDECODE_BWD_FUSED overrides it)."""
-    return PREFILL_BWD_FUSED_MIN_KEYS is not None and max_seqlen_k >= PREFILL_BWD_FUSED_MIN_KEYS
+    return head_dim_pad >= PREFILL_LARGE_HEAD_DIM and elem_bytes == 2 and max_seqlen_k >= PREFILL_BWD_FUSED_MIN_KEYS
 
 
 def prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad: int, elem_bytes: int, smem_limit: int):
@@ -230,8 +237,8 @@ def prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad: int, elem_bytes
     Q/dO, and stream two, Q/dO or K/V; the compiler reuses one phase's shared memory for the other); the smallest
     candidate if none does."""
     def need(c):
-        return max(prefill_shared_bytes(c[0], c[1], head_dim_pad, c[5], elem_bytes, 2, 2),
-                   prefill_shared_bytes(c[2], c[3], head_dim_pad, c[5], elem_bytes, 2, 2))
+        return max(prefill_shared_bytes(c[0], c[1], head_dim_pad, c[6], elem_bytes, 2, 2),
+                   prefill_shared_bytes(c[2], c[3], head_dim_pad, c[6], elem_bytes, 2, 2))
     fits = [c for c in candidates if need(c) <= smem_limit]
     return fits or [min(candidates, key=need)]
 
@@ -245,7 +252,11 @@ PREFILL_LARGE_HEAD_DIM_CANDIDATES = {
     "fwd": ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)),
     "bwd_dkdv": ((64, 16, 8, 2), (64, 32, 8, 2)),
     "bwd_dq": ((64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)),
-    "bwd_fused": ((64, 16, 64, 64, 8, 2), (64, 32, 64, 32, 8, 2)),
+    # SPLIT_DKDV: a dV program and a dK program per 128 keys, one fp32 accumulator each (sm_90 compiles, causal:
+    # (128, 32, 8 warps, 2 stages) 232 stack bytes, (128, 64, 8, 1) 208; 64 rows with both accumulators and
+    # 64-row Q steps: 664)
+    "bwd_fused": ((64, 16, 64, 64, False, 8, 2), (128, 32, 64, 64, True, 8, 2), (128, 64, 64, 64, True, 8, 1),
+                  (64, 32, 64, 32, False, 8, 2), (128, 32, 64, 32, True, 8, 2)),
 }
 
 

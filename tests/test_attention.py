@@ -254,11 +254,14 @@ def test_fused_backward_matches_reference(gen, monkeypatch, case):
     check_dense(gen, KERNEL_DTYPES[0], *case[:6], grads=True, **case[6])
 
 
-def test_fused_backward_varlen_and_descriptors(gen, monkeypatch):
-    """Ragged sequences (one empty, one shorter in q than in k) through the tensor-descriptor path."""
+@pytest.mark.parametrize("split_dkdv", [False, True], ids=["dkdv", "split_dkdv"])
+def test_fused_backward_varlen_and_descriptors(gen, monkeypatch, split_dkdv):
+    """Ragged sequences (one empty, one shorter in q than in k) through the tensor-descriptor path; split_dkdv:
+    separate dV and dK programs per KV block (SPLIT_DKDV, the large-head-dim tiles)."""
     monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
     monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
     monkeypatch.setattr(attn_ops, "BWD_TMA", True)
+    monkeypatch.setattr(attn_ops.heuristics, "PREFILL_INTERPRET_SPLIT_DKDV", split_dkdv)
     check_varlen(gen, KERNEL_DTYPES[0], [17, 1, 0, 40], [17, 9, 3, 33], 4, 2, 64, grads=True, causal=True)
 
 
@@ -284,6 +287,18 @@ def test_fused_backward_is_one_launch_and_deterministic(gen, monkeypatch):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
         else:
             assert torch.equal(a, b)
+
+
+def test_fused_backward_policy_and_shared_memory_fit():
+    """The one-launch backward is the default only for 16-bit hd256 from PREFILL_BWD_FUSED_MIN_KEYS keys; its
+    candidates are sized by their larger phase (the atomic-free dQ phase holds Q/dO and streams K/V)."""
+    h = attn_ops.heuristics
+    assert h.use_bwd_fused(16384, 256, 2) and not h.use_bwd_fused(16384, 128, 2)
+    assert not h.use_bwd_fused(h.PREFILL_BWD_FUSED_MIN_KEYS - 1, 256, 2) and not h.use_bwd_fused(16384, 256, 4)
+    big = (64, 16, 128, 64, False, 8, 3)  # dQ phase: (2 * 128 + 3 * 2 * 64) rows x 256 x 2 bytes = 320 KiB
+    small = h.PREFILL_LARGE_HEAD_DIM_CANDIDATES["bwd_fused"][0]
+    assert h.prefill_bwd_fused_configs_that_fit((big, small), 256, 2, 227 * 1024) == [small]
+    assert h.prefill_bwd_fused_configs_that_fit((big,), 256, 2, 227 * 1024) == [big]  # nothing fits: smallest
 
 
 # deterministic=False: dQ by fp32 atomics inside the dK/dV pass
@@ -592,6 +607,30 @@ def test_gpu_backward_tensor_descriptors(gen, monkeypatch, headdim, deterministi
                 kernel_opts=dict(deterministic=deterministic))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, candidate", [
+    (64, (64, 64, 64, 64, False, 4, 2)), (128, (128, 64, 128, 64, False, 8, 3)),
+    (128, (128, 32, 128, 32, False, 8, 3)), (256, (64, 16, 64, 64, False, 8, 2)),
+    (256, (128, 32, 64, 64, True, 8, 2)), (256, (128, 64, 64, 64, True, 8, 1))], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_fused_backward(gen, monkeypatch, headdim, candidate, causal):
+    """The one-launch backward with one given tile candidate (incl. the split dK / dV programs at hd256): GQA,
+    ragged lengths, sq != sk; gradients repeat bit for bit."""
+    monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
+    monkeypatch.setitem(attn_ops.heuristics.PREFILL_LARGE_HEAD_DIM_CANDIDATES, "bwd_fused", (candidate,))
+    monkeypatch.setitem(attn_ops._KERNELS, "bwd_fused", (attn_ops._KERNELS["bwd_fused"][0], (candidate,))
+                        + attn_ops._KERNELS["bwd_fused"][2:])
+    attn_ops._tuned.cache_clear()
+    try:
+        check_dense(gen, torch.bfloat16, 2, 1000, 1100, 4, 2, headdim, causal=causal, grads=True)
+        q, k, v = _inputs(gen, torch.bfloat16, (1, 700, 4, headdim), (1, 700, 2, headdim))
+        dout = randn(1, 700, 4, headdim, gen=gen, dtype=q.dtype)
+        first = _grads(q, k, v, dout, causal=causal)
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, causal=causal)))
+    finally:
+        attn_ops._tuned.cache_clear()
+
+
 _HOPPER_COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
@@ -607,6 +646,8 @@ SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", sm_scale="fp32")
 def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
     # what the launcher specializes: unit head-dim strides, other pointers and strides divisible by 16
     consts = dict(consts, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")})
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # as a launch fills them
+    consts = dict(defaults, **consts)
     sig = {n: "constexpr" if n in consts else pointers.get(n, SCALARS.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or "stride" in n)}

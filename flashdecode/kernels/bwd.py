@@ -29,11 +29,18 @@ from flashdecode.kernels.fwd import (clamp_segments, kv_segments, load_rows, log
 
 
 @triton.jit
-def load_lse_log2(lse_ptrs, rows, nrows):
-    """Saved natural-log lse -> log2 units; rows out of range and rows with no key (-inf) give +inf, so that
-    P = exp2(S - lse) is exactly 0 there."""
-    lse = tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+def load_lse_log2(lse_ptrs, rows, nrows, LSE_LOG2: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """lse in log2 units; rows out of range and rows with no key give +inf, so that P = exp2(S - lse) is exactly 0
+    there. LSE_LOG2: the buffer already holds that (attn_bwd_delta_kernel's Lse2), else the saved natural-log lse
+    (-inf on rows with no key) is converted here. CHECK_ROWS=False: every row is in range (no mask)."""
+    if LSE_LOG2:
+        if CHECK_ROWS:
+            return tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
+        else:
+            return tl.load(lse_ptrs)
+    else:
+        lse = tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
+        return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
 
 @triton.jit
@@ -74,15 +81,18 @@ def q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit(do_not_specialize=["seqlen_q"])
 def attn_bwd_delta_kernel(
-    Out, DO, Delta, cu_seqlens_q,
+    Out, DO, Delta, cu_seqlens_q, Lse, Lse2,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_deltab, stride_deltah,
+    stride_deltab, stride_deltah, stride_lb, stride_lh,
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    WRITE_LSE2: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Out, DO like Q; Delta fp32 laid out like lse:
-    D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO."""
+    D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO.
+    WRITE_LSE2: also Lse2 = lse * log2(e), +inf where lse = -inf (Lse, Lse2 fp32 with strides stride_l*), which the
+    backward kernels read with LSE_LOG2: the dK/dV loop then loads each Q block's lse without converting it."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2)
@@ -100,6 +110,10 @@ def attn_bwd_delta_kernel(
                    + offs_d[None, :] * stride_dod, offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * stride_deltab + head * stride_deltah + row0 + offs_m, delta, mask=offs_m < seqlen_q)
+    if WRITE_LSE2:
+        lse_offs = b64 * stride_lb + head * stride_lh + row0 + offs_m
+        lse2 = load_lse_log2(Lse + lse_offs, offs_m, seqlen_q, False, True)
+        tl.store(Lse2 + lse_offs, lse2, mask=offs_m < seqlen_q)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,10 +127,11 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
                         softcap_log2,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
+                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr,
+                        LSE_LOG2: tl.constexpr):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
     form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
-    buffer at dq_base with atomics."""
+    buffer at dq_base with atomics. PART: 0 = both, 1 = dV only (2 of the 4 matmuls), 2 = dK only (3 of 4)."""
     q_ptrs = q_base + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
     do_ptrs = do_base + start.to(tl.int64) * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
     dq_ptrs = dq_base + start.to(tl.int64) * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
@@ -126,7 +141,7 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
             q = q_desc.load([start_m, 0])
         else:
             q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
-        lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q)
+        lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q, LSE_LOG2, MASKED)  # unmasked: rows < seqlen_q
         s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:
@@ -137,11 +152,16 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
             do = do_desc.load([start_m, 0])
         else:
             do = load_rows(do_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if PART != 2:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if PART != 1:
+            if MASKED:
+                delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+            else:
+                delta = tl.load(delta_base + rows)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
             if USE_TMA:  # rows past the sequence and padded columns fall outside the descriptor: dropped
@@ -174,10 +194,11 @@ def attn_bwd_dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    PART: tl.constexpr, LSE_LOG2: tl.constexpr,
 ):
     """dK, dV of the BLOCK_N keys from n_start (< seqlen_k) of one (sequence, kv head): holds K, V and loops over
     the Q blocks of every query head of the GQA group. Arguments as attn_bwd_dkdv_kernel; q_start / k_start: first
-    packed row of the sequence (0 when dense)."""
+    packed row of the sequence (0 when dense). PART 1 / 2: only dV / only dK (one fp32 accumulator)."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -219,30 +240,35 @@ def attn_bwd_dkdv_program(
             q_desc = q_base
             do_desc = do_base
             dq_desc = dq_base
-        if HAS_RIGHT:  # causal diagonal / right window edge
-            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
-                                         do_desc, dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs,
-                                         stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k,
-                                         diag, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
-                                         HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
                                      dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
                                      full_lo, full_hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
                                      window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT,
-                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
+                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART,
+                                     LSE_LOG2)
+        if HAS_RIGHT:  # causal diagonal / right window edge, after the unmasked blocks
+            dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
+                                         do_desc, dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs,
+                                         stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k,
+                                         diag, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
+                                         HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA,
+                                         PART, LSE_LOG2)
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
                                      dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
                                      full_hi, hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
                                      window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
-                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA)
+                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART,
+                                     LSE_LOG2)
 
     out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
     dk_base = DK + b64 * stride_dkb + k_row0 * stride_dks + head_kv.to(tl.int64) * stride_dkh
     dv_base = DV + b64 * stride_dvb + k_row0 * stride_dvs + head_kv.to(tl.int64) * stride_dvh
-    tl.store(dk_base + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=out_mask)
+    if PART != 1:
+        tl.store(dk_base + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    if PART != 2:
+        tl.store(dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
@@ -263,6 +289,7 @@ def attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     FUSED_DQ: tl.constexpr = False, BLOCK_M2: tl.constexpr = 64, BLOCK_N2: tl.constexpr = 64,
+    SPLIT_DKDV: tl.constexpr = False, LSE_LOG2: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
     (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
@@ -273,24 +300,55 @@ def attn_bwd_dkdv_kernel(
     dQ of Q block j (BLOCK_M2 rows, keys stepped by BLOCK_N2) for each query head of the group. Pairing block j
     with block j balances causal work: KV block j sees the Q blocks from j on, Q block j the KV blocks up to j, so
     with seqlen_q == seqlen_k every program visits about the same number of tiles (in two launches the programs
-    run 1 to n tiles, and each launch ends on its own tail). Still no atomics: every element has one writer."""
+    run 1 to n tiles, and each launch ends on its own tail). Still no atomics: every element has one writer.
+
+    SPLIT_DKDV (deterministic only; large head dims): two programs per KV block (axis 0 twice as long), one
+    accumulating dV (S, dV: 2 matmuls), the other dK (S, dP, dK: 3), so each holds one fp32 accumulator instead of
+    two and affords twice the KV rows without spilling (5 matmuls per KV block instead of 4). With FUSED_DQ,
+    program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced)."""
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
-    n_start = pid_n * BLOCK_N
-    if n_start < seqlen_k:
-        attn_bwd_dkdv_program(
-            Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-            stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-            stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-            stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
-            batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
-            qk_scale, softcap_log2, sm_scale, window_left, window_right,
-            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
-            USE_TMA)
+    if SPLIT_DKDV:
+        n_start = (pid_n // 2) * BLOCK_N
+        if n_start < seqlen_k:
+            if pid_n % 2 == 0:
+                attn_bwd_dkdv_program(
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
+                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+                    stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
+                    stride_deltah, batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
+                    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False,
+                    USE_TMA, 1, LSE_LOG2)
+            else:
+                attn_bwd_dkdv_program(
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
+                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+                    stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
+                    stride_deltah, batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
+                    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False,
+                    USE_TMA, 2, LSE_LOG2)
+    else:
+        n_start = pid_n * BLOCK_N
+        if n_start < seqlen_k:
+            attn_bwd_dkdv_program(
+                Q, K, V, DO, Lse, Delta, DK, DV, DQ,
+                stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+                stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
+                batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
+                qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
+                USE_TMA, 0, LSE_LOG2)
     if FUSED_DQ:
         m_start = pid_n * BLOCK_M2
         if m_start < seqlen_q:
@@ -302,7 +360,8 @@ def attn_bwd_dkdv_kernel(
                     stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
                     stride_deltah, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q, k_start, seqlen_k,
                     m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA)
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA,
+                    LSE_LOG2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,7 +414,7 @@ def attn_bwd_dq_program(
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LSE_LOG2: tl.constexpr,
 ):
     """dQ of the BLOCK_M query rows from m_start (< seqlen_q) of one (sequence, query head): holds Q, dO and loops
     over the visible KV blocks of kv head head_kv. Arguments as attn_bwd_dq_kernel."""
@@ -384,7 +443,7 @@ def attn_bwd_dq_program(
                        d_mask, True, EVEN_D)
         k_desc = k_base
         v_desc = v_base
-    lse2 = load_lse_log2(Lse + b64 * stride_lb + h64 * stride_lh + q_row0 + offs_m, offs_m, seqlen_q)
+    lse2 = load_lse_log2(Lse + b64 * stride_lb + h64 * stride_lh + q_row0 + offs_m, offs_m, seqlen_q, LSE_LOG2, True)
     delta = tl.load(Delta + b64 * stride_deltab + h64 * stride_deltah + q_row0 + offs_m, mask=offs_m < seqlen_q,
                     other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -423,9 +482,10 @@ def attn_bwd_dq_kernel(
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, LSE_LOG2: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q.
+    LSE_LOG2 (both kernels): Lse holds attn_bwd_delta_kernel's Lse2 (log2 units, +inf on rows with no key)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -442,5 +502,6 @@ def attn_bwd_dq_kernel(
             stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
             batch, head, head // group_size, q_start, seqlen_q, k_start, seqlen_k, m_start,
             qk_scale, softcap_log2, sm_scale, window_left, window_right,
-            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA)
+            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA,
+            LSE_LOG2)
 

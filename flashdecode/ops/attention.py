@@ -60,6 +60,9 @@ BWD_TMA = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_TMA", "aut
 # Deterministic backward in one launch (bwd.attn_bwd_dkdv_kernel with FUSED_DQ: program j does dK/dV of KV block j,
 # then dQ of Q block j) instead of a dK/dV launch and a dQ launch: "1" = always, "0" = never, unset = heuristics.use_bwd_fused.
 BWD_FUSED = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_FUSED", "auto"))
+# The backward preprocess also writes lse in log2 units (+inf on rows with no key) for the backward kernels, so the
+# dK/dV loop loads each Q block's lse without converting it; "0" = convert in the loop (kept for A/B timing).
+BWD_LSE_LOG2 = os.environ.get("FLASHDECODE_BWD_LSE_LOG2", "1") == "1"
 
 
 def _interpreting() -> bool:
@@ -188,7 +191,7 @@ def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int
     """
     kernel, candidates, held, streamed, names, key = _KERNELS[kernel_name]
     candidates = heuristics.prefill_candidates(kernel_name, candidates, head_dim_pad, elem_bytes)
-    if len(names) == 4:  # the fused backward: two tile shapes, (dK/dV rows, Q step, dQ rows, KV step, warps, stages)
+    if kernel_name == "bwd_fused":  # two tile shapes: heuristics.PREFILL_BWD_FUSED_CANDIDATES
         fits = heuristics.prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit)
     else:
         fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
@@ -207,6 +210,8 @@ def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.T
         names = _KERNELS[kernel_name][4]
         blocks = heuristics.PREFILL_INTERPRET_BLOCKS
         meta = {name: blocks[i % 2] for i, name in enumerate(names)}
+        if "SPLIT_DKDV" in meta:
+            meta["SPLIT_DKDV"] = heuristics.PREFILL_INTERPRET_SPLIT_DKDV
         _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
         return
     tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device),
@@ -244,7 +249,7 @@ _KERNELS = {
     # deterministic backward in one launch (FUSED_DQ): the dK/dV tile shape, then the dQ tile shape (the tile counts
     # of the held/streamed columns are unused: heuristics.prefill_bwd_fused_configs_that_fit sizes both phases)
     "bwd_fused": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_FUSED_CANDIDATES, 2, 2,
-                  ("BLOCK_N", "BLOCK_M", "BLOCK_M2", "BLOCK_N2"), _FLAG_KEYS),
+                  ("BLOCK_N", "BLOCK_M", "BLOCK_M2", "BLOCK_N2", "SPLIT_DKDV"), _FLAG_KEYS),
 }
 
 
@@ -359,15 +364,19 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     return out, lse
 
 
-def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim):
-    """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q))."""
+def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim, lse_log2: bool):
+    """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q)).
+    Returns (delta, lse for the backward kernels): lse_log2 = lse * log2(e) with +inf for -inf (a new buffer like
+    delta), else lse itself."""
     delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(delta) if lse_log2 else delta
     block_m = 64 if headdim <= 128 else 32
     grid = (triton.cdiv(sq, block_m), nheads, batch)
     bwd_kernels.attn_bwd_delta_kernel[grid](
-        out, dout, delta, cu_seqlens_q, *_strides(out, varlen), *_strides(dout, varlen), *_lse_strides(delta, varlen),
-        nheads, sq, HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m)
-    return delta
+        out, dout, delta, cu_seqlens_q, lse, lse2, *_strides(out, varlen), *_strides(dout, varlen),
+        *_lse_strides(delta, varlen), *_lse_strides(lse, varlen), nheads, sq, HEAD_DIM=headdim,
+        HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m, WRITE_LSE2=lse_log2)
+    return delta, (lse2 if lse_log2 else lse)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
@@ -382,9 +391,11 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     headdim = q.shape[-1]
-    delta = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim)
+    delta, lse = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim, BWD_LSE_LOG2)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
+    if BWD_LSE_LOG2:
+        constexprs["LSE_LOG2"] = True
     # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
     want_tma = BWD_TMA if BWD_TMA is not None else heuristics.use_bwd_tma(sk, deterministic)
     use_tma = want_tma and _use_tma(q, k, v, dout) and (deterministic or not _interpreting())
@@ -402,10 +413,12 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _launch("bwd_dkdv_atomic", grid_kv, dkdv_args, dict(constexprs, ATOMIC_DQ=True), q,
                 constexprs["HEAD_DIM_PAD"])
         return dq.mul_(scale).to(q.dtype), dk, dv
-    fused = BWD_FUSED if BWD_FUSED is not None else heuristics.use_bwd_fused(sk)
+    fused = (BWD_FUSED if BWD_FUSED is not None
+             else heuristics.use_bwd_fused(sk, constexprs["HEAD_DIM_PAD"], q.element_size()))
     if fused:
         def grid_pair(meta):  # one program per (KV block j, Q block j) pair: the longer of the two block counts
-            return max(triton.cdiv(sk, meta["BLOCK_N"]), triton.cdiv(sq, meta["BLOCK_M2"])), nheads_kv, batch
+            kv_programs = triton.cdiv(sk, meta["BLOCK_N"]) * (2 if meta["SPLIT_DKDV"] else 1)
+            return max(kv_programs, triton.cdiv(sq, meta["BLOCK_M2"])), nheads_kv, batch
         _launch("bwd_fused", grid_pair, dkdv_args, dict(constexprs, FUSED_DQ=True), q, constexprs["HEAD_DIM_PAD"])
         return dq, dk, dv
     _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
