@@ -184,18 +184,21 @@ PREFILL_FWD_PIPELINED_CANDIDATES = ((128, 128, 8, 2), (128, 128, 8, 3))
 PREFILL_FWD_PIPELINE_MIN_KEYS = None
 
 
-# Long sequences on the descriptor path (16-bit, head dim <= 128): no autotuning, the first of these that fits shared
-# memory. Autotuning a 64k causal call times each candidate about once (~70 ms) while the power-capped H100's SM
-# clock swings between 1.1 and 1.9 GHz (nvidia-smi during e2e T0906), so the pick is noise: in the T0907 sweep
-# (sustained calls, 64k 32/8 heads causal) it chose (128, 64, 4, 2) at 70.0 ms where (128, 128, 8, 3) took 68.4;
+# Long sequences on the descriptor path (16-bit, head dim 128, where it was measured): no autotuning, the first of
+# these that fits shared memory. Autotuning a 64k causal call times each candidate about once (~70 ms) while the
+# power-capped H100's SM clock swings between 1.1 and 1.9 GHz (nvidia-smi, e2e T0906), so the pick is noise: in the
+# T0907 sweep (sustained calls, 64k 32/8 heads causal) it chose (128, 64, 4, 2) at 70.0 ms where (128, 128, 8, 3) took
+# 68.4;
 # (128, 128, 8, 3) was also the fastest fixed tile at 16k causal (485 vs 461 TFLOP/s for (128, 64, 8, 3)), 4k and 1k.
+# Inside the 64k engine prefill it made no difference (A/B T0926: 3.728 vs 3.726 s autotuned): it removes the noisy
+# first-call tuning (~2 s) and its risk, not measured time.
 PREFILL_FWD_LONG_MIN_KEYS = 16384
 PREFILL_FWD_LONG_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2))
 
 
 def use_fwd_long_config(max_seqlen_k: int, head_dim_pad: int, elem_bytes: int, use_tma: bool) -> bool:
     """Fixed forward tile (PREFILL_FWD_LONG_CANDIDATES, untimed) instead of autotuning."""
-    return use_tma and elem_bytes == 2 and head_dim_pad <= 128 and max_seqlen_k >= PREFILL_FWD_LONG_MIN_KEYS
+    return use_tma and elem_bytes == 2 and head_dim_pad == 128 and max_seqlen_k >= PREFILL_FWD_LONG_MIN_KEYS
 
 
 def use_fwd_pipeline(max_seqlen_k: int) -> bool:

@@ -1,7 +1,7 @@
 """Forward launch variants against the float64 reference. (1) Long sequences on the descriptor path take a fixed,
 untimed tile ("fwd_long", heuristics.use_fwd_long_config). (2) The forward with its unmasked loop pipelined by one
-QK^T (PIPELINE_QK, fwd.attn_fwd_inner_pipelined, opt-in): causal / non-causal / sliding window, ragged tails (the look-ahead dot reads past the last
-unmasked block), padded head dims, GQA, varlen with empty sequences. The interpreter emulates tensor descriptors, so
+QK^T (PIPELINE_QK, fwd.attn_fwd_inner_pipelined, opt-in): causal / non-causal / sliding window, ragged tails (the
+look-ahead dot reads past the last unmasked block), padded head dims, GQA, varlen with empty sequences. The interpreter emulates tensor descriptors, so
 the path runs on the CPU (fp16); the GPU adds bf16 at the engine's head shape. An sm_90 compile on the CPU checks
 that the pipelined tile keeps both score tiles in registers (no spills) on wgmma + TMA.
 """
@@ -69,6 +69,7 @@ def test_long_sequences_take_the_fixed_tile(gen, monkeypatch, _pipelined, seqlen
 def test_fixed_tile_policy():
     assert heuristics.use_fwd_long_config(65536, 128, 2, True)
     assert not heuristics.use_fwd_long_config(65536, 256, 2, True)  # hd256 has its own tiles
+    assert not heuristics.use_fwd_long_config(65536, 64, 2, True)  # not measured at hd64: autotuned
     assert not heuristics.use_fwd_long_config(65536, 128, 4, True)  # fp32
     assert not heuristics.use_fwd_long_config(65536, 128, 2, False)  # pointer path (pre-Hopper): autotuned
     assert not heuristics.use_fwd_long_config(heuristics.PREFILL_FWD_LONG_MIN_KEYS - 1, 128, 2, True)
