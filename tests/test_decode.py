@@ -388,6 +388,75 @@ def test_round3_config_rules():
     assert hx.decode_block_config(128, 2, False, **batch, page_size=4, split_keys=512)["BLOCK_N"] == 128
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# PERSISTENT (opt-in): split counts chosen on the device, a fixed grid of programs looping over work items
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=[3, 16], ids=["3programs", "16programs"])
+def persistent(request, monkeypatch):
+    """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
+    (several splits per sequence); the split-grid stage 1 is made unusable for split launches, so a passing test
+    proves the persistent kernel produced the partials."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=request.param))
+    split_grid = ops_decode._launch_stage1
+
+    def only_unsplit(shape, *args, **kwargs):
+        assert args[7] is True, "split launches must go through the persistent kernel"  # final
+        return split_grid(shape, *args, **kwargs)
+
+    monkeypatch.setattr(ops_decode, "_launch_stage1", only_unsplit)
+    return request.param
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 32])  # pages that are multiples of BLOCK_N (16 on the CPU)
+def test_persistent_ragged_and_paged(gen, persistent, page_size):
+    q, k, v = _make(gen, 4, 90, 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens([90, 0, 33, 5]), page_size=page_size, gen=gen, num_splits=4)
+
+
+def test_persistent_not_for_gathered_pages(gen, monkeypatch):
+    """Pages smaller than a block keep the split grid (the persistent kernel spills there on sm_90)."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PERSISTENT=True))
+    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
+    kp, _, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
+    assert not ops_decode._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
+    _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
+
+
+def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
+    q, k, v = _make(gen, 2, 70, 8, 1, 64, torch.float32, seqlen_q=3)
+    _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_persistent_plan_mixed_then_uniform(gen, persistent, page_size):
+    """One plan, lengths that change the device's split counts between runs: a long sequence among short ones
+    (many splits), then equal lengths (one split each), then one empty: split slots left over from an earlier run
+    must never reach the merge."""
+    q, k, v = _make(gen, 3, 96, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=96, dtype=torch.float16, device=DEVICE, num_splits=6)
+    kp = vp = table = None
+    if page_size:
+        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    for lengths in ([96, 2, 5], [40, 40, 40], [0, 96, 1]):  # (page 16 = one CPU block per page)
+        lens = _lens(lengths)
+        out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
+                            return_lse=True)
+        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, lse_same = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+
+
 def test_prefetch_shape_stays_within_a_split():
     """Stage 1's pre-wait L2 prefetch covers PREFETCH_BLOCKS blocks but never more than a split can hold (rounded
     to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""
@@ -486,7 +555,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flashdecode.kernels.decode import decode_split_kernel
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 from flashdecode.kernels.merge import merge_many_kernel
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
@@ -540,6 +609,19 @@ for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False
     assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
     assert "ld.global.cg" in ptx, "partials must be read from L2"
     assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
+# PERSISTENT: the KV loops nested in the work-item loop must still be pipelined, without spills
+for page, tma, preload in [(0, True, 0), (256, True, 0)]:
+    kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
+    types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
+                 score_scale="fp32", softcap_out="fp32")
+    consts = dict(SEQLEN_Q=1, GROUP=4, NUM_M_BLOCKS=1, NHEADS_KV=8, HEADDIM=128, BLOCK_M=16, BLOCK_N=128,
+                  BLOCK_D=128, NUM_SPLITS=16, SPLITS_PAD=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False,
+                  WINDOW=False, DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=True, PDL_WAIT=True,
+                  PRELOAD_PAGES=preload, BATCH_PAD=64)
+    kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
+    ttgir = kernel.asm["ttgir"]
+    assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "persistent")
+    assert spilled_bytes(kernel) == 0, "the persistent stage 1 spills"
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True, EARLY_TRIGGER=False), 1)

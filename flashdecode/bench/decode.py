@@ -317,6 +317,11 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("bn64 pf4 et", {"BLOCK_N": 64, "PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
+    # device-side split counts: a fixed grid of programs loops over (sequence, kv head, split) items (opt-in,
+    # untimed when added); x2: two programs per SM (16 KiB tiles fit twice)
+    ("persistent", {"PERSISTENT": True}, {}, None),
+    ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
+    ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
     # the merge over more, smaller programs (head-dim slices), with the round-3 defaults
     ("md2", {"MERGE_D_CHUNKS": 2}, {}, None),
     ("md4", {"MERGE_D_CHUNKS": 4}, {}, None),

@@ -214,14 +214,15 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block
 
 
 @triton.jit
-def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, num_splits,
                 BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
-    """[start, end) of keys this split attends to, from the live length on the device (see module doc)."""
+    """[start, end) of keys this split attends to, from the live length on the device (see module doc).
+    num_splits: the launch's constexpr split count, or a per-sequence count computed on the device."""
     kv_lo = 0
     if WINDOW:  # keys left of every row's window are skipped entirely; align so blocks stay page-aligned
         kv_lo = (tl.maximum(seqlen - SEQLEN_Q - window_left, 0) // BLOCK_N) * BLOCK_N
     live = tl.maximum(seqlen - kv_lo, 0)
-    chunk = tl.maximum(tl.cdiv(live, NUM_SPLITS * BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    chunk = tl.maximum(tl.cdiv(live, num_splits * BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = kv_lo + split * chunk
     end = tl.minimum(start + chunk, seqlen)
     return start, end
@@ -337,6 +338,38 @@ def decode_split_kernel(
     # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
     # it may be the last one.)
 
+    o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
+                            score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+                            stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEADDIM
+    o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
+    if FINAL:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse2 * LN2, mask=row_ok)
+    else:
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
+                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+                                  stride_lb, stride_lt, stride_lh, stride_ls,
+                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
+                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
+                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
+
+
+@triton.jit
+def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
+                  score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+                  stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr, SOFTCAP: tl.constexpr,
+                  WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                  PRELOAD_PAGES: tl.constexpr):
+    """One split of one (sequence b, kv head hk) row block: loads the rows' q (t, head, row_ok: (BLOCK_M,)) and
+    runs the unmasked then the masked KV loop over keys [start, end). Returns the normalised state (o (BLOCK_M,
+    BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in decode_split_kernel."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh \
@@ -379,19 +412,95 @@ def decode_split_kernel(
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
-    o, lse2 = normalize_state(acc, m_i, l_i)
+    return normalize_state(acc, m_i, l_i)
 
-    o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
-    if FINAL:
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptrs, lse2 * LN2, mask=row_ok)
-    else:
-        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptrs, lse2, mask=row_ok)
-        if FUSED_MERGE:
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
-                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                  stride_lb, stride_lt, stride_lh, stride_ls,
-                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
-                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
+
+@triton.jit
+def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         MIN_CHUNK: tl.constexpr):
+    """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike: each sequence's
+    share of the ``slots`` program slots, slots * len / (KVP * total) rounded down (KVP programs per split: kv heads
+    x row blocks), at least 1, at most NUM_SPLITS (the partial buffer) and at most one per MIN_CHUNK keys. Equal
+    lengths give num_sms / (batch x KVP) - one split each at batch >= 16 with 8 kv heads - while one long sequence
+    among short ones gets about num_sms / KVP (heuristics.decode_num_splits's balance, on the device)."""
+    lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
+    total = tl.maximum(tl.sum(lens64, 0), 1)
+    share = (slots * lens64) // (KVP * total)
+    splits = tl.minimum(tl.maximum(share, 1), NUM_SPLITS)
+    splits = tl.minimum(splits, tl.maximum(tl.cdiv(lens64, MIN_CHUNK), 1))
+    return splits.to(tl.int32)
+
+
+@triton.jit
+def decode_persistent_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE,
+    batch, score_scale, softcap_out, window_left, capacity,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh,
+    stride_btb,
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lt, stride_lh, stride_ls,
+    SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr, NHEADS_KV: tl.constexpr,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+    BATCH_PAD: tl.constexpr,
+):
+    """Stage 1 with the split count chosen on the device (opt-in, config PERSISTENT). Grid (programs,): a fixed
+    number of programs (CUDA-graph friendly) loops over work items (sequence b, kv head x row block, split s),
+    item w handled by program w mod programs. Every program derives the same per-sequence split counts from the
+    live lengths (_device_split_counts), so a uniform batch runs one split per sequence and no program of the grid
+    is idle or empty, while one long sequence among short ones still gets many splits - without the plan paying
+    for the worst mix up front (balance_mixed).
+
+    Arguments as decode_split_kernel (partial outputs only: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32,
+    LSE (..., NUM_SPLITS) log2), plus ``batch`` (sequences to serve, <= BATCH_PAD) and NHEADS_KV. Split slots a
+    sequence does not use get lse = -inf from its split-0 program (SPLITS_PAD: NUM_SPLITS padded to a power of
+    two), so the merge over NUM_SPLITS states stays exact. PRELOAD_PAGES must bound the pages of a split of any
+    length (the launcher derives it from one split per sequence).
+    """
+    if PDL_WAIT:
+        gdc_wait()
+    if USE_PDL:
+        gdc_launch_dependents()
+    KVP: tl.constexpr = NHEADS_KV * NUM_M_BLOCKS
+    offs_b = tl.arange(0, BATCH_PAD)
+    in_batch = offs_b < batch
+    lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
+    programs = tl.num_programs(0)
+    splits_b = _device_split_counts(lens, in_batch, programs, KVP, NUM_SPLITS, MIN_CHUNK)
+    items_b = tl.where(in_batch, splits_b * KVP, 0)
+    items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
+    for w in range(tl.program_id(0), tl.sum(items_b, 0), programs):
+        b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
+        pick = offs_b == b
+        num_splits = tl.sum(tl.where(pick, splits_b, 0), 0)
+        r = w - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
+        pid_hm = r // num_splits
+        split = r % num_splits
+        hk = pid_hm // NUM_M_BLOCKS
+        m_block = pid_hm % NUM_M_BLOCKS
+        seqlen = tl.sum(tl.where(pick, lens, 0), 0)
+        start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+        t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
+        lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
+        if split == 0:  # slots this sequence does not use this time: empty states for the merge
+            slots = tl.arange(0, SPLITS_PAD)
+            unused = (slots >= num_splits) & (slots < NUM_SPLITS)
+            tl.store(lse_rows[:, None] + slots[None, :] * stride_ls,
+                     tl.full([BLOCK_M, SPLITS_PAD], float("-inf"), tl.float32),
+                     mask=row_ok[:, None] & unused[None, :])
+        if start >= end:  # an empty split: (-, -inf), its partial output is never read
+            tl.store(lse_rows + split * stride_ls, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        else:
+            bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+            o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
+                                    score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+                                    stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                                    SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
+            offs_d = tl.arange(0, BLOCK_D)
+            o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
+            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o,
+                     mask=row_ok[:, None] & (offs_d < HEADDIM)[None, :])
+            tl.store(lse_rows + split * stride_ls, lse2, mask=row_ok)

@@ -19,7 +19,7 @@ import triton
 
 from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
-from flashdecode.kernels.decode import decode_split_kernel
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 from flashdecode.ops.merge import launch_merge_many
 
 __all__ = ["flash_decode", "DecodePlan", "append_kv"]
@@ -154,7 +154,8 @@ class _DecodeShape:
         self.group = self.nheads // self.nheads_kv
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
-        self.kv_pairs = (grid_batch or self.batch) * self.nheads_kv * self.num_m_blocks
+        self.grid_batch = grid_batch or self.batch
+        self.kv_pairs = self.grid_batch * self.nheads_kv * self.num_m_blocks
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self._k_cache = k_cache
         self.configure(split_keys)
@@ -178,6 +179,11 @@ class _DecodeShape:
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
         self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
+        # device-side split counts (decode_persistent_kernel): opt-in; programs of its fixed grid (None: the SMs)
+        # (not for pages that need per-key gathers: its sm_90 compile spills there - 255 registers, 56 stack bytes)
+        self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
+                           and self.page_size % self.block_n == 0)
+        self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
 
     def check_out(self, out, q):
         if out is None:
@@ -268,6 +274,33 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
                                                            q4.dtype, shape.use_tma))
 
 
+def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, o5, lse4, num_splits, min_chunk):
+    """decode_persistent_kernel into the fp32 partials o5 (batch, seqlen_q, nheads, num_splits, headdim) / lse4:
+    a fixed grid of shape.persistent_programs programs; each sequence's split count (<= num_splits) is chosen on
+    the device from the live lengths."""
+    q4 = shape.q4
+    score_scale = shape.scale / shape.softcap if shape.softcap > 0 else shape.scale * LOG2E
+    bt = block_table if block_table is not None else cache_seqlens
+    k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
+    launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
+        q4, k_src, v_src, cache_seqlens, bt, o5, lse4,
+        shape.batch, score_scale, shape.softcap * LOG2E, max(shape.window_left, 0), shape.capacity,
+        *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(),
+        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
+        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
+        NUM_SPLITS=num_splits, SPLITS_PAD=heuristics.next_power_of_2(num_splits), MIN_CHUNK=min_chunk,
+        PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
+        USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
+        PRELOAD_PAGES=_preload_pages(shape, 1, min_chunk),  # a sequence may run as one split
+        BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
+        num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
+    )
+    _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
+                                                           q4.dtype, shape.use_tma, "persistent"))
+
+
 def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
     """(PREFETCH_KEYS, LINE_ELEMS, NUM_LINES) of stage 1's pre-wait L2 prefetch: the first PREFETCH_BLOCKS blocks of
     a split, no more than a split can hold (a power of two, so a short split does not prefetch past its end
@@ -332,8 +365,12 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
                        False, min_chunk, fused=(out4, lse3, tickets))
         return
-    _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits, False,
-                   min_chunk)
+    if shape.persistent:
+        _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
+                           min_chunk)
+    else:
+        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
+                       False, min_chunk)
     b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
