@@ -229,9 +229,11 @@ PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, False, 8, 3), (128, 64, 128, 
 # The interpreter runs the split dK / dV programs (SPLIT_DKDV) only when a test asks for them.
 PREFILL_INTERPRET_SPLIT_DKDV = False
 # The fused backward by default (use_bwd_fused) for 16-bit head dim 256 from this many keys. H100, bf16, 32 heads,
-# 16k, backward only, same run: 97.0 vs 111.2 ms non-causal, 57.9 vs 66.6 causal (autotune picked the split dK / dV
-# programs, (128, 32, 64, 64, True, 8, 2)). At hd128 the one launch was slower (28.5 vs 27.6 ms, 18.2 vs 17.0:
-# the two launches' best tiles, (64, 64, 4 warps, 2 stages) each, leave less to gain from pairing): opt-in there.
+# 16k, backward only, same run (benchmarks/results/prefill_bwd_ab_*T0934.json, run 1): 97.0 vs 111.2 ms non-causal,
+# 57.9 vs 66.6 causal (autotune picked the split dK / dV programs, (128, 32, 64, 64, True, 8, 2)); with LSE_LOG2
+# too (run 2) causal 48.5 vs 67.0. Measured at 16k only (8k and up share the descriptor backward). At hd128 the one
+# launch was slower (28.5 vs 27.6 ms, 18.2 vs 17.0: the two launches' best tiles, (64, 64, 4 warps, 2 stages)
+# each, leave less to gain from pairing): opt-in there (FLASHDECODE_BWD_FUSED=1).
 PREFILL_BWD_FUSED_MIN_KEYS = 8192
 
 

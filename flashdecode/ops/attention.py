@@ -61,7 +61,9 @@ BWD_TMA = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_TMA", "aut
 # then dQ of Q block j) instead of a dK/dV launch and a dQ launch: "1" = always, "0" = never, unset = heuristics.use_bwd_fused.
 BWD_FUSED = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_FUSED", "auto"))
 # The backward preprocess also writes lse in log2 units (+inf on rows with no key) for the backward kernels, so the
-# dK/dV loop loads each Q block's lse without converting it; "0" = convert in the loop (kept for A/B timing).
+# dK/dV loop loads each Q block's lse without converting it (with unmasked loads in unmasked blocks: H100, bf16, 32
+# heads, 16k, backward only, same run vs the previous kernels: hd128 13.9 vs 16.5 ms causal, 25.7 vs 27.9
+# non-causal); "0" = convert in the loop (kept for A/B timing).
 BWD_LSE_LOG2 = os.environ.get("FLASHDECODE_BWD_LSE_LOG2", "1") == "1"
 
 
