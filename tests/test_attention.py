@@ -689,6 +689,12 @@ bm, bn, warps, stages = BIG["bwd_dq"][0]
 kernel = compile_for_sm90(attn_bwd_dq_kernel, bf16 | ints | dict(Lse="*fp32", Delta="*fp32", DQ="*bf16"),
                           dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True), warps, stages)
 assert spilled_bytes(kernel) == 0, "hd256 dQ pass spills"
+# the one-launch backward at hd256 with split dV / dK programs (the default there), lse in log2 units
+bn, bm, bm2, bn2, split, warps, stages = BIG["bwd_fused"][1]
+kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints | dict(DQ="*bf16"),
+                          dict(HD256, BLOCK_N=bn, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=bn2, SPLIT_DKDV=split,
+                               FUSED_DQ=True, LSE_LOG2=True, USE_TMA=True), warps, stages)
+assert split and "wgmma" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024, "fused hd256 backward"
 print("compiled")
 '''
 

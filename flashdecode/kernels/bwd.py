@@ -7,7 +7,10 @@ With P = exp(S - lse), D_i = rowsum(dO_i * O_i) (computed by the launcher), dP =
     every query head of its GQA group (the group sum happens in registers);
   * attn_bwd_dq_kernel: one program per (Q block, batch * head) holds Q, dO and loops over KV blocks;
   * or both in one launch (FUSED_DQ): program j of a kv head runs the dK/dV program of KV block j, then the dQ
-    programs of Q block j (attn_bwd_dkdv_program / attn_bwd_dq_program are the two bodies).
+    programs of Q block j (attn_bwd_dkdv_program / attn_bwd_dq_program are the two bodies); SPLIT_DKDV gives dV and
+    dK their own programs (one fp32 accumulator each: 128-key tiles at head dim 256 without spilling).
+The preprocess also writes lse in log2 units (+inf on rows with no key) when asked (LSE_LOG2), so the dK/dV loop
+only loads it; inside the unmasked blocks every row exists and sees a key, so lse and D load without masks.
 Opt-in non-deterministic mode (ATOMIC_DQ, FA2/FA3's choice): the dK/dV program also computes dQ += dS K for every
 Q block it visits and adds it into an fp32 buffer with atomics, so the dQ pass (and its recomputation of Q K^T and
 dO V^T: 3 of the 7 matmuls) disappears; the order of the fp32 additions varies run to run.
