@@ -413,10 +413,25 @@ def persistent(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 32])  # pages that are multiples of BLOCK_N (16 on the CPU)
-def test_persistent_ragged_and_paged(gen, persistent, page_size):
-    q, k, v = _make(gen, 4, 90, 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens([90, 0, 33, 5]), page_size=page_size, gen=gen, num_splits=4)
+def _block_multiple_page(batch, nheads, nheads_kv, headdim, dtype, pages_per_block):
+    """A page size that is pages_per_block x the stage-1 BLOCK_N of this shape (16 keys on the CPU, 64-128 on the
+    GPU), so that the persistent kernel (contiguous or block-multiple pages only) takes the launch; None: contiguous."""
+    from flashdecode.ops import decode as ops_decode
+
+    if pages_per_block is None:
+        return None
+    q = torch.empty(batch, nheads, headdim, dtype=dtype, device=DEVICE)
+    k = torch.empty(batch, 8, nheads_kv, headdim, dtype=dtype, device=DEVICE)
+    lens = torch.full((batch,), 8, dtype=torch.int32, device=DEVICE)
+    return ops_decode._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
+
+
+@pytest.mark.parametrize("pages_per_block", [None, 1, 2])
+def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
+    page_size = _block_multiple_page(4, 4, 2, 64, torch.float16, pages_per_block)
+    n = max(90, 2 * (page_size or 0) + 37)  # several pages per sequence on the GPU's larger blocks too
+    q, k, v = _make(gen, 4, n, 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens([n, 0, n // 3, 5]), page_size=page_size, gen=gen, num_splits=4)
 
 
 def test_persistent_not_for_gathered_pages(gen, monkeypatch):
@@ -437,17 +452,19 @@ def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
     _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
 
 
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_persistent_plan_mixed_then_uniform(gen, persistent, page_size):
+@pytest.mark.parametrize("pages_per_block", [None, 1])
+def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
     """One plan, lengths that change the device's split counts between runs: a long sequence among short ones
     (many splits), then equal lengths (one split each), then one empty: split slots left over from an earlier run
     must never reach the merge."""
-    q, k, v = _make(gen, 3, 96, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=96, dtype=torch.float16, device=DEVICE, num_splits=6)
+    page_size = _block_multiple_page(3, 4, 2, 64, torch.float16, pages_per_block)
+    n = max(96, 3 * (page_size or 0))
+    q, k, v = _make(gen, 3, n, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=n, dtype=torch.float16, device=DEVICE, num_splits=6)
     kp = vp = table = None
     if page_size:
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    for lengths in ([96, 2, 5], [40, 40, 40], [0, 96, 1]):  # (page 16 = one CPU block per page)
+    for lengths in ([n, 2, 5], [40, 40, 40], [0, n, 1]):
         lens = _lens(lengths)
         out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
                             return_lse=True)
