@@ -41,6 +41,8 @@ def table(rows: list[dict]) -> str:
 
 def section(path: Path) -> str:
     rec = json.loads(path.read_text())
+    if isinstance(rec, list):  # an ad-hoc A/B script's rows, without env or command (its .log names them)
+        rec = {"rows": rec, "command": "see the .log of the same name" if path.with_suffix(".log").exists() else "?"}
     env = rec.get("env", {})
     command = re.sub(r"\S*flashdecode/__main__\.py", "python -m flashdecode", rec.get("command", "?"))
     parts = [f"### {path.stem}",
