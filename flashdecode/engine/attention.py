@@ -104,9 +104,7 @@ class TorchBackend(AttentionBackend):
         return out
 
     def prefill_last(self, q, k, v, meta):
-        # one query per sequence; causal masks are bottom-right aligned, so it sees all of its sequence's keys
-        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        out, _ = reference.attention_varlen_ref(q, k, v, cu_q, meta.cu_seqlens, causal=True,
+        out, _ = reference.attention_varlen_ref(q, k, v, _one_query_each(q), meta.cu_seqlens, causal=True,
                                                 window_size=self.window_size)
         return out
 
@@ -114,6 +112,12 @@ class TorchBackend(AttentionBackend):
         out, _ = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
                                       window_size=self.window_size)
         return out
+
+
+def _one_query_each(q: torch.Tensor) -> torch.Tensor:
+    """int32 (batch + 1,) cu_seqlens of q (batch, nheads, d) as one query row per sequence: with causal masks
+    aligned bottom-right, that row sees every key of its sequence (prefill_last)."""
+    return torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
 
 
 def _visible(seqlen_q: int, key_pos: torch.Tensor, query_pos: torch.Tensor, window_left: int) -> torch.Tensor:
@@ -238,9 +242,7 @@ class FlashDecodeBackend(AttentionBackend):
                             causal=True, window_size=self.window_size, check_seqlens=False)
 
     def prefill_last(self, q, k, v, meta):
-        # one query row per sequence (bottom-right aligned causal mask: it sees every key of its sequence)
-        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return self._varlen(q, k, v, cu_q, meta.cu_seqlens, 1, meta.max_seqlen, causal=True,
+        return self._varlen(q, k, v, _one_query_each(q), meta.cu_seqlens, 1, meta.max_seqlen, causal=True,
                             window_size=self.window_size, check_seqlens=False)
 
     def _plan(self, q, k_cache, block_tables):

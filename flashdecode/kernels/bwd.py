@@ -317,6 +317,8 @@ def attn_bwd_dkdv_kernel(
     if SPLIT_DKDV:
         n_start = (pid_n // 2) * BLOCK_N
         if n_start < seqlen_k:
+            # the part (1: dV, 2: dK) is a constexpr, so that each compiles a loop with one accumulator: one call
+            # per part, identical but for it
             if pid_n % 2 == 0:
                 attn_bwd_dkdv_program(
                     Q, K, V, DO, Lse, Delta, DK, DV, DQ,

@@ -151,6 +151,9 @@ class _DecodeShape:
         self.window_left = int(window_size[0])
         self.scale = self.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
         self.softcap = float(softcap)
+        # stage 1's logit scale (softcap: tanh's argument, else log2 units for exp2) and the softcap in log2 units
+        self.score_scale = self.scale / self.softcap if self.softcap > 0 else self.scale * LOG2E
+        self.softcap_log2 = self.softcap * LOG2E
         self.group = self.nheads // self.nheads_kv
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
@@ -235,8 +238,6 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     fused: None, or (out4 (batch, seqlen_q, nheads, headdim), lse_out (batch, seqlen_q, nheads) fp32, tickets int32
     (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path."""
     q4 = shape.q4
-    score_scale = shape.scale / shape.softcap if shape.softcap > 0 else shape.scale * LOG2E
-    softcap_out = shape.softcap * LOG2E
     bt = block_table if block_table is not None else cache_seqlens
     stride_os = 0 if final else o4.stride(3)
     stride_od = o4.stride(3) if final else o4.stride(4)
@@ -252,7 +253,8 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
-        score_scale, softcap_out, max(shape.window_left, 0), shape.capacity, k_cache.shape[0], k_cache.stride(0),
+        shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
+        k_cache.stride(0),
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
@@ -279,12 +281,11 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, o5, 
     a fixed grid of shape.persistent_programs programs; each sequence's split count (<= num_splits) is chosen on
     the device from the live lengths."""
     q4 = shape.q4
-    score_scale = shape.scale / shape.softcap if shape.softcap > 0 else shape.scale * LOG2E
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4,
-        shape.batch, score_scale, shape.softcap * LOG2E, max(shape.window_left, 0), shape.capacity,
+        shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
         *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(),
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
