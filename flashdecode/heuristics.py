@@ -55,6 +55,15 @@ DECODE_MIN_PRELOAD_PAGE = 8
 DECODE_SMALL_TILE_MAX_SPLIT_KEYS = 2048
 # The merge's early PDL trigger (see decode_block_config) for splits of at most this many KV blocks.
 DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
+# Many (batch, kv head) pairs (more than half the SMs) on Hopper run decode as one persistent launch with split
+# counts chosen on the device (kernels/decode.py decode_persistent_kernel; contiguous caches and pages that are
+# multiples of BLOCK_N). H100, Llama 32/8 hd128 bf16 8k, one run each (decodetune T1118 / T1119): b16 177.9 us vs
+# 188.2 for the split grid (n1 176.7), page 128 179.6 vs 190.6, b64 699.2 vs 721.4 (n1 695.8).
+DECODE_PERSISTENT_AT_BATCH = True
+# Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
+# this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
+# 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
+DECODE_TINY_TILE_MAX_SPLIT_KEYS = 64
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -130,17 +139,21 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
     small_tile = max(64, 16384 // (head_dim_pad * elem_bytes))
     few_pairs = kv_pairs is not None and 2 * kv_pairs <= num_sms
-    short_gathered_splits = (DECODE_MIN_PRELOAD_PAGE <= page_size < small_tile and split_keys is not None
+    gathered = DECODE_MIN_PRELOAD_PAGE <= page_size < small_tile
+    short_gathered_splits = (gathered and split_keys is not None
                              and split_keys <= DECODE_SMALL_TILE_MAX_SPLIT_KEYS)
     if few_pairs or short_gathered_splits:
         block_n = min(block_n, small_tile)
+    if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
+        block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     prefetch = 1 if hopper and few_pairs else 0
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
-                                        and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n)}
+                                        and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
+            "PERSISTENT": hopper and not few_pairs and DECODE_PERSISTENT_AT_BATCH}
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,6 +60,19 @@ def test_paged_random_permutation(gen, page_size):
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
 
 
+@pytest.mark.parametrize("page_size", [8, 4])
+def test_page_ids_by_select_steps(gen, monkeypatch, page_size):
+    """PAGE_GATHER off: gathered pages (smaller than a block) take each key's page id from the preloaded ids by
+    select-and-sum steps instead of tl.gather; same results (page 4 on the CPU reads ids in the loop either way)."""
+    from flashdecode import heuristics
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PAGE_GATHER=False))
+    lens = [page_size * 5 + 1, page_size - 1, 3 * page_size]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=2)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
 def test_forced_splits_agree(gen, num_splits):
     """Any split count (also more splits than keys) gives the reference result, and the same result as one split."""
@@ -226,6 +239,38 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,headdim,nheads,nheads_kv,page_size,seqlen_q", [
+    (torch.bfloat16, 128, 32, 8, None, 1), (torch.bfloat16, 128, 32, 8, 128, 1), (torch.float16, 64, 32, 8, 256, 1),
+    (torch.bfloat16, 256, 16, 8, None, 1), (torch.bfloat16, 96, 48, 8, None, 3), (torch.float32, 128, 32, 8, None, 1)])
+def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdim, nheads, nheads_kv, page_size,
+                                                 seqlen_q):
+    """With many (batch, kv head) pairs the default is the persistent kernel (device-side split counts, in-kernel
+    merge): one launch, no merge kernel. A plan sized for the batch, lengths mixed (one long sequence, empty and
+    one-token ones) then uniform, contiguous and block-multiple pages, every head dim class and dtype."""
+    from flashdecode.ops import decode as ops_decode
+
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("the persistent kernel must merge split sequences itself")
+
+    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    batch = 20
+    q, k, v = _make(gen, batch, 9000, nheads, nheads_kv, headdim, dtype, seqlen_q=seqlen_q)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, headdim, max_seqlen_k=9000, dtype=dtype,
+                                  device=DEVICE, max_seqlen_q=seqlen_q)
+    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    assert shape.persistent, "many pairs on the H100: the persistent launch is the default"
+    for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
+        lens = _lens(lengths)
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, lse_same = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        assert torch.all(plan._tickets == 0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q", [2, 4])
 def test_gpu_multi_token_softcap_window(gen, seqlen_q):
     lens = [5000, 300, 3]
@@ -277,7 +322,9 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
     (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3)])
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
+    (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True), None), (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True,
+                                                                      PERSISTENT_PROGRAMS=264), 128)])
 def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
     """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
     three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
@@ -395,8 +442,8 @@ def test_round3_config_rules():
 @pytest.fixture(params=[3, 16], ids=["3programs", "16programs"])
 def persistent(request, monkeypatch):
     """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
-    (several splits per sequence); the split-grid stage 1 is made unusable for split launches, so a passing test
-    proves the persistent kernel produced the partials."""
+    (several splits per sequence); the split-grid stage 1 is made unusable for split launches and the merge kernel
+    unusable altogether, so a passing test proves the persistent kernel produced and merged the partials."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
@@ -409,7 +456,11 @@ def persistent(request, monkeypatch):
         assert args[7] is True, "split launches must go through the persistent kernel"  # final
         return split_grid(shape, *args, **kwargs)
 
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("the persistent kernel merges split sequences itself: no merge launch")
+
     monkeypatch.setattr(ops_decode, "_launch_stage1", only_unsplit)
+    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
     return request.param
 
 
@@ -472,6 +523,7 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
         o_same, lse_same = ref.decode_ref(q, k, v, lens)
         assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
         assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        assert torch.all(plan._tickets == 0), "every run leaves the merge tickets at zero"
 
 
 def test_prefetch_shape_stays_within_a_split():
@@ -598,7 +650,7 @@ def compile_stage1(page, tma, preload, fused, **consts):
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2), **consts)
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -626,19 +678,23 @@ for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False
     assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
     assert "ld.global.cg" in ptx, "partials must be read from L2"
     assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
-# PERSISTENT: the KV loops nested in the work-item loop must still be pipelined, without spills
-for page, tma, preload in [(0, True, 0), (256, True, 0)]:
-    kv = "tensordesc<bf16[128, 128]>" if tma else "*bf16"
+# PERSISTENT (one launch: the KV loops nested in the work-item loop, then the ticket merge over 2048-value steps, as
+# the launcher configures it): loads still pipelined; contiguous caches spill nothing, block-multiple pages (whose
+# page-id reads keep a few more registers live at the 255 cap) at most 16 bytes (8 at 4 rows x 4 splits per step)
+for page, block_n, group, merge_block_s in [(0, 128, 4, 4), (0, 128, 8, 2), (0, 64, 4, 4), (256, 128, 4, 4),
+                                            (128, 128, 4, 4)]:
+    kv = f"tensordesc<bf16[{block_n}, 128]>"
     types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
-                 score_scale="fp32", softcap_out="fp32")
-    consts = dict(SEQLEN_Q=1, GROUP=4, NUM_M_BLOCKS=1, NHEADS_KV=8, HEADDIM=128, BLOCK_M=16, BLOCK_N=128,
-                  BLOCK_D=128, NUM_SPLITS=16, SPLITS_PAD=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False,
-                  WINDOW=False, DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=True, PDL_WAIT=True,
-                  PRELOAD_PAGES=preload, BATCH_PAD=64)
+                 O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", score_scale="fp32", softcap_out="fp32")
+    consts = dict(SEQLEN_Q=1, GROUP=group, NUM_M_BLOCKS=1, NHEADS_KV=8, HEADDIM=128, BLOCK_M=16, BLOCK_N=block_n,
+                  BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
+                  WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
+                  PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
+                  PAGE_GATHER=True)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
-    ttgir = kernel.asm["ttgir"]
-    assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "persistent")
-    assert spilled_bytes(kernel) == 0, "the persistent stage 1 spills"
+    assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
+    assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"], "persistent: the merge ticket is missing"
+    assert spilled_bytes(kernel) <= (16 if page else 0), ("the persistent kernel spills", page, block_n, group)
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True, EARLY_TRIGGER=False), 1)

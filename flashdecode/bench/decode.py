@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="16,2", help="--tune: q heads,kv heads (e.g. 32,8 for Llama-3-8B)")
     parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
     parser.add_argument("--tune-batch", type=int, default=1, help="--tune: batch size (equal lengths)")
+    parser.add_argument("--tune-mixed", action="store_true",
+                        help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -275,8 +277,11 @@ def _points(args, base):
         for batch in batches:
             yield "batch", batch, [base["batch_context"]] * batch, LLAMA_SHAPE, layout
     if base["mixed"] and args.contexts is None and args.batches is None:
-        # load balance: one 128k sequence among 15 short ones, Llama shape, paged 16
-        yield "mixed", 16, [131072] + [1024] * 15, LLAMA_SHAPE, 16
+        yield "mixed", 16, MIXED_LENS, LLAMA_SHAPE, 16
+
+
+# load balance: one 128k sequence among 15 short ones (Llama shape, paged 16 in the peer sweep)
+MIXED_LENS = [131072] + [1024] * 15
 
 
 # The decode path before issue 4's second round (no PDL at all, 512 keys unsplit): the baseline every variant is
@@ -292,6 +297,11 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("unsplit512", {}, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("no-tma", {"USE_TMA": False}, {}, None),
     ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
+    # page ids of gathered pages by select-and-sum steps instead of one tl.gather (the default from session 4)
+    ("select", {"PAGE_GATHER": False}, {}, None),
+    ("bn32", {"BLOCK_N": 32}, {}, None),
+    ("no-tiny", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 0}, None),  # gathered pages keep 16 KiB tiles at b1
+    ("s4", {"num_stages": 4}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
     ("w8", {"num_warps": 8}, {}, None),
@@ -317,8 +327,10 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("bn64 pf4 et", {"BLOCK_N": 64, "PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    # device-side split counts: a fixed grid of programs loops over (sequence, kv head, split) items (opt-in,
-    # untimed when added); x2: two programs per SM (16 KiB tiles fit twice)
+    # device-side split counts: a fixed grid of programs loops over (sequence, kv head, split) items and merges
+    # in-kernel (default with many pairs from session 4; "split-grid" is the two-kernel path it replaced there);
+    # x2: two programs per SM (16 KiB tiles fit twice)
+    ("split-grid", {"PERSISTENT": False}, {}, None),
     ("persistent", {"PERSISTENT": True}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
@@ -389,14 +401,16 @@ def _tune(args, bandwidth, env) -> int:
     nheads, nheads_kv = _list(args.heads, [16, 2])
     variants = [v for v in TUNE_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
+    length_sets = [[ctx] * args.tune_batch for ctx in contexts] + ([MIXED_LENS] if args.tune_mixed else [])
     try:
         for layout in layouts:
-            for ctx in contexts:
-                lens = [ctx] * args.tune_batch
+            for lens in length_sets:
+                ctx = max(lens)
                 kv_bytes = _kv_bytes(lens, nheads_kv, 128, 2)
                 sets = [_make_set(len(lens), lens, nheads, nheads_kv, 128, layout, torch.bfloat16, gen)
                         for _ in range(rotation_count(kv_bytes))]
-                row = dict(heads=f"{nheads}/{nheads_kv}", batch=len(lens), context=ctx,
+                row = dict(heads=f"{nheads}/{nheads_kv}", batch=len(lens),
+                           context=ctx if len(set(lens)) == 1 else "mixed",
                            layout="contig" if layout == 0 else f"page{layout}", floor_us=kv_bytes / bandwidth * 1e6)
                 for label, overrides, attrs, forced_splits in variants:
                     heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))

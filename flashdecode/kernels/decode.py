@@ -40,10 +40,17 @@ def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexp
 
 @triton.jit
 def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRELOAD_PAGES: tl.constexpr):
+                       PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
     """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
-    that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). Two small select-and-sum steps in
-    registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then spread it over the keys."""
+    that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). PAGE_GATHER: one tl.gather of each key's
+    id (sm_90 PTX at BLOCK_N 64, PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel). Otherwise two
+    select-and-sum steps in registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then
+    spread it over the keys (62 shuffles, 35 barriers)."""
+    if PAGE_GATHER:
+        # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
+        # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
+        idx = (start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)) // PAGE_SIZE
+        return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
     PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
     NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
     table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
@@ -56,7 +63,8 @@ def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr
 
 @triton.jit
 def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+             PAGE_GATHER: tl.constexpr):
     """int64 element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer.
 
     PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
@@ -70,7 +78,8 @@ def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages,
             # blocks start at multiples of BLOCK_N, so a block never straddles a page
             page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
         elif PRELOAD_PAGES > 0:
-            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
+            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES,
+                                      PAGE_GATHER)
         elif MASKED:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
@@ -108,7 +117,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+                   PAGE_GATHER: tl.constexpr):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -125,7 +135,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             k = k_src.load([row0, tma_col])
         else:
             rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES)
+                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, PAGE_GATHER)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
@@ -159,7 +169,7 @@ def _group_rows(m_block, hk, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: t
 
 
 @triton.jit
-def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
+def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, m_block,
                           stride_ob, stride_ot, stride_oh, stride_os, stride_od,
                           stride_lb, stride_lt, stride_lh, stride_ls,
                           stride_fb, stride_ft, stride_fh, stride_fd,
@@ -169,18 +179,21 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block
                           MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
     """FUSED_MERGE epilogue, run by every program after it stored its partial (o, lse2) rows.
 
-    ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch. The merging program
+    ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch; ``count``: the splits
+    that draw a ticket and whose states are merged (slots 0 .. count - 1, count <= NUM_SPLITS). The merging program
     works on the MERGE_M (the real rows, padded to a power of two, <= BLOCK_M) rows only, not on the MMA padding.
     Latency, not bandwidth, is its cost (one program reads all partials of its rows from L2), so it takes one
     round trip for every split's lse (MERGE_SPLITS = NUM_SPLITS padded to a power of two) to fix the max and the
-    normaliser first; the partial outputs are then folded MERGE_BLOCK_S splits at a time in an unrolled loop whose
-    loads do not depend on each other, so they can all be in flight together.
+    normaliser first; the partial outputs are then folded MERGE_BLOCK_S splits per step (one round trip per step:
+    a step's loads do not depend on each other). The loop is not unrolled, so its registers stay bounded by one
+    step's tile (an unrolled loop over 1-split steps hoisted nothing and ran 64 round trips in a row: 28.9 us for
+    4k keys in 64 splits on the H100).
     """
     # All threads' partial stores must precede the release: the barrier orders them before the one thread that
     # performs the atomic, whose acq_rel (release, cumulative) then publishes them at GPU scope.
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:  # every other split has published its partial: merge them (acquire side)
+    if ticket == count - 1:  # every other split has published its partial: merge them (acquire side)
         t, head, row_ok = _group_rows(m_block, hk, MERGE_M, BLOCK_M, GROUP, SEQLEN_Q)
         lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
         o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh
@@ -189,15 +202,15 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block
         # .cg: read other programs' partials from L2, never from a (non-coherent) L1 line
         n_all = tl.arange(0, MERGE_SPLITS)
         lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls,
-                          mask=row_ok[:, None] & (n_all < NUM_SPLITS)[None, :], other=float("-inf"),
+                          mask=row_ok[:, None] & (n_all < count)[None, :], other=float("-inf"),
                           cache_modifier=".cg")
         shift = safe_max(tl.max(lse_all, 1))  # empty splits (-inf) weigh exactly 0 below
         total = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
         acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
         offs_s = tl.arange(0, MERGE_BLOCK_S)
-        for s0 in tl.static_range(0, NUM_SPLITS, MERGE_BLOCK_S):
+        for s0 in range(0, count, MERGE_BLOCK_S):
             n = s0 + offs_s
-            ok = row_ok[:, None] & (n < NUM_SPLITS)[None, :]
+            ok = row_ok[:, None] & (n < count)[None, :]
             lse = tl.load(lse_rows[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
                           cache_modifier=".cg")
             o = tl.load(o_rows[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od,
@@ -285,6 +298,7 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
+    PAGE_GATHER: tl.constexpr = True,
 ):
     """Stage 1 (see module doc).
 
@@ -341,7 +355,7 @@ def decode_split_kernel(
     o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
                             score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
+                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -352,7 +366,7 @@ def decode_split_kernel(
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
         if FUSED_MERGE:
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, b, hk, m_block,
+            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, NUM_SPLITS, b, hk, m_block,
                                   stride_ob, stride_ot, stride_oh, stride_os, stride_od,
                                   stride_lb, stride_lt, stride_lh, stride_ls,
                                   stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
@@ -366,7 +380,7 @@ def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, w
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr, SOFTCAP: tl.constexpr,
                   WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  PRELOAD_PAGES: tl.constexpr):
+                  PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
     """One split of one (sequence b, kv head hk) row block: loads the rows' q (t, head, row_ok: (BLOCK_M,)) and
     runs the unmasked then the masked KV loop over keys [start, end). Returns the normalised state (o (BLOCK_M,
     BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in decode_split_kernel."""
@@ -407,11 +421,11 @@ def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, w
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
     return normalize_state(acc, m_i, l_i)
 
 
@@ -432,33 +446,61 @@ def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: t
 
 
 @triton.jit
+def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
+    """How many work items (in item order: sequence, then kv head x row block, then split) have their midpoint
+    before the start of program share ``share`` (0..programs), all sequences summed.
+
+    Costs in keys: sequence b weighs w_b = max(len_b, 1) (an empty sequence still needs its items run) per kv
+    program, its KVP * splits_b items w_b / splits_b each; laid end to end the items span T = KVP * sum(w), and
+    share p starts at p * T / programs. In integers: item i of b (cum_b keys of earlier sequences per kv program)
+    lies before share p iff (2i + 1) * programs * w_b < 2 * splits_b * KVP * (p * sum(w) - programs * cum_b)."""
+    w = tl.where(in_batch, tl.maximum(lens, 1), 0).to(tl.int64)
+    cum = tl.cumsum(w, 0) - w
+    splits = splits_b.to(tl.int64)
+    n = 2 * splits * KVP * (share.to(tl.int64) * tl.sum(w, 0) - programs * cum)
+    a = tl.maximum(programs * w, 1)
+    count = tl.where(n > a, (n - a + 2 * a - 1) // (2 * a), 0)
+    return tl.sum(tl.minimum(count, tl.where(in_batch, splits * KVP, 0)), 0)
+
+
+@triton.jit
 def decode_persistent_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS,
     batch, score_scale, softcap_out, window_left, capacity,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
     stride_ob, stride_ot, stride_oh, stride_os, stride_od,
     stride_lb, stride_lt, stride_lh, stride_ls,
+    stride_fb, stride_ft, stride_fh, stride_fd,
+    stride_flb, stride_flt, stride_flh,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr, NHEADS_KV: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    BATCH_PAD: tl.constexpr,
+    BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    PAGE_GATHER: tl.constexpr = True,
 ):
-    """Stage 1 with the split count chosen on the device (opt-in, config PERSISTENT). Grid (programs,): a fixed
-    number of programs (CUDA-graph friendly) loops over work items (sequence b, kv head x row block, split s),
-    item w handled by program w mod programs. Every program derives the same per-sequence split counts from the
-    live lengths (_device_split_counts), so a uniform batch runs one split per sequence and no program of the grid
-    is idle or empty, while one long sequence among short ones still gets many splits - without the plan paying
-    for the worst mix up front (balance_mixed).
+    """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
-    Arguments as decode_split_kernel (partial outputs only: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32,
-    LSE (..., NUM_SPLITS) log2), plus ``batch`` (sequences to serve, <= BATCH_PAD) and NHEADS_KV. Split slots a
-    sequence does not use get lse = -inf from its split-0 program (SPLITS_PAD: NUM_SPLITS padded to a power of
-    two), so the merge over NUM_SPLITS states stays exact. PRELOAD_PAGES must bound the pages of a split of any
-    length (the launcher derives it from one split per sequence).
+    Grid (programs,): a fixed number of programs (CUDA-graph friendly) loops over work items (sequence b, kv head x
+    row block, split s). Each program runs the consecutive items whose midpoints fall in its equal share of all
+    items' keys (_items_before): one long item per program, or many short ones together, so that a long sequence's
+    splits and the short sequences never pile up on the same programs (the round-robin order they had before ran
+    one long and one short item on 100 of 132 programs for one 128k sequence among 15 of 1k). Every program derives
+    the same per-sequence split counts from the live lengths (_device_split_counts), so a uniform batch runs one
+    split per sequence, while one long sequence among short ones still gets many splits - without the plan paying
+    for the worst mix up front (balance_mixed). A sequence with one split writes its
+    final output directly; the splits of a longer one write fp32 partials and draw tickets, and the last of them
+    merges (_merge_if_last_ticket), so no merge kernel follows.
+
+    Arguments as decode_split_kernel with FUSED_MERGE: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
+    LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
+    TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
+    BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of a split of any length (the launcher derives it
+    from one split per sequence). USE_PDL: let the next kernel (a programmatic dependent that waits on the device,
+    e.g. the next call's stage 1) launch early.
     """
     if PDL_WAIT:
         gdc_wait()
@@ -472,7 +514,12 @@ def decode_persistent_kernel(
     splits_b = _device_split_counts(lens, in_batch, programs, KVP, NUM_SPLITS, MIN_CHUNK)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
-    for w in range(tl.program_id(0), tl.sum(items_b, 0), programs):
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEADDIM
+    pid = tl.program_id(0)
+    first = _items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+    last = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+    for w in range(first, last):
         b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
         pick = offs_b == b
         num_splits = tl.sum(tl.where(pick, splits_b, 0), 0)
@@ -484,23 +531,27 @@ def decode_persistent_kernel(
         seqlen = tl.sum(tl.where(pick, lens, 0), 0)
         start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
         t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
-        lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
-        if split == 0:  # slots this sequence does not use this time: empty states for the merge
-            slots = tl.arange(0, SPLITS_PAD)
-            unused = (slots >= num_splits) & (slots < NUM_SPLITS)
-            tl.store(lse_rows[:, None] + slots[None, :] * stride_ls,
-                     tl.full([BLOCK_M, SPLITS_PAD], float("-inf"), tl.float32),
-                     mask=row_ok[:, None] & unused[None, :])
-        if start >= end:  # an empty split: (-, -inf), its partial output is never read
-            tl.store(lse_rows + split * stride_ls, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        # (an empty split - only possible where MIN_CHUNK rounds the chunks up - runs empty KV loops and stores
+        # (0, -inf): it still draws its ticket)
+        bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
+        o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
+                                score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+                                stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                                SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
+        out_mask = row_ok[:, None] & d_ok[None, :]
+        if num_splits == 1:
+            o_final = O_FINAL + b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
+            tl.store(o_final[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty), mask=out_mask)
+            tl.store(LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh, lse2 * LN2,
+                     mask=row_ok)
         else:
-            bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
-            o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
-                                    score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
-                                    stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                                    SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES)
-            offs_d = tl.arange(0, BLOCK_D)
             o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
-            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o,
-                     mask=row_ok[:, None] & (offs_d < HEADDIM)[None, :])
+            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=out_mask)
+            lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
             tl.store(lse_rows + split * stride_ls, lse2, mask=row_ok)
+            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KVP + pid_hm, num_splits, b, hk,
+                                  m_block, stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+                                  stride_lb, stride_lt, stride_lh, stride_ls,
+                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
+                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
+                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)

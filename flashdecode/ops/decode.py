@@ -187,6 +187,8 @@ class _DecodeShape:
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and self.page_size % self.block_n == 0)
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
+        # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
+        self.page_gather = bool(cfg.get("PAGE_GATHER", True))
 
     def check_out(self, out, q):
         if out is None:
@@ -246,9 +248,6 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     f_strides = (*fo4.stride()[:3], fo4.stride(-1), *flse3.stride()[:3])
-    merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
-    merge_block_s = max(1, min(heuristics.next_power_of_2(num_splits), _FUSED_MERGE_TILE_ELEMS //
-                               (merge_m * shape.block_d)))
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
@@ -267,39 +266,54 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
-        FUSED_MERGE=fused is not None, MERGE_M=merge_m, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
-        MERGE_BLOCK_S=merge_block_s, PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        num_warps=shape.num_warps, num_stages=num_stages,
+        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits), PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
+        PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma))
 
 
-def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, o5, lse4, num_splits, min_chunk):
-    """decode_persistent_kernel into the fp32 partials o5 (batch, seqlen_q, nheads, num_splits, headdim) / lse4:
-    a fixed grid of shape.persistent_programs programs; each sequence's split count (<= num_splits) is chosen on
-    the device from the live lengths."""
+def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, o5, lse4, tickets,
+                       num_splits, min_chunk):
+    """All of decode in one decode_persistent_kernel launch: a fixed grid of shape.persistent_programs programs;
+    each sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out4
+    (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log; o5 (batch, seqlen_q,
+    nheads, num_splits, headdim) / lse4 fp32 partials and tickets (int32 zeros, >= batch * nheads_kv * row
+    blocks; left zero again) serve the sequences that split."""
     q4 = shape.q4
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
+    f_strides = (*out4.stride()[:3], out4.stride(-1), *lse3.stride()[:3])
     launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o5, lse4,
+        q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets,
         shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
         *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
-        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(),
+        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *f_strides,
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
-        NUM_SPLITS=num_splits, SPLITS_PAD=heuristics.next_power_of_2(num_splits), MIN_CHUNK=min_chunk,
+        NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
         PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, 1, min_chunk),  # a sequence may run as one split
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
+        PAGE_GATHER=shape.page_gather, **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma, "persistent"))
+
+
+def _merge_tile(shape, num_splits, tile_elems=None) -> dict:
+    """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the in-kernel merge (kernels/decode.py _merge_if_last_ticket): the
+    real rows of a row block padded to a power of two, the splits padded likewise, and the splits folded per step
+    so that one step's tile holds ``tile_elems`` (default _FUSED_MERGE_TILE_ELEMS) fp32 values, >= one split."""
+    merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
+    merge_splits = heuristics.next_power_of_2(num_splits)
+    tile_elems = _FUSED_MERGE_TILE_ELEMS if tile_elems is None else tile_elems
+    return {"MERGE_M": merge_m, "MERGE_SPLITS": merge_splits,
+            "MERGE_BLOCK_S": max(1, min(merge_splits, tile_elems // (merge_m * shape.block_d)))}
 
 
 def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
@@ -317,6 +331,10 @@ def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
 # fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per unrolled step: small, so that
 # ptxas can keep the loads of every step in flight at once without spilling (sm_90 compile: 8192 spills at 32+ splits).
 _FUSED_MERGE_TILE_ELEMS = 4096
+
+# The same for the persistent kernel, whose work-item loop keeps more registers live: sm_90, bf16 hd128, 128-key
+# tiles, 4 or 8 rows: 2048 values per step compile without spills, 4096 spill 40-152 bytes.
+_PERSISTENT_MERGE_TILE_ELEMS = 2048
 
 # Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
 _STAGES_THAT_FIT: dict = {}
@@ -357,8 +375,9 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                 num_splits, min_chunk, tickets=None):
     """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3.
-    With shape.fused_merge and num_splits > 1, one launch: stage 1 merges in its last program per row block, using
-    ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the kernel)."""
+    With shape.fused_merge or shape.persistent and num_splits > 1, one launch: stage 1 merges in its last program
+    per row block, using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the
+    kernel)."""
     if num_splits == 1:  # no partials, no second kernel
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
         return
@@ -366,12 +385,12 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
                        False, min_chunk, fused=(out4, lse3, tickets))
         return
-    if shape.persistent:
-        _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
-                           min_chunk)
-    else:
-        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
-                       False, min_chunk)
+    if shape.persistent:  # one launch: the kernel merges the sequences that split
+        _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
+                           tickets, num_splits, min_chunk)
+        return
+    _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
+                   False, min_chunk)
     b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
@@ -469,7 +488,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
     tickets = None
-    if splits > 1 and shape.fused_merge:
+    if splits > 1 and (shape.fused_merge or shape.persistent):
         tickets = torch.zeros(_num_tickets(b, sq, h, shape.nheads_kv), dtype=torch.int32, device=q.device)
     _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
                 _min_chunk(shape), tickets)
