@@ -127,10 +127,12 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     128k sequence's balance_mixed splits over a uniform batch): 16 KiB tiles too (Llama 32/8 8k page 16: b16 195.8
     vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with 8k-key splits the in-loop block table reads
     made them slower, 237.7 vs 192.8).
-    PERSISTENT (opt-in, NOT timed yet): stage 1 as kernels/decode.py decode_persistent_kernel - per-sequence split
-    counts chosen on the device from the live lengths, a fixed grid of PERSISTENT_PROGRAMS (default: the SMs)
-    looping over work items - so uniform batches stop paying for balance_mixed (T0921: b16 32/8 8k contiguous
-    188.1 us split grid vs 177.5 unsplit). Contiguous caches and pages that are multiples of BLOCK_N only.
+    PERSISTENT (default with many pairs on Hopper, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of
+    kernels/decode.py decode_persistent_kernel - per-sequence split counts chosen on the device from the live
+    lengths, a fixed grid of PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge
+    in-kernel - so uniform batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for
+    the split grid, T1134). Contiguous caches and pages that are multiples of BLOCK_N only (gathered pages keep
+    the split grid: the persistent kernel spills there, and a one-split 8k sequence exceeds the page preload).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,

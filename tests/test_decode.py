@@ -271,6 +271,27 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("context", [100, 512, 4096])
+def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
+    """Batch 1, page 16, splits of <= 64 keys: 32-key tiles (two pages per block) through the plan, correct."""
+    from flashdecode.ops import decode as ops_decode
+
+    q, k, v = _make(gen, 1, context, 16, 2, 128, torch.bfloat16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 16, extra_pages=3, generator=gen)
+    plan = flashdecode.DecodePlan(1, 16, 2, 128, max_seqlen_k=context, dtype=torch.bfloat16, device=DEVICE)
+    split_keys = -(-context // plan.num_splits)
+    shape = ops_decode._DecodeShape(q, kp, vp, _lens([context]), table, None, 0.0, (-1, -1), split_keys=split_keys)
+    assert shape.block_n == 32 or split_keys > 64
+    for n in (context, context - 17, 1):
+        lens = _lens([n])
+        out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
+        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+        o_same, lse_same = ref.decode_ref(q, k, v, lens)
+        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q", [2, 4])
 def test_gpu_multi_token_softcap_window(gen, seqlen_q):
     lens = [5000, 300, 3]

@@ -67,7 +67,13 @@ def test_bf16_logits_match_transformers(llama8b_2l, backend):
     assert err <= 2 * base + 1e-3, f"engine bf16 error {err:.3e} vs transformers bf16 {base:.3e}"
 
 
-def test_paged_vs_contiguous_and_graphs_vs_eager_identical(llama8b_2l):
+def test_paged_vs_contiguous_and_graphs_vs_eager_identical(llama8b_2l, monkeypatch):
+    """Bit-identical tokens need the same decode tiles for both page sizes: short splits of gathered pages (page 16)
+    would take 32-key tiles at batch 1-8 (heuristics.DECODE_TINY_TILE_MAX_SPLIT_KEYS) where page 512 takes 64, and
+    a different summation order may flip a near-tie of the greedy pick; so that rule is off here."""
+    from flashdecode import heuristics
+
+    monkeypatch.setattr(heuristics, "DECODE_TINY_TILE_MAX_SPLIT_KEYS", 0)
     ours = llama8b_2l[0]
     prompts = _prompts((7, 300, 45, 129, 1), seed=1)
     sp = SamplingParams(max_new_tokens=24)

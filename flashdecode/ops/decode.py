@@ -266,7 +266,8 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
-        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits), PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
+        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
+        PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
         PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -298,7 +299,8 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, 1, min_chunk),  # a sequence may run as one split
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
-        PAGE_GATHER=shape.page_gather, **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
+        PAGE_GATHER=shape.page_gather,
+        **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
