@@ -13,8 +13,8 @@ import json
 import re
 from pathlib import Path
 
-TITLES = {"decode": "Decode (Flash-Decoding)", "prefill": "Prefill / training (FlashAttention)",
-          "e2e": "End to end (engine)"}
+TITLES = {"decode": "Decode (Flash-Decoding)", "decodetune": "Decode config variants (`bench decode --tune`, same run)",
+          "prefill": "Prefill / training (FlashAttention)", "e2e": "End to end (engine)"}
 INTRO = """# Benchmarks
 
 Every figure below was measured on the GPU machine with the peers in the same run, following
@@ -65,12 +65,19 @@ def section(path: Path) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _run_stamp(path: Path) -> str:
+    """The run's date and UTC time from the file name (e.g. 2026-11-22T1142; a date alone sorts before that
+    day's timed runs), so editing a file's notes does not reorder the page."""
+    match = re.search(r"\d{4}-\d\d-\d\d(T\d{4})?", path.stem)
+    return match.group() if match else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="benchmarks/results")
     ap.add_argument("--out", default="docs/benchmarks.md")
     args = ap.parse_args()
-    files = sorted(Path(args.results).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    files = sorted(Path(args.results).glob("*.json"), key=_run_stamp, reverse=True)
     out = [INTRO]
     targets = Path(args.results) / "targets.md"  # hand-written comparison with the issues' targets, if present
     if targets.exists():

@@ -5,9 +5,10 @@ Two ways to call decode attention:
   - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it reads cache_seqlens once on
     the host to choose the split count from the live lengths (one device->host sync), and allocates its outputs.
   - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
-    split count from a host-side length hint and owns every buffer; each call is two launches with a fixed grid,
-    lengths and block tables are read on the device, no host sync, no allocation. Capture once, change the
-    contents of cache_seqlens / block_table, replay.
+    split count from a host-side length hint and owns every buffer; each call is two launches with a fixed grid
+    (stage 1 and the merge), or at batch on Hopper one persistent launch that picks each sequence's split count
+    on the device and merges in-kernel; lengths and block tables are read on the device, no host sync, no
+    allocation. Capture once, change the contents of cache_seqlens / block_table, replay.
 """
 
 from __future__ import annotations
@@ -513,13 +514,15 @@ class DecodePlan:
     price is paid by large uniform batches of long sequences, which then split when they need not: measured on
     the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
     sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
-    (num_splits, nheads_kv, batch) + the merge, reads cache_seqlens / block_table on the device, and writes
+    (num_splits, nheads_kv, batch) + the merge - or, with many (batch, kv head) pairs on Hopper, one persistent
+    launch of num_sms programs whose split counts (<= num_splits) follow the live lengths on the device, so
+    uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table on the device, and writes
     into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
     those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic dependent launches on
     or off (the merge after stage 1; False also stops stage 1 from being a dependent of the kernel before it; None:
     the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
-    With the config's FUSED_MERGE (off by default) a split run is one launch; the plan owns its int32 ticket
-    counters, zero at rest (each run leaves them zero again).
+    The one-launch paths (the persistent kernel, or the config's opt-in FUSED_MERGE) merge after int32 ticket
+    counters owned by the plan, zero at rest (each run leaves them zero again).
     """
 
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
