@@ -42,8 +42,8 @@ def next_power_of_2(n: int) -> int:
 # a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
-# Contexts this short run unsplit (one or two KV blocks at hd128 bf16). With the merge and stage 1 both programmatic dependent
-# launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4 splits
+# Contexts this short run unsplit (one or two KV blocks at hd128 bf16). With the merge and stage 1 both programmatic
+# dependent launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4 splits
 # 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
 DECODE_NO_SPLIT_MAX_KEYS = 128
 # Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
@@ -103,13 +103,17 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     splits, as at batch 1) the tiles shrink to 16 KiB but >= 64 keys (bf16 hd128: 64): twice the splits at short
     contexts, a shorter pipeline ramp. H100, b1 16/2 hd128 bf16, one run (with the PDL and split defaults below),
     us at 512 / 4k / 32k / 64k: contiguous 5.1 / 7.0 / 16.9 / 28.0 vs 5.5 / 6.9 / 17.7 / 29.3 with 128 keys,
-    page 16 5.3 / 7.9 / 18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross
-    several blocks and splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
-    (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline). USE_TMA: host tensor
-    descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal
-    at 64k on our H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
-    programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
-    before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
+    page 16 5.3 / 7.9 / 18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In
+    the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross several blocks and
+    splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
+    (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline); PRELOAD_GATHER_MAX the same
+    for pages smaller than a block, whose ids are looked up by tl.gather (Llama 32/8 b16, one 128k sequence among
+    15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256, decodetune T1153). PERSISTENT_GATHERED (opt-in) lets
+    such pages take the persistent path too: b16 8k 186.0 vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch
+    292.7 vs 219.9 (T1156), so off. USE_TMA: host tensor descriptors for contiguous caches and pages that are
+    multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at 64k on our H100). USE_PDL: programmatic dependent
+    launch of the merge. PDL_WAIT: stage 1 itself is a programmatic dependent of the kernel before it (its launch
+    overlaps that kernel's tail; it waits on the device before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
     8.2 / 18.5 / 30.2, merge PDL 6.9 / 7.4 / 18.5 / 30.4, both 6.7 / 6.8 / 18.0 / 29.5 (page 16: 10.4 / 9.6 / 20.7 /
     34.6 -> 10.1 / 8.3 / 19.7 / 33.7). FUSED_MERGE: split launches merge in their last program per kv head (atomic
     ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits
@@ -150,7 +154,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     prefetch = 1 if hopper and few_pairs else 0
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256, "PRELOAD_GATHER_MAX": 1024,
             "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None

@@ -519,6 +519,27 @@ def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
 
 
+@pytest.mark.parametrize("preload_max", [8, 256])
+def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, preload_max):
+    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED): with 8 preloaded ids a sequence
+    cannot run as one split, so the device gives long sequences enough splits (MAX_SPLIT_KEYS) to stay within
+    the preload; with 256 a whole sequence fits."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_GATHER_MAX=preload_max))
+    lens = [200, 3, 100, 0]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
+    shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+    preload = ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
+    assert shape.persistent and preload["PRELOAD_PAGES"] > 0
+    assert (preload["MAX_SPLIT_KEYS"] > 0) == (preload_max == 8)
+    _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
+
+
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
     q, k, v = _make(gen, 2, 70, 8, 1, 64, torch.float32, seqlen_q=3)
     _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
@@ -711,7 +732,7 @@ for page, block_n, group, merge_block_s in [(0, 128, 4, 4), (0, 128, 8, 2), (0, 
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True)
+                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
     assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"], "persistent: the merge ticket is missing"

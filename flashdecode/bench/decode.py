@@ -301,6 +301,9 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("select", {"PAGE_GATHER": False}, {}, None),
     ("bn32", {"BLOCK_N": 32}, {}, None),
     ("no-tiny", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 0}, None),  # gathered pages keep 16 KiB tiles at b1
+    ("pre256g", {"PRELOAD_GATHER_MAX": 256}, {}, None),  # gathered page ids preloaded up to 256 (session 3)
+    ("persistent-gathered", {"PERSISTENT_GATHERED": True}, {}, None),  # page 16 on the persistent path too
+    ("persistent-gathered bn64", {"PERSISTENT_GATHERED": True, "BLOCK_N": 64}, {}, None),
     ("s4", {"num_stages": 4}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),

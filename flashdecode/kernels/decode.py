@@ -431,17 +431,21 @@ def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, w
 
 @triton.jit
 def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_CHUNK: tl.constexpr):
+                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr):
     """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike: each sequence's
     share of the ``slots`` program slots, slots * len / (KVP * total) rounded down (KVP programs per split: kv heads
     x row blocks), at least 1, at most NUM_SPLITS (the partial buffer) and at most one per MIN_CHUNK keys. Equal
     lengths give num_sms / (batch x KVP) - one split each at batch >= 16 with 8 kv heads - while one long sequence
-    among short ones gets about num_sms / KVP (heuristics.decode_num_splits's balance, on the device)."""
+    among short ones gets about num_sms / KVP (heuristics.decode_num_splits's balance, on the device).
+    MAX_SPLIT_KEYS (0 = no bound): at least cdiv(len, MAX_SPLIT_KEYS) splits, so that no split spans more pages
+    than the kernel preloads (the launcher guarantees that NUM_SPLITS splits always suffice)."""
     lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
     total = tl.maximum(tl.sum(lens64, 0), 1)
     share = (slots * lens64) // (KVP * total)
     splits = tl.minimum(tl.maximum(share, 1), NUM_SPLITS)
     splits = tl.minimum(splits, tl.maximum(tl.cdiv(lens64, MIN_CHUNK), 1))
+    if MAX_SPLIT_KEYS > 0:
+        splits = tl.maximum(splits, tl.cdiv(lens64, MAX_SPLIT_KEYS))
     return splits.to(tl.int32)
 
 
@@ -480,7 +484,7 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    PAGE_GATHER: tl.constexpr = True,
+    PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -498,8 +502,9 @@ def decode_persistent_kernel(
     Arguments as decode_split_kernel with FUSED_MERGE: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
     LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
     TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
-    BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of a split of any length (the launcher derives it
-    from one split per sequence). USE_PDL: let the next kernel (a programmatic dependent that waits on the device,
+    BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
+    derives it from one split per sequence), or of a split of at most MAX_SPLIT_KEYS keys (pages smaller than a
+    block, whose per-key ids are gathered from the preload: long sequences then take more splits). USE_PDL: let the next kernel (a programmatic dependent that waits on the device,
     e.g. the next call's stage 1) launch early.
     """
     if PDL_WAIT:
@@ -511,7 +516,7 @@ def decode_persistent_kernel(
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
     programs = tl.num_programs(0)
-    splits_b = _device_split_counts(lens, in_batch, programs, KVP, NUM_SPLITS, MIN_CHUNK)
+    splits_b = _device_split_counts(lens, in_batch, programs, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
     offs_d = tl.arange(0, BLOCK_D)

@@ -178,6 +178,9 @@ class _DecodeShape:
         self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
         self.pdl_wait = cfg.get("PDL_WAIT", False) and _pdl_capable(self.device)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
+        # pages smaller than a block whose ids are gathered (PAGE_GATHER: a shared-memory lookup, not a select
+        # over every preloaded id) may preload more of them
+        self.preload_gather_max = cfg.get("PRELOAD_GATHER_MAX", self.preload_max)
         self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
         # L2 prefetch before the PDL wait (inline asm: GPU only) and the merge's early trigger that gives it time
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
@@ -186,7 +189,7 @@ class _DecodeShape:
         # device-side split counts (decode_persistent_kernel): opt-in; programs of its fixed grid (None: the SMs)
         # (not for pages that need per-key gathers: its sm_90 compile spills there - 255 registers, 56 stack bytes)
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
-                           and self.page_size % self.block_n == 0)
+                           and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
@@ -298,7 +301,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
-        PRELOAD_PAGES=_preload_pages(shape, 1, min_chunk),  # a sequence may run as one split
+        **_persistent_preload(shape, num_splits, min_chunk),
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
         PAGE_GATHER=shape.page_gather,
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
@@ -306,6 +309,26 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma, "persistent"))
+
+
+def _max_split_keys(shape, num_splits, min_chunk) -> int:
+    """The most keys one of num_splits splits can hold (kernels/decode.py split_range at the cache capacity)."""
+    return max(heuristics.cdiv(shape.capacity, num_splits * shape.block_n) * shape.block_n, min_chunk)
+
+
+def _persistent_preload(shape, num_splits, min_chunk) -> dict:
+    """PRELOAD_PAGES / MAX_SPLIT_KEYS of the persistent kernel. A sequence may run as one split, so block-multiple
+    pages preload a whole sequence's ids (or none: the loop then reads one id per block). Pages smaller than a
+    block need every key's id: they preload a num_splits-th of the capacity and bound each split to as many keys
+    (num_splits splits always fit), or read ids in the loop when even that is too many."""
+    whole = _preload_pages(shape, 1, min_chunk)
+    small_pages = shape.paged and shape.page_size < shape.block_n
+    if not small_pages or whole > 0:
+        return {"PRELOAD_PAGES": whole, "MAX_SPLIT_KEYS": 0}
+    pages = _preload_pages(shape, num_splits, min_chunk)
+    if pages == 0:
+        return {"PRELOAD_PAGES": 0, "MAX_SPLIT_KEYS": 0}
+    return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk)}
 
 
 def _merge_tile(shape, num_splits, tile_elems=None) -> dict:
@@ -325,7 +348,7 @@ def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
     repeatedly); 128-byte lines of one head-dim row."""
     if shape.prefetch_blocks <= 0:
         return 0, 64, 1
-    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * shape.block_n) * shape.block_n, min_chunk)
+    chunk_max = _max_split_keys(shape, num_splits, min_chunk)
     keys = heuristics.next_power_of_2(min(shape.prefetch_blocks * shape.block_n, chunk_max))
     line_elems = 128 // k_cache.element_size()
     return keys, line_elems, heuristics.next_power_of_2(heuristics.cdiv(shape.headdim, line_elems))
@@ -370,9 +393,10 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
     small_pages = page < block_n and block_n % page == 0 and page >= heuristics.DECODE_MIN_PRELOAD_PAGE
     if not (small_pages or page % block_n == 0):
         return 0  # e.g. pages of 1 or 3 keys: the loop gathers page ids from memory
-    chunk_max = max(heuristics.cdiv(shape.capacity, num_splits * block_n) * block_n, min_chunk)
+    chunk_max = _max_split_keys(shape, num_splits, min_chunk)
     pages = heuristics.next_power_of_2(max(heuristics.cdiv(chunk_max, page) + 1, block_n // page))
-    return pages if pages <= shape.preload_max else 0
+    limit = shape.preload_gather_max if small_pages and shape.page_gather else shape.preload_max
+    return pages if pages <= limit else 0
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
