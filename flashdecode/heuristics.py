@@ -97,46 +97,45 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
                         num_sms: int = DEFAULT_NUM_SMS, page_size: int = 0, split_keys: int | None = None) -> dict:
     """Stage-1 launch constants for flash_decode: BLOCK_N keys per step, warps, pipeline stages.
 
-    On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md;
-    2 stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every
-    head dim and dtype. With few (batch, kv head) pairs (``kv_pairs`` * 2 <= ``num_sms``: the SMs are filled by
-    splits, as at batch 1) the tiles shrink to 16 KiB but >= 64 keys (bf16 hd128: 64): twice the splits at short
-    contexts, a shorter pipeline ramp. H100, b1 16/2 hd128 bf16, one run (with the PDL and split defaults below),
-    us at 512 / 4k / 32k / 64k: contiguous 5.1 / 7.0 / 16.9 / 28.0 vs 5.5 / 6.9 / 17.7 / 29.3 with 128 keys,
-    page 16 5.3 / 7.9 / 18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In
-    the CPU interpreter the cost is per op, and 16-key tiles make small test lengths cross several blocks and
-    splits. PRELOAD_PAGES_MAX: the most block-table entries a split may hold in registers
-    (KERNEL_NOTES.md: reading the block table inside the KV loop stalled the pipeline); PRELOAD_GATHER_MAX the same
-    for pages smaller than a block, whose ids are looked up by tl.gather (Llama 32/8 b16, one 128k sequence among
-    15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256, decodetune T1153). PERSISTENT_GATHERED (opt-in) lets
-    such pages take the persistent path too: b16 8k 186.0 vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch
-    292.7 vs 219.9 (T1156), so off. USE_TMA: host tensor descriptors for contiguous caches and pages that are
-    multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at 64k on our H100). USE_PDL: programmatic dependent
-    launch of the merge. PDL_WAIT: stage 1 itself is a programmatic dependent of the kernel before it (its launch
-    overlaps that kernel's tail; it waits on the device before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
+    On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md; 2
+    stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every head dim
+    and dtype. With few (batch, kv head) pairs (``kv_pairs`` * 2 <= ``num_sms``: the SMs are filled by splits, as at
+    batch 1) the tiles shrink to 16 KiB but >= 64 keys (bf16 hd128: 64): twice the splits at short contexts, a
+    shorter pipeline ramp. H100, b1 16/2 hd128 bf16, one run (with the PDL and split defaults below), us at 512 / 4k
+    / 32k / 64k: contiguous 5.1 / 7.0 / 16.9 / 28.0 vs 5.5 / 6.9 / 17.7 / 29.3 with 128 keys, page 16 5.3 / 7.9 /
+    18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In the CPU interpreter the
+    cost is per op, and 16-key tiles make small test lengths cross several blocks and splits. PRELOAD_PAGES_MAX: the
+    most block-table entries a split may hold in registers (KERNEL_NOTES.md: reading the block table inside the KV
+    loop stalled the pipeline); PRELOAD_GATHER_MAX the same for pages smaller than a block, whose ids are looked up
+    by tl.gather (Llama 32/8 b16, one 128k sequence among 15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256,
+    decodetune T1153). PERSISTENT_GATHERED (opt-in) lets such pages take the persistent path too: b16 8k 186.0 vs
+    192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so off. USE_TMA: host tensor
+    descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at
+    64k on our H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
+    programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
+    before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
     8.2 / 18.5 / 30.2, merge PDL 6.9 / 7.4 / 18.5 / 30.4, both 6.7 / 6.8 / 18.0 / 29.5 (page 16: 10.4 / 9.6 / 20.7 /
     34.6 -> 10.1 / 8.3 / 19.7 / 33.7). FUSED_MERGE: split launches merge in their last program per kv head (atomic
-    ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits
-    5.3 vs 5.6 us contiguous but 7.2 vs 6.9 at page 16; 32/8 heads 32k 50.1 vs 51.2) and lost from 4k up (8.2 vs
-    6.8 at 4k, 19.5 vs 18.0 at 32k: one program reads all of a head's partials).
-    ``split_keys``: the host's estimate of live keys per split (max_seqlen_k / num_splits; None = not known yet),
-    ``page_size``: 0 contiguous. Round 3 (H100, same runs, decodetune T0902 / T0903):
-    PREFETCH_BLOCKS: with few (batch, kv head) pairs, stage 1 prefetches its split's first block into L2 before
-    the PDL wait (b1 16/2 contiguous 4.8 / 6.7 / 16.4 / 27.4 / 49.0 vs 5.0 / 7.0 / 16.9 / 28.1 / 49.4 us at 512 /
-    4k / 32k / 64k / 128k; page 16 5.0 / 7.4 / 18.7 / 31.5 / 54.4 vs 5.3 / 7.9 / 18.5 / 31.3 / 54.9; 4 blocks: no
-    better). MERGE_EARLY_TRIGGER: the merge lets the next kernel launch before its own wait, so the next call's
-    stage 1 prefetches during this call; only for splits of <= 2 blocks (latency-bound calls: with the prefetch
-    4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k; T0921: 8k 7.3 vs 8.0, page 16 8.8 vs 9.6) - from 4 blocks per split it
-    loses (16k 11.3 vs 10.9, 32k 17.1 vs 16.4). Many pairs, paged with pages that need gathers and short splits (one
-    128k sequence's balance_mixed splits over a uniform batch): 16 KiB tiles too (Llama 32/8 8k page 16: b16 195.8
-    vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with 8k-key splits the in-loop block table reads
-    made them slower, 237.7 vs 192.8).
-    PERSISTENT (default with many pairs on Hopper, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of
-    kernels/decode.py decode_persistent_kernel - per-sequence split counts chosen on the device from the live
-    lengths, a fixed grid of PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge
-    in-kernel - so uniform batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for
-    the split grid, T1134). Contiguous caches and pages that are multiples of BLOCK_N only (gathered pages keep
-    the split grid: the persistent kernel spills there, and a one-split 8k sequence exceeds the page preload).
+    ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits 5.3
+    vs 5.6 us contiguous but 7.2 vs 6.9 at page 16; 32/8 heads 32k 50.1 vs 51.2) and lost from 4k up (8.2 vs 6.8 at
+    4k, 19.5 vs 18.0 at 32k: one program reads all of a head's partials). ``split_keys``: the host's estimate of
+    live keys per split (max_seqlen_k / num_splits; None = not known yet), ``page_size``: 0 contiguous. Round 3
+    (H100, same runs, decodetune T0902 / T0903): PREFETCH_BLOCKS: with few (batch, kv head) pairs, stage 1
+    prefetches its split's first block into L2 before the PDL wait (b1 16/2 contiguous 4.8 / 6.7 / 16.4 / 27.4 /
+    49.0 vs 5.0 / 7.0 / 16.9 / 28.1 / 49.4 us at 512 / 4k / 32k / 64k / 128k; page 16 5.0 / 7.4 / 18.7 / 31.5 / 54.4
+    vs 5.3 / 7.9 / 18.5 / 31.3 / 54.9; 4 blocks: no better). MERGE_EARLY_TRIGGER: the merge lets the next kernel
+    launch before its own wait, so the next call's stage 1 prefetches during this call; only for splits of <= 2
+    blocks (latency-bound calls: with the prefetch 4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k; T0921: 8k 7.3 vs 8.0, page
+    16 8.8 vs 9.6) - from 4 blocks per split it loses (16k 11.3 vs 10.9, 32k 17.1 vs 16.4). Many pairs, paged with
+    pages that need gathers and short splits (one 128k sequence's balance_mixed splits over a uniform batch): 16 KiB
+    tiles too (Llama 32/8 8k page 16: b16 195.8 vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with
+    8k-key splits the in-loop block table reads made them slower, 237.7 vs 192.8). PERSISTENT (default with many
+    pairs on Hopper, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of kernels/decode.py
+    decode_persistent_kernel - per-sequence split counts chosen on the device from the live lengths, a fixed grid of
+    PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
+    batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134).
+    Contiguous caches and pages that are multiples of BLOCK_N only (gathered pages keep the split grid: see
+    PERSISTENT_GATHERED above).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,

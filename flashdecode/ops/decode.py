@@ -186,8 +186,9 @@ class _DecodeShape:
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
         self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
-        # device-side split counts (decode_persistent_kernel): opt-in; programs of its fixed grid (None: the SMs)
-        # (not for pages that need per-key gathers: its sm_90 compile spills there - 255 registers, 56 stack bytes)
+        # one launch with device-side split counts (decode_persistent_kernel; the default with many pairs on
+        # Hopper); programs of its fixed grid (None: the SMs). Pages smaller than a block only with the opt-in
+        # PERSISTENT_GATHERED (measured slower at b64 and on mixed batches; 128-key tiles spill there).
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
