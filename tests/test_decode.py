@@ -6,9 +6,12 @@ bf16, long contexts (100k+), the production tile sizes and CUDA-graph capture/re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashdecode
 from flashdecode import reference as ref
+from flashdecode.kernels.decode import _device_split_counts
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
@@ -538,6 +541,38 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
     assert shape.persistent and preload["PRELOAD_PAGES"] > 0
     assert (preload["MAX_SPLIT_KEYS"] > 0) == (preload_max == 8)
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
+
+
+@triton.jit
+def _split_counts_kernel(LENS, OUT, batch, slots, BATCH_PAD: tl.constexpr, KVP: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    offs = tl.arange(0, BATCH_PAD)
+    lens = tl.load(LENS + offs, mask=offs < batch, other=0)
+    splits = _device_split_counts(lens, offs < batch, slots, KVP, NUM_SPLITS, MIN_CHUNK, 0)
+    tl.store(OUT + offs, splits, mask=offs < batch)
+
+
+def _device_splits(lengths, slots=132, kvp=8, num_splits=16, min_chunk=128):
+    """kernels/decode.py _device_split_counts for one batch of lengths, through a one-program kernel."""
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros_like(lens)
+    _split_counts_kernel[(1,)](lens, out, len(lengths), slots, BATCH_PAD=triton.next_power_of_2(len(lengths)),
+                               KVP=kvp, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk)
+    return out.tolist()
+
+
+def test_device_split_counts_pack_the_programs():
+    """The persistent kernel's split policy on 132 programs, 8 kv heads: uniform batches of 16 and 64 x 8k stay
+    unsplit (128 / 512 items), 9 and 17 split until their items pack the programs, one 128k sequence among 15 of
+    1k gets ~14 splits and the short ones one."""
+    assert _device_splits([8192] * 16) == [1] * 16
+    assert _device_splits([8192] * 64) == [1] * 64
+    nine, seventeen = _device_splits([8192] * 9), _device_splits([8192] * 17)
+    assert len(set(nine)) == 1 and 4 <= nine[0] <= 16, nine
+    assert len(set(seventeen)) == 1 and 8 <= seventeen[0] <= 16, seventeen
+    mixed = _device_splits([131072] + [1024] * 15)
+    assert 12 <= mixed[0] <= 16 and mixed[1:] == [1] * 15, mixed
+    assert _device_splits([0, 0, 5]) == [1, 1, 1]
 
 
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
