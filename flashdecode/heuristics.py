@@ -55,10 +55,14 @@ DECODE_MIN_PRELOAD_PAGE = 8
 DECODE_SMALL_TILE_MAX_SPLIT_KEYS = 2048
 # The merge's early PDL trigger (see decode_block_config) for splits of at most this many KV blocks.
 DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
-# Many (batch, kv head) pairs (more than half the SMs) on Hopper run decode as one persistent launch with split
+# (batch, kv head) pairs between half the SMs and the SMs on Hopper run decode as one persistent launch with split
 # counts chosen on the device (kernels/decode.py decode_persistent_kernel; contiguous caches and pages that are
-# multiples of BLOCK_N). H100, Llama 32/8 hd128 bf16 8k, one run each (decodetune T1118 / T1119): b16 177.9 us vs
-# 188.2 for the split grid (n1 176.7), page 128 179.6 vs 190.6, b64 699.2 vs 721.4 (n1 695.8).
+# multiples of BLOCK_N): one work item per program for equal lengths, split items for a long sequence among short
+# ones. H100, Llama 32/8 hd128 bf16 8k, us, persistent vs the two-kernel split grid (decodetune T1134, T1203):
+# b9 like unsplit (100.8 vs 110.2), b12 142.3 vs 143.6, b16 177.7 vs 188.4 (page 128 179.8 vs 190.8); one 128k
+# sequence among 15 of 1k 212.2 vs 207.9. With more pairs than SMs its static assignment runs a second round on some
+# programs where the split grid's many small programs are balanced by the hardware (b17: 136 one-split items on 132
+# programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit), so the split grid keeps those.
 DECODE_PERSISTENT_AT_BATCH = True
 # Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
 # this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
@@ -129,8 +133,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     16 8.8 vs 9.6) - from 4 blocks per split it loses (16k 11.3 vs 10.9, 32k 17.1 vs 16.4). Many pairs, paged with
     pages that need gathers and short splits (one 128k sequence's balance_mixed splits over a uniform batch): 16 KiB
     tiles too (Llama 32/8 8k page 16: b16 195.8 vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with
-    8k-key splits the in-loop block table reads made them slower, 237.7 vs 192.8). PERSISTENT (default with many
-    pairs on Hopper, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of kernels/decode.py
+    8k-key splits the in-loop block table reads made them slower, 237.7 vs 192.8). PERSISTENT (default on Hopper
+    with num_sms / 2 < pairs <= num_sms, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of kernels/decode.py
     decode_persistent_kernel - per-sequence split counts chosen on the device from the live lengths, a fixed grid of
     PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
     batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134).
@@ -158,7 +162,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
-            "PERSISTENT": hopper and not few_pairs and DECODE_PERSISTENT_AT_BATCH}
+            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and not few_pairs
+                               and kv_pairs is not None and kv_pairs <= num_sms)}
 
 
 @functools.lru_cache(maxsize=None)

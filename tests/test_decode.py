@@ -247,8 +247,8 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
     (torch.bfloat16, 256, 16, 8, None, 1), (torch.bfloat16, 96, 48, 8, None, 3), (torch.float32, 128, 32, 8, None, 1)])
 def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdim, nheads, nheads_kv, page_size,
                                                  seqlen_q):
-    """With many (batch, kv head) pairs the default is the persistent kernel (device-side split counts, in-kernel
-    merge): one launch, no merge kernel. A plan sized for the batch, lengths mixed (one long sequence, empty and
+    """With more (batch, kv head) pairs than half the SMs (and at most the SMs) the default is the persistent
+    kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch, lengths mixed (one long sequence, empty and
     one-token ones) then uniform, contiguous and block-multiple pages, every head dim class and dtype."""
     from flashdecode.ops import decode as ops_decode
 
@@ -256,13 +256,13 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
         raise AssertionError("the persistent kernel must merge split sequences itself")
 
     monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
-    batch = 20
+    batch = 12  # 96 (batch, kv head) pairs: between half the H100's SMs and all of them
     q, k, v = _make(gen, batch, 9000, nheads, nheads_kv, headdim, dtype, seqlen_q=seqlen_q)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, headdim, max_seqlen_k=9000, dtype=dtype,
                                   device=DEVICE, max_seqlen_q=seqlen_q)
     shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent, "many pairs on the H100: the persistent launch is the default"
+    assert shape.persistent, "96 pairs on the H100: the persistent launch is the default"
     for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -522,9 +522,9 @@ def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
 
 
-@pytest.mark.parametrize("preload_max", [8, 256])
+@pytest.mark.parametrize("preload_max", [16, 256])
 def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, preload_max):
-    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED): with 8 preloaded ids a sequence
+    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED): with 16 preloaded ids a sequence
     cannot run as one split, so the device gives long sequences enough splits (MAX_SPLIT_KEYS) to stay within
     the preload; with 256 a whole sequence fits."""
     from flashdecode import heuristics
@@ -539,7 +539,7 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
     shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
     preload = ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
     assert shape.persistent and preload["PRELOAD_PAGES"] > 0
-    assert (preload["MAX_SPLIT_KEYS"] > 0) == (preload_max == 8)
+    assert (preload["MAX_SPLIT_KEYS"] > 0) == (preload_max == 16)
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
 
 
@@ -561,17 +561,15 @@ def _device_splits(lengths, slots=132, kvp=8, num_splits=16, min_chunk=128):
     return out.tolist()
 
 
-def test_device_split_counts_pack_the_programs():
-    """The persistent kernel's split policy on 132 programs, 8 kv heads: uniform batches of 16 and 64 x 8k stay
-    unsplit (128 / 512 items), 9 and 17 split until their items pack the programs, one 128k sequence among 15 of
-    1k gets ~14 splits and the short ones one."""
-    assert _device_splits([8192] * 16) == [1] * 16
-    assert _device_splits([8192] * 64) == [1] * 64
-    nine, seventeen = _device_splits([8192] * 9), _device_splits([8192] * 17)
-    assert len(set(nine)) == 1 and 4 <= nine[0] <= 16, nine
-    assert len(set(seventeen)) == 1 and 8 <= seventeen[0] <= 16, seventeen
-    mixed = _device_splits([131072] + [1024] * 15)
-    assert 12 <= mixed[0] <= 16 and mixed[1:] == [1] * 15, mixed
+def test_device_split_counts_follow_each_sequences_share():
+    """The persistent kernel's split policy on 132 programs, 8 kv heads: uniform batches of 9 to 16 sequences stay
+    unsplit (72-128 items, one round), one 128k sequence among 15 of 1k gets floor(132 x 128k / (8 x 143k)) = 14
+    splits and the short ones one; MIN_CHUNK caps short sequences, empty ones still get one (empty) split."""
+    for batch in (9, 12, 16):
+        assert _device_splits([8192] * batch) == [1] * batch
+    assert _device_splits([131072] + [1024] * 15) == [14] + [1] * 15
+    assert _device_splits([65536], kvp=2, num_splits=64, min_chunk=64) == [64]
+    assert _device_splits([65536], kvp=2, num_splits=64, min_chunk=4096) == [16]
     assert _device_splits([0, 0, 5]) == [1, 1, 1]
 
 

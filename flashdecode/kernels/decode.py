@@ -430,57 +430,28 @@ def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, w
 
 
 @triton.jit
-def _split_counts_at(lens64, total, slots, granularity, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                     MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr):
-    """Splits per sequence (BATCH_PAD,) int64: floor(granularity x the sequence's share of the program slots),
-    slots * len / (KVP * total) (KVP programs per split: kv heads x row blocks), at least 1, at most NUM_SPLITS
-    (the partial buffer) and one per MIN_CHUNK keys; with MAX_SPLIT_KEYS (0 = no bound) at least
-    cdiv(len, MAX_SPLIT_KEYS), so that no split spans more pages than the kernel preloads (the launcher
-    guarantees that NUM_SPLITS splits always suffice)."""
-    share = (granularity * slots * lens64) // (KVP * total)
+def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr):
+    """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike: each sequence's
+    share of the ``slots`` program slots, slots * len / (KVP * total) rounded down (KVP programs per split: kv heads
+    x row blocks), at least 1, at most NUM_SPLITS (the partial buffer) and at most one per MIN_CHUNK keys. Equal
+    lengths give num_sms / (batch x KVP) - one split each at batch 9-16 with 8 kv heads - while one long sequence
+    among short ones gets about num_sms / KVP (heuristics.decode_num_splits's balance, on the device).
+    MAX_SPLIT_KEYS (0 = no bound): at least cdiv(len, MAX_SPLIT_KEYS) splits, so that no split spans more pages
+    than the kernel preloads (the launcher guarantees that NUM_SPLITS splits always suffice).
+
+    Finer splits do not pay here: every work item refills the load pipeline (H100, 32/8 8k, 9 sequences in 16
+    splits each: 122.5 us vs 100.8 unsplit, where 72 programs already saturate the memory bandwidth), and items
+    smaller than a program's share can land two on one program (one 128k sequence in 16 splits among 15 of 1k:
+    260.0 vs 212.2 in 14; decodetune T1203/T1204)."""
+    lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
+    total = tl.maximum(tl.sum(lens64, 0), 1)
+    share = (slots * lens64) // (KVP * total)
     splits = tl.minimum(tl.maximum(share, 1), NUM_SPLITS)
     splits = tl.minimum(splits, tl.maximum(tl.cdiv(lens64, MIN_CHUNK), 1))
     if MAX_SPLIT_KEYS > 0:
         splits = tl.maximum(splits, tl.cdiv(lens64, MAX_SPLIT_KEYS))
-    return splits
-
-
-@triton.jit
-def _predicted_makespan(splits, weights, in_batch, slots, KVP: tl.constexpr):
-    """Keys the busiest program streams, estimated: its equal share of the items, rounded up to whole items
-    (ceil(items / slots) x the mean item), or the largest item if that is more; x1.03 when anything splits (the
-    partials and the in-kernel merge)."""
-    splits = tl.where(in_batch, splits, 0)
-    items = KVP * tl.sum(splits, 0)
-    mean_item = (KVP * tl.sum(weights, 0)).to(tl.float32) / tl.maximum(items, 1).to(tl.float32)
-    largest = tl.max(tl.where(in_batch, weights.to(tl.float32) / tl.maximum(splits, 1).to(tl.float32), 0.0), 0)
-    rounds = tl.cdiv(items, slots).to(tl.float32)
-    return tl.maximum(rounds * mean_item, largest) * tl.where(tl.max(splits, 0) > 1, 1.03, 1.0)
-
-
-@triton.jit
-def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr):
-    """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike.
-
-    Each sequence gets floor(g x its share of the ``slots`` programs) splits (_split_counts_at) for the
-    granularity g in 1, 2, 4, 8, 16 whose estimated makespan (_predicted_makespan) is lowest. g = 1 alone left a
-    uniform batch of 17 x 8 kv heads as 136 one-split items on 132 programs (two rounds for the price of 1.03) and
-    one of 9 as 72 items (60 programs idle); a finer g splits such batches until the items pack the programs. Equal
-    lengths at batch 16 or 64 (8 kv heads) keep one split each, and one long sequence among short ones gets about
-    num_sms / KVP splits (heuristics.decode_num_splits's balance, on the device)."""
-    lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
-    total = tl.maximum(tl.sum(lens64, 0), 1)
-    weights = tl.where(in_batch, tl.maximum(lens64, 1), 0)  # item costs as _items_before weighs them
-    best = _split_counts_at(lens64, total, slots, 1, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS)
-    best_cost = _predicted_makespan(best, weights, in_batch, slots, KVP)
-    for level in tl.static_range(1, 5):
-        splits = _split_counts_at(lens64, total, slots, 1 << level, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS)
-        cost = _predicted_makespan(splits, weights, in_batch, slots, KVP)
-        better = cost < best_cost
-        best = tl.where(better, splits, best)
-        best_cost = tl.where(better, cost, best_cost)
-    return best.to(tl.int32)
+    return splits.to(tl.int32)
 
 
 @triton.jit
