@@ -522,55 +522,35 @@ def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
 
 
-@pytest.mark.parametrize("preload_max", [16, 256])
-def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, preload_max):
-    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED): with 16 preloaded ids a sequence
-    cannot run as one split, so the device gives long sequences enough splits (MAX_SPLIT_KEYS) to stay within
-    the preload; with 256 a whole sequence fits."""
+@pytest.mark.parametrize("tight", [True, False], ids=["preload-per-split", "preload-whole-sequence"])
+def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, tight):
+    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED). With a preload limit that holds one
+    of 6 splits' page ids but not a whole sequence's, the device gives long sequences enough splits
+    (MAX_SPLIT_KEYS) to stay within the preload; with 256 a whole sequence fits (the tile size, and so the limit,
+    differs between the CPU and the GPU)."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
     base = heuristics.decode_block_config  # already PERSISTENT (fixture)
+    limit = {"value": 256}
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_GATHER_MAX=preload_max))
+        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_GATHER_MAX=limit["value"]))
     lens = [200, 3, 100, 0]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-    preload = ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
-    assert shape.persistent and preload["PRELOAD_PAGES"] > 0
-    assert (preload["MAX_SPLIT_KEYS"] > 0) == (preload_max == 16)
+
+    def preload():
+        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+        assert shape.persistent
+        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
+
+    loose = preload()
+    assert loose["PRELOAD_PAGES"] > 0 and loose["MAX_SPLIT_KEYS"] == 0
+    if tight:
+        limit["value"] = loose["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
+        bounded = preload()
+        assert bounded["PRELOAD_PAGES"] > 0 and bounded["MAX_SPLIT_KEYS"] > 0, bounded
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
-
-
-@triton.jit
-def _split_counts_kernel(LENS, OUT, batch, slots, BATCH_PAD: tl.constexpr, KVP: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    offs = tl.arange(0, BATCH_PAD)
-    lens = tl.load(LENS + offs, mask=offs < batch, other=0)
-    splits = _device_split_counts(lens, offs < batch, slots, KVP, NUM_SPLITS, MIN_CHUNK, 0)
-    tl.store(OUT + offs, splits, mask=offs < batch)
-
-
-def _device_splits(lengths, slots=132, kvp=8, num_splits=16, min_chunk=128):
-    """kernels/decode.py _device_split_counts for one batch of lengths, through a one-program kernel."""
-    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    out = torch.zeros_like(lens)
-    _split_counts_kernel[(1,)](lens, out, len(lengths), slots, BATCH_PAD=triton.next_power_of_2(len(lengths)),
-                               KVP=kvp, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk)
-    return out.tolist()
-
-
-def test_device_split_counts_follow_each_sequences_share():
-    """The persistent kernel's split policy on 132 programs, 8 kv heads: uniform batches of 9 to 16 sequences stay
-    unsplit (72-128 items, one round), one 128k sequence among 15 of 1k gets floor(132 x 128k / (8 x 143k)) = 14
-    splits and the short ones one; MIN_CHUNK caps short sequences, empty ones still get one (empty) split."""
-    for batch in (9, 12, 16):
-        assert _device_splits([8192] * batch) == [1] * batch
-    assert _device_splits([131072] + [1024] * 15) == [14] + [1] * 15
-    assert _device_splits([65536], kvp=2, num_splits=64, min_chunk=64) == [64]
-    assert _device_splits([65536], kvp=2, num_splits=64, min_chunk=4096) == [16]
-    assert _device_splits([0, 0, 5]) == [1, 1, 1]
 
 
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
