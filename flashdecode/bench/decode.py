@@ -306,6 +306,7 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("persistent-gathered bn64", {"PERSISTENT_GATHERED": True, "BLOCK_N": 64}, {}, None),
     ("s4", {"num_stages": 4}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
+    ("bn128", {"BLOCK_N": 128}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
     ("w8", {"num_warps": 8}, {}, None),
     ("s2", {"num_stages": 2}, {}, None),
