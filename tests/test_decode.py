@@ -522,6 +522,20 @@ def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
 
 
+def test_persistent_plan_runs_fewer_sequences_than_its_max_batch(gen, persistent):
+    """A plan sized for 5 sequences serving 2 (the engine's graph buckets): the persistent kernel's items cover only
+    the live batch, the outputs of the 2 are exact."""
+    q, k, v = _make(gen, 2, 80, 4, 2, 64, torch.float16)
+    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=80, dtype=torch.float16, device=DEVICE, num_splits=4)
+    lens = _lens([80, 33])
+    out, lse = plan.run(q, k, v, lens, return_lse=True)
+    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, lse_same = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+    assert torch.all(plan._tickets == 0)
+
+
 @pytest.mark.parametrize("tight", [True, False], ids=["preload-per-split", "preload-whole-sequence"])
 def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, tight):
     """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED). With a preload limit that holds one
