@@ -43,8 +43,8 @@ def next_power_of_2(n: int) -> int:
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
 # Contexts this short run unsplit (one or two KV blocks at hd128 bf16). With the merge and stage 1 both programmatic
-# dependent launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4 splits
-# 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
+# dependent launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4
+# splits 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
 DECODE_NO_SPLIT_MAX_KEYS = 128
 # Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
 # smaller pages read their ids from the block table inside the KV loop.
@@ -58,9 +58,9 @@ DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
 # (batch, kv head) pairs between half the SMs and the SMs on Hopper run decode as one persistent launch with split
 # counts chosen on the device (kernels/decode.py decode_persistent_kernel; contiguous caches and pages that are
 # multiples of BLOCK_N): one work item per program for equal lengths, split items for a long sequence among short
-# ones. H100, Llama 32/8 hd128 bf16 8k, us, persistent vs the two-kernel split grid (decodetune T1134, T1203):
-# b9 like unsplit (100.8 vs 110.2), b12 142.3 vs 143.6, b16 177.7 vs 188.4 (page 128 179.8 vs 190.8); one 128k
-# sequence among 15 of 1k 212.2 vs 207.9. With more pairs than SMs its static assignment runs a second round on some
+# ones. H100, Llama 32/8 hd128 bf16 8k, us, persistent vs the two-kernel split grid (decodetune T1207 / T1208,
+# T1134): b9 102.2 vs 110.2, b12 139.9 vs 143.5, b16 177.9 vs 188.0 (page 128 179.8 vs 190.8); one 128k sequence
+# among 15 of 1k 211.9 vs 207.5. With more pairs than SMs its static assignment runs a second round on some
 # programs where the split grid's many small programs are balanced by the hardware (b17: 136 one-split items on 132
 # programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit), so the split grid keeps those.
 DECODE_PERSISTENT_AT_BATCH = True
@@ -157,8 +157,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     hopper = _is_hopper_or_newer()
     prefetch = 1 if hopper and few_pairs else 0
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256, "PRELOAD_GATHER_MAX": 1024,
-            "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
+            "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),

@@ -27,6 +27,15 @@ def _make(gen, batch, max_seqlen, nheads, nheads_kv, headdim, dtype, seqlen_q=1)
     return q, k, v
 
 
+def _assert_matches_reference(out, lse, q, k, v, lens):
+    """out / lse of a decode call on q and the contiguous k, v (its paged copy holds the same keys) vs the float64
+    reference, with the FlashAttention rule at 3x."""
+    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, lse_same = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+
+
 def _check(q, k, v, lens, *, page_size=None, gen=None, **kw):
     """Run flash_decode (contiguous, or paged via a random page permutation) and compare out and lse with the
     float64 reference under the FlashAttention rule; returns (out, lse)."""
@@ -164,10 +173,7 @@ def test_plan_fixed_grid_with_changing_lengths(gen, page_size):
             out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
         else:
             out, lse = flashdecode.flash_decode(q, k, v, lens, plan=plan, return_lse=True)
-        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, lse_same = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -248,8 +254,9 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
 def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdim, nheads, nheads_kv, page_size,
                                                  seqlen_q):
     """With more (batch, kv head) pairs than half the SMs (and at most the SMs) the default is the persistent
-    kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch, lengths mixed (one long sequence, empty and
-    one-token ones) then uniform, contiguous and block-multiple pages, every head dim class and dtype."""
+    kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch,
+    lengths mixed (one long sequence, empty and one-token ones) then uniform, contiguous and block-multiple pages,
+    every head dim class and dtype."""
     from flashdecode.ops import decode as ops_decode
 
     def no_merge_kernel(*args, **kwargs):
@@ -266,10 +273,7 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
     for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, lse_same = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        _assert_matches_reference(out, lse, q, k, v, lens)
         assert torch.all(plan._tickets == 0)
 
 
@@ -288,10 +292,7 @@ def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
     for n in (context, context - 17, 1):
         lens = _lens([n])
         out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
-        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, lse_same = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
@@ -529,10 +530,7 @@ def test_persistent_plan_runs_fewer_sequences_than_its_max_batch(gen, persistent
     plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=80, dtype=torch.float16, device=DEVICE, num_splits=4)
     lens = _lens([80, 33])
     out, lse = plan.run(q, k, v, lens, return_lse=True)
-    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-    o_same, lse_same = ref.decode_ref(q, k, v, lens)
-    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+    _assert_matches_reference(out, lse, q, k, v, lens)
     assert torch.all(plan._tickets == 0)
 
 
@@ -588,10 +586,7 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
         lens = _lens(lengths)
         out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
                             return_lse=True)
-        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, lse_same = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        _assert_matches_reference(out, lse, q, k, v, lens)
         assert torch.all(plan._tickets == 0), "every run leaves the merge tickets at zero"
 
 
@@ -681,10 +676,7 @@ def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
     for lengths in ([64, 3, 0], [1, 64, 40], [64, 3, 0]):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, lse_same = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-        assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+        _assert_matches_reference(out, lse, q, k, v, lens)
         assert torch.all(plan._tickets == 0)
 
 

@@ -169,6 +169,17 @@ def _group_rows(m_block, hk, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: t
 
 
 @triton.jit
+def _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
+                 stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh):
+    """Write a finished state of the rows (t, head, row_ok: (ROWS,)) of sequence b: o (ROWS, BLOCK_D) fp32 into
+    O_FINAL in its dtype, lse2 (ROWS,) log2 into LSE_FINAL as natural log."""
+    o_final = O_FINAL + b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
+    tl.store(o_final[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh, lse2 * LN2, mask=row_ok)
+
+
+@triton.jit
 def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, m_block,
                           stride_ob, stride_ot, stride_oh, stride_os, stride_od,
                           stride_lb, stride_lt, stride_lh, stride_ls,
@@ -218,11 +229,8 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
             o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)  # empty splits' o was never written
             acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o, 1)
         o, lse2 = normalize_state(acc, shift, total)
-        o_final = O_FINAL + b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
-        tl.store(o_final[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh, lse2 * LN2,
-                 mask=row_ok)
+        _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
+                     stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # all tickets drawn: ready for the next launch
 
 
@@ -378,8 +386,8 @@ def decode_split_kernel(
 def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
                   score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr, SOFTCAP: tl.constexpr,
-                  WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
+                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
     """One split of one (sequence b, kv head hk) row block: loads the rows' q (t, head, row_ok: (BLOCK_M,)) and
     runs the unmasked then the masked KV loop over keys [start, end). Returns the normalised state (o (BLOCK_M,
@@ -468,7 +476,7 @@ def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
     splits = splits_b.to(tl.int64)
     n = 2 * splits * KVP * (share.to(tl.int64) * tl.sum(w, 0) - programs * cum)
     a = tl.maximum(programs * w, 1)
-    count = tl.where(n > a, (n - a + 2 * a - 1) // (2 * a), 0)
+    count = tl.where(n > a, tl.cdiv(n - a, 2 * a), 0)
     return tl.sum(tl.minimum(count, tl.where(in_batch, splits * KVP, 0)), 0)
 
 
@@ -500,17 +508,17 @@ def decode_persistent_kernel(
     one long and one short item on 100 of 132 programs for one 128k sequence among 15 of 1k). Every program derives
     the same per-sequence split counts from the live lengths (_device_split_counts), so a uniform batch runs one
     split per sequence, while one long sequence among short ones still gets many splits - without the plan paying
-    for the worst mix up front (balance_mixed). A sequence with one split writes its
-    final output directly; the splits of a longer one write fp32 partials and draw tickets, and the last of them
-    merges (_merge_if_last_ticket), so no merge kernel follows.
+    for the worst mix up front (balance_mixed). A sequence with one split writes its final output directly; the
+    splits of a longer one write fp32 partials and draw tickets, and the last of them merges
+    (_merge_if_last_ticket), so no merge kernel follows.
 
     Arguments as decode_split_kernel with FUSED_MERGE: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
     LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
     TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
     BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
     derives it from one split per sequence), or of a split of at most MAX_SPLIT_KEYS keys (pages smaller than a
-    block, whose per-key ids are gathered from the preload: long sequences then take more splits). USE_PDL: let the next kernel (a programmatic dependent that waits on the device,
-    e.g. the next call's stage 1) launch early.
+    block, whose per-key ids are gathered from the preload: long sequences then take more splits). USE_PDL: let
+    the next kernel (a programmatic dependent that waits on the device, e.g. the next call's stage 1) launch early.
     """
     if PDL_WAIT:
         gdc_wait()
@@ -548,15 +556,12 @@ def decode_persistent_kernel(
                                 score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
                                 stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                                 SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
-        out_mask = row_ok[:, None] & d_ok[None, :]
         if num_splits == 1:
-            o_final = O_FINAL + b.to(tl.int64) * stride_fb + t * stride_ft + head * stride_fh
-            tl.store(o_final[:, None] + offs_d[None, :] * stride_fd, o.to(O_FINAL.dtype.element_ty), mask=out_mask)
-            tl.store(LSE_FINAL + b.to(tl.int64) * stride_flb + t * stride_flt + head * stride_flh, lse2 * LN2,
-                     mask=row_ok)
+            _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
+                         stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
         else:
             o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
-            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=out_mask)
+            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=row_ok[:, None] & d_ok[None, :])
             lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
             tl.store(lse_rows + split * stride_ls, lse2, mask=row_ok)
             _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KVP + pid_hm, num_splits, b, hk,

@@ -6,9 +6,10 @@ Two ways to call decode attention:
     the host to choose the split count from the live lengths (one device->host sync), and allocates its outputs.
   - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
     split count from a host-side length hint and owns every buffer; each call is two launches with a fixed grid
-    (stage 1 and the merge), or at batch on Hopper one persistent launch that picks each sequence's split count
-    on the device and merges in-kernel; lengths and block tables are read on the device, no host sync, no
-    allocation. Capture once, change the contents of cache_seqlens / block_table, replay.
+    (stage 1 and the merge), or on Hopper, when batch x kv heads fills half to all of the SMs, one persistent
+    launch that picks each sequence's split count on the device and merges in-kernel; lengths and block tables
+    are read on the device, no host sync, no allocation. Capture once, change the contents of cache_seqlens /
+    block_table, replay.
 """
 
 from __future__ import annotations
@@ -186,9 +187,10 @@ class _DecodeShape:
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
         self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
-        # one launch with device-side split counts (decode_persistent_kernel; the default with many pairs on
-        # Hopper); programs of its fixed grid (None: the SMs). Pages smaller than a block only with the opt-in
-        # PERSISTENT_GATHERED (measured slower at b64 and on mixed batches; 128-key tiles spill there).
+        # one launch with device-side split counts (decode_persistent_kernel; the default on Hopper for half to
+        # all of the SMs' worth of pairs); programs of its fixed grid (None: the SMs). Pages smaller than a block
+        # only with the opt-in PERSISTENT_GATHERED (measured slower at b64 and on mixed batches; 128-key tiles
+        # spill there).
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
@@ -252,7 +254,6 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
-    f_strides = (*fo4.stride()[:3], fo4.stride(-1), *flse3.stride()[:3])
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
@@ -263,7 +264,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
-        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls, *f_strides,
+        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls, *_final_strides(fo4, flse3),
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
@@ -290,12 +291,11 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     q4 = shape.q4
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
-    f_strides = (*out4.stride()[:3], out4.stride(-1), *lse3.stride()[:3])
     launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets,
         shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
         *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
-        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *f_strides,
+        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *_final_strides(out4, lse3),
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
@@ -310,6 +310,12 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
                                                            q4.dtype, shape.use_tma, "persistent"))
+
+
+def _final_strides(out4, lse3) -> tuple:
+    """The kernels' stride_f* / stride_fl* arguments: out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch,
+    seqlen_q, nheads), where the in-kernel merges write the finished states."""
+    return (*out4.stride()[:3], out4.stride(-1), *lse3.stride()[:3])
 
 
 def _max_split_keys(shape, num_splits, min_chunk) -> int:
@@ -327,9 +333,7 @@ def _persistent_preload(shape, num_splits, min_chunk) -> dict:
     if not small_pages or whole > 0:
         return {"PRELOAD_PAGES": whole, "MAX_SPLIT_KEYS": 0}
     pages = _preload_pages(shape, num_splits, min_chunk)
-    if pages == 0:
-        return {"PRELOAD_PAGES": 0, "MAX_SPLIT_KEYS": 0}
-    return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk)}
+    return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk) if pages else 0}
 
 
 def _merge_tile(shape, num_splits, tile_elems=None) -> dict:
@@ -539,13 +543,13 @@ class DecodePlan:
     price is paid by large uniform batches of long sequences, which then split when they need not: measured on
     the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
     sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
-    (num_splits, nheads_kv, batch) + the merge - or, with many (batch, kv head) pairs on Hopper, one persistent
-    launch of num_sms programs whose split counts (<= num_splits) follow the live lengths on the device, so
-    uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table on the device, and writes
-    into buffers owned by the plan: no host sync, no allocation, capturable. The returned tensors are views of
-    those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic dependent launches on
-    or off (the merge after stage 1; False also stops stage 1 from being a dependent of the kernel before it; None:
-    the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
+    (num_splits, nheads_kv, batch) + the merge - or, on Hopper with half to all of the SMs' worth of (batch, kv
+    head) pairs, one persistent launch of num_sms programs whose split counts (<= num_splits) follow the live
+    lengths on the device, so uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table on
+    the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable. The returned
+    tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic
+    dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a dependent of the
+    kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
     The one-launch paths (the persistent kernel, or the config's opt-in FUSED_MERGE) merge after int32 ticket
     counters owned by the plan, zero at rest (each run leaves them zero again).
     """
