@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 TITLES = {"decode": "Decode (Flash-Decoding)", "decodetune": "Decode config variants (`bench decode --tune`, same run)",
+          "stream_floor": "Streaming floor of a split-KV stage 1 (`python -m flashdecode.bench.stream`)",
           "prefill": "Prefill / training (FlashAttention)", "e2e": "End to end (engine)"}
 INTRO = """# Benchmarks
 

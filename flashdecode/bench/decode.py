@@ -14,6 +14,7 @@ decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and pr
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from typing import Callable, Optional
 
@@ -300,6 +301,10 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # page ids of gathered pages by select-and-sum steps instead of one tl.gather (the default from session 4)
     ("select", {"PAGE_GATHER": False}, {}, None),
     ("bn32", {"BLOCK_N": 32}, {}, None),
+    # page-sized tiles: pages of 16 keys read one page per tensor-descriptor load (no gathers), deeper pipelines
+    ("bn16", {"BLOCK_N": 16}, {}, None),
+    ("bn16 s6", {"BLOCK_N": 16, "num_stages": 6}, {}, None),
+    ("bn16 s10", {"BLOCK_N": 16, "num_stages": 10}, {}, None),
     ("no-tiny", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 0}, None),  # gathered pages keep 16 KiB tiles at b1
     ("pre256g", {"PRELOAD_GATHER_MAX": 256}, {}, None),  # gathered page ids preloaded up to 256 (session 3)
     ("persistent-gathered", {"PERSISTENT_GATHERED": True}, {}, None),  # page 16 on the persistent path too
@@ -309,6 +314,11 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("bn128", {"BLOCK_N": 128}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
     ("w8", {"num_warps": 8}, {}, None),
+    # fewer warps for the 16-row tile: fewer cross-warp reductions and layout conversions per block
+    ("w2", {"num_warps": 2}, {}, None),
+    ("w1", {"num_warps": 1}, {}, None),
+    ("w2 bn128", {"num_warps": 2, "BLOCK_N": 128}, {}, None),
+    ("w1 bn128", {"num_warps": 1, "BLOCK_N": 128}, {}, None),
     ("s2", {"num_stages": 2}, {}, None),
     ("splits32", {}, {"DECODE_MAX_SPLITS": 32}, None),
     ("mb2", {}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
@@ -347,8 +357,17 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("stage1-only", {}, {}, None),
     ("merge-only", {}, {}, None),
     ("empty-kernel", {}, {}, None),
+    # stage 1 alone as a plain launch (no PDL, no prefetch): compare with scripts/stream_floor.py's kernels
+    ("stage1-only nopdl", {"PDL_WAIT": False, "USE_PDL": False, "PREFETCH_BLOCKS": 0}, {}, None),
+    ("nopdl", {"PDL_WAIT": False, "USE_PDL": False, "PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False}, {}, None),
+    # bench/stream.py's kernel on the same contiguous caches: the two dots and the softmax, nothing else; with
+    # stage 1's epilogue (partial and lse stores); and with the length read on the device
+    ("stream", {}, {}, None),
+    ("stream-epi", {}, {}, None),
+    ("stream-len", {}, {}, None),
 ]
-DIAGNOSTIC_VARIANTS = ("stage1-only", "merge-only", "empty-kernel")
+DIAGNOSTIC_VARIANTS = ("stage1-only", "merge-only", "empty-kernel", "stage1-only nopdl", "stream", "stream-epi",
+                       "stream-len")
 
 
 def _diagnostic_patch(label):
@@ -359,12 +378,17 @@ def _diagnostic_patch(label):
 
     @contextlib.contextmanager
     def patched():
-        names = {"stage1-only": ["launch_merge_many"], "merge-only": ["_launch_stage1"],
-                 "empty-kernel": ["_run_decode"]}.get(label, [])
+        names = {"stage1-only": ["launch_merge_many"], "stage1-only nopdl": ["launch_merge_many"],
+                 "merge-only": ["_launch_stage1"],
+                 "empty-kernel": ["_run_decode"], "stream": ["_run_decode"], "stream-epi": ["_run_decode"],
+                 "stream-len": ["_run_decode"]}.get(label, [])
         saved = {n: getattr(ops_decode, n) for n in names}
+        stub = {"empty-kernel": _empty_kernel_launch, "stream": functools.partial(_stream_launch, mode=2),
+                "stream-epi": functools.partial(_stream_launch, mode=3),
+                "stream-len": functools.partial(_stream_launch, mode=4)}.get(label)
         try:
             for n in names:
-                setattr(ops_decode, n, _empty_kernel_launch if n == "_run_decode" else (lambda *a, **k: None))
+                setattr(ops_decode, n, stub if n == "_run_decode" else (lambda *a, **k: None))
             yield
         finally:
             for n, f in saved.items():
@@ -375,6 +399,24 @@ def _diagnostic_patch(label):
 def _empty_kernel_launch(shape, *args, **kwargs):
     """One launch of a kernel that does nothing (grid 1): the per-call floor of a CUDA-graph replay."""
     _empty_kernel()[(1,)](shape.q4)
+
+
+def _stream_launch(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
+                   num_splits, *args, mode=2, **kwargs):
+    """bench/stream.py's kernel (``mode``) with stage 1's grid and tile, over the same contiguous batch-1 cache
+    (its capacity = the context), writing into the plan's partial buffers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashdecode.bench.stream import stream_kernel
+
+    if shape.paged or shape.batch != 1 or num_splits < 2 or shape.nheads < 16:
+        raise ValueError("the stream diagnostic times split contiguous batch-1 caches with >= 16 q heads only")
+    rows, width = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
+    kd, vd = (TensorDescriptor(x, [rows, width], [width, 1], [shape.block_n, shape.headdim])
+              for x in (k_cache, v_cache))
+    stream_kernel[(shape.nheads_kv * num_splits,)](kd, vd, shape.q4, partial_lse, partial_o, cache_seqlens, rows,
+                                                   SPLITS=num_splits, HEADDIM=shape.headdim, BLOCK_N=shape.block_n,
+                                                   BLOCK_M=16, MODE=mode, num_warps=4, num_stages=shape.num_stages)
 
 
 _EMPTY = {}

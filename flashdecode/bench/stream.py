@@ -1,0 +1,153 @@
+"""What one kernel needs just to stream a decode call's K/V bytes (GPU only; a measurement, not a test).
+
+Decode at batch 1 is a streaming read: the issue's floor is K/V bytes / copy bandwidth. This times Triton kernels
+that read exactly those bytes the way stage 1 does (host tensor descriptors, a (kv head, split) grid, BLOCK_N-key
+tiles, a pipelined loop) and do (a) nothing but sum the tiles, (b) stage 1's two dot products without the
+softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond L2 (bench.timing) - the same method as
+``flashdecode bench decode``. No merge, no partial outputs: what is left above the floor is the launch, the first
+loads' latency and the tail of the slowest program, i.e. what no split-KV design built from such loops can avoid.
+
+    PYTHONPATH=. python3 -m flashdecode.bench.stream [--contexts 4096,32768,65536,131072] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def stream_kernel(K, V, Q, OUT, O_PART, SEQLENS, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr):
+    """Program (split s of kv head hk) reads keys [s * chunk, (s + 1) * chunk) of K and V (tensor descriptors over
+    (seqlen, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM)) and writes one float so nothing is optimised away.
+    MODE 0: sum the tiles; 1: q @ K^T then s @ V (BLOCK_M query rows, q from Q); 2: stage 1's online softmax
+    between the two dots (exp2, running max and sum, rescaled accumulator); 3: also stage 1's epilogue (the
+    normalised fp32 partial of the first BLOCK_M // 2 rows into O_PART (programs, BLOCK_M // 2, HEADDIM) and its lse
+    into OUT); 4: also the length read from SEQLENS[0] (on the device, as stage 1 does) instead of ``seqlen``."""
+    pid = tl.program_id(0)
+    hk = pid // SPLITS
+    split = pid % SPLITS
+    if MODE >= 4:
+        seqlen = tl.load(SEQLENS)
+    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    col = hk * HEADDIM
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_N, HEADDIM], tl.float32)
+        for n in range(start, end, BLOCK_N):
+            acc += K.load([n, col]).to(tl.float32) + V.load([n, col]).to(tl.float32)
+        tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0))
+    else:
+        q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
+        acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        for n in range(start, end, BLOCK_N):
+            k = K.load([n, col])
+            s = tl.dot(q, tl.trans(k)) * 0.12753
+            if MODE >= 2:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                m_i = m_new
+                v = V.load([n, col])
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                v = V.load([n, col])
+                acc += tl.dot(s.to(v.dtype), v)
+        if MODE >= 3:
+            rows = tl.arange(0, BLOCK_M)
+            ok = rows < BLOCK_M // 2
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            out_rows = pid * (BLOCK_M // 2) + rows
+            tl.store(O_PART + out_rows[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :], o, mask=ok[:, None])
+            tl.store(OUT + out_rows, m_i + tl.log2(l_i), mask=ok)
+        else:
+            tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
+def _sets(ctx, nheads_kv, headdim, count, gen):
+    return [tuple(torch.randn(ctx, nheads_kv * headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(2)) for _ in range(count)]
+
+
+def _stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, mode):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = torch.empty(nheads_kv * splits * block_m, device="cuda", dtype=torch.float32)
+    o_part = torch.empty(nheads_kv * splits * block_m * headdim, device="cuda", dtype=torch.float32)
+    lens = torch.full((1,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    for k, v in sets:
+        kd, vd = (TensorDescriptor(x, [ctx, nheads_kv * headdim], [nheads_kv * headdim, 1], [block_n, headdim])
+                  for x in (k, v))
+
+        def call(kd=kd, vd=vd):
+            stream_kernel[(nheads_kv * splits,)](kd, vd, q, out, o_part, lens, ctx, SPLITS=splits, HEADDIM=headdim,
+                                                 BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, num_warps=4,
+                                                 num_stages=stages)
+        calls.append(call)
+    return calls
+
+
+VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE of stream_kernel)
+    ("sum s64 bn64", 64, 64, 3, 16, 0), ("dot s64 bn64", 64, 64, 3, 16, 1), ("dot s64 bn64 m64", 64, 64, 3, 64, 1),
+    ("sm s64 bn64", 64, 64, 3, 16, 2), ("sm s64 bn64 m64", 64, 64, 3, 64, 2), ("dot s128 bn64", 128, 64, 3, 16, 1),
+    ("sm s128 bn64", 128, 64, 3, 16, 2), ("dot s64 bn128", 64, 128, 3, 16, 1), ("sm s64 bn128", 64, 128, 3, 16, 2),
+    ("sm s64 bn64 st4", 64, 64, 4, 16, 2), ("sm s66 bn64", 66, 64, 3, 16, 2), ("sm s32 bn128", 32, 128, 3, 16, 2),
+    ("epi s64 bn64", 64, 64, 3, 16, 3), ("len s64 bn64", 64, 64, 3, 16, 4),
+]
+
+
+def main() -> int:
+    from flashdecode.bench.report import result_stem
+    from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="4096,32768,65536,131072")
+    parser.add_argument("--variants", default=None, help="comma-separated labels (default: all)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    env = env_info()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    nheads_kv, headdim = 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    variants = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        kv_bytes = 2 * ctx * nheads_kv * headdim * 2
+        sets = _sets(ctx, nheads_kv, headdim, rotation_count(kv_bytes), gen)
+        row = {"context": ctx, "floor_us": kv_bytes / bandwidth * 1e6}
+        for label, splits, block_n, stages, block_m, mode in variants:
+            row[label] = cuda_graph_time_us(_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages,
+                                                          block_m, mode), reps=args.reps)
+        print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"{result_stem('stream_floor', env)}.json"
+    command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
+    name.write_text(json.dumps({"kind": "stream_floor", "command": command,
+                                "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
+                                "variants": [list(v) for v in variants], "rows": rows}, indent=1))
+    print(f"wrote {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
