@@ -346,10 +346,13 @@ def decode_split_kernel(
     if USE_PDL:
         gdc_launch_dependents()
 
+    t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
+    # q before the length: its address does not depend on it, so both loads are in flight together (issued after
+    # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
+    q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
     seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
 
-    t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
     lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls
     ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm  # FUSED_MERGE only
@@ -360,8 +363,7 @@ def decode_split_kernel(
     # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
     # it may be the last one.)
 
-    o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
-                            score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+    o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                             stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                             SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
     offs_d = tl.arange(0, BLOCK_D)
@@ -383,21 +385,25 @@ def decode_split_kernel(
 
 
 @triton.jit
-def _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
-                  score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
+def _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """(ROWS, BLOCK_D) query rows (t, head, row_ok: (ROWS,)) of sequence b; missing rows and columns load as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh \
+        + offs_d[None, :] * stride_qd
+    return tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < HEADDIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
-    """One split of one (sequence b, kv head hk) row block: loads the rows' q (t, head, row_ok: (BLOCK_M,)) and
-    runs the unmasked then the masked KV loop over keys [start, end). Returns the normalised state (o (BLOCK_M,
-    BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in decode_split_kernel."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEADDIM
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh \
-        + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
+    """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
+    q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
+    normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
+    decode_split_kernel."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -552,10 +558,11 @@ def decode_persistent_kernel(
         # (an empty split - only possible where MIN_CHUNK rounds the chunks up - runs empty KV loops and stores
         # (0, -inf): it still draws its ticket)
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
-        o, lse2 = _attend_split(Q, K, V, bt_row, b, hk, t, head, row_ok, seqlen, start, end, window_left,
-                                score_scale, softcap_out, stride_qb, stride_qt, stride_qh, stride_qd,
-                                stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                                SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
+        q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
+        o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
+                                softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
+                                PAGE_GATHER)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
