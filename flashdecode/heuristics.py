@@ -62,8 +62,15 @@ DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
 # T1134): b9 102.2 vs 110.2, b12 139.9 vs 143.5, b16 177.9 vs 188.0 (page 128 179.8 vs 190.8); one 128k sequence
 # among 15 of 1k 211.9 vs 207.5. With more pairs than SMs its static assignment runs a second round on some
 # programs where the split grid's many small programs are balanced by the hardware (b17: 136 one-split items on 132
-# programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit), so the split grid keeps those.
+# programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit); a work queue fixes that (below).
 DECODE_PERSISTENT_AT_BATCH = True
+# More pairs than SMs: the persistent kernel with a work queue (programs take the next item from an atomic counter)
+# and split counts that divide this many item slots per program, so that the last items end together. H100, Llama
+# 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the split grid (2 / 8 slots):
+# b17 8k 198.7 vs 198.3 (229.3 / 197.9); b24 8k 270.7 vs 276.6 (269.5 / 274.0); b32 8k 357.1 vs 366.3 (352.0 /
+# 360.6); b64 4k 353.8 vs 386.3 (352.8 / 360.4); b64 one 128k among 63 of 1k 266.5 vs 309.8 (266.4 / 266.4).
+DECODE_PERSISTENT_DYNAMIC = True
+DECODE_DYNAMIC_SLOTS_PER_PROGRAM = 4
 # Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
 # this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
 # 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
@@ -162,8 +169,10 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
-            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and not few_pairs
-                               and kv_pairs is not None and kv_pairs <= num_sms)}
+            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and not few_pairs and kv_pairs is not None
+                               and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
+            "PERSISTENT_DYNAMIC": bool(kv_pairs is not None and kv_pairs > num_sms),
+            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM}
 
 
 @functools.lru_cache(maxsize=None)

@@ -464,17 +464,20 @@ def test_round3_config_rules():
 # PERSISTENT (opt-in): split counts chosen on the device, a fixed grid of programs looping over work items
 # ----------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(params=[3, 16], ids=["3programs", "16programs"])
+@pytest.fixture(params=[(3, False), (16, False), (3, True)], ids=["3programs", "16programs", "3dynamic"])
 def persistent(request, monkeypatch):
     """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
-    (several splits per sequence); the split-grid stage 1 is made unusable for split launches and the merge kernel
-    unusable altogether, so a passing test proves the persistent kernel produced and merged the partials."""
+    (several splits per sequence), or 3 programs taking items from the work queue (DYNAMIC, 4 slots per program:
+    more splits); the split-grid stage 1 is made unusable for split launches and the merge kernel unusable
+    altogether, so a passing test proves the persistent kernel produced and merged the partials."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
     base = heuristics.decode_block_config
+    programs, dynamic = request.param
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=request.param))
+        base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=programs, PERSISTENT_DYNAMIC=dynamic,
+        PERSISTENT_SLOTS=4))
     split_grid = ops_decode._launch_stage1
 
     def only_unsplit(shape, *args, **kwargs):
@@ -742,19 +745,25 @@ for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False
 # PERSISTENT (one launch: the KV loops nested in the work-item loop, then the ticket merge over 2048-value steps, as
 # the launcher configures it): loads still pipelined; contiguous caches spill nothing, block-multiple pages (whose
 # page-id reads keep a few more registers live at the 255 cap) at most 16 bytes (8 at 4 rows x 4 splits per step)
-for page, block_n, group, merge_block_s in [(0, 128, 4, 4), (0, 128, 8, 2), (0, 64, 4, 4), (256, 128, 4, 4),
-                                            (128, 128, 4, 4)]:
+# DYNAMIC: the work queue's relaxed draws and the acq_rel count of finished programs
+for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 128, 8, 2, False),
+                                                     (0, 64, 4, 4, False), (256, 128, 4, 4, False),
+                                                     (128, 128, 4, 4, False), (0, 128, 4, 4, True),
+                                                     (128, 128, 4, 4, True)]:
     kv = f"tensordesc<bf16[{block_n}, 128]>"
     types = dict(Q="*bf16", K=kv, V=kv, SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
-                 O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", score_scale="fp32", softcap_out="fp32")
+                 O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", QUEUE="*i32", score_scale="fp32",
+                 softcap_out="fp32")
     consts = dict(SEQLEN_Q=1, GROUP=group, NUM_M_BLOCKS=1, NHEADS_KV=8, HEADDIM=128, BLOCK_M=16, BLOCK_N=block_n,
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0)
+                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, SLOTS_PER_PROGRAM=4 if dynamic else 1)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
-    assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"], "persistent: the merge ticket is missing"
+    ptx = kernel.asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx, "persistent: the merge ticket is missing"
+    assert ("atom.global.gpu.relaxed.add" in ptx) == dynamic, "DYNAMIC: the work-queue draws"
     assert spilled_bytes(kernel) <= (16 if page else 0), ("the persistent kernel spills", page, block_n, group)
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,

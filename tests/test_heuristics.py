@@ -85,15 +85,20 @@ def test_head_dim_256_uses_tiles_that_fit_without_the_spilling_four_warp_ones():
         assert hx.prefill_candidates(name, default, 256, 4) == default  # fp32: unchanged
 
 
-def test_persistent_decode_only_between_half_the_sms_and_the_sms(monkeypatch):
-    """On Hopper, decode runs as one persistent launch only when the (batch, kv head) pairs fill more than half
-    the SMs and at most all of them; fewer pairs split over the SMs, more keep the hardware-balanced split grid."""
+def test_persistent_decode_from_half_the_sms(monkeypatch):
+    """On Hopper, decode runs as one persistent launch once the (batch, kv head) pairs fill more than half the SMs:
+    with static shares up to one pair per SM, with a work queue beyond (DECODE_PERSISTENT_DYNAMIC; off: the
+    hardware-balanced split grid there); fewer pairs split over the SMs with the split grid."""
     import flashdecode.heuristics as hx
 
     monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: True)
-    persistent = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132)["PERSISTENT"]
-                  for pairs in (2, 66, 67, 96, 128, 132, 133, 512)}
-    assert persistent == {2: False, 66: False, 67: True, 96: True, 128: True, 132: True, 133: False, 512: False}
+    cfgs = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132)
+            for pairs in (2, 66, 67, 96, 128, 132, 133, 512)}
+    assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 66: False, 67: True, 96: True, 128: True,
+                                                            132: True, 133: True, 512: True}
+    assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
+    monkeypatch.setattr(hx, "DECODE_PERSISTENT_DYNAMIC", False)
+    assert not hx.decode_block_config(128, 2, False, kv_pairs=133, num_sms=132)["PERSISTENT"]
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
     assert not hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PERSISTENT"]
     monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: False)

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
     parser.add_argument("--tune-batch", type=int, default=1, help="--tune: batch size (equal lengths)")
     parser.add_argument("--tune-mixed", action="store_true",
-                        help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k)")
+                        help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k, or among "
+                             "--tune-batch - 1 of 1k when that is larger)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -345,6 +346,9 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # in-kernel (default with many pairs from session 4; "split-grid" is the two-kernel path it replaced there);
     # x2: two programs per SM (16 KiB tiles fit twice)
     ("split-grid", {"PERSISTENT": False}, {}, None),
+    # more pairs than SMs: the persistent kernel's work queue, with 2 / 8 item slots per program instead of 4
+    ("dyn-slots2", {"PERSISTENT_SLOTS": 2}, {}, None),
+    ("dyn-slots8", {"PERSISTENT_SLOTS": 8}, {}, None),
     ("persistent", {"PERSISTENT": True}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
@@ -447,7 +451,9 @@ def _tune(args, bandwidth, env) -> int:
     nheads, nheads_kv = _list(args.heads, [16, 2])
     variants = [v for v in TUNE_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
-    length_sets = [[ctx] * args.tune_batch for ctx in contexts] + ([MIXED_LENS] if args.tune_mixed else [])
+    # the load-balance mix: one 128k sequence among short ones, batch 16 (or --tune-batch when larger)
+    mixed = [MIXED_LENS[0]] + MIXED_LENS[1:2] * (max(args.tune_batch, len(MIXED_LENS)) - 1)
+    length_sets = [[ctx] * args.tune_batch for ctx in contexts] + ([mixed] if args.tune_mixed else [])
     try:
         for layout in layouts:
             for lens in length_sets:

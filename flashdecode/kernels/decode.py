@@ -488,7 +488,7 @@ def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
 
 @triton.jit
 def decode_persistent_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, QUEUE,
     batch, score_scale, softcap_out, window_left, capacity,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
@@ -503,7 +503,8 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0,
+    PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
+    SLOTS_PER_PROGRAM: tl.constexpr = 1,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -525,6 +526,12 @@ def decode_persistent_kernel(
     derives it from one split per sequence), or of a split of at most MAX_SPLIT_KEYS keys (pages smaller than a
     block, whose per-key ids are gathered from the preload: long sequences then take more splits). USE_PDL: let
     the next kernel (a programmatic dependent that waits on the device, e.g. the next call's stage 1) launch early.
+
+    DYNAMIC (for more (sequence, kv head) pairs than programs): instead of the static shares, programs take the
+    next work item from QUEUE[0] (an int32 counter, zero at rest, as QUEUE[1]) until none is left, so that items
+    of unequal cost balance like the split grid's programs do under the hardware scheduler; the split counts then
+    divide SLOTS_PER_PROGRAM x programs slots, so that a batch just above the program count (e.g. 136 pairs on 132
+    programs) still splits into enough items to end together. The last program to finish (QUEUE[1]) resets both.
     """
     if PDL_WAIT:
         gdc_wait()
@@ -535,15 +542,20 @@ def decode_persistent_kernel(
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
     programs = tl.num_programs(0)
-    splits_b = _device_split_counts(lens, in_batch, programs, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS)
+    splits_b = _device_split_counts(lens, in_batch, programs * SLOTS_PER_PROGRAM, KVP, NUM_SPLITS, MIN_CHUNK,
+                                    MAX_SPLIT_KEYS)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
-    pid = tl.program_id(0)
-    first = _items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
-    last = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
-    for w in range(first, last):
+    if DYNAMIC:
+        w = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
+        stop = tl.sum(items_b, 0)
+    else:
+        pid = tl.program_id(0)
+        w = _items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+        stop = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+    while w < stop:
         b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
         pick = offs_b == b
         num_splits = tl.sum(tl.where(pick, splits_b, 0), 0)
@@ -577,3 +589,14 @@ def decode_persistent_kernel(
                                   stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
                                   GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
                                   MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
+        if DYNAMIC:
+            w = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
+        else:
+            w += 1
+    if DYNAMIC:
+        # acq_rel: this program's last queue draw precedes its count here, and the last program sees them all
+        # before it resets the queue for the next launch (which waits for this one to finish)
+        done = tl.atomic_add(QUEUE + 1, 1, sem="acq_rel", scope="gpu")
+        if done == programs - 1:
+            tl.atomic_xchg(QUEUE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(QUEUE + 1, 0, sem="relaxed", scope="gpu")

@@ -194,6 +194,10 @@ class _DecodeShape:
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
+        # more pairs than programs: the persistent programs take work items from a queue (atomic counter) instead
+        # of static shares, and split counts divide persistent_slots slots per program
+        self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
+        self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1))
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
 
@@ -287,12 +291,14 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     each sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out4
     (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log; o5 (batch, seqlen_q,
     nheads, num_splits, headdim) / lse4 fp32 partials and tickets (int32 zeros, >= batch * nheads_kv * row
-    blocks; left zero again) serve the sequences that split."""
+    blocks + _QUEUE_SLOTS; left zero again) serve the sequences that split, and its last _QUEUE_SLOTS entries
+    the work queue of shape.persistent_dynamic."""
     q4 = shape.q4
+    queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets,
+        q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
         shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
         *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *_final_strides(out4, lse3),
@@ -306,6 +312,8 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
         PAGE_GATHER=shape.page_gather,
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
+        DYNAMIC=shape.persistent_dynamic,
+        SLOTS_PER_PROGRAM=shape.persistent_slots if shape.persistent_dynamic else 1,
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
@@ -528,9 +536,14 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
 
 
 def _num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
-    """FUSED_MERGE counters: one per (batch, kv head, stage-1 row block) of a launch with seqlen_q new tokens."""
+    """In-kernel merge counters: one per (batch, kv head, stage-1 row block) of a launch with seqlen_q new tokens,
+    then the persistent kernel's work queue (_QUEUE_SLOTS counters)."""
     group_rows = (nheads // nheads_kv) * seqlen_q
-    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows))
+    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + _QUEUE_SLOTS
+
+
+# the persistent kernel's work queue: the next item, and the programs that found none (kernels/decode.py DYNAMIC)
+_QUEUE_SLOTS = 2
 
 
 class DecodePlan:
