@@ -71,6 +71,14 @@ DECODE_PERSISTENT_AT_BATCH = True
 # 360.6); b64 4k 353.8 vs 386.3 (352.8 / 360.4); b64 one 128k among 63 of 1k 266.5 vs 309.8 (266.4 / 266.4).
 DECODE_PERSISTENT_DYNAMIC = True
 DECODE_DYNAMIC_SLOTS_PER_PROGRAM = 4
+# Pages smaller than a block (8 <= page < a 16 KiB tile) take that queue too, from 3/4 of the SMs' worth of pairs,
+# with 32 KiB tiles (128 keys at bf16 hd128; they spill 144 bytes there, 64-key tiles none, yet measure faster) and,
+# up to one pair per SM, one slot per program (one split per sequence when lengths are equal). H100, Llama 32/8
+# hd128 bf16 page 16 8k, us, vs the split grid with 16 KiB tiles (decodetune T0934, T0940-T0942): b64 717.0 vs
+# 734.4 (64-key tiles 728.4), b32 369.6 vs 386.0, b24 281.0 vs 292.6, b16 187.3 / 187.4 vs 192.7 / 192.9; b12
+# 144.7 vs 146.7 and b9 116.3 vs 112.2 (so not below 3/4); one 128k sequence among 15 / 23 / 31 / 63 of 1k 209.4
+# vs 221.8, 222.1 vs 244.0, 230.2 vs 265.2, 279.9 vs 351.3. Static shares lose the mixed batch (b16 292.7).
+DECODE_QUEUE_GATHERED = True
 # Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
 # this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
 # 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
@@ -119,8 +127,9 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     most block-table entries a split may hold in registers (KERNEL_NOTES.md: reading the block table inside the KV
     loop stalled the pipeline); PRELOAD_GATHER_MAX the same for pages smaller than a block, whose ids are looked up
     by tl.gather (Llama 32/8 b16, one 128k sequence among 15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256,
-    decodetune T1153). PERSISTENT_GATHERED (opt-in) lets such pages take the persistent path too: b16 8k 186.0 vs
-    192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so off. USE_TMA: host tensor
+    decodetune T1153). PERSISTENT_GATHERED lets such pages take the persistent path too: with static shares b16 8k 186.0
+    vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so only with the work queue
+    (more pairs than SMs, DECODE_QUEUE_GATHERED). USE_TMA: host tensor
     descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at
     64k on our H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
     programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
@@ -145,8 +154,9 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     decode_persistent_kernel - per-sequence split counts chosen on the device from the live lengths, a fixed grid of
     PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
     batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134).
-    Contiguous caches and pages that are multiples of BLOCK_N only (gathered pages keep the split grid: see
-    PERSISTENT_GATHERED above).
+    PERSISTENT_DYNAMIC (more pairs than SMs; gathered pages from 3/4 of them): programs draw work items from a
+    queue. Contiguous caches and pages
+    that are multiples of BLOCK_N; gathered pages only with the queue (PERSISTENT_GATHERED above).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,
@@ -158,11 +168,15 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     gathered = DECODE_MIN_PRELOAD_PAGE <= page_size < small_tile
     short_gathered_splits = (gathered and split_keys is not None
                              and split_keys <= DECODE_SMALL_TILE_MAX_SPLIT_KEYS)
-    if few_pairs or short_gathered_splits:
+    hopper = _is_hopper_or_newer()
+    many_pairs = kv_pairs is not None and kv_pairs > num_sms
+    # gathered pages on the persistent kernel's work queue keep 32 KiB tiles (its splits are chosen on the device)
+    queue_gathered = bool(hopper and gathered and DECODE_PERSISTENT_DYNAMIC and DECODE_QUEUE_GATHERED
+                          and kv_pairs is not None and 4 * kv_pairs > 3 * num_sms)
+    if few_pairs or (short_gathered_splits and not queue_gathered):
         block_n = min(block_n, small_tile)
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
-    hopper = _is_hopper_or_newer()
     prefetch = 1 if hopper and few_pairs else 0
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
@@ -171,8 +185,9 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
             "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and not few_pairs and kv_pairs is not None
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
-            "PERSISTENT_DYNAMIC": bool(kv_pairs is not None and kv_pairs > num_sms),
-            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM}
+            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered,
+            "PERSISTENT_GATHERED": queue_gathered,
+            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM if many_pairs else 1}
 
 
 @functools.lru_cache(maxsize=None)

@@ -277,6 +277,33 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
         assert torch.all(plan._tickets == 0)
 
 
+@pytest.mark.xdist_group("gpu_bigmem")
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0)])
+def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs):
+    """Beyond one (batch, kv head) pair per SM (extra_seqs > 0), and for pages smaller than a block (gathered page
+    ids) from 3/4 of that, the persistent kernel draws work items from its queue: mixed lengths (one long sequence
+    among empty, one-token and short ones), then uniform, through a plan; the queue is left at zero."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("the persistent kernel must merge split sequences itself")
+
+    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    batch = heuristics.num_sms(torch.device(DEVICE)) // 8 + extra_seqs  # 8 kv heads: 0 or 24 pairs beyond the SMs
+    q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
+    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    assert shape.persistent and shape.persistent_dynamic, "more pairs than SMs on Hopper: the work queue"
+    for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
+        lens = _lens(lengths)
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
+        assert torch.all(plan._tickets == 0), "tickets and queue must be left at zero"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
@@ -765,6 +792,14 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
     assert "atom.global.gpu.acq_rel.add" in ptx, "persistent: the merge ticket is missing"
     assert ("atom.global.gpu.relaxed.add" in ptx) == dynamic, "DYNAMIC: the work-queue draws"
     assert spilled_bytes(kernel) <= (16 if page else 0), ("the persistent kernel spills", page, block_n, group)
+# DYNAMIC with gathered pages (page 16 < BLOCK_N 128, pointer loads, each key's page id from 512 preloaded ids):
+# pipelined, and the 144 stack bytes measured when the queue took this path (heuristics DECODE_QUEUE_GATHERED) at most
+types.update(K="*bf16", V="*bf16")
+consts.update(PAGE_SIZE=16, BLOCK_N=128, MIN_CHUNK=128, GROUP=4, MERGE_M=4, MERGE_BLOCK_S=4, USE_TMA=False,
+              PRELOAD_PAGES=512, MAX_SPLIT_KEYS=8192, DYNAMIC=True, SLOTS_PER_PROGRAM=4)
+kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
+assert "async_copy_global_to_local" in kernel.asm["ttgir"], "gathered persistent loads not pipelined"
+assert spilled_bytes(kernel) <= 160, ("the gathered persistent kernel spills more", spilled_bytes(kernel))
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True, EARLY_TRIGGER=False), 1)

@@ -97,8 +97,17 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 66: False, 67: True, 96: True, 128: True,
                                                             132: True, 133: True, 512: True}
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
+    assert [cfgs[p]["PERSISTENT_SLOTS"] for p in (133, 512)] == [hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM] * 2
+    # pages smaller than a block (bf16 hd128 page 16, 512-key splits): the queue with 32 KiB tiles from 3/4 of the
+    # SMs' worth of pairs (one slot per program up to the SMs), the split grid with 16 KiB tiles below
+    gathered = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=16,
+                                              split_keys=512) for pairs in (96, 128, 512)}
+    assert {p: (c["PERSISTENT_GATHERED"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_SLOTS"], c["BLOCK_N"])
+            for p, c in gathered.items()} == {96: (False, False, 1, 64), 128: (True, True, 1, 128),
+                                              512: (True, True, hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM, 128)}
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_DYNAMIC", False)
     assert not hx.decode_block_config(128, 2, False, kv_pairs=133, num_sms=132)["PERSISTENT"]
+    assert not hx.decode_block_config(128, 2, False, kv_pairs=512, num_sms=132, page_size=16)["PERSISTENT_GATHERED"]
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
     assert not hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PERSISTENT"]
     monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: False)

@@ -310,6 +310,15 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pre256g", {"PRELOAD_GATHER_MAX": 256}, {}, None),  # gathered page ids preloaded up to 256 (session 3)
     ("persistent-gathered", {"PERSISTENT_GATHERED": True}, {}, None),  # page 16 on the persistent path too
     ("persistent-gathered bn64", {"PERSISTENT_GATHERED": True, "BLOCK_N": 64}, {}, None),
+    # the persistent kernel's work queue also where pairs <= SMs (default: static shares there), and for gathered pages
+    ("dyn", {"PERSISTENT_DYNAMIC": True}, {}, None),
+    ("persistent-gathered dyn", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True}, {}, None),
+    ("persistent-gathered dyn bn128", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128}, {},
+     None),
+    ("pgd bn128 s1", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 1},
+     {}, None),
+    ("pgd bn128 s2", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 2},
+     {}, None),
     ("s4", {"num_stages": 4}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
     ("bn128", {"BLOCK_N": 128}, {}, None),

@@ -189,8 +189,8 @@ class _DecodeShape:
         self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
         # one launch with device-side split counts (decode_persistent_kernel; the default on Hopper for half to
         # all of the SMs' worth of pairs); programs of its fixed grid (None: the SMs). Pages smaller than a block
-        # only with the opt-in PERSISTENT_GATHERED (measured slower at b64 and on mixed batches; 128-key tiles
-        # spill there).
+        # only with PERSISTENT_GATHERED (heuristics: with the work queue; static shares measured slower on mixed
+        # batches).
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
