@@ -468,7 +468,8 @@ def test_merge_in_head_dim_chunks(gen, monkeypatch):
 
 def test_round3_config_rules():
     """heuristics.decode_block_config, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's
-    early trigger only for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only."""
+    early trigger only for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only (on
+    the split grid: the Hopper work queue keeps 32 KiB)."""
     from flashdecode import heuristics as hx
 
     hopper = hx._is_hopper_or_newer()
@@ -479,8 +480,11 @@ def test_round3_config_rules():
     assert hx.decode_block_config(128, 2, False, **few, split_keys=128)["MERGE_EARLY_TRIGGER"] == hopper
     assert not hx.decode_block_config(128, 2, False, **few, split_keys=256)["MERGE_EARLY_TRIGGER"]
     assert not hx.decode_block_config(128, 2, False, **few)["MERGE_EARLY_TRIGGER"]  # split length unknown
-    batch = dict(kv_pairs=128, num_sms=132)
+    batch = dict(kv_pairs=96, num_sms=132)  # below the work queue's 3/4 of the SMs (which keeps 128-key tiles)
     assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=512)["BLOCK_N"] == 64
+    queue = dict(kv_pairs=128, num_sms=132)
+    assert hx.decode_block_config(128, 2, False, **queue, page_size=16, split_keys=512)["BLOCK_N"] == (
+        128 if hopper else 64)
     assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=8192)["BLOCK_N"] == 128
     assert hx.decode_block_config(128, 2, False, **batch, page_size=0, split_keys=512)["BLOCK_N"] == 128
     assert hx.decode_block_config(128, 2, False, **batch, page_size=64, split_keys=512)["BLOCK_N"] == 128
