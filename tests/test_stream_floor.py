@@ -58,3 +58,22 @@ def test_stream_probe_sums_its_tiles():
     _, k, v, out, _ = _run(0, gen, torch.float16)
     ref = (_chunks(k).double() + _chunks(v).double()).sum(dim=(1, 2))
     torch.testing.assert_close(out[: NHEADS_KV * SPLITS].double().cpu(), ref.cpu(), rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("page", [0, 8])
+def test_paged_stream_probe_sums_the_keys_its_block_table_names(page):
+    """The paged probe reads logical key i of a program's chunk from page table[i // page] (shuffled), row i % page:
+    its per-program sums match those of the keys the table names (page 0: the contiguous cache)."""
+    from flashdecode.bench.stream import paged_stream_kernel
+
+    gen = torch.Generator().manual_seed(page)
+    k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    table = torch.randperm(CTX // max(page, 1), generator=gen).to(torch.int32)
+    out = torch.full((NHEADS_KV * SPLITS,), float("nan"), device=DEVICE)
+    paged_stream_kernel[(NHEADS_KV * SPLITS,)](k, v, k, out, table.to(DEVICE), CTX, page * NHEADS_KV * HEADDIM,
+                                               NHEADS_KV * HEADDIM, SPLITS=SPLITS, HEADDIM=HEADDIM, BLOCK_N=BLOCK_N,
+                                               BLOCK_M=BLOCK_M, PAGE=page, MODE=0)
+    logical = torch.arange(CTX)
+    physical = logical if page == 0 else table.long()[logical // page] * page + logical % page
+    ref = _chunks(k.cpu()[physical].double() + v.cpu()[physical].double()).sum(dim=(1, 2))
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-2)

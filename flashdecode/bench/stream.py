@@ -6,6 +6,8 @@ tiles, a pipelined loop) and do (a) nothing but sum the tiles, (b) stage 1's two
 softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond L2 (bench.timing) - the same method as
 ``flashdecode bench decode``. No merge, no partial outputs: what is left above the floor is the launch, the first
 loads' latency and the tail of the slowest program, i.e. what no split-KV design built from such loops can avoid.
+The paged variants read the same bytes with pointer loads through a block table of 16-key pages, in memory order
+or shuffled: what the page order alone costs a paged cache.
 
     PYTHONPATH=. python3 -m flashdecode.bench.stream [--contexts 4096,32768,65536,131072] [--out DIR]
 """
@@ -76,6 +78,52 @@ def stream_kernel(K, V, Q, OUT, O_PART, SEQLENS, seqlen, SPLITS: tl.constexpr, H
             tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
 
 
+@triton.jit
+def paged_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, stride_page, stride_tok, SPLITS: tl.constexpr,
+                        HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+                        MODE: tl.constexpr):
+    """stream_kernel's MODE 0 (sum) and 2 (two dots and the softmax) with pointer loads, as stage 1 reads pages
+    smaller than a block: over a paged cache (num_pages, PAGE, nheads_kv, HEADDIM) each key's row comes from its
+    page id (BLOCK_TABLE[key // PAGE], read per block), or PAGE == 0 over a contiguous (seqlen, nheads_kv, HEADDIM)
+    cache. The same kernel on the same bytes with an identity and a shuffled block table times what the page order
+    alone costs. seqlen must be a multiple of SPLITS * BLOCK_N (no masks)."""
+    pid = tl.program_id(0)
+    hk = pid // SPLITS
+    split = pid % SPLITS
+    chunk = seqlen // SPLITS
+    start = split * chunk
+    offs_d = tl.arange(0, HEADDIM)
+    col = hk * HEADDIM + offs_d
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_N, HEADDIM], tl.float32)
+    else:
+        q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + offs_d[None, :])
+        acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for n in range(start, start + chunk, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        if PAGE == 0:
+            rows = offs_n.to(tl.int64) * stride_tok
+        else:
+            page = tl.load(BLOCK_TABLE + offs_n // PAGE)
+            rows = page.to(tl.int64) * stride_page + (offs_n % PAGE) * stride_tok
+        ptrs = rows[:, None] + col[None, :]
+        if MODE == 0:
+            acc += tl.load(K + ptrs).to(tl.float32) + tl.load(V + ptrs).to(tl.float32)
+        else:
+            k = tl.load(K + ptrs)
+            s = tl.dot(q, tl.trans(k)) * 0.12753
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            v = tl.load(V + ptrs)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
 def _sets(ctx, nheads_kv, headdim, count, gen):
     return [tuple(torch.randn(ctx, nheads_kv * headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
                   for _ in range(2)) for _ in range(count)]
@@ -110,6 +158,35 @@ VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE of st
 ]
 
 
+def _paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, mode, page, shuffled,
+                        gen):
+    """paged_stream_kernel over the same K/V sets viewed as pages of ``page`` keys (0: contiguous): the block table
+    is the identity (the pages in memory order) or a random permutation (``shuffled``), the bytes read the same."""
+    out = torch.empty(nheads_kv * splits, device="cuda", dtype=torch.float32)
+    q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
+    num_pages = ctx // max(page, 1)
+    calls = []
+    for k, v in sets:
+        table = (torch.randperm(num_pages, device="cuda", generator=gen) if shuffled
+                 else torch.arange(num_pages, device="cuda")).to(torch.int32)
+
+        def call(k=k, v=v, table=table):
+            paged_stream_kernel[(nheads_kv * splits,)](k, v, q, out, table, ctx, page * nheads_kv * headdim,
+                                                       nheads_kv * headdim, SPLITS=splits, HEADDIM=headdim,
+                                                       BLOCK_N=block_n, BLOCK_M=block_m, PAGE=page, MODE=mode,
+                                                       num_warps=4, num_stages=stages)
+        calls.append(call)
+    return calls
+
+
+PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE, page size (0: contiguous), shuffled)
+    ("ptr sum contig", 64, 64, 3, 16, 0, 0, False), ("ptr sum page16 in order", 64, 64, 3, 16, 0, 16, False),
+    ("ptr sum page16 shuffled", 64, 64, 3, 16, 0, 16, True), ("ptr sm contig", 64, 64, 3, 16, 2, 0, False),
+    ("ptr sm page16 in order", 64, 64, 3, 16, 2, 16, False), ("ptr sm page16 shuffled", 64, 64, 3, 16, 2, 16, True),
+    ("ptr sm page64 shuffled", 64, 64, 3, 16, 2, 64, True),
+]
+
+
 def main() -> int:
     from flashdecode.bench.report import result_stem
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
@@ -126,6 +203,7 @@ def main() -> int:
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+    paged = [v for v in PAGED_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2
@@ -134,6 +212,10 @@ def main() -> int:
         for label, splits, block_n, stages, block_m, mode in variants:
             row[label] = cuda_graph_time_us(_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages,
                                                           block_m, mode), reps=args.reps)
+        for label, splits, block_n, stages, block_m, mode, page, shuffled in paged:
+            row[label] = cuda_graph_time_us(_paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
+                                                                stages, block_m, mode, page, shuffled, gen),
+                                            reps=args.reps)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
         del sets
@@ -144,7 +226,7 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants], "rows": rows}, indent=1))
+                                "variants": [list(v) for v in variants + paged], "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
 
