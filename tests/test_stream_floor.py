@@ -77,3 +77,30 @@ def test_paged_stream_probe_sums_the_keys_its_block_table_names(page):
     physical = logical if page == 0 else table.long()[logical // page] * page + logical % page
     ref = _chunks(k.cpu()[physical].double() + v.cpu()[physical].double()).sum(dim=(1, 2))
     torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-2)
+
+
+def test_page_box_probe_attends_over_the_pages_its_block_table_names():
+    """The page-box probe (one descriptor load per page, 4 pages per softmax step) computes each program's softmax
+    sum plus its unnormalised output sum over the keys its shuffled block table names, as the float64 reference."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashdecode.bench.stream import page_box_stream_kernel
+
+    page = 8
+    gen = torch.Generator().manual_seed(7)
+    k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    q = randn(BLOCK_M, HEADDIM, gen=gen, dtype=torch.float16)
+    table = torch.randperm(CTX // page, generator=gen).to(torch.int32)
+    out = torch.full((NHEADS_KV * SPLITS,), float("nan"), device=DEVICE)
+    kd, vd = (TensorDescriptor(x, [CTX, NHEADS_KV * HEADDIM], [NHEADS_KV * HEADDIM, 1], [page, HEADDIM])
+              for x in (k, v))
+    page_box_stream_kernel[(NHEADS_KV * SPLITS,)](kd, vd, q, out, table.to(DEVICE), CTX, SPLITS=SPLITS,
+                                                  HEADDIM=HEADDIM, PAGE=page, BLOCK_M=BLOCK_M)
+    logical = torch.arange(CTX)
+    physical = table.long()[logical // page] * page + logical % page
+    kc, vc = _chunks(k.cpu()[physical].double()), _chunks(v.cpu()[physical].double())
+    s = torch.einsum("md,pnd->pmn", q.cpu().double(), kc) * SCORE_SCALE
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp2(s - m)
+    ref = torch.einsum("pmn,pnd->pmd", p, vc).sum(dim=(1, 2)) + p.sum(dim=(1, 2))
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-3, atol=1e-2)

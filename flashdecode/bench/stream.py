@@ -124,6 +124,54 @@ def paged_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, stride_page, stride_t
     tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
 
 
+@triton.jit
+def page_box_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
+                           PAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """stream_kernel's MODE 2 over pages of PAGE keys with one tensor-descriptor load per page: K, V are descriptors
+    over the cache viewed as (num_pages * PAGE, nheads_kv * HEADDIM) with (PAGE, HEADDIM) boxes; a step covers 4
+    pages (ids read from BLOCK_TABLE), q @ K^T per page, one online-softmax update over the 4 pages' scores, then
+    the 4 P @ V products. What a page-sized TMA design would stream at, with the softmax step kept at 4 pages.
+    seqlen must be a multiple of SPLITS * 4 * PAGE."""
+    pid = tl.program_id(0)
+    hk = pid // SPLITS
+    split = pid % SPLITS
+    chunk = seqlen // SPLITS
+    start = split * chunk
+    col = hk * HEADDIM
+    offs_d = tl.arange(0, HEADDIM)
+    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + offs_d[None, :])
+    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for n in range(start, start + chunk, 4 * PAGE):
+        page = n // PAGE
+        r0 = tl.load(BLOCK_TABLE + page) * PAGE
+        r1 = tl.load(BLOCK_TABLE + page + 1) * PAGE
+        r2 = tl.load(BLOCK_TABLE + page + 2) * PAGE
+        r3 = tl.load(BLOCK_TABLE + page + 3) * PAGE
+        s0 = tl.dot(q, tl.trans(K.load([r0, col]))) * 0.12753
+        s1 = tl.dot(q, tl.trans(K.load([r1, col]))) * 0.12753
+        s2 = tl.dot(q, tl.trans(K.load([r2, col]))) * 0.12753
+        s3 = tl.dot(q, tl.trans(K.load([r3, col]))) * 0.12753
+        m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, 1)), tl.maximum(tl.max(s1, 1), tl.max(s2, 1))),
+                           tl.max(s3, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[:, None])
+        p1 = tl.exp2(s1 - m_new[:, None])
+        p2 = tl.exp2(s2 - m_new[:, None])
+        p3 = tl.exp2(s3 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        m_i = m_new
+        v0 = V.load([r0, col])
+        v1 = V.load([r1, col])
+        v2 = V.load([r2, col])
+        v3 = V.load([r3, col])
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
+        acc += tl.dot(p2.to(v2.dtype), v2) + tl.dot(p3.to(v3.dtype), v3)
+    tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
 def _sets(ctx, nheads_kv, headdim, count, gen):
     return [tuple(torch.randn(ctx, nheads_kv * headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
                   for _ in range(2)) for _ in range(count)]
@@ -179,6 +227,32 @@ def _paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, 
     return calls
 
 
+def _page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages, block_m, shuffled, gen):
+    """page_box_stream_kernel over the same K/V sets as (page, headdim) boxes, identity or shuffled block table."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = torch.empty(nheads_kv * splits, device="cuda", dtype=torch.float32)
+    q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    for k, v in sets:
+        table = (torch.randperm(ctx // page, device="cuda", generator=gen) if shuffled
+                 else torch.arange(ctx // page, device="cuda")).to(torch.int32)
+        kd, vd = (TensorDescriptor(x, [ctx, nheads_kv * headdim], [nheads_kv * headdim, 1], [page, headdim])
+                  for x in (k, v))
+
+        def call(kd=kd, vd=vd, table=table):
+            page_box_stream_kernel[(nheads_kv * splits,)](kd, vd, q, out, table, ctx, SPLITS=splits, HEADDIM=headdim,
+                                                          PAGE=page, BLOCK_M=block_m, num_warps=4, num_stages=stages)
+        calls.append(call)
+    return calls
+
+
+BOX_VARIANTS = [  # (label, splits per kv head, page size, stages, BLOCK_M, shuffled)
+    ("box4 sm page16 in order", 64, 16, 3, 16, False), ("box4 sm page16 shuffled", 64, 16, 3, 16, True),
+    ("box4 sm page16 shuffled st4", 64, 16, 4, 16, True), ("box4 sm page32 shuffled", 64, 32, 3, 16, True),
+]
+
+
 PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE, page size (0: contiguous), shuffled)
     ("ptr sum contig", 64, 64, 3, 16, 0, 0, False), ("ptr sum page16 in order", 64, 64, 3, 16, 0, 16, False),
     ("ptr sum page16 shuffled", 64, 64, 3, 16, 0, 16, True), ("ptr sm contig", 64, 64, 3, 16, 2, 0, False),
@@ -204,6 +278,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     paged = [v for v in PAGED_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+    boxes = [v for v in BOX_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2
@@ -216,6 +291,9 @@ def main() -> int:
             row[label] = cuda_graph_time_us(_paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
                                                                 stages, block_m, mode, page, shuffled, gen),
                                             reps=args.reps)
+        for label, splits, page, stages, block_m, shuffled in boxes:
+            row[label] = cuda_graph_time_us(_page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages,
+                                                            block_m, shuffled, gen), reps=args.reps)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
         del sets
@@ -226,7 +304,7 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged], "rows": rows}, indent=1))
+                                "variants": [list(v) for v in variants + paged + boxes], "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
 
