@@ -127,11 +127,11 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     most block-table entries a split may hold in registers (KERNEL_NOTES.md: reading the block table inside the KV
     loop stalled the pipeline); PRELOAD_GATHER_MAX the same for pages smaller than a block, whose ids are looked up
     by tl.gather (Llama 32/8 b16, one 128k sequence among 15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256,
-    decodetune T1153). PERSISTENT_GATHERED lets such pages take the persistent path too: with static shares b16 8k 186.0
-    vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so only with the work queue
-    (more pairs than SMs, DECODE_QUEUE_GATHERED). USE_TMA: host tensor
-    descriptors for contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at
-    64k on our H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
+    decodetune T1153). PERSISTENT_GATHERED lets such pages take the persistent path too: with static shares b16
+    8k 186.0 vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so only with the work
+    queue (from 3/4 of the SMs' worth of pairs, DECODE_QUEUE_GATHERED). USE_TMA: host tensor descriptors for
+    contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at 64k on our
+    H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
     programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
     before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
     8.2 / 18.5 / 30.2, merge PDL 6.9 / 7.4 / 18.5 / 30.4, both 6.7 / 6.8 / 18.0 / 29.5 (page 16: 10.4 / 9.6 / 20.7 /
@@ -155,8 +155,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
     batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134).
     PERSISTENT_DYNAMIC (more pairs than SMs; gathered pages from 3/4 of them): programs draw work items from a
-    queue. Contiguous caches and pages
-    that are multiples of BLOCK_N; gathered pages only with the queue (PERSISTENT_GATHERED above).
+    queue, with PERSISTENT_SLOTS slots per program for the split counts. Contiguous caches and pages that are
+    multiples of BLOCK_N; gathered pages only with the queue (PERSISTENT_GATHERED above).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,

@@ -247,6 +247,16 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
     _check(q, k, v, _lens(lens))
 
 
+def _forbid_merge_kernel(monkeypatch):
+    """Fail the test if a decode call launches the merge kernel (the persistent kernel must merge in-kernel)."""
+    from flashdecode.ops import decode as ops_decode
+
+    def no_merge_kernel(*args, **kwargs):
+        raise AssertionError("the persistent kernel must merge split sequences itself")
+
+    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,headdim,nheads,nheads_kv,page_size,seqlen_q", [
     (torch.bfloat16, 128, 32, 8, None, 1), (torch.bfloat16, 128, 32, 8, 128, 1), (torch.float16, 64, 32, 8, 256, 1),
@@ -259,10 +269,7 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
     every head dim class and dtype."""
     from flashdecode.ops import decode as ops_decode
 
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel must merge split sequences itself")
-
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    _forbid_merge_kernel(monkeypatch)
     batch = 12  # 96 (batch, kv head) pairs: between half the H100's SMs and all of them
     q, k, v = _make(gen, batch, 9000, nheads, nheads_kv, headdim, dtype, seqlen_q=seqlen_q)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
@@ -287,10 +294,7 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel must merge split sequences itself")
-
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    _forbid_merge_kernel(monkeypatch)
     batch = heuristics.num_sms(torch.device(DEVICE)) // 8 + extra_seqs  # 8 kv heads: 0 or 24 pairs beyond the SMs
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)

@@ -206,17 +206,22 @@ VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE of st
 ]
 
 
+def _block_table(num_pages, shuffled, gen):
+    """int32 (num_pages,) page ids on the GPU: the identity (pages in memory order) or a random permutation."""
+    if shuffled:
+        return torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    return torch.arange(num_pages, device="cuda", dtype=torch.int32)
+
+
 def _paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, mode, page, shuffled,
                         gen):
     """paged_stream_kernel over the same K/V sets viewed as pages of ``page`` keys (0: contiguous): the block table
     is the identity (the pages in memory order) or a random permutation (``shuffled``), the bytes read the same."""
     out = torch.empty(nheads_kv * splits, device="cuda", dtype=torch.float32)
     q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
-    num_pages = ctx // max(page, 1)
     calls = []
     for k, v in sets:
-        table = (torch.randperm(num_pages, device="cuda", generator=gen) if shuffled
-                 else torch.arange(num_pages, device="cuda")).to(torch.int32)
+        table = _block_table(ctx // max(page, 1), shuffled, gen)
 
         def call(k=k, v=v, table=table):
             paged_stream_kernel[(nheads_kv * splits,)](k, v, q, out, table, ctx, page * nheads_kv * headdim,
@@ -235,8 +240,7 @@ def _page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages, block_m
     q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
     calls = []
     for k, v in sets:
-        table = (torch.randperm(ctx // page, device="cuda", generator=gen) if shuffled
-                 else torch.arange(ctx // page, device="cuda")).to(torch.int32)
+        table = _block_table(ctx // page, shuffled, gen)
         kd, vd = (TensorDescriptor(x, [ctx, nheads_kv * headdim], [nheads_kv * headdim, 1], [page, headdim])
                   for x in (k, v))
 
@@ -276,9 +280,9 @@ def main() -> int:
     bandwidth = copy_bandwidth_bytes_per_s()
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
-    variants = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
-    paged = [v for v in PAGED_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
-    boxes = [v for v in BOX_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+    chosen = None if args.variants is None else set(args.variants.split(","))
+    variants, paged, boxes = ([v for v in table if chosen is None or v[0] in chosen]
+                              for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS))
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2

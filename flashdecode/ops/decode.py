@@ -194,10 +194,10 @@ class _DecodeShape:
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
-        # more pairs than programs: the persistent programs take work items from a queue (atomic counter) instead
-        # of static shares, and split counts divide persistent_slots slots per program
+        # the persistent programs take work items from a queue (atomic counter) instead of static shares, and
+        # split counts divide persistent_slots slots per program (heuristics: more pairs than SMs, or gathered pages)
         self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
-        self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1))
+        self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
 
@@ -313,7 +313,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         PAGE_GATHER=shape.page_gather,
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
         DYNAMIC=shape.persistent_dynamic,
-        SLOTS_PER_PROGRAM=shape.persistent_slots if shape.persistent_dynamic else 1,
+        SLOTS_PER_PROGRAM=shape.persistent_slots,
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
