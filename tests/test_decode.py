@@ -237,19 +237,6 @@ def test_gpu_long_ragged(gen, dtype, page_size):
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen)
 
 
-@pytest.mark.xdist_group("gpu_bigmem")
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_gpu_unified_max_long_and_far_scores(gen, unified_max, page_size):
-    """UNIFIED_MAX on the GPU at the b1 16/2 shape, 100k+ keys, bf16: random scores (every split takes the sums), then
-    one key scoring far above the newest one (its split falls back to a partial)."""
-    lens = [100_003, 4097]
-    q, k, v = _make(gen, len(lens), max(lens), 16, 2, 128, torch.bfloat16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen)
-    k[0, 777] = (q[0].float().view(2, 8, 128).sum(1) * 4.0).to(torch.bfloat16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim,nheads,nheads_kv", [(64, 32, 8), (80, 40, 8), (96, 42, 6), (128, 28, 4),
                                                       (256, 16, 1), (128, 64, 4), (256, 32, 8), (80, 16, 16)])
@@ -260,12 +247,12 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
     _check(q, k, v, _lens(lens))
 
 
-def _forbid_merge_kernel(monkeypatch, path="the persistent kernel"):
-    """Fail the test if a decode call launches the merge kernel (``path`` must merge in-kernel)."""
+def _forbid_merge_kernel(monkeypatch):
+    """Fail the test if a decode call launches the merge kernel (the persistent kernel must merge in-kernel)."""
     from flashdecode.ops import decode as ops_decode
 
     def no_merge_kernel(*args, **kwargs):
-        raise AssertionError(f"{path} must merge split sequences itself")
+        raise AssertionError("the persistent kernel must merge split sequences itself")
 
     monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
 
@@ -393,9 +380,7 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
     (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True), None), (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True,
-                                                                      PERSISTENT_PROGRAMS=264), 128),
-    (dict(UNIFIED_MAX=True, USE_PDL=True, PDL_WAIT=True, MERGE_EARLY_TRIGGER=True), None),
-    (dict(UNIFIED_MAX=True, USE_PDL=True, PDL_WAIT=True, MERGE_EARLY_TRIGGER=False), 16)])
+                                                                      PERSISTENT_PROGRAMS=264), 128)])
 def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
     """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
     three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
@@ -733,85 +718,6 @@ def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
         assert torch.all(plan._tickets == 0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# UNIFIED_MAX (opt-in): one launch, splits add states scaled to a reference score; the last one finishes
-# ----------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def unified_max(monkeypatch):
-    """Turn UNIFIED_MAX on through the config (and the persistent path off, which keeps its own merge) and make the
-    separate merge kernel unusable, so a passing test proves the one-launch sums produced the result."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config",
-                        lambda *a, **k: dict(base(*a, **k), UNIFIED_MAX=True, PERSISTENT=False))
-    _forbid_merge_kernel(monkeypatch, "UNIFIED_MAX")
-
-
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16])
-def test_unified_max_ragged_and_paged(gen, unified_max, page_size):
-    q, k, v = _make(gen, 4, 50, 4, 2, 64, torch.float16)
-    out, lse = _check(q, k, v, _lens([0, 1, 17, 50]), page_size=page_size, gen=gen, num_splits=3)
-    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
-
-
-@pytest.mark.parametrize("num_splits", [2, 5, 16])
-def test_unified_max_forced_splits(gen, unified_max, num_splits):
-    """Any split count, also more splits than keys (empty splits add nothing but still draw tickets)."""
-    q, k, v = _make(gen, 2, 40, 4, 1, 64, torch.float16)
-    _check(q, k, v, _lens([40, 5]), num_splits=num_splits)
-
-
-@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q", [(5, 1, 3), (16, 1, 5), (6, 1, 1)])
-def test_unified_max_gqa_and_multi_token(gen, unified_max, nheads, nheads_kv, seqlen_q):
-    """GQA groups 5/6/16 and seqlen_q 1/3/5; 16 heads x 5 tokens = 80 rows use two row blocks."""
-    q, k, v = _make(gen, 2, 37, nheads, nheads_kv, 80 if nheads == 6 else 64,
-                    torch.float32 if seqlen_q == 3 else torch.float16, seqlen_q=seqlen_q)
-    _check(q, k, v, _lens([37, 20]), num_splits=3)
-
-
-def test_unified_max_window_and_softcap(gen, unified_max):
-    q, k, v = _make(gen, 2, 60, 4, 2, 64, torch.float16, seqlen_q=2)
-    _check(q, k, v, _lens([60, 11]), num_splits=4, window_size=(20, -1), softcap=5.0)
-
-
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_unified_max_falls_back_to_partials_far_from_the_reference(gen, unified_max, page_size):
-    """Keys that score ~200 log2 units above the reference key (the newest one) would overflow fp32 once scaled to
-    it: their splits write normalised partials and the last program folds them in. Both kinds in one launch (one
-    sequence has such keys in some splits only, the other none), on one plan twice, and the sums and counters are
-    zero again after each run."""
-    q, k, v = _make(gen, 2, 64, 4, 2, 64, torch.float32)
-    k[0, 5] = q[0].view(2, 2, 64).sum(1) * 30.0  # a key aligned with both heads' queries: a huge score
-    k[0, 40] = -k[0, 5]  # and a hugely negative one
-    plan = flashdecode.DecodePlan(2, 4, 2, 64, max_seqlen_k=64, dtype=torch.float32, device=DEVICE, num_splits=4)
-    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    lens = _lens([64, 50])
-    for _ in range(2):
-        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-        assert torch.all(plan._tickets == 0) and torch.all(plan._sums == 0)
-        assert torch.isfinite(plan._partial_lse[: 2 * 4 * 4]).any()  # some split did write a partial
-    assert torch.all(torch.isfinite(out)) and lse[0].min() > 100  # the huge scores did dominate
-
-
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_unified_max_plan_reuses_its_sums(gen, unified_max, page_size):
-    """Repeated runs on one plan with changing lengths (as in CUDA-graph replay) stay exact and leave the sums and
-    counters zero."""
-    q, k, v = _make(gen, 3, 64, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(4, 4, 2, 64, max_seqlen_k=64, dtype=torch.float16, device=DEVICE, num_splits=4)
-    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    for lengths in ([64, 3, 0], [1, 64, 40], [64, 3, 0]):
-        lens = _lens(lengths)
-        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-        assert torch.all(plan._tickets == 0) and torch.all(plan._sums == 0)
-        # random scores stay near the newest key's: every split took the sums, none wrote a partial
-        assert torch.all(plan._partial_lse[: 3 * 4 * 4] == float("-inf"))
-
-
 _HOPPER_COMPILE_SCRIPT = r'''
 import sys
 import triton
@@ -838,12 +744,12 @@ def compile_stage1(page, tma, preload, fused, **consts):
     types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
                  O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32")
     if fused:
-        types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", ACC_O="*fp32", ACC_L="*fp32")
+        types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, UNIFIED_MAX=False), **consts)
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -871,16 +777,6 @@ for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False
     assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
     assert "ld.global.cg" in ptx, "partials must be read from L2"
     assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
-# UNIFIED_MAX: relaxed fp32 atomic adds (4 floats each) into the sums, then the ticket, the sums read from L2 and zeroed, no spills
-# (the fallback fold runs over whole 16-row blocks, 2 splits per step as the launcher configures it)
-for page, tma, preload, block_n, consts in [(0, True, 0, 64, dict(PDL_WAIT=True, USE_PDL=True)),
-                                            (16, False, 16, 64, {}), (256, True, 8, 128, {})]:
-    kernel = compile_stage1(page, tma, preload, True, BLOCK_N=block_n, NUM_SPLITS=64, MERGE_SPLITS=64,
-                            MERGE_BLOCK_S=2, UNIFIED_MAX=True, **consts)
-    ptx = kernel.asm["ptx"]
-    assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, "the sums must be added 4 floats per atomic"
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, "ticket or L2 reads missing"
-    assert spilled_bytes(kernel) == 0, "UNIFIED_MAX spills registers to the stack"
 # PERSISTENT (one launch: the KV loops nested in the work-item loop, then the ticket merge over 2048-value steps, as
 # the launcher configures it): loads still pipelined; contiguous caches spill nothing, block-multiple pages (whose
 # page-id reads keep a few more registers live at the 255 cap) at most 16 bytes (8 at 4 rows x 4 splits per step)

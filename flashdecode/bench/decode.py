@@ -334,12 +334,6 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("mb2", {}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
     # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4)
     ("fused", {"FUSED_MERGE": True}, {}, None),
-    # one launch: splits add their states scaled to a reference score by fp32 atomics, the last one normalises
-    # (FlashDecoding++'s unified max); with / without letting the next call's stage 1 launch early
-    ("unified", {"UNIFIED_MAX": True}, {}, None),
-    ("unified et", {"UNIFIED_MAX": True, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("unified noet", {"UNIFIED_MAX": True, "MERGE_EARLY_TRIGGER": False}, {}, None),
-    ("unified pf1 et", {"UNIFIED_MAX": True, "PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {}, None),
     # wave quantisation at 32/8 heads, batch 1: 16 splits = 128 programs (one wave of 132 SMs), 17 = 136 (two)
     ("n16", {}, {}, 16),
     ("n17", {}, {}, 17),

@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashdecode.kernels.softmax_state import (LN2, LOG2E, merge_many_step, normalize_state, online_softmax_step,
-                                               safe_max)
+from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
 @triton.jit
@@ -114,16 +113,6 @@ def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE: 
 
 
 @triton.jit
-def _scores(qk, score_scale, softcap_out, SOFTCAP: tl.constexpr):
-    """Logits q.k -> scores in log2 units: qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e)
-    (score_scale and softcap_out as the launcher passes them)."""
-    if SOFTCAP:
-        # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
-        return (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
-    return qk * score_scale
-
-
-@triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
                    score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -148,7 +137,12 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
                             PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, PAGE_GATHER)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
-        s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), score_scale, softcap_out, SOFTCAP)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
+        else:
+            s = qk * score_scale
         if MASKED:
             visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
             if WINDOW:
@@ -294,106 +288,9 @@ def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, 
         _prefetch_l2(V_RAW + offs)
 
 
-# UNIFIED_MAX: a split's scaled state goes to the shared accumulators only if its max lies within this many log2
-# units of the reference score (2^32 either way keeps every fp32 product and sum far from overflow and underflow)
-# and its largest scaled accumulator entry stays below _UNIFIED_MAX_ABS; other splits fall back to a partial.
-_UNIFIED_RANGE = tl.constexpr(32.0)
-_UNIFIED_MAX_ABS = tl.constexpr(2.0 ** 96)
-
-
-@triton.jit
-def _reference_scores(q, K_RAW, bt_row, b, hk, seqlen, score_scale, softcap_out, stride_rb, stride_kt, stride_kh,
-                      HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      SEQLEN_Q: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The unified max of UNIFIED_MAX (FlashDecoding++'s asynchronised softmax): each row's score (BLOCK_M,) log2
-    units against one key that every split of the row computes alike - the newest key all rows see (position
-    seqlen - SEQLEN_Q; a zero key when the sequence is empty). Any common value gives the exact result; one near
-    the row's true max keeps the splits' scale factors in range, and in language models the newest token's own
-    key seldom scores far below the max. K_RAW: the cache tensor (raw pointer, also on the TMA path), stride_rb
-    its batch (contiguous) or page stride."""
-    key = tl.maximum(seqlen - SEQLEN_Q, 0)
-    if PAGE_SIZE == 0:
-        row = b.to(tl.int64) * stride_rb + key.to(tl.int64) * stride_kt
-    else:
-        page = tl.load(bt_row + key // PAGE_SIZE, mask=seqlen > 0, other=0)
-        row = page.to(tl.int64) * stride_rb + ((key % PAGE_SIZE) * stride_kt).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = tl.load(K_RAW + row + hk * stride_kh + offs_d, mask=(offs_d < HEADDIM) & (seqlen > 0), other=0.0)
-    qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
-    return _scores(qk, score_scale, softcap_out, SOFTCAP)
-
-
-@triton.jit
-def _accumulate_and_merge_if_last(acc, m_i, l_i, phi, O, LSE, O_FINAL, LSE_FINAL, ACC_O, ACC_L, ticket_ptr,
-                                  o_rows, lse_ptrs, b, t, head, row_ok, nheads,
-                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                  stride_lb, stride_lt, stride_lh, stride_ls,
-                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  SEQLEN_Q: tl.constexpr, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                  NUM_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
-    """UNIFIED_MAX epilogue of one split (FUSED_MERGE's one launch without reading every split's partial).
-
-    With a reference score phi (BLOCK_M,) common to all splits of a row, states need no common max to be summed:
-    exp2(m - phi) * (acc, l) of every split add up to the row's (acc, l) relative to phi. So each split adds its
-    scaled running state (acc (BLOCK_M, BLOCK_D) fp32, m, l (BLOCK_M,)) into the fp32 accumulators ACC_O (rows,
-    HEADDIM) and ACC_L (rows,) (row (b * SEQLEN_Q + t) * nheads + head; zeros at rest) by atomic adds, and the
-    last split's program (ticket) reads only its rows' sums (not NUM_SPLITS partials), writes the output and
-    zeroes the sums again. Rows whose scale would leave fp32's safe range (m - phi outside +-_UNIFIED_RANGE, e.g.
-    a huge score elsewhere) write a normalised partial (O, LSE slots, as FUSED_MERGE does) instead; every split
-    writes its LSE slot (-inf where nothing is there) and a split with such rows adds 2^16 to its ticket, so the
-    last program folds those partials in only when some exist. fp32 atomic adds make the last bits of the output
-    depend on the order the splits finish in (as split-K GEMMs do).
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEADDIM
-    acc_rows = ((b * SEQLEN_Q + t) * nheads + head).to(tl.int64)
-    live = row_ok & (l_i > 0.0)
-    scale = tl.exp2(m_i - phi)
-    # NaN (a garbage reference key) and inf fail every comparison: such rows take the partial
-    in_range = (m_i - phi >= -_UNIFIED_RANGE) & (m_i - phi <= _UNIFIED_RANGE) \
-        & (tl.max(tl.abs(acc), 1) * scale < _UNIFIED_MAX_ABS)
-    fast = live & in_range
-    slow = live & ~in_range
-    acc_ptrs = ACC_O + acc_rows[:, None] * HEADDIM + offs_d[None, :]
-    tl.atomic_add(acc_ptrs, acc * scale[:, None], mask=fast[:, None] & d_ok[None, :], sem="relaxed", scope="gpu")
-    tl.atomic_add(ACC_L + acc_rows, l_i * scale, mask=fast, sem="relaxed", scope="gpu")
-    o, lse2 = normalize_state(acc, m_i, l_i)
-    tl.store(O + o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=slow[:, None] & d_ok[None, :])
-    tl.store(lse_ptrs, tl.where(slow, lse2, float("-inf")), mask=row_ok)
-    any_slow = tl.max(slow.to(tl.int32), 0)
-    # as in _merge_if_last_ticket: the barrier puts every thread's adds and stores before the one thread's release
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1 + any_slow * 65536, sem="acq_rel", scope="gpu")
-    if ticket % 65536 == NUM_SPLITS - 1:  # every other split has added its state (acquire side)
-        sum_ok = row_ok[:, None] & d_ok[None, :]
-        acc = tl.load(acc_ptrs, mask=sum_ok, other=0.0, cache_modifier=".cg")
-        l_i = tl.load(ACC_L + acc_rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-        m_i = tl.where(l_i > 0.0, phi, float("-inf"))  # (acc, phi, l) is a running state; none: empty
-        if ticket // 65536 + any_slow > 0:  # some split wrote a partial instead: fold them all in
-            lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
-            part_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh
-            offs_s = tl.arange(0, MERGE_BLOCK_S)
-            for s0 in range(0, NUM_SPLITS, MERGE_BLOCK_S):
-                n = s0 + offs_s
-                ok = row_ok[:, None] & (n < NUM_SPLITS)[None, :]
-                lse = tl.load(lse_rows[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
-                              cache_modifier=".cg")
-                part = tl.load(part_rows[:, None, None] + n[None, :, None] * stride_os
-                               + offs_d[None, None, :] * stride_od,
-                               mask=(lse > float("-inf"))[:, :, None] & d_ok[None, None, :], other=0.0,
-                               cache_modifier=".cg")
-                acc, m_i, l_i = merge_many_step(acc, m_i, l_i, part, lse)
-        o, lse2 = normalize_state(acc, m_i, l_i)
-        _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
-                     stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
-        tl.store(acc_ptrs, tl.zeros_like(acc), mask=sum_ok)  # zero again at rest
-        tl.store(ACC_L + acc_rows, tl.zeros_like(l_i), mask=row_ok)
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, ACC_O, ACC_L, K_RAW, V_RAW,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, K_RAW, V_RAW,
     score_scale, softcap_out, window_left, capacity, num_pages, stride_rb,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
@@ -409,7 +306,7 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    PAGE_GATHER: tl.constexpr = True, UNIFIED_MAX: tl.constexpr = False,
+    PAGE_GATHER: tl.constexpr = True,
 ):
     """Stage 1 (see module doc).
 
@@ -433,9 +330,6 @@ def decode_split_kernel(
     gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
     of two) per head-dim row. Only a hint: the data is read again after the wait.
-    UNIFIED_MAX (with FUSED_MERGE): splits add their states, scaled to a reference score, into ACC_O (batch *
-    SEQLEN_Q * nheads, HEADDIM) / ACC_L (batch * SEQLEN_Q * nheads,) fp32 zeros (atomic adds) and the last one
-    finishes from the sums (_accumulate_and_merge_if_last); unused (any tensor) otherwise.
     """
     split = tl.program_id(0)
     pid_hm = tl.program_id(1)
@@ -469,23 +363,9 @@ def decode_split_kernel(
     # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
     # it may be the last one.)
 
-    if UNIFIED_MAX:  # issued before the KV loop, so its round trips hide behind the loop
-        phi = _reference_scores(q, K_RAW, bt_row, b, hk, seqlen, score_scale, softcap_out, stride_rb, stride_kt,
-                                stride_kh, HEADDIM, BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP)
-    acc, m_i, l_i = _attend_split_state(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
-                                        softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
-                                        BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
-                                        PRELOAD_PAGES, PAGE_GATHER)
-    if UNIFIED_MAX:
-        nheads = tl.num_programs(1) // NUM_M_BLOCKS * GROUP
-        _accumulate_and_merge_if_last(acc, m_i, l_i, phi, O, LSE, O_FINAL, LSE_FINAL, ACC_O, ACC_L, ticket_ptr,
-                                      o_rows, lse_ptrs, b, t, head, row_ok, nheads,
-                                      stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                      stride_lb, stride_lt, stride_lh, stride_ls,
-                                      stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt,
-                                      stride_flh, SEQLEN_Q, HEADDIM, BLOCK_D, NUM_SPLITS, MERGE_BLOCK_S)
-        return
-    o, lse2 = normalize_state(acc, m_i, l_i)
+    o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
+                            stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -515,15 +395,15 @@ def _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, H
 
 
 @triton.jit
-def _attend_split_state(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
+def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
-    q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the running
-    state (acc (BLOCK_M, BLOCK_D) fp32 unnormalised, m (BLOCK_M,) log2 max, l (BLOCK_M,); l = 0 for an empty
-    range). K/V as in decode_split_kernel."""
+    q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
+    normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
+    decode_split_kernel."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -560,7 +440,7 @@ def _attend_split_state(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_le
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
-    return acc, m_i, l_i
+    return normalize_state(acc, m_i, l_i)
 
 
 @triton.jit
@@ -691,11 +571,10 @@ def decode_persistent_kernel(
         # (0, -inf): it still draws its ticket)
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
         q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-        acc, m_i, l_i = _attend_split_state(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left,
-                                            score_scale, softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM,
-                                            BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW,
-                                            DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER)
-        o, lse2 = normalize_state(acc, m_i, l_i)
+        o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
+                                softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
+                                PAGE_GATHER)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

@@ -183,9 +183,6 @@ class _DecodeShape:
         # over every preloaded id) may preload more of them
         self.preload_gather_max = cfg.get("PRELOAD_GATHER_MAX", self.preload_max)
         self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
-        # the split grid's merge by atomic sums to a reference score in the same launch (kernels/decode.py
-        # UNIFIED_MAX) instead of a merge kernel; the persistent path keeps its own merge
-        self.unified_max = bool(cfg.get("UNIFIED_MAX", False)) and not self.fused_merge
         # L2 prefetch before the PDL wait (inline asm: GPU only) and the merge's early trigger that gives it time
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
@@ -249,11 +246,10 @@ def _kv_sources(shape, k_cache, v_cache):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_table, o4, lse3, num_splits,
-                   final: bool, min_chunk: int, fused=None, sums=None):
+                   final: bool, min_chunk: int, fused=None):
     """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials).
     fused: None, or (out4 (batch, seqlen_q, nheads, headdim), lse_out (batch, seqlen_q, nheads) fp32, tickets int32
-    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path; with ``sums`` (fp32
-    zeros, >= batch * seqlen_q * nheads * (headdim + 1)) the UNIFIED_MAX form of it."""
+    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path."""
     q4 = shape.q4
     bt = block_table if block_table is not None else cache_seqlens
     stride_os = 0 if final else o4.stride(3)
@@ -262,15 +258,10 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
-    rows = shape.batch * shape.seqlen_q * shape.nheads
-    acc_o, acc_l = (sums[: rows * shape.headdim], sums[rows * shape.headdim:]) if sums is not None else (o4, lse3)
-    merge_tile = _merge_tile(shape, num_splits, rows=shape.block_m if sums is not None else None)
-    # the one-launch paths trigger the next kernel early only with UNIFIED_MAX's early trigger
-    trigger = fused is None and not final or sums is not None and shape.merge_early_trigger
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, acc_o, acc_l, k_cache, v_cache,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
         k_cache.stride(0),
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
@@ -283,12 +274,11 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
-        USE_PDL=shape.use_pdl and trigger, PDL_WAIT=pdl_wait,
+        USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
         PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
-        FUSED_MERGE=fused is not None, **merge_tile,
+        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        PAGE_GATHER=shape.page_gather, UNIFIED_MAX=sums is not None, num_warps=shape.num_warps,
-        num_stages=num_stages,
+        PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
@@ -354,17 +344,15 @@ def _persistent_preload(shape, num_splits, min_chunk) -> dict:
     return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk) if pages else 0}
 
 
-def _merge_tile(shape, num_splits, tile_elems=None, rows=None) -> dict:
+def _merge_tile(shape, num_splits, tile_elems=None) -> dict:
     """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the in-kernel merge (kernels/decode.py _merge_if_last_ticket): the
     real rows of a row block padded to a power of two, the splits padded likewise, and the splits folded per step
-    so that one step's tile holds ``tile_elems`` (default _FUSED_MERGE_TILE_ELEMS) fp32 values, >= one split, over
-    ``rows`` rows (default MERGE_M; UNIFIED_MAX's fallback folds whole BLOCK_M row blocks)."""
+    so that one step's tile holds ``tile_elems`` (default _FUSED_MERGE_TILE_ELEMS) fp32 values, >= one split."""
     merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
     merge_splits = heuristics.next_power_of_2(num_splits)
     tile_elems = _FUSED_MERGE_TILE_ELEMS if tile_elems is None else tile_elems
-    rows = merge_m if rows is None else rows
     return {"MERGE_M": merge_m, "MERGE_SPLITS": merge_splits,
-            "MERGE_BLOCK_S": max(1, min(merge_splits, tile_elems // (rows * shape.block_d)))}
+            "MERGE_BLOCK_S": max(1, min(merge_splits, tile_elems // (merge_m * shape.block_d)))}
 
 
 def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
@@ -425,12 +413,11 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-                num_splits, min_chunk, tickets=None, sums=None):
+                num_splits, min_chunk, tickets=None):
     """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3.
-    With shape.fused_merge, shape.persistent or shape.unified_max and num_splits > 1, one launch: stage 1 merges
-    in its last program per row block, using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left
-    zero again by the kernel) and for unified_max ``sums`` (fp32 zeros, >= batch * seqlen_q * nheads * (headdim +
-    1); left zero again)."""
+    With shape.fused_merge or shape.persistent and num_splits > 1, one launch: stage 1 merges in its last program
+    per row block, using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the
+    kernel)."""
     if num_splits == 1:  # no partials, no second kernel
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
         return
@@ -441,10 +428,6 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
     if shape.persistent:  # one launch: the kernel merges the sequences that split
         _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                            tickets, num_splits, min_chunk)
-        return
-    if shape.unified_max:
-        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
-                       False, min_chunk, fused=(out4, lse3, tickets), sums=sums)
         return
     _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
                    False, min_chunk)
@@ -544,13 +527,11 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     if splits > 1:
         partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
-    tickets = sums = None
-    if splits > 1 and (shape.fused_merge or shape.persistent or shape.unified_max):
+    tickets = None
+    if splits > 1 and (shape.fused_merge or shape.persistent):
         tickets = torch.zeros(_num_tickets(b, sq, h, shape.nheads_kv), dtype=torch.int32, device=q.device)
-    if splits > 1 and shape.unified_max:
-        sums = torch.zeros(b * sq * h * (d + 1), dtype=torch.float32, device=q.device)
     _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
-                _min_chunk(shape), tickets, sums)
+                _min_chunk(shape), tickets)
     return (out, _lse_view(lse3, q)) if return_lse else out
 
 
@@ -614,8 +595,6 @@ class DecodePlan:
         # never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
         self._tickets = torch.zeros(_num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)
-        # UNIFIED_MAX's fp32 sums per row (headdim + 1 values; zeros at rest, every launch leaves them zero)
-        self._sums = torch.zeros(rows * (headdim + 1) if splits else 0, **f32)
 
     def _default_splits(self, balance_mixed):
         group_rows = (self.nheads // self.nheads_kv) * self.max_seqlen_q
@@ -656,7 +635,7 @@ class DecodePlan:
         partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if s > 1 else None
         partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if s > 1 else None
         _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, s,
-                    _min_chunk(shape), self._tickets, self._sums)
+                    _min_chunk(shape), self._tickets)
         return (out, _lse_view(lse3, q)) if return_lse else out
 
 
