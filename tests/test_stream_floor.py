@@ -104,3 +104,18 @@ def test_page_box_probe_attends_over_the_pages_its_block_table_names():
     p = torch.exp2(s - m)
     ref = torch.einsum("pmn,pnd->pmd", p, vc).sum(dim=(1, 2)) + p.sum(dim=(1, 2))
     torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-3, atol=1e-2)
+
+
+def test_torch_reference_calls_move_the_bytes_they_name():
+    """The library-kernel references: "copy" copies K (one buffer per rotated set, so every call writes fresh
+    memory), "sum" reduces K and V."""
+    from flashdecode.bench.stream import _torch_calls
+
+    gen = torch.Generator().manual_seed(3)
+    sets = [tuple(randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2)) for _ in range(2)]
+    copies = [call() for call in _torch_calls(sets, "copy")]
+    assert all(torch.equal(dst, k) and dst.data_ptr() != k.data_ptr() for dst, (k, _) in zip(copies, sets))
+    assert copies[0].data_ptr() != copies[1].data_ptr()
+    for (ks, vs), (k, v) in zip((call() for call in _torch_calls(sets, "sum")), sets):
+        torch.testing.assert_close(ks, k.float().sum())
+        torch.testing.assert_close(vs, v.float().sum())

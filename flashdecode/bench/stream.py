@@ -7,7 +7,8 @@ softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond 
 ``flashdecode bench decode``. No merge, no partial outputs: what is left above the floor is the launch, the first
 loads' latency and the tail of the slowest program, i.e. what no split-KV design built from such loops can avoid.
 The paged variants read the same bytes with pointer loads through a block table of 16-key pages, in memory order
-or shuffled: what the page order alone costs a paged cache.
+or shuffled: what the page order alone costs a paged cache. The torch variants time the library's own copy and
+reduction kernels on the same bytes: what any kernel pays for a transfer of this size.
 
     PYTHONPATH=. python3 -m flashdecode.bench.stream [--contexts 4096,32768,65536,131072] [--out DIR]
 """
@@ -265,6 +266,23 @@ PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE
 ]
 
 
+def _torch_calls(sets, kind):
+    """What the GPU's own copy and reduction kernels take for the same bytes at the same size, rotated likewise:
+    "copy" copies K into a buffer of its size (read + write = the K/V bytes, the traffic the floor is defined by:
+    bytes / copy bandwidth), "sum" reduces K and V (reads the K/V bytes once, two launches)."""
+    calls = []
+    for k, v in sets:
+        if kind == "copy":
+            dst = torch.empty_like(k)
+            calls.append(lambda k=k, dst=dst: dst.copy_(k))
+        else:
+            calls.append(lambda k=k, v=v: (k.sum(dtype=torch.float32), v.sum(dtype=torch.float32)))
+    return calls
+
+
+TORCH_VARIANTS = ["torch copy", "torch sum"]
+
+
 def main() -> int:
     from flashdecode.bench.report import result_stem
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
@@ -283,6 +301,7 @@ def main() -> int:
     chosen = None if args.variants is None else set(args.variants.split(","))
     variants, paged, boxes = ([v for v in table if chosen is None or v[0] in chosen]
                               for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS))
+    torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2
@@ -298,6 +317,8 @@ def main() -> int:
         for label, splits, page, stages, block_m, shuffled in boxes:
             row[label] = cuda_graph_time_us(_page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages,
                                                             block_m, shuffled, gen), reps=args.reps)
+        for label in torch_kinds:
+            row[label] = cuda_graph_time_us(_torch_calls(sets, label.split()[1]), reps=args.reps)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
         del sets
@@ -308,7 +329,8 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged + boxes], "rows": rows}, indent=1))
+                                "variants": [list(v) for v in variants + paged + boxes] + torch_kinds,
+                                "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
 
