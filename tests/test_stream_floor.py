@@ -119,3 +119,53 @@ def test_torch_reference_calls_move_the_bytes_they_name():
     for (ks, vs), (k, v) in zip((call() for call in _torch_calls(sets, "sum")), sets):
         torch.testing.assert_close(ks, k.float().sum())
         torch.testing.assert_close(vs, v.float().sum())
+
+
+def test_read_sweep_sums_every_block_of_k_and_v():
+    """The flat read-only reference: program p's output is the sum of block p of K plus block p of V."""
+    from flashdecode.bench.stream import _read_calls
+
+    gen = torch.Generator().manual_seed(4)
+    k, v = (randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    block = 512
+    out = torch.full((k.numel() // block,), float("nan"), device=DEVICE)
+    (call,) = _read_calls([(k, v)], block, 4, out)
+    call()
+    ref = (k.double().reshape(-1, block) + v.double().reshape(-1, block)).sum(1)
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=1e-4, atol=1e-2)
+    with pytest.raises(ValueError, match="block"):
+        _read_calls([(k, v)], 1000, 4, out)
+
+
+def test_read_loop_sums_each_programs_chunk():
+    """The looping read reference: program p sums its contiguous chunk of K and V, the last chunk cut at the end."""
+    from flashdecode.bench.stream import _read_loop_calls
+
+    gen = torch.Generator().manual_seed(5)
+    k, v = (randn(50, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    programs, block = 3, 256
+    out = torch.full((programs,), float("nan"), device=DEVICE)
+    (call,) = _read_loop_calls([(k, v)], programs, block, 4, 1, out)
+    call()
+    chunk = -(-(-(-k.numel() // programs)) // block) * block
+    flat = k.double().flatten() + v.double().flatten()
+    ref = torch.stack([flat[p * chunk:(p + 1) * chunk].sum() for p in range(programs)])
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=1e-4, atol=1e-2)
+
+
+def test_read_queue_reads_every_block_once_and_resets_its_counter():
+    """The queue reference: whatever blocks each program draws, the programs' sums add up to the sum of K and V
+    (every block read once), and the counter is back at zero for the next launch (two launches, same result)."""
+    from flashdecode.bench.stream import _read_queue_calls
+
+    gen = torch.Generator().manual_seed(6)
+    k, v = (randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    programs, block = 3, 512
+    queue = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    ref = k.double().sum() + v.double().sum()
+    for _ in range(2):
+        out = torch.full((programs,), float("nan"), device=DEVICE)
+        (call,) = _read_queue_calls([(k, v)], programs, block, 4, out, queue)
+        call()
+        torch.testing.assert_close(out.double().sum().cpu(), ref.cpu(), rtol=1e-4, atol=1e-2)
+        assert queue.tolist() == [0, 0]

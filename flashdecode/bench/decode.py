@@ -340,6 +340,13 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("n32", {}, {}, 32),
     ("n1", {}, {}, 1),
     ("n128", {}, {}, 128),  # b1 16/2: 256 programs, two per SM with 16 KiB tiles
+    # no cp.async pipeline (register loads), many programs per SM hiding each other's latency instead: the stream
+    # probe's 'sm s256 bn64 st1' streams 32k in 13.7 us vs 14.5 for 64 pipelined splits (stream_floor T1908)
+    ("s1", {"num_stages": 1}, {}, None),
+    ("n128 s1", {"num_stages": 1}, {}, 128),
+    ("n256 s1", {"num_stages": 1}, {}, 256),
+    ("n128 s2", {"num_stages": 2}, {}, 128),
+    ("n256 s2", {"num_stages": 2}, {}, 256),
     ("bn64 n1", {"BLOCK_N": 64}, {}, 1),
     # L2 prefetch of each split's first blocks before stage 1's PDL wait, and the merge's early trigger that lets
     # the next stage 1 launch (and prefetch) while this one still runs (issue 4, round 3)

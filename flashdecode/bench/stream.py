@@ -8,7 +8,8 @@ softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond 
 loads' latency and the tail of the slowest program, i.e. what no split-KV design built from such loops can avoid.
 The paged variants read the same bytes with pointer loads through a block table of 16-key pages, in memory order
 or shuffled: what the page order alone costs a paged cache. The torch variants time the library's own copy and
-reduction kernels on the same bytes: what any kernel pays for a transfer of this size.
+reduction kernels on the same bytes, the read variants a flat read-only sweep by thousands of small programs: what
+any kernel pays for a transfer of this size.
 
     PYTHONPATH=. python3 -m flashdecode.bench.stream [--contexts 4096,32768,65536,131072] [--out DIR]
 """
@@ -204,6 +205,11 @@ VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE of st
     ("sm s128 bn64", 128, 64, 3, 16, 2), ("dot s64 bn128", 64, 128, 3, 16, 1), ("sm s64 bn128", 64, 128, 3, 16, 2),
     ("sm s64 bn64 st4", 64, 64, 4, 16, 2), ("sm s66 bn64", 66, 64, 3, 16, 2), ("sm s32 bn128", 32, 128, 3, 16, 2),
     ("epi s64 bn64", 64, 64, 3, 16, 3), ("len s64 bn64", 64, 64, 3, 16, 4),
+    # many short splits (several programs per SM, the hardware balancing them like a flat read sweep's programs)
+    ("epi s128 bn64", 128, 64, 3, 16, 3), ("epi s256 bn64 st2", 256, 64, 2, 16, 3),
+    ("epi s512 bn64 st2", 512, 64, 2, 16, 3), ("epi s256 bn128 st2", 256, 128, 2, 16, 3),
+    ("epi s1024 bn32 st2", 1024, 32, 2, 16, 3), ("epi s512 bn32 st2", 512, 32, 2, 16, 3),
+    ("sm s256 bn64 st1", 256, 64, 1, 16, 2), ("sm s512 bn64 st1", 512, 64, 1, 16, 2),
 ]
 
 
@@ -263,7 +269,101 @@ PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE
     ("ptr sum page16 shuffled", 64, 64, 3, 16, 0, 16, True), ("ptr sm contig", 64, 64, 3, 16, 2, 0, False),
     ("ptr sm page16 in order", 64, 64, 3, 16, 2, 16, False), ("ptr sm page16 shuffled", 64, 64, 3, 16, 2, 16, True),
     ("ptr sm page64 shuffled", 64, 64, 3, 16, 2, 64, True),
+    # register loads (no cp.async pipeline) in many short splits: several programs per SM hide the latency
+    ("ptr sm contig s64 st1", 64, 64, 1, 16, 2, 0, False), ("ptr sm contig s128 st1", 128, 64, 1, 16, 2, 0, False),
+    ("ptr sm contig s256 st1", 256, 64, 1, 16, 2, 0, False), ("ptr sm contig s512 st1", 512, 64, 1, 16, 2, 0, False),
+    ("ptr sm contig s256 st2", 256, 64, 2, 16, 2, 0, False),
 ]
+
+
+@triton.jit
+def read_kernel(K, V, OUT, BLOCK: tl.constexpr):
+    """Program p reads elements [p * BLOCK, (p + 1) * BLOCK) of K and of V (flat, unmasked: the launcher sizes the
+    grid to whole blocks) and writes their sum: a read-only sweep with as many small programs as a copy kernel
+    launches, i.e. what reading the bytes costs without any decode structure (one program per split and head)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.sum(tl.load(K + offs).to(tl.float32), 0) + tl.sum(tl.load(V + offs).to(tl.float32), 0)
+    tl.store(OUT + tl.program_id(0), total)
+
+
+@triton.jit
+def read_loop_kernel(K, V, OUT, numel, chunk, BLOCK: tl.constexpr):
+    """Program p reads elements [p * chunk, (p + 1) * chunk) of K and of V (flat) in BLOCK steps and writes their
+    sum: the flat sweep with a fixed program count (one or a few per SM) looping, as stage 1 does."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, numel)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n in range(start, end, BLOCK):
+        offs = n + tl.arange(0, BLOCK)
+        acc += tl.load(K + offs, mask=offs < end, other=0.0).to(tl.float32)
+        acc += tl.load(V + offs, mask=offs < end, other=0.0).to(tl.float32)
+    tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+
+
+def _read_loop_calls(sets, programs, block, warps, stages, out):
+    """read_loop_kernel over each rotated K/V set: ``programs`` programs, each a contiguous 1/programs of the
+    elements (rounded up to whole blocks); sums into ``out`` (float32, >= programs)."""
+    numel = sets[0][0].numel()
+    chunk = triton.cdiv(triton.cdiv(numel, programs), block) * block
+    return [lambda k=k, v=v: read_loop_kernel[(programs,)](k, v, out, numel, chunk, BLOCK=block, num_warps=warps,
+                                                           num_stages=stages)
+            for k, v in sets]
+
+
+READ_LOOP_VARIANTS = [  # (label, programs, BLOCK, warps, stages)
+    ("readloop p128 b8192 st1", 128, 8192, 8, 1), ("readloop p128 b8192 st3", 128, 8192, 8, 3),
+    ("readloop p528 b8192 st1", 528, 8192, 8, 1), ("readloop p1056 b4096 st1", 1056, 4096, 4, 1),
+    ("readloop p132 b16384 st1", 132, 16384, 16, 1),
+]
+
+
+@triton.jit
+def read_queue_kernel(K, V, OUT, QUEUE, nblocks, BLOCK: tl.constexpr):
+    """A fixed number of programs draw BLOCK-element blocks of K and V (flat) from an atomic counter until none is
+    left and write the sum of what they read: the flat sweep's dynamic balance with looping programs. The next
+    block's ticket is drawn before the current block is read, so the atomic's round trip overlaps the loads.
+    QUEUE: int32 (2,) zeros at rest; the last program to finish (QUEUE[1]) sets both back to 0."""
+    blk = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
+    acc = tl.zeros([BLOCK], tl.float32)
+    while blk < nblocks:
+        nxt = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
+        offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
+        blk = nxt
+    tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+    done = tl.atomic_add(QUEUE + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(QUEUE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(QUEUE + 1, 0, sem="relaxed", scope="gpu")
+
+
+def _read_queue_calls(sets, programs, block, warps, out, queue):
+    """read_queue_kernel over each rotated K/V set: ``programs`` programs share the int32 (2,) zero ``queue``;
+    sums into ``out`` (float32, >= programs)."""
+    numel = sets[0][0].numel()
+    if numel % block:
+        raise ValueError(f"block must divide the K/V element count {numel}, got {block}")
+    return [lambda k=k, v=v: read_queue_kernel[(programs,)](k, v, out, queue, numel // block, BLOCK=block,
+                                                            num_warps=warps)
+            for k, v in sets]
+
+
+READ_QUEUE_VARIANTS = [  # (label, programs, BLOCK, warps)
+    ("readq p528 b8192", 528, 8192, 8), ("readq p1056 b4096", 1056, 4096, 4), ("readq p264 b8192", 264, 8192, 8),
+]
+
+
+def _read_calls(sets, block, warps, out):
+    """read_kernel over each rotated K/V set: numel / block programs of ``warps`` warps, sums into ``out`` (float32,
+    numel / block)."""
+    numel = sets[0][0].numel()
+    if numel % block:
+        raise ValueError(f"block must divide the K/V element count {numel}, got {block}")
+    return [lambda k=k, v=v: read_kernel[(numel // block,)](k, v, out, BLOCK=block, num_warps=warps)
+            for k, v in sets]
+
+
+READ_VARIANTS = [("read b4096 w4", 4096, 4), ("read b8192 w8", 8192, 8), ("read b16384 w8", 16384, 8)]
 
 
 def _torch_calls(sets, kind):
@@ -302,6 +402,9 @@ def main() -> int:
     variants, paged, boxes = ([v for v in table if chosen is None or v[0] in chosen]
                               for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS))
     torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
+    reads = [v for v in READ_VARIANTS if chosen is None or v[0] in chosen]
+    read_loops = [v for v in READ_LOOP_VARIANTS if chosen is None or v[0] in chosen]
+    read_queues = [v for v in READ_QUEUE_VARIANTS if chosen is None or v[0] in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2
@@ -319,6 +422,18 @@ def main() -> int:
                                                             block_m, shuffled, gen), reps=args.reps)
         for label in torch_kinds:
             row[label] = cuda_graph_time_us(_torch_calls(sets, label.split()[1]), reps=args.reps)
+        for label, block, warps in reads:
+            out = torch.empty(sets[0][0].numel() // block, device="cuda", dtype=torch.float32)
+            row[label] = cuda_graph_time_us(_read_calls(sets, block, warps, out), reps=args.reps)
+        for label, programs, block, warps, stages in read_loops:
+            out = torch.empty(programs, device="cuda", dtype=torch.float32)
+            row[label] = cuda_graph_time_us(_read_loop_calls(sets, programs, block, warps, stages, out),
+                                            reps=args.reps)
+        for label, programs, block, warps in read_queues:
+            out = torch.empty(programs, device="cuda", dtype=torch.float32)
+            queue = torch.zeros(2, device="cuda", dtype=torch.int32)
+            row[label] = cuda_graph_time_us(_read_queue_calls(sets, programs, block, warps, out, queue),
+                                            reps=args.reps)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
         del sets
@@ -329,7 +444,8 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged + boxes] + torch_kinds,
+                                "variants": [list(v) for v in variants + paged + boxes + reads + read_loops + read_queues]
+                                + torch_kinds,
                                 "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
