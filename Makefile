@@ -2,6 +2,8 @@
 #   make test       CPU suite (Triton kernels in the interpreter) in .venv
 #   make demo       the same set-up, then `flashdecode demo`
 #   make gpu-check  on the GPU machine: GPU tests + quick benchmarks, JSON/PNG to $OUT (never reinstalls torch)
+#   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
+#                   installs them there (--no-deps) so FlashInfer joins the benchmarks as a peer
 
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
@@ -20,7 +22,7 @@ RUN       := TRITON_INTERPRET=1 $(PY)
 SETUP     := $(STAMP)
 endif
 
-.PHONY: test demo gpu-check clean
+.PHONY: test demo gpu-check peer-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +39,12 @@ demo: $(SETUP)
 # The GPU machine has torch/triton/transformers installed: run from the source tree with its python3.
 gpu-check:
 	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# FlashInfer 0.5.3 for the GPU machine's Python 3.12 (BENCHMARKING.md): ~12 MB, never committed.
+PEER_WHEELS := "flashinfer-python==0.5.3" "apache-tvm-ffi<0.2" "nvidia-cudnn-frontend==1.13.0" tabulate
+peer-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(PEER_WHEELS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -80,6 +80,19 @@ def run_bench(name: str, out: Path, full: bool, timeout_s: int, extra: list[str]
             "summary": summary, "seconds": round(time.time() - t0)}
 
 
+def install_carried_wheels() -> str:
+    """Install the peer wheels carried in .whl/ (``make peer-wheels``; FlashInfer) into this python3 with --no-deps,
+    so that torch is never touched. Returns a line for the log."""
+    wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
+    if not wheels:
+        return "no peer wheels in .whl/ (FlashInfer is skipped unless installed)"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *wheels],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"installing .whl/ failed (rc={proc.returncode}): {proc.stderr.strip()[-500:]}"
+    return f"installed {len(wheels)} peer wheels from .whl/ (--no-deps)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(PARTS))
@@ -104,6 +117,7 @@ def main() -> int:
 
     env = env_info()
     print("env:", json.dumps(env))
+    print(install_carried_wheels())
     results = []
     for part in args.only.split(","):
         part = part.strip()

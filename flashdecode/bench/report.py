@@ -57,11 +57,15 @@ def line_plot(path: Path, series: dict[str, list[tuple[float, float]]], *, title
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
     for label, pts in series.items():
         pts = [p for p in pts if p[1] is not None]
         if pts:
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=label)
+            # the colour cycle has 10 colours: later series repeat them, so they get another line and marker
+            repeat = drawn >= len(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+            ax.plot(xs, ys, marker="s" if repeat else "o", linestyle="--" if repeat else "-", label=label)
+            drawn += 1
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
