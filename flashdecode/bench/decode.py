@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune-mixed", action="store_true",
                         help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k, or among "
                              "--tune-batch - 1 of 1k when that is larger)")
+    parser.add_argument("--mixed-batch", type=int, default=None,
+                        help="--tune-mixed: sequences in the mix (one 128k, the others 1k); default "
+                             "max(--tune-batch, 16)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -339,6 +342,10 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("n17", {}, {}, 17),
     ("n32", {}, {}, 32),
     ("n1", {}, {}, 1),
+    ("n2", {}, {}, 2),
+    ("n3", {}, {}, 3),
+    ("n4", {}, {}, 4),
+    ("n8", {}, {}, 8),
     ("n128", {}, {}, 128),  # b1 16/2: 256 programs, two per SM with 16 KiB tiles
     # no cp.async pipeline (register loads), many programs per SM hiding each other's latency instead: the stream
     # probe's 'sm s256 bn64 st1' streams 32k in 13.7 us vs 14.5 for 64 pipelined splits (stream_floor T1908)
@@ -468,7 +475,8 @@ def _tune(args, bandwidth, env) -> int:
     variants = [v for v in TUNE_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     rows = []
     # the load-balance mix: one 128k sequence among short ones, batch 16 (or --tune-batch when larger)
-    mixed = [MIXED_LENS[0]] + MIXED_LENS[1:2] * (max(args.tune_batch, len(MIXED_LENS)) - 1)
+    mixed_batch = args.mixed_batch or max(args.tune_batch, len(MIXED_LENS))
+    mixed = [MIXED_LENS[0]] + MIXED_LENS[1:2] * (mixed_batch - 1)
     length_sets = [[ctx] * args.tune_batch for ctx in contexts] + ([mixed] if args.tune_mixed else [])
     try:
         for layout in layouts:
