@@ -648,93 +648,6 @@ def test_prefetch_shape_stays_within_a_split():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# DEVICE_SPLITS: a plan sized for the worst mix picks each sequence's split count on the device
-# ----------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def device_splits(monkeypatch):
-    """8 SMs (so a CPU-sized plan's worst-mix split count exceeds the uniform one) and the split grid only: the
-    persistent kernel is made unusable, so a passing test proves the split grid's device-side counts ran."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    monkeypatch.setattr(heuristics, "num_sms", lambda device=None: 8)
-
-    def no_persistent(*args, **kwargs):
-        raise AssertionError("the persistent kernel must not run here")
-    monkeypatch.setattr(ops_decode, "_launch_persistent", no_persistent)
-
-
-def _device_split_plan(batch, n, nheads=4, nheads_kv=2, dtype=torch.float16, **kw):
-    plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, 64, max_seqlen_k=n, dtype=dtype, device=DEVICE, **kw)
-    return plan
-
-
-@pytest.mark.parametrize("page_size", [None, 3, 8, 16, 32])
-def test_plan_device_splits_mixed_then_uniform(gen, device_splits, page_size):
-    """A balance_mixed plan (4 splits for one long sequence among short ones on 8 SMs, 1 for equal lengths) runs
-    the split grid with per-sequence counts from the live lengths: a long sequence among short ones (3 splits),
-    equal lengths (one each: the other slots are empty splits the merge must ignore), empty and 1-key sequences."""
-    n = 200
-    plan = _device_split_plan(3, n)
-    assert plan.device_splits and plan.num_splits == 4
-    q, k, v = _make(gen, 3, n, 4, 2, 64, torch.float16)
-    kp = vp = table = None
-    if page_size:
-        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    for lengths in ([n, 2, 5], [n, n, n], [0, n, 1], [40, 0, 0]):
-        lens = _lens(lengths)
-        out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
-                            return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-        if lengths == [n, n, n]:  # one split each on the device: the other 3 slots of every row stay empty
-            assert torch.all(plan._partial_lse[: 3 * 4 * 4].view(3, 4, 4)[..., 1:] == float("-inf"))
-
-
-def test_plan_device_splits_respect_the_page_preload(gen, device_splits, monkeypatch):
-    """Gathered pages (8 keys, 16-key blocks) with a preload limit below a whole sequence's ids: the device gives
-    the long sequence enough splits (MAX_SPLIT_KEYS) that none outgrows the preloaded ids."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config",
-                        lambda *a, **k: dict(base(*a, **k), PRELOAD_GATHER_MAX=16))
-    n = 200
-    plan = _device_split_plan(3, n)
-    q, k, v = _make(gen, 3, n, 4, 2, 64, torch.float16)
-    kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens([n, n, n]), table, None, 0.0, (-1, -1))
-    bound = ops_decode._persistent_preload(shape, plan.num_splits, ops_decode._min_chunk(shape))
-    assert bound["PRELOAD_PAGES"] > 0 and bound["MAX_SPLIT_KEYS"] > 0, bound
-    for lengths in ([n, n, n], [n, 3, 0]):
-        lens = _lens(lengths)
-        out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-
-
-def test_plan_device_splits_gqa_multi_token_window_softcap(gen, device_splits):
-    q, k, v = _make(gen, 2, 200, 8, 1, 64, torch.float32, seqlen_q=3)
-    plan = _device_split_plan(2, 200, nheads=8, nheads_kv=1, dtype=torch.float32, max_seqlen_q=3)
-    assert plan.device_splits
-    lens = _lens([200, 20])
-    out, lse = plan.run(q, k, v, lens, softcap=20.0, window_size=(24, 0), return_lse=True)
-    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, softcap=20.0, window_size=(24, 0))
-    o_same, lse_same = ref.decode_ref(q, k, v, lens, softcap=20.0, window_size=(24, 0))
-    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
-    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
-
-
-def test_plan_device_splits_only_for_a_raised_policy_count(device_splits):
-    """Device-side counts replace the split count only where balance_mixed raised it: a forced num_splits, a plan
-    without balance_mixed and one whose uniform and worst-mix counts agree keep their fixed count."""
-    assert _device_split_plan(3, 200).device_splits
-    assert not _device_split_plan(3, 200, num_splits=4).device_splits
-    assert not _device_split_plan(3, 200, balance_mixed=False).device_splits
-    assert not _device_split_plan(1, 200).device_splits  # one sequence: the mix is the uniform batch
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # FUSED_MERGE (opt-in): one launch, the last program of each (batch, kv head, row block) merges
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -836,8 +749,7 @@ def compile_stage1(page, tma, preload, fused, **consts):
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
-                       BATCH_PAD=1, KVP=1, MAX_SPLIT_KEYS=0), **consts)
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -856,11 +768,6 @@ for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, T
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
     assert "ld.global.cg" in ptx and spilled_bytes(kernel) == 0
-# DEVICE_SPLITS (split counts from every length, read after the PDL wait): still pipelined, no spills
-for page, tma, preload, block_n, max_keys in [(0, True, 0, 64, 0), (64, True, 256, 64, 0), (16, False, 64, 64, 1024)]:
-    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=block_n,
-                            DEVICE_SPLITS=True, BATCH_PAD=16, KVP=8, MAX_SPLIT_KEYS=max_keys)
-    assert "griddepcontrol.wait" in kernel.asm["ptx"] and spilled_bytes(kernel) == 0, (page, "device splits")
 # FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
 # not spill (its tile is held in registers)
 for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),

@@ -306,8 +306,7 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    PAGE_GATHER: tl.constexpr = True, batch=1, slots=1, DEVICE_SPLITS: tl.constexpr = False,
-    BATCH_PAD: tl.constexpr = 1, KVP: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0,
+    PAGE_GATHER: tl.constexpr = True,
 ):
     """Stage 1 (see module doc).
 
@@ -331,23 +330,10 @@ def decode_split_kernel(
     gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
     of two) per head-dim row. Only a hint: the data is read again after the wait.
-    DEVICE_SPLITS (not with FINAL, FUSED_MERGE or PREFETCH_KEYS): NUM_SPLITS is only the most splits a sequence
-    may take (the partial buffer); each sequence's count comes from the live lengths of the ``batch`` sequences
-    (BATCH_PAD: a power of two >= batch), as decode_persistent_kernel's (_device_split_counts over ``slots``
-    program slots, KVP programs per split, at least cdiv(length, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0), and the
-    programs past it are empty splits. A plan sized for the worst mix (one long sequence among short ones) then
-    runs a uniform batch with the few long splits it needs, not with the mix's many short ones. The grid is then
-    (nheads_kv * NUM_M_BLOCKS, batch, NUM_SPLITS): split-major, so that the hardware schedules the first splits of
-    every sequence - the ones that hold keys - before the empty ones.
     """
-    if DEVICE_SPLITS:
-        pid_hm = tl.program_id(0)
-        b = tl.program_id(1)
-        split = tl.program_id(2)
-    else:
-        split = tl.program_id(0)
-        pid_hm = tl.program_id(1)
-        b = tl.program_id(2)
+    split = tl.program_id(0)
+    pid_hm = tl.program_id(1)
+    b = tl.program_id(2)
     hk = pid_hm // NUM_M_BLOCKS
     m_block = pid_hm % NUM_M_BLOCKS
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
@@ -364,18 +350,8 @@ def decode_split_kernel(
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-    if DEVICE_SPLITS:
-        offs_b = tl.arange(0, BATCH_PAD)
-        in_batch = offs_b < batch
-        lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
-        splits_b = _device_split_counts(lens, in_batch, slots, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS)
-        mine = offs_b == b
-        seqlen = tl.sum(tl.where(mine, lens, 0), 0)
-        start, end = split_range(seqlen, split, window_left, SEQLEN_Q, tl.sum(tl.where(mine, splits_b, 0), 0),
-                                 BLOCK_N, MIN_CHUNK, WINDOW)  # splits past the sequence's count are empty
-    else:
-        seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
-        start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
+    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
 
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
     lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls

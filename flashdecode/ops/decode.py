@@ -200,9 +200,6 @@ class _DecodeShape:
         self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
-        # the split grid's NUM_SPLITS is only a bound, each sequence's count is chosen on the device (set by a
-        # DecodePlan whose split count covers the worst mix of lengths; see DecodePlan)
-        self.device_splits = False
 
     def check_out(self, out, q):
         if out is None:
@@ -258,19 +255,11 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     stride_os = 0 if final else o4.stride(3)
     stride_od = o4.stride(3) if final else o4.stride(4)
     stride_ls = 0 if final else lse3.stride(3)
-    kvp = shape.nheads_kv * shape.num_m_blocks
-    device_splits = shape.device_splits and not final and fused is None
-    grid = (kvp, shape.batch, num_splits) if device_splits else (num_splits, kvp, shape.batch)
+    grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
-    pages = {"PRELOAD_PAGES": _preload_pages(shape, num_splits, min_chunk)}
-    if device_splits:  # the pre-wait prefetch would need every length too: off; a split may hold a whole sequence
-        prefetch_keys = 0
-        pages = _persistent_preload(shape, num_splits, min_chunk)
-        pages.update(batch=shape.batch, slots=heuristics.num_sms(shape.device), DEVICE_SPLITS=True,
-                     BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)), KVP=kvp)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
@@ -286,7 +275,8 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
-        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits), **pages,
+        PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
+        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
         PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
@@ -342,8 +332,7 @@ def _max_split_keys(shape, num_splits, min_chunk) -> int:
 
 
 def _persistent_preload(shape, num_splits, min_chunk) -> dict:
-    """PRELOAD_PAGES / MAX_SPLIT_KEYS of the kernels whose split counts are chosen on the device (the persistent
-    kernel, the split grid's DEVICE_SPLITS). A sequence may run as one split, so block-multiple
+    """PRELOAD_PAGES / MAX_SPLIT_KEYS of the persistent kernel. A sequence may run as one split, so block-multiple
     pages preload a whole sequence's ids (or none: the loop then reads one id per block). Pages smaller than a
     block need every key's id: they preload a num_splits-th of the capacity and bound each split to as many keys
     (num_splits splits always fit), or read ids in the loop when even that is too many."""
@@ -563,12 +552,13 @@ class DecodePlan:
     Sized once for (max_batch, max_seqlen_q, nheads, headdim) and a split count chosen on the host from
     ``max_seqlen_k`` (the longest context the plan expects; lengths beyond it stay correct, only the split count
     may be less than ideal). With ``balance_mixed=True`` the split count also covers one long sequence among
-    short ones (about num_sms / nheads_kv splits; one 128k sequence among 15 of 1k ran 9.5x faster than
-    unsplit). Every ``run`` then launches a fixed grid of num_splits x nheads_kv x batch stage-1 programs + the
-    merge - or, on Hopper with half to all of the SMs' worth of (batch, kv head) pairs, one persistent launch of
-    num_sms programs - and in both, when balance_mixed raised the count, each sequence's split count (<=
-    num_splits) follows the live lengths on the device, so uniform batches do not pay for the mix (the extra
-    split-grid programs are empty) - reads cache_seqlens / block_table on
+    short ones (about num_sms / nheads_kv splits; the kernel gives short sequences fewer splits by itself). The
+    price is paid by large uniform batches of long sequences, which then split when they need not: measured on
+    the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
+    sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
+    (num_splits, nheads_kv, batch) + the merge - or, on Hopper with half to all of the SMs' worth of (batch, kv
+    head) pairs, one persistent launch of num_sms programs whose split counts (<= num_splits) follow the live
+    lengths on the device, so uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table on
     the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable. The returned
     tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic
     dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a dependent of the
@@ -591,19 +581,9 @@ class DecodePlan:
         self.max_seqlen_k = max_seqlen_k
         # Programmatic dependent launch of the merge (Hopper+): None = the heuristics' default.
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and _pdl_capable(self.device)
-        uniform_splits, mixed_splits = self._default_splits()
-        self.num_splits = num_splits if num_splits is not None else (mixed_splits if balance_mixed
-                                                                     else uniform_splits)
+        self.num_splits = num_splits if num_splits is not None else self._default_splits(balance_mixed)
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        # A split count raised for the worst mix is only a bound for the split grid: each run then picks every
-        # sequence's count on the device from the live lengths (decode_split_kernel DEVICE_SPLITS), so uniform
-        # batches run the uniform count's long splits. H100, Llama 32/8 8k contiguous, us, one run (decodetune
-        # T1919/T1920): forced uniform counts b2 / b4 / b8 27.7 / 48.4 / 91.5 vs 28.2 / 52.8 / 97.1 with the
-        # mix's 16 splits.
-        self.device_splits = num_splits is None and self.num_splits > uniform_splits
-        self._split_keys = heuristics.cdiv(max(max_seqlen_k, 1),
-                                           uniform_splits if self.device_splits else self.num_splits)
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
         self._out = torch.empty(rows * headdim, dtype=dtype, device=self.device)
@@ -616,9 +596,7 @@ class DecodePlan:
         self._tickets = torch.zeros(_num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)
 
-    def _default_splits(self):
-        """(splits for max_batch sequences of max_seqlen_k keys, splits for the worst mix: one such sequence among
-        nearly empty ones)."""
+    def _default_splits(self, balance_mixed):
         group_rows = (self.nheads // self.nheads_kv) * self.max_seqlen_q
         kv_programs = self.nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows))
         cfg = _block_config(self.headdim, torch.empty((), dtype=self.dtype).element_size(), self.device,
@@ -627,16 +605,17 @@ class DecodePlan:
         kw = dict(block_n=cfg["BLOCK_N"], max_splits=heuristics.DECODE_MAX_SPLITS,
                   min_blocks_per_split=heuristics.DECODE_MIN_BLOCKS_PER_SPLIT)
         splits = heuristics.decode_num_splits(self.max_batch, kv_programs, self.max_seqlen_k, sms, **kw)
-        mixed = heuristics.decode_num_splits(self.max_batch, kv_programs, self.max_seqlen_k, sms,
-                                             total_seqlen_k=self.max_seqlen_k, **kw)
-        return splits, max(splits, mixed)
+        if balance_mixed:  # the worst mix: one max-length sequence, the others nearly empty
+            splits = max(splits, heuristics.decode_num_splits(self.max_batch, kv_programs, self.max_seqlen_k, sms,
+                                                              total_seqlen_k=self.max_seqlen_k, **kw))
+        return splits
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
             window_size=(-1, -1), return_lse=False, out=None):
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                             grid_batch=self.max_batch, split_keys=self._split_keys)
-        shape.device_splits = self.device_splits
+                             grid_batch=self.max_batch,
+                             split_keys=heuristics.cdiv(max(self.max_seqlen_k, 1), self.num_splits))
         shape.check_out(out, q)
         if self.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
             shape.use_pdl = self.use_pdl
