@@ -64,6 +64,14 @@ DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
 # programs where the split grid's many small programs are balanced by the hardware (b17: 136 one-split items on 132
 # programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit); a work queue fixes that (below).
 DECODE_PERSISTENT_AT_BATCH = True
+# Contiguous caches take the persistent kernel from a third of the SMs' worth of pairs (two or three splits per
+# sequence; its in-kernel merge of so few partials is cheaper than the merge kernel's launch). H100, Llama 32/8 hd128
+# bf16 contiguous, one run each (decodetune T1931, T1932), us at 1k / 8k / 32k / one 128k among short ones,
+# persistent vs split grid: b6 15.6 / 73.4 / 272.6 / 193.8 vs 15.4 / 75.6 / 271.4 / 197.9; b7 16.7 / 82.7 / 307.9 /
+# 208.3 vs 17.2 / 86.3 / 323.4 / 199.7; b8 17.9 / 93.6 / 350.6 / 209.5 vs 20.1 / 97.4 / 359.8 / 198.1 (the mix
+# loses up to 6%, as at b9-b16). b4 (32 pairs) does not gain (1k 12.6 vs 11.7, 8k 51.1 vs 52.5) and page 64 loses
+# at 32k (b8 422.3 vs 364.1: a whole sequence's page ids do not fit the preload), so paged caches keep the half.
+DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV = 3
 # More pairs than SMs: the persistent kernel with a work queue (programs take the next item from an atomic counter)
 # and split counts that divide this many item slots per program, so that the last items end together. H100, Llama
 # 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the split grid (2 / 8 slots):
@@ -153,7 +161,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     with num_sms / 2 < pairs <= num_sms, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of kernels/decode.py
     decode_persistent_kernel - per-sequence split counts chosen on the device from the live lengths, a fixed grid of
     PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
-    batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134).
+    batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134);
+    contiguous caches from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV).
     PERSISTENT_DYNAMIC (more pairs than SMs; gathered pages from 3/4 of them): programs draw work items from a
     queue, with PERSISTENT_SLOTS slots per program for the split counts. Contiguous caches and pages that are
     multiples of BLOCK_N; gathered pages only with the queue (PERSISTENT_GATHERED above).
@@ -183,7 +192,9 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
-            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and not few_pairs and kv_pairs is not None
+            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and kv_pairs is not None
+                               and (not few_pairs or (page_size == 0
+                                                      and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms))
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered,
             "PERSISTENT_GATHERED": queue_gathered,

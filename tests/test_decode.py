@@ -308,6 +308,27 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
         assert torch.all(plan._tickets == 0), "tickets and queue must be left at zero"
 
 
+@pytest.mark.xdist_group("gpu_bigmem")
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [6, 8])
+def test_gpu_contiguous_batches_from_a_third_of_the_sms_run_persistent(gen, monkeypatch, batch):
+    """Contiguous caches with a third to a half of the SMs' worth of (batch, kv head) pairs (Llama 32/8, b6 / b8)
+    run the persistent kernel with the few-pairs 64-key tiles: mixed lengths (one long among empty, one-token and
+    short ones), then uniform, through a plan; no merge kernel; tickets left at zero."""
+    from flashdecode.ops import decode as ops_decode
+
+    _forbid_merge_kernel(monkeypatch)
+    q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
+    plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
+    shape = ops_decode._DecodeShape(q, k, v, _lens([8] * batch), None, None, 0.0, (-1, -1), grid_batch=batch)
+    assert shape.persistent and not shape.persistent_dynamic and shape.block_n == 64
+    for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
+        lens = _lens(lengths)
+        out, lse = plan.run(q, k, v, lens, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
+        assert torch.all(plan._tickets == 0), "tickets must be left at zero"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):

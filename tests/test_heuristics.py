@@ -86,16 +86,22 @@ def test_head_dim_256_uses_tiles_that_fit_without_the_spilling_four_warp_ones():
 
 
 def test_persistent_decode_from_half_the_sms(monkeypatch):
-    """On Hopper, decode runs as one persistent launch once the (batch, kv head) pairs fill more than half the SMs:
+    """On Hopper, decode runs as one persistent launch once the (batch, kv head) pairs fill more than half the SMs
+    (a third for contiguous caches):
     with static shares up to one pair per SM, with a work queue beyond (DECODE_PERSISTENT_DYNAMIC; off: the
     hardware-balanced split grid there); fewer pairs split over the SMs with the split grid."""
     import flashdecode.heuristics as hx
 
     monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: True)
     cfgs = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132)
-            for pairs in (2, 66, 67, 96, 128, 132, 133, 512)}
-    assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 66: False, 67: True, 96: True, 128: True,
-                                                            132: True, 133: True, 512: True}
+            for pairs in (2, 44, 45, 66, 67, 96, 128, 132, 133, 512)}
+    # contiguous caches from a third of the SMs (with the few-pairs tiles), paged ones from half
+    assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 44: False, 45: True, 66: True, 67: True,
+                                                            96: True, 128: True, 132: True, 133: True, 512: True}
+    assert cfgs[45]["BLOCK_N"] == 64 and cfgs[67]["BLOCK_N"] == 128
+    paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)["PERSISTENT"]
+             for pairs in (45, 66, 67)}
+    assert paged == {45: False, 66: False, 67: True}
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
     assert [cfgs[p]["PERSISTENT_SLOTS"] for p in (133, 512)] == [hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM] * 2
     # pages smaller than a block (bf16 hd128 page 16, 512-key splits): the queue with 32 KiB tiles from 3/4 of the
