@@ -184,6 +184,15 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
                           and kv_pairs is not None and 4 * kv_pairs > 3 * num_sms)
     if few_pairs or (short_gathered_splits and not queue_gathered):
         block_n = min(block_n, small_tile)
+    page_tiles = bool(many_pairs and page_size % block_n and page_size % small_tile == 0)
+    if page_tiles:
+        # pages of one 16 KiB tile (bf16 hd128: 64 keys) beyond the SMs: 16 KiB tiles make them block multiples
+        # (tensor descriptors, the persistent kernel's queue). H100, Llama 32/8 8k page 64, us (decodetune T1945):
+        # b32 366.4 vs 379.2 with the split grid's 32 KiB gathers, b64 711.4 vs 750.7; one 128k among 31 / 63 of
+        # 1k 261.5 vs 260.4, 318.1 vs 348.3. At b16 (pairs <= SMs, static shares) the mix lost (243.2 vs 219.9).
+        # Long sequences whose page ids do not all fit the preload get bounded splits (PERSISTENT_BOUND_PAGES;
+        # b32 32k 1457.8 vs 1627.2 reading one id per 64-key block in the loop, T1949).
+        block_n = small_tile
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     prefetch = 1 if hopper and few_pairs else 0
@@ -198,7 +207,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered,
             "PERSISTENT_GATHERED": queue_gathered,
-            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM if many_pairs else 1}
+            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM if many_pairs else 1,
+            "PERSISTENT_BOUND_PAGES": page_tiles}
 
 
 @functools.lru_cache(maxsize=None)

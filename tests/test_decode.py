@@ -286,7 +286,7 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
 
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0)])
+@pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0), (64, 3)])
 def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs):
     """Beyond one (batch, kv head) pair per SM (extra_seqs > 0), and for pages smaller than a block (gathered page
     ids) from 3/4 of that, the persistent kernel draws work items from its queue: mixed lengths (one long sequence
@@ -622,6 +622,33 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
         bounded = preload()
         assert bounded["PRELOAD_PAGES"] > 0 and bounded["MAX_SPLIT_KEYS"] > 0, bounded
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
+
+
+def test_persistent_block_multiple_pages_bound_their_splits(gen, monkeypatch, persistent):
+    """Pages that are block multiples on the persistent path with PERSISTENT_BOUND_PAGES and a preload limit below
+    a whole sequence's ids: the splits are bounded (MAX_SPLIT_KEYS) to what a num_splits-th of the capacity
+    preloads instead of reading ids in the loop."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
+    limit = {"value": 256}
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), PRELOAD_PAGES_MAX=limit["value"], PERSISTENT_BOUND_PAGES=True))
+    lens = [200, 3, 100, 0]
+    page_size = _block_multiple_page(len(lens), 4, 2, 64, torch.float16, 1)
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=8, generator=gen)
+
+    def preload():
+        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+        assert shape.persistent
+        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
+
+    limit["value"] = preload()["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
+    bound = preload()
+    assert bound["PRELOAD_PAGES"] > 0 and bound["MAX_SPLIT_KEYS"] > 0, bound
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=6)
 
 
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):

@@ -102,6 +102,11 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)["PERSISTENT"]
              for pairs in (45, 66, 67)}
     assert paged == {45: False, 66: False, 67: True}
+    # pages of one 16 KiB tile (64 keys) beyond the SMs: 64-key tiles, so the queue serves them as block multiples
+    page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
+              for pairs in (128, 133)}
+    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"])
+            for p, c in page64.items()} == {128: (128, False, False), 133: (64, True, True)}
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
     assert [cfgs[p]["PERSISTENT_SLOTS"] for p in (133, 512)] == [hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM] * 2
     # pages smaller than a block (bf16 hd128 page 16, 512-key splits): the queue with 32 KiB tiles from 3/4 of the

@@ -324,6 +324,12 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
      {}, None),
     ("s4", {"num_stages": 4}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
+    # pages of 64 keys at batch: 64-key tiles make them block multiples (TMA, persistent path), on the work queue
+    ("bn64 dyn", {"BLOCK_N": 64, "PERSISTENT_DYNAMIC": True}, {}, None),
+    # block-multiple pages on the persistent kernel whose ids do not fit the preload: read per block in the loop
+    # (before session 8) instead of bounding the splits
+    ("unbounded", {"PERSISTENT_BOUND_PAGES": False}, {}, None),
+    ("persistent unbounded", {"PERSISTENT": True, "PERSISTENT_BOUND_PAGES": False}, {}, None),
     ("bn128", {"BLOCK_N": 128}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
     ("w8", {"num_warps": 8}, {}, None),

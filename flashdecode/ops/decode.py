@@ -198,6 +198,9 @@ class _DecodeShape:
         # split counts divide persistent_slots slots per program (heuristics: more pairs than SMs, or gathered pages)
         self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
         self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
+        # block-multiple pages whose whole-sequence ids do not fit the preload: bounded splits (see
+        # _persistent_preload) rather than one block-table read per block in the loop
+        self.persistent_bound_pages = bool(cfg.get("PERSISTENT_BOUND_PAGES", False))
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
 
@@ -332,13 +335,16 @@ def _max_split_keys(shape, num_splits, min_chunk) -> int:
 
 
 def _persistent_preload(shape, num_splits, min_chunk) -> dict:
-    """PRELOAD_PAGES / MAX_SPLIT_KEYS of the persistent kernel. A sequence may run as one split, so block-multiple
-    pages preload a whole sequence's ids (or none: the loop then reads one id per block). Pages smaller than a
-    block need every key's id: they preload a num_splits-th of the capacity and bound each split to as many keys
-    (num_splits splits always fit), or read ids in the loop when even that is too many."""
+    """PRELOAD_PAGES / MAX_SPLIT_KEYS of the persistent kernel. A sequence may run as one split, so pages preload a
+    whole sequence's ids when they fit; otherwise a num_splits-th of the capacity, each split bounded to as many
+    keys (num_splits splits always fit), or, when even that is too many, the loop reads the ids (one per block for
+    block-multiple pages, one per key for smaller ones). Block-multiple pages are bounded only with the config's
+    PERSISTENT_BOUND_PAGES (heuristics: 64-key pages in 64-key tiles beyond the SMs). H100, Llama 32/8 32k, us,
+    bounded vs one id read per block in the loop (decodetune T1949): page 64 b32 1457.8 vs 1627.2, b8 (forced
+    persistent) 383.3 vs 410.4; but page 128 b16 735.7 vs 705.4 and b32 1426.9 vs 1411.0."""
     whole = _preload_pages(shape, 1, min_chunk)
     small_pages = shape.paged and shape.page_size < shape.block_n
-    if not small_pages or whole > 0:
+    if not shape.paged or whole > 0 or not (small_pages or shape.persistent_bound_pages):
         return {"PRELOAD_PAGES": whole, "MAX_SPLIT_KEYS": 0}
     pages = _preload_pages(shape, num_splits, min_chunk)
     return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk) if pages else 0}
