@@ -196,14 +196,16 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     prefetch = 1 if hopper and few_pairs else 0
+    # contiguous caches: persistent from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV)
+    contig_persistent = (page_size == 0 and kv_pairs is not None
+                         and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms)
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
             "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and kv_pairs is not None
-                               and (not few_pairs or (page_size == 0
-                                                      and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms))
+                               and (not few_pairs or contig_persistent)
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered,
             "PERSISTENT_GATHERED": queue_gathered,

@@ -337,14 +337,19 @@ def read_queue_kernel(K, V, OUT, QUEUE, nblocks, BLOCK: tl.constexpr):
         tl.atomic_xchg(QUEUE + 1, 0, sem="relaxed", scope="gpu")
 
 
-def _read_queue_calls(sets, programs, block, warps, out, queue):
-    """read_queue_kernel over each rotated K/V set: ``programs`` programs share the int32 (2,) zero ``queue``;
-    sums into ``out`` (float32, >= programs)."""
+def _whole_blocks(sets, block) -> int:
+    """How many ``block``-element blocks the K (and V) tensors of ``sets`` hold; ValueError unless it is whole."""
     numel = sets[0][0].numel()
     if numel % block:
         raise ValueError(f"block must divide the K/V element count {numel}, got {block}")
-    return [lambda k=k, v=v: read_queue_kernel[(programs,)](k, v, out, queue, numel // block, BLOCK=block,
-                                                            num_warps=warps)
+    return numel // block
+
+
+def _read_queue_calls(sets, programs, block, warps, out, queue):
+    """read_queue_kernel over each rotated K/V set: ``programs`` programs share the int32 (2,) zero ``queue``;
+    sums into ``out`` (float32, >= programs)."""
+    nblocks = _whole_blocks(sets, block)
+    return [lambda k=k, v=v: read_queue_kernel[(programs,)](k, v, out, queue, nblocks, BLOCK=block, num_warps=warps)
             for k, v in sets]
 
 
@@ -356,11 +361,8 @@ READ_QUEUE_VARIANTS = [  # (label, programs, BLOCK, warps)
 def _read_calls(sets, block, warps, out):
     """read_kernel over each rotated K/V set: numel / block programs of ``warps`` warps, sums into ``out`` (float32,
     numel / block)."""
-    numel = sets[0][0].numel()
-    if numel % block:
-        raise ValueError(f"block must divide the K/V element count {numel}, got {block}")
-    return [lambda k=k, v=v: read_kernel[(numel // block,)](k, v, out, BLOCK=block, num_warps=warps)
-            for k, v in sets]
+    nblocks = _whole_blocks(sets, block)
+    return [lambda k=k, v=v: read_kernel[(nblocks,)](k, v, out, BLOCK=block, num_warps=warps) for k, v in sets]
 
 
 READ_VARIANTS = [("read b4096 w4", 4096, 4), ("read b8192 w8", 8192, 8), ("read b16384 w8", 16384, 8)]
@@ -399,12 +401,10 @@ def main() -> int:
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen = None if args.variants is None else set(args.variants.split(","))
-    variants, paged, boxes = ([v for v in table if chosen is None or v[0] in chosen]
-                              for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS))
+    variants, paged, boxes, reads, read_loops, read_queues = (
+        [v for v in table if chosen is None or v[0] in chosen]
+        for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS, READ_QUEUE_VARIANTS))
     torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
-    reads = [v for v in READ_VARIANTS if chosen is None or v[0] in chosen]
-    read_loops = [v for v in READ_LOOP_VARIANTS if chosen is None or v[0] in chosen]
-    read_queues = [v for v in READ_QUEUE_VARIANTS if chosen is None or v[0] in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         kv_bytes = 2 * ctx * nheads_kv * headdim * 2
@@ -444,8 +444,8 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged + boxes + reads + read_loops + read_queues]
-                                + torch_kinds,
+                                "variants": [list(v) for v in variants + paged + boxes + reads + read_loops
+                                             + read_queues] + torch_kinds,
                                 "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
