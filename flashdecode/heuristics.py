@@ -91,6 +91,30 @@ DECODE_QUEUE_GATHERED = True
 # this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
 # 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
 DECODE_TINY_TILE_MAX_SPLIT_KEYS = 64
+# Pipeline stages added where stage 1's KV loop reads page ids from the block table (pages that do not divide a
+# block, e.g. 3 keys; smaller pages whose ids outgrow the preload; block-multiple pages of long sequences on the
+# persistent kernel) and a split holds at least DECODE_TABLE_READ_MIN_SPLIT_BLOCKS blocks: the read takes a stage of
+# its own ahead of the K/V loads it feeds, so 3 stages left K/V single-buffered (ops/decode.py _pipeline_stages).
+# H100, b1 16/2 hd128 bf16, one run (decodetune T0419 console), us, +2 / +0 stages: page 1 (ids read in the loop)
+# 19.2 / 24.3 at 32k, 31.5 / 40.0 at 64k, 54.8 / 71.4 at 128k; page 3 19.0 / 22.9 at 32k, 54.9 / 67.8 at 128k
+# (+3 no better, +1 no gain). Short splits lost: b1 page 1 4k (64-key splits) 8.2 vs 7.2; Llama 32/8 b16 page 1 8k
+# (512-key splits of 128-key tiles, 2048 programs) 202.1 vs 192.8, where single-buffered programs fit three per SM.
+DECODE_TABLE_READ_EXTRA_STAGES = 2
+DECODE_TABLE_READ_MIN_SPLIT_BLOCKS = 8
+# Block-multiple pages in 16 KiB tiles (page_tiles in decode_block_config) whose whole-sequence ids outgrow the
+# persistent kernel's preload: bounded splits, so that a split's ids fit (True), or one id read per block in the
+# loop (False). Session 8 measured the bound faster with 3 stages (Llama 32/8 page 64 b32 32k 1457.8 vs 1627.2 us,
+# T1949); with the table-read stages the loop wins (decodetune T0426 / T0427: b16 32k 710.4 vs 738.6, b32 32k
+# 1409.2 vs 1458.7; b64 8k and the mixes within 0.3%, b16 mixed 208.1 vs 205.5).
+DECODE_PERSISTENT_BOUND_PAGES = False
+# Pages of 1, 2 or 4 keys preload their split's ids and gather one per key, as 8-63-key pages do (up to
+# PRELOAD_GATHER_MAX ids; longer splits read them in the loop), with few (batch, kv head) pairs only. H100, one run
+# (decodetune T0425), us, preloaded vs read in the loop (+2 stages) vs before session 9 (in the loop, 3 stages): b1
+# 16/2 page 1 5.1 / 5.5 / 5.6 at 512, 18.0 / 19.4 / 24.6 at 32k, 30.1 / 31.5 / 40.3 at 64k (128k: 2048 ids, not
+# preloaded, 54.9 / 54.8 / 70.9); Llama 32/8 b4 8k 56.4 / 60.0 / 60.1 (FlashInfer 55.1 in T1942). Many pairs lose
+# (short programs wait for the ids before their first K/V load): b16 8k 203.4 vs 192.7, b64 739.7 vs 772.9; with
+# the gathered-page work queue too (variant ids1, T0419) b16 took 226.0.
+DECODE_PRELOAD_KEY_IDS = True
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -169,7 +193,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,
-                "PERSISTENT_PROGRAMS": 3}
+                "PERSISTENT_PROGRAMS": 3, "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
     small_tile = max(64, 16384 // (head_dim_pad * elem_bytes))
@@ -180,18 +204,20 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     hopper = _is_hopper_or_newer()
     many_pairs = kv_pairs is not None and kv_pairs > num_sms
     # gathered pages on the persistent kernel's work queue keep 32 KiB tiles (its splits are chosen on the device)
+    queue_pairs = kv_pairs is not None and 4 * kv_pairs > 3 * num_sms
     queue_gathered = bool(hopper and gathered and DECODE_PERSISTENT_DYNAMIC and DECODE_QUEUE_GATHERED
-                          and kv_pairs is not None and 4 * kv_pairs > 3 * num_sms)
+                          and queue_pairs)
     if few_pairs or (short_gathered_splits and not queue_gathered):
         block_n = min(block_n, small_tile)
-    page_tiles = bool(many_pairs and page_size % block_n and page_size % small_tile == 0)
+    page_tiles = bool(queue_pairs and page_size % block_n and page_size % small_tile == 0)
     if page_tiles:
-        # pages of one 16 KiB tile (bf16 hd128: 64 keys) beyond the SMs: 16 KiB tiles make them block multiples
-        # (tensor descriptors, the persistent kernel's queue). H100, Llama 32/8 8k page 64, us (decodetune T1945):
-        # b32 366.4 vs 379.2 with the split grid's 32 KiB gathers, b64 711.4 vs 750.7; one 128k among 31 / 63 of
-        # 1k 261.5 vs 260.4, 318.1 vs 348.3. At b16 (pairs <= SMs, static shares) the mix lost (243.2 vs 219.9).
-        # Long sequences whose page ids do not all fit the preload get bounded splits (PERSISTENT_BOUND_PAGES;
-        # b32 32k 1457.8 vs 1627.2 reading one id per 64-key block in the loop, T1949).
+        # pages of one 16 KiB tile (bf16 hd128: 64 keys) from 3/4 of the SMs' worth of pairs: 16 KiB tiles make
+        # them block multiples (tensor descriptors, the persistent kernel's queue). H100, Llama 32/8 8k page 64, us
+        # (decodetune T1945): b32 366.4 vs 379.2 with the split grid's 32 KiB gathers, b64 711.4 vs 750.7; one 128k
+        # among 31 / 63 of 1k 261.5 vs 260.4, 318.1 vs 348.3. b16 (pairs <= SMs) on the queue too (T0419 console):
+        # 184.4 vs 196.9, mixed 210.7 vs 220.8 (static shares: 182.9, but the mix 220.8; in T1945 243.2).
+        # Long sequences whose page ids do not all fit the preload read them in the loop (with the table-read
+        # stages below; PERSISTENT_BOUND_PAGES: bounded splits instead, see DECODE_PERSISTENT_BOUND_PAGES).
         block_n = small_tile
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
@@ -207,10 +233,12 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and kv_pairs is not None
                                and (not few_pairs or contig_persistent)
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
-            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered,
+            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles,
             "PERSISTENT_GATHERED": queue_gathered,
             "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM if many_pairs else 1,
-            "PERSISTENT_BOUND_PAGES": page_tiles}
+            "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES, "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
+            "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
+            "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs}
 
 
 @functools.lru_cache(maxsize=None)

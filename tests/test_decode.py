@@ -470,7 +470,43 @@ def test_tma_path(gen, monkeypatch, page_size):
         assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
 
 
-@pytest.mark.parametrize("page_size", [3, 32])
+def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monkeypatch):
+    """Pages of 1, 2 or 4 keys preload one id per key (gathered like 8-key pages; pages of 3 keys cannot: they
+    straddle blocks), sized to a split's keys without the straddling page of block-multiple pages; where the loop
+    reads the block table instead, long splits get TABLE_READ_EXTRA_STAGES more pipeline stages, short ones and
+    preloaded ids none."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), PRELOAD_KEY_IDS=True, TABLE_READ_EXTRA_STAGES=2, TABLE_READ_MIN_SPLIT_BLOCKS=8))
+    q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
+
+    def shape_for(page_size):
+        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+        return ops_decode._DecodeShape(q, kp, vp, _lens([512, 100]), table, None, 0.0, (-1, -1))
+
+    # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
+    for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
+        shape = shape_for(page_size)
+        assert shape.block_n == 16  # the interpreter's tile
+        preload = ops_decode._preload_pages(shape, splits, ops_decode._min_chunk(shape))
+        assert preload == ids, (page_size, preload)
+        stages = ops_decode._pipeline_stages(shape, preload, 512 // splits)
+        assert stages == shape.num_stages, page_size
+    three = shape_for(3)
+    assert ops_decode._preload_pages(three, 4, ops_decode._min_chunk(three)) == 0
+    long_split, short_split = 8 * three.block_n, 8 * three.block_n - 1
+    assert ops_decode._pipeline_stages(three, 0, long_split) == three.num_stages + 2
+    assert ops_decode._pipeline_stages(three, 0, short_split) == three.num_stages
+    contiguous = ops_decode._DecodeShape(q, k, v, _lens([512, 100]), None, None, 0.0, (-1, -1))
+    assert ops_decode._pipeline_stages(contiguous, 0, long_split) == contiguous.num_stages
+    for num_splits in (1, 3):
+        _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 32])
 def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
     """Long splits whose page ids do not fit in registers read the block table inside the loop: same results."""
     from flashdecode import heuristics
@@ -786,7 +822,7 @@ def compile_for_sm90(fn, types, consts, num_stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
-def compile_stage1(page, tma, preload, fused, **consts):
+def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
     types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
@@ -798,7 +834,7 @@ def compile_stage1(page, tma, preload, fused, **consts):
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
                        PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True), **consts)
-    kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
     return kernel
@@ -810,6 +846,12 @@ for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64
                          BLOCK_N=block_n).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
 # L2 prefetch: issued before the PDL wait, its length / block-table reads bypass L1 (.cg), no spills
+# ids read from the block table in the loop: with 5 stages K / V are double-buffered (3 left them single-buffered,
+# every block waiting for all copies in flight); preloaded key ids of 1-key pages double-buffer at 3
+for page, tma, preload, block_n, stages in [(1, False, 0, 64, 5), (3, False, 0, 128, 5), (128, True, 0, 128, 5),
+                                            (1, False, 1024, 64, 3)]:
+    ttgir = compile_stage1(page, tma, preload, False, BLOCK_N=block_n, NUM_SPLITS=64, num_stages=stages).asm["ttgir"]
+    assert f"memdesc<2x{block_n}x128xbf16" in ttgir, (page, preload, stages, "K/V not double-buffered")
 for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, True, 0, 128), (3, False, 0, 128)]:
     kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
                             PREFETCH_KEYS=256, LINE_ELEMS=64, NUM_LINES=2)

@@ -102,11 +102,16 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)["PERSISTENT"]
              for pairs in (45, 66, 67)}
     assert paged == {45: False, 66: False, 67: True}
-    # pages of one 16 KiB tile (64 keys) beyond the SMs: 64-key tiles, so the queue serves them as block multiples
+    # pages of one 16 KiB tile (64 keys) from 3/4 of the SMs: 64-key tiles, so the queue serves them as block
+    # multiples
     page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
-              for pairs in (128, 133)}
-    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"])
-            for p, c in page64.items()} == {128: (128, False, False), 133: (64, True, True)}
+              for pairs in (99, 100, 128, 133)}
+    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"], c["PERSISTENT_SLOTS"])
+            for p, c in page64.items()} == {99: (128, False, False, 1), 100: (64, True, False, 1),
+                                            128: (64, True, False, 1),
+                                            133: (64, True, False, hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM)}
+    monkeypatch.setattr(hx, "DECODE_PERSISTENT_BOUND_PAGES", True)
+    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132, page_size=64)["PERSISTENT_BOUND_PAGES"]
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
     assert [cfgs[p]["PERSISTENT_SLOTS"] for p in (133, 512)] == [hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM] * 2
     # pages smaller than a block (bf16 hd128 page 16, 512-key splits): the queue with 32 KiB tiles from 3/4 of the
@@ -124,3 +129,15 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: False)
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", True)
     assert not hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PERSISTENT"]
+
+
+def test_key_page_ids_preloaded_with_few_pairs_and_table_reads_pipelined_deeper():
+    """Pages of 1-4 keys preload their ids only while the (batch, kv head) pairs fill at most half the SMs (short
+    programs at batch lost waiting for them); loops that read the block table get extra stages everywhere."""
+    import flashdecode.heuristics as hx
+
+    key_ids = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=1)
+               for pairs in (2, 66, 67, 512)}
+    assert {p: c["PRELOAD_KEY_IDS"] for p, c in key_ids.items()} == {2: True, 66: True, 67: False, 512: False}
+    assert all(c["TABLE_READ_EXTRA_STAGES"] == hx.DECODE_TABLE_READ_EXTRA_STAGES > 0 for c in key_ids.values())
+    assert all(c["TABLE_READ_MIN_SPLIT_BLOCKS"] == hx.DECODE_TABLE_READ_MIN_SPLIT_BLOCKS for c in key_ids.values())

@@ -323,12 +323,26 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pgd bn128 s2", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 2},
      {}, None),
     ("s4", {"num_stages": 4}, {}, None),
+    # pipeline depth where the KV loop reads page ids from the block table (default: 2 stages more than the config's
+    # 3, so K/V are double-buffered there); tr0 = before session 9
+    ("tr0", {"TABLE_READ_EXTRA_STAGES": 0}, {}, None),
+    ("tr1", {"TABLE_READ_EXTRA_STAGES": 1}, {}, None),
+    ("tr3", {"TABLE_READ_EXTRA_STAGES": 3}, {}, None),
+    # pages of 1-7 keys: the gathered-page rules of 8-63-key pages (tiles, work queue) and up to 2048 preloaded ids
+    ("ids1", {"PRELOAD_GATHER_MAX": 2048}, {"DECODE_MIN_PRELOAD_PAGE": 1}, None),
+    ("ids1 tr0", {"PRELOAD_GATHER_MAX": 2048, "TABLE_READ_EXTRA_STAGES": 0}, {"DECODE_MIN_PRELOAD_PAGE": 1}, None),
+    # pages of 1-7 keys read their ids in the loop (before session 9: no per-split preload below 8-key pages)
+    ("no-key-ids", {"PRELOAD_KEY_IDS": False}, {}, None),
+    ("no-key-ids tr0", {"PRELOAD_KEY_IDS": False, "TABLE_READ_EXTRA_STAGES": 0}, {}, None),
     ("bn64", {"BLOCK_N": 64}, {}, None),
     # pages of 64 keys at batch: 64-key tiles make them block multiples (TMA, persistent path), on the work queue
     ("bn64 dyn", {"BLOCK_N": 64, "PERSISTENT_DYNAMIC": True}, {}, None),
+    # 64-key pages at 97-132 pairs as before session 9: the split grid's 128-key gathers
+    ("bn128 grid", {"BLOCK_N": 128, "PERSISTENT_DYNAMIC": False, "PERSISTENT_BOUND_PAGES": False}, {}, None),
     # block-multiple pages on the persistent kernel whose ids do not fit the preload: read per block in the loop
     # (before session 8) instead of bounding the splits
     ("unbounded", {"PERSISTENT_BOUND_PAGES": False}, {}, None),
+    ("bounded", {"PERSISTENT_BOUND_PAGES": True}, {}, None),  # session 8's default for 64-key pages at batch
     ("persistent unbounded", {"PERSISTENT": True, "PERSISTENT_BOUND_PAGES": False}, {}, None),
     ("bn128", {"BLOCK_N": 128}, {}, None),
     ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
@@ -518,8 +532,10 @@ def _tune(args, bandwidth, env) -> int:
     labels = [v[0] for v in variants]
     table = markdown_table(rows, ["heads", "batch", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
     out_dir = results_dir(args.out)
-    # heads and batch in the name: several tune calls in one command (same minute) must not overwrite each other
-    stem = result_stem("decodetune", env) + f"_h{nheads}-{nheads_kv}_b{args.tune_batch}"
+    # heads, batch and layouts in the name: several tune calls in one command (same minute) must not overwrite each
+    # other
+    stem = (result_stem("decodetune", env) + f"_h{nheads}-{nheads_kv}_b{args.tune_batch}"
+            + "_l" + "-".join(str(x) for x in layouts))
     write_json(out_dir / f"{stem}.json", "decodetune", env, rows, {"table": table})
     print(table)
     return 0

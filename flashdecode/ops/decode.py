@@ -174,6 +174,11 @@ class _DecodeShape:
                                              kv_pairs=self.kv_pairs, num_sms=heuristics.num_sms(self.device),
                                              page_size=self.page_size, split_keys=split_keys)
         self.block_n, self.num_warps, self.num_stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+        # deeper software pipeline where the KV loop reads page ids from the block table (see _pipeline_stages)
+        self.table_read_extra_stages = int(cfg.get("TABLE_READ_EXTRA_STAGES", 0))
+        self.table_read_min_split_blocks = int(cfg.get("TABLE_READ_MIN_SPLIT_BLOCKS", 0))
+        # pages smaller than DECODE_MIN_PRELOAD_PAGE (1, 2, 4 keys) preload their ids too (gather path only)
+        self.preload_key_ids = bool(cfg.get("PRELOAD_KEY_IDS", False))
         self.use_tma = cfg.get("USE_TMA", False) and _tma_compatible(k_cache, self.page_size, self.block_n,
                                                                     self.block_d)
         self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
@@ -263,6 +268,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
+    preload_pages = _preload_pages(shape, num_splits, min_chunk)
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
@@ -278,14 +284,15 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
-        PRELOAD_PAGES=_preload_pages(shape, num_splits, min_chunk),
+        PRELOAD_PAGES=preload_pages,
         FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
         PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
-    _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
-                                                           q4.dtype, shape.use_tma))
+    stages = _pipeline_stages(shape, preload_pages, _max_split_keys(shape, num_splits, min_chunk))
+    _launch_within_shared_memory(launch, stages, (shape.block_m, shape.block_n, shape.block_d, q4.dtype,
+                                                  shape.use_tma))
 
 
 def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, o5, lse4, tickets,
@@ -300,6 +307,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
+    preload = _persistent_preload(shape, num_splits, min_chunk)
     launch = lambda num_stages: decode_persistent_kernel[(shape.persistent_programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
         shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
@@ -311,7 +319,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
-        **_persistent_preload(shape, num_splits, min_chunk),
+        **preload,
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
         PAGE_GATHER=shape.page_gather,
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
@@ -319,8 +327,25 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         SLOTS_PER_PROGRAM=shape.persistent_slots,
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
-    _launch_within_shared_memory(launch, shape.num_stages, (shape.block_m, shape.block_n, shape.block_d,
-                                                           q4.dtype, shape.use_tma, "persistent"))
+    # a work item may be a whole sequence unless the splits are bounded
+    stages = _pipeline_stages(shape, preload["PRELOAD_PAGES"], preload["MAX_SPLIT_KEYS"] or shape.capacity)
+    _launch_within_shared_memory(launch, stages, (shape.block_m, shape.block_n, shape.block_d, q4.dtype,
+                                                  shape.use_tma, "persistent"))
+
+
+def _pipeline_stages(shape, preload_pages, split_keys_max) -> int:
+    """num_stages of a stage-1 launch: the config's, plus shape.table_read_extra_stages when the KV loop reads page
+    ids from the block table (paged, nothing preloaded) and a split may hold at least
+    shape.table_read_min_split_blocks blocks (``split_keys_max`` keys). Triton's pipeliner issues such a read a
+    stage ahead of the K/V loads whose addresses it feeds, so at 3 stages K and V are single-buffered and every
+    block waits for all loads in flight (sm_90 TTGIR: ``async_wait {num = 0}`` at the top of the loop, for pages of
+    1 key and 128-key pages alike); at 5 they are double-buffered, two blocks ahead, as with preloaded ids at 3.
+    Short splits keep 3: their prologue costs more than it hides, and single-buffered programs take a third of
+    the shared memory, so that more of them share an SM (heuristics.DECODE_TABLE_READ_EXTRA_STAGES)."""
+    long_splits = split_keys_max >= shape.table_read_min_split_blocks * shape.block_n
+    if shape.paged and preload_pages == 0 and long_splits:
+        return shape.num_stages + shape.table_read_extra_stages
+    return shape.num_stages
 
 
 def _final_strides(out4, lse3) -> tuple:
@@ -409,11 +434,16 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
     page, block_n = shape.page_size, shape.block_n
     if not shape.paged or shape.preload_max <= 0:
         return 0
-    small_pages = page < block_n and block_n % page == 0 and page >= heuristics.DECODE_MIN_PRELOAD_PAGE
+    key_ids = shape.preload_key_ids and shape.page_gather  # 1-, 2-, 4-key pages: one gathered id per key
+    small_pages = (page < block_n and block_n % page == 0
+                   and (page >= heuristics.DECODE_MIN_PRELOAD_PAGE or key_ids))
     if not (small_pages or page % block_n == 0):
-        return 0  # e.g. pages of 1 or 3 keys: the loop gathers page ids from memory
+        return 0  # e.g. pages of 3 keys: the loop reads page ids from memory
     chunk_max = _max_split_keys(shape, num_splits, min_chunk)
-    pages = heuristics.next_power_of_2(max(heuristics.cdiv(chunk_max, page) + 1, block_n // page))
+    # splits start at multiples of BLOCK_N: on a page boundary for pages that divide it, else possibly mid-page
+    # (one page more)
+    straddle = 0 if small_pages else 1
+    pages = heuristics.next_power_of_2(max(heuristics.cdiv(chunk_max, page) + straddle, block_n // page))
     limit = shape.preload_gather_max if small_pages and shape.page_gather else shape.preload_max
     return pages if pages <= limit else 0
 
