@@ -479,8 +479,10 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monke
     from flashdecode.ops import decode as ops_decode
 
     base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PRELOAD_KEY_IDS=True, TABLE_READ_EXTRA_STAGES=2, TABLE_READ_MIN_SPLIT_BLOCKS=8))
+    # the interpreter's constants (16-key tiles, 256 preloaded ids) on the GPU too, so the sizes below hold there
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda headdim, elem_bytes, interpret, *a, **k: dict(
+        base(headdim, elem_bytes, True, *a, **k), PRELOAD_KEY_IDS=True, TABLE_READ_EXTRA_STAGES=2,
+        TABLE_READ_MIN_SPLIT_BLOCKS=8))
     q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
 
     def shape_for(page_size):
@@ -490,7 +492,7 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monke
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
         shape = shape_for(page_size)
-        assert shape.block_n == 16  # the interpreter's tile
+        assert shape.block_n == 16
         preload = ops_decode._preload_pages(shape, splits, ops_decode._min_chunk(shape))
         assert preload == ids, (page_size, preload)
         stages = ops_decode._pipeline_stages(shape, preload, 512 // splits)
