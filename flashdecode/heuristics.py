@@ -73,12 +73,24 @@ DECODE_PERSISTENT_AT_BATCH = True
 # at 32k (b8 422.3 vs 364.1: a whole sequence's page ids do not fit the preload), so paged caches keep the half.
 DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV = 3
 # More pairs than SMs: the persistent kernel with a work queue (programs take the next item from an atomic counter)
-# and split counts that divide this many item slots per program, so that the last items end together. H100, Llama
-# 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the split grid (2 / 8 slots):
+# and split counts that let the last items end together (4 item slots per program then; the rule below since
+# session 10). H100, Llama 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the
+# split grid (2 / 8 slots):
 # b17 8k 198.7 vs 198.3 (229.3 / 197.9); b24 8k 270.7 vs 276.6 (269.5 / 274.0); b32 8k 357.1 vs 366.3 (352.0 /
 # 360.6); b64 4k 353.8 vs 386.3 (352.8 / 360.4); b64 one 128k among 63 of 1k 266.5 vs 309.8 (266.4 / 266.4).
 DECODE_PERSISTENT_DYNAMIC = True
-DECODE_DYNAMIC_SLOTS_PER_PROGRAM = 4
+# The queue's split counts (kernels/decode.py _queue_split_ways, on the device from the live lengths): equal lengths
+# split up to this many ways, only where the queue's last round would hold fewer than DECODE_QUEUE_FULL_FRACTION of
+# the programs (too few loads in flight for the memory bandwidth; 72 of 132 programs suffice), each further split
+# costing DECODE_QUEUE_SPLIT_COST. Before session 10: 4 slots per program (b32 at 8 kv heads: two splits each).
+# H100, Llama 32/8 hd128 bf16, us, this rule vs 4 slots vs one split per sequence (decodetune T0638-T0640, one run):
+# 8k contiguous b17 198.3 / 199.1 / 229.4 (136 pairs: 4 splits each, not a second round of 4 items), b24 271.2 /
+# 270.5 / 269.5, b32 351.6 / 356.8 / 351.1; b64 4k 353.3 / 353.7 / 353.3, one 128k among 63 of 1k 269.6 / 266.1 /
+# 268.9; 8k page 64 b32 357.4 vs 366.5 (4 slots); page 16 b24 (192 pairs: a last round of 60) 280.6 vs 280.2 (4
+# slots) vs 287.0 (one split), hence a half, not less.
+DECODE_QUEUE_MAX_SPLITS = 4
+DECODE_QUEUE_FULL_FRACTION = 0.5
+DECODE_QUEUE_SPLIT_COST = 0.03
 # Pages smaller than a block (8 <= page < a 16 KiB tile) take that queue too, from 3/4 of the SMs' worth of pairs,
 # with 32 KiB tiles (128 keys at bf16 hd128; they spill 144 bytes there, 64-key tiles none, yet measure faster) and,
 # up to one pair per SM, one slot per program (one split per sequence when lengths are equal). H100, Llama 32/8
@@ -87,6 +99,11 @@ DECODE_DYNAMIC_SLOTS_PER_PROGRAM = 4
 # 144.7 vs 146.7 and b9 116.3 vs 112.2 (so not below 3/4); one 128k sequence among 15 / 23 / 31 / 63 of 1k 209.4
 # vs 221.8, 222.1 vs 244.0, 230.2 vs 265.2, 279.9 vs 351.3. Static shares lose the mixed batch (b16 292.7).
 DECODE_QUEUE_GATHERED = True
+# Pages below DECODE_MIN_PRELOAD_PAGE (1-7 keys, ids read in the KV loop at batch) take the queue as well, from the
+# same 3/4 of the SMs' worth of pairs. H100, Llama 32/8 hd128 bf16 8k, us, vs the split grid (decodetune
+# T0639 / T0640, one run): page 1 b16 187.3 vs 193.3, b32 364.5 vs 374.6, b64 717.7 vs 737.7; one 128k among 15 /
+# 31 / 63 of 1k 213.5 vs 223.9, 232.6 vs 266.5, 275.9 vs 354.3; page 3 b32 365.1 vs 375.9, mixed 232.4 vs 271.6.
+DECODE_QUEUE_KEY_PAGES = True
 # Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
 # this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
 # 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
@@ -188,8 +205,10 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134);
     contiguous caches from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV).
     PERSISTENT_DYNAMIC (more pairs than SMs; gathered pages from 3/4 of them): programs draw work items from a
-    queue, with PERSISTENT_SLOTS slots per program for the split counts. Contiguous caches and pages that are
-    multiples of BLOCK_N; gathered pages only with the queue (PERSISTENT_GATHERED above).
+    queue, with PERSISTENT_SLOTS slots per program for the split counts and equal lengths split up to
+    PERSISTENT_QUEUE_SPLITS ways where the last round would idle the bandwidth (DECODE_QUEUE_MAX_SPLITS).
+    Contiguous caches and pages that are multiples of BLOCK_N; gathered pages and pages of 1-7 keys only with the
+    queue (PERSISTENT_GATHERED above, DECODE_QUEUE_KEY_PAGES).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,
@@ -205,7 +224,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     many_pairs = kv_pairs is not None and kv_pairs > num_sms
     # gathered pages on the persistent kernel's work queue keep 32 KiB tiles (its splits are chosen on the device)
     queue_pairs = kv_pairs is not None and 4 * kv_pairs > 3 * num_sms
-    queue_gathered = bool(hopper and gathered and DECODE_PERSISTENT_DYNAMIC and DECODE_QUEUE_GATHERED
+    key_pages = 0 < page_size < DECODE_MIN_PRELOAD_PAGE and DECODE_QUEUE_KEY_PAGES
+    queue_gathered = bool(hopper and (gathered or key_pages) and DECODE_PERSISTENT_DYNAMIC and DECODE_QUEUE_GATHERED
                           and queue_pairs)
     if few_pairs or (short_gathered_splits and not queue_gathered):
         block_n = min(block_n, small_tile)
@@ -235,7 +255,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles,
             "PERSISTENT_GATHERED": queue_gathered,
-            "PERSISTENT_SLOTS": DECODE_DYNAMIC_SLOTS_PER_PROGRAM if many_pairs else 1,
+            "PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": DECODE_QUEUE_MAX_SPLITS,
             "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES, "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
             "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
             "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs}

@@ -286,11 +286,12 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
 
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0), (64, 3)])
+@pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0), (64, 3), (1, 0), (3, 3)])
 def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs):
     """Beyond one (batch, kv head) pair per SM (extra_seqs > 0), and for pages smaller than a block (gathered page
-    ids) from 3/4 of that, the persistent kernel draws work items from its queue: mixed lengths (one long sequence
-    among empty, one-token and short ones), then uniform, through a plan; the queue is left at zero."""
+    ids, or pages of 1-7 keys whose ids the KV loop reads) from 3/4 of that, the persistent kernel draws work items
+    from its queue: mixed lengths (one long sequence among empty, one-token and short ones), then uniform, through a
+    plan; the queue is left at zero."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
@@ -562,7 +563,7 @@ def test_round3_config_rules():
 def persistent(request, monkeypatch):
     """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
     (several splits per sequence), or 3 programs taking items from the work queue (DYNAMIC, 4 slots per program:
-    more splits); the split-grid stage 1 is made unusable for split launches and the merge kernel unusable
+    more splits, and the device rule that splits equal lengths, kernels _queue_split_ways); the split-grid stage 1 is made unusable for split launches and the merge kernel unusable
     altogether, so a passing test proves the persistent kernel produced and merged the partials."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
@@ -571,7 +572,7 @@ def persistent(request, monkeypatch):
     programs, dynamic = request.param
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
         base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=programs, PERSISTENT_DYNAMIC=dynamic,
-        PERSISTENT_SLOTS=4))
+        PERSISTENT_SLOTS=4, PERSISTENT_QUEUE_SPLITS=heuristics.DECODE_QUEUE_MAX_SPLITS))
     split_grid = ops_decode._launch_stage1
 
     def only_unsplit(shape, *args, **kwargs):
@@ -599,6 +600,46 @@ def _block_multiple_page(batch, nheads, nheads_kv, headdim, dtype, pages_per_blo
     return ops_decode._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
 
 
+@triton.jit
+def _split_counts_kernel(SEQLENS, OUT, batch, programs, KVP: tl.constexpr, BATCH_PAD: tl.constexpr,
+                         QUEUE_SPLITS: tl.constexpr, QUEUE_FULL_FRACTION: tl.constexpr,
+                         QUEUE_SPLIT_COST: tl.constexpr):
+    offs = tl.arange(0, BATCH_PAD)
+    in_batch = offs < batch
+    lens = tl.load(SEQLENS + offs, mask=in_batch, other=0)
+    splits = _device_split_counts(lens, in_batch, programs, programs, KVP, 16, 128, 0, QUEUE_SPLITS,
+                                  QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
+    tl.store(OUT + offs, splits, mask=in_batch)
+
+
+def _device_splits(lens, queue_splits, programs=132, kvp=8):
+    from flashdecode import heuristics
+
+    out = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
+    _split_counts_kernel[(1,)](_lens(lens), out, len(lens), programs, KVP=kvp,
+                               BATCH_PAD=triton.next_power_of_2(len(lens)), QUEUE_SPLITS=queue_splits,
+                               QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
+                               QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST)
+    return out.tolist()
+
+
+def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
+    """The work queue's split counts (kernels/decode.py _queue_split_ways) on 132 programs, 8 kv heads: 17 equal
+    sequences (136 pairs: a second round of 4 items) split 4 ways, also padded to a bucket of 32 with one-token
+    rows; 32 or 64 (last rounds of 124 / 116 items) and 16 (one round) not at all; one 128k sequence among 31 of
+    1k keeps the programs' share (13 splits); without the rule 17 sequences run unsplit."""
+    from flashdecode import heuristics
+
+    ways = heuristics.DECODE_QUEUE_MAX_SPLITS
+    assert _device_splits([8192] * 17, ways) == [4] * 17
+    assert _device_splits([8192] * 17 + [1] * 15, ways) == [4] * 17 + [1] * 15
+    for batch in (16, 32, 64):
+        assert _device_splits([8192] * batch, ways) == [1] * batch, batch
+    assert _device_splits([131072] + [1024] * 31, ways) == [13] + [1] * 31
+    assert _device_splits([0] * 5, ways) == [1] * 5
+    assert _device_splits([8192] * 17, 0) == [1] * 17
+
+
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2])
 def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(4, 4, 2, 64, torch.float16, pages_per_block)
@@ -618,6 +659,26 @@ def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     kp, _, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
     assert not ops_decode._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
+
+
+@pytest.mark.parametrize("page_size,key_ids", [(1, False), (1, True), (3, False)])
+def test_persistent_key_pages(gen, monkeypatch, persistent, page_size, key_ids):
+    """Pages of 1-7 keys on the persistent path (heuristics.DECODE_QUEUE_KEY_PAGES): page ids read per key in the
+    KV loop, or (1-, 2-, 4-key pages with PRELOAD_KEY_IDS) gathered from a split's preload, bounding the splits."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_KEY_IDS=key_ids))
+    lens = [150, 3, 61, 0, 17]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+    assert shape.persistent
+    preload = ops_decode._persistent_preload(shape, 4, ops_decode._min_chunk(shape))
+    assert (preload["PRELOAD_PAGES"] > 0) == key_ids, preload
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4)
 
 
 def test_persistent_plan_runs_fewer_sequences_than_its_max_batch(gen, persistent):
@@ -885,7 +946,7 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, SLOTS_PER_PROGRAM=4 if dynamic else 1)
+                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
     ptx = kernel.asm["ptx"]
@@ -896,7 +957,7 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
 # pipelined, and the 144 stack bytes measured when the queue took this path (heuristics DECODE_QUEUE_GATHERED) at most
 types.update(K="*bf16", V="*bf16")
 consts.update(PAGE_SIZE=16, BLOCK_N=128, MIN_CHUNK=128, GROUP=4, MERGE_M=4, MERGE_BLOCK_S=4, USE_TMA=False,
-              PRELOAD_PAGES=512, MAX_SPLIT_KEYS=8192, DYNAMIC=True, SLOTS_PER_PROGRAM=4)
+              PRELOAD_PAGES=512, MAX_SPLIT_KEYS=8192, DYNAMIC=True, QUEUE_SPLITS=4)
 kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "gathered persistent loads not pipelined"
 assert spilled_bytes(kernel) <= 160, ("the gathered persistent kernel spills more", spilled_bytes(kernel))

@@ -106,21 +106,24 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     # multiples
     page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
               for pairs in (99, 100, 128, 133)}
-    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"], c["PERSISTENT_SLOTS"])
-            for p, c in page64.items()} == {99: (128, False, False, 1), 100: (64, True, False, 1),
-                                            128: (64, True, False, 1),
-                                            133: (64, True, False, hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM)}
+    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"])
+            for p, c in page64.items()} == {99: (128, False, False), 100: (64, True, False), 128: (64, True, False),
+                                            133: (64, True, False)}
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_BOUND_PAGES", True)
     assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132, page_size=64)["PERSISTENT_BOUND_PAGES"]
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
-    assert [cfgs[p]["PERSISTENT_SLOTS"] for p in (133, 512)] == [hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM] * 2
-    # pages smaller than a block (bf16 hd128 page 16, 512-key splits): the queue with 32 KiB tiles from 3/4 of the
-    # SMs' worth of pairs (one slot per program up to the SMs), the split grid with 16 KiB tiles below
-    gathered = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=16,
-                                              split_keys=512) for pairs in (96, 128, 512)}
-    assert {p: (c["PERSISTENT_GATHERED"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_SLOTS"], c["BLOCK_N"])
-            for p, c in gathered.items()} == {96: (False, False, 1, 64), 128: (True, True, 1, 128),
-                                              512: (True, True, hx.DECODE_DYNAMIC_SLOTS_PER_PROGRAM, 128)}
+    assert all(c["PERSISTENT_SLOTS"] == 1 and c["PERSISTENT_QUEUE_SPLITS"] == hx.DECODE_QUEUE_MAX_SPLITS
+               for c in cfgs.values())  # the queue splits equal lengths on the device (kernels _queue_split_ways)
+    # pages smaller than a block (bf16 hd128 page 16, 512-key splits; pages of 1-7 keys alike): the queue with 32
+    # KiB tiles from 3/4 of the SMs' worth of pairs, the split grid with 16 KiB tiles below (page 16)
+    for page in (16, 1, 3):
+        gathered = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page,
+                                                  split_keys=512) for pairs in (96, 128, 512)}
+        assert {p: (c["PERSISTENT_GATHERED"], c["PERSISTENT_DYNAMIC"], c["BLOCK_N"])
+                for p, c in gathered.items()} == {96: (False, False, 64 if page == 16 else 128),
+                                                  128: (True, True, 128), 512: (True, True, 128)}, page
+    monkeypatch.setattr(hx, "DECODE_QUEUE_KEY_PAGES", False)
+    assert not hx.decode_block_config(128, 2, False, kv_pairs=512, num_sms=132, page_size=1)["PERSISTENT_GATHERED"]
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_DYNAMIC", False)
     assert not hx.decode_block_config(128, 2, False, kv_pairs=133, num_sms=132)["PERSISTENT"]
     assert not hx.decode_block_config(128, 2, False, kv_pairs=512, num_sms=132, page_size=16)["PERSISTENT_GATHERED"]

@@ -322,6 +322,14 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
      {}, None),
     ("pgd bn128 s2", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 2},
      {}, None),
+    # one split per sequence of a uniform batch on the queue (slots = the programs: share = programs / pairs)
+    ("slots1", {"PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
+    ("pgd slots1", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "PERSISTENT_SLOTS": 1,
+                    "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
+    # the queue's split counts before session 10: 4 slots per program, no split rule for equal lengths
+    ("slots4", {"PERSISTENT_SLOTS": 4, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
+    # pages of 1-7 keys at batch on the split grid (before session 10) instead of the queue
+    ("grid key pages", {}, {"DECODE_QUEUE_KEY_PAGES": False}, None),
     ("s4", {"num_stages": 4}, {}, None),
     # pipeline depth where the KV loop reads page ids from the block table (default: 2 stages more than the config's
     # 3, so K/V are double-buffered there); tr0 = before session 9
@@ -390,8 +398,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # x2: two programs per SM (16 KiB tiles fit twice)
     ("split-grid", {"PERSISTENT": False}, {}, None),
     # more pairs than SMs: the persistent kernel's work queue, with 2 / 8 item slots per program instead of 4
-    ("dyn-slots2", {"PERSISTENT_SLOTS": 2}, {}, None),
-    ("dyn-slots8", {"PERSISTENT_SLOTS": 8}, {}, None),
+    ("dyn-slots2", {"PERSISTENT_SLOTS": 2, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
+    ("dyn-slots8", {"PERSISTENT_SLOTS": 8, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
     ("persistent", {"PERSISTENT": True}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),

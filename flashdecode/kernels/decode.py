@@ -444,8 +444,9 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
 
 
 @triton.jit
-def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr):
+def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr, QUEUE_SPLITS: tl.constexpr,
+                         QUEUE_FULL_FRACTION: tl.constexpr, QUEUE_SPLIT_COST: tl.constexpr):
     """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike: each sequence's
     share of the ``slots`` program slots, slots * len / (KVP * total) rounded down (KVP programs per split: kv heads
     x row blocks), at least 1, at most NUM_SPLITS (the partial buffer) and at most one per MIN_CHUNK keys. Equal
@@ -454,6 +455,10 @@ def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: t
     MAX_SPLIT_KEYS (0 = no bound): at least cdiv(len, MAX_SPLIT_KEYS) splits, so that no split spans more pages
     than the kernel preloads (the launcher guarantees that NUM_SPLITS splits always suffice).
 
+    QUEUE_SPLITS > 0 (the work queue): also at least s x the sequence's share of n_eff = (sum len)^2 / sum len^2
+    sequences (rounded), s from _queue_split_ways for n_eff x KVP pairs: n equal lengths split s ways, as do n
+    long ones among a bucket's padding of one-token rows, while a lone long sequence keeps the programs' share.
+
     Finer splits do not pay here: every work item refills the load pipeline (H100, 32/8 8k, 9 sequences in 16
     splits each: 122.5 us vs 100.8 unsplit, where 72 programs already saturate the memory bandwidth), and items
     smaller than a program's share can land two on one program (one 128k sequence in 16 splits among 15 of 1k:
@@ -461,11 +466,42 @@ def _device_split_counts(lens, in_batch, slots, KVP: tl.constexpr, NUM_SPLITS: t
     lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
     total = tl.maximum(tl.sum(lens64, 0), 1)
     share = (slots * lens64) // (KVP * total)
+    if QUEUE_SPLITS > 0:
+        lens_f = lens64.to(tl.float32)
+        total_f = total.to(tl.float32)
+        n_eff = total_f * total_f / tl.maximum(tl.sum(lens_f * lens_f, 0), 1.0)
+        ways = _queue_split_ways(n_eff * KVP, programs, QUEUE_SPLITS, QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
+        share = tl.maximum(share, tl.floor(ways * n_eff * lens_f / total_f + 0.5).to(tl.int64))
     splits = tl.minimum(tl.maximum(share, 1), NUM_SPLITS)
     splits = tl.minimum(splits, tl.maximum(tl.cdiv(lens64, MIN_CHUNK), 1))
     if MAX_SPLIT_KEYS > 0:
         splits = tl.maximum(splits, tl.cdiv(lens64, MAX_SPLIT_KEYS))
     return splits.to(tl.int32)
+
+
+@triton.jit
+def _queue_split_ways(pairs, programs, QUEUE_SPLITS: tl.constexpr, QUEUE_FULL_FRACTION: tl.constexpr,
+                      QUEUE_SPLIT_COST: tl.constexpr):
+    """Ways (1..QUEUE_SPLITS) to split each of ``pairs`` equal (sequence, kv head) items (fp32 scalar, may be
+    fractional) for ``programs`` drawing from the work queue: the fewest that minimise the modelled time - rounds
+    of ``programs`` items of 1/s of a sequence, the last round, if it holds fewer than QUEUE_FULL_FRACTION of the
+    programs, costing as if it held that many (too few programs in flight to saturate the memory bandwidth), and
+    every further split QUEUE_SPLIT_COST more (pipeline refill, partials, merge). E.g. 132 programs: 136 pairs
+    split 4 ways (a 5th round of 16 items instead of a 2nd of 4), 256 or 512 not at all (a last round of 124 or
+    116 items). fp32 int32 scalar."""
+    programs_f = programs.to(tl.float32)
+    best_ways = 1
+    best_time = float("inf")
+    for ways in tl.static_range(1, QUEUE_SPLITS + 1):
+        items = tl.floor(pairs * ways + 0.5)
+        full_rounds = tl.floor(items / programs_f)
+        tail = items - full_rounds * programs_f
+        tail_time = tl.where(tail > 0, tl.maximum(tail / programs_f, QUEUE_FULL_FRACTION), 0.0)
+        time = (full_rounds + tail_time) / ways * (1 + QUEUE_SPLIT_COST * (ways - 1))
+        better = time < best_time * (1 - 1e-4)  # ties keep the fewer splits
+        best_ways = tl.where(better, ways, best_ways)
+        best_time = tl.where(better, time, best_time)
+    return best_ways
 
 
 @triton.jit
@@ -504,7 +540,8 @@ def decode_persistent_kernel(
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
-    SLOTS_PER_PROGRAM: tl.constexpr = 1,
+    SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
+    QUEUE_SPLIT_COST: tl.constexpr = 0.03,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -530,8 +567,9 @@ def decode_persistent_kernel(
     DYNAMIC (for more (sequence, kv head) pairs than programs): instead of the static shares, programs take the
     next work item from QUEUE[0] (an int32 counter, zero at rest, as QUEUE[1]) until none is left, so that items
     of unequal cost balance like the split grid's programs do under the hardware scheduler; the split counts then
-    divide SLOTS_PER_PROGRAM x programs slots, so that a batch just above the program count (e.g. 136 pairs on 132
-    programs) still splits into enough items to end together. The last program to finish (QUEUE[1]) resets both.
+    divide SLOTS_PER_PROGRAM x programs slots and, with QUEUE_SPLITS, split equal lengths where the last round
+    would idle the bandwidth (_device_split_counts), so that a batch just above the program count (e.g. 136 pairs
+    on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
     if PDL_WAIT:
         gdc_wait()
@@ -542,8 +580,8 @@ def decode_persistent_kernel(
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
     programs = tl.num_programs(0)
-    splits_b = _device_split_counts(lens, in_batch, programs * SLOTS_PER_PROGRAM, KVP, NUM_SPLITS, MIN_CHUNK,
-                                    MAX_SPLIT_KEYS)
+    splits_b = _device_split_counts(lens, in_batch, programs * SLOTS_PER_PROGRAM, programs, KVP, NUM_SPLITS,
+                                    MIN_CHUNK, MAX_SPLIT_KEYS, QUEUE_SPLITS, QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
     offs_d = tl.arange(0, BLOCK_D)

@@ -199,10 +199,12 @@ class _DecodeShape:
         self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
-        # the persistent programs take work items from a queue (atomic counter) instead of static shares, and
-        # split counts divide persistent_slots slots per program (heuristics: more pairs than SMs, or gathered pages)
+        # the persistent programs take work items from a queue (atomic counter) instead of static shares; split
+        # counts divide persistent_slots slots per program, and equal lengths split up to queue_splits ways where
+        # the queue's last round would idle the bandwidth (heuristics: more pairs than SMs, or gathered pages)
         self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
         self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
+        self.queue_splits = int(cfg.get("PERSISTENT_QUEUE_SPLITS", 0)) if self.persistent_dynamic else 0
         # block-multiple pages whose whole-sequence ids do not fit the preload: bounded splits (see
         # _persistent_preload) rather than one block-table read per block in the loop
         self.persistent_bound_pages = bool(cfg.get("PERSISTENT_BOUND_PAGES", False))
@@ -325,6 +327,8 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
         DYNAMIC=shape.persistent_dynamic,
         SLOTS_PER_PROGRAM=shape.persistent_slots,
+        QUEUE_SPLITS=shape.queue_splits, QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
+        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST,
         num_warps=shape.num_warps, num_stages=num_stages, **({"launch_pdl": True} if shape.pdl_wait else {}),
     )
     # a work item may be a whole sequence unless the splits are bounded
