@@ -72,6 +72,16 @@ DECODE_PERSISTENT_AT_BATCH = True
 # loses up to 6%, as at b9-b16). b4 (32 pairs) does not gain (1k 12.6 vs 11.7, 8k 51.1 vs 52.5) and page 64 loses
 # at 32k (b8 422.3 vs 364.1: a whole sequence's page ids do not fit the preload), so paged caches keep the half.
 DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV = 3
+# Pages that are multiples of the few-pairs tile (bf16 hd128: 64 keys; pages 64, 128, 256) take the persistent
+# kernel with its work queue from this fraction of the SMs' worth of pairs (below half, where the split grid ran
+# them: a plan's split count, sized for the worst mix of lengths, gives equal lengths hundreds of short splits).
+# H100, Llama 32/8 hd128 bf16, us at 1k / 8k / 32k / one 128k among 1k, queue vs split grid (static shares) (decodetune
+# T0652, T0654, one run): b8 (64 pairs) page 64 19.3 / 97.0 / 359.6 / 196.8 vs 21.1 / 99.5 / 364.9 / 204.5 (18.2 /
+# 96.7 / 361.1 / 213.2), page 128 19.4 / 96.3 / 357.5 / 196.2 vs 22.2 / 99.1 / 363.8 / 205.2, page 256 20.0 / 95.5 /
+# 356.1 / 194.0 vs 21.5 / 99.0 / 363.1 / 203.1; but b6 (48 pairs) page 64 16.8 / 77.8 / 282.0 / 194.1 vs 16.1 /
+# 77.0 / 276.6 / 201.6, so not from a third. Contiguous b8 keeps static shares (queue 19.3 / 94.5 / 352.0 / 192.4 vs
+# 18.1 / 93.5 / 351.8 / 209.2: uniform batches lose); gathered and 1-7-key pages at b8 gain nothing clear (T0652).
+DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION = 0.45
 # More pairs than SMs: the persistent kernel with a work queue (programs take the next item from an atomic counter)
 # and split counts that let the last items end together (4 item slots per program then; the rule below since
 # session 10). H100, Llama 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the
@@ -245,15 +255,18 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     # contiguous caches: persistent from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV)
     contig_persistent = (page_size == 0 and kv_pairs is not None
                          and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms)
+    # block-multiple pages: persistent with the work queue from DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION of the SMs
+    paged_queue = bool(few_pairs and page_size > 0 and page_size % block_n == 0 and DECODE_PERSISTENT_DYNAMIC
+                       and kv_pairs > DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION * num_sms)
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
             "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and kv_pairs is not None
-                               and (not few_pairs or contig_persistent)
+                               and (not few_pairs or contig_persistent or paged_queue)
                                and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
-            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles,
+            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles or paged_queue,
             "PERSISTENT_GATHERED": queue_gathered,
             "PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": DECODE_QUEUE_MAX_SPLITS,
             "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES, "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,

@@ -311,23 +311,25 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
 
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [6, 8])
-def test_gpu_contiguous_batches_from_a_third_of_the_sms_run_persistent(gen, monkeypatch, batch):
+@pytest.mark.parametrize("batch,page_size", [(6, None), (8, None), (8, 64), (8, 256)])
+def test_gpu_batches_below_half_the_sms_run_persistent(gen, monkeypatch, batch, page_size):
     """Contiguous caches with a third to a half of the SMs' worth of (batch, kv head) pairs (Llama 32/8, b6 / b8)
-    run the persistent kernel with the few-pairs 64-key tiles: mixed lengths (one long among empty, one-token and
-    short ones), then uniform, through a plan; no merge kernel; tickets left at zero."""
+    run the persistent kernel with static shares, pages that are multiples of the few-pairs 64-key tiles from 0.45
+    of them (b8) with its work queue: mixed lengths (one long among empty, one-token and short ones), then uniform,
+    through a plan; no merge kernel; tickets and queue left at zero."""
     from flashdecode.ops import decode as ops_decode
 
     _forbid_merge_kernel(monkeypatch)
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = ops_decode._DecodeShape(q, k, v, _lens([8] * batch), None, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent and not shape.persistent_dynamic and shape.block_n == 64
+    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    assert shape.persistent and shape.persistent_dynamic == (page_size is not None) and shape.block_n == 64
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
-        out, lse = plan.run(q, k, v, lens, return_lse=True)
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
         _assert_matches_reference(out, lse, q, k, v, lens)
-        assert torch.all(plan._tickets == 0), "tickets must be left at zero"
+        assert torch.all(plan._tickets == 0), "tickets and queue must be left at zero"
 
 
 @pytest.mark.gpu

@@ -87,7 +87,7 @@ def test_head_dim_256_uses_tiles_that_fit_without_the_spilling_four_warp_ones():
 
 def test_persistent_decode_from_half_the_sms(monkeypatch):
     """On Hopper, decode runs as one persistent launch once the (batch, kv head) pairs fill more than half the SMs
-    (a third for contiguous caches):
+    (a third for contiguous caches, 0.45 for pages that are multiples of the tile):
     with static shares up to one pair per SM, with a work queue beyond (DECODE_PERSISTENT_DYNAMIC; off: the
     hardware-balanced split grid there); fewer pairs split over the SMs with the split grid."""
     import flashdecode.heuristics as hx
@@ -99,9 +99,16 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 44: False, 45: True, 66: True, 67: True,
                                                             96: True, 128: True, 132: True, 133: True, 512: True}
     assert cfgs[45]["BLOCK_N"] == 64 and cfgs[67]["BLOCK_N"] == 128
-    paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)["PERSISTENT"]
-             for pairs in (45, 66, 67)}
-    assert paged == {45: False, 66: False, 67: True}
+    # block-multiple pages (of the few-pairs 64-key tiles) from 0.45 of the SMs, on the work queue there
+    for page in (64, 128):
+        paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page)
+                 for pairs in (45, 59, 60, 66, 67)}
+        assert {p: (c["PERSISTENT"], c["PERSISTENT_DYNAMIC"]) for p, c in paged.items()} == {
+            45: (False, False), 59: (False, False), 60: (True, True), 66: (True, True), 67: (True, False)}, page
+        assert paged[66]["BLOCK_N"] == 64
+    # pages that are no block multiple (16, 1) keep the split grid below half of the SMs
+    assert not any(hx.decode_block_config(128, 2, False, kv_pairs=64, num_sms=132, page_size=page)["PERSISTENT"]
+                   for page in (1, 16))
     # pages of one 16 KiB tile (64 keys) from 3/4 of the SMs: 64-key tiles, so the queue serves them as block
     # multiples
     page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)

@@ -401,6 +401,12 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("dyn-slots2", {"PERSISTENT_SLOTS": 2, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
     ("dyn-slots8", {"PERSISTENT_SLOTS": 8, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
     ("persistent", {"PERSISTENT": True}, {}, None),
+    # paged caches at a third to a half of the SMs' worth of pairs (default: the split grid): the persistent kernel
+    # with its work queue, gathered and 1-7-key pages included (32 / 128-key tiles)
+    ("persistent dyn", {"PERSISTENT": True, "PERSISTENT_DYNAMIC": True}, {}, None),
+    ("pgd all", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True}, {}, None),
+    ("pgd all bn128", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128},
+     {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
     # the merge over more, smaller programs (head-dim slices), with the round-3 defaults
