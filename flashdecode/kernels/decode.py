@@ -488,7 +488,7 @@ def _queue_split_ways(pairs, programs, QUEUE_SPLITS: tl.constexpr, QUEUE_FULL_FR
     programs, costing as if it held that many (too few programs in flight to saturate the memory bandwidth), and
     every further split QUEUE_SPLIT_COST more (pipeline refill, partials, merge). E.g. 132 programs: 136 pairs
     split 4 ways (a 5th round of 16 items instead of a 2nd of 4), 256 or 512 not at all (a last round of 124 or
-    116 items). fp32 int32 scalar."""
+    116 items). pairs: fp32 scalar, programs: int32 scalar; returns an int32 scalar."""
     programs_f = programs.to(tl.float32)
     best_ways = 1
     best_time = float("inf")

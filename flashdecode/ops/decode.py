@@ -201,7 +201,8 @@ class _DecodeShape:
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
         # the persistent programs take work items from a queue (atomic counter) instead of static shares; split
         # counts divide persistent_slots slots per program, and equal lengths split up to queue_splits ways where
-        # the queue's last round would idle the bandwidth (heuristics: more pairs than SMs, or gathered pages)
+        # the queue's last round would idle the bandwidth (heuristics: more pairs than SMs, small pages from 3/4
+        # of them, tile-multiple pages from 0.45)
         self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
         self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
         self.queue_splits = int(cfg.get("PERSISTENT_QUEUE_SPLITS", 0)) if self.persistent_dynamic else 0
