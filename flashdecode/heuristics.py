@@ -269,7 +269,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles or paged_queue,
             "PERSISTENT_GATHERED": queue_gathered,
             "PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": DECODE_QUEUE_MAX_SPLITS,
-            "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES, "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
+            "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES,
+            "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
             "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
             "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs}
 

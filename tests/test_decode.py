@@ -565,8 +565,9 @@ def test_round3_config_rules():
 def persistent(request, monkeypatch):
     """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
     (several splits per sequence), or 3 programs taking items from the work queue (DYNAMIC, 4 slots per program:
-    more splits, and the device rule that splits equal lengths, kernels _queue_split_ways); the split-grid stage 1 is made unusable for split launches and the merge kernel unusable
-    altogether, so a passing test proves the persistent kernel produced and merged the partials."""
+    more splits, and the device rule that splits equal lengths, kernels _queue_split_ways); the split-grid stage 1
+    is made unusable for split launches and the merge kernel unusable altogether, so a passing test proves the
+    persistent kernel produced and merged the partials."""
     from flashdecode import heuristics
     from flashdecode.ops import decode as ops_decode
 
