@@ -142,6 +142,27 @@ DECODE_PERSISTENT_BOUND_PAGES = False
 # (short programs wait for the ids before their first K/V load): b16 8k 203.4 vs 192.7, b64 739.7 vs 772.9; with
 # the gathered-page work queue too (variant ids1, T0419) b16 took 226.0.
 DECODE_PRELOAD_KEY_IDS = True
+# The split grid (few (batch, kv head) pairs) with each sequence's split count chosen on the device from all live
+# lengths, one program per work item (kernels/decode.py DEVICE_SPLITS), where the split count comes from the policy
+# and more than one sequence runs: a plan's count is sized for the worst mix of lengths (balance_mixed: 16 at 8 kv
+# heads), which gives equal lengths many short splits. Items: each sequence's floor'd share of this many per SM.
+# Contiguous caches from DECODE_DEVICE_SPLITS_MIN_PAIRS pairs. H100, Llama 32/8 hd128 bf16, us at 1k / 8k / 32k /
+# one 128k among 1k, one run (decodetune T0736), with the merge over two head-dim halves (below) vs the plan's 16
+# splits (4 splits, the equal lengths' count, in brackets): b4 11.2 / 49.4 / 177.2 / 182.8 vs 11.0 / 50.5 / 180.3
+# / 192.1 (10.2 / 48.4 / 173.9 / 407.2); but b2 7.2 / 28.3 / 91.9 / 179.5 vs 6.8 / 27.7 / 92.7 / 179.8, and page
+# 16 b4 12.8 / 54.8 / 192.7 / 199.6 vs 11.7 / 53.6 / 192.9 / 199.7 (its 16 splits cost the 1k and 8k rows less).
+# The device path itself costs ~0.5 us (ncu at b2 8k: stage 1 30.4 vs 29.9 us with the same 8 splits; the item
+# mapping's values live in vector registers, so the loop's TMA coordinates take R2UR moves).
+DECODE_DEVICE_SPLITS = True
+DECODE_DEVICE_SPLITS_MIN_PAIRS = 32
+DECODE_DEVICE_SPLIT_SLOTS_PER_SM = 1
+# The merge kernel over two head-dim halves (twice the programs) from this many (batch, kv head) pairs among few:
+# with a plan's 16 splits per sequence one program held 4 rows x 16 splits x 128 columns and the merge's latency
+# showed (ncu, b2 8k: 5.0 vs 3.8 us for 8 splits). Same run as above, us, halves vs whole rows: b2 contiguous 6.8 /
+# 27.7 / 92.7 / 179.8 vs 7.6 / 28.0 / 93.9 / 181.0, b4 11.0 / 50.5 / 180.3 / 192.1 vs 11.7 / 52.3 / 182.3 / 194.4,
+# b4 page 16 11.7 / 53.6 / 192.9 / 199.7 vs 12.3 / 55.5 / 195.8 / 202.5. At b1 16/2 (2 pairs) halves measured
+# within noise (session 3), so b1 keeps whole rows.
+DECODE_MERGE_SPLIT_D_MIN_PAIRS = 16
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -272,7 +293,11 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES,
             "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
             "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
-            "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs}
+            "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs,
+            "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and page_size == 0
+                                  and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS),
+            "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
+            "MERGE_D_CHUNKS": 2 if few_pairs and kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else 1}
 
 
 @functools.lru_cache(maxsize=None)

@@ -332,6 +332,33 @@ def test_gpu_batches_below_half_the_sms_run_persistent(gen, monkeypatch, batch, 
         assert torch.all(plan._tickets == 0), "tickets and queue must be left at zero"
 
 
+@pytest.mark.xdist_group("gpu_bigmem")
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,page_size", [(2, None), (4, None), (5, None), (4, 16), (8, 16), (4, 64), (4, 1)])
+def test_gpu_device_split_grid(gen, batch, page_size):
+    """Llama 32/8 at b2-b8 (16-64 pairs, the split grid) through a plan sized for the worst mix, with each
+    sequence's split count chosen on the device (DEVICE_SPLITS where heuristics turn it on; forced here): mixed
+    lengths (one long among empty, one-token and short ones), then uniform; contiguous, gathered (16), block-
+    multiple (64) and 1-key pages (whose ids do not fit the preload: the fixed-count split grid)."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    heuristics_cfg = lambda *a, **kw: dict(base(*a, **kw), DEVICE_SPLITS=True)  # noqa: E731
+    q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(heuristics, "decode_block_config", heuristics_cfg)
+        plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
+        shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1),
+                                        grid_batch=batch)
+        assert shape.device_splits and not shape.persistent
+        for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
+            lens = _lens(lengths[:batch])
+            out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+            _assert_matches_reference(out, lse, q, k, v, lens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
@@ -643,6 +670,61 @@ def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
     assert _device_splits([8192] * 17, 0) == [1] * 17
 
 
+@pytest.fixture(params=[3, 40], ids=["3slots", "40slots"])
+def device_splits(request, monkeypatch):
+    """DEVICE_SPLITS on through the config with 3 work-item slots (short sequences share them: one split each) or
+    40 (a long sequence takes many splits). Returns the list of DEVICE_SPLITS page preloads launched (one entry per
+    split-grid launch that chose its split counts on the device)."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode as ops_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
+        base(*a, **k), DEVICE_SPLITS=True, DEVICE_SPLIT_SLOTS=request.param))
+    launched = []
+    stage1 = ops_decode._launch_stage1
+
+    def spy(*args, **kwargs):
+        if kwargs.get("device_preload") is not None:
+            launched.append(kwargs["device_preload"])
+        return stage1(*args, **kwargs)
+
+    monkeypatch.setattr(ops_decode, "_launch_stage1", spy)
+    return launched
+
+
+@pytest.mark.parametrize("page_size", [None, 3, 8, 32])
+def test_device_splits_ragged_and_paged(gen, device_splits, page_size):
+    """A plan's policy split count (sized for the worst mix) with each sequence's count chosen on the device:
+    ragged lengths (a long one, an empty one, one token, short ones), then equal ones; contiguous, pages whose ids
+    the loop reads (3), gathered preloaded ids (8 < BLOCK_N 16 on the CPU) and block-multiple pages (32). Every
+    layout launches the device-split grid (their whole sequences' ids fit the preload or are read in the loop)."""
+    q, k, v = _make(gen, 5, 300, 4, 2, 64, torch.float32)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=300, dtype=torch.float32, device=DEVICE)
+    assert plan.num_splits > 4
+    for lengths in ([300, 0, 1, 47, 130], [200] * 5):
+        lens = _lens(lengths)
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
+    assert len(device_splits) == 2
+
+
+def test_device_splits_keep_a_callers_split_count(gen, device_splits):
+    """A split count the caller chose (flash_decode's num_splits, a plan's num_splits) is run as given, and one
+    sequence needs no device plan: only the policy's count at batch > 1 takes the device-split grid."""
+    q, k, v = _make(gen, 3, 200, 4, 2, 64, torch.float32)
+    lens = _lens([200, 60, 5])
+    _check(q, k, v, lens, num_splits=7)
+    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=200, dtype=torch.float32, device=DEVICE, num_splits=6)
+    out, lse = plan.run(q, k, v, lens, return_lse=True)
+    _assert_matches_reference(out, lse, q, k, v, lens)
+    _check(q[:1], k[:1], v[:1], lens[:1])
+    assert device_splits == []
+    _check(q, k, v, lens)  # the policy's count from the live lengths: the device may split differently
+    assert len(device_splits) == 1
+
+
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2])
 def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(4, 4, 2, 64, torch.float16, pages_per_block)
@@ -899,7 +981,8 @@ def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True), **consts)
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
+                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -924,6 +1007,15 @@ for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, T
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
     assert "ld.global.cg" in ptx and spilled_bytes(kernel) == 0
+# DEVICE_SPLITS (split counts from all lengths, one program per work item): still pipelined, no spills, the
+# prefetch (which places the item with lengths read .cg) before the wait
+for page, tma, preload, block_n in [(0, True, 0, 64), (64, True, 16, 64), (16, False, 64, 64)]:
+    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=64,
+                            GROUP=4, DEVICE_SPLITS=True, SPLIT_SLOTS=132, BATCH_PAD=8, KV_PROGRAMS=8,
+                            PREFETCH_KEYS=64)
+    ptx = kernel.asm["ptx"]
+    assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
+    assert spilled_bytes(kernel) == 0, ("device splits spill", page)
 # FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
 # not spill (its tile is held in registers)
 for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),

@@ -169,3 +169,54 @@ def test_read_queue_reads_every_block_once_and_resets_its_counter():
         call()
         torch.testing.assert_close(out.double().sum().cpu(), ref.cpu(), rtol=1e-4, atol=1e-2)
         assert queue.tolist() == [0, 0]
+
+
+def test_whole_row_probe_gives_each_row_its_own_heads_attention():
+    """rows_stream_kernel reads whole cache rows (every kv head's columns of a key) with a block-diagonal q: each
+    query row's partial, in its own kv head's columns, is that head's attention over the program's chunk."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashdecode.bench.stream import rows_stream_kernel
+
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong (KERNEL_NOTES.md)
+    width, group = NHEADS_KV * HEADDIM, BLOCK_M // NHEADS_KV
+    k, v = (randn(CTX, width, gen=gen, dtype=dtype) for _ in range(2))
+    head_of_row = torch.arange(BLOCK_M, device=DEVICE) // group
+    q = randn(BLOCK_M, width, gen=gen, dtype=dtype) * (head_of_row[:, None] == torch.arange(
+        width, device=DEVICE)[None, :] // HEADDIM)
+    out = torch.full((SPLITS * BLOCK_M,), float("nan"), device=DEVICE)
+    o_part = torch.full((SPLITS * BLOCK_M, width), float("nan"), device=DEVICE)
+    kd, vd = (TensorDescriptor(x, [CTX, width], [width, 1], [BLOCK_N, width]) for x in (k, v))
+    rows_stream_kernel[(SPLITS,)](kd, vd, q, out, o_part, CTX, SPLITS=SPLITS, WIDTH=width, BLOCK_N=BLOCK_N,
+                                  BLOCK_M=BLOCK_M, MODE=3)
+    o_part = o_part.view(SPLITS, NHEADS_KV, group, NHEADS_KV, HEADDIM)
+    got = torch.stack([o_part[:, hk, :, hk] for hk in range(NHEADS_KV)], 1).reshape(-1, group, HEADDIM)
+    q_heads = torch.stack([q[hk * group:(hk + 1) * group, hk * HEADDIM:(hk + 1) * HEADDIM]
+                           for hk in range(NHEADS_KV)])
+    kc, vc = _chunks(k), _chunks(v)  # (kv head, split) order
+
+    def per_head(dt):
+        return torch.stack([_attention(q_heads[hk], kc[hk * SPLITS:(hk + 1) * SPLITS],
+                                       vc[hk * SPLITS:(hk + 1) * SPLITS], dt) for hk in range(NHEADS_KV)], 1)
+
+    ref = per_head(torch.float64).reshape(-1, group, HEADDIM)  # (split, kv head) order, as got
+    same = per_head(dtype).float().reshape(-1, group, HEADDIM)
+    err, base = (got.double().cpu() - ref.cpu()).abs().max(), (same.double().cpu() - ref.cpu()).abs().max()
+    assert not torch.isnan(got).any() and err <= 3 * base + 1e-5, (err, base)
+
+
+def test_device_descriptor_probe_matches_the_host_descriptor_probe():
+    """ws_stream_kernel (device-side tensor descriptors, what Triton's Hopper warp specialisation needs; WS is
+    ignored by the interpreter) writes the same per-program value as stream_kernel's MODE 2 on the same inputs."""
+    import triton
+
+    from flashdecode.bench.stream import ws_stream_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, out, _ = _run(2, gen, torch.float16)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, device=DEVICE, dtype=torch.int8))
+    ws_out = torch.full((NHEADS_KV * SPLITS,), float("nan"), device=DEVICE)
+    ws_stream_kernel[(NHEADS_KV * SPLITS,)](k, v, q, ws_out, CTX, NHEADS_KV * HEADDIM, SPLITS=SPLITS,
+                                            HEADDIM=HEADDIM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, WS=False)
+    torch.testing.assert_close(ws_out, out[: NHEADS_KV * SPLITS], rtol=1e-3, atol=1e-2)

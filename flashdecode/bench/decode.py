@@ -310,6 +310,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("bn16 s6", {"BLOCK_N": 16, "num_stages": 6}, {}, None),
     ("bn16 s10", {"BLOCK_N": 16, "num_stages": 10}, {}, None),
     ("no-tiny", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 0}, None),  # gathered pages keep 16 KiB tiles at b1
+    ("tiny128", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 128}, None),  # 8 KiB tiles for 128-key splits too
+    ("tiny256", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 256}, None),
     ("pre256g", {"PRELOAD_GATHER_MAX": 256}, {}, None),  # gathered page ids preloaded up to 256 (session 3)
     ("persistent-gathered", {"PERSISTENT_GATHERED": True}, {}, None),  # page 16 on the persistent path too
     ("persistent-gathered bn64", {"PERSISTENT_GATHERED": True, "BLOCK_N": 64}, {}, None),
@@ -407,6 +409,11 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pgd all", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True}, {}, None),
     ("pgd all bn128", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128},
      {}, None),
+    # the split grid with device-side split counts, one program per work item (1 or 2 items per SM)
+    ("dev", {"DEVICE_SPLITS": True}, {}, None),
+    ("dev x2", {"DEVICE_SPLITS": True, "DEVICE_SPLIT_SLOTS": 264}, {}, None),
+    ("dev md2", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 2}, {}, None),
+    ("dev md4", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 4}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
     # the merge over more, smaller programs (head-dim slices), with the round-3 defaults

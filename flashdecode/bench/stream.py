@@ -277,6 +277,118 @@ PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE
 
 
 @triton.jit
+def _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n):
+    """stream_kernel's MODE 2 step over the descriptors' block at row n, column 0: q @ K^T, the online softmax,
+    then the V load and P @ V. Returns (acc, m_i, l_i)."""
+    s = tl.dot(q, tl.trans(K.load([n, 0]))) * 0.12753
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = V.load([n, 0])
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), m_new, l_i
+
+
+@triton.jit
+def rows_stream_kernel(K, V, Q, OUT, O_PART, seqlen, SPLITS: tl.constexpr, WIDTH: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr):
+    """stream_kernel's MODE 2 / 3 with one program per split for all kv heads at once: K, V are descriptors over
+    (seqlen, WIDTH = nheads_kv * HEADDIM) with (BLOCK_N, WIDTH) boxes, i.e. whole cache rows (every head's bytes of
+    a key are adjacent in memory), and Q (BLOCK_M, WIDTH) is block-diagonal (each query row is zero outside its kv
+    head's columns), so one q @ K^T gives every row its own head's scores and P @ V its head's output among the
+    WIDTH columns. What the per-head strided reads cost against reading whole rows."""
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
+    start = pid * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :])
+    acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n)
+    if MODE >= 3:
+        rows = tl.arange(0, BLOCK_M)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_rows = pid * BLOCK_M + rows
+        tl.store(O_PART + out_rows[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], o)
+        tl.store(OUT + out_rows, m_i + tl.log2(l_i))
+    else:
+        tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
+def _rows_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, mode):
+    """rows_stream_kernel over each rotated K/V set: ``splits`` programs, 8 query rows per kv head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    width = nheads_kv * headdim
+    block_m = max(16, 8 * nheads_kv)
+    out = torch.empty(splits * block_m, device="cuda", dtype=torch.float32)
+    o_part = torch.empty(splits * block_m * width, device="cuda", dtype=torch.float32)
+    q = torch.randn(block_m, width, device="cuda", dtype=torch.bfloat16)
+    head_of_row = torch.arange(block_m, device="cuda") // 8
+    head_of_col = torch.arange(width, device="cuda") // headdim
+    q = q * (head_of_row[:, None] == head_of_col[None, :])
+    calls = []
+    for k, v in sets:
+        kd, vd = (TensorDescriptor(x, [ctx, width], [width, 1], [block_n, width]) for x in (k, v))
+
+        def call(kd=kd, vd=vd):
+            rows_stream_kernel[(splits,)](kd, vd, q, out, o_part, ctx, SPLITS=splits, WIDTH=width, BLOCK_N=block_n,
+                                          BLOCK_M=block_m, MODE=mode, num_warps=4, num_stages=stages)
+        calls.append(call)
+    return calls
+
+
+ROWS_VARIANTS = [  # (label, splits, BLOCK_N, stages, MODE of rows_stream_kernel)
+    ("rows sm s64 bn32", 64, 32, 3, 2), ("rows sm s128 bn32", 128, 32, 3, 2), ("rows sm s128 bn64 st2", 128, 64, 2, 2),
+    ("rows sm s256 bn32 st2", 256, 32, 2, 2), ("rows epi s128 bn32", 128, 32, 3, 3),
+    ("rows sm s132 bn32", 132, 32, 3, 2), ("rows sm s128 bn32 st4", 128, 32, 4, 2),
+]
+
+
+@triton.jit
+def ws_stream_kernel(K, V, Q, OUT, seqlen, stride_tok, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WS: tl.constexpr):
+    """stream_kernel's MODE 2 with device-side tensor descriptors (what Triton's Hopper warp specialisation needs)
+    and the KV loop warp-specialised (WS: a producer warp group issues the TMA loads, the others compute) or not."""
+    pid = tl.program_id(0)
+    hk = pid // SPLITS
+    split = pid % SPLITS
+    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    kd = tl.make_tensor_descriptor(K + hk * HEADDIM, shape=[seqlen, HEADDIM], strides=[stride_tok, 1],
+                                   block_shape=[BLOCK_N, HEADDIM])
+    vd = tl.make_tensor_descriptor(V + hk * HEADDIM, shape=[seqlen, HEADDIM], strides=[stride_tok, 1],
+                                   block_shape=[BLOCK_N, HEADDIM])
+    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
+    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, kd, vd, n)
+    tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
+def _ws_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, warps, ws):
+    """ws_stream_kernel over each rotated K/V set (device-side descriptors: a scratch allocator is installed)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+    out = torch.empty(nheads_kv * splits, device="cuda", dtype=torch.float32)
+    q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
+    return [lambda k=k, v=v: ws_stream_kernel[(nheads_kv * splits,)](
+        k, v, q, out, ctx, nheads_kv * headdim, SPLITS=splits, HEADDIM=headdim, BLOCK_N=block_n, BLOCK_M=block_m,
+        WS=ws, num_warps=warps, num_stages=stages) for k, v in sets]
+
+
+WS_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, warps, warp-specialised)
+    ("dev sm s64 bn64", 64, 64, 3, 16, 4, False), ("ws sm s64 bn64", 64, 64, 3, 16, 4, True),
+    ("ws sm s64 bn64 m64", 64, 64, 3, 64, 4, True), ("ws sm s64 bn64 st4", 64, 64, 4, 16, 4, True),
+    ("ws sm s64 bn128 st2", 64, 128, 2, 16, 4, True), ("ws sm s64 bn64 w8", 64, 64, 3, 64, 8, True),
+]
+
+
+@triton.jit
 def read_kernel(K, V, OUT, BLOCK: tl.constexpr):
     """Program p reads elements [p * BLOCK, (p + 1) * BLOCK) of K and of V (flat, unmasked: the launcher sizes the
     grid to whole blocks) and writes their sum: a read-only sweep with as many small programs as a copy kernel
@@ -401,9 +513,10 @@ def main() -> int:
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen = None if args.variants is None else set(args.variants.split(","))
-    variants, paged, boxes, reads, read_loops, read_queues = (
+    variants, paged, boxes, reads, read_loops, read_queues, rows_variants, ws_variants = (
         [v for v in table if chosen is None or v[0] in chosen]
-        for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS, READ_QUEUE_VARIANTS))
+        for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS, READ_QUEUE_VARIANTS,
+                      ROWS_VARIANTS, WS_VARIANTS))
     torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -420,6 +533,16 @@ def main() -> int:
         for label, splits, page, stages, block_m, shuffled in boxes:
             row[label] = cuda_graph_time_us(_page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages,
                                                             block_m, shuffled, gen), reps=args.reps)
+        for label, splits, block_n, stages, mode in rows_variants:
+            row[label] = cuda_graph_time_us(_rows_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
+                                                               stages, mode), reps=args.reps)
+        for label, splits, block_n, stages, block_m, warps, ws in ws_variants:
+            try:
+                row[label] = cuda_graph_time_us(_ws_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
+                                                                 stages, block_m, warps, ws), reps=args.reps)
+            except Exception as exc:  # noqa: BLE001 - an experimental compiler path: report, keep timing the rest
+                print(f"{label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                row[label] = None
         for label in torch_kinds:
             row[label] = cuda_graph_time_us(_torch_calls(sets, label.split()[1]), reps=args.reps)
         for label, block, warps in reads:
@@ -445,7 +568,7 @@ def main() -> int:
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
                                 "variants": [list(v) for v in variants + paged + boxes + reads + read_loops
-                                             + read_queues] + torch_kinds,
+                                             + read_queues + rows_variants + ws_variants] + torch_kinds,
                                 "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0

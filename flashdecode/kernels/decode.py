@@ -258,9 +258,9 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, num_pages, window_left,
-                         stride_rb, stride_kt, stride_kh,
-                         SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, num_splits, capacity, num_pages,
+                         window_left, stride_rb, stride_kt, stride_kh,
+                         SEQLEN_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                          MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          HEADDIM: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr,
                          NUM_LINES: tl.constexpr):
@@ -273,7 +273,7 @@ def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, 
     [0, num_pages)), whatever the stale values. stride_rb: the raw cache's batch (contiguous) or page stride.
     """
     seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
-    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
     if start < end:
         keys = tl.minimum(start + tl.arange(0, PREFETCH_KEYS), end - 1)
         if PAGE_SIZE == 0:
@@ -291,7 +291,7 @@ def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, 
 @triton.jit
 def decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, K_RAW, V_RAW,
-    score_scale, softcap_out, window_left, capacity, num_pages, stride_rb,
+    score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
@@ -306,7 +306,8 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    PAGE_GATHER: tl.constexpr = True,
+    PAGE_GATHER: tl.constexpr = True, DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
+    BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
 ):
     """Stage 1 (see module doc).
 
@@ -330,31 +331,68 @@ def decode_split_kernel(
     gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
     of two) per head-dim row. Only a hint: the data is read again after the wait.
+    DEVICE_SPLITS (not FINAL, not FUSED_MERGE): grid (programs, 1, 1) instead, program p runs work
+    item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
+    heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
+    least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
+    the item with the lengths read before the wait (a hint), the work with those read after it. A sequence's split
+    0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
+    sees them as empty.
     """
-    split = tl.program_id(0)
-    pid_hm = tl.program_id(1)
-    b = tl.program_id(2)
+    if DEVICE_SPLITS:
+        if PREFETCH_KEYS > 0:  # the item as the (possibly stale) lengths place it: a hint only, as below
+            pb, phm, psplit, pns, _ = _planned_item(SEQLENS, tl.program_id(0), batch, capacity, SPLIT_SLOTS,
+                                                    KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS, BATCH_PAD,
+                                                    ".cg")
+            if pb < batch:
+                _prefetch_split_head(K_RAW, V_RAW, SEQLENS, BLOCK_TABLE + pb.to(tl.int64) * stride_btb, pb,
+                                     phm // NUM_M_BLOCKS, psplit, pns, capacity, num_pages, window_left, stride_rb,
+                                     stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, PAGE_SIZE,
+                                     HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+        if PDL_WAIT:
+            gdc_wait()
+        if USE_PDL:
+            gdc_launch_dependents()
+        b, pid_hm, split, num_splits, seqlen = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+                                                             SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
+                                                             MAX_SPLIT_KEYS, BATCH_PAD, "")
+        if b >= batch:  # past the last work item
+            return
+    else:
+        split = tl.program_id(0)
+        pid_hm = tl.program_id(1)
+        b = tl.program_id(2)
+        num_splits = NUM_SPLITS
     hk = pid_hm // NUM_M_BLOCKS
     m_block = pid_hm % NUM_M_BLOCKS
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
-    if PREFETCH_KEYS > 0:
-        _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, capacity, num_pages, window_left,
-                             stride_rb, stride_kt, stride_kh, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW,
-                             PAGE_SIZE, HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
-    if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
-        gdc_wait()
-    if USE_PDL:
-        gdc_launch_dependents()
+    if not DEVICE_SPLITS:
+        if PREFETCH_KEYS > 0:
+            _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, NUM_SPLITS, capacity, num_pages,
+                                 window_left, stride_rb, stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW,
+                                 PAGE_SIZE, HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+        if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
+            gdc_wait()
+        if USE_PDL:
+            gdc_launch_dependents()
 
     t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
-    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, NUM_SPLITS, BLOCK_N, MIN_CHUNK, WINDOW)
+    if not DEVICE_SPLITS:  # (the device-split path read every length already)
+        seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
 
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
-    lse_ptrs = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh + split * stride_ls
+    lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
+    lse_ptrs = lse_rows + split * stride_ls
+    if DEVICE_SPLITS:
+        if split == 0:  # the slots this sequence does not use must read as empty states in the merge
+            unused = tl.arange(0, MERGE_SPLITS)
+            tl.store(lse_rows[:, None] + unused[None, :] * stride_ls, tl.full([BLOCK_M, MERGE_SPLITS],
+                     float("-inf"), tl.float32),
+                     mask=row_ok[:, None] & ((unused >= num_splits) & (unused < NUM_SPLITS))[None, :])
     ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm  # FUSED_MERGE only
     if not FINAL and not FUSED_MERGE:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
@@ -477,6 +515,28 @@ def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM
     if MAX_SPLIT_KEYS > 0:
         splits = tl.maximum(splits, tl.cdiv(lens64, MAX_SPLIT_KEYS))
     return splits.to(tl.int32)
+
+
+@triton.jit
+def _planned_item(SEQLENS, item, batch, capacity, slots, KVP, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                  MAX_SPLIT_KEYS: tl.constexpr, BATCH_PAD: tl.constexpr, CACHE: tl.constexpr):
+    """Work item ``item`` of decode_split_kernel's DEVICE_SPLITS grid: (b, pid_hm, split, splits of b, length of
+    b), items in the order (sequence, kv head x row block, split), each sequence split as _device_split_counts
+    decides from all ``batch`` lengths (SEQLENS int32, clamped to ``capacity``; read with cache modifier CACHE) for
+    ``slots`` items; b == batch past the last item. KVP: kv heads x row blocks."""
+    offs_b = tl.arange(0, BATCH_PAD)
+    in_batch = offs_b < batch
+    lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0, cache_modifier=CACHE),
+                                 capacity), 0)
+    splits_b = _device_split_counts(lens, in_batch, slots, slots, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS, 0,
+                                    0.5, 0.0)
+    items_b = tl.where(in_batch, splits_b * KVP, 0)
+    items_end = tl.cumsum(items_b, 0)
+    b = tl.sum((items_end <= item).to(tl.int32), 0)
+    pick = offs_b == b
+    num_splits = tl.maximum(tl.sum(tl.where(pick, splits_b, 0), 0), 1)
+    r = item - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
+    return b, r // num_splits, r % num_splits, num_splits, tl.sum(tl.where(pick, lens, 0), 0)
 
 
 @triton.jit

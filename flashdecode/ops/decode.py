@@ -211,6 +211,11 @@ class _DecodeShape:
         self.persistent_bound_pages = bool(cfg.get("PERSISTENT_BOUND_PAGES", False))
         # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
         self.page_gather = bool(cfg.get("PAGE_GATHER", True))
+        # the split grid with split counts chosen on the device from all lengths, one program per work item (for
+        # a policy split count at batch > 1, where a plan's count is sized for the worst mix; see _run_decode)
+        self.device_splits = (bool(cfg.get("DEVICE_SPLITS", False)) and not self.persistent
+                              and not self.fused_merge)
+        self.device_split_slots = int(cfg.get("DEVICE_SPLIT_SLOTS") or heuristics.num_sms(self.device))
 
     def check_out(self, out, q):
         if out is None:
@@ -257,25 +262,35 @@ def _kv_sources(shape, k_cache, v_cache):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_table, o4, lse3, num_splits,
-                   final: bool, min_chunk: int, fused=None):
+                   final: bool, min_chunk: int, fused=None, device_preload=None):
     """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials).
     fused: None, or (out4 (batch, seqlen_q, nheads, headdim), lse_out (batch, seqlen_q, nheads) fp32, tickets int32
-    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path."""
+    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path.
+    device_preload: None, or the page preload of a DEVICE_SPLITS launch (_device_split_preload): split counts
+    chosen on the device, <= num_splits per sequence, one program per work item."""
     q4 = shape.q4
     bt = block_table if block_table is not None else cache_seqlens
     stride_os = 0 if final else o4.stride(3)
     stride_od = o4.stride(3) if final else o4.stride(4)
     stride_ls = 0 if final else lse3.stride(3)
-    grid = (num_splits, shape.nheads_kv * shape.num_m_blocks, shape.batch)
+    kv_programs = shape.nheads_kv * shape.num_m_blocks
+    grid = (num_splits, kv_programs, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
     fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     preload_pages = _preload_pages(shape, num_splits, min_chunk)
+    split_keys_max = _max_split_keys(shape, num_splits, min_chunk)
+    device = {}
+    if device_preload is not None:
+        grid = (_device_split_programs(shape, num_splits), 1, 1)
+        preload_pages, split_keys_max = device_preload, shape.capacity
+        device = dict(DEVICE_SPLITS=True, SPLIT_SLOTS=shape.device_split_slots, KV_PROGRAMS=kv_programs,
+                      BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)))
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
-        k_cache.stride(0),
+        k_cache.stride(0), shape.batch,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
@@ -290,10 +305,10 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         PRELOAD_PAGES=preload_pages,
         FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        PAGE_GATHER=shape.page_gather, num_warps=shape.num_warps, num_stages=num_stages,
+        PAGE_GATHER=shape.page_gather, **device, num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
-    stages = _pipeline_stages(shape, preload_pages, _max_split_keys(shape, num_splits, min_chunk))
+    stages = _pipeline_stages(shape, preload_pages, split_keys_max)
     _launch_within_shared_memory(launch, stages, (shape.block_m, shape.block_n, shape.block_d, q4.dtype,
                                                   shape.use_tma))
 
@@ -336,6 +351,29 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
     stages = _pipeline_stages(shape, preload["PRELOAD_PAGES"], preload["MAX_SPLIT_KEYS"] or shape.capacity)
     _launch_within_shared_memory(launch, stages, (shape.block_m, shape.block_n, shape.block_d, q4.dtype,
                                                   shape.use_tma, "persistent"))
+
+
+def _device_split_programs(shape, num_splits) -> int:
+    """Programs of a DEVICE_SPLITS launch: enough for every work item _planned_item can make. A sequence's split
+    count is its floor'd share of device_split_slots items (kv programs each), at least 1 and at most num_splits,
+    so all of them hold at most slots + batch x kv programs items."""
+    kv_programs = shape.nheads_kv * shape.num_m_blocks
+    return kv_programs * min(shape.batch * num_splits, shape.device_split_slots // kv_programs + shape.batch)
+
+
+def _device_uniform_splits(shape, num_splits) -> int:
+    """Splits per sequence that a DEVICE_SPLITS launch gives a batch of equal lengths (kernels/decode.py
+    _device_split_counts: each sequence's floor'd share of the slots), for the host's tile choice."""
+    kv_programs = shape.nheads_kv * shape.num_m_blocks
+    return max(1, min(num_splits, shape.device_split_slots // (kv_programs * shape.batch)))
+
+
+def _device_split_preload(shape, num_splits, min_chunk):
+    """PRELOAD_PAGES of a DEVICE_SPLITS launch (a split may span a whole sequence), or None where that does not
+    fit the preload while the kernel relies on it (pages smaller than a block whose ids outgrow it: the split
+    grid's fixed counts then keep the splits short enough)."""
+    preload = _persistent_preload(shape, num_splits, min_chunk)
+    return None if preload["MAX_SPLIT_KEYS"] else preload["PRELOAD_PAGES"]
 
 
 def _pipeline_stages(shape, preload_pages, split_keys_max) -> int:
@@ -454,11 +492,13 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-                num_splits, min_chunk, tickets=None):
+                num_splits, min_chunk, tickets=None, policy_splits=False):
     """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3.
     With shape.fused_merge or shape.persistent and num_splits > 1, one launch: stage 1 merges in its last program
     per row block, using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the
-    kernel)."""
+    kernel). policy_splits: num_splits came from the split policy (not the caller), so that with
+    shape.device_splits and more than one sequence the split grid may choose each sequence's count on the device
+    (<= num_splits) instead."""
     if num_splits == 1:  # no partials, no second kernel
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
         return
@@ -470,8 +510,11 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
         _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                            tickets, num_splits, min_chunk)
         return
+    device_preload = None
+    if policy_splits and shape.device_splits and shape.batch > 1:
+        device_preload = _device_split_preload(shape, num_splits, min_chunk)
     _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
-                   False, min_chunk)
+                   False, min_chunk, device_preload=device_preload)
     b, sq, h = shape.batch, shape.seqlen_q, shape.nheads
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
@@ -572,7 +615,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     if splits > 1 and (shape.fused_merge or shape.persistent):
         tickets = torch.zeros(_num_tickets(b, sq, h, shape.nheads_kv), dtype=torch.int32, device=q.device)
     _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
-                _min_chunk(shape), tickets)
+                _min_chunk(shape), tickets, policy_splits=num_splits is None)
     return (out, _lse_view(lse3, q)) if return_lse else out
 
 
@@ -623,6 +666,7 @@ class DecodePlan:
         # Programmatic dependent launch of the merge (Hopper+): None = the heuristics' default.
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and _pdl_capable(self.device)
         self.num_splits = num_splits if num_splits is not None else self._default_splits(balance_mixed)
+        self._policy_splits = num_splits is None  # the device may then choose fewer per sequence
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         rows = max_batch * max_seqlen_q * nheads
@@ -658,6 +702,9 @@ class DecodePlan:
                              grid_batch=self.max_batch,
                              split_keys=heuristics.cdiv(max(self.max_seqlen_k, 1), self.num_splits))
         shape.check_out(out, q)
+        if self._policy_splits and shape.device_splits and shape.batch > 1:
+            # tiles for the splits the device gives equal lengths, not for the plan's count (sized for a mix)
+            shape.configure(heuristics.cdiv(max(self.max_seqlen_k, 1), _device_uniform_splits(shape, self.num_splits)))
         if self.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
             shape.use_pdl = self.use_pdl
             shape.pdl_wait = shape.pdl_wait and self.use_pdl
@@ -676,7 +723,7 @@ class DecodePlan:
         partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if s > 1 else None
         partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if s > 1 else None
         _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, s,
-                    _min_chunk(shape), self._tickets)
+                    _min_chunk(shape), self._tickets, policy_splits=self._policy_splits)
         return (out, _lse_view(lse3, q)) if return_lse else out
 
 
