@@ -640,13 +640,15 @@ class DecodePlan:
     price is paid by large uniform batches of long sequences, which then split when they need not: measured on
     the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
     sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
-    (num_splits, nheads_kv, batch) + the merge - or, on Hopper with half to all of the SMs' worth of (batch, kv
-    head) pairs, one persistent launch of num_sms programs whose split counts (<= num_splits) follow the live
-    lengths on the device, so uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table on
-    the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable. The returned
-    tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic
-    dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a dependent of the
-    kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
+    (num_splits, nheads_kv, batch) + the merge - or, where the heuristics say so, a grid whose split counts (<=
+    num_splits) follow the live lengths on the device (contiguous caches at a quarter to a third of the SMs' worth
+    of (batch, kv head) pairs), or on Hopper with more pairs one persistent launch of num_sms programs that does
+    the same and merges in-kernel, so uniform batches do not pay for balance_mixed - reads cache_seqlens /
+    block_table on the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable.
+    The returned tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the
+    programmatic dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a
+    dependent of the kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter
+    cannot do it).
     The one-launch paths (the persistent kernel, or the config's opt-in FUSED_MERGE) merge after int32 ticket
     counters owned by the plan, zero at rest (each run leaves them zero again).
     """
