@@ -982,7 +982,7 @@ def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
                        PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
-                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1), **consts)
+                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False), **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -1007,6 +1007,14 @@ for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, T
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
     assert "ld.global.cg" in ptx and spilled_bytes(kernel) == 0
+# OFFS_32 (32-bit offsets into caches below 2**31 elements): the page-16 gathers' offsets stop being 64-bit
+# products (20 mul.lo.s64 with int64 offsets, 4 left outside the KV loop), nothing spills
+muls = {}
+for offs_32 in (False, True):
+    kernel = compile_stage1(16, False, 64, False, BLOCK_N=64, MIN_CHUNK=64, OFFS_32=offs_32)
+    muls[offs_32] = kernel.asm["ptx"].count("mul.lo.s64")
+    assert spilled_bytes(kernel) == 0
+assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
 # DEVICE_SPLITS (split counts from all lengths, one program per work item): still pipelined, no spills, the
 # prefetch (which places the item with lengths read .cg) before the wait
 for page, tma, preload, block_n in [(0, True, 0, 64), (64, True, 16, 64), (16, False, 64, 64)]:
@@ -1041,7 +1049,8 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0)
+                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
+                  OFFS_32=False)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
     ptx = kernel.asm["ptx"]
@@ -1118,3 +1127,15 @@ def test_gpu_cache_beyond_2_pow_31_elements(gen, paged):
     assert_fa_close(out[last], o64, o_same, factor=3.0, atol=1e-4)
     o64_first, _ = ref.decode_ref(q[:1].double(), k[:1].double(), v[:1].double(), lens[:1])
     torch.testing.assert_close(out[:1].double(), o64_first, atol=2e-2, rtol=0)
+
+
+def test_32_bit_offsets_only_for_caches_below_2_31_elements():
+    """OFFS_32 (32-bit gather offsets) is chosen from the cache's last element offset, not its size alone: a dense
+    cache of 2**31 elements (last offset 2**31 - 1) qualifies, a larger one does not, nor a view of fewer elements
+    whose strides reach past 2**31."""
+    from flashdecode.ops.decode import _offsets_fit_int32
+
+    assert _offsets_fit_int32(torch.empty(2**14, 16, 8, 1024, device="meta"))
+    assert not _offsets_fit_int32(torch.empty(2**14, 16, 8, 1025, device="meta"))
+    wide = torch.empty(2**20, 2**11 + 1, device="meta")[:, :8]  # 8 columns of rows 2**11 + 1 apart
+    assert wide.numel() < 2**31 and not _offsets_fit_int32(wide)

@@ -413,6 +413,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("dev", {"DEVICE_SPLITS": True}, {}, None),
     ("dev x2", {"DEVICE_SPLITS": True, "DEVICE_SPLIT_SLOTS": 264}, {}, None),
     ("dev md2", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 2}, {}, None),
+    # 64-bit gather offsets even where the cache allows 32-bit ones (before session 11)
+    ("offs64", {"OFFS_32": False}, {}, None),
     ("dev md4", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 4}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),

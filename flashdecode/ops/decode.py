@@ -216,6 +216,8 @@ class _DecodeShape:
         self.device_splits = (bool(cfg.get("DEVICE_SPLITS", False)) and not self.persistent
                               and not self.fused_merge)
         self.device_split_slots = int(cfg.get("DEVICE_SPLIT_SLOTS") or heuristics.num_sms(self.device))
+        # 32-bit gather offsets where the cache allows them (_offsets_fit_int32); the config can turn them off
+        self.offs_32 = bool(cfg.get("OFFS_32", True)) and _offsets_fit_int32(k_cache)
 
     def check_out(self, out, q):
         if out is None:
@@ -232,6 +234,13 @@ def _block_config(headdim, elem_bytes, device, kv_pairs) -> dict:
     """heuristics.decode_block_config for this device and (batch x kv heads x row blocks) programs per split."""
     return heuristics.decode_block_config(headdim, elem_bytes, _interpreting(device), kv_pairs=kv_pairs,
                                           num_sms=heuristics.num_sms(device))
+
+
+def _offsets_fit_int32(k_cache) -> bool:
+    """Whether every element offset into the cache (K and V share its shape and strides) is below 2**31, so that
+    the kernels may address it with 32-bit offsets from its base pointer."""
+    last = sum((n - 1) * st for n, st in zip(k_cache.shape, k_cache.stride()) if n > 0)
+    return k_cache.numel() > 0 and last < 2**31
 
 
 def _tma_compatible(k_cache, page_size, block_n, block_d) -> bool:
@@ -305,7 +314,8 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         PRELOAD_PAGES=preload_pages,
         FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        PAGE_GATHER=shape.page_gather, **device, num_warps=shape.num_warps, num_stages=num_stages,
+        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32, **device, num_warps=shape.num_warps,
+        num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     stages = _pipeline_stages(shape, preload_pages, split_keys_max)
@@ -339,7 +349,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
         **preload,
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
-        PAGE_GATHER=shape.page_gather,
+        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32,
         **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
         DYNAMIC=shape.persistent_dynamic,
         SLOTS_PER_PROGRAM=shape.persistent_slots,
