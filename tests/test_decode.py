@@ -710,6 +710,16 @@ def test_device_splits_ragged_and_paged(gen, device_splits, page_size):
     assert len(device_splits) == 2
 
 
+def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
+    """The device-split grid with several new tokens per sequence (row blocks per kv head), a sliding window (live
+    keys start past 0) and softcap, through flash_decode's policy count: every combination exact."""
+    lens = _lens([250, 3, 0, 120])
+    q, k, v = _make(gen, 4, 250, 8, 2, 64, torch.float32, seqlen_q=3)
+    _check(q, k, v, lens, page_size=8, gen=gen, softcap=20.0)
+    _check(q, k, v, lens, window_size=(150, -1))
+    assert len(device_splits) == 2
+
+
 def test_device_splits_keep_a_callers_split_count(gen, device_splits):
     """A split count the caller chose (flash_decode's num_splits, a plan's num_splits) is run as given, and one
     sequence needs no device plan: only the policy's count at batch > 1 takes the device-split grid."""
