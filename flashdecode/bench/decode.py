@@ -302,6 +302,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("unsplit512", {}, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
     ("no-tma", {"USE_TMA": False}, {}, None),
     ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
+    # gathered pages read each key's page id from the block table in the loop as well (no preloaded ids)
+    ("no-preload-gather", {"PRELOAD_PAGES_MAX": 0, "PRELOAD_GATHER_MAX": 0}, {}, None),
     # page ids of gathered pages by select-and-sum steps instead of one tl.gather (the default from session 4)
     ("select", {"PAGE_GATHER": False}, {}, None),
     ("bn32", {"BLOCK_N": 32}, {}, None),
