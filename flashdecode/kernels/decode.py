@@ -349,41 +349,38 @@ def decode_split_kernel(
     sees them as empty.
     """
     if DEVICE_SPLITS:
+        split = 0
+        pid_hm = 0
+        b = 0
+        num_splits = 1
         if PREFETCH_KEYS > 0:  # the item as the (possibly stale) lengths place it: a hint only, as below
-            pb, phm, psplit, pns, _ = _planned_item(SEQLENS, tl.program_id(0), batch, capacity, SPLIT_SLOTS,
-                                                    KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS, BATCH_PAD,
-                                                    ".cg")
-            if pb < batch:
-                _prefetch_split_head(K_RAW, V_RAW, SEQLENS, BLOCK_TABLE + pb.to(tl.int64) * stride_btb, pb,
-                                     phm // NUM_M_BLOCKS, psplit, pns, capacity, num_pages, window_left, stride_rb,
-                                     stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, PAGE_SIZE,
-                                     HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
-        if PDL_WAIT:
-            gdc_wait()
-        if USE_PDL:
-            gdc_launch_dependents()
-        b, pid_hm, split, num_splits, seqlen = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
-                                                             SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
-                                                             MAX_SPLIT_KEYS, BATCH_PAD, "")
-        if b >= batch:  # past the last work item
-            return
+            b, pid_hm, split, num_splits, _ = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+                                                            SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
+                                                            MAX_SPLIT_KEYS, BATCH_PAD, ".cg")
     else:
         split = tl.program_id(0)
         pid_hm = tl.program_id(1)
         b = tl.program_id(2)
         num_splits = NUM_SPLITS
+    if PREFETCH_KEYS > 0:
+        if b < batch:
+            _prefetch_split_head(K_RAW, V_RAW, SEQLENS, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b,
+                                 pid_hm // NUM_M_BLOCKS, split, num_splits, capacity, num_pages, window_left,
+                                 stride_rb, stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, PAGE_SIZE,
+                                 HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+    if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
+        gdc_wait()
+    if USE_PDL:
+        gdc_launch_dependents()
+    if DEVICE_SPLITS:  # the item again, from the lengths as the previous kernel left them
+        b, pid_hm, split, num_splits, seqlen = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+                                                             SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
+                                                             MAX_SPLIT_KEYS, BATCH_PAD, "")
+        if b >= batch:  # past the last work item
+            return
     hk = pid_hm // NUM_M_BLOCKS
     m_block = pid_hm % NUM_M_BLOCKS
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
-    if not DEVICE_SPLITS:
-        if PREFETCH_KEYS > 0:
-            _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, NUM_SPLITS, capacity, num_pages,
-                                 window_left, stride_rb, stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW,
-                                 PAGE_SIZE, HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
-        if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
-            gdc_wait()
-        if USE_PDL:
-            gdc_launch_dependents()
 
     t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
@@ -543,11 +540,18 @@ def _planned_item(SEQLENS, item, batch, capacity, slots, KVP, NUM_SPLITS: tl.con
     splits_b = _device_split_counts(lens, in_batch, slots, slots, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS, 0,
                                     0.5, 0.0)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
-    items_end = tl.cumsum(items_b, 0)
-    b = tl.sum((items_end <= item).to(tl.int32), 0)
+    return _item_of(item, offs_b, lens, splits_b, items_b, tl.cumsum(items_b, 0))
+
+
+@triton.jit
+def _item_of(w, offs_b, lens, splits_b, items_b, items_end):
+    """Work item w of the item order (sequence, kv head x row block, split): (b, pid_hm, split, splits of b,
+    length of b). offs_b: arange(BATCH_PAD); lens, splits_b, items_b (splits x KVP, 0 outside the batch) and
+    items_end (their cumulative sum): (BATCH_PAD,). Past the last item b is the batch size (and 1 split)."""
+    b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
     pick = offs_b == b
     num_splits = tl.maximum(tl.sum(tl.where(pick, splits_b, 0), 0), 1)
-    r = item - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
+    r = w - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
     return b, r // num_splits, r % num_splits, num_splits, tl.sum(tl.where(pick, lens, 0), 0)
 
 
@@ -666,15 +670,9 @@ def decode_persistent_kernel(
         w = _items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
         stop = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
     while w < stop:
-        b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
-        pick = offs_b == b
-        num_splits = tl.sum(tl.where(pick, splits_b, 0), 0)
-        r = w - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
-        pid_hm = r // num_splits
-        split = r % num_splits
+        b, pid_hm, split, num_splits, seqlen = _item_of(w, offs_b, lens, splits_b, items_b, items_end)
         hk = pid_hm // NUM_M_BLOCKS
         m_block = pid_hm % NUM_M_BLOCKS
-        seqlen = tl.sum(tl.where(pick, lens, 0), 0)
         start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
         t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
         # (an empty split - only possible where MIN_CHUNK rounds the chunks up - runs empty KV loops and stores
