@@ -163,6 +163,9 @@ DECODE_DEVICE_SPLIT_SLOTS_PER_SM = 1
 # b4 page 16 11.7 / 53.6 / 192.9 / 199.7 vs 12.3 / 55.5 / 195.8 / 202.5. At b1 16/2 (2 pairs) halves measured
 # within noise (session 3), so b1 keeps whole rows.
 DECODE_MERGE_SPLIT_D_MIN_PAIRS = 16
+# Paged stage 1 reads its split's page ids beside its length after the PDL wait (the range from the length read
+# before the wait, checked after it) instead of one round trip behind it (kernels/decode.py SPEC_PAGES).
+DECODE_SPEC_PAGES = True
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -297,7 +300,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and page_size == 0
                                   and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS),
             "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
-            "MERGE_D_CHUNKS": 2 if few_pairs and kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else 1}
+            "MERGE_D_CHUNKS": 2 if few_pairs and kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else 1,
+            "SPEC_PAGES": bool(hopper and DECODE_SPEC_PAGES)}
 
 
 @functools.lru_cache(maxsize=None)

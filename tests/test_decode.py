@@ -85,6 +85,21 @@ def test_page_ids_by_select_steps(gen, monkeypatch, page_size):
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=2)
 
 
+@pytest.mark.parametrize("page_size,window", [(4, -1), (8, -1), (16, 5), (32, -1)])
+def test_page_ids_read_beside_the_length(gen, monkeypatch, page_size, window):
+    """SPEC_PAGES: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
+    the length gives, then kept or read again; same results, empty sequences and windows included. (Here both
+    reads see the same length, so the ids are always kept; the GPU graph test with lengths written by the kernel
+    before stage 1 covers a length that changes across the wait.)"""
+    from flashdecode import heuristics
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
+    lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
 def test_forced_splits_agree(gen, num_splits):
     """Any split count (also more splits than keys) gives the reference result, and the same result as one split."""
@@ -430,6 +445,8 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True), 64),
+    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True, BLOCK_N=64), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True), None), (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True,
                                                                       PERSISTENT_PROGRAMS=264), 128)])
 def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
@@ -992,7 +1009,8 @@ def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
                        PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
-                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False), **consts)
+                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False, SPEC_PAGES=False),
+                  **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
     ttgir = kernel.asm["ttgir"]
     assert ("async_tma_copy" in ttgir) if tma else ("async_copy_global_to_local" in ttgir), (page, "not pipelined")
@@ -1025,6 +1043,18 @@ for offs_32 in (False, True):
     muls[offs_32] = kernel.asm["ptx"].count("mul.lo.s64")
     assert spilled_bytes(kernel) == 0
 assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
+# SPEC_PAGES: the split's page ids load beside its length right after the wait (both before the first branch,
+# which depends on the length), not behind it; no spills
+for page, tma, preload in [(16, False, 64), (64, True, 16)]:
+    ids_beside_length = {}
+    for spec in (False, True):
+        kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=64, MIN_CHUNK=64,
+                                NUM_SPLITS=64, PREFETCH_KEYS=64, OFFS_32=True, SPEC_PAGES=spec)
+        ptx = kernel.asm["ptx"]
+        after_wait = ptx[ptx.find("griddepcontrol.wait"):]
+        ids_beside_length[spec] = after_wait[:after_wait.find("bra")].count("ld.global.b32")
+        assert spilled_bytes(kernel) == 0, ("SPEC_PAGES spills", page, spec)
+    assert ids_beside_length == {False: 1, True: 2}, (page, ids_beside_length)
 # DEVICE_SPLITS (split counts from all lengths, one program per work item): still pipelined, no spills, the
 # prefetch (which places the item with lengths read .cg) before the wait
 for page, tma, preload, block_n in [(0, True, 0, 64), (64, True, 16, 64), (16, False, 64, 64)]:

@@ -417,6 +417,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("dev md2", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 2}, {}, None),
     # 64-bit gather offsets even where the cache allows 32-bit ones (before session 11)
     ("offs64", {"OFFS_32": False}, {}, None),
+    # paged: the split's page ids read after its length (before session 12), not beside it
+    ("nospec", {"SPEC_PAGES": False}, {}, None),
     ("dev md4", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 4}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),

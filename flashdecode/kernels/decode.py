@@ -265,22 +265,17 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, num_splits, capacity, num_pages,
-                         window_left, stride_rb, stride_kt, stride_kh,
-                         SEQLEN_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         HEADDIM: tl.constexpr, PREFETCH_KEYS: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                         NUM_LINES: tl.constexpr):
+def _prefetch_split_head(K_RAW, V_RAW, bt_row, b, hk, start, end, num_pages, stride_rb, stride_kt, stride_kh,
+                         PAGE_SIZE: tl.constexpr, HEADDIM: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
+                         LINE_ELEMS: tl.constexpr, NUM_LINES: tl.constexpr):
     """L2 prefetch of the first PREFETCH_KEYS keys of this split's K and V rows (kv head hk), issued BEFORE
     gdc_wait, while the previous kernel still runs: the DRAM latency of the first tiles then overlaps it.
 
-    The lengths (and block table) read here may be stale - the previous kernel may still be writing them - so they
-    only steer the hint and are read again after the wait; .cg keeps them out of L1, so that later read cannot hit
-    a stale L1 line. Every address is clamped into the cache (keys into [0, capacity), page ids into
+    [start, end): the split's keys as the stale lengths place it (_stale_split_range). The block table read here
+    may be stale too - the previous kernel may still be writing it - so it only steers the hint (.cg, as the
+    lengths); every address is clamped into the cache (keys into [start, end) within the capacity, page ids into
     [0, num_pages)), whatever the stale values. stride_rb: the raw cache's batch (contiguous) or page stride.
     """
-    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
-    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
     if start < end:
         keys = tl.minimum(start + tl.arange(0, PREFETCH_KEYS), end - 1)
         if PAGE_SIZE == 0:
@@ -293,6 +288,26 @@ def _prefetch_split_head(K_RAW, V_RAW, SEQLENS, bt_row, b, hk, split, num_splits
         offs = rows[:, None] + (hk * stride_kh + cols)[None, :]
         _prefetch_l2(K_RAW + offs)
         _prefetch_l2(V_RAW + offs)
+
+
+@triton.jit
+def _stale_split_range(SEQLENS, b, batch, split, num_splits, capacity, window_left, SEQLEN_Q: tl.constexpr,
+                       BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
+    """[start, end) of the split from sequence b's length read before gdc_wait (.cg: never cached in L1, so the
+    read after the wait cannot hit a stale line): a guess that steers hints and speculative loads, never the
+    result; clamped into [0, capacity] whatever was read, empty for b >= batch (past a device-split grid's last
+    item)."""
+    seqlen = tl.load(SEQLENS + b, mask=b < batch, other=0, cache_modifier=".cg")
+    seqlen = tl.maximum(tl.minimum(seqlen, capacity), 0)
+    return split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+
+
+@triton.jit
+def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
+    """The block-table entries of keys [start, end): (PRELOAD_PAGES,) int32 from page start // PAGE_SIZE on, 0
+    past the last page the range touches (so no read runs past the sequence's row)."""
+    page_idx = start // PAGE_SIZE + tl.arange(0, PRELOAD_PAGES)
+    return tl.load(bt_row + page_idx, mask=page_idx < tl.cdiv(end, PAGE_SIZE), other=0)
 
 
 @triton.jit
@@ -315,7 +330,7 @@ def decode_split_kernel(
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
     PAGE_GATHER: tl.constexpr = True, DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
     BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
-    OFFS_32: tl.constexpr = False,
+    OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
 ):
     """Stage 1 (see module doc).
 
@@ -340,6 +355,9 @@ def decode_split_kernel(
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
     of two) per head-dim row. Only a hint: the data is read again after the wait.
     OFFS_32: every element offset into K / V (pointer path) is < 2**31, so the gathers' address math stays 32-bit.
+    SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
+    beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
+    length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
     DEVICE_SPLITS (not FINAL, not FUSED_MERGE): grid (programs, 1, 1) instead, program p runs work
     item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
@@ -362,12 +380,18 @@ def decode_split_kernel(
         pid_hm = tl.program_id(1)
         b = tl.program_id(2)
         num_splits = NUM_SPLITS
+    # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
+    # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
+    SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
+    stale_start = 0
+    stale_end = 0
+    if PREFETCH_KEYS > 0 or SPEC:
+        stale_start, stale_end = _stale_split_range(SEQLENS, b, batch, split, num_splits, capacity, window_left,
+                                                    SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW)
     if PREFETCH_KEYS > 0:
-        if b < batch:
-            _prefetch_split_head(K_RAW, V_RAW, SEQLENS, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b,
-                                 pid_hm // NUM_M_BLOCKS, split, num_splits, capacity, num_pages, window_left,
-                                 stride_rb, stride_kt, stride_kh, SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, PAGE_SIZE,
-                                 HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+        _prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
+                             stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,
+                             HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
     if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
         gdc_wait()
     if USE_PDL:
@@ -386,6 +410,9 @@ def decode_split_kernel(
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
+    spec_pages = 0
+    if SPEC:  # after the wait (the ids are current), before the length (their read overlaps its round trip)
+        spec_pages = _split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
     if not DEVICE_SPLITS:  # (the device-split path read every length already)
         seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
@@ -410,7 +437,7 @@ def decode_split_kernel(
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                             stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                             SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
-                            OFFS_32)
+                            OFFS_32, spec_pages, stale_start, stale_end, SPEC)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -444,11 +471,14 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr):
+                  PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr,
+                  spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
-    decode_split_kernel."""
+    decode_split_kernel. SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start,
+    spec_end) (_split_page_ids, read earlier); used where they cover the same pages as [start, end), else read
+    again."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -466,8 +496,14 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     split_pages = 0
     if PAGE_SIZE > 0 and PRELOAD_PAGES > 0:
         first_page = start // PAGE_SIZE
-        page_idx = first_page + tl.arange(0, PRELOAD_PAGES)
-        split_pages = tl.load(bt_row + page_idx, mask=page_idx < tl.cdiv(end, PAGE_SIZE), other=0)
+        if SPEC_PAGES:
+            split_pages = spec_pages
+            same = ((first_page == spec_start // PAGE_SIZE)
+                    & (tl.cdiv(end, PAGE_SIZE) == tl.cdiv(spec_end, PAGE_SIZE)))
+            if not same:  # the length changed across the wait (e.g. written by the kernel before): read again
+                split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
+        else:
+            split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
     qpos = seqlen - SEQLEN_Q + t
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -218,6 +218,8 @@ class _DecodeShape:
         self.device_split_slots = int(cfg.get("DEVICE_SPLIT_SLOTS") or heuristics.num_sms(self.device))
         # 32-bit gather offsets where the cache allows them (_offsets_fit_int32); the config can turn them off
         self.offs_32 = bool(cfg.get("OFFS_32", True)) and _offsets_fit_int32(k_cache)
+        # the split's page ids read beside its length after the PDL wait, for the range the pre-wait length gives
+        self.spec_pages = bool(cfg.get("SPEC_PAGES", False))
 
     def check_out(self, out, q):
         if out is None:
@@ -314,7 +316,8 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         PRELOAD_PAGES=preload_pages,
         FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32, **device, num_warps=shape.num_warps,
+        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32, SPEC_PAGES=shape.spec_pages, **device,
+        num_warps=shape.num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
