@@ -11,7 +11,7 @@ SPLITS, HEADDIM, BLOCK_N, BLOCK_M, NHEADS_KV, CTX = 4, 32, 16, 16, 2, 256
 SCORE_SCALE = 0.12753  # the probe's fixed logit scale, in log2 units
 
 
-def _run(mode, gen, dtype):
+def _run(mode, gen, dtype, interleave=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from flashdecode.bench.stream import stream_kernel
@@ -25,14 +25,19 @@ def _run(mode, gen, dtype):
               for x in (k, v))
     # mode 4 reads the length from lens: pass a wrong one as the argument to prove it
     stream_kernel[(NHEADS_KV * SPLITS,)](kd, vd, q, out, o_part, lens, CTX if mode != 4 else 1, SPLITS=SPLITS,
-                                         HEADDIM=HEADDIM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, MODE=mode)
+                                         HEADDIM=HEADDIM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, MODE=mode,
+                                         INTERLEAVE=interleave)
     return q, k, v, out, o_part
 
 
-def _chunks(x):
-    """(programs, CTX // SPLITS, HEADDIM) views of K or V per (kv head, split), the kernel's program order."""
-    return torch.stack([x[s * (CTX // SPLITS):(s + 1) * (CTX // SPLITS), hk * HEADDIM:(hk + 1) * HEADDIM]
-                        for hk in range(NHEADS_KV) for s in range(SPLITS)])
+def _chunks(x, interleave=False):
+    """(programs, CTX // SPLITS, HEADDIM) views of K or V per (kv head, split), the kernel's program order: one
+    contiguous chunk per split, or (interleave) blocks s, s + SPLITS, ... of BLOCK_N keys."""
+    def keys(s):
+        if interleave:
+            return x.view(CTX // (SPLITS * BLOCK_N), SPLITS, BLOCK_N, -1)[:, s].reshape(CTX // SPLITS, -1)
+        return x[s * (CTX // SPLITS):(s + 1) * (CTX // SPLITS)]
+    return torch.stack([keys(s)[:, hk * HEADDIM:(hk + 1) * HEADDIM] for hk in range(NHEADS_KV) for s in range(SPLITS)])
 
 
 def _attention(q, k, v, dtype):
@@ -41,12 +46,12 @@ def _attention(q, k, v, dtype):
     return torch.einsum("pmn,pnd->pmd", p, v.to(dtype))
 
 
-@pytest.mark.parametrize("mode", [3, 4])
-def test_stream_probe_attends_over_its_chunk(mode):
+@pytest.mark.parametrize("mode,interleave", [(3, False), (4, False), (3, True)])
+def test_stream_probe_attends_over_its_chunk(mode, interleave):
     gen = torch.Generator().manual_seed(mode)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong (KERNEL_NOTES.md)
-    q, k, v, out, o_part = _run(mode, gen, dtype)
-    kc, vc = _chunks(k), _chunks(v)
+    q, k, v, out, o_part = _run(mode, gen, dtype, interleave)
+    kc, vc = _chunks(k, interleave), _chunks(v, interleave)
     ref = _attention(q, kc, vc, torch.float64)[:, : BLOCK_M // 2].reshape(-1, HEADDIM)
     same = _attention(q, kc, vc, dtype).float()[:, : BLOCK_M // 2].reshape(-1, HEADDIM)
     err, base = (o_part.double().cpu() - ref.cpu()).abs().max(), (same.double().cpu() - ref.cpu()).abs().max()

@@ -29,13 +29,16 @@ import triton.language as tl
 
 @triton.jit
 def stream_kernel(K, V, Q, OUT, O_PART, SEQLENS, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVE: tl.constexpr = False):
     """Program (split s of kv head hk) reads keys [s * chunk, (s + 1) * chunk) of K and V (tensor descriptors over
     (seqlen, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM)) and writes one float so nothing is optimised away.
     MODE 0: sum the tiles; 1: q @ K^T then s @ V (BLOCK_M query rows, q from Q); 2: stage 1's online softmax
     between the two dots (exp2, running max and sum, rescaled accumulator); 3: also stage 1's epilogue (the
     normalised fp32 partial of the first BLOCK_M // 2 rows into O_PART (programs, BLOCK_M // 2, HEADDIM) and its lse
-    into OUT); 4: also the length read from SEQLENS[0] (on the device, as stage 1 does) instead of ``seqlen``."""
+    into OUT); 4: also the length read from SEQLENS[0] (on the device, as stage 1 does) instead of ``seqlen``.
+    INTERLEAVE: split s reads blocks s, s + SPLITS, s + 2 * SPLITS, ... instead of one contiguous chunk, so that at
+    any moment the programs of a kv head read neighbouring blocks (one sweep through memory, as a flat read does,
+    instead of SPLITS streams far apart)."""
     pid = tl.program_id(0)
     hk = pid // SPLITS
     split = pid % SPLITS
@@ -44,10 +47,14 @@ def stream_kernel(K, V, Q, OUT, O_PART, SEQLENS, seqlen, SPLITS: tl.constexpr, H
     chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
+    STEP: tl.constexpr = SPLITS * BLOCK_N if INTERLEAVE else BLOCK_N
+    if INTERLEAVE:
+        start = split * BLOCK_N
+        end = seqlen
     col = hk * HEADDIM
     if MODE == 0:
         acc = tl.zeros([BLOCK_N, HEADDIM], tl.float32)
-        for n in range(start, end, BLOCK_N):
+        for n in range(start, end, STEP):
             acc += K.load([n, col]).to(tl.float32) + V.load([n, col]).to(tl.float32)
         tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0))
     else:
@@ -55,7 +62,7 @@ def stream_kernel(K, V, Q, OUT, O_PART, SEQLENS, seqlen, SPLITS: tl.constexpr, H
         acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        for n in range(start, end, BLOCK_N):
+        for n in range(start, end, STEP):
             k = K.load([n, col])
             s = tl.dot(q, tl.trans(k)) * 0.12753
             if MODE >= 2:
@@ -179,7 +186,7 @@ def _sets(ctx, nheads_kv, headdim, count, gen):
                   for _ in range(2)) for _ in range(count)]
 
 
-def _stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, mode):
+def _stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, mode, interleave=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     out = torch.empty(nheads_kv * splits * block_m, device="cuda", dtype=torch.float32)
@@ -193,8 +200,8 @@ def _stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_
 
         def call(kd=kd, vd=vd):
             stream_kernel[(nheads_kv * splits,)](kd, vd, q, out, o_part, lens, ctx, SPLITS=splits, HEADDIM=headdim,
-                                                 BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, num_warps=4,
-                                                 num_stages=stages)
+                                                 BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, INTERLEAVE=interleave,
+                                                 num_warps=4, num_stages=stages)
         calls.append(call)
     return calls
 
@@ -210,6 +217,14 @@ VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE of st
     ("epi s512 bn64 st2", 512, 64, 2, 16, 3), ("epi s256 bn128 st2", 256, 128, 2, 16, 3),
     ("epi s1024 bn32 st2", 1024, 32, 2, 16, 3), ("epi s512 bn32 st2", 512, 32, 2, 16, 3),
     ("sm s256 bn64 st1", 256, 64, 1, 16, 2), ("sm s512 bn64 st1", 512, 64, 1, 16, 2),
+]
+
+
+# the same, with each split's blocks interleaved with the other splits' (stream_kernel INTERLEAVE)
+INTERLEAVED_VARIANTS = [
+    ("sum s64 bn64 il", 64, 64, 3, 16, 0), ("sm s64 bn64 il", 64, 64, 3, 16, 2), ("epi s64 bn64 il", 64, 64, 3, 16, 3),
+    ("epi s128 bn64 il", 128, 64, 3, 16, 3), ("sm s64 bn128 il", 64, 128, 3, 16, 2),
+    ("sm s64 bn64 st4 il", 64, 64, 4, 16, 2),
 ]
 
 
@@ -513,10 +528,10 @@ def main() -> int:
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen = None if args.variants is None else set(args.variants.split(","))
-    variants, paged, boxes, reads, read_loops, read_queues, rows_variants, ws_variants = (
+    variants, interleaved, paged, boxes, reads, read_loops, read_queues, rows_variants, ws_variants = (
         [v for v in table if chosen is None or v[0] in chosen]
-        for table in (VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS, READ_QUEUE_VARIANTS,
-                      ROWS_VARIANTS, WS_VARIANTS))
+        for table in (VARIANTS, INTERLEAVED_VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS,
+                      READ_QUEUE_VARIANTS, ROWS_VARIANTS, WS_VARIANTS))
     torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -526,6 +541,9 @@ def main() -> int:
         for label, splits, block_n, stages, block_m, mode in variants:
             row[label] = cuda_graph_time_us(_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages,
                                                           block_m, mode), reps=args.reps)
+        for label, splits, block_n, stages, block_m, mode in interleaved:
+            row[label] = cuda_graph_time_us(_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages,
+                                                          block_m, mode, interleave=True), reps=args.reps)
         for label, splits, block_n, stages, block_m, mode, page, shuffled in paged:
             row[label] = cuda_graph_time_us(_paged_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
                                                                 stages, block_m, mode, page, shuffled, gen),
