@@ -153,8 +153,16 @@ DECODE_PRELOAD_KEY_IDS = True
 # 16 b4 12.8 / 54.8 / 192.7 / 199.6 vs 11.7 / 53.6 / 192.9 / 199.7 (its 16 splits cost the 1k and 8k rows less).
 # The device path itself costs ~0.5 us (ncu at b2 8k: stage 1 30.4 vs 29.9 us with the same 8 splits; the item
 # mapping's values live in vector registers, so the loop's TMA coordinates take R2UR moves).
+# Pages that are multiples of the tile (TMA, one id per block) take it too, up to a third of the SMs' worth of
+# pairs (as contiguous caches, whose persistent kernel starts there): Llama 32/8, us at 1k / 8k / 32k / one 128k
+# among the others of 1k, device vs plan counts (decodetune T0904, T0907): b4 page 64 11.4 / 51.6 / 183.8 / 188.0
+# vs 12.1 / 52.9 / 185.0 / 195.7, page 128 11.6 / 51.1 / 182.1 / 187.3 vs 11.6 / 52.4 / 183.7 / 195.2; b5 page 64
+# 12.9 / 63.1 / 232.4 / 190.3 vs 13.4 / 63.1 / 235.9 / 198.9, page 128 13.4 / 62.1 / 229.0 / 188.9 vs 13.7 / 62.2 /
+# 233.2 / 199.0. At b6 (48 pairs: 2 splits each, 96 programs on 132 SMs) equal long lengths lose (T0905): page 64
+# 8k / 32k 76.2 / 281.3 vs 75.4 / 272.5 (the mix still wins, 193.0 vs 198.4).
 DECODE_DEVICE_SPLITS = True
 DECODE_DEVICE_SPLITS_MIN_PAIRS = 32
+DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV = 3
 DECODE_DEVICE_SPLIT_SLOTS_PER_SM = 1
 # The merge kernel over two head-dim halves (twice the programs) from this many (batch, kv head) pairs among few:
 # with a plan's 16 splits per sequence one program held 4 rows x 16 splits x 128 columns and the merge's latency
@@ -282,6 +290,11 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     # block-multiple pages: persistent with the work queue from DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION of the SMs
     paged_queue = bool(few_pairs and page_size > 0 and page_size % block_n == 0 and DECODE_PERSISTENT_DYNAMIC
                        and kv_pairs > DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION * num_sms)
+    # device-side split counts in the split grid: contiguous caches, and tile-multiple pages below a third of the
+    # SMs' worth of pairs (DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV)
+    device_split_layout = page_size == 0 or (
+        page_size % block_n == 0 and kv_pairs is not None
+        and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
@@ -297,8 +310,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
             "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
             "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs,
-            "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and page_size == 0
-                                  and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS),
+            "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS
+                                  and device_split_layout),
             "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
             "MERGE_D_CHUNKS": 2 if few_pairs and kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else 1,
             "SPEC_PAGES": bool(hopper and DECODE_SPEC_PAGES)}

@@ -156,8 +156,9 @@ def test_key_page_ids_preloaded_with_few_pairs_and_table_reads_pipelined_deeper(
 def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
     """The split grid below a third of the SMs' worth of pairs: contiguous caches from 32 pairs (Llama 32/8 b4-b5)
     choose each sequence's split count on the device (DEVICE_SPLITS; the ops layer uses it for a policy count at
-    batch > 1), paged ones keep the plan's count; the merge runs over two head-dim halves from 16 pairs, whole rows
-    at batch 1 (2 or 8 pairs); the persistent kernel's range (45+ contiguous pairs) needs neither."""
+    batch > 1), and so do pages that are tile multiples up to a third of the SMs' worth (b6 lost at long equal
+    lengths); gathered pages keep the plan's count; the merge runs over two head-dim halves from 16 pairs, whole
+    rows at batch 1 (2 or 8 pairs); the persistent kernel's range (45+ contiguous pairs) needs neither."""
     import flashdecode.heuristics as hx
 
     def cfg(pairs, page=0):
@@ -165,7 +166,9 @@ def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
 
     assert {p: cfg(p)["DEVICE_SPLITS"] for p in (2, 8, 16, 31, 32, 40, 44)} == {
         2: False, 8: False, 16: False, 31: False, 32: True, 40: True, 44: True}
-    assert not any(cfg(32, page)["DEVICE_SPLITS"] for page in (1, 16, 64))
+    assert not any(cfg(32, page)["DEVICE_SPLITS"] for page in (1, 16))
+    assert {(p, page): cfg(p, page)["DEVICE_SPLITS"] for p in (31, 32, 44, 45, 48) for page in (64, 256)} == {
+        (p, page): 32 <= p <= 44 for p in (31, 32, 44, 45, 48) for page in (64, 256)}
     assert {p: cfg(p)["MERGE_D_CHUNKS"] for p in (2, 8, 15, 16, 32, 66, 67)} == {
         2: 1, 8: 1, 15: 1, 16: 2, 32: 2, 66: 2, 67: 1}
     assert cfg(32)["DEVICE_SPLIT_SLOTS"] == 132 * hx.DECODE_DEVICE_SPLIT_SLOTS_PER_SM

@@ -420,6 +420,7 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # paged: the split's page ids read after its length (before session 12), not beside it
     ("nospec", {"SPEC_PAGES": False}, {}, None),
     ("dev md4", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 4}, {}, None),
+    ("nodev", {"DEVICE_SPLITS": False}, {}, None),
     ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
     ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
     # the merge over more, smaller programs (head-dim slices), with the round-3 defaults
