@@ -11,7 +11,7 @@ import triton.language as tl
 
 import flashdecode
 from flashdecode import reference as ref
-from flashdecode.kernels.decode import _device_split_counts
+from flashdecode.kernels.decode import _device_split_counts, split_range
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
@@ -98,6 +98,33 @@ def test_page_ids_read_beside_the_length(gen, monkeypatch, page_size, window):
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1))
+
+
+@triton.jit
+def _stale_range_of_another_length(SEQLENS, b, batch, split, num_splits, capacity, window_left,
+                                   SEQLEN_Q: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                                   WINDOW: tl.constexpr):
+    """Stands in for kernels.decode._stale_split_range: the split's range for capacity - length (another length in
+    the cache's range, as a length rewritten across the PDL wait would be), so that the page ids read beside the
+    length are for the wrong pages and must be read again."""
+    seqlen = tl.load(SEQLENS + b, mask=b < batch, other=0)
+    other = tl.maximum(tl.minimum(capacity - seqlen, capacity), 0)
+    return split_range(other, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+
+
+@pytest.mark.parametrize("page_size", [8, 32])
+def test_page_ids_read_again_when_the_length_changed(gen, monkeypatch, page_size):
+    """SPEC_PAGES when the length read before the wait differs from the one after it (forced here by a stand-in for
+    the pre-wait read): the guessed ids cover other pages, are dropped and read again; results stay exact."""
+    from flashdecode import heuristics
+    from flashdecode.kernels import decode as kernels_decode
+
+    base = heuristics.decode_block_config
+    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
+    monkeypatch.setattr(kernels_decode, "_stale_split_range", _stale_range_of_another_length)
+    lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size, page_size * 6]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
