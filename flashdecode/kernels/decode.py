@@ -291,14 +291,12 @@ def _prefetch_split_head(K_RAW, V_RAW, bt_row, b, hk, start, end, num_pages, str
 
 
 @triton.jit
-def _stale_split_range(SEQLENS, b, batch, split, num_splits, capacity, window_left, SEQLEN_Q: tl.constexpr,
+def _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left, SEQLEN_Q: tl.constexpr,
                        BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
     """[start, end) of the split from sequence b's length read before gdc_wait (.cg: never cached in L1, so the
     read after the wait cannot hit a stale line): a guess that steers hints and speculative loads, never the
-    result; clamped into [0, capacity] whatever was read, empty for b >= batch (past a device-split grid's last
-    item)."""
-    seqlen = tl.load(SEQLENS + b, mask=b < batch, other=0, cache_modifier=".cg")
-    seqlen = tl.maximum(tl.minimum(seqlen, capacity), 0)
+    result; clamped into [0, capacity] whatever was read."""
+    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
     return split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
 
 
@@ -366,28 +364,30 @@ def decode_split_kernel(
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
     """
+    # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
+    # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
+    SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
+    stale_start = 0
+    stale_end = 0
     if DEVICE_SPLITS:
         split = 0
         pid_hm = 0
         b = 0
         num_splits = 1
         if PREFETCH_KEYS > 0:  # the item as the (possibly stale) lengths place it: a hint only, as below
-            b, pid_hm, split, num_splits, _ = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
-                                                            SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
-                                                            MAX_SPLIT_KEYS, BATCH_PAD, ".cg")
+            b, pid_hm, split, num_splits, stale_len = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+                                                                    SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS,
+                                                                    MIN_CHUNK, MAX_SPLIT_KEYS, BATCH_PAD, ".cg")
+            stale_start, stale_end = split_range(stale_len, split, window_left, SEQLEN_Q, num_splits, BLOCK_N,
+                                                 MIN_CHUNK, WINDOW)  # empty past the last item (length 0)
     else:
         split = tl.program_id(0)
         pid_hm = tl.program_id(1)
         b = tl.program_id(2)
         num_splits = NUM_SPLITS
-    # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
-    # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
-    SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
-    stale_start = 0
-    stale_end = 0
-    if PREFETCH_KEYS > 0 or SPEC:
-        stale_start, stale_end = _stale_split_range(SEQLENS, b, batch, split, num_splits, capacity, window_left,
-                                                    SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW)
+        if PREFETCH_KEYS > 0 or SPEC:
+            stale_start, stale_end = _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left,
+                                                        SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW)
     if PREFETCH_KEYS > 0:
         _prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
                              stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,

@@ -317,8 +317,7 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
         PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32, SPEC_PAGES=shape.spec_pages, **device,
-        num_warps=shape.num_warps,
-        num_stages=num_stages,
+        num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
     stages = _pipeline_stages(shape, preload_pages, split_keys_max)
@@ -650,18 +649,17 @@ class DecodePlan:
     ``max_seqlen_k`` (the longest context the plan expects; lengths beyond it stay correct, only the split count
     may be less than ideal). With ``balance_mixed=True`` the split count also covers one long sequence among
     short ones (about num_sms / nheads_kv splits; the kernel gives short sequences fewer splits by itself). The
-    price is paid by large uniform batches of long sequences, which then split when they need not: measured on
-    the H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k
-    sequence among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid
-    (num_splits, nheads_kv, batch) + the merge - or, where the heuristics say so, a grid whose split counts (<=
-    num_splits) follow the live lengths on the device (contiguous caches at a quarter to a third of the SMs' worth
-    of (batch, kv head) pairs), or on Hopper with more pairs one persistent launch of num_sms programs that does
-    the same and merges in-kernel, so uniform batches do not pay for balance_mixed - reads cache_seqlens /
-    block_table on the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable.
-    The returned tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the
-    programmatic dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a
-    dependent of the kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter
-    cannot do it).
+    price is paid by large uniform batches of long sequences, which then split when they need not: measured on the
+    H100 at 32/8 heads, 8k context, +8% at batch 16 and +5% at batch 64 vs num_splits=1, while one 128k sequence
+    among 15 of 1k ran 9.5x faster than unsplit. Every ``run`` then launches a fixed grid (num_splits, nheads_kv,
+    batch) + the merge - or, where the heuristics say so, a grid whose split counts (<= num_splits) follow the live
+    lengths on the device (contiguous caches and tile-multiple pages at a quarter to a third of the SMs' worth of
+    (batch, kv head) pairs), or on Hopper with more pairs one persistent launch of num_sms programs that does the
+    same and merges in-kernel, so uniform batches do not pay for balance_mixed - reads cache_seqlens / block_table
+    on the device, and writes into buffers owned by the plan: no host sync, no allocation, capturable. The returned
+    tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic
+    dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a dependent of the
+    kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
     The one-launch paths (the persistent kernel, or the config's opt-in FUSED_MERGE) merge after int32 ticket
     counters owned by the plan, zero at rest (each run leaves them zero again).
     """
