@@ -225,3 +225,93 @@ def test_device_descriptor_probe_matches_the_host_descriptor_probe():
     ws_stream_kernel[(NHEADS_KV * SPLITS,)](k, v, q, ws_out, CTX, NHEADS_KV * HEADDIM, SPLITS=SPLITS,
                                             HEADDIM=HEADDIM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, WS=False)
     torch.testing.assert_close(ws_out, out[: NHEADS_KV * SPLITS], rtol=1e-3, atol=1e-2)
+
+
+def test_page_box_preload_probe_attends_over_the_pages_its_block_table_names():
+    """The page-box probe with the split's page ids preloaded (one select-and-sum per step, split into four
+    scalars) computes what the in-loop-read version does: each program's softmax sum plus its unnormalised output
+    sum over the keys its shuffled block table names (8 pages per split: the step picks row 0 or 1 of the ids)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashdecode.bench.stream import page_box_preload_kernel
+
+    page, ctx = 16, 2 * CTX
+    split_pages = ctx // (SPLITS * page)
+    gen = torch.Generator().manual_seed(8)
+    k, v = (randn(ctx, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    q = randn(BLOCK_M, HEADDIM, gen=gen, dtype=torch.float16)
+    table = torch.randperm(ctx // page, generator=gen).to(torch.int32)
+    out = torch.full((NHEADS_KV * SPLITS,), float("nan"), device=DEVICE)
+    kd, vd = (TensorDescriptor(x, [ctx, NHEADS_KV * HEADDIM], [NHEADS_KV * HEADDIM, 1], [page, HEADDIM])
+              for x in (k, v))
+    page_box_preload_kernel[(NHEADS_KV * SPLITS,)](kd, vd, q, out, table.to(DEVICE), ctx, SPLITS=SPLITS,
+                                                   HEADDIM=HEADDIM, PAGE=page, BLOCK_M=BLOCK_M,
+                                                   SPLIT_PAGES=split_pages)
+    logical = torch.arange(ctx)
+    physical = table.long()[logical // page] * page + logical % page
+    kp, vp = k.cpu()[physical].double(), v.cpu()[physical].double()
+    chunk = ctx // SPLITS
+    kc, vc = (torch.stack([x[s * chunk:(s + 1) * chunk, hk * HEADDIM:(hk + 1) * HEADDIM]
+                           for hk in range(NHEADS_KV) for s in range(SPLITS)]) for x in (kp, vp))
+    s = torch.einsum("md,pnd->pmn", q.cpu().double(), kc) * SCORE_SCALE
+    p = torch.exp2(s - s.amax(dim=-1, keepdim=True))
+    ref = torch.einsum("pmn,pnd->pmd", p, vc).sum(dim=(1, 2)) + p.sum(dim=(1, 2))
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_timeline_probes_stream_every_block_exactly_once(balanced):
+    """bench/timeline.py's split probe and its balanced variant (a static share per split, the rest drawn from a
+    per-kv-head atomic pool): the merged partials equal attention over all keys (check_partials, the check the GPU
+    run prints), and a partial left out shows as a large error, so the check would catch a block missed or read
+    twice. The balanced kernel drew the pool dry and zeroed the previous call's counters."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashdecode.bench.timeline import check_partials, timed_balanced_kernel, timed_split_kernel
+
+    gen = torch.Generator().manual_seed(9)
+    k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    q = randn(BLOCK_M, HEADDIM, gen=gen, dtype=torch.float16)
+    programs = NHEADS_KV * SPLITS
+    o_part = torch.full((programs * BLOCK_M // 2 * HEADDIM,), float("nan"), device=DEVICE)
+    lse = torch.full((programs * BLOCK_M // 2,), float("nan"), device=DEVICE)
+    times = torch.zeros(programs, 5, dtype=torch.int64, device=DEVICE)
+    kd, vd = (TensorDescriptor(x, [CTX, NHEADS_KV * HEADDIM], [NHEADS_KV * HEADDIM, 1], [BLOCK_N, HEADDIM])
+              for x in (k, v))
+    if balanced:
+        counters = torch.zeros(NHEADS_KV, dtype=torch.int32, device=DEVICE)
+        last = torch.tensor([5, 7], dtype=torch.int32, device=DEVICE)
+        # 16 blocks per kv head: 3 per split static (12/16), a pool of 4 drawn 2 at a time
+        timed_balanced_kernel[(programs,)](kd, vd, q, o_part, lse, times, counters, last, CTX, SPLITS=SPLITS,
+                                           HEADDIM=HEADDIM, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, STATIC_SIXTEENTHS=12,
+                                           GRAB=2, TIMED=False)
+        assert last.tolist() == [0, 0] and all(c >= 4 for c in counters.tolist())
+    else:
+        timed_split_kernel[(programs,)](kd, vd, q, o_part, lse, times, CTX, SPLITS=SPLITS, HEADDIM=HEADDIM,
+                                        BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, TIMED=False)
+    args = (k.cpu(), v.cpu(), q.cpu(), o_part.cpu(), lse.cpu(), NHEADS_KV, SPLITS, HEADDIM)
+    err = check_partials(*args)
+    assert err < 2e-3, err
+    dropped = lse.cpu().clone()
+    dropped[: BLOCK_M // 2] = float("-inf")  # kv head 0's split 0 contributes nothing
+    assert check_partials(*args[:4], dropped, *args[5:]) > 20 * max(err, 1e-4)
+
+
+def test_timeline_summary_reads_program_records():
+    """summarize / _gaps on hand-made records: 4 programs on 2 SMs, starts and ends in ns, clocks at 2 GHz."""
+    from flashdecode.bench.timeline import _gaps, summarize
+
+    us = 1000
+    g0 = [0, 0, 32, 1 * us]
+    g1 = [4 * us, 10 * us, 6 * us, 9 * us]
+    c0 = [0, 0, 0, 0]
+    c1 = [2 * (b - a) for a, b in zip(g0, g1)]  # 2 cycles per ns
+    rec = torch.tensor(list(zip([0, 0, 1, 1], c0, c1, g0, g1)), dtype=torch.int64)
+    got = summarize(rec, clock_ghz=2.0)
+    assert got["programs"] == 4 and got["sms_used"] == 2 and got["globaltimer_min_step_ns"] == 32
+    assert got["span_us"] == 10.0 and got["end_us"][0.0] == 4.0 and got["start_us"][1.0] == 1.0
+    assert got["duration_us"][1.0] == 10.0 and got["sm_programs"][1.0] == 2
+    assert got["sm_busy_us"][1.0] == 14.0 and got["sm_last_end_us"][0.0] == 9.0
+    # a second call 12 us later: its first program starts 2 us after the first call's last one ended
+    times = torch.stack([rec, rec + torch.tensor([0, 0, 0, 12 * us, 12 * us])])
+    assert _gaps(times, [0, 1]) == [2.0]

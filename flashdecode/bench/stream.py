@@ -134,6 +134,32 @@ def paged_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, stride_page, stride_t
 
 
 @triton.jit
+def _four_page_step(acc, m_i, l_i, q, K, V, r0, r1, r2, r3, col):
+    """The page-box probes' step: q @ K^T for the four (PAGE, HEADDIM) descriptor boxes at rows r0..r3, one
+    online-softmax update over their scores, then the four P @ V products. Returns (acc, m_i, l_i)."""
+    s0 = tl.dot(q, tl.trans(K.load([r0, col]))) * 0.12753
+    s1 = tl.dot(q, tl.trans(K.load([r1, col]))) * 0.12753
+    s2 = tl.dot(q, tl.trans(K.load([r2, col]))) * 0.12753
+    s3 = tl.dot(q, tl.trans(K.load([r3, col]))) * 0.12753
+    m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, 1)), tl.maximum(tl.max(s1, 1), tl.max(s2, 1))),
+                       tl.max(s3, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[:, None])
+    p1 = tl.exp2(s1 - m_new[:, None])
+    p2 = tl.exp2(s2 - m_new[:, None])
+    p3 = tl.exp2(s3 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+    v0 = V.load([r0, col])
+    v1 = V.load([r1, col])
+    v2 = V.load([r2, col])
+    v3 = V.load([r3, col])
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
+    acc += tl.dot(p2.to(v2.dtype), v2) + tl.dot(p3.to(v3.dtype), v3)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def page_box_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_M: tl.constexpr):
     """stream_kernel's MODE 2 over pages of PAGE keys with one tensor-descriptor load per page: K, V are descriptors
@@ -158,26 +184,40 @@ def page_box_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.constex
         r1 = tl.load(BLOCK_TABLE + page + 1) * PAGE
         r2 = tl.load(BLOCK_TABLE + page + 2) * PAGE
         r3 = tl.load(BLOCK_TABLE + page + 3) * PAGE
-        s0 = tl.dot(q, tl.trans(K.load([r0, col]))) * 0.12753
-        s1 = tl.dot(q, tl.trans(K.load([r1, col]))) * 0.12753
-        s2 = tl.dot(q, tl.trans(K.load([r2, col]))) * 0.12753
-        s3 = tl.dot(q, tl.trans(K.load([r3, col]))) * 0.12753
-        m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, 1)), tl.maximum(tl.max(s1, 1), tl.max(s2, 1))),
-                           tl.max(s3, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p0 = tl.exp2(s0 - m_new[:, None])
-        p1 = tl.exp2(s1 - m_new[:, None])
-        p2 = tl.exp2(s2 - m_new[:, None])
-        p3 = tl.exp2(s3 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
-        m_i = m_new
-        v0 = V.load([r0, col])
-        v1 = V.load([r1, col])
-        v2 = V.load([r2, col])
-        v3 = V.load([r3, col])
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p0.to(v0.dtype), v0) + tl.dot(p1.to(v1.dtype), v1)
-        acc += tl.dot(p2.to(v2.dtype), v2) + tl.dot(p3.to(v3.dtype), v3)
+        acc, m_i, l_i = _four_page_step(acc, m_i, l_i, q, K, V, r0, r1, r2, r3, col)
+    tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+
+
+@triton.jit
+def page_box_preload_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
+                            PAGE: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_PAGES: tl.constexpr):
+    """page_box_stream_kernel with the split's page ids read once before the loop (SPLIT_PAGES = seqlen / (SPLITS *
+    PAGE) ids in registers, as stage 1 preloads them) instead of four block-table reads per step: each step picks
+    its four ids with one select-and-sum over the (SPLIT_PAGES / 4, 4) table and splits them into scalars for the
+    four (PAGE, HEADDIM) descriptor loads. What page-sized TMA boxes stream at without in-loop table reads."""
+    pid = tl.program_id(0)
+    hk = pid // SPLITS
+    split = pid % SPLITS
+    chunk = seqlen // SPLITS
+    start = split * chunk
+    col = hk * HEADDIM
+    offs_d = tl.arange(0, HEADDIM)
+    ids = tl.load(BLOCK_TABLE + start // PAGE + tl.arange(0, SPLIT_PAGES))
+    table = tl.reshape(ids, (SPLIT_PAGES // 4, 4))
+    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + offs_d[None, :])
+    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for step in range(0, SPLIT_PAGES // 4):
+        quad = tl.sum(tl.where((tl.arange(0, SPLIT_PAGES // 4) == step)[:, None], table, 0), 0)
+        even, odd = tl.split(tl.reshape(quad, (2, 2)))  # (ids 0, 2), (ids 1, 3)
+        id0, id2 = tl.split(even)
+        id1, id3 = tl.split(odd)
+        r0 = id0 * PAGE
+        r1 = id1 * PAGE
+        r2 = id2 * PAGE
+        r3 = id3 * PAGE
+        acc, m_i, l_i = _four_page_step(acc, m_i, l_i, q, K, V, r0, r1, r2, r3, col)
     tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
 
 
@@ -273,6 +313,34 @@ def _page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages, block_m
     return calls
 
 
+def _page_box_preload_calls(sets, ctx, nheads_kv, headdim, splits, page, stages, block_m, shuffled, gen):
+    """page_box_preload_kernel over the same K/V sets as (page, headdim) boxes, identity or shuffled block table."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = torch.empty(nheads_kv * splits, device="cuda", dtype=torch.float32)
+    q = torch.randn(block_m, headdim, device="cuda", dtype=torch.bfloat16)
+    split_pages = ctx // (splits * page)
+    calls = []
+    for k, v in sets:
+        table = _block_table(ctx // page, shuffled, gen)
+        kd, vd = (TensorDescriptor(x, [ctx, nheads_kv * headdim], [nheads_kv * headdim, 1], [page, headdim])
+                  for x in (k, v))
+
+        def call(kd=kd, vd=vd, table=table):
+            page_box_preload_kernel[(nheads_kv * splits,)](kd, vd, q, out, table, ctx, SPLITS=splits,
+                                                           HEADDIM=headdim, PAGE=page, BLOCK_M=block_m,
+                                                           SPLIT_PAGES=split_pages, num_warps=4, num_stages=stages)
+        calls.append(call)
+    return calls
+
+
+BOX_PRELOAD_VARIANTS = [  # (label, splits per kv head, page size, stages, BLOCK_M, shuffled)
+    ("boxpre sm page16 in order", 64, 16, 3, 16, False), ("boxpre sm page16 shuffled", 64, 16, 3, 16, True),
+    ("boxpre sm page16 shuffled st4", 64, 16, 4, 16, True), ("boxpre sm page16 shuffled st2", 64, 16, 2, 16, True),
+    ("boxpre sm page32 shuffled", 64, 32, 3, 16, True),
+]
+
+
 BOX_VARIANTS = [  # (label, splits per kv head, page size, stages, BLOCK_M, shuffled)
     ("box4 sm page16 in order", 64, 16, 3, 16, False), ("box4 sm page16 shuffled", 64, 16, 3, 16, True),
     ("box4 sm page16 shuffled st4", 64, 16, 4, 16, True), ("box4 sm page32 shuffled", 64, 32, 3, 16, True),
@@ -292,15 +360,15 @@ PAGED_VARIANTS = [  # (label, splits per kv head, BLOCK_N, stages, BLOCK_M, MODE
 
 
 @triton.jit
-def _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n):
-    """stream_kernel's MODE 2 step over the descriptors' block at row n, column 0: q @ K^T, the online softmax,
+def _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n, col):
+    """stream_kernel's MODE 2 step over the descriptors' block at row n, column col: q @ K^T, the online softmax,
     then the V load and P @ V. Returns (acc, m_i, l_i)."""
-    s = tl.dot(q, tl.trans(K.load([n, 0]))) * 0.12753
+    s = tl.dot(q, tl.trans(K.load([n, col]))) * 0.12753
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = V.load([n, 0])
+    v = V.load([n, col])
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), m_new, l_i
 
 
@@ -321,7 +389,7 @@ def rows_stream_kernel(K, V, Q, OUT, O_PART, seqlen, SPLITS: tl.constexpr, WIDTH
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for n in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n)
+        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n, 0)
     if MODE >= 3:
         rows = tl.arange(0, BLOCK_M)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -382,7 +450,7 @@ def ws_stream_kernel(K, V, Q, OUT, seqlen, stride_tok, SPLITS: tl.constexpr, HEA
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
-        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, kd, vd, n)
+        acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, kd, vd, n, 0)
     tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
 
 
@@ -528,10 +596,11 @@ def main() -> int:
     nheads_kv, headdim = 2, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     chosen = None if args.variants is None else set(args.variants.split(","))
-    variants, interleaved, paged, boxes, reads, read_loops, read_queues, rows_variants, ws_variants = (
-        [v for v in table if chosen is None or v[0] in chosen]
-        for table in (VARIANTS, INTERLEAVED_VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, READ_VARIANTS, READ_LOOP_VARIANTS,
-                      READ_QUEUE_VARIANTS, ROWS_VARIANTS, WS_VARIANTS))
+    (variants, interleaved, paged, boxes, box_preloads, reads, read_loops, read_queues, rows_variants,
+     ws_variants) = ([v for v in table if chosen is None or v[0] in chosen]
+                     for table in (VARIANTS, INTERLEAVED_VARIANTS, PAGED_VARIANTS, BOX_VARIANTS, BOX_PRELOAD_VARIANTS,
+                                   READ_VARIANTS, READ_LOOP_VARIANTS, READ_QUEUE_VARIANTS, ROWS_VARIANTS,
+                                   WS_VARIANTS))
     torch_kinds = [label for label in TORCH_VARIANTS if chosen is None or label in chosen]
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -551,6 +620,9 @@ def main() -> int:
         for label, splits, page, stages, block_m, shuffled in boxes:
             row[label] = cuda_graph_time_us(_page_box_calls(sets, ctx, nheads_kv, headdim, splits, page, stages,
                                                             block_m, shuffled, gen), reps=args.reps)
+        for label, splits, page, stages, block_m, shuffled in box_preloads:
+            row[label] = cuda_graph_time_us(_page_box_preload_calls(sets, ctx, nheads_kv, headdim, splits, page,
+                                                                    stages, block_m, shuffled, gen), reps=args.reps)
         for label, splits, block_n, stages, mode in rows_variants:
             row[label] = cuda_graph_time_us(_rows_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n,
                                                                stages, mode), reps=args.reps)
@@ -585,8 +657,8 @@ def main() -> int:
     command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged + boxes + reads + read_loops
-                                             + read_queues + rows_variants + ws_variants] + torch_kinds,
+                                "variants": [list(v) for v in variants + paged + boxes + box_preloads + reads
+                                             + read_loops + read_queues + rows_variants + ws_variants] + torch_kinds,
                                 "rows": rows}, indent=1))
     print(f"wrote {name}")
     return 0
