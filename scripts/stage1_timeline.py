@@ -68,6 +68,47 @@ s = s.replace(end, end + """        if not FUSED_MERGE and not DEVICE_SPLITS:
 """, 1)
 kp.write_text(s)
 
+mp = copy / "kernels" / "merge.py"
+s = mp.read_text()
+sig = "    O_IN, LSE_IN, O_OUT, LSE_OUT, num_states, num_inner,\n"
+assert sig in s
+s = s.replace(sig, "    O_IN, LSE_IN, O_OUT, LSE_OUT, TL_TIMES, num_states, num_inner,\n", 1)
+body = """    if USE_PDL:
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
+        gdc_wait()
+        if not EARLY_TRIGGER:
+            gdc_launch_dependents()
+"""
+assert body in s
+s = s.replace(body, "    _m0 = _tl_now()\n" + body + "    _mw = _tl_now()\n", 1)
+store = "    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok & (d_chunk == 0))\n"
+assert store in s
+s = s.replace(store, store + """    _mid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    _tl_write(TL_TIMES, _mid, _m0, _mw, _mw)
+""", 1)
+s = s.replace("from flashdecode.kernels.softmax_state import", "from flashdecode.kernels.decode_timeline import _tl_now, _tl_write\nfrom flashdecode.kernels.softmax_state import", 1)
+mp.write_text(s)
+(copy / "kernels" / "decode_timeline.py").write_text("import triton\nimport triton.language as tl\n" + helpers)
+mo = copy / "ops" / "merge.py"
+s = mo.read_text()
+call = "        o_in_s, lse_in_s, o_out, lse_out, num_states, inner,\n"
+assert call in s
+s = s.replace(call, "        o_in_s, lse_in_s, o_out, lse_out, _tl_merge_times(o_out.device), num_states, inner,\n", 1)
+s += """
+
+_TLM = {}
+
+
+def _tl_merge_times(device):
+    if device not in _TLM:
+        _TLM[device] = torch.zeros(1 << 14, dtype=torch.int64, device=device)
+    return _TLM[device]
+"""
+if "\nimport torch\n" not in s:
+    s = "import torch\n" + s
+mo.write_text(s)
+
 op = copy / "ops" / "decode.py"
 s = op.read_text()
 line = "    fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused\n"
@@ -120,12 +161,20 @@ for rep in range(2):
             t0 = g0.min()
             starts, waits, lens, ends = ([round((v - float(t0)) / 1e3, 2) for v in x.tolist()]
                                          for x in (g0, gw, gl, g1))
+            from flashdecode.ops import merge as ops_merge
+            mrec = ops_merge._tl_merge_times(torch.device("cuda", 0))[:16 * 5].view(16, 5).cpu()
+            used = mrec[:, 1] > 0
+            mrec = mrec[used].double()
+            m0, mw, m1 = ([round((v - float(t0)) / 1e3, 2) for v in mrec[:, i].tolist()] for i in (1, 2, 4))
+            ops_merge._tl_merge_times(torch.device("cuda", 0)).zero_()
             lines.append(f"rep{rep} ctx {ctx:>6} page {page:>2} {us:6.2f} us  splits {info['num_splits']}  "
                   f"start p50/max {pct(starts, .5)}/{max(starts)}  "
                   f"wait-out min/p50/max {min(waits)}/{pct(waits, .5)}/{max(waits)}  "
                   f"len-ready p50/max {pct(lens, .5)}/{max(lens)}  "
                   f"end min/p50/max {min(ends)}/{pct(ends, .5)}/{max(ends)}  "
-                  f"run(end-waitout) p50 {pct([e - w for e, w in zip(ends, waits)], .5):.2f}")
+                  f"run(end-waitout) p50 {pct([e - w for e, w in zip(ends, waits)], .5):.2f}  "
+                  f"merge x{len(m0)} start max {max(m0) if m0 else None} wait-out min/max "
+                  f"{min(mw) if mw else None}/{max(mw) if mw else None} end max {max(m1) if m1 else None}")
             print(lines[-1], flush=True)
             del sets
 out = pathlib.Path(sys.argv[2] if len(sys.argv) > 2 else os.environ.get("OUT", "benchmarks/results"))

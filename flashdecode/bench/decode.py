@@ -393,6 +393,9 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     ("pf1", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": False}, {}, None),
     ("pf4", {"PREFETCH_BLOCKS": 4}, {}, None),
     ("pf1 et", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {}, None),
+    # the next call's stage 1 resident during this call (early trigger) without its pre-wait prefetch: is it the
+    # early prefetch or the early residency that loses at long contexts?
+    ("pf0 et", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf2 et", {"PREFETCH_BLOCKS": 2, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),
