@@ -169,11 +169,29 @@ DECODE_DEVICE_SPLIT_SLOTS_PER_SM = 1
 # showed (ncu, b2 8k: 5.0 vs 3.8 us for 8 splits). Same run as above, us, halves vs whole rows: b2 contiguous 6.8 /
 # 27.7 / 92.7 / 179.8 vs 7.6 / 28.0 / 93.9 / 181.0, b4 11.0 / 50.5 / 180.3 / 192.1 vs 11.7 / 52.3 / 182.3 / 194.4,
 # b4 page 16 11.7 / 53.6 / 192.9 / 199.7 vs 12.3 / 55.5 / 195.8 / 202.5. At b1 16/2 (2 pairs) halves measured
-# within noise (session 3), so b1 keeps whole rows.
+# within noise (session 3); below 16 pairs see DECODE_MERGE_FEW_PAIRS_D_CHUNKS.
 DECODE_MERGE_SPLIT_D_MIN_PAIRS = 16
+# Below DECODE_MERGE_SPLIT_D_MIN_PAIRS the merge runs one query row per program over this many head-dim quarters,
+# with all of a row's splits in one pass: a merge of few rows was a handful of programs each pulling up to 64
+# splits x 128 columns from L2 (b1 16/2: 16 programs of 32 KiB; Llama 32/8 b1: 8 programs of 4 rows), and the
+# merge sits on the critical path between a call's last stage-1 program and the next call (1.5 us of it at 32k,
+# scripts/stage1_timeline.py). H100, bf16 hd128, two runs each (session 13), us, one row x quarters vs the tile of
+# up to 8192 values: b1 16/2 1k / 8k / 32k contiguous 4.71 / 6.76 / 16.19 vs 5.20 / 7.12 / 16.40, page 16 5.07 /
+# 7.65 / 17.15 vs 5.44 / 8.25 / 17.28 (512 / 4k / 128k 4.31 / 5.70 / 48.77 vs 4.54 / 5.97 / 48.99); Llama 32/8 b1
+# 1k / 8k / 32k 5.33 / 16.23 / 48.65 vs 6.12 / 16.45 / 48.92, page 16 5.58 / 16.68 / 51.27 vs 6.40 / 17.00 / 51.63.
+# Two rows per program at 32/8 b1 measured the same; two splits passes (half the states per pass) lost at 8k.
+# b2 (16 pairs) and b4 keep their halves (one row x quarters: b2 1k 7.3 vs 6.8 us, 8k / 32k equal).
+DECODE_MERGE_FEW_PAIRS_D_CHUNKS = 4
 # Paged stage 1 reads its split's page ids beside its length after the PDL wait (the range from the length read
 # before the wait, checked after it) instead of one round trip behind it (kernels/decode.py SPEC_PAGES).
 DECODE_SPEC_PAGES = True
+
+
+def _merge_d_chunks(few_pairs: bool, kv_pairs: int | None) -> int:
+    """Head-dim chunks of the decode merge (DECODE_MERGE_SPLIT_D_MIN_PAIRS, DECODE_MERGE_FEW_PAIRS_D_CHUNKS)."""
+    if not few_pairs:
+        return 1
+    return 2 if kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else DECODE_MERGE_FEW_PAIRS_D_CHUNKS
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -313,7 +331,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS
                                   and device_split_layout),
             "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
-            "MERGE_D_CHUNKS": 2 if few_pairs and kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else 1,
+            "MERGE_D_CHUNKS": _merge_d_chunks(few_pairs, kv_pairs),
+            "MERGE_MAX_ROWS": 1 if few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS else 0,
             "SPEC_PAGES": bool(hopper and DECODE_SPEC_PAGES)}
 
 

@@ -593,12 +593,15 @@ def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
     _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
 
 
-def test_merge_in_head_dim_chunks(gen, monkeypatch):
-    """MERGE_D_CHUNKS (config): stage 2 as head-dim slices gives the same result (GQA, ragged, paged)."""
+@pytest.mark.parametrize("d_chunks,max_rows", [(2, 0), (4, 1)])
+def test_merge_in_head_dim_chunks(gen, monkeypatch, d_chunks, max_rows):
+    """MERGE_D_CHUNKS / MERGE_MAX_ROWS (config): stage 2 as head-dim slices, and as one row per program, gives the
+    same result (GQA, ragged, paged)."""
     from flashdecode import heuristics
 
     base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), MERGE_D_CHUNKS=2))
+    monkeypatch.setattr(heuristics, "decode_block_config",
+                        lambda *a, **k: dict(base(*a, **k), MERGE_D_CHUNKS=d_chunks, MERGE_MAX_ROWS=max_rows))
     q, k, v = _make(gen, 3, 90, 8, 2, 64, torch.float16)
     _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3)
 

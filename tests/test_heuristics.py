@@ -157,8 +157,9 @@ def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
     """The split grid below a third of the SMs' worth of pairs: contiguous caches from 32 pairs (Llama 32/8 b4-b5)
     choose each sequence's split count on the device (DEVICE_SPLITS; the ops layer uses it for a policy count at
     batch > 1), and so do pages that are tile multiples up to a third of the SMs' worth (b6 lost at long equal
-    lengths); gathered pages keep the plan's count; the merge runs over two head-dim halves from 16 pairs, whole
-    rows at batch 1 (2 or 8 pairs); the persistent kernel's range (45+ contiguous pairs) needs neither."""
+    lengths); gathered pages keep the plan's count; the merge runs over two head-dim halves from 16 pairs, one
+    row per program over head-dim quarters below that (batch 1: 2 or 8 pairs); the persistent kernel's range (45+
+    contiguous pairs) needs neither."""
     import flashdecode.heuristics as hx
 
     def cfg(pairs, page=0):
@@ -170,5 +171,6 @@ def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
     assert {(p, page): cfg(p, page)["DEVICE_SPLITS"] for p in (31, 32, 44, 45, 48) for page in (64, 256)} == {
         (p, page): 32 <= p <= 44 for p in (31, 32, 44, 45, 48) for page in (64, 256)}
     assert {p: cfg(p)["MERGE_D_CHUNKS"] for p in (2, 8, 15, 16, 32, 66, 67)} == {
-        2: 1, 8: 1, 15: 1, 16: 2, 32: 2, 66: 2, 67: 1}
+        2: 4, 8: 4, 15: 4, 16: 2, 32: 2, 66: 2, 67: 1}
+    assert {p: cfg(p)["MERGE_MAX_ROWS"] for p in (2, 8, 15, 16, 67)} == {2: 1, 8: 1, 15: 1, 16: 0, 67: 0}
     assert cfg(32)["DEVICE_SPLIT_SLOTS"] == 132 * hx.DECODE_DEVICE_SPLIT_SLOTS_PER_SM

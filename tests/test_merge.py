@@ -104,10 +104,11 @@ def test_device_of_results(gen):
     assert o.device.type == DEVICE.type and lse.device.type == DEVICE.type
 
 
-@pytest.mark.parametrize("d_chunks,headdim", [(2, 64), (4, 80), (8, 64)])
-def test_merge_many_in_head_dim_chunks(gen, d_chunks, headdim):
-    """Stage 2 split over head-dim slices (more, smaller programs; chunk 0 writes the lse): same results as one
-    program per row, empty states included; slices of 16 columns at least (80 columns: a partial last slice)."""
+@pytest.mark.parametrize("d_chunks,headdim,max_rows", [(2, 64, 0), (4, 80, 0), (8, 64, 0), (4, 128, 1), (1, 96, 2)])
+def test_merge_many_in_head_dim_chunks(gen, d_chunks, headdim, max_rows):
+    """Stage 2 split over head-dim slices (more, smaller programs; chunk 0 writes the lse) and over rows
+    (max_rows per program): same results as one program per row block, empty states included; slices of 16
+    columns at least (80 columns: a partial last slice)."""
     from flashdecode.ops.merge import launch_merge_many
 
     outs, lses = _states(gen, 9, (2,), 3, headdim, torch.float32)
@@ -116,10 +117,12 @@ def test_merge_many_in_head_dim_chunks(gen, d_chunks, headdim):
     outs[0, 0, 0] = float("nan")  # never read: its state is empty
     o = torch.full((2, 3, headdim), float("nan"), device=DEVICE)
     lse = torch.full((2, 3), float("nan"), device=DEVICE)
-    launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, d_chunks=d_chunks)
+    launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, d_chunks=d_chunks, max_rows=max_rows)
     o64, lse64 = ref.merge_states_many_ref(outs.double().nan_to_num(), lses.double())
     o_same, lse_same = ref.merge_states_many_ref(outs.nan_to_num(), lses)
     assert_fa_close(o, o64, o_same, factor=3.0, atol=1e-5)
     assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-5, name="lse")
     with pytest.raises(ValueError, match="d_chunks"):
         launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, d_chunks=3)
+    with pytest.raises(ValueError, match="max_rows"):
+        launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, max_rows=3)

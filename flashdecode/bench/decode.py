@@ -396,6 +396,8 @@ TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forc
     # the next call's stage 1 resident during this call (early trigger) without its pre-wait prefetch: is it the
     # early prefetch or the early residency that loses at long contexts?
     ("pf0 et", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": True}, {}, None),
+    # the merge before session 13 below 16 pairs: whole rows, as many per program as a tile of 8192 values holds
+    ("merge tile", {"MERGE_D_CHUNKS": 1, "MERGE_MAX_ROWS": 0}, {}, None),
     ("pf2 et", {"PREFETCH_BLOCKS": 2, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
     ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),

@@ -192,6 +192,7 @@ class _DecodeShape:
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
         self.merge_d_chunks = int(cfg.get("MERGE_D_CHUNKS", 1))
+        self.merge_max_rows = int(cfg.get("MERGE_MAX_ROWS", 0))
         # one launch with device-side split counts (decode_persistent_kernel; the default on Hopper for half to
         # all of the SMs' worth of pairs); programs of its fixed grid (None: the SMs). Pages smaller than a block
         # only with PERSISTENT_GATHERED (heuristics: with the work queue; static shares measured slower on mixed
@@ -531,7 +532,8 @@ def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
     launch_merge_many(
         partial_o.view(b * sq, h, num_splits, shape.headdim), partial_lse.view(b * sq, h, num_splits),
         _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=shape.use_pdl,
-        early_trigger=shape.merge_early_trigger and shape.pdl_wait, d_chunks=shape.merge_d_chunks)
+        early_trigger=shape.merge_early_trigger and shape.pdl_wait, d_chunks=shape.merge_d_chunks,
+        max_rows=shape.merge_max_rows)
 
 
 def _collapse_bt(x4):

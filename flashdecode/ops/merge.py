@@ -39,14 +39,15 @@ def _rows3(x, headdim_last: bool):
 
 
 def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
-                      early_trigger: bool = False, d_chunks: int = 1):
+                      early_trigger: bool = False, d_chunks: int = 1, max_rows: int = 0):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
     kernel's writes, while its launch overlaps that kernel's tail). early_trigger (with use_pdl): let the next
     kernel launch before this one waits (only for next kernels that wait on the device before reading).
     d_chunks: programs per row block, each merging a slice of the head dim (a power of two; more, smaller
-    programs for merges of few rows)."""
+    programs for merges of few rows). max_rows: the most rows one program merges (0: as many as its tile of
+    _TILE_ELEMS values holds; 1 with d_chunks spreads a merge of few rows over rows x d_chunks programs)."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -56,9 +57,13 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         return
     if d_chunks < 1 or d_chunks & (d_chunks - 1):
         raise ValueError(f"d_chunks must be a power of two >= 1, got {d_chunks}")
+    if max_rows < 0 or max_rows & (max_rows - 1):
+        raise ValueError(f"max_rows must be 0 or a power of two, got {max_rows}")
     block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
     block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
     block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
+    if max_rows:
+        block_r = min(block_r, max_rows)
     grid = (outer, triton.cdiv(inner, block_r), triton.cdiv(headdim, block_d))
     merge_many_kernel[grid](
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
