@@ -6,7 +6,10 @@ records, for every program of one call inside the same CUDA-graph replay with ro
 and end on the global timer and its duration in its SM's cycles, for both kernels. From those: how far apart the
 programs start (launch skew), how far apart they end (tail), how evenly the flat read's hardware scheduler spread
 its programs over the SMs, and how long the stage-1 programs run against the whole call. ``%globaltimer`` may tick
-coarsely; the report gives its smallest step, and durations come from ``%clock64`` (exact, per SM).
+coarsely; the report gives its smallest step, and durations come from ``%clock64`` (exact, per SM). The "bal"
+variants try to even out the programs' ends: each split streams a static share, then draws blocks from a shared
+per-kv-head pool (timed_balanced_kernel); every run checks the merged partials against float64 attention.
+scripts/stage1_timeline.py does the same for the real decode kernels.
 
     PYTHONPATH=. python3 -m flashdecode.bench.timeline [--contexts 32768,131072] [--out DIR]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -216,7 +220,7 @@ def check_partials(k, v, q, o_part, lse, nheads_kv, splits, headdim) -> float:
     err = 0.0
     for h in range(nheads_kv):
         kh, vh = (x[:, h * headdim:(h + 1) * headdim].double() for x in (k, v))
-        p = torch.softmax(q[:rows].double() @ kh.T * 0.12753 * 0.6931471805599453, dim=-1)
+        p = torch.softmax(q[:rows].double() @ kh.T * 0.12753 * math.log(2.0), dim=-1)  # log2 -> natural units
         err = max(err, float((merged[h] - p @ vh).abs().max()))
     return err
 
@@ -243,6 +247,7 @@ KINDS = [  # (label, kernel, splits per kv head or BLOCK, BLOCK_N or warps, stag
 
 
 def _pct(values, q):
+    """The q-quantile of ``values`` (nearest rank)."""
     values = sorted(values)
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
 
