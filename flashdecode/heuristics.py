@@ -187,13 +187,6 @@ DECODE_MERGE_FEW_PAIRS_D_CHUNKS = 4
 DECODE_SPEC_PAGES = True
 
 
-def _merge_d_chunks(few_pairs: bool, kv_pairs: int | None) -> int:
-    """Head-dim chunks of the decode merge (DECODE_MERGE_SPLIT_D_MIN_PAIRS, DECODE_MERGE_FEW_PAIRS_D_CHUNKS)."""
-    if not few_pairs:
-        return 1
-    return 2 if kv_pairs >= DECODE_MERGE_SPLIT_D_MIN_PAIRS else DECODE_MERGE_FEW_PAIRS_D_CHUNKS
-
-
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
                       block_n: int = 64, min_blocks_per_split: int = 1, max_splits: int = 64,
                       waves: float = 1.0, total_seqlen_k: int | None = None) -> int:
@@ -313,6 +306,10 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     device_split_layout = page_size == 0 or (
         page_size % block_n == 0 and kv_pairs is not None
         and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
+    # the merge: one row per program over head-dim quarters below 16 pairs, halves from there among few pairs
+    # (DECODE_MERGE_FEW_PAIRS_D_CHUNKS, DECODE_MERGE_SPLIT_D_MIN_PAIRS)
+    row_merge = few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS
+    merge_d_chunks = DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1)
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
             "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
             "PREFETCH_BLOCKS": prefetch,
@@ -331,8 +328,8 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS
                                   and device_split_layout),
             "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
-            "MERGE_D_CHUNKS": _merge_d_chunks(few_pairs, kv_pairs),
-            "MERGE_MAX_ROWS": 1 if few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS else 0,
+            "MERGE_D_CHUNKS": merge_d_chunks,
+            "MERGE_MAX_ROWS": 1 if row_merge else 0,
             "SPEC_PAGES": bool(hopper and DECODE_SPEC_PAGES)}
 
 

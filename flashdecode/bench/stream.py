@@ -134,6 +134,24 @@ def paged_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, stride_page, stride_t
 
 
 @triton.jit
+def _fresh_state(Q, BLOCK_M: tl.constexpr, HEADDIM: tl.constexpr):
+    """The probes' q tile (BLOCK_M, HEADDIM) from Q (row-major) and an empty softmax state: (q, acc, m_i, l_i)."""
+    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
+    return (q, tl.zeros([BLOCK_M, HEADDIM], tl.float32), tl.full([BLOCK_M], float("-inf"), tl.float32),
+            tl.zeros([BLOCK_M], tl.float32))
+
+
+@triton.jit
+def _split_bounds(seqlen, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(kv head, split, first key, end key) of this program in a (kv head, split) grid of block-aligned chunks."""
+    pid = tl.program_id(0)
+    split = pid % SPLITS
+    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return pid // SPLITS, split, start, tl.minimum(start + chunk, seqlen)
+
+
+@triton.jit
 def _four_page_step(acc, m_i, l_i, q, K, V, r0, r1, r2, r3, col):
     """The page-box probes' step: q @ K^T for the four (PAGE, HEADDIM) descriptor boxes at rows r0..r3, one
     online-softmax update over their scores, then the four P @ V products. Returns (acc, m_i, l_i)."""
@@ -173,11 +191,7 @@ def page_box_stream_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.constex
     chunk = seqlen // SPLITS
     start = split * chunk
     col = hk * HEADDIM
-    offs_d = tl.arange(0, HEADDIM)
-    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + offs_d[None, :])
-    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q, acc, m_i, l_i = _fresh_state(Q, BLOCK_M, HEADDIM)
     for n in range(start, start + chunk, 4 * PAGE):
         page = n // PAGE
         r0 = tl.load(BLOCK_TABLE + page) * PAGE
@@ -201,13 +215,9 @@ def page_box_preload_kernel(K, V, Q, OUT, BLOCK_TABLE, seqlen, SPLITS: tl.conste
     chunk = seqlen // SPLITS
     start = split * chunk
     col = hk * HEADDIM
-    offs_d = tl.arange(0, HEADDIM)
     ids = tl.load(BLOCK_TABLE + start // PAGE + tl.arange(0, SPLIT_PAGES))
     table = tl.reshape(ids, (SPLIT_PAGES // 4, 4))
-    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + offs_d[None, :])
-    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q, acc, m_i, l_i = _fresh_state(Q, BLOCK_M, HEADDIM)
     for step in range(0, SPLIT_PAGES // 4):
         quad = tl.sum(tl.where((tl.arange(0, SPLIT_PAGES // 4) == step)[:, None], table, 0), 0)
         even, odd = tl.split(tl.reshape(quad, (2, 2)))  # (ids 0, 2), (ids 1, 3)
@@ -435,23 +445,15 @@ def ws_stream_kernel(K, V, Q, OUT, seqlen, stride_tok, SPLITS: tl.constexpr, HEA
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WS: tl.constexpr):
     """stream_kernel's MODE 2 with device-side tensor descriptors (what Triton's Hopper warp specialisation needs)
     and the KV loop warp-specialised (WS: a producer warp group issues the TMA loads, the others compute) or not."""
-    pid = tl.program_id(0)
-    hk = pid // SPLITS
-    split = pid % SPLITS
-    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen)
+    hk, _, start, end = _split_bounds(seqlen, SPLITS, BLOCK_N)
     kd = tl.make_tensor_descriptor(K + hk * HEADDIM, shape=[seqlen, HEADDIM], strides=[stride_tok, 1],
                                    block_shape=[BLOCK_N, HEADDIM])
     vd = tl.make_tensor_descriptor(V + hk * HEADDIM, shape=[seqlen, HEADDIM], strides=[stride_tok, 1],
                                    block_shape=[BLOCK_N, HEADDIM])
-    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
-    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q, acc, m_i, l_i = _fresh_state(Q, BLOCK_M, HEADDIM)
     for n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, kd, vd, n, 0)
-    tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
+    tl.store(OUT + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0))
 
 
 def _ws_stream_calls(sets, ctx, nheads_kv, headdim, splits, block_n, stages, block_m, warps, ws):

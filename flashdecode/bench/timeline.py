@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdecode.bench.stream import _descriptor_softmax_step
+from flashdecode.bench.stream import _descriptor_softmax_step, _fresh_state, _split_bounds
 
 # one record per program: SM id, %clock64 at start and end, %globaltimer (ns) at start and end
 FIELDS = ("smid", "clock_start", "clock_end", "gtime_start", "gtime_end")
@@ -98,16 +98,9 @@ def timed_split_kernel(K, V, Q, O_PART, LSE, TIMES, seqlen, SPLITS: tl.constexpr
     (TIMED)."""
     g0, c0 = _start(TIMED)
     pid = tl.program_id(0)
-    hk = pid // SPLITS
-    split = pid % SPLITS
-    chunk = tl.cdiv(seqlen, SPLITS * BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen)
+    hk, _, start, end = _split_bounds(seqlen, SPLITS, BLOCK_N)
     col = hk * HEADDIM
-    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
-    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q, acc, m_i, l_i = _fresh_state(Q, BLOCK_M, HEADDIM)
     for n in range(start, end, BLOCK_N):
         acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, K, V, n, col)
     _store_partial(O_PART, LSE, pid, acc, m_i, l_i, HEADDIM, BLOCK_M)
@@ -134,10 +127,7 @@ def timed_balanced_kernel(K, V, Q, O_PART, LSE, TIMES, COUNTERS, LAST_COUNTERS, 
     share = nblocks * STATIC_SIXTEENTHS // (16 * SPLITS)
     pool_start = share * SPLITS
     col = hk * HEADDIM
-    q = tl.load(Q + tl.arange(0, BLOCK_M)[:, None] * HEADDIM + tl.arange(0, HEADDIM)[None, :])
-    acc = tl.zeros([BLOCK_M, HEADDIM], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q, acc, m_i, l_i = _fresh_state(Q, BLOCK_M, HEADDIM)
     for blk in range(split * share, (split + 1) * share):
         acc, m_i, l_i = _descriptor_softmax_step(acc, m_i, l_i, q, K, V, blk * BLOCK_N, col)
     grab = pool_start + tl.atomic_add(COUNTERS + hk, GRAB, sem="relaxed", scope="gpu")
