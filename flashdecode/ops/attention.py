@@ -30,14 +30,15 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensor
 
 from flashdecode import heuristics
+from flashdecode.ops import checks
 from flashdecode.kernels import bwd as bwd_kernels
 from flashdecode.kernels import fwd as fwd_kernels
 
 __all__ = ["flash_attn", "flash_attn_varlen"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-LOG2E = fwd_kernels.LOG2E
+SUPPORTED_DTYPES = checks.FLOAT_DTYPES
+MAX_HEAD_DIM = checks.MAX_HEAD_DIM
+LOG2E = checks.LOG2E
 
 # Set FLASHDECODE_AUTOTUNE=0 to use the first candidate that fits shared memory instead of timing a handful
 # (tests do this to keep compile counts down).
@@ -68,7 +69,7 @@ BWD_LSE_LOG2 = os.environ.get("FLASHDECODE_BWD_LSE_LOG2", "1") == "1"
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return checks.interpreting()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,16 +106,11 @@ def _check_tensor_args(q, k, v, ndim: int, layout: str):
 
 
 def _check_options(causal, softmax_scale, window_size, softcap, deterministic=True):
-    for name, flag in (("causal", causal), ("deterministic", deterministic)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise TypeError(f"softmax_scale must be None or a finite float, got {softmax_scale!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if not isinstance(softcap, (int, float)) or not softcap >= 0.0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    checks.check_bool("causal", causal)
+    checks.check_bool("deterministic", deterministic)
+    checks.check_softmax_scale(softmax_scale)
+    checks.check_window(window_size)
+    checks.check_softcap(softcap)
 
 
 def _check_cu_seqlens_layout(name: str, cu: torch.Tensor, batch: Optional[int], max_seqlen, max_name: str,

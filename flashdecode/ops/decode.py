@@ -14,7 +14,6 @@ Two ways to call decode attention:
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -22,21 +21,16 @@ import triton
 from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+from flashdecode.ops import checks
 from flashdecode.ops.merge import launch_merge_many
 
 __all__ = ["flash_decode", "DecodePlan", "append_kv"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEADDIM = 256
-LOG2E = 1.4426950408889634
-
-
-def _full_device(device) -> torch.device:
-    """torch.device with its index filled in ("cuda" -> "cuda:<current>"), so it compares equal to tensor.device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+_DTYPES = checks.FLOAT_DTYPES
+_MAX_HEADDIM = checks.MAX_HEAD_DIM
+LOG2E = checks.LOG2E
+_check_tensor, _check_device, _interpreting, _full_device = (checks.check_tensor, checks.check_device,
+                                                             checks.interpreting, checks.full_device)
 
 
 def _pdl_capable(device: torch.device) -> bool:
@@ -44,27 +38,9 @@ def _pdl_capable(device: torch.device) -> bool:
     return not _interpreting(device) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _interpreting(device: torch.device) -> bool:
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Input checks (ValueError / TypeError naming the argument; host metadata only, never a device sync)
 # ----------------------------------------------------------------------------------------------------------------
-
-def _check_tensor(name, x, dims, dtypes=None):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() not in dims:
-        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(x.shape)}")
-    if dtypes is not None and x.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
-
-
-def _check_device(name, x, device):
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but q is on {device}")
-
 
 def _check_cache_pair(k_cache, v_cache, dtype, device):
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -146,13 +122,9 @@ class _DecodeShape:
         self.page_size = k_cache.shape[1] if self.paged else 0
         self.capacity = _cache_capacity(k_cache, block_table, self.batch)
         _check_host_lengths(cache_seqlens, self.capacity)
-        if softcap is None or softcap < 0:
-            raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
-        if len(window_size) != 2:
-            raise ValueError(f"window_size must be (left, right), got {window_size}")
-        self.window_left = int(window_size[0])
-        self.scale = self.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
-        self.softcap = float(softcap)
+        self.softcap = checks.check_softcap(softcap)
+        self.window_left = checks.check_window(window_size)[0]
+        self.scale = checks.resolve_scale(softmax_scale, self.headdim)
         # stage 1's logit scale (softcap: tanh's argument, else log2 units for exp2) and the softcap in log2 units
         self.score_scale = self.scale / self.softcap if self.softcap > 0 else self.scale * LOG2E
         self.softcap_log2 = self.softcap * LOG2E
