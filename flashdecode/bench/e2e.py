@@ -4,7 +4,7 @@ Decode: for each backend and context, a fresh engine (same random weights) gets 
 is filled with random values instead of running the prefill (decode speed does not depend on the cache content; a
 64k prefill per backend would cost minutes), then the normal engine loop (CUDA-graphed decode step, greedy sampling,
 scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (weight bytes + KV bytes read per
-token), weight bytes counting every parameter (embedding included), as in BENCHMARKING.md. Prefill: one prompt of
+token), weight bytes counting every parameter (embedding included). Prefill: one prompt of
 ``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same

@@ -1,5 +1,5 @@
-"""GPU timing done the way BENCHMARKING.md demands: CUDA-graph replays for microsecond kernels, inputs rotated
-beyond L2, medians, and the two ceilings (copy bandwidth, matmul rate) measured on the same GPU in the same run."""
+"""GPU timing for every benchmark: CUDA-graph replays for microsecond kernels, inputs rotated beyond L2, medians,
+and the two ceilings (copy bandwidth, matmul rate) measured on the same GPU in the same run."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ or shuffled: what the page order alone costs a paged cache. The torch variants t
 reduction kernels on the same bytes, the read variants a flat read-only sweep by thousands of small programs: what
 any kernel pays for a transfer of this size.
 
-    PYTHONPATH=. python3 -m flashdecode.bench.stream [--contexts 4096,32768,65536,131072] [--out DIR]
+    PYTHONPATH=. python3 -m benchmarks.probes.stream [--contexts 4096,32768,65536,131072] [--out DIR]
 """
 
 from __future__ import annotations
@@ -656,7 +656,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = out / f"{result_stem('stream_floor', env)}.json"
-    command = "python -m flashdecode.bench.stream " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.probes.stream " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_floor", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
                                 "variants": [list(v) for v in variants + paged + boxes + box_preloads + reads

@@ -1,11 +1,13 @@
-"""bench/stream.py's probe kernel (the streaming floor of a split-KV stage 1) computes what it claims: each program's
-attention over its chunk of keys (modes 3 and 4, against the float64 reference) or the sum of its K/V tiles (mode
-0). It is a measurement tool, but its numbers are only a floor if it does the same work as stage 1."""
+"""benchmarks/probes/stream.py's probe kernel (the streaming floor of a split-KV stage 1) computes what it claims:
+each program's attention over its chunk of keys (modes 3 and 4, against the float64 reference) or the sum of its K/V
+tiles (mode 0). It is a measurement tool, but its numbers are only a floor if it does the same work as stage 1."""
 
 import pytest
 import torch
 
 from helpers import DEVICE, HAS_CUDA, randn
+
+pytestmark = pytest.mark.probes
 
 SPLITS, HEADDIM, BLOCK_N, BLOCK_M, NHEADS_KV, CTX = 4, 32, 16, 16, 2, 256
 SCORE_SCALE = 0.12753  # the probe's fixed logit scale, in log2 units
@@ -14,7 +16,7 @@ SCORE_SCALE = 0.12753  # the probe's fixed logit scale, in log2 units
 def _run(mode, gen, dtype, interleave=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashdecode.bench.stream import stream_kernel
+    from benchmarks.probes.stream import stream_kernel
 
     k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=dtype) for _ in range(2))
     q = randn(BLOCK_M, HEADDIM, gen=gen, dtype=dtype)
@@ -49,7 +51,7 @@ def _attention(q, k, v, dtype):
 @pytest.mark.parametrize("mode,interleave", [(3, False), (4, False), (3, True)])
 def test_stream_probe_attends_over_its_chunk(mode, interleave):
     gen = torch.Generator().manual_seed(mode)
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong (KERNEL_NOTES.md)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong
     q, k, v, out, o_part = _run(mode, gen, dtype, interleave)
     kc, vc = _chunks(k, interleave), _chunks(v, interleave)
     ref = _attention(q, kc, vc, torch.float64)[:, : BLOCK_M // 2].reshape(-1, HEADDIM)
@@ -69,7 +71,7 @@ def test_stream_probe_sums_its_tiles():
 def test_paged_stream_probe_sums_the_keys_its_block_table_names(page):
     """The paged probe reads logical key i of a program's chunk from page table[i // page] (shuffled), row i % page:
     its per-program sums match those of the keys the table names (page 0: the contiguous cache)."""
-    from flashdecode.bench.stream import paged_stream_kernel
+    from benchmarks.probes.stream import paged_stream_kernel
 
     gen = torch.Generator().manual_seed(page)
     k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
@@ -89,7 +91,7 @@ def test_page_box_probe_attends_over_the_pages_its_block_table_names():
     sum plus its unnormalised output sum over the keys its shuffled block table names, as the float64 reference."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashdecode.bench.stream import page_box_stream_kernel
+    from benchmarks.probes.stream import page_box_stream_kernel
 
     page = 16  # the P @ V dots' inner size: >= 16 on the GPU
     gen = torch.Generator().manual_seed(7)
@@ -114,7 +116,7 @@ def test_page_box_probe_attends_over_the_pages_its_block_table_names():
 def test_torch_reference_calls_move_the_bytes_they_name():
     """The library-kernel references: "copy" copies K (one buffer per rotated set, so every call writes fresh
     memory), "sum" reduces K and V."""
-    from flashdecode.bench.stream import _torch_calls
+    from benchmarks.probes.stream import _torch_calls
 
     gen = torch.Generator().manual_seed(3)
     sets = [tuple(randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2)) for _ in range(2)]
@@ -128,7 +130,7 @@ def test_torch_reference_calls_move_the_bytes_they_name():
 
 def test_read_sweep_sums_every_block_of_k_and_v():
     """The flat read-only reference: program p's output is the sum of block p of K plus block p of V."""
-    from flashdecode.bench.stream import _read_calls
+    from benchmarks.probes.stream import _read_calls
 
     gen = torch.Generator().manual_seed(4)
     k, v = (randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
@@ -144,7 +146,7 @@ def test_read_sweep_sums_every_block_of_k_and_v():
 
 def test_read_loop_sums_each_programs_chunk():
     """The looping read reference: program p sums its contiguous chunk of K and V, the last chunk cut at the end."""
-    from flashdecode.bench.stream import _read_loop_calls
+    from benchmarks.probes.stream import _read_loop_calls
 
     gen = torch.Generator().manual_seed(5)
     k, v = (randn(50, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
@@ -161,7 +163,7 @@ def test_read_loop_sums_each_programs_chunk():
 def test_read_queue_reads_every_block_once_and_resets_its_counter():
     """The queue reference: whatever blocks each program draws, the programs' sums add up to the sum of K and V
     (every block read once), and the counter is back at zero for the next launch (two launches, same result)."""
-    from flashdecode.bench.stream import _read_queue_calls
+    from benchmarks.probes.stream import _read_queue_calls
 
     gen = torch.Generator().manual_seed(6)
     k, v = (randn(64, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
@@ -181,10 +183,10 @@ def test_whole_row_probe_gives_each_row_its_own_heads_attention():
     query row's partial, in its own kv head's columns, is that head's attention over the program's chunk."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashdecode.bench.stream import rows_stream_kernel
+    from benchmarks.probes.stream import rows_stream_kernel
 
     gen = torch.Generator().manual_seed(7)
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong (KERNEL_NOTES.md)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter's bf16 dot is wrong
     width, group = NHEADS_KV * HEADDIM, BLOCK_M // NHEADS_KV
     k, v = (randn(CTX, width, gen=gen, dtype=dtype) for _ in range(2))
     head_of_row = torch.arange(BLOCK_M, device=DEVICE) // group
@@ -216,7 +218,7 @@ def test_device_descriptor_probe_matches_the_host_descriptor_probe():
     ignored by the interpreter) writes the same per-program value as stream_kernel's MODE 2 on the same inputs."""
     import triton
 
-    from flashdecode.bench.stream import ws_stream_kernel
+    from benchmarks.probes.stream import ws_stream_kernel
 
     gen = torch.Generator().manual_seed(3)
     q, k, v, out, _ = _run(2, gen, torch.float16)
@@ -233,7 +235,7 @@ def test_page_box_preload_probe_attends_over_the_pages_its_block_table_names():
     sum over the keys its shuffled block table names (8 pages per split: the step picks row 0 or 1 of the ids)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashdecode.bench.stream import page_box_preload_kernel
+    from benchmarks.probes.stream import page_box_preload_kernel
 
     page, ctx = 16, 2 * CTX
     split_pages = ctx // (SPLITS * page)
@@ -261,13 +263,13 @@ def test_page_box_preload_probe_attends_over_the_pages_its_block_table_names():
 
 @pytest.mark.parametrize("balanced", [False, True])
 def test_timeline_probes_stream_every_block_exactly_once(balanced):
-    """bench/timeline.py's split probe and its balanced variant (a static share per split, the rest drawn from a
+    """benchmarks/probes/timeline.py's split probe and its balanced variant (a static share per split, the rest drawn from a
     per-kv-head atomic pool): the merged partials equal attention over all keys (check_partials, the check the GPU
     run prints), and a partial left out shows as a large error, so the check would catch a block missed or read
     twice. The balanced kernel drew the pool dry and zeroed the previous call's counters."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashdecode.bench.timeline import check_partials, timed_balanced_kernel, timed_split_kernel
+    from benchmarks.probes.timeline import check_partials, timed_balanced_kernel, timed_split_kernel
 
     gen = torch.Generator().manual_seed(9)
     k, v = (randn(CTX, NHEADS_KV * HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
@@ -299,7 +301,7 @@ def test_timeline_probes_stream_every_block_exactly_once(balanced):
 
 def test_timeline_summary_reads_program_records():
     """summarize / _gaps on hand-made records: 4 programs on 2 SMs, starts and ends in ns, clocks at 2 GHz."""
-    from flashdecode.bench.timeline import _gaps, summarize
+    from benchmarks.probes.timeline import _gaps, summarize
 
     us = 1000
     g0 = [0, 0, 32, 1 * us]

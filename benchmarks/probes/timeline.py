@@ -1,6 +1,6 @@
 """Where a streaming kernel's microseconds go, program by program (GPU only; a measurement, not a test).
 
-bench.stream times whole kernels: stage 1's structure (one pipelined program per split, 64 splits per kv head)
+benchmarks/probes/stream.py times whole kernels: stage 1's structure (one pipelined program per split, 64 splits per kv head)
 streams 32k keys in ~14.5 us where a flat read of the same bytes by thousands of small programs takes ~12.7. This
 records, for every program of one call inside the same CUDA-graph replay with rotated K/V sets, its SM, its start
 and end on the global timer and its duration in its SM's cycles, for both kernels. From those: how far apart the
@@ -9,9 +9,8 @@ its programs over the SMs, and how long the stage-1 programs run against the who
 coarsely; the report gives its smallest step, and durations come from ``%clock64`` (exact, per SM). The "bal"
 variants try to even out the programs' ends: each split streams a static share, then draws blocks from a shared
 per-kv-head pool (timed_balanced_kernel); every run checks the merged partials against float64 attention.
-scripts/stage1_timeline.py does the same for the real decode kernels.
 
-    PYTHONPATH=. python3 -m flashdecode.bench.timeline [--contexts 32768,131072] [--out DIR]
+    PYTHONPATH=. python3 -m benchmarks.probes.timeline [--contexts 32768,131072] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdecode.bench.stream import _descriptor_softmax_step, _fresh_state, _split_bounds
+from benchmarks.probes.stream import _descriptor_softmax_step, _fresh_state, _split_bounds
 
 # one record per program: SM id, %clock64 at start and end, %globaltimer (ns) at start and end
 FIELDS = ("smid", "clock_start", "clock_end", "gtime_start", "gtime_end")
@@ -92,7 +91,7 @@ def _store_partial(O_PART, LSE, pid, acc, m_i, l_i, HEADDIM: tl.constexpr, BLOCK
 @triton.jit
 def timed_split_kernel(K, V, Q, O_PART, LSE, TIMES, seqlen, SPLITS: tl.constexpr, HEADDIM: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TIMED: tl.constexpr = True):
-    """bench.stream's stream_kernel MODE 3 (stage 1's structure: split s of kv head hk streams its chunk of K and V
+    """stream.py's stream_kernel MODE 3 (stage 1's structure: split s of kv head hk streams its chunk of K and V
     through tensor descriptors (seqlen, nheads_kv * HEADDIM), boxes (BLOCK_N, HEADDIM), with the online softmax
     and the fp32 partial store into O_PART (programs, BLOCK_M // 2, HEADDIM) / LSE (log2)) and a timing record
     (TIMED)."""
@@ -143,7 +142,7 @@ def timed_balanced_kernel(K, V, Q, O_PART, LSE, TIMES, COUNTERS, LAST_COUNTERS, 
 
 @triton.jit
 def timed_read_kernel(K, V, OUT, TIMES, BLOCK: tl.constexpr, TIMED: tl.constexpr = True):
-    """bench.stream's read_kernel (program p sums elements [p * BLOCK, (p + 1) * BLOCK) of K and V) with a
+    """stream.py's read_kernel (program p sums elements [p * BLOCK, (p + 1) * BLOCK) of K and V) with a
     timing record (TIMED)."""
     g0, c0 = _start(TIMED)
     pid = tl.program_id(0)
@@ -288,7 +287,7 @@ def _gaps(times: torch.Tensor, order: list[int]) -> list[float]:
 
 def main() -> int:
     from flashdecode.bench.report import result_stem
-    from flashdecode.bench.stream import _sets
+    from benchmarks.probes.stream import _sets
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -344,7 +343,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = out / f"{result_stem('stream_timeline', env)}.json"
-    command = "python -m flashdecode.bench.timeline " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.probes.timeline " + " ".join(sys.argv[1:])
     name.write_text(json.dumps({"kind": "stream_timeline", "command": command,
                                 "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12), "fields": FIELDS,
                                 "rows": results}, indent=1))
