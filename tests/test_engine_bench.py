@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -32,6 +33,10 @@ def test_decode_and_prefill_measurements_and_report(tmp_path):
     record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
     assert record["summary"][0].startswith("b2 ctx70:") and "x sdpa" in record["summary"][0]
     assert any(s.startswith("prefill 200") for s in record["summary"])
+    assert record["command"].startswith("python") and "--out" not in record["command"]
+    assert "git_commit" in record
+    if importlib.util.find_spec("matplotlib"):
+        assert next(tmp_path.glob("e2e_*.png")).stat().st_size > 0
 
 
 def test_roofline_matches_hand_computed_llama3_8b():

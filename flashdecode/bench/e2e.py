@@ -25,6 +25,7 @@ one long prefill (the first call of a new prefill length also autotunes the atte
 from __future__ import annotations
 
 import argparse
+import json
 import gc
 import statistics
 import time
@@ -541,20 +542,13 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     print("\n".join(summary))
     out = report.results_dir(args.out)
     stem = report.result_stem("e2e", env)
-    report.write_json(out / f"{stem}.json", "e2e", env, rows,
-                      {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
-                       "table": table_rows, "notes": "decode KV filled with random values instead of a prefill; "
-                                                     "roofline counts all weights (embedding included); "
-                                                     + getattr(args, "hf_note", "hf peer: not run")})
-    (out / f"{stem}.md").write_text(header + "\n" + md + "\n")
-    for bs in dict.fromkeys(r["batch"] for r in rows if r["kind"] == "decode"):
-        series = {b: [(r["context"], r["tokens_per_s"]) for r in rows
-                      if r["kind"] == "decode" and r["backend"] == b and r["batch"] == bs] for b in backends}
-        series["roofline"] = [(r["context"], roofline_tokens_per_s(cfg, r["context"], bs, bandwidth))
-                              for r in table_rows if r["batch"] == bs]
-        if sum(len(v) for v in series.values()) > len(series):
-            report.line_plot(out / f"{stem}_b{bs}.png", series, title=f"e2e decode, batch {bs}: {what}",
-                             xlabel="context (tokens)", ylabel="tokens/s", logy=True)
+    path = report.write_json(out / f"{stem}.json", "e2e", env, rows,
+                             {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
+                              "table": table_rows, "notes": "decode KV filled with random values instead of a "
+                                                            "prefill; roofline counts all weights (embedding "
+                                                            "included); " + getattr(args, "hf_note",
+                                                                                    "hf peer: not run")})
+    report.plot_record(json.loads(path.read_text()), out / f"{stem}.png")
     return 0
 
 
