@@ -17,9 +17,7 @@ any kernel pays for a transfer of this size.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -583,7 +581,7 @@ TORCH_VARIANTS = ["torch copy", "torch sum"]
 
 
 def main() -> int:
-    from flashdecode.bench.report import result_stem
+    from flashdecode.bench.report import result_stem, write_json
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -655,13 +653,10 @@ def main() -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"{result_stem('stream_floor', env)}.json"
-    command = "python -m benchmarks.probes.stream " + " ".join(sys.argv[1:])
-    name.write_text(json.dumps({"kind": "stream_floor", "command": command,
-                                "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12),
-                                "variants": [list(v) for v in variants + paged + boxes + box_preloads + reads
-                                             + read_loops + read_queues + rows_variants + ws_variants] + torch_kinds,
-                                "rows": rows}, indent=1))
+    name = write_json(out / f"{result_stem('stream_floor', env)}.json", "stream_floor",
+                      dict(env, copy_bandwidth_TBps=bandwidth / 1e12), rows,
+                      {"variants": [list(v) for v in variants + paged + boxes + box_preloads + reads + read_loops
+                                    + read_queues + rows_variants + ws_variants] + torch_kinds})
     print(f"wrote {name}")
     return 0
 

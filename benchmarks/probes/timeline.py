@@ -16,10 +16,8 @@ per-kv-head pool (timed_balanced_kernel); every run checks the merged partials a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -286,7 +284,7 @@ def _gaps(times: torch.Tensor, order: list[int]) -> list[float]:
 
 
 def main() -> int:
-    from flashdecode.bench.report import result_stem
+    from flashdecode.bench.report import result_stem, write_json
     from benchmarks.probes.stream import _sets
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
 
@@ -342,11 +340,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"{result_stem('stream_timeline', env)}.json"
-    command = "python -m benchmarks.probes.timeline " + " ".join(sys.argv[1:])
-    name.write_text(json.dumps({"kind": "stream_timeline", "command": command,
-                                "env": dict(env, copy_bandwidth_TBps=bandwidth / 1e12), "fields": FIELDS,
-                                "rows": results}, indent=1))
+    name = write_json(out / f"{result_stem('stream_timeline', env)}.json", "stream_timeline",
+                      dict(env, copy_bandwidth_TBps=bandwidth / 1e12), results, {"fields": FIELDS})
     print(f"wrote {name}")
     return 0
 
