@@ -187,6 +187,9 @@ def main() -> int:
     out = [INTRO]
     for path, record in ordered:
         png = report.plot_record(record, path.with_suffix(".png"))
+        if png and record.get("plots") != [png.name]:
+            record["plots"] = [png.name]
+            path.write_text(json.dumps(record, indent=1))
         out.append(section(path, record, png))
     Path(args.out).write_text("\n".join(out))
     print(f"wrote {args.out} from {len(records)} records in {latest}")

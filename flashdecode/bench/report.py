@@ -1,8 +1,8 @@
 """Benchmark output: a JSON record (env, git commit, a command to paste, rows), a markdown table and matplotlib PNGs.
 
 Every benchmark writes through ``write_json`` so each record names the code (``git_commit``) and the command that
-produced it; ``plot_record`` draws a record's figure from its rows alone, so the PNGs in benchmarks/results/latest/
-can be redrawn from the JSON beside them (scripts/write_benchmarks_md.py does).
+produced it, and gets its figure: ``plot_record`` draws it from the record's rows alone, so the PNGs in
+benchmarks/results/latest/ can be redrawn from the JSON beside them (scripts/write_benchmarks_md.py does).
 """
 
 from __future__ import annotations
@@ -97,10 +97,19 @@ def markdown_table(rows: list[dict], columns: list[str], fmt: dict | None = None
 
 
 def write_json(path: Path, kind: str, env: dict, rows: list[dict], extra: dict | None = None) -> Path:
-    """The record every benchmark writes: kind, env, git_commit, command (pasteable), rows, then ``extra``."""
+    """The record every benchmark writes: kind, env, git_commit, command (pasteable), rows, then ``extra``; and,
+    for the kinds ``plot_record`` draws, its figure beside it (same stem, .png; listed under "plots")."""
     record = {"kind": kind, "env": env, "git_commit": git_commit(), "command": user_command(sys.argv), "rows": rows}
     record.update(extra or {})
-    path.write_text(json.dumps(record, indent=1))
+    path.write_text(json.dumps(record, indent=1))  # the numbers first: a figure that fails must not lose them
+    try:
+        png = plot_record(record, path.with_suffix(".png"))
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"figure for {path.name} not drawn: {type(err).__name__}: {err}")
+        png = None
+    if png:
+        record["plots"] = [png.name]
+        path.write_text(json.dumps(record, indent=1))
     return path
 
 
@@ -270,28 +279,51 @@ def _grouped_bars(ax, groups: list[str], names: list[str], value, styles, label_
 
 
 def plot_prefill(record: dict, path: Path) -> Path | None:
-    """TFLOP/s per shape as grouped bars (ours vs each peer), one panel per mode, the bf16 matmul rate dashed."""
+    """TFLOP/s of ours and each peer, one panel per mode, the bf16 matmul rate dashed: grouped bars per shape for a
+    few shapes, else (a sweep over sequence lengths) lines against the sequence length, one panel per mode and head
+    dim, causal dashed. A sweep over dtypes / head counts is drawn for its first dtype and head count."""
     plt = _pyplot()
     rows = record["rows"]
     if plt is None or not rows:
         return None
+    rows = [r for r in rows if r.get("dtype") == rows[0].get("dtype") and r.get("nheads") == rows[0].get("nheads")]
     names = ["ours"] + [p for p in external_peers(record) if any(r.get(p) for r in rows)]
     styles = series_styles(names)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.4 * len(modes) + 0.9), squeeze=False)
+    sweep = len({r["seqlen"] for r in rows}) >= 3
+    headdims = sorted({r["headdim"] for r in rows}) if sweep else [None]
+    fig, axes = plt.subplots(len(modes), len(headdims), figsize=(11 if not sweep else 4.2 * len(headdims) + 1,
+                                                                    3.4 * len(modes) + 0.9), squeeze=False)
     handles = {}
-    for (ax,), mode in zip(axes, modes):
-        mine = [r for r in rows if r["mode"] == mode]
-        groups = [f"hd{r['headdim']} {'causal' if r['causal'] else 'full'}\n{r['batch']}x{_fmt_tokens(r['seqlen'])}"
-                  for r in mine]
-        handles.update(_grouped_bars(ax, groups, names, lambda i, n: mine[i].get(n), styles))
-        peak = record["env"].get("bf16_matmul_tflops")
-        if peak:
-            handles["bf16 matmul rate"] = ax.axhline(peak, color="0.45", linestyle="--", linewidth=1.2)
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode} ({mine[0]['dtype']}, {mine[0]['nheads']} heads)", fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"Prefill attention throughput - {record['env'].get('device')}", fontsize=11)
+    for row_axes, mode in zip(axes, modes):
+        for ax, hd in zip(row_axes, headdims):
+            mine = [r for r in rows if r["mode"] == mode and (hd is None or r["headdim"] == hd)]
+            if sweep:
+                for name in names:
+                    for causal in (False, True):
+                        pts = sorted((r["seqlen"], r[name]) for r in mine if r["causal"] == causal and r.get(name))
+                        if pts:
+                            style = dict(styles[name], linestyle="--" if causal else "-")
+                            (line,) = ax.plot(*zip(*pts), **style)
+                            handles.setdefault(name, line)
+                ax.set_xscale("log", base=2)
+                xs = sorted({r["seqlen"] for r in mine})
+                ax.set_xticks(xs, [_fmt_tokens(x) for x in xs], fontsize=8)
+                ax.minorticks_off()
+                ax.set_xlabel("sequence length (tokens)")
+                ax.set_title(f"{mode}, head dim {hd} (dashed: causal)", fontsize=10)
+            else:
+                groups = [f"hd{r['headdim']} {'causal' if r['causal'] else 'full'}\n"
+                          f"{r['batch']}x{_fmt_tokens(r['seqlen'])}" for r in mine]
+                handles.update(_grouped_bars(ax, groups, names, lambda i, n: mine[i].get(n), styles))
+                ax.set_title(mode, fontsize=10)
+            peak = record["env"].get("bf16_matmul_tflops")
+            if peak:
+                handles["bf16 matmul rate"] = ax.axhline(peak, color="0.45", linestyle="--", linewidth=1.2)
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"Prefill attention throughput ({rows[0]['dtype']}, {rows[0]['nheads']} heads) - "
+                 f"{record['env'].get('device')}", fontsize=11)
     _legend_below(fig, list(handles.values()), list(handles))
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
     fig.savefig(path, dpi=100)
