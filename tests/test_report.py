@@ -51,3 +51,35 @@ def test_decode_figure_is_drawn_from_the_record(tmp_path):
     path = report.plot_record(record, tmp_path / "d.png")
     assert path is not None and path.stat().st_size > 10_000
     assert report.plot_record({"kind": "unknown", "rows": []}, tmp_path / "u.png") is None
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, report.REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_page_is_built_from_latest_and_add_replaces_the_same_benchmark(tmp_path, monkeypatch):
+    md = _load_script("write_benchmarks_md")
+    rows = [dict(sweep="ctx", batch=1, context=c, layout="contig", nheads=16, nheads_kv=2, headdim=128,
+                 floor_us=c / 3000, ours=2 + c / 2500, FA2=4 + c / 2000, **{"ours_%floor": 50.0})
+            for c in (512, 4096, 32768)]
+    old = {"kind": "decode", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"}, "peers": ["ours", "FA2"],
+           "command": "/root/tree/flashdecode/__main__.py bench decode --out /root/out --quick", "rows": rows}
+    new = dict(old, env={"device": "test", "date": "2026-01-02 00:00 UTC"})
+    latest, runs = tmp_path / "latest", tmp_path / "runs"
+    runs.mkdir()
+    (runs / "decode_a.json").write_text(json.dumps(old))
+    (runs / "decode_b.json").write_text(json.dumps(new))
+    page = tmp_path / "benchmarks.md"
+    for name in ("decode_a.json", "decode_b.json"):  # the second run of the same benchmark replaces the first
+        monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page), "--add",
+                                          str(runs / name), "--commit", "abc1234"])
+        assert md.main() == 0
+    assert sorted(p.name for p in latest.glob("*.json")) == ["decode_b.json"]
+    record = json.loads((latest / "decode_b.json").read_text())
+    assert record["git_commit"] == "abc1234" and record["command"] == "python -m flashdecode bench decode --quick"
+    text = page.read_text()
+    assert "| 1.93x |" in text  # FA2 / ours at 512 tokens: (4 + 512 / 2000) / (2 + 512 / 2500)
+    assert md.benchmark_key(record) == "decode:contig"
