@@ -97,7 +97,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 2 * 2**30) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_flops_per_s(n: int = 8192, dtype=torch.bfloat16) -> float:
+def matmul_flops_per_s(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Dense matmul rate on random data (the prefill floor's denominator)."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
