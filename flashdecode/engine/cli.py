@@ -69,7 +69,7 @@ def run(args) -> int:
           f"CUDA graphs {'on' if llm.runner.graphs else 'off'}")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    seq = llm.add_request(_prompt(args, llm), params)
+    seq, = llm.add_request(_prompt(args, llm), params)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
