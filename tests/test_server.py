@@ -255,3 +255,23 @@ def test_queue_full_gets_429(ckpt):
         assert wait_until(lambda: srv.engine.num_open == 0)
         ok = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200
+
+
+def test_bench_serve_tiny(ckpt, tmp_path, capsys):
+    """`flashdecode bench serve` with 4 streaming chat requests: every request completes with its exact token count,
+    the percentiles are ordered, and the LLM.generate comparison runs on the same batch."""
+    from flashdecode.cli import main
+
+    code = main(["--log-level", "WARNING", "bench", "serve", "--model", str(ckpt), "--device", "cpu",
+                 "--num-requests", "4", "--prompt-len", "6", "--output-len", "5", "--max-model-len", "64",
+                 "--timeout", "120", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr()
+    record = json.loads(next(tmp_path.glob("serve_*.json")).read_text())
+    row = record["rows"][0]
+    assert row["ok"] == 4 and row["failed"] == 0 and row["endpoint"] == "chat"
+    assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p90"] <= row["ttft_ms"]["p99"]
+    assert 0 < row["tpot_ms"]["p50"] <= row["tpot_ms"]["p99"]
+    assert row["output_tokens_per_s"] > 0 and row["requests_per_s"] > 0
+    assert record["baseline"]["output_tokens"] == 4 * 5 and row["generate_output_tokens_per_s"] > 0
+    assert len(record["ttft_s_all"]) == 4
+    assert next(tmp_path.glob("serve_*.png")).stat().st_size > 0

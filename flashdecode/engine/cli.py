@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 _TOKEN_IDS = re.compile(r"^[\d,\s]+$")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: int) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
+def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: int, required: bool = True) -> None:
+    src = parser.add_mutually_exclusive_group(required=required)
     src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors [+ tokenizer files])")
     src.add_argument("--random-weights", metavar="CONFIG_NAME", choices=sorted(NAMED_CONFIGS),
                      help="a named shape with random weights (no tokenizer: token-id prompts only)")
