@@ -173,7 +173,8 @@ def test_16_concurrent_streams_complete(server, ref):
     assert wait_until(lambda: pool_is_full(server))
 
 
-def test_client_disconnect_mid_stream_frees_pages(server, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_pages(server, monkeypatch, stream):
     llm = server.engine.llm
     seqs = []
     add = llm.add_request
@@ -190,16 +191,21 @@ def test_client_disconnect_mid_stream_frees_pages(server, monkeypatch):
     monkeypatch.setattr(llm, "add_request", recording_add)
     monkeypatch.setattr(llm, "step_sequences", slow_step)
     body = {"model": MODEL, "prompt": "w1 w2 w3 w4 w5 w6 w7 w8 w9", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        got = 0
-        for line in lines:
-            got += line.startswith("data: ")
-            if got == 3:
-                assert llm.block_manager.num_free < llm.block_manager.num_pages
-                break
-    # the response is closed: the server sees the disconnect and aborts the sequence
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                got += line.startswith("data: ")
+                if got == 3:
+                    assert llm.block_manager.num_free < llm.block_manager.num_pages
+                    break
+    else:  # the client gives up waiting for the whole answer
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        assert seqs and not seqs[-1].finished
+    # the connection is closed: the server sees the disconnect and aborts the sequence
     assert wait_until(lambda: pool_is_full(server), timeout=5)
     assert seqs[-1].finish_reason == "abort" and seqs[-1].num_generated < 200
 

@@ -28,6 +28,7 @@ from flashdecode.engine.runner import ModelRunner
 from flashdecode.engine.sampling import SamplingParams, prompt_logprobs, sample
 from flashdecode.engine.scheduler import Scheduler, Sequence
 from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flashdecode.ops.checks import interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ class LLM:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.backend = make_backend(attn_backend, self.device, (cfg.sliding_window - 1) if cfg.sliding_window else -1)
+        if self.backend.name.startswith("flashdecode") and self.device.type != "cuda" and not interpreting():
+            raise ValueError(f"attn_backend={self.backend.name!r} runs Triton kernels, which need a CUDA device "
+                             f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "
+                             f"sdpa / eager")
 
         if prebuilt is not None:
             self.model = prebuilt

@@ -171,9 +171,10 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
 
 
 def _host(values, dtype, device) -> torch.Tensor:
-    """A small per-row tensor built on the host and copied (no sync) to ``device``."""
+    """A small per-row tensor built on the host and copied to ``device`` without a sync (from pinned memory: a
+    copy from pageable memory would wait for the stream)."""
     t = torch.tensor(values, dtype=dtype)
-    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], seqs) -> None:

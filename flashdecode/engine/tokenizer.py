@@ -6,13 +6,18 @@ comes from tokenizer_config.json's "chat_template" or chat_template.jinja (AutoT
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class Tokenizer:
-    """encode / decode / chat template of one checkpoint directory (no network access)."""
+    """encode / decode / chat template of one checkpoint directory (no network access).
+
+    Thread-safe: the server encodes on its event loop while the engine thread detokenises, and a Rust tokenizer
+    used from two threads at once can fail ("Already borrowed"), so every call holds one lock.
+    """
 
     def __init__(self, model_dir: str | Path):
         try:
@@ -21,14 +26,17 @@ class Tokenizer:
             raise ImportError("text prompts need transformers: pip install 'flashdecode[serve]'") from e
         self.model_dir = Path(model_dir)
         self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._lock = threading.Lock()
         eos = self.hf.eos_token_id
         self.eos_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
@@ -40,8 +48,9 @@ class Tokenizer:
         if chat_template is None and not self.has_chat_template:
             raise ValueError(f"model_dir {str(self.model_dir)!r} has no chat template (tokenizer_config.json "
                              f"'chat_template' or chat_template.jinja); pass chat_template=")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+        with self._lock:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template)
 
 
 def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
