@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import statistics
 import time
 
 import torch
