@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import httpx
@@ -145,10 +146,12 @@ def test_logprobs_sanity(client, ref):
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and all(v <= 0 for v in top.values())
         assert max(top, key=top.get) == tok and abs(top[tok] - value) < 1e-6  # greedy: the top-1 is the token
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6  # part of one distribution
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], max_tokens=4,
                                          temperature=0, logprobs=True, top_logprobs=2)
     for entry in got.choices[0].logprobs.content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
 def test_16_concurrent_streams_complete(server, ref):

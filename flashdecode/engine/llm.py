@@ -91,11 +91,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def completion_output(seq: Sequence) -> CompletionOutput:
-    return CompletionOutput(seq.index, seq.text if seq.detokenizer is not None else None, seq.output_token_ids,
-                            seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason)
-
-
 class LLM:
     """An engine instance: model weights, page pool, scheduler and runner.
 
@@ -308,18 +303,34 @@ class LLM:
                 seq.cumulative_logprob += lp[tok]
         finished = self.scheduler.postprocess(seqs, result.tokens)
         for seq in seqs:
-            if seq.detokenizer is not None and self._detokenize(seq):
+            if seq.params.stop and seq.detokenizer is not None and self._check_stop_strings(seq):
                 finished.append(seq)
         return seqs, finished
 
-    def _detokenize(self, seq: Sequence) -> bool:
-        """Extend ``seq.text`` by its newest token; finish it at a stop string. True if that finished it."""
-        delta = seq.detokenizer.step(seq.token_ids[-1:])
+    def update_text(self, seq: Sequence) -> str:
+        """Bring ``seq.text`` up to its tokens (detokenisation is lazy: only sequences with stop strings need it
+        every step; the server asks every step for streaming, ``generate`` once at the end). Returns the new text."""
+        if seq.detokenizer is None or seq.text_final:
+            return ""
+        pending = seq.num_generated - seq.num_detokenized
+        delta = seq.detokenizer.step(seq.token_ids[len(seq.token_ids) - pending:]) if pending else ""
+        seq.num_detokenized = seq.num_generated
         if seq.finished:
             delta += seq.detokenizer.flush()
+            seq.text_final = True
         seq.text += delta
+        return delta
+
+    def _completion_output(self, seq: Sequence) -> CompletionOutput:
+        self.update_text(seq)
+        return CompletionOutput(seq.index, seq.text if seq.detokenizer is not None else None, seq.output_token_ids,
+                                seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        """Extend ``seq.text`` by its newest tokens; finish it at a stop string. True if that finished it."""
+        delta = self.update_text(seq)
         stops = seq.params.stop
-        if not stops or not delta or seq.num_generated < seq.params.min_tokens:
+        if not delta or seq.num_generated < seq.params.min_tokens:
             return False
         longest = max(len(s) for s in stops)
         start = max(0, len(seq.text) - len(delta) - longest + 1)  # a match must end in the new text
@@ -328,6 +339,7 @@ class LLM:
             return False
         pos, stop = min(hits)
         seq.text = seq.text[:pos + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        seq.text_final = True  # pending characters after the stop string are never added
         if seq.finished:  # it also hit a stop token or the length in this step: the stop string wins
             seq.finish_reason, seq.stop_reason = "stop", stop
             return False
@@ -363,7 +375,7 @@ class LLM:
             raise
         self._run([s for _, seqs in requests for s in seqs], use_tqdm, desc)
         return [RequestOutput(p if isinstance(p, str) else None, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
-                              [completion_output(s) for s in seqs], seqs[0].prompt_logprobs,
+                              [self._completion_output(s) for s in seqs], seqs[0].prompt_logprobs,
                               sum(s.num_preemptions for s in seqs)) for p, seqs in requests]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -52,6 +52,8 @@ class Sequence:
         self.num_preemptions = 0
         self.text = ""
         self.detokenizer = None  # set by the engine when it has a tokenizer
+        self.num_detokenized = 0  # output tokens the detokenizer has seen
+        self.text_final = False  # text complete (finished and flushed, or cut at a stop string)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None

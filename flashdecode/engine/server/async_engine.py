@@ -154,6 +154,7 @@ class AsyncEngine:
                 self._sent.pop(seq.seq_id, None)
 
     def _delta(self, seq: Sequence, sent: _Sent) -> Delta:
+        self.llm.update_text(seq)
         done = seq.finished
         visible = len(seq.text) if done else max(sent.chars, len(seq.text) - seq.params.stop_holdback)
         delta = Delta(seq.index, seq.output_token_ids[sent.tokens:], seq.text[sent.chars:visible],
