@@ -249,6 +249,26 @@ def test_malformed_json_and_unknown_route(server):
             model=MODEL, prompt="w1", max_tokens=0)
 
 
+def test_engine_failure_fails_the_request_not_the_server(server, client, monkeypatch):
+    llm = server.engine.llm
+    step = llm.step_sequences
+    calls = []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated device error")
+        return step()
+
+    monkeypatch.setattr(llm, "step_sequences", failing_once)
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "w1 w2", "max_tokens": 3},
+                   timeout=30)
+    assert r.status_code == 500 and "simulated device error" in r.json()["error"]["message"]
+    assert wait_until(lambda: pool_is_full(server))
+    ok = client.completions.create(model=MODEL, prompt="w1 w2", max_tokens=3, temperature=0)
+    assert len(ok.choices[0].model_extra["token_ids"]) == 3
+
+
 def test_queue_full_gets_429(ckpt):
     """One seat and no queue: while one request streams, a second one is refused with 429."""
     llm = LLM(ckpt, device="cpu", max_num_seqs=1, max_model_len=MAX_LEN, use_tqdm=False)

@@ -282,6 +282,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return _error_response(OpenAIError(str(exc.detail), status=exc.status_code,
                                            type="invalid_request_error" if exc.status_code < 500 else "internal_error"))
 
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):  # an engine failure: the request fails, the server stays up
+        return _error_response(OpenAIError(f"{type(exc).__name__}: {exc}", status=500, type="internal_error"))
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}

@@ -90,7 +90,7 @@ class AsyncEngine:
     def __init__(self, llm: LLM, max_queue: int = 256):
         self.llm = llm
         self.capacity = llm.scheduler.max_num_seqs + max_queue
-        self.num_open = 0  # sequences submitted and not yet released (event-loop side only)
+        self._open = 0  # sequences submitted and not finished or aborted yet (under _lock)
         self._lock = threading.Lock()
         self._new: list[RequestStream] = []
         self._aborts: list[RequestStream] = []
@@ -99,6 +99,11 @@ class AsyncEngine:
         self._sent: dict[int, _Sent] = {}  # seq_id -> delivery state (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="flashdecode-engine", daemon=True)
+
+    @property
+    def num_open(self) -> int:
+        """Sequences submitted and not yet finished or aborted (queued ones included)."""
+        return self._open
 
     # ------------------------------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -113,19 +118,19 @@ class AsyncEngine:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request (call from the event loop). ValueError if it could never run, QueueFull past capacity."""
         self.llm.check_request(prompt_token_ids, params)
-        if self.num_open + params.n > self.capacity:
-            raise QueueFull(f"{self.num_open} sequences are open and the engine takes {self.capacity} "
-                            f"(max_num_seqs + max_queue); retry later")
         self._loop = asyncio.get_running_loop()
         stream = RequestStream(self, prompt_token_ids, params)
-        self.num_open += params.n
         with self._lock:
+            if self._open + params.n > self.capacity:
+                raise QueueFull(f"{self._open} sequences are open and the engine takes {self.capacity} "
+                                f"(max_num_seqs + max_queue); retry later")
+            self._open += params.n
             self._new.append(stream)
         self._wake.set()
         return stream
 
     def _release(self, stream: RequestStream, abort: bool) -> None:
-        self.num_open -= stream.params.n
+        """The consumer is done with ``stream``; unfinished sequences (a client that left) are aborted."""
         if abort:
             with self._lock:
                 self._aborts.append(stream)
@@ -143,6 +148,8 @@ class AsyncEngine:
             try:
                 stream.seqs = self.llm.add_request(stream.prompt_token_ids, stream.params)
             except Exception as e:  # checked on submit; anything left (e.g. a prompt_logprobs forward) fails it
+                with self._lock:
+                    self._open -= stream.params.n
                 self._deliver(stream, e)
                 continue
             stream.prompt_logprobs = stream.seqs[0].prompt_logprobs
@@ -151,7 +158,13 @@ class AsyncEngine:
         for stream in aborts:
             self.llm.abort([s for s in stream.seqs if not s.finished])
             for seq in stream.seqs:
-                self._sent.pop(seq.seq_id, None)
+                self._forget(seq.seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        """Stop tracking a sequence (finished, aborted or failed): its seat in the capacity count is free."""
+        if self._sent.pop(seq_id, None) is not None:
+            with self._lock:
+                self._open -= 1
 
     def _delta(self, seq: Sequence, sent: _Sent) -> Delta:
         self.llm.update_text(seq)
@@ -172,7 +185,7 @@ class AsyncEngine:
                 continue
             by_stream.setdefault(id(sent.stream), (sent.stream, []))[1].append(self._delta(seq, sent))
             if seq.finished:
-                del self._sent[seq.seq_id]
+                self._forget(seq.seq_id)
         for stream, deltas in by_stream.values():
             self._deliver(stream, deltas)
 
@@ -180,20 +193,20 @@ class AsyncEngine:
         streams = {id(s.stream): s.stream for s in self._sent.values()}
         for stream in streams.values():
             self.llm.abort([s for s in stream.seqs if not s.finished])
+            for seq in stream.seqs:
+                self._forget(seq.seq_id)
             self._deliver(stream, error)
-        self._sent.clear()
 
     def _run(self) -> None:
         while not self._stopping:
-            self._admit()
-            if not self.llm.scheduler.has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
             try:
+                self._admit()
+                if not self.llm.scheduler.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
                 stepped, _ = self.llm.step_sequences()
+                self._publish(stepped)
             except Exception as e:  # the model failed: fail every open request, keep serving new ones
-                logger.exception("engine step failed; failing %d open requests", len(self._sent))
+                logger.exception("engine step failed; failing %d open sequences", len(self._sent))
                 self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
-                continue
-            self._publish(stepped)
