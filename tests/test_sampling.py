@@ -139,6 +139,13 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm, prompts, greedy):
     out = llm.generate(prompts[0], SamplingParams(max_tokens=N, stop_token_ids=[ref[k]], min_tokens=k + 3),
                        use_tqdm=False)[0]
     assert len(out.token_ids) >= k + 3 and ref[k] not in out.token_ids[:k + 2]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(prompts[0], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    # an EOS id past the vocabulary (configs have them) is ignored by the min_tokens mask, not indexed
+    seq = llm.add_request(prompts[0], SamplingParams(max_tokens=3, min_tokens=2))[0]
+    seq.min_tokens_stop_ids = frozenset({10**6, ref[0]})
+    llm._run([seq], use_tqdm=False, desc="")
+    assert seq.num_generated == 3 and seq.token_ids[len(prompts[0])] != ref[0]
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits(llm, prompts, greedy):

@@ -254,6 +254,9 @@ class LLM:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError if a request could never run (the scheduler's admission rules, without queueing it)."""
         self.scheduler.check(len(prompt_token_ids), params.max_tokens)
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
 
     # ---------------------------------------------------------------------------------------------- API
     def add_request(self, prompt, params: SamplingParams | None = None) -> list[Sequence]:

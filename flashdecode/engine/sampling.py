@@ -208,8 +208,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs) -> None:
 def mask_stops_before_min_tokens(logits: torch.Tensor, rows: list[int], seqs) -> None:
     """Rows that have fewer than min_tokens outputs cannot pick EOS or a stop token id (in place)."""
     r, t = [], []
-    for i in rows:
-        ids = sorted(seqs[i].min_tokens_stop_ids)
+    vocab = logits.shape[-1]
+    for i in rows:  # an EOS id from a config can lie past the vocabulary: it can never be sampled anyway
+        ids = sorted(tok for tok in seqs[i].min_tokens_stop_ids if tok < vocab)
         r += [i] * len(ids)
         t += ids
     if t:
