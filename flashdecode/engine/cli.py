@@ -142,6 +142,7 @@ def run(args) -> int:
     print(f"prompt {seq.num_prompt_tokens} tokens, generated {len(out)} ({seq.finish_reason})")
     print("token ids:", out)
     if llm.tokenizer is not None:
+        llm.update_text(seq)
         print("text:", seq.text)
     decode_rate = (len(out) - 1) / t_decode if len(out) > 1 and t_decode > 0 else float("nan")
     print(f"prefill {t_prefill * 1e3:.1f} ms ({seq.num_prompt_tokens / t_prefill:.0f} tok/s), "
