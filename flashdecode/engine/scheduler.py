@@ -31,6 +31,7 @@ class Sequence:
     and what the engine reports: the detokenised ``text``, per-token ``logprobs`` (when asked for), the finish
     reason ("stop" / "length" / "abort") and the stop reason (the stop string or stop token id that ended it).
 
+    ``text`` is brought up to date by ``LLM.update_text(seq)`` (detokenisation is lazy).
     ``stop_ids`` end generation (EOS unless ignore_eos, and stop_token_ids); ``min_tokens_stop_ids`` are what the
     sampler masks while fewer than min_tokens tokens exist.
     """
