@@ -54,7 +54,7 @@ def _row_inv_rms(X, RES, offs_m, m_ok, stride_x, stride_r, K, eps, PROLOGUE: tl.
 def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x, strides_r, stride_w, stride_out,
                       eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RES: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM_BLOCK: tl.constexpr):
+                      NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """OUT (M, N) = prologue(X) (M, K) @ W (N, K)^T; see the module docstring for PROLOGUE. strides_x / strides_r:
     row strides of X and of RES / RES_OUT (the column stride is 1)."""
     pid_n = tl.program_id(0)
@@ -93,7 +93,7 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
             nw = tl.load(NORM_W + offs_k, mask=k_ok, other=0.0)
             x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:  # HF rounds the product before adding the bias
         acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + \
             tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -158,6 +158,8 @@ def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         res_out, m, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, STORE_RES=prologue == ADD_NORM, BLOCK_M=16,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 1024),
+        # float32 models get float32 products (no TF32 rounding); half types use the tensor cores as they are
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (out, res_out) if prologue == ADD_NORM else out
 
