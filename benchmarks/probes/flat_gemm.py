@@ -29,9 +29,6 @@ from flashdecode.engine.config import named_config  # noqa: E402
 from flashdecode.engine.layers import flat_gemm as fg  # noqa: E402
 from flashdecode.engine.layers.gemv import gemv  # noqa: E402
 
-QUICK_CONFIGS = (fg.FlatGemmConfig(32, 128, 4, 3), fg.FlatGemmConfig(64, 128, 4, 3), fg.FlatGemmConfig(64, 256, 8, 3),
-                 fg.FlatGemmConfig(128, 128, 8, 3), fg.FlatGemmConfig(32, 256, 4, 4))
-
 
 def llama_linears(name: str) -> dict[str, tuple[int, int]]:
     cfg = named_config(name)
@@ -58,7 +55,7 @@ def main() -> int:
     parser.add_argument("--model", default="llama3-8b", help="a named config (its linear shapes)")
     parser.add_argument("--m", default="2,4,8,16,32,64", help="decode batch sizes")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK_CONFIGS)} configs instead of "
+    parser.add_argument("--quick", action="store_true", help=f"{len(fg.QUICK_CONFIGS)} configs instead of "
                                                               f"{len(fg.CANDIDATE_CONFIGS)}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -69,7 +66,7 @@ def main() -> int:
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
     shapes = llama_linears(args.model)
-    configs = QUICK_CONFIGS if args.quick else fg.CANDIDATE_CONFIGS
+    configs = fg.QUICK_CONFIGS if args.quick else fg.CANDIDATE_CONFIGS
     size = torch.empty((), dtype=dtype).element_size()
     rows = []
     for layer, (n, k) in shapes.items():

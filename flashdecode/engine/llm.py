@@ -113,12 +113,15 @@ class LLM:
         enforce_eager: no CUDA graphs.
         seed: seed of the random weights when ``model`` is a ModelConfig.
         use_tqdm: a progress bar while the weights load.
+        flat_gemm: True = measure, at start (CUDA only; seconds), the flat GEMM against cuBLAS for every linear
+            shape at the decode batch buckets and use it where it wins (flashdecode.engine.layers.flat_gemm);
+            or a ready ChoiceTable. Default off.
     """
 
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True):
+                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -167,6 +170,7 @@ class LLM:
                 self.model.init_random_(seed)
             else:
                 load_checkpoint(self.model, self.model_dir, use_tqdm=use_tqdm)
+        self._install_flat_gemm(flat_gemm, max_num_seqs)
         self.tokenizer = load_tokenizer(self.model_dir)
         # EOS: config.json / generation_config.json and the tokenizer's (vLLM reads both)
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (self.tokenizer.eos_token_ids
@@ -186,6 +190,23 @@ class LLM:
                     "CUDA graphs %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
                     "on" if self.runner.graphs else "off")
+
+    def _install_flat_gemm(self, flat_gemm, max_num_seqs: int) -> None:
+        from flashdecode.engine.layers import flat_gemm as fg
+
+        if flat_gemm is False or flat_gemm is None:
+            return
+        if flat_gemm is True:
+            if self.device.type != "cuda":
+                raise ValueError("flat_gemm=True measures kernels on the GPU; it needs a CUDA device")
+            t0 = time.perf_counter()
+            flat_gemm = fg.measure_for_model(self.model, max_num_seqs, self.dtype, self.device)
+            wins = [r for r in flat_gemm.rows() if r["kernel"] == "flat"]
+            logger.info("flat GEMM measured in %.1f s: chosen for %d of %d (M, N, K) shapes", time.perf_counter() - t0,
+                        len(wins), len(flat_gemm.rows()))
+        if not isinstance(flat_gemm, fg.ChoiceTable):
+            raise TypeError(f"flat_gemm must be a bool or a ChoiceTable, got {type(flat_gemm).__name__}")
+        fg.install(self.model, flat_gemm)
 
     def _num_pages(self, kv_cache_memory, page_bytes: int, page_size: int, max_num_seqs: int) -> int:
         wanted = max_num_seqs * -(-self.max_model_len // page_size) * page_bytes

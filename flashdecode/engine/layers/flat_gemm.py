@@ -167,6 +167,9 @@ def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 # ------------------------------------------------------------------------------------------------ choice table
 CANDIDATE_CONFIGS = tuple(FlatGemmConfig(bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
                           for w in (4, 8) for s in (2, 3, 4) if not (bn == 128 and bk == 256 and s == 4))
+# a handful of configs for measuring at engine start (the full CANDIDATE_CONFIGS sweep is the probe's)
+QUICK_CONFIGS = (FlatGemmConfig(32, 128, 4, 3), FlatGemmConfig(64, 128, 4, 3), FlatGemmConfig(64, 256, 8, 3),
+                 FlatGemmConfig(128, 128, 8, 3), FlatGemmConfig(32, 256, 4, 4))
 M_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
@@ -249,8 +252,23 @@ class ChoiceTable:
                 for (m, n, k), c in sorted(self.choices.items())]
 
 
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [mod for mod in model.modules() if hasattr(mod, "shard_rows") and hasattr(mod, "choice_table")]
+
+
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(N, K) of every distinct 2-D weight of the model's linear layers (the shapes a choice table measures)."""
-    return list(dict.fromkeys(tuple(mod.weight.shape) for mod in model.modules()
-                              if isinstance(getattr(mod, "weight", None), torch.Tensor) and mod.weight.dim() == 2
-                              and hasattr(mod, "shard_rows")))
+    """(N, K) of every distinct weight of the model's linear layers (the shapes a choice table measures)."""
+    return list(dict.fromkeys(tuple(mod.weight.shape) for mod in _linears(model)))
+
+
+def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
+    """Let every linear layer of ``model`` consult ``table`` (None: cuBLAS everywhere again)."""
+    for mod in _linears(model):
+        mod.choice_table = table
+
+
+def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> "ChoiceTable":
+    """The choice table for a model's linears at the decode buckets up to ``max_batch`` (QUICK_CONFIGS)."""
+    top = m_bucket(min(max(2, max_batch), MAX_M))
+    m_values = [b for b in M_BUCKETS if b <= top]
+    return ChoiceTable().measure(linear_shapes(model), dtype, device, m_values=m_values, configs=QUICK_CONFIGS)
