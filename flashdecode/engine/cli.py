@@ -45,6 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
                         help="KV pool: bytes (> 1) or a fraction of free GPU memory (<= 1); default: what "
                              "max-num-seqs sequences of max-model-len need")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--flat-gemm", action="store_true",
+                        help="measure the flat GEMM against cuBLAS at start (CUDA) and use it where it wins")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
@@ -64,7 +66,7 @@ def build_llm(args, max_model_len: int | None = None):
     return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
-               enforce_eager=args.enforce_eager, seed=args.weights_seed)
+               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
