@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 
@@ -250,7 +251,7 @@ class Server:
         except (ValueError, TypeError) as e:
             if isinstance(e, OpenAIError):
                 raise
-            param = next((f for f in type(body).model_fields if str(e).startswith(f)), None)
+            param = next((f for f in type(body).model_fields if re.match(rf"{f}\b", str(e))), None)
             raise OpenAIError(str(e), param=param) from None
 
 
