@@ -187,8 +187,8 @@ def test_client_disconnect_frees_pages(server, monkeypatch, stream):
         seqs.extend(add(*a, **kw))
         return seqs[-1:]
 
-    def slow_step():  # 200 tokens now take >= 2 s: the abort must land long before
-        time.sleep(0.01)
+    def slow_step():  # 200 tokens now take >= 4 s: the abort must land long before
+        time.sleep(0.02)
         return step()
 
     monkeypatch.setattr(llm, "add_request", recording_add)
@@ -275,7 +275,7 @@ def test_queue_full_gets_429(ckpt):
     step = llm.step_sequences
     llm.step_sequences = lambda: (time.sleep(0.01), step())[1]
     with ServerThread(llm, MODEL, max_queue=0) as srv:
-        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
