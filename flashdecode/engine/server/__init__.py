@@ -1,6 +1,6 @@
 """The engine as an OpenAI-compatible HTTP server: ``flashdecode serve --model DIR``.
 
-    from flashdecode.engine.server import serve_in_thread   # tests / benchmarks: a server on a loopback port
+    from flashdecode.engine.server.launch import ServerThread   # tests / benchmarks: a server on a loopback port
 """
 
 from flashdecode.engine.server.app import build_app
