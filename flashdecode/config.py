@@ -68,9 +68,18 @@ class AttentionConfig:
             if not isinstance(tiles, tuple) or not tiles:
                 raise ValueError(f"config.{name} must be a non-empty tuple of tiles, got {tiles!r}")
             for tile in tiles:
-                ints = [x for i, x in enumerate(tile) if not (length == 7 and i == 4)] if isinstance(tile, tuple) else []
-                if (not isinstance(tile, tuple) or len(tile) != length or (length == 7 and not isinstance(tile[4], bool))
-                        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)):
+                if not _is_tile(tile, length):
                     raise ValueError(f"config.{name} entries must be tuples of {length} positive ints"
                                      f"{' (the fifth a bool)' if length == 7 else ''}, got {tile!r}")
         return self
+
+
+def _is_tile(tile, length: int) -> bool:
+    """A tuple of ``length`` positive ints; a fused tile's fifth entry (SPLIT_DKDV) is a bool instead."""
+    if not isinstance(tile, tuple) or len(tile) != length:
+        return False
+    split = length == 7
+    if split and not isinstance(tile[4], bool):
+        return False
+    ints = [x for i, x in enumerate(tile) if not (split and i == 4)]
+    return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)

@@ -81,7 +81,7 @@ def q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
 def attn_bwd_delta_kernel(
     Out, DO, Delta, cu_seqlens_q, Lse, Lse2,
     o_strides, do_strides, delta_strides, lse_strides,
-    nheads, seqlen_q, total_q,
+    seqlen_q, total_q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Out, DO like Q; Delta fp32 laid out like lse:
@@ -257,8 +257,8 @@ def attn_bwd_dkdv_program(
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
-    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
+    scales, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -281,7 +281,10 @@ def attn_bwd_dkdv_kernel(
     SPLIT_DKDV (deterministic only; large head dims): two programs per KV block (axis 0 twice as long), one
     accumulating dV (S, dV: 2 matmuls), the other dK (S, dP, dK: 3), so each holds one fp32 accumulator instead of
     two and affords twice the KV rows without spilling (5 matmuls per KV block instead of 4). With FUSED_DQ,
-    program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced)."""
+    program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced).
+
+    scales: (qk_scale, softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them."""
+    qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
@@ -425,14 +428,15 @@ def attn_bwd_dq_program(
 def attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
     q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides, delta_strides,
-    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
+    scales, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q."""
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes and scales as attn_bwd_dkdv_kernel; DQ like Q."""
+    qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)

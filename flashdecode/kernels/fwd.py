@@ -198,7 +198,7 @@ def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_R
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
     q_strides, k_strides, v_strides, o_strides, lse_strides,
-    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
     qk_scale, softcap_log2, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,

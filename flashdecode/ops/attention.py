@@ -292,13 +292,16 @@ class _Kernel:
 
     def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
         if self.compiled is not None:
-            grid = grid_fn(self.meta)
-            full = args + self.tail
-            stream = _current_stream(device.index)
-            self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed,
-                     self.compiled.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
-                     knobs.runtime.launch_exit_hook, *full)
+            if self.constexprs.get("USE_TMA"):  # descriptors need the allocator of the calling thread
+                _ensure_triton_allocator()
+            if device.index == torch.cuda.current_device():
+                self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
+            else:
+                with torch.cuda.device(device):
+                    self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
             return
+        if self.constexprs.get("USE_TMA"):
+            _ensure_triton_allocator()
         if _interpreting():
             meta = dict(zip(self.names, self.tiles[0]))
             self.fn[grid_fn(meta)](*args, **self.constexprs, **meta)
@@ -310,6 +313,12 @@ class _Kernel:
             with torch.cuda.device(device):
                 compiled = tuned[grid_fn](*args, **self.constexprs)
         self._record(tuned, compiled, len(args))
+
+    def _launch_compiled(self, grid: tuple, full: tuple, index: int):
+        stream = _current_stream(index)
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed,
+                 self.compiled.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
+                 knobs.runtime.launch_exit_hook, *full)
 
     def _record(self, tuned, compiled, nargs: int):
         """Keep what a direct launch needs; anything unexpected leaves the key on the autotuner's path."""
@@ -428,8 +437,6 @@ class _FwdPlan:
         use_tma = self.config.fwd_tma and _tma_layout_ok(q, k, v, out)
         constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
         constexprs["USE_TMA"] = use_tma
-        if use_tma:
-            _ensure_triton_allocator()
         self.kernel = _Kernel("fwd", fwd_kernels.attn_fwd_kernel, self.config.fwd_tiles, _FWD_TILE,
                               self.config.fwd_autotune, constexprs)
 
@@ -438,7 +445,7 @@ class _BwdPlan:
     """The backward of one launch key (with dout's layout and the determinism flag): its configuration and
     kernels (the atomic dK/dV kernel, the one-launch kernel, or the dK/dV and dQ kernels)."""
 
-    __slots__ = ("config", "mode", "dkdv", "dq")
+    __slots__ = ("config", "mode", "delta", "dkdv", "dq")
 
     def __init__(self, q, k, v, dout, cu_seqlens_q, max_seqlen_k, left, right, softcap, deterministic, config_id):
         varlen = cu_seqlens_q is not None
@@ -446,11 +453,13 @@ class _BwdPlan:
         # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
         use_tma = (config.bwd_tma and _tma_layout_ok(q, k, v, dout)
                    and (deterministic or not _interpreting()))
-        if use_tma:
-            _ensure_triton_allocator()
         constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
         constexprs["USE_TMA"] = use_tma
         fn = bwd_kernels.attn_bwd_dkdv_kernel
+        # the preprocess: (BLOCK_M, warps, stages) as a plain launch would take them
+        self.delta = _Kernel("bwd_delta", bwd_kernels.attn_bwd_delta_kernel,
+                             ((64 if q.shape[-1] <= 128 else 32, 4, 3),), ("BLOCK_M",), False,
+                             dict(HEAD_DIM=q.shape[-1], HEAD_DIM_PAD=_head_dim_pad(q.shape[-1]), IS_VARLEN=varlen))
         self.dq = None
         if not deterministic:
             self.mode = "atomic"
@@ -463,8 +472,8 @@ class _BwdPlan:
         else:
             self.mode = "two_pass"
             self.dkdv = _Kernel("bwd_dkdv", fn, config.bwd_dkdv_tiles, _DKDV_TILE, config.bwd_autotune, constexprs)
-            self.dq = _Kernel("bwd_dq", bwd_kernels.attn_bwd_dq_kernel, config.bwd_dq_tiles, _DQ_TILE, config.bwd_autotune,
-                              constexprs)
+            self.dq = _Kernel("bwd_dq", bwd_kernels.attn_bwd_dq_kernel, config.bwd_dq_tiles, _DQ_TILE,
+                              config.bwd_autotune, constexprs)
 
 
 _FWD_PLANS: dict = {}
@@ -491,23 +500,20 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                                                       config_id))
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
-            nheads, nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
+            nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
             qk_scale, softcap_log2, max(left, 0), max(right, 0), bucket_q, bucket_k)
     plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
 
-def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim):
+def _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads):
     """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q)).
     Returns (delta, lse2): lse2 = lse * log2(e) with +inf for -inf, the backward kernels' lse."""
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
-    block_m = 64 if headdim <= 128 else 32
-    grid = (cdiv(sq, block_m), nheads, batch)
-    bwd_kernels.attn_bwd_delta_kernel[grid](
-        out, dout, delta, cu_seqlens_q, lse, lse2, _strides(out, varlen), _strides(dout, varlen),
-        _lse_strides(delta, varlen), _lse_strides(lse, varlen), nheads, sq, out.shape[0],
-        HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m)
+    args = (out, dout, delta, cu_seqlens_q, lse, lse2, _strides(out, varlen), _strides(dout, varlen),
+            _lse_strides(delta, varlen), _lse_strides(lse, varlen), sq, out.shape[0])
+    plan.delta(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, out.device)
     return delta, lse2
 
 
@@ -534,10 +540,10 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                       deterministic, config_id))
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    delta, lse2 = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, q.shape[-1])
+    delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads, nheads // nheads_kv, sq, sk,
-            q.shape[0], k.shape[0], qk_scale, softcap_log2, scale, max(left, 0), max(right, 0), bucket_q, bucket_k)
+    tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads // nheads_kv, sq, sk,
+            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0), bucket_q, bucket_k)
     q_strides, k_strides, v_strides = strides
     dq_strides = _strides(dq, varlen)
     dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides,
