@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from flashdecode.config import AttentionConfig, AttentionProblem
@@ -491,9 +492,10 @@ def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
 
 # Lengths at which resolve_attention_config's decisions change (it looks at max_seqlen_k only through these).
 PREFILL_LENGTH_THRESHOLDS = (PREFILL_BWD_TMA_MIN_KEYS, PREFILL_BWD_FUSED_MIN_KEYS, PREFILL_FWD_LONG_MIN_KEYS)
+_SORTED_LENGTH_THRESHOLDS = tuple(sorted(PREFILL_LENGTH_THRESHOLDS))
 
 
-def prefill_length_class(max_seqlen_k: int) -> tuple:
-    """The thresholds ``max_seqlen_k`` reaches: lengths of one class get the same AttentionConfig, so launch
-    caches key on it instead of the length."""
-    return tuple(max_seqlen_k >= t for t in PREFILL_LENGTH_THRESHOLDS)
+def prefill_length_class(max_seqlen_k: int) -> int:
+    """How many of the thresholds ``max_seqlen_k`` reaches: lengths of one class get the same AttentionConfig, so
+    launch caches key on it instead of the length (a bisection: it runs on every call)."""
+    return bisect.bisect_right(_SORTED_LENGTH_THRESHOLDS, max_seqlen_k)

@@ -383,20 +383,34 @@ def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple:
     return lse.shape[1] * lse.shape[2], lse.shape[2]
 
 
-def _aligned(*tensors) -> tuple:
-    """Which data pointers are 16-byte aligned (Triton specialises pointer arguments on it); None stays None."""
-    return tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
+def _aligned(*tensors) -> int:
+    """Bit i set: tensor i's data pointer is 16-byte aligned (Triton specialises pointer arguments on it); None
+    tensors count as aligned (their argument is a constexpr None either way)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is None or t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
 
 
-def _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, bucket_q, bucket_k, max_seqlen_k, left, right,
-                softcap, config_id):
-    """What the configuration, the kernel choice and Triton's specialisation of a call depend on: shapes (without
-    the packed lengths of varlen tensors), strides (of q, k, v), dtype, device, pointer alignment, mask flags, shape
-    buckets, the length class of the launch policy, the configuration and the autotune switch."""
-    varlen = cu_seqlens_q is not None
-    return (varlen, q.shape[1:] if varlen else q.shape, k.shape[1:] if varlen else k.shape, strides, q.dtype,
-            q.device, _aligned(q, k, v, cu_seqlens_q, cu_seqlens_k), left >= 0, right >= 0, softcap > 0.0, bucket_q,
-            bucket_k, heuristics.prefill_length_class(max_seqlen_k), config_id, _autotune_enabled())
+def _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, softcap,
+                config_id):
+    """What the configuration, the kernel choice and Triton's specialisation of a call depend on: shapes, strides
+    (of q, k, v), dtype, device, pointer alignment, mask flags, the configuration and the autotune switch; for
+    varlen tensors, whose packed lengths stay out of it, the shape buckets and length class of max_seqlen_q/k
+    (dense shapes imply them)."""
+    if cu_seqlens_q is None:
+        return (q.shape, k.shape, strides, q.dtype, q.device, _aligned(q, k, v), left >= 0, right >= 0,
+                softcap > 0.0, config_id, _autotune_enabled())
+    return (q.shape[1:], k.shape[1:], strides, q.dtype, q.device, _aligned(q, k, v, cu_seqlens_q, cu_seqlens_k),
+            left >= 0, right >= 0, softcap > 0.0, config_id, _autotune_enabled(),
+            heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
+            heuristics.prefill_length_class(max_seqlen_k))
+
+
+def _buckets(max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """The autotune-key arguments bucket_q, bucket_k (a plan stores them: its key implies them)."""
+    return heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k)
 
 
 def _common_constexprs(headdim, varlen, left, right, softcap, dtype):
@@ -429,10 +443,11 @@ def _bounded_put(cache: dict, key, value):
 class _FwdPlan:
     """The forward of one launch key: its configuration and kernel."""
 
-    __slots__ = ("config", "kernel")
+    __slots__ = ("config", "kernel", "buckets")
 
-    def __init__(self, q, k, v, out, cu_seqlens_q, max_seqlen_k, left, right, softcap, config_id):
+    def __init__(self, q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id):
         varlen = cu_seqlens_q is not None
+        self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
         self.config = _config_for(config_id, q, k, v, max_seqlen_k, True)
         use_tma = self.config.fwd_tma and _tma_layout_ok(q, k, v, out)
         constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
@@ -445,10 +460,12 @@ class _BwdPlan:
     """The backward of one launch key (with dout's layout and the determinism flag): its configuration and
     kernels (the atomic dK/dV kernel, the one-launch kernel, or the dK/dV and dQ kernels)."""
 
-    __slots__ = ("config", "mode", "delta", "dkdv", "dq")
+    __slots__ = ("config", "mode", "delta", "dkdv", "dq", "buckets")
 
-    def __init__(self, q, k, v, dout, cu_seqlens_q, max_seqlen_k, left, right, softcap, deterministic, config_id):
+    def __init__(self, q, k, v, dout, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, deterministic,
+                 config_id):
         varlen = cu_seqlens_q is not None
+        self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
         config = self.config = _config_for(config_id, q, k, v, max_seqlen_k, deterministic)
         # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
         use_tma = (config.bwd_tma and _tma_layout_ok(q, k, v, dout)
@@ -490,18 +507,16 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         return out.zero_(), lse.fill_(float("-inf"))
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    bucket_q, bucket_k = heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk)
     strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
-    key = _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, bucket_q, bucket_k, sk, left, right, softcap,
-                      config_id)
+    key = _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id)
     plan = _FWD_PLANS.get(key)
     if plan is None:
-        plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sk, left, right, softcap,
+        plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
                                                       config_id))
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
             nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
-            qk_scale, softcap_log2, max(left, 0), max(right, 0), bucket_q, bucket_k)
+            qk_scale, softcap_log2, max(left, 0), max(right, 0), *plan.buckets)
     plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
@@ -529,21 +544,21 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)
-    bucket_q, bucket_k = heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk)
     strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
     do_strides = _strides(dout, varlen)
-    key = (_launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, bucket_q, bucket_k, sk, left, right, softcap,
-                       config_id), do_strides, _aligned(dout), deterministic)
+    key = (_launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id),
+           do_strides, _aligned(dout), deterministic)
     plan = _BWD_PLANS.get(key)
     if plan is None:
-        plan = _bounded_put(_BWD_PLANS, key, _BwdPlan(q, k, v, dout, cu_seqlens_q, sk, left, right, softcap,
+        plan = _bounded_put(_BWD_PLANS, key, _BwdPlan(q, k, v, dout, cu_seqlens_q, sq, sk, left, right, softcap,
                                                       deterministic, config_id))
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads // nheads_kv, sq, sk,
-            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0), bucket_q, bucket_k)
+            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0),
+            *plan.buckets)
     q_strides, k_strides, v_strides = strides
     dq_strides = _strides(dq, varlen)
     dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides,
