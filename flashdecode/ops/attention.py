@@ -729,9 +729,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
             e.g. a serving engine's prefill step or a CUDA graph. Wrong values then give wrong results, never
             memory accesses outside q, k, v, out or lse: the kernels clamp every sequence into the packed rows
-            (entries < 0 read as 0, entries past total as total, a decreasing pair as an empty sequence), and a
-            sequence longer than max_seqlen_q / max_seqlen_k is cut there; rows no sequence covers are left
-            unwritten.
+            (entries < 0 read as 0, entries past total as total, a decreasing pair as an empty sequence). Rows
+            no sequence covers, query rows past max_seqlen_q within a sequence and (backward) keys past
+            max_seqlen_k are left unwritten: out, lse, dq, dk, dv hold whatever the allocator gave there.
         deterministic, config: as flash_attn.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
