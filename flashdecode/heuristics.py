@@ -450,6 +450,17 @@ def seqlen_bucket(n: int) -> int:
     return min(next_power_of_2(max(1, n)), 16384)
 
 
+# Lengths at which resolve_attention_config's decisions change (it looks at max_seqlen_k only through these).
+PREFILL_LENGTH_THRESHOLDS = (PREFILL_BWD_TMA_MIN_KEYS, PREFILL_BWD_FUSED_MIN_KEYS, PREFILL_FWD_LONG_MIN_KEYS)
+_SORTED_LENGTH_THRESHOLDS = tuple(sorted(PREFILL_LENGTH_THRESHOLDS))
+
+
+def prefill_length_class(max_seqlen_k: int) -> int:
+    """How many of the thresholds ``max_seqlen_k`` reaches: lengths of one class get the same AttentionConfig, so
+    launch caches key on it instead of the length (a bisection: it runs on every call)."""
+    return bisect.bisect_right(_SORTED_LENGTH_THRESHOLDS, max_seqlen_k)
+
+
 def _prefill_tiles(kernel: str, default: tuple, problem: AttentionProblem) -> tuple:
     """The candidates of one kernel that fit the device's shared memory (in the order they are tried)."""
     candidates = prefill_candidates(kernel, default, problem.head_dim_pad, problem.elem_bytes)
@@ -488,14 +499,3 @@ def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
         bwd_fused_tiles=tuple(prefill_bwd_fused_configs_that_fit(fused, problem.head_dim_pad, problem.elem_bytes,
                                                                  problem.smem_limit)),
         bwd_autotune=problem.autotune)
-
-
-# Lengths at which resolve_attention_config's decisions change (it looks at max_seqlen_k only through these).
-PREFILL_LENGTH_THRESHOLDS = (PREFILL_BWD_TMA_MIN_KEYS, PREFILL_BWD_FUSED_MIN_KEYS, PREFILL_FWD_LONG_MIN_KEYS)
-_SORTED_LENGTH_THRESHOLDS = tuple(sorted(PREFILL_LENGTH_THRESHOLDS))
-
-
-def prefill_length_class(max_seqlen_k: int) -> int:
-    """How many of the thresholds ``max_seqlen_k`` reaches: lengths of one class get the same AttentionConfig, so
-    launch caches key on it instead of the length (a bisection: it runs on every call)."""
-    return bisect.bisect_right(_SORTED_LENGTH_THRESHOLDS, max_seqlen_k)
