@@ -141,3 +141,14 @@ def test_gpu_long_sequences_resolve_the_fixed_tile():
     config = attn_ops.resolve_config(q, q, q)
     if torch.cuda.get_device_capability()[0] >= 9:
         assert config.fwd_tma and not config.fwd_autotune and config.fwd_tiles[0] == (128, 128, 8, 3)
+
+
+def test_autotune_switch_is_read_when_resolving(monkeypatch):
+    """FLASHDECODE_AUTOTUNE is the one environment variable, read per call (not at import)."""
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.float16)
+    monkeypatch.setenv(attn_ops.AUTOTUNE_ENV, "0")
+    assert not attn_ops.attention_problem(q, q, q, 8).autotune
+    monkeypatch.delenv(attn_ops.AUTOTUNE_ENV)
+    assert attn_ops.attention_problem(q, q, q, 8).autotune
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        attn_ops.resolve_config(q[0], q[0], q[0])

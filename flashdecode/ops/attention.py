@@ -225,6 +225,8 @@ def resolve_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen
     """The AttentionConfig flash_attn (max_seqlen_k None: k.shape[1]) or flash_attn_varlen would use for these
     inputs: the starting point of a ``dataclasses.replace`` override."""
     if max_seqlen_k is None:
+        if k.dim() != 4:
+            raise ValueError("max_seqlen_k is required for varlen (3-D) k")
         max_seqlen_k = k.shape[1]
     return _resolve_cached(attention_problem(q, k, v, max_seqlen_k, deterministic))
 
