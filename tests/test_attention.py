@@ -652,8 +652,10 @@ def test_varlen_rejects_bad_cu_seqlens():
         _varlen_call(torch.tensor([0, 5, 3], dtype=torch.int32, device=DEVICE), good)
     with pytest.raises(ValueError, match="cu_seqlens_k must have length batch \\+ 1 = 3"):
         _varlen_call(good, good[:2])
-    with pytest.raises(ValueError, match="exceeds the 8 packed tokens"):
+    with pytest.raises(ValueError, match="cu_seqlens_k\\[-1\\] = 9 must equal the 8 packed tokens"):
         _varlen_call(good, torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] = 7 must equal the 8 packed tokens"):
+        _varlen_call(torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE), good)  # row 7 in no sequence
     with pytest.raises(ValueError, match="max_seqlen_q = 4 is smaller"):
         _varlen_call(good, good, max_q=4)
     with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):

@@ -141,7 +141,7 @@ def _check_cu_seqlens_layout(name: str, cu, batch: Optional[int], max_seqlen, ma
 
 
 def _check_cu_seqlens_values(checks):
-    """checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, within the packed tokens,
+    """checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, ends at the packed tokens,
     longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces)."""
     if torch.compiler.is_compiling() or checks[0][1].numel() < 2:
         return
@@ -153,8 +153,8 @@ def _check_cu_seqlens_values(checks):
             checks, torch.stack(stats).tolist()):
         if first != 0 or min_len < 0:
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
-        if last > total:
-            raise ValueError(f"{name}[-1] = {last} exceeds the {total} packed tokens")
+        if last != total:  # fewer: rows outside every sequence would be left unwritten
+            raise ValueError(f"{name}[-1] = {last} must equal the {total} packed tokens")
         if max_len > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
                              f"in {name}")
@@ -723,8 +723,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
     Args:
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); dtypes and rules as flash_attn.
-        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0; sequence b owns rows
-            cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence. The same
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0 to total_q / total_k; sequence b
+            owns rows cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence. The same
             tensor may be passed as both (self-attention; also under torch.compile).
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
