@@ -454,6 +454,56 @@ def test_repeated_calls_reuse_the_launch_plan(gen, monkeypatch):
     assert (first.double() - ref64).abs().max() < 1e-2
 
 
+def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
+    """The direct launch calls the compiled kernel's launcher as Triton's JIT does: grid, stream, function,
+    metadata, hooks, then every kernel parameter in order - the runtime arguments of this call followed by the
+    constexprs recorded at the first launch (the tile the autotuner picked, the plan's flags, defaults)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from flashdecode.kernels import bwd as bwd_kernels
+    from flashdecode.kernels import fwd as fwd_kernels
+
+    def compiled_form(kernel):  # the interpreter wraps the Python function differently; the GPU has JITFunctions
+        return JITFunction(kernel.fn) if not isinstance(kernel, JITFunction) else kernel
+
+    for fn in (fwd_kernels.attn_fwd_kernel, bwd_kernels.attn_bwd_dkdv_kernel, bwd_kernels.attn_bwd_dq_kernel,
+               bwd_kernels.attn_bwd_delta_kernel):
+        params = compiled_form(fn).params
+        first_constexpr = next(i for i, p in enumerate(params) if p.is_constexpr)
+        assert all(p.is_constexpr for p in params[first_constexpr:]), fn.__name__  # runtime args come first
+    fn = compiled_form(fwd_kernels.attn_fwd_kernel)
+    nargs = next(i for i, p in enumerate(fn.params) if p.is_constexpr)
+    constexprs = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
+                      DOT_PRECISION="tf32", USE_TMA=False)
+    kernel = attn_ops._Kernel("fwd", fn, ((128, 64, 8, 3),), attn_ops._FWD_TILE, False, constexprs)
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "packed"
+
+        def run(self, *args):
+            calls.append(args)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+    class Tuned:
+        best_config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
+
+    kernel._record(Tuned(), Compiled(), nargs)
+    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False)
+    assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA"]
+    monkeypatch.setattr(attn_ops, "_current_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = tuple(range(nargs))
+    kernel(lambda meta: (meta["BLOCK_M"], 2, 3), args, torch.device("cuda", 0))
+    (launched,) = calls
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    assert launched[:9] == (128, 2, 3, 7, "function", "packed", None) + hooks
+    assert launched[9:] == args + kernel.tail
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("deterministic, fused", [(True, False), (True, True), (False, False)], ids=str)
