@@ -1,11 +1,11 @@
 """Probe: the warp-specialised Gluon attention forward on Hopper - correctness, then speed beside its peers.
 
-    PYTHONPATH=. python benchmarks/probes/gluon_fwd.py [--variants] [--quick]
+    PYTHONPATH=. python benchmarks/probes/gluon_fwd.py [--variants all|name,name] [--quick]
 
 1. Correctness: every supported feature (causal or not, GQA, odd lengths, hd 64/128, fp16/bf16) against the float64
    reference with the FlashAttention rule (error <= 2x a same-dtype PyTorch implementation's).
 2. Speed (triton.testing.do_bench median, bf16): 16k tokens (batch 1, 16 heads) and 16 x 1k, hd 128 and 64, causal
-   and not; the Gluon kernel (resolved config; with --variants also other configs) beside our Triton flash_attn and
+   and not; the Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside our Triton flash_attn and
    torch SDPA's cuDNN and FLASH (FlashAttention-2) backends. TFLOP/s = 4 b h sq sk d, halved for causal.
 Writes gluon_fwd.json to $OUT (or the current directory) and prints a table last.
 """
@@ -32,8 +32,23 @@ def _inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
     return make(sq, h), make(sk, hkv), make(sk, hkv)
 
 
-def check_correctness(configs) -> list[dict]:
-    """Each case on each config; returns one row per (case, config) with the errors and the verdict."""
+VARIANTS = {  # name -> overrides of the resolved config (ablations and candidates)
+    "resolved": {},
+    "pingpong": dict(pingpong=True),
+    "persistent": dict(persistent=True),
+    "persist+pp": dict(persistent=True, pingpong=True),
+    "overlap+pp": dict(overlap=True, pingpong=True),
+    "bn64": dict(block_n=64, num_stages=3),
+    "1wg": dict(num_consumers=1),
+}
+
+
+def config_for(name: str, d: int) -> GluonFwdConfig:
+    return dataclasses.replace(resolve_gluon_config(d), **VARIANTS[name])
+
+
+def check_correctness(names) -> list[dict]:
+    """Each case on each config (the resolved one on all cases, others on the bf16 ones); one row per pair."""
     cases = [(2, 128, 128, 4, 4, 128, torch.bfloat16, False), (2, 128, 128, 4, 4, 128, torch.bfloat16, True),
              (1, 333, 517, 4, 2, 128, torch.float16, False), (1, 333, 517, 4, 2, 128, torch.float16, True),
              (2, 517, 333, 8, 2, 64, torch.bfloat16, True), (3, 77, 1000, 4, 1, 64, torch.bfloat16, False),
@@ -45,8 +60,10 @@ def check_correctness(configs) -> list[dict]:
         ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal)
         same, _ = attention_ref(q, k, v, causal=causal)
         base = (same.double() - ref).abs().max().item()
-        for name, cfg in configs.items():
-            out, lse = gluon_attention_forward(q, k, v, causal=causal, config=cfg if name != "resolved" else None)
+        for name in names:
+            if name != "resolved" and dtype != torch.bfloat16:
+                continue
+            out, lse = gluon_attention_forward(q, k, v, causal=causal, config=config_for(name, d))
             torch.cuda.synchronize()
             err = (out.double() - ref).abs().max().item()
             fin = torch.isfinite(ref_lse)
@@ -68,7 +85,7 @@ def _sdpa(backend):
     return run
 
 
-def time_all(configs, quick: bool) -> list[dict]:
+def time_all(names, quick: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     shapes = [(1, 16384, 16), (16, 1024, 16)]
@@ -80,8 +97,8 @@ def time_all(configs, quick: bool) -> list[dict]:
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 fns = {f"gluon:{n}": (lambda cfg: lambda: gluon_attention_forward(q, k, v, causal=causal,
-                                                                                  config=cfg))(
-                    None if n == "resolved" else c) for n, c in configs.items()}
+                                                                                  config=cfg))(config_for(n, d))
+                       for n in names}
                 fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt, causal)
                 fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt, causal)
@@ -98,39 +115,34 @@ def time_all(configs, quick: bool) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="also time non-default configs")
+    ap.add_argument("--variants", default="resolved", help="comma-separated names from VARIANTS, or 'all'")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
-    base = resolve_gluon_config(128)
-    configs = {"resolved": base}
-    if args.variants:
-        configs.update({
-            "no-overlap": dataclasses.replace(base, overlap=False),
-            "1wg": dataclasses.replace(base, num_consumers=1),
-            "1wg-no-overlap": dataclasses.replace(base, num_consumers=1, overlap=False),
-        })
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}")
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__,
-                  configs={n: dataclasses.asdict(c) for n, c in configs.items()})
+                  configs={n: {d: dataclasses.asdict(config_for(n, d)) for d in (64, 128)} for n in names})
     if not args.no_check:
-        result["correctness"] = check_correctness(configs)
+        result["correctness"] = check_correctness(names)
         bad = [r for r in result["correctness"] if not r["ok"]]
         for r in result["correctness"]:
-            print(f"{'ok ' if r['ok'] else 'BAD'} {r['config']:>16} {r['case']:<48} err {r['err']:.2e} "
+            if r["ok"]:
+                continue
+            print(f"BAD {r['config']:>16} {r['case']:<48} err {r['err']:.2e} "
                   f"(2x base {2 * r['base']:.2e}) lse {r['lse_err']:.1e}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad")
-    result["timing"] = time_all(configs, args.quick)
+    result["timing"] = time_all(names, args.quick)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "gluon_fwd.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\n{'shape':<28}" + "".join(f"{n:>16}" for n in dict.fromkeys(r["impl"] for r in result["timing"])))
+    print(f"\n{'shape':<28}" + "".join(f"{n[-12:]:>13}" for n in dict.fromkeys(r["impl"] for r in result["timing"])))
     keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["causal"]) for r in result["timing"])
     for key in keys:
         cells = [r for r in result["timing"] if (r["d"], r["b"], r["s"], r["h"], r["causal"]) == key]
         label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]} {'causal' if key[4] else 'full'}"
-        print(f"{label:<28}" + "".join(f"{c['tflops']:>16.1f}" for c in cells))
+        print(f"{label:<28}" + "".join(f"{c['tflops']:>13.1f}" for c in cells))
     print("(TFLOP/s, bf16, do_bench median)")
 
 

@@ -7,6 +7,7 @@ decisions live in one frozen config resolved from the head dim; ``config=`` over
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -20,14 +21,18 @@ GLUON_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclasses.dataclass(frozen=True)
 class GluonFwdConfig:
-    """One launch of attn_fwd_ws_kernel: a CTA owns num_consumers * 64 query rows; key blocks of block_n rows flow
+    """One launch of attn_fwd_ws_kernel: a tile is num_consumers * 64 query rows; key blocks of block_n rows flow
     through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
-    consumer_regs / producer_regs = per-thread register budgets of the worker partitions (setmaxnreg)."""
+    pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
+    (else one CTA per tile); consumer_regs / producer_regs = per-thread register budgets of the worker partitions
+    (setmaxnreg)."""
 
     num_consumers: int = 2
     block_n: int = 128
     num_stages: int = 2
-    overlap: bool = True
+    overlap: bool = False
+    pingpong: bool = False
+    persistent: bool = False
     consumer_regs: int = 240
     producer_regs: int = 24
 
@@ -40,6 +45,11 @@ def resolve_gluon_config(headdim: int) -> GluonFwdConfig:
     """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
     memory; hd64 tiles are half the size, so three stages fit with room to spare."""
     return GluonFwdConfig(num_stages=2 if headdim > 64 else 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _is_hopper(device: torch.device) -> bool:
@@ -109,10 +119,12 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     scale = resolve_scale(softmax_scale, headdim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    grid = (math.ceil(seqlen_q / cfg.block_m), batch * nheads)
+    num_tiles = math.ceil(seqlen_q / cfg.block_m) * batch * nheads
+    grid = (min(num_tiles, _num_sms(q.device)) if cfg.persistent else num_tiles, )
     attn_fwd_ws_kernel[grid](
-        _descriptor(q, 64), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, seqlen_q, seqlen_k,
-        scale * LOG2E, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
+        _descriptor(q, 64), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, num_tiles,
+        seqlen_q, seqlen_k, scale * LOG2E, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+        PINGPONG=cfg.pingpong and cfg.num_consumers == 2, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     return out, lse

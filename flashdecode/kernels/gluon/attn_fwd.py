@@ -52,17 +52,20 @@ def _store_layout(head_dim):
 
 
 @gluon.jit
-def _tile_coords(seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Which tile this CTA owns and which key blocks it visits.
+def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Which rows tile ``tile`` owns and which key blocks it visits.
 
-    Returns (batch, head, m_start, n_full_end, n_end): keys [0, n_full_end) need no mask for any of the CTA's rows,
-    keys [n_full_end, n_end) are the masked blocks (diagonal and/or the ragged end); both multiples of BLOCK_N.
-    Causal tiles are visited heaviest first (the grid's first programs own the last query rows)."""
-    pid_m = gl.program_id(0)
+    Tiles are numbered head-major (all query blocks of one (batch, head) are consecutive, so CTAs that run at the
+    same time share that head's K/V in L2); causal heads visit their query blocks heaviest (last rows) first, so
+    the light tiles fill the tail of a persistent schedule.
+    Returns (batch, head, m_start, n_full_end, n_end): keys [0, n_full_end) need no mask for any of the tile's rows,
+    keys [n_full_end, n_end) are the masked blocks (diagonal and/or the ragged end); both multiples of BLOCK_N."""
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    bh = tile // num_m
+    pid_m = tile % num_m
     if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    bh = gl.program_id(1)
+        pid_m = num_m - 1 - pid_m
     batch = bh // NUM_HEADS
     head = bh % NUM_HEADS
     m_start = pid_m * BLOCK_M
@@ -78,30 +81,40 @@ def _tile_coords(seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexp
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-              seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: TMA loads of the Q tile (once) and of every visited K/V block into the slot ring."""
+    """One warp: for each of the CTA's tiles, TMA loads of its Q rows (into the free one of two Q buffers, so the
+    next tile's Q arrives while the consumers finish the current one) and of every visited K/V block into the
+    slot ring. The ring runs on across tiles: its slot and phase come from a block counter over the whole CTA."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
-    batch, head, m_start, n_full_end, n_end = _tile_coords(seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                                                           CAUSAL)
-    q_row = batch * seqlen_q + m_start
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_bars.index(c), q_smem.index(c))
-    kv_row = batch * seqlen_k
-    kv_col = (head // GROUP) * HEAD_DIM
-    for i in range(n_end // BLOCK_N):
-        slot = i % NUM_STAGES
-        # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
-        mbarrier.wait(kv_empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
-                                        v_smem.index(slot))
+    blocks_done = 0
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
+                                                               BLOCK_N, CAUSAL)
+        q_row = batch * seqlen_q + m_start
+        q_buf = (tiles_done % 2) * NUM_CONSUMERS
+        for c in gl.static_range(NUM_CONSUMERS):
+            # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
+            mbarrier.wait(q_empty.index(q_buf + c), ((tiles_done // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(q_buf + c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_ready.index(q_buf + c),
+                                            q_smem.index(q_buf + c))
+        kv_row = batch * seqlen_k
+        kv_col = (head // GROUP) * HEAD_DIM
+        for i in range(n_end // BLOCK_N):
+            slot = (blocks_done + i) % NUM_STAGES
+            mbarrier.wait(kv_empty.index(slot), (((blocks_done + i) // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
+                                            k_smem.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+        blocks_done += n_end // BLOCK_N
+        tiles_done += 1
 
 
 @gluon.jit
@@ -132,19 +145,38 @@ def _softmax_step(s, m_i, l_i, qk_scale_log2):
 
 
 @gluon.jit
-def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, n_start, rows, acc, m_i, l_i,
-                          seqlen_q, seqlen_k, qk_scale_log2, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                          MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block without cross-block overlap: S = Q K^T, softmax, O = alpha O + P V, release the slot."""
+def _pingpong_enter(turn, g, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """FA3's warpgroup ping-pong: before issuing the wgmma of its g-th block, a consumer waits until the other one
+    has issued its own (consumer 0 goes first: its first wait is on the parity before the initial phase). The
+    tensor cores then alternate between the warpgroups, and each one's softmax runs under the other's GEMMs."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), (g + 1 - CONSUMER) & 1)
+
+
+@gluon.jit
+def _pingpong_leave(turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+
+
+@gluon.jit
+def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, m_i, l_i,
+                          seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                          PINGPONG: gl.constexpr):
+    """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
+    O = alpha O + P V, release the slot."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot = i % NUM_STAGES
-    phase = (i // NUM_STAGES) & 1
+    slot = g % NUM_STAGES
+    phase = (g // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
+    _pingpong_enter(turn, g, CONSUMER, PINGPONG)
     s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
+    _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
     if MASKED:
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
@@ -159,26 +191,29 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, n_st
 
 
 @gluon.jit
-def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, n_start, rows, acc, p, m_i, l_i,
-                            seqlen_q, seqlen_k, qk_scale_log2, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key block i with FA3's intra-warpgroup overlap; p holds block i-1's probabilities (operand layout).
+def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, p, m_i,
+                            l_i, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                            PINGPONG: gl.constexpr):
+    """The CTA's g-th key block with FA3's intra-warpgroup overlap; p holds block g-1's probabilities.
 
-    Issue S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back (both async), wait for S_i only, run block i's softmax
-    while the PV wgmma still runs, then wait for PV, release block i-1's slot and rescale O by block i's alpha.
-    Returns (acc, p_i, m_i, l_i)."""
+    Issue S_g = Q K_g^T and O += P_{g-1} V_{g-1} back to back (both async), wait for S_g only, run block g's softmax
+    while the PV wgmma still runs, then wait for PV, release block g-1's slot and rescale O by block g's alpha.
+    Returns (acc, p_g, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot = i % NUM_STAGES
-    prev = (i - 1) % NUM_STAGES
-    mbarrier.wait(k_ready.index(slot), (i // NUM_STAGES) & 1)
+    slot = g % NUM_STAGES
+    prev = (g - 1) % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+    _pingpong_enter(turn, g, CONSUMER, PINGPONG)
     s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_i is done, PV may still run
+    _pingpong_leave(turn, CONSUMER, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
     if MASKED:
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
     p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
@@ -190,64 +225,106 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, n_
 
 
 @gluon.jit
-def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
-              seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
-    """One warpgroup: rows [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's tile, all visited key blocks, then the
-    normalised output (masked pointer store) and the natural-log lse."""
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks, rows,
+                         seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    for i in range(0, n_full):
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
+                                              CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG)
+    for i in range(n_full, n_blocks):
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
+                                              CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks,
+                           rows, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """All key blocks of one tile with intra-warpgroup overlap: block 0's scores and softmax alone, then the
+    overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    batch, head, m_start, n_full_end, n_end = _tile_coords(seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                                                           CAUSAL)
-    rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
-    q = q_smem.index(CONSUMER)
     m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    mbarrier.wait(q_bars.index(CONSUMER), 0)
-    n_blocks = n_end // BLOCK_N
-    n_full = n_full_end // BLOCK_N
-    if OVERLAP:
-        p = gl.zeros([64, BLOCK_N], q_smem.dtype, p_layout)
-        if n_blocks > 0:
-            # Block 0 alone: its scores and softmax, no PV yet (nothing to rescale: acc is zero).
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            if n_full == 0:
-                s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-            p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
-            p = gl.convert_layout(p0.to(q_smem.dtype), p_layout)
-        for i in range(1, n_full):
-            acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i,
-                                                       i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q, seqlen_k,
-                                                       qk_scale_log2, BLOCK_N, NUM_STAGES, False, CAUSAL)
-        for i in range(gl.maximum(n_full, 1), n_blocks):
-            acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i,
-                                                       i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q, seqlen_k,
-                                                       qk_scale_log2, BLOCK_N, NUM_STAGES, True, CAUSAL)
-        if n_blocks > 0:
-            last = (n_blocks - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(last), count=1)
-    else:
-        for i in range(0, n_full):
-            acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, i * BLOCK_N,
-                                                  rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2, BLOCK_N,
-                                                  NUM_STAGES, False, CAUSAL)
-        for i in range(n_full, n_blocks):
-            acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, i, i * BLOCK_N,
-                                                  rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2, BLOCK_N,
-                                                  NUM_STAGES, True, CAUSAL)
-    _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS)
+    p = gl.zeros([64, BLOCK_N], q.dtype, p_layout)
+    if n_blocks > 0:
+        first = blocks_done % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (blocks_done // NUM_STAGES) & 1)
+        _pingpong_enter(turn, blocks_done, CONSUMER, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(first).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        _pingpong_leave(turn, CONSUMER, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        if n_full == 0:
+            s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
+        p = gl.convert_layout(p0.to(q.dtype), p_layout)
+    for i in range(1, n_full):
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                                                   blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
+                                                   seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, False,
+                                                   CAUSAL, PINGPONG)
+    for i in range(gl.maximum(n_full, 1), n_blocks):
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                                                   blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
+                                                   seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, True,
+                                                   CAUSAL, PINGPONG)
+    if n_blocks > 0:
+        g_last = blocks_done + n_blocks - 1
+        last = g_last % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+              out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: for each of the CTA's tiles, rows [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key
+    blocks, then the normalised output (masked pointer store) and the natural-log lse."""
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    blocks_done = 0
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
+                                                               BLOCK_N, CAUSAL)
+        rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
+        q_buf = (tiles_done % 2) * NUM_CONSUMERS + CONSUMER
+        q = q_smem.index(q_buf)
+        mbarrier.wait(q_ready.index(q_buf), (tiles_done // 2) & 1)
+        n_blocks = n_end // BLOCK_N
+        if OVERLAP:
+            acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                                   n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                                   qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+        else:
+            acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                                 n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                                 qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+        # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
+        mbarrier.arrive(q_empty.index(q_buf), count=1)
+        _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS)
+        blocks_done += n_blocks
+        tiles_done += 1
 
 
 @gluon.jit
@@ -271,44 +348,54 @@ def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NU
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seqlen_q, seqlen_k, qk_scale_log2,
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(seqlen_q, NUM_CONSUMERS * 64), batch * NUM_HEADS), num_warps=4 (the default partition is
-    consumer 0). qk_scale_log2 = softmax_scale * log2(e). GROUP = nheads // nheads_kv (GQA)."""
+                       OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+    """1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch * NUM_HEADS); a
+    CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller than
+    num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
+    GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_bars.index(c), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2 * NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
-    # Tuple literals, not concatenations: `+` on tuples in a Gluon function turns constexpr members into tensors.
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, out_ptr, lse_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         OVERLAP)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, out_ptr, lse_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         OVERLAP)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty, out_ptr, lse_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         OVERLAP)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL)),
         ], [1], [PRODUCER_REGS])
