@@ -36,6 +36,7 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "resolved": {},
     "pingpong": dict(pingpong=True),
     "persistent": dict(persistent=True),
+    "one-cta-per-tile": dict(persistent=False),
     "persist+pp": dict(persistent=True, pingpong=True),
     "overlap+pp": dict(overlap=True, pingpong=True),
     "bn64": dict(block_n=64, num_stages=3),
@@ -43,8 +44,8 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
 }
 
 
-def config_for(name: str, d: int) -> GluonFwdConfig:
-    return dataclasses.replace(resolve_gluon_config(d), **VARIANTS[name])
+def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
+    return dataclasses.replace(resolve_gluon_config(d, causal, seqlen_k), **VARIANTS[name])
 
 
 def check_correctness(names) -> list[dict]:
@@ -63,7 +64,7 @@ def check_correctness(names) -> list[dict]:
         for name in names:
             if name != "resolved" and dtype != torch.bfloat16:
                 continue
-            out, lse = gluon_attention_forward(q, k, v, causal=causal, config=config_for(name, d))
+            out, lse = gluon_attention_forward(q, k, v, causal=causal, config=config_for(name, d, causal, sk))
             torch.cuda.synchronize()
             err = (out.double() - ref).abs().max().item()
             fin = torch.isfinite(ref_lse)
@@ -97,7 +98,7 @@ def time_all(names, quick: bool) -> list[dict]:
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 fns = {f"gluon:{n}": (lambda cfg: lambda: gluon_attention_forward(q, k, v, causal=causal,
-                                                                                  config=cfg))(config_for(n, d))
+                                                                                  config=cfg))(config_for(n, d, causal, s))
                        for n in names}
                 fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt, causal)

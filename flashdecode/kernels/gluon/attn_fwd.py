@@ -84,9 +84,10 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: for each of the CTA's tiles, TMA loads of its Q rows (into the free one of two Q buffers, so the
-    next tile's Q arrives while the consumers finish the current one) and of every visited K/V block into the
-    slot ring. The ring runs on across tiles: its slot and phase come from a block counter over the whole CTA."""
+    """One warp: for each of the CTA's tiles, TMA loads of its Q rows (once the consumers have released the
+    previous tile's) and of every visited K/V block into the slot ring. The ring runs on across tiles: its slot and
+    phase come from a block counter over the whole CTA, so the next tile's first K/V blocks load while the
+    consumers still finish the current one."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     blocks_done = 0
@@ -95,13 +96,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
                                                                BLOCK_N, CAUSAL)
         q_row = batch * seqlen_q + m_start
-        q_buf = (tiles_done % 2) * NUM_CONSUMERS
+        # One Q buffer per consumer, indexed statically: a second buffer picked by a runtime index (to prefetch
+        # the next tile's Q) made causal launches read shared memory out of bounds (compute-sanitizer), so the
+        # next tile's Q waits for the current one's release.
         for c in gl.static_range(NUM_CONSUMERS):
             # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
-            mbarrier.wait(q_empty.index(q_buf + c), ((tiles_done // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(q_buf + c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_ready.index(q_buf + c),
-                                            q_smem.index(q_buf + c))
+            mbarrier.wait(q_empty.index(c), (tiles_done & 1) ^ 1)
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_ready.index(c),
+                                            q_smem.index(c))
         kv_row = batch * seqlen_k
         kv_col = (head // GROUP) * HEAD_DIM
         for i in range(n_end // BLOCK_N):
@@ -308,9 +311,8 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
         batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
                                                                BLOCK_N, CAUSAL)
         rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
-        q_buf = (tiles_done % 2) * NUM_CONSUMERS + CONSUMER
-        q = q_smem.index(q_buf)
-        mbarrier.wait(q_ready.index(q_buf), (tiles_done // 2) & 1)
+        q = q_smem.index(CONSUMER)
+        mbarrier.wait(q_ready.index(CONSUMER), tiles_done & 1)
         n_blocks = n_end // BLOCK_N
         if OVERLAP:
             acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
@@ -321,7 +323,7 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                  n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
                                                  qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
         # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
-        mbarrier.arrive(q_empty.index(q_buf), count=1)
+        mbarrier.arrive(q_empty.index(CONSUMER), count=1)
         _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS)
         blocks_done += n_blocks
         tiles_done += 1
@@ -359,16 +361,16 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2 * NUM_CONSUMERS):
+    for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
