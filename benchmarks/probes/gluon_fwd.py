@@ -86,7 +86,18 @@ def _sdpa(backend):
     return run
 
 
-def time_all(names, quick: bool) -> list[dict]:
+def _graphed(fn):
+    """fn captured in a CUDA graph: its replay times the kernels alone, without the host's launch work (at 1k
+    tokens the kernels run for ~0.1 ms, comparable to a Python launcher's overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def time_all(names, quick: bool, graph: bool = False) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     shapes = [(1, 16384, 16), (16, 1024, 16)]
@@ -105,12 +116,14 @@ def time_all(names, quick: bool) -> list[dict]:
                 fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt, causal)
                 for name, fn in fns.items():
                     try:
+                        if graph:
+                            fn = _graphed(fn)
                         ms = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100)
                         tf = flops / ms / 1e9
                     except Exception as e:  # a peer missing on this build is reported, not fatal
                         print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                         ms, tf = float("nan"), float("nan")
-                    rows.append(dict(d=d, b=b, s=s, h=h, causal=causal, impl=name, ms=ms, tflops=tf))
+                    rows.append(dict(d=d, b=b, s=s, h=h, causal=causal, impl=name, ms=ms, tflops=tf, graph=graph))
     return rows
 
 
@@ -118,6 +131,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="resolved", help="comma-separated names from VARIANTS, or 'all'")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (kernels without host work)")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
@@ -135,15 +149,20 @@ def main():
                   f"(2x base {2 * r['base']:.2e}) lse {r['lse_err']:.1e}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad")
     result["timing"] = time_all(names, args.quick)
+    if args.graph:
+        result["timing"] += time_all(names, args.quick, graph=True)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "gluon_fwd.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\n{'shape':<28}" + "".join(f"{n[-12:]:>13}" for n in dict.fromkeys(r["impl"] for r in result["timing"])))
-    keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["causal"]) for r in result["timing"])
-    for key in keys:
-        cells = [r for r in result["timing"] if (r["d"], r["b"], r["s"], r["h"], r["causal"]) == key]
-        label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]} {'causal' if key[4] else 'full'}"
-        print(f"{label:<28}" + "".join(f"{c['tflops']:>13.1f}" for c in cells))
+    for graph in (False, True) if args.graph else (False, ):
+        timing = [r for r in result["timing"] if r["graph"] == graph]
+        print(f"\n{'CUDA-graph replay' if graph else 'direct calls'}\n{'shape':<28}"
+              + "".join(f"{n[-12:]:>13}" for n in dict.fromkeys(r["impl"] for r in timing)))
+        keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["causal"]) for r in timing)
+        for key in keys:
+            cells = [r for r in timing if (r["d"], r["b"], r["s"], r["h"], r["causal"]) == key]
+            label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]} {'causal' if key[4] else 'full'}"
+            print(f"{label:<28}" + "".join(f"{c['tflops']:>13.1f}" for c in cells))
     print("(TFLOP/s, bf16, do_bench median)")
 
 
