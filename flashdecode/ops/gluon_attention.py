@@ -47,9 +47,9 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
 
     Persistent CTAs only for short non-causal keys: there each tile is a few blocks, and a CTA that stays resident
     loads the next tile's first K/V blocks under the current tile's last ones and its epilogue (H100, 16 x 1k:
-    +10% hd128, +12% hd64); at 16k keys it measured 7% slower at hd128. Causal launches stay one CTA per tile: the
-    grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some CTAs twice
-    the work of others (16k causal: 400 vs 630 TFLOP/s)."""
+    +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128. Causal launches stay one CTA per
+    tile: the grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some
+    CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s)."""
     return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=not causal and 0 < seqlen_k <= 2048)
 
 

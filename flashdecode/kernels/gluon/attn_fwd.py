@@ -1,17 +1,23 @@
 """Warp-specialised Hopper (sm_90) attention forward in Gluon, after FlashAttention-3's structure.
 
-One CTA owns ``NUM_CONSUMERS * 64`` query rows of one (batch, head) and walks that head's keys in blocks of
-``BLOCK_N``. Its warps are split into partitions (``gl.warp_specialize``):
+A tile is ``NUM_CONSUMERS * 64`` query rows of one (batch, head); it walks that head's keys in blocks of
+``BLOCK_N``. A CTA takes one tile, or (persistent) tiles program_id, program_id + num_programs, ... Its warps are
+split into partitions (``gl.warp_specialize``), each with its own register budget (setmaxnreg):
 
-- a producer warp issues TMA loads: the CTA's Q tile once, then K and V blocks into a ring of ``NUM_STAGES``
+- a producer warp issues TMA loads: each tile's Q rows, then K and V blocks into a ring of ``NUM_STAGES``
   shared-memory slots. Each slot has a ``k_ready`` / ``v_ready`` mbarrier (TMA completes them by byte count) and a
-  ``kv_empty`` mbarrier that every consumer warpgroup arrives on once it no longer reads the slot.
+  ``kv_empty`` mbarrier that every consumer warpgroup arrives on once it no longer reads the slot; the ring runs on
+  across a persistent CTA's tiles.
 - ``NUM_CONSUMERS`` consumer warpgroups (4 warps each, the first is the default partition) each own 64 query rows:
   async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded into one
   multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
-  With ``OVERLAP`` the QK^T of block j+1 is issued before the softmax of block j waits on nothing but its own
-  scores, and PV of block j runs under the softmax of block j+1 (FA3's intra-warpgroup overlap); the two
-  warpgroups of a CTA interleave their tensor-core and softmax phases on their own (the hardware schedules them).
+  Two warpgroups per CTA already interleave on their own: while one runs its softmax the other's wgmma keeps the
+  tensor cores busy.
+- Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``OVERLAP`` (FA3's intra-warpgroup
+  overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
+  than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
+  loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
+  named barriers) gave -7% to +2%. Both stay selectable for the probe.
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
