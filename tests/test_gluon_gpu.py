@@ -67,6 +67,18 @@ def test_gluon_forward_rows_without_keys():
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_packed_qkv_views(causal):
+    """q, k, v as views of one packed (batch, seqlen, 3, heads, headdim) tensor: rows strided by 3 * heads *
+    headdim, read in place through the TMA descriptors (no copy), output still (batch, seqlen, heads, headdim)."""
+    gen = torch.Generator().manual_seed(11)
+    qkv = randn(2, 300, 3, 4, 128, gen=gen, dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    assert gluon_supported(q, k, v, causal)
+    _check(q, k, v, causal)
+
+
+@needs_hopper
 def test_gluon_supported_refuses_what_it_cannot_take():
     q, k, v = _qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, seed=1)
     assert gluon_supported(q, k, v, False)
