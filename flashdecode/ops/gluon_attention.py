@@ -90,43 +90,15 @@ def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return all(_rows_view_ok(t) for t in (q, k, v))
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block_rows: int, headdim: int, dtype: torch.dtype):
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([block_rows, headdim],
-                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
 def _descriptor(x: torch.Tensor, block_rows: int):
-    """TMA descriptor of x (batch, seqlen, heads, headdim) viewed as (batch * seqlen, heads * headdim) rows."""
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, s, h, d = x.shape
     rows = x.as_strided((b * s, h * d), (x.stride(1), 1))
-    return TensorDescriptor(rows, [b * s, h * d], [x.stride(1), 1], [block_rows, d],
-                            _smem_layout(block_rows, d, x.dtype))
-
-
-# (device index, dtype, head dim, nheads, group, causal, config) -> the kernel Triton compiled for it. Later calls
-# launch it directly: Triton's per-call dispatch (binding, specialising and hashing descriptor arguments) cost more
-# host time than a 1k-token kernel runs. Safe because nothing else is specialised per call: the lengths are
-# do_not_specialize, out / lse are fresh (aligned) allocations, and q/k/v reach the kernel only as descriptors whose
-# block shape, dtype and layout the key fixes.
-_COMPILED: dict = {}
-
-
-def _launch(grid, device: torch.device, args: dict):
-    """Launch attn_fwd_ws_kernel with args (every kernel parameter by name, constexprs included)."""
-    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel as kernel
-
-    key = (device.index, args["q_desc"].base.dtype, args["q_desc"].block_shape[1]) + tuple(
-        args[name] for name in kernel.arg_names if name.isupper())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](**args, num_warps=4)
-    else:
-        compiled[grid](*(args[name] for name in kernel.arg_names))
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], dtype)
+    return TensorDescriptor(rows, [b * s, h * d], [x.stride(1), 1], [block_rows, d], layout)
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -145,6 +117,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if not gluon_supported(q, k, v, causal):
         raise ValueError("q, k, v: this call is outside the Gluon kernel's support (see gluon_supported); "
                          "use flashdecode.ops.attention")
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     cfg = config or resolve_gluon_config(headdim, causal, seqlen_k)
@@ -153,11 +127,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     num_tiles = math.ceil(seqlen_q / cfg.block_m) * batch * nheads
     grid = (min(num_tiles, _num_sms(q.device)) if cfg.persistent else num_tiles, )
-    _launch(grid, q.device, dict(
-        q_desc=_descriptor(q, 64), k_desc=_descriptor(k, cfg.block_n), v_desc=_descriptor(v, cfg.block_n),
-        out_ptr=out, lse_ptr=lse, num_tiles=num_tiles, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        qk_scale_log2=scale * LOG2E, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
+    attn_fwd_ws_kernel[grid](
+        _descriptor(q, 64), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, num_tiles,
+        seqlen_q, seqlen_k, scale * LOG2E, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
         PINGPONG=cfg.pingpong and cfg.num_consumers == 2, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs))
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     return out, lse

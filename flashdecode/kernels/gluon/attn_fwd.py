@@ -355,8 +355,7 @@ def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NU
     gl.store(lse_ptr + lse_off, lse, mask=rows < seqlen_q)
 
 
-# The lengths are not specialised (no recompiles per length, and the launcher may reuse one compiled kernel).
-@gluon.jit(do_not_specialize=["num_tiles", "seqlen_q", "seqlen_k"])
+@gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
