@@ -86,6 +86,10 @@ def _sdpa(backend):
     return run
 
 
+def _gluon_call(q, k, v, causal, cfg):
+    return lambda: gluon_attention_forward(q, k, v, causal=causal, config=cfg)
+
+
 def _graphed(fn):
     """fn captured in a CUDA graph: its replay times the kernels alone, without the host's launch work (at 1k
     tokens the kernels run for ~0.1 ms, comparable to a Python launcher's overhead)."""
@@ -108,9 +112,7 @@ def time_all(names, quick: bool, graph: bool = False) -> list[dict]:
                 q, k, v = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=1)
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                fns = {f"gluon:{n}": (lambda cfg: lambda: gluon_attention_forward(q, k, v, causal=causal,
-                                                                                  config=cfg))(config_for(n, d, causal, s))
-                       for n in names}
+                fns = {f"gluon:{n}": _gluon_call(q, k, v, causal, config_for(n, d, causal, s)) for n in names}
                 fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt, causal)
                 fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt, causal)
