@@ -9,6 +9,7 @@ The default backend is NCCL when CUDA is available (one GPU per local rank), glo
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -64,7 +65,9 @@ def _entry(rank, world_size, port, backend, fn, args, results):
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(rank, *args)))
+            # plain pickle copies tensors by value: torch's queue pickler would share them through the rank's
+            # file descriptors, which die with the rank
+            results.put((rank, True, pickle.dumps(fn(rank, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank's traceback
@@ -101,7 +104,7 @@ def spawn(fn, world_size: int, args: tuple = (), *, backend: str | None = None, 
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -18,7 +18,8 @@ import torch
 
 from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
-from flashdecode.engine.kv_cache import BlockManager, bytes_per_page
+from flashdecode.distributed.groups import ParallelConfig, ParallelState
+from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner
@@ -83,12 +84,16 @@ class LLM:
         max_num_batched_tokens: prompt tokens per prefill step (a longer single prompt still runs alone).
         enforce_eager: no CUDA graphs.
         seed: seed of the random weights when ``model`` is a ModelConfig.
+        tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
+            that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
+            (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.
     """
 
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
+                 context_parallel_size: int = 1):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -96,6 +101,7 @@ class LLM:
             device, dtype = weight.device, weight.dtype
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
+        self.parallel = ParallelState.create(ParallelConfig(tensor_parallel_size, context_parallel_size), self.device)
         if prebuilt is not None:
             self.config, self.model_dir = prebuilt.config, None
         elif isinstance(model, ModelConfig):
@@ -124,7 +130,8 @@ class LLM:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's rotary table "
                                  f"({table.shape[0]} positions)")
         else:
-            self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len)
+            self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len,
+                                          parallel=self.parallel)
             if self.model_dir is None:
                 self.model.init_random_(seed)
             else:
@@ -134,13 +141,14 @@ class LLM:
         page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
                                     self.dtype)
         self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
-        num_pages = self._num_pages(kv_cache_memory, page_bytes, page_size, max_num_seqs)
-        self.block_manager = BlockManager(num_pages, page_size)
+        num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
+                                                                  max_num_seqs))
+        self.block_manager = make_block_manager(num_pages, page_size, self.parallel.cp_size, self.parallel.cp_rank)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.scheduler_tokens, self.max_model_len)
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                                  dtype=self.dtype, use_cuda_graphs=use_graphs)
+                                  dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel)
 
     def _num_pages(self, kv_cache_memory, page_bytes: int, page_size: int, max_num_seqs: int) -> int:
         wanted = max_num_seqs * -(-self.max_model_len // page_size) * page_bytes
@@ -209,7 +217,8 @@ class LLM:
             logits, greedy = self.runner.prefill(seqs, tables), None
         else:
             logits, greedy = self.runner.decode(seqs, tables)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy)
+        tokens = self.parallel.agree_tokens(sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                                   greedy))
         return self.scheduler.postprocess(seqs, tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
