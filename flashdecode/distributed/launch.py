@@ -12,6 +12,7 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "default_backend", "init_distributed", "launched_by_torchrun", "spawn"]
+__all__ = ["free_port", "default_backend", "init_distributed", "launched_by_torchrun", "spawn", "main_on_ranks"]
 
 
 def free_port() -> int:
@@ -112,3 +113,23 @@ def spawn(fn, world_size: int, args: tuple = (), *, backend: str | None = None, 
                 p.terminate()
                 p.join(timeout=5)
     return [out[r] for r in range(world_size)]
+
+
+def _cli_rank(rank, fn, args):
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the rank's process ends with the command
+    return fn(args)
+
+
+def main_on_ranks(fn, args, world_size: int, timeout_s: float | None = None):
+    """Run a command ``fn(args) -> exit code`` on ``world_size`` ranks, printing from rank 0 only.
+
+    Already a rank (torchrun, or a process group exists): silences this process's stdout unless it is rank 0 and
+    returns None - the caller goes on with the command. Otherwise spawns the ranks, each running ``fn(args)``
+    (``fn`` importable, e.g. a CLI module's run), and returns rank 0's exit code."""
+    if dist.is_initialized() or launched_by_torchrun():
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+        if rank != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return None
+    return spawn(_cli_rank, world_size, (fn, args), timeout_s=timeout_s)[0]

@@ -2,6 +2,7 @@
 
     flashdecode generate --model DIR --prompt "Hello" --max-new-tokens 32
     flashdecode generate --random-weights llama3-8b --layers 4 --prompt-len 512 --max-new-tokens 64
+    flashdecode generate --model DIR --prompt "Hello" --tp 2 --cp 2     # 4 local ranks (or under torchrun)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 128 on CUDA)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads / MLP columns sharded)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks (KV pages of each sequence spread)")
 
 
 def _prompt(args, llm) -> str | list[int]:
@@ -56,6 +59,12 @@ def run(args) -> int:
     from flashdecode.engine import LLM, SamplingParams
     from flashdecode.engine.config import named_config
 
+    if args.tp * args.cp > 1:  # spawn the ranks (each runs this command), or go on as one of them (torchrun)
+        from flashdecode.distributed.launch import main_on_ranks
+
+        code = main_on_ranks(run, args, args.tp * args.cp)
+        if code is not None:
+            return code
     model = named_config(args.random_weights, args.layers) if args.random_weights else args.model
     max_len = args.max_model_len
     if max_len is None and args.prompt_len is not None:
@@ -63,7 +72,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
               page_size=args.page_size, max_num_seqs=1, max_model_len=max_len, enforce_eager=args.enforce_eager,
-              seed=args.seed)
+              seed=args.seed, tensor_parallel_size=args.tp, context_parallel_size=args.cp)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {llm.config.model_type}, {llm.config.num_hidden_layers} "
           f"layers, {llm.dtype}, {llm.device}, backend {llm.backend.name}, "
           f"CUDA graphs {'on' if llm.runner.graphs else 'off'}")
