@@ -136,3 +136,30 @@ def test_context_parallel_decode_rejects_several_query_tokens():
         context_parallel_decode(q, k, k, torch.ones(1, dtype=torch.int32))
     with pytest.raises(TypeError, match="q must be"):
         context_parallel_decode([1.0], k, k, torch.ones(1, dtype=torch.int32))
+
+
+def _graph_worker(rank):
+    """One NCCL rank: the plan's run (local decode + all_gather + merge) captured in a CUDA graph and replayed with
+    new cache contents equals flash_decode."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (x.cuda() for x in _full_cache(gen, [300, 7], 8, 2, 128, torch.bfloat16))
+    lens = torch.tensor([300, 7], dtype=torch.int32, device="cuda")
+    plan = flashdecode.distributed.ContextParallelDecodePlan(2, 8, 2, 128, max_seqlen_k=512, dtype=torch.bfloat16,
+                                                            device="cuda")
+    plan.run(q, k, v, lens)  # warm-up: compiles, creates the NCCL communicator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan.run(q, k, v, lens)
+    k.normal_()
+    v.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = flashdecode.flash_decode(q, k, v, lens)
+    return (out.float() - want.float()).abs().max().item()
+
+
+@pytest.mark.gpu
+def test_plan_captures_in_a_cuda_graph():
+    err = spawn(_graph_worker, 1, backend="nccl", timeout_s=TIMEOUT_S)[0]
+    assert err < 2e-2, err

@@ -97,3 +97,14 @@ def test_cost_model_breakeven_and_limits():
     assert cost.decode_layer_time(s, 1, 2**24, 4, link)["speedup"] == pytest.approx(4, rel=0.02)
     assert cost.breakeven_context(s, 1, 1, link) == math.inf
     assert cost.decode_layer_time(s, 1, 1000, 1, link)["speedup"] == 1.0
+
+
+def test_tp_step_model():
+    w = 16e9  # Llama-3-8B bf16 weights
+    one = cost.tp_decode_step_time(w, 32, 4096, 1, 1)
+    assert one["total"] == one["single"] == pytest.approx(w / cost.H100_HBM_BW) and one["all_reduce"] == 0
+    two = cost.tp_decode_step_time(w, 32, 4096, 1, 2)
+    assert two["weights"] == pytest.approx(one["single"] / 2)
+    # 64 all-reduces of 8 KB: latency-bound, 2 x 32 x (10 us + 8 KB / 450 GB/s)
+    assert two["all_reduce"] == pytest.approx(64 * (10e-6 + 4096 * 2 / 450e9))
+    assert cost.tp_decode_step_time(w, 32, 4096, 1, 2, cost.PCIE5)["total"] > two["total"]

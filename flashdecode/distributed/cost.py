@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["Link", "NVLINK4", "PCIE5", "H100_HBM_BW", "AttentionShape", "LLAMA3_8B", "kv_bytes_per_layer",
-           "exchange_bytes_per_layer", "decode_layer_time", "breakeven_context"]
+           "exchange_bytes_per_layer", "decode_layer_time", "breakeven_context", "tp_decode_step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +99,20 @@ def breakeven_context(shape: AttentionShape, batch: int, world: int, link: Link 
     fixed = link.latency + merge_s + exchange_bytes_per_layer(shape, batch, world, mode) / link.bandwidth
     saved_per_token = (1.0 - 1.0 / world) * kv_bytes_per_layer(shape, batch, 1) / hbm_bandwidth
     return fixed / saved_per_token
+
+
+def tp_decode_step_time(weight_bytes: float, num_layers: int, hidden_size: int, batch: int, tp: int,
+                        link: Link = NVLINK4, hbm_bandwidth: float = H100_HBM_BW, elem_bytes: int = 2) -> dict:
+    """Modelled seconds of the weight-bound part of one decode step under tensor parallelism: every rank reads
+    1/tp of the (sharded) weights, and each layer ends its attention and its MLP with an all-reduce of the
+    (batch, hidden) activations (a ring all-reduce moves 2 (tp - 1) / tp of them through each GPU's link).
+    Returns ``weights``, ``all_reduce`` (all layers), ``total`` and ``single`` (tp = 1)."""
+    _check(batch, tp)
+    single = weight_bytes / hbm_bandwidth
+    weights = single / tp
+    if tp == 1:
+        reduce = 0.0
+    else:
+        per = link.latency + 2 * (tp - 1) / tp * batch * hidden_size * elem_bytes / link.bandwidth
+        reduce = 2 * num_layers * per
+    return {"weights": weights, "all_reduce": reduce, "total": weights + reduce, "single": single}
