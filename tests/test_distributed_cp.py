@@ -15,6 +15,7 @@ from flashdecode.distributed.launch import spawn
 
 WORLD = 2
 TIMEOUT_S = 120
+CPU_RANKS = dict(backend="gloo", env={"TRITON_INTERPRET": "1"})  # CPU tensors, Triton's interpreter, GPU or not
 
 
 def _full_cache(gen, lengths, nheads, nheads_kv, headdim, dtype):
@@ -124,7 +125,7 @@ def _worker(rank):
 
 
 def test_context_parallel_decode_matches_single_device():
-    results = spawn(_worker, WORLD, timeout_s=TIMEOUT_S)
+    results = spawn(_worker, WORLD, timeout_s=TIMEOUT_S, **CPU_RANKS)
     expected = [c[0] for c in CASES] + ["head-scatter-fp16", "plan-paged-fp16", "plan-head-scatter-fp32"]
     assert results == [expected] * WORLD
 

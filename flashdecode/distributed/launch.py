@@ -75,11 +75,13 @@ def _entry(rank, world_size, port, backend, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def spawn(fn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float | None = None):
+def spawn(fn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float | None = None,
+          env: dict[str, str] | None = None):
     """Run ``fn(rank, *args)`` in ``world_size`` fresh processes joined in one process group (tcp on 127.0.0.1,
     a free port). Returns the ranks' return values (picklable) in rank order. A rank's exception is re-raised here
     as RuntimeError with its traceback; past ``timeout_s`` the ranks are terminated and TimeoutError raised.
-    ``fn`` must be importable by the children (a module-level function)."""
+    ``fn`` must be importable by the children (a module-level function). ``env``: extra environment variables of
+    the children, set before they import anything (e.g. TRITON_INTERPRET=1, which Triton reads at import)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -87,8 +89,17 @@ def spawn(fn, world_size: int, args: tuple = (), *, backend: str | None = None, 
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend or default_backend(), fn, args, results),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out: dict[int, object] = {}
     try:
