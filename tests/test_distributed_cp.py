@@ -137,6 +137,8 @@ def test_context_parallel_decode_rejects_several_query_tokens():
         context_parallel_decode(q, k, k, torch.ones(1, dtype=torch.int32))
     with pytest.raises(TypeError, match="q must be"):
         context_parallel_decode([1.0], k, k, torch.ones(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="process group"):  # this process has none
+        context_parallel_decode(q[:, 0], k, k, torch.ones(1, dtype=torch.int32))
 
 
 def _graph_worker(rank):

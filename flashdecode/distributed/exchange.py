@@ -80,6 +80,9 @@ class StateExchange:
             raise TypeError(f"dtype must be one of {checks.FLOAT_DTYPES}, got {dtype}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("exchanging attention states needs an initialized torch.distributed process group "
+                               "(dist.init_process_group, torchrun, or flashdecode.distributed.launch.spawn)")
         self.group, self.mode = group, mode
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
