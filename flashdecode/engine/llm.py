@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
-from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
@@ -138,7 +138,7 @@ class LLM:
                 load_checkpoint(self.model, self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
 
-        page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
+        page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads, cfg.head_dim,
                                     self.dtype)
         self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
         num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
