@@ -112,8 +112,35 @@ CASES = [
 ]
 
 
+def _state(rank, rows, nheads, headdim):
+    """Rank ``rank``'s made-up partial state (any rank can rebuild any rank's); one row empty on rank 0."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    o = torch.randn(rows, nheads, headdim, generator=gen).half()
+    lse = torch.randn(rows, nheads, generator=gen) * 3
+    if rank == 0:
+        lse[1] = float("-inf")
+    return o, lse
+
+
+def _check_exchange(rank, mode):
+    """StateExchange.exchange on given states vs the float64 merge of every rank's state."""
+    from flashdecode.distributed import StateExchange
+
+    rows, nheads, headdim = 3, 4, 32
+    ex = StateExchange(4, nheads, headdim, torch.float16, "cpu", mode=mode)
+    out, lse = ex.exchange(*_state(rank, rows, nheads, headdim))
+    states = [_state(r, rows, nheads, headdim) for r in range(WORLD)]
+    o64, lse64 = ref.merge_states_many_ref(torch.stack([s[0] for s in states]).double(),
+                                           torch.stack([s[1] for s in states]).double())
+    heads = slice(None) if mode == "all_gather" else slice(rank * nheads // WORLD, (rank + 1) * nheads // WORLD)
+    torch.testing.assert_close(out.double(), o64[:, heads], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), lse64[:, heads], atol=1e-5, rtol=1e-5)
+    assert ex.bytes_received(rows) == (WORLD - 1) * rows * ex.seg_heads * (headdim * 2 + 4)
+    return f"exchange-{mode}"
+
+
 def _worker(rank):
-    done = []
+    done = [_check_exchange(rank, "all_gather"), _check_exchange(rank, "head_scatter")]
     for case in CASES:
         done.append(_check_case(rank, *case))
     done.append(_check_case(rank, "head-scatter-fp16", torch.float16, "paged", [29, 0, 8], 4, 2, 64,
@@ -126,7 +153,8 @@ def _worker(rank):
 
 def test_context_parallel_decode_matches_single_device():
     results = spawn(_worker, WORLD, timeout_s=TIMEOUT_S, **CPU_RANKS)
-    expected = [c[0] for c in CASES] + ["head-scatter-fp16", "plan-paged-fp16", "plan-head-scatter-fp32"]
+    expected = (["exchange-all_gather", "exchange-head_scatter"] + [c[0] for c in CASES]
+                + ["head-scatter-fp16", "plan-paged-fp16", "plan-head-scatter-fp32"])
     assert results == [expected] * WORLD
 
 

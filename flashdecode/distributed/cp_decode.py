@@ -76,14 +76,13 @@ def _run(exchange: StateExchange, plan, q, k_shard, v_shard, cache_seqlens_shard
     """Local flash_decode (through ``plan`` when given) + exchange + merge."""
     rows = _rows(q)
     kw = dict(block_table=block_table, softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
-    if exchange.mode == "all_gather":  # the local attention writes its output straight into the send buffer
-        send_o, send_lse = exchange.send_views(rows)
-        o, lse = flash_decode(q, k_shard, v_shard, cache_seqlens_shard, out=send_o.view(q.shape), plan=plan, **kw)
-        send_lse.copy_(lse.reshape(rows, -1))
-        out, lse = exchange.collect(rows)
-    else:
-        o, lse = flash_decode(q, k_shard, v_shard, cache_seqlens_shard, plan=plan, **kw)
-        out, lse = exchange.exchange(o.reshape(rows, *o.shape[-2:]), lse.reshape(rows, -1))
+
+    def local(out):
+        o, lse = flash_decode(q, k_shard, v_shard, cache_seqlens_shard, plan=plan,
+                              out=None if out is None else out.view(q.shape), **kw)
+        return o.reshape(rows, *o.shape[-2:]), lse.reshape(rows, -1)
+
+    out, lse = exchange.merge_local(rows, local)
     out, lse = _unflatten(q, out, lse, out.shape[-2])
     return (out, lse) if return_lse else out
 

@@ -141,16 +141,26 @@ class StateExchange:
         if tuple(lse.shape) != (rows, self.nheads) or lse.dtype != torch.float32:
             raise ValueError(f"lse must be ({rows}, {self.nheads}) float32, got {tuple(lse.shape)} {lse.dtype}")
         if self.mode == "all_gather":
-            send_o, send_lse = self.send_views(rows)
-            if o.data_ptr() != send_o.data_ptr():
-                send_o.copy_(o)
-            if lse.data_ptr() != send_lse.data_ptr():
-                send_lse.copy_(lse)
-        else:
-            send_o, send_lse = self._views(self.send, self.world, rows)
-            w, h = self.world, self.seg_heads
-            send_o.copy_(o.view(rows, w, h, self.headdim).transpose(0, 1))
-            send_lse.copy_(lse.view(rows, w, h).transpose(0, 1))
+            return self.merge_local(rows, lambda out: (o, lse))
+        send_o, send_lse = self._views(self.send, self.world, rows)  # slice j of the heads goes to rank j
+        w, h = self.world, self.seg_heads
+        send_o.copy_(o.view(rows, w, h, self.headdim).transpose(0, 1))
+        send_lse.copy_(lse.view(rows, w, h).transpose(0, 1))
+        return self.collect(rows)
+
+    def merge_local(self, rows: int, local):
+        """Run this rank's attention and merge it with the group's: ``local(out)`` computes the local state,
+        writing its output into ``out`` when that is a tensor (all_gather: the send buffer itself, (rows, nheads,
+        headdim), so the output is not copied) or anywhere when it is None, and returns (o, lse) shaped (rows,
+        nheads, headdim) / (rows, nheads). Returns what ``exchange`` returns."""
+        if self.mode != "all_gather":
+            o, lse = local(None)
+            return self.exchange(o, lse)
+        send_o, send_lse = self.send_views(rows)
+        o, lse = local(send_o)
+        if o.data_ptr() != send_o.data_ptr():
+            send_o.copy_(o)
+        send_lse.copy_(lse)
         return self.collect(rows)
 
     def collect(self, rows: int):

@@ -114,11 +114,12 @@ class TorchBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta):
         return self.decode_with_lse(q, k_cache, v_cache, meta)[0]
 
-    def decode_with_lse(self, q, k_cache, v_cache, meta):
-        """decode() and its lse float32 (batch, nheads) (context parallelism merges these)."""
-        out, lse = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
-                                        window_size=self.window_size)
-        return out, lse.float()
+    def decode_with_lse(self, q, k_cache, v_cache, meta, out=None):
+        """decode() (into ``out`` when given) and its lse float32 (batch, nheads) (context parallelism merges
+        these)."""
+        o, lse = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
+                                      window_size=self.window_size)
+        return (o if out is None else out.copy_(o)), lse.float()
 
 
 def _one_query_each(q: torch.Tensor) -> torch.Tensor:
@@ -265,11 +266,12 @@ class FlashDecodeBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta):
         return self.decode_with_lse(q, k_cache, v_cache, meta, return_lse=False)
 
-    def decode_with_lse(self, q, k_cache, v_cache, meta, return_lse: bool = True):
-        """decode() and (return_lse) its lse float32 (batch, nheads) (context parallelism merges these)."""
+    def decode_with_lse(self, q, k_cache, v_cache, meta, out=None, return_lse: bool = True):
+        """decode() (into ``out`` when given) and (return_lse) its lse float32 (batch, nheads) (context
+        parallelism merges these)."""
         plan = self._plan(q, k_cache, meta.block_tables)
         return plan.run(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
-                        window_size=self.window_size, return_lse=return_lse)
+                        window_size=self.window_size, return_lse=return_lse, out=out)
 
 
 class FlashDecodeNoSplitBackend(FlashDecodeBackend):
@@ -319,8 +321,8 @@ class ContextParallelBackend(AttentionBackend):
         return self.exchanges[key]
 
     def decode(self, q, k_cache, v_cache, meta):
-        o, lse = self.inner.decode_with_lse(q, k_cache, v_cache, meta)
-        out, _ = self._exchange(q).exchange(o, lse)
+        out, _ = self._exchange(q).merge_local(
+            q.shape[0], lambda send: self.inner.decode_with_lse(q, k_cache, v_cache, meta, out=send))
         return out  # a view of the exchange's buffer: consumed by o_proj before the next layer's exchange
 
 
