@@ -6,6 +6,8 @@ A rank's partial state is o (rows, nheads, headdim) in the attention dtype plus 
 
     segment = [ lse (rows, heads) float32 | pad to 16 B | o (rows, heads, headdim) dtype | pad to 16 B ]
 
+laid out for the call's rows (not the maximum), so a small batch moves only its own bytes.
+
 * ``all_gather``: every rank sends its whole segment and receives every rank's (bytes in per rank:
   (world - 1) x segment); each rank then merges all heads (the output every rank needs when the next layer is
   replicated over the group).
@@ -94,23 +96,28 @@ class StateExchange:
         # heads of one segment: all of them (all_gather) or one destination's slice (head_scatter)
         self.seg_heads = nheads if mode == "all_gather" else nheads // self.world
         self.elem = torch.empty((), dtype=dtype).element_size()
-        self.lse_bytes = _pad(max_rows * self.seg_heads * 4)
-        self.segment = self.lse_bytes + _pad(max_rows * self.seg_heads * headdim * self.elem)
         chunks_out = 1 if mode == "all_gather" else self.world
         u8 = dict(dtype=torch.uint8, device=self.device)
-        self.send = torch.zeros(chunks_out * self.segment, **u8)
-        self.recv = torch.zeros(self.world * self.segment, **u8)
+        self.send = torch.zeros(chunks_out * self._segment(max_rows)[1], **u8)
+        self.recv = torch.zeros(self.world * self._segment(max_rows)[1], **u8)
         out_heads = nheads if mode == "all_gather" else self.seg_heads
         self.out = torch.empty(max_rows * out_heads * headdim, dtype=dtype, device=self.device)
         self.lse = torch.empty(max_rows * out_heads, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------------------------------ views
+    def _segment(self, rows: int) -> tuple[int, int]:
+        """(bytes before o, bytes of one segment) for ``rows`` rows."""
+        lse_bytes = _pad(rows * self.seg_heads * 4)
+        return lse_bytes, lse_bytes + _pad(rows * self.seg_heads * self.headdim * self.elem)
+
     def _views(self, buf: torch.Tensor, chunks: int, rows: int):
-        """(o (chunks, rows, seg_heads, headdim), lse (chunks, rows, seg_heads)) views of a byte buffer."""
-        seg = buf.view(chunks, self.segment)
+        """(o (chunks, rows, seg_heads, headdim), lse (chunks, rows, seg_heads)) views of the first ``chunks``
+        segments of a byte buffer laid out for ``rows`` rows."""
+        lse_bytes, segment = self._segment(rows)
+        seg = buf[:chunks * segment].view(chunks, segment)
         h, d = self.seg_heads, self.headdim
         lse = seg[:, :rows * h * 4].view(torch.float32).view(chunks, rows, h)
-        o = seg[:, self.lse_bytes:self.lse_bytes + rows * h * d * self.elem].view(self.dtype).view(chunks, rows, h, d)
+        o = seg[:, lse_bytes:lse_bytes + rows * h * d * self.elem].view(self.dtype).view(chunks, rows, h, d)
         return o, lse
 
     def send_views(self, rows: int):
@@ -166,10 +173,12 @@ class StateExchange:
     def collect(self, rows: int):
         """The collective and the merge, once the send buffer holds this rank's state (see ``send_views``)."""
         self._check_rows(rows)
+        segment = self._segment(rows)[1]
         if self.mode == "all_gather":
-            _all_gather_bytes(self.recv, self.send, self.group)
+            _all_gather_bytes(self.recv[:self.world * segment], self.send[:segment], self.group)
         else:
-            dist.all_to_all_single(self.recv, self.send, group=self.group)
+            dist.all_to_all_single(self.recv[:self.world * segment], self.send[:self.world * segment],
+                                   group=self.group)
         outs, lses = self._views(self.recv, self.world, rows)
         h = self.nheads if self.mode == "all_gather" else self.seg_heads
         out = self.out[:rows * h * self.headdim].view(rows, h, self.headdim)
