@@ -4,6 +4,10 @@ single-process engine's greedy tokens and logits on the tiny checkpoints."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -37,12 +41,21 @@ def _engine(path, tp=1, cp=1, backend=None):
                attn_backend=backend, tensor_parallel_size=tp, context_parallel_size=cp)
 
 
-def _worker(rank, jobs):
-    """jobs: (name, path, tp, cp, backend, params) run in order on every rank."""
+def _worker(rank, jobs, cli_argv=None):
+    """jobs: (name, path, tp, cp, backend, params) run in order on every rank; then (cli_argv) the `generate`
+    command as one of the ranks (rank 0 prints, the others are silenced)."""
     results = {}
     prompts = random_prompts(PROMPT_LENS, seed=1)
     for name, path, tp, cp, backend, params in jobs:
         results[name] = _run(_engine(path, tp, cp, backend), prompts, params)
+    if cli_argv is not None:
+        from flashdecode.engine import cli
+
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            code = cli.run(parser.parse_args(cli_argv))
+        results["cli"] = (code, printed.getvalue())
     return results
 
 
@@ -77,8 +90,14 @@ def test_tp_and_cp_engines_match_single_process(checkpoints):
             ("tp2-sampled", checkpoints["llama"], 2, 1, None, sampled),
             # the single-process Triton engine runs in the ranks, where the interpreter is on
             ("single-flashdecode", checkpoints["qwen2-mqa"], 1, 1, "flashdecode", greedy)]
-    per_rank = spawn(_worker, 2, (jobs,), timeout_s=TIMEOUT_S, **CPU_RANKS)
+    cli_prompt = [5, 6, 7, 8, 9, 10, 11]
+    cli_argv = ["--model", str(checkpoints["llama"]), "--prompt", ",".join(map(str, cli_prompt)), "--max-new-tokens",
+                "4", "--device", "cpu", "--dtype", "float32", "--page-size", "4", "--max-model-len", "32", "--tp", "2"]
+    per_rank = spawn(_worker, 2, (jobs, cli_argv), timeout_s=TIMEOUT_S, **CPU_RANKS)
     want = {"llama": _expected(checkpoints["llama"]), "qwen2-mqa": _expected(checkpoints["qwen2-mqa"])}
+    cli_tokens = _engine(checkpoints["llama"]).generate([cli_prompt], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert per_rank[0]["cli"] == (0, per_rank[0]["cli"][1]) and f"token ids: {cli_tokens}" in per_rank[0]["cli"][1]
+    assert per_rank[1]["cli"] == (0, "")  # only rank 0 prints
     for rank, results in enumerate(per_rank):
         _assert_same(results["tp2"], want["llama"], f"tp2 rank {rank}")
         _assert_same(results["tp2-replicated-kv"], want["qwen2-mqa"], f"tp2-replicated-kv rank {rank}")
