@@ -32,7 +32,7 @@ def _run(llm: LLM, prompts, params):
         return out
 
     llm.runner.decode = recording_decode
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.token_ids for o in outs], logits, llm.prompt_logits(prompts[0])
 
 
