@@ -108,3 +108,21 @@ def test_tp_step_model():
     # 64 all-reduces of 8 KB: latency-bound, 2 x 32 x (10 us + 8 KB / 450 GB/s)
     assert two["all_reduce"] == pytest.approx(64 * (10e-6 + 4096 * 2 / 450e9))
     assert cost.tp_decode_step_time(w, 32, 4096, 1, 2, cost.PCIE5)["total"] > two["total"]
+
+
+def test_distributed_layer_sits_below_the_engine():
+    """flashdecode.distributed is used by the engine (and is public API beside flash_decode): it imports the ops
+    and the reference, never the engine, the benchmarks or the CLI (docs/distributed.md, "Layer")."""
+    import ast
+    from pathlib import Path
+
+    import flashdecode.distributed as pkg
+
+    bad = []
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            bad += [f"{path.name}: {n}" for n in names if n.startswith(("flashdecode.engine", "flashdecode.bench",
+                                                                           "flashdecode.cli"))]
+    assert not bad, bad
