@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import flashdecode
-from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info
+from flashdecode.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info
 from flashdecode.distributed import ContextParallelDecodePlan, cost
 from flashdecode.distributed.launch import init_distributed
 from flashdecode.engine.kv_cache import cp_local_length

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flashdecode.bench.e2e import decode_tokens_per_s
-from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, env_info
+from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 from flashdecode.distributed import cost
 from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.distributed.launch import init_distributed
