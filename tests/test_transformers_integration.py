@@ -35,9 +35,10 @@ def name():
     return fd_transformers.register()
 
 
-def _model(config, attn, dtype=torch.float32, seed=0):
+def _model(config, attn, dtype=torch.float32, seed=0, **kwargs):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32,
+                                                          **kwargs)
     return model.to(device=DEVICE, dtype=dtype).eval()
 
 
@@ -108,17 +109,61 @@ def test_decode_step_logits_match_with_dynamic_cache(gen, name):
     """One generation step after a left-padded prefill: the decode path (block table over the padded cache)
     gives SDPA's next-token logits within the FlashAttention rule."""
     config = _config("llama")
-    ids, mask = _padded_batch(gen, [8, 3], 8, True, config.vocab_size)
-    nxt = torch.randint(1, config.vocab_size, (2, 1), generator=gen).to(DEVICE)
+    models = {key: _model(config, name if key == "ours" else "sdpa", dtype)
+              for key, dtype in (("ours", torch.float32), ("peer", torch.float32), ("ref", torch.float64))}
+    _assert_decode_step_close(gen, models, config.vocab_size)
+
+
+def _assert_decode_step_close(gen, models, vocab):
+    """Prefill a left-padded batch, then one decode step: our next-token logits vs the float64 model's within 3x
+    the peer backend's error (models: "ours", "peer" (same dtype), "ref" (float64), same weights)."""
+    ids, mask = _padded_batch(gen, [8, 3], 8, True, vocab)
+    nxt = torch.randint(1, vocab, (2, 1), generator=gen).to(DEVICE)
     mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     logits = {}
-    for attn, dtype in (("ours", torch.float32), ("sdpa", torch.float32), ("ref", torch.float64)):
-        model = _model(config, name if attn == "ours" else "sdpa", dtype)
+    for key, model in models.items():
         with torch.no_grad():
             past = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
-            logits[attn] = model(input_ids=nxt, attention_mask=mask2, cache=past).logits[:, -1]
-    err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["sdpa"], logits["ref"])
-    assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x SDPA's {base:.3e}"
+            logits[key] = model(input_ids=nxt, attention_mask=mask2, cache=past).logits[:, -1]
+    err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
+    assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x the peer's {base:.3e}"
+
+
+def _gpt_oss(attn, dtype=torch.float32):
+    """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
+    (window 4) and a full one, GQA; sinks drawn large enough to matter."""
+    config = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=64, pad_token_id=0,
+                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    model = _model(config, attn, dtype, experts_implementation="eager")  # grouped_mm has no float64
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4, generator=g) * 2)
+    return config, model
+
+
+def test_gpt_oss_sinks_and_sliding_window_vs_eager(gen, name):
+    """GPT-OSS (no SDPA backend in transformers) against its eager attention: left-padded prefill logits within
+    the FlashAttention rule of the float64 model, and equal greedy tokens (decode with sinks and a window)."""
+    config, ours = _gpt_oss(name)
+    _, eager = _gpt_oss("eager")
+    _, ref64 = _gpt_oss("eager", torch.float64)
+    ids, mask = _padded_batch(gen, [10, 5], 10, True, config.vocab_size)
+    with torch.no_grad():
+        logits = {key: model(input_ids=ids, attention_mask=mask).logits
+                  for key, model in (("ours", ours), ("eager", eager), ("ref", ref64))}
+        kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+        tokens = [model.generate(input_ids=ids, attention_mask=mask, **kw) for model in (ours, eager)]
+    valid = mask.bool()
+    err, base = max_err(logits["ours"][valid], logits["ref"][valid]), max_err(logits["eager"][valid],
+                                                                              logits["ref"][valid])
+    assert err <= 2 * base + 1e-5, f"logits error {err:.3e} > 2 x eager's {base:.3e}"
+    assert torch.equal(tokens[0], tokens[1])
+    _assert_decode_step_close(gen, dict(ours=ours, peer=eager, ref=ref64), config.vocab_size)
 
 
 def test_unsupported_inputs_raise(name):
@@ -130,35 +175,46 @@ def test_unsupported_inputs_raise(name):
         fd_transformers.attention_forward(module, q, q, q, torch.zeros(1, 1, 3, 3))
 
 
+def compare_with_sdpa(config, name, lengths, new_tokens, dtype):
+    """One model (random weights) run with SDPA and with ``name`` (set_attn_implementation, same weights) on a
+    left-padded batch: last-position prefill logits vs the float32 SDPA model's ({backend: error}), and greedy
+    decode throughput ({backend: tokens/s}, wall clock of generate after a warm-up)."""
+    gen = torch.Generator().manual_seed(0)
+    ids, mask = _padded_batch(gen, lengths, max(lengths), True, config.vocab_size)
+    model = _model(config, "sdpa")
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits.float()
+        model.to(dtype)
+        errors, speed = {}, {}
+        for attn in ("sdpa", name):
+            model.set_attn_implementation(attn)
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+            errors[attn] = max_err(logits, ref)
+            kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+            model.generate(max_new_tokens=2, **kw)
+            sync()
+            start = time.perf_counter()
+            model.generate(max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            sync()
+            speed[attn] = len(lengths) * new_tokens / (time.perf_counter() - start)
+    return errors, speed
+
+
 @pytest.mark.gpu
 def test_llama3_8b_shape_tokens_per_second_vs_sdpa(name):
-    """Llama-3-8B's attention shape (32 q / 8 kv heads, head dim 128, hidden 4096), 2 layers, random weights, bf16:
-    greedy tokens equal SDPA's for the first steps (bf16 ties may diverge later) and decode tokens/s is reported
-    for both backends."""
+    """Llama-3-8B's shapes (32 q / 8 kv heads, head dim 128, hidden 4096, vocab 128256), 2 layers, random weights,
+    bf16, batch 4 left-padded to 512: our last-position logits within 2x SDPA's error against the float32 model,
+    and decode tokens/s of both backends (printed; generate's wall clock, eager, no CUDA graphs)."""
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                       num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
                                       max_position_embeddings=8192, rope_theta=500000.0, pad_token_id=0,
                                       eos_token_id=None, bos_token_id=None)
-    gen = torch.Generator().manual_seed(0)
-    ids, mask = _padded_batch(gen, [512, 300, 512, 100], 512, True, config.vocab_size)
-    new = 64
-    results = {}
-    for attn in ("sdpa", name):
-        model = _model(config, attn, torch.bfloat16)
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-        results[attn] = (out, ids.shape[0] * new / (time.perf_counter() - start))
-        del model
-        torch.cuda.empty_cache()
-    print(f"\nLlama-3-8B shape, 2 layers, bf16, batch 4 (left-padded to 512), {new} new tokens: "
-          f"sdpa {results['sdpa'][1]:.1f} tok/s, {name} {results[name][1]:.1f} tok/s")
-    assert torch.equal(results[name][0][:, : 512 + 4], results["sdpa"][0][:, : 512 + 4])
-    assert results[name][1] > 0
+    errors, speed = compare_with_sdpa(config, name, [512, 300, 512, 100], 64, torch.bfloat16)
+    print(f"\nLlama-3-8B shape, 2 layers, bf16, batch 4 (left-padded to 512), 64 new tokens: "
+          f"sdpa {speed['sdpa']:.1f} tok/s, {name} {speed[name]:.1f} tok/s; last-logit error vs fp32: "
+          f"sdpa {errors['sdpa']:.3e}, {name} {errors[name]:.3e}")
+    assert errors[name] <= 2 * errors["sdpa"] + 1e-3
 
 
 def test_core_imports_neither_the_integration_nor_transformers():
