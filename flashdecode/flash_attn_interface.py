@@ -31,8 +31,9 @@ Differences from flash-attn 2.x (everything else is the same):
         pages of one token).
       * lengths that live on the device are not checked against the capacity (that needs a host sync): keys past
         the capacity are not written / not read, and rotary positions are clamped to the table.
-      * num_splits=0 (the heuristic) may read the device lengths on the host once per call unless cache_seqlens is
-        an int; pass num_splits >= 1 (or use flashdecode.DecodePlan) where a call must not sync.
+      * num_splits=0 (the heuristic) reads tensor cache_seqlens on the host once per call (an int needs no read);
+        while a CUDA graph is being captured it sizes the splits from the cache capacity instead, so a captured
+        decode step replays correctly with changed lengths. num_splits >= 1 never reads them.
       * no backward (flash-attn has none either).
   - deterministic=False (flash-attn's default) gives dQ accumulated with fp32 atomics, like flash-attn;
     deterministic=True is bitwise reproducible.
@@ -283,6 +284,17 @@ def _rotary_positions(start, seqlen: int, consecutive: bool, seqlen_ro: int):
     return (start.long()[:, None] + offsets[None, :]).clamp_(0, seqlen_ro - 1)
 
 
+def _host_length_bound(q, host_bound, seqlen_new: int, capacity: int):
+    """A host-side bound on the attended lengths for the split heuristic (None: let flash_decode read them): the
+    int cache_seqlens + seqlen_new, else the capacity while a CUDA graph is being captured (reading device lengths
+    on the host is impossible there; the kernels still stop at each sequence's live length)."""
+    if host_bound is not None:
+        return host_bound + seqlen_new
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return capacity
+    return None
+
+
 def _one_token_pages(k_cache, v_cache, rows, leftpad, lengths):
     """The contiguous cache as pages of one token, and an int32 (batch, seqlen_cache) block table whose row b lists
     the tokens leftpad[b], leftpad[b] + 1, ... of cache row rows[b]: the kernels then read keys [leftpad,
@@ -384,7 +396,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
                      num_splits=num_splits or None, return_lse=True,
-                     max_seqlen_k=None if host_bound is None or num_splits else host_bound + seqlen_new)
+                     max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
     if fold:
         # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
         # h // group, so the fold keeps the GQA mapping

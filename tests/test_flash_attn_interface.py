@@ -280,7 +280,7 @@ def _kvcache_inputs(gen):
     (dict(cache_seqlens=8), "capacity"),
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int32), cache_leftpad=torch.zeros(2, dtype=torch.int32)),
      "block_table"),
-    (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), "cache_batch_idx"),
+    (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int64)), "cache_batch_idx"),
     (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), "cache_leftpad"),
     (dict(num_splits=-1), "num_splits"),
     (dict(causal=False, window_size=(2, 1), q_len=3), "window_size"),
@@ -299,6 +299,19 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_kvcache_host_index_values_are_checked(gen):
+    """Index tensors that live on the host are range-checked (device ones cannot be without a sync)."""
+    q, k_cache, v_cache, k_new = (x.cpu() for x in _kvcache_inputs(gen))
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=3,
+                                    cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3,
+                                    cache_leftpad=torch.tensor([0, 9], dtype=torch.int32))
+    assert torch.equal(k_cache, before)
 
 
 @pytest.mark.parametrize("fn", ["func", "varlen"])
@@ -326,3 +339,47 @@ def test_varlen_block_table_and_bad_packing_raise(gen):
         fai.flash_attn_qkvpacked_func(randn(1, 4, 2, 2, 16, gen=gen, dtype=DTYPE))
     with pytest.raises(ValueError, match="kv"):
         fai.flash_attn_varlen_kvpacked_func(q, randn(4, 3, 2, 16, gen=gen, dtype=DTYPE), cu, cu, 4, 4)
+
+
+@pytest.mark.gpu
+def test_kvcache_decode_step_captured_in_a_cuda_graph(gen):
+    """A decode step (rotary, append of one token, tensor cache_seqlens, num_splits=0 = heuristic) captured once
+    and replayed with other lengths and inputs gives what the same eager call gives on a fresh copy of the cache,
+    and appends at the live lengths."""
+    b, h, hk, d, cap, dtype = 4, 8, 2, 128, 4096, torch.bfloat16
+    k0 = randn(b, cap, hk, d, gen=gen, dtype=dtype)
+    v0 = randn(b, cap, hk, d, gen=gen, dtype=dtype)
+    angle = torch.rand(cap, d // 2, generator=gen) * 2 * torch.pi
+    rot = dict(rotary_cos=torch.cos(angle).to(DEVICE, dtype), rotary_sin=torch.sin(angle).to(DEVICE, dtype))
+    static = dict(q=randn(b, 1, h, d, gen=gen, dtype=dtype), k=randn(b, 1, hk, d, gen=gen, dtype=dtype),
+                  v=randn(b, 1, hk, d, gen=gen, dtype=dtype),
+                  lens=torch.tensor([5, 100, 2000, 4000], dtype=torch.int32, device=DEVICE))
+    k_cache, v_cache = k0.clone(), v0.clone()
+
+    def step(kc, vc, x):
+        return fai.flash_attn_with_kvcache(x["q"], kc, vc, x["k"], x["v"], cache_seqlens=x["lens"], causal=True,
+                                           return_softmax_lse=True, **rot)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels outside the capture
+        step(k_cache, v_cache, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = step(k_cache, v_cache, static)
+    for lens in ([4095, 1, 17, 3000], [0, 2048, 4095, 511]):
+        fresh = dict(q=randn(b, 1, h, d, gen=gen, dtype=dtype), k=randn(b, 1, hk, d, gen=gen, dtype=dtype),
+                     v=randn(b, 1, hk, d, gen=gen, dtype=dtype),
+                     lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+        for name, x in fresh.items():
+            static[name].copy_(x)
+        k_cache.copy_(k0)
+        v_cache.copy_(v0)
+        graph.replay()
+        k_eager, v_eager = k0.clone(), v0.clone()
+        out_e, lse_e = step(k_eager, v_eager, fresh)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out_g, out_e, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse_g, lse_e, atol=1e-3, rtol=1e-3)
+        assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
