@@ -203,6 +203,35 @@ def _check_index_tensor(name: str, x, batch: int, device, upper: Optional[int] =
     return x
 
 
+def _check_cache_and_new(q, k_cache, v_cache, k, v):
+    """Dtypes, devices and head shapes of the cache and the new k/v against q, checked before anything is written
+    (flash_decode would check most of them only after append_kv had modified the cache)."""
+    batch, _, nheads, headdim = q.shape
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_tensor(name, x, (4,), (q.dtype,))
+        checks.check_device(name, x, q.device)
+        if x.shape[3] != headdim or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be (..., nheads_k, {headdim}) with unit stride on its last dim, got "
+                             f"shape {tuple(x.shape)}, strides {x.stride()}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+    nheads_k = k_cache.shape[2]
+    if nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is None:
+        return
+    for name, x in (("k", k), ("v", v)):
+        checks.check_tensor(name, x, (4,), (q.dtype,))
+        checks.check_device(name, x, q.device)
+        if x.shape[0] != batch or x.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, {headdim}), got "
+                             f"{tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+
+
 def _resolve_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
     """(int32 (batch,) tensor or None, host bound on the lengths or None). An int becomes a tensor."""
     if cache_seqlens is None:
@@ -343,16 +372,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_unsupported(0.0, alibi_slopes)
     checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
     batch, seqlen_q, nheads, headdim = q.shape
-    checks.check_tensor("k_cache", k_cache, (4,))
     checks.check_bool("rotary_interleaved", rotary_interleaved)
     checks.check_bool("return_softmax_lse", return_softmax_lse)
     num_splits = checks.check_int("num_splits", num_splits, minimum=0)
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values to append)")
-    if k is not None:
-        checks.check_tensor("k", k, (4,))
-        if k.shape[0] != batch:
-            raise ValueError(f"k must have q's batch ({batch}) as its first dim, got shape {tuple(k.shape)}")
+    _check_cache_and_new(q, k_cache, v_cache, k, v)
     fold, left = _mask_plan(seqlen_q, causal, window_size)
     if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
         raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")

@@ -285,6 +285,9 @@ def _kvcache_inputs(gen):
     (dict(num_splits=-1), "num_splits"),
     (dict(causal=False, window_size=(2, 1), q_len=3), "window_size"),
     (dict(k_only=True), "k and v"),
+    (dict(k_dtype=torch.float32), "k must have dtype"),
+    (dict(q_dtype=torch.float32), "k_cache must have dtype"),
+    (dict(k_heads=2), "nheads_k"),
     (dict(cache_seqlens=None), "cache_seqlens"),
 ])
 def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
@@ -293,6 +296,13 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
     if kwargs.pop("q_len", 1) == 3:
         q = randn(2, 3, 2, 16, gen=gen, dtype=DTYPE)
     v_new = None if kwargs.pop("k_only", False) else k_new.clone()
+    if "k_dtype" in kwargs:
+        k_new = k_new.to(kwargs.pop("k_dtype"))
+    if "q_dtype" in kwargs:
+        q = q.to(kwargs.pop("q_dtype"))
+    if "k_heads" in kwargs:
+        k_new = k_new.expand(-1, -1, kwargs.pop("k_heads"), -1)
+        v_new = k_new
     kwargs.setdefault("cache_seqlens", 3)
     kwargs = {name: (x.to(DEVICE) if torch.is_tensor(x) else x) for name, x in kwargs.items()}
     before = k_cache.clone(), v_cache.clone()
