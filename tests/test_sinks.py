@@ -157,6 +157,9 @@ def test_flash_decode_with_sinks_matches_reference(gen, paged):
     plan = flashdecode.DecodePlan(b, h, hk, d, max_seqlen_k=cap, dtype=dtype, device=DEVICE)
     out_plan = flash_decode_with_sinks(q, k_in, v_in, lens, sinks, plan=plan, **kw)
     assert_fa_close(out_plan, o64, o_same, factor=3.0, atol=1e-4, name="out (plan)")
+    buffer = torch.full_like(q, float("nan"))
+    assert flash_decode_with_sinks(q, k_in, v_in, lens, sinks, out=buffer, num_splits=1, **kw) is buffer
+    assert_fa_close(buffer, o64, o_same, factor=3.0, atol=1e-4, name="out=")
 
 
 def test_apply_sinks_without_keys_or_sink_is_finite():

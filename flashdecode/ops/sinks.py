@@ -111,7 +111,7 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window_size, softcap, deterministic):
+                window_size, softcap, deterministic, check_seqlens=True):
         kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                   return_lse=True, deterministic=deterministic)
         if cu_seqlens_q is None:
@@ -119,7 +119,8 @@ class _SinkAttention(torch.autograd.Function):
             o, lse = flash_attn(q, k, v, **kw)
         else:
             layout = "varlen"
-            o, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+            o, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       check_seqlens=check_seqlens, **kw)
         out, lse_new = apply_sinks(o, lse, sinks, layout)
         scale, left, right, cap = attention_ops._normalise_options(q.shape[-1], causal, softmax_scale, window_size,
                                                                    softcap)
@@ -141,7 +142,7 @@ class _SinkAttention(torch.autograd.Function):
             delta = (dout.float() * out.float()).sum(-1)  # D_i, (..., nheads) aligned with out
             p_sink = torch.exp(sinks.float() - _rows_view(lse_new, ctx.layout))
             dsinks = -(p_sink * delta).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None, None
 
 
 def flash_attn_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, *,
@@ -166,7 +167,7 @@ def flash_attn_varlen_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                  sinks: torch.Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
                                  window_size=(-1, -1), softcap: float = 0.0, return_lse: bool = False,
-                                 deterministic: bool = True):
+                                 deterministic: bool = True, check_seqlens: bool = True):
     """flash_attn_varlen with attention sinks; differentiable in q, k, v and sinks.
 
     Args: as flashdecode.flash_attn_varlen (q (total_q, nheads, headdim), ...), plus sinks (nheads,).
@@ -174,7 +175,7 @@ def flash_attn_varlen_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """
     _check_sinks_early(sinks, q, 3)
     out, lse = _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                    softmax_scale, window_size, softcap, deterministic)
+                                    softmax_scale, window_size, softcap, deterministic, check_seqlens)
     return (out, lse) if return_lse else out
 
 
@@ -183,9 +184,13 @@ def flash_decode_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """flash_decode (or, with plan=, DecodePlan.run) followed by apply_sinks (forward only, no gradient).
 
     Args: as flashdecode.flash_decode (q (batch, [seqlen_q,] nheads, headdim), ...), plus sinks (nheads,);
-        ``out=`` is where flash_decode writes before the sinks are applied (the result is a new tensor).
+        ``out=`` receives the final result (written in place, and returned).
     Returns: out like q [, lse' (batch, [seqlen_q,] nheads) float32].
     """
-    out, lse = flash_decode(q, k_cache, v_cache, cache_seqlens, return_lse=True, **kwargs)
-    out, lse = apply_sinks(out, lse, sinks, "decode")
-    return (out, lse) if return_lse else out
+    if isinstance(q, torch.Tensor) and q.dim() in (3, 4):
+        check_sinks(sinks, q.shape[-2], q.device)
+    o, lse = flash_decode(q, k_cache, v_cache, cache_seqlens, return_lse=True, **kwargs)
+    result, lse = apply_sinks(o, lse, sinks, "decode")
+    if kwargs.get("out") is not None:
+        result = kwargs["out"].copy_(result)
+    return (result, lse) if return_lse else result
