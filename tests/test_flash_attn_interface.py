@@ -9,6 +9,8 @@ CPU (Triton interpreter): fp16; the FlashAttention rule (2x forward, 3x gradient
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -32,6 +34,34 @@ def test_star_import_gives_flash_attn_names():
                  "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                  "flash_attn_with_kvcache"):
         assert callable(namespace[name]), name
+
+
+EMPTY = inspect.Parameter.empty
+_COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+           ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+_VARLEN = [("cu_seqlens_q", EMPTY), ("cu_seqlens_k", EMPTY), ("max_seqlen_q", EMPTY),
+           ("max_seqlen_k", EMPTY)]
+# flash-attn 2.x's public signatures (flash_attn/flash_attn_interface.py): names, order and defaults
+FLASH_ATTN_SIGNATURES = {
+    "flash_attn_func": [("q", EMPTY), ("k", EMPTY), ("v", EMPTY)] + _COMMON,
+    "flash_attn_qkvpacked_func": [("qkv", EMPTY)] + _COMMON,
+    "flash_attn_kvpacked_func": [("q", EMPTY), ("kv", EMPTY)] + _COMMON,
+    "flash_attn_varlen_func": [("q", EMPTY), ("k", EMPTY), ("v", EMPTY)] + _VARLEN + _COMMON + [("block_table", None)],
+    "flash_attn_varlen_qkvpacked_func": [("qkv", EMPTY), ("cu_seqlens", EMPTY), ("max_seqlen", EMPTY)] + _COMMON,
+    "flash_attn_varlen_kvpacked_func": [("q", EMPTY), ("kv", EMPTY)] + _VARLEN + _COMMON,
+    "flash_attn_with_kvcache": [
+        ("q", EMPTY), ("k_cache", EMPTY), ("v_cache", EMPTY), ("k", None), ("v", None), ("rotary_cos", None),
+        ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+        ("block_table", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+        ("return_softmax_lse", False)],
+}
+
+
+@pytest.mark.parametrize("fn", sorted(FLASH_ATTN_SIGNATURES))
+def test_signatures_match_flash_attn(fn):
+    params = inspect.signature(getattr(fai, fn)).parameters.values()
+    assert [(p.name, p.default) for p in params] == FLASH_ATTN_SIGNATURES[fn]
 
 
 # ----------------------------------------------------------------------------------------------------------------
