@@ -129,6 +129,24 @@ def _assert_decode_step_close(gen, models, vocab):
     assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x the peer's {base:.3e}"
 
 
+def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
+    """A decode step with a StaticCache under torch.compile(fullgraph=True) (any graph break raises) gives the
+    eager step's logits: the attention is one opaque torch.library op while tracing."""
+    config = _config("llama")
+    model = _model(config, name)
+    ids, mask = _padded_batch(gen, [9, 4], 9, True, config.vocab_size)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), generator=gen).to(DEVICE)
+    mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    caches = [transformers.StaticCache(config=config, max_cache_len=16) for _ in range(2)]
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    logits = []
+    with torch.no_grad():
+        for cache, forward in zip(caches, (model.forward, compiled)):
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            logits.append(forward(input_ids=nxt, attention_mask=mask2, cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+
+
 def _gpt_oss(attn, dtype=torch.float32):
     """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
     (window 4) and a full one, GQA; sinks drawn large enough to matter."""

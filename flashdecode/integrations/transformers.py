@@ -20,6 +20,10 @@ None when nothing is padded - the same contract as transformers' own flash-atten
   - causal masks are bottom-right aligned (the query rows are the last rows of the keys), sliding windows
     (sliding_window = w -> window (w - 1, 0)), softcap and attention sinks (``s_aux``, GPT-OSS) are supported.
 
+  - under torch.compile (e.g. a StaticCache decode step, fullgraph=True) the attention is one torch.library op
+    (flashdecode_transformers::attention, with a fake implementation), so tracing has no graph break; that op has
+    no autograd formula: compiled training is not supported (eager training is: prefill is differentiable).
+
 Not supported (ValueError): dropout > 0, 4-D / custom masks (an attention_mask that is not 2-D boolean padding).
 ``output_attentions`` returns None for the weights, like transformers' flash-attention backends.
 """
@@ -48,13 +52,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+    # (while torch.compile traces, the mask is kept: testing it would read it on the host, a graph break)
+    if not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
 
 
 def _window(sliding_window: Optional[int]):
-    """transformers' sliding_window w (a query sees itself and w - 1 keys before it) as flashdecode's window."""
+    """transformers' sliding_window w (a query sees itself and w - 1 keys before it) as flashdecode's (left, -1)."""
     if sliding_window is None:
         return (-1, -1)
     if int(sliding_window) < 1:
@@ -145,17 +150,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"{tuple(attention_mask.shape)} and dtype {attention_mask.dtype}")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     dtype = value.dtype
-    q = query.transpose(1, 2).to(dtype)  # (b, sq, h, d) view
-    key = key.to(dtype)
-    window = _window(sliding_window)
-    cap = float(softcap or 0.0)
+    left = _window(sliding_window)[0]
+    args = (query.to(dtype), key.to(dtype), value, attention_mask, causal, scaling, left, float(softcap or 0.0), s_aux)
+    if torch.compiler.is_compiling():
+        # one opaque node for torch.compile (the launchers' host-side logic would break the graph); forward only
+        return torch.ops.flashdecode_transformers.attention(*args), None
+    return _attention(*args), None
+
+
+def _attention(query, key, value, mask, causal, scale, window_left, softcap, sinks):
+    """query (b, h, sq, d), key/value (b, hk, s, d), mask None or bool (b, L) -> out (b, sq, h, d)."""
+    q = query.transpose(1, 2)  # (b, sq, h, d) view
     if q.shape[1] == 1 and causal:
-        out = _decode(q, key, value, attention_mask, scaling, window, cap, s_aux)
-    else:
-        if not causal and window != (-1, -1):
-            window = (window[0], window[0])  # transformers' symmetric window for bidirectional layers
-        out = _prefill(q, key, value, attention_mask, causal, scaling, window, cap, s_aux)
-    return out, None
+        return _decode(q, key, value, mask, scale, (window_left, -1), softcap, sinks)
+    # transformers' windows are symmetric for bidirectional layers
+    window = (window_left, 0 if causal else window_left)
+    return _prefill(q, key, value, mask, causal, scale, window, softcap, sinks)
+
+
+@torch.library.custom_op("flashdecode_transformers::attention", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                  causal: bool, scale: Optional[float], window_left: int, softcap: float,
+                  sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """_attention as a torch.library op, so torch.compile traces the attention as one node (no graph break)."""
+    return _attention(query, key, value, mask, causal, scale, window_left, softcap, sinks).contiguous()
+
+
+@_attention_op.register_fake
+def _attention_fake(query, key, value, mask, causal, scale, window_left, softcap, sinks):
+    b, h, sq, d = query.shape
+    return query.new_empty((b, sq, h, d))
 
 
 def register(name: str = NAME) -> str:
