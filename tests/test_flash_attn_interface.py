@@ -204,12 +204,15 @@ KVCACHE_CASES = [
     dict(sq=2, new=2, causal=True, int_lens=True, rotary=False, softcap=3.0, num_splits=1),
     dict(sq=1, new=0, causal=True, layout="paged", num_splits=0),
     dict(sq=1, new=1, causal=True, window=(3, 3), rotary=True, layout="paged"),  # window: q positions consecutive
+    dict(sq=1, new=1, causal=True, rotary=False, hk=1, d=40),  # MQA, head dim not a power of two
+    dict(sq=5, new=5, causal=True, rotary=True, hk=4, layout="paged"),  # MHA, several new tokens per page
 ]
 
 
 @pytest.mark.parametrize("case", KVCACHE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_flash_attn_with_kvcache_matches_reference(gen, case):
-    b, h, hk, d, cap, rd = 3, 4, 2, 32, 37, 16
+    b, h, cap, rd = 3, 4, 37, 16
+    hk, d = case.get("hk", 2), case.get("d", 32)
     sq, new, causal = case["sq"], case["new"], case["causal"]
     window, layout, rotary = case.get("window", (-1, -1)), case.get("layout", "contiguous"), case.get("rotary")
     batch_cache = b + 2 if "batch_idx" in layout else b
