@@ -129,6 +129,24 @@ def _assert_decode_step_close(gen, models, vocab):
     assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x the peer's {base:.3e}"
 
 
+def test_static_cache_without_attention_mask_reads_only_the_tokens_seen(gen, name):
+    """A StaticCache is longer than the tokens seen; without an attention_mask the keys past them must not be read
+    (prefill and one decode step vs the float64 model, FlashAttention rule against SDPA)."""
+    config = _config("llama")
+    ids = torch.randint(1, config.vocab_size, (2, 7), generator=gen).to(DEVICE)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), generator=gen).to(DEVICE)
+    logits = {}
+    for key, attn, dtype in (("ours", name, torch.float32), ("peer", "sdpa", torch.float32),
+                             ("ref", "sdpa", torch.float64)):
+        model = _model(config, attn, dtype)
+        cache = transformers.StaticCache(config=config, max_cache_len=16)
+        with torch.no_grad():
+            first = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits[key] = torch.cat([first, model(input_ids=nxt, cache=cache, use_cache=True).logits], dim=1)
+    err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
+    assert err <= 3 * base + 1e-5, f"logits error {err:.3e} > 3 x SDPA's {base:.3e}"
+
+
 def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
     """A decode step with a StaticCache under torch.compile(fullgraph=True) (any graph break raises) gives the
     eager step's logits: the attention is one opaque torch.library op while tracing."""
@@ -144,7 +162,10 @@ def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
         for cache, forward in zip(caches, (model.forward, compiled)):
             model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
             logits.append(forward(input_ids=nxt, attention_mask=mask2, cache=cache, use_cache=True).logits)
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+            # and a step without attention_mask (the mask of the positions in use is built on the device)
+            logits.append(forward(input_ids=nxt, cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[2], logits[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(logits[3], logits[1], atol=1e-6, rtol=1e-6)
 
 
 def _gpt_oss(attn, dtype=torch.float32):

@@ -43,14 +43,29 @@ __all__ = ["NAME", "register", "attention_forward", "padding_mask"]
 NAME = "fd_attention"
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
-    """transformers mask interface: the 2-D boolean padding mask (batch, <= kv_length) cut to the last kv_length
-    positions (sliding-window layers keep only those), or None when no position is padded. A mask shorter than
-    kv_length (StaticCache: the cache is longer than the tokens seen) is returned as is: its length is the number
-    of cache positions in use."""
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: Optional[torch.Tensor] = None, device=None, **kwargs):
+    """transformers mask interface: the 2-D boolean padding mask (batch, L <= kv_length), or None when every key
+    position holds a token. The attention reads keys [0, L) and takes the last q_length of them as the queries.
+
+    attention_mask is cut to its last kv_length positions (sliding-window layers keep only those); one shorter
+    than kv_length (StaticCache: the cache is longer than the tokens seen) is returned as is. Without an
+    attention_mask, a cache that starts at position 0 and is longer than the tokens seen (StaticCache, whose
+    q_offset is a device tensor) gets an all-True mask of its q_offset + q_length positions in use; while
+    torch.compile traces, that length cannot be read, so the mask spans kv_length with the unused tail False,
+    which only the one-token (decode) path can take."""
     if attention_mask is None:
-        return None
+        if kv_offset != 0 or (not isinstance(q_offset, torch.Tensor) and q_offset + q_length >= kv_length):
+            return None
+        if not isinstance(q_offset, torch.Tensor):
+            return torch.ones(batch_size, q_offset + q_length, dtype=torch.bool, device=device)
+        if not torch.compiler.is_compiling():
+            return torch.ones(batch_size, int(q_offset) + q_length, dtype=torch.bool, device=q_offset.device)
+        if q_length > 1:
+            raise ValueError(f"the {NAME} attention needs an attention_mask for a compiled forward of several tokens "
+                             "on a cache longer than the tokens seen (StaticCache)")
+        in_use = torch.arange(kv_length, device=q_offset.device) < q_offset + q_length
+        return in_use.expand(batch_size, kv_length)
     attention_mask = attention_mask[:, -kv_length:]
     # (while torch.compile traces, the mask is kept: testing it would read it on the host, a graph break)
     if not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
