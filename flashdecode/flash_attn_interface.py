@@ -329,9 +329,10 @@ def _one_token_pages(k_cache, v_cache, rows, leftpad, lengths):
     the tokens leftpad[b], leftpad[b] + 1, ... of cache row rows[b]: the kernels then read keys [leftpad,
     cache_seqlens) as a sequence of length cache_seqlens - leftpad."""
     batch_cache, seqlen_cache = k_cache.shape[:2]
-    if k_cache.stride(0) != seqlen_cache * k_cache.stride(1):
-        raise ValueError("cache_leftpad needs k_cache / v_cache whose batch stride is seqlen_cache x their row "
-                         f"stride (e.g. contiguous), got strides {k_cache.stride()}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(0) != seqlen_cache * x.stride(1):
+            raise ValueError(f"cache_leftpad needs a {name} whose batch stride is seqlen_cache x its row stride "
+                             f"(e.g. contiguous), got strides {x.stride()}")
     pages = [x.as_strided((batch_cache * seqlen_cache, 1) + tuple(x.shape[2:]),
                           (x.stride(1), x.stride(1)) + tuple(x.stride()[2:]), x.storage_offset())
              for x in (k_cache, v_cache)]

@@ -318,6 +318,7 @@ def _kvcache_inputs(gen):
      "block_table"),
     (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int64)), "cache_batch_idx"),
     (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), "cache_leftpad"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32), batch_strided=True), "batch stride"),
     (dict(num_splits=-1), "num_splits"),
     (dict(causal=False, window_size=(2, 1), q_len=3), "window_size"),
     (dict(k_only=True), "k and v"),
@@ -336,6 +337,8 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
         k_new = k_new.to(kwargs.pop("k_dtype"))
     if "q_dtype" in kwargs:
         q = q.to(kwargs.pop("q_dtype"))
+    if kwargs.pop("batch_strided", False):  # every other row of a bigger cache: not readable as one-token pages
+        k_cache, v_cache = (randn(4, 8, 1, 16, gen=gen, dtype=DTYPE)[::2] for _ in range(2))
     if "k_heads" in kwargs:
         k_new = k_new.expand(-1, -1, kwargs.pop("k_heads"), -1)
         v_new = k_new
