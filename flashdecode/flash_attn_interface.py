@@ -324,15 +324,20 @@ def _host_length_bound(q, host_bound, seqlen_new: int, capacity: int):
     return None
 
 
+def _check_one_token_pages(k_cache, v_cache):
+    """cache_leftpad reads the cache as pages of one token: each cache's batch stride must be seqlen_cache x its
+    row stride (e.g. contiguous)."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(0) != x.shape[1] * x.stride(1):
+            raise ValueError(f"cache_leftpad needs a {name} whose batch stride is seqlen_cache x its row stride "
+                             f"(e.g. contiguous), got strides {x.stride()}")
+
+
 def _one_token_pages(k_cache, v_cache, rows, leftpad, lengths):
     """The contiguous cache as pages of one token, and an int32 (batch, seqlen_cache) block table whose row b lists
     the tokens leftpad[b], leftpad[b] + 1, ... of cache row rows[b]: the kernels then read keys [leftpad,
     cache_seqlens) as a sequence of length cache_seqlens - leftpad."""
     batch_cache, seqlen_cache = k_cache.shape[:2]
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(0) != seqlen_cache * x.stride(1):
-            raise ValueError(f"cache_leftpad needs a {name} whose batch stride is seqlen_cache x its row stride "
-                             f"(e.g. contiguous), got strides {x.stride()}")
     pages = [x.as_strided((batch_cache * seqlen_cache, 1) + tuple(x.shape[2:]),
                           (x.stride(1), x.stride(1)) + tuple(x.stride()[2:]), x.storage_offset())
              for x in (k_cache, v_cache)]
@@ -383,6 +388,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
     cache_batch_idx = _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, q.device, k_cache.shape[0])
     cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1])
+    if cache_leftpad is not None:
+        _check_one_token_pages(k_cache, v_cache)
     if block_table is not None:
         checks.check_tensor("block_table", block_table, (2,))
         capacity = block_table.shape[1] * k_cache.shape[1]
