@@ -378,6 +378,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_unsupported(0.0, alibi_slopes)
     checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
     batch, seqlen_q, nheads, headdim = q.shape
+    checks.check_kernel_device("q", q)
+    if not (seqlen_q >= 1 and 1 <= headdim <= checks.MAX_HEAD_DIM):
+        raise ValueError(f"q must hold >= 1 token and a head dim in 1..{checks.MAX_HEAD_DIM}, got shape "
+                         f"{tuple(q.shape)}")
+    checks.check_softmax_scale(softmax_scale)
+    checks.check_softcap(softcap)
     checks.check_bool("rotary_interleaved", rotary_interleaved)
     checks.check_bool("return_softmax_lse", return_softmax_lse)
     num_splits = checks.check_int("num_splits", num_splits, minimum=0)

@@ -322,6 +322,9 @@ def _kvcache_inputs(gen):
     (dict(num_splits=-1), "num_splits"),
     (dict(causal=False, window_size=(2, 1), q_len=3), "window_size"),
     (dict(k_only=True), "k and v"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(q_len=0), "q must hold"),
     (dict(k_dtype=torch.float32), "k must have dtype"),
     (dict(q_dtype=torch.float32), "k_cache must have dtype"),
     (dict(k_heads=2), "nheads_k"),
@@ -330,8 +333,7 @@ def _kvcache_inputs(gen):
 def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
     q, k_cache, v_cache, k_new = _kvcache_inputs(gen)
     kwargs = dict(kwargs)
-    if kwargs.pop("q_len", 1) == 3:
-        q = randn(2, 3, 2, 16, gen=gen, dtype=DTYPE)
+    q = randn(2, kwargs.pop("q_len", 1), 2, 16, gen=gen, dtype=DTYPE)
     v_new = None if kwargs.pop("k_only", False) else k_new.clone()
     if "k_dtype" in kwargs:
         k_new = k_new.to(kwargs.pop("k_dtype"))
