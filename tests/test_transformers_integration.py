@@ -81,6 +81,24 @@ def test_padded_logits_follow_the_fa_rule_vs_sdpa(gen, name, family, left, tmp_p
     assert err <= 2 * base + 1e-5, f"logits error {err:.3e} > 2 x SDPA's {base:.3e}"
 
 
+def test_training_gradients_follow_the_fa_rule_vs_sdpa(gen, name):
+    """Backward through the padded (unpadded varlen) prefill: parameter gradients of a left-padded batch's loss
+    within 3x SDPA's error against the float64 model."""
+    config = _config("llama")
+    ids, mask = _padded_batch(gen, [11, 5], 11, True, config.vocab_size)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = {}
+    for key, attn, dtype in (("ours", name, torch.float32), ("peer", "sdpa", torch.float32),
+                             ("ref", "sdpa", torch.float64)):
+        model = _model(config, attn, dtype)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        layer = model.model.layers[0].self_attn
+        grads[key] = torch.cat([layer.q_proj.weight.grad.flatten(), layer.k_proj.weight.grad.flatten(),
+                                layer.v_proj.weight.grad.flatten()])
+    err, base = max_err(grads["ours"], grads["ref"]), max_err(grads["peer"], grads["ref"])
+    assert err <= 3 * base + 1e-6, f"gradient error {err:.3e} > 3 x SDPA's {base:.3e}"
+
+
 @pytest.mark.parametrize("family, cache", [("llama", "dynamic"), ("qwen2", "dynamic"), ("llama", "static")])
 def test_greedy_generate_matches_sdpa(gen, name, family, cache, monkeypatch):
     config = _config(family)
