@@ -16,10 +16,10 @@ None when nothing is padded - the same contract as transformers' own flash-atten
   - one query token (generation): flashdecode.flash_decode reads transformers' own cache tensors (DynamicCache,
     StaticCache) in place. Without padding it reads them as a contiguous cache; with padding it reads them as
     pages of one token through a block table that lists each sequence's valid positions (so left-padded batches
-    need no copy of the cache).
+    need no copy of the cache; the kernels then gather keys one by one, slower on the GPU than the contiguous
+    read of unpadded batches).
   - causal masks are bottom-right aligned (the query rows are the last rows of the keys), sliding windows
     (sliding_window = w -> window (w - 1, 0)), softcap and attention sinks (``s_aux``, GPT-OSS) are supported.
-
   - under torch.compile (e.g. a StaticCache decode step, fullgraph=True) the attention is one torch.library op
     (flashdecode_transformers::attention, with a fake implementation), so tracing has no graph break; that op has
     no autograd formula: compiled training is not supported (eager training is: prefill is differentiable).
