@@ -1,0 +1,447 @@
+"""flash-attn 2.x's public functions on top of flashdecode's kernels: same names, argument order, defaults and
+return conventions, so a script that did ``from flash_attn.flash_attn_interface import *`` (or
+``from flash_attn import flash_attn_func, ...``) can import them from here instead.
+
+    flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func          -> flashdecode.flash_attn
+    flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func                                               -> flashdecode.flash_attn_varlen
+    flash_attn_with_kvcache                                                       -> append_kv + flash_decode
+
+Tensor layouts, masks (causal and windows bottom-right aligned), GQA/MQA, softcap, the (batch, nheads, seqlen_q) /
+(nheads, total_q) float32 natural-log softmax_lse, zero output on rows with no visible key, and gradients through
+the packed tensors are flash-attn's.
+
+Differences from flash-attn 2.x (everything else is the same):
+  - dropout_p > 0 raises ValueError: there is no dropout (dropout_p = 0.0, the inference/eval setting, works).
+  - alibi_slopes (anything but None) raises ValueError: ALiBi is not supported yet.
+  - return_attn_probs=True returns (out, softmax_lse, S_dmask) with S_dmask an empty tensor of shape (0,) - what
+    flash-attn itself returns when dropout_p == 0; the attention probabilities are never materialised.
+  - flash_attn_varlen_func's block_table (paged K/V for varlen prefill) raises ValueError: not supported.
+  - Also accepted where flash-attn refuses: float32 inputs (IEEE-precision dots), any head dim 1..256, any strides
+    of q/k/v in the prefill functions (no copies, no unit head-dim stride needed), any page size >= 1 for
+    flash_attn_with_kvcache's block_table (flash-attn: a multiple of 256), any even rotary dim (flash-attn: a
+    multiple of 16), rotary_cos/rotary_sin in any float dtype (the rotation is computed in float32).
+  - flash_attn_with_kvcache:
+      * seqlen_q > 1 with causal=False is supported for full attention and for window_size right bounds that do
+        not cut any row (right = -1 or >= seqlen_q - 1, left = -1); other non-causal windows with seqlen_q > 1
+        raise ValueError (the decode kernels mask keys after each row's position only).
+      * cache_seqlens=None means every sequence holds the cache's full capacity; it cannot be combined with k/v.
+      * block_table with cache_batch_idx or cache_leftpad raises ValueError (flash-attn refuses them too);
+        cache_leftpad needs a contiguous cache whose batch stride is seqlen_cache x its row stride (it is read as
+        pages of one token).
+      * lengths that live on the device are not checked against the capacity (that needs a host sync): keys past
+        the capacity are not written / not read, and rotary positions are clamped to the table.
+      * num_splits=0 (the heuristic) reads tensor cache_seqlens on the host once per call (an int needs no read);
+        while a CUDA graph is being captured it sizes the splits from the cache capacity instead, so a captured
+        decode step replays correctly with changed lengths. num_splits >= 1 never reads them.
+      * no backward (flash-attn has none either).
+  - deterministic=False (flash-attn's default) gives dQ accumulated with fp32 atomics, like flash-attn;
+    deterministic=True is bitwise reproducible.
+  - Bad input raises ValueError/TypeError naming the argument, where flash-attn asserts or raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from flashdecode.ops import checks
+from flashdecode.ops.attention import flash_attn, flash_attn_varlen
+from flashdecode.ops.decode import append_kv, flash_decode
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Arguments flashdecode does not support (ValueError naming them, before any kernel runs)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_unsupported(dropout_p=0.0, alibi_slopes=None):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p={dropout_p} is not supported: flashdecode has no attention dropout "
+                         "(use dropout_p=0.0)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported yet")
+
+
+def _result(out, lse, return_attn_probs: bool):
+    """flash-attn's return convention: out, or (out, softmax_lse, S_dmask); S_dmask is the empty tensor flash-attn
+    returns without dropout (probabilities are never materialised)."""
+    checks.check_bool("return_attn_probs", return_attn_probs)
+    if not return_attn_probs:
+        return out
+    return out, lse, torch.empty((0,), dtype=out.dtype, device=out.device)
+
+
+def _unpack(packed, name: str, dim: int, count: int, ndim: int, layout: str):
+    """Split a packed tensor (e.g. qkv (batch, seqlen, 3, nheads, headdim)) into views along ``dim``."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[dim] != count:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(packed.shape)}")
+    return packed.unbind(dim)
+
+
+def _options(softmax_scale, causal, window_size, softcap, deterministic):
+    return dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                deterministic=deterministic)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense and varlen attention (differentiable)
+# ----------------------------------------------------------------------------------------------------------------
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: softmax(scale * Q K^T [masked]) V, differentiable in q, k, v.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0;
+            float16 / bfloat16 / float32.
+        dropout_p: must be 0.0. softmax_scale: default headdim ** -0.5. causal: bottom-right aligned mask.
+        window_size: (left, right), -1 = unbounded. softcap: > 0 = softcap * tanh(S / softcap).
+        alibi_slopes: must be None. deterministic: reproducible dQ (else fp32 atomics, flash-attn's default).
+        return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) float32 and an empty S_dmask.
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) [, softmax_lse, S_dmask].
+    """
+    _check_unsupported(dropout_p, alibi_slopes)
+    out, lse = flash_attn(q, k, v, return_lse=True, **_options(softmax_scale, causal, window_size, softcap,
+                                                               deterministic))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim) (views, no copy; the gradient lands in qkv)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    q, k, v = _unpack(qkv, "qkv", 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func with kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    k, v = _unpack(kv, "kv", 2, 2, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn's flash_attn_varlen_func over a packed ragged batch, differentiable in q, k, v.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths; max_seqlen_q/k: ints >= the longest.
+        block_table: must be None (paged varlen K/V is not supported). Other options as flash_attn_func.
+    Returns:
+        out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) float32, S_dmask (empty)].
+    """
+    _check_unsupported(dropout_p, alibi_slopes)
+    if block_table is not None:
+        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; use "
+                         "flash_attn_with_kvcache or flashdecode.flash_decode for paged caches")
+    out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                 **_options(softmax_scale, causal, window_size, softcap, deterministic))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, headdim) with one cu_seqlens / max_seqlen."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    q, k, v = _unpack(qkv, "qkv", 1, 3, 4, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func with kv (total_k, 2, nheads_k, headdim)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    k, v = _unpack(kv, "kv", 1, 2, 4, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: checks, then rotary -> append_kv -> flash_decode on a view of the cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_index_tensor(name: str, x, batch: int, device, upper: Optional[int] = None):
+    """An optional int32 (batch,) tensor on q's device; values in [0, upper) are checked only where they live on
+    the host (reading device values would sync)."""
+    if x is None:
+        return None
+    checks.check_tensor(name, x, (1,))
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.shape[0] != batch:
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
+    checks.check_device(name, x, device)
+    if x.device.type == "cpu" and x.numel() and (int(x.min()) < 0 or (upper is not None and int(x.max()) >= upper)):
+        raise ValueError(f"{name} values must be in [0, {upper}), got {x.tolist()}")
+    return x
+
+
+def _check_cache_and_new(q, k_cache, v_cache, k, v):
+    """Dtypes, devices and head shapes of the cache and the new k/v against q, checked before anything is written
+    (flash_decode would check most of them only after append_kv had modified the cache)."""
+    batch, _, nheads, headdim = q.shape
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_tensor(name, x, (4,), (q.dtype,))
+        checks.check_device(name, x, q.device)
+        if x.shape[3] != headdim or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be (..., nheads_k, {headdim}) with unit stride on its last dim, got "
+                             f"shape {tuple(x.shape)}, strides {x.stride()}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+    nheads_k = k_cache.shape[2]
+    if nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is None:
+        return
+    for name, x in (("k", k), ("v", v)):
+        checks.check_tensor(name, x, (4,), (q.dtype,))
+        checks.check_device(name, x, q.device)
+        if x.shape[0] != batch or x.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, {headdim}), got "
+                             f"{tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+
+
+def _resolve_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
+    """(int32 (batch,) tensor or None, host bound on the lengths or None). An int becomes a tensor."""
+    if cache_seqlens is None:
+        if new_tokens:
+            raise ValueError("cache_seqlens is required when k and v are given (it says where they are appended)")
+        return None, None
+    if isinstance(cache_seqlens, torch.Tensor):
+        return _check_index_tensor("cache_seqlens", cache_seqlens, batch, device), None
+    value = checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
+    return torch.full((batch,), value, dtype=torch.int32, device=device), value
+
+
+def _mask_plan(seqlen_q: int, causal: bool, window_size):
+    """How the decode kernels express flash-attn's (causal, window) for seqlen_q new query rows.
+
+    Returns (fold_rows_into_heads, left): the kernels always mask keys after a row's position (bottom-right
+    aligned) and take a left window. seqlen_q == 1 or a causal right bound (0) map directly. Full attention of
+    several rows (non-causal, no window that cuts a row) folds the rows into the head dim: each folded row then
+    sees every key. Other non-causal windows with several rows raise."""
+    checks.check_bool("causal", causal)
+    left, right = checks.check_window(tuple(window_size) if isinstance(window_size, list) else window_size)
+    if causal:
+        right = 0
+    if seqlen_q == 1 or right == 0:
+        return False, left
+    if left == -1 and (right == -1 or right >= seqlen_q - 1):
+        return True, -1
+    raise ValueError(f"window_size={tuple(window_size)} with causal=False and seqlen_q={seqlen_q} > 1 is not "
+                     "supported by flash_attn_with_kvcache (only causal masks, or non-causal full attention)")
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, k, capacity: int):
+    """Returns rotary_dim (0 = no rotary). flash-attn's rules: both or neither, only with new k/v, (seqlen_ro,
+    rotary_dim / 2) each, seqlen_ro >= the cache capacity; rotary_dim even and <= headdim."""
+    if rotary_cos is None and rotary_sin is None:
+        return 0
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin need the new k and v (rotary is applied to q and the new keys)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        checks.check_tensor(name, x, (2,), checks.FLOAT_DTYPES + (torch.float64,))
+        checks.check_device(name, x, q.device)
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin {tuple(rotary_sin.shape)} must "
+                         "have the same shape")
+    seqlen_ro, half = rotary_cos.shape
+    rotary_dim = 2 * half
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise ValueError(f"rotary_cos has {half} columns: rotary_dim = {rotary_dim} must be in 2..headdim "
+                         f"({q.shape[-1]})")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos has {seqlen_ro} rows, fewer than the cache's capacity of {capacity} keys")
+    return rotary_dim
+
+
+def _apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """Rotate the first rotary_dim features of x (batch, seqlen, nheads, headdim) by the angles at
+    ``positions`` (batch, seqlen) int64; float32 math, result in x's dtype (a new tensor).
+
+    interleaved (GPT-J): pairs (2i, 2i + 1); else (GPT-NeoX): pairs (i, i + rotary_dim / 2)."""
+    rotary_dim = 2 * cos.shape[1]
+    c = cos.float()[positions].unsqueeze(2)  # (batch, seqlen, 1, rotary_dim / 2)
+    s = sin.float()[positions].unsqueeze(2)
+    xr = x[..., :rotary_dim].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rotary_dim // 2], xr[..., rotary_dim // 2:]
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+
+def _rotary_positions(start, seqlen: int, consecutive: bool, seqlen_ro: int):
+    """(batch, seqlen) int64 table rows: start + i (consecutive) or start for every token, clamped to the table."""
+    offsets = torch.arange(seqlen, device=start.device) if consecutive else torch.zeros(seqlen, dtype=torch.long,
+                                                                                        device=start.device)
+    return (start.long()[:, None] + offsets[None, :]).clamp_(0, seqlen_ro - 1)
+
+
+def _host_length_bound(q, host_bound, seqlen_new: int, capacity: int):
+    """A host-side bound on the attended lengths for the split heuristic (None: let flash_decode read them): the
+    int cache_seqlens + seqlen_new, else the capacity while a CUDA graph is being captured (reading device lengths
+    on the host is impossible there; the kernels still stop at each sequence's live length)."""
+    if host_bound is not None:
+        return host_bound + seqlen_new
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return capacity
+    return None
+
+
+def _check_one_token_pages(k_cache, v_cache):
+    """cache_leftpad reads the cache as pages of one token: each cache's batch stride must be seqlen_cache x its
+    row stride (e.g. contiguous)."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(0) != x.shape[1] * x.stride(1):
+            raise ValueError(f"cache_leftpad needs a {name} whose batch stride is seqlen_cache x its row stride "
+                             f"(e.g. contiguous), got strides {x.stride()}")
+
+
+def _one_token_pages(k_cache, v_cache, rows, leftpad, lengths):
+    """The contiguous cache as pages of one token, and an int32 (batch, seqlen_cache) block table whose row b lists
+    the tokens leftpad[b], leftpad[b] + 1, ... of cache row rows[b]: the kernels then read keys [leftpad,
+    cache_seqlens) as a sequence of length cache_seqlens - leftpad."""
+    batch_cache, seqlen_cache = k_cache.shape[:2]
+    pages = [x.as_strided((batch_cache * seqlen_cache, 1) + tuple(x.shape[2:]),
+                          (x.stride(1), x.stride(1)) + tuple(x.stride()[2:]), x.storage_offset())
+             for x in (k_cache, v_cache)]
+    token = torch.arange(seqlen_cache, device=k_cache.device, dtype=torch.int64)
+    ids = rows.long()[:, None] * seqlen_cache + (leftpad.long()[:, None] + token[None, :]).clamp_(max=seqlen_cache - 1)
+    return pages[0], pages[1], ids.to(torch.int32), (lengths - leftpad).clamp_(min=0)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+                            cache_batch_idx: Optional[torch.Tensor] = None,
+                            cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's flash_attn_with_kvcache: attention of new query tokens against a KV cache, optionally
+    appending new keys/values (in place) and applying rotary embeddings first. No backward.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table paged
+            (num_blocks, page_block_size, nheads_k, headdim); unit stride on headdim.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim), written into the cache at positions
+            cache_seqlens[b], cache_seqlens[b] + 1, ... (after rotary on k) before the attention.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache capacity. The new k
+            is rotated at positions cache_seqlens + i; q at cache_seqlens + i if causal or windowed, else every
+            query token at cache_seqlens. rotary_interleaved: GPT-J pairs (True) or GPT-NeoX halves (False).
+        cache_seqlens: int or int32 (batch,): cached tokens per sequence BEFORE the append (None: the cache is
+            full). The attention sees cache_seqlens + seqlen_new keys.
+        cache_batch_idx: int32 (batch,): cache row of each sequence (default 0..batch-1); contiguous cache only.
+        cache_leftpad: int32 (batch,): each sequence's keys start at this cache position (default 0).
+        block_table: int32 (batch, max_blocks_per_seq) page ids of a paged cache.
+        softmax_scale, causal, window_size, softcap: as flash_attn_func (bottom-right aligned).
+        alibi_slopes: must be None. num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys.
+        return_softmax_lse: also return softmax_lse (batch, nheads, seqlen_q) float32.
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) [, softmax_lse].
+    """
+    _check_unsupported(0.0, alibi_slopes)
+    checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
+    batch, seqlen_q, nheads, headdim = q.shape
+    checks.check_kernel_device("q", q)
+    if not (seqlen_q >= 1 and 1 <= headdim <= checks.MAX_HEAD_DIM):
+        raise ValueError(f"q must hold >= 1 token and a head dim in 1..{checks.MAX_HEAD_DIM}, got shape "
+                         f"{tuple(q.shape)}")
+    checks.check_softmax_scale(softmax_scale)
+    checks.check_softcap(softcap)
+    checks.check_bool("rotary_interleaved", rotary_interleaved)
+    checks.check_bool("return_softmax_lse", return_softmax_lse)
+    num_splits = checks.check_int("num_splits", num_splits, minimum=0)
+    _check_cache_and_new(q, k_cache, v_cache, k, v)
+    fold, left = _mask_plan(seqlen_q, causal, window_size)
+    if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
+    lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
+    cache_batch_idx = _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, q.device, k_cache.shape[0])
+    cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1])
+    if cache_leftpad is not None:
+        _check_one_token_pages(k_cache, v_cache)
+    if block_table is not None:
+        checks.check_tensor("block_table", block_table, (2,))
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
+    seqlen_new = 0 if k is None else k.shape[1]
+    if host_bound is not None and host_bound + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens ({host_bound}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
+                         f"of {capacity} keys")
+    if lengths is None:
+        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        host_bound = capacity
+
+    # a contiguous cache whose rows are picked by cache_batch_idx is a paged cache of one page per row
+    table = block_table
+    if table is None and cache_batch_idx is not None:
+        table = cache_batch_idx.view(batch, 1)
+
+    if rotary_dim:
+        ro_len = rotary_cos.shape[0]
+        k = _apply_rotary(k, rotary_cos, rotary_sin, _rotary_positions(lengths, seqlen_new, True, ro_len),
+                          rotary_interleaved)
+        consecutive = causal or tuple(window_size) != (-1, -1)
+        q = _apply_rotary(q, rotary_cos, rotary_sin, _rotary_positions(lengths, seqlen_q, consecutive, ro_len),
+                          rotary_interleaved)
+    if k is not None:
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+        append_kv(k_cache, v_cache, k, v, lengths, table)
+        lengths = lengths + seqlen_new
+    kv_k, kv_v = k_cache, v_cache
+    if cache_leftpad is not None:
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=q.device)
+        kv_k, kv_v, table, lengths = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, lengths)
+
+    decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
+                     num_splits=num_splits or None, return_lse=True,
+                     max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
+    if fold:
+        # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
+        # h // group, so the fold keeps the GQA mapping
+        q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim)
+        out, lse = flash_decode(q_rows, kv_k, kv_v, lengths, **decode_kw)
+        out = out.view(batch, nheads, seqlen_q, headdim).transpose(1, 2).contiguous()
+        lse = lse.view(batch, nheads, seqlen_q)
+    else:
+        out, lse = flash_decode(q, kv_k, kv_v, lengths, **decode_kw)
+        lse = lse.transpose(1, 2)
+    return (out, lse.contiguous()) if return_softmax_lse else out

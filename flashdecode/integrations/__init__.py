@@ -1,0 +1,1 @@
+"""Integrations of flashdecode with other libraries (transformers). Nothing in the core imports this package."""

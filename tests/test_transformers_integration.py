@@ -1,0 +1,284 @@
+"""flashdecode.integrations.transformers: tiny Llama and Qwen2 models (random weights, built here) run with
+attn_implementation=register() against transformers' SDPA backend.
+
+Logits of left- and right-padded batches follow the FlashAttention rule against the same model in float64 (error
+<= 2x SDPA's in the same dtype, at the non-padded positions); greedy ``generate`` gives SDPA's tokens with
+DynamicCache and StaticCache (left-padded batches, so generation runs flash_decode through the padded block table).
+CPU (Triton interpreter) in float32; the GPU-marked test times the Llama-3-8B shape (2 layers) against SDPA.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
+from helpers import DEVICE, max_err  # noqa: E402
+
+
+def _config(family: str, **overrides):
+    small = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                 bos_token_id=None, tie_word_embeddings=False)
+    small.update(overrides)
+    if family == "llama":
+        return transformers.LlamaConfig(head_dim=16, **small)
+    return transformers.Qwen2Config(**small)
+
+
+@pytest.fixture(scope="module")
+def name():
+    return fd_transformers.register()
+
+
+def _model(config, attn, dtype=torch.float32, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32,
+                                                          **kwargs)
+    return model.to(device=DEVICE, dtype=dtype).eval()
+
+
+def _padded_batch(gen, lengths, total, left: bool, vocab: int):
+    ids = torch.randint(1, vocab, (len(lengths), total), generator=gen)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        span = slice(total - n, total) if left else slice(0, n)
+        mask[i, span] = 1
+    return ids.masked_fill(mask == 0, 0).to(DEVICE), mask.to(DEVICE)
+
+
+def test_register_returns_a_name_without_flash(name):
+    assert "flash" not in name
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert AttentionInterface()[name] is fd_transformers.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is fd_transformers.padding_mask
+    with pytest.raises(ValueError, match="flash"):
+        fd_transformers.register("my_flash_backend")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("left", [True, False])
+def test_padded_logits_follow_the_fa_rule_vs_sdpa(gen, name, family, left, tmp_path):
+    config = _config(family)
+    _model(config, "sdpa").save_pretrained(tmp_path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name).to(DEVICE).eval()
+    sdpa = _model(config, "sdpa")
+    ref64 = _model(config, "sdpa", torch.float64)
+    ids, mask = _padded_batch(gen, [13, 6, 1], 13, left, config.vocab_size)
+    with torch.no_grad():
+        logits = ours(input_ids=ids, attention_mask=mask).logits
+        logits_sdpa = sdpa(input_ids=ids, attention_mask=mask).logits
+        logits64 = ref64(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert not torch.isnan(logits).any()
+    err, base = max_err(logits[valid], logits64[valid]), max_err(logits_sdpa[valid], logits64[valid])
+    assert err <= 2 * base + 1e-5, f"logits error {err:.3e} > 2 x SDPA's {base:.3e}"
+
+
+def test_training_gradients_follow_the_fa_rule_vs_sdpa(gen, name):
+    """Backward through the padded (unpadded varlen) prefill: parameter gradients of a left-padded batch's loss
+    within 3x SDPA's error against the float64 model."""
+    config = _config("llama")
+    ids, mask = _padded_batch(gen, [11, 5], 11, True, config.vocab_size)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = {}
+    for key, attn, dtype in (("ours", name, torch.float32), ("peer", "sdpa", torch.float32),
+                             ("ref", "sdpa", torch.float64)):
+        model = _model(config, attn, dtype)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        layer = model.model.layers[0].self_attn
+        grads[key] = torch.cat([layer.q_proj.weight.grad.flatten(), layer.k_proj.weight.grad.flatten(),
+                                layer.v_proj.weight.grad.flatten()])
+    err, base = max_err(grads["ours"], grads["ref"]), max_err(grads["peer"], grads["ref"])
+    assert err <= 3 * base + 1e-6, f"gradient error {err:.3e} > 3 x SDPA's {base:.3e}"
+
+
+@pytest.mark.parametrize("family, cache", [("llama", "dynamic"), ("qwen2", "dynamic"), ("llama", "static")])
+def test_greedy_generate_matches_sdpa(gen, name, family, cache, monkeypatch):
+    config = _config(family)
+    ids, mask = _padded_batch(gen, [9, 4, 7], 9, True, config.vocab_size)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    tokens = {}
+    calls = []
+    for fn in ("flash_decode", "flash_attn_varlen"):  # count our kernels' calls: the backend must really run
+        original = getattr(fd_transformers, fn)
+        monkeypatch.setattr(fd_transformers, fn, lambda *a, _f=original, _n=fn, **k: calls.append(
+            (_n, k.get("block_table") is not None)) or _f(*a, **k))
+    for attn in ("sdpa", name):
+        model = _model(config, attn)
+        with torch.no_grad():
+            tokens[attn] = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert tokens[name].shape == (3, 9 + 6)
+    assert torch.equal(tokens[name], tokens["sdpa"])
+    layers = config.num_hidden_layers
+    assert calls.count(("flash_attn_varlen", False)) == layers  # the padded prefill, unpadded
+    assert calls.count(("flash_decode", True)) == layers * (kw["max_new_tokens"] - 1)  # padded decode steps
+
+
+def test_decode_step_logits_match_with_dynamic_cache(gen, name):
+    """One generation step after a left-padded prefill: the decode path (block table over the padded cache)
+    gives SDPA's next-token logits within the FlashAttention rule."""
+    config = _config("llama")
+    models = {key: _model(config, name if key == "ours" else "sdpa", dtype)
+              for key, dtype in (("ours", torch.float32), ("peer", torch.float32), ("ref", torch.float64))}
+    _assert_decode_step_close(gen, models, config.vocab_size)
+
+
+def _assert_decode_step_close(gen, models, vocab):
+    """Prefill a left-padded batch, then one decode step: our next-token logits vs the float64 model's within 3x
+    the peer backend's error (models: "ours", "peer" (same dtype), "ref" (float64), same weights)."""
+    ids, mask = _padded_batch(gen, [8, 3], 8, True, vocab)
+    nxt = torch.randint(1, vocab, (2, 1), generator=gen).to(DEVICE)
+    mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    logits = {}
+    for key, model in models.items():
+        with torch.no_grad():
+            past = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+            logits[key] = model(input_ids=nxt, attention_mask=mask2, cache=past).logits[:, -1]
+    err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
+    assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x the peer's {base:.3e}"
+
+
+def test_static_cache_without_attention_mask_reads_only_the_tokens_seen(gen, name):
+    """A StaticCache is longer than the tokens seen; without an attention_mask the keys past them must not be read
+    (prefill and one decode step vs the float64 model, FlashAttention rule against SDPA)."""
+    config = _config("llama")
+    ids = torch.randint(1, config.vocab_size, (2, 7), generator=gen).to(DEVICE)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), generator=gen).to(DEVICE)
+    logits = {}
+    for key, attn, dtype in (("ours", name, torch.float32), ("peer", "sdpa", torch.float32),
+                             ("ref", "sdpa", torch.float64)):
+        model = _model(config, attn, dtype)
+        cache = transformers.StaticCache(config=config, max_cache_len=16)
+        with torch.no_grad():
+            first = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits[key] = torch.cat([first, model(input_ids=nxt, cache=cache, use_cache=True).logits], dim=1)
+    err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
+    assert err <= 3 * base + 1e-5, f"logits error {err:.3e} > 3 x SDPA's {base:.3e}"
+
+
+def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
+    """A decode step with a StaticCache under torch.compile(fullgraph=True) (any graph break raises) gives the
+    eager step's logits: the attention is one opaque torch.library op while tracing."""
+    config = _config("llama")
+    model = _model(config, name)
+    ids, mask = _padded_batch(gen, [9, 4], 9, True, config.vocab_size)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), generator=gen).to(DEVICE)
+    mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    caches = [transformers.StaticCache(config=config, max_cache_len=16) for _ in range(2)]
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    logits = []
+    with torch.no_grad():
+        for cache, forward in zip(caches, (model.forward, compiled)):
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            logits.append(forward(input_ids=nxt, attention_mask=mask2, cache=cache, use_cache=True).logits)
+            # and a step without attention_mask (the mask of the positions in use is built on the device)
+            logits.append(forward(input_ids=nxt, cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[2], logits[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(logits[3], logits[1], atol=1e-6, rtol=1e-6)
+
+
+def _gpt_oss(attn, dtype=torch.float32):
+    """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
+    (window 4) and a full one, GQA; sinks drawn large enough to matter."""
+    config = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=64, pad_token_id=0,
+                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    model = _model(config, attn, dtype, experts_implementation="eager")  # grouped_mm has no float64
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4, generator=g) * 2)
+    return config, model
+
+
+def test_gpt_oss_sinks_and_sliding_window_vs_eager(gen, name):
+    """GPT-OSS (no SDPA backend in transformers) against its eager attention: left-padded prefill logits within
+    the FlashAttention rule of the float64 model, and equal greedy tokens (decode with sinks and a window)."""
+    config, ours = _gpt_oss(name)
+    _, eager = _gpt_oss("eager")
+    _, ref64 = _gpt_oss("eager", torch.float64)
+    ids, mask = _padded_batch(gen, [10, 5], 10, True, config.vocab_size)
+    with torch.no_grad():
+        logits = {key: model(input_ids=ids, attention_mask=mask).logits
+                  for key, model in (("ours", ours), ("eager", eager), ("ref", ref64))}
+        kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+        tokens = [model.generate(input_ids=ids, attention_mask=mask, **kw) for model in (ours, eager)]
+    valid = mask.bool()
+    err, base = max_err(logits["ours"][valid], logits["ref"][valid]), max_err(logits["eager"][valid],
+                                                                              logits["ref"][valid])
+    assert err <= 2 * base + 1e-5, f"logits error {err:.3e} > 2 x eager's {base:.3e}"
+    assert torch.equal(tokens[0], tokens[1])
+    _assert_decode_step_close(gen, dict(ours=ours, peer=eager, ref=ref64), config.vocab_size)
+
+
+def test_unsupported_inputs_raise(name):
+    module = torch.nn.Module()
+    q = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        fd_transformers.attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        fd_transformers.attention_forward(module, q, q, q, torch.zeros(1, 1, 3, 3))
+
+
+def compare_with_sdpa(config, name, lengths, new_tokens, dtype):
+    """One model (random weights) run with SDPA and with ``name`` (set_attn_implementation, same weights) on a
+    left-padded batch: last-position prefill logits vs the float32 SDPA model's ({backend: error}), and greedy
+    decode throughput ({backend: tokens/s}, wall clock of generate after a warm-up)."""
+    gen = torch.Generator().manual_seed(0)
+    ids, mask = _padded_batch(gen, lengths, max(lengths), True, config.vocab_size)
+    model = _model(config, "sdpa")
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits.float()
+        model.to(dtype)
+        errors, speed = {}, {}
+        for attn in ("sdpa", name):
+            model.set_attn_implementation(attn)
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+            errors[attn] = max_err(logits, ref)
+            kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+            model.generate(max_new_tokens=2, **kw)
+            sync()
+            start = time.perf_counter()
+            model.generate(max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            sync()
+            speed[attn] = len(lengths) * new_tokens / (time.perf_counter() - start)
+    return errors, speed
+
+
+@pytest.mark.gpu
+def test_llama3_8b_shape_tokens_per_second_vs_sdpa(name):
+    """Llama-3-8B's shapes (32 q / 8 kv heads, head dim 128, hidden 4096, vocab 128256), 2 layers, random weights,
+    bf16, batch 4 left-padded to 512: our last-position logits within 2x SDPA's error against the float32 model,
+    and decode tokens/s of both backends (printed; generate's wall clock, eager, no CUDA graphs)."""
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                                      max_position_embeddings=8192, rope_theta=500000.0, pad_token_id=0,
+                                      eos_token_id=None, bos_token_id=None)
+    errors, speed = compare_with_sdpa(config, name, [512, 300, 512, 100], 64, torch.bfloat16)
+    print(f"\nLlama-3-8B shape, 2 layers, bf16, batch 4 (left-padded to 512), 64 new tokens: "
+          f"sdpa {speed['sdpa']:.1f} tok/s, {name} {speed[name]:.1f} tok/s; last-logit error vs fp32: "
+          f"sdpa {errors['sdpa']:.3e}, {name} {errors[name]:.3e}")
+    assert errors[name] <= 2 * errors["sdpa"] + 1e-3
+
+
+def test_core_imports_neither_the_integration_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, flashdecode, flashdecode.flash_attn_interface; "
+            "print(any(m.startswith('flashdecode.integrations') or m == 'transformers' for m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
