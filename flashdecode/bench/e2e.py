@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from flashdecode.bench import report, timing
+from flashdecode import timing
+from flashdecode.bench import report
 
 DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
 
