@@ -108,3 +108,16 @@ def test_dispatch_entry_refuses_what_the_gluon_kernel_does_not_take(stubbed):
     assert not ga._supported_problem(q[:, :100], k, v)  # batch rows do not follow each other's seq rows
     misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
     assert ga._supported_problem(misaligned, k, v) and not ga.gluon_supported(misaligned, k, v)
+
+
+def test_dispatch_rule_decides_once_per_launch_key(stubbed):
+    """gluon_pays (hd128 always; hd64 from GLUON_HD64_MIN_KEYS keys) is applied when a key's plan is built and the
+    answer is cached: a key it rules out stays on the Triton path without another check."""
+    assert ga.gluon_pays(128, 128) and ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS)
+    assert not ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS - 1)
+    short64 = _qkv(sq=128, sk=512, d=64)
+    assert ga._plan_for(*short64, True, None) is ga._NOT_APPLICABLE
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=1024, d=64), True, None), ga._GluonPlan)
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=128), False, None), ga._GluonPlan)
+    assert isinstance(ga._plan_for(*short64, True, ga.resolve_gluon_config(64, True, 512)), ga._GluonPlan)
+    assert len(ga._PLANS) == 4

@@ -16,6 +16,7 @@ from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting
 
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
+GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +249,7 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     plan = _PLANS.get(key)
     if plan is None:
         plan = _NOT_APPLICABLE
-        if _supported_problem(q, k, v) and (config is not None or gluon_pays(q, k, causal)):
+        if _supported_problem(q, k, v) and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
             plan = _GluonPlan(q, k, v, causal, config or resolve_gluon_config(q.shape[-1], causal, k.shape[1]))
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
             _PLANS.clear()
@@ -263,10 +264,14 @@ def _run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, to
     return out, lse
 
 
-def gluon_pays(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    """The dispatch rule: whether the Gluon kernel is measured faster than the Triton path on this problem.
-    q: (batch, seqlen_q, nheads, headdim), k: (batch, seqlen_k, nheads_kv, headdim)."""
-    return True
+def gluon_pays(headdim: int, seqlen_k: int) -> bool:
+    """The dispatch rule: whether the Gluon kernel is the faster forward (vs the Triton path) of a supported call.
+
+    Measured per direct call, host work included (H100, bf16, benchmarks/probes/gluon_dispatch.py, docs/decisions.md):
+    hd128 faster on every shape timed (1.08-2.25x: 128 to 16k tokens, GQA, a 512-row chunk against 4k keys, 64
+    queries against 2k keys, causal or not); hd64 faster from 1024 keys (1.08-1.21x) and slower below (0.30-0.77x
+    at 128 and 512 keys)."""
+    return headdim == 128 or seqlen_k >= GLUON_HD64_MIN_KEYS
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
