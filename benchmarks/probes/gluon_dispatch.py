@@ -1,6 +1,9 @@
 """Probe for the Gluon / Triton dispatch rule (flashdecode.ops.gluon_attention.gluon_pays): per-call forward time
-as a caller sees it (direct calls, host work included) of the Gluon kernel, our Triton flash_attn and torch SDPA's
-cuDNN backend on short, GQA, chunked-prefill and long shapes, bf16, causal and not.
+(triton.testing.do_bench of plain calls: its L2 flush between calls hides host work shorter than itself, so short
+shapes compare kernel times; gluon_host_overhead.py compares the host paths) of the Gluon kernel, our Triton
+flash_attn and torch SDPA's cuDNN backend on short, GQA, chunked-prefill and long shapes, bf16, causal and not.
+SDPA's is_causal is top-left aligned: where seqlen_q < seqlen_k its causal cuDNN row does less work than ours
+(bottom-right), so compare those rows only between Gluon and Triton.
     PYTHONPATH=. python benchmarks/probes/gluon_dispatch.py [--quick]
 Writes gluon_dispatch.json to $OUT (or the current directory) and prints a table last (microseconds per call,
 triton.testing.do_bench median, and Gluon's speed-up over Triton)."""

@@ -267,7 +267,9 @@ def _run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, to
 def gluon_pays(headdim: int, seqlen_k: int) -> bool:
     """The dispatch rule: whether the Gluon kernel is the faster forward (vs the Triton path) of a supported call.
 
-    Measured per direct call, host work included (H100, bf16, benchmarks/probes/gluon_dispatch.py, docs/decisions.md):
+    Measured per call with do_bench (H100, bf16, benchmarks/probes/gluon_dispatch.py, docs/decisions.md; its L2
+    flush between calls hides host work shorter than itself, so short shapes compare kernel times, and the Gluon
+    host path measured no slower than the Triton one, benchmarks/probes/gluon_host_overhead.py):
     hd128 faster on every shape timed (1.08-2.25x: 128 to 16k tokens, GQA, a 512-row chunk against 4k keys, 64
     queries against 2k keys, causal or not); hd64 faster from 1024 keys (1.08-1.21x) and slower below (0.30-0.77x
     at 128 and 512 keys)."""
