@@ -102,8 +102,6 @@ def _supported_problem(q, k, v) -> bool:
     return all(_rows_layout_ok(t) for t in (q, k, v))
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Launch plans: everything a call computes besides the data, cached per launch key; after a key's first launch
 # (through Triton's JIT) its calls go to the compiled kernel's launcher directly
@@ -129,7 +127,7 @@ def _rows_view(x: torch.Tensor) -> tuple[list, list]:
 class _HostDescriptor:
     """The fields of a host TensorDescriptor that a compiled kernel's launcher reads to fill the CUtensorMap
     (base.data_ptr(), shape, strides, padding). Built per call from the plan's cached lists: a TensorDescriptor's
-    constructor re-validates what the launch key already fixes (tens of microseconds for three of them)."""
+    constructor re-validates, field by field in Python, what the launch key already fixes."""
 
     __slots__ = ("base", "shape", "strides", "padding")
 
