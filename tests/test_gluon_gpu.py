@@ -91,3 +91,63 @@ def test_gluon_supported_refuses_what_it_cannot_take():
         gluon_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     with pytest.raises(TypeError, match="q"):
         gluon_attention_forward(q.float(), k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_repeated_calls_launch_directly(causal):
+    """After a launch key's first (JIT) call, calls with new tensors of the same key go to the compiled kernel's
+    launcher directly (host descriptors from cached views); they compute the same as the JIT launch."""
+    from flashdecode.ops import gluon_attention as ga
+
+    q, k, v = _qkv(2, 333, 517, 4, 2, 128, torch.bfloat16, seed=21)
+    first, first_lse = gluon_attention_forward(q, k, v, causal=causal)
+    for seed in (22, 23):
+        q2, k2, v2 = _qkv(2, 333, 517, 4, 2, 128, torch.bfloat16, seed=seed)
+        _check(q2, k2, v2, causal)
+    again, again_lse = gluon_attention_forward(q.clone(), k.clone(), v.clone(), causal=causal)
+    assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
+    plans = [p for key, p in ga._PLANS.items() if key[0] == q.shape and key[-2] == causal and p]
+    assert plans and all(p.direct_launches >= 3 for p in plans)
+
+
+@needs_hopper
+def test_gluon_direct_launch_in_a_cuda_graph():
+    """Direct launches capture into a CUDA graph (the TMA descriptors are kernel parameters, copied at capture)."""
+    q, k, v = _qkv(1, 1000, 999, 2, 2, 64, torch.float16, seed=31)
+    gluon_attention_forward(q, k, v, causal=True)  # the key's JIT launch, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = gluon_attention_forward(q, k, v, causal=True)
+    q.copy_(randn(*q.shape, gen=torch.Generator().manual_seed(32), dtype=q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=True)
+    same, _ = attention_ref(q, k, v, causal=True)
+    assert_fa_close(out, ref, same, name="out")
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_dispatch_entry_matches_the_triton_forward(causal):
+    """gluon_forward_if_supported returns what flashdecode's Triton forward returns (out like q, lse (batch, nheads,
+    seqlen_q) natural log), within the FlashAttention rule, and None where the Gluon kernel does not apply."""
+    from flashdecode.ops.attention import flash_attn
+    from flashdecode.ops.gluon_attention import gluon_forward_if_supported
+
+    q, k, v = _qkv(2, 517, 700, 8, 2, 128, torch.bfloat16, seed=41)
+    got = gluon_forward_if_supported(q, k, v, 0.1, -1, 0 if causal else -1)
+    assert got is not None
+    out, lse = got
+    tri, tri_lse = flash_attn(q, k, v, causal=causal, softmax_scale=0.1, return_lse=True)
+    assert out.shape == tri.shape and lse.shape == tri_lse.shape and lse.dtype == tri_lse.dtype
+    ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal, softmax_scale=0.1)
+    same, _ = attention_ref(q, k, v, causal=causal, softmax_scale=0.1)
+    assert_fa_close(out, ref, same, name="out")
+    assert max_err(lse, ref_lse) < 1e-3 and max_err(lse, tri_lse.double()) < 1e-3
+    assert gluon_forward_if_supported(q.float(), k.float(), v.float(), 0.1) is None
+    assert gluon_forward_if_supported(q[..., :96], k[..., :96], v[..., :96], 0.1) is None
+    assert gluon_forward_if_supported(q, k, v, 0.1, 16, 0) is None
+    assert gluon_forward_if_supported(q, k, v, 0.1, softcap=20.0) is None
+    assert gluon_forward_if_supported(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.1) is None

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import torch
 
-from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, resolve_scale
+from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
 
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
+GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,58 +58,232 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
 def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _rows_view_ok(x: torch.Tensor) -> bool:
+def _rows_layout_ok(x: torch.Tensor) -> bool:
     """x (batch, seqlen, heads, headdim) can be read as a 2-D (batch * seqlen, heads * headdim) TMA view: unit dim
-    stride, heads packed, batch rows follow seq rows, 16-byte aligned base and row stride."""
+    stride, heads packed, batch rows follow seq rows, 16-byte row stride (the base pointer is checked per call)."""
     b, s, h, d = x.shape
     st = x.stride()
-    return (st[3] == 1 and st[2] == d and (b == 1 or st[0] == s * st[1]) and (st[1] * x.element_size()) % 16 == 0
-            and x.data_ptr() % 16 == 0)
+    return (st[3] == 1 and st[2] == d and (b == 1 or st[0] == s * st[1])
+            and (st[1] * x.element_size()) % 16 == 0)
+
+
+def _aligned16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """TMA reads from 16-byte aligned base addresses only."""
+    return (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
 
 
 def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, varlen: bool = False) -> bool:
     """Whether gluon_attention_forward computes this call: Hopper, fp16/bf16, head dim 64 or 128, no window, no
-    softcap, fixed-length batches, non-empty sequences, TMA-viewable layouts (see _rows_view_ok)."""
+    softcap, fixed-length batches, non-empty sequences, TMA-viewable layouts (see _rows_layout_ok) at 16-byte
+    aligned addresses."""
     if varlen or softcap != 0.0 or tuple(window_size) != (-1, -1):
         return False
+    return _supported_problem(q, k, v) and _aligned16(q, k, v)
+
+
+def _supported_problem(q, k, v) -> bool:
+    """gluon_supported's part that a launch key fixes (all but the pointers), for a plain fixed-length call."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return False
     if q.dtype not in GLUON_DTYPES or not (q.dtype == k.dtype == v.dtype) or not _is_hopper(q.device):
         return False
     if q.shape[-1] not in GLUON_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
         return False
-    if q.shape[0] != k.shape[0] or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+    if not (q.device == k.device == v.device) or q.shape[0] != k.shape[0]:
         return False
-    if q.shape[1] == 0 or k.shape[1] == 0:
+    if min(q.shape[:3]) == 0 or min(k.shape[:3]) == 0 or q.shape[2] % k.shape[2] != 0:
         return False
-    return all(_rows_view_ok(t) for t in (q, k, v))
+    return all(_rows_layout_ok(t) for t in (q, k, v))
 
 
-def _descriptor(x: torch.Tensor, block_rows: int):
+# ----------------------------------------------------------------------------------------------------------------
+# Launch plans: everything a call computes besides the data, cached per launch key; after a key's first launch
+# (through Triton's JIT) its calls go to the compiled kernel's launcher directly
+# ----------------------------------------------------------------------------------------------------------------
+
+_RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
+_PLAN_CACHE_SIZE = 4096  # launch keys kept (a dict cleared when full: a plan is cheap to rebuild)
+_NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (None means "not seen yet")
+_PLANS: dict = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[list, list]:
+    """(shape, strides) of x (batch, seqlen, heads, headdim) read as the 2-D (batch * seqlen, heads * headdim) rows
+    view the kernel's TMA descriptors take."""
+    b, s, h, d = x.shape
+    return [b * s, h * d], [x.stride(1), 1]
+
+
+class _HostDescriptor:
+    """The fields of a host TensorDescriptor that a compiled kernel's launcher reads to fill the CUtensorMap
+    (base.data_ptr(), shape, strides, padding). Built per call from the plan's cached lists: a TensorDescriptor's
+    constructor re-validates, field by field in Python, what the launch key already fixes."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, view: tuple[list, list]):
+        self.base, (self.shape, self.strides), self.padding = base, view, "zero"
+
+
+def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int):
+    """The real TensorDescriptor of x's rows view, for a key's first (JIT) launch, which specialises on its type."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    b, s, h, d = x.shape
-    rows = x.as_strided((b * s, h * d), (x.stride(1), 1))
+    shape, strides = view
+    rows = x.as_strided(shape, strides)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], dtype)
-    return TensorDescriptor(rows, [b * s, h * d], [x.stride(1), 1], [block_rows, d], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, x.shape[-1]], dtype)
+    return TensorDescriptor(rows, shape, strides, [block_rows, x.shape[-1]], layout)
+
+
+def _jit_launch(grid: tuple, args: tuple, constexprs: dict):
+    """One launch through Triton's JIT (binds, specialises, compiles on a miss); returns the compiled kernel."""
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
+    compiled = attn_fwd_ws_kernel[grid](*args, **constexprs, num_warps=4)
+    return compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compilation
+
+
+def _kernel_arg_names() -> list:
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
+    return attn_fwd_ws_kernel.arg_names
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_knobs():
+    from triton import knobs  # imported once (a module-level import would load Triton for every CPU user)
+
+    return knobs
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_getter():
+    import triton
+
+    return triton.runtime.driver.active.get_current_stream
+
+
+def _current_stream(index: int):
+    return _stream_getter()(index)
+
+
+class _GluonPlan:
+    """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
+    (after the first launch) the compiled kernel with its launcher, handle and packed metadata."""
+
+    __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
+                 "compiled", "run", "function", "packed", "direct_launches")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
+        batch, seqlen_q, nheads, _ = q.shape
+        self.cfg = cfg
+        self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
+        self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
+        # the compiled kernel's launcher reads three grid entries
+        self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
+        self.lse_shape = (batch, nheads, seqlen_q)
+        self.views = (_rows_view(q), _rows_view(k), _rows_view(v))
+        self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
+                               NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
+                               OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
+                               CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+        self.compiled = None
+        self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
+
+    def launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
+        index = q.device.index
+        if index == torch.cuda.current_device():
+            self._launch(q, k, v, out, lse, qk_scale_log2, index)
+        else:
+            with torch.cuda.device(q.device):
+                self._launch(q, k, v, out, lse, qk_scale_log2, index)
+
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, index: int) -> None:
+        runtime = (self.num_tiles, self.seqlen_q, self.seqlen_k, qk_scale_log2)
+        if self.compiled is None:
+            descs = tuple(_descriptor(x, view, rows) for x, view, rows in
+                          zip((q, k, v), self.views, (64, self.cfg.block_n, self.cfg.block_n)))
+            self._record(_jit_launch(self.grid, descs + (out, lse) + runtime, self.constexprs))
+            return
+        qv, kv, vv = self.views
+        args = (_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + runtime + self.tail
+        stream = _current_stream(index)
+        knobs = _triton_knobs()
+        enter = knobs.runtime.launch_enter_hook
+        meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
+        self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
+                 knobs.runtime.launch_exit_hook, *args)
+        self.direct_launches += 1
+
+    def _record(self, compiled) -> None:
+        """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+            return
+        names = _kernel_arg_names()[_RUNTIME_ARGS:]
+        if any(n not in self.constexprs for n in names):
+            return
+        self.tail = tuple(self.constexprs[n] for n in names)
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.compiled = compiled
+
+
+def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
+    """The plan of this launch key (built on its first call), or _NOT_APPLICABLE where the Gluon kernel does not
+    take the problem or (config None: the dispatch decides) gluon_pays rules it out. Key: shapes, strides, dtypes,
+    devices, causal, config; the pointers' 16-byte alignment is the one per-call fact, the caller checks it."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           k.device, v.device, causal, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _NOT_APPLICABLE
+        if _supported_problem(q, k, v) and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
+            plan = _GluonPlan(q, k, v, causal, config or resolve_gluon_config(q.shape[-1], causal, k.shape[1]))
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    plan.launch(q, k, v, out, lse, scale * LOG2E)
+    return out, lse
+
+
+def gluon_pays(headdim: int, seqlen_k: int) -> bool:
+    """The dispatch rule: whether the Gluon kernel is the faster forward (vs the Triton path) of a supported call.
+
+    Measured per call with do_bench (H100, bf16, benchmarks/probes/gluon_dispatch.py, docs/decisions.md; its L2
+    flush between calls hides host work shorter than itself, so short shapes compare kernel times, and the Gluon
+    host path measured no slower than the Triton one, benchmarks/probes/gluon_host_overhead.py):
+    hd128 faster on every shape timed (1.08-2.25x: 128 to 16k tokens, GQA, a 512-row chunk against 4k keys, 64
+    queries against 2k keys, causal or not); hd64 faster from 1024 keys (1.08-1.21x) and slower below (0.30-0.77x
+    at 128 and 512 keys)."""
+    return headdim == 128 or seqlen_k >= GLUON_HD64_MIN_KEYS
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: Optional[float] = None,
                             config: Optional[GluonFwdConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention forward on the Gluon kernel.
+    """Exact attention forward on the Gluon kernel (whether or not gluon_pays says it is the faster path).
 
     q: (batch, seqlen_q, nheads, headdim), k/v: (batch, seqlen_k, nheads_kv, headdim), fp16/bf16 on an sm_90 GPU.
-    Returns out (batch, seqlen_q, nheads, headdim) in q's dtype and lse (batch, nheads, seqlen_q) float32, natural
-    log (-inf on rows that see no key). causal is bottom-right aligned. Raises ValueError where gluon_supported is
-    False (callers check it first and take the Triton path)."""
+    Returns out (batch, seqlen_q, nheads, headdim) contiguous in q's dtype and lse (batch, nheads, seqlen_q)
+    float32, natural log (-inf on rows that see no key). causal is bottom-right aligned. Raises ValueError where
+    gluon_supported is False (callers check it first and take the Triton path)."""
     check_tensor("q", q, (4, ), GLUON_DTYPES)
     check_tensor("k", k, (4, ), GLUON_DTYPES)
     check_tensor("v", v, (4, ), GLUON_DTYPES)
@@ -117,20 +291,29 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if not gluon_supported(q, k, v, causal):
         raise ValueError("q, k, v: this call is outside the Gluon kernel's support (see gluon_supported); "
                          "use flashdecode.ops.attention")
-    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    cfg = config or resolve_gluon_config(q.shape[-1], causal, k.shape[1])
+    return _run_plan(_plan_for(q, k, v, causal, cfg), q, k, v, scale)
 
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    cfg = config or resolve_gluon_config(headdim, causal, seqlen_k)
-    scale = resolve_scale(softmax_scale, headdim)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    num_tiles = math.ceil(seqlen_q / cfg.block_m) * batch * nheads
-    grid = (min(num_tiles, _num_sms(q.device)) if cfg.persistent else num_tiles, )
-    attn_fwd_ws_kernel[grid](
-        _descriptor(q, 64), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), out, lse, num_tiles,
-        seqlen_q, seqlen_k, scale * LOG2E, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
-        NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
-        PINGPONG=cfg.pingpong and cfg.num_consumers == 2, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4)
-    return out, lse
+
+def gluon_forward_if_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                               varlen: bool = False) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The forward on the Gluon kernel where it applies and is the faster path, else None (take the Triton path).
+
+    For flashdecode.ops.attention's forward, after its argument checks, with its normalised options: softmax_scale
+    a float, window_left / window_right as there (-1 = unbounded; (-1, 0) is causal, bottom-right aligned).
+    q: (batch, seqlen_q, nheads, headdim), k/v: (batch, seqlen_k, nheads_kv, headdim).
+    Returns (out, lse) exactly as the Triton forward does for dense inputs: out (batch, seqlen_q, nheads, headdim)
+    in q's dtype (contiguous), lse (batch, nheads, seqlen_q) float32 contiguous, natural log, -inf on rows that see
+    no key (out 0 there). None for: varlen, a sliding window, softcap, the CPU interpreter, a non-sm_90 device,
+    fp32, head dims other than 64/128, layouts TMA cannot read, empty sequences, and problems gluon_pays rules out.
+    Host cost on a repeated launch key: one dict lookup, two allocations, one direct launch."""
+    if varlen or softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
+        return None
+    if not isinstance(q, torch.Tensor) or q.device.type != "cuda":
+        return None
+    plan = _plan_for(q, k, v, window_right == 0, None)
+    if plan is _NOT_APPLICABLE or not _aligned16(q, k, v):
+        return None
+    return _run_plan(plan, q, k, v, softmax_scale)

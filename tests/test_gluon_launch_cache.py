@@ -1,0 +1,123 @@
+"""The Gluon launcher's host path without a GPU: the kernel launch is stubbed, so these tests check what the
+launcher hands to Triton - one JIT launch per launch key, then direct launches of the compiled kernel with a 3-entry
+grid, the kernel's full argument list and descriptors equal to the JIT launch's - and the dispatch entry point's
+refusals (None: the caller takes the Triton path)."""
+
+import pytest
+import torch
+
+from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+from flashdecode.ops import gluon_attention as ga
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records the direct launches."""
+
+    def __init__(self):
+        self.launches = []
+        self.function, self.packed_metadata = "function-handle", "packed"
+
+    @property
+    def run(self):
+        return lambda *a: self.launches.append(a)
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """A fake Hopper: every launch key's first launch goes to a recording stub instead of Triton's JIT."""
+    jit_calls = []
+    compiled = _FakeCompiled()
+
+    def fake_jit(grid, args, constexprs):
+        jit_calls.append((grid, args, constexprs))
+        return compiled
+
+    monkeypatch.setattr(ga, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(ga, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ga, "_jit_launch", fake_jit)
+    monkeypatch.setattr(ga, "_current_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(ga, "_PLANS", {})
+    return jit_calls, compiled
+
+
+def _qkv(sq=300, sk=200, h=4, hkv=2, d=128):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2, sq, h, d, generator=gen, dtype=torch.float16),
+            torch.randn(2, sk, hkv, d, generator=gen, dtype=torch.float16),
+            torch.randn(2, sk, hkv, d, generator=gen, dtype=torch.float16))
+
+
+def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
+    jit_calls, compiled = stubbed
+    q, k, v = _qkv()
+    out, lse = ga.gluon_attention_forward(q, k, v, causal=True)
+    assert len(jit_calls) == 1 and not compiled.launches
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (2, 4, 300) and lse.dtype == torch.float32
+    (grid, jit_args, constexprs), = jit_calls
+    for _ in range(3):  # new tensors, same launch key
+        q, k, v = _qkv()
+        ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.5)
+    assert len(jit_calls) == 1 and len(compiled.launches) == 3 and len(ga._PLANS) == 1
+    plan, = ga._PLANS.values()
+    assert plan.direct_launches == 3
+    launch = compiled.launches[-1]
+    g0, g1, g2, stream, function, packed = launch[:6]
+    args = launch[9:]
+    cfg = ga.resolve_gluon_config(128, True, 200)
+    num_tiles = -(-300 // cfg.block_m) * 2 * 4
+    assert (g0, g1, g2) == (num_tiles, 1, 1) and grid == (num_tiles, 1, 1)  # causal: one CTA per tile
+    assert (stream, function, packed) == (7, "function-handle", "packed")
+    # the kernel's whole parameter list: runtime arguments, then every constexpr in declaration order
+    assert len(args) == len(attn_fwd_ws_kernel.arg_names) == len(jit_args) + len(constexprs)
+    assert args[5:9] == (num_tiles, 300, 200, 0.5 * ga.LOG2E)
+    assert args[9:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[9:])
+    assert constexprs["GROUP"] == 2 and constexprs["CAUSAL"] is True
+    for host, jit, x in zip(args[:3], jit_args[:3], (q, k, v)):  # descriptors: what the JIT launch described
+        assert host.base is x and host.padding == "zero"
+        assert list(host.shape) == list(jit.shape) and list(host.strides) == list(jit.strides)
+    assert args[3].shape == q.shape and args[4].shape == (2, 4, 300)
+
+
+def test_each_launch_key_gets_its_own_plan(stubbed):
+    jit_calls, compiled = stubbed
+    q, k, v = _qkv()
+    ga.gluon_attention_forward(q, k, v)
+    ga.gluon_attention_forward(q, k, v, causal=True)
+    ga.gluon_attention_forward(q[:, :100].contiguous(), k, v)  # another seqlen_q
+    qkv = torch.stack(_qkv(sq=200, hkv=4), dim=2)  # packed (batch, seqlen, 3, heads, dim): other strides
+    ga.gluon_attention_forward(*qkv.unbind(2))
+    assert len(jit_calls) == len(ga._PLANS) == 4 and not compiled.launches
+    persistent_grid = jit_calls[0][0]  # non-causal short keys: persistent, at most one CTA per SM
+    assert persistent_grid == (min(-(-300 // 128) * 8, 132), 1, 1)
+
+
+def test_dispatch_entry_refuses_what_the_gluon_kernel_does_not_take(stubbed):
+    q, k, v = _qkv()
+    assert ga.gluon_forward_if_supported(q, k, v, 0.1) is None  # CPU tensors: never Gluon
+    for kwargs in (dict(window_left=8, window_right=0), dict(window_right=4), dict(softcap=30.0),
+                   dict(varlen=True)):
+        assert ga.gluon_forward_if_supported(q, k, v, 0.1, **kwargs) is None, kwargs
+    assert not ga._supported_problem(q.float(), k.float(), v.float())
+    assert not ga._supported_problem(q[..., :96], k[..., :96], v[..., :96])
+    assert not ga._supported_problem(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert not ga._supported_problem(q[:, :0], k, v)
+    assert not ga._supported_problem(q[:, :100], k, v)  # batch rows do not follow each other's seq rows
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert ga._supported_problem(misaligned, k, v) and not ga.gluon_supported(misaligned, k, v)
+
+
+def test_dispatch_rule_decides_once_per_launch_key(stubbed):
+    """gluon_pays (hd128 always; hd64 from GLUON_HD64_MIN_KEYS keys) is applied when a key's plan is built and the
+    answer is cached: a key it rules out stays on the Triton path without another check."""
+    assert ga.gluon_pays(128, 128) and ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS)
+    assert not ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS - 1)
+    short64 = _qkv(sq=128, sk=512, d=64)
+    assert ga._plan_for(*short64, True, None) is ga._NOT_APPLICABLE
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=1024, d=64), True, None), ga._GluonPlan)
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=128), False, None), ga._GluonPlan)
+    assert isinstance(ga._plan_for(*short64, True, ga.resolve_gluon_config(64, True, 512)), ga._GluonPlan)
+    assert len(ga._PLANS) == 4
