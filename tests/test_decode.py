@@ -291,12 +291,12 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
 
 def _forbid_merge_kernel(monkeypatch):
     """Fail the test if a decode call launches the merge kernel (the persistent kernel must merge in-kernel)."""
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     def no_merge_kernel(*args, **kwargs):
         raise AssertionError("the persistent kernel must merge split sequences itself")
 
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
 
 
 @pytest.mark.gpu
@@ -309,7 +309,7 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
     kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch,
     lengths mixed (one long sequence, empty and one-token ones) then uniform, contiguous and block-multiple pages,
     every head dim class and dtype."""
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     _forbid_merge_kernel(monkeypatch)
     batch = 12  # 96 (batch, kv head) pairs: between half the H100's SMs and all of them
@@ -317,7 +317,7 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, headdim, max_seqlen_k=9000, dtype=dtype,
                                   device=DEVICE, max_seqlen_q=seqlen_q)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
     assert shape.persistent, "96 pairs on the H100: the persistent launch is the default"
     for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
         lens = _lens(lengths)
@@ -335,14 +335,14 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
     from its queue: mixed lengths (one long sequence among empty, one-token and short ones), then uniform, through a
     plan; the queue is left at zero."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     _forbid_merge_kernel(monkeypatch)
     batch = heuristics.num_sms(torch.device(DEVICE)) // 8 + extra_seqs  # 8 kv heads: 0 or 24 pairs beyond the SMs
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
     assert shape.persistent and shape.persistent_dynamic, "more pairs than SMs on Hopper: the work queue"
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
@@ -359,13 +359,13 @@ def test_gpu_batches_below_half_the_sms_run_persistent(gen, monkeypatch, batch, 
     run the persistent kernel with static shares, pages that are multiples of the few-pairs 64-key tiles from 0.45
     of them (b8) with its work queue: mixed lengths (one long among empty, one-token and short ones), then uniform,
     through a plan; no merge kernel; tickets and queue left at zero."""
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     _forbid_merge_kernel(monkeypatch)
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
+    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
     assert shape.persistent and shape.persistent_dynamic == (page_size is not None) and shape.block_n == 64
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
@@ -383,7 +383,7 @@ def test_gpu_device_split_grid(gen, batch, page_size):
     lengths (one long among empty, one-token and short ones), then uniform; contiguous, gathered (16), block-
     multiple (64) and 1-key pages (whose ids do not fit the preload: the fixed-count split grid)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     heuristics_cfg = lambda *a, **kw: dict(base(*a, **kw), DEVICE_SPLITS=True)  # noqa: E731
@@ -392,7 +392,7 @@ def test_gpu_device_split_grid(gen, batch, page_size):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(heuristics, "decode_block_config", heuristics_cfg)
         plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-        shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1),
+        shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1),
                                         grid_batch=batch)
         assert shape.device_splits and not shape.persistent
         for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
@@ -405,13 +405,13 @@ def test_gpu_device_split_grid(gen, batch, page_size):
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
     """Batch 1, page 16, splits of <= 64 keys: 32-key tiles (two pages per block) through the plan, correct."""
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     q, k, v = _make(gen, 1, context, 16, 2, 128, torch.bfloat16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 16, extra_pages=3, generator=gen)
     plan = flashdecode.DecodePlan(1, 16, 2, 128, max_seqlen_k=context, dtype=torch.bfloat16, device=DEVICE)
     split_keys = -(-context // plan.num_splits)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens([context]), table, None, 0.0, (-1, -1), split_keys=split_keys)
+    shape = decode_policy._DecodeShape(q, kp, vp, _lens([context]), table, None, 0.0, (-1, -1), split_keys=split_keys)
     assert shape.block_n == 32 or split_keys > 64
     for n in (context, context - 17, 1):
         lens = _lens([n])
@@ -522,7 +522,7 @@ def test_tma_path(gen, monkeypatch, page_size):
     """The tensor-descriptor (TMA) path, forced on (the interpreter runs host descriptors too); NaN in unused
     slots must not leak through whole-block TMA reads."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
 
@@ -534,7 +534,7 @@ def test_tma_path(gen, monkeypatch, page_size):
     lens = _lens([70, 17, 33])
     for b, n in enumerate([70, 17, 33]):
         v[b, n:] = float("nan")
-    shape = ops_decode._DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
+    shape = decode_policy._DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
     assert shape.use_tma
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     for num_splits in (1, 3):
@@ -550,7 +550,7 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monke
     reads the block table instead, long splits get TABLE_READ_EXTRA_STAGES more pipeline stages, short ones and
     preloaded ids none."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     # the interpreter's constants (16-key tiles, 256 preloaded ids) on the GPU too, so the sizes below hold there
@@ -561,23 +561,23 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monke
 
     def shape_for(page_size):
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-        return ops_decode._DecodeShape(q, kp, vp, _lens([512, 100]), table, None, 0.0, (-1, -1))
+        return decode_policy._DecodeShape(q, kp, vp, _lens([512, 100]), table, None, 0.0, (-1, -1))
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
         shape = shape_for(page_size)
         assert shape.block_n == 16
-        preload = ops_decode._preload_pages(shape, splits, ops_decode._min_chunk(shape))
+        preload = decode_launch._preload_pages(shape, splits, decode_policy._min_chunk(shape))
         assert preload == ids, (page_size, preload)
-        stages = ops_decode._pipeline_stages(shape, preload, 512 // splits)
+        stages = decode_launch._pipeline_stages(shape, preload, 512 // splits)
         assert stages == shape.num_stages, page_size
     three = shape_for(3)
-    assert ops_decode._preload_pages(three, 4, ops_decode._min_chunk(three)) == 0
+    assert decode_launch._preload_pages(three, 4, decode_policy._min_chunk(three)) == 0
     long_split, short_split = 8 * three.block_n, 8 * three.block_n - 1
-    assert ops_decode._pipeline_stages(three, 0, long_split) == three.num_stages + 2
-    assert ops_decode._pipeline_stages(three, 0, short_split) == three.num_stages
-    contiguous = ops_decode._DecodeShape(q, k, v, _lens([512, 100]), None, None, 0.0, (-1, -1))
-    assert ops_decode._pipeline_stages(contiguous, 0, long_split) == contiguous.num_stages
+    assert decode_launch._pipeline_stages(three, 0, long_split) == three.num_stages + 2
+    assert decode_launch._pipeline_stages(three, 0, short_split) == three.num_stages
+    contiguous = decode_policy._DecodeShape(q, k, v, _lens([512, 100]), None, None, 0.0, (-1, -1))
+    assert decode_launch._pipeline_stages(contiguous, 0, long_split) == contiguous.num_stages
     for num_splits in (1, 3):
         _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits)
 
@@ -643,14 +643,14 @@ def persistent(request, monkeypatch):
     is made unusable for split launches and the merge kernel unusable altogether, so a passing test proves the
     persistent kernel produced and merged the partials."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     programs, dynamic = request.param
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
         base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=programs, PERSISTENT_DYNAMIC=dynamic,
         PERSISTENT_SLOTS=4, PERSISTENT_QUEUE_SPLITS=heuristics.DECODE_QUEUE_MAX_SPLITS))
-    split_grid = ops_decode._launch_stage1
+    split_grid = decode_launch._launch_stage1
 
     def only_unsplit(shape, *args, **kwargs):
         assert args[7] is True, "split launches must go through the persistent kernel"  # final
@@ -659,22 +659,22 @@ def persistent(request, monkeypatch):
     def no_merge_kernel(*args, **kwargs):
         raise AssertionError("the persistent kernel merges split sequences itself: no merge launch")
 
-    monkeypatch.setattr(ops_decode, "_launch_stage1", only_unsplit)
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    monkeypatch.setattr(decode_launch, "_launch_stage1", only_unsplit)
+    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
     return request.param
 
 
 def _block_multiple_page(batch, nheads, nheads_kv, headdim, dtype, pages_per_block):
     """A page size that is pages_per_block x the stage-1 BLOCK_N of this shape (16 keys on the CPU, 64-128 on the
     GPU), so that the persistent kernel (contiguous or block-multiple pages only) takes the launch; None: contiguous."""
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     if pages_per_block is None:
         return None
     q = torch.empty(batch, nheads, headdim, dtype=dtype, device=DEVICE)
     k = torch.empty(batch, 8, nheads_kv, headdim, dtype=dtype, device=DEVICE)
     lens = torch.full((batch,), 8, dtype=torch.int32, device=DEVICE)
-    return ops_decode._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
+    return decode_policy._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
 
 
 @triton.jit
@@ -723,20 +723,20 @@ def device_splits(request, monkeypatch):
     40 (a long sequence takes many splits). Returns the list of DEVICE_SPLITS page preloads launched (one entry per
     split-grid launch that chose its split counts on the device)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
         base(*a, **k), DEVICE_SPLITS=True, DEVICE_SPLIT_SLOTS=request.param))
     launched = []
-    stage1 = ops_decode._launch_stage1
+    stage1 = decode_launch._launch_stage1
 
     def spy(*args, **kwargs):
         if kwargs.get("device_preload") is not None:
             launched.append(kwargs["device_preload"])
         return stage1(*args, **kwargs)
 
-    monkeypatch.setattr(ops_decode, "_launch_stage1", spy)
+    monkeypatch.setattr(decode_launch, "_launch_stage1", spy)
     return launched
 
 
@@ -793,13 +793,13 @@ def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
 def test_persistent_not_for_gathered_pages(gen, monkeypatch):
     """Pages smaller than a block keep the split grid (the persistent kernel spills there on sm_90)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PERSISTENT=True))
     q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
     kp, _, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-    assert not ops_decode._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
+    assert not decode_policy._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
     _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
 
 
@@ -808,7 +808,7 @@ def test_persistent_key_pages(gen, monkeypatch, persistent, page_size, key_ids):
     """Pages of 1-7 keys on the persistent path (heuristics.DECODE_QUEUE_KEY_PAGES): page ids read per key in the
     KV loop, or (1-, 2-, 4-key pages with PRELOAD_KEY_IDS) gathered from a split's preload, bounding the splits."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config  # already PERSISTENT (fixture)
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
@@ -816,9 +816,9 @@ def test_persistent_key_pages(gen, monkeypatch, persistent, page_size, key_ids):
     lens = [150, 3, 61, 0, 17]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+    shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
     assert shape.persistent
-    preload = ops_decode._persistent_preload(shape, 4, ops_decode._min_chunk(shape))
+    preload = decode_launch._persistent_preload(shape, 4, decode_policy._min_chunk(shape))
     assert (preload["PRELOAD_PAGES"] > 0) == key_ids, preload
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4)
 
@@ -841,7 +841,7 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
     (MAX_SPLIT_KEYS) to stay within the preload; with 256 a whole sequence fits (the tile size, and so the limit,
     differs between the CPU and the GPU)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config  # already PERSISTENT (fixture)
     limit = {"value": 256}
@@ -852,9 +852,9 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
     kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
 
     def preload():
-        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+        shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
         assert shape.persistent
-        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
+        return decode_launch._persistent_preload(shape, 6, decode_policy._min_chunk(shape))
 
     loose = preload()
     assert loose["PRELOAD_PAGES"] > 0 and loose["MAX_SPLIT_KEYS"] == 0
@@ -870,7 +870,7 @@ def test_persistent_block_multiple_pages_bound_their_splits(gen, monkeypatch, pe
     a whole sequence's ids: the splits are bounded (MAX_SPLIT_KEYS) to what a num_splits-th of the capacity
     preloads instead of reading ids in the loop."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config  # already PERSISTENT (fixture)
     limit = {"value": 256}
@@ -882,9 +882,9 @@ def test_persistent_block_multiple_pages_bound_their_splits(gen, monkeypatch, pe
     kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=8, generator=gen)
 
     def preload():
-        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
+        shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
         assert shape.persistent
-        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
+        return decode_launch._persistent_preload(shape, 6, decode_policy._min_chunk(shape))
 
     limit["value"] = preload()["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
     bound = preload()
@@ -922,7 +922,7 @@ def test_prefetch_shape_stays_within_a_split():
     to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""
     from types import SimpleNamespace
 
-    from flashdecode.ops.decode import _prefetch_shape
+    from flashdecode.ops.decode_launch import _prefetch_shape
 
     k_bf16 = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16)
     shape = SimpleNamespace(prefetch_blocks=4, capacity=32768, block_n=64, headdim=128)
@@ -945,7 +945,7 @@ def fused_merge(monkeypatch):
     """Turn FUSED_MERGE on through the config and make the separate merge kernel unusable, so a passing test proves
     that the single-launch path produced the result."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     base = heuristics.decode_block_config
     monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), FUSED_MERGE=True))
@@ -953,17 +953,17 @@ def fused_merge(monkeypatch):
     def no_merge_kernel(*args, **kwargs):
         raise AssertionError("FUSED_MERGE must not launch the separate merge kernel")
 
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
 
 
 def test_fused_merge_is_off_by_default(gen):
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     assert heuristics.decode_block_config(128, 2, False)["FUSED_MERGE"] is False
     assert heuristics.decode_block_config(64, 2, True)["FUSED_MERGE"] is False
     q, k, v = _make(gen, 1, 16, 4, 2, 64, torch.float16)
-    assert not ops_decode._DecodeShape(q, k, v, _lens([16]), None, None, 0.0, (-1, -1)).fused_merge
+    assert not decode_policy._DecodeShape(q, k, v, _lens([16]), None, None, 0.0, (-1, -1)).fused_merge
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16])
@@ -1155,7 +1155,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     tried = []
 
@@ -1165,11 +1165,11 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
             raise OutOfResources(240000, 232448, "shared memory")
 
     key = ("test-only tile",)
-    ops_decode._launch_within_shared_memory(launch, 4, key)
-    ops_decode._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
+    decode_launch._launch_within_shared_memory(launch, 4, key)
+    decode_launch._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
     assert tried == [4, 3, 2, 2]
     with pytest.raises(OutOfResources):
-        ops_decode._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
+        decode_launch._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
 
 
 @pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
@@ -1203,7 +1203,7 @@ def test_32_bit_offsets_only_for_caches_below_2_31_elements():
     """OFFS_32 (32-bit gather offsets) is chosen from the cache's last element offset, not its size alone: a dense
     cache of 2**31 elements (last offset 2**31 - 1) qualifies, a larger one does not, nor a view of fewer elements
     whose strides reach past 2**31."""
-    from flashdecode.ops.decode import _offsets_fit_int32
+    from flashdecode.ops.decode_policy import _offsets_fit_int32
 
     assert _offsets_fit_int32(torch.empty(2**14, 16, 8, 1024, device="meta"))
     assert not _offsets_fit_int32(torch.empty(2**14, 16, 8, 1025, device="meta"))

@@ -454,7 +454,10 @@ def _diagnostic_patch(label):
     """Context manager: for the DIAGNOSTIC_VARIANTS, stub out a part of ops.decode (timing only)."""
     import contextlib
 
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode as ops_decode, decode_launch
+
+    def owner(name):  # the module whose global the decode path looks up
+        return ops_decode if name == "_run_decode" else decode_launch
 
     @contextlib.contextmanager
     def patched():
@@ -462,17 +465,17 @@ def _diagnostic_patch(label):
                  "merge-only": ["_launch_stage1"],
                  "empty-kernel": ["_run_decode"], "stream": ["_run_decode"], "stream-epi": ["_run_decode"],
                  "stream-len": ["_run_decode"]}.get(label, [])
-        saved = {n: getattr(ops_decode, n) for n in names}
+        saved = {n: getattr(owner(n), n) for n in names}
         stub = {"empty-kernel": _empty_kernel_launch, "stream": functools.partial(_stream_launch, mode=2),
                 "stream-epi": functools.partial(_stream_launch, mode=3),
                 "stream-len": functools.partial(_stream_launch, mode=4)}.get(label)
         try:
             for n in names:
-                setattr(ops_decode, n, stub if n == "_run_decode" else (lambda *a, **k: None))
+                setattr(owner(n), n, stub if n == "_run_decode" else (lambda *a, **k: None))
             yield
         finally:
             for n, f in saved.items():
-                setattr(ops_decode, n, f)
+                setattr(owner(n), n, f)
     return patched()
 
 
