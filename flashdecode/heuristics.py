@@ -128,12 +128,6 @@ DECODE_TINY_TILE_MAX_SPLIT_KEYS = 64
 # (512-key splits of 128-key tiles, 2048 programs) 202.1 vs 192.8, where single-buffered programs fit three per SM.
 DECODE_TABLE_READ_EXTRA_STAGES = 2
 DECODE_TABLE_READ_MIN_SPLIT_BLOCKS = 8
-# Block-multiple pages in 16 KiB tiles (page_tiles in decode_block_config) whose whole-sequence ids outgrow the
-# persistent kernel's preload: bounded splits, so that a split's ids fit (True), or one id read per block in the
-# loop (False). Session 8 measured the bound faster with 3 stages (Llama 32/8 page 64 b32 32k 1457.8 vs 1627.2 us,
-# T1949); with the table-read stages the loop wins (decodetune T0426 / T0427: b16 32k 710.4 vs 738.6, b32 32k
-# 1409.2 vs 1458.7; b64 8k and the mixes within 0.3%, b16 mixed 208.1 vs 205.5).
-DECODE_PERSISTENT_BOUND_PAGES = False
 # Pages of 1, 2 or 4 keys preload their split's ids and gather one per key, as 8-63-key pages do (up to
 # PRELOAD_GATHER_MAX ids; longer splits read them in the loop), with few (batch, kv head) pairs only. H100, one run
 # (decodetune T0425), us, preloaded vs read in the loop (+2 stages) vs before session 9 (in the loop, 3 stages): b1
@@ -264,7 +258,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     queue (PERSISTENT_GATHERED above, DECODE_QUEUE_KEY_PAGES).
     """
     if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256,
                 "PERSISTENT_PROGRAMS": 3, "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS}
     head_dim_pad = next_power_of_2(max(16, headdim))
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
@@ -311,7 +305,7 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
     row_merge = few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS
     merge_d_chunks = DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1)
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
+            "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper,
             "PREFETCH_BLOCKS": prefetch,
             "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
                                         and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
@@ -321,7 +315,6 @@ def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs
             "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles or paged_queue,
             "PERSISTENT_GATHERED": queue_gathered,
             "PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": DECODE_QUEUE_MAX_SPLITS,
-            "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES,
             "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
             "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
             "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs,

@@ -72,19 +72,6 @@ def test_paged_random_permutation(gen, page_size):
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
 
 
-@pytest.mark.parametrize("page_size", [8, 4])
-def test_page_ids_by_select_steps(gen, monkeypatch, page_size):
-    """PAGE_GATHER off: gathered pages (smaller than a block) take each key's page id from the preloaded ids by
-    select-and-sum steps instead of tl.gather; same results (page 4 on the CPU reads ids in the loop either way)."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PAGE_GATHER=False))
-    lens = [page_size * 5 + 1, page_size - 1, 3 * page_size]
-    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=2)
-
-
 @pytest.mark.parametrize("page_size,window", [(4, -1), (8, -1), (16, 5), (32, -1)])
 def test_page_ids_read_beside_the_length(gen, monkeypatch, page_size, window):
     """SPEC_PAGES: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
@@ -468,7 +455,6 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,page_size", [
     (dict(USE_PDL=True, PDL_WAIT=True), None), (dict(USE_PDL=True, PDL_WAIT=True), 16),
-    (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
     (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
@@ -865,33 +851,6 @@ def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persiste
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
 
 
-def test_persistent_block_multiple_pages_bound_their_splits(gen, monkeypatch, persistent):
-    """Pages that are block multiples on the persistent path with PERSISTENT_BOUND_PAGES and a preload limit below
-    a whole sequence's ids: the splits are bounded (MAX_SPLIT_KEYS) to what a num_splits-th of the capacity
-    preloads instead of reading ids in the loop."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    limit = {"value": 256}
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PRELOAD_PAGES_MAX=limit["value"], PERSISTENT_BOUND_PAGES=True))
-    lens = [200, 3, 100, 0]
-    page_size = _block_multiple_page(len(lens), 4, 2, 64, torch.float16, 1)
-    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=8, generator=gen)
-
-    def preload():
-        shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-        assert shape.persistent
-        return decode_launch._persistent_preload(shape, 6, decode_policy._min_chunk(shape))
-
-    limit["value"] = preload()["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
-    bound = preload()
-    assert bound["PRELOAD_PAGES"] > 0 and bound["MAX_SPLIT_KEYS"] > 0, bound
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=6)
-
-
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
     q, k, v = _make(gen, 2, 70, 8, 1, 64, torch.float32, seqlen_q=3)
     _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
@@ -936,77 +895,6 @@ def test_prefetch_shape_stays_within_a_split():
     assert _prefetch_shape(shape, k_bf16, 64, 64)[0] == 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# FUSED_MERGE (opt-in): one launch, the last program of each (batch, kv head, row block) merges
-# ----------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def fused_merge(monkeypatch):
-    """Turn FUSED_MERGE on through the config and make the separate merge kernel unusable, so a passing test proves
-    that the single-launch path produced the result."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), FUSED_MERGE=True))
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("FUSED_MERGE must not launch the separate merge kernel")
-
-    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
-
-
-def test_fused_merge_is_off_by_default(gen):
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    assert heuristics.decode_block_config(128, 2, False)["FUSED_MERGE"] is False
-    assert heuristics.decode_block_config(64, 2, True)["FUSED_MERGE"] is False
-    q, k, v = _make(gen, 1, 16, 4, 2, 64, torch.float16)
-    assert not decode_policy._DecodeShape(q, k, v, _lens([16]), None, None, 0.0, (-1, -1)).fused_merge
-
-
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16])
-def test_fused_merge_ragged_and_paged(gen, fused_merge, page_size):
-    q, k, v = _make(gen, 4, 50, 4, 2, 64, torch.float16)
-    out, lse = _check(q, k, v, _lens([0, 1, 17, 50]), page_size=page_size, gen=gen, num_splits=3)
-    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
-
-
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
-def test_fused_merge_forced_splits(gen, fused_merge, num_splits):
-    """Any split count, also more splits than keys (empty splits still draw tickets, and may draw the last one)."""
-    q, k, v = _make(gen, 2, 40, 4, 1, 64, torch.float16)
-    _check(q, k, v, _lens([40, 5]), num_splits=num_splits)
-
-
-@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q", [(2, 2, 1), (5, 1, 3), (8, 1, 1), (16, 1, 5)])
-def test_fused_merge_gqa_and_multi_token(gen, fused_merge, nheads, nheads_kv, seqlen_q):
-    """GQA groups 1/5/8 and seqlen_q 1/3; 16 heads x 5 tokens = 80 rows use two row blocks (two counters)."""
-    q, k, v = _make(gen, 2, 37, nheads, nheads_kv, 64, torch.float32 if seqlen_q == 3 else torch.float16,
-                    seqlen_q=seqlen_q)
-    _check(q, k, v, _lens([37, 20]), num_splits=3)
-
-
-def test_fused_merge_window_and_softcap(gen, fused_merge):
-    q, k, v = _make(gen, 2, 60, 4, 2, 64, torch.float16, seqlen_q=2)
-    _check(q, k, v, _lens([60, 11]), num_splits=4, window_size=(20, -1), softcap=5.0)
-
-
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
-    """Repeated runs on one plan (changing lengths, as in CUDA-graph replay) stay exact: the last program of each
-    row block resets its counter, so the plan's buffer is all zeros after every run."""
-    q, k, v = _make(gen, 3, 64, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(4, 4, 2, 64, max_seqlen_k=64, dtype=torch.float16, device=DEVICE, num_splits=4)
-    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    for lengths in ([64, 3, 0], [1, 64, 40], [64, 3, 0]):
-        lens = _lens(lengths)
-        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-        assert torch.all(plan._tickets == 0)
-
-
 _HOPPER_COMPILE_SCRIPT = r'''
 import sys
 import triton
@@ -1027,18 +915,16 @@ def compile_for_sm90(fn, types, consts, num_stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
-def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
+def compile_stage1(page, tma, preload, num_stages=3, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
     types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
                  O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32")
-    if fused:
-        types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
-                       FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
+                       MERGE_SPLITS=16,
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, DEVICE_SPLITS=False,
                        SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False, SPEC_PAGES=False),
                   **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
@@ -1049,7 +935,7 @@ def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
 
 for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64, False, 128), (256, True, 8, False, 128),
                                         (3, False, 0, False, 128), (0, True, 0, True, 64), (16, False, 16, True, 64)]:
-    ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
+    ptx = compile_stage1(page, tma, preload, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
                          BLOCK_N=block_n).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
 # L2 prefetch: issued before the PDL wait, its length / block-table reads bypass L1 (.cg), no spills
@@ -1057,10 +943,10 @@ for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64
 # every block waiting for all copies in flight); preloaded key ids of 1-key pages double-buffer at 3
 for page, tma, preload, block_n, stages in [(1, False, 0, 64, 5), (3, False, 0, 128, 5), (128, True, 0, 128, 5),
                                             (1, False, 1024, 64, 3)]:
-    ttgir = compile_stage1(page, tma, preload, False, BLOCK_N=block_n, NUM_SPLITS=64, num_stages=stages).asm["ttgir"]
+    ttgir = compile_stage1(page, tma, preload, BLOCK_N=block_n, NUM_SPLITS=64, num_stages=stages).asm["ttgir"]
     assert f"memdesc<2x{block_n}x128xbf16" in ttgir, (page, preload, stages, "K/V not double-buffered")
 for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, True, 0, 128), (3, False, 0, 128)]:
-    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
+    kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
                             PREFETCH_KEYS=256, LINE_ELEMS=64, NUM_LINES=2)
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
@@ -1069,7 +955,7 @@ for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, T
 # products (20 mul.lo.s64 with int64 offsets, 4 left outside the KV loop), nothing spills
 muls = {}
 for offs_32 in (False, True):
-    kernel = compile_stage1(16, False, 64, False, BLOCK_N=64, MIN_CHUNK=64, OFFS_32=offs_32)
+    kernel = compile_stage1(16, False, 64, BLOCK_N=64, MIN_CHUNK=64, OFFS_32=offs_32)
     muls[offs_32] = kernel.asm["ptx"].count("mul.lo.s64")
     assert spilled_bytes(kernel) == 0
 assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
@@ -1078,7 +964,7 @@ assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
 for page, tma, preload in [(16, False, 64), (64, True, 16)]:
     ids_beside_length = {}
     for spec in (False, True):
-        kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=64, MIN_CHUNK=64,
+        kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=64, MIN_CHUNK=64,
                                 NUM_SPLITS=64, PREFETCH_KEYS=64, OFFS_32=True, SPEC_PAGES=spec)
         ptx = kernel.asm["ptx"]
         after_wait = ptx[ptx.find("griddepcontrol.wait"):]
@@ -1088,21 +974,12 @@ for page, tma, preload in [(16, False, 64), (64, True, 16)]:
 # DEVICE_SPLITS (split counts from all lengths, one program per work item): still pipelined, no spills, the
 # prefetch (which places the item with lengths read .cg) before the wait
 for page, tma, preload, block_n in [(0, True, 0, 64), (64, True, 16, 64), (16, False, 64, 64)]:
-    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=64,
+    kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=64,
                             GROUP=4, DEVICE_SPLITS=True, SPLIT_SLOTS=132, BATCH_PAD=8, KV_PROGRAMS=8,
                             PREFETCH_KEYS=64)
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
     assert spilled_bytes(kernel) == 0, ("device splits spill", page)
-# FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
-# not spill (its tile is held in registers)
-for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),
-                                   (0, True, 0, dict(NUM_SPLITS=64, MERGE_SPLITS=64))]:
-    kernel = compile_stage1(page, tma, preload, True, **consts)
-    ptx = kernel.asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
-    assert "ld.global.cg" in ptx, "partials must be read from L2"
-    assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
 # PERSISTENT (one launch: the KV loops nested in the work-item loop, then the ticket merge over 2048-value steps, as
 # the launcher configures it): loads still pipelined; contiguous caches spill nothing, block-multiple pages (whose
 # page-id reads keep a few more registers live at the 255 cap) at most 16 bytes (8 at 4 rows x 4 splits per step)
@@ -1119,7 +996,7 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
+                  MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
                   OFFS_32=False)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
@@ -1147,7 +1024,7 @@ print("compiled")
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals, KERNEL_NOTES.md). Compile
-    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers, FUSED_MERGE) and the merge for sm_90 with Triton's own
+    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers), the persistent kernel and the merge for sm_90 with Triton's own
     ptxas - no GPU needed - and check that the K/V loads are software-pipelined (cp.async or TMA)."""
     run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)
 

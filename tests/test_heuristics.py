@@ -113,11 +113,8 @@ def test_persistent_decode_from_half_the_sms(monkeypatch):
     # multiples
     page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
               for pairs in (99, 100, 128, 133)}
-    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"])
-            for p, c in page64.items()} == {99: (128, False, False), 100: (64, True, False), 128: (64, True, False),
-                                            133: (64, True, False)}
-    monkeypatch.setattr(hx, "DECODE_PERSISTENT_BOUND_PAGES", True)
-    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132, page_size=64)["PERSISTENT_BOUND_PAGES"]
+    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"]) for p, c in page64.items()} == {
+        99: (128, False), 100: (64, True), 128: (64, True), 133: (64, True)}
     assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
     assert all(c["PERSISTENT_SLOTS"] == 1 and c["PERSISTENT_QUEUE_SPLITS"] == hx.DECODE_QUEUE_MAX_SPLITS
                for c in cfgs.values())  # the queue splits equal lengths on the device (kernels _queue_split_ways)

@@ -11,11 +11,6 @@ s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen)); splits past the en
 exit. With FINAL (one split) the program writes the normalised output and natural-log lse directly; otherwise it
 writes a normalised fp32 partial and its log2 lse for ``kernels.merge``.
 
-FUSED_MERGE (opt-in, one launch instead of two): after writing its partial, every program - empty splits included -
-draws a ticket from a per-(batch, kv head, row block) int32 counter; the program that draws ticket NUM_SPLITS - 1
-merges the NUM_SPLITS partials of its rows itself, writes the final output and lse, and sets the counter back to 0
-(so the same buffer serves the next launch and CUDA-graph replays without a memset).
-
 Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
 position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
 Blocks that every row sees entirely run without masks; only the tail (or every block under a window) is masked.
@@ -40,32 +35,21 @@ def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexp
 
 @triton.jit
 def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
+                       PRELOAD_PAGES: tl.constexpr):
     """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
-    that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). PAGE_GATHER: one tl.gather of each key's
-    id (sm_90 PTX at BLOCK_N 64, PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel). Otherwise two
-    select-and-sum steps in registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then
-    spread it over the keys (62 shuffles, 35 barriers)."""
-    if PAGE_GATHER:
-        # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
-        # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
-        # (unsigned: the offsets are >= 0, and a power-of-two page divides by one shift, not a signed rounding)
-        idx = ((start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
-        return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
-    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
-    NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
-    table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
-    row = (start_n // PAGE_SIZE - first_page) // PAGES_PER_BLOCK
-    block_pages = tl.sum(tl.where((tl.arange(0, NUM_ROWS) == row)[:, None], table, 0), 0)
-    key_page = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    spread = key_page[:, None] == tl.arange(0, PAGES_PER_BLOCK)[None, :]
-    return tl.sum(tl.where(spread, block_pages[None, :], 0), 1)
+    that divide BLOCK_N (the block covers whole pages): one tl.gather of each key's id (sm_90 PTX at BLOCK_N 64,
+    PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel, vs 62 and 35 for select-and-sum steps)."""
+    # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
+    # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
+    # (unsigned: the offsets are >= 0, and a power-of-two page divides by one shift, not a signed rounding)
+    idx = ((start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
+    return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
 
 
 @triton.jit
 def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-             PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr):
+             OFFS_32: tl.constexpr):
     """Element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer: int64,
     or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the 64-bit address
     math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block).
@@ -81,8 +65,7 @@ def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages,
             # blocks start at multiples of BLOCK_N, so a block never straddles a page
             page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
         elif PRELOAD_PAGES > 0:
-            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES,
-                                      PAGE_GATHER)
+            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
         elif MASKED:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
@@ -125,7 +108,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr):
+                   OFFS_32: tl.constexpr):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -142,7 +125,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             k = k_src.load([row0, tma_col])
         else:
             rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, PAGE_GATHER, OFFS_32)
+                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
@@ -195,7 +178,8 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
                           GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEADDIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
-    """FUSED_MERGE epilogue, run by every program after it stored its partial (o, lse2) rows.
+    """The persistent kernel's merge epilogue, run by every split of a sequence after it stored its partial (o, lse2)
+    rows: the split that draws the last ticket merges (no merge kernel follows).
 
     ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch; ``count``: the splits
     that draw a ticket and whose states are merged (slots 0 .. count - 1, count <= NUM_SPLITS). The merging program
@@ -310,23 +294,21 @@ def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: 
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, K_RAW, V_RAW,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
     score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
     stride_ob, stride_ot, stride_oh, stride_os, stride_od,
     stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_fb, stride_ft, stride_fh, stride_fd,
-    stride_flb, stride_flt, stride_flh,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    PAGE_GATHER: tl.constexpr = True, DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
+    DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
     BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
     OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
 ):
@@ -344,10 +326,8 @@ def decode_split_kernel(
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
-    fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
-    FUSED_MERGE (not FINAL): also O_FINAL like Q (strides stride_f*), LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
-    natural log (strides stride_fl*), TICKETS int32 (batch * nheads_kv * NUM_M_BLOCKS,) zeros; the last program of
-    each row block merges (see module doc and _merge_if_last_ticket). Unused (any tensor) otherwise.
+    fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2
+    (MERGE_SPLITS: NUM_SPLITS padded to a power of two).
     PREFETCH_KEYS (0 = off; a power of two): L2 prefetch of the split's first keys before anything else (before
     gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
@@ -356,7 +336,7 @@ def decode_split_kernel(
     SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
     length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
-    DEVICE_SPLITS (not FINAL, not FUSED_MERGE): grid (programs, 1, 1) instead, program p runs work
+    DEVICE_SPLITS (not FINAL): grid (programs, 1, 1) instead, program p runs work
     item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
     least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
@@ -426,17 +406,14 @@ def decode_split_kernel(
             tl.store(lse_rows[:, None] + unused[None, :] * stride_ls, tl.full([BLOCK_M, MERGE_SPLITS],
                      float("-inf"), tl.float32),
                      mask=row_ok[:, None] & ((unused >= num_splits) & (unused < NUM_SPLITS))[None, :])
-    ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm  # FUSED_MERGE only
-    if not FINAL and not FUSED_MERGE:
+    if not FINAL:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
-    # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
-    # it may be the last one.)
 
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                             stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                             OFFS_32, spec_pages, stale_start, stale_end, SPEC)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
@@ -447,13 +424,6 @@ def decode_split_kernel(
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
-        if FUSED_MERGE:
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, NUM_SPLITS, b, hk, m_block,
-                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                  stride_lb, stride_lt, stride_lh, stride_ls,
-                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
-                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
 
 
 @triton.jit
@@ -471,7 +441,7 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr,
+                  PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr,
                   spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
@@ -516,12 +486,12 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
     return normalize_state(acc, m_i, l_i)
 
@@ -651,7 +621,7 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
+    MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
     SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
     QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False,
 ):
@@ -668,7 +638,7 @@ def decode_persistent_kernel(
     splits of a longer one write fp32 partials and draw tickets, and the last of them merges
     (_merge_if_last_ticket), so no merge kernel follows.
 
-    Arguments as decode_split_kernel with FUSED_MERGE: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
+    Arguments as decode_split_kernel, plus the in-kernel merge's: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
     LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
     TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
     BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
@@ -718,7 +688,7 @@ def decode_persistent_kernel(
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
                                 softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                 PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                PAGE_GATHER, OFFS_32)
+                                OFFS_32)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

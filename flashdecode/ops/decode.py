@@ -76,7 +76,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
     tickets = None
-    if splits > 1 and (shape.fused_merge or shape.persistent):
+    if splits > 1 and shape.persistent:
         tickets = torch.zeros(_num_tickets(b, sq, h, shape.nheads_kv), dtype=torch.int32, device=q.device)
     _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse, splits,
                 _min_chunk(shape), tickets, policy_splits=num_splits is None)
@@ -101,7 +101,7 @@ class DecodePlan:
     tensors are views of those buffers and are overwritten by the next run. ``use_pdl`` forces the programmatic
     dependent launches on or off (the merge after stage 1; False also stops stage 1 from being a dependent of the
     kernel before it; None: the heuristics' defaults; ignored where the GPU or the interpreter cannot do it).
-    The one-launch paths (the persistent kernel, or the config's opt-in FUSED_MERGE) merge after int32 ticket
+    The one-launch path (the persistent kernel) merges after int32 ticket
     counters owned by the plan, zero at rest (each run leaves them zero again).
     """
 
@@ -130,7 +130,7 @@ class DecodePlan:
         splits = self.num_splits if self.num_splits > 1 else 0
         self._partial_o = torch.empty(rows * splits * headdim, **f32)
         self._partial_lse = torch.empty(rows * splits, **f32)
-        # FUSED_MERGE ticket counters (zeros; every fused launch leaves them zero again). Row blocks per kv head
+        # the persistent kernel's ticket counters and work queue (zeros; every launch leaves them zero again). Row blocks per kv head
         # never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
         self._tickets = torch.zeros(_num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)

@@ -29,10 +29,8 @@ def _kv_sources(shape, k_cache, v_cache):
 
 
 def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_table, o4, lse3, num_splits,
-                   final: bool, min_chunk: int, fused=None, device_preload=None):
+                   final: bool, min_chunk: int, device_preload=None):
     """o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32 partials).
-    fused: None, or (out4 (batch, seqlen_q, nheads, headdim), lse_out (batch, seqlen_q, nheads) fp32, tickets int32
-    (>= batch * nheads_kv * num_m_blocks,) zeros) for the single-launch FUSED_MERGE path.
     device_preload: None, or the page preload of a DEVICE_SPLITS launch (_device_split_preload): split counts
     chosen on the device, <= num_splits per sequence, one program per work item."""
     q4 = shape.q4
@@ -43,7 +41,6 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
     kv_programs = shape.nheads_kv * shape.num_m_blocks
     grid = (num_splits, kv_programs, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(shape, k_cache, v_cache)
-    fo4, flse3, tickets = fused if fused is not None else (o4, lse3, cache_seqlens)  # unused when not fused
     pdl_wait = shape.pdl_wait  # this launch may overlap the previous kernel's tail (it waits on the device)
     prefetch_keys, line_elems, num_lines = _prefetch_shape(shape, k_cache, num_splits, min_chunk)
     preload_pages = _preload_pages(shape, num_splits, min_chunk)
@@ -55,24 +52,23 @@ def _launch_stage1(shape: _DecodeShape, k_cache, v_cache, cache_seqlens, block_t
         device = dict(DEVICE_SPLITS=True, SPLIT_SLOTS=shape.device_split_slots, KV_PROGRAMS=kv_programs,
                       BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)))
     launch = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, fo4, flse3, tickets, k_cache, v_cache,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
         k_cache.stride(0), shape.batch,
         q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
         stride_kb, k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
-        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls, *_final_strides(fo4, flse3),
+        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, PAGE_SIZE=shape.page_size,
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=shape.use_tma,
-        USE_PDL=shape.use_pdl and not final and fused is None, PDL_WAIT=pdl_wait,
-        PRELOAD_PAGES=preload_pages,
-        FUSED_MERGE=fused is not None, **_merge_tile(shape, num_splits),
+        USE_PDL=shape.use_pdl and not final, PDL_WAIT=pdl_wait,
+        PRELOAD_PAGES=preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32, SPEC_PAGES=shape.spec_pages, **device,
+        OFFS_32=shape.offs_32, SPEC_PAGES=shape.spec_pages, **device,
         num_warps=shape.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
@@ -107,8 +103,7 @@ def _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4
         USE_PDL=shape.use_pdl, PDL_WAIT=shape.pdl_wait,
         **preload,
         BATCH_PAD=heuristics.next_power_of_2(max(shape.grid_batch, shape.batch)),
-        PAGE_GATHER=shape.page_gather, OFFS_32=shape.offs_32,
-        **_merge_tile(shape, num_splits, tile_elems=_PERSISTENT_MERGE_TILE_ELEMS),
+        OFFS_32=shape.offs_32, **_merge_tile(shape, num_splits),
         DYNAMIC=shape.persistent_dynamic,
         SLOTS_PER_PROGRAM=shape.persistent_slots,
         QUEUE_SPLITS=shape.queue_splits, QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
@@ -173,26 +168,24 @@ def _max_split_keys(shape, num_splits, min_chunk) -> int:
 def _persistent_preload(shape, num_splits, min_chunk) -> dict:
     """PRELOAD_PAGES / MAX_SPLIT_KEYS of the persistent kernel. A sequence may run as one split, so pages preload a
     whole sequence's ids when they fit; otherwise a num_splits-th of the capacity, each split bounded to as many
-    keys (num_splits splits always fit), or, when even that is too many, the loop reads the ids (one per block for
-    block-multiple pages, one per key for smaller ones). Block-multiple pages are bounded only with the config's
-    PERSISTENT_BOUND_PAGES (heuristics: 64-key pages in 64-key tiles beyond the SMs). H100, Llama 32/8 32k, us,
-    bounded vs one id read per block in the loop (decodetune T1949): page 64 b32 1457.8 vs 1627.2, b8 (forced
-    persistent) 383.3 vs 410.4; but page 128 b16 735.7 vs 705.4 and b32 1426.9 vs 1411.0."""
+    keys (num_splits splits always fit) for pages smaller than a block, or, when even that is too many, the loop
+    reads the ids (one per block for block-multiple pages, one per key for smaller ones)."""
     whole = _preload_pages(shape, 1, min_chunk)
     small_pages = shape.paged and shape.page_size < shape.block_n
-    if not shape.paged or whole > 0 or not (small_pages or shape.persistent_bound_pages):
+    if not shape.paged or whole > 0 or not small_pages:
         return {"PRELOAD_PAGES": whole, "MAX_SPLIT_KEYS": 0}
     pages = _preload_pages(shape, num_splits, min_chunk)
     return {"PRELOAD_PAGES": pages, "MAX_SPLIT_KEYS": _max_split_keys(shape, num_splits, min_chunk) if pages else 0}
 
 
-def _merge_tile(shape, num_splits, tile_elems=None) -> dict:
-    """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the in-kernel merge (kernels/decode.py _merge_if_last_ticket): the
-    real rows of a row block padded to a power of two, the splits padded likewise, and the splits folded per step
-    so that one step's tile holds ``tile_elems`` (default _FUSED_MERGE_TILE_ELEMS) fp32 values, >= one split."""
+def _merge_tile(shape, num_splits) -> dict:
+    """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the persistent kernel's in-kernel merge (kernels/decode.py
+    _merge_if_last_ticket): the real rows of a row block padded to a power of two, the splits padded likewise, and
+    the splits folded per step so that one step's tile holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one
+    split."""
     merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
     merge_splits = heuristics.next_power_of_2(num_splits)
-    tile_elems = _FUSED_MERGE_TILE_ELEMS if tile_elems is None else tile_elems
+    tile_elems = _PERSISTENT_MERGE_TILE_ELEMS
     return {"MERGE_M": merge_m, "MERGE_SPLITS": merge_splits,
             "MERGE_BLOCK_S": max(1, min(merge_splits, tile_elems // (merge_m * shape.block_d)))}
 
@@ -209,13 +202,9 @@ def _prefetch_shape(shape, k_cache, num_splits, min_chunk):
     return keys, line_elems, heuristics.next_power_of_2(heuristics.cdiv(shape.headdim, line_elems))
 
 
-# fp32 elements of the (rows, splits, headdim) tile the FUSED_MERGE epilogue folds per unrolled step: small, so that
-# ptxas can keep the loads of every step in flight at once without spilling (sm_90 compile: 8192 spills at 32+ splits).
-_FUSED_MERGE_TILE_ELEMS = 4096
-
-
-# The same for the persistent kernel, whose work-item loop keeps more registers live: sm_90, bf16 hd128, 128-key
-# tiles, 4 or 8 rows: 2048 values per step compile without spills, 4096 spill 40-152 bytes.
+# fp32 elements of the (rows, splits, headdim) tile the persistent kernel's merge folds per step: small, so that
+# ptxas keeps every step's loads in flight without spilling (sm_90, bf16 hd128, 128-key tiles, 4 or 8 rows: 2048
+# values per step compile without spills, 4096 spill 40-152 bytes).
 _PERSISTENT_MERGE_TILE_ELEMS = 2048
 
 
@@ -247,7 +236,7 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
     page, block_n = shape.page_size, shape.block_n
     if not shape.paged or shape.preload_max <= 0:
         return 0
-    key_ids = shape.preload_key_ids and shape.page_gather  # 1-, 2-, 4-key pages: one gathered id per key
+    key_ids = shape.preload_key_ids  # 1-, 2-, 4-key pages: one gathered id per key
     small_pages = (page < block_n and block_n % page == 0
                    and (page >= heuristics.DECODE_MIN_PRELOAD_PAGE or key_ids))
     if not (small_pages or page % block_n == 0):
@@ -257,24 +246,20 @@ def _preload_pages(shape, num_splits, min_chunk) -> int:
     # (one page more)
     straddle = 0 if small_pages else 1
     pages = heuristics.next_power_of_2(max(heuristics.cdiv(chunk_max, page) + straddle, block_n // page))
-    limit = shape.preload_gather_max if small_pages and shape.page_gather else shape.preload_max
+    limit = shape.preload_gather_max if small_pages else shape.preload_max
     return pages if pages <= limit else 0
 
 
 def _run_decode(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                 num_splits, min_chunk, tickets=None, policy_splits=False):
     """Stage 1 (+ stage 2 when num_splits > 1) into out4 (batch, seqlen_q, nheads, headdim) and lse3.
-    With shape.fused_merge or shape.persistent and num_splits > 1, one launch: stage 1 merges in its last program
-    per row block, using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the
+    With shape.persistent and num_splits > 1, one launch: the kernel merges in the last split of each row block,
+    using ``tickets`` (int32 zeros, >= batch * nheads_kv * num_m_blocks; left zero again by the
     kernel). policy_splits: num_splits came from the split policy (not the caller), so that with
     shape.device_splits and more than one sequence the split grid may choose each sequence's count on the device
     (<= num_splits) instead."""
     if num_splits == 1:  # no partials, no second kernel
         _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, 1, True, min_chunk)
-        return
-    if shape.fused_merge:
-        _launch_stage1(shape, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse, num_splits,
-                       False, min_chunk, fused=(out4, lse3, tickets))
         return
     if shape.persistent:  # one launch: the kernel merges the sequences that split
         _launch_persistent(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,

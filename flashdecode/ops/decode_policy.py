@@ -82,10 +82,8 @@ class _DecodeShape:
         self.use_pdl = cfg.get("USE_PDL", False) and _pdl_capable(self.device)
         self.pdl_wait = cfg.get("PDL_WAIT", False) and _pdl_capable(self.device)
         self.preload_max = cfg.get("PRELOAD_PAGES_MAX", 0)
-        # pages smaller than a block whose ids are gathered (PAGE_GATHER: a shared-memory lookup, not a select
-        # over every preloaded id) may preload more of them
+        # pages smaller than a block whose ids are gathered (a shared-memory lookup) may preload more of them
         self.preload_gather_max = cfg.get("PRELOAD_GATHER_MAX", self.preload_max)
-        self.fused_merge = bool(cfg.get("FUSED_MERGE", False))
         # L2 prefetch before the PDL wait (inline asm: GPU only) and the merge's early trigger that gives it time
         self.prefetch_blocks = int(cfg.get("PREFETCH_BLOCKS", 0)) if not _interpreting(self.device) else 0
         self.merge_early_trigger = bool(cfg.get("MERGE_EARLY_TRIGGER", False))
@@ -95,7 +93,7 @@ class _DecodeShape:
         # all of the SMs' worth of pairs); programs of its fixed grid (None: the SMs). Pages smaller than a block
         # only with PERSISTENT_GATHERED (heuristics: with the work queue; static shares measured slower on mixed
         # batches).
-        self.persistent = (bool(cfg.get("PERSISTENT", False)) and not self.fused_merge
+        self.persistent = (bool(cfg.get("PERSISTENT", False))
                            and (self.page_size % self.block_n == 0 or cfg.get("PERSISTENT_GATHERED", False)))
         self.persistent_programs = cfg.get("PERSISTENT_PROGRAMS") or heuristics.num_sms(self.device)
         # the persistent programs take work items from a queue (atomic counter) instead of static shares; split
@@ -105,15 +103,9 @@ class _DecodeShape:
         self.persistent_dynamic = bool(cfg.get("PERSISTENT_DYNAMIC", False))
         self.persistent_slots = int(cfg.get("PERSISTENT_SLOTS", 1)) if self.persistent_dynamic else 1
         self.queue_splits = int(cfg.get("PERSISTENT_QUEUE_SPLITS", 0)) if self.persistent_dynamic else 0
-        # block-multiple pages whose whole-sequence ids do not fit the preload: bounded splits (see
-        # _persistent_preload) rather than one block-table read per block in the loop
-        self.persistent_bound_pages = bool(cfg.get("PERSISTENT_BOUND_PAGES", False))
-        # each key's page id by one tl.gather from the split's preloaded ids (else select-and-sum steps)
-        self.page_gather = bool(cfg.get("PAGE_GATHER", True))
         # the split grid with split counts chosen on the device from all lengths, one program per work item (for
         # a policy split count at batch > 1, where a plan's count is sized for the worst mix; see _run_decode)
-        self.device_splits = (bool(cfg.get("DEVICE_SPLITS", False)) and not self.persistent
-                              and not self.fused_merge)
+        self.device_splits = bool(cfg.get("DEVICE_SPLITS", False)) and not self.persistent
         self.device_split_slots = int(cfg.get("DEVICE_SPLIT_SLOTS") or heuristics.num_sms(self.device))
         # 32-bit gather offsets where the cache allows them (_offsets_fit_int32); the config can turn them off
         self.offs_32 = bool(cfg.get("OFFS_32", True)) and _offsets_fit_int32(k_cache)
