@@ -4,13 +4,17 @@ CPU (interpreter) tests use small shapes that still cross several 16-key blocks,
 bf16, long contexts (100k+), the production tile sizes and CUDA-graph capture/replay.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 import flashdecode
+from flashdecode import DecodePath
 from flashdecode import reference as ref
+from flashdecode.ops.decode import decode_config
 from flashdecode.kernels.decode import _device_split_counts, split_range
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
@@ -36,15 +40,38 @@ def _assert_matches_reference(out, lse, q, k, v, lens):
     assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
 
 
-def _check(q, k, v, lens, *, page_size=None, gen=None, **kw):
-    """Run flash_decode (contiguous, or paged via a random page permutation) and compare out and lse with the
-    float64 reference under the FlashAttention rule; returns (out, lse)."""
+def _tweaked(config, tweak):
+    """A resolved DecodeConfig changed by ``tweak``: a dict of fields, or a function of the config."""
+    return tweak(config) if callable(tweak) else dataclasses.replace(config, **tweak)
+
+
+def _decode(q, kc, vc, lens, table=None, tweak=None, **kw):
+    """flash_decode, with the DecodeConfig it resolves changed by ``tweak`` (config=) where given."""
+    if tweak is not None:
+        resolved = decode_config(q, kc, vc, lens, block_table=table, num_splits=kw.get("num_splits"),
+                                 window_size=kw.get("window_size", (-1, -1)), max_seqlen_k=kw.get("max_seqlen_k"))
+        kw["config"] = _tweaked(resolved, tweak)
+    return flashdecode.flash_decode(q, kc, vc, lens, block_table=table, **kw)
+
+
+def _plan(q, kc, vc, lens, *args, table=None, tweak=None, **kw):
+    """DecodePlan(*args, **kw), with the DecodeConfig it resolves for these tensors changed by ``tweak``."""
+    plan = flashdecode.DecodePlan(*args, **kw)
+    if tweak is None:
+        return plan
+    config = _tweaked(plan.config_for(q, kc, vc, lens, block_table=table), tweak)
+    return flashdecode.DecodePlan(*args, **dict(kw, num_splits=config.num_splits), config=config)
+
+
+def _check(q, k, v, lens, *, page_size=None, gen=None, tweak=None, **kw):
+    """Run flash_decode (contiguous, or paged via a random page permutation; its config changed by ``tweak``) and
+    compare out and lse with the float64 reference under the FlashAttention rule; returns (out, lse)."""
     ref_kw = {name: kw[name] for name in ("softmax_scale", "softcap", "window_size") if name in kw}
     if page_size is None:
-        out, lse = flashdecode.flash_decode(q, k, v, lens, return_lse=True, **kw)
+        out, lse = _decode(q, k, v, lens, tweak=tweak, return_lse=True, **kw)
     else:
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=2, generator=gen)
-        out, lse = flashdecode.flash_decode(q, kp, vp, lens, block_table=table, return_lse=True, **kw)
+        out, lse = _decode(q, kp, vp, lens, table, tweak=tweak, return_lse=True, **kw)
     o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, **ref_kw)
     o_same, lse_same = ref.decode_ref(q, k, v, lens, **ref_kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -73,18 +100,15 @@ def test_paged_random_permutation(gen, page_size):
 
 
 @pytest.mark.parametrize("page_size,window", [(4, -1), (8, -1), (16, 5), (32, -1)])
-def test_page_ids_read_beside_the_length(gen, monkeypatch, page_size, window):
-    """SPEC_PAGES: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
+def test_page_ids_read_beside_the_length(gen, page_size, window):
+    """spec_pages: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
     the length gives, then kept or read again; same results, empty sequences and windows included. (Here both
     reads see the same length, so the ids are always kept; the GPU graph test with lengths written by the kernel
     before stage 1 covers a length that changes across the wait.)"""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1))
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1),
+           tweak=dict(spec_pages=True))
 
 
 @triton.jit
@@ -101,17 +125,15 @@ def _stale_range_of_another_length(SEQLENS, b, split, num_splits, capacity, wind
 
 @pytest.mark.parametrize("page_size", [8, 32])
 def test_page_ids_read_again_when_the_length_changed(gen, monkeypatch, page_size):
-    """SPEC_PAGES when the length read before the wait differs from the one after it (forced here by a stand-in for
-    the pre-wait read): the guessed ids cover other pages, are dropped and read again; results stay exact."""
-    from flashdecode import heuristics
+    """spec_pages when the length read before the wait differs from the one after it (forced here by a stand-in
+    for the pre-wait read, the one kernel function replaced): the guessed ids cover other pages, are dropped and
+    read again; results stay exact."""
     from flashdecode.kernels import decode as kernels_decode
 
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
     monkeypatch.setattr(kernels_decode, "_stale_split_range", _stale_range_of_another_length)
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size, page_size * 6]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, tweak=dict(spec_pages=True))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
@@ -276,36 +298,26 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
     _check(q, k, v, _lens(lens))
 
 
-def _forbid_merge_kernel(monkeypatch):
-    """Fail the test if a decode call launches the merge kernel (the persistent kernel must merge in-kernel)."""
-    from flashdecode.ops import decode_launch, decode_policy
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel must merge split sequences itself")
-
-    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
+_PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,headdim,nheads,nheads_kv,page_size,seqlen_q", [
     (torch.bfloat16, 128, 32, 8, None, 1), (torch.bfloat16, 128, 32, 8, 128, 1), (torch.float16, 64, 32, 8, 256, 1),
     (torch.bfloat16, 256, 16, 8, None, 1), (torch.bfloat16, 96, 48, 8, None, 3), (torch.float32, 128, 32, 8, None, 1)])
-def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdim, nheads, nheads_kv, page_size,
+def test_gpu_batch_runs_as_one_persistent_launch(gen, dtype, headdim, nheads, nheads_kv, page_size,
                                                  seqlen_q):
     """With more (batch, kv head) pairs than half the SMs (and at most the SMs) the default is the persistent
     kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch,
     lengths mixed (one long sequence, empty and one-token ones) then uniform, contiguous and block-multiple pages,
     every head dim class and dtype."""
-    from flashdecode.ops import decode_launch, decode_policy
-
-    _forbid_merge_kernel(monkeypatch)
     batch = 12  # 96 (batch, kv head) pairs: between half the H100's SMs and all of them
     q, k, v = _make(gen, batch, 9000, nheads, nheads_kv, headdim, dtype, seqlen_q=seqlen_q)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, headdim, max_seqlen_k=9000, dtype=dtype,
                                   device=DEVICE, max_seqlen_q=seqlen_q)
-    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent, "96 pairs on the H100: the persistent launch is the default"
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    assert config.path in _PERSISTENT_PATHS, "96 pairs on the H100: the persistent launch is the default"
     for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -316,21 +328,19 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0), (64, 3), (1, 0), (3, 3)])
-def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs):
+def test_gpu_batches_take_the_work_queue(gen, page_size, extra_seqs):
     """Beyond one (batch, kv head) pair per SM (extra_seqs > 0), and for pages smaller than a block (gathered page
     ids, or pages of 1-7 keys whose ids the KV loop reads) from 3/4 of that, the persistent kernel draws work items
     from its queue: mixed lengths (one long sequence among empty, one-token and short ones), then uniform, through a
     plan; the queue is left at zero."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
 
-    _forbid_merge_kernel(monkeypatch)
     batch = heuristics.num_sms(torch.device(DEVICE)) // 8 + extra_seqs  # 8 kv heads: 0 or 24 pairs beyond the SMs
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent and shape.persistent_dynamic, "more pairs than SMs on Hopper: the work queue"
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    assert config.path is DecodePath.PERSISTENT_QUEUE, "more pairs than SMs on Hopper: the work queue"
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -341,19 +351,17 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,page_size", [(6, None), (8, None), (8, 64), (8, 256)])
-def test_gpu_batches_below_half_the_sms_run_persistent(gen, monkeypatch, batch, page_size):
+def test_gpu_batches_below_half_the_sms_run_persistent(gen, batch, page_size):
     """Contiguous caches with a third to a half of the SMs' worth of (batch, kv head) pairs (Llama 32/8, b6 / b8)
     run the persistent kernel with static shares, pages that are multiples of the few-pairs 64-key tiles from 0.45
     of them (b8) with its work queue: mixed lengths (one long among empty, one-token and short ones), then uniform,
     through a plan; no merge kernel; tickets and queue left at zero."""
-    from flashdecode.ops import decode_launch, decode_policy
-
-    _forbid_merge_kernel(monkeypatch)
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent and shape.persistent_dynamic == (page_size is not None) and shape.block_n == 64
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    queue = config.path is DecodePath.PERSISTENT_QUEUE
+    assert config.path in _PERSISTENT_PATHS and queue == (page_size is not None) and config.block_n == 64
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -369,37 +377,31 @@ def test_gpu_device_split_grid(gen, batch, page_size):
     sequence's split count chosen on the device (DEVICE_SPLITS where heuristics turn it on; forced here): mixed
     lengths (one long among empty, one-token and short ones), then uniform; contiguous, gathered (16), block-
     multiple (64) and 1-key pages (whose ids do not fit the preload: the fixed-count split grid)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config
-    heuristics_cfg = lambda *a, **kw: dict(base(*a, **kw), DEVICE_SPLITS=True)  # noqa: E731
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(heuristics, "decode_block_config", heuristics_cfg)
-        plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-        shape = decode_policy._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1),
-                                        grid_batch=batch)
-        assert shape.device_splits and not shape.persistent
-        for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
-            lens = _lens(lengths[:batch])
-            out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-            _assert_matches_reference(out, lse, q, k, v, lens)
+    lens0 = _lens([8] * batch)
+
+    def device_split_grid(config):
+        fits = page_size != 1  # 1-key pages at 12k keys: a whole sequence's ids do not fit the preload
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID if fits else config.path)
+
+    plan = _plan(q, kc, vc, lens0, batch, 32, 8, 128, table=table, tweak=device_split_grid, max_seqlen_k=12_000,
+                 dtype=torch.bfloat16, device=DEVICE)
+    for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
+        lens = _lens(lengths[:batch])
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
     """Batch 1, page 16, splits of <= 64 keys: 32-key tiles (two pages per block) through the plan, correct."""
-    from flashdecode.ops import decode_launch, decode_policy
-
     q, k, v = _make(gen, 1, context, 16, 2, 128, torch.bfloat16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 16, extra_pages=3, generator=gen)
     plan = flashdecode.DecodePlan(1, 16, 2, 128, max_seqlen_k=context, dtype=torch.bfloat16, device=DEVICE)
     split_keys = -(-context // plan.num_splits)
-    shape = decode_policy._DecodeShape(q, kp, vp, _lens([context]), table, None, 0.0, (-1, -1), split_keys=split_keys)
-    assert shape.block_n == 32 or split_keys > 64
+    assert plan.config_for(q, kp, vp, _lens([context]), block_table=table).block_n == 32 or split_keys > 64
     for n in (context, context - 17, 1):
         lens = _lens([n])
         out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
@@ -413,6 +415,24 @@ def test_gpu_multi_token_softcap_window(gen, seqlen_q):
     q, k, v = _make(gen, 3, max(lens), 32, 8, 128, torch.bfloat16, seqlen_q=seqlen_q)
     _check(q, k, v, _lens(lens), page_size=16, gen=gen, softcap=30.0)
     _check(q, k, v, _lens(lens), window_size=(1000, -1))
+
+
+def _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen):
+    """Write new_lens into the captured lens, move every page of a paged cache (new contents of the same
+    block_table tensor), replay, and check static_out against the reference on the contiguous k, v."""
+    lens.copy_(_lens(new_lens))
+    if table is not None:
+        perm = torch.randperm(kc.shape[0], generator=gen).to(DEVICE)
+        new_k, new_v = torch.empty_like(kc), torch.empty_like(vc)
+        new_k[perm], new_v[perm] = kc, vc
+        kc.copy_(new_k)
+        vc.copy_(new_v)
+        table.copy_(perm[table.long()].to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, _ = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -435,45 +455,97 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
     with torch.cuda.graph(graph):
         static_out = plan.run(q, kc, vc, lens, block_table=table)
     for new_lens in ([1, 9000, 2, 5000], [8191, 8192, 8193, 1]):
-        lens.copy_(_lens(new_lens))
-        if page_size:  # move every page: new contents of the same block_table tensor
-            perm = torch.randperm(kc.shape[0], generator=gen).to(DEVICE)
-            new_k = torch.empty_like(kc)
-            new_v = torch.empty_like(vc)
-            new_k[perm] = kc
-            new_v[perm] = vc
-            kc.copy_(new_k)
-            vc.copy_(new_v)
-            table.copy_(perm[table.long()].to(torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, _ = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)
+        _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,page_size", [(1, None), (4, None), (4, 16), (12, 128), (40, None)])
+def test_gpu_plain_flash_decode_captured_and_replayed_with_changed_lengths(gen, batch, page_size):
+    """A decode step calling plain flash_decode (no plan, no num_splits, no max_seqlen_k) is captured in a CUDA
+    graph: no host sync inside (the split count comes from the cache capacity), workspace from the per-device pool
+    sized by the eager warm-up; replays with changed lengths and moved pages stay exact (batch 1 / 4: split grids,
+    12 / 40: the persistent paths on Hopper)."""
+    cap = 6000
+    q, k, v = _make(gen, batch, cap, 32, 8, 128, torch.bfloat16)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    lens = _lens([cap] + [37 * (i + 1) for i in range(batch - 1)])
+    flashdecode.flash_decode(q, kc, vc, lens, block_table=table)  # eager: compiles, sizes the pool
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashdecode.flash_decode(q, kc, vc, lens, block_table=table)
+    for new_lens in ([1] + [cap - i for i in range(batch - 1)], [0] * (batch - 1) + [cap], [cap // 2] * batch):
+        _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen)
+
+
+class _UnreadableLengths(torch.Tensor):
+    """cache_seqlens whose values must not be read on the host (as under CUDA-graph capture)."""
+
+    def to(self, *args, **kwargs):
+        raise AssertionError("the lengths were read on the host")
+
+
+def test_captured_call_sizes_splits_from_the_capacity_without_reading_lengths(gen):
+    """Host side of a captured plain call: the split policy takes the cache capacity (the lengths are not read),
+    max_seqlen_k still bounds it; the resolved config lets the device reduce the splits (device-split grid at a
+    batch with few pairs on the GPU's rules); the workspace pool hands out views of buffers an eager call sized."""
+    from flashdecode import heuristics as hx
+    from flashdecode.ops.decode_policy import _DecodeShape, choose_live_keys
+    from flashdecode.ops.decode_workspace import _Workspace
+
+    q, k, v = _make(gen, 4, 300, 4, 2, 64, torch.float16)
+    lens = _lens([300, 5, 0, 40]).as_subclass(_UnreadableLengths)
+    shape = _DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
+    assert choose_live_keys(shape, lens, None, None, in_capture=True) == (300, None)
+    assert choose_live_keys(shape, lens, None, 100, in_capture=True) == (100, None)
+    with pytest.raises(AssertionError, match="read on the host"):
+        choose_live_keys(shape, lens, None, None, in_capture=False)
+    gpu = hx.DecodeDevice(num_sms=132, interpret=False, hopper=False, pdl=False)
+    problem = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=4, nheads_kv=8, headdim=128, elem_bytes=2,
+                               page_size=0, capacity=12000, window_left=-1, live_keys=12000)
+    config = hx.resolve_decode_config(problem, gpu)
+    assert config.num_splits > 1 and config.path is DecodePath.DEVICE_SPLIT_GRID
+    pool = _Workspace(torch.device("cpu"))
+    pool.reserve((4, 1, 32, 8, 128), 40)
+    o_ptr, lse_ptr, t_ptr = pool.o.data_ptr(), pool.lse.data_ptr(), pool.tickets.data_ptr()
+    partial_o, partial_lse, tickets = pool.take((2, 1, 32, 8, 128), 20)
+    assert (partial_o.data_ptr(), partial_lse.data_ptr(), tickets.data_ptr()) == (o_ptr, lse_ptr, t_ptr)
+    assert partial_o.shape == (2, 1, 32, 8, 128) and partial_lse.shape == (2, 1, 32, 8) and tickets.numel() == 20
+    assert torch.all(pool.tickets == 0)
+
+
+def test_captured_call_path_is_exact(gen, monkeypatch):
+    """flash_decode's capture branch (split count from the capacity, workspace from the pool) run in the
+    interpreter by declaring the stream captured: exact for lengths far below the capacity, repeatedly."""
+    from flashdecode.ops import decode as ops_decode
+
+    monkeypatch.setattr(ops_decode, "capturing", lambda device: True)  # the one fact the CPU cannot produce
+    q, k, v = _make(gen, 3, 200, 4, 2, 64, torch.float16)
+    for lengths in ([200, 3, 0], [1, 17, 90]):
+        lens = _lens(lengths)
+        out, lse = flashdecode.flash_decode(q, k, v, lens, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,page_size", [
-    (dict(USE_PDL=True, PDL_WAIT=True), None), (dict(USE_PDL=True, PDL_WAIT=True), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True), 64),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True, BLOCK_N=64), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True), None), (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True,
-                                                                      PERSISTENT_PROGRAMS=264), 128)])
-def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
-    """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
+    (dict(use_pdl=True, pdl_wait=True), None), (dict(use_pdl=True, pdl_wait=True), 16),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=4, merge_early_trigger=True), None),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=4, merge_early_trigger=True), 16),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=2, merge_early_trigger=True, block_n=64), 3),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=1, spec_pages=True), 64),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=1, spec_pages=True, block_n=64, use_tma=False), 16),
+    (dict(use_pdl=True, pdl_wait=True, path=DecodePath.PERSISTENT), None),
+    (dict(use_pdl=True, pdl_wait=True, path=DecodePath.PERSISTENT, persistent_programs=264), 128)])
+def test_gpu_graph_replay_right_after_a_producer_kernel(gen, variant, page_size):
+    """Stage 1 launched as a programmatic dependent (pdl_wait) must wait for the kernel before it: in one graph,
     three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), **variant))
     q_all, k, v = _make(gen, 4, 9000, 16, 2, 128, torch.bfloat16)
     qs = [randn(*q_all.shape, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
     lens_src = [_lens(x) for x in ([9000, 5, 3000, 0], [1, 8192, 129, 4097], [4000, 4000, 9000, 17])]
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    plan = flashdecode.DecodePlan(4, 16, 2, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE)
+    plan = _plan(qs[0], kc, vc, lens_src[0], 4, 16, 2, 128, table=table, tweak=variant, max_seqlen_k=9000,
+                 dtype=torch.bfloat16, device=DEVICE)
     q_static, lens_static = torch.empty_like(qs[0]), torch.empty_like(lens_src[0])
     outs = [torch.empty_like(q) for q in qs]
 
@@ -504,163 +576,142 @@ def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, varian
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 32])
-def test_tma_path(gen, monkeypatch, page_size):
+def test_tma_path(gen, page_size):
     """The tensor-descriptor (TMA) path, forced on (the interpreter runs host descriptors too); NaN in unused
     slots must not leak through whole-block TMA reads."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config
-
-    def with_tma(*args, **kw):
-        return dict(base(*args, **kw), USE_TMA=True)
-
-    monkeypatch.setattr(heuristics, "decode_block_config", with_tma)
     q, k, v = _make(gen, 3, 70, 8, 2, 64, torch.float16, seqlen_q=2)
     lens = _lens([70, 17, 33])
     for b, n in enumerate([70, 17, 33]):
         v[b, n:] = float("nan")
-    shape = decode_policy._DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
-    assert shape.use_tma
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     for num_splits in (1, 3):
-        out = flashdecode.flash_decode(q, kc, vc, lens, block_table=table, num_splits=num_splits)
+        out = _decode(q, kc, vc, lens, table, tweak=dict(use_tma=True), num_splits=num_splits)
         o64, _ = ref.decode_ref(q.double(), k.double().nan_to_num(), v.double().nan_to_num(), lens)
         o_same, _ = ref.decode_ref(q, k.nan_to_num(), v.nan_to_num(), lens)
         assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
 
 
-def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monkeypatch):
+def test_tma_override_rejected_where_the_cache_cannot_take_it(gen):
+    """config.use_tma on a cache that is not dense in (rows, kv heads x head dim) raises naming config.use_tma."""
+    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
+    ks, vs = k[:, ::2], v[:, ::2]  # every other key: rows no longer consecutive
+    lens = _lens([20, 7])
+    config = dataclasses.replace(decode_config(q, ks, vs, lens, num_splits=2), use_tma=True)
+    with pytest.raises(ValueError, match="config.use_tma"):
+        flashdecode.flash_decode(q, ks, vs, lens, config=config)
+
+
+def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen):
     """Pages of 1, 2 or 4 keys preload one id per key (gathered like 8-key pages; pages of 3 keys cannot: they
     straddle blocks), sized to a split's keys without the straddling page of block-multiple pages; where the loop
-    reads the block table instead, long splits get TABLE_READ_EXTRA_STAGES more pipeline stages, short ones and
-    preloaded ids none."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
+    reads the block table instead, long splits get table_read_extra_stages more pipeline stages, short ones and
+    preloaded ids none (heuristics' decode geometry, with the interpreter's 16-key tiles and 256 ids)."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config
-    # the interpreter's constants (16-key tiles, 256 preloaded ids) on the GPU too, so the sizes below hold there
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda headdim, elem_bytes, interpret, *a, **k: dict(
-        base(headdim, elem_bytes, True, *a, **k), PRELOAD_KEY_IDS=True, TABLE_READ_EXTRA_STAGES=2,
-        TABLE_READ_MIN_SPLIT_BLOCKS=8))
-    q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
+    config = dataclasses.replace(decode_config(*_make(gen, 2, 512, 4, 2, 64, torch.float16), _lens([512, 100]),
+                                               num_splits=4),
+                                 preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8)
+    assert config.block_n == 16
 
-    def shape_for(page_size):
-        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-        return decode_policy._DecodeShape(q, kp, vp, _lens([512, 100]), table, None, 0.0, (-1, -1))
+    def problem(page_size):
+        return hx.DecodeProblem(batch=2, grid_batch=2, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                                page_size=page_size, capacity=512, window_left=-1, live_keys=512)
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
-        shape = shape_for(page_size)
-        assert shape.block_n == 16
-        preload = decode_launch._preload_pages(shape, splits, decode_policy._min_chunk(shape))
+        preload = hx.decode_preload_pages(problem(page_size), config, splits)
         assert preload == ids, (page_size, preload)
-        stages = decode_launch._pipeline_stages(shape, preload, 512 // splits)
-        assert stages == shape.num_stages, page_size
-    three = shape_for(3)
-    assert decode_launch._preload_pages(three, 4, decode_policy._min_chunk(three)) == 0
-    long_split, short_split = 8 * three.block_n, 8 * three.block_n - 1
-    assert decode_launch._pipeline_stages(three, 0, long_split) == three.num_stages + 2
-    assert decode_launch._pipeline_stages(three, 0, short_split) == three.num_stages
-    contiguous = decode_policy._DecodeShape(q, k, v, _lens([512, 100]), None, None, 0.0, (-1, -1))
-    assert decode_launch._pipeline_stages(contiguous, 0, long_split) == contiguous.num_stages
+        assert hx.decode_pipeline_stages(problem(page_size), config, preload, 512 // splits) == config.num_stages
+    assert hx.decode_preload_pages(problem(3), config, 4) == 0
+    long_split, short_split = 8 * config.block_n, 8 * config.block_n - 1
+    assert hx.decode_pipeline_stages(problem(3), config, 0, long_split) == config.num_stages + 2
+    assert hx.decode_pipeline_stages(problem(3), config, 0, short_split) == config.num_stages
+    assert hx.decode_pipeline_stages(problem(0), config, 0, long_split) == config.num_stages
+    q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
     for num_splits in (1, 3):
-        _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits)
+        _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits,
+               tweak=dict(preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8))
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 32])
-def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
+def test_paged_without_block_table_preload(gen, page_size):
     """Long splits whose page ids do not fit in registers read the block table inside the loop: same results."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PRELOAD_PAGES_MAX=0))
     q, k, v = _make(gen, 3, 70, 4, 2, 64, torch.float16, seqlen_q=2)
-    _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
+    _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2,
+           tweak=dict(preload_pages_max=0, preload_gather_max=0))
 
 
 @pytest.mark.parametrize("d_chunks,max_rows", [(2, 0), (4, 1)])
-def test_merge_in_head_dim_chunks(gen, monkeypatch, d_chunks, max_rows):
-    """MERGE_D_CHUNKS / MERGE_MAX_ROWS (config): stage 2 as head-dim slices, and as one row per program, gives the
-    same result (GQA, ragged, paged)."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config",
-                        lambda *a, **k: dict(base(*a, **k), MERGE_D_CHUNKS=d_chunks, MERGE_MAX_ROWS=max_rows))
+def test_merge_in_head_dim_chunks(gen, d_chunks, max_rows):
+    """merge_d_chunks / merge_max_rows: stage 2 as head-dim slices, and as one row per program, gives the same
+    result (GQA, ragged, paged)."""
     q, k, v = _make(gen, 3, 90, 8, 2, 64, torch.float16)
-    _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3)
+    _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3,
+           tweak=dict(merge_d_chunks=d_chunks, merge_max_rows=max_rows))
 
 
 def test_round3_config_rules():
-    """heuristics.decode_block_config, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's
-    early trigger only for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only (on
-    the split grid: the Hopper work queue keeps 32 KiB)."""
+    """Tile policy, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's early trigger only
+    for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only (on the split grid:
+    the Hopper work queue keeps 32 KiB)."""
     from flashdecode import heuristics as hx
 
-    hopper = hx._is_hopper_or_newer()
-    few = dict(kv_pairs=2, num_sms=132)
-    assert hx.decode_block_config(128, 2, False, **few)["PREFETCH_BLOCKS"] == (1 if hopper else 0)
-    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PREFETCH_BLOCKS"] == 0
-    assert hx.decode_block_config(128, 2, False, **few, split_keys=64)["MERGE_EARLY_TRIGGER"] == hopper
-    assert hx.decode_block_config(128, 2, False, **few, split_keys=128)["MERGE_EARLY_TRIGGER"] == hopper
-    assert not hx.decode_block_config(128, 2, False, **few, split_keys=256)["MERGE_EARLY_TRIGGER"]
-    assert not hx.decode_block_config(128, 2, False, **few)["MERGE_EARLY_TRIGGER"]  # split length unknown
-    batch = dict(kv_pairs=96, num_sms=132)  # below the work queue's 3/4 of the SMs (which keeps 128-key tiles)
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=512)["BLOCK_N"] == 64
-    queue = dict(kv_pairs=128, num_sms=132)
-    assert hx.decode_block_config(128, 2, False, **queue, page_size=16, split_keys=512)["BLOCK_N"] == (
-        128 if hopper else 64)
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=8192)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=0, split_keys=512)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=64, split_keys=512)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=4, split_keys=512)["BLOCK_N"] == 128
+    for hopper in (False, True):
+        dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=hopper, pdl=hopper)
+
+        def choice(kv_pairs, page_size=0, split_keys=None):  # 8 kv heads x batch, hd128 bf16
+            p = hx.DecodeProblem(batch=kv_pairs, grid_batch=kv_pairs, seqlen_q=1, group=1, nheads_kv=1,
+                                 headdim=128, elem_bytes=2, page_size=page_size, capacity=1 << 17, window_left=-1,
+                                 live_keys=1 << 17)
+            return hx._stage1_choice(p, dev, split_keys)
+
+        assert choice(2).prefetch_blocks == (1 if hopper else 0)
+        assert choice(128).prefetch_blocks == 0
+        assert choice(2, split_keys=64).merge_early_trigger == hopper
+        assert choice(2, split_keys=128).merge_early_trigger == hopper
+        assert not choice(2, split_keys=256).merge_early_trigger
+        assert not choice(2).merge_early_trigger  # split length unknown
+        # 96 pairs: below the work queue's 3/4 of the SMs (which keeps 128-key tiles)
+        assert choice(96, page_size=16, split_keys=512).block_n == 64
+        assert choice(128, page_size=16, split_keys=512).block_n == (128 if hopper else 64)
+        assert choice(96, page_size=16, split_keys=8192).block_n == 128
+        for page_size in (0, 64, 4):
+            assert choice(96, page_size=page_size, split_keys=512).block_n == 128
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# PERSISTENT (opt-in): split counts chosen on the device, a fixed grid of programs looping over work items
+# The persistent paths (Hopper's default at batch; forced here): split counts chosen on the device, a fixed grid
+# of programs looping over work items, the merge in-kernel
 # ----------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=[(3, False), (16, False), (3, True)], ids=["3programs", "16programs", "3dynamic"])
-def persistent(request, monkeypatch):
-    """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
-    (several splits per sequence), or 3 programs taking items from the work queue (DYNAMIC, 4 slots per program:
-    more splits, and the device rule that splits equal lengths, kernels _queue_split_ways); the split-grid stage 1
-    is made unusable for split launches and the merge kernel unusable altogether, so a passing test proves the
-    persistent kernel produced and merged the partials."""
+def persistent(request):
+    """A config tweak onto the persistent path with 3 programs (several items each, mostly one split per sequence)
+    or 16 (several splits per sequence), or 3 programs taking items from the work queue (PERSISTENT_QUEUE, 4 slots
+    per program: more splits, and the device rule that splits equal lengths, kernels _queue_split_ways). One
+    split stays UNSPLIT (as resolved)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
 
-    base = heuristics.decode_block_config
     programs, dynamic = request.param
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=programs, PERSISTENT_DYNAMIC=dynamic,
-        PERSISTENT_SLOTS=4, PERSISTENT_QUEUE_SPLITS=heuristics.DECODE_QUEUE_MAX_SPLITS))
-    split_grid = decode_launch._launch_stage1
 
-    def only_unsplit(shape, *args, **kwargs):
-        assert args[7] is True, "split launches must go through the persistent kernel"  # final
-        return split_grid(shape, *args, **kwargs)
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel merges split sequences itself: no merge launch")
-
-    monkeypatch.setattr(decode_launch, "_launch_stage1", only_unsplit)
-    monkeypatch.setattr(decode_launch, "launch_merge_many", no_merge_kernel)
-    return request.param
+    def tweak(config):
+        if config.num_splits == 1:
+            return config
+        path = DecodePath.PERSISTENT_QUEUE if dynamic else DecodePath.PERSISTENT
+        return dataclasses.replace(config, path=path, persistent_programs=programs, persistent_slots=4,
+                                   queue_splits=heuristics.DECODE_QUEUE_MAX_SPLITS)
+    return tweak
 
 
 def _block_multiple_page(batch, nheads, nheads_kv, headdim, dtype, pages_per_block):
-    """A page size that is pages_per_block x the stage-1 BLOCK_N of this shape (16 keys on the CPU, 64-128 on the
-    GPU), so that the persistent kernel (contiguous or block-multiple pages only) takes the launch; None: contiguous."""
-    from flashdecode.ops import decode_launch, decode_policy
-
+    """A page size that is pages_per_block x the stage-1 block_n of this shape (16 keys on the CPU, 64-128 on the
+    GPU); None: contiguous."""
     if pages_per_block is None:
         return None
     q = torch.empty(batch, nheads, headdim, dtype=dtype, device=DEVICE)
     k = torch.empty(batch, 8, nheads_kv, headdim, dtype=dtype, device=DEVICE)
     lens = torch.full((batch,), 8, dtype=torch.int32, device=DEVICE)
-    return decode_policy._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
+    return decode_config(q, k, k, lens, num_splits=2).block_n * pages_per_block
 
 
 @triton.jit
@@ -704,43 +755,31 @@ def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
 
 
 @pytest.fixture(params=[3, 40], ids=["3slots", "40slots"])
-def device_splits(request, monkeypatch):
-    """DEVICE_SPLITS on through the config with 3 work-item slots (short sequences share them: one split each) or
-    40 (a long sequence takes many splits). Returns the list of DEVICE_SPLITS page preloads launched (one entry per
-    split-grid launch that chose its split counts on the device)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), DEVICE_SPLITS=True, DEVICE_SPLIT_SLOTS=request.param))
-    launched = []
-    stage1 = decode_launch._launch_stage1
-
-    def spy(*args, **kwargs):
-        if kwargs.get("device_preload") is not None:
-            launched.append(kwargs["device_preload"])
-        return stage1(*args, **kwargs)
-
-    monkeypatch.setattr(decode_launch, "_launch_stage1", spy)
-    return launched
+def device_splits(request):
+    """A config tweak onto the DEVICE_SPLIT_GRID path with 3 work-item slots (short sequences share them: one split
+    each) or 40 (a long sequence takes many splits). One split stays UNSPLIT."""
+    def tweak(config):
+        if config.num_splits == 1:
+            return config
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=request.param)
+    return tweak
 
 
 @pytest.mark.parametrize("page_size", [None, 3, 8, 32])
 def test_device_splits_ragged_and_paged(gen, device_splits, page_size):
     """A plan's policy split count (sized for the worst mix) with each sequence's count chosen on the device:
     ragged lengths (a long one, an empty one, one token, short ones), then equal ones; contiguous, pages whose ids
-    the loop reads (3), gathered preloaded ids (8 < BLOCK_N 16 on the CPU) and block-multiple pages (32). Every
-    layout launches the device-split grid (their whole sequences' ids fit the preload or are read in the loop)."""
+    the loop reads (3), gathered preloaded ids (8 < block_n 16 on the CPU) and block-multiple pages (32)."""
     q, k, v = _make(gen, 5, 300, 4, 2, 64, torch.float32)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=300, dtype=torch.float32, device=DEVICE)
+    plan = _plan(q, kc, vc, _lens([300] * 5), 5, 4, 2, 64, table=table, tweak=device_splits, max_seqlen_k=300,
+                 dtype=torch.float32, device=DEVICE)
     assert plan.num_splits > 4
+    assert plan.config_for(q, kc, vc, _lens([1] * 5), block_table=table).path is DecodePath.DEVICE_SPLIT_GRID
     for lengths in ([300, 0, 1, 47, 130], [200] * 5):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
         _assert_matches_reference(out, lse, q, k, v, lens)
-    assert len(device_splits) == 2
 
 
 def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
@@ -748,24 +787,40 @@ def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
     keys start past 0) and softcap, through flash_decode's policy count: every combination exact."""
     lens = _lens([250, 3, 0, 120])
     q, k, v = _make(gen, 4, 250, 8, 2, 64, torch.float32, seqlen_q=3)
-    _check(q, k, v, lens, page_size=8, gen=gen, softcap=20.0)
-    _check(q, k, v, lens, window_size=(150, -1))
-    assert len(device_splits) == 2
+    assert decode_config(q, k, v, lens).num_splits > 1
+    _check(q, k, v, lens, page_size=8, gen=gen, softcap=20.0, tweak=device_splits)
+    _check(q, k, v, lens, window_size=(150, -1), tweak=device_splits)
 
 
-def test_device_splits_keep_a_callers_split_count(gen, device_splits):
-    """A split count the caller chose (flash_decode's num_splits, a plan's num_splits) is run as given, and one
-    sequence needs no device plan: only the policy's count at batch > 1 takes the device-split grid."""
-    q, k, v = _make(gen, 3, 200, 4, 2, 64, torch.float32)
-    lens = _lens([200, 60, 5])
-    _check(q, k, v, lens, num_splits=7)
-    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=200, dtype=torch.float32, device=DEVICE, num_splits=6)
-    out, lse = plan.run(q, k, v, lens, return_lse=True)
-    _assert_matches_reference(out, lse, q, k, v, lens)
-    _check(q[:1], k[:1], v[:1], lens[:1])
-    assert device_splits == []
-    _check(q, k, v, lens)  # the policy's count from the live lengths: the device may split differently
-    assert len(device_splits) == 1
+def test_device_split_grid_only_for_a_policy_count_at_batch():
+    """The resolver takes the device-split grid (where its tile rule allows it: few pairs, contiguous here) only
+    for the policy's split count at batch > 1: a caller's count, or one sequence, runs the plain split grid."""
+    from flashdecode import heuristics as hx
+
+    dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=False, pdl=False)
+
+    def path(batch, **kw):
+        p = hx.DecodeProblem(batch=batch, grid_batch=batch, seqlen_q=1, group=4, nheads_kv=8, headdim=128,
+                             elem_bytes=2, page_size=0, capacity=12000, window_left=-1, live_keys=12000, **kw)
+        return hx.resolve_decode_config(p, dev).path
+
+    assert path(4) is DecodePath.DEVICE_SPLIT_GRID  # 32 pairs, the policy's count
+    assert path(4, num_splits=7) is DecodePath.SPLIT_GRID
+    assert path(4, num_splits=7, device_may_reduce_splits=True) is DecodePath.DEVICE_SPLIT_GRID  # a plan's policy
+    assert path(1) is DecodePath.SPLIT_GRID
+    assert path(2) is DecodePath.SPLIT_GRID  # 16 pairs: below DECODE_DEVICE_SPLITS_MIN_PAIRS
+
+
+def test_device_split_grid_override_rejected_where_the_preload_cannot_hold_a_sequence(gen):
+    """DEVICE_SPLIT_GRID with pages smaller than a block whose whole-sequence ids outgrow the preload raises,
+    naming config.path (the device may give a sequence one split)."""
+    q, k, v = _make(gen, 2, 300, 4, 2, 64, torch.float32)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
+    lens = _lens([300, 20])
+    config = dataclasses.replace(decode_config(q, kp, vp, lens, block_table=table, num_splits=4),
+                                 path=DecodePath.DEVICE_SPLIT_GRID, preload_gather_max=16)
+    with pytest.raises(ValueError, match="config.path"):
+        flashdecode.flash_decode(q, kp, vp, lens, block_table=table, config=config)
 
 
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2])
@@ -773,87 +828,67 @@ def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(4, 4, 2, 64, torch.float16, pages_per_block)
     n = max(90, 2 * (page_size or 0) + 37)  # several pages per sequence on the GPU's larger blocks too
     q, k, v = _make(gen, 4, n, 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens([n, 0, n // 3, 5]), page_size=page_size, gen=gen, num_splits=4)
-
-
-def test_persistent_not_for_gathered_pages(gen, monkeypatch):
-    """Pages smaller than a block keep the split grid (the persistent kernel spills there on sm_90)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PERSISTENT=True))
-    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
-    kp, _, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-    assert not decode_policy._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
-    _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
+    _check(q, k, v, _lens([n, 0, n // 3, 5]), page_size=page_size, gen=gen, num_splits=4, tweak=persistent)
 
 
 @pytest.mark.parametrize("page_size,key_ids", [(1, False), (1, True), (3, False)])
-def test_persistent_key_pages(gen, monkeypatch, persistent, page_size, key_ids):
+def test_persistent_key_pages(gen, persistent, page_size, key_ids):
     """Pages of 1-7 keys on the persistent path (heuristics.DECODE_QUEUE_KEY_PAGES): page ids read per key in the
-    KV loop, or (1-, 2-, 4-key pages with PRELOAD_KEY_IDS) gathered from a split's preload, bounding the splits."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
+    KV loop, or (1-, 2-, 4-key pages with preload_key_ids) gathered from a split's preload, bounding the splits."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_KEY_IDS=key_ids))
     lens = [150, 3, 61, 0, 17]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-    assert shape.persistent
-    preload = decode_launch._persistent_preload(shape, 4, decode_policy._min_chunk(shape))
-    assert (preload["PRELOAD_PAGES"] > 0) == key_ids, preload
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4)
+    config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=4),
+                                            preload_key_ids=key_ids))
+    problem = hx.DecodeProblem(batch=5, grid_batch=5, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                               page_size=page_size, capacity=table.shape[1] * page_size, window_left=-1,
+                               live_keys=150)
+    assert (hx.decode_persistent_preload(problem, config)[0] > 0) == key_ids
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4,
+           tweak=lambda c: persistent(dataclasses.replace(c, preload_key_ids=key_ids)))
 
 
 def test_persistent_plan_runs_fewer_sequences_than_its_max_batch(gen, persistent):
     """A plan sized for 5 sequences serving 2 (the engine's graph buckets): the persistent kernel's items cover only
     the live batch, the outputs of the 2 are exact."""
     q, k, v = _make(gen, 2, 80, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=80, dtype=torch.float16, device=DEVICE, num_splits=4)
     lens = _lens([80, 33])
+    plan = _plan(q, k, v, lens, 5, 4, 2, 64, tweak=persistent, max_seqlen_k=80, dtype=torch.float16, device=DEVICE,
+                 num_splits=4)
     out, lse = plan.run(q, k, v, lens, return_lse=True)
     _assert_matches_reference(out, lse, q, k, v, lens)
     assert torch.all(plan._tickets == 0)
 
 
 @pytest.mark.parametrize("tight", [True, False], ids=["preload-per-split", "preload-whole-sequence"])
-def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, tight):
-    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED). With a preload limit that holds one
-    of 6 splits' page ids but not a whole sequence's, the device gives long sequences enough splits
-    (MAX_SPLIT_KEYS) to stay within the preload; with 256 a whole sequence fits (the tile size, and so the limit,
-    differs between the CPU and the GPU)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode_launch, decode_policy
+def test_persistent_gathered_pages_bound_their_splits(gen, persistent, tight):
+    """Pages smaller than a block on the persistent path. With a preload limit that holds one of 6 splits' page ids
+    but not a whole sequence's, the device gives long sequences enough splits (MAX_SPLIT_KEYS) to stay within the
+    preload; with 256 a whole sequence fits (the tile size, and so the limit, differs between the CPU and the GPU)."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    limit = {"value": 256}
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_GATHER_MAX=limit["value"]))
     lens = [200, 3, 100, 0]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-
-    def preload():
-        shape = decode_policy._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-        assert shape.persistent
-        return decode_launch._persistent_preload(shape, 6, decode_policy._min_chunk(shape))
-
-    loose = preload()
-    assert loose["PRELOAD_PAGES"] > 0 and loose["MAX_SPLIT_KEYS"] == 0
+    problem = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                               page_size=8, capacity=table.shape[1] * 8, window_left=-1, live_keys=200)
+    config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=6),
+                                            preload_gather_max=256))
+    loose = hx.decode_persistent_preload(problem, config)
+    assert loose[0] > 0 and loose[1] == 0
+    limit = loose[0] // 2 if tight else 256  # too few for a whole sequence, enough for a 6th
     if tight:
-        limit["value"] = loose["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
-        bounded = preload()
-        assert bounded["PRELOAD_PAGES"] > 0 and bounded["MAX_SPLIT_KEYS"] > 0, bounded
-    _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
+        bounded = hx.decode_persistent_preload(problem, dataclasses.replace(config, preload_gather_max=limit))
+        assert bounded[0] > 0 and bounded[1] > 0, bounded
+    _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6,
+           tweak=lambda c: persistent(dataclasses.replace(c, preload_gather_max=limit)))
 
 
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
     q, k, v = _make(gen, 2, 70, 8, 1, 64, torch.float32, seqlen_q=3)
-    _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
+    _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0), tweak=persistent)
 
 
 @pytest.mark.parametrize("pages_per_block", [None, 1])
@@ -864,10 +899,11 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(3, 4, 2, 64, torch.float16, pages_per_block)
     n = max(96, 3 * (page_size or 0))
     q, k, v = _make(gen, 3, n, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=n, dtype=torch.float16, device=DEVICE, num_splits=6)
     kp = vp = table = None
     if page_size:
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = _plan(q, kp if page_size else k, vp if page_size else v, _lens([n] * 3), 3, 4, 2, 64, table=table,
+                 tweak=persistent, max_seqlen_k=n, dtype=torch.float16, device=DEVICE, num_splits=6)
     for lengths in ([n, 2, 5], [40, 40, 40], [0, n, 1]):
         lens = _lens(lengths)
         out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
@@ -877,22 +913,22 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
 
 
 def test_prefetch_shape_stays_within_a_split():
-    """Stage 1's pre-wait L2 prefetch covers PREFETCH_BLOCKS blocks but never more than a split can hold (rounded
+    """Stage 1's pre-wait L2 prefetch covers prefetch_blocks blocks but never more than a split can hold (rounded
     to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""
-    from types import SimpleNamespace
+    from flashdecode import heuristics as hx
 
-    from flashdecode.ops.decode_launch import _prefetch_shape
+    def problem(capacity, headdim=128, elem_bytes=2):
+        return hx.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=headdim,
+                                elem_bytes=elem_bytes, page_size=0, capacity=capacity, window_left=-1,
+                                live_keys=capacity)
 
-    k_bf16 = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16)
-    shape = SimpleNamespace(prefetch_blocks=4, capacity=32768, block_n=64, headdim=128)
-    assert _prefetch_shape(shape, k_bf16, 64, 64) == (256, 64, 2)  # 512-key splits: 4 blocks
-    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] <= 512
-    shape.capacity = 4096  # 64-key splits: one block
-    assert _prefetch_shape(shape, k_bf16, 64, 64) == (64, 64, 2)
-    shape.headdim = 80  # 160 bytes: two lines, the second clamped to the row by the kernel
-    assert _prefetch_shape(shape, torch.empty(1, dtype=torch.float32), 64, 64) == (64, 32, 4)
-    shape.prefetch_blocks = 0
-    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] == 0
+    dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+    config = dataclasses.replace(hx.resolve_decode_config(problem(32768), dev), block_n=64, prefetch_blocks=4)
+    assert hx.decode_prefetch_shape(problem(32768), config, 64) == (256, 64, 2)  # 512-key splits: 4 blocks
+    assert hx.decode_prefetch_shape(problem(4096), config, 64) == (64, 64, 2)  # 64-key splits: one block
+    # 160 bytes: two lines, the second clamped to the row by the kernel
+    assert hx.decode_prefetch_shape(problem(4096, 80, 4), config, 64) == (64, 32, 4)
+    assert hx.decode_prefetch_shape(problem(4096), dataclasses.replace(config, prefetch_blocks=0), 64)[0] == 0
 
 
 _HOPPER_COMPILE_SCRIPT = r'''
@@ -1023,7 +1059,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals, KERNEL_NOTES.md). Compile
+    """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals). Compile
     the main stage-1 variants (TMA, PDL, preloaded page tables, gathers), the persistent kernel and the merge for sm_90 with Triton's own
     ptxas - no GPU needed - and check that the K/V loads are software-pipelined (cp.async or TMA)."""
     run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)

@@ -512,10 +512,9 @@ def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM
     sequences (rounded), s from _queue_split_ways for n_eff x KVP pairs: n equal lengths split s ways, as do n
     long ones among a bucket's padding of one-token rows, while a lone long sequence keeps the programs' share.
 
-    Finer splits do not pay here: every work item refills the load pipeline (H100, 32/8 8k, 9 sequences in 16
-    splits each: 122.5 us vs 100.8 unsplit, where 72 programs already saturate the memory bandwidth), and items
-    smaller than a program's share can land two on one program (one 128k sequence in 16 splits among 15 of 1k:
-    260.0 vs 212.2 in 14; decodetune T1203/T1204)."""
+    Finer splits do not pay here: every work item refills the load pipeline (72 programs already saturate the
+    memory bandwidth), and items smaller than a program's share can land two on one program (docs/decisions.md,
+    "Persistent device split counts")."""
     lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
     total = tl.maximum(tl.sum(lens64, 0), 1)
     share = (slots * lens64) // (KVP * total)
