@@ -228,6 +228,75 @@ def test_plan_fixed_grid_with_changing_lengths(gen, page_size):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Block tables on the device are not validated (no sync): ids outside [0, num_pages) read as absent keys
+# ----------------------------------------------------------------------------------------------------------------
+
+def _corrupt_table(table, num_pages, lens, page_size):
+    """Put the bad ids -1, num_pages and 2**30 into live pages of a block table (sequence b gets bad id b % 3 in
+    pages 0 and, where it has one, 2); returns the corrupted table and a (batch, max_len) mask of the keys that are
+    still present."""
+    bad = table.clone()
+    max_len = max(lens)
+    present = torch.ones(len(lens), max_len, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for page in (0, 2):
+            if page * page_size < n:
+                bad[b, page] = (-1, num_pages, 2**30)[b % 3]
+                present[b, page * page_size:(page + 1) * page_size] = False
+    return bad, present
+
+
+def _reference_without(q, k, v, lens, present):
+    """decode_ref over only the present keys (one new token, no window: the order of keys does not matter, so the
+    present ones are packed to the front). Returns (out float64, out in q's dtype)."""
+    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
+    packed = []
+    for b, n in enumerate(lens):
+        keep = present[b, :n].nonzero().squeeze(1).to(k.device)
+        kp[b, :keep.numel()], vp[b, :keep.numel()] = k[b, keep], v[b, keep]
+        packed.append(keep.numel())
+    plens = _lens(packed)
+    return ref.decode_ref(q.double(), kp.double(), vp.double(), plens)[0], ref.decode_ref(q, kp, vp, plens)[0]
+
+
+@pytest.mark.parametrize("page_size,tweak", [(1, None), (3, None), (8, None), (16, None), (32, None),
+                                             (32, dict(use_tma=True)), (16, "persistent")])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, num_splits):
+    """Ids -1, num_pages and 2**30 in a device-resident block table: no crash, no read outside the cache (2**30
+    must not wrap onto page 0), and the result equals the reference with those pages' keys left out (every path:
+    ids read in the loop, gathered from the preload, one per block, TMA, the persistent kernel)."""
+    lens = [70, 40, 57, 1]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=2, generator=gen)
+    bad, present = _corrupt_table(table, kp.shape[0], lens, page_size)
+    if tweak == "persistent":
+        def tweak(config):
+            path = DecodePath.UNSPLIT if config.num_splits == 1 else DecodePath.PERSISTENT
+            return dataclasses.replace(config, path=path)
+    out = _decode(q, kp, vp, _lens(lens), bad, tweak=tweak, num_splits=num_splits)
+    o64, o_same = _reference_without(q, k, v, lens, present)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+def test_page_ids_outside_the_pool_through_a_plan(gen):
+    """The same through a DecodePlan on the device-split grid (split counts chosen on the device)."""
+    lens = [90, 33, 61]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float32)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 32, generator=gen)
+    bad, present = _corrupt_table(table, kp.shape[0], lens, 32)
+
+    def device_split_grid(config):
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID)
+
+    plan = _plan(q, kp, vp, _lens(lens), 3, 4, 2, 64, table=bad, tweak=device_split_grid, max_seqlen_k=90,
+                 dtype=torch.float32, device=DEVICE, num_splits=4)
+    out = plan.run(q, kp, vp, _lens(lens), block_table=bad)
+    o64, o_same = _reference_without(q, k, v, lens, present)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -47,17 +47,22 @@ def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr
 
 
 @triton.jit
-def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
+def _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages, first_page,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
              OFFS_32: tl.constexpr):
-    """Element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer: int64,
-    or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the 64-bit address
-    math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block).
+    """(rows, key_ok): element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base
+    pointer, int64 or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the
+    64-bit address math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block); key_ok (BLOCK_N,)
+    marks keys whose page id lies in [0, num_pages).
 
-    PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
-    one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded split_pages
-    (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in memory.
+    PAGE_SIZE == 0: contiguous cache (token stride; key_ok unused). PAGE_SIZE a multiple of BLOCK_N: the block lies
+    in one page, one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded
+    split_pages (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in
+    memory. A block table on the device is not validated on the host: for an id outside [0, num_pages) key_ok is
+    false, and the caller's loads are predicated off there (its offset, which may even wrap in 32 bits, is never
+    dereferenced) and its keys read as absent.
     """
+    key_ok = offs_n >= 0
     if PAGE_SIZE == 0:
         rows = offs_n * stride_tok if OFFS_32 else offs_n.to(tl.int64) * stride_tok
     else:
@@ -70,22 +75,35 @@ def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages,
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
             page = tl.load(bt_row + offs_n // PAGE_SIZE)
+        page_ok = (page >= 0) & (page < num_pages)
+        key_ok = key_ok & page_ok  # (BLOCK_N,) also for one page id per block
         in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32) * stride_tok  # offs_n >= 0: unsigned is cheaper
         if OFFS_32:
             rows = page * stride_page + in_page
         else:
             rows = page.to(tl.int64) * stride_page + in_page.to(tl.int64)
-    return rows
+    return rows, key_ok
 
 
 @triton.jit
-def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys and padded head-dim columns load as 0 (never garbage, so a
-    NaN left in an unused cache slot cannot leak through 0 * NaN)."""
+def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, key_ok, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASKED: tl.constexpr, PAGED: tl.constexpr, ABSENT_NAN: tl.constexpr = False):
+    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys, keys of absent pages (PAGED: key_ok false) and padded
+    head-dim columns load as 0 (never garbage, so a NaN left in an unused cache slot cannot leak through 0 * NaN),
+    or with ABSENT_NAN (the K tile of a paged cache) masked keys' head-dim columns load as NaN: their scores come
+    out NaN, which the KV loop turns into -inf (absent keys)."""
     ptrs = ptr_base + rows[:, None] + offs_d[None, :]
-    if MASKED:
-        return tl.load(ptrs, mask=(offs_n < end)[:, None] & (offs_d < HEADDIM)[None, :], other=0.0)
+    d_ok = offs_d < HEADDIM
+    if PAGED:
+        keys = key_ok
+        if MASKED:
+            keys = keys & (offs_n < end)
+        if ABSENT_NAN:  # (padded head-dim columns stay 0: q's are 0 there and 0 * NaN would poison every score)
+            absent = tl.where(d_ok, float("nan"), 0.0)[None, :].to(ptr_base.dtype.element_ty)
+            return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=absent)
+        return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=0.0)
+    elif MASKED:
+        return tl.load(ptrs, mask=(offs_n < end)[:, None] & d_ok[None, :], other=0.0)
     elif BLOCK_D == HEADDIM:
         return tl.load(ptrs)
     else:
@@ -93,18 +111,22 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BL
 
 
 @triton.jit
-def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE: tl.constexpr,
+def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE: tl.constexpr,
              PRELOAD_PAGES: tl.constexpr):
-    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins."""
+    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins. A page id outside
+    [0, num_pages) gives the rows just past the view's end, which the TMA unit fills (NaN for K, 0 for V: the
+    launcher's descriptors), so the id never enters the address math and cannot wrap onto another page."""
     if PAGE_SIZE == 0:
         return tma_row_base + start_n
     page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
-    return page * PAGE_SIZE + start_n % PAGE_SIZE
+    page_ok = (page >= 0) & (page < num_pages)
+    return tl.where(page_ok, page * PAGE_SIZE + start_n % PAGE_SIZE, num_pages * PAGE_SIZE)
 
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
-                   score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
+                   score_scale, softcap_out, num_pages, stride_page, stride_tok, tma_row_base, tma_col, split_pages,
+                   first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
@@ -115,18 +137,21 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N).
     Scores are in log2 units: s = qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e).
     MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
-    blocks that every row sees entirely.
+    blocks that every row sees entirely. Paged: keys whose page id lies outside [0, num_pages) are absent (no
+    memory read outside the cache, score -inf: they contribute nothing).
     """
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
+            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
+                            PRELOAD_PAGES)
             k = k_src.load([row0, tma_col])
         else:
-            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
-            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+            rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
+                                    first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
+                              True)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
@@ -138,13 +163,18 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             if WINDOW:
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
+        if PAGE_SIZE > 0:
+            # absent pages loaded NaN keys (pointer path: the masked load; TMA: rows past the view's end, which
+            # the K descriptor pads with NaN), so their scores are NaN here. (A mask fed by the page ids instead
+            # made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
+            s = tl.where(s == s, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
         if USE_TMA:
             v = v_src.load([row0, tma_col])
             if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
                 v = tl.where((offs_n < end)[:, None], v, 0.0)
         else:
-            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -412,7 +442,7 @@ def decode_split_kernel(
             return
 
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
-                            stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                            num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                             SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                             OFFS_32, spec_pages, stale_start, stale_end, SPEC)
     offs_d = tl.arange(0, BLOCK_D)
@@ -437,7 +467,7 @@ def _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, H
 
 
 @triton.jit
-def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
+def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out, num_pages,
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -446,9 +476,9 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
-    decode_split_kernel. SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start,
-    spec_end) (_split_page_ids, read earlier); used where they cover the same pages as [start, end), else read
-    again."""
+    decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the
+    page ids of the keys [spec_start, spec_end) (_split_page_ids, read earlier); used where they cover the same
+    pages as [start, end), else read again."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -484,12 +514,14 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if not WINDOW:
         full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
+                                   tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
+                                   tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
@@ -622,7 +654,7 @@ def decode_persistent_kernel(
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
     SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
-    QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False,
+    QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False, num_pages=1,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -685,8 +717,8 @@ def decode_persistent_kernel(
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
         q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
-                                softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
+                                softcap_out, num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
+                                BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                 OFFS_32)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,

@@ -106,8 +106,9 @@ def _launch_merge(shape, config: DecodeConfig, partial_o, partial_lse, out4, lse
         max_rows=config.merge_max_rows)
 
 
-def _kv_sources(config: DecodeConfig, k_cache, v_cache):
-    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim)."""
+def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
+    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim). Paged: K
+    reads rows past the end as NaN, which the kernel turns into absent keys (page ids outside the pool)."""
     if not config.use_tma:
         return k_cache, v_cache, k_cache.stride(0)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -115,7 +116,9 @@ def _kv_sources(config: DecodeConfig, k_cache, v_cache):
     rows = k_cache.shape[0] * k_cache.shape[1]
     width = k_cache.shape[2] * k_cache.shape[3]
     box = [config.block_n, k_cache.shape[3]]
-    k_desc, v_desc = (TensorDescriptor(x, [rows, width], [width, 1], box) for x in (k_cache, v_cache))
+    paged = block_table is not None
+    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box, padding="nan" if paged else "zero")
+    v_desc = TensorDescriptor(v_cache, [rows, width], [width, 1], box)
     return k_desc, v_desc, k_cache.shape[1]
 
 
@@ -133,7 +136,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     stride_ls = 0 if final else lse3.stride(3)
     kv_programs = shape.nheads_kv * shape.num_m_blocks
     grid = (num_splits, kv_programs, shape.batch)
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
     prefetch_keys, line_elems, num_lines = launch.prefetch
     device = {}
     if config.path is DecodePath.DEVICE_SPLIT_GRID:
@@ -175,7 +178,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     q4 = shape.q4
     queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
     bt = block_table if block_table is not None else cache_seqlens
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
     dynamic = config.path is DecodePath.PERSISTENT_QUEUE
     run = lambda num_stages: decode_persistent_kernel[(launch.programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
@@ -193,7 +196,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         DYNAMIC=dynamic, SLOTS_PER_PROGRAM=config.persistent_slots if dynamic else 1,
         QUEUE_SPLITS=config.queue_splits if dynamic else 0,
         QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
-        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST,
+        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0],
         num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
