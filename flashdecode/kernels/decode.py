@@ -326,11 +326,7 @@ def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: 
 def decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
     score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh,
-    stride_btb,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_ls,
+    stride_q, stride_k, stride_btb, stride_o, stride_l,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -374,6 +370,10 @@ def decode_split_kernel(
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
     """
+    stride_qb, stride_qt, stride_qh, stride_qd = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
+    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
     # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
     # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
     SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
@@ -639,13 +639,7 @@ def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
 def decode_persistent_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, QUEUE,
     batch, score_scale, softcap_out, window_left, capacity,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh,
-    stride_btb,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_fb, stride_ft, stride_fh, stride_fd,
-    stride_flb, stride_flt, stride_flh,
+    stride_q, stride_k, stride_btb, stride_o, stride_l, stride_f, stride_fl,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr, NHEADS_KV: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -684,6 +678,12 @@ def decode_persistent_kernel(
     would idle the bandwidth (_device_split_counts), so that a batch just above the program count (e.g. 136 pairs
     on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
+    stride_qb, stride_qt, stride_qh, stride_qd = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
+    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
+    stride_fb, stride_ft, stride_fh, stride_fd = stride_f
+    stride_flb, stride_flt, stride_flh = stride_fl
     if PDL_WAIT:
         gdc_wait()
     if USE_PDL:
