@@ -141,6 +141,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     memory read outside the cache, score -inf: they contribute nothing).
     """
     offs_d = tl.arange(0, BLOCK_D)
+    # page ids read from the block table inside the loop (not preloaded into registers)
+    IDS_IN_LOOP: tl.constexpr = PAGE_SIZE > 0 and PRELOAD_PAGES == 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
@@ -151,7 +153,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
-                              True)
+                              IDS_IN_LOOP)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
@@ -164,10 +166,13 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
         if PAGE_SIZE > 0:
-            # absent pages loaded NaN keys (pointer path: the masked load; TMA: rows past the view's end, which
-            # the K descriptor pads with NaN), so their scores are NaN here. (A mask fed by the page ids instead
-            # made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
-            s = tl.where(s == s, s, float("-inf"))
+            if USE_TMA or IDS_IN_LOOP:
+                # absent pages loaded NaN keys (TMA: rows past the view's end, which the K descriptor pads with
+                # NaN; ids read in the loop: the masked load), so their scores are NaN here. (A mask fed by ids
+                # loaded in the loop made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
+                s = tl.where(s == s, s, float("-inf"))
+            else:  # ids from registers (the split's preload): mask directly, the loads zero-fill
+                s = tl.where(key_ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
         if USE_TMA:
             v = v_src.load([row0, tma_col])
