@@ -90,8 +90,8 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, key_ok, HEADDIM: tl.const
                   MASKED: tl.constexpr, PAGED: tl.constexpr, ABSENT_NAN: tl.constexpr = False):
     """(BLOCK_N, BLOCK_D) tile of K or V; masked keys, keys of absent pages (PAGED: key_ok false) and padded
     head-dim columns load as 0 (never garbage, so a NaN left in an unused cache slot cannot leak through 0 * NaN),
-    or with ABSENT_NAN (the K tile of a paged cache) masked keys' head-dim columns load as NaN: their scores come
-    out NaN, which the KV loop turns into -inf (absent keys)."""
+    or with ABSENT_NAN (the K tile where page ids are read in the loop) masked keys' head-dim columns load as NaN:
+    their scores come out NaN, which the KV loop turns into -inf (absent keys)."""
     ptrs = ptr_base + rows[:, None] + offs_d[None, :]
     d_ok = offs_d < HEADDIM
     if PAGED:
