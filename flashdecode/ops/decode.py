@@ -63,7 +63,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
-                 config: DecodeConfig | None = None):
+                 config: DecodeConfig | None = None, sinks=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
@@ -88,6 +88,9 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         out: optional output tensor like q.
         config: a DecodeConfig overriding every launch decision (e.g. ``dataclasses.replace`` of
             ``decode_config(...)``); checked against this call (TypeError / ValueError naming ``config``).
+        sinks: optional (nheads,) float32 per-head sink logits that join each row's softmax denominator with no
+            value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels (ops/sinks.py), so the
+            call then allocates its result.
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without
     num_splits / max_seqlen_k the split count is sized from the cache capacity (the device-side split counts then
     follow the live lengths), and the split workspace comes from a per-device pool that eager calls of the same
@@ -95,6 +98,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     Returns:
         out like q, and if return_lse, lse float32 (batch, [seqlen_q,] nheads), natural log.
     """
+    if sinks is not None:  # (nheads,) sink logits in the softmax denominator: ops/sinks.py
+        from flashdecode.ops.sinks import flash_decode_with_sinks
+        return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, block_table=block_table,
+                                       softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
+                                       window_size=window_size, return_lse=return_lse, out=out,
+                                       max_seqlen_k=max_seqlen_k, plan=plan, config=config)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
@@ -217,8 +226,13 @@ class DecodePlan:
         return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None):
+            window_size=(-1, -1), return_lse=False, out=None, sinks=None):
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
+        if sinks is not None:  # ops/sinks.py; the result is a new tensor (or out), not a plan buffer
+            from flashdecode.ops.sinks import flash_decode_with_sinks
+            return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
+                                           block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
+                                           window_size=window_size, return_lse=return_lse, out=out)
         shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
         shape.check_out(out, q)
         launch = self._launch_for(shape)
