@@ -19,7 +19,14 @@ FORBIDDEN = {
     "reference.py": ("flashdecode.ops", "flashdecode.kernels", "flashdecode.engine", "flashdecode.bench"),
     "ops": ("flashdecode.engine", "flashdecode.bench", "flashdecode.cli"),
     "engine": ("flashdecode.bench",),
+    "timing.py": ("flashdecode.ops", "flashdecode.kernels", "flashdecode.engine", "flashdecode.bench",
+                  "flashdecode.distributed"),
+    "flash_attn_interface.py": ("flashdecode.engine", "flashdecode.bench", "flashdecode.cli",
+                                "flashdecode.distributed", "flashdecode.integrations"),
+    "integrations": ("flashdecode.engine", "flashdecode.bench", "flashdecode.cli", "flashdecode.distributed"),
 }
+# the drop-in (flash_attn_interface) and the integrations sit beside the core: nothing else in the package imports them
+DROP_INS = ("flashdecode.flash_attn_interface", "flashdecode.integrations")
 
 
 def _imports(path: Path) -> set[str]:
@@ -48,4 +55,11 @@ def test_layer_imports_only_from_layers_above(layer):
 def test_package_never_imports_the_probes():
     bad = [f"{path.relative_to(PACKAGE.parent)} imports {name}" for path in PACKAGE.rglob("*.py")
            for name in _imports(path) if name.split(".")[0] in ("benchmarks", "scripts", "tests")]
+    assert not bad, "\n".join(bad)
+
+
+def test_core_never_imports_the_drop_ins():
+    own = ("flash_attn_interface.py", "integrations")
+    bad = [f"{path.relative_to(PACKAGE.parent)} imports {name}" for path in PACKAGE.rglob("*.py")
+           if path.relative_to(PACKAGE).parts[0] not in own for name in _imports(path) if name.startswith(DROP_INS)]
     assert not bad, "\n".join(bad)
