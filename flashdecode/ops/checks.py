@@ -16,7 +16,7 @@ import torch
 __all__ = [
     "LOG2E", "FLOAT_DTYPES", "MAX_HEAD_DIM", "interpreting", "full_device", "check_tensor", "check_device",
     "check_kernel_device", "check_bool", "check_int", "check_softmax_scale", "check_softcap", "check_window",
-    "resolve_scale",
+    "resolve_scale", "host_resident",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): kernels use exp2 with the scale folded in; natural-log lse * LOG2E = log2 lse
@@ -29,6 +29,13 @@ def interpreting(device: Optional[torch.device] = None) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return True
     return device is not None and torch.device(device).type != "cuda"
+
+
+def host_resident(x: torch.Tensor) -> bool:
+    """Whether metadata (lengths, block tables, cu_seqlens) can be read without a device sync, so that the ops
+    validate it on the host and raise; device-resident metadata is not read (the kernels mask bad values instead).
+    Tests stub this to exercise the kernels' device-side masking with CPU (interpreter) tensors."""
+    return x.device.type == "cpu"
 
 
 def full_device(device) -> torch.device:

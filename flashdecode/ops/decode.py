@@ -86,7 +86,7 @@ def _cache_capacity(k_cache, block_table, batch) -> int:
 def _check_host_lengths(cache_seqlens, capacity, added=0, name="cache_seqlens"):
     """Lengths that live on the host are checked against the capacity (device lengths cannot be, without a sync:
     the kernels clamp them to the capacity instead)."""
-    if cache_seqlens.device.type != "cpu" or cache_seqlens.numel() == 0:
+    if not checks.host_resident(cache_seqlens) or cache_seqlens.numel() == 0:
         return
     lo, hi = int(cache_seqlens.min()), int((cache_seqlens + added).max())
     if lo < 0:
@@ -760,7 +760,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         _check_device("cu_seqlens_new", cu_seqlens_new, device)
         batch = cu_seqlens_new.shape[0] - 1
         max_new = int(max_seqlen_new) if max_seqlen_new is not None else k_new.shape[0]
-        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if cu_seqlens_new.device.type == "cpu" else 0
+        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if checks.host_resident(cu_seqlens_new) else 0
     else:
         batch, max_new, added = k_new.shape[0], k_new.shape[1], k_new.shape[1]
     _check_lengths_and_table(cache_seqlens, block_table, batch, device)
@@ -778,6 +778,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
     grid = (batch, triton.cdiv(max_new, block_t), nheads_kv)
     append_kv_kernel[grid](
         k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, capacity, 0 if varlen else k_new.shape[1],
+        k_new.shape[0], k_cache.shape[0],
         *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
