@@ -48,11 +48,15 @@ def full_device(device) -> torch.device:
 
 def check_tensor(name: str, x, dims: Iterable[int], dtypes: Optional[Sequence[torch.dtype]] = None):
     """x is a tensor with one of ``dims`` dimensions and (if given) one of ``dtypes``."""
+    if isinstance(dims, range) and len(dims) > 4:  # "at least n" (a rank range up to torch's limit)
+        wanted = f"at least {dims.start}"
+    else:
+        wanted = " or ".join(map(str, dims))
     dims = tuple(dims)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in dims:
-        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have {wanted} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
 
