@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import flashdecode
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import checks
 from helpers import DEVICE, HAS_CUDA, assert_fa_close
 
 # Larger shapes only where they are cheap: the long profile on a GPU (the CPU interpreter stays small).
@@ -313,3 +314,37 @@ def test_merge_states_fuzz(data):
         o2, lse2 = flashdecode.merge_states(_laid_out(draw, outs[0]), _laid_out(draw, lses[0]),
                                             _laid_out(draw, outs[1]), _laid_out(draw, lses[1]))
         _check_against(ref.merge_states_ref, o2, lse2, (clean[0], lses[0], clean[1], lses[1]), factor=3.0)
+
+
+@given(st.data())
+def test_append_kv_device_metadata_fuzz(data):
+    """Device-resident metadata is not validated (no sync), so the kernel alone must keep every access inside the
+    tensors: block tables with ids outside [0, num_pages) (-1, num_pages, 2**30, ...) and lengths / cu_seqlens_new
+    that run past the cache or k_new, decrease or start below 0. Caches and k_new sit between NaN guards; the
+    guards must stay untouched, and every changed cache row must hold a row of k_new."""
+    from unittest import mock
+
+    draw = data.draw
+    batch, page_size, pages_per_seq = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4, 8])), 3
+    num_pages, total, hk, d = batch * pages_per_seq + 1, draw(st.integers(1, 12)), 1, 16
+    bad_ids = st.sampled_from([-1, -2**31, num_pages, num_pages + 7, 2**30, 2**31 - 1])
+    table = [[draw(st.one_of(st.integers(0, num_pages - 1), bad_ids)) for _ in range(pages_per_seq)]
+             for _ in range(batch)]
+    lens = [draw(st.integers(-20, pages_per_seq * page_size + 2)) for _ in range(batch)]
+    cu = [draw(st.integers(-4, total + 4)) for _ in range(batch + 1)]
+    seed = draw(st.integers(0, 2**31 - 1))
+    pool = _values(seed, (2, num_pages + 2, page_size, hk, d), torch.float32)
+    kc, vc = pool[0, 1:-1], pool[1, 1:-1]
+    src = torch.full((2, total + 8, hk, d), float("nan"), device=DEVICE)
+    src[:, 4: 4 + total] = _values(seed + 1, (2, total, hk, d), torch.float32)
+    k_new, v_new = src[0, 4: 4 + total], src[1, 4: 4 + total]  # NaN rows on both sides of k_new
+    before = pool.clone()
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    with mock.patch.object(checks, "host_resident", lambda x: False):
+        flashdecode.append_kv(kc, vc, k_new, v_new, as_i32(lens), as_i32(table), cu_seqlens_new=as_i32(cu))
+    assert not torch.isnan(pool).any()
+    assert torch.equal(pool[:, [0, -1]], before[:, [0, -1]])  # guard pages
+    changed = (pool != before).any(-1).any(-1)  # (2, pages, page_size) rows that changed
+    rows = pool[0][changed[0]].reshape(-1, hk * d)
+    if rows.numel():
+        assert (rows[:, None, :] == k_new.reshape(1, total, hk * d)).all(-1).any(-1).all()
