@@ -219,8 +219,29 @@ def test_flash_attn_fuzz(data):
     scale, softcap, window = _options(draw, causal_window=True)
     q, k, v = _qkv(draw, seed, dtype, (b, sq, h, d), (b, sk, hk, d))
     kw = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
+    if draw(st.booleans()):  # gradients too, through the same layouts
+        _check_gradients(lambda *x: flashdecode.flash_attn(*x, **kw), lambda *x: ref.attention_ref(*x, **kw)[0],
+                         (q, k, v), seed)
+        return
     out, lse = flashdecode.flash_attn(q, k, v, return_lse=True, **kw)
     _check_against(ref.attention_ref, out, lse, (q, k, v), factor=2.0, **kw)
+
+
+def _check_gradients(run, reference, inputs, seed):
+    """dq, dk, dv of run(*inputs) (leaves that keep the inputs' layouts) vs the reference in float64 and in the
+    inputs' dtype, FlashAttention rule at 3x; the forward output at 2x."""
+    ours = [x.detach().requires_grad_() for x in inputs]
+    r64 = [x.detach().double().requires_grad_() for x in inputs]
+    same = [x.detach().clone().requires_grad_() for x in inputs]
+    out = run(*ours)
+    dout = _values(seed + 7, out.shape, out.dtype)
+    outs = (out, reference(*r64), reference(*same))
+    assert_fa_close(outs[0], outs[1], outs[2], factor=2.0)
+    for o in outs:
+        o.backward(dout.to(o.dtype))
+    for name, a, b_, c in zip(("dq", "dk", "dv"), ours, r64, same):
+        assert a.grad.shape == a.shape and a.grad.dtype == a.dtype
+        assert_fa_close(a.grad, b_.grad, c.grad, factor=3.0, atol=1e-4, name=name)
 
 
 @given(st.data())
