@@ -1,6 +1,6 @@
 """Decode attention benchmark: flash_decode vs SDPA FA2, SDPA cuDNN, compiled FlexAttention and FlashInfer.
 
-BENCHMARKING.md rules: CUDA-graph replay of many calls, K/V buffers rotated until the working set is >= 4x L2,
+Method: CUDA-graph replay of many calls, K/V buffers rotated until the working set is >= 4x L2,
 medians, fresh random bf16 inputs; floor = K/V bytes / measured copy bandwidth (read + write, as the anchors).
 Two sweeps: latency vs context at batch 1, 16 q / 2 kv heads, head dim 128 (the seeds' microbenchmark) and a
 batch sweep at the Llama-3-8B shape (32 / 8 heads, 8k context); contiguous and paged caches (random page
@@ -14,7 +14,6 @@ decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and pr
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from typing import Callable, Optional
 
@@ -41,19 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
                         help="compiled FlexAttention peer (default: on, off in --quick: compiles per shape)")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per point (median reported)")
-    parser.add_argument("--tune", action="store_true",
-                        help="instead of the peers: time our kernel under stage-1 config variants (tile, stages, "
-                             "TMA, PDL, block-table preload, max splits) at b1 16/2, contexts 4k/32k/128k, "
-                             "contiguous + page 16")
-    parser.add_argument("--heads", default="16,2", help="--tune: q heads,kv heads (e.g. 32,8 for Llama-3-8B)")
-    parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
-    parser.add_argument("--tune-batch", type=int, default=1, help="--tune: batch size (equal lengths)")
-    parser.add_argument("--tune-mixed", action="store_true",
-                        help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k, or among "
-                             "--tune-batch - 1 of 1k when that is larger)")
-    parser.add_argument("--mixed-batch", type=int, default=None,
-                        help="--tune-mixed: sequences in the mix (one 128k, the others 1k); default "
-                             "max(--tune-batch, 16)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -84,14 +70,19 @@ def _make_set(batch, context_lens, nheads, nheads_kv, headdim, page_size, dtype,
     return dict(q=q, k=k, v=v, lens=lens, table=table, page_size=page_size, context_lens=context_lens)
 
 
-def _ours(sets, num_splits=None, use_pdl=None):
+def _ours(sets, num_splits=None, use_pdl=None, tweak=None):
+    """Our DecodePlan over the sets; ``tweak``: a function of the DecodeConfig it resolves, for probes (config=)."""
     import flashdecode
 
     s0 = sets[0]
     batch, nheads, headdim = s0["q"].shape
-    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, max_seqlen_k=max(s0["context_lens"]),
-                                  dtype=s0["q"].dtype, device=s0["q"].device, num_splits=num_splits,
-                                  use_pdl=use_pdl)
+    kw = dict(max_seqlen_k=max(s0["context_lens"]), dtype=s0["q"].dtype, device=s0["q"].device,
+              num_splits=num_splits, use_pdl=use_pdl)
+    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
+    if tweak is not None:
+        config = tweak(plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"]))
+        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **dict(kw, num_splits=None),
+                                      config=config)
 
     def call(s):
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"])
@@ -126,7 +117,7 @@ def _flex(sets):
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     s0 = sets[0]
     seqlen = s0["k"].shape[1]
-    # A block mask is what makes compiled FlexAttention decode fast (KERNEL_NOTES.md: 2 ms without, ~45 us with).
+    # A block mask is what makes compiled FlexAttention decode fast (measured on the H100: 2 ms without, ~45 us with).
     mask = create_block_mask(lambda b, h, qi, ki: ki >= 0, None, None, 1, seqlen, device="cuda")
     fn = _FLEX["fn"]
 
@@ -289,291 +280,6 @@ def _points(args, base):
 MIXED_LENS = [131072] + [1024] * 15
 
 
-# The decode path before issue 4's second round (no PDL at all, 512 keys unsplit): the baseline every variant is
-# compared with in the same run.
-_OLD = {"USE_PDL": False, "PDL_WAIT": False, "FUSED_MERGE": False}
-TUNE_VARIANTS = [  # (label, config overrides, heuristics module overrides, forced num_splits or None)
-    ("old", _OLD, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
-    ("default", {}, {}, None),
-    # the defaults of round 2 (T0806: no prefetch, no early trigger, 32 KiB tiles for page 16 at batch)
-    ("r2", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False}, {}, None),
-    ("r2 bn128", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False, "BLOCK_N": 128}, {}, None),
-    ("merge-pdl-only", {"PDL_WAIT": False}, {}, None),
-    ("unsplit512", {}, {"DECODE_NO_SPLIT_MAX_KEYS": 512}, None),
-    ("no-tma", {"USE_TMA": False}, {}, None),
-    ("no-preload", {"PRELOAD_PAGES_MAX": 0}, {}, None),
-    # gathered pages read each key's page id from the block table in the loop as well (no preloaded ids)
-    ("no-preload-gather", {"PRELOAD_PAGES_MAX": 0, "PRELOAD_GATHER_MAX": 0}, {}, None),
-    # page ids of gathered pages by select-and-sum steps instead of one tl.gather (the default from session 4)
-    ("select", {"PAGE_GATHER": False}, {}, None),
-    ("bn32", {"BLOCK_N": 32}, {}, None),
-    # page-sized tiles: pages of 16 keys read one page per tensor-descriptor load (no gathers), deeper pipelines
-    ("bn16", {"BLOCK_N": 16}, {}, None),
-    ("bn16 s6", {"BLOCK_N": 16, "num_stages": 6}, {}, None),
-    ("bn16 s10", {"BLOCK_N": 16, "num_stages": 10}, {}, None),
-    ("no-tiny", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 0}, None),  # gathered pages keep 16 KiB tiles at b1
-    ("tiny128", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 128}, None),  # 8 KiB tiles for 128-key splits too
-    ("tiny256", {}, {"DECODE_TINY_TILE_MAX_SPLIT_KEYS": 256}, None),
-    ("pre256g", {"PRELOAD_GATHER_MAX": 256}, {}, None),  # gathered page ids preloaded up to 256 (session 3)
-    ("persistent-gathered", {"PERSISTENT_GATHERED": True}, {}, None),  # page 16 on the persistent path too
-    ("persistent-gathered bn64", {"PERSISTENT_GATHERED": True, "BLOCK_N": 64}, {}, None),
-    # the persistent kernel's work queue also where pairs <= SMs (default: static shares there), and for gathered pages
-    ("dyn", {"PERSISTENT_DYNAMIC": True}, {}, None),
-    ("persistent-gathered dyn", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True}, {}, None),
-    ("persistent-gathered dyn bn128", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128}, {},
-     None),
-    ("pgd bn128 s1", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 1},
-     {}, None),
-    ("pgd bn128 s2", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128, "PERSISTENT_SLOTS": 2},
-     {}, None),
-    # one split per sequence of a uniform batch on the queue (slots = the programs: share = programs / pairs)
-    ("slots1", {"PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
-    ("pgd slots1", {"PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "PERSISTENT_SLOTS": 1,
-                    "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
-    # the queue's split counts before session 10: 4 slots per program, no split rule for equal lengths
-    ("slots4", {"PERSISTENT_SLOTS": 4, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
-    # pages of 1-7 keys at batch on the split grid (before session 10) instead of the queue
-    ("grid key pages", {}, {"DECODE_QUEUE_KEY_PAGES": False}, None),
-    ("s4", {"num_stages": 4}, {}, None),
-    # pipeline depth where the KV loop reads page ids from the block table (default: 2 stages more than the config's
-    # 3, so K/V are double-buffered there); tr0 = before session 9
-    ("tr0", {"TABLE_READ_EXTRA_STAGES": 0}, {}, None),
-    ("tr1", {"TABLE_READ_EXTRA_STAGES": 1}, {}, None),
-    ("tr3", {"TABLE_READ_EXTRA_STAGES": 3}, {}, None),
-    # pages of 1-7 keys: the gathered-page rules of 8-63-key pages (tiles, work queue) and up to 2048 preloaded ids
-    ("ids1", {"PRELOAD_GATHER_MAX": 2048}, {"DECODE_MIN_PRELOAD_PAGE": 1}, None),
-    ("ids1 tr0", {"PRELOAD_GATHER_MAX": 2048, "TABLE_READ_EXTRA_STAGES": 0}, {"DECODE_MIN_PRELOAD_PAGE": 1}, None),
-    # pages of 1-7 keys read their ids in the loop (before session 9: no per-split preload below 8-key pages)
-    ("no-key-ids", {"PRELOAD_KEY_IDS": False}, {}, None),
-    ("no-key-ids tr0", {"PRELOAD_KEY_IDS": False, "TABLE_READ_EXTRA_STAGES": 0}, {}, None),
-    ("bn64", {"BLOCK_N": 64}, {}, None),
-    # pages of 64 keys at batch: 64-key tiles make them block multiples (TMA, persistent path), on the work queue
-    ("bn64 dyn", {"BLOCK_N": 64, "PERSISTENT_DYNAMIC": True}, {}, None),
-    # 64-key pages at 97-132 pairs as before session 9: the split grid's 128-key gathers
-    ("bn128 grid", {"BLOCK_N": 128, "PERSISTENT_DYNAMIC": False, "PERSISTENT_BOUND_PAGES": False}, {}, None),
-    # block-multiple pages on the persistent kernel whose ids do not fit the preload: read per block in the loop
-    # (before session 8) instead of bounding the splits
-    ("unbounded", {"PERSISTENT_BOUND_PAGES": False}, {}, None),
-    ("bounded", {"PERSISTENT_BOUND_PAGES": True}, {}, None),  # session 8's default for 64-key pages at batch
-    ("persistent unbounded", {"PERSISTENT": True, "PERSISTENT_BOUND_PAGES": False}, {}, None),
-    ("bn128", {"BLOCK_N": 128}, {}, None),
-    ("bn64 s4", {"BLOCK_N": 64, "num_stages": 4}, {}, None),
-    ("w8", {"num_warps": 8}, {}, None),
-    # fewer warps for the 16-row tile: fewer cross-warp reductions and layout conversions per block
-    ("w2", {"num_warps": 2}, {}, None),
-    ("w1", {"num_warps": 1}, {}, None),
-    ("w2 bn128", {"num_warps": 2, "BLOCK_N": 128}, {}, None),
-    ("w1 bn128", {"num_warps": 1, "BLOCK_N": 128}, {}, None),
-    ("s2", {"num_stages": 2}, {}, None),
-    ("splits32", {}, {"DECODE_MAX_SPLITS": 32}, None),
-    ("mb2", {}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
-    # one launch: the last program of each (batch, kv head) merges after an atomic ticket (issue 4)
-    ("fused", {"FUSED_MERGE": True}, {}, None),
-    # wave quantisation at 32/8 heads, batch 1: 16 splits = 128 programs (one wave of 132 SMs), 17 = 136 (two)
-    ("n16", {}, {}, 16),
-    ("n17", {}, {}, 17),
-    ("n32", {}, {}, 32),
-    ("n1", {}, {}, 1),
-    ("n2", {}, {}, 2),
-    ("n3", {}, {}, 3),
-    ("n4", {}, {}, 4),
-    ("n8", {}, {}, 8),
-    ("n128", {}, {}, 128),  # b1 16/2: 256 programs, two per SM with 16 KiB tiles
-    # no cp.async pipeline (register loads), many programs per SM hiding each other's latency instead: the stream
-    # probe's 'sm s256 bn64 st1' streams 32k in 13.7 us vs 14.5 for 64 pipelined splits (stream_floor T1908)
-    ("s1", {"num_stages": 1}, {}, None),
-    ("n128 s1", {"num_stages": 1}, {}, 128),
-    ("n256 s1", {"num_stages": 1}, {}, 256),
-    ("n128 s2", {"num_stages": 2}, {}, 128),
-    ("n256 s2", {"num_stages": 2}, {}, 256),
-    ("bn64 n1", {"BLOCK_N": 64}, {}, 1),
-    # L2 prefetch of each split's first blocks before stage 1's PDL wait, and the merge's early trigger that lets
-    # the next stage 1 launch (and prefetch) while this one still runs (issue 4, round 3)
-    ("et", {"MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("pf1", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": False}, {}, None),
-    ("pf4", {"PREFETCH_BLOCKS": 4}, {}, None),
-    ("pf1 et", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    # the next call's stage 1 resident during this call (early trigger) without its pre-wait prefetch: is it the
-    # early prefetch or the early residency that loses at long contexts?
-    ("pf0 et", {"PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    # the merge before session 13 below 16 pairs: whole rows, as many per program as a tile of 8192 values holds
-    ("merge tile", {"MERGE_D_CHUNKS": 1, "MERGE_MAX_ROWS": 0}, {}, None),
-    ("pf2 et", {"PREFETCH_BLOCKS": 2, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("pf4 et", {"PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("pf8 et", {"PREFETCH_BLOCKS": 8, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    ("bn64 pf4 et", {"BLOCK_N": 64, "PREFETCH_BLOCKS": 4, "MERGE_EARLY_TRIGGER": True}, {}, None),
-    # device-side split counts: a fixed grid of programs loops over (sequence, kv head, split) items and merges
-    # in-kernel (default with many pairs from session 4; "split-grid" is the two-kernel path it replaced there);
-    # x2: two programs per SM (16 KiB tiles fit twice)
-    ("split-grid", {"PERSISTENT": False}, {}, None),
-    # more pairs than SMs: the persistent kernel's work queue, with 2 / 8 item slots per program instead of 4
-    ("dyn-slots2", {"PERSISTENT_SLOTS": 2, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
-    ("dyn-slots8", {"PERSISTENT_SLOTS": 8, "PERSISTENT_QUEUE_SPLITS": 0}, {}, None),
-    ("persistent", {"PERSISTENT": True}, {}, None),
-    # paged caches at a third to a half of the SMs' worth of pairs (default: the split grid): the persistent kernel
-    # with its work queue, gathered and 1-7-key pages included (32 / 128-key tiles)
-    ("persistent dyn", {"PERSISTENT": True, "PERSISTENT_DYNAMIC": True}, {}, None),
-    ("pgd all", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True}, {}, None),
-    ("pgd all bn128", {"PERSISTENT": True, "PERSISTENT_GATHERED": True, "PERSISTENT_DYNAMIC": True, "BLOCK_N": 128},
-     {}, None),
-    # the split grid with device-side split counts, one program per work item (1 or 2 items per SM)
-    ("dev", {"DEVICE_SPLITS": True}, {}, None),
-    ("dev x2", {"DEVICE_SPLITS": True, "DEVICE_SPLIT_SLOTS": 264}, {}, None),
-    ("dev md2", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 2}, {}, None),
-    # 64-bit gather offsets even where the cache allows 32-bit ones (before session 11)
-    ("offs64", {"OFFS_32": False}, {}, None),
-    # paged: the split's page ids read after its length (before session 12), not beside it
-    ("nospec", {"SPEC_PAGES": False}, {}, None),
-    ("dev md4", {"DEVICE_SPLITS": True, "MERGE_D_CHUNKS": 4}, {}, None),
-    ("nodev", {"DEVICE_SPLITS": False}, {}, None),
-    ("persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264}, {}, None),
-    ("bn64 persistent x2", {"PERSISTENT": True, "PERSISTENT_PROGRAMS": 264, "BLOCK_N": 64}, {}, None),
-    # the merge over more, smaller programs (head-dim slices), with the round-3 defaults
-    ("md2", {"MERGE_D_CHUNKS": 2}, {}, None),
-    ("md4", {"MERGE_D_CHUNKS": 4}, {}, None),
-    ("pf1 et mb2", {"PREFETCH_BLOCKS": 1, "MERGE_EARLY_TRIGGER": True}, {"DECODE_MIN_BLOCKS_PER_SPLIT": 2}, None),
-    # where the fixed cost goes (results are wrong on purpose: a stage is skipped): time of stage 1 alone, the
-    # merge alone (reading stale partials), and an empty kernel per call (the graph's launch floor)
-    ("stage1-only", {}, {}, None),
-    ("merge-only", {}, {}, None),
-    ("empty-kernel", {}, {}, None),
-    # stage 1 alone as a plain launch (no PDL, no prefetch): compare with scripts/stream_floor.py's kernels
-    ("stage1-only nopdl", {"PDL_WAIT": False, "USE_PDL": False, "PREFETCH_BLOCKS": 0}, {}, None),
-    ("nopdl", {"PDL_WAIT": False, "USE_PDL": False, "PREFETCH_BLOCKS": 0, "MERGE_EARLY_TRIGGER": False}, {}, None),
-    # bench/stream.py's kernel on the same contiguous caches: the two dots and the softmax, nothing else; with
-    # stage 1's epilogue (partial and lse stores); and with the length read on the device
-    ("stream", {}, {}, None),
-    ("stream-epi", {}, {}, None),
-    ("stream-len", {}, {}, None),
-]
-DIAGNOSTIC_VARIANTS = ("stage1-only", "merge-only", "empty-kernel", "stage1-only nopdl", "stream", "stream-epi",
-                       "stream-len")
-
-
-def _diagnostic_patch(label):
-    """Context manager: for the DIAGNOSTIC_VARIANTS, stub out a part of ops.decode (timing only)."""
-    import contextlib
-
-    from flashdecode.ops import decode as ops_decode
-
-    @contextlib.contextmanager
-    def patched():
-        names = {"stage1-only": ["launch_merge_many"], "stage1-only nopdl": ["launch_merge_many"],
-                 "merge-only": ["_launch_stage1"],
-                 "empty-kernel": ["_run_decode"], "stream": ["_run_decode"], "stream-epi": ["_run_decode"],
-                 "stream-len": ["_run_decode"]}.get(label, [])
-        saved = {n: getattr(ops_decode, n) for n in names}
-        stub = {"empty-kernel": _empty_kernel_launch, "stream": functools.partial(_stream_launch, mode=2),
-                "stream-epi": functools.partial(_stream_launch, mode=3),
-                "stream-len": functools.partial(_stream_launch, mode=4)}.get(label)
-        try:
-            for n in names:
-                setattr(ops_decode, n, stub if n == "_run_decode" else (lambda *a, **k: None))
-            yield
-        finally:
-            for n, f in saved.items():
-                setattr(ops_decode, n, f)
-    return patched()
-
-
-def _empty_kernel_launch(shape, *args, **kwargs):
-    """One launch of a kernel that does nothing (grid 1): the per-call floor of a CUDA-graph replay."""
-    _empty_kernel()[(1,)](shape.q4)
-
-
-def _stream_launch(shape, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-                   num_splits, *args, mode=2, **kwargs):
-    """bench/stream.py's kernel (``mode``) with stage 1's grid and tile, over the same contiguous batch-1 cache
-    (its capacity = the context), writing into the plan's partial buffers."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from flashdecode.bench.stream import stream_kernel
-
-    if shape.paged or shape.batch != 1 or num_splits < 2 or shape.nheads < 16:
-        raise ValueError("the stream diagnostic times split contiguous batch-1 caches with >= 16 q heads only")
-    rows, width = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
-    kd, vd = (TensorDescriptor(x, [rows, width], [width, 1], [shape.block_n, shape.headdim])
-              for x in (k_cache, v_cache))
-    stream_kernel[(shape.nheads_kv * num_splits,)](kd, vd, shape.q4, partial_lse, partial_o, cache_seqlens, rows,
-                                                   SPLITS=num_splits, HEADDIM=shape.headdim, BLOCK_N=shape.block_n,
-                                                   BLOCK_M=16, MODE=mode, num_warps=4, num_stages=shape.num_stages)
-
-
-_EMPTY = {}
-
-
-def _empty_kernel():
-    if "k" not in _EMPTY:
-        import triton
-
-        @triton.jit
-        def empty(x):
-            pass
-        _EMPTY["k"] = empty
-    return _EMPTY["k"]
-
-
-def _tune(args, bandwidth, env) -> int:
-    """Time our kernel (DecodePlan path) under each TUNE_VARIANTS config; prints a table, writes decodetune_*.json."""
-    from flashdecode import heuristics
-    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
-    from flashdecode.bench.timing import cuda_graph_time_us, rotation_count
-
-    base_cfg = heuristics.decode_block_config
-    base_attrs = {name: getattr(heuristics, name) for _, _, attrs, _ in TUNE_VARIANTS for name in attrs}
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    contexts = _list(args.contexts, [4096, 32768, 131072])
-    layouts = _list(args.layouts, [0, 16])
-    nheads, nheads_kv = _list(args.heads, [16, 2])
-    variants = [v for v in TUNE_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
-    rows = []
-    # the load-balance mix: one 128k sequence among short ones, batch 16 (or --tune-batch when larger)
-    mixed_batch = args.mixed_batch or max(args.tune_batch, len(MIXED_LENS))
-    mixed = [MIXED_LENS[0]] + MIXED_LENS[1:2] * (mixed_batch - 1)
-    length_sets = [[ctx] * args.tune_batch for ctx in contexts] + ([mixed] if args.tune_mixed else [])
-    try:
-        for layout in layouts:
-            for lens in length_sets:
-                ctx = max(lens)
-                kv_bytes = _kv_bytes(lens, nheads_kv, 128, 2)
-                sets = [_make_set(len(lens), lens, nheads, nheads_kv, 128, layout, torch.bfloat16, gen)
-                        for _ in range(rotation_count(kv_bytes))]
-                row = dict(heads=f"{nheads}/{nheads_kv}", batch=len(lens),
-                           context=ctx if len(set(lens)) == 1 else "mixed",
-                           layout="contig" if layout == 0 else f"page{layout}", floor_us=kv_bytes / bandwidth * 1e6)
-                for label, overrides, attrs, forced_splits in variants:
-                    heuristics.decode_block_config = (lambda *a, _o=overrides, **k: dict(base_cfg(*a, **k), **_o))
-                    for name, value in dict(base_attrs, **attrs).items():
-                        setattr(heuristics, name, value)
-                    try:
-                        with _diagnostic_patch(label):
-                            fns, _ = _ours(sets, num_splits=forced_splits)
-                            row[label] = cuda_graph_time_us(fns, reps=args.reps)
-                    except Exception as e:
-                        row[label] = None
-                        print(f"  {label} {ctx} {layout}: {type(e).__name__}: {str(e)[:160]}")
-                        torch.cuda.synchronize()
-                print("  " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items()), flush=True)
-                rows.append(row)
-                del sets
-                torch.cuda.empty_cache()
-    finally:
-        heuristics.decode_block_config = base_cfg
-        for name, value in base_attrs.items():
-            setattr(heuristics, name, value)
-    labels = [v[0] for v in variants]
-    table = markdown_table(rows, ["heads", "batch", "context", "layout", "floor_us"] + labels, {c: ".1f" for c in ["floor_us"] + labels})
-    out_dir = results_dir(args.out)
-    # heads, batch and layouts in the name: several tune calls in one command (same minute) must not overwrite each
-    # other
-    stem = (result_stem("decodetune", env) + f"_h{nheads}-{nheads_kv}_b{args.tune_batch}"
-            + "_l" + "-".join(str(x) for x in layouts))
-    write_json(out_dir / f"{stem}.json", "decodetune", env, rows, {"table": table})
-    print(table)
-    return 0
-
-
 def run(args) -> int:
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, env_info
@@ -581,9 +287,6 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench decode needs a CUDA GPU")
         return 1
-    if args.tune:
-        env = env_info()
-        return _tune(args, copy_bandwidth_bytes_per_s(), env)
     base = QUICK if args.quick else FULL
     use_flex = (not args.quick) if args.flex is None else args.flex
     fi = _flashinfer_available()
