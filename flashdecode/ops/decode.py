@@ -27,15 +27,19 @@ from flashdecode.ops.decode_workspace import workspace
 __all__ = ["flash_decode", "decode_config", "DecodePlan", "append_kv"]
 
 _DTYPES = checks.FLOAT_DTYPES
-_MAX_SPLITS = 1024  # the most splits a caller may ask for (the partials grow with it)
 
 
 def _lse_view(lse3, q):
     return lse3[:, 0] if q.dim() == 3 else lse3
 
 
-def _check_num_splits(num_splits):
-    return None if num_splits is None else checks.check_int("num_splits", num_splits, 1, _MAX_SPLITS)
+_check_num_splits = checks.check_num_splits  # None or an int in [1, checks.MAX_NUM_SPLITS]
+
+
+def _check_metadata(shape: _DecodeShape, cache_seqlens, block_table, validate):
+    """Block-table ids (and, with validate, device-resident lengths) of the keys a decode call reads."""
+    checks.check_cache_metadata(cache_seqlens, block_table, capacity=shape.capacity, page_size=shape.page_size,
+                                num_pages=shape.num_pages, validate=validate)
 
 
 def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture: bool = False):
@@ -63,7 +67,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
-                 config: DecodeConfig | None = None, sinks=None):
+                 config: DecodeConfig | None = None, validate=False, sinks=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
@@ -75,17 +79,22 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         cache_seqlens: int32 (batch,) on q's device: live keys per sequence INCLUDING the seqlen_q new ones
             (call append_kv first). 0 is allowed (out 0, lse -inf). Values on the host are checked against the
             capacity; values on the device are clamped to it by the kernel (too-long lengths cannot be detected
-            without a sync).
+            without a sync; see validate).
         block_table: int32 (batch, max_pages_per_seq) page ids (paged cache only); any page_size >= 1. On the
-            device, ids outside [0, num_pages) are not checked (that would need a sync): the kernels read such a
-            position as absent (it contributes nothing).
+            host, the ids of the pages that hold live keys are checked (ValueError naming the entry). On the
+            device they are not (that would need a sync): the kernels read a position whose id is outside
+            [0, num_pages) as absent (it contributes nothing), never memory outside the cache.
         softmax_scale: default headdim ** -0.5. softcap: logits -> softcap * tanh(logits / softcap), 0 = off.
         window_size: (left, right); left >= 0 restricts row i to keys >= its position - left. right is moot:
             decode rows see no keys after their own position.
         num_splits: KV splits per sequence; None = heuristic from the live lengths, 1 = one kernel, no merge.
         max_seqlen_k: optional host-side bound on cache_seqlens for the heuristic (avoids its one host sync).
         plan: a DecodePlan; the call then runs plan.run(...) (capturable, buffers owned by the plan).
-        out: optional output tensor like q.
+        out: optional output tensor like q; with seqlen_q > 1 and splits its (batch, seqlen_q) dims must collapse
+            into one (e.g. contiguous). Without it the output is a new contiguous tensor, whatever q's layout.
+        validate: True copies device-resident cache_seqlens / block_table to the host once (one sync; not
+            during CUDA-graph capture) and raises ValueError naming the sequence and position of the first
+            length outside [0, capacity] or page id outside [0, num_pages) - for debugging a serving loop.
         config: a DecodeConfig overriding every launch decision (e.g. ``dataclasses.replace`` of
             ``decode_config(...)``); checked against this call (TypeError / ValueError naming ``config``).
         sinks: optional (nheads,) float32 per-head sink logits that join each row's softmax denominator with no
@@ -103,18 +112,26 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, block_table=block_table,
                                        softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                        window_size=window_size, return_lse=return_lse, out=out,
-                                       max_seqlen_k=max_seqlen_k, plan=plan, config=config)
+                                       max_seqlen_k=max_seqlen_k, plan=plan, config=config,
+                                       validate=validate)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out)
+                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
+                        validate=validate)
+    checks.check_bool("return_lse", return_lse)
+    max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
     shape.check_out(out, q)
+    _check_metadata(shape, cache_seqlens, block_table, validate)
     in_capture = capturing(q.device)
     config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture)
     b, sq, h, d = shape.q4.shape
-    out = torch.empty_like(q) if out is None else out
+    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
     lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
     pool = workspace(q.device)
@@ -158,14 +175,19 @@ class DecodePlan:
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
                  dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
                  balance_mixed: bool = True, use_pdl: bool | None = None, config: DecodeConfig | None = None):
-        if max_batch < 1 or nheads < 1 or nheads_kv < 1 or max_seqlen_q < 1:
-            raise ValueError("max_batch, nheads, nheads_kv and max_seqlen_q must be >= 1")
+        max_batch, nheads, nheads_kv, max_seqlen_q = (checks.check_int(name, value, 1) for name, value in (
+            ("max_batch", max_batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("max_seqlen_q", max_seqlen_q)))
+        headdim = checks.check_int("headdim", headdim, 1, checks.MAX_HEAD_DIM)
+        max_seqlen_k = checks.check_int("max_seqlen_k", max_seqlen_k, 0)
         if nheads % nheads_kv:
             raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
+        dtype = checks.check_dtype("dtype", dtype, _DTYPES)
+        checks.check_bool("balance_mixed", balance_mixed)
+        if use_pdl is not None:
+            checks.check_bool("use_pdl", use_pdl)
         self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
-        self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, checks.full_device(device)
+        self.max_seqlen_q, self.dtype = max_seqlen_q, dtype
+        self.device = checks.check_device_arg("device", device)
         self.max_seqlen_k = max_seqlen_k
         self._dev = decode_device(self.device)
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and self._dev.pdl
@@ -226,15 +248,19 @@ class DecodePlan:
         return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, sinks=None):
-        """flash_decode with the plan's split count and buffers (same arguments and results)."""
+            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None):
+        """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
+        syncs, so it is for eager debugging runs, not captured ones)."""
+        checks.check_bool("return_lse", return_lse)
         if sinks is not None:  # ops/sinks.py; the result is a new tensor (or out), not a plan buffer
             from flashdecode.ops.sinks import flash_decode_with_sinks
             return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
                                            block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
-                                           window_size=window_size, return_lse=return_lse, out=out)
+                                           window_size=window_size, return_lse=return_lse, out=out,
+                                           validate=validate)
         shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
         shape.check_out(out, q)
+        _check_metadata(shape, cache_seqlens, block_table, validate)
         launch = self._launch_for(shape)
         b, sq, h, d = shape.q4.shape
         rows = b * sq * h
