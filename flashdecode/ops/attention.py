@@ -108,10 +108,10 @@ _CHECKED_TENSORS: set = set()
 
 
 def _check_tensors_once(q, k, v, ndim: int, layout: str):
-    """_check_tensor_args, skipped for a (shape, dtype, device) signature that already passed (the checks read
-    nothing else)."""
+    """_check_tensor_args, skipped for a (layout, shape, dtype, device) signature that already passed (the checks
+    read nothing else; the layout keeps a varlen call's 3-D shapes from passing for flash_attn)."""
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        key = (ndim, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                type(q), type(k), type(v), q.device.type == "cpu" and _interpreting())
     except AttributeError:  # not tensors: the full check names the argument
         key = None
@@ -607,22 +607,23 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         return out.zero_(), lse.fill_(float("-inf"))
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    v_layout = None
+    v_layout, v_kernel, alibi_stride = None, v, 0
     if fp8:
         v_layout, v_strides = _fp8_v_transposed(v, varlen)
-        v_descale = v_descale.contiguous()
+        v_kernel, v_descale = v_layout, v_descale.contiguous()
     else:
         v_strides = _strides(v, varlen)
-    alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_stride = alibi_slopes.stride(0)
     strides = (_strides(q, varlen), _strides(k, varlen), v_strides)
-    key = _launch_key(q, k, v if v_layout is None else v_layout, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left,
-                      right, softcap, config_id, alibi_slopes, alibi_stride, v_descale)
+    key = _launch_key(q, k, v_kernel, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
+                      alibi_slopes, alibi_stride, v_descale)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
                                                       config_id, alibi_slopes is not None, v_layout))
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    args = (q, k, v if v_layout is None else v_layout, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
+    args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
             alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
             nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
             qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets)
@@ -845,8 +846,11 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
-    descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, q.shape[0])
-    alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    descales = None
+    if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+        descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, q.shape[0])
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     config_id = _config_id(config)
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _attention(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap, deterministic,
@@ -889,8 +893,11 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
     if not isinstance(check_seqlens, bool):
         raise TypeError(f"check_seqlens must be a bool, got {check_seqlens!r}")
-    descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, batch)
-    alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    descales = None
+    if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+        descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, batch)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     config_id = _config_id(config)
     if check_seqlens:
         _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
