@@ -566,6 +566,16 @@ def test_rejects_bad_shapes(shapes, match):
         flashdecode.flash_attn(q, k, v)
 
 
+def test_rejects_3d_inputs_after_a_varlen_call_with_the_same_shapes():
+    """The checked-shape cache keys on the layout: a varlen call's (total, heads, dim) shapes passing its check must
+    not let flash_attn skip the 4-D check for the same shapes."""
+    q, k, v = (x.flatten(0, 1) for x in _ok())
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    flashdecode.flash_attn_varlen(q, k, v, cu, cu, 8, 8)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        flashdecode.flash_attn(q, k, v)
+
+
 def test_rejects_v_shape_mismatch():
     q, k, v = _ok()
     with pytest.raises(ValueError, match="same leading shape"):
