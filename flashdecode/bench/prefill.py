@@ -12,7 +12,8 @@ forced on / off (tensor descriptors or pointer loads; fwd+bwd only; "ours" picks
 heuristics.use_bwd_tma); ``fp8`` = flash_attn on float8_e4m3fn q, k, v quantised per (batch, head)
 (flashdecode.quantize_fp8; forward only, bf16 output), timed beside our bf16 forward and the peers on the same
 (quantised-from-the-same) inputs: the row gains ``fp8/ours`` (speed-up over our bf16 forward) and ``fp8/cuDNN``. The
-quantisation itself is outside the timed call (a model would keep its K/V in fp8).
+quantisation itself is outside the timed call (a model would keep its K/V in fp8). With ``--fa3`` it also times
+``FA3fp8``, FlashAttention-3's FP8 forward through FlashInfer where its wheel plans it.
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
 
@@ -164,22 +165,35 @@ def _flex(q, k, v, causal):
     return (lambda a, b, c: fn(a, b, c, block_mask=block_mask)), (qt, kt, vt)
 
 
-def _fa3(q, k, v, causal):
+def _fa3(q, k, v, causal, fp8=False):
+    """FlashAttention-3 through FlashInfer's "fa3" backend. fp8: on float8_e4m3fn q, k, v with unit scales (the
+    time does not depend on them) and bf16 output, where the installed FlashInfer plans it (else the row says
+    why)."""
+    import inspect
+
     import flashinfer
 
     batch, seqlen, nheads, headdim = q.shape
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
     indptr = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=q.device)
-    wrapper.plan(indptr, indptr, nheads, k.shape[2], headdim, causal=causal, q_data_type=q.dtype)
+    dtypes = dict(q_data_type=q.dtype)
+    if fp8:
+        dtypes = dict(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
+        if "o_data_type" in inspect.signature(wrapper.plan).parameters:
+            dtypes["o_data_type"] = torch.bfloat16
+    wrapper.plan(indptr, indptr, nheads, k.shape[2], headdim, causal=causal, **dtypes)
     flat = [x.detach().reshape(batch * seqlen, x.shape[2], headdim) for x in (q, k, v)]
+    if fp8:
+        flat = [x.to(torch.float8_e4m3fn) for x in flat]
     return (lambda a, b, c: wrapper.run(a, b, c)), tuple(flat)
 
 
 BUILDERS = {"ours": _ours, "FA2": _sdpa("FLASH_ATTENTION"), "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex,
             "FA3": _fa3, "nd": _ours_nd, "bwdtma": _ours_with(bwd_tma=True),
-            "bwdptr": _ours_with(bwd_tma=False), "varlen": _ours_varlen, "fp8": _ours_fp8}
-FORWARD_ONLY = {"FA3", "varlen", "fp8"}
+            "bwdptr": _ours_with(bwd_tma=False), "varlen": _ours_varlen, "fp8": _ours_fp8,
+            "FA3fp8": lambda q, k, v, causal: _fa3(q, k, v, causal, fp8=True)}
+FORWARD_ONLY = {"FA3", "varlen", "fp8", "FA3fp8"}
 BACKWARD_ONLY = {"nd", "bwdtma", "bwdptr"}  # variants that change only the backward
 
 
@@ -316,6 +330,8 @@ def run(args) -> int:
         print(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
         return 2
     peers += variants
+    if "fp8" in variants and use_fa3 and _peer_available("FA3"):
+        peers.append("FA3fp8")  # FA3's own FP8 forward beside ours
 
     env = env_info()
     peak = matmul_flops_per_s(8192, torch.bfloat16) / 1e12
