@@ -141,7 +141,7 @@ def _softmax_pv(s, v):
     return out, lse.to(_lse_dtype(v.dtype))
 
 
-# The FP8 forward's rule for P (flashdecode/kernels/fwd.py FP8_P_SCALE): P * 2**8 rounded to e4m3, then / 2**8.
+# The FP8 forward's rule for P (kernels/fwd.py FP8_P_LOG2_SCALE): P * 2**8 rounded to e4m3, then / 2**8.
 FP8_P_SCALE = 256.0
 
 

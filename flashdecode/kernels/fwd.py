@@ -20,8 +20,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # FP8 forward: P (in [0, 1]) is multiplied by 2**8 before rounding to e4m3, so that probabilities down to 2**-17
-# stay representable (e4m3's smallest subnormal is 2**-9) instead of flushing to zero; exact power of two.
-FP8_P_SCALE = tl.constexpr(256.0)
+# stay representable (e4m3's smallest subnormal is 2**-9) instead of flushing to zero. The kernel gets it for free by
+# shifting the row max by 8 in the exponent: the row sum carries the same factor, which cancels in acc / l.
+FP8_P_LOG2_SCALE = tl.constexpr(8.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,8 +174,8 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
     (k_desc/v_desc, bounded by the sequence, zero-filled outside), else through pointers from k_base/v_base;
     V_TMA: V through v_desc too (else V through pointers).
     IS_FP8: q and K are float8_e4m3fn (their descales folded into qk_scale), V is stored transposed (seq stride 1;
-    v_desc, if V_TMA, covers (HEAD_DIM, seqlen_k)), and P is rounded to e4m3 after scaling by FP8_P_SCALE for the
-    fp8 PV dot (the epilogue divides it out).
+    v_desc, if V_TMA, covers (HEAD_DIM, seqlen_k)), and P, computed as P * 2**FP8_P_LOG2_SCALE (so is l_i), is
+    rounded to e4m3 for the fp8 PV dot (the factor cancels in acc / l_i; the epilogue takes it out of the lse).
     HAS_ALIBI: alibi_slope (log2 units) times -|q_pos - k_pos| is added to the logits after the softcap.
     """
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
@@ -198,7 +199,10 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         else:
             m_shift = m_new
         alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
+        if IS_FP8:  # P * 2**8 (module note at FP8_P_LOG2_SCALE): a per-row shift, no per-element multiply
+            p = tl.exp2(s - (m_shift - FP8_P_LOG2_SCALE)[:, None])
+        else:
+            p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_TMA:
             if IS_FP8:  # V^T tile (HEAD_DIM_PAD, BLOCK_N): K-major for the fp8 wgmma
@@ -209,10 +213,10 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
             v = load_rows(v_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         acc = acc * alpha[:, None]
         if IS_FP8:
-            p_scaled = p * FP8_P_SCALE
             if FP8_SOFT_ROUND:
-                p_scaled = round_to_e4m3(p_scaled)
-            acc = tl.dot(p_scaled.to(v.dtype), v, acc)
+                acc = tl.dot(round_to_e4m3(p).to(v.dtype), v, acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -340,11 +344,13 @@ def attn_fwd_kernel(
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
+    m_lse = m_i
     if IS_FP8:
-        out = acc * (v_descale / FP8_P_SCALE / l_safe)[:, None]
+        out = acc * (v_descale / l_safe)[:, None]
+        m_lse = m_i - FP8_P_LOG2_SCALE  # l_i summed P * 2**8
     else:
         out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has_keys, (m_lse + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_base = head_base(Out, o_strides, batch, q_start, head)
     if USE_TMA:
         sequence_descriptor(o_base, seqlen_q, o_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).store(
