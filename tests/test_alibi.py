@@ -139,3 +139,31 @@ def test_gpu_alibi_long(gen, causal):
     model = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)], device=DEVICE)
     check_dense(gen, torch.bfloat16, 2, 1000, 1100, 8, 2, 128, grads=True, causal=causal, alibi_slopes=model)
     check_dense(gen, torch.bfloat16, 2, 3000, 3000, 8, 8, 64, causal=causal, alibi_slopes=slopes(gen, 2, 8) * 0.1)
+
+
+def test_alibi_and_fp8_compile_without_graph_break(gen):
+    """The slopes and descales cross the torch.library ops: fullgraph compiles (aot_eager runs the fakes) match
+    eager, gradients included for ALiBi; the FP8 fake gives a bf16 output."""
+    from test_attention import _leaf
+
+    q, k, v = _leaf(*_inputs(gen, KERNEL_DTYPES[0], (1, 33, 4, 64), (1, 33, 2, 64)))
+    alibi = slopes(gen, 4)
+
+    def step(a, b, c):
+        return flashdecode.flash_attn(a, b, c, causal=True, alibi_slopes=alibi).float().square().sum()
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    q2, k2, v2 = _leaf(q, k, v)
+    eager = step(q2, k2, v2)
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-3) and torch.equal(q.grad, q2.grad)
+
+    q8, k8, v8 = (x.detach().to(torch.float8_e4m3fn) for x in (q, k, v))
+    ones = torch.ones(1, 2, device=DEVICE)
+
+    def fp8_step(a, b, c):
+        return flashdecode.flash_attn(a, b, c, causal=True, q_descale=ones, k_descale=ones, v_descale=ones)
+
+    compiled = torch.compile(fp8_step, fullgraph=True, backend="aot_eager")(q8, k8, v8)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, fp8_step(q8, k8, v8))
