@@ -146,7 +146,8 @@ FP8_P_SCALE = 256.0
 
 
 def attention_fp8_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0):
+                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None):
     """The FP8 forward's precision in plain PyTorch: the same-precision implementation its tests compare with.
 
     q, k, v: the dequantised FP8 inputs (x_fp8 * descale, exact in float32), shapes as attention_ref. Logits in
@@ -160,7 +161,7 @@ def attention_fp8_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     nheads, headdim = q.shape[2], q.shape[3]
     scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
     k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
-    s = _scores(q, k, scale, softcap)
+    s = _add_alibi(_scores(q, k, scale, softcap), alibi_slopes)
     mask = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))

@@ -104,6 +104,12 @@ def test_fp8_per_query_head_q_descale_and_descriptors(gen):
     check_fp8(*fp8_inputs(gen, 2, 50, 61, 4, 2, 64), causal=True, config_changes=dict(fwd_tma=True))
 
 
+def test_fp8_with_alibi(gen):
+    """ALiBi (per-batch slopes) on the FP8 path: the bias joins the fp32 logits before P is rounded."""
+    alibi = (torch.rand(2, 8, generator=gen) * 0.5).to(DEVICE)
+    check_fp8(*fp8_inputs(gen, 2, 45, 60, 8, 2, 64), causal=True, alibi_slopes=alibi)
+
+
 def test_fp8_zero_descales_and_zero_heads(gen):
     """An all-zero head quantises to descale 0: q/k descale 0 gives uniform attention (the mean of the visible
     values), v descale 0 gives out 0; no NaN anywhere."""
