@@ -12,6 +12,8 @@ Conventions (flash-attn compatible, see DESIGN.md):
   Causal and window masks are bottom-right aligned: query row i sits at key position i + seqlen_k - seqlen_q.
   lse is the natural-log log-sum-exp, float32 unless the inputs are float64, shaped (batch, nheads, seqlen_q).
   A row with no visible key has out = 0 and lse = -inf, never NaN.
+  ALiBi (``alibi_slopes``, float32 (nheads,) or (batch, nheads)): flash-attn's bias -slope * |i + seqlen_k -
+  seqlen_q - j| for query row i and key j, added to the scaled logits after the softcap.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import math
 import torch
 
 __all__ = [
+    "alibi_bias",
     "attention_ref",
+    "attention_fp8_ref",
     "attention_blockwise_ref",
     "attention_varlen_ref",
     "decode_ref",
@@ -64,6 +68,24 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size
     return mask
 
 
+def alibi_bias(alibi_slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, dtype=torch.float64, device=None):
+    """ALiBi bias (batch or 1, nheads, seqlen_q, seqlen_k): -slope * |i + seqlen_k - seqlen_q - j| (bottom-right
+    aligned like the masks). alibi_slopes: (nheads,) or (batch, nheads)."""
+    slopes = alibi_slopes.to(dtype=dtype, device=device)
+    if slopes.dim() == 1:
+        slopes = slopes[None]
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return -slopes[:, :, None, None] * (rows - cols).abs().to(dtype)
+
+
+def _add_alibi(s: torch.Tensor, alibi_slopes) -> torch.Tensor:
+    """s (b, h, sq, sk) + the ALiBi bias (after the softcap), or s unchanged without slopes."""
+    if alibi_slopes is None:
+        return s
+    return s + alibi_bias(alibi_slopes, s.shape[2], s.shape[3], s.dtype, s.device)
+
+
 def _scores(q, k, softmax_scale, softcap):
     """S = scale * Q K^T, optionally soft-capped: softcap * tanh(S / softcap). q (b,sq,h,d), k (b,sk,h,d) -> (b,h,sq,sk).
 
@@ -84,12 +106,14 @@ def _check_common(q, k, v):
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                  softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0):
+                  softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None):
     """Naive attention: materialise S, softmax it, multiply by V.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), any float dtype; the math runs in this dtype.
         k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype.
+        alibi_slopes: None, or (nheads,) / (batch, nheads): the ALiBi bias joins the logits (module docstring).
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in q's dtype; 0 on rows with no visible key.
         lse: (batch, nheads, seqlen_q) float32 (float64 for float64 inputs), natural log; -inf on empty rows.
@@ -98,7 +122,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     nheads, headdim = q.shape[2], q.shape[3]
     scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
     k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
-    s = _scores(q, k, scale, softcap)
+    s = _add_alibi(_scores(q, k, scale, softcap), alibi_slopes)
     mask = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
     return _softmax_pv(s.masked_fill(~mask, float("-inf")), v)
 
@@ -115,6 +139,38 @@ def _softmax_pv(s, v):
     out = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l > 0, l, torch.ones_like(l)), v)
     lse = (m + torch.log(l)).squeeze(-1)  # log(0) = -inf on empty rows
     return out, lse.to(_lse_dtype(v.dtype))
+
+
+# The FP8 forward's rule for P (kernels/fwd.py FP8_P_LOG2_SCALE): P * 2**8 rounded to e4m3, then / 2**8.
+FP8_P_SCALE = 256.0
+
+
+def attention_fp8_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None):
+    """The FP8 forward's precision in plain PyTorch: the same-precision implementation its tests compare with.
+
+    q, k, v: the dequantised FP8 inputs (x_fp8 * descale, exact in float32), shapes as attention_ref. Logits in
+    float32 from them (the kernel's fp8 dot accumulates the exact products in fp32, the descales folded into the
+    scale); P = exp(S - rowmax) multiplied by 2**8, rounded to float8_e4m3fn (nearest, ties to even) and divided
+    back, times V in float32, over the float32 row sum of the unrounded P; out rounded to bfloat16 (the kernel's
+    output dtype). Returns (out bfloat16, lse float32).
+    """
+    _check_common(q, k, v)
+    q, k, v = q.float(), k.float(), v.float()
+    nheads, headdim = q.shape[2], q.shape[3]
+    scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
+    k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
+    s = _add_alibi(_scores(q, k, scale, softcap), alibi_slopes)
+    mask = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(s.shape[:-1] + (1,))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    p8 = (p * FP8_P_SCALE).to(torch.float8_e4m3fn).float() / FP8_P_SCALE
+    out = torch.einsum("bhqk,bkhd->bqhd", p8 / torch.where(l > 0, l, torch.ones_like(l)), v)
+    return out.to(torch.bfloat16), (m + torch.log(l)).squeeze(-1)
 
 
 def attention_blockwise_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -153,14 +209,16 @@ def attention_blockwise_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None,
-                         window_size=(-1, -1), softcap=0.0):
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Packed ragged batch: q (total_q, nheads, headdim), k/v (total_k, nheads_kv, headdim), int32 cu_seqlens
-    (batch + 1,). Returns out (total_q, nheads, headdim) and lse (nheads, total_q) like flash-attn's varlen lse."""
+    (batch + 1,). Returns out (total_q, nheads, headdim) and lse (nheads, total_q) like flash-attn's varlen lse.
+    alibi_slopes: None, (nheads,) or (batch, nheads); positions count within each sequence."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for i in range(len(cq) - 1):
+        slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         o, lse = attention_ref(q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]], v[None, ck[i]:ck[i + 1]],
-                               causal, softmax_scale, window_size, softcap)
+                               causal, softmax_scale, window_size, softcap, slopes)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, -1)
@@ -194,7 +252,7 @@ def split_bounds(seqlen: int, num_splits: int):
 
 
 def decode_split_ref(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_table=None,
-                     softmax_scale=None, softcap=0.0, window_size=(-1, -1)):
+                     softmax_scale=None, softcap=0.0, window_size=(-1, -1), alibi_slopes=None):
     """Step 2 of Flash-Decoding: each split of the live KV range attends on its own.
 
     Args:
@@ -203,6 +261,8 @@ def decode_split_ref(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_
         k_cache, v_cache: contiguous (batch, max_seqlen, nheads_kv, headdim), or paged
            (num_pages, page_size, nheads_kv, headdim) with block_table int32 (batch, max_pages_per_seq).
         cache_seqlens: int (batch,), live keys per sequence (0 allowed).
+        alibi_slopes: None, (nheads,) or (batch, nheads): ALiBi over each sequence's live keys (the new tokens
+           at its last positions), as attention_ref.
     Returns:
         out_s: (num_splits, *q.shape), lse_s: (num_splits, batch, [seqlen_q,] nheads), each split's normalised
         partial output and log-sum-exp; an empty split (or a split whose keys are all masked) is (0, -inf).
@@ -215,11 +275,16 @@ def decode_split_ref(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_
     sq = q4.shape[1]
     for b, seqlen in enumerate(cache_seqlens.tolist()):
         full = visible_mask(sq, seqlen, True, window_size, device=q.device)  # (sq, seqlen)
+        bias = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+            bias = alibi_bias(slopes, sq, seqlen, q.dtype, q.device)  # (1, nheads, sq, seqlen)
         for s, (start, end) in enumerate(split_bounds(seqlen, num_splits)):
             if end <= start:
                 continue
             o, lse = _masked_attention(q4[b:b + 1], k_all[b:b + 1, start:end], v_all[b:b + 1, start:end],
-                                       full[:, start:end], softmax_scale, softcap)
+                                       full[:, start:end], softmax_scale, softcap,
+                                       None if bias is None else bias[..., start:end])
             outs[s, b] = o[0]
             lses[s, b] = lse[0].transpose(0, 1)
     if squeeze:
@@ -227,12 +292,16 @@ def decode_split_ref(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_
     return outs, lses
 
 
-def _masked_attention(q, k, v, mask, softmax_scale, softcap):
-    """attention_ref with an explicit (seqlen_q, seqlen_k) visibility mask instead of causal/window flags."""
+def _masked_attention(q, k, v, mask, softmax_scale, softcap, bias=None):
+    """attention_ref with an explicit (seqlen_q, seqlen_k) visibility mask instead of causal/window flags, and an
+    optional additive bias (broadcastable to (batch, nheads, seqlen_q, seqlen_k)) after the softcap."""
     nheads, headdim = q.shape[2], q.shape[3]
     scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
     k, v = _expand_kv_heads(k, nheads), _expand_kv_heads(v, nheads)
-    return _softmax_pv(_scores(q, k, scale, softcap).masked_fill(~mask, float("-inf")), v)
+    s = _scores(q, k, scale, softcap)
+    if bias is not None:
+        s = s + bias
+    return _softmax_pv(s.masked_fill(~mask, float("-inf")), v)
 
 
 def merge_states_many_ref(outs: torch.Tensor, lses: torch.Tensor):
@@ -259,14 +328,14 @@ def merge_states_ref(o_a, lse_a, o_b, lse_b):
 
 
 def decode_ref(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None, softcap=0.0,
-               window_size=(-1, -1)):
+               window_size=(-1, -1), alibi_slopes=None):
     """Decode attention without splitting: q attends to the first cache_seqlens[b] keys of its sequence.
 
     Shapes as in ``decode_split_ref``. Returns out like q and lse (batch, [seqlen_q,] nheads) (float32 unless
     float64) - the (..., nheads) layout of flash_decode and merge_states.
     """
     out, lse = decode_split_ref(q, k_cache, v_cache, cache_seqlens, 1, block_table, softmax_scale, softcap,
-                                window_size)
+                                window_size, alibi_slopes)
     return out[0], lse[0]
 
 

@@ -492,8 +492,9 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
         best_config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
 
     kernel._record(Tuned(), Compiled(), nargs)
-    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False)
-    assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA"]
+    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False, False, False, False)
+    assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA", "IS_FP8",
+                                                                          "HAS_ALIBI", "FP8_SOFT_ROUND"]
     monkeypatch.setattr(attn_ops, "_current_stream", lambda index: 7)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     args = tuple(range(nargs))
@@ -544,12 +545,11 @@ def test_rejects_mixed_dtypes():
         flashdecode.flash_attn(q, k.float(), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.float64] + ([torch.float8_e4m3fn]
-                                                                   if hasattr(torch, "float8_e4m3fn") else []),
-                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.float8_e5m2], ids=str)
 def test_rejects_unsupported_dtypes(dtype):
+    """(float8_e4m3fn is accepted with descales: tests/test_fp8_prefill.py.)"""
     q, k, v = _ok()
-    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32"):
+    with pytest.raises(TypeError, match="q must be float16, bfloat16, float32 or float8_e4m3fn"):
         flashdecode.flash_attn(q.to(dtype), k.to(dtype), v.to(dtype))
 
 
@@ -563,6 +563,16 @@ def test_rejects_unsupported_dtypes(dtype):
 def test_rejects_bad_shapes(shapes, match):
     q, k, v = _ok(q_shape=shapes[0], kv_shape=shapes[1])
     with pytest.raises(ValueError, match=match):
+        flashdecode.flash_attn(q, k, v)
+
+
+def test_rejects_3d_inputs_after_a_varlen_call_with_the_same_shapes():
+    """The checked-shape cache keys on the layout: a varlen call's (total, heads, dim) shapes passing its check must
+    not let flash_attn skip the 4-D check for the same shapes."""
+    q, k, v = (x.flatten(0, 1) for x in _ok())
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    flashdecode.flash_attn_varlen(q, k, v, cu, cu, 8, 8)
+    with pytest.raises(ValueError, match="q must be 4-D"):
         flashdecode.flash_attn(q, k, v)
 
 
@@ -894,6 +904,20 @@ kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints | dict(DQ="*b
                           dict(HD256, BLOCK_N=bn, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=bn2, SPLIT_DKDV=split,
                                FUSED_DQ=True, USE_TMA=True), warps, stages)
 assert split and "wgmma" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024, "fused hd256 backward"
+# FP8 forward: both QK^T and PV on e4m3 wgmma (V pre-transposed, so K-major), with descriptors and with pointers
+fp8 = dict.fromkeys(["Q", "K", "V"], "*fp8e4nv") | dict(Out="*bf16", Lse="*fp32", QKDescale="*fp32",
+                                                         VDescale="*fp32")
+for tma in (True, False):
+    kernel = compile_for_sm90(attn_fwd_kernel, fp8 | ints, dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=tma,
+                                                                IS_FP8=True), 8, 3)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"], "fp8 forward not on wgmma"
+# ALiBi: forward and the dK/dV pass keep wgmma
+kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints | dict(AlibiSlopes="*fp32"),
+                          dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, HAS_ALIBI=True), 8, 3)
+assert "wgmma" in kernel.asm["ptx"], "alibi forward not on wgmma"
+kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints | dict(AlibiSlopes="*fp32"),
+                          dict(MASKS, BLOCK_N=64, BLOCK_M=64, USE_TMA=False, HAS_ALIBI=True), 4, 2)
+assert "wgmma" in kernel.asm["ptx"], "alibi dK/dV not on wgmma"
 print("compiled")
 '''
 
@@ -901,5 +925,6 @@ print("compiled")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics / bulk TMA reduction, wgmma), the TMA dQ pass
     and the TMA forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
-    code the GPU compiler rejects, and has no descriptor reduction at all); the hd256 tiles compile without spills."""
+    code the GPU compiler rejects, and has no descriptor reduction at all); the hd256 tiles compile without spills;
+    the FP8 forward runs both matmuls as e4m3 wgmma; ALiBi keeps wgmma."""
     run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)

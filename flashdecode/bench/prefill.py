@@ -9,7 +9,11 @@ prints a markdown table.
 Variants of our kernel timed as extra peers (``--variants``): ``nd`` = flash_attn(deterministic=False) (dQ by atomics
 in the dK/dV pass; fwd+bwd only), ``bwdtma`` / ``bwdptr`` = flash_attn with an AttentionConfig whose bwd_tma is
 forced on / off (tensor descriptors or pointer loads; fwd+bwd only; "ours" picks by sequence length,
-heuristics.use_bwd_tma).
+heuristics.use_bwd_tma); ``fp8`` = flash_attn on float8_e4m3fn q, k, v quantised per (batch, head)
+(flashdecode.quantize_fp8; forward only, bf16 output), timed beside our bf16 forward and the peers on the same
+(quantised-from-the-same) inputs: the row gains ``fp8/ours`` (speed-up over our bf16 forward) and ``fp8/cuDNN``. The
+quantisation itself is outside the timed call (a model would keep its K/V in fp8). With ``--fa3`` it also times
+``FA3fp8``, FlashAttention-3's FP8 forward through FlashInfer where its wheel plans it.
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
 
@@ -25,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 PEERS = ("ours", "FA2", "cuDNN", "flex", "FA3")
-VARIANTS = ("nd", "bwdtma", "bwdptr")
+VARIANTS = ("nd", "bwdtma", "bwdptr", "fp8")
 LONG = dict(seqlen=65536, nheads=32, nheads_kv=8, headdim=128)
 QUICK = dict(dtypes=["bf16"], headdims=[128, 64], seqlens=[16384, 1024], nheads=[16], causal=[False, True],
              modes=["fwd", "fwd+bwd"])
@@ -53,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement window per point")
     parser.add_argument("--variants", default=None,
                         help="comma list of our extra variants timed as peers: nd (deterministic=False), bwdtma / "
-                             "bwdptr (backward through TMA / pointers); default nd")
+                             "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                         help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
 
@@ -107,6 +111,17 @@ def _ours_with(**changes):
     return build
 
 
+def _ours_fp8(q, k, v, causal):
+    """Our FP8 forward: q, k, v quantised to e4m3 with per-(batch, head) descales (q per query head, k and v per kv
+    head, FA3's layout), outside the timed call."""
+    import flashdecode
+    from flashdecode.ops.quant import quantize_fp8
+
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x.detach()) for x in (q, k, v))
+    return (lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal, q_descale=qd, k_descale=kd,
+                                                   v_descale=vd)), (q8, k8, v8)
+
+
 def _ours_varlen(q, k, v, causal):
     """One packed sequence per batch row through flash_attn_varlen (the engine's prefill call)."""
     import flashdecode
@@ -150,22 +165,35 @@ def _flex(q, k, v, causal):
     return (lambda a, b, c: fn(a, b, c, block_mask=block_mask)), (qt, kt, vt)
 
 
-def _fa3(q, k, v, causal):
+def _fa3(q, k, v, causal, fp8=False):
+    """FlashAttention-3 through FlashInfer's "fa3" backend. fp8: on float8_e4m3fn q, k, v with unit scales (the
+    time does not depend on them) and bf16 output, where the installed FlashInfer plans it (else the row says
+    why)."""
+    import inspect
+
     import flashinfer
 
     batch, seqlen, nheads, headdim = q.shape
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
     indptr = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=q.device)
-    wrapper.plan(indptr, indptr, nheads, k.shape[2], headdim, causal=causal, q_data_type=q.dtype)
+    dtypes = dict(q_data_type=q.dtype)
+    if fp8:
+        dtypes = dict(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
+        if "o_data_type" in inspect.signature(wrapper.plan).parameters:
+            dtypes["o_data_type"] = torch.bfloat16
+    wrapper.plan(indptr, indptr, nheads, k.shape[2], headdim, causal=causal, **dtypes)
     flat = [x.detach().reshape(batch * seqlen, x.shape[2], headdim) for x in (q, k, v)]
+    if fp8:
+        flat = [x.to(torch.float8_e4m3fn) for x in flat]
     return (lambda a, b, c: wrapper.run(a, b, c)), tuple(flat)
 
 
 BUILDERS = {"ours": _ours, "FA2": _sdpa("FLASH_ATTENTION"), "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex,
             "FA3": _fa3, "nd": _ours_nd, "bwdtma": _ours_with(bwd_tma=True),
-            "bwdptr": _ours_with(bwd_tma=False), "varlen": _ours_varlen}
-FORWARD_ONLY = {"FA3", "varlen"}
+            "bwdptr": _ours_with(bwd_tma=False), "varlen": _ours_varlen, "fp8": _ours_fp8,
+            "FA3fp8": lambda q, k, v, causal: _fa3(q, k, v, causal, fp8=True)}
+FORWARD_ONLY = {"FA3", "varlen", "fp8", "FA3fp8"}
 BACKWARD_ONLY = {"nd", "bwdtma", "bwdptr"}  # variants that change only the backward
 
 
@@ -222,6 +250,10 @@ def bench_point(dtype_name, headdim, seqlen, nheads, causal, mode, peers, tokens
             row[f"{name}_skipped"] = why
     if row.get("ours") and row.get("FA2"):
         row["ours/FA2"] = row["ours"] / row["FA2"]
+    if row.get("fp8"):
+        for base in ("ours", "cuDNN"):
+            if row.get(base):
+                row[f"fp8/{base}"] = row["fp8"] / row[base]
     del q, k, v
     torch.cuda.empty_cache()
     return row
@@ -298,6 +330,8 @@ def run(args) -> int:
         print(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
         return 2
     peers += variants
+    if "fp8" in variants and use_fa3 and _peer_available("FA3"):
+        peers.append("FA3fp8")  # FA3's own FP8 forward beside ours
 
     env = env_info()
     peak = matmul_flops_per_s(8192, torch.bfloat16) / 1e12
@@ -328,9 +362,10 @@ def run(args) -> int:
     out_dir = results_dir(args.out)
     stem = result_stem("prefill", env)
     summary = summary_lines(rows, peers)
-    columns = ["mode", "dtype", "headdim", "nheads", "seqlen", "batch", "causal"] + peers + ["ours/FA2",
-                                                                                               "ours_%peak"]
-    table = markdown_table(rows, columns, {p: ".0f" for p in peers} | {"ours/FA2": ".2f", "ours_%peak": ".0f"})
+    ratios = ["ours/FA2"] + (["fp8/ours", "fp8/cuDNN"] if "fp8" in peers else [])
+    columns = ["mode", "dtype", "headdim", "nheads", "seqlen", "batch", "causal"] + peers + ratios + ["ours_%peak"]
+    table = markdown_table(rows, columns, {p: ".0f" for p in peers} | {r: ".2f" for r in ratios}
+                           | {"ours_%peak": ".0f"})
     pngs = _plots(out_dir, stem, rows, peers)
     path = write_json(out_dir / f"{stem}.json", "prefill", env, rows,
                       {"summary": summary, "peers": peers, "flops": "4*b*h*s*s*d, /2 causal, x3.5 fwd+bwd",

@@ -20,6 +20,8 @@ USE_TMA (Hopper): the streamed and held tiles move through device-side tensor de
 (cp.reduce.async.bulk) instead of per-element atomics. The interpreter has no descriptor reduction: the launcher
 uses pointer atomics there.
 Rows with lse = -inf (no visible key) get P = 0, hence zero gradients.
+HAS_ALIBI: P is recomputed with the forward's ALiBi bias (a constant: the gradient formulas are unchanged; the
+softcap's chain rule still reads the capped logits without the bias).
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdecode.kernels.fwd import (clamp_segments, head_base, kv_segments, load_rows, logits_log2, lse_row_base,
-                                     sequence_bounds, sequence_descriptor, visible)
+from flashdecode.kernels.fwd import (alibi_bias_log2, clamp_segments, head_base, kv_segments, load_rows, logits_log2,
+                                     lse_row_base, sequence_bounds, sequence_descriptor, visible)
+
+
+@triton.jit
+def load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of (batch, query head) in log2 units (0.0 without ALiBi)."""
+    if HAS_ALIBI:
+        return tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -117,10 +128,11 @@ def attn_bwd_delta_kernel(
 def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc, dq_desc,
                         stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, start, end, k_pos,
                         offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
-                        softcap_log2,
+                        softcap_log2, alibi_slope,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr):
+                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr = False):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
     form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
     buffer at dq_base with atomics. PART: 0 = both, 1 = dV only (2 of the 4 matmuls), 2 = dK only (3 of 4)."""
@@ -135,7 +147,10 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
             q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
         lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q, MASKED)  # unmasked: rows < seqlen_q
         s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
-        p_t = tl.exp2(s_t - lse2[None, :])
+        if HAS_ALIBI:
+            p_t = tl.exp2(s_t + alibi_bias_log2((rows + diag)[None, :], k_pos[:, None], alibi_slope) - lse2[None, :])
+        else:
+            p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:
             vis = visible((rows + diag)[None, :], k_pos[:, None], seqlen_k, window_left, window_right,
                           HAS_LEFT, HAS_RIGHT)
@@ -179,7 +194,7 @@ def attn_bwd_dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
-    PART: tl.constexpr,
+    PART: tl.constexpr, AlibiSlopes, alibi_batch_stride, HAS_ALIBI: tl.constexpr,
 ):
     """dK, dV of the BLOCK_N keys from n_start (< seqlen_k) of one (sequence, kv head): holds K, V and loops over
     the Q blocks of every query head of the GQA group. Arguments as attn_bwd_dkdv_kernel; q_start / k_start: first
@@ -211,6 +226,7 @@ def attn_bwd_dkdv_program(
         lse_base = lse_row_base(Lse, lse_strides, batch, head, q_start)
         delta_base = lse_row_base(Delta, delta_strides, batch, head, q_start)
         dq_base = head_base(DQ, dq_strides, batch, q_start, head)
+        alibi_slope = load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI)
         if USE_TMA:
             q_desc = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             do_desc = sequence_descriptor(do_base, seqlen_q, do_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
@@ -226,21 +242,21 @@ def attn_bwd_dkdv_program(
                                      dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
                                      dq_strides[1], dq_strides[3], full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
                                      seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
-                                     USE_TMA, PART)
+                                     alibi_slope, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
+                                     ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
         if HAS_RIGHT:  # causal diagonal / right window edge, after the unmasked blocks
             dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
                                          do_desc, dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
                                          dq_strides[1], dq_strides[3], lo, full_lo, offs_n, offs_m, offs_d, d_mask,
                                          seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
-                                         softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                                         BLOCK_M, ATOMIC_DQ, USE_TMA, PART)
+                                         softcap_log2, alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                         DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
                                      dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
                                      dq_strides[1], dq_strides[3], full_hi, hi, offs_n, offs_m, offs_d, d_mask,
                                      seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
-                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
-                                     USE_TMA, PART)
+                                     alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
+                                     ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
 
     out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
     dk_base = head_base(DK, dk_strides, batch, k_start, head_kv)
@@ -255,16 +271,16 @@ def attn_bwd_dkdv_program(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k, AlibiSlopes,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
-    scales, window_left, window_right,
+    scales, window_left, window_right, alibi_batch_stride,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     FUSED_DQ: tl.constexpr = False, BLOCK_M2: tl.constexpr = 64, BLOCK_N2: tl.constexpr = 64,
-    SPLIT_DKDV: tl.constexpr = False,
+    SPLIT_DKDV: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes and strides as attn_fwd_kernel; DO like Q; Lse
     (attn_bwd_delta_kernel's Lse2: log2 units, +inf on rows with no key) and Delta (fp32, D = rowsum(dO * O)) like
@@ -283,7 +299,8 @@ def attn_bwd_dkdv_kernel(
     two and affords twice the KV rows without spilling (5 matmuls per KV block instead of 4). With FUSED_DQ,
     program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced).
 
-    scales: (qk_scale, softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them."""
+    scales: (qk_scale, softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them. AlibiSlopes,
+    alibi_batch_stride, HAS_ALIBI: as attn_fwd_kernel's."""
     qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
@@ -301,14 +318,14 @@ def attn_bwd_dkdv_kernel(
                     dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
                     seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
                     window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
-                    BLOCK_M, False, USE_TMA, 1)
+                    BLOCK_M, False, USE_TMA, 1, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
             else:
                 attn_bwd_dkdv_program(
                     Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
                     dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
                     seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
                     window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
-                    BLOCK_M, False, USE_TMA, 2)
+                    BLOCK_M, False, USE_TMA, 2, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
     else:
         n_start = pid_n * BLOCK_N
         if n_start < seqlen_k:
@@ -317,7 +334,7 @@ def attn_bwd_dkdv_kernel(
                 dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start, seqlen_q,
                 k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
                 HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
-                USE_TMA, 0)
+                USE_TMA, 0, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
     if FUSED_DQ:
         m_start = pid_n * BLOCK_M2
         if m_start < seqlen_q:
@@ -326,7 +343,8 @@ def attn_bwd_dkdv_kernel(
                     Q, K, V, DO, Lse, Delta, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides,
                     lse_strides, delta_strides, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q,
                     k_start, seqlen_k, m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA)
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA,
+                    AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -336,10 +354,10 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
                       stride_vd, start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                      qk_scale, softcap_log2,
+                      qk_scale, softcap_log2, alibi_slope,
                       MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                       SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                      USE_TMA: tl.constexpr):
+                      USE_TMA: tl.constexpr, HAS_ALIBI: tl.constexpr = False):
     """Accumulate KV blocks [start, end) into dq (BLOCK_M, HEAD_DIM_PAD) fp32 (unscaled: times sm_scale later)."""
     k_ptrs = k_base + start.to(tl.int64) * stride_ks + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vs + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
@@ -350,7 +368,10 @@ def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, st
         else:
             k = load_rows(k_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
         s = logits_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
-        p = tl.exp2(s - lse2[:, None])
+        if HAS_ALIBI:
+            p = tl.exp2(s + alibi_bias_log2(q_pos[:, None], cols[None, :], alibi_slope) - lse2[:, None])
+        else:
+            p = tl.exp2(s - lse2[:, None])
         if MASKED:
             vis = visible(q_pos[:, None], cols[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(vis, p, 0.0)
@@ -375,6 +396,7 @@ def attn_bwd_dq_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    AlibiSlopes, alibi_batch_stride, HAS_ALIBI: tl.constexpr,
 ):
     """dQ of the BLOCK_M query rows from m_start (< seqlen_q) of one (sequence, query head): holds Q, dO and loops
     over the visible KV blocks of kv head head_kv. Arguments as attn_bwd_dq_kernel."""
@@ -403,22 +425,23 @@ def attn_bwd_dq_program(
     delta = tl.load(lse_row_base(Delta, delta_strides, batch, head, q_start) + offs_m, mask=offs_m < seqlen_q,
                     other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    alibi_slope = load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI)
     q_pos = offs_m + (seqlen_k - seqlen_q)
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:
         dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                v_strides[1], v_strides[3], lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                               window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                               window_left, window_right, qk_scale, softcap_log2, alibi_slope, True, EVEN_D, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, HAS_ALIBI)
     dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                            v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                           window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                           SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                           window_left, window_right, qk_scale, softcap_log2, alibi_slope, False, EVEN_D, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, HAS_ALIBI)
     dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                            v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                           window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                           SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                           window_left, window_right, qk_scale, softcap_log2, alibi_slope, True, EVEN_D, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, HAS_ALIBI)
     dq_base = head_base(DQ, dq_strides, batch, q_start, head)
     tl.store(dq_base + offs_m[:, None] * dq_strides[1] + offs_d[None, :] * dq_strides[3],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_mask[None, :])
@@ -426,14 +449,14 @@ def attn_bwd_dq_program(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k, AlibiSlopes,
     q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides, delta_strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
-    scales, window_left, window_right,
+    scales, window_left, window_right, alibi_batch_stride,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes and scales as attn_bwd_dkdv_kernel; DQ like Q."""
     qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
@@ -450,4 +473,5 @@ def attn_bwd_dq_kernel(
             Q, K, V, DO, Lse, Delta, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides,
             delta_strides, batch, head, head // group_size, q_start, seqlen_q, k_start, seqlen_k, m_start,
             qk_scale, softcap_log2, sm_scale, window_left, window_right,
-            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA)
+            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA,
+            AlibiSlopes, alibi_batch_stride, HAS_ALIBI)

@@ -19,6 +19,10 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# FP8 forward: P (in [0, 1]) is multiplied by 2**8 before rounding to e4m3, so that probabilities down to 2**-17
+# stay representable (e4m3's smallest subnormal is 2**-9) instead of flushing to zero. The kernel gets it for free by
+# shifting the row max by 8 in the exponent: the row sum carries the same factor, which cancels in acc / l.
+FP8_P_LOG2_SCALE = tl.constexpr(8.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -42,6 +46,26 @@ def logits_log2(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
         return tanh_saturating(qk * qk_scale) * softcap_log2
     else:
         return qk * qk_scale
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """x (fp32, 0 <= x < 448) rounded to the nearest float8_e4m3fn value, ties to even, in fp32 arithmetic: the
+    GPU's cvt.rn.satfinite.e4m3 result. The CPU interpreter's own fp32 -> e4m3 cast halves values that round up
+    to the next power of two, so there the launcher asks for this first (after it the cast is exact); adding and
+    subtracting 1.5 * 2**23 ulp rounds to a multiple of the ulp (2**(exponent - 3), 2**-9 for subnormals)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0
+    return (x + magic) - magic
+
+
+@triton.jit
+def alibi_bias_log2(q_pos, k_pos, alibi_slope):
+    """ALiBi bias (flash-attn's): -slope * |q_pos - k_pos| with q_pos the key-aligned query position, in the
+    units of alibi_slope (the kernels pass slope * log2(e))."""
+    return -alibi_slope * tl.abs(q_pos - k_pos).to(tl.float32)
 
 
 @triton.jit
@@ -137,16 +161,22 @@ def lse_row_base(Lse, strides, batch, head, row0):
 @triton.jit
 def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn, stride_vd,
                    start, end, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                   qk_scale, softcap_log2,
+                   qk_scale, softcap_log2, alibi_slope,
                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr):
+                   USE_TMA: tl.constexpr, IS_FP8: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
+                   FP8_SOFT_ROUND: tl.constexpr = False, V_TMA: tl.constexpr = False):
     """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
 
     acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
     running sum. MASKED blocks apply the visibility mask and guard rows that have seen no key yet (m = -inf) so
     that exp2(-inf - -inf) never happens; unmasked blocks skip both. USE_TMA loads K/V through tensor descriptors
-    (k_desc/v_desc, bounded by the sequence, zero-filled outside), else through pointers from k_base/v_base.
+    (k_desc/v_desc, bounded by the sequence, zero-filled outside), else through pointers from k_base/v_base;
+    V_TMA: V through v_desc too (else V through pointers).
+    IS_FP8: q and K are float8_e4m3fn (their descales folded into qk_scale), V is stored transposed (seq stride 1;
+    v_desc, if V_TMA, covers (HEAD_DIM, seqlen_k)), and P, computed as P * 2**FP8_P_LOG2_SCALE (so is l_i), is
+    rounded to e4m3 for the fp8 PV dot (the factor cancels in acc / l_i; the epilogue takes it out of the lse).
+    HAS_ALIBI: alibi_slope (log2 units) times -|q_pos - k_pos| is added to the logits after the softcap.
     """
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -157,6 +187,8 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
+        if HAS_ALIBI:
+            s = s + alibi_bias_log2(q_pos[:, None], (start_n + offs_n)[None, :], alibi_slope)
         if MASKED:
             vis = visible(q_pos[:, None], (start_n + offs_n)[None, :], seqlen_k, window_left, window_right,
                           HAS_LEFT, HAS_RIGHT)
@@ -167,14 +199,26 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         else:
             m_shift = m_new
         alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
+        if IS_FP8:  # P * 2**8 (module note at FP8_P_LOG2_SCALE): a per-row shift, no per-element multiply
+            p = tl.exp2(s - (m_shift - FP8_P_LOG2_SCALE)[:, None])
+        else:
+            p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA:
-            v = v_desc.load([start_n, 0])
+        if V_TMA:
+            if IS_FP8:  # V^T tile (HEAD_DIM_PAD, BLOCK_N): K-major for the fp8 wgmma
+                v = tl.trans(v_desc.load([0, start_n]))
+            else:
+                v = v_desc.load([start_n, 0])
         else:
             v = load_rows(v_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if IS_FP8:
+            if FP8_SOFT_ROUND:
+                acc = tl.dot(round_to_e4m3(p).to(v.dtype), v, acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -196,14 +240,15 @@ def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_R
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, QKDescale, VDescale, AlibiSlopes,
     q_strides, k_strides, v_strides, o_strides, lse_strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, window_left, window_right,
+    qk_scale, softcap_log2, window_left, window_right, alibi_batch_stride,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, IS_FP8: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False, FP8_SOFT_ROUND: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
@@ -216,6 +261,14 @@ def attn_fwd_kernel(
     Query head h reads kv head h // group_size. bucket_q/bucket_k only key the autotuner (log2 buckets of the max
     lengths). USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride,
     16-byte aligned rows and a triton allocator).
+
+    IS_FP8 (forward only): Q, K, V float8_e4m3fn, Out bfloat16; QKDescale contiguous fp32 (batch, nheads):
+    q_descale * k_descale of (sequence, head), folded into qk_scale; VDescale contiguous fp32 (batch, nheads_kv),
+    applied to the output. V is stored transposed: v_strides' seq stride is 1 (the launcher's padded copy).
+    FP8_SOFT_ROUND (the CPU interpreter only): P rounded by round_to_e4m3 before its cast.
+    HAS_ALIBI: AlibiSlopes fp32, slope of (batch, head) at batch * alibi_batch_stride + head (batch stride 0 for
+    one slope per head); the bias -slope * |i + seqlen_k - seqlen_q - j| joins the
+    logits after the softcap (flash-attn's order).
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -238,9 +291,24 @@ def attn_fwd_kernel(
     q_base = head_base(Q, q_strides, batch, q_start, head)
     k_base = head_base(K, k_strides, batch, k_start, head_kv)
     v_base = head_base(V, v_strides, batch, k_start, head_kv)
+    # FP8 varlen: V^T columns of a sequence start at any packed row, which a descriptor cannot address (its
+    # column offsets must be 16-byte aligned), so V goes through pointers there (Q, K, Out keep descriptors)
+    V_TMA: tl.constexpr = USE_TMA and not (IS_FP8 and IS_VARLEN)
+    if IS_FP8:  # descales: q * k of (sequence, head) into the logit scale, v of (sequence, kv head) at the end
+        qk_scale = qk_scale * tl.load(QKDescale + batch * tl.num_programs(1) + head)
+        v_descale = tl.load(VDescale + batch * (tl.num_programs(1) // group_size) + head_kv)
+    alibi_slope = qk_scale * 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
     if USE_TMA:
         k_desc = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        if not V_TMA:
+            v_desc = v_base
+        elif IS_FP8:  # V^T (HEAD_DIM, seqlen_k) of this (sequence, kv head), zero-filled outside
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[HEAD_DIM, seqlen_k], strides=[v_strides[3], 1],
+                                               block_shape=[HEAD_DIM_PAD, BLOCK_N])
+        else:
+            v_desc = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         q = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
     else:
         k_desc = k_base
@@ -257,24 +325,32 @@ def attn_fwd_kernel(
     if HAS_LEFT:  # left edge of a sliding window: masked
         acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                        v_strides[1], v_strides[3], lo, full_lo, q_pos, offs_n, offs_d, d_mask,
-                                       seqlen_k, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
-                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                                       seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                                       alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                                       BLOCK_N, USE_TMA, IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
     # the bulk: blocks every row sees completely
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
-                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, False, EVEN_D,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
+                                   False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
     # diagonal / right window edge / ragged tail: masked
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask,
-                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
+                                   True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
 
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    m_lse = m_i
+    if IS_FP8:
+        out = acc * (v_descale / l_safe)[:, None]
+        m_lse = m_i - FP8_P_LOG2_SCALE  # l_i summed P * 2**8
+    else:
+        out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(has_keys, (m_lse + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_base = head_base(Out, o_strides, batch, q_start, head)
     if USE_TMA:
         sequence_descriptor(o_base, seqlen_q, o_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).store(

@@ -1,14 +1,17 @@
 """flash_attn / flash_attn_varlen: input checks, the launch configuration, autograd and torch.library registration.
 
 Public API (flash-attn compatible shapes and names):
-  flash_attn(q, k, v, *, causal, softmax_scale, window_size, softcap, return_lse, deterministic, config)
+  flash_attn(q, k, v, *, causal, softmax_scale, window_size, softcap, return_lse, deterministic, config,
+             q_descale, k_descale, v_descale, alibi_slopes)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim) -> out like q
       [, lse (batch, nheads, seqlen_q) float32, natural log].
   flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, same options)
       q (total_q, nheads, headdim), k/v (total_k, nheads_kv, headdim), int32 cu_seqlens (batch + 1,)
       -> out like q [, lse (nheads, total_q)].
 
-Both are differentiable in q, k, v (lse is returned as a non-differentiable output, like flash-attn). The forward
+Both are differentiable in q, k, v (lse is returned as a non-differentiable output, like flash-attn), except with
+FP8 (float8_e4m3fn) inputs, which are forward only (FA3's FP8 API: q/k/v_descale (batch, nheads_kv) float32, out
+bfloat16). alibi_slopes adds flash-attn's ALiBi bias in the forward and the backward. The forward
 and backward are torch.library custom ops (flashdecode::attn_fwd / attn_bwd) with fake implementations, so
 torch.compile traces them without a graph break; _FlashAttnFunction ties them together for autograd.
 
@@ -45,6 +48,8 @@ from flashdecode.kernels import fwd as fwd_kernels
 __all__ = ["flash_attn", "flash_attn_varlen", "AUTOTUNE_ENV"]
 
 SUPPORTED_DTYPES = checks.FLOAT_DTYPES
+FP8_DTYPE = torch.float8_e4m3fn  # forward only, with q/k/v descales (FA3's FP8 API); output bfloat16
+FP8_OUT_DTYPE = torch.bfloat16
 MAX_HEAD_DIM = checks.MAX_HEAD_DIM
 LOG2E = checks.LOG2E
 # The one environment variable of this module: "0" = no autotuning (the first candidate that fits runs).
@@ -70,12 +75,15 @@ def _check_tensor_args(q, k, v, ndim: int, layout: str):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES and t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float8_e4m3fn (with descales), "
+                            f"got {t.dtype}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k, v must share one dtype "
+                            f"(FP8 attention takes all three in float8_e4m3fn)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     if q.device.type == "cpu" and not _interpreting():
@@ -100,10 +108,10 @@ _CHECKED_TENSORS: set = set()
 
 
 def _check_tensors_once(q, k, v, ndim: int, layout: str):
-    """_check_tensor_args, skipped for a (shape, dtype, device) signature that already passed (the checks read
-    nothing else)."""
+    """_check_tensor_args, skipped for a (layout, shape, dtype, device) signature that already passed (the checks
+    read nothing else; the layout keeps a varlen call's 3-D shapes from passing for flash_attn)."""
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        key = (ndim, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                type(q), type(k), type(v), q.device.type == "cpu" and _interpreting())
     except AttributeError:  # not tensors: the full check names the argument
         key = None
@@ -121,6 +129,65 @@ def _check_options(causal, softmax_scale, window_size, softcap, deterministic=Tr
     checks.check_softmax_scale(softmax_scale)
     checks.check_window(window_size)
     checks.check_softcap(softcap)
+
+
+def _check_descales(q, q_descale, k_descale, v_descale, batch: int, nheads_kv: int):
+    """FP8 inputs need all three descales, float32 (batch, nheads_kv) on q's device (FA3's layout; q_descale may
+    also be per query head, (batch, nheads)); other inputs take none. Descales that require grad are refused."""
+    given = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    if q.dtype != FP8_DTYPE:
+        for name, d in given:
+            if d is not None:
+                raise ValueError(f"{name} is only for float8_e4m3fn q, k, v; these are {q.dtype}")
+        return
+    for name, d in given:
+        if d is None:
+            raise ValueError(f"{name} is required with float8_e4m3fn q, k, v: a float32 ({batch}, {nheads_kv}) "
+                             f"tensor (batch, nheads_kv) of dequantisation factors (x = x_fp8 * descale)")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {d.dtype}")
+        nheads = q.shape[-2]
+        if tuple(d.shape) != (batch, nheads_kv) and not (name == "q_descale" and tuple(d.shape) == (batch, nheads)):
+            also = f" or (batch, nheads) = ({batch}, {nheads})" if name == "q_descale" else ""
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = ({batch}, {nheads_kv}){also}, "
+                             f"got {tuple(d.shape)}")
+        checks.check_device(name, d, q.device)
+    if torch.is_grad_enabled():
+        for name, d in given:
+            if d.requires_grad:
+                raise ValueError(f"{name} requires grad, but FP8 attention is forward only (no gradients)")
+
+
+def _checked_descales(q, k, v, q_descale, k_descale, v_descale, batch: int):
+    """(q_descale, k_descale, v_descale) for FP8 inputs (checked; inputs must not require grad), else None (and
+    no descale may be given)."""
+    _check_descales(q, q_descale, k_descale, v_descale, batch, k.shape[-2])
+    if q.dtype != FP8_DTYPE:
+        return None
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad, but FP8 attention (float8_e4m3fn inputs) is forward only")
+    return q_descale, k_descale, v_descale
+
+
+def _check_alibi(alibi_slopes, batch: int, nheads: int, device):
+    """alibi_slopes None, float32 (nheads,) or (batch, nheads) on q's device. Returns the slopes with a unit head
+    stride, detached (the bias is a constant: no gradient flows to the slopes, as in flash-attn)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, "
+                         f"{nheads}), got {tuple(alibi_slopes.shape)}")
+    checks.check_device("alibi_slopes", alibi_slopes, device)
+    slopes = alibi_slopes.detach()
+    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
 
 
 def _check_cu_seqlens_layout(name: str, cu, batch: Optional[int], max_seqlen, max_name: str, device) -> int:
@@ -194,8 +261,9 @@ def _config_id(config) -> int:
     return found
 
 
-def _head_dim_pad(headdim: int) -> int:
-    return max(16, heuristics.next_power_of_2(headdim))
+def _head_dim_pad(headdim: int, dtype: Optional[torch.dtype] = None) -> int:
+    """Head dim padded to a power of two >= the smallest GPU dot depth (16 for 16/32-bit operands, 32 for fp8)."""
+    return max(32 if dtype == FP8_DTYPE else 16, heuristics.next_power_of_2(headdim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +282,7 @@ def attention_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seq
     """The AttentionProblem of a call with these q, k, v (any layout flash_attn or flash_attn_varlen takes)."""
     interpret = _interpreting()
     smem, major = _device_facts(q.device) if q.is_cuda and not interpret else (227 * 1024, 0)
-    return AttentionProblem(head_dim_pad=_head_dim_pad(q.shape[-1]), elem_bytes=q.element_size(),
+    return AttentionProblem(head_dim_pad=_head_dim_pad(q.shape[-1], q.dtype), elem_bytes=q.element_size(),
                             max_seqlen_k=max_seqlen_k, deterministic=deterministic,
                             tma_layout=_tma_layout_ok(q, k, v), capability_major=major, smem_limit=smem,
                             interpret=interpret, autotune=_autotune_enabled())
@@ -254,7 +322,7 @@ def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 _AUTOTUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ"]
+                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI"]
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
 _DKDV_TILE = ("BLOCK_N", "BLOCK_M")
@@ -396,18 +464,21 @@ def _aligned(*tensors) -> int:
 
 
 def _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, softcap,
-                config_id):
+                config_id, alibi_slopes=None, alibi_stride=0, v_descale=None):
     """What the configuration, the kernel choice and Triton's specialisation of a call depend on: shapes, strides
     (of q, k, v), dtype, device, pointer alignment, mask flags, the configuration and the autotune switch; for
     varlen tensors, whose packed lengths stay out of it, the shape buckets and length class of max_seqlen_q/k
-    (dense shapes imply them)."""
+    (dense shapes imply them). ALiBi adds its flag and batch stride; FP8 the v_descale's alignment (the product
+    q_descale * k_descale is a fresh tensor)."""
+    extra = () if alibi_slopes is None and v_descale is None else (
+        alibi_slopes is not None, alibi_stride, _aligned(alibi_slopes, v_descale))
     if cu_seqlens_q is None:
         return (q.shape, k.shape, strides, q.dtype, q.device, _aligned(q, k, v), left >= 0, right >= 0,
-                softcap > 0.0, config_id, _autotune_enabled())
+                softcap > 0.0, config_id, _autotune_enabled()) + extra
     return (q.shape[1:], k.shape[1:], strides, q.dtype, q.device, _aligned(q, k, v, cu_seqlens_q, cu_seqlens_k),
             left >= 0, right >= 0, softcap > 0.0, config_id, _autotune_enabled(),
             heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
-            heuristics.prefill_length_class(max_seqlen_k))
+            heuristics.prefill_length_class(max_seqlen_k)) + extra
 
 
 def _buckets(max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
@@ -415,10 +486,13 @@ def _buckets(max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
     return heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k)
 
 
-def _common_constexprs(headdim, varlen, left, right, softcap, dtype):
-    return dict(HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, HAS_LEFT=left >= 0,
-                HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0.0,
-                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+def _common_constexprs(headdim, varlen, left, right, softcap, dtype, has_alibi=False):
+    constexprs = dict(HEAD_DIM=headdim, HEAD_DIM_PAD=_head_dim_pad(headdim, dtype), IS_VARLEN=varlen,
+                      HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=softcap > 0.0,
+                      DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    if has_alibi:  # only when on: the kernels' defaults are off, so other launches keep their exact constexprs
+        constexprs["HAS_ALIBI"] = True
+    return constexprs
 
 
 def _scale_args(scale: float, softcap: float):
@@ -447,13 +521,19 @@ class _FwdPlan:
 
     __slots__ = ("config", "kernel", "buckets")
 
-    def __init__(self, q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id):
+    def __init__(self, q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id,
+                 has_alibi=False, v_layout=None):
+        """v_layout: the tensor whose layout the V loads see (FP8: the transposed copy), default v."""
         varlen = cu_seqlens_q is not None
         self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
         self.config = _config_for(config_id, q, k, v, max_seqlen_k, True)
-        use_tma = self.config.fwd_tma and _tma_layout_ok(q, k, v, out)
-        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
+        use_tma = self.config.fwd_tma and _tma_layout_ok(q, k, v if v_layout is None else v_layout, out)
+        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype, has_alibi)
         constexprs["USE_TMA"] = use_tma
+        if q.dtype == FP8_DTYPE:
+            constexprs["IS_FP8"] = True
+            if _interpreting():  # the interpreter's fp32 -> e4m3 cast mis-rounds (see fwd.round_to_e4m3)
+                constexprs["FP8_SOFT_ROUND"] = True
         self.kernel = _Kernel("fwd", fwd_kernels.attn_fwd_kernel, self.config.fwd_tiles, _FWD_TILE,
                               self.config.fwd_autotune, constexprs)
 
@@ -465,14 +545,14 @@ class _BwdPlan:
     __slots__ = ("config", "mode", "delta", "dkdv", "dq", "buckets")
 
     def __init__(self, q, k, v, dout, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, deterministic,
-                 config_id):
+                 config_id, has_alibi=False):
         varlen = cu_seqlens_q is not None
         self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
         config = self.config = _config_for(config_id, q, k, v, max_seqlen_k, deterministic)
         # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
         use_tma = (config.bwd_tma and _tma_layout_ok(q, k, v, dout)
                    and (deterministic or not _interpreting()))
-        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
+        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype, has_alibi)
         constexprs["USE_TMA"] = use_tma
         fn = bwd_kernels.attn_bwd_dkdv_kernel
         # the preprocess: (BLOCK_M, warps, stages) as a plain launch would take them
@@ -499,26 +579,54 @@ _FWD_PLANS: dict = {}
 _BWD_PLANS: dict = {}
 
 
+def _fp8_v_transposed(v: torch.Tensor, varlen: bool):
+    """FP8 forward: a copy of v with the key dimension contiguous (the fp8 wgmma takes its B operand K-major, and
+    PV's K is the key), padded to a multiple of 16 keys so that its rows suit tensor descriptors. Costs one read
+    and one write of v (1/hd of the forward's work per key; see docs/decisions.md). Returns (physical tensor:
+    dense (batch, nheads_kv, headdim, keys_pad), varlen (nheads_kv, headdim, keys_pad); its (batch, seq, head,
+    dim) strides for the kernel)."""
+    keys = v.shape[-3]
+    pad = -(-keys // 16) * 16
+    if varlen:
+        phys = torch.empty((v.shape[1], v.shape[2], pad), dtype=v.dtype, device=v.device)
+        phys[:, :, :keys].copy_(v.permute(1, 2, 0))
+        return phys, (0, 1, phys.stride(0), phys.stride(1))
+    phys = torch.empty((v.shape[0], v.shape[2], v.shape[3], pad), dtype=v.dtype, device=v.device)
+    phys[..., :keys].copy_(v.permute(0, 2, 3, 1))
+    return phys, (phys.stride(0), 1, phys.stride(1), phys.stride(2))
+
+
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-              config_id=_RESOLVE_CONFIG):
-    """(out like q, lse fp32) of one forward; see attn_fwd_op."""
+              config_id=_RESOLVE_CONFIG, qk_descale=None, v_descale=None, alibi_slopes=None):
+    """(out like q (bfloat16 for FP8 inputs), lse fp32) of one forward; see attn_fwd_op."""
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    out = torch.empty_like(q)
+    fp8 = q.dtype == FP8_DTYPE
+    out = torch.empty(q.shape, dtype=FP8_OUT_DTYPE, device=q.device) if fp8 else torch.empty_like(q)
     lse = torch.empty((nheads, q.shape[0]) if varlen else (batch, nheads, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or sq == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
-    key = _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id)
+    v_layout, v_kernel, alibi_stride = None, v, 0
+    if fp8:
+        v_layout, v_strides = _fp8_v_transposed(v, varlen)
+        v_kernel, v_descale = v_layout, v_descale.contiguous()
+    else:
+        v_strides = _strides(v, varlen)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_stride = alibi_slopes.stride(0)
+    strides = (_strides(q, varlen), _strides(k, varlen), v_strides)
+    key = _launch_key(q, k, v_kernel, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
+                      alibi_slopes, alibi_stride, v_descale)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
-                                                      config_id))
+                                                      config_id, alibi_slopes is not None, v_layout))
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
+    args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
+            alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
             nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
-            qk_scale, softcap_log2, max(left, 0), max(right, 0), *plan.buckets)
+            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets)
     plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
@@ -535,7 +643,7 @@ def _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads):
 
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-              softcap, deterministic=True, config_id=_RESOLVE_CONFIG):
+              softcap, deterministic=True, config_id=_RESOLVE_CONFIG, alibi_slopes=None):
     """dq, dk, dv like q, k, v. deterministic: dK/dV and dQ computed by different programs, no atomics (bitwise
     reproducible), either in one launch (config.bwd_fused) or two; otherwise one dK/dV pass that adds dQ into an
     fp32 buffer with atomics, then scales and casts it."""
@@ -548,23 +656,25 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)
     strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
     do_strides = _strides(dout, varlen)
-    key = (_launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id),
+    alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+    key = (_launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
+                       alibi_slopes, alibi_stride),
            do_strides, _aligned(dout), deterministic)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         plan = _bounded_put(_BWD_PLANS, key, _BwdPlan(q, k, v, dout, cu_seqlens_q, sq, sk, left, right, softcap,
-                                                      deterministic, config_id))
+                                                      deterministic, config_id, alibi_slopes is not None))
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads // nheads_kv, sq, sk,
-            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0),
+            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0), alibi_stride,
             *plan.buckets)
     q_strides, k_strides, v_strides = strides
     dq_strides = _strides(dq, varlen)
-    dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides,
-                 v_strides, do_strides, _strides(dk, varlen), _strides(dv, varlen), dq_strides) + tail
+    dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes, q_strides,
+                 k_strides, v_strides, do_strides, _strides(dk, varlen), _strides(dv, varlen), dq_strides) + tail
     if plan.mode == "atomic":
         plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
         return dq.mul_(scale).to(q.dtype), dk, dv
@@ -575,8 +685,8 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         plan.dkdv(grid_pair, dkdv_args, q.device)
         return dq, dk, dv
     plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
-    dq_args = (q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides, v_strides,
-               do_strides, dq_strides) + tail
+    dq_args = (q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes, q_strides, k_strides,
+               v_strides, do_strides, dq_strides) + tail
     plan.dq(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), dq_args, q.device)
     return dq, dk, dv
 
@@ -589,37 +699,42 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                 cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                 window_left: int, window_right: int, softcap: float,
-                config_id: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                config_id: int = -1, qk_descale: Optional[torch.Tensor] = None,
+                v_descale: Optional[torch.Tensor] = None,
+                alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward (dense when cu_seqlens_q is None, else varlen); window_right = 0 is causal. Returns (out, lse).
-    config_id: -1 resolves the AttentionConfig inside the op, else the index of a config given to flash_attn."""
+    config_id: -1 resolves the AttentionConfig inside the op, else the index of a config given to flash_attn.
+    FP8 q/k/v: qk_descale = q_descale * k_descale per query head, float32 (batch, nheads) contiguous, and v_descale
+    (batch, nheads_kv); out is bfloat16.
+    alibi_slopes: float32 (nheads,) or (batch, nheads) with a unit last stride, or None."""
     return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                     window_right, softcap, config_id)
+                     window_right, softcap, config_id, qk_descale, v_descale, alibi_slopes)
 
 
 @attn_fwd_op.register_fake
 def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                   window_right, softcap, config_id=-1):
+                   window_right, softcap, config_id=-1, qk_descale=None, v_descale=None, alibi_slopes=None):
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return torch.empty_like(q, dtype=FP8_OUT_DTYPE if q.dtype == FP8_DTYPE else q.dtype), lse
 
 
 @torch.library.custom_op("flashdecode::attn_bwd", mutates_args=())
 def attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                softcap: float, deterministic: bool = True,
-                config_id: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                softcap: float, deterministic: bool = True, config_id: int = -1,
+                alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward from the saved lse: (dq, dk, dv); deterministic (no atomics) unless told otherwise."""
     return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, softcap, deterministic, config_id)
+                     softmax_scale, window_left, window_right, softcap, deterministic, config_id, alibi_slopes)
 
 
 @attn_bwd_op.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, softcap, deterministic=True, config_id=-1):
+                   window_left, window_right, softcap, deterministic=True, config_id=-1, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -649,32 +764,42 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                deterministic, config_id):
+                deterministic, config_id, alibi_slopes):
         cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         out, lse = _fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                        config_id)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+                        config_id, None, None, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
         ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap, deterministic, config_id)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-        dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_k, *ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_k, *ctx.params, alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-               deterministic, config_id):
-    """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call)."""
+               deterministic, config_id, descales=None, alibi_slopes=None):
+    """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call).
+    descales: FP8 inputs' (q_descale, k_descale, v_descale) (forward only, checked before), else None."""
+    if descales is not None:
+        q_descale, k_descale, v_descale = descales
+        group = q.shape[-2] // k.shape[-2]
+        if q_descale.shape[1] != q.shape[-2]:  # per kv head (FA3): the same factor for the group's query heads
+            q_descale = q_descale.repeat_interleave(group, dim=1)
+        qk_descale = q_descale * k_descale.repeat_interleave(group, dim=1)  # (batch, nheads), contiguous
+        return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                    config_id, qk_descale, v_descale, alibi_slopes)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         same_cu = cu_seqlens_k is cu_seqlens_q and cu_seqlens_q is not None
         return _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, None if same_cu else cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, scale, left, right, softcap, deterministic, config_id)
+                                        max_seqlen_k, scale, left, right, softcap, deterministic, config_id,
+                                        alibi_slopes)
     return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                config_id)
+                config_id, None, None, alibi_slopes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -683,8 +808,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-               return_lse: bool = False, deterministic: bool = True, config: Optional[AttentionConfig] = None):
-    """Exact attention softmax(scale * Q K^T) V, FlashAttention-2 style, differentiable in q, k, v.
+               return_lse: bool = False, deterministic: bool = True, config: Optional[AttentionConfig] = None,
+               q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+               v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None):
+    """Exact attention softmax(scale * Q K^T + bias) V, FlashAttention-2 style, differentiable in q, k, v.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim) float16 / bfloat16 / float32 (fp32 uses IEEE-precision dots).
@@ -700,17 +827,34 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             gradients vary in the last bits from run to run).
         config: an AttentionConfig overriding the launch decisions (usually ``dataclasses.replace`` of
             ``flashdecode.ops.attention.resolve_config(q, k, v)``); None resolves it from the problem.
+        q_descale, k_descale, v_descale: FP8 attention (FlashAttention-3's API, forward only): with q, k, v all
+            torch.float8_e4m3fn, float32 (batch, nheads_kv) tensors, required, such that the attended tensors are
+            ``q.float() * q_descale[b, h // group]`` (likewise k, v per kv head); q_descale may also be per query
+            head, (batch, nheads) (``q.float() * q_descale[b, h]``). QK^T runs as an fp8 dot with the descales
+            folded into the softmax scale; P is rounded to e4m3 (after scaling by 2**8) for the fp8 PV dot; out is
+            bfloat16. Inputs that require grad are refused. Must be None for other dtypes.
+        alibi_slopes: float32 (nheads,) or (batch, nheads): ALiBi, flash-attn's bias -slope * |i + seqlen_k -
+            seqlen_q - j| for query row i and key j, added to the scaled logits after the softcap. Constant:
+            gradients flow to q, k, v (exactly), none to the slopes. (With causal=True flash-attn's own kernel
+            adds slope * j instead, which leaves out unchanged but shifts its lse by slope * (i + seqlen_k -
+            seqlen_q); ours is the lse of the documented bias.)
     Returns:
-        out (batch, seqlen_q, nheads, headdim) like q [, lse]. Rows with no visible key give out 0, lse -inf.
+        out (batch, seqlen_q, nheads, headdim) like q (bfloat16 for FP8 inputs) [, lse]. Rows with no visible key
+        give out 0, lse -inf.
     """
     _check_tensors_once(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
+    descales = None
+    if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+        descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, q.shape[0])
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     config_id = _config_id(config)
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _attention(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap, deterministic,
-                          config_id)
+                          config_id, descales, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -718,7 +862,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
                       return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True,
-                      config: Optional[AttentionConfig] = None):
+                      config: Optional[AttentionConfig] = None, q_descale: Optional[torch.Tensor] = None,
+                      k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
+                      alibi_slopes: Optional[torch.Tensor] = None):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
 
     Args:
@@ -735,6 +881,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             no sequence covers, query rows past max_seqlen_q within a sequence and (backward) keys past
             max_seqlen_k are left unwritten: out, lse, dq, dk, dv hold whatever the allocator gave there.
         deterministic, config: as flash_attn.
+        q_descale, k_descale, v_descale: FP8 as flash_attn, shape (batch, nheads_kv) with batch =
+            len(cu_seqlens_q) - 1 (one descale per sequence and kv head).
+        alibi_slopes: as flash_attn ((nheads,) or (batch, nheads)); positions are per sequence.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
@@ -744,11 +893,16 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
     if not isinstance(check_seqlens, bool):
         raise TypeError(f"check_seqlens must be a bool, got {check_seqlens!r}")
+    descales = None
+    if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+        descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, batch)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     config_id = _config_id(config)
     if check_seqlens:
         _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
                                   ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, cap,
-                          deterministic, config_id)
+                          deterministic, config_id, descales, alibi_slopes)
     return (out, lse) if return_lse else out
