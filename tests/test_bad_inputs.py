@@ -154,10 +154,7 @@ ACCEPTED = {
 
 # Open defects found by this suite (each with a minimal repro in the report), kept out until fixed so that CI stays
 # green while they are routed: (call, argument) -> labels. Remove an entry when its fix lands.
-OPEN_BY_ARG = {
-    ("flash_attn", "return_lse"): ("str", "int", "none"),
-    ("flash_attn_varlen", "return_lse"): ("str", "int", "none"),
-}
+OPEN_BY_ARG: dict = {}
 OPEN = {(call, arg, label) for (call, arg), labels in OPEN_BY_ARG.items() for label in labels}
 
 

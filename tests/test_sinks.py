@@ -189,3 +189,25 @@ def test_bad_sinks_raise_naming_the_argument(gen):
         flash_attn_with_sinks(q, q, q, torch.zeros(2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="layout"):
         apply_sinks(q, torch.zeros(1, 2, 4), torch.zeros(2), "bhsd")
+
+
+def test_public_ops_take_sinks(gen):
+    """flash_attn / flash_attn_varlen / flash_decode / DecodePlan.run(sinks=...) are the ops/sinks.py wrappers."""
+    q = randn(2, 9, 4, 16, gen=gen, dtype=torch.float16)
+    k = randn(2, 9, 2, 16, gen=gen, dtype=torch.float16)
+    v = randn(2, 9, 2, 16, gen=gen, dtype=torch.float16)
+    sinks = _sinks(gen, 4)
+    dense = flashdecode.flash_attn(q, k, v, causal=True, sinks=sinks)
+    assert torch.equal(dense, flash_attn_with_sinks(q, k, v, sinks, causal=True))
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
+    packed = flashdecode.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 9, 9,
+                                           causal=True, sinks=sinks)
+    assert torch.equal(packed.view_as(q), dense)
+    lens = torch.tensor([9, 4], dtype=torch.int32, device=DEVICE)
+    decoded = flashdecode.flash_decode(q[:, 0], k, v, lens, num_splits=2, sinks=sinks)
+    assert torch.equal(decoded, flash_decode_with_sinks(q[:, 0], k, v, lens, sinks, num_splits=2))
+    plan = flashdecode.DecodePlan(2, 4, 2, 16, max_seqlen_k=9, dtype=torch.float16, device=DEVICE)
+    planned = flashdecode.DecodePlan.run(plan, q[:, 0], k, v, lens, sinks=sinks)
+    assert torch.equal(planned, flash_decode_with_sinks(q[:, 0], k, v, lens, sinks, plan=plan))
+    with pytest.raises(ValueError, match="sinks cannot be combined"):
+        flashdecode.flash_attn(q, k, v, sinks=sinks, alibi_slopes=torch.ones(4, device=DEVICE))

@@ -41,7 +41,7 @@ from triton import knobs
 
 from flashdecode import heuristics
 from flashdecode.config import AttentionConfig, AttentionProblem
-from flashdecode.ops import checks
+from flashdecode.ops import checks, gluon_attention
 from flashdecode.kernels import bwd as bwd_kernels
 from flashdecode.kernels import fwd as fwd_kernels
 
@@ -599,6 +599,12 @@ def _fp8_v_transposed(v: torch.Tensor, varlen: bool):
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
               config_id=_RESOLVE_CONFIG, qk_descale=None, v_descale=None, alibi_slopes=None):
     """(out like q (bfloat16 for FP8 inputs), lse fp32) of one forward; see attn_fwd_op."""
+    if (config_id == _RESOLVE_CONFIG and cu_seqlens_q is None and alibi_slopes is None and qk_descale is None):
+        # Hopper: the warp-specialised Gluon kernel where it applies and measured faster (ops/gluon_attention.py,
+        # docs/decisions.md); an explicit config= keeps the Triton kernels
+        result = gluon_attention.gluon_forward_if_supported(q, k, v, scale, left, right, softcap)
+        if result is not None:
+            return result
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     fp8 = q.dtype == FP8_DTYPE
     out = torch.empty(q.shape, dtype=FP8_OUT_DTYPE, device=q.device) if fp8 else torch.empty_like(q)
@@ -802,6 +808,12 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                 config_id, None, None, alibi_slopes)
 
 
+def _check_sinks_alone(config, q, q_descale, alibi_slopes):
+    """Sinks are composed outside the kernels with the default launch (ops/sinks.py): refuse what that path lacks."""
+    if config is not None or q.dtype == FP8_DTYPE or q_descale is not None or alibi_slopes is not None:
+        raise ValueError("sinks cannot be combined with config=, FP8 inputs (q_descale ...) or alibi_slopes")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------------------
@@ -810,7 +822,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
                return_lse: bool = False, deterministic: bool = True, config: Optional[AttentionConfig] = None,
                q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-               v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None):
+               v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None):
     """Exact attention softmax(scale * Q K^T + bias) V, FlashAttention-2 style, differentiable in q, k, v.
 
     Args:
@@ -838,6 +851,9 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             gradients flow to q, k, v (exactly), none to the slopes. (With causal=True flash-attn's own kernel
             adds slope * j instead, which leaves out unchanged but shifts its lse by slope * (i + seqlen_k -
             seqlen_q); ours is the lse of the documented bias.)
+        sinks: float32 (nheads,) attention-sink logits (GPT-OSS, StreamingLLM): each joins its head's softmax
+            denominator with no value; differentiable (ops/sinks.py composes them exactly with the kernels' out and
+            lse). Not combined with config=, FP8 inputs or alibi_slopes (ValueError).
     Returns:
         out (batch, seqlen_q, nheads, headdim) like q (bfloat16 for FP8 inputs) [, lse]. Rows with no visible key
         give out 0, lse -inf.
@@ -846,6 +862,13 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
+    checks.check_bool("return_lse", return_lse)
+    if sinks is not None:
+        _check_sinks_alone(config, q, q_descale, alibi_slopes)
+        from flashdecode.ops.sinks import flash_attn_with_sinks
+        return flash_attn_with_sinks(q, k, v, sinks, causal=causal, softmax_scale=softmax_scale,
+                                     window_size=window_size, softcap=softcap, return_lse=return_lse,
+                                     deterministic=deterministic)
     descales = None
     if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
         descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, q.shape[0])
@@ -864,7 +887,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True,
                       config: Optional[AttentionConfig] = None, q_descale: Optional[torch.Tensor] = None,
                       k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
-                      alibi_slopes: Optional[torch.Tensor] = None):
+                      alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
 
     Args:
@@ -884,6 +907,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         q_descale, k_descale, v_descale: FP8 as flash_attn, shape (batch, nheads_kv) with batch =
             len(cu_seqlens_q) - 1 (one descale per sequence and kv head).
         alibi_slopes: as flash_attn ((nheads,) or (batch, nheads)); positions are per sequence.
+        sinks: as flash_attn.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
@@ -893,6 +917,14 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
     if not isinstance(check_seqlens, bool):
         raise TypeError(f"check_seqlens must be a bool, got {check_seqlens!r}")
+    checks.check_bool("return_lse", return_lse)
+    if sinks is not None:
+        _check_sinks_alone(config, q, q_descale, alibi_slopes)
+        from flashdecode.ops.sinks import flash_attn_varlen_with_sinks
+        return flash_attn_varlen_with_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+                                            causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                            softcap=softcap, return_lse=return_lse, deterministic=deterministic,
+                                            check_seqlens=check_seqlens)
     descales = None
     if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
         descales = _checked_descales(q, k, v, q_descale, k_descale, v_descale, batch)
