@@ -260,7 +260,7 @@ def _reference_without(q, k, v, lens, present):
 
 
 @pytest.mark.parametrize("page_size,tweak", [(1, None), (3, None), (8, None), (16, None), (32, None),
-                                             (32, dict(use_tma=True)), (16, "persistent")])
+                                             (32, dict(use_tma=True, block_n=32)), (16, "persistent")])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, num_splits, device_resident):
     """Ids -1, num_pages and 2**30 in a device-resident block table: no crash, no read outside the cache (2**30
@@ -654,7 +654,9 @@ def test_tma_path(gen, page_size):
         v[b, n:] = float("nan")
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     for num_splits in (1, 3):
-        out = _decode(q, kc, vc, lens, table, tweak=dict(use_tma=True), num_splits=num_splits)
+        # TMA boxes never straddle a page: tiles of 16 keys divide every page size here (a GPU resolves larger)
+        tma = dict(use_tma=True) if page_size is None else dict(use_tma=True, block_n=16)
+        out = _decode(q, kc, vc, lens, table, tweak=tma, num_splits=num_splits)
         o64, _ = ref.decode_ref(q.double(), k.double().nan_to_num(), v.double().nan_to_num(), lens)
         o_same, _ = ref.decode_ref(q, k.nan_to_num(), v.nan_to_num(), lens)
         assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
@@ -677,14 +679,15 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen):
     preloaded ids none (heuristics' decode geometry, with the interpreter's 16-key tiles and 256 ids)."""
     from flashdecode import heuristics as hx
 
-    config = dataclasses.replace(decode_config(*_make(gen, 2, 512, 4, 2, 64, torch.float16), _lens([512, 100]),
-                                               num_splits=4),
-                                 preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8)
-    assert config.block_n == 16
-
     def problem(page_size):
         return hx.DecodeProblem(batch=2, grid_batch=2, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
                                 page_size=page_size, capacity=512, window_left=-1, live_keys=512)
+
+    # the interpreter's geometry whatever device runs the test (a GPU resolves larger tiles)
+    interpreter = hx.DecodeDevice(num_sms=hx.DEFAULT_NUM_SMS, interpret=True, hopper=False, pdl=False)
+    config = dataclasses.replace(hx.resolve_decode_config(dataclasses.replace(problem(0), num_splits=4), interpreter),
+                                 preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8)
+    assert config.block_n == 16
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
@@ -1213,7 +1216,10 @@ def test_config_override_is_checked_against_the_call(gen):
     resolved = decode_config(q, k, v, lens, num_splits=3)
     with pytest.raises(ValueError, match="num_splits"):
         flashdecode.flash_decode(q, k, v, lens, num_splits=2, config=resolved)
-    for change in (dict(use_pdl=True), dict(prefetch_blocks=1), dict(merge_max_rows=3)):
+    # PDL and the L2 prefetch are inline asm: only a GPU of sm_90+ runs them (elsewhere the override is refused)
+    hopper_gpu = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] >= 9
+    refused = [dict(merge_max_rows=3)] + ([] if hopper_gpu else [dict(use_pdl=True), dict(prefetch_blocks=1)])
+    for change in refused:
         with pytest.raises(ValueError, match="config"):
             flashdecode.flash_decode(q, k, v, lens, config=dataclasses.replace(resolved, **change))
     with pytest.raises(ValueError, match="num_splits"):

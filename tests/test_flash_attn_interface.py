@@ -352,8 +352,10 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
-def test_kvcache_host_index_values_are_checked(gen):
-    """Index tensors that live on the host are range-checked (device ones cannot be without a sync)."""
+def test_kvcache_host_index_values_are_checked(gen, monkeypatch):
+    """Index tensors that live on the host are range-checked (device ones cannot be without a sync), before any
+    kernel runs: everything on the CPU, with the interpreter's device rule also on a GPU machine."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k_cache, v_cache, k_new = (x.cpu() for x in _kvcache_inputs(gen))
     before = k_cache.clone()
     with pytest.raises(ValueError, match="cache_batch_idx"):
