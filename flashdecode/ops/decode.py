@@ -78,7 +78,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
-                 config: DecodeConfig | None = None, sinks=None, batch_invariant: bool = False):
+                 config: DecodeConfig | None = None, sinks=None, batch_invariant: bool = False, alibi_slopes=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
@@ -110,6 +110,10 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             the other sequences' lengths (one unsplit kernel variant with fixed tiles, heuristics
             .batch_invariant_config; docs/architecture.md, "Decode dispatch"); excludes num_splits > 1 and
             config=. It never reads the lengths on the host. With plan=, the plan's own flag decides.
+        alibi_slopes: optional float32 (nheads,) or (batch, nheads) ALiBi slopes, one per query head: the bias
+            -slope * |qpos - j| for the row at key position qpos (its token's position in the sequence, the new
+            tokens being the last seqlen_q) and key j joins the scaled logits after the softcap (flash-attn's
+            rule), on every decode path; lse includes it.
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without
     num_splits / max_seqlen_k the split count is sized from the cache capacity (the device-side split counts then
     follow the live lengths), and the split workspace comes from a per-device pool that eager calls of the same
@@ -127,13 +131,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                                        softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                        window_size=window_size, return_lse=return_lse, out=out,
                                        max_seqlen_k=max_seqlen_k, plan=plan, config=config,
-                                       batch_invariant=batch_invariant)
+                                       batch_invariant=batch_invariant, alibi_slopes=alibi_slopes)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out)
+                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
+                        alibi_slopes=alibi_slopes)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+    shape.with_alibi(alibi_slopes)
     shape.check_out(out, q)
     in_capture = capturing(q.device)
     config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture, batch_invariant)
@@ -256,14 +262,16 @@ class DecodePlan:
         return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, sinks=None):
+            window_size=(-1, -1), return_lse=False, out=None, sinks=None, alibi_slopes=None):
         """flash_decode with the plan's split count and buffers (same arguments and results)."""
         if sinks is not None:  # ops/sinks.py; the result is a new tensor (or out), not a plan buffer
             from flashdecode.ops.sinks import flash_decode_with_sinks
             return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
                                            block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
-                                           window_size=window_size, return_lse=return_lse, out=out)
+                                           window_size=window_size, return_lse=return_lse, out=out,
+                                           alibi_slopes=alibi_slopes)
         shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+        shape.with_alibi(alibi_slopes)
         shape.check_out(out, q)
         launch = self._launch_for(shape)
         b, sq, h, d = shape.q4.shape
