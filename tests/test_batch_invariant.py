@@ -139,3 +139,21 @@ def test_engine_greedy_tokens_alone_equal_batched(tmp_path):
     assert batched[0].token_ids == alone and len(alone) == 5
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM(path, device="cpu", dtype="float32", attn_backend="torch", batch_invariant=True, use_tqdm=False)
+
+
+def test_bench_decode_rows_for_batch_invariant_and_kvcache():
+    """bench decode's new columns (CPU: argument parsing and the summary; the timings need the GPU)."""
+    import argparse
+
+    from flashdecode.bench import decode as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).batch_invariant and parser.parse_args([]).kvcache
+    assert not parser.parse_args(["--no-batch-invariant"]).batch_invariant
+    assert {"ours-bi", "fai-kvcache"} <= set(bench.BUILDERS) and {"ours-bi", "fai-kvcache"} <= set(bench.OURS)
+    row = dict(sweep="ctx", batch=1, context=4096, layout="contig", ours=10.0, **{"ours_%floor": 80.0},
+               **{"ours-bi": 25.0, "fai-kvcache": 11.0, "FA2": 22.0})
+    line = bench.summary_line(row)
+    assert "batch-invariant 25.0us (2.50x)" in line and "flash_attn_with_kvcache 11.0us vs FA2 22.0us (2.00x)" in line
+    assert bench._best_peer(row, ["ours", "ours-bi", "fai-kvcache", "FA2"]) == ("FA2", 22.0)

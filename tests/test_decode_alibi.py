@@ -152,3 +152,77 @@ def test_gpu_alibi_every_path(gen, dtype, page_size, batch):
     lens = tuple(int(x) for x in torch.randint(0, 5000, (batch,), generator=gen))
     _check(gen, dtype, batch=batch, nheads=32, nheads_kv=8, headdim=128, lens=lens, page_size=page_size,
            per_sequence=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through flashdecode.flash_attn_interface (flash-attn 2.x names)
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_flash_attn_with_kvcache_alibi(gen, page_size, per_sequence):
+    """New k/v appended at cache_seqlens, causal, GQA: out and softmax_lse vs the oracle on the appended cache."""
+    from flashdecode import flash_attn_interface as fai
+
+    dtype, b, sq, h, hk, d, cap = KERNEL_DTYPES[0], 3, 2, 4, 2, 32, 64
+    q = randn(b, sq, h, d, gen=gen, dtype=dtype)
+    k = randn(b, cap, hk, d, gen=gen, dtype=dtype)
+    v = randn(b, cap, hk, d, gen=gen, dtype=dtype)
+    k_new, v_new = randn(b, sq, hk, d, gen=gen, dtype=dtype), randn(b, sq, hk, d, gen=gen, dtype=dtype)
+    cached = torch.tensor([40, 0, 17], dtype=torch.int32, device=DEVICE)
+    slopes = _slopes(b, h, per_sequence, gen)
+    kc, vc, table = k.clone(), v.clone(), None
+    if page_size is not None:
+        kc, vc, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    out, lse = fai.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=cached, block_table=table,
+                                           causal=True, alibi_slopes=slopes, num_splits=2, return_softmax_lse=True)
+    for i in range(b):  # the appended contiguous cache the oracle reads
+        n = int(cached[i])
+        k[i, n:n + sq], v[i, n:n + sq] = k_new[i], v_new[i]
+    lens = cached + sq
+    o64, lse64 = alibi_decode_oracle(q.double(), k.double(), v.double(), lens, slopes.double())
+    o_same, lse_same = alibi_decode_oracle(q, k, v, lens, slopes)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+    assert_fa_close(lse, lse64.transpose(1, 2), lse_same.transpose(1, 2), factor=3.0, atol=1e-4, name="lse")
+
+
+def test_flash_attn_with_kvcache_alibi_refusals(gen):
+    from flashdecode import flash_attn_interface as fai
+
+    q = randn(1, 2, 2, 16, gen=gen, dtype=KERNEL_DTYPES[0])
+    kc = randn(1, 8, 1, 16, gen=gen, dtype=KERNEL_DTYPES[0])
+    before = kc.clone()
+    slopes = torch.ones(2, device=DEVICE)
+    with pytest.raises(ValueError, match="alibi_slopes"):  # non-causal rows would need keys after themselves
+        fai.flash_attn_with_kvcache(q, kc, kc.clone(), kc[:, :2], kc[:, :2], cache_seqlens=3, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes"):  # checked before the append writes anything
+        fai.flash_attn_with_kvcache(q, kc, kc.clone(), kc[:, :2].clone(), kc[:, :2].clone(), cache_seqlens=3,
+                                    causal=True, alibi_slopes=torch.ones(3, device=DEVICE))
+    assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_prefill_functions_pass_alibi_only_where_the_op_takes_it(gen, monkeypatch, packed):
+    """Without alibi_slopes in flashdecode.flash_attn's signature: ValueError naming it; with it (as after the
+    prefill kernels gain ALiBi): passed through unchanged."""
+    import inspect
+
+    from flashdecode import flash_attn_interface as fai
+
+    q = randn(1, 4, 2, 16, gen=gen, dtype=KERNEL_DTYPES[0])
+    slopes = torch.ones(2, device=DEVICE)
+    if "alibi_slopes" not in inspect.signature(fai.flash_attn).parameters:
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            fai.flash_attn_func(q, q, q, alibi_slopes=slopes)
+    seen = {}
+
+    def fake_flash_attn(q, k, v, *, return_lse=False, alibi_slopes=None, **kw):
+        seen["alibi_slopes"] = alibi_slopes
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(fai, "flash_attn", fake_flash_attn)
+    if packed:
+        fai.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2), alibi_slopes=slopes)
+    else:
+        fai.flash_attn_func(q, q, q, alibi_slopes=slopes)
+    assert seen["alibi_slopes"] is slopes
