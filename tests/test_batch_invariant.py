@@ -17,23 +17,25 @@ TARGET_LEN = 45  # crosses several 16-key blocks (the interpreter's tile)
 BATCHES = [((), 0, 48), ((3, 80), 1, 96), ((90, 0, 1, 64, 7), 4, 128)]
 
 
-def _target(gen, dtype, seqlen_q):
-    q_shape = (1, NHEADS, HEADDIM) if seqlen_q == 1 else (1, seqlen_q, NHEADS, HEADDIM)
+def _target(gen, dtype, seqlen_q, nheads=NHEADS, nheads_kv=NHEADS_KV, headdim=HEADDIM, length=TARGET_LEN):
+    """q (1, [seqlen_q,] nheads, headdim) and k, v (1, length, nheads_kv, headdim) of the sequence followed."""
+    q_shape = (1, nheads, headdim) if seqlen_q == 1 else (1, seqlen_q, nheads, headdim)
     q = randn(*q_shape, gen=gen, dtype=dtype)
-    k = randn(1, TARGET_LEN, NHEADS_KV, HEADDIM, gen=gen, dtype=dtype)
-    v = randn(1, TARGET_LEN, NHEADS_KV, HEADDIM, gen=gen, dtype=dtype)
+    k = randn(1, length, nheads_kv, headdim, gen=gen, dtype=dtype)
+    v = randn(1, length, nheads_kv, headdim, gen=gen, dtype=dtype)
     return q, k, v
 
 
 def _batch_around(gen, target, neighbours, slot, capacity):
     """q, k, v, lens of a batch with the target sequence at ``slot`` among random neighbours."""
     q_t, k_t, v_t = target
-    lens = list(neighbours[:slot]) + [TARGET_LEN] + list(neighbours[slot:])
+    _, length, hk, d = k_t.shape
+    lens = list(neighbours[:slot]) + [length] + list(neighbours[slot:])
     b = len(lens)
     q = randn(b, *q_t.shape[1:], gen=gen, dtype=q_t.dtype)
-    k = randn(b, capacity, NHEADS_KV, HEADDIM, gen=gen, dtype=q_t.dtype)
-    v = randn(b, capacity, NHEADS_KV, HEADDIM, gen=gen, dtype=q_t.dtype)
-    q[slot], k[slot, :TARGET_LEN], v[slot, :TARGET_LEN] = q_t[0], k_t[0], v_t[0]
+    k = randn(b, capacity, hk, d, gen=gen, dtype=q_t.dtype)
+    v = randn(b, capacity, hk, d, gen=gen, dtype=q_t.dtype)
+    q[slot], k[slot, :length], v[slot, :length] = q_t[0], k_t[0], v_t[0]
     return q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
 
@@ -157,3 +159,28 @@ def test_bench_decode_rows_for_batch_invariant_and_kvcache():
     line = bench.summary_line(row)
     assert "batch-invariant 25.0us (2.50x)" in line and "flash_attn_with_kvcache 11.0us vs FA2 22.0us (2.00x)" in line
     assert bench._best_peer(row, ["ours", "ours-bi", "fai-kvcache", "FA2"]) == ("FA2", 22.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16, 128])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_gpu_bitwise_equal_in_any_batch_at_production_tiles(gen, page_size, seqlen_q):
+    """bf16, Llama-3-8B heads (32 / 8, hd128), a 5000-key sequence alone and among 1, 7 and 63 neighbours of other
+    lengths (long ones too, so the default policy would split differently), through flash_decode and a plan."""
+    target = _target(gen, torch.bfloat16, seqlen_q, nheads=32, nheads_kv=8, headdim=128, length=5000)
+    plan = flashdecode.DecodePlan(64, 32, 8, 128, max_seqlen_k=20000, dtype=torch.bfloat16, device=DEVICE,
+                                  max_seqlen_q=seqlen_q, batch_invariant=True)
+    results = []
+    for neighbours, slot in (((), 0), ((20000,), 1), ((3, 17000, 0, 900, 4999, 12, 8000), 3),
+                             (tuple(int(x) for x in torch.randint(0, 20000, (63,), generator=gen)), 40)):
+        q, k, v, lens = _batch_around(gen, target, neighbours, slot, 20000)
+        out, lse = _run(q, k, v, lens, page_size, gen)
+        results.append((out[slot].clone(), lse[slot].clone()))
+        out, lse = _run(q, k, v, lens, page_size, gen, plan=plan)
+        results.append((out[slot].clone(), lse[slot].clone()))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    q, k, v, lens = _batch_around(gen, target, (), 0, 5000)
+    o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, _ = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(results[0][0][None], o64, o_same, factor=3.0, atol=1e-4)
