@@ -13,8 +13,9 @@ from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
 
 NHEADS, NHEADS_KV, HEADDIM = 4, 2, 32
 TARGET_LEN = 45  # crosses several 16-key blocks (the interpreter's tile)
-# (neighbour lengths, where the target sits, cache capacity): batches of other sizes, lengths and capacities
-BATCHES = [((), 0, 48), ((3, 80), 1, 96), ((90, 0, 1, 64, 7), 4, 128)]
+# (neighbour lengths, where the target sits, cache capacity): batches of other sizes, lengths and capacities. The
+# long neighbours make the default policy split the target differently (its bits then differ by ~1 ulp in fp32).
+BATCHES = [((), 0, 48), ((3, 300), 1, 320), ((400, 0, 1, 64, 7), 4, 400)]
 
 
 def _target(gen, dtype, seqlen_q, nheads=NHEADS, nheads_kv=NHEADS_KV, headdim=HEADDIM, length=TARGET_LEN):
@@ -66,6 +67,18 @@ def test_sequence_bitwise_equal_in_any_batch(gen, dtype, seqlen_q, page_size):
             assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_the_batches_move_the_default_bits(gen):
+    """The setup discriminates: without the flag the same batches give the target other split counts, whose bits
+    differ (so the equality above is the flag's doing, not the sizes')."""
+    target = _target(gen, torch.float32, 1)
+    outs = []
+    for neighbours, slot, capacity in BATCHES:
+        q, k, v, lens = _batch_around(gen, target, neighbours, slot, capacity)
+        outs.append(flashdecode.flash_decode(q, k, v, lens)[slot])
+    assert not all(torch.equal(outs[0], o) for o in outs[1:])
+    assert all(torch.allclose(outs[0], o, atol=1e-5) for o in outs[1:])
 
 
 @pytest.mark.parametrize("page_size", [0, 16])
