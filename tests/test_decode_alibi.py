@@ -226,3 +226,20 @@ def test_prefill_functions_pass_alibi_only_where_the_op_takes_it(gen, monkeypatc
     else:
         fai.flash_attn_func(q, q, q, alibi_slopes=slopes)
     assert seen["alibi_slopes"] is slopes
+
+
+def test_with_sinks(gen):
+    """alibi_slopes and sinks together: the sink joins the ALiBi-biased softmax denominator (ops/sinks.py)."""
+    from flashdecode.ops.sinks import apply_sinks
+
+    dtype, lens = KERNEL_DTYPES[0], torch.tensor([45, 0, 70], dtype=torch.int32, device=DEVICE)
+    q = randn(3, 4, 32, gen=gen, dtype=dtype)
+    k, v = randn(3, 73, 2, 32, gen=gen, dtype=dtype), randn(3, 73, 2, 32, gen=gen, dtype=dtype)
+    slopes, sinks = _slopes(3, 4, True, gen), randn(4, gen=gen)
+    out, lse = flashdecode.flash_decode(q, k, v, lens, alibi_slopes=slopes, sinks=sinks, num_splits=2,
+                                        return_lse=True)
+    o64, lse64 = apply_sinks(*alibi_decode_oracle(q.double(), k.double(), v.double(), lens, slopes.double()),
+                             sinks.double(), "decode")
+    o_same, lse_same = apply_sinks(*alibi_decode_oracle(q, k, v, lens, slopes), sinks, "decode")
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
