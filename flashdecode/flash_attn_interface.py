@@ -13,7 +13,12 @@ the packed tensors are flash-attn's.
 
 Differences from flash-attn 2.x (everything else is the same):
   - dropout_p > 0 raises ValueError: there is no dropout (dropout_p = 0.0, the inference/eval setting, works).
-  - alibi_slopes (anything but None) raises ValueError: ALiBi is not supported yet.
+  - alibi_slopes ((nheads,) or (batch, nheads) float32, flash-attn's bias -slope * |i + seqlen_k - seqlen_q - j|):
+    flash_attn_with_kvcache supports it (the decode kernels add the bias after the softcap, like flash-attn),
+    except for non-causal attention of seqlen_q > 1 rows (ValueError: the decode kernels see no key after a
+    row's position, and the bias of such keys differs per row). The prefill functions (flash_attn_func,
+    flash_attn_varlen_func and their packed forms) pass it to flashdecode.flash_attn / flash_attn_varlen where
+    those accept ``alibi_slopes``, and raise ValueError naming it where they do not.
   - return_attn_probs=True returns (out, softmax_lse, S_dmask) with S_dmask an empty tensor of shape (0,) - what
     flash-attn itself returns when dropout_p == 0; the attention probabilities are never materialised.
   - flash_attn_varlen_func's block_table (paged K/V for varlen prefill) raises ValueError: not supported.
@@ -42,6 +47,7 @@ Differences from flash-attn 2.x (everything else is the same):
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Union
 
 import torch
@@ -49,6 +55,7 @@ import torch
 from flashdecode.ops import checks
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.decode import append_kv, flash_decode
+from flashdecode.ops.decode_policy import check_alibi_slopes
 
 __all__ = [
     "flash_attn_func",
@@ -65,14 +72,21 @@ __all__ = [
 # Arguments flashdecode does not support (ValueError naming them, before any kernel runs)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _check_unsupported(dropout_p=0.0, alibi_slopes=None):
+def _takes_alibi(op) -> bool:
+    """Whether the flashdecode op behind a flash-attn function accepts ``alibi_slopes=``."""
+    return op is not None and "alibi_slopes" in inspect.signature(op).parameters
+
+
+def _check_unsupported(dropout_p=0.0, alibi_slopes=None, op=None):
+    """dropout_p must be 0; alibi_slopes must be None unless ``op`` (the flashdecode op the call runs) takes it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {dropout_p!r}")
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p={dropout_p} is not supported: flashdecode has no attention dropout "
                          "(use dropout_p=0.0)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported yet")
+    if alibi_slopes is not None and not _takes_alibi(op):
+        name = getattr(op, "__name__", "this function")
+        raise ValueError(f"alibi_slopes is not supported by flashdecode.{name} in this build")
 
 
 def _result(out, lse, return_attn_probs: bool):
@@ -93,9 +107,13 @@ def _unpack(packed, name: str, dim: int, count: int, ndim: int, layout: str):
     return packed.unbind(dim)
 
 
-def _options(softmax_scale, causal, window_size, softcap, deterministic):
-    return dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                deterministic=deterministic)
+def _options(softmax_scale, causal, window_size, softcap, deterministic, alibi_slopes=None):
+    """The prefill ops' keyword options; alibi_slopes only when given (checked by _check_unsupported first)."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic)
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    return options
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,21 +129,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             float16 / bfloat16 / float32.
         dropout_p: must be 0.0. softmax_scale: default headdim ** -0.5. causal: bottom-right aligned mask.
         window_size: (left, right), -1 = unbounded. softcap: > 0 = softcap * tanh(S / softcap).
-        alibi_slopes: must be None. deterministic: reproducible dQ (else fp32 atomics, flash-attn's default).
+        alibi_slopes: (nheads,) or (batch, nheads) float32 where flashdecode.flash_attn takes it (module doc),
+            else must be None. deterministic: reproducible dQ (else fp32 atomics, flash-attn's default).
         return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) float32 and an empty S_dmask.
     Returns:
         out (batch, seqlen_q, nheads, headdim) [, softmax_lse, S_dmask].
     """
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn)
     out, lse = flash_attn(q, k, v, return_lse=True, **_options(softmax_scale, causal, window_size, softcap,
-                                                               deterministic))
+                                                               deterministic, alibi_slopes))
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim) (views, no copy; the gradient lands in qkv)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn)
     q, k, v = _unpack(qkv, "qkv", 2, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
@@ -134,7 +153,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn_func with kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn)
     k, v = _unpack(kv, "kv", 2, 2, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
@@ -152,12 +171,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) float32, S_dmask (empty)].
     """
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn_varlen)
     if block_table is not None:
         raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; use "
                          "flash_attn_with_kvcache or flashdecode.flash_decode for paged caches")
     out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
-                                 **_options(softmax_scale, causal, window_size, softcap, deterministic))
+                                 **_options(softmax_scale, causal, window_size, softcap, deterministic,
+                                            alibi_slopes))
     return _result(out, lse, return_attn_probs)
 
 
@@ -165,7 +185,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim) with one cu_seqlens / max_seqlen."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn_varlen)
     q, k, v = _unpack(qkv, "qkv", 1, 3, 4, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -176,7 +196,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn_varlen_func with kv (total_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p, alibi_slopes, flash_attn_varlen)
     k, v = _unpack(kv, "kv", 1, 2, 4, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -370,12 +390,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad: int32 (batch,): each sequence's keys start at this cache position (default 0).
         block_table: int32 (batch, max_blocks_per_seq) page ids of a paged cache.
         softmax_scale, causal, window_size, softcap: as flash_attn_func (bottom-right aligned).
-        alibi_slopes: must be None. num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys.
+        alibi_slopes: optional (nheads,) or (batch, nheads) float32 ALiBi slopes (not with causal=False and
+            seqlen_q > 1). num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys.
         return_softmax_lse: also return softmax_lse (batch, nheads, seqlen_q) float32.
     Returns:
         out (batch, seqlen_q, nheads, headdim) [, softmax_lse].
     """
-    _check_unsupported(0.0, alibi_slopes)
+    _check_unsupported(0.0, alibi_slopes, flash_decode)
     checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
     batch, seqlen_q, nheads, headdim = q.shape
     checks.check_kernel_device("q", q)
@@ -389,6 +410,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     num_splits = checks.check_int("num_splits", num_splits, minimum=0)
     _check_cache_and_new(q, k_cache, v_cache, k, v)
     fold, left = _mask_plan(seqlen_q, causal, window_size)
+    check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
+    if fold and alibi_slopes is not None:
+        raise ValueError("alibi_slopes with causal=False and seqlen_q > 1 is not supported by "
+                         "flash_attn_with_kvcache (keys after a row's position would need their own bias)")
     if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
         raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
     lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
@@ -432,7 +457,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         kv_k, kv_v, table, lengths = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, lengths)
 
     decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
-                     num_splits=num_splits or None, return_lse=True,
+                     num_splits=num_splits or None, return_lse=True, alibi_slopes=alibi_slopes,
                      max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
     if fold:
         # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head

@@ -164,6 +164,7 @@ class DecodeProblem:
     use_pdl: bool | None = None     # the caller's PDL override (None: the policy's)
     cache_tma_ok: bool = False      # the cache views densely as (rows, nheads_kv * headdim), 16-byte aligned
     cache_offsets_fit_int32: bool = False  # every element offset into the cache is < 2**31
+    batch_invariant: bool = False   # one config whatever the batch and the other lengths (batch_invariant_config)
 
     @property
     def block_m(self) -> int:
@@ -292,6 +293,8 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     The split count: p.num_splits, else the policy's for p.live_keys / p.total_keys with the tiles of an unknown
     split length. The tiles are then chosen for the live keys per split; a plan (p.retile_for_device_splits)
     whose device picks the split counts chooses them for the splits the device gives equal lengths."""
+    if p.batch_invariant:
+        return batch_invariant_config(p, dev)
     if p.num_splits is None:
         splits = decode_policy_splits(p, dev, _stage1_choice(p, dev, None).block_n)
         may_reduce = True
@@ -329,6 +332,26 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         device_split_slots=slots)
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
                                                          may_reduce and choice.device_splits and not persistent))
+
+
+def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
+    """The config of batch-invariant decode (flash_decode(batch_invariant=True)): the UNSPLIT path with a tile
+    chosen from the head dim and dtype alone (32 KiB of K; 16 keys in the interpreter). No field depends on the
+    batch, the grid batch, the other sequences' lengths or the host's length bounds, so each (sequence, head) row
+    is computed by the same kernel variant, over the same key blocks (from key 0 or its window's first block), in
+    the same order, whatever batch it sits in: its out and lse are bitwise reproducible. No splits means no merge
+    whose order could depend on a split count; the cost is the split parallelism at small batch (docs/decisions.md,
+    "Batch-invariant decode"). Descriptors, PDL and the page-id preload stay off so that the variant does not
+    follow the cache's alignment, the block table's width or the GPU generation's launch options either (those
+    change how keys are fetched, not the arithmetic, but one variant is the simpler promise)."""
+    block_n = 16 if dev.interpret else min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
+    return DecodeConfig(
+        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if dev.interpret else 3,
+        table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,
+        preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
+        merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
+        spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
+        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1))
 
 
 def _decode_path(p: DecodeProblem, config: DecodeConfig, splits: int, persistent: bool, dynamic: bool,

@@ -1015,7 +1015,7 @@ from helpers import spilled_bytes
 
 
 # stride tuples of the decode kernels and their lengths
-STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3)
+STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3, stride_alibi=2)
 
 
 def compile_for_sm90(fn, types, consts, num_stages):
@@ -1036,13 +1036,14 @@ def compile_stage1(page, tma, preload, num_stages=3, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
     types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
-                 O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32")
+                 O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32", ALIBI_SLOPES="*fp32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
                        MERGE_SPLITS=16,
                        PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, DEVICE_SPLITS=False,
-                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False, SPEC_PAGES=False),
+                       SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False, SPEC_PAGES=False,
+                       ALIBI=False),
                   **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
     ttgir = kernel.asm["ttgir"]
@@ -1114,7 +1115,7 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
                   MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
-                  OFFS_32=False)
+                  OFFS_32=False, ALIBI=False)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
     ptx = kernel.asm["ptx"]
@@ -1129,6 +1130,12 @@ consts.update(PAGE_SIZE=16, BLOCK_N=128, MIN_CHUNK=128, GROUP=4, MERGE_M=4, MERG
 kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "gathered persistent loads not pipelined"
 assert spilled_bytes(kernel) <= 160, ("the gathered persistent kernel spills more", spilled_bytes(kernel))
+# ALiBi (per-row slopes, the bias added in the KV loop): both kernels compile and keep their loads pipelined
+types.update(ALIBI_SLOPES="*fp32")
+kernel = compile_for_sm90(decode_persistent_kernel, types, dict(consts, ALIBI=True), 3)
+assert "async_copy_global_to_local" in kernel.asm["ttgir"], "ALiBi: persistent loads not pipelined"
+compile_stage1(0, True, 0, ALIBI=True)
+compile_stage1(16, False, 64, ALIBI=True, SEQLEN_Q=2, SOFTCAP=True)
 types = dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32")
 compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128, LSE_LOG2=True,
                                                USE_PDL=True, EARLY_TRIGGER=False), 1)

@@ -309,7 +309,7 @@ def _kvcache_inputs(gen):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),  # (nheads,) is (2,)
     (dict(rotary_cos=torch.ones(8, 9), rotary_sin=torch.ones(8, 9)), "rotary_dim"),  # 18 > headdim 16
     (dict(rotary_cos=torch.ones(4, 4), rotary_sin=torch.ones(4, 4)), "rotary_cos"),  # fewer rows than the cache
     (dict(rotary_cos=torch.ones(8, 4)), "rotary_sin"),
@@ -370,7 +370,7 @@ def test_kvcache_host_index_values_are_checked(gen, monkeypatch):
 @pytest.mark.parametrize("fn", ["func", "varlen"])
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dropout_p=0.1), "dropout_p"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),  # (nheads,) is (2,)
     (dict(return_attn_probs=1), "return_attn_probs"),
 ])
 def test_prefill_unsupported_arguments_raise(gen, fn, kwargs, match):

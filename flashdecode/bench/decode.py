@@ -5,7 +5,10 @@ medians, fresh random bf16 inputs; floor = K/V bytes / measured copy bandwidth (
 Two sweeps: latency vs context at batch 1, 16 q / 2 kv heads, head dim 128 (the seeds' microbenchmark) and a
 batch sweep at the Llama-3-8B shape (32 / 8 heads, 8k context); contiguous and paged caches (random page
 permutation). Ours runs through a DecodePlan (the capturable path the engine uses); "ours-nosplit" is the
-num_splits=1 ablation, "ours-pdl" the same plan with the merge as a programmatic dependent launch. Writes
+num_splits=1 ablation, "ours-pdl" the same plan with the merge as a programmatic dependent launch, "ours-bi" the
+plan with batch_invariant=True (its cost vs "ours" in the summary), "fai-kvcache" flash-attn 2.x's
+flash_attn_with_kvcache through flashdecode.flash_attn_interface (vs "FA2", SDPA's FLASH_ATTENTION backend, the
+flash-attn 2 semantics peer, on contiguous rows). Writes
 decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and prints a markdown table.
 
     python -m flashdecode bench decode --quick --out DIR
@@ -25,9 +28,10 @@ QUICK = dict(contexts=[512, 4096, 32768, 65536, 131072], ctx_layouts=[0, 16], ba
              batch_layouts=[0, 16], batch_context=8192, mixed=True)
 FULL = dict(contexts=[512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072], ctx_layouts=[0, 1, 16, 64],
             batches=[1, 2, 4, 8, 16, 32, 64], batch_layouts=[0, 1, 16, 64], batch_context=8192, mixed=True)
-CONTIG_PEERS = ("ours", "ours-nosplit", "ours-pdl", "FA2", "cuDNN", "flex", "FlashInfer")
-PAGED_PEERS = ("ours", "ours-nosplit", "ours-pdl", "FlashInfer")
-OURS = ("ours", "ours-nosplit", "ours-pdl")  # ablations of our kernel, never "the best peer"
+CONTIG_PEERS = ("ours", "ours-nosplit", "ours-pdl", "ours-bi", "fai-kvcache", "FA2", "cuDNN", "flex", "FlashInfer")
+PAGED_PEERS = ("ours", "ours-nosplit", "ours-pdl", "ours-bi", "fai-kvcache", "FlashInfer")
+# ablations and other entry points of our kernels, never "the best peer"
+OURS = ("ours", "ours-nosplit", "ours-pdl", "ours-bi", "fai-kvcache")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
                         help="compiled FlexAttention peer (default: on, off in --quick: compiles per shape)")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per point (median reported)")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the batch_invariant=True plan (ours-bi) beside the default (default: on)")
+    parser.add_argument("--kvcache", action=argparse.BooleanOptionalAction, default=True,
+                        help="time flash_attn_with_kvcache through flashdecode.flash_attn_interface (fai-kvcache)"
+                             " (default: on)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -70,14 +79,14 @@ def _make_set(batch, context_lens, nheads, nheads_kv, headdim, page_size, dtype,
     return dict(q=q, k=k, v=v, lens=lens, table=table, page_size=page_size, context_lens=context_lens)
 
 
-def _ours(sets, num_splits=None, use_pdl=None, tweak=None):
+def _ours(sets, num_splits=None, use_pdl=None, tweak=None, batch_invariant=False):
     """Our DecodePlan over the sets; ``tweak``: a function of the DecodeConfig it resolves, for probes (config=)."""
     import flashdecode
 
     s0 = sets[0]
     batch, nheads, headdim = s0["q"].shape
     kw = dict(max_seqlen_k=max(s0["context_lens"]), dtype=s0["q"].dtype, device=s0["q"].device,
-              num_splits=num_splits, use_pdl=use_pdl)
+              num_splits=num_splits, use_pdl=use_pdl, batch_invariant=batch_invariant)
     plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
     if tweak is not None:
         config = tweak(plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"]))
@@ -87,6 +96,19 @@ def _ours(sets, num_splits=None, use_pdl=None, tweak=None):
     def call(s):
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"])
     return [call(s) for s in sets], {"num_splits": plan.num_splits}
+
+
+def _fai_kvcache(sets):
+    """flash-attn's flash_attn_with_kvcache through flashdecode.flash_attn_interface: q (batch, 1, nheads, d),
+    cache_seqlens a device tensor, num_splits=0 (the heuristic; under the timing's graph capture it sizes the
+    splits from the cache capacity, which equals the lengths here)."""
+    from flashdecode.flash_attn_interface import flash_attn_with_kvcache
+
+    def call(s):
+        q = s["q"][:, None]
+        return lambda: flash_attn_with_kvcache(q, s["k"], s["v"], cache_seqlens=s["lens"], block_table=s["table"],
+                                               causal=True)
+    return [call(s) for s in sets], {}
 
 
 def _sdpa(backend_name):
@@ -161,7 +183,8 @@ def _flashinfer(sets):
 
 BUILDERS: dict[str, Callable] = {
     "ours": _ours, "ours-nosplit": lambda sets: _ours(sets, num_splits=1),
-    "ours-pdl": lambda sets: _ours(sets, use_pdl=True), "FA2": _sdpa("FLASH_ATTENTION"),
+    "ours-pdl": lambda sets: _ours(sets, use_pdl=True), "ours-bi": lambda sets: _ours(sets, batch_invariant=True),
+    "fai-kvcache": _fai_kvcache, "FA2": _sdpa("FLASH_ATTENTION"),
     "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex, "FlashInfer": _flashinfer,
 }
 
@@ -228,7 +251,13 @@ def summary_line(row) -> str:
     if row.get("best_peer"):
         s += f" vs best peer {row['best_peer']} {row[row['best_peer']]:.1f}us ({row['ours_vs_best']:.2f}x)"
     s += f", {row['ours_%floor']:.0f}% of floor"
-    return s + (f" (with PDL {row['ours-pdl']:.1f}us)" if row.get("ours-pdl") else "")
+    s += f" (with PDL {row['ours-pdl']:.1f}us)" if row.get("ours-pdl") else ""
+    if row.get("ours-bi"):
+        s += f"; batch-invariant {row['ours-bi']:.1f}us ({row['ours-bi'] / row['ours']:.2f}x)"
+    if row.get("fai-kvcache"):
+        s += f"; flash_attn_with_kvcache {row['fai-kvcache']:.1f}us"
+        s += f" vs FA2 {row['FA2']:.1f}us ({row['FA2'] / row['fai-kvcache']:.2f}x)" if row.get("FA2") else ""
+    return s
 
 
 def _paged_vs_contig(rows) -> list[str]:
@@ -300,7 +329,8 @@ def run(args) -> int:
     all_peers: list[str] = []
     for sweep, batch, lens, shape, layout in _points(args, base):
         peers = list(CONTIG_PEERS if layout == 0 else PAGED_PEERS)
-        peers = [p for p in peers if (p != "flex" or use_flex) and (p != "FlashInfer" or fi)]
+        peers = [p for p in peers if (p != "flex" or use_flex) and (p != "FlashInfer" or fi)
+                 and (p != "ours-bi" or args.batch_invariant) and (p != "fai-kvcache" or args.kvcache)]
         if sweep == "batch" and layout == 0:
             peers = [p for p in peers if p != "FlashInfer"]  # FlashInfer's batch decode is paged: see paged rows
         all_peers += [p for p in peers if p not in all_peers]

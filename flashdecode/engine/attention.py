@@ -242,6 +242,7 @@ class FlashDecodeBackend(AttentionBackend):
         self._varlen = flashdecode.flash_attn_varlen
         self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
+        self.batch_invariant = False  # LLM(batch_invariant=True): plans made with it (ops/decode.py DecodePlan)
         self.plans: dict[tuple, object] = {}
 
     def prefill(self, q, k, v, meta):
@@ -259,7 +260,8 @@ class FlashDecodeBackend(AttentionBackend):
         plan = self.plans.get(key)
         if plan is None:
             plan = self._plan_cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], max_seqlen_k=capacity,
-                                  dtype=q.dtype, device=q.device, num_splits=self.num_splits)
+                                  dtype=q.dtype, device=q.device, num_splits=self.num_splits,
+                                  batch_invariant=self.batch_invariant)
             self.plans[key] = plan
         return plan
 

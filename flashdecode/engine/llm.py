@@ -120,13 +120,29 @@ class LLM:
         tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
             that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
             (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.
+        batch_invariant: decode attention whose result for a sequence does not depend on the batch it runs in
+            or the other sequences' lengths (flash_decode(batch_invariant=True); flashdecode backends only).
+            The linear layers stay the library's (cuBLAS may pick other kernels per batch size), so bitwise
+            equal logits across batches also need batch-invariant GEMMs; attention is what this flag fixes.
     """
+
+    def _set_batch_invariant(self, batch_invariant) -> None:
+        """batch_invariant=True: decode attention through DecodePlans made with batch_invariant=True (one
+        unsplit kernel variant, fixed tiles), so a sequence's attention does not depend on its batch; only the
+        flashdecode backends have it."""
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant and not hasattr(self.backend, "batch_invariant"):
+            raise ValueError(f"batch_invariant=True needs attn_backend 'flashdecode' or 'flashdecode-nosplit', "
+                             f"got {self.backend.name!r}")
+        if batch_invariant:
+            self.backend.batch_invariant = True
 
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False,
-                 tensor_parallel_size: int = 1, context_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -163,6 +179,7 @@ class LLM:
             raise ValueError(f"attn_backend={self.backend.name!r} runs Triton kernels, which need a CUDA device "
                              f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "
                              f"sdpa / eager")
+        self._set_batch_invariant(batch_invariant)
 
         if prebuilt is not None:
             self.model = prebuilt

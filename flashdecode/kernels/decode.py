@@ -130,7 +130,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   OFFS_32: tl.constexpr):
+                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -139,6 +139,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
     blocks that every row sees entirely. Paged: keys whose page id lies outside [0, num_pages) are absent (no
     memory read outside the cache, score -inf: they contribute nothing).
+    ALIBI: alibi_log2 (BLOCK_M,) fp32 is each row's ALiBi slope times log2(e); the bias -slope * |qpos - key| joins
+    the scores after the softcap (flash-attn's order).
     """
     offs_d = tl.arange(0, BLOCK_D)
     # page ids read from the block table inside the loop (not preloaded into registers)
@@ -160,6 +162,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
         else:
             s = qk * score_scale
+        if ALIBI:
+            s -= alibi_log2[:, None] * tl.abs(qpos[:, None] - offs_n[None, :]).to(tl.float32)
         if MASKED:
             visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
             if WINDOW:
@@ -342,6 +346,7 @@ def decode_split_kernel(
     DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
     BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
     OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
+    ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
 ):
     """Stage 1 (see module doc).
 
@@ -374,6 +379,8 @@ def decode_split_kernel(
     the item with the lengths read before the wait (a hint), the work with those read after it. A sequence's split
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
+    ALIBI: ALIBI_SLOPES fp32 per (sequence, query head) through stride_alibi (batch stride 0 for (nheads,) slopes):
+    the bias -slope * |qpos - key| (_alibi_log2).
     """
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kt, stride_kh = stride_k
@@ -425,6 +432,7 @@ def decode_split_kernel(
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
+    alibi_log2 = _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI)
     spec_pages = 0
     if SPEC:  # after the wait (the ids are current), before the length (their read overlaps its round trip)
         spec_pages = _split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
@@ -449,7 +457,7 @@ def decode_split_kernel(
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                             num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                             SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                            OFFS_32, spec_pages, stale_start, stale_end, SPEC)
+                            OFFS_32, spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -459,6 +467,17 @@ def decode_split_kernel(
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
+
+
+@triton.jit
+def _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI: tl.constexpr):
+    """(ROWS,) ALiBi slopes of the rows' query heads (head: (ROWS,)) of sequence b times log2(e) (the scores are in
+    log2 units); 0.0 without ALIBI. stride_alibi: (batch stride, head stride) of the fp32 slopes."""
+    if ALIBI:
+        ptrs = ALIBI_SLOPES + b.to(tl.int64) * stride_alibi[0] + head * stride_alibi[1]
+        return tl.load(ptrs, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -477,13 +496,14 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr,
-                  spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False):
+                  spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False, alibi_log2=0.0,
+                  ALIBI: tl.constexpr = False):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
     decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the
     page ids of the keys [spec_start, spec_end) (_split_page_ids, read earlier); used where they cover the same
-    pages as [start, end), else read again."""
+    pages as [start, end), else read again. ALIBI: alibi_log2 as in _attend_blocks."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -523,13 +543,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32)
+                                   OFFS_32, alibi_log2, ALIBI)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32)
+                                   OFFS_32, alibi_log2, ALIBI)
     return normalize_state(acc, m_i, l_i)
 
 
@@ -654,6 +674,7 @@ def decode_persistent_kernel(
     MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
     SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
     QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False, num_pages=1,
+    ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -721,10 +742,11 @@ def decode_persistent_kernel(
         # (0, -inf): it still draws its ticket)
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
         q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
+        alibi_log2 = _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI)
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
                                 softcap_out, num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                OFFS_32)
+                                OFFS_32, alibi_log2=alibi_log2, ALIBI=ALIBI)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

@@ -42,11 +42,25 @@ def _check_metadata(shape: _DecodeShape, cache_seqlens, block_table, validate):
                                 num_pages=shape.num_pages, validate=validate)
 
 
-def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture: bool = False):
+def _check_batch_invariant(batch_invariant, num_splits, config):
+    """batch_invariant as a bool; it fixes the launch itself, so it excludes num_splits > 1 and config=."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    if batch_invariant and config is not None:
+        raise ValueError("batch_invariant=True chooses the config itself; do not pass config= with it")
+    if batch_invariant and num_splits not in (None, 1):
+        raise ValueError(f"batch_invariant=True runs unsplit; num_splits must be None or 1, got {num_splits}")
+    return batch_invariant
+
+
+def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture: bool = False,
+             batch_invariant: bool = False):
     """(config, launch geometry) of a flash_decode call: the override checked against the call, or resolved."""
     num_splits = _check_num_splits(num_splits)
+    if batch_invariant:  # no length is read: the config does not depend on them
+        num_splits, max_seqlen_k = 1, shape.capacity if max_seqlen_k is None else max_seqlen_k
     live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
-    problem = shape.problem(live, total_keys=total, num_splits=num_splits)
+    problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant)
     dev = decode_device(shape.device)
     if config is None:
         config = heuristics.resolve_decode_config(problem, dev)
@@ -58,16 +72,18 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
 
 
 def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None, window_size=(-1, -1),
-                  max_seqlen_k=None) -> DecodeConfig:
+                  max_seqlen_k=None, batch_invariant: bool = False) -> DecodeConfig:
     """The DecodeConfig flash_decode resolves for these arguments (same host sync where it would sync), e.g. to
     pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
+    batch_invariant = _check_batch_invariant(batch_invariant, num_splits, None)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, None, 0.0, window_size)
-    return _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, None)[0]
+    return _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, None, batch_invariant=batch_invariant)[0]
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
-                 config: DecodeConfig | None = None, validate=False, sinks=None):
+                 config: DecodeConfig | None = None, validate=False, sinks=None, batch_invariant: bool = False,
+                 alibi_slopes=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
@@ -100,6 +116,14 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         sinks: optional (nheads,) float32 per-head sink logits that join each row's softmax denominator with no
             value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels (ops/sinks.py), so the
             call then allocates its result.
+        batch_invariant: each sequence's out and lse are bitwise identical whatever batch it sits in and whatever
+            the other sequences' lengths (one unsplit kernel variant with fixed tiles, heuristics
+            .batch_invariant_config; docs/architecture.md, "Decode dispatch"); excludes num_splits > 1 and
+            config=. It never reads the lengths on the host. With plan=, the plan's own flag decides.
+        alibi_slopes: optional float32 (nheads,) or (batch, nheads) ALiBi slopes, one per query head: the bias
+            -slope * |qpos - j| for the row at key position qpos (its token's position in the sequence, the new
+            tokens being the last seqlen_q) and key j joins the scaled logits after the softcap (flash-attn's
+            rule), on every decode path; lse includes it.
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without
     num_splits / max_seqlen_k the split count is sized from the cache capacity (the device-side split counts then
     follow the live lengths), and the split workspace comes from a per-device pool that eager calls of the same
@@ -107,13 +131,17 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     Returns:
         out like q, and if return_lse, lse float32 (batch, [seqlen_q,] nheads), natural log.
     """
+    batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
+    if plan is not None and batch_invariant and not plan.batch_invariant:
+        raise ValueError("batch_invariant=True with a plan made without it; make the DecodePlan with "
+                         "batch_invariant=True")
     if sinks is not None:  # (nheads,) sink logits in the softmax denominator: ops/sinks.py
         from flashdecode.ops.sinks import flash_decode_with_sinks
         return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, block_table=block_table,
                                        softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                        window_size=window_size, return_lse=return_lse, out=out,
                                        max_seqlen_k=max_seqlen_k, plan=plan, config=config,
-                                       validate=validate)
+                                       validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
@@ -121,14 +149,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
-                        validate=validate)
+                        validate=validate, alibi_slopes=alibi_slopes)
     checks.check_bool("return_lse", return_lse)
     max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+    shape.with_alibi(alibi_slopes)
     shape.check_out(out, q)
     _check_metadata(shape, cache_seqlens, block_table, validate)
     in_capture = capturing(q.device)
-    config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture)
+    config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture, batch_invariant)
     b, sq, h, d = shape.q4.shape
     # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -170,11 +199,14 @@ class DecodePlan:
     dependent of the kernel before it; None: the heuristics' defaults; ignored where the GPU cannot do it).
     ``config``: a DecodeConfig used for every run instead of the resolved ones (its num_splits sizes the plan).
     The persistent paths merge after int32 ticket counters owned by the plan, zero at rest.
+    ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (unsplit, fixed tiles), so a
+    sequence's out and lse do not depend on the batch or the other lengths (excludes num_splits > 1 and config=).
     """
 
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
                  dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
-                 balance_mixed: bool = True, use_pdl: bool | None = None, config: DecodeConfig | None = None):
+                 balance_mixed: bool = True, use_pdl: bool | None = None, config: DecodeConfig | None = None,
+                 batch_invariant: bool = False):
         max_batch, nheads, nheads_kv, max_seqlen_q = (checks.check_int(name, value, 1) for name, value in (
             ("max_batch", max_batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("max_seqlen_q", max_seqlen_q)))
         headdim = checks.check_int("headdim", headdim, 1, checks.MAX_HEAD_DIM)
@@ -192,6 +224,9 @@ class DecodePlan:
         self._dev = decode_device(self.device)
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and self._dev.pdl
         num_splits = _check_num_splits(num_splits)
+        self.batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
+        if batch_invariant:
+            num_splits = 1
         if config is not None:
             check_decode_config(config)
             if num_splits is not None and num_splits != config.num_splits:
@@ -223,7 +258,7 @@ class DecodePlan:
         if launch is None:
             problem = shape.problem(self.max_seqlen_k, num_splits=self.num_splits,
                                     device_may_reduce_splits=self._policy_splits, retile_for_device_splits=True,
-                                    use_pdl=self.use_pdl)
+                                    use_pdl=self.use_pdl, batch_invariant=self.batch_invariant)
             if self._config is None:
                 config = heuristics.resolve_decode_config(problem, self._dev)
             else:
@@ -248,7 +283,7 @@ class DecodePlan:
         return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None):
+            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None):
         """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
         syncs, so it is for eager debugging runs, not captured ones)."""
         checks.check_bool("return_lse", return_lse)
@@ -257,8 +292,9 @@ class DecodePlan:
             return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
                                            block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
                                            window_size=window_size, return_lse=return_lse, out=out,
-                                           validate=validate)
+                                           validate=validate, alibi_slopes=alibi_slopes)
         shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+        shape.with_alibi(alibi_slopes)
         shape.check_out(out, q)
         _check_metadata(shape, cache_seqlens, block_table, validate)
         launch = self._launch_for(shape)

@@ -159,7 +159,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         USE_PDL=config.use_pdl and not final, PDL_WAIT=config.pdl_wait,
         PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device,
+        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **_alibi_args(shape),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -196,11 +196,21 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         DYNAMIC=dynamic, SLOTS_PER_PROGRAM=config.persistent_slots if dynamic else 1,
         QUEUE_SPLITS=config.queue_splits if dynamic else 0,
         QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
-        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0],
+        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0], **_alibi_args(shape),
         num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
                                                          config.use_tma, "persistent"))
+
+
+def _alibi_args(shape) -> dict:
+    """The kernels' ALiBi arguments: the fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -
+    or, without ALiBi, q as an unread placeholder."""
+    slopes = shape.alibi_slopes
+    if slopes is None:
+        return {"ALIBI_SLOPES": shape.q4, "stride_alibi": (0, 0), "ALIBI": False}
+    strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
+    return {"ALIBI_SLOPES": slopes, "stride_alibi": strides, "ALIBI": True}
 
 
 def _final_strides(out4, lse3) -> tuple:

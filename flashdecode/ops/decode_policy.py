@@ -73,6 +73,12 @@ class _DecodeShape:
         self.elem_bytes = k_cache.element_size()
         self.cache_tma_ok = _tma_layout(k_cache)
         self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache)
+        self.alibi_slopes = None  # with_alibi
+
+    def with_alibi(self, alibi_slopes) -> "_DecodeShape":
+        """Attach the call's ALiBi slopes: None, or fp32 (nheads,) / (batch, nheads) on q's device (checked)."""
+        self.alibi_slopes = check_alibi_slopes(alibi_slopes, self.batch, self.nheads, self.device)
+        return self
 
     def problem(self, live_keys, **kw) -> heuristics.DecodeProblem:
         """The description heuristics.resolve_decode_config takes; ``kw``: its split and PDL fields."""
@@ -84,6 +90,20 @@ class _DecodeShape:
 
     def check_out(self, out, q):
         check_out(out, q, self.seqlen_q)
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, device):
+    """alibi_slopes: None, or a float32 (nheads,) or (batch, nheads) tensor on ``device`` (ValueError / TypeError
+    naming it); one slope per QUERY head (the rows of one kv group get their own)."""
+    if alibi_slopes is None:
+        return None
+    _check_tensor("alibi_slopes", alibi_slopes, (1, 2), (torch.float32,))
+    checks.check_device("alibi_slopes", alibi_slopes, device)
+    want = (nheads,) if alibi_slopes.dim() == 1 else (batch, nheads)
+    if tuple(alibi_slopes.shape) != want:
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                         f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
+    return alibi_slopes
 
 
 def _offsets_fit_int32(k_cache) -> bool:
