@@ -36,9 +36,9 @@ PAGE_SIZES = [None, 1, 2, 3, 4, 8, 16, 64] if BIG else [None, 1, 3, 4, 8, 16]
 @pytest.fixture(autouse=True, scope="module")
 def _fixed_attention_config():
     """One flash_attn config per shape (no autotuning): GPU compile counts stay bounded across many cases."""
-    saved, attn_ops.AUTOTUNE = attn_ops.AUTOTUNE, False
-    yield
-    attn_ops.AUTOTUNE = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(attn_ops.AUTOTUNE_ENV, "0")
+        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------
