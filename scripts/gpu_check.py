@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -134,14 +135,17 @@ def run_pytest(args: str, timeout_s: int) -> tuple[int, str]:
 
 
 def _run(cmd: list[str], timeout_s: int, name: str, env: dict | None = None) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of cmd; past timeout_s its whole process group is killed (pytest-xdist
+    workers, the sanitizer's target) so that nothing keeps GPU memory from the next part, and the status is 124."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
-        log, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        log += f"\n[gpu-check] {name} stopped after {timeout_s} s"
-        rc = 124
-    return rc, log
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return 124, f"{out}{err}\n[gpu-check] {name} stopped after {timeout_s} s"
 
 
 def run_sanitize(out: Path, timeout_s: int) -> dict:
