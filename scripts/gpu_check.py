@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import re
@@ -72,7 +73,9 @@ CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
 }
 FUZZ_FILE = "tests/test_fuzz.py"
 BIGMEM = "xdist_group"  # marker expression of the gpu_bigmem group (the suite's only xdist group)
-PHASE_TIMEOUT_S = {"tests-kernels": 540, "tests-bigmem": 540, "tests-engine": 420, "fuzz": 540, "sanitize": 540}
+# per-part limits: with STOP_GRACE_S and the start-up, one part fits a 10-minute command
+PHASE_TIMEOUT_S = {"tests-kernels": 510, "tests-bigmem": 510, "tests-engine": 420, "fuzz": 510, "sanitize": 510}
+STOP_GRACE_S = 30
 
 
 def _defined_tests(path: Path) -> set[str]:
@@ -121,7 +124,8 @@ def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
     rc, log = run_pytest(args, timeout_s)
     print("\n".join(log.strip().splitlines()[-15:]))
     (out / f"gpu_{part.replace('-', '_')}.log").write_text(f"$ pytest {args}\n{log}")
-    tails = [l for l in log.splitlines() if re.search(r" (passed|failed|error|no tests ran)", l)][-1:]
+    tails = [l.strip("= ") for l in log.splitlines()
+             if re.search(r"(\d+ (passed|failed|errors?|skipped|deselected)|no tests ran).* in [\d.]+s", l)][-1:]
     tails += [l for l in log.splitlines() if l.startswith("[gpu-check]")]
     return {"part": part, "status": "ok" if rc == 0 else f"rc={rc}", "summary": " | ".join(tails),
             "seconds": round(time.time() - t0)}
@@ -135,16 +139,24 @@ def run_pytest(args: str, timeout_s: int) -> tuple[int, str]:
 
 
 def _run(cmd: list[str], timeout_s: int, name: str, env: dict | None = None) -> tuple[int, str]:
-    """(exit status, stdout + stderr) of cmd; past timeout_s its whole process group is killed (pytest-xdist
-    workers, the sanitizer's target) so that nothing keeps GPU memory from the next part, and the status is 124."""
+    """(exit status, stdout + stderr) of cmd. Past timeout_s it gets SIGINT, so that pytest still prints the
+    failures it has seen (their tracebacks come at the end of a run), then after STOP_GRACE_S its whole process
+    group is killed (xdist workers, the sanitizer's target: nothing keeps GPU memory from the next part); the
+    status is then 124."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out + err
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by an interrupted run
         return 124, f"{out}{err}\n[gpu-check] {name} stopped after {timeout_s} s"
 
 
