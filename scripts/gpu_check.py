@@ -5,12 +5,14 @@ the test and benchmark logs) go to $OUT when set, else benchmarks/results/gpu-ch
 into benchmarks/results/latest/ with `python scripts/write_benchmarks_md.py --add FILE` (which redraws its figure
 and docs/benchmarks.md).
 
-    python3 scripts/gpu_check.py [--only PART,PART...] [--full] [--pytest-args "-k decode"] [--tests-timeout S]
+    python3 scripts/gpu_check.py [--only PART,PART...] [--shard K/N] [--full] [--pytest-args "-k decode"]
+                                 [--tests-timeout S]
 
 Parts (default: all, in this order): tests-kernels, tests-bigmem, tests-engine (``tests`` names all three), fuzz,
 sanitize, decode, prefill, e2e. Each part has its own time limit (--tests-timeout, --bench-timeout), so one part per
 invocation fits a command limit of 10 minutes: spread a session's check over several commands, e.g.
-``--only tests-kernels``, then ``--only tests-bigmem,tests-engine``, then ``--only fuzz``, ``--only sanitize``.
+``--only tests-kernels``, then ``--only tests-bigmem,tests-engine``, then ``--only fuzz``, ``--only sanitize``;
+a part that still runs past its limit splits further with ``--shard 1/2`` and ``--shard 2/2`` (its test files).
 
 - tests-kernels: every test file that touches CUDA, less the engine's and test_fuzz.py, on 8 pytest-xdist workers;
   the tests of the ``gpu_bigmem`` xdist group are left to tests-bigmem.
@@ -106,17 +108,26 @@ def test_files_touching_cuda() -> tuple[list[str], list[str]]:
     return [f for f in files if f not in engine], engine
 
 
-def default_pytest_args(phase: str) -> str:
+def default_pytest_args(phase: str, shard: tuple[int, int] = (1, 1)) -> str:
+    """pytest arguments of a test part; shard (k, n): the k-th of n round-robin slices of its test files."""
     kernels, engine = test_files_touching_cuda()
+    k, n = shard
     if phase == "tests-kernels":
-        return f"-n 8 --dist loadgroup -m 'not {BIGMEM}' " + " ".join(kernels)
+        return f"-n 8 --dist loadgroup -m 'not {BIGMEM}' " + " ".join(kernels[k - 1::n])
     if phase == "tests-bigmem":
-        return f"-n 4 --dist load -m '{BIGMEM}' " + " ".join(kernels)
+        return f"-n 4 --dist load -m '{BIGMEM}' " + " ".join(kernels[k - 1::n])
     if phase == "tests-engine":
-        return "-n 2 --dist loadgroup " + " ".join(engine + _cuda_tests_of_cpu_only_files())
+        return "-n 2 --dist loadgroup " + " ".join((engine + _cuda_tests_of_cpu_only_files())[k - 1::n])
     if phase == "fuzz":
         return f"-n 8 --hypothesis-profile=long {FUZZ_FILE}"
     raise ValueError(phase)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return int(k), int(n)
 
 
 def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
@@ -222,6 +233,8 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="full benchmark sweeps instead of --quick")
     ap.add_argument("--pytest-args", default=None,
                     help="pytest arguments replacing the default ones of every test part run (tests-*, fuzz)")
+    ap.add_argument("--shard", type=_shard, default=(1, 1), metavar="K/N",
+                    help="tests-* parts: only the K-th of N round-robin slices of their test files (1/2, then 2/2)")
     ap.add_argument("--tests-timeout", type=int, default=None,
                     help=f"seconds per test / fuzz / sanitize part (default per part: {PHASE_TIMEOUT_S})")
     ap.add_argument("--bench-timeout", type=int, default=240, help="seconds per benchmark")
@@ -251,7 +264,7 @@ def main() -> int:
     for part in parts:
         timeout_s = args.tests_timeout or PHASE_TIMEOUT_S.get(part)
         if part in TEST_PHASES or part == "fuzz":
-            results.append(run_tests(part, out, args.pytest_args or default_pytest_args(part), timeout_s))
+            results.append(run_tests(part, out, args.pytest_args or default_pytest_args(part, args.shard), timeout_s))
         elif part == "sanitize":
             results.append(run_sanitize(out, timeout_s))
         else:
