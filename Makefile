@@ -1,7 +1,8 @@
 # flashdecode: every target sets up what it needs on a fresh machine.
 #   make test       CPU suite (Triton kernels in the interpreter) in .venv
 #   make demo       the same set-up, then `flashdecode demo`
-#   make gpu-check  on the GPU machine: GPU tests + quick benchmarks, JSON/PNG to $OUT (never reinstalls torch)
+#   make gpu-check  on the GPU machine: GPU tests, fuzz, memcheck + quick benchmarks, JSON/PNG to $OUT (never
+#                   reinstalls torch); one part per command fits 10 minutes: GPU_CHECK_ARGS="--only tests-kernels"
 #   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
 #                   installs them there (--no-deps) so FlashInfer joins the benchmarks as a peer
 

@@ -1,62 +1,193 @@
-"""`make gpu-check`: the GPU test suite and the quick benchmarks in one command, a short table printed last.
+"""`make gpu-check`: the GPU test suite, fuzzing, memcheck and the quick benchmarks, a short table printed last.
 
 Runs on the GPU machine from the source tree (PYTHONPATH=.), never reinstalling torch. Results (JSON/PNG records,
 the test and benchmark logs) go to $OUT when set, else benchmarks/results/gpu-check/; to publish a record, copy it
 into benchmarks/results/latest/ with `python scripts/write_benchmarks_md.py --add FILE` (which redraws its figure
 and docs/benchmarks.md).
 
-    python3 scripts/gpu_check.py [--only tests,decode,prefill,e2e] [--full] [--pytest-args "-k decode"]
+    python3 scripts/gpu_check.py [--only PART,PART...] [--shard K/N] [--full] [--pytest-args "-k decode"]
+                                 [--tests-timeout S]
+
+Parts (default: all, in this order): tests-kernels, tests-bigmem, tests-engine (``tests`` names all three), fuzz,
+sanitize, decode, prefill, e2e. Each part has its own time limit (--tests-timeout, --bench-timeout), so one part per
+invocation fits a command limit of 10 minutes: spread a session's check over several commands, e.g.
+``--only tests-kernels``, then ``--only tests-bigmem,tests-engine``, then ``--only fuzz``, ``--only sanitize``;
+a part that still runs past its limit splits further with ``--shard 1/2`` and ``--shard 2/2`` (its test files).
+
+- tests-kernels: every test file that touches CUDA, less the engine's and test_fuzz.py, on 8 pytest-xdist workers;
+  the tests of the ``gpu_bigmem`` xdist group are left to tests-bigmem.
+- tests-bigmem: the ``gpu_bigmem`` group (long caches, > 2**31-element caches) on 4 workers of its own, so that the
+  group no longer runs one test after another on one worker while the rest of the suite has finished.
+- tests-engine: the engine tests that touch CUDA (models of the Llama-3-8B shape, KV pools sized from free memory)
+  on 2 workers, plus the CUDA tests of files that are otherwise CPU-only (CPU_ONLY_TEST_FILES).
+- fuzz: tests/test_fuzz.py with ``--hypothesis-profile=long`` (tests/conftest.py: many more, larger cases).
+- sanitize: ``compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py`` (page ids outside the pool in
+  device-resident block tables), reporting memcheck's error count; absent tool -> the part says so.
+Test files that never touch CUDA (CPU_ONLY_TEST_FILES) are left out of the GPU phases: CI runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "decode", "prefill", "e2e"]
+TEST_PHASES = ["tests-kernels", "tests-bigmem", "tests-engine"]
+BENCHES = ["decode", "prefill", "e2e"]
+PARTS = TEST_PHASES + ["fuzz", "sanitize"] + BENCHES
+
+# Test files whose tests never touch CUDA, even on a GPU machine: they pin device="cpu" (engine, scheduler, server,
+# sampling), run the Triton interpreter in gloo child processes (distributed), compile for sm_90 without a GPU or
+# stub the launch (gluon compile / launch cache), or test pure Python (policy, reference, report, layering). CI runs
+# them. The value names the tests in the file that DO use CUDA when there is one: they run in tests-engine.
+CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
+    "tests/test_cli.py": (
+        "test_prompt_ids_without_tokenizer_and_text_prompt",  # `flashdecode generate` picks CUDA by itself
+        "test_serve_subprocess_answers_on_loopback",  # `flashdecode serve` picks CUDA by itself
+    ),
+    "tests/test_distributed_cp.py": ("test_plan_captures_in_a_cuda_graph",),  # one NCCL rank
+    "tests/test_distributed_engine.py": (),
+    "tests/test_distributed_units.py": (),
+    "tests/test_engine.py": (),
+    "tests/test_engine_bench.py": (),
+    "tests/test_engine_prefill_last.py": ("test_gpu_last_rows_prefill_matches_full_forward",),
+    "tests/test_gluon_compile.py": (),
+    "tests/test_gluon_launch_cache.py": (),
+    "tests/test_heuristics.py": (),
+    "tests/test_kv_cache.py": (),
+    "tests/test_layers.py": (),
+    "tests/test_reference.py": (),
+    "tests/test_report.py": (),
+    "tests/test_sampling.py": (),
+    "tests/test_scheduler.py": (),
+    "tests/test_server.py": (),
+    "tests/probes/test_fp8_rmse.py": ("test_probe_kernel_rows_match_the_emulation",),
+}
+FUZZ_FILE = "tests/test_fuzz.py"
+BIGMEM = "xdist_group"  # marker expression of the gpu_bigmem group (the suite's only xdist group)
+# per-part limits: with STOP_GRACE_S and the start-up, one part fits a 10-minute command
+PHASE_TIMEOUT_S = {"tests-kernels": 510, "tests-bigmem": 510, "tests-engine": 420, "fuzz": 510, "sanitize": 510}
+STOP_GRACE_S = 30
 
 
-def default_test_phases() -> list[str]:
-    """The whole suite on the GPU (unmarked tests run there too, with DEVICE=cuda) in two phases: kernel tests on 6
-    pytest-xdist workers, then the engine tests (each builds models of the Llama-3-8B shape and sizes a KV pool from
-    free memory) on 2, so that the workers sharing the GPU do not run it out of memory."""
-    engine = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_engine*.py"))
-    engine += ["tests/test_kv_cache.py", "tests/test_scheduler.py"]
-    ignores = " ".join(f"--ignore={p}" for p in engine)
-    return [f"-n 6 --dist loadgroup tests {ignores}", "-n 2 --dist loadgroup " + " ".join(engine)]
+def _defined_tests(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")}
 
 
-def run_tests(out: Path, phases: list[str], timeout_s: int) -> dict:
-    logs, rcs, t0 = [], [], time.time()
-    for args in phases:
-        rc, log = run_pytest(args, timeout_s)
-        rcs.append(rc)
-        logs.append(f"$ pytest {args}\n{log}")
-        print("\n".join(log.strip().splitlines()[-15:]))
-    log = "\n".join(logs)
-    (out / "gpu_tests.log").write_text(log)
-    tails = [l for l in log.splitlines() if " passed" in l or " failed" in l]
-    rc = next((r for r in rcs if r != 0), 0)
-    return {"part": "tests", "status": "ok" if rc == 0 else f"rc={rc}", "summary": " | ".join(tails),
+def _cuda_tests_of_cpu_only_files() -> list[str]:
+    """Node ids of the CUDA tests listed in CPU_ONLY_TEST_FILES; a listed file or test that no longer exists stops
+    the check (a renamed test must not drop out of the GPU run silently)."""
+    ids = []
+    for rel, names in CPU_ONLY_TEST_FILES.items():
+        path = ROOT / rel
+        if not path.exists():
+            raise SystemExit(f"gpu_check: CPU_ONLY_TEST_FILES lists {rel}, which does not exist")
+        missing = set(names) - _defined_tests(path)
+        if missing:
+            raise SystemExit(f"gpu_check: CPU_ONLY_TEST_FILES names tests {sorted(missing)} absent from {rel}")
+        ids += [f"{rel}::{name}" for name in names]
+    return ids
+
+
+def test_files_touching_cuda() -> tuple[list[str], list[str]]:
+    """(kernel files, engine files): every test file under tests/ except the CPU-only ones and the fuzz file."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    files = [f for f in files if f not in CPU_ONLY_TEST_FILES and f != FUZZ_FILE]
+    engine = [f for f in files if Path(f).name.startswith("test_engine")]
+    return [f for f in files if f not in engine], engine
+
+
+def default_pytest_args(phase: str, shard: tuple[int, int] = (1, 1)) -> str:
+    """pytest arguments of a test part; shard (k, n): the k-th of n round-robin slices of its test files."""
+    kernels, engine = test_files_touching_cuda()
+    k, n = shard
+    if phase == "tests-kernels":
+        return f"-n 8 --dist loadgroup -m 'not {BIGMEM}' " + " ".join(kernels[k - 1::n])
+    if phase == "tests-bigmem":
+        return f"-n 4 --dist load -m '{BIGMEM}' " + " ".join(kernels[k - 1::n])
+    if phase == "tests-engine":
+        return "-n 2 --dist loadgroup " + " ".join((engine + _cuda_tests_of_cpu_only_files())[k - 1::n])
+    if phase == "fuzz":
+        return f"-n 8 --hypothesis-profile=long {FUZZ_FILE}"
+    raise ValueError(phase)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return int(k), int(n)
+
+
+def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
+    t0 = time.time()
+    rc, log = run_pytest(args, timeout_s)
+    print("\n".join(log.strip().splitlines()[-15:]))
+    (out / f"gpu_{part.replace('-', '_')}.log").write_text(f"$ pytest {args}\n{log}")
+    tails = [l.strip("= ") for l in log.splitlines()
+             if re.search(r"(\d+ (passed|failed|errors?|skipped|deselected)|no tests ran).* in [\d.]+s", l)][-1:]
+    tails += [l for l in log.splitlines() if l.startswith("[gpu-check]")]
+    return {"part": part, "status": "ok" if rc == 0 else f"rc={rc}", "summary": " | ".join(tails),
             "seconds": round(time.time() - t0)}
 
 
 def run_pytest(args: str, timeout_s: int) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"] + args.split()
+    import shlex
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark"] + shlex.split(args)
+    return _run(cmd, timeout_s, "pytest")
+
+
+def _run(cmd: list[str], timeout_s: int, name: str, env: dict | None = None) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of cmd. Past timeout_s it gets SIGINT, so that pytest still prints the
+    failures it has seen (their tracebacks come at the end of a run), then after STOP_GRACE_S its whole process
+    group is killed (xdist workers, the sanitizer's target: nothing keeps GPU memory from the next part); the
+    status is then 124."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        log, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        log += f"\n[gpu-check] pytest stopped after {timeout_s} s"
-        rc = 124
-    return rc, log
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by an interrupted run
+        return 124, f"{out}{err}\n[gpu-check] {name} stopped after {timeout_s} s"
+
+
+def run_sanitize(out: Path, timeout_s: int) -> dict:
+    """memcheck over scripts/sanitize_kernels.py. PyTorch's caching allocator is off (PYTORCH_NO_CUDA_MEMORY_CACHING)
+    so that every tensor is an allocation of its own and a read past one is an error, not a read of a neighbour."""
+    t0 = time.time()
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        print("compute-sanitizer is not on PATH: the sanitize part did not run")
+        return {"part": "sanitize", "status": "absent", "summary": "compute-sanitizer not on PATH", "seconds": 0}
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    cmd = [tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "scripts/sanitize_kernels.py"]
+    rc, log = _run(cmd, timeout_s, "compute-sanitizer", env)
+    (out / "gpu_sanitize.log").write_text(f"$ {' '.join(cmd)}\n{log}")
+    print("\n".join(log.strip().splitlines()[-15:]))
+    found = re.findall(r"ERROR SUMMARY: (\d+) error", log)
+    errors = found[-1] if found else "?"
+    return {"part": "sanitize", "status": "ok" if rc == 0 and errors == "0" else f"rc={rc}",
+            "summary": f"memcheck errors: {errors}", "seconds": round(time.time() - t0)}
 
 
 def run_bench(name: str, out: Path, full: bool, timeout_s: int, extra: list[str] | None = None) -> dict:
@@ -97,11 +228,15 @@ def install_carried_wheels() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=",".join(PARTS))
+    ap.add_argument("--only", default=",".join(PARTS),
+                    help=f"comma-separated parts among {PARTS}; 'tests' names {TEST_PHASES}")
     ap.add_argument("--full", action="store_true", help="full benchmark sweeps instead of --quick")
-    ap.add_argument("--pytest-args", action="append", default=None,
-                    help="one pytest phase (repeatable); default: kernel tests on 6 workers, then engine tests on 2")
-    ap.add_argument("--tests-timeout", type=int, default=330)
+    ap.add_argument("--pytest-args", default=None,
+                    help="pytest arguments replacing the default ones of every test part run (tests-*, fuzz)")
+    ap.add_argument("--shard", type=_shard, default=(1, 1), metavar="K/N",
+                    help="tests-* parts: only the K-th of N round-robin slices of their test files (1/2, then 2/2)")
+    ap.add_argument("--tests-timeout", type=int, default=None,
+                    help=f"seconds per test / fuzz / sanitize part (default per part: {PHASE_TIMEOUT_S})")
     ap.add_argument("--bench-timeout", type=int, default=240, help="seconds per benchmark")
     ap.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
                     help="extra arguments for one benchmark, e.g. 'e2e=--contexts 512,131072 --hf sdpa,eager'")
@@ -109,9 +244,14 @@ def main() -> int:
     extra = {}
     for item in args.bench_args:
         name, sep, rest = item.partition("=")
-        if not sep or name not in PARTS[1:]:
-            raise SystemExit(f"--bench-args: expected NAME=ARGS with NAME in {PARTS[1:]}, got {item!r}")
+        if not sep or name not in BENCHES:
+            raise SystemExit(f"--bench-args: expected NAME=ARGS with NAME in {BENCHES}, got {item!r}")
         extra[name] = rest.split()
+    parts = []
+    for part in (p.strip() for p in args.only.split(",")):
+        if part not in PARTS + ["tests"]:
+            raise SystemExit(f"--only: unknown part {part!r}; expected some of {PARTS} (or 'tests')")
+        parts += TEST_PHASES if part == "tests" else [part]
     out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
@@ -121,18 +261,18 @@ def main() -> int:
     print("env:", json.dumps(env))
     print(install_carried_wheels())
     results = []
-    for part in args.only.split(","):
-        part = part.strip()
-        if part == "tests":
-            results.append(run_tests(out, args.pytest_args or default_test_phases(), args.tests_timeout))
-        elif part in PARTS:
-            results.append(run_bench(part, out, args.full, args.bench_timeout, extra.get(part)))
+    for part in parts:
+        timeout_s = args.tests_timeout or PHASE_TIMEOUT_S.get(part)
+        if part in TEST_PHASES or part == "fuzz":
+            results.append(run_tests(part, out, args.pytest_args or default_pytest_args(part, args.shard), timeout_s))
+        elif part == "sanitize":
+            results.append(run_sanitize(out, timeout_s))
         else:
-            raise SystemExit(f"--only: unknown part {part!r}; expected some of {PARTS}")
+            results.append(run_bench(part, out, args.full, args.bench_timeout, extra.get(part)))
     print("\n== gpu-check summary:", env.get("device"), "torch", env.get("torch"), "triton", env.get("triton"))
     for r in results:
         print(f"{r['part']:<14} {r['status']:<6} {r['seconds']:>4}s  {r['summary']}")
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    return 0 if all(r["status"] in ("ok", "absent") for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -113,7 +113,9 @@ def test_config_override_is_validated():
 
 def test_config_reaches_the_kernels_through_the_custom_op(gen, monkeypatch):
     """A given config travels through torch.compile's custom ops as an index: the compiled call launches the
-    two-pass backward it asks for, the resolved one would be the same here."""
+    one-launch backward it asks for (the resolved config would take two launches here). fullgraph=True: the config
+    must reach the interning without a graph break on every supported torch (a dataclass instance cannot be an
+    assume_constant_result argument in torch 2.11's Dynamo; ops/attention.py passes its field values)."""
     launched = record_launches(monkeypatch)
     q, k, v = (x.requires_grad_() for x in _inputs(gen, KERNEL_DTYPES[0], (1, 33, 2, 64), (1, 33, 2, 64)))
     config = fixed_config(q, k, v, bwd_fused=True)

@@ -29,6 +29,7 @@ otherwise raise (use flashdecode.reference for a pure-PyTorch CPU path).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -244,15 +245,29 @@ _GIVEN_CONFIG_IDS: dict[AttentionConfig, int] = {}
 _RESOLVE_CONFIG = -1  # config id meaning "resolve from the problem"
 
 
-@torch._dynamo.assume_constant_result
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
+
+
 def _config_id(config) -> int:
-    """An int that stands for ``config`` across the torch.library op boundary (-1: None, resolve it). torch.compile
-    runs it while tracing (its result is a constant of the graph), so the config is interned before the graph
-    runs."""
+    """An int that stands for ``config`` across the torch.library op boundary (-1: None, resolve it). Under
+    torch.compile the config reaches the interning as a tuple of its field values: an assume_constant_result
+    function runs while tracing (its result is a constant of the graph, so the config is interned before the graph
+    runs), and torch 2.11's Dynamo can hand it only constants such as tuples, not a dataclass instance."""
     if config is None:
         return _RESOLVE_CONFIG
     if not isinstance(config, AttentionConfig):
         raise TypeError(f"config must be a flashdecode.AttentionConfig or None, got {type(config).__name__}")
+    if torch.compiler.is_compiling():
+        return _config_id_of_fields(tuple([getattr(config, name) for name in _CONFIG_FIELDS]))
+    return _intern_config(config)
+
+
+@torch._dynamo.assume_constant_result
+def _config_id_of_fields(fields: tuple) -> int:
+    return _intern_config(AttentionConfig(*fields))
+
+
+def _intern_config(config: AttentionConfig) -> int:
     found = _GIVEN_CONFIG_IDS.get(config)
     if found is None:
         config.check()
