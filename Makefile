@@ -40,7 +40,7 @@ demo: $(SETUP)
 gpu-check:
 	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
-# FlashInfer 0.5.3 for the GPU machine's Python 3.12 (BENCHMARKING.md): ~12 MB, never committed.
+# FlashInfer 0.5.3 (the paged-decode peer) for the GPU machine's Python 3.12: ~12 MB, never committed.
 PEER_WHEELS := "flashinfer-python==0.5.3" "apache-tvm-ffi<0.2" "nvidia-cudnn-frontend==1.13.0" tabulate
 peer-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -1,13 +1,16 @@
-"""Command line: ``flashdecode demo | bench {decode,prefill,e2e} | generate``.
+"""Command line: ``flashdecode demo | bench {decode,prefill,e2e,serve} | generate | serve``.
 
 Subcommands whose modules are not part of this build are simply not offered. Each module registers itself through
-two functions: ``add_arguments(parser)`` and ``run(args) -> int``.
+two functions: ``add_arguments(parser)`` and ``run(args) -> int``. A user error (a bad option value, a missing
+file, a checkpoint the engine cannot load: ValueError, TypeError, OSError) prints one line and exits with status
+2; ``--debug`` shows the traceback instead. Diagnostics go through the ``logging`` module (``--log-level``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
@@ -17,8 +20,12 @@ _BENCHES = {
     "decode": "flashdecode.bench.decode",
     "prefill": "flashdecode.bench.prefill",
     "e2e": "flashdecode.bench.e2e",
+    "serve": "flashdecode.bench.serve",
 }
 _GENERATE = "flashdecode.engine.cli"
+_SERVE = "flashdecode.engine.server.cli"
+# exceptions that mean "the user asked for something that cannot be done": one line, exit status 2
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, MemoryError)
 
 
 def _optional_module(name: str):
@@ -117,33 +124,77 @@ def _run_demo(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with defaults in every --help and usage errors on one line (exit status 2)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_module(sub, name: str, module, help_text: str | None = None) -> None:
+    doc = (module.__doc__ or "").strip()
+    p = sub.add_parser(name, help=help_text or (doc.splitlines()[0] if doc else None), description=doc or None,
+                       formatter_class=_HelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown; module docstrings (with their examples) kept as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdecode", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from flashdecode import __version__
+
+    parser = _Parser(prog="flashdecode", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"flashdecode {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors (and debug logging)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("demo", help="run the kernels and the reference on a small problem and print their errors")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks (GPU)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, modname in _BENCHES.items():
         mod = _optional_module(modname)
         if mod is not None:
-            bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
-            mod.add_arguments(bp)
-            bp.set_defaults(func=mod.run)
+            _add_module(bench_sub, name, mod)
 
     gen_mod = _optional_module(_GENERATE)
     if gen_mod is not None:
-        gp = sub.add_parser("generate", help="generate text with the inference engine")
-        gen_mod.add_arguments(gp)
-        gp.set_defaults(func=gen_mod.run)
+        _add_module(sub, "generate", gen_mod, "generate text with the inference engine")
+    serve_mod = _optional_module(_SERVE)
+    if serve_mod is not None:
+        _add_module(sub, "serve", serve_mod, "serve the engine over an OpenAI-compatible HTTP API")
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {text}"
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        command = " ".join(filter(None, ("flashdecode", args.command, getattr(args, "bench", None))))
+        print(f"{command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

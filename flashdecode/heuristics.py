@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
+
+from flashdecode.config import AttentionConfig, AttentionProblem
 
 # The SM count we assume when there is no GPU (CPU interpreter runs): the H100 we target, so the CPU makes the
 # same policy decisions the GPU would.
@@ -347,14 +350,45 @@ def decode_block_m(group_rows: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Prefill (flash_attn): autotune candidates, shared-memory pruning, shape buckets
+# Prefill (flash_attn): the AttentionConfig of one problem, autotune candidates, shared-memory pruning, shape buckets
+# (each rule's evidence: docs/decisions.md, "Prefill")
 # ----------------------------------------------------------------------------------------------------------------
 
-# Backward through tensor descriptors by default from this many keys (H100, bf16, 16 heads, hd128 16k fwd+bwd:
-# 428 / 371 TFLOP/s non-causal / causal with descriptors vs 375-389 / 364-366 with pointer loads over three runs;
-# hd64 16k 333 / 285 vs 330 / 270). Shorter sequences keep the pointer backward: the 1k A/B was confounded by the
-# benchmark's switching wrapper (docs/performance_notes.md), so nothing supports a change there.
+# Backward through tensor descriptors (deterministic mode, Hopper) from this many keys; shorter ones keep pointers.
 PREFILL_BWD_TMA_MIN_KEYS = 8192
+# Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M a multiple of 64 and 4k warps for wgmma.
+PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3))
+# Long 16-bit hd128 sequences on the descriptor path: the first of these that fits, never autotuned.
+PREFILL_FWD_LONG_MIN_KEYS = 16384
+PREFILL_FWD_LONG_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2))
+# Deterministic backward, two launches: dK/dV (BLOCK_N held, BLOCK_M streamed, warps, stages) and dQ (BLOCK_M held,
+# BLOCK_N streamed, warps, stages); the first of each is the untuned default.
+PREFILL_BWD_KV_CANDIDATES = ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3))
+PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2))
+# deterministic=False: the dK/dV program adding dQ by atomics; 128 KV rows halve the atomic traffic of 64.
+PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
+# Deterministic backward in one launch: (BLOCK_N, BLOCK_M, BLOCK_M2, BLOCK_N2, SPLIT_DKDV, warps, stages);
+# BLOCK_N == BLOCK_M2 (BLOCK_N / 2 with SPLIT_DKDV) pairs KV block j with Q block j.
+PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, False, 8, 3), (128, 64, 128, 64, False, 8, 2),
+                                (64, 64, 64, 64, False, 4, 2), (128, 32, 128, 32, False, 8, 3),
+                                (64, 64, 64, 64, False, 4, 3))
+# The one-launch backward by default for 16-bit head dim 256 from this many keys (slower at hd128).
+PREFILL_BWD_FUSED_MIN_KEYS = 8192
+# Head dim 256 at 16-bit: 8-warp / 64-row tiles that compile without spills (not yet timed on a GPU).
+PREFILL_LARGE_HEAD_DIM = 256
+PREFILL_LARGE_HEAD_DIM_CANDIDATES = {
+    "fwd": ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)),
+    "bwd_dkdv": ((64, 16, 8, 2), (64, 32, 8, 2)),
+    "bwd_dq": ((64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)),
+    # SPLIT_DKDV: a dV program and a dK program per 128 keys, one fp32 accumulator each
+    "bwd_fused": ((64, 16, 64, 64, False, 8, 2), (128, 32, 64, 64, True, 8, 2), (128, 64, 64, 64, True, 8, 1),
+                  (64, 32, 64, 32, False, 8, 2), (128, 32, 64, 32, True, 8, 2)),
+}
+# One small fixed tile for the CPU interpreter (its speed scales with the number of ops, not the tile size).
+PREFILL_INTERPRET_BLOCKS = (32, 32)
+# Tiles (held, streamed) of each kernel that count against shared memory: the forward holds Q and streams K, V;
+# the backward kernels hold two tiles (K, V or Q, dO), the atomic dK/dV also stages dS^T and the dQ tile.
+_PREFILL_TILES_HELD_STREAMED = {"fwd": (1, 2), "bwd_dkdv": (2, 2), "bwd_dq": (2, 2), "bwd_atomic": (4, 2)}
 
 
 def use_bwd_tma(max_seqlen_k: int, deterministic: bool) -> bool:
@@ -363,72 +397,13 @@ def use_bwd_tma(max_seqlen_k: int, deterministic: bool) -> bool:
     return deterministic and max_seqlen_k >= PREFILL_BWD_TMA_MIN_KEYS
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: Q rows per program x KV rows per step. BLOCK_M is a multiple
-# of 64 and num_warps of 4 so Hopper's wgmma is used (KERNEL_NOTES.md). H100, bf16, 16k, TMA path: (128, 128, 8, 3)
-# was fastest at hd128 (525 TFLOP/s vs 483 for (128, 64, 8, 3)), (128, 128, 4, 3) at hd64.
-PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3))
-# Forward with the unmasked loop pipelined by one QK^T (PIPELINE_QK): both score tiles stay in registers only at
-# (128, 128, 8 warps); sm_90 compiles at hd128: 2 stages 253 registers, no spills, wgmma not serialised (3 stages
-# need 262 KB of shared memory); (128, 64, 8, *) and 4-warp tiles serialise their wgmma (ptxas C7515 / C7511).
-PREFILL_FWD_PIPELINED_CANDIDATES = ((128, 128, 8, 2), (128, 128, 8, 3))
-# PIPELINE_QK by default from this many keys; None = opt-in only (FLASHDECODE_FWD_PIPELINE_QK=1). H100, bf16, hd128,
-# sustained back-to-back calls (power-capped at 700 W, as in the engine), fixed tiles, one run (T0907): pipelined
-# (128, 128, 8, 2) 501 TFLOP/s vs the plain loop's (128, 128, 8, 3) 515 at the engine's 64k 32/8 causal shape, 437
-# vs 485 at 16k causal, 462 vs 504 at 16k non-causal, 384 vs 389 at 4k; the 64k engine prefill with it forced on was
-# 3.81 s vs transformers+SDPA 3.72 s in the same run (e2e T0906). Kept opt-in.
-PREFILL_FWD_PIPELINE_MIN_KEYS = None
-
-
-# Long sequences on the descriptor path (16-bit, head dim 128, where it was measured): no autotuning, the first of
-# these that fits shared memory. Autotuning a 64k causal call times each candidate about once (~70 ms) while the
-# power-capped H100's SM clock swings between 1.1 and 1.9 GHz (nvidia-smi, e2e T0906), so the pick is noise: in the
-# T0907 sweep (sustained calls, 64k 32/8 heads causal) it chose (128, 64, 4, 2) at 70.0 ms where (128, 128, 8, 3) took
-# 68.4;
-# (128, 128, 8, 3) was also the fastest fixed tile at 16k causal (485 vs 461 TFLOP/s for (128, 64, 8, 3)), 4k and 1k.
-# Inside the 64k engine prefill it made no difference (A/B T0926: 3.728 vs 3.726 s autotuned): it removes the noisy
-# first-call tuning (~2 s) and its risk, not measured time.
-PREFILL_FWD_LONG_MIN_KEYS = 16384
-PREFILL_FWD_LONG_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2))
-
-
 def use_fwd_long_config(max_seqlen_k: int, head_dim_pad: int, elem_bytes: int, use_tma: bool) -> bool:
     """Fixed forward tile (PREFILL_FWD_LONG_CANDIDATES, untimed) instead of autotuning."""
     return use_tma and elem_bytes == 2 and head_dim_pad == 128 and max_seqlen_k >= PREFILL_FWD_LONG_MIN_KEYS
 
 
-def use_fwd_pipeline(max_seqlen_k: int) -> bool:
-    """Default for the pipelined forward where it applies (descriptor path, 16-bit, head dim <= 128)."""
-    return PREFILL_FWD_PIPELINE_MIN_KEYS is not None and max_seqlen_k >= PREFILL_FWD_PIPELINE_MIN_KEYS
-# Backward dK/dV program: (BLOCK_N kv rows held, BLOCK_M q rows per step, warps, stages); dQ program: (BLOCK_M q rows
-# held, BLOCK_N kv rows per step, warps, stages). On the H100 (bf16, 16k) the first of each was fastest in a sweep
-# (and is the untuned default); the others come from the autotuned set of an earlier run that reached 363 TFLOP/s
-# fwd+bwd at hd128 non-causal (vs 317 with only two candidates each). (128, 32, 4, 3) is 2x slower for dK/dV.
-PREFILL_BWD_KV_CANDIDATES = ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3))
-PREFILL_BWD_Q_CANDIDATES = ((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2))
-# deterministic=False: the dK/dV program also adds dQ by atomics, (BLOCK_N, BLOCK_M, warps, stages). 128 KV rows per
-# program (FA2's tile at hd128) halve the atomic traffic of 64; the 64-row tiles stay for large head dims.
-PREFILL_BWD_ATOMIC_CANDIDATES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2))
-# Deterministic backward in one launch (kernels/bwd.py attn_bwd_dkdv_kernel with FUSED_DQ): (BLOCK_N kv rows held
-# by the dK/dV phase, BLOCK_M q rows per step, BLOCK_M2 q rows held by the dQ phase, BLOCK_N2 kv rows per step,
-# SPLIT_DKDV, warps, stages). BLOCK_N == BLOCK_M2 (BLOCK_N / 2 with SPLIT_DKDV) pairs KV block j with Q block j,
-# which balances causal work per program. The first is FlexAttention's sm_90 default at hd128 (it also runs both
-# kinds of programs in one launch).
-PREFILL_BWD_FUSED_CANDIDATES = ((128, 64, 128, 64, False, 8, 3), (128, 64, 128, 64, False, 8, 2),
-                                (64, 64, 64, 64, False, 4, 2), (128, 32, 128, 32, False, 8, 3),
-                                (64, 64, 64, 64, False, 4, 3))
-# The interpreter runs the split dK / dV programs (SPLIT_DKDV) only when a test asks for them.
-PREFILL_INTERPRET_SPLIT_DKDV = False
-# The fused backward by default (use_bwd_fused) for 16-bit head dim 256 from this many keys. H100, bf16, 32 heads,
-# 16k, backward only, same run (benchmarks/results/prefill_bwd_ab_*T0934.json, run 1): 97.0 vs 111.2 ms non-causal,
-# 57.9 vs 66.6 causal (autotune picked the split dK / dV programs, (128, 32, 64, 64, True, 8, 2)); with LSE_LOG2
-# too (run 2) causal 48.5 vs 67.0. Measured at 16k only (8k and up share the descriptor backward). At hd128 the one
-# launch was slower (28.5 vs 27.6 ms, 18.2 vs 17.0: the two launches' best tiles, (64, 64, 4 warps, 2 stages)
-# each, leave less to gain from pairing): opt-in there (FLASHDECODE_BWD_FUSED=1).
-PREFILL_BWD_FUSED_MIN_KEYS = 8192
-
-
 def use_bwd_fused(max_seqlen_k: int, head_dim_pad: int, elem_bytes: int) -> bool:
-    """Default for the one-launch deterministic backward (FLASHDECODE_BWD_FUSED overrides it)."""
+    """Default for the one-launch deterministic backward."""
     return head_dim_pad >= PREFILL_LARGE_HEAD_DIM and elem_bytes == 2 and max_seqlen_k >= PREFILL_BWD_FUSED_MIN_KEYS
 
 
@@ -443,33 +418,12 @@ def prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad: int, elem_bytes
     return fits or [min(candidates, key=need)]
 
 
-# Head dim 256 at 16-bit: the lists above fit shared memory only with 4-warp tiles whose fp32 accumulators spill
-# (sm_90 compiles: forward (128, 64, 4, 2) 1976 stack bytes, dK/dV (64, 64, 4, 2) 1832), and the H100 measured the
-# forward at 100 TFLOP/s vs FA2's 314 (bf16, 32 heads, 16k). These 8-warp / 64-row tiles compile without spills
-# (dK/dV (64, 16, 8, 2): 48 bytes, the least of those that fit) and fit shared memory; NOT yet timed on a GPU.
-PREFILL_LARGE_HEAD_DIM = 256
-PREFILL_LARGE_HEAD_DIM_CANDIDATES = {
-    "fwd": ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)),
-    "bwd_dkdv": ((64, 16, 8, 2), (64, 32, 8, 2)),
-    "bwd_dq": ((64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)),
-    # SPLIT_DKDV: a dV program and a dK program per 128 keys, one fp32 accumulator each (sm_90 compiles, causal:
-    # (128, 32, 8 warps, 2 stages) 232 stack bytes, (128, 64, 8, 1) 208; 64 rows with both accumulators and
-    # 64-row Q steps: 664)
-    "bwd_fused": ((64, 16, 64, 64, False, 8, 2), (128, 32, 64, 64, True, 8, 2), (128, 64, 64, 64, True, 8, 1),
-                  (64, 32, 64, 32, False, 8, 2), (128, 32, 64, 32, True, 8, 2)),
-}
-
-
 def prefill_candidates(kernel_name: str, default: tuple, head_dim_pad: int, elem_bytes: int) -> tuple:
     """Autotune candidates of one prefill kernel for a padded head dim: the large-head-dim tiles at 16-bit hd256,
     ``default`` otherwise (fp32 keeps the default list and its shared-memory pruning)."""
     if head_dim_pad >= PREFILL_LARGE_HEAD_DIM and elem_bytes == 2:
         return PREFILL_LARGE_HEAD_DIM_CANDIDATES.get(kernel_name, default)
     return default
-
-
-# One small fixed config for the CPU interpreter (speed there scales with the number of ops, not the tile size).
-PREFILL_INTERPRET_BLOCKS = (32, 32)
 
 
 def prefill_shared_bytes(block_rows: int, block_stream: int, head_dim_pad: int, num_stages: int, elem_bytes: int,
@@ -484,16 +438,64 @@ def prefill_shared_bytes(block_rows: int, block_stream: int, head_dim_pad: int, 
 def prefill_configs_that_fit(candidates, head_dim_pad: int, elem_bytes: int, smem_limit: int,
                              streamed_tensors: int = 2, held_tensors: int = 1):
     """Candidates whose tiles fit in ``smem_limit`` bytes; the smallest candidate if none does."""
-    fits = [c for c in candidates
-            if prefill_shared_bytes(c[0], c[1], head_dim_pad, c[3], elem_bytes, streamed_tensors,
-                                    held_tensors) <= smem_limit]
-    if fits:
-        return fits
-    return [min(candidates, key=lambda c: prefill_shared_bytes(c[0], c[1], head_dim_pad, c[3], elem_bytes,
-                                                                 streamed_tensors, held_tensors))]
+    def need(c):
+        return prefill_shared_bytes(c[0], c[1], head_dim_pad, c[3], elem_bytes, streamed_tensors, held_tensors)
+    fits = [c for c in candidates if need(c) <= smem_limit]
+    return fits or [min(candidates, key=need)]
 
 
 def seqlen_bucket(n: int) -> int:
     """Autotune key for a length: its power-of-two ceiling capped at 16k, so a growing prompt re-tunes at most
     log2 times and never recompiles (lengths themselves are runtime arguments)."""
     return min(next_power_of_2(max(1, n)), 16384)
+
+
+# Lengths at which resolve_attention_config's decisions change (it looks at max_seqlen_k only through these).
+PREFILL_LENGTH_THRESHOLDS = (PREFILL_BWD_TMA_MIN_KEYS, PREFILL_BWD_FUSED_MIN_KEYS, PREFILL_FWD_LONG_MIN_KEYS)
+_SORTED_LENGTH_THRESHOLDS = tuple(sorted(PREFILL_LENGTH_THRESHOLDS))
+
+
+def prefill_length_class(max_seqlen_k: int) -> int:
+    """How many of the thresholds ``max_seqlen_k`` reaches: lengths of one class get the same AttentionConfig, so
+    launch caches key on it instead of the length (a bisection: it runs on every call)."""
+    return bisect.bisect_right(_SORTED_LENGTH_THRESHOLDS, max_seqlen_k)
+
+
+def _prefill_tiles(kernel: str, default: tuple, problem: AttentionProblem) -> tuple:
+    """The candidates of one kernel that fit the device's shared memory (in the order they are tried)."""
+    candidates = prefill_candidates(kernel, default, problem.head_dim_pad, problem.elem_bytes)
+    held, streamed = _PREFILL_TILES_HELD_STREAMED[kernel]
+    return tuple(prefill_configs_that_fit(candidates, problem.head_dim_pad, problem.elem_bytes, problem.smem_limit,
+                                          streamed_tensors=streamed, held_tensors=held))
+
+
+def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
+    """Every launch decision of one flash_attn / flash_attn_varlen problem (forward and backward), from its
+    description and the device's facts. Pure: no tensors, no device queries."""
+    hopper = problem.capability_major >= 9
+    fwd_tma = problem.tma_layout and hopper
+    if problem.interpret:  # one tile, never timed: the interpreter's speed is set by the number of ops
+        bm, bn = PREFILL_INTERPRET_BLOCKS
+        tile = (bm, bn, 4, 1)
+        return AttentionConfig(
+            fwd_tma=fwd_tma, fwd_tiles=(tile,), fwd_autotune=False,
+            bwd_tma=fwd_tma and use_bwd_tma(problem.max_seqlen_k, problem.deterministic),
+            bwd_fused=use_bwd_fused(problem.max_seqlen_k, problem.head_dim_pad, problem.elem_bytes),
+            bwd_dkdv_tiles=(tile,), bwd_dq_tiles=(tile,), bwd_atomic_tiles=(tile,),
+            bwd_fused_tiles=((bn, bm, bm, bn, False, 4, 1),), bwd_autotune=False)
+    fwd_long = use_fwd_long_config(problem.max_seqlen_k, problem.head_dim_pad, problem.elem_bytes, fwd_tma)
+    fused = prefill_candidates("bwd_fused", PREFILL_BWD_FUSED_CANDIDATES, problem.head_dim_pad, problem.elem_bytes)
+    return AttentionConfig(
+        fwd_tma=fwd_tma,
+        fwd_tiles=(tuple(prefill_configs_that_fit(PREFILL_FWD_LONG_CANDIDATES, problem.head_dim_pad,
+                                                  problem.elem_bytes, problem.smem_limit)) if fwd_long
+                   else _prefill_tiles("fwd", PREFILL_FWD_CANDIDATES, problem)),
+        fwd_autotune=problem.autotune and not fwd_long,
+        bwd_tma=fwd_tma and use_bwd_tma(problem.max_seqlen_k, problem.deterministic),
+        bwd_fused=use_bwd_fused(problem.max_seqlen_k, problem.head_dim_pad, problem.elem_bytes),
+        bwd_dkdv_tiles=_prefill_tiles("bwd_dkdv", PREFILL_BWD_KV_CANDIDATES, problem),
+        bwd_dq_tiles=_prefill_tiles("bwd_dq", PREFILL_BWD_Q_CANDIDATES, problem),
+        bwd_atomic_tiles=_prefill_tiles("bwd_atomic", PREFILL_BWD_ATOMIC_CANDIDATES, problem),
+        bwd_fused_tiles=tuple(prefill_bwd_fused_configs_that_fit(fused, problem.head_dim_pad, problem.elem_bytes,
+                                                                 problem.smem_limit)),
+        bwd_autotune=problem.autotune)

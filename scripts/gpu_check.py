@@ -1,7 +1,9 @@
 """`make gpu-check`: the GPU test suite and the quick benchmarks in one command, a short table printed last.
 
-Runs on the GPU machine from the source tree (PYTHONPATH=.), never reinstalling torch. Results (JSON/PNG, the test
-log) go to $OUT when set (the device tool brings back at most 8 files), else benchmarks/results/.
+Runs on the GPU machine from the source tree (PYTHONPATH=.), never reinstalling torch. Results (JSON/PNG records,
+the test and benchmark logs) go to $OUT when set, else benchmarks/results/gpu-check/; to publish a record, copy it
+into benchmarks/results/latest/ with `python scripts/write_benchmarks_md.py --add FILE` (which redraws its figure
+and docs/benchmarks.md).
 
     python3 scripts/gpu_check.py [--only tests,decode,prefill,e2e] [--full] [--pytest-args "-k decode"]
 """
@@ -110,7 +112,7 @@ def main() -> int:
         if not sep or name not in PARTS[1:]:
             raise SystemExit(f"--bench-args: expected NAME=ARGS with NAME in {PARTS[1:]}, got {item!r}")
         extra[name] = rest.split()
-    out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
+    out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     from flashdecode.bench.timing import env_info

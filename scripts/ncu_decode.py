@@ -8,7 +8,7 @@ without programmatic dependent launches, so every kernel runs alone.
         python3 scripts/ncu_decode.py LAYOUT CONTEXT [--batch B] [--heads 16,2] [--splits N | --device-splits]
 
 LAYOUT: 0 (contiguous), a page size, a page size with an "i" suffix (block table in memory order), or "read" (the
-flat read-only sweep of bench/stream.py over the same bytes, batch 1 at 2 kv heads).
+flat read-only sweep of benchmarks/probes/stream.py over the same bytes, batch 1 at 2 kv heads).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     from flashdecode import heuristics
     from flashdecode.bench.decode import _make_set, _ours
-    from flashdecode.bench.stream import _read_calls
+    from benchmarks.probes.stream import _read_calls
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("layout")

@@ -1,95 +1,198 @@
-"""Regenerate docs/benchmarks.md from the result files in benchmarks/results/ (JSON written by `flashdecode bench`).
+"""docs/benchmarks.md and the figures in benchmarks/results/latest/, from the JSON records there.
 
-    python3 scripts/write_benchmarks_md.py [--results benchmarks/results] [--out docs/benchmarks.md]
+    python scripts/write_benchmarks_md.py                        # redraw latest/*.png, rewrite docs/benchmarks.md
+    python scripts/write_benchmarks_md.py --add $OUT/decode_*.json [--commit HASH]
 
-Each JSON holds env (device, versions, date), the command, the rows and a short summary; this script only lays
-them out, newest run of each kind first, so every figure in the docs names its device, versions and command.
+latest/ holds one record per benchmark (decode at contiguous + 16-token pages, decode at other page sizes, prefill,
+e2e), each written by `flashdecode bench ...` (flashdecode/bench/report.py: env, git commit, command, rows). --add
+copies new records in, replacing the older record of the same benchmark (git history keeps it), and fills in the git
+commit (--commit, else this checkout's HEAD) when the run happened outside a git checkout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import shlex
+import sys
 from pathlib import Path
 
-TITLES = {"decode": "Decode (Flash-Decoding)", "decodetune": "Decode config variants (`bench decode --tune`, same run)",
-          "stream_floor": "Streaming floor of a split-KV stage 1 (`python -m flashdecode.bench.stream`)",
-          "prefill": "Prefill / training (FlashAttention)", "e2e": "End to end (engine)"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashdecode.bench import report  # noqa: E402
+
 INTRO = """# Benchmarks
 
-Every figure below was measured on the GPU machine with the peers in the same run, following
-BENCHMARKING.md (decode: CUDA-graph replays with K/V rotated beyond L2; prefill: triton.testing.do_bench median).
-Files: `benchmarks/results/` (JSON with every row, PNG plots). Regenerate this page with
-`python3 scripts/write_benchmarks_md.py` after copying new results there.
+Measured on one H100 80GB HBM3 (SXM) with every peer in the same run. Decode: CUDA-graph replays of 32+ calls with
+the K/V sets rotated beyond L2, median of 20 replays; the floor is the K/V bytes over the copy bandwidth measured
+in the same run. Prefill: `triton.testing.do_bench` median, TFLOP/s = 4 b h s^2 d (halved when causal, x3.5 for
+forward + backward). E2E: the engine's CUDA-graphed decode step, tokens/s against the roofline (weights + KV bytes
+per token over the copy bandwidth). Each section names its record in `benchmarks/results/latest/` (JSON with every
+row, the git commit and the command); `python scripts/write_benchmarks_md.py` regenerates this page and the figures.
 """
 
 
-def _fmt(v):
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return "-" if v is None else str(v)
+def _fmt_tokens(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def table(rows: list[dict]) -> str:
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+def _num(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
 
 
-def section(path: Path) -> str:
-    rec = json.loads(path.read_text())
-    if isinstance(rec, list):  # an ad-hoc A/B script's rows, without env or command (its .log names them)
-        rec = {"rows": rec, "command": "see the .log of the same name" if path.with_suffix(".log").exists() else "?"}
-    env = rec.get("env", {})
-    command = re.sub(r"\S*flashdecode/__main__\.py", "python -m flashdecode", rec.get("command", "?"))
-    parts = [f"### {path.stem}",
-             f"Device {env.get('device')} · torch {env.get('torch')} · triton {env.get('triton')} · "
-             f"CUDA {env.get('cuda')} · {env.get('date')}  ",
-             f"Command: `{command}`", ""]
-    if rec.get("summary"):
-        parts += ["Summary:", ""] + [f"- {s}" for s in rec["summary"]] + [""]
-    notes = rec.get("notes") or []
-    for note in [notes] if isinstance(notes, str) else notes:
-        parts += [f"> {note}", ""]
-    if isinstance(rec.get("table"), str):  # the benchmark's own markdown table
-        parts += [rec["table"], ""]
-    elif isinstance(rec.get("table"), list):
-        parts += [table(rec["table"]), ""]
-    elif rec.get("rows"):
-        parts += [table(rec["rows"]), ""]
-    for png in sorted(path.parent.glob(path.stem + "*.png")):
-        parts.append(f"![{png.stem}](../benchmarks/results/{png.name})")
-    return "\n".join(parts) + "\n"
+def benchmark_key(record: dict) -> str:
+    """Which benchmark a record belongs to: its kind, and for decode the cache layouts it swept."""
+    if record.get("kind") == "decode":
+        rows = [r for r in record["rows"] if r.get("sweep") == "ctx"] or record["rows"]
+        layouts = sorted({r["layout"] for r in rows}, key=lambda x: (x != "contig", len(x), x))
+        return "decode:" + ",".join(layouts)
+    return str(record.get("kind"))
 
 
-def _run_stamp(path: Path) -> str:
-    """The run's date and UTC time from the file name (e.g. 2026-11-22T1142; a date alone sorts before that
-    day's timed runs), so editing a file's notes does not reorder the page."""
-    match = re.search(r"\d{4}-\d\d-\d\d(T\d{4})?", path.stem)
-    return match.group() if match else ""
+def normalise(record: dict, commit: str | None) -> dict:
+    """A record as latest/ keeps it: a git commit, and a command a user can paste (older runs stored the path of
+    flashdecode/__main__.py on the GPU machine and their --out folder)."""
+    if not record.get("git_commit"):
+        record["git_commit"] = commit or report.git_commit()
+    command = record.get("command", "")
+    if "__main__.py" in command or "--out" in command:
+        record["command"] = report.user_command(shlex.split(command))
+    return record
+
+
+def _decode_section(record: dict) -> list[str]:
+    peers = report.external_peers(record)
+    lines = ["| sweep | batch | context | cache | ours (us) | best peer | peer (us) | speedup | % of floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        name, value = report.best_peer(r, peers, lower_is_better=True)
+        speed = value / r["ours"] if value and r.get("ours") else None
+        lines.append(f"| {r['sweep']} | {r['batch']} | {_fmt_tokens(r['context'])} | {r['layout']} | "
+                     f"{_num(r.get('ours'))} | {name or '-'} | {_num(value)} | {_num(speed, '.2f')}x | "
+                     f"{_num(r.get('ours_%floor'), '.0f')} |")
+    paragraph = []
+    for layout in dict.fromkeys(r["layout"] for r in record["rows"]):
+        ctx = [r for r in record["rows"] if r["sweep"] == "ctx" and r["layout"] == layout and r.get("ours")]
+        big = [r for r in record["rows"] if r["sweep"] == "batch" and r["layout"] == layout and r["batch"] >= 16]
+        speeds = [report.best_peer(r, peers, True)[1] / r["ours"] for r in ctx if report.best_peer(r, peers, True)[1]]
+        if ctx and speeds:
+            paragraph.append(
+                f"{report.layout_title(layout).capitalize()}: {ctx[0]['ours']:.1f} us at "
+                f"{_fmt_tokens(ctx[0]['context'])}, {ctx[-1]['ours']:.1f} us at {_fmt_tokens(ctx[-1]['context'])} "
+                f"({ctx[-1]['ours_%floor']:.0f}% of the floor), {min(speeds):.2f}-{max(speeds):.2f}x the best peer"
+                + (f"; batch 16-64 at {min(r['ours_%floor'] for r in big):.0f}-"
+                   f"{max(r['ours_%floor'] for r in big):.0f}% of the floor." if big else "."))
+    rows = record["rows"]
+    head = (f"Batch 1 sweeps use {rows[0]['nheads']} q / {rows[0]['nheads_kv']} kv heads (head dim "
+            f"{rows[0]['headdim']}, bf16); the batch sweep Llama-3-8B's 32 / 8 heads at 8k tokens, where from batch 16 "
+            f"every kernel streams at the bandwidth floor and the peers are level.")
+    return [" ".join([head] + paragraph), ""] + lines
+
+
+def _prefill_section(record: dict) -> list[str]:
+    peers = [p for p in report.external_peers(record) if any(r.get(p) for r in record["rows"])]
+    lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(peers) + " | ours / best | % of matmul |",
+             "|" + "---|" * (7 + len(peers))]
+    speeds = {}
+    for r in record["rows"]:
+        _, value = report.best_peer(r, peers, lower_is_better=False)
+        speed = r["ours"] / value if value and r.get("ours") else None
+        speeds[(r["mode"], r["seqlen"], r["causal"], r["headdim"])] = speed
+        lines.append(f"| {r['mode']} | {r['headdim']} | {r['batch']}x{_fmt_tokens(r['seqlen'])} | "
+                     f"{'yes' if r['causal'] else 'no'} | {_num(r.get('ours'), '.0f')} | "
+                     + " | ".join(_num(r.get(p), ".0f") for p in peers)
+                     + f" | {_num(speed, '.2f')} | {_num(r.get('ours_%peak'), '.0f')} |")
+    long = [r for r in record["rows"] if r["seqlen"] >= 8192 and r.get("ours/FA2")]
+    short = [r for r in record["rows"] if r["seqlen"] < 8192 and r.get("ours/FA2")]
+    text = (f"TFLOP/s ({record['rows'][0]['dtype']}, {record['rows'][0]['nheads']} heads). At long sequences ours is "
+            f"{min(r['ours/FA2'] for r in long):.2f}-{max(r['ours/FA2'] for r in long):.2f}x FlashAttention-2 "
+            f"(forward and forward + backward); cuDNN stays ahead on every row. Short sequences (16 x 1k) are "
+            f"host-bound and noisy ({min(r['ours/FA2'] for r in short):.2f}-{max(r['ours/FA2'] for r in short):.2f}x "
+            f"FA2; docs/performance_notes.md).") if long and short else ""
+    return [text, ""] + lines
+
+
+def _e2e_section(record: dict) -> list[str]:
+    table = record.get("table", [])
+    backends = [k[: -len(" tok/s")] for k in (table[0] if table else {}) if k.endswith(" tok/s") and k != "roofline tok/s"]
+    lines = ["| batch | context | roofline tok/s | " + " | ".join(f"{b} tok/s" for b in backends)
+             + " | flashdecode % of roofline |", "|" + "---|" * (4 + len(backends))]
+    for t in table:
+        lines.append(f"| {t['batch']} | {_fmt_tokens(t['context'])} | {t['roofline tok/s']:.0f} | "
+                     + " | ".join(_num(t.get(f"{b} tok/s"), ".0f") for b in backends)
+                     + f" | {_num(t.get('flashdecode % roofline'), '.0f')} |")
+    prefill = [r for r in record["rows"] if r.get("kind") == "prefill"]
+    if prefill:
+        lines += ["", "| prefill | tokens | seconds |", "|---|---|---|"]
+        lines += [f"| {r['backend']} | {_fmt_tokens(r['context'])} | {r['seconds']:.2f} |" for r in prefill]
+    pct = [t["flashdecode % roofline"] for t in table if t.get("flashdecode % roofline")]
+    text = (f"{record.get('model', '')}. Decode reaches {min(pct):.0f}-{max(pct):.0f}% of the bandwidth roofline; "
+            f"`sdpa` is the same engine with PyTorch's attention, `hf-sdpa` transformers' own model on the same "
+            f"weights. Decode KV caches are filled with random values (decode speed does not depend on them).")
+    return [text, ""] + lines
+
+
+SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": ("Prefill (FlashAttention)",
+                                                                             _prefill_section),
+            "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section)}
+ORDER = ["decode:contig,page16", "decode", "prefill", "e2e"]
+
+
+def section(path: Path, record: dict, png: Path | None) -> str:
+    kind = record["kind"]
+    title, body = SECTIONS[kind]
+    key = benchmark_key(record)
+    if kind == "decode":
+        title += ": " + " and ".join(report.layout_title(x) for x in key.split(":")[1].split(","))
+    env = record.get("env", {})
+    parts = [f"## {title}", "",
+             f"`{record['command']}` - {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+             f"CUDA {env.get('cuda')}, {env.get('date')}, commit `{record.get('git_commit')}`; record "
+             f"[`{path.name}`](../benchmarks/results/latest/{path.name}).", ""]
+    parts += body(record) + [""]
+    if png:
+        parts += [f"![{title}](../benchmarks/results/latest/{png.name})", ""]
+    return "\n".join(parts)
+
+
+def add(paths: list[Path], latest: Path, commit: str | None) -> None:
+    for src in paths:
+        record = normalise(json.loads(src.read_text()), commit)
+        key = benchmark_key(record)
+        for old in latest.glob("*.json"):
+            if old.name != src.name and benchmark_key(json.loads(old.read_text())) == key:
+                for f in [old, *latest.glob(old.stem + "*.png")]:
+                    f.unlink()
+        (latest / src.name).write_text(json.dumps(record, indent=1))
+        print(f"latest/{src.name} ({key})")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--latest", default=str(report.LATEST))
     ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--add", nargs="*", default=[], help="result JSON files to put into latest/")
+    ap.add_argument("--commit", help="git commit of the --add runs (default: this checkout's HEAD)")
     args = ap.parse_args()
-    files = sorted(Path(args.results).glob("*.json"), key=_run_stamp, reverse=True)
+    latest = Path(args.latest)
+    latest.mkdir(parents=True, exist_ok=True)
+    add([Path(p) for p in args.add], latest, args.commit)
+    records = {}
+    for path in sorted(latest.glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("kind") in SECTIONS:
+            records[path] = record
+    ordered = sorted(records.items(), key=lambda pr: next((i for i, k in enumerate(ORDER)
+                                                          if benchmark_key(pr[1]).startswith(k)), len(ORDER)))
     out = [INTRO]
-    targets = Path(args.results) / "targets.md"  # hand-written comparison with the issues' targets, if present
-    if targets.exists():
-        out.append(targets.read_text())
-    for kind, title in TITLES.items():
-        mine = [f for f in files if f.stem.startswith(kind + "_")]
-        if mine:
-            out.append(f"## {title}\n")
-            out += [section(f) for f in mine]
+    for path, record in ordered:
+        png = report.plot_record(record, path.with_suffix(".png"))
+        if png and record.get("plots") != [png.name]:
+            record["plots"] = [png.name]
+            path.write_text(json.dumps(record, indent=1))
+        out.append(section(path, record, png))
     Path(args.out).write_text("\n".join(out))
-    print(f"wrote {args.out} from {len(files)} result files")
+    print(f"wrote {args.out} from {len(records)} records in {latest}")
     return 0
 
 

@@ -83,3 +83,38 @@ def rewrite_config(path: Path, **changes) -> None:
 def random_prompts(lengths, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+# A word-level tokenizer over the tiny vocabulary: token i is the word "w<i>", except four special tokens.
+SPECIAL_TOKENS = {"<|system|>": 150, "<|user|>": 151, "<|assistant|>": 152, "</s>": 153}
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def word(i: int) -> str:
+    return f"w{i}"
+
+
+def add_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE, eos: bool = False) -> Path:
+    """Write tokenizer.json (+ tokenizer_config.json with the chat template) into a tiny checkpoint directory.
+    Words "w0".."w159" are single tokens (ids 150..153 are the special tokens instead), split on whitespace;
+    decode joins tokens with spaces. ``eos``: "</s>" is the tokenizer's EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word(i): i for i in range(VOCAB) if i not in SPECIAL_TOKENS.values()}
+    vocab.update(SPECIAL_TOKENS)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=word(0)))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eos:
+        config["eos_token"] = "</s>"
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def words(ids) -> str:
+    return " ".join(word(i) for i in ids if i not in SPECIAL_TOKENS.values())

@@ -7,6 +7,8 @@ CPU (Triton interpreter): small shapes in fp16/fp32. GPU (`gpu` marker): the big
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,10 +24,30 @@ CASE_DTYPES = [torch.bfloat16] if HAS_CUDA else KERNEL_DTYPES
 
 
 @pytest.fixture(autouse=True)
-def _fixed_config(monkeypatch):
-    """One kernel config per shape class (no autotuning) keeps GPU compile counts down; test_autotuned_path
-    turns it back on."""
-    monkeypatch.setattr(attn_ops, "AUTOTUNE", False)
+def _no_autotuning(monkeypatch):
+    """Calls without config= run their first fitting tile (FLASHDECODE_AUTOTUNE=0): fewer GPU compilations."""
+    monkeypatch.setenv(attn_ops.AUTOTUNE_ENV, "0")
+
+
+def fixed_config(q, k, v, max_seqlen_k=None, deterministic=True, **changes):
+    """The configuration flash_attn resolves for these inputs, without autotuning (one tile per shape class keeps
+    GPU compile counts down), with ``changes`` applied."""
+    config = attn_ops.resolve_config(q, k, v, max_seqlen_k, deterministic)
+    return dataclasses.replace(config, **{"fwd_autotune": False, "bwd_autotune": False, **changes})
+
+
+def record_launches(monkeypatch) -> list:
+    """Spy: the names of the attention kernels launched (fwd, bwd_dkdv, bwd_dq, bwd_fused, bwd_atomic; the
+    backward preprocess bwd_delta left out), in order."""
+    launched = []
+    call = attn_ops._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        if self.name != "bwd_delta":
+            launched.append(self.name)
+        return call(self, *args, **kwargs)
+    monkeypatch.setattr(attn_ops._Kernel, "__call__", spy)
+    return launched
 
 
 def _inputs(gen, dtype, q_shape, kv_shape, scale=1.0):
@@ -67,12 +89,16 @@ def check_against_reference(run, run_ref, q, k, v, gen, *, grads: bool, gen_dout
 
 
 def check_dense(gen, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, *, grads=False, logit_scale=1.0,
-                kernel_opts=None, **opts):
-    """kernel_opts: options only our kernel takes (deterministic)."""
+                kernel_opts=None, config_changes=None, **opts):
+    """kernel_opts: options only our kernel takes (deterministic); config_changes: AttentionConfig fields set on
+    the resolved configuration (autotuning off unless they turn it on)."""
     q, k, v = _inputs(gen, dtype, (batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_kv, headdim),
                       scale=logit_scale)
+    kernel_opts = dict(kernel_opts or {})
+    kernel_opts["config"] = fixed_config(q, k, v, None, kernel_opts.get("deterministic", True),
+                                         **(config_changes or {}))
     return check_against_reference(
-        lambda a, b, c: flashdecode.flash_attn(a, b, c, return_lse=True, **(kernel_opts or {}), **opts),
+        lambda a, b, c: flashdecode.flash_attn(a, b, c, return_lse=True, **kernel_opts, **opts),
         lambda a, b, c: ref.attention_ref(a, b, c, **opts), q, k, v, gen, grads=grads)
 
 
@@ -82,9 +108,13 @@ def _cu_seqlens(lengths):
     return cu.to(DEVICE)
 
 
-def check_varlen(gen, dtype, lens_q, lens_k, nheads, nheads_kv, headdim, *, grads=False, kernel_opts=None, **opts):
+def check_varlen(gen, dtype, lens_q, lens_k, nheads, nheads_kv, headdim, *, grads=False, kernel_opts=None,
+                 config_changes=None, **opts):
     cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     q, k, v = _inputs(gen, dtype, (sum(lens_q), nheads, headdim), (sum(lens_k), nheads_kv, headdim))
+    kernel_opts = dict(kernel_opts or {})
+    kernel_opts["config"] = fixed_config(q, k, v, max(lens_k), kernel_opts.get("deterministic", True),
+                                         **(config_changes or {}))
     return check_against_reference(
         lambda a, b, c: flashdecode.flash_attn_varlen(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
                                                       return_lse=True, **(kernel_opts or {}), **opts),
@@ -123,19 +153,17 @@ def test_forward_matches_reference(gen, dtype, case):
 @pytest.mark.parametrize("case", [(2, 97, 97, 4, 2, 80, dict(causal=True)), (1, 33, 70, 2, 1, 64, {}),
                                   (1, 70, 33, 2, 2, 32, dict(causal=True, window_size=(8, 2)))],
                          ids=lambda c: f"{c[:6]}{c[6]}")
-def test_forward_tensor_descriptor_path(gen, monkeypatch, case):
+def test_forward_tensor_descriptor_path(gen, case):
     """The Hopper (TMA) forward: descriptors bounded by the sequence zero-fill the ragged tail and the padded
     head dim. The interpreter emulates descriptors, so the path is checked on the CPU too."""
-    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
-    check_dense(gen, KERNEL_DTYPES[0], *case[:6], **case[6])
+    check_dense(gen, KERNEL_DTYPES[0], *case[:6], config_changes=dict(fwd_tma=True), **case[6])
 
 
-def test_backward_tensor_descriptor_path(gen, monkeypatch):
-    """The Hopper backward (FLASHDECODE_BWD_TMA=1; default from 8k keys): Q/dO (dK/dV pass) and K/V (dQ pass) through descriptors,
-    ragged tails zero-filled."""
-    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
-    monkeypatch.setattr(attn_ops, "BWD_TMA", True)
-    check_dense(gen, KERNEL_DTYPES[0], 1, 97, 70, 4, 2, 80, causal=True, grads=True)
+def test_backward_tensor_descriptor_path(gen):
+    """The Hopper backward (config.bwd_tma; default from 8k keys): Q/dO (dK/dV pass) and K/V (dQ pass) through
+    descriptors, ragged tails zero-filled."""
+    check_dense(gen, KERNEL_DTYPES[0], 1, 97, 70, 4, 2, 80, causal=True, grads=True,
+                config_changes=dict(fwd_tma=True, bwd_tma=True))
 
 
 def test_descriptor_allocator_is_set_in_every_thread():
@@ -158,23 +186,15 @@ def test_descriptor_allocator_is_set_in_every_thread():
     assert seen == [attn_ops._scratch_allocator]
 
 
-def test_varlen_tensor_descriptor_path(gen, monkeypatch):
-    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
-    check_varlen(gen, KERNEL_DTYPES[0], [5, 0, 70, 33], [5, 3, 70, 40], 4, 1, 64, causal=True)
+def test_varlen_tensor_descriptor_path(gen):
+    check_varlen(gen, KERNEL_DTYPES[0], [5, 0, 70, 33], [5, 3, 70, 40], 4, 1, 64, causal=True,
+                 config_changes=dict(fwd_tma=True))
 
 
 @pytest.mark.parametrize("scale", [-0.2, 0.0], ids=str)
 def test_negative_and_zero_softmax_scale(gen, scale):
-    """The raw-max forward loop folds a negative scale into Q's sign and is skipped for a zero scale (0 * -inf)."""
+    """A negative scale flips which keys dominate; a zero scale gives the mean of the visible values (no 0 * -inf)."""
     check_dense(gen, KERNEL_DTYPES[0], 1, 40, 70, 2, 1, 64, causal=True, softmax_scale=scale)
-
-
-@pytest.mark.parametrize("case", [(1, 70, 33, 2, 1, 64, dict(causal=True)), (1, 40, 97, 2, 2, 64, {})],
-                         ids=lambda c: f"{c[:6]}{c[6]}")
-def test_forward_without_raw_max(gen, monkeypatch, case):
-    """The plain scale-then-max loop (FLASHDECODE_FWD_RAW_MAX=0), kept for A/B timing, stays correct."""
-    monkeypatch.setattr(attn_ops, "FWD_RAW_MAX", False)
-    check_dense(gen, KERNEL_DTYPES[0], *case[:6], **case[6])
 
 
 def test_seqlen_q_longer_than_k_causal_gives_empty_rows(gen):
@@ -248,40 +268,34 @@ FUSED_BACKWARD_CASES = [
 
 
 @pytest.mark.parametrize("case", FUSED_BACKWARD_CASES, ids=lambda c: f"{c[:6]}{c[6]}")
-def test_fused_backward_matches_reference(gen, monkeypatch, case):
+def test_fused_backward_matches_reference(gen, case):
     """More KV blocks than Q blocks and the reverse (programs with only one phase), GQA, windows, softcap."""
-    monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
-    check_dense(gen, KERNEL_DTYPES[0], *case[:6], grads=True, **case[6])
+    check_dense(gen, KERNEL_DTYPES[0], *case[:6], grads=True, config_changes=dict(bwd_fused=True), **case[6])
 
 
 @pytest.mark.parametrize("split_dkdv", [False, True], ids=["dkdv", "split_dkdv"])
-def test_fused_backward_varlen_and_descriptors(gen, monkeypatch, split_dkdv):
+def test_fused_backward_varlen_and_descriptors(gen, split_dkdv):
     """Ragged sequences (one empty, one shorter in q than in k) through the tensor-descriptor path; split_dkdv:
     separate dV and dK programs per KV block (SPLIT_DKDV, the large-head-dim tiles)."""
-    monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
-    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
-    monkeypatch.setattr(attn_ops, "BWD_TMA", True)
-    monkeypatch.setattr(attn_ops.heuristics, "PREFILL_INTERPRET_SPLIT_DKDV", split_dkdv)
-    check_varlen(gen, KERNEL_DTYPES[0], [17, 1, 0, 40], [17, 9, 3, 33], 4, 2, 64, grads=True, causal=True)
+    check_varlen(gen, KERNEL_DTYPES[0], [17, 1, 0, 40], [17, 9, 3, 33], 4, 2, 64, grads=True, causal=True,
+                 config_changes=dict(bwd_fused=True, fwd_tma=True, bwd_tma=True,
+                                     bwd_fused_tiles=((32, 32, 32, 32, split_dkdv, 4, 1),)))
 
 
 def test_fused_backward_is_one_launch_and_deterministic(gen, monkeypatch):
-    """BWD_FUSED launches one backward kernel instead of two; its gradients repeat bit for bit and match the
-    two-launch path (bitwise in the interpreter, where both use the same tiles)."""
-    launched = []
-    launch = attn_ops._launch
-    monkeypatch.setattr(attn_ops, "_launch", lambda name, *a, **kw: (launched.append(name), launch(name, *a, **kw)))
+    """config.bwd_fused launches one backward kernel instead of two; its gradients repeat bit for bit and match
+    the two-launch path (bitwise in the interpreter, where both use the same tiles)."""
+    launched = record_launches(monkeypatch)
     q, k, v = _inputs(gen, KERNEL_DTYPES[0], (1, 70, 4, 64), (1, 70, 2, 64))
     dout = randn(1, 70, 4, 64, gen=gen, dtype=q.dtype)
-    monkeypatch.setattr(attn_ops, "BWD_FUSED", False)
-    split = _grads(q, k, v, dout, causal=True)
+    split = _grads(q, k, v, dout, causal=True, config=fixed_config(q, k, v, bwd_fused=False))
     assert launched == ["fwd", "bwd_dkdv", "bwd_dq"]
     launched.clear()
-    monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
-    fused = _grads(q, k, v, dout, causal=True)
+    fused_config = fixed_config(q, k, v, bwd_fused=True)
+    fused = _grads(q, k, v, dout, causal=True, config=fused_config)
     assert launched == ["fwd", "bwd_fused"]
     for _ in range(20 if HAS_CUDA else 1):
-        assert all(torch.equal(a, b) for a, b in zip(fused, _grads(q, k, v, dout, causal=True)))
+        assert all(torch.equal(a, b) for a, b in zip(fused, _grads(q, k, v, dout, causal=True, config=fused_config)))
     for a, b in zip(split, fused):
         if HAS_CUDA:
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
@@ -292,7 +306,7 @@ def test_fused_backward_is_one_launch_and_deterministic(gen, monkeypatch):
 def test_fused_backward_policy_and_shared_memory_fit():
     """The one-launch backward is the default only for 16-bit hd256 from PREFILL_BWD_FUSED_MIN_KEYS keys; its
     candidates are sized by their larger phase (the atomic-free dQ phase holds Q/dO and streams K/V)."""
-    h = attn_ops.heuristics
+    from flashdecode import heuristics as h
     assert h.use_bwd_fused(16384, 256, 2) and not h.use_bwd_fused(16384, 128, 2)
     assert not h.use_bwd_fused(h.PREFILL_BWD_FUSED_MIN_KEYS - 1, 256, 2) and not h.use_bwd_fused(16384, 256, 4)
     big = (64, 16, 128, 64, False, 8, 3)  # dQ phase: (2 * 128 + 3 * 2 * 64) rows x 256 x 2 bytes = 320 KiB
@@ -323,16 +337,14 @@ def test_nondeterministic_varlen_backward(gen):
 def test_nondeterministic_mode_skips_the_dq_pass(gen, monkeypatch):
     """deterministic=False launches the atomic dK/dV kernel and no dQ kernel; its gradients equal the
     deterministic ones up to fp32 summation order."""
-    launched = []
-    launch = attn_ops._launch
-    monkeypatch.setattr(attn_ops, "_launch", lambda name, *a, **kw: (launched.append(name), launch(name, *a, **kw)))
+    launched = record_launches(monkeypatch)
     q, k, v = _inputs(gen, KERNEL_DTYPES[0], (1, 40, 2, 64), (1, 40, 1, 64))
     dout = randn(1, 40, 2, 64, gen=gen, dtype=q.dtype)
     det = _grads(q, k, v, dout, causal=True)
     assert launched == ["fwd", "bwd_dkdv", "bwd_dq"]
     launched.clear()
     nondet = _grads(q, k, v, dout, causal=True, deterministic=False)
-    assert launched == ["fwd", "bwd_dkdv_atomic"]
+    assert launched == ["fwd", "bwd_atomic"]
     for a, b in zip(det, nondet):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
@@ -415,6 +427,106 @@ def test_compiles_without_graph_break(gen):
     eager.backward()
     assert torch.allclose(loss, eager, rtol=1e-3)
     assert torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host path: launch plans cached per launch key
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_repeated_calls_reuse_the_launch_plan(gen, monkeypatch):
+    """A second call with the same launch key neither re-resolves the configuration nor re-checks the tensors nor
+    builds a new plan; a new stride (a new key) does, and both give the reference's answer."""
+    q, k, v = _inputs(gen, torch.float16, (1, 23, 2, 64), (1, 23, 1, 64))
+    first = flashdecode.flash_attn(q, k, v, causal=True)
+    work = []
+    for name in ("_check_tensor_args", "_config_for"):
+        real = getattr(attn_ops, name)
+        monkeypatch.setattr(attn_ops, name, lambda *a, _real=real, _name=name, **kw: (work.append(_name),
+                                                                                     _real(*a, **kw))[1])
+    q2 = q + 1
+    again = flashdecode.flash_attn(q2, k, v, causal=True)
+    assert work == []
+    assert torch.equal(again, flashdecode.flash_attn(q2.contiguous(), k, v, causal=True))
+    strided = torch.cat([q2, q2], dim=-1)[..., :64]  # same shape, new strides: a new key
+    assert torch.equal(flashdecode.flash_attn(strided, k, v, causal=True), again)
+    assert work == ["_config_for"]  # same shapes: the tensor checks stay skipped
+    ref64 = ref.attention_ref(q.double(), k.double(), v.double(), causal=True)[0]
+    assert (first.double() - ref64).abs().max() < 1e-2
+
+
+def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
+    """The direct launch calls the compiled kernel's launcher as Triton's JIT does: grid, stream, function,
+    metadata, hooks, then every kernel parameter in order - the runtime arguments of this call followed by the
+    constexprs recorded at the first launch (the tile the autotuner picked, the plan's flags, defaults)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from flashdecode.kernels import bwd as bwd_kernels
+    from flashdecode.kernels import fwd as fwd_kernels
+
+    def compiled_form(kernel):  # the interpreter wraps the Python function differently; the GPU has JITFunctions
+        return JITFunction(kernel.fn) if not isinstance(kernel, JITFunction) else kernel
+
+    for fn in (fwd_kernels.attn_fwd_kernel, bwd_kernels.attn_bwd_dkdv_kernel, bwd_kernels.attn_bwd_dq_kernel,
+               bwd_kernels.attn_bwd_delta_kernel):
+        params = compiled_form(fn).params
+        first_constexpr = next(i for i, p in enumerate(params) if p.is_constexpr)
+        assert all(p.is_constexpr for p in params[first_constexpr:]), fn.__name__  # runtime args come first
+    fn = compiled_form(fwd_kernels.attn_fwd_kernel)
+    nargs = next(i for i, p in enumerate(fn.params) if p.is_constexpr)
+    constexprs = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
+                      DOT_PRECISION="tf32", USE_TMA=False)
+    kernel = attn_ops._Kernel("fwd", fn, ((128, 64, 8, 3),), attn_ops._FWD_TILE, False, constexprs)
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "packed"
+
+        def run(self, *args):
+            calls.append(args)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+    class Tuned:
+        best_config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
+
+    kernel._record(Tuned(), Compiled(), nargs)
+    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False)
+    assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA"]
+    monkeypatch.setattr(attn_ops, "_current_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = tuple(range(nargs))
+    kernel(lambda meta: (meta["BLOCK_M"], 2, 3), args, torch.device("cuda", 0))
+    (launched,) = calls
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    assert launched[:9] == (128, 2, 3, 7, "function", "packed", None) + hooks
+    assert launched[9:] == args + kernel.tail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("deterministic, fused", [(True, False), (True, True), (False, False)], ids=str)
+def test_gpu_direct_launch_matches_the_first_launch(gen, deterministic, fused):
+    """After its first launch a key calls the compiled kernel directly: same outputs and gradients bit for bit
+    (deterministic modes), dense and varlen."""
+    q, k, v = _leaf(*_inputs(gen, torch.bfloat16, (2, 300, 4, 128), (2, 300, 2, 128)))
+    dout = randn(2, 300, 4, 128, gen=gen, dtype=q.dtype)
+    config = fixed_config(q, k, v, None, deterministic, bwd_fused=fused)
+    results = []
+    for _ in range(3):
+        grads = _grads(q, k, v, dout, causal=True, deterministic=deterministic, config=config)
+        results.append((flashdecode.flash_attn(q, k, v, causal=True, config=config), *grads))
+    plans = [p for p in attn_ops._FWD_PLANS.values() if p.config == config]
+    assert plans and all(p.kernel.compiled is not None for p in plans)
+    for a, b in zip(results[1], results[2]):
+        assert torch.equal(a, b) or not deterministic
+    for a, b in zip(results[0], results[2]):
+        torch.testing.assert_close(a, b)
+    cu = _cu_seqlens([300, 300])
+    flat = [x.detach().flatten(0, 1) for x in (q, k, v)]
+    once = flashdecode.flash_attn_varlen(*flat, cu, cu, 300, 300, causal=True)
+    assert torch.equal(once, flashdecode.flash_attn_varlen(*flat, cu, cu, 300, 300, causal=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -503,6 +615,85 @@ def test_varlen_without_the_seqlens_check_is_exact_and_never_reads_them_on_the_h
         flashdecode.flash_attn_varlen(q, k, v, good, good, 8, 8, check_seqlens=None)
 
 
+def _padded(x: torch.Tensor, pad_rows: int = 7) -> torch.Tensor:
+    """x as a view into a buffer whose rows before and after it hold NaN: a kernel reading outside x shows."""
+    buf = torch.full((x.shape[0] + 2 * pad_rows,) + tuple(x.shape[1:]), float("nan"), dtype=x.dtype, device=x.device)
+    buf[pad_rows:pad_rows + x.shape[0]] = x
+    return buf[pad_rows:pad_rows + x.shape[0]]
+
+
+@pytest.mark.parametrize("cu_q, cu_k, clamped_q, clamped_k", [
+    ([0, 5, 30], [0, 20, 40], [0, 5, 12], [0, 10, 10]),  # past the packed tokens
+    ([-5, 3, 12], [0, 10, 3], [0, 3, 12], [0, 10, 10]),  # negative start, decreasing pair
+], ids=["past_end", "negative_and_decreasing"])
+def test_varlen_unchecked_seqlens_stay_inside_the_tensors(gen, cu_q, cu_k, clamped_q, clamped_k):
+    """check_seqlens=False with cu_seqlens the host never checks: the kernels clamp each sequence into the packed
+    rows (documented), so they read nothing outside q, k, v (NaN around them would show) and the result is that
+    of the clamped cu_seqlens, forward and backward."""
+    q, k, v = _inputs(gen, torch.float16, (12, 2, 64), (10, 1, 64))
+    q, k, v = (_padded(x).requires_grad_() for x in (q, k, v))
+    as_cu = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out, lse = flashdecode.flash_attn_varlen(q, k, v, as_cu(cu_q), as_cu(cu_k), 25, 20, causal=True,
+                                             return_lse=True, check_seqlens=False)
+    out.float().sum().backward()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert all(not x.grad.isnan().any() for x in (q, k, v))
+    q2, k2, v2 = _leaf(q, k, v)
+    out_c, lse_c = flashdecode.flash_attn_varlen(q2, k2, v2, as_cu(clamped_q), as_cu(clamped_k), 25, 20,
+                                                 causal=True, return_lse=True)
+    out_c.float().sum().backward()
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert all(torch.equal(a.grad, b.grad) for a, b in ((q, q2), (k, k2), (v, v2)))
+
+
+def test_varlen_strided_cu_seqlens(gen):
+    """A strided cu_seqlens view (the kernels read it with a unit stride) gives the contiguous tensor's result."""
+    q, k, v = _inputs(gen, torch.float16, (12, 2, 64), (12, 1, 64))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    strided = torch.stack([cu, torch.full_like(cu, 99)], 1)[:, 0]
+    assert strided.stride(0) == 2
+    out = flashdecode.flash_attn_varlen(q, k, v, strided, strided, 7, 7, causal=True)
+    assert torch.equal(out, flashdecode.flash_attn_varlen(q, k, v, cu, cu, 7, 7, causal=True))
+
+
+def test_varlen_compiles_with_one_cu_seqlens_for_q_and_k(gen):
+    """The self-attention call (the same tensor as cu_seqlens_q and cu_seqlens_k) under torch.compile(fullgraph=True):
+    autograd.Function cannot take one tensor twice, so flash_attn_varlen passes it once."""
+    q, k, v = _leaf(*_inputs(gen, KERNEL_DTYPES[0], (10, 2, 64), (10, 1, 64)))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+
+    def step(a, b, c, cu_seqlens):
+        return flashdecode.flash_attn_varlen(a, b, c, cu_seqlens, cu_seqlens, 6, 6, causal=True).float().sum()
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, cu)
+    loss.backward()
+    q2, k2, v2 = _leaf(q, k, v)
+    eager = step(q2, k2, v2, cu)
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(a.grad, b.grad) for a, b in ((q, q2), (k, k2), (v, v2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_gpu_varlen_compiled_self_attention_inductor(gen):
+    """The same call compiled by inductor on the GPU (the CPU test uses aot_eager)."""
+    q, k, v = _leaf(*_inputs(gen, torch.bfloat16, (300, 4, 128), (300, 2, 128)))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+
+    def step(a, b, c, cu_seqlens):
+        return flashdecode.flash_attn_varlen(a, b, c, cu_seqlens, cu_seqlens, 200, 200, causal=True).float().sum()
+
+    loss = torch.compile(step, fullgraph=True)(q, k, v, cu)
+    loss.backward()
+    q2, k2, v2 = _leaf(q, k, v)
+    eager = step(q2, k2, v2, cu)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_varlen_rejects_bad_cu_seqlens():
     good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
@@ -511,8 +702,10 @@ def test_varlen_rejects_bad_cu_seqlens():
         _varlen_call(torch.tensor([0, 5, 3], dtype=torch.int32, device=DEVICE), good)
     with pytest.raises(ValueError, match="cu_seqlens_k must have length batch \\+ 1 = 3"):
         _varlen_call(good, good[:2])
-    with pytest.raises(ValueError, match="exceeds the 8 packed tokens"):
+    with pytest.raises(ValueError, match="cu_seqlens_k\\[-1\\] = 9 must equal the 8 packed tokens"):
         _varlen_call(good, torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] = 7 must equal the 8 packed tokens"):
+        _varlen_call(torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE), good)  # row 7 in no sequence
     with pytest.raises(ValueError, match="max_seqlen_q = 4 is smaller"):
         _varlen_call(good, good, max_q=4)
     with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):
@@ -568,10 +761,9 @@ def test_gpu_fp32_inputs(gen):
 
 
 @pytest.mark.gpu
-def test_gpu_autotuned_path(gen, monkeypatch):
+def test_gpu_autotuned_path(gen):
     """Forward through the autotuner (every candidate that fits is compiled and timed, the fastest kept)."""
-    monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
-    check_dense(gen, torch.bfloat16, 2, 2048, 2048, 8, 2, 128, causal=True)
+    check_dense(gen, torch.bfloat16, 2, 2048, 2048, 8, 2, 128, causal=True, config_changes=dict(fwd_autotune=True))
 
 
 @pytest.mark.gpu
@@ -591,20 +783,18 @@ def test_gpu_nondeterministic_gqa_long_and_varlen(gen):
 
 
 @pytest.mark.gpu
-def test_gpu_nondeterministic_autotuned(gen, monkeypatch):
+def test_gpu_nondeterministic_autotuned(gen):
     """Through the autotuner: every timed candidate adds into the dQ buffer, which must be re-zeroed after tuning."""
-    monkeypatch.setattr(attn_ops, "AUTOTUNE", True)
     check_dense(gen, torch.bfloat16, 1, 2048, 2048, 8, 2, 128, causal=True, grads=True,
-                kernel_opts=dict(deterministic=False))
+                kernel_opts=dict(deterministic=False), config_changes=dict(fwd_autotune=True, bwd_autotune=True))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim, deterministic", [(128, True), (128, False), (256, False), (64, False)], ids=str)
-def test_gpu_backward_tensor_descriptors(gen, monkeypatch, headdim, deterministic):
-    """FLASHDECODE_BWD_TMA forced on: descriptor loads, and the bulk TMA reduction of dQ when not deterministic."""
-    monkeypatch.setattr(attn_ops, "BWD_TMA", True)
+def test_gpu_backward_tensor_descriptors(gen, headdim, deterministic):
+    """config.bwd_tma forced on: descriptor loads, and the bulk TMA reduction of dQ when not deterministic."""
     check_dense(gen, torch.bfloat16, 2, 1025, 1025, 4, 2, headdim, causal=True, grads=True,
-                kernel_opts=dict(deterministic=deterministic))
+                kernel_opts=dict(deterministic=deterministic), config_changes=dict(bwd_tma=True))
 
 
 @pytest.mark.gpu
@@ -613,22 +803,16 @@ def test_gpu_backward_tensor_descriptors(gen, monkeypatch, headdim, deterministi
     (128, (128, 32, 128, 32, False, 8, 3)), (256, (64, 16, 64, 64, False, 8, 2)),
     (256, (128, 32, 64, 64, True, 8, 2)), (256, (128, 64, 64, 64, True, 8, 1))], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gpu_fused_backward(gen, monkeypatch, headdim, candidate, causal):
+def test_gpu_fused_backward(gen, headdim, candidate, causal):
     """The one-launch backward with one given tile candidate (incl. the split dK / dV programs at hd256): GQA,
     ragged lengths, sq != sk; gradients repeat bit for bit."""
-    monkeypatch.setattr(attn_ops, "BWD_FUSED", True)
-    monkeypatch.setitem(attn_ops.heuristics.PREFILL_LARGE_HEAD_DIM_CANDIDATES, "bwd_fused", (candidate,))
-    monkeypatch.setitem(attn_ops._KERNELS, "bwd_fused", (attn_ops._KERNELS["bwd_fused"][0], (candidate,))
-                        + attn_ops._KERNELS["bwd_fused"][2:])
-    attn_ops._tuned.cache_clear()
-    try:
-        check_dense(gen, torch.bfloat16, 2, 1000, 1100, 4, 2, headdim, causal=causal, grads=True)
-        q, k, v = _inputs(gen, torch.bfloat16, (1, 700, 4, headdim), (1, 700, 2, headdim))
-        dout = randn(1, 700, 4, headdim, gen=gen, dtype=q.dtype)
-        first = _grads(q, k, v, dout, causal=causal)
-        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, causal=causal)))
-    finally:
-        attn_ops._tuned.cache_clear()
+    fused = dict(bwd_fused=True, bwd_fused_tiles=(candidate,))
+    check_dense(gen, torch.bfloat16, 2, 1000, 1100, 4, 2, headdim, causal=causal, grads=True, config_changes=fused)
+    q, k, v = _inputs(gen, torch.bfloat16, (1, 700, 4, headdim), (1, 700, 2, headdim))
+    dout = randn(1, 700, 4, headdim, gen=gen, dtype=q.dtype)
+    config = fixed_config(q, k, v, **fused)
+    first = _grads(q, k, v, dout, causal=causal, config=config)
+    assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, causal=causal, config=config)))
 
 
 _HOPPER_COMPILE_SCRIPT = r'''
@@ -640,18 +824,35 @@ from flashdecode.kernels.fwd import attn_fwd_kernel
 
 MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
              DOT_PRECISION="tf32")
-SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", sm_scale="fp32")
+SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", scales=("fp32", "fp32", "fp32"))
 
 
 def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
-    # what the launcher specializes: unit head-dim strides, other pointers and strides divisible by 16
-    consts = dict(consts, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")})
+    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple), other pointers and
+    # strides divisible by 16
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # as a launch fills them
     consts = dict(defaults, **consts)
-    sig = {n: "constexpr" if n in consts else pointers.get(n, SCALARS.get(n, "i32")) for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
-    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+            constexprs[(i,)] = consts[n]
+        elif n.endswith("_strides"):
+            width = 2 if n in ("lse_strides", "delta_strides") else 4
+            types = []
+            for j in range(width):
+                if width == 4 and j == 3:
+                    types.append("constexpr")
+                    constexprs[(i, j)] = 1
+                else:
+                    types.append("i32")
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+            sig[n] = tuple(types)
+        else:
+            sig[n] = pointers.get(n, SCALARS.get(n, "i32"))
+            if isinstance(sig[n], str) and sig[n].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                               num_stages=num_stages))
 
@@ -670,8 +871,7 @@ assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not added by a bu
 kernel = compile_for_sm90(attn_bwd_dq_kernel, bf16 | ints | dict(Lse="*fp32", Delta="*fp32", DQ="*bf16"),
                           dict(MASKS, BLOCK_M=128, BLOCK_N=64, USE_TMA=True), 8, 3)
 assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "dQ pass not on TMA"
-kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
-                          dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=True),
+kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints, dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=True),
                           8, 3)
 assert "wgmma" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"], "forward not on TMA + wgmma"
 # head dim 256: the first large-head-dim tile of each kernel holds its accumulators in registers
@@ -682,18 +882,17 @@ from flashdecode.heuristics import PREFILL_LARGE_HEAD_DIM_CANDIDATES as BIG
 HD256 = dict(MASKS, HEAD_DIM=256, HEAD_DIM_PAD=256)
 bm, bn, warps, stages = BIG["fwd"][0]
 kernel = compile_for_sm90(attn_fwd_kernel, bf16 | fp32 | ints,
-                          dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=False),
-                          warps, stages)
+                          dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True), warps, stages)
 assert spilled_bytes(kernel) == 0, "hd256 forward spills"
 bm, bn, warps, stages = BIG["bwd_dq"][0]
 kernel = compile_for_sm90(attn_bwd_dq_kernel, bf16 | ints | dict(Lse="*fp32", Delta="*fp32", DQ="*bf16"),
                           dict(HD256, BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True), warps, stages)
 assert spilled_bytes(kernel) == 0, "hd256 dQ pass spills"
-# the one-launch backward at hd256 with split dV / dK programs (the default there), lse in log2 units
+# the one-launch backward at hd256 with split dV / dK programs (the default there)
 bn, bm, bm2, bn2, split, warps, stages = BIG["bwd_fused"][1]
 kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints | dict(DQ="*bf16"),
                           dict(HD256, BLOCK_N=bn, BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=bn2, SPLIT_DKDV=split,
-                               FUSED_DQ=True, LSE_LOG2=True, USE_TMA=True), warps, stages)
+                               FUSED_DQ=True, USE_TMA=True), warps, stages)
 assert split and "wgmma" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024, "fused hd256 backward"
 print("compiled")
 '''
@@ -701,6 +900,6 @@ print("compiled")
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The atomic dQ variant of the dK/dV kernel (vector fp32 atomics / bulk TMA reduction, wgmma), the TMA dQ pass
-    and the TMA raw-max forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
+    and the TMA forward compile for sm_90 with Triton's own ptxas, no GPU needed (the interpreter accepts
     code the GPU compiler rejects, and has no descriptor reduction at all); the hd256 tiles compile without spills."""
     run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)

@@ -1,121 +1,154 @@
-"""Forward launch variants against the float64 reference. (1) Long sequences on the descriptor path take a fixed,
-untimed tile ("fwd_long", heuristics.use_fwd_long_config). (2) The forward with its unmasked loop pipelined by one
-QK^T (PIPELINE_QK, fwd.attn_fwd_inner_pipelined, opt-in): causal / non-causal / sliding window, ragged tails (the
-look-ahead dot reads past the last unmasked block), padded head dims, GQA, varlen with empty sequences. The interpreter emulates tensor descriptors, so
-the path runs on the CPU (fp16); the GPU adds bf16 at the engine's head shape. An sm_90 compile on the CPU checks
-that the pipelined tile keeps both score tiles in registers (no spills) on wgmma + TMA.
+"""The prefill launch configuration: heuristics.resolve_attention_config (pure, on the CPU) for the problems whose
+decisions differ (Hopper or not, descriptor layout, long sequences, head dim 256, fp32, the interpreter, autotune
+off), the config= override (validation, forcing a path, kept through torch.compile's custom ops), and forward launch
+variants against the float64 reference: long sequences on the descriptor path take a fixed, untimed tile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from flashdecode import heuristics
+import flashdecode
+from flashdecode import heuristics as hx
+from flashdecode.config import AttentionConfig, AttentionProblem
 from flashdecode.ops import attention as attn_ops
-from helpers import HAS_CUDA, KERNEL_DTYPES, run_sm90_compile_script
-from test_attention import check_dense, check_varlen
+from helpers import HAS_CUDA, KERNEL_DTYPES
+from test_attention import _inputs, check_dense, fixed_config, record_launches
+
+H100 = dict(capability_major=9, smem_limit=227 * 1024, interpret=False, autotune=True)
 
 
-@pytest.fixture(autouse=True)
-def _pipelined(monkeypatch):
-    """Descriptor path and PIPELINE_QK forced on, one fixed config (no autotuning); records launched kernels."""
-    monkeypatch.setattr(attn_ops, "AUTOTUNE", False)
-    monkeypatch.setattr(attn_ops, "TMA_MODE", "1")
-    monkeypatch.setattr(attn_ops, "FWD_PIPELINE_QK", True)
-    launched = []
-    launch = attn_ops._launch
-    monkeypatch.setattr(attn_ops, "_launch", lambda name, *a, **kw: (launched.append(name), launch(name, *a, **kw)))
-    return launched
+def _problem(head_dim_pad=128, elem_bytes=2, max_seqlen_k=1024, deterministic=True, tma_layout=True, **device):
+    return AttentionProblem(head_dim_pad=head_dim_pad, elem_bytes=elem_bytes, max_seqlen_k=max_seqlen_k,
+                            deterministic=deterministic, tma_layout=tma_layout, **{**H100, **device})
 
 
-# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, options)
-CASES = [
-    (1, 97, 97, 4, 2, 64, dict(causal=True)),
-    (2, 33, 70, 2, 1, 64, {}),
-    (1, 70, 97, 2, 2, 32, dict(causal=True, window_size=(40, 3))),
-    (1, 129, 129, 2, 1, 80, dict(causal=True)),
-    (1, 17, 130, 2, 2, 64, dict(causal=True)),
-]
+def test_hopper_defaults():
+    config = hx.resolve_attention_config(_problem())
+    assert config.fwd_tma and config.fwd_autotune and config.bwd_autotune
+    assert config.fwd_tiles == hx.PREFILL_FWD_CANDIDATES  # all fit 227 KiB at hd128 bf16
+    assert not config.bwd_tma and not config.bwd_fused  # short: pointer backward, two launches
+    assert config.bwd_dkdv_tiles[0] == hx.PREFILL_BWD_KV_CANDIDATES[0]
+    assert config.bwd_dq_tiles[0] == hx.PREFILL_BWD_Q_CANDIDATES[0]
+    assert config.bwd_atomic_tiles[0] == hx.PREFILL_BWD_ATOMIC_CANDIDATES[0]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[:6]}{c[6]}")
-def test_pipelined_forward_matches_reference(gen, _pipelined, case):
-    check_dense(gen, KERNEL_DTYPES[0], *case[:6], **case[6])
-    assert _pipelined == ["fwd_pipelined"]
+def test_long_sequences_take_the_fixed_tile_and_descriptor_backward():
+    config = hx.resolve_attention_config(_problem(max_seqlen_k=hx.PREFILL_FWD_LONG_MIN_KEYS))
+    assert config.fwd_tiles[0] == (128, 128, 8, 3) and not config.fwd_autotune
+    assert config.bwd_tma and config.bwd_autotune
+    shorter = hx.resolve_attention_config(_problem(max_seqlen_k=hx.PREFILL_FWD_LONG_MIN_KEYS - 1))
+    assert shorter.fwd_autotune and shorter.bwd_tma  # from PREFILL_BWD_TMA_MIN_KEYS
+    assert not hx.resolve_attention_config(_problem(max_seqlen_k=hx.PREFILL_BWD_TMA_MIN_KEYS - 1)).bwd_tma
+    # the descriptor backward is a deterministic-mode default only
+    assert not hx.resolve_attention_config(_problem(max_seqlen_k=16384, deterministic=False)).bwd_tma
 
 
-def test_pipelined_forward_varlen(gen, _pipelined):
-    check_varlen(gen, KERNEL_DTYPES[0], [5, 0, 70, 33], [5, 3, 70, 40], 4, 1, 64, causal=True)
-    assert _pipelined == ["fwd_pipelined"]
+@pytest.mark.parametrize("changes", [dict(head_dim_pad=64), dict(head_dim_pad=256), dict(elem_bytes=4),
+                                     dict(tma_layout=False), dict(capability_major=8)], ids=str)
+def test_fixed_tile_only_where_measured(changes):
+    """16-bit hd128 on the descriptor path only; elsewhere long sequences are autotuned."""
+    config = hx.resolve_attention_config(_problem(max_seqlen_k=65536, **changes))
+    assert config.fwd_autotune
 
 
-@pytest.mark.parametrize("dtype, softcap", [(torch.float32, 0.0), (torch.float16, 5.0)], ids=str)
-def test_pipeline_skipped_where_it_does_not_apply(gen, _pipelined, dtype, softcap):
-    """fp32 (tiles twice the size) and softcap keep the plain loop, and stay correct."""
-    check_dense(gen, dtype, 1, 40, 70, 2, 1, 64, causal=True, softcap=softcap)
-    assert _pipelined == ["fwd"]
+def test_pre_hopper_and_bad_layouts_use_pointers():
+    for changes in (dict(capability_major=8), dict(tma_layout=False)):
+        config = hx.resolve_attention_config(_problem(max_seqlen_k=16384, **changes))
+        assert not config.fwd_tma and not config.bwd_tma
 
 
-@pytest.mark.parametrize("seqlen, launched", [(300, "fwd_long"), (100, "fwd")], ids=str)
-def test_long_sequences_take_the_fixed_tile(gen, monkeypatch, _pipelined, seqlen, launched):
-    """From PREFILL_FWD_LONG_MIN_KEYS keys (lowered here to 128) the descriptor forward skips autotuning."""
-    monkeypatch.setattr(attn_ops, "FWD_PIPELINE_QK", False)
-    monkeypatch.setattr(heuristics, "PREFILL_FWD_LONG_MIN_KEYS", 128)
-    check_dense(gen, KERNEL_DTYPES[0], 1, seqlen, seqlen, 4, 2, 128, causal=True)
-    assert _pipelined == [launched]
+def test_head_dim_256_tiles_and_fused_backward():
+    config = hx.resolve_attention_config(_problem(head_dim_pad=256, max_seqlen_k=hx.PREFILL_BWD_FUSED_MIN_KEYS))
+    assert config.bwd_fused
+    assert config.fwd_tiles[0] == hx.PREFILL_LARGE_HEAD_DIM_CANDIDATES["fwd"][0]
+    assert config.bwd_fused_tiles[0] == hx.PREFILL_LARGE_HEAD_DIM_CANDIDATES["bwd_fused"][0]
+    assert not hx.resolve_attention_config(_problem(head_dim_pad=256, max_seqlen_k=4096)).bwd_fused
+    assert not hx.resolve_attention_config(_problem(head_dim_pad=128, max_seqlen_k=16384)).bwd_fused
 
 
-def test_fixed_tile_policy():
-    assert heuristics.use_fwd_long_config(65536, 128, 2, True)
-    assert not heuristics.use_fwd_long_config(65536, 256, 2, True)  # hd256 has its own tiles
-    assert not heuristics.use_fwd_long_config(65536, 64, 2, True)  # not measured at hd64: autotuned
-    assert not heuristics.use_fwd_long_config(65536, 128, 4, True)  # fp32
-    assert not heuristics.use_fwd_long_config(65536, 128, 2, False)  # pointer path (pre-Hopper): autotuned
-    assert not heuristics.use_fwd_long_config(heuristics.PREFILL_FWD_LONG_MIN_KEYS - 1, 128, 2, True)
-    assert heuristics.PREFILL_FWD_LONG_CANDIDATES[0] == (128, 128, 8, 3)
+def test_fp32_tiles_are_pruned_to_shared_memory():
+    config = hx.resolve_attention_config(_problem(head_dim_pad=256, elem_bytes=4, smem_limit=99 * 1024))
+    for tile in config.fwd_tiles:
+        assert hx.prefill_shared_bytes(tile[0], tile[1], 256, tile[3], 4) <= 99 * 1024 or len(config.fwd_tiles) == 1
+
+
+def test_interpreter_and_autotune_switch():
+    config = hx.resolve_attention_config(_problem(interpret=True, capability_major=0))
+    assert config.fwd_tiles == ((32, 32, 4, 1),) and not config.fwd_autotune and not config.fwd_tma
+    assert config.bwd_fused_tiles == ((32, 32, 32, 32, False, 4, 1),)
+    off = hx.resolve_attention_config(_problem(autotune=False))
+    assert not off.fwd_autotune and not off.bwd_autotune
+
+
+@pytest.mark.parametrize("n", [1, 4096, 8191, 8192, 12000, 16383, 16384, 65536])
+def test_length_class_decides_like_the_length(n):
+    """Launch caches key on prefill_length_class: every length of a class resolves to the same configuration."""
+    same_class = [m for m in (1, 4096, 8191, 8192, 12000, 16383, 16384, 65536)
+                  if hx.prefill_length_class(m) == hx.prefill_length_class(n)]
+    for head_dim_pad in (128, 256):
+        configs = {hx.resolve_attention_config(_problem(head_dim_pad=head_dim_pad, max_seqlen_k=m)) for m in same_class}
+        assert len(configs) == 1
+
+
+def test_config_override_is_validated():
+    q, k, v = _inputs(torch.Generator().manual_seed(0), torch.float16, (1, 8, 2, 64), (1, 8, 2, 64))
+    with pytest.raises(TypeError, match="config must be a flashdecode.AttentionConfig"):
+        flashdecode.flash_attn(q, k, v, config={"fwd_tma": True})
+    good = attn_ops.resolve_config(q, k, v)
+    with pytest.raises(ValueError, match="config.fwd_tiles"):
+        flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, fwd_tiles=()))
+    with pytest.raises(ValueError, match="config.bwd_fused_tiles"):
+        flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, bwd_fused_tiles=((64, 64, 4, 2),)))
+    with pytest.raises(TypeError, match="config.bwd_tma"):
+        flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, bwd_tma="yes"))
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=q.device)
+    with pytest.raises(TypeError, match="config must be"):
+        flashdecode.flash_attn_varlen(q[0], k[0], v[0], cu, cu, 8, 8, config=1)
+    assert flashdecode.AttentionConfig is AttentionConfig
+
+
+def test_config_reaches_the_kernels_through_the_custom_op(gen, monkeypatch):
+    """A given config travels through torch.compile's custom ops as an index: the compiled call launches the
+    two-pass backward it asks for, the resolved one would be the same here."""
+    launched = record_launches(monkeypatch)
+    q, k, v = (x.requires_grad_() for x in _inputs(gen, KERNEL_DTYPES[0], (1, 33, 2, 64), (1, 33, 2, 64)))
+    config = fixed_config(q, k, v, bwd_fused=True)
+
+    def step(a, b, c):
+        return flashdecode.flash_attn(a, b, c, causal=True, config=config).float().sum()
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v).backward()
+    assert launched == ["fwd", "bwd_fused"]
+
+
+@pytest.mark.parametrize("seqlen", [100, 300], ids=str)
+def test_descriptor_forward_with_the_long_sequence_tile(gen, monkeypatch, seqlen):
+    """The fixed long-sequence tile (BLOCK_M = BLOCK_N = 128) on the descriptor path, ragged and exact."""
+    launched = record_launches(monkeypatch)
+    check_dense(gen, KERNEL_DTYPES[0], 1, seqlen, seqlen, 2, 1, 128, causal=True,
+                config_changes=dict(fwd_tma=True, fwd_tiles=(hx.PREFILL_FWD_LONG_CANDIDATES[0],)))
+    assert launched == ["fwd"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("case", [(1, 1057, 1057, 32, 8, 128, dict(causal=True)), (2, 777, 1500, 4, 4, 128, {}),
-                                  (1, 1000, 1000, 4, 2, 64, dict(causal=True, window_size=(300, 0)))],
-                         ids=lambda c: f"{c[:6]}{c[6]}")
-def test_gpu_pipelined_forward_bf16(gen, _pipelined, case):
-    check_dense(gen, torch.bfloat16, *case[:6], **case[6])
-    assert _pipelined == ["fwd_pipelined"]
+def test_gpu_long_sequences_resolve_the_fixed_tile():
+    q = torch.randn(1, 16384, 4, 128, device="cuda", dtype=torch.bfloat16)
+    config = attn_ops.resolve_config(q, q, q)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert config.fwd_tma and not config.fwd_autotune and config.fwd_tiles[0] == (128, 128, 8, 3)
 
 
-_COMPILE_SCRIPT = r'''
-import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flashdecode.heuristics import PREFILL_FWD_PIPELINED_CANDIDATES
-from flashdecode.kernels.fwd import attn_fwd_kernel
-sys.path.insert(0, "tests")
-from helpers import spilled_bytes
-
-bm, bn, warps, stages = PREFILL_FWD_PIPELINED_CANDIDATES[0]
-consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
-              DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, USE_TMA=True, WARP_SPECIALIZE=False, RAW_MAX=False,
-              PIPELINE_QK=True)
-consts.update({n: 1 for n in attn_fwd_kernel.arg_names if n.startswith("stride_") and n.endswith("d")})
-pointers = dict.fromkeys(["Q", "K", "V", "Out"], "*bf16") | {"Lse": "*fp32"} | dict.fromkeys(
-    ["cu_seqlens_q", "cu_seqlens_k"], "*i32")
-scalars = dict(qk_scale="fp32", softcap_log2="fp32")
-sig = {n: "constexpr" if n in consts else pointers.get(n, scalars.get(n, "i32")) for n in attn_fwd_kernel.arg_names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(attn_fwd_kernel.arg_names)
-         if n not in consts and (sig[n].startswith("*") or "stride" in n)}
-kernel = triton.compile(ASTSource(attn_fwd_kernel, sig, constexprs=consts, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-ptx = kernel.asm["ptx"]
-assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, "pipelined forward not on TMA + wgmma"
-assert spilled_bytes(kernel) == 0, "pipelined forward spills"
-assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
-print("compiled")
-'''
-
-
-def test_pipelined_forward_compiles_for_hopper_without_spills():
-    run_sm90_compile_script(_COMPILE_SCRIPT)
+def test_autotune_switch_is_read_when_resolving(monkeypatch):
+    """FLASHDECODE_AUTOTUNE is the one environment variable, read per call (not at import)."""
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.float16)
+    monkeypatch.setenv(attn_ops.AUTOTUNE_ENV, "0")
+    assert not attn_ops.attention_problem(q, q, q, 8).autotune
+    monkeypatch.delenv(attn_ops.AUTOTUNE_ENV)
+    assert attn_ops.attention_problem(q, q, q, 8).autotune
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        attn_ops.resolve_config(q[0], q[0], q[0])

@@ -4,7 +4,7 @@ Decode: for each backend and context, a fresh engine (same random weights) gets 
 is filled with random values instead of running the prefill (decode speed does not depend on the cache content; a
 64k prefill per backend would cost minutes), then the normal engine loop (CUDA-graphed decode step, greedy sampling,
 scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (weight bytes + KV bytes read per
-token), weight bytes counting every parameter (embedding included), as in BENCHMARKING.md. Prefill: one prompt of
+token), weight bytes counting every parameter (embedding included). Prefill: one prompt of
 ``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
@@ -541,20 +541,13 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     print("\n".join(summary))
     out = report.results_dir(args.out)
     stem = report.result_stem("e2e", env)
-    report.write_json(out / f"{stem}.json", "e2e", env, rows,
-                      {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
-                       "table": table_rows, "notes": "decode KV filled with random values instead of a prefill; "
-                                                     "roofline counts all weights (embedding included); "
-                                                     + getattr(args, "hf_note", "hf peer: not run")})
-    (out / f"{stem}.md").write_text(header + "\n" + md + "\n")
-    for bs in dict.fromkeys(r["batch"] for r in rows if r["kind"] == "decode"):
-        series = {b: [(r["context"], r["tokens_per_s"]) for r in rows
-                      if r["kind"] == "decode" and r["backend"] == b and r["batch"] == bs] for b in backends}
-        series["roofline"] = [(r["context"], roofline_tokens_per_s(cfg, r["context"], bs, bandwidth))
-                              for r in table_rows if r["batch"] == bs]
-        if sum(len(v) for v in series.values()) > len(series):
-            report.line_plot(out / f"{stem}_b{bs}.png", series, title=f"e2e decode, batch {bs}: {what}",
-                             xlabel="context (tokens)", ylabel="tokens/s", logy=True)
+    path = report.write_json(out / f"{stem}.json", "e2e", env, rows,
+                             {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
+                              "table": table_rows, "notes": "decode KV filled with random values instead of a "
+                                                            "prefill; roofline counts all weights (embedding "
+                                                            "included); " + getattr(args, "hf_note",
+                                                                                    "hf peer: not run")})
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,15 +1,15 @@
 """Prefill / training attention benchmark: TFLOP/s of flash_attn forward and forward+backward vs SDPA FA2, cuDNN,
 compiled FlexAttention and FlashAttention-3 (FlashInfer's "fa3" backend), all in one run.
 
-BENCHMARKING.md rules: triton.testing.do_bench median on fresh random inputs; FLOPs = 4 * b * h * sq * sk * d, halved
+Method: triton.testing.do_bench median on fresh random inputs; FLOPs = 4 * b * h * sq * sk * d, halved
 for causal; forward+backward counts 3.5x the forward (backward = 2.5x). Every problem holds ``--tokens`` tokens
 (batch = tokens // seqlen). Writes prefill_<device>_<date>.json (rows + "summary" strings) and PNGs to --out and
 prints a markdown table.
 
 Variants of our kernel timed as extra peers (``--variants``): ``nd`` = flash_attn(deterministic=False) (dQ by atomics
-in the dK/dV pass; fwd+bwd only), ``rawmax`` = forward with FLASHDECODE_FWD_RAW_MAX on (A/B of the raw-max loop),
-``bwdtma`` / ``bwdptr`` = backward with FLASHDECODE_BWD_TMA forced on / off (tensor descriptors or pointer loads;
-fwd+bwd only; "ours" picks by sequence length, heuristics.use_bwd_tma).
+in the dK/dV pass; fwd+bwd only), ``bwdtma`` / ``bwdptr`` = flash_attn with an AttentionConfig whose bwd_tma is
+forced on / off (tensor descriptors or pointer loads; fwd+bwd only; "ours" picks by sequence length,
+heuristics.use_bwd_tma).
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
 
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 PEERS = ("ours", "FA2", "cuDNN", "flex", "FA3")
-VARIANTS = ("nd", "rawmax", "bwdtma", "bwdptr")
+VARIANTS = ("nd", "bwdtma", "bwdptr")
 LONG = dict(seqlen=65536, nheads=32, nheads_kv=8, headdim=128)
 QUICK = dict(dtypes=["bf16"], headdims=[128, 64], seqlens=[16384, 1024], nheads=[16], causal=[False, True],
              modes=["fwd", "fwd+bwd"])
@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first call JIT-compiles ~1 minute)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement window per point")
     parser.add_argument("--variants", default=None,
-                        help="comma list of our extra variants timed as peers: nd (deterministic=False), rawmax "
-                             "(forward with the raw-max loop), bwdtma / bwdptr (backward through TMA / pointers); default nd")
+                        help="comma list of our extra variants timed as peers: nd (deterministic=False), bwdtma / "
+                             "bwdptr (backward through TMA / pointers); default nd")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                         help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
 
@@ -94,36 +94,16 @@ def _ours_nd(q, k, v, causal):
     return lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal, deterministic=False), (q, k, v)
 
 
-def _ours_with(flag: str, value: bool):
-    """Our flash_attn with one module switch of ops.attention set (read at launch, also in the backward)."""
+def _ours_with(**changes):
+    """Our flash_attn with the resolved AttentionConfig changed by ``changes`` (forward and backward)."""
     def build(q, k, v, causal):
+        import dataclasses
+
         import flashdecode
-        from flashdecode.ops import attention as attn_ops
+        from flashdecode.ops.attention import resolve_config
 
-        class _Switched(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, a, b, c):
-                with torch.enable_grad():
-                    a2, b2, c2 = (x.detach().requires_grad_(x.requires_grad) for x in (a, b, c))
-                    saved = getattr(attn_ops, flag)
-                    setattr(attn_ops, flag, value)
-                    try:
-                        out = flashdecode.flash_attn(a2, b2, c2, causal=causal)
-                    finally:
-                        setattr(attn_ops, flag, saved)
-                ctx.inner = (a2, b2, c2, out)
-                return out.detach()
-
-            @staticmethod
-            def backward(ctx, dout):
-                a2, b2, c2, out = ctx.inner
-                saved = getattr(attn_ops, flag)
-                setattr(attn_ops, flag, value)
-                try:
-                    return torch.autograd.grad(out, (a2, b2, c2), dout)
-                finally:
-                    setattr(attn_ops, flag, saved)
-        return _Switched.apply, (q, k, v)
+        config = dataclasses.replace(resolve_config(q, k, v), **changes)
+        return (lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal, config=config)), (q, k, v)
     return build
 
 
@@ -183,10 +163,9 @@ def _fa3(q, k, v, causal):
 
 
 BUILDERS = {"ours": _ours, "FA2": _sdpa("FLASH_ATTENTION"), "cuDNN": _sdpa("CUDNN_ATTENTION"), "flex": _flex,
-            "FA3": _fa3, "nd": _ours_nd, "rawmax": _ours_with("FWD_RAW_MAX", True),
-            "bwdtma": _ours_with("BWD_TMA", True),
-            "bwdptr": _ours_with("BWD_TMA", False), "varlen": _ours_varlen}
-FORWARD_ONLY = {"FA3", "rawmax", "varlen"}
+            "FA3": _fa3, "nd": _ours_nd, "bwdtma": _ours_with(bwd_tma=True),
+            "bwdptr": _ours_with(bwd_tma=False), "varlen": _ours_varlen}
+FORWARD_ONLY = {"FA3", "varlen"}
 BACKWARD_ONLY = {"nd", "bwdtma", "bwdptr"}  # variants that change only the backward
 
 
@@ -339,7 +318,7 @@ def run(args) -> int:
                             rows.append(row)
                             print("  " + (summary_lines([row], peers) or [str(row)])[0], flush=True)
     if args.long:  # the engine's 64k prefill: varlen (its call) vs dense vs peers, forward only
-        long_peers = ["ours", "varlen"] + [p for p in peers if p in ("FA2", "cuDNN", "FA3", "rawmax")]
+        long_peers = ["ours", "varlen"] + [p for p in peers if p in ("FA2", "cuDNN", "FA3")]
         row = bench_point("bf16", LONG["headdim"], LONG["seqlen"], LONG["nheads"], True, "fwd", long_peers,
                           LONG["seqlen"], args.rep_ms, nheads_kv=LONG["nheads_kv"])
         rows.append(row)

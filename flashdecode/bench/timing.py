@@ -1,5 +1,5 @@
-"""GPU timing done the way BENCHMARKING.md demands: CUDA-graph replays for microsecond kernels, inputs rotated
-beyond L2, medians, and the two ceilings (copy bandwidth, matmul rate) measured on the same GPU in the same run."""
+"""GPU timing for every benchmark: CUDA-graph replays for microsecond kernels, inputs rotated beyond L2, medians,
+and the two ceilings (copy bandwidth, matmul rate) measured on the same GPU in the same run."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 2 * 2**30) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_flops_per_s(n: int = 8192, dtype=torch.bfloat16) -> float:
+def matmul_flops_per_s(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Dense matmul rate on random data (the prefill floor's denominator)."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)

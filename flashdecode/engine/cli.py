@@ -1,40 +1,107 @@
 """`flashdecode generate`: run the engine on one prompt and print the output with prefill / decode timings.
 
-    flashdecode generate --model DIR --prompt "Hello" --max-new-tokens 32
-    flashdecode generate --random-weights llama3-8b --layers 4 --prompt-len 512 --max-new-tokens 64
+    flashdecode generate --model DIR --prompt "Hello" --max-tokens 32
+    flashdecode generate --model DIR --chat --prompt "Tell me a joke"
+    flashdecode generate --random-weights llama3-8b --layers 4 --prompt-len 512 --max-tokens 64
+
+The engine options (add_engine_arguments / build_llm) are shared with `flashdecode serve`.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import time
 
 import torch
 
 from flashdecode.engine.attention import BACKENDS
+from flashdecode.engine.config import NAMED_CONFIGS
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_IDS = re.compile(r"^[\d,\s]+$")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: int, required: bool = True) -> None:
+    src = parser.add_mutually_exclusive_group(required=required)
+    src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors [+ tokenizer files])")
+    src.add_argument("--random-weights", metavar="CONFIG_NAME", choices=sorted(NAMED_CONFIGS),
+                     help="a named shape with random weights (no tokenizer: token-id prompts only)")
+    parser.add_argument("--layers", type=int, default=None, help="with --random-weights: keep only N layers")
+    parser.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bf16 on CUDA, fp32 "
+                                                      "on the CPU)")
+    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is a GPU)")
+    parser.add_argument("--attn-backend", default=None, choices=BACKENDS,
+                        help="default: flashdecode on CUDA, torch (the reference) on the CPU")
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 128 on CUDA, 16 "
+                                                                    "elsewhere)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default min(max_position_embeddings, 8192))")
+    parser.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs,
+                        help="most sequences decoded together")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="KV pool: bytes (> 1) or a fraction of free GPU memory (<= 1); default: what "
+                             "max-num-seqs sequences of max-model-len need")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--flat-gemm", action="store_true",
+                        help="measure the flat GEMM against cuBLAS at start (CUDA) and use it where it wins")
+    parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
+
+
+def build_llm(args, max_model_len: int | None = None):
+    """The LLM the engine options describe."""
+    from flashdecode.engine import LLM
+    from flashdecode.engine.config import named_config
+
+    for name in ("layers", "page_size", "max_model_len", "max_num_seqs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    model = named_config(args.random_weights, args.layers) if args.random_weights else args.model
+    memory = args.kv_cache_memory
+    if memory is not None:
+        memory = int(memory) if memory > 1 else float(memory)
+    return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
+               page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
+               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
-    src.add_argument("--random-weights", metavar="CONFIG_NAME",
-                     help="a named shape with random weights: llama3-8b, llama3.2-1b, qwen2.5-1.5b, codellama-34b")
-    parser.add_argument("--layers", type=int, default=None, help="with --random-weights: keep only N layers")
+    add_engine_arguments(parser, default_max_num_seqs=1)
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json), or comma-separated token ids")
+    prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer), or comma-separated token ids")
     prompt.add_argument("--prompt-len", type=int, help="a random prompt of N token ids")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat "
+                                                            "template")
+    parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
+                        help="most new tokens")
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (and of --prompt-len's prompt)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bf16 on CUDA, fp32 CPU)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--attn-backend", default=None, choices=BACKENDS)
-    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 128 on CUDA)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def parse_prompt(text: str, has_tokenizer: bool) -> str | list[int]:
+    """--prompt as token ids ("1,2,3") or text. ValueError with what is wrong."""
+    if _TOKEN_IDS.match(text):
+        items = [t.strip() for t in text.split(",")]
+        if any(not t for t in items):
+            raise ValueError(f"--prompt {text!r}: an empty token id in the comma-separated list (item "
+                             f"{items.index('') + 1}); give ids like 1,2,3")
+        if all(t.isdigit() for t in items):
+            return [int(t) for t in items]
+    if not has_tokenizer:
+        raise ValueError(f"--prompt {text!r}: this model has no tokenizer, so the prompt must be comma-separated "
+                         f"token ids like 1,2,3")
+    return text
 
 
 def _prompt(args, llm) -> str | list[int]:
@@ -43,33 +110,25 @@ def _prompt(args, llm) -> str | list[int]:
             raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
         gen = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    text = args.prompt
-    if llm.tokenizer is None:
-        try:
-            return [int(t) for t in text.split(",")]
-        except ValueError:
-            raise ValueError("--prompt: this model has no tokenizer.json; give comma-separated token ids") from None
-    return text
+    if args.chat:
+        return llm.render_chat([{"role": "user", "content": args.prompt}])
+    return parse_prompt(args.prompt, llm.tokenizer is not None)
 
 
 def run(args) -> int:
-    from flashdecode.engine import LLM, SamplingParams
-    from flashdecode.engine.config import named_config
+    from flashdecode.engine import SamplingParams
 
-    model = named_config(args.random_weights, args.layers) if args.random_weights else args.model
-    max_len = args.max_model_len
-    if max_len is None and args.prompt_len is not None:
-        max_len = args.prompt_len + args.max_new_tokens + 1
-    t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
-              page_size=args.page_size, max_num_seqs=1, max_model_len=max_len, enforce_eager=args.enforce_eager,
-              seed=args.seed)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s: {llm.config.model_type}, {llm.config.num_hidden_layers} "
-          f"layers, {llm.dtype}, {llm.device}, backend {llm.backend.name}, "
-          f"CUDA graphs {'on' if llm.runner.graphs else 'off'}")
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    seq = llm.add_request(_prompt(args, llm), params)
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt")
+    if args.prompt is not None and not args.chat:
+        parse_prompt(args.prompt, has_tokenizer=True)  # a malformed id list fails before the weights load
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    max_len = args.prompt_len + args.max_tokens + 1 if args.prompt_len is not None else None
+    llm = build_llm(args, max_model_len=max_len)
+    seq, = llm.add_request(_prompt(args, llm), params)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -85,7 +144,8 @@ def run(args) -> int:
     print(f"prompt {seq.num_prompt_tokens} tokens, generated {len(out)} ({seq.finish_reason})")
     print("token ids:", out)
     if llm.tokenizer is not None:
-        print("text:", llm._decode_text(out))
+        llm.update_text(seq)
+        print("text:", seq.text)
     decode_rate = (len(out) - 1) / t_decode if len(out) > 1 and t_decode > 0 else float("nan")
     print(f"prefill {t_prefill * 1e3:.1f} ms ({seq.num_prompt_tokens / t_prefill:.0f} tok/s), "
           f"decode {decode_rate:.1f} tok/s")

@@ -109,8 +109,27 @@ def parse_rope(raw: dict) -> RopeConfig:
     return rope
 
 
-def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelConfig:
-    """Validate and convert a raw HF config dict. Raises ValueError listing what is supported."""
+def _field(raw: dict, key: str, kind, source: str, default=None):
+    """raw[key] converted by ``kind`` (int / float); ValueError naming the file and the key when it is missing
+    (and has no default) or has the wrong type."""
+    value = raw.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise ValueError(f"{source}: missing required key {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{source}: {key!r} must be {'an int' if kind is int else 'a number'}, got {value!r}")
+    if kind is int and value < 1:
+        raise ValueError(f"{source}: {key!r} must be >= 1, got {value!r}")
+    return kind(value)
+
+
+def config_from_dict(raw: dict, generation_config: dict | None = None, source: str = "config") -> ModelConfig:
+    """Validate and convert a raw HF config dict. Raises ValueError naming ``source`` (the file) and the key, or
+    listing what is supported."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object (the HF config), got a {type(raw).__name__}")
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise ValueError(f"generation_config.json: expected a JSON object, got a {type(generation_config).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = "; ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
@@ -121,9 +140,16 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         raise ValueError(f"unsupported hidden_act {act!r}; supported: 'silu'")
     if raw.get("mlp_bias", False):
         raise ValueError("unsupported mlp_bias=true; supported: mlp_bias=false")
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    head_dim = raw.get("head_dim") or hidden // heads
+    heads = _field(raw, "num_attention_heads", int, source)
+    hidden = _field(raw, "hidden_size", int, source)
+    head_dim = _field(raw, "head_dim", int, source) if raw.get("head_dim") else hidden // heads
+    if head_dim < 1 or (not raw.get("head_dim") and hidden % heads):
+        raise ValueError(f"{source}: 'hidden_size'={hidden} is not a multiple of 'num_attention_heads'={heads} "
+                         f"(give 'head_dim')")
+    kv_heads = _field(raw, "num_key_value_heads", int, source, heads)
+    if heads % kv_heads:
+        raise ValueError(f"{source}: 'num_attention_heads'={heads} is not a multiple of 'num_key_value_heads'="
+                         f"{kv_heads}")
     sliding = None
     if model_type == "mistral":
         sliding = raw.get("sliding_window")
@@ -136,15 +162,15 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
     dtype = raw.get("torch_dtype") or raw.get("dtype")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(raw["vocab_size"]),
+        vocab_size=_field(raw, "vocab_size", int, source),
         hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_hidden_layers=int(raw["num_hidden_layers"]),
+        intermediate_size=_field(raw, "intermediate_size", int, source),
+        num_hidden_layers=_field(raw, "num_hidden_layers", int, source),
         num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_field(raw, "rms_norm_eps", float, source, 1e-6),
+        max_position_embeddings=_field(raw, "max_position_embeddings", int, source, 4096),
         rope=parse_rope(raw),
         qkv_bias=(model_type == "qwen2") or attention_bias,
         o_bias=attention_bias and model_type != "qwen2",
@@ -161,11 +187,18 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"model_dir {str(model_dir)!r} has no config.json (expected an HF checkpoint directory)")
-    raw = json.loads((path / "config.json").read_text())
+    raw = _read_json(path / "config.json")
     gen = None
     if (path / "generation_config.json").is_file():
-        gen = json.loads((path / "generation_config.json").read_text())
-    return config_from_dict(raw, gen)
+        gen = _read_json(path / "generation_config.json")
+    return config_from_dict(raw, gen, source=str(path / "config.json"))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 # Named shapes for --random-weights (no weights can be downloaded here). Values as in the published configs.

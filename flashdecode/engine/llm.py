@@ -12,9 +12,12 @@ device (benchmarks; no checkpoint can be downloaded here).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
@@ -22,8 +25,12 @@ from flashdecode.engine.kv_cache import BlockManager, bytes_per_page
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner
-from flashdecode.engine.sampling import SamplingParams, sample
+from flashdecode.engine.sampling import SamplingParams, prompt_logprobs, sample
 from flashdecode.engine.scheduler import Scheduler, Sequence
+from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flashdecode.ops.checks import interpreting
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -44,22 +51,44 @@ def default_page_size(device: torch.device) -> int:
 
 
 @dataclasses.dataclass
-class RequestOutput:
-    """One request's result: ``token_ids`` are the generated ids (EOS included when it stopped there)."""
+class CompletionOutput:
+    """One completion of a request (vLLM's fields). ``token_ids`` are the generated ids (a stop token, EOS or a
+    stop_token_id, included when it ended there); ``text`` their detokenised text, cut before a stop string;
+    ``logprobs`` one dict token id -> log-probability per generated token when asked for; ``stop_reason`` the stop
+    string or stop token id that ended it (None for EOS / length)."""
 
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    index: int
     text: str | None
-    finish_reason: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One prompt's result: its n completions in ``outputs`` (``token_ids`` / ``text`` / ``finish_reason`` read
+    the first one)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
+    finished: bool = True
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
 
-def _load_tokenizer(model_dir: Path | None):
-    if model_dir is None or not (model_dir / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
 
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
 class LLM:
@@ -83,18 +112,26 @@ class LLM:
         max_num_batched_tokens: prompt tokens per prefill step (a longer single prompt still runs alone).
         enforce_eager: no CUDA graphs.
         seed: seed of the random weights when ``model`` is a ModelConfig.
+        use_tqdm: a progress bar while the weights load.
+        flat_gemm: True = measure, at start (CUDA only; seconds), the flat GEMM against cuBLAS for every linear
+            shape at the decode batch buckets and use it where it wins (flashdecode.engine.layers.flat_gemm);
+            or a ready ChoiceTable. Default off.
     """
 
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
             weight = prebuilt.lm_head_weight
             device, dtype = weight.device, weight.dtype
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but this machine has no CUDA GPU; leave device unset (the CPU "
+                             f"is then used) or pass device='cpu'")
+        t_start = time.perf_counter()
         self.dtype = resolve_dtype(dtype, self.device)
         if prebuilt is not None:
             self.config, self.model_dir = prebuilt.config, None
@@ -116,6 +153,10 @@ class LLM:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.backend = make_backend(attn_backend, self.device, (cfg.sliding_window - 1) if cfg.sliding_window else -1)
+        if self.backend.name.startswith("flashdecode") and self.device.type != "cuda" and not interpreting():
+            raise ValueError(f"attn_backend={self.backend.name!r} runs Triton kernels, which need a CUDA device "
+                             f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "
+                             f"sdpa / eager")
 
         if prebuilt is not None:
             self.model = prebuilt
@@ -128,8 +169,12 @@ class LLM:
             if self.model_dir is None:
                 self.model.init_random_(seed)
             else:
-                load_checkpoint(self.model, self.model_dir)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+                load_checkpoint(self.model, self.model_dir, use_tqdm=use_tqdm)
+        self._install_flat_gemm(flat_gemm, max_num_seqs)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        # EOS: config.json / generation_config.json and the tokenizer's (vLLM reads both)
+        self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (self.tokenizer.eos_token_ids
+                                                                      if self.tokenizer is not None else ())))
 
         page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
                                     self.dtype)
@@ -141,6 +186,27 @@ class LLM:
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
                                   dtype=self.dtype, use_cuda_graphs=use_graphs)
+        logger.info("engine ready in %.1f s: %s, %d layers, %s on %s, attention %s, %d KV pages of %d tokens, "
+                    "CUDA graphs %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
+                    str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
+                    "on" if self.runner.graphs else "off")
+
+    def _install_flat_gemm(self, flat_gemm, max_num_seqs: int) -> None:
+        from flashdecode.engine.layers import flat_gemm as fg
+
+        if flat_gemm is False or flat_gemm is None:
+            return
+        if flat_gemm is True:
+            if self.device.type != "cuda":
+                raise ValueError("flat_gemm=True measures kernels on the GPU; it needs a CUDA device")
+            t0 = time.perf_counter()
+            flat_gemm = fg.measure_for_model(self.model, max_num_seqs, self.dtype, self.device)
+            wins = [r for r in flat_gemm.rows() if r["kernel"] == "flat"]
+            logger.info("flat GEMM measured in %.1f s: chosen for %d of %d (M, N, K) shapes", time.perf_counter() - t0,
+                        len(wins), len(flat_gemm.rows()))
+        if not isinstance(flat_gemm, fg.ChoiceTable):
+            raise TypeError(f"flat_gemm must be a bool or a ChoiceTable, got {type(flat_gemm).__name__}")
+        fg.install(self.model, flat_gemm)
 
     def _num_pages(self, kv_cache_memory, page_bytes: int, page_size: int, max_num_seqs: int) -> int:
         wanted = max_num_seqs * -(-self.max_model_len // page_size) * page_bytes
@@ -178,43 +244,141 @@ class LLM:
         return tokens * width * torch.empty((), dtype=self.dtype).element_size() + 2**30
 
     # ---------------------------------------------------------------------------------------------- prompts
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """A prompt (str, or a list of int token ids) as checked token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer.json in the model directory; pass token ids")
-            return self.tokenizer.encode(prompt).ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+                raise ValueError("string prompts need a tokenizer (tokenizer.json) in the model directory; "
+                                 "pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:4]}")
             return list(prompt)
         raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
 
+    _encode = encode
+
     def _decode_text(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
+        """Token ids of a conversation (list of {"role", "content"} dicts) through the checkpoint's chat template.
+        The template writes any BOS itself, so the text is encoded without adding special tokens."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template in the model directory")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError if a request could never run (the scheduler's admission rules, without queueing it)."""
+        self.scheduler.check(len(prompt_token_ids), params.max_tokens)
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
+
     # ---------------------------------------------------------------------------------------------- API
-    def add_request(self, prompt, params: SamplingParams) -> Sequence:
-        seq = Sequence(self._encode(prompt), params, self.config.eos_token_ids, self.device)
-        self.scheduler.add(seq)
-        return seq
+    def add_request(self, prompt, params: SamplingParams | None = None) -> list[Sequence]:
+        """Queue one prompt; returns its ``params.n`` sequences (one per completion)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        self.check_request(ids, params)
+        prompt_lp = None
+        if params.prompt_logprobs is not None:
+            prompt_lp = prompt_logprobs(self.runner.prompt_logits(ids), ids, params.prompt_logprobs)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(ids, params if params.n == 1 else params.for_choice(i), self.eos_token_ids, self.device,
+                           index=i)
+            seq.prompt_logprobs = prompt_lp
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop these sequences now (finish reason "abort"); their pages return to the pool at once."""
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
 
     def step(self) -> list[Sequence]:
         """One engine step (a prefill batch or a decode step). Returns the sequences that finished."""
+        return self.step_sequences()[1]
+
+    def step_sequences(self) -> tuple[list[Sequence], list[Sequence]]:
+        """One engine step. Returns (the sequences that got a token, those of them that finished)."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return [], []
         tables = [self.block_manager.table(s.seq_id) for s in seqs]
         if is_prefill:
             logits, greedy = self.runner.prefill(seqs, tables), None
         else:
             logits, greedy = self.runner.decode(seqs, tables)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy)
-        return self.scheduler.postprocess(seqs, tokens)
+        result = sample(logits, seqs, greedy)
+        for seq, lp, tok in zip(seqs, result.logprobs, result.tokens):
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp[tok]
+        finished = self.scheduler.postprocess(seqs, result.tokens)
+        for seq in seqs:
+            if seq.params.stop and seq.detokenizer is not None and self._check_stop_strings(seq):
+                finished.append(seq)
+        return seqs, finished
+
+    def update_text(self, seq: Sequence) -> str:
+        """Bring ``seq.text`` up to its tokens (detokenisation is lazy: only sequences with stop strings need it
+        every step; the server asks every step for streaming, ``generate`` once at the end). Returns the new text."""
+        if seq.detokenizer is None or seq.text_final:
+            return ""
+        pending = seq.num_generated - seq.num_detokenized
+        delta = seq.detokenizer.step(seq.token_ids[len(seq.token_ids) - pending:]) if pending else ""
+        seq.num_detokenized = seq.num_generated
+        if seq.finished:
+            delta += seq.detokenizer.flush()
+            seq.text_final = True
+        seq.text += delta
+        return delta
+
+    def _completion_output(self, seq: Sequence) -> CompletionOutput:
+        self.update_text(seq)
+        return CompletionOutput(seq.index, seq.text if seq.detokenizer is not None else None, seq.output_token_ids,
+                                seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        """Extend ``seq.text`` by its newest tokens; finish it at a stop string. True if that finished it."""
+        delta = self.update_text(seq)
+        stops = seq.params.stop
+        if not delta or seq.num_generated < seq.params.min_tokens:
+            return False
+        longest = max(len(s) for s in stops)
+        start = max(0, len(seq.text) - len(delta) - longest + 1)  # a match must end in the new text
+        hits = [(pos, s) for s in stops if (pos := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.text = seq.text[:pos + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        seq.text_final = True  # pending characters after the stop string are never added
+        if seq.finished:  # it also hit a stop token or the length in this step: the stop string wins
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return False
+        self.scheduler.finish(seq, "stop", stop)
+        return True
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool, desc: str) -> None:
+        with tqdm(total=len(seqs), desc=desc, unit="seq", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.scheduler.has_work():
+                bar.update(len(self.step()))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (str or list of token ids); results in prompt order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (str or list of token ids); results in prompt order. A progress bar shows
+        finished sequences (``use_tqdm=False`` hides it)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -223,24 +387,35 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        return self._generate(prompts, params, use_tqdm, "generate")
 
-            bar = tqdm(total=len(seqs), desc="generate")
-        while self.scheduler.has_work():
-            done = self.step()
-            if bar is not None:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
-        return [RequestOutput(s.token_ids[:s.num_prompt_tokens], s.output_token_ids, self._decode_text(s.output_token_ids),
-                              s.finish_reason, s.num_preemptions) for s in seqs]
+    def _generate(self, prompts, params: list[SamplingParams], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+        requests = []
+        try:
+            for p, sp in zip(prompts, params):
+                requests.append((p, self.add_request(p, sp)))
+        except Exception:
+            self.abort([s for _, seqs in requests for s in seqs])
+            raise
+        self._run([s for _, seqs in requests for s in seqs], use_tqdm, desc)
+        return [RequestOutput(p if isinstance(p, str) else None, seqs[0].token_ids[:seqs[0].num_prompt_tokens],
+                              [self._completion_output(s) for s in seqs], seqs[0].prompt_logprobs,
+                              sum(s.num_preemptions for s in seqs)) for p, seqs in requests]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them, through
+        the checkpoint's chat template with the generation prompt appended."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        return self._generate(prompts, [params] * len(prompts), use_tqdm, "chat")
 
     def prompt_logits(self, token_ids) -> torch.Tensor:
         """float32 logits (len, vocab) of every position of one prompt (str or token ids), on the host."""
-        ids = self._encode(token_ids)
+        ids = self.encode(token_ids)
         if not 1 <= len(ids) <= self.max_model_len:
             raise ValueError(f"prompt must have 1..max_model_len={self.max_model_len} tokens, got {len(ids)}")
         return self.runner.prompt_logits(ids).cpu()

@@ -47,14 +47,16 @@ def _target(model: torch.nn.Module, hf_name: str):
     module_path, _, param = hf_name.rpartition(".")
     parent, _, leaf = module_path.rpartition(".")
     packed = getattr(model, "PACKED_MODULES", {})
+    shard = None
     if leaf in packed:
         fused, shard = packed[leaf]
         module_path = f"{parent}.{fused}"
-        return model.get_submodule(module_path), param, shard
-    try:
+    try:  # a tensor of a layer the config does not have (num_hidden_layers too small) lands here
         module = model.get_submodule(module_path)
     except AttributeError:
         return "unexpected"
+    if shard is not None:
+        return module, param, shard
     if hasattr(module, "load_shard"):
         return module, param, ""
     if not hasattr(module, param) or not isinstance(getattr(module, param), torch.Tensor):
@@ -99,9 +101,12 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             loaded.add(f"{module_name_of(model, module)}.{param}:{shard}")
     missing = sorted(expected - loaded)
     if unexpected or missing:
+        cfg = getattr(model, "config", None)
+        hint = (f" (config.json: num_hidden_layers={cfg.num_hidden_layers}, hidden_size={cfg.hidden_size}, "
+                f"vocab_size={cfg.vocab_size}; do they match the weights?)" if cfg is not None else "")
         raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''}")
+                         f"{' ...' if len(unexpected) > 8 else ''}{hint}")
 
 
 def module_name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
@@ -112,5 +117,23 @@ def module_name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return cache[id(module)]
 
 
-def load_checkpoint(model: torch.nn.Module, model_dir: str | Path) -> None:
-    load_weights(model, iter_safetensors(checkpoint_files(model_dir)))
+def count_tensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            total += len(handle.keys())
+    return total
+
+
+def load_checkpoint(model: torch.nn.Module, model_dir: str | Path, use_tqdm: bool = False) -> None:
+    """Load a checkpoint directory's weights into ``model``; ``use_tqdm`` shows a progress bar per tensor."""
+    from tqdm.auto import tqdm
+
+    files = checkpoint_files(model_dir)
+    weights = iter_safetensors(files)
+    if use_tqdm:
+        weights = tqdm(weights, total=count_tensors(files), desc="loading weights", unit="tensor",
+                       dynamic_ncols=True)
+    load_weights(model, weights)

@@ -27,19 +27,37 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    """One request: its tokens (prompt + generated), sampling params, and its own generator when seeded."""
+    """One completion: its tokens (prompt + generated), sampling params (n = 1), its own generator when sampled,
+    and what the engine reports: the detokenised ``text``, per-token ``logprobs`` (when asked for), the finish
+    reason ("stop" / "length" / "abort") and the stop reason (the stop string or stop token id that ended it).
+
+    ``text`` is brought up to date by ``LLM.update_text(seq)`` (detokenisation is lazy).
+    ``stop_ids`` end generation (EOS unless ignore_eos, and stop_token_ids); ``min_tokens_stop_ids`` are what the
+    sampler masks while fewer than min_tokens tokens exist.
+    """
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids=(), device="cpu"):
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids=(), device="cpu",
+                 index: int = 0):
         self.seq_id = next(Sequence._ids)
+        self.index = index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.min_tokens_stop_ids = frozenset(self.stop_ids) if params.min_tokens else frozenset()
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        self.text = ""
+        self.detokenizer = None  # set by the engine when it has a tokenizer
+        self.num_detokenized = 0  # output tokens the detokenizer has seen
+        self.text_final = False  # text complete (finished and flushed, or cut at a stop string)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -56,6 +74,10 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -68,17 +90,21 @@ class Scheduler:
         self.running: collections.deque[Sequence] = collections.deque()
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a request. ValueError if it could never run (longer than max_model_len or the whole page pool)."""
-        if len(seq) < 1:
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError if a request could never run (longer than max_model_len or the whole page pool)."""
+        if num_prompt_tokens < 1:
             raise ValueError("a prompt needs at least one token")
-        worst = min(len(seq) + seq.params.max_new_tokens, self.max_model_len)
-        if len(seq) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len={self.max_model_len} "
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit max_model_len={self.max_model_len} "
                              f"(it needs room for at least one new token)")
+        worst = min(num_prompt_tokens + max_tokens, self.max_model_len)
         if self.blocks.pages_for(worst) > self.blocks.num_pages:
             raise ValueError(f"request needs up to {self.blocks.pages_for(worst)} KV pages but the pool has "
-                             f"{self.blocks.num_pages}; raise kv_cache_memory or lower max_new_tokens")
+                             f"{self.blocks.num_pages}; raise kv_cache_memory or lower max_tokens")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request. ValueError if it could never run (see ``check``)."""
+        self.check(len(seq), seq.params.max_tokens)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -138,14 +164,21 @@ class Scheduler:
         finished = []
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
-            reason = None
-            if tok in seq.stop_ids:
-                reason = "stop"
-            elif seq.num_generated >= seq.params.max_new_tokens or len(seq) >= self.max_model_len:
-                reason = "length"
-            if reason:
-                seq.status, seq.finish_reason = Status.FINISHED, reason
-                self.blocks.free(seq.seq_id)
-                self.running.remove(seq)
+            if tok in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
+                self.finish(seq, "stop", None if tok not in seq.params.stop_token_ids else tok)
+            elif seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self.finish(seq, "length")
+            if seq.finished:
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq`` now (a stop condition, or "abort"): its pages are free at once; waiting or running alike."""
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop_reason

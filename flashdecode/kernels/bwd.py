@@ -9,8 +9,8 @@ With P = exp(S - lse), D_i = rowsum(dO_i * O_i) (computed by the launcher), dP =
   * or both in one launch (FUSED_DQ): program j of a kv head runs the dK/dV program of KV block j, then the dQ
     programs of Q block j (attn_bwd_dkdv_program / attn_bwd_dq_program are the two bodies); SPLIT_DKDV gives dV and
     dK their own programs (one fp32 accumulator each: 128-key tiles at head dim 256 without spilling).
-The preprocess also writes lse in log2 units (+inf on rows with no key) when asked (LSE_LOG2), so the dK/dV loop
-only loads it; inside the unmasked blocks every row exists and sees a key, so lse and D load without masks.
+The preprocess also writes lse in log2 units (+inf on rows with no key), so the backward loops only load it; inside
+the unmasked blocks every row exists and sees a key, so lse and D load without masks.
 Opt-in non-deterministic mode (ATOMIC_DQ, FA2/FA3's choice): the dK/dV program also computes dQ += dS K for every
 Q block it visits and adds it into an fp32 buffer with atomics, so the dQ pass (and its recomputation of Q K^T and
 dO V^T: 3 of the 7 matmuls) disappears; the order of the fp32 additions varies run to run.
@@ -27,23 +27,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdecode.kernels.fwd import (clamp_segments, kv_segments, load_rows, logits_log2, sequence_bounds,
-                                     sequence_descriptor, visible)
+from flashdecode.kernels.fwd import (clamp_segments, head_base, kv_segments, load_rows, logits_log2, lse_row_base,
+                                     sequence_bounds, sequence_descriptor, visible)
 
 
 @triton.jit
-def load_lse_log2(lse_ptrs, rows, nrows, LSE_LOG2: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """lse in log2 units; rows out of range and rows with no key give +inf, so that P = exp2(S - lse) is exactly 0
-    there. LSE_LOG2: the buffer already holds that (attn_bwd_delta_kernel's Lse2), else the saved natural-log lse
-    (-inf on rows with no key) is converted here. CHECK_ROWS=False: every row is in range (no mask)."""
-    if LSE_LOG2:
-        if CHECK_ROWS:
-            return tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
-        else:
-            return tl.load(lse_ptrs)
+def load_lse_log2(lse_ptrs, rows, nrows, CHECK_ROWS: tl.constexpr):
+    """lse in log2 units from attn_bwd_delta_kernel's Lse2 (+inf on rows with no key, so that P = exp2(S - lse) is
+    exactly 0 there); rows out of range read +inf too. CHECK_ROWS=False: every row is in range (no mask)."""
+    if CHECK_ROWS:
+        return tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
     else:
-        lse = tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
-        return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        return tl.load(lse_ptrs)
 
 
 @triton.jit
@@ -82,41 +77,36 @@ def q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
 # Preprocess: D = rowsum(dO * O)
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["seqlen_q"])
+@triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def attn_bwd_delta_kernel(
     Out, DO, Delta, cu_seqlens_q, Lse, Lse2,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_deltab, stride_deltah, stride_lb, stride_lh,
-    nheads, seqlen_q,
+    o_strides, do_strides, delta_strides, lse_strides,
+    seqlen_q, total_q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    WRITE_LSE2: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Out, DO like Q; Delta fp32 laid out like lse:
-    D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO.
-    WRITE_LSE2: also Lse2 = lse * log2(e), +inf where lse = -inf (Lse, Lse2 fp32 with strides stride_l*), which the
-    backward kernels read with LSE_LOG2: the dK/dV loop then loads each Q block's lse without converting it."""
+    D_i = sum_d dO_id * O_id in fp32, without materialising fp32 copies of O and dO. Also Lse2 = lse * log2(e),
+    +inf where lse = -inf (Lse, Lse2 fp32 with lse_strides), which the backward kernels load unconverted.
+    *_strides as attn_fwd_kernel's."""
     pid_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if pid_m * BLOCK_M >= seqlen_q:
         return
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    b64 = batch.to(tl.int64)
-    row0 = q_start.to(tl.int64)
-    o = load_rows(Out + b64 * stride_ob + row0 * stride_os + head * stride_oh + offs_m[:, None] * stride_os
-                  + offs_d[None, :] * stride_od, offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
-    do = load_rows(DO + b64 * stride_dob + row0 * stride_dos + head * stride_doh + offs_m[:, None] * stride_dos
-                   + offs_d[None, :] * stride_dod, offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
+    o = load_rows(head_base(Out, o_strides, batch, q_start, head) + offs_m[:, None] * o_strides[1]
+                  + offs_d[None, :] * o_strides[3], offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
+    do = load_rows(head_base(DO, do_strides, batch, q_start, head) + offs_m[:, None] * do_strides[1]
+                   + offs_d[None, :] * do_strides[3], offs_m, seqlen_q, d_mask, True, HEAD_DIM == HEAD_DIM_PAD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * stride_deltab + head * stride_deltah + row0 + offs_m, delta, mask=offs_m < seqlen_q)
-    if WRITE_LSE2:
-        lse_offs = b64 * stride_lb + head * stride_lh + row0 + offs_m
-        lse2 = load_lse_log2(Lse + lse_offs, offs_m, seqlen_q, False, True)
-        tl.store(Lse2 + lse_offs, lse2, mask=offs_m < seqlen_q)
+    tl.store(lse_row_base(Delta, delta_strides, batch, head, q_start) + offs_m, delta, mask=offs_m < seqlen_q)
+    lse = tl.load(lse_row_base(Lse, lse_strides, batch, head, q_start) + offs_m, mask=offs_m < seqlen_q,
+                  other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(lse_row_base(Lse2, lse_strides, batch, head, q_start) + offs_m, lse2, mask=offs_m < seqlen_q)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,8 +120,7 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
                         softcap_log2,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr,
-                        LSE_LOG2: tl.constexpr):
+                        ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
     form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
     buffer at dq_base with atomics. PART: 0 = both, 1 = dV only (2 of the 4 matmuls), 2 = dK only (3 of 4)."""
@@ -144,7 +133,7 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
             q = q_desc.load([start_m, 0])
         else:
             q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
-        lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q, LSE_LOG2, MASKED)  # unmasked: rows < seqlen_q
+        lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q, MASKED)  # unmasked: rows < seqlen_q
         s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:
@@ -184,20 +173,13 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
 @triton.jit
 def attn_bwd_dkdv_program(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dkb, stride_dks, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
     batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
-    PART: tl.constexpr, LSE_LOG2: tl.constexpr,
+    PART: tl.constexpr,
 ):
     """dK, dV of the BLOCK_N keys from n_start (< seqlen_k) of one (sequence, kv head): holds K, V and loops over
     the Q blocks of every query head of the GQA group. Arguments as attn_bwd_dkdv_kernel; q_start / k_start: first
@@ -207,36 +189,33 @@ def attn_bwd_dkdv_program(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    b64 = batch.to(tl.int64)
-    k_row0 = k_start.to(tl.int64)
-    k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
+    k_base = head_base(K, k_strides, batch, k_start, head_kv)
+    v_base = head_base(V, v_strides, batch, k_start, head_kv)
     if USE_TMA:
-        k = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
-        v = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
+        k = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
+        v = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD).load([n_start, 0])
     else:
-        k = load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, offs_n, seqlen_k, d_mask,
-                      True, EVEN_D)
-        v = load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, offs_n, seqlen_k, d_mask,
-                      True, EVEN_D)
+        k = load_rows(k_base + offs_n[:, None] * k_strides[1] + offs_d[None, :] * k_strides[3], offs_n, seqlen_k,
+                      d_mask, True, EVEN_D)
+        v = load_rows(v_base + offs_n[:, None] * v_strides[1] + offs_d[None, :] * v_strides[3], offs_n, seqlen_k,
+                      d_mask, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     diag = seqlen_k - seqlen_q
     lo, full_lo, full_hi, hi = q_segments(n_start, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_N, BLOCK_M, HAS_LEFT, HAS_RIGHT)
-    q_row0 = q_start.to(tl.int64)
     for g in range(group_size):  # GQA: sum over the query heads that read this kv head, in registers
-        head = (head_kv * group_size + g).to(tl.int64)
-        q_base = Q + b64 * stride_qb + q_row0 * stride_qs + head * stride_qh
-        do_base = DO + b64 * stride_dob + q_row0 * stride_dos + head * stride_doh
-        lse_base = Lse + b64 * stride_lb + head * stride_lh + q_row0
-        delta_base = Delta + b64 * stride_deltab + head * stride_deltah + q_row0
-        dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + head * stride_dqh
+        head = head_kv * group_size + g
+        q_base = head_base(Q, q_strides, batch, q_start, head)
+        do_base = head_base(DO, do_strides, batch, q_start, head)
+        lse_base = lse_row_base(Lse, lse_strides, batch, head, q_start)
+        delta_base = lse_row_base(Delta, delta_strides, batch, head, q_start)
+        dq_base = head_base(DQ, dq_strides, batch, q_start, head)
         if USE_TMA:
-            q_desc = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
-            do_desc = sequence_descriptor(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            q_desc = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            do_desc = sequence_descriptor(do_base, seqlen_q, do_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             if ATOMIC_DQ:
-                dq_desc = sequence_descriptor(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+                dq_desc = sequence_descriptor(dq_base, seqlen_q, dq_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             else:
                 dq_desc = dq_base
         else:
@@ -244,59 +223,53 @@ def attn_bwd_dkdv_program(
             do_desc = do_base
             dq_desc = dq_base
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
-                                     dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
-                                     full_lo, full_hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
-                                     window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT,
-                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART,
-                                     LSE_LOG2)
+                                     dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
+                                     dq_strides[1], dq_strides[3], full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
+                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
+                                     USE_TMA, PART)
         if HAS_RIGHT:  # causal diagonal / right window edge, after the unmasked blocks
             dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
-                                         do_desc, dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs,
-                                         stride_dqd, lo, full_lo, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k,
-                                         diag, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
-                                         HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA,
-                                         PART, LSE_LOG2)
+                                         do_desc, dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
+                                         dq_strides[1], dq_strides[3], lo, full_lo, offs_n, offs_m, offs_d, d_mask,
+                                         seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
+                                         softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
+                                         BLOCK_M, ATOMIC_DQ, USE_TMA, PART)
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
-                                     dq_desc, stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd,
-                                     full_hi, hi, offs_n, offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag,
-                                     window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
-                                     HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART,
-                                     LSE_LOG2)
+                                     dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
+                                     dq_strides[1], dq_strides[3], full_hi, hi, offs_n, offs_m, offs_d, d_mask,
+                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
+                                     USE_TMA, PART)
 
     out_mask = (offs_n[:, None] < seqlen_k) & d_mask[None, :]
-    dk_base = DK + b64 * stride_dkb + k_row0 * stride_dks + head_kv.to(tl.int64) * stride_dkh
-    dv_base = DV + b64 * stride_dvb + k_row0 * stride_dvs + head_kv.to(tl.int64) * stride_dvh
+    dk_base = head_base(DK, dk_strides, batch, k_start, head_kv)
+    dv_base = head_base(DV, dv_strides, batch, k_start, head_kv)
     if PART != 1:
-        tl.store(dk_base + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
+        tl.store(dk_base + offs_n[:, None] * dk_strides[1] + offs_d[None, :] * dk_strides[3],
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
     if PART != 2:
-        tl.store(dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(dv_base + offs_n[:, None] * dv_strides[1] + offs_d[None, :] * dv_strides[3],
+                 dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dkb, stride_dks, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh, stride_deltab, stride_deltah,
-    nheads, group_size, seqlen_q, seqlen_k,
-    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
+    scales, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     FUSED_DQ: tl.constexpr = False, BLOCK_M2: tl.constexpr = 64, BLOCK_N2: tl.constexpr = 64,
-    SPLIT_DKDV: tl.constexpr = False, LSE_LOG2: tl.constexpr = False,
+    SPLIT_DKDV: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes as attn_fwd_kernel; DO like Q; Lse and Delta
-    (fp32, D = rowsum(dO * O)) like the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer
-    like Q that receives sum_j dS_j K_j (times sm_scale later) by atomic adds; otherwise DQ is unused.
+    """Grid (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch). Shapes and strides as attn_fwd_kernel; DO like Q; Lse
+    (attn_bwd_delta_kernel's Lse2: log2 units, +inf on rows with no key) and Delta (fp32, D = rowsum(dO * O)) like
+    the forward's lse; DK, DV like K, V. ATOMIC_DQ: DQ is a zeroed fp32 buffer like Q that receives sum_j dS_j K_j
+    (times sm_scale later) by atomic adds; otherwise DQ is unused.
 
     FUSED_DQ (the deterministic backward in one launch; DQ like Q, the output): grid (max(cdiv(max_seqlen_k,
     BLOCK_N), cdiv(max_seqlen_q, BLOCK_M2)), nheads_kv, batch); program j first computes dK, dV of KV block j, then
@@ -308,12 +281,15 @@ def attn_bwd_dkdv_kernel(
     SPLIT_DKDV (deterministic only; large head dims): two programs per KV block (axis 0 twice as long), one
     accumulating dV (S, dV: 2 matmuls), the other dK (S, dP, dK: 3), so each holds one fp32 accumulator instead of
     two and affords twice the KV rows without spilling (5 matmuls per KV block instead of 4). With FUSED_DQ,
-    program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced)."""
+    program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced).
+
+    scales: (qk_scale, softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them."""
+    qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
     if SPLIT_DKDV:
         n_start = (pid_n // 2) * BLOCK_N
         if n_start < seqlen_k:
@@ -321,52 +297,36 @@ def attn_bwd_dkdv_kernel(
             # per part, identical but for it
             if pid_n % 2 == 0:
                 attn_bwd_dkdv_program(
-                    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-                    stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
-                    stride_deltah, batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
-                    qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False,
-                    USE_TMA, 1, LSE_LOG2)
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
+                    dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
+                    seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
+                    window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
+                    BLOCK_M, False, USE_TMA, 1)
             else:
                 attn_bwd_dkdv_program(
-                    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-                    stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
-                    stride_deltah, batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
-                    qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False,
-                    USE_TMA, 2, LSE_LOG2)
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
+                    dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
+                    seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
+                    window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
+                    BLOCK_M, False, USE_TMA, 2)
     else:
         n_start = pid_n * BLOCK_N
         if n_start < seqlen_k:
             attn_bwd_dkdv_program(
-                Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-                stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-                stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
-                batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
-                qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
+                dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start, seqlen_q,
+                k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
                 HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
-                USE_TMA, 0, LSE_LOG2)
+                USE_TMA, 0)
     if FUSED_DQ:
         m_start = pid_n * BLOCK_M2
         if m_start < seqlen_q:
             for g in range(group_size):
                 attn_bwd_dq_program(
-                    Q, K, V, DO, Lse, Delta, DQ,
-                    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-                    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab,
-                    stride_deltah, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q, k_start, seqlen_k,
-                    m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA,
-                    LSE_LOG2)
+                    Q, K, V, DO, Lse, Delta, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides,
+                    lse_strides, delta_strides, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q,
+                    k_start, seqlen_k, m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                    HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -409,17 +369,12 @@ def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, st
 @triton.jit
 def attn_bwd_dq_program(
     Q, K, V, DO, Lse, Delta, DQ,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh, stride_deltab, stride_deltah,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides, delta_strides,
     batch, head, head_kv, q_start, seqlen_q, k_start, seqlen_k, m_start,
     qk_scale, softcap_log2, sm_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LSE_LOG2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ of the BLOCK_M query rows from m_start (< seqlen_q) of one (sequence, query head): holds Q, dO and loops
     over the visible KV blocks of kv head head_kv. Arguments as attn_bwd_dq_kernel."""
@@ -428,85 +383,71 @@ def attn_bwd_dq_program(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    b64 = batch.to(tl.int64)
-    h64 = head.to(tl.int64)
-    q_row0 = q_start.to(tl.int64)
-    k_row0 = k_start.to(tl.int64)
-    q_base = Q + b64 * stride_qb + q_row0 * stride_qs + h64 * stride_qh
-    do_base = DO + b64 * stride_dob + q_row0 * stride_dos + h64 * stride_doh
-    k_base = K + b64 * stride_kb + k_row0 * stride_ks + head_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_row0 * stride_vs + head_kv.to(tl.int64) * stride_vh
+    q_base = head_base(Q, q_strides, batch, q_start, head)
+    do_base = head_base(DO, do_strides, batch, q_start, head)
+    k_base = head_base(K, k_strides, batch, k_start, head_kv)
+    v_base = head_base(V, v_strides, batch, k_start, head_kv)
     if USE_TMA:
-        q = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
-        do = sequence_descriptor(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
-        k_desc = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        q = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+        do = sequence_descriptor(do_base, seqlen_q, do_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+        k_desc = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
     else:
-        q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
-                      True, EVEN_D)
-        do = load_rows(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, offs_m, seqlen_q,
-                       d_mask, True, EVEN_D)
+        q = load_rows(q_base + offs_m[:, None] * q_strides[1] + offs_d[None, :] * q_strides[3], offs_m, seqlen_q,
+                      d_mask, True, EVEN_D)
+        do = load_rows(do_base + offs_m[:, None] * do_strides[1] + offs_d[None, :] * do_strides[3], offs_m,
+                       seqlen_q, d_mask, True, EVEN_D)
         k_desc = k_base
         v_desc = v_base
-    lse2 = load_lse_log2(Lse + b64 * stride_lb + h64 * stride_lh + q_row0 + offs_m, offs_m, seqlen_q, LSE_LOG2, True)
-    delta = tl.load(Delta + b64 * stride_deltab + h64 * stride_deltah + q_row0 + offs_m, mask=offs_m < seqlen_q,
+    lse2 = load_lse_log2(lse_row_base(Lse, lse_strides, batch, head, q_start) + offs_m, offs_m, seqlen_q, True)
+    delta = tl.load(lse_row_base(Delta, delta_strides, batch, head, q_start) + offs_m, mask=offs_m < seqlen_q,
                     other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     q_pos = offs_m + (seqlen_k - seqlen_q)
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:
-        dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
-                               stride_vs, stride_vd, lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+        dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                               v_strides[1], v_strides[3], lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
                                window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
-    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
-                           stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left,
-                           window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                           DOT_PRECISION, BLOCK_N, USE_TMA)
-    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd, stride_vs,
-                           stride_vd, full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k, window_left, window_right,
-                           qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
-                           USE_TMA)
-    dq_base = DQ + b64 * stride_dqb + q_row0 * stride_dqs + h64 * stride_dqh
-    tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                           v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                           window_left, window_right, qk_scale, softcap_log2, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                           SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+    dq = attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                           v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
+                           window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                           SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
+    dq_base = head_base(DQ, dq_strides, batch, q_start, head)
+    tl.store(dq_base + offs_m[:, None] * dq_strides[1] + offs_d[None, :] * dq_strides[3],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh, stride_deltab, stride_deltah,
-    nheads, group_size, seqlen_q, seqlen_k,
-    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides, delta_strides,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
+    scales, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, LSE_LOG2: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
-    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes as attn_bwd_dkdv_kernel; DQ like Q.
-    LSE_LOG2 (both kernels): Lse holds attn_bwd_delta_kernel's Lse2 (log2 units, +inf on rows with no key)."""
+    """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch). Shapes and scales as attn_bwd_dkdv_kernel; DQ like Q."""
+    qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
     if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
         pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
     if m_start < seqlen_q:
         attn_bwd_dq_program(
-            Q, K, V, DO, Lse, Delta, DQ,
-            stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
-            stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_lb, stride_lh, stride_deltab, stride_deltah,
-            batch, head, head // group_size, q_start, seqlen_q, k_start, seqlen_k, m_start,
+            Q, K, V, DO, Lse, Delta, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides,
+            delta_strides, batch, head, head // group_size, q_start, seqlen_q, k_start, seqlen_k, m_start,
             qk_scale, softcap_log2, sm_scale, window_left, window_right,
-            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA,
-            LSE_LOG2)
-
+            HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA)

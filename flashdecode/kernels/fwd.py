@@ -104,13 +104,30 @@ def load_rows(ptrs, row_idx, nrows, d_mask, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
-def sequence_bounds(batch, cu_seqlens, seqlen_dense, IS_VARLEN: tl.constexpr):
-    """(start, length) of sequence ``batch``: from int32 cu_seqlens (packed varlen) or the dense seqlen."""
+def sequence_bounds(batch, cu_seqlens, seqlen_dense, total, IS_VARLEN: tl.constexpr):
+    """(start, length) of sequence ``batch``: from int32 cu_seqlens (packed varlen, clamped into the ``total``
+    packed rows: cu_seqlens the host never checked may give wrong rows, never rows outside the tensor) or the
+    dense seqlen."""
     if IS_VARLEN:
-        start = tl.load(cu_seqlens + batch)
-        return start, tl.load(cu_seqlens + batch + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch + 1), start), total)
+        return start, end - start
     else:
         return seqlen_dense * 0, seqlen_dense  # a runtime zero (seqlen is never specialised), so .to() works
+
+
+@triton.jit
+def head_base(X, strides, batch, row0, head):
+    """Pointer to row ``row0`` of head ``head`` of sequence ``batch`` in X with (batch, seq, head, dim) strides
+    (64-bit offsets)."""
+    return X + batch.to(tl.int64) * strides[0] + row0.to(tl.int64) * strides[1] + head.to(tl.int64) * strides[2]
+
+
+@triton.jit
+def lse_row_base(Lse, strides, batch, head, row0):
+    """Pointer to the lse-like fp32 row of (batch, head) at query row ``row0``: (batch, head) strides, unit row
+    stride."""
+    return Lse + batch.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1] + row0.to(tl.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,46 +140,34 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
                    qk_scale, softcap_log2,
                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, RAW_MAX: tl.constexpr):
+                   USE_TMA: tl.constexpr):
     """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
 
     acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
     running sum. MASKED blocks apply the visibility mask and guard rows that have seen no key yet (m = -inf) so
     that exp2(-inf - -inf) never happens; unmasked blocks skip both. USE_TMA loads K/V through tensor descriptors
     (k_desc/v_desc, bounded by the sequence, zero-filled outside), else through pointers from k_base/v_base.
-    RAW_MAX (no softcap, qk_scale > 0): the row max is taken on the raw dot products and scaled once per row, and
-    the scale and the max subtraction fuse into one FMA per logit (Triton tutorial 06) - one multiply less per
-    element than scaling the tile first; max(qk) * scale == max(qk * scale) for a positive scale.
     """
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(start, end, BLOCK_N):
         if USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if RAW_MAX:
-            s = qk
-        else:
-            s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
+        s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
         if MASKED:
             vis = visible(q_pos[:, None], (start_n + offs_n)[None, :], seqlen_k, window_left, window_right,
                           HAS_LEFT, HAS_RIGHT)
             s = tl.where(vis, s, float("-inf"))
-        if RAW_MAX:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
         alpha = tl.exp2(m_i - m_shift)
-        if RAW_MAX:
-            p = tl.exp2(s * qk_scale - m_shift[:, None])
-        else:
-            p = tl.exp2(s - m_shift[:, None])
+        p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
             v = v_desc.load([start_n, 0])
@@ -173,32 +178,6 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return acc, m_i, l_i
-
-
-@triton.jit
-def attn_fwd_inner_pipelined(acc, m_i, l_i, q, k_desc, v_desc, start, end, qk_scale, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
-    """attn_fwd_inner for the unmasked blocks [start, end) (start < end) through descriptors, without softcap or
-    raw max, software-pipelined by one QK^T: the dot of block j + 1 is issued before the softmax of block j, so
-    the tensor cores work on it while the warps compute block j's exponentials (FA3's intra-warpgroup overlap;
-    the plain loop waits for each QK^T and then leaves the tensor cores idle through the softmax). sm_90 compile:
-    (128, 128, 8 warps, 2 stages) holds both score tiles in 253 registers without spills or serialised wgmma;
-    other tiles serialise (ptxas C7515) and RAW_MAX spills. The dot issued after the last block reads rows the
-    descriptor bounds (zero-filled past the sequence) and is dropped."""
-    qk = tl.dot(q, tl.trans(k_desc.load([start, 0])), input_precision=DOT_PRECISION)
-    for start_n in tl.range(start, end, BLOCK_N):
-        qk_next = tl.dot(q, tl.trans(k_desc.load([start_n + BLOCK_N, 0])), input_precision=DOT_PRECISION)
-        s = qk * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([start_n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-        qk = qk_next
     return acc, m_i, l_i
 
 
@@ -215,42 +194,35 @@ def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_R
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    nheads, group_size, seqlen_q, seqlen_k,
+    q_strides, k_strides, v_strides, o_strides, lse_strides,
+    group_size, seqlen_q, seqlen_k, total_q, total_k,
     qk_scale, softcap_log2, window_left, window_right,
     bucket_q, bucket_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, RAW_MAX: tl.constexpr = False,
-    PIPELINE_QK: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
 
     Dense: Q (batch, seqlen_q, nheads, HEAD_DIM), K/V (batch, seqlen_k, nheads_kv, HEAD_DIM), Lse (batch, nheads,
     seqlen_q) fp32. Varlen (IS_VARLEN): Q (total_q, nheads, HEAD_DIM) etc. with batch strides 0, the sequence start
-    read from int32 cu_seqlens_q/k, Lse (nheads, total_q). Out has Q's shape. Query head h reads kv head
-    h // group_size. bucket_q/bucket_k only key the autotuner (log2 buckets of the max lengths).
-    USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride, 16-byte
-    aligned rows and a triton allocator); WARP_SPECIALIZE asks Triton to split producer/consumer warps in the
-    unmasked loop. RAW_MAX (launcher: no softcap and a non-zero scale): row max on the raw dot products
-    (attn_fwd_inner); a negative scale is folded into Q's sign so that the scale the loop sees is positive.
-    PIPELINE_QK (needs USE_TMA, no SOFTCAP, no RAW_MAX): the unmasked blocks go through attn_fwd_inner_pipelined.
+    read from int32 cu_seqlens_q/k (contiguous) and clamped to the total_q / total_k packed rows (so that
+    unchecked cu_seqlens never move a program outside the tensors), Lse (nheads, total_q). Out has Q's shape.
+    *_strides: (batch, seq, head, dim) strides of each tensor; lse_strides (batch, head) with a unit seq stride.
+    Query head h reads kv head h // group_size. bucket_q/bucket_k only key the autotuner (log2 buckets of the max
+    lengths). USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride,
+    16-byte aligned rows and a triton allocator).
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group_size
-    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
     if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
         pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
@@ -258,30 +230,24 @@ def attn_fwd_kernel(
         return
 
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
-    tl.static_assert(not PIPELINE_QK or (USE_TMA and not SOFTCAP and not RAW_MAX),
-                     "PIPELINE_QK needs the descriptor path without softcap or raw max")
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
 
-    q_base = Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + head_kv.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + head_kv.to(tl.int64) * stride_vh
+    q_base = head_base(Q, q_strides, batch, q_start, head)
+    k_base = head_base(K, k_strides, batch, k_start, head_kv)
+    v_base = head_base(V, v_strides, batch, k_start, head_kv)
     if USE_TMA:
-        k_desc = sequence_descriptor(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = sequence_descriptor(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        q = sequence_descriptor(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+        k_desc = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        q = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
     else:
         k_desc = k_base
         v_desc = v_base
-        q = load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, offs_m, seqlen_q, d_mask,
-                      True, EVEN_D)
+        q = load_rows(q_base + offs_m[:, None] * q_strides[1] + offs_d[None, :] * q_strides[3], offs_m, seqlen_q,
+                      d_mask, True, EVEN_D)
 
-    if RAW_MAX:
-        if qk_scale < 0:  # (-q) k^T * |scale| == q k^T * scale exactly (a sign flip rounds nothing)
-            q = -q
-            qk_scale = -qk_scale
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -289,38 +255,31 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:  # left edge of a sliding window: masked
-        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
-                                       stride_vs, stride_vd, lo, full_lo, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                                       window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
-                                       HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, False, RAW_MAX)
+        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                                       v_strides[1], v_strides[3], lo, full_lo, q_pos, offs_n, offs_d, d_mask,
+                                       seqlen_k, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
+                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
     # the bulk: blocks every row sees completely
-    if PIPELINE_QK:
-        if full_lo < full_hi:
-            acc, m_i, l_i = attn_fwd_inner_pipelined(acc, m_i, l_i, q, k_desc, v_desc, full_lo, full_hi, qk_scale,
-                                                     BLOCK_N, DOT_PRECISION)
-    else:
-        acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
-                                       stride_vs, stride_vd, full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
-                                       seqlen_k, window_left, window_right, qk_scale, softcap_log2, False, EVEN_D,
-                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
-                                       WARP_SPECIALIZE, RAW_MAX)
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                                   v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
+                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, False, EVEN_D,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
     # diagonal / right window edge / ragged tail: masked
-    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_ks, stride_kd,
-                                   stride_vs, stride_vd, full_hi, hi, q_pos, offs_n, offs_d, d_mask, seqlen_k,
-                                   window_left, window_right, qk_scale, softcap_log2, True, EVEN_D, HAS_LEFT,
-                                   HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA, False, RAW_MAX)
+    acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
+                                   v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask,
+                                   seqlen_k, window_left, window_right, qk_scale, softcap_log2, True, EVEN_D,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA)
 
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    o_base = Out + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    o_base = head_base(Out, o_strides, batch, q_start, head)
     if USE_TMA:
-        sequence_descriptor(o_base, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).store(
+        sequence_descriptor(o_base, seqlen_q, o_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).store(
             [m_start, 0], out.to(Out.dtype.element_ty))
     else:
-        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty),
-                 mask=(offs_m < seqlen_q)[:, None] & d_mask[None, :])
-    lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start.to(tl.int64)
-    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+        tl.store(o_base + offs_m[:, None] * o_strides[1] + offs_d[None, :] * o_strides[3],
+                 out.to(Out.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & d_mask[None, :])
+    tl.store(lse_row_base(Lse, lse_strides, batch, head, q_start) + offs_m, lse, mask=offs_m < seqlen_q)

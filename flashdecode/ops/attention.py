@@ -1,7 +1,7 @@
-"""flash_attn / flash_attn_varlen: input checks, defaults, kernel choice, autograd and torch.library registration.
+"""flash_attn / flash_attn_varlen: input checks, the launch configuration, autograd and torch.library registration.
 
-Public API (flash-attn compatible shapes and names, DESIGN.md):
-  flash_attn(q, k, v, *, causal, softmax_scale, window_size, softcap, return_lse)
+Public API (flash-attn compatible shapes and names):
+  flash_attn(q, k, v, *, causal, softmax_scale, window_size, softcap, return_lse, deterministic, config)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim) -> out like q
       [, lse (batch, nheads, seqlen_q) float32, natural log].
   flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, same options)
@@ -12,6 +12,13 @@ Both are differentiable in q, k, v (lse is returned as a non-differentiable outp
 and backward are torch.library custom ops (flashdecode::attn_fwd / attn_bwd) with fake implementations, so
 torch.compile traces them without a graph break; _FlashAttnFunction ties them together for autograd.
 
+Every launch decision lives in one flashdecode.AttentionConfig, resolved by heuristics.resolve_attention_config
+from the problem and the device (or given with ``config=``). The host path is cached per launch key (shapes,
+strides, dtype, alignment, mask flags, configuration): a repeated call checks its options, allocates its outputs
+and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
+per-call argument binding. FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
+the first candidate tile that fits shared memory runs.
+
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
 copied. Off the GPU the kernels run only in Triton's CPU interpreter (TRITON_INTERPRET=1); plain CPU tensors
 otherwise raise (use flashdecode.reference for a pure-PyTorch CPU path).
@@ -20,56 +27,39 @@ otherwise raise (use flashdecode.reference for a pure-PyTorch CPU path).
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensor
+from triton import knobs
 
 from flashdecode import heuristics
+from flashdecode.config import AttentionConfig, AttentionProblem
 from flashdecode.ops import checks
 from flashdecode.kernels import bwd as bwd_kernels
 from flashdecode.kernels import fwd as fwd_kernels
 
-__all__ = ["flash_attn", "flash_attn_varlen"]
+__all__ = ["flash_attn", "flash_attn_varlen", "AUTOTUNE_ENV"]
 
 SUPPORTED_DTYPES = checks.FLOAT_DTYPES
 MAX_HEAD_DIM = checks.MAX_HEAD_DIM
 LOG2E = checks.LOG2E
-
-# Set FLASHDECODE_AUTOTUNE=0 to use the first candidate that fits shared memory instead of timing a handful
-# (tests do this to keep compile counts down).
-AUTOTUNE = os.environ.get("FLASHDECODE_AUTOTUNE", "1") != "0"
-# Hopper forward path through tensor descriptors (TMA): "auto" = on sm90+ when the layout allows it, "0" = never,
-# "1" = whenever the layout allows it (also in the CPU interpreter, which emulates descriptors: tests use this).
-TMA_MODE = os.environ.get("FLASHDECODE_TMA", "auto")
-# Triton's warp specialisation of the unmasked forward loop (needs the TMA path); off unless measured faster.
-WARP_SPECIALIZE = os.environ.get("FLASHDECODE_WARP_SPECIALIZE", "0") == "1"
-# Forward row max on the raw dot products, scale fused into the exponent's FMA (fwd.attn_fwd_inner); "0" = the
-# plain scale-then-max loop (kept for A/B timing).
-FWD_RAW_MAX = os.environ.get("FLASHDECODE_FWD_RAW_MAX", "0") == "1"
-# Forward with the unmasked loop software-pipelined by one QK^T (fwd.attn_fwd_inner_pipelined, its own tiles):
-# "1" = wherever it applies, "0" = never, unset = heuristics.use_fwd_pipeline.
-FWD_PIPELINE_QK = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_FWD_PIPELINE_QK", "auto"))
-# Backward through tensor descriptors (TMA loads; bulk TMA reduction of dQ when deterministic=False) wherever the
-# forward would use them: "1" = always, "0" = never, unset = auto (heuristics.use_bwd_tma: the deterministic
-# backward of long sequences on Hopper, where the H100 measured it faster; short ones lost).
-BWD_TMA = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_TMA", "auto"))
-# Deterministic backward in one launch (bwd.attn_bwd_dkdv_kernel with FUSED_DQ: program j does dK/dV of KV block j,
-# then dQ of Q block j) instead of a dK/dV launch and a dQ launch: "1" = always, "0" = never, unset = heuristics.use_bwd_fused.
-BWD_FUSED = {"1": True, "0": False}.get(os.environ.get("FLASHDECODE_BWD_FUSED", "auto"))
-# The backward preprocess also writes lse in log2 units (+inf on rows with no key) for the backward kernels, so the
-# dK/dV loop loads each Q block's lse without converting it (with unmasked loads in unmasked blocks: H100, bf16, 32
-# heads, 16k, backward only, same run vs the previous kernels: hd128 13.9 vs 16.5 ms causal, 25.7 vs 27.9
-# non-causal); "0" = convert in the loop (kept for A/B timing).
-BWD_LSE_LOG2 = os.environ.get("FLASHDECODE_BWD_LSE_LOG2", "1") == "1"
+# The one environment variable of this module: "0" = no autotuning (the first candidate that fits runs).
+AUTOTUNE_ENV = "FLASHDECODE_AUTOTUNE"
+cdiv = heuristics.cdiv  # pure Python: triton.cdiv is a constexpr function, ~10x slower on the host
+_INT32_MAX = 2 ** 31 - 1  # window bounds are clamped to it: a huge window means "unbounded", and stays an i32
+_LAUNCH_CACHE_SIZE = 4096  # launch keys kept per direction (a dict cleared when full: keys are cheap to rebuild)
 
 
 def _interpreting() -> bool:
     return checks.interpreting()
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,6 +95,26 @@ def _check_tensor_args(q, k, v, ndim: int, layout: str):
         raise ValueError(f"k and v must have the same leading shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
+# (shapes, dtypes, devices, interpreter flag) of q, k, v that passed _check_tensor_args: a repeated call skips it
+_CHECKED_TENSORS: set = set()
+
+
+def _check_tensors_once(q, k, v, ndim: int, layout: str):
+    """_check_tensor_args, skipped for a (shape, dtype, device) signature that already passed (the checks read
+    nothing else)."""
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               type(q), type(k), type(v), q.device.type == "cpu" and _interpreting())
+    except AttributeError:  # not tensors: the full check names the argument
+        key = None
+    if key is None or key not in _CHECKED_TENSORS:
+        _check_tensor_args(q, k, v, ndim, layout)
+        if key is not None:
+            if len(_CHECKED_TENSORS) >= _LAUNCH_CACHE_SIZE:
+                _CHECKED_TENSORS.clear()
+            _CHECKED_TENSORS.add(key)
+
+
 def _check_options(causal, softmax_scale, window_size, softcap, deterministic=True):
     checks.check_bool("causal", causal)
     checks.check_bool("deterministic", deterministic)
@@ -113,8 +123,7 @@ def _check_options(causal, softmax_scale, window_size, softcap, deterministic=Tr
     checks.check_softcap(softcap)
 
 
-def _check_cu_seqlens_layout(name: str, cu: torch.Tensor, batch: Optional[int], max_seqlen, max_name: str,
-                             device) -> int:
+def _check_cu_seqlens_layout(name: str, cu, batch: Optional[int], max_seqlen, max_name: str, device) -> int:
     """Type, shape and device of one cu_seqlens tensor (no host sync); returns its batch size."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
@@ -126,13 +135,13 @@ def _check_cu_seqlens_layout(name: str, cu: torch.Tensor, batch: Optional[int], 
         raise ValueError(f"{name} must have length batch + 1 = {batch + 1} (like cu_seqlens_q), got {cu.numel()}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
-    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
     return cu.numel() - 1
 
 
 def _check_cu_seqlens_values(checks):
-    """checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, within the packed tokens,
+    """checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, ends at the packed tokens,
     longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces)."""
     if torch.compiler.is_compiling() or checks[0][1].numel() < 2:
         return
@@ -144,8 +153,8 @@ def _check_cu_seqlens_values(checks):
             checks, torch.stack(stats).tolist()):
         if first != 0 or min_len < 0:
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
-        if last > total:
-            raise ValueError(f"{name}[-1] = {last} exceeds the {total} packed tokens")
+        if last != total:  # fewer: rows outside every sequence would be left unwritten
+            raise ValueError(f"{name}[-1] = {last} must equal the {total} packed tokens")
         if max_len > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
                              f"in {name}")
@@ -156,15 +165,37 @@ def _normalise_options(headdim, causal, softmax_scale, window_size, softcap):
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
-    return scale, left, right, float(softcap)
+    return scale, min(left, _INT32_MAX), min(right, _INT32_MAX), float(softcap)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernel choice (autotuned on the GPU, one fixed small config in the interpreter)
+# The configuration: resolved once per problem, or given (config=); interned so custom ops can carry it as an int
 # ----------------------------------------------------------------------------------------------------------------
+
+_GIVEN_CONFIGS: list[AttentionConfig] = []
+_GIVEN_CONFIG_IDS: dict[AttentionConfig, int] = {}
+_RESOLVE_CONFIG = -1  # config id meaning "resolve from the problem"
+
+
+@torch._dynamo.assume_constant_result
+def _config_id(config) -> int:
+    """An int that stands for ``config`` across the torch.library op boundary (-1: None, resolve it). torch.compile
+    runs it while tracing (its result is a constant of the graph), so the config is interned before the graph
+    runs."""
+    if config is None:
+        return _RESOLVE_CONFIG
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"config must be a flashdecode.AttentionConfig or None, got {type(config).__name__}")
+    found = _GIVEN_CONFIG_IDS.get(config)
+    if found is None:
+        config.check()
+        found = _GIVEN_CONFIG_IDS[config] = len(_GIVEN_CONFIGS)
+        _GIVEN_CONFIGS.append(config)
+    return found
+
 
 def _head_dim_pad(headdim: int) -> int:
-    return max(16, triton.next_power_of_2(headdim))
+    return max(16, heuristics.next_power_of_2(headdim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,80 +206,35 @@ def _device_facts(device: torch.device) -> tuple[int, int]:
     return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)), props.major
 
 
-def _smem_limit(device) -> int:
-    # A config that still overflows (Triton's own scratch) fails to compile and the autotuner drops it.
-    return _device_facts(device)[0] if device.type == "cuda" else 227 * 1024
+_resolve_cached = functools.lru_cache(maxsize=1024)(heuristics.resolve_attention_config)
 
 
-@functools.lru_cache(maxsize=None)
-def _tuned(kernel_name: str, head_dim_pad: int, elem_bytes: int, smem_limit: int, autotune: bool):
-    """(kernel, fixed constexpr kwargs) for one kernel, head-dim bucket and element size.
-
-    Candidates that cannot fit shared memory are pruned here, once. With autotune the survivors are timed per
-    key (shape buckets + mask flags); without it the first survivor is used.
-    """
-    kernel, candidates, held, streamed, names, key = _KERNELS[kernel_name]
-    candidates = heuristics.prefill_candidates(kernel_name, candidates, head_dim_pad, elem_bytes)
-    if kernel_name == "bwd_fused":  # two tile shapes: heuristics.PREFILL_BWD_FUSED_CANDIDATES
-        fits = heuristics.prefill_bwd_fused_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit)
-    else:
-        fits = heuristics.prefill_configs_that_fit(candidates, head_dim_pad, elem_bytes, smem_limit,
-                                                    streamed_tensors=streamed, held_tensors=held)
-    configs = [triton.Config(dict(zip(names, c)), num_warps=c[len(names)], num_stages=c[len(names) + 1])
-               for c in fits]
-    if not autotune:
-        configs = configs[:1]
-    # the atomic dQ buffer accumulates across launches: zero it before every timed candidate (and after tuning)
-    reset = ["DQ"] if kernel_name in _ACCUMULATING_KERNELS else None
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(kernel)
+def attention_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_k: int,
+                      deterministic: bool = True) -> AttentionProblem:
+    """The AttentionProblem of a call with these q, k, v (any layout flash_attn or flash_attn_varlen takes)."""
+    interpret = _interpreting()
+    smem, major = _device_facts(q.device) if q.is_cuda and not interpret else (227 * 1024, 0)
+    return AttentionProblem(head_dim_pad=_head_dim_pad(q.shape[-1]), elem_bytes=q.element_size(),
+                            max_seqlen_k=max_seqlen_k, deterministic=deterministic,
+                            tma_layout=_tma_layout_ok(q, k, v), capability_major=major, smem_limit=smem,
+                            interpret=interpret, autotune=_autotune_enabled())
 
 
-def _launch(kernel_name: str, grid_fn, args: tuple, constexprs: dict, q: torch.Tensor, head_dim_pad: int):
-    if _interpreting():
-        names = _KERNELS[kernel_name][4]
-        blocks = heuristics.PREFILL_INTERPRET_BLOCKS
-        meta = {name: blocks[i % 2] for i, name in enumerate(names)}
-        if "SPLIT_DKDV" in meta:
-            meta["SPLIT_DKDV"] = heuristics.PREFILL_INTERPRET_SPLIT_DKDV
-        _KERNELS[kernel_name][0][grid_fn(meta)](*args, **constexprs, **meta)
-        return
-    tuned = _tuned(kernel_name, head_dim_pad, q.element_size(), _smem_limit(q.device),
-                   AUTOTUNE and kernel_name not in _UNTUNED_KERNELS)
-    if q.device.index == torch.cuda.current_device():
-        tuned[grid_fn](*args, **constexprs)
-    else:
-        with torch.cuda.device(q.device):
-            tuned[grid_fn](*args, **constexprs)
+def resolve_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_k: Optional[int] = None,
+                   deterministic: bool = True) -> AttentionConfig:
+    """The AttentionConfig flash_attn (max_seqlen_k None: k.shape[1]) or flash_attn_varlen would use for these
+    inputs: the starting point of a ``dataclasses.replace`` override."""
+    if max_seqlen_k is None:
+        if k.dim() != 4:
+            raise ValueError("max_seqlen_k is required for varlen (3-D) k")
+        max_seqlen_k = k.shape[1]
+    return _resolve_cached(attention_problem(q, k, v, max_seqlen_k, deterministic))
 
 
-_ACCUMULATING_KERNELS = {"bwd_dkdv_atomic"}
-_UNTUNED_KERNELS = {"fwd_long"}  # the first candidate that fits shared memory, never timed
-_FLAG_KEYS = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-              "USE_TMA", "WARP_SPECIALIZE", "RAW_MAX", "ATOMIC_DQ", "FUSED_DQ"]
-# name -> (jit kernel, candidates, held tiles, streamed tiles, (held-rows constexpr, streamed-rows constexpr), key)
-_KERNELS = {
-    "fwd": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
-    # PIPELINE_QK forward (own autotune cache): two score tiles live and one K tile more in flight; 2 held tiles
-    # make the shared-memory estimate match its sm_90 compiles (hd128 (128, 128, 8, 2): 192 KiB)
-    "fwd_pipelined": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_PIPELINED_CANDIDATES, 2, 2,
-                      ("BLOCK_M", "BLOCK_N"), _FLAG_KEYS),
-    # long sequences (heuristics.use_fwd_long_config): a fixed tile, untimed (_UNTUNED_KERNELS)
-    "fwd_long": (fwd_kernels.attn_fwd_kernel, heuristics.PREFILL_FWD_LONG_CANDIDATES, 1, 2, ("BLOCK_M", "BLOCK_N"),
-                 _FLAG_KEYS),
-    "bwd_dkdv": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_KV_CANDIDATES, 2, 2,
-                 ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
-    # deterministic=False: dK/dV program that also adds dQ with atomics (its own candidates: bigger KV blocks
-    # halve the atomic traffic). 4 held tiles: K, V plus the staging of dS^T and of the dQ tile (sm_90 compiles at
-    # hd256: (64, 64, 4, 2) needs 263-271 KB, (64, 32, 4, 2) 168-180 KB)
-    "bwd_dkdv_atomic": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_ATOMIC_CANDIDATES, 4, 2,
-                        ("BLOCK_N", "BLOCK_M"), _FLAG_KEYS),
-    "bwd_dq": (bwd_kernels.attn_bwd_dq_kernel, heuristics.PREFILL_BWD_Q_CANDIDATES, 2, 2, ("BLOCK_M", "BLOCK_N"),
-               _FLAG_KEYS),
-    # deterministic backward in one launch (FUSED_DQ): the dK/dV tile shape, then the dQ tile shape (the tile counts
-    # of the held/streamed columns are unused: heuristics.prefill_bwd_fused_configs_that_fit sizes both phases)
-    "bwd_fused": (bwd_kernels.attn_bwd_dkdv_kernel, heuristics.PREFILL_BWD_FUSED_CANDIDATES, 2, 2,
-                  ("BLOCK_N", "BLOCK_M", "BLOCK_M2", "BLOCK_N2", "SPLIT_DKDV"), _FLAG_KEYS),
-}
+def _config_for(config_id: int, q, k, v, max_seqlen_k: int, deterministic: bool) -> AttentionConfig:
+    if config_id >= 0:
+        return _GIVEN_CONFIGS[config_id]
+    return resolve_config(q, k, v, max_seqlen_k, deterministic)
 
 
 def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
@@ -262,12 +248,104 @@ def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _use_tma(q, k, v, out) -> bool:
-    if TMA_MODE == "0" or not _tma_layout_ok(q, k, v, out):
-        return False
-    if TMA_MODE == "1":
-        return True
-    return q.is_cuda and _device_facts(q.device)[1] >= 9
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel launches: autotuned on the GPU (one autotuner per tile list, shared by the launch keys that use it), one
+# fixed tile in the interpreter; after its first GPU launch a launch key calls the compiled kernel directly
+# ----------------------------------------------------------------------------------------------------------------
+
+_AUTOTUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
+                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ"]
+# the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
+_FWD_TILE = ("BLOCK_M", "BLOCK_N")
+_DKDV_TILE = ("BLOCK_N", "BLOCK_M")
+_DQ_TILE = ("BLOCK_M", "BLOCK_N")
+_FUSED_TILE = ("BLOCK_N", "BLOCK_M", "BLOCK_M2", "BLOCK_N2", "SPLIT_DKDV")
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(fn, tiles: tuple, names: tuple, autotune: bool, reset_dq: bool):
+    """fn autotuned over ``tiles`` (only the first without autotune), keyed by shape buckets and mask flags.
+    reset_dq: the atomic dQ buffer accumulates across launches, so it is zeroed before every timed candidate."""
+    configs = [triton.Config(dict(zip(names, t)), num_warps=t[len(names)], num_stages=t[len(names) + 1])
+               for t in tiles]
+    if not autotune:
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY, reset_to_zero=["DQ"] if reset_dq else None)(fn)
+
+
+class _Kernel:
+    """One kernel with its constexprs under one launch key (everything its compilation depends on is in the key).
+
+    The first GPU launch goes through the autotuner and Triton's JIT and records the compiled kernel, the tile it
+    ran and the constexpr tail of its argument list; later launches call the compiled kernel's launcher with the
+    same arguments, skipping the per-call binding (tens of microseconds of host time). Launch arguments: the
+    kernel's runtime parameters in order, as a tuple.
+    """
+
+    __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "meta", "tail", "run",
+                 "function", "packed", "compiled")
+
+    def __init__(self, name: str, fn, tiles: tuple, names: tuple, autotune: bool, constexprs: dict,
+                 reset_dq: bool = False):
+        self.name = name  # fwd, bwd_atomic, bwd_fused, bwd_dkdv or bwd_dq
+        self.fn, self.tiles, self.names, self.autotune, self.reset_dq = fn, tiles, names, autotune, reset_dq
+        self.constexprs = constexprs
+        self.compiled = None
+
+    def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
+        if self.compiled is not None:
+            if self.constexprs.get("USE_TMA"):  # descriptors need the allocator of the calling thread
+                _ensure_triton_allocator()
+            if device.index == torch.cuda.current_device():
+                self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
+            else:
+                with torch.cuda.device(device):
+                    self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
+            return
+        if self.constexprs.get("USE_TMA"):
+            _ensure_triton_allocator()
+        if _interpreting():
+            meta = dict(zip(self.names, self.tiles[0]))
+            self.fn[grid_fn(meta)](*args, **self.constexprs, **meta)
+            return
+        tuned = _tuned(self.fn, self.tiles, self.names, self.autotune, self.reset_dq)
+        if device.index == torch.cuda.current_device():
+            compiled = tuned[grid_fn](*args, **self.constexprs)
+        else:
+            with torch.cuda.device(device):
+                compiled = tuned[grid_fn](*args, **self.constexprs)
+        self._record(tuned, compiled, len(args))
+
+    def _launch_compiled(self, grid: tuple, full: tuple, index: int):
+        stream = _current_stream(index)
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed,
+                 self.compiled.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
+                 knobs.runtime.launch_exit_hook, *full)
+
+    def _record(self, tuned, compiled, nargs: int):
+        """Keep what a direct launch needs; anything unexpected leaves the key on the autotuner's path."""
+        if hasattr(compiled, "result"):  # asynchronous compilation
+            compiled = compiled.result()
+        best = getattr(tuned, "best_config", None)
+        if best is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
+                                                                   "launch_metadata")):
+            return
+        values = {**self.constexprs, **best.kwargs}
+        tail = []
+        for param in self.fn.params[nargs:]:
+            if param.name in values:
+                tail.append(values[param.name])
+            elif param.has_default:
+                tail.append(param.default)
+            else:
+                return
+        self.meta, self.tail = dict(best.kwargs), tuple(tail)
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.compiled = compiled
+
+
+def _current_stream(index: int):
+    return triton.runtime.driver.active.get_current_stream(index)
 
 
 _ALLOCATOR_SET = threading.local()
@@ -288,16 +366,53 @@ def _ensure_triton_allocator():
         _ALLOCATOR_SET.done = True
 
 
-def _strides(x: torch.Tensor, varlen: bool):
+# ----------------------------------------------------------------------------------------------------------------
+# Launch plans: everything a call's launches depend on besides the data, cached per launch key
+# ----------------------------------------------------------------------------------------------------------------
+
+def _strides(x: torch.Tensor, varlen: bool) -> tuple:
     """(batch, seq, head, dim) strides; a packed varlen tensor has batch stride 0 (sequences start at cu_seqlens)."""
     if varlen:
-        return (0,) + tuple(x.stride())
-    return tuple(x.stride())
+        return (0,) + x.stride()
+    return x.stride()
 
 
-def _lse_strides(lse: torch.Tensor, varlen: bool):
-    """(batch, head) strides of lse: dense (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
-    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, head) strides of a contiguous lse-like tensor (unit row stride): dense (batch, nheads, seqlen_q),
+    varlen (nheads, total_q)."""
+    if varlen:
+        return 0, lse.shape[1]
+    return lse.shape[1] * lse.shape[2], lse.shape[2]
+
+
+def _aligned(*tensors) -> int:
+    """Bit i set: tensor i's data pointer is 16-byte aligned (Triton specialises pointer arguments on it); None
+    tensors count as aligned (their argument is a constexpr None either way)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is None or t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, softcap,
+                config_id):
+    """What the configuration, the kernel choice and Triton's specialisation of a call depend on: shapes, strides
+    (of q, k, v), dtype, device, pointer alignment, mask flags, the configuration and the autotune switch; for
+    varlen tensors, whose packed lengths stay out of it, the shape buckets and length class of max_seqlen_q/k
+    (dense shapes imply them)."""
+    if cu_seqlens_q is None:
+        return (q.shape, k.shape, strides, q.dtype, q.device, _aligned(q, k, v), left >= 0, right >= 0,
+                softcap > 0.0, config_id, _autotune_enabled())
+    return (q.shape[1:], k.shape[1:], strides, q.dtype, q.device, _aligned(q, k, v, cu_seqlens_q, cu_seqlens_k),
+            left >= 0, right >= 0, softcap > 0.0, config_id, _autotune_enabled(),
+            heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
+            heuristics.prefill_length_class(max_seqlen_k))
+
+
+def _buckets(max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """The autotune-key arguments bucket_q, bucket_k (a plan stores them: its key implies them)."""
+    return heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k)
 
 
 def _common_constexprs(headdim, varlen, left, right, softcap, dtype):
@@ -320,111 +435,149 @@ def _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     return varlen, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
 
 
-def _use_fwd_pipeline(use_tma: bool, q: torch.Tensor, softcap: float, max_seqlen_k: int) -> bool:
-    """PIPELINE_QK forward: descriptor path, 16-bit, head dim <= 128, no softcap; FLASHDECODE_FWD_PIPELINE_QK
-    forces it on or off, otherwise heuristics.use_fwd_pipeline decides."""
-    if not use_tma or softcap > 0.0 or q.element_size() != 2 or _head_dim_pad(q.shape[-1]) > 128:
-        return False
-    return FWD_PIPELINE_QK if FWD_PIPELINE_QK is not None else heuristics.use_fwd_pipeline(max_seqlen_k)
+def _bounded_put(cache: dict, key, value):
+    if len(cache) >= _LAUNCH_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
-def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap):
+class _FwdPlan:
+    """The forward of one launch key: its configuration and kernel."""
+
+    __slots__ = ("config", "kernel", "buckets")
+
+    def __init__(self, q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id):
+        varlen = cu_seqlens_q is not None
+        self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
+        self.config = _config_for(config_id, q, k, v, max_seqlen_k, True)
+        use_tma = self.config.fwd_tma and _tma_layout_ok(q, k, v, out)
+        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
+        constexprs["USE_TMA"] = use_tma
+        self.kernel = _Kernel("fwd", fwd_kernels.attn_fwd_kernel, self.config.fwd_tiles, _FWD_TILE,
+                              self.config.fwd_autotune, constexprs)
+
+
+class _BwdPlan:
+    """The backward of one launch key (with dout's layout and the determinism flag): its configuration and
+    kernels (the atomic dK/dV kernel, the one-launch kernel, or the dK/dV and dQ kernels)."""
+
+    __slots__ = ("config", "mode", "delta", "dkdv", "dq", "buckets")
+
+    def __init__(self, q, k, v, dout, cu_seqlens_q, max_seqlen_q, max_seqlen_k, left, right, softcap, deterministic,
+                 config_id):
+        varlen = cu_seqlens_q is not None
+        self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
+        config = self.config = _config_for(config_id, q, k, v, max_seqlen_k, deterministic)
+        # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
+        use_tma = (config.bwd_tma and _tma_layout_ok(q, k, v, dout)
+                   and (deterministic or not _interpreting()))
+        constexprs = _common_constexprs(q.shape[-1], varlen, left, right, softcap, q.dtype)
+        constexprs["USE_TMA"] = use_tma
+        fn = bwd_kernels.attn_bwd_dkdv_kernel
+        # the preprocess: (BLOCK_M, warps, stages) as a plain launch would take them
+        self.delta = _Kernel("bwd_delta", bwd_kernels.attn_bwd_delta_kernel,
+                             ((64 if q.shape[-1] <= 128 else 32, 4, 3),), ("BLOCK_M",), False,
+                             dict(HEAD_DIM=q.shape[-1], HEAD_DIM_PAD=_head_dim_pad(q.shape[-1]), IS_VARLEN=varlen))
+        self.dq = None
+        if not deterministic:
+            self.mode = "atomic"
+            self.dkdv = _Kernel("bwd_atomic", fn, config.bwd_atomic_tiles, _DKDV_TILE, config.bwd_autotune,
+                                dict(constexprs, ATOMIC_DQ=True), reset_dq=True)
+        elif config.bwd_fused:
+            self.mode = "fused"
+            self.dkdv = _Kernel("bwd_fused", fn, config.bwd_fused_tiles, _FUSED_TILE, config.bwd_autotune,
+                                dict(constexprs, FUSED_DQ=True))
+        else:
+            self.mode = "two_pass"
+            self.dkdv = _Kernel("bwd_dkdv", fn, config.bwd_dkdv_tiles, _DKDV_TILE, config.bwd_autotune, constexprs)
+            self.dq = _Kernel("bwd_dq", bwd_kernels.attn_bwd_dq_kernel, config.bwd_dq_tiles, _DQ_TILE,
+                              config.bwd_autotune, constexprs)
+
+
+_FWD_PLANS: dict = {}
+_BWD_PLANS: dict = {}
+
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+              config_id=_RESOLVE_CONFIG):
+    """(out like q, lse fp32) of one forward; see attn_fwd_op."""
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = torch.empty_like(q)
-    lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, sq)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((nheads, q.shape[0]) if varlen else (batch, nheads, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or sq == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    headdim = q.shape[-1]
+    if varlen:  # the kernels read cu_seqlens with a unit stride
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
+    key = _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
+                                                      config_id))
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(out, varlen),
-            *_lse_strides(lse, varlen),
-            nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, max(left, 0), max(right, 0),
-            heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
-    constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
-    use_tma = _use_tma(q, k, v, out)
-    if use_tma:
-        _ensure_triton_allocator()
-    pipeline = _use_fwd_pipeline(use_tma, q, softcap, sk)
-    # a zero scale would make the masked -inf logits 0 * -inf = NaN on the raw-max path
-    constexprs.update(USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and WARP_SPECIALIZE and not pipeline,
-                      RAW_MAX=FWD_RAW_MAX and softcap == 0.0 and scale != 0.0 and not pipeline,
-                      PIPELINE_QK=pipeline)
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
-    if pipeline:
-        name = "fwd_pipelined"
-    elif heuristics.use_fwd_long_config(sk, constexprs["HEAD_DIM_PAD"], q.element_size(), use_tma):
-        name = "fwd_long"
-    else:
-        name = "fwd"
-    _launch(name, grid, args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
+            nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
+            qk_scale, softcap_log2, max(left, 0), max(right, 0), *plan.buckets)
+    plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
 
-def _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim, lse_log2: bool):
+def _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads):
     """FA-2's D = rowsum(dO * O): fp32, laid out like lse ((batch, nheads, seqlen_q) or (nheads, total_q)).
-    Returns (delta, lse for the backward kernels): lse_log2 = lse * log2(e) with +inf for -inf (a new buffer like
-    delta), else lse itself."""
+    Returns (delta, lse2): lse2 = lse * log2(e) with +inf for -inf, the backward kernels' lse."""
     delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(delta) if lse_log2 else delta
-    block_m = 64 if headdim <= 128 else 32
-    grid = (triton.cdiv(sq, block_m), nheads, batch)
-    bwd_kernels.attn_bwd_delta_kernel[grid](
-        out, dout, delta, cu_seqlens_q, lse, lse2, *_strides(out, varlen), *_strides(dout, varlen),
-        *_lse_strides(delta, varlen), *_lse_strides(lse, varlen), nheads, sq, HEAD_DIM=headdim,
-        HEAD_DIM_PAD=_head_dim_pad(headdim), IS_VARLEN=varlen, BLOCK_M=block_m, WRITE_LSE2=lse_log2)
-    return delta, (lse2 if lse_log2 else lse)
+    lse2 = torch.empty_like(lse)
+    args = (out, dout, delta, cu_seqlens_q, lse, lse2, _strides(out, varlen), _strides(dout, varlen),
+            _lse_strides(delta, varlen), _lse_strides(lse, varlen), sq, out.shape[0])
+    plan.delta(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, out.device)
+    return delta, lse2
 
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-              softcap, deterministic=True):
+              softcap, deterministic=True, config_id=_RESOLVE_CONFIG):
     """dq, dk, dv like q, k, v. deterministic: dK/dV and dQ computed by different programs, no atomics (bitwise
-    reproducible), either in one launch (BWD_FUSED / heuristics.use_bwd_fused) or two; otherwise one dK/dV pass that
-    adds dQ into an fp32 buffer with atomics, then scales and casts it."""
+    reproducible), either in one launch (config.bwd_fused) or two; otherwise one dK/dV pass that adds dQ into an
+    fp32 buffer with atomics, then scales and casts it."""
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    if varlen:  # the kernels read cu_seqlens with a unit stride
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)
+    strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
+    do_strides = _strides(dout, varlen)
+    key = (_launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id),
+           do_strides, _aligned(dout), deterministic)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        plan = _bounded_put(_BWD_PLANS, key, _BwdPlan(q, k, v, dout, cu_seqlens_q, sq, sk, left, right, softcap,
+                                                      deterministic, config_id))
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    headdim = q.shape[-1]
-    delta, lse = _bwd_delta(dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads, headdim, BWD_LSE_LOG2)
+    delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    constexprs = _common_constexprs(headdim, varlen, left, right, softcap, q.dtype)
-    if BWD_LSE_LOG2:
-        constexprs["LSE_LOG2"] = True
-    # the interpreter has descriptor loads but no descriptor reduction (the atomic dQ path)
-    want_tma = BWD_TMA if BWD_TMA is not None else heuristics.use_bwd_tma(sk, deterministic)
-    use_tma = want_tma and _use_tma(q, k, v, dout) and (deterministic or not _interpreting())
-    if use_tma:
-        _ensure_triton_allocator()
-    constexprs["USE_TMA"] = use_tma
-    common_tail = (*_lse_strides(lse, varlen), *_lse_strides(delta, varlen),
-                   nheads, nheads // nheads_kv, sq, sk, qk_scale, softcap_log2, scale, max(left, 0), max(right, 0),
-                   heuristics.seqlen_bucket(sq), heuristics.seqlen_bucket(sk))
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k,
-                 *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
-                 *_strides(dk, varlen), *_strides(dv, varlen), *_strides(dq, varlen), *common_tail)
-    grid_kv = lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch)  # noqa: E731
-    if not deterministic:
-        _launch("bwd_dkdv_atomic", grid_kv, dkdv_args, dict(constexprs, ATOMIC_DQ=True), q,
-                constexprs["HEAD_DIM_PAD"])
+    tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads // nheads_kv, sq, sk,
+            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0),
+            *plan.buckets)
+    q_strides, k_strides, v_strides = strides
+    dq_strides = _strides(dq, varlen)
+    dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides,
+                 v_strides, do_strides, _strides(dk, varlen), _strides(dv, varlen), dq_strides) + tail
+    if plan.mode == "atomic":
+        plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
         return dq.mul_(scale).to(q.dtype), dk, dv
-    fused = (BWD_FUSED if BWD_FUSED is not None
-             else heuristics.use_bwd_fused(sk, constexprs["HEAD_DIM_PAD"], q.element_size()))
-    if fused:
+    if plan.mode == "fused":
         def grid_pair(meta):  # one program per (KV block j, Q block j) pair: the longer of the two block counts
-            kv_programs = triton.cdiv(sk, meta["BLOCK_N"]) * (2 if meta["SPLIT_DKDV"] else 1)
-            return max(kv_programs, triton.cdiv(sq, meta["BLOCK_M2"])), nheads_kv, batch
-        _launch("bwd_fused", grid_pair, dkdv_args, dict(constexprs, FUSED_DQ=True), q, constexprs["HEAD_DIM_PAD"])
+            kv_programs = cdiv(sk, meta["BLOCK_N"]) * (2 if meta["SPLIT_DKDV"] else 1)
+            return max(kv_programs, cdiv(sq, meta["BLOCK_M2"])), nheads_kv, batch
+        plan.dkdv(grid_pair, dkdv_args, q.device)
         return dq, dk, dv
-    _launch("bwd_dkdv", grid_kv, dkdv_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
-    dq_args = (q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
-               *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(dout, varlen),
-               *_strides(dq, varlen), *common_tail)
-    grid_q = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), nheads, batch)  # noqa: E731
-    _launch("bwd_dq", grid_q, dq_args, constexprs, q, constexprs["HEAD_DIM_PAD"])
+    plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
+    dq_args = (q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, q_strides, k_strides, v_strides,
+               do_strides, dq_strides) + tail
+    plan.dq(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), dq_args, q.device)
     return dq, dk, dv
 
 
@@ -435,15 +588,17 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 @torch.library.custom_op("flashdecode::attn_fwd", mutates_args=())
 def attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                 cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward (dense when cu_seqlens_q is None, else varlen); window_right = 0 is causal. Returns (out, lse)."""
+                window_left: int, window_right: int, softcap: float,
+                config_id: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (dense when cu_seqlens_q is None, else varlen); window_right = 0 is causal. Returns (out, lse).
+    config_id: -1 resolves the AttentionConfig inside the op, else the index of a config given to flash_attn."""
     return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                     window_right, softcap)
+                     window_right, softcap, config_id)
 
 
 @attn_fwd_op.register_fake
 def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                   window_right, softcap):
+                   window_right, softcap, config_id=-1):
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
@@ -455,15 +610,16 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                softcap: float, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                softcap: float, deterministic: bool = True,
+                config_id: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward from the saved lse: (dq, dk, dv); deterministic (no atomics) unless told otherwise."""
     return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, softcap, deterministic)
+                     softmax_scale, window_left, window_right, softcap, deterministic, config_id)
 
 
 @attn_bwd_op.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, softcap, deterministic=True):
+                   window_left, window_right, softcap, deterministic=True, config_id=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -487,22 +643,38 @@ def _bwd(*args):
 
 
 class _FlashAttnFunction(torch.autograd.Function):
-    """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2)."""
+    """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2).
+    cu_seqlens_k None with cu_seqlens_q given means the same tensor (self-attention): torch.compile cannot trace
+    an autograd.Function that gets one tensor twice."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                deterministic):
-        out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap)
+                deterministic, config_id):
+        cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        out, lse = _fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                        config_id)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap, deterministic)
+        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap, deterministic, config_id)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_k, *ctx.params)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+               deterministic, config_id):
+    """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        same_cu = cu_seqlens_k is cu_seqlens_q and cu_seqlens_q is not None
+        return _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, None if same_cu else cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, scale, left, right, softcap, deterministic, config_id)
+    return _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                config_id)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -511,7 +683,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-               return_lse: bool = False, deterministic: bool = True):
+               return_lse: bool = False, deterministic: bool = True, config: Optional[AttentionConfig] = None):
     """Exact attention softmax(scale * Q K^T) V, FlashAttention-2 style, differentiable in q, k, v.
 
     Args:
@@ -526,47 +698,57 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         deterministic: True (default) = bitwise reproducible gradients (separate dK/dV and dQ passes); False =
             dQ accumulated with fp32 atomics inside the dK/dV pass (FlashAttention-2/3's way: fewer matmuls,
             gradients vary in the last bits from run to run).
+        config: an AttentionConfig overriding the launch decisions (usually ``dataclasses.replace`` of
+            ``flashdecode.ops.attention.resolve_config(q, k, v)``); None resolves it from the problem.
     Returns:
         out (batch, seqlen_q, nheads, headdim) like q [, lse]. Rows with no visible key give out 0, lse -inf.
     """
-    _check_tensor_args(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    _check_tensors_once(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
+    config_id = _config_id(config)
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
-    out, lse = _FlashAttnFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap,
-                                        deterministic)
+    out, lse = _attention(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap, deterministic,
+                          config_id)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
-                      return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True):
+                      return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True,
+                      config: Optional[AttentionConfig] = None):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
 
     Args:
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); dtypes and rules as flash_attn.
-        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0; sequence b owns rows
-            cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), non-decreasing from 0 to total_q / total_k; sequence b
+            owns rows cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence. The same
+            tensor may be passed as both (self-attention; also under torch.compile).
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
         check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
-            e.g. a serving engine's prefill step or a CUDA graph: wrong values then give wrong results, not errors.
-        deterministic: as flash_attn.
+            e.g. a serving engine's prefill step or a CUDA graph. Wrong values then give wrong results, never
+            memory accesses outside q, k, v, out or lse: the kernels clamp every sequence into the packed rows
+            (entries < 0 read as 0, entries past total as total, a decreasing pair as an empty sequence). Rows
+            no sequence covers, query rows past max_seqlen_q within a sequence and (backward) keys past
+            max_seqlen_k are left unwritten: out, lse, dq, dk, dv hold whatever the allocator gave there.
+        deterministic, config: as flash_attn.
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
-    _check_tensor_args(q, k, v, 3, "(total, nheads, headdim)")
+    _check_tensors_once(q, k, v, 3, "(total, nheads, headdim)")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     batch = _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, batch, max_seqlen_k, "max_seqlen_k", q.device)
     if not isinstance(check_seqlens, bool):
         raise TypeError(f"check_seqlens must be a bool, got {check_seqlens!r}")
+    config_id = _config_id(config)
     if check_seqlens:
         _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
                                   ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
-    out, lse = _FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
-                                        right, cap, deterministic)
+    out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, cap,
+                          deterministic, config_id)
     return (out, lse) if return_lse else out

@@ -1,0 +1,232 @@
+"""Serving load test: N concurrent streaming requests against the OpenAI-compatible server on loopback.
+
+    flashdecode bench serve --random-weights llama3-8b --num-requests 32 --prompt-len 1024 --output-len 256
+    flashdecode bench serve --url http://127.0.0.1:8000 --model-name NAME --num-requests 64
+
+Without --url the server is started in this process (loopback, a free port) from the engine options; after the
+load test the same engine runs ``LLM.generate`` on the same batch (same prompts and lengths), the offline number
+the server is compared with. Each request asks for exactly --output-len tokens (ignore_eos) and streams them;
+TTFT is the time to the first streamed token, TPOT the mean time per later token of a request. Requests go to
+/v1/chat/completions when the model has a chat template (prompt text made of random token ids), else to
+/v1/completions with token-id prompts of exactly --prompt-len tokens. The run is bounded by --num-requests and
+--timeout; failed or timed-out requests are counted, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+
+import torch
+
+from flashdecode.bench import report
+from flashdecode.engine.cli import add_engine_arguments, build_llm
+
+logger = logging.getLogger(__name__)
+PERCENTILES = (50, 90, 99)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, default_max_num_seqs=32, required=False)
+    parser.add_argument("--url", default=None, help="a running server (else one is started here, on loopback)")
+    parser.add_argument("--model-name", default=None, help="with --url: the served model name (default: the "
+                                                           "server's first model)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=None, help="open requests at once (default: all)")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
+    parser.add_argument("--endpoint", choices=("auto", "chat", "completions"), default="auto",
+                        help="auto: chat when the model has a chat template")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole load test")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--skip-generate", action="store_true", help="no LLM.generate comparison")
+    parser.add_argument("--out", default=None, help="output folder (default: $OUT, else benchmarks/results/latest)")
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99 (nearest rank) of ``values``; None when empty."""
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES}
+    s = sorted(values)
+    return {f"p{p}": s[min(len(s) - 1, max(0, -(-p * len(s) // 100) - 1))] for p in PERCENTILES}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+async def _one(client, url: str, body: dict, t_start: float) -> dict:
+    """One streaming request: its latency record (ttft, tpot, tokens, error)."""
+    t0 = time.perf_counter()
+    rec = {"start_s": t0 - t_start, "ttft_s": None, "tpot_s": None, "tokens": 0, "error": None}
+    first = last = None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = chunk["error"]["message"]
+                    break
+                n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if n:
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+                    rec["tokens"] += n
+    except Exception as e:  # a dropped connection counts as a failed request
+        rec["error"] = f"{type(e).__name__}: {e}"
+    if first is not None:
+        rec["ttft_s"] = first - t0
+        if rec["tokens"] > 1:
+            rec["tpot_s"] = (last - first) / (rec["tokens"] - 1)
+    if rec["error"] is None and rec["tokens"] != body["max_tokens"]:
+        rec["error"] = f"got {rec['tokens']} tokens, asked for {body['max_tokens']}"
+    return rec
+
+
+async def load_test(base_url: str, bodies: list[tuple[str, dict]], concurrency: int, timeout: float) -> dict:
+    """Send every (path, body) request, ``concurrency`` at a time, within ``timeout`` seconds."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    t_start = time.perf_counter()
+
+    async def bounded(client, path, body):
+        async with sem:
+            return await _one(client, base_url + path, body, t_start)
+
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+        tasks = [asyncio.ensure_future(bounded(client, p, b)) for p, b in bodies]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        records = [t.result() for t in tasks if t in done]
+        records += [{"error": "timed out", "tokens": 0, "ttft_s": None, "tpot_s": None}] * len(pending)
+    wall = time.perf_counter() - t_start
+    ok = [r for r in records if r["error"] is None]
+    tokens = sum(r["tokens"] for r in records)
+    return {"requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
+            "errors": sorted({str(r["error"]) for r in records if r["error"]})[:5],
+            "duration_s": wall, "requests_per_s": len(ok) / wall, "output_tokens_per_s": tokens / wall,
+            "ttft_ms": {k: v and v * 1e3 for k, v in percentiles([r["ttft_s"] for r in ok]).items()},
+            "tpot_ms": {k: v and v * 1e3 for k, v in percentiles([r["tpot_s"] for r in ok
+                                                                   if r["tpot_s"] is not None]).items()},
+            "ttft_s_all": [r["ttft_s"] for r in ok], "tpot_s_all": [r["tpot_s"] for r in ok]}
+
+
+def build_requests(prompts: list[list[int]], output_len: int, model: str, chat_text=None) -> list[tuple[str, dict]]:
+    """(path, body) per prompt: chat with the prompt's text when ``chat_text`` (ids -> str) is given, else a
+    token-id completion."""
+    common = {"model": model, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    if chat_text is None:
+        return [("/v1/completions", {**common, "prompt": ids}) for ids in prompts]
+    return [("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": chat_text(ids)}]})
+            for ids in prompts]
+
+
+def generate_baseline(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """LLM.generate on the same batch (warm: after the server ran): output tokens/s."""
+    from flashdecode.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"duration_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall}
+
+
+def _plot(path, result: dict) -> None:
+    series = {}
+    for key, label in (("ttft_s_all", "TTFT"), ("tpot_s_all", "TPOT")):
+        vals = sorted(v * 1e3 for v in result[key] if v is not None)
+        if vals:
+            series[label] = [(100.0 * (i + 1) / len(vals), v) for i, v in enumerate(vals)]
+    if series:
+        report.line_plot(path, series, title="serving latency (cumulative)", xlabel="requests (%)",
+                         ylabel="ms", logx=False, logy=True)
+
+
+def run(args) -> int:
+    import httpx
+
+    for name in ("num_requests", "prompt_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    concurrency = args.concurrency or args.num_requests
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if args.url is None and not (args.model or args.random_weights):
+        raise ValueError("give --model or --random-weights (a server is started here), or --url of a running one")
+    llm = server = None
+    if args.url is None:
+        from flashdecode.engine.server.launch import ServerThread
+
+        llm = build_llm(args, max_model_len=args.max_model_len or args.prompt_len + args.output_len + 8)
+        server = ServerThread(llm, "bench", max_queue=args.num_requests).start()
+        base_url, model = server.url, "bench"
+    else:
+        base_url = args.url.rstrip("/")
+        model = args.model_name or httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        vocab = llm.config.vocab_size if llm is not None else 1000
+        prompts = random_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
+        chat_text = None
+        use_chat = args.endpoint == "chat" or (args.endpoint == "auto" and llm is not None and llm.tokenizer
+                                               is not None and llm.tokenizer.has_chat_template)
+        if use_chat:
+            if llm is None or llm.tokenizer is None:
+                raise ValueError("--endpoint chat needs a local engine with a tokenizer (prompts are built with it)")
+            chat_text = llm.tokenizer.decode
+        warm = build_requests(prompts[:1], 2, model, chat_text)
+        asyncio.run(load_test(base_url, warm, 1, args.timeout))  # compile / first-call costs outside the timing
+        result = asyncio.run(load_test(base_url, build_requests(prompts, args.output_len, model, chat_text),
+                                       concurrency, args.timeout))
+    finally:
+        if server is not None:
+            server.stop()
+    baseline = None
+    if llm is not None and not args.skip_generate:
+        baseline = generate_baseline(llm, prompts, args.output_len)
+        result["generate_output_tokens_per_s"] = baseline["output_tokens_per_s"]
+        result["serve_vs_generate"] = result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    from flashdecode.bench.timing import env_info
+
+    env = env_info()
+    row = {k: v for k, v in result.items() if not k.endswith("_all")}
+    row.update(num_requests=args.num_requests, concurrency=concurrency, prompt_len=args.prompt_len,
+               output_len=args.output_len, endpoint="chat" if chat_text else "completions",
+               model=args.model or args.random_weights or model,
+               layers=llm.config.num_hidden_layers if llm is not None else None)
+    out = report.results_dir(args.out or (None if report.os.environ.get("OUT") else "benchmarks/results/latest"))
+    stem = report.result_stem("serve", env)
+    path = report.write_json(out / f"{stem}.json", "serve", env, [row],
+                             {"baseline": baseline, "ttft_s_all": result["ttft_s_all"],
+                              "tpot_s_all": result["tpot_s_all"]})
+    _plot(out / f"{stem}.png", result)
+    t, p = row["ttft_ms"], row["tpot_ms"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    print(f"serve: {row['ok']}/{row['requests']} ok ({row['failed']} failed) in {row['duration_s']:.2f} s, "
+          f"{row['requests_per_s']:.2f} req/s, {row['output_tokens_per_s']:.1f} output tok/s")
+    print(f"TTFT ms p50/p90/p99 {fmt(t['p50'])}/{fmt(t['p90'])}/{fmt(t['p99'])}; "
+          f"TPOT ms p50/p90/p99 {fmt(p['p50'])}/{fmt(p['p90'])}/{fmt(p['p99'])}")
+    if baseline is not None:
+        print(f"LLM.generate on the same batch: {baseline['output_tokens_per_s']:.1f} output tok/s "
+              f"(server / generate = {row['serve_vs_generate']:.2f})")
+    if row["errors"]:
+        print("errors:", "; ".join(row["errors"]))
+    print(f"wrote {path}")
+    return 0 if row["failed"] == 0 else 1

@@ -1,0 +1,274 @@
+"""Flat GEMM for batched-decode linear layers (FlashDecoding++'s small-M GEMM) and the per-shape choice table.
+
+A decode step at batch M = 2..64 multiplies a flat (M, K) activation by an (N, K) weight: the weight read dominates
+(the problem is bandwidth-bound like the batch-1 GEMV) but M rows allow tensor cores. cuBLAS pads M up to a tile of
+64 or 128 rows and may launch too few programs for the N dimension. This kernel pads M only to BLOCK_M = 16 (the
+smallest tensor-core tile Triton's dot takes), splits N finely (BLOCK_N 32..128) so every SM streams weight rows,
+and lets Triton double-buffer the K loop (num_stages >= 2). The input goes through the same optional prologues as
+the batch-1 GEMV (flashdecode.engine.layers.gemv), applied per row with the same roundings:
+
+    PLAIN      Y = X W^T
+    SILU_MUL   Y = (silu(G) * U) W^T,       X = [G | U] (M, 2K)
+    RMSNORM    Y = norm(X) W^T
+    ADD_NORM   S = R + X; Y = norm(S) W^T   S stored to RES_OUT by the programs of the first N block
+
+Whether the flat GEMM or cuBLAS (torch.matmul) runs is a per-(M, N, K) decision measured on the device: the
+``ChoiceTable`` times both for the shapes a model has and keeps the flat GEMM only where it wins by a margin.
+benchmarks/probes/flat_gemm.py prints the same comparison as a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
+
+MAX_M = 64
+WIN_MARGIN = 0.97  # the flat GEMM must be at least 3% faster than cuBLAS to be chosen (timing noise)
+
+
+@triton.jit
+def _row_inv_rms(X, RES, offs_m, m_ok, stride_x, stride_r, K, eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr):
+    """1 / rms of each row of the (residual-added) input, float32 (BLOCK_M,)."""
+    sq = tl.zeros((BLOCK_M, NORM_BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, NORM_BLOCK):
+        offs = k0 + tl.arange(0, NORM_BLOCK)
+        mask = m_ok[:, None] & (offs < K)[None, :]
+        x = tl.load(X + offs_m[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
+        if PROLOGUE == 3:
+            r = tl.load(RES + offs_m[:, None] * stride_r + offs[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+    return tl.math.rsqrt(tl.sum(sq, axis=1) / K + eps)
+
+
+@triton.jit
+def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x, strides_r, stride_w, stride_out,
+                      eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    """OUT (M, N) = prologue(X) (M, K) @ W (N, K)^T; see the module docstring for PROLOGUE. strides_x / strides_r:
+    row strides of X and of RES / RES_OUT (the column stride is 1)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dt = X.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * strides_x
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    if PROLOGUE >= 2:
+        inv_rms = _row_inv_rms(X, RES, offs_m.to(tl.int64), m_ok, strides_x, strides_r, K, eps, PROLOGUE,
+                               BLOCK_M, NORM_BLOCK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+        if PROLOGUE == 1:  # SILU_MUL: the up half of each row sits K further
+            u = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            x = (act * u).to(dt)
+        if PROLOGUE == 3:  # ADD_NORM: the residual sum first (stored once, by the first N block)
+            r_off = offs_m.to(tl.int64)[:, None] * strides_r + offs_k[None, :]
+            r = tl.load(RES + r_off, mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            if STORE_RES:
+                if pid_n == 0:
+                    tl.store(RES_OUT + r_off, x, mask=x_mask)
+        if PROLOGUE >= 2:
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dt)
+            nw = tl.load(NORM_W + offs_k, mask=k_ok, other=0.0)
+            x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+    if HAS_BIAS:  # HF rounds the product before adding the bias
+        acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + \
+            tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = OUT + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatGemmConfig:
+    """Tile sizes and launch settings of one flat GEMM launch."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(m: int, n: int, k: int) -> FlatGemmConfig:
+    """A starting point before measurement: narrow N tiles when N is small so every SM gets weight rows."""
+    return FlatGemmConfig(block_n=32 if n <= 4096 else 64, block_k=128, num_warps=4, num_stages=3)
+
+
+def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = PLAIN,
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              config: FlatGemmConfig | None = None):
+    """M tokens through a linear layer (M <= 64).
+
+    x: (M, K) activations (SILU_MUL: (M, 2K) = [gate | up]), unit stride along K. weight (N, K) row-major, bias
+    (N,), in x's dtype. residual (M, K) for ADD_NORM (unit stride along K), norm_weight (K,) for RMSNORM/ADD_NORM.
+    Returns Y (M, N) in x's dtype, and for ADD_NORM also the new residual stream (M, K) = residual + x (a new
+    tensor; ``residual`` is not modified).
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("x and weight must be tensors")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be a row-major (N, K) tensor, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    width = 2 * k if prologue == SILU_MUL else k
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"x must be (M, {width}) with unit stride along its last dim, got {tuple(x.shape)}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x must have 1..{MAX_M} rows (the flat GEMM is for decode batches), got {m}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}"
+                        f"{'' if bias is None else f', {bias.dtype}'}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
+    if prologue not in (PLAIN, SILU_MUL, RMSNORM, ADD_NORM):
+        raise ValueError(f"prologue must be PLAIN, SILU_MUL, RMSNORM or ADD_NORM, got {prologue!r}")
+    if prologue in (RMSNORM, ADD_NORM) and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"the norm prologues need a ({k},) norm_weight")
+    if prologue == ADD_NORM and (residual is None or residual.shape != (m, k) or residual.stride(1) != 1):
+        raise ValueError(f"ADD_NORM needs an ({m}, {k}) residual with unit stride along its last dim")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
+    res = residual if prologue == ADD_NORM else x
+    cfg = config or default_config(m, n, k)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, 16))
+    _flat_gemm_kernel[grid](
+        x, res, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, out,
+        res_out, m, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, STORE_RES=prologue == ADD_NORM, BLOCK_M=16,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 1024),
+        # float32 models get float32 products (no TF32 rounding); half types use the tensor cores as they are
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (out, res_out) if prologue == ADD_NORM else out
+
+
+# ------------------------------------------------------------------------------------------------ choice table
+CANDIDATE_CONFIGS = tuple(FlatGemmConfig(bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
+                          for w in (4, 8) for s in (2, 3, 4) if not (bn == 128 and bk == 256 and s == 4))
+# a handful of configs for measuring at engine start (the full CANDIDATE_CONFIGS sweep is the probe's)
+QUICK_CONFIGS = (FlatGemmConfig(32, 128, 4, 3), FlatGemmConfig(64, 128, 4, 3), FlatGemmConfig(64, 256, 8, 3),
+                 FlatGemmConfig(128, 128, 8, 3), FlatGemmConfig(32, 256, 4, 4))
+M_BUCKETS = (2, 4, 8, 16, 32, 64)
+
+
+def m_bucket(m: int) -> int:
+    """The measured batch size a decode batch of ``m`` rows uses (the next bucket up, as the CUDA graphs pad)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    raise ValueError(f"m must be <= {M_BUCKETS[-1]}, got {m}")
+
+
+def rotated_graph_timer(fns: list[Callable[[], object]]) -> float:
+    """Median microseconds per call, CUDA-graph replays cycling through ``fns`` (one per weight copy, together
+    beyond L2, so no call finds its weight in L2 - as in a decode step, where each layer's weight is read once)."""
+    from flashdecode.bench.timing import cuda_graph_time_us
+
+    return cuda_graph_time_us(fns)
+
+
+@dataclasses.dataclass
+class Choice:
+    """The measured winner of one (M bucket, N, K): "flat" (with its config) or "cublas", and both times (us)."""
+
+    kernel: str
+    config: FlatGemmConfig | None
+    flat_us: float
+    cublas_us: float
+
+
+class ChoiceTable:
+    """Per-(M bucket, N, K) choice between the flat GEMM and cuBLAS, measured on the device.
+
+    ``measure`` times, for each shape, cuBLAS (torch.matmul through F.linear) and every candidate flat-GEMM config
+    (``configs``), and keeps the flat GEMM only where its best config beats cuBLAS by WIN_MARGIN. ``timer`` takes
+    one closure per weight copy and returns microseconds per call; it is injectable (tests), the default is
+    rotated_graph_timer.
+    """
+
+    def __init__(self):
+        self.choices: dict[tuple[int, int, int], Choice] = {}
+
+    def choose(self, m: int, n: int, k: int) -> FlatGemmConfig | None:
+        """The flat-GEMM config to use for this shape, or None for cuBLAS (also for unmeasured shapes)."""
+        if not 2 <= m <= MAX_M:
+            return None
+        choice = self.choices.get((m_bucket(m), n, k))
+        return choice.config if choice is not None and choice.kernel == "flat" else None
+
+    def measure(self, shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device, *,
+                m_values: Iterable[int] = M_BUCKETS, configs: Iterable[FlatGemmConfig] = CANDIDATE_CONFIGS,
+                timer: Callable[[list[Callable[[], object]]], float] | None = None,
+                copies: int | None = None) -> "ChoiceTable":
+        """Measure every (m, n, k) for ``shapes`` = [(n, k), ...] (the model's linear layers) and m in m_values.
+        ``copies``: weight copies rotated per timing (default: enough to exceed L2 four times)."""
+        timer = timer or rotated_graph_timer
+        configs = tuple(configs)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for n, k in dict.fromkeys(shapes):
+            if copies is None:
+                from flashdecode.bench.timing import rotation_count
+
+                sets = rotation_count(n * k * torch.empty((), dtype=dtype).element_size())
+            else:
+                sets = copies
+            ws = [(torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype) for _ in range(sets)]
+            for m in m_values:
+                x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+                cublas = timer([lambda w=w: F.linear(x, w) for w in ws])
+                timed = [(timer([lambda w=w, c=c: flat_gemm(x, w, config=c) for w in ws]), c) for c in configs]
+                best_us, best = min(timed, key=lambda t: t[0])
+                wins = best_us < WIN_MARGIN * cublas
+                self.choices[(m_bucket(m), n, k)] = Choice("flat" if wins else "cublas", best if wins else None,
+                                                           best_us, cublas)
+        return self
+
+    def rows(self) -> list[dict]:
+        """The table as rows (M, N, K, kernel, flat us, cuBLAS us, speed-up, config)."""
+        return [{"M": m, "N": n, "K": k, "kernel": c.kernel, "flat_us": c.flat_us, "cublas_us": c.cublas_us,
+                 "speedup": c.cublas_us / c.flat_us, "config": dataclasses.asdict(c.config) if c.config else None}
+                for (m, n, k), c in sorted(self.choices.items())]
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [mod for mod in model.modules() if hasattr(mod, "shard_rows") and hasattr(mod, "choice_table")]
+
+
+def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(N, K) of every distinct weight of the model's linear layers (the shapes a choice table measures)."""
+    return list(dict.fromkeys(tuple(mod.weight.shape) for mod in _linears(model)))
+
+
+def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
+    """Let every linear layer of ``model`` consult ``table`` (None: cuBLAS everywhere again)."""
+    for mod in _linears(model):
+        mod.choice_table = table
+
+
+def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> "ChoiceTable":
+    """The choice table for a model's linears at the decode buckets up to ``max_batch`` (QUICK_CONFIGS)."""
+    top = m_bucket(min(max(2, max_batch), MAX_M))
+    m_values = [b for b in M_BUCKETS if b <= top]
+    return ChoiceTable().measure(linear_shapes(model), dtype, device, m_values=m_values, configs=QUICK_CONFIGS)

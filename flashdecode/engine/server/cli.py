@@ -1,0 +1,39 @@
+"""`flashdecode serve`: the engine as an OpenAI-compatible HTTP server.
+
+    flashdecode serve --model DIR --port 8000
+    curl localhost:8000/v1/chat/completions -d '{"model": "DIR", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from flashdecode.engine.cli import add_engine_arguments, build_llm
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, default_max_num_seqs=32)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: --model as given, or the config name)")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="sequences that may wait beyond max-num-seqs; more get 429")
+
+
+def run(args) -> int:
+    from flashdecode.engine.server.launch import run_server
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    llm = build_llm(args)
+    name = args.served_model_name or args.model or args.random_weights
+    logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
+    run_server(llm, name, args.host, args.port, args.max_queue,
+               log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
+    return 0

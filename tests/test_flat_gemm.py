@@ -1,0 +1,146 @@
+"""The flat GEMM for batched decode (flashdecode.engine.layers.flat_gemm) and its prologues against the PyTorch ops
+they replace (float64 reference, the FlashAttention error rule), and the per-shape choice table's decision rule.
+On the CPU the kernel runs in the Triton interpreter (fp16/fp32, small shapes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, HAS_CUDA
+from flashdecode.engine.layers import flat_gemm as fg
+from flashdecode.engine.layers.norm import RMSNorm
+from test_engine_gemv import _assert_linear_close, _rand
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
+SMALL = fg.FlatGemmConfig(block_n=32, block_k=64, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(2, 40, 96), (5, 64, 72), (17, 33, 128), (64, 32, 64)])
+def test_flat_gemm_plain_and_bias(dtype, m, n, k):
+    """Odd M (one row past a 16-row tile), N and K not multiples of the tiles: the masked paths."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, w, b = (_rand(m, k, dtype=dtype, gen=gen), _rand(n, k, dtype=dtype, gen=gen),
+               _rand(n, dtype=dtype, gen=gen))
+    _assert_linear_close(fg.flat_gemm(x, w, config=SMALL), x, w)
+    _assert_linear_close(fg.flat_gemm(x, w, b, config=SMALL), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flat_gemm_strided_rows(dtype):
+    """x a row-strided view (a slice of a wider buffer): strides are honoured, nothing else is read."""
+    gen = torch.Generator().manual_seed(7)
+    wide = _rand(6, 100, dtype=dtype, gen=gen)
+    x = wide[:, 10:90]
+    w = _rand(24, 80, dtype=dtype, gen=gen)
+    _assert_linear_close(fg.flat_gemm(x, w, config=SMALL), x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flat_gemm_prologues_match_the_ops_they_replace(dtype):
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 3, 24, 80
+    w = _rand(n, k, dtype=dtype, gen=gen)
+    gate_up = _rand(m, 2 * k, dtype=dtype, gen=gen, scale=2.0)
+    act = F.silu(gate_up[:, :k]) * gate_up[:, k:]
+    _assert_linear_close(fg.flat_gemm(gate_up, w, prologue=fg.SILU_MUL, config=SMALL), act, w)
+
+    norm = RMSNorm(k, 1e-5, dtype, DEVICE)
+    norm.weight.data.copy_(_rand(k, dtype=dtype, gen=gen))
+    x, res = _rand(m, k, dtype=dtype, gen=gen), _rand(m, k, dtype=dtype, gen=gen, scale=3.0)
+    _assert_linear_close(fg.flat_gemm(x, w, prologue=fg.RMSNORM, norm_weight=norm.weight, eps=1e-5, config=SMALL),
+                         norm(x), w)
+    h, s = norm(x, res)
+    res_before = res.clone()
+    y, s_out = fg.flat_gemm(x, w, prologue=fg.ADD_NORM, residual=res, norm_weight=norm.weight, eps=1e-5,
+                            config=SMALL)
+    assert torch.equal(s_out, s) and torch.equal(res, res_before)  # new residual, input untouched
+    _assert_linear_close(y, h, w)
+
+
+def test_flat_gemm_rejects_bad_inputs():
+    w = torch.zeros(8, 16, device=DEVICE)
+    for x, match in ((torch.zeros(65, 16, device=DEVICE), "rows"), (torch.zeros(2, 15, device=DEVICE), "x must"),
+                     (torch.zeros(2, 32, device=DEVICE)[:, ::2], "x must"),
+                     (torch.zeros(2, 16, device=DEVICE, dtype=torch.float16), "dtype")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fg.flat_gemm(x, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fg.flat_gemm(torch.zeros(2, 16, device=DEVICE), w, prologue=fg.RMSNORM)
+    with pytest.raises(ValueError, match="residual"):
+        fg.flat_gemm(torch.zeros(2, 16, device=DEVICE), w, prologue=fg.ADD_NORM, norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="prologue"):
+        fg.flat_gemm(torch.zeros(2, 16, device=DEVICE), w, prologue=9)
+
+
+def test_choice_table_keeps_the_flat_gemm_only_where_it_wins():
+    """A fake timer: cuBLAS costs 10 us; the flat GEMM 7 us for N = 64 and 9.9 us (inside the noise margin)
+    for N = 32. The table picks flat (with the faster config) only for N = 64, buckets M like the CUDA graphs,
+    and answers cuBLAS for M = 1, M > 64 and unmeasured shapes."""
+    configs = (fg.FlatGemmConfig(32, 64, 4, 2), fg.FlatGemmConfig(64, 64, 4, 2))
+
+    def timer(fns):
+        assert len(fns) == 2  # one closure per weight copy
+        fn = fns[0]
+        name = fn.__code__.co_names
+        if "linear" in name:
+            return 10.0
+        cfg = fn.__defaults__[1]
+        n = timer.n
+        return (7.0 if n == 64 else 9.9) + (0.5 if cfg.block_n == 32 else 0.0)
+
+    table = fg.ChoiceTable()
+    for n in (64, 32):
+        timer.n = n
+        table.measure([(n, 16)], torch.float32, "cpu", m_values=(2, 8), configs=configs, timer=timer,
+                      copies=2)
+    assert table.choose(2, 64, 16) == configs[1] and table.choose(7, 64, 16) == configs[1]
+    assert table.choose(2, 32, 16) is None
+    assert table.choose(1, 64, 16) is None and table.choose(65, 64, 16) is None
+    assert table.choose(32, 64, 16) is None  # bucket 32 not measured
+    rows = table.rows()
+    assert {(r["M"], r["N"], r["kernel"]) for r in rows} == {(2, 32, "cublas"), (8, 32, "cublas"),
+                                                            (2, 64, "flat"), (8, 64, "flat")}
+    assert all(abs(r["speedup"] - r["cublas_us"] / r["flat_us"]) < 1e-12 for r in rows)
+
+
+def test_linear_shapes_of_a_model():
+    from flashdecode.engine.config import named_config
+    from flashdecode.engine.models import model_class
+
+    cfg = named_config("llama3.2-1b", num_layers=1)
+    model = model_class(cfg)(cfg, torch.float32, "meta", max_positions=16)
+    shapes = set(fg.linear_shapes(model))
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)} <= shapes
+
+
+def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
+    """A choice table that picks the flat GEMM for every linear at batches 2..4: the engine's greedy tokens still
+    equal transformers', and the flat GEMM really ran (float32: IEEE products)."""
+    from engine_helpers import hf_greedy, hf_model, random_prompts, save_tiny
+    from flashdecode.engine import LLM, SamplingParams
+
+    path = save_tiny(tmp_path / "m", "llama")
+    calls = []
+    real = fg.flat_gemm
+    monkeypatch.setattr(fg, "flat_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    table = fg.ChoiceTable()
+    llm = LLM(path, device=DEVICE, dtype="float32", max_num_seqs=4, use_tqdm=False)
+    for n, k in fg.linear_shapes(llm.model):
+        for m in (2, 4):
+            table.choices[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
+    fg.install(llm.model, table)
+    prompts = random_prompts((4, 7, 3), seed=41)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
+    hf = hf_model(path)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in prompts]
+    assert calls and set(calls) <= {2, 3, 4}
+    with pytest.raises(ValueError, match="CUDA") if not HAS_CUDA else pytest.raises(TypeError):
+        LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=True if not HAS_CUDA else "yes")

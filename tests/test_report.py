@@ -1,0 +1,85 @@
+"""bench/report.py: every result record names its code and a command to paste, and its figure can be redrawn from
+the record alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from flashdecode.bench import report
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["/root/tree/flashdecode/__main__.py", "bench", "decode", "--out", "/root/out", "--quick"],
+     "python -m flashdecode bench decode --quick"),
+    (["/usr/bin/flashdecode", "bench", "e2e", "--out=/tmp/x", "--contexts", "512,4096"],
+     "python -m flashdecode bench e2e --contexts 512,4096"),
+    ([str(report.REPO_ROOT / "benchmarks/probes/stream.py"), "--contexts", "4096"],
+     "python -m benchmarks.probes.stream --contexts 4096"),
+])
+def test_user_command_is_pasteable_from_the_repository_root(argv, want):
+    assert report.user_command(argv) == want
+
+
+def test_write_json_records_commit_and_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/x/flashdecode/__main__.py", "bench", "prefill", "--out", str(tmp_path)])
+    path = report.write_json(tmp_path / "r.json", "prefill", {"device": "cpu"}, [{"a": 1}], {"peers": ["ours"]})
+    record = json.loads(path.read_text())
+    assert record["command"] == "python -m flashdecode bench prefill"
+    commit = report.git_commit()
+    assert record["git_commit"] == commit and (commit is None or len(commit.split("+")[0]) >= 7)
+    assert record["rows"] == [{"a": 1}] and record["peers"] == ["ours"]
+
+
+def test_best_peer_ignores_our_own_variants_and_missing_numbers():
+    record = {"peers": ["ours", "ours-pdl", "FA2", "cuDNN", "nd"]}
+    peers = report.external_peers(record)
+    assert peers == ["FA2", "cuDNN"]
+    assert report.best_peer({"ours": 1.0, "ours-pdl": 0.5, "FA2": 3.0, "cuDNN": None}, peers, True) == ("FA2", 3.0)
+    assert report.best_peer({"FA2": 300.0, "cuDNN": 400.0}, peers, False) == ("cuDNN", 400.0)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("matplotlib"), reason="matplotlib not installed")
+def test_decode_figure_is_drawn_from_the_record(tmp_path):
+    rows = [dict(sweep="ctx", batch=1, context=c, layout=layout, nheads=16, nheads_kv=2, headdim=128,
+                 floor_us=c / 3000, ours=2 + c / 2500, FA2=4 + c / 2000, FlashInfer=3 + c / 2400)
+            for layout in ("contig", "page16") for c in (512, 4096, 32768)]
+    record = {"kind": "decode", "env": {"device": "test"}, "peers": ["ours", "FA2", "FlashInfer"], "rows": rows}
+    path = report.plot_record(record, tmp_path / "d.png")
+    assert path is not None and path.stat().st_size > 10_000
+    assert report.plot_record({"kind": "unknown", "rows": []}, tmp_path / "u.png") is None
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, report.REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_page_is_built_from_latest_and_add_replaces_the_same_benchmark(tmp_path, monkeypatch):
+    md = _load_script("write_benchmarks_md")
+    rows = [dict(sweep="ctx", batch=1, context=c, layout="contig", nheads=16, nheads_kv=2, headdim=128,
+                 floor_us=c / 3000, ours=2 + c / 2500, FA2=4 + c / 2000, **{"ours_%floor": 50.0})
+            for c in (512, 4096, 32768)]
+    old = {"kind": "decode", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"}, "peers": ["ours", "FA2"],
+           "command": "/root/tree/flashdecode/__main__.py bench decode --out /root/out --quick", "rows": rows}
+    new = dict(old, env={"device": "test", "date": "2026-01-02 00:00 UTC"})
+    latest, runs = tmp_path / "latest", tmp_path / "runs"
+    runs.mkdir()
+    (runs / "decode_a.json").write_text(json.dumps(old))
+    (runs / "decode_b.json").write_text(json.dumps(new))
+    page = tmp_path / "benchmarks.md"
+    for name in ("decode_a.json", "decode_b.json"):  # the second run of the same benchmark replaces the first
+        monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page), "--add",
+                                          str(runs / name), "--commit", "abc1234"])
+        assert md.main() == 0
+    assert sorted(p.name for p in latest.glob("*.json")) == ["decode_b.json"]
+    record = json.loads((latest / "decode_b.json").read_text())
+    assert record["git_commit"] == "abc1234" and record["command"] == "python -m flashdecode bench decode --quick"
+    text = page.read_text()
+    assert "| 1.93x |" in text  # FA2 / ours at 512 tokens: (4 + 512 / 2000) / (2 + 512 / 2500)
+    assert md.benchmark_key(record) == "decode:contig"
