@@ -115,7 +115,7 @@ def main() -> int:
     out = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
-    from flashdecode.bench.timing import env_info
+    from flashdecode.timing import env_info
 
     env = env_info()
     print("env:", json.dumps(env))

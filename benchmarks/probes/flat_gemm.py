@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashdecode.bench.report import markdown_table  # noqa: E402
-from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count  # noqa: E402,E501
+from flashdecode.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count  # noqa: E402,E501
 from flashdecode.engine.config import named_config  # noqa: E402
 from flashdecode.engine.layers import flat_gemm as fg  # noqa: E402
 from flashdecode.engine.layers.gemv import gemv  # noqa: E402

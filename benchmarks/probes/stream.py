@@ -3,7 +3,7 @@
 Decode at batch 1 is a streaming read: the issue's floor is K/V bytes / copy bandwidth. This times Triton kernels
 that read exactly those bytes the way stage 1 does (host tensor descriptors, a (kv head, split) grid, BLOCK_N-key
 tiles, a pipelined loop) and do (a) nothing but sum the tiles, (b) stage 1's two dot products without the
-softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond L2 (bench.timing) - the same method as
+softmax, or (c) with it, as CUDA-graph replays with the K/V sets rotated beyond L2 (flashdecode.timing) - the same method as
 ``flashdecode bench decode``. No merge, no partial outputs: what is left above the floor is the launch, the first
 loads' latency and the tail of the slowest program, i.e. what no split-KV design built from such loops can avoid.
 The paged variants read the same bytes with pointer loads through a block table of 16-key pages, in memory order
@@ -582,7 +582,7 @@ TORCH_VARIANTS = ["torch copy", "torch sum"]
 
 def main() -> int:
     from flashdecode.bench.report import result_stem, write_json
-    from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,32768,65536,131072")

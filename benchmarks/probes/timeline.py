@@ -286,7 +286,7 @@ def _gaps(times: torch.Tensor, order: list[int]) -> list[float]:
 def main() -> int:
     from flashdecode.bench.report import result_stem, write_json
     from benchmarks.probes.stream import _sets
-    from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="32768,131072")

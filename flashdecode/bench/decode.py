@@ -188,7 +188,7 @@ def _kv_bytes(context_lens, nheads_kv, headdim, elem):
 
 
 def bench_point(sweep, batch, context_lens, shape, page_size, peers, reps, bandwidth, gen) -> dict:
-    from flashdecode.bench.timing import cuda_graph_time_us, rotation_count
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
 
     dtype = torch.bfloat16
     kv_bytes = _kv_bytes(context_lens, shape["nheads_kv"], shape["headdim"], 2)
@@ -517,7 +517,7 @@ def _tune(args, bandwidth, env) -> int:
     """Time our kernel (DecodePlan path) under each TUNE_VARIANTS config; prints a table, writes decodetune_*.json."""
     from flashdecode import heuristics
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
-    from flashdecode.bench.timing import cuda_graph_time_us, rotation_count
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
 
     base_cfg = heuristics.decode_block_config
     base_attrs = {name: getattr(heuristics, name) for _, _, attrs, _ in TUNE_VARIANTS for name in attrs}
@@ -576,7 +576,7 @@ def _tune(args, bandwidth, env) -> int:
 
 def run(args) -> int:
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
-    from flashdecode.bench.timing import copy_bandwidth_bytes_per_s, env_info
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     if not torch.cuda.is_available():
         print("bench decode needs a CUDA GPU")

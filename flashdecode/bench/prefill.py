@@ -171,7 +171,7 @@ BACKWARD_ONLY = {"nd", "bwdtma", "bwdptr"}  # variants that change only the back
 
 def _time_peer(name, q, k, v, causal, mode, rep_ms):
     """Median ms of one peer, or (None, reason)."""
-    from flashdecode.bench.timing import do_bench_ms
+    from flashdecode.timing import do_bench_ms
 
     if mode == "fwd+bwd" and name in FORWARD_ONLY:
         return None, "forward only"
@@ -278,7 +278,7 @@ def _plots(out_dir, stem, rows, peers) -> list[str]:
 
 def run(args) -> int:
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
-    from flashdecode.bench.timing import env_info, matmul_flops_per_s
+    from flashdecode.timing import env_info, matmul_flops_per_s
 
     if not torch.cuda.is_available():
         print("bench prefill needs a CUDA GPU")

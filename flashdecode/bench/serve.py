@@ -203,7 +203,7 @@ def run(args) -> int:
         baseline = generate_baseline(llm, prompts, args.output_len)
         result["generate_output_tokens_per_s"] = baseline["output_tokens_per_s"]
         result["serve_vs_generate"] = result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
-    from flashdecode.bench.timing import env_info
+    from flashdecode.timing import env_info
 
     env = env_info()
     row = {k: v for k, v in result.items() if not k.endswith("_all")}

@@ -15,6 +15,9 @@ Backends ("flashdecode" is the default on CUDA, "torch" on the CPU):
 The K/V write is a plain index_copy_ into the flattened page pool (slot = page * page_size + offset) for every
 backend: one kernel, no host sync, so it sits inside the decode CUDA graph; padded graph rows write to a scratch
 page that no sequence owns.
+
+ContextParallelBackend wraps flashdecode or torch for context parallelism: decode attends this rank's pages and
+merges the context-parallel group's (out, lse) partial states (flashdecode.distributed.StateExchange).
 """
 
 from __future__ import annotations
@@ -109,9 +112,14 @@ class TorchBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta):
-        out, _ = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
+        return self.decode_with_lse(q, k_cache, v_cache, meta)[0]
+
+    def decode_with_lse(self, q, k_cache, v_cache, meta, out=None):
+        """decode() (into ``out`` when given) and its lse float32 (batch, nheads) (context parallelism merges
+        these)."""
+        o, lse = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
                                       window_size=self.window_size)
-        return out
+        return (o if out is None else out.copy_(o)), lse.float()
 
 
 def _one_query_each(q: torch.Tensor) -> torch.Tensor:
@@ -256,9 +264,14 @@ class FlashDecodeBackend(AttentionBackend):
         return plan
 
     def decode(self, q, k_cache, v_cache, meta):
+        return self.decode_with_lse(q, k_cache, v_cache, meta, return_lse=False)
+
+    def decode_with_lse(self, q, k_cache, v_cache, meta, out=None, return_lse: bool = True):
+        """decode() (into ``out`` when given) and (return_lse) its lse float32 (batch, nheads) (context
+        parallelism merges these)."""
         plan = self._plan(q, k_cache, meta.block_tables)
         return plan.run(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
-                        window_size=self.window_size)
+                        window_size=self.window_size, return_lse=return_lse, out=out)
 
 
 class FlashDecodeNoSplitBackend(FlashDecodeBackend):
@@ -266,6 +279,51 @@ class FlashDecodeNoSplitBackend(FlashDecodeBackend):
 
     def __init__(self, window_left: int = -1):
         super().__init__(window_left, num_splits=1)
+
+
+class ContextParallelBackend(AttentionBackend):
+    """Decode over a KV cache whose pages are dealt across a context-parallel group: the inner backend attends
+    this rank's pages (meta.context_lens = this rank's token counts, 0 allowed) and returns (out, lse); one
+    collective merges the group's states exactly. Prefill and the K/V write are the inner backend's (a prefill
+    attends the step's own K/V, which every rank computes whole).
+
+    The exchange buffers are made on the first decode of a (heads, headdim, dtype) - the warm-up before a CUDA
+    graph capture, which also creates the NCCL communicator - so captured steps allocate nothing.
+    """
+
+    def __init__(self, inner: AttentionBackend, group, max_rows: int):
+        super().__init__(inner.window_size[0])
+        if not hasattr(inner, "decode_with_lse"):
+            raise ValueError(f"context_parallel_size > 1 needs attn_backend 'flashdecode', 'flashdecode-nosplit' or "
+                             f"'torch' (decode with lse), got {inner.name!r}")
+        if inner.window_size[0] >= 0:
+            raise ValueError("context_parallel_size > 1 does not support sliding windows")
+        self.inner, self.group, self.max_rows = inner, group, max_rows
+        self.name, self.supports_cuda_graphs = inner.name, inner.supports_cuda_graphs
+        self.exchanges: dict[tuple, object] = {}
+
+    def write_kv(self, k_cache, v_cache, k, v, meta):
+        self.inner.write_kv(k_cache, v_cache, k, v, meta)
+
+    def prefill(self, q, k, v, meta):
+        return self.inner.prefill(q, k, v, meta)
+
+    def prefill_last(self, q, k, v, meta):
+        return self.inner.prefill_last(q, k, v, meta)
+
+    def _exchange(self, q):
+        from flashdecode.distributed.exchange import StateExchange
+
+        key = (q.shape[1], q.shape[2], q.dtype)
+        if key not in self.exchanges:
+            self.exchanges[key] = StateExchange(self.max_rows, q.shape[1], q.shape[2], q.dtype, q.device,
+                                                group=self.group)
+        return self.exchanges[key]
+
+    def decode(self, q, k_cache, v_cache, meta):
+        out, _ = self._exchange(q).merge_local(
+            q.shape[0], lambda send: self.inner.decode_with_lse(q, k_cache, v_cache, meta, out=send))
+        return out  # a view of the exchange's buffer: consumed by o_proj before the next layer's exchange
 
 
 _CLASSES = {c.name: c for c in (FlashDecodeBackend, FlashDecodeNoSplitBackend, SdpaBackend, EagerBackend,

@@ -3,6 +3,7 @@
     flashdecode generate --model DIR --prompt "Hello" --max-tokens 32
     flashdecode generate --model DIR --chat --prompt "Tell me a joke"
     flashdecode generate --random-weights llama3-8b --layers 4 --prompt-len 512 --max-tokens 64
+    flashdecode generate --model DIR --prompt "Hello" --tp 2 --cp 2     # 4 local ranks (or under torchrun)
 
 The engine options (add_engine_arguments / build_llm) are shared with `flashdecode serve`.
 """
@@ -66,7 +67,8 @@ def build_llm(args, max_model_len: int | None = None):
     return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
-               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm)
+               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm,
+               tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (and of --prompt-len's prompt)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads / MLP columns sharded)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks (KV pages of each sequence spread)")
 
 
 def parse_prompt(text: str, has_tokenizer: bool) -> str | list[int]:
@@ -118,6 +122,12 @@ def _prompt(args, llm) -> str | list[int]:
 def run(args) -> int:
     from flashdecode.engine import SamplingParams
 
+    if args.tp * args.cp > 1:  # spawn the ranks (each runs this command), or go on as one of them (torchrun)
+        from flashdecode.distributed.launch import main_on_ranks
+
+        code = main_on_ranks(run, args, args.tp * args.cp)
+        if code is not None:
+            return code
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt")
     if args.prompt is not None and not args.chat:

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
-from flashdecode.engine.kv_cache import BlockManager, bytes_per_page
+from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner
@@ -116,12 +117,16 @@ class LLM:
         flat_gemm: True = measure, at start (CUDA only; seconds), the flat GEMM against cuBLAS for every linear
             shape at the decode batch buckets and use it where it wins (flashdecode.engine.layers.flat_gemm);
             or a ready ChoiceTable. Default off.
+        tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
+            that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
+            (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.
     """
 
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False):
+                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False,
+                 tensor_parallel_size: int = 1, context_parallel_size: int = 1):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -133,6 +138,7 @@ class LLM:
                              f"is then used) or pass device='cpu'")
         t_start = time.perf_counter()
         self.dtype = resolve_dtype(dtype, self.device)
+        self.parallel = ParallelState.create(ParallelConfig(tensor_parallel_size, context_parallel_size), self.device)
         if prebuilt is not None:
             self.config, self.model_dir = prebuilt.config, None
         elif isinstance(model, ModelConfig):
@@ -165,7 +171,8 @@ class LLM:
                 raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's rotary table "
                                  f"({table.shape[0]} positions)")
         else:
-            self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len)
+            self.model = model_class(cfg)(cfg, self.dtype, self.device, max_positions=self.max_model_len,
+                                          parallel=self.parallel)
             if self.model_dir is None:
                 self.model.init_random_(seed)
             else:
@@ -176,16 +183,17 @@ class LLM:
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (self.tokenizer.eos_token_ids
                                                                       if self.tokenizer is not None else ())))
 
-        page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
+        page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads, cfg.head_dim,
                                     self.dtype)
         self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
-        num_pages = self._num_pages(kv_cache_memory, page_bytes, page_size, max_num_seqs)
-        self.block_manager = BlockManager(num_pages, page_size)
+        num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
+                                                                  max_num_seqs))
+        self.block_manager = make_block_manager(num_pages, page_size, self.parallel.cp_size, self.parallel.cp_rank)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.scheduler_tokens, self.max_model_len)
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                                  dtype=self.dtype, use_cuda_graphs=use_graphs)
+                                  dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel)
         logger.info("engine ready in %.1f s: %s, %d layers, %s on %s, attention %s, %d KV pages of %d tokens, "
                     "CUDA graphs %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
@@ -325,7 +333,8 @@ class LLM:
             if lp is not None:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[tok]
-        finished = self.scheduler.postprocess(seqs, result.tokens)
+        # parallel ranks continue with rank 0's draws (its logprobs above are of its own draw)
+        finished = self.scheduler.postprocess(seqs, self.parallel.agree_tokens(result.tokens))
         for seq in seqs:
             if seq.params.stop and seq.detokenizer is not None and self._check_stop_strings(seq):
                 finished.append(seq)

@@ -7,14 +7,22 @@ write their K/V there. The step inputs go through one pinned host buffer and one
 block table is copied incrementally (only the pages it gained since the last step, and only on steps where some
 row gained one), so a 128k-token context does not cost a host-side rebuild per token. The GPU idles while the host
 prepares a step, so this path is kept free of per-element torch calls. The greedy argmax runs inside the graph.
+
+Parallel ranks (``parallel``): the pool holds this rank's KV heads; under context parallelism it holds this rank's
+pages of every sequence (logical pages r, r + cp, ... of rank r, flashdecode.engine.kv_cache), a token is written
+by its page's owner only (the other ranks write it to the scratch page), the decode lengths are the rank's local
+token counts, and decode attention goes through ContextParallelBackend (partial states merged over the group).
+A prefill runs whole on every rank of a context-parallel group (its attention reads the step's own K/V, not the
+cache) and each rank keeps its pages.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
-from flashdecode.engine.kv_cache import allocate_pool
+from flashdecode.distributed.groups import ParallelState
+from flashdecode.engine.attention import AttentionBackend, AttentionMetadata, ContextParallelBackend
+from flashdecode.engine.kv_cache import allocate_pool, cp_local_length
 from flashdecode.engine.scheduler import Sequence
 
 
@@ -28,16 +36,22 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, *, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_seqs: int, device, dtype: torch.dtype, use_cuda_graphs: bool):
+                 max_num_seqs: int, device, dtype: torch.dtype, use_cuda_graphs: bool,
+                 parallel: ParallelState | None = None):
         cfg = model.config
         self.model, self.backend, self.device = model, backend, torch.device(device)
         self.page_size, self.num_pages, self.max_model_len = page_size, num_pages, max_model_len
-        self.pool = allocate_pool(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads,
-                                  cfg.head_dim, dtype, device)
+        self.parallel = parallel or ParallelState.single()
+        self.cp_size, self.cp_rank = self.parallel.cp_size, self.parallel.cp_rank
+        self.buckets = batch_buckets(max_num_seqs)
+        if self.cp_size > 1:
+            self.backend = ContextParallelBackend(backend, self.parallel.cp_group, max_rows=self.buckets[-1])
+        self.pool = allocate_pool(cfg.num_hidden_layers, num_pages, page_size,
+                                  getattr(model, "cache_kv_heads", cfg.num_key_value_heads), cfg.head_dim, dtype,
+                                  device)
         self.kv_caches = [(self.pool[0, l], self.pool[1, l]) for l in range(cfg.num_hidden_layers)]
         self.scratch_page = num_pages  # the pool's extra page
         self.dynamic_rope = cfg.rope.rope_type == "dynamic"
-        self.buckets = batch_buckets(max_num_seqs)
         self.max_pages = -(-max_model_len // page_size)
         self._init_decode_buffers(self.buckets[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -45,7 +59,7 @@ class ModelRunner:
         if use_cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device (use enforce_eager=True elsewhere)")
-            if not backend.supports_cuda_graphs:
+            if not self.backend.supports_cuda_graphs:
                 raise ValueError(f"attention backend {backend.name!r} cannot run inside CUDA graphs")
             self.capture_graphs()
 
@@ -90,8 +104,14 @@ class ModelRunner:
         positions = [len(seq) - 1 for seq in seqs]  # the newest token is not in the cache yet
         step[0, :n] = [seq.token_ids[-1] for seq in seqs]
         step[1, :n] = positions
-        step[2, :n] = [table[p // ps] * ps + p % ps for table, p in zip(tables, positions)]
-        step[3, :n] = [p + 1 for p in positions]
+        if self.cp_size == 1:
+            step[2, :n] = [table[p // ps] * ps + p % ps for table, p in zip(tables, positions)]
+            step[3, :n] = [p + 1 for p in positions]
+        else:  # this rank's share: the new token's slot if it owns that page, its local token count
+            cp, r, scratch = self.cp_size, self.cp_rank, self.scratch_page * ps
+            step[2, :n] = [table[p // ps // cp] * ps + p % ps if (p // ps) % cp == r else scratch
+                           for table, p in zip(tables, positions)]
+            step[3, :n] = [cp_local_length(p + 1, ps, cp, r) for p in positions]
         if bs > n:  # padding rows: one token on the scratch page
             step[:, n:bs] = ((0,), (0,), (self.scratch_page * ps,), (1,))
         dirty_from = None  # first block-table column written this step
@@ -174,11 +194,8 @@ class ModelRunner:
         ps = self.page_size
         if tables is None:
             slots = torch.full((total,), self.scratch_page * ps, dtype=torch.int64)
-        else:  # slot of position p: page table[p // ps], offset p % ps
-            pages = torch.cat([torch.tensor(t, dtype=torch.int64)[:-(-n // ps)] for t, n in zip(tables, seqlens)])
-            page_starts = torch.repeat_interleave(
-                torch.cumsum(torch.tensor([0] + [-(-n // ps) for n in seqlens[:-1]]), 0), lens)
-            slots = pages[page_starts + positions // ps] * ps + positions % ps
+        else:
+            slots = self._prefill_slots(tables, lens, positions)
         dev = self.device
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=slots.to(dev), cu_seqlens=cu.to(torch.int32).to(dev),
@@ -186,6 +203,20 @@ class ModelRunner:
             rope_lens=torch.repeat_interleave(lens, lens).to(dev) if self.dynamic_rope else None)
         ids = torch.tensor([tok for t in token_lists for tok in t], dtype=torch.int64).to(dev)
         return ids, positions.to(dev), meta, (cu[1:] - 1).to(dev)
+
+    def _prefill_slots(self, tables: list[list[int]], lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int64 (tokens,) page slots of packed prompts: position p of a sequence goes to its logical page
+        j = p // ps, which this rank stores as table[j // cp] when j % cp == cp_rank (always without context
+        parallelism), offset p % ps; tokens of the other ranks' pages go to the scratch page."""
+        ps, cp = self.page_size, self.cp_size
+        pages = torch.cat([torch.tensor(t, dtype=torch.int64) for t in tables]
+                          + [torch.tensor([self.scratch_page], dtype=torch.int64)])  # last entry: the scratch page
+        table_starts = torch.repeat_interleave(
+            torch.cumsum(torch.tensor([0] + [len(t) for t in tables[:-1]], dtype=torch.int64), 0), lens)
+        logical = positions // ps
+        mine = logical % cp == self.cp_rank
+        index = torch.where(mine, table_starts + logical // cp, torch.full_like(logical, pages.shape[0] - 1))
+        return pages[index] * ps + torch.where(mine, positions % ps, torch.zeros_like(positions))
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:

@@ -184,7 +184,7 @@ def m_bucket(m: int) -> int:
 def rotated_graph_timer(fns: list[Callable[[], object]]) -> float:
     """Median microseconds per call, CUDA-graph replays cycling through ``fns`` (one per weight copy, together
     beyond L2, so no call finds its weight in L2 - as in a decode step, where each layer's weight is read once)."""
-    from flashdecode.bench.timing import cuda_graph_time_us
+    from flashdecode.timing import cuda_graph_time_us
 
     return cuda_graph_time_us(fns)
 
@@ -229,7 +229,7 @@ class ChoiceTable:
         gen = torch.Generator(device=device).manual_seed(0)
         for n, k in dict.fromkeys(shapes):
             if copies is None:
-                from flashdecode.bench.timing import rotation_count
+                from flashdecode.timing import rotation_count
 
                 sets = rotation_count(n * k * torch.empty((), dtype=dtype).element_size())
             else:

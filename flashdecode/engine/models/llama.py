@@ -7,6 +7,10 @@ says which HF tensor goes to which shard, and the loader reads it.
 Activations are flat over tokens: input_ids (tokens,), a prefill packs many prompts, a decode step has one token
 per sequence. Attention is delegated to an attention backend (flashdecode.engine.attention) with the per-step
 metadata and each layer's paged K/V cache.
+
+Tensor parallelism (``parallel``, a flashdecode.distributed.ParallelState): each rank builds the layers with its
+heads and MLP columns only (column-parallel qkv / gate_up keeping their rows of the HF tensors, row-parallel o_proj
+/ down_proj ending in the group's all-reduce); norms, embeddings and the LM head are replicated.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from torch import nn
 from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
 from flashdecode.engine.config import ModelConfig
 from flashdecode.engine.layers import fused, gemv
-from flashdecode.engine.layers.linear import Linear, MergedLinear
+from flashdecode.distributed.groups import ParallelState
+from flashdecode.engine.layers.linear import Linear, MergedLinear, RowParallelLinear
 from flashdecode.engine.layers.norm import RMSNorm
 from flashdecode.engine.layers.rotary import RotaryEmbedding
 
@@ -32,14 +37,28 @@ PACKED_MODULES = {
 }
 
 
+def _output_projection(in_features: int, out_features: int, bias: bool, dtype, device, take_cols: tuple[int, int],
+                       parallel: ParallelState):
+    """o_proj / down_proj: a plain Linear on one rank, row-parallel (+ all-reduce) under tensor parallelism."""
+    if parallel.tp_size == 1:
+        return Linear(in_features, out_features, bias, dtype, device)
+    return RowParallelLinear(in_features, out_features, bias, dtype, device, take_cols=take_cols, parallel=parallel)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
         super().__init__()
-        self.nheads, self.nheads_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                     cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
-        self.splits = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        d = self.head_dim = cfg.head_dim
+        q0, q1 = parallel.shard(cfg.num_attention_heads)
+        k0, k1 = parallel.kv_head_shard(cfg.num_key_value_heads)
+        self.nheads, self.nheads_kv = q1 - q0, k1 - k0  # this rank's heads
+        q_size, kv_size = self.nheads * d, self.nheads_kv * d
+        take = {"q": (q0 * d, q1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)} if parallel.tp_size > 1 else None
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias, dtype,
+                                     device, take_rows=take)
+        self.o_proj = _output_projection(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, (q0 * d, q1 * d),
+                                         parallel)
+        self.splits = (q_size, kv_size, kv_size)
         self.fused_rope = fused.rope_supported(cfg.head_dim)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
@@ -59,7 +78,7 @@ class Attention(nn.Module):
             o = backend.decode(q, k_cache, v_cache, meta)
         o = o.reshape(tokens, self.nheads * self.head_dim)
         if use_gemv:
-            return gemv.gemv(o, self.o_proj.weight, self.o_proj.bias)
+            return self.o_proj.finish(gemv.gemv(o, self.o_proj.weight, self.o_proj.local_bias))
         return self.o_proj(o)
 
     def forward_last_rows(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
@@ -90,12 +109,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
         super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, False, dtype, device)
-        self.down_proj = Linear(i, cfg.hidden_size, False, dtype, device)
-        self.intermediate_size = i
+        i0, i1 = parallel.shard(cfg.intermediate_size)
+        i = self.intermediate_size = i1 - i0  # this rank's columns
+        take = {"gate": (i0, i1), "up": (i0, i1)} if parallel.tp_size > 1 else None
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, False, dtype, device, take_rows=take)
+        self.down_proj = _output_projection(cfg.intermediate_size, cfg.hidden_size, False, dtype, device, (i0, i1),
+                                            parallel)
 
     def forward(self, x, use_fused: bool = False):
         gate_up = self.gate_up_proj(x)
@@ -106,12 +127,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, parallel)
 
     def forward(self, x, residual, positions, rotary, meta, kv_cache, backend, use_fused: bool):
         """Residual-stream form of HF's block: returns (mlp output, residual) with residual + output = HF's layer
@@ -153,29 +174,34 @@ class DecoderLayer(nn.Module):
         gate_up, residual = gemv.gemv(h, mlp.gate_up_proj.weight, prologue=gemv.ADD_NORM, residual=residual,
                                       norm_weight=self.post_attention_layernorm.weight,
                                       eps=self.post_attention_layernorm.eps)
-        return gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL), residual
+        return mlp.down_proj.finish(gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                                              device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, parallel) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``max_positions`` sizes the rotary table (positions beyond it are rejected upstream)."""
+    """The whole model. ``max_positions`` sizes the rotary table (positions beyond it are rejected upstream);
+    ``parallel`` (default: one rank) says which heads / MLP columns this rank holds."""
 
     PACKED_MODULES = PACKED_MODULES
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int,
+                 parallel: ParallelState | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, device)
+        self.parallel = parallel or ParallelState.single()
+        self.parallel.config.check_model(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                                         cfg.sliding_window)
+        self.model = LlamaModel(cfg, dtype, device, self.parallel)
         # fused Triton elementwise kernels (norm+residual, rope+KV write, silu*mul): on CUDA by default
         self.use_fused = torch.device(device).type == "cuda"
         # single-token steps (batch-1 decode) through the Triton GEMV with fused norm/silu prologues
@@ -185,6 +211,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads this rank's cache stores (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.nheads_kv if len(self.model.layers) else self.config.num_key_value_heads
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

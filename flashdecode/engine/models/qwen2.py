@@ -8,7 +8,7 @@ from flashdecode.engine.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg, dtype, device, max_positions: int):
+    def __init__(self, cfg, dtype, device, max_positions: int, parallel=None):
         if not cfg.qkv_bias or cfg.o_bias:
             raise ValueError("qwen2 needs qkv bias and no o_proj bias (config.qkv_bias=True, o_bias=False)")
-        super().__init__(cfg, dtype, device, max_positions)
+        super().__init__(cfg, dtype, device, max_positions, parallel)

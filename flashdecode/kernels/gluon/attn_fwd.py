@@ -1,0 +1,409 @@
+"""Warp-specialised Hopper (sm_90) attention forward in Gluon, after FlashAttention-3's structure.
+
+A tile is ``NUM_CONSUMERS * 64`` query rows of one (batch, head); it walks that head's keys in blocks of
+``BLOCK_N``. A CTA takes one tile, or (persistent) tiles program_id, program_id + num_programs, ... Its warps are
+split into partitions (``gl.warp_specialize``), each with its own register budget (setmaxnreg):
+
+- a producer warp issues TMA loads: each tile's Q rows, then K and V blocks into a ring of ``NUM_STAGES``
+  shared-memory slots. Each slot has a ``k_ready`` / ``v_ready`` mbarrier (TMA completes them by byte count) and a
+  ``kv_empty`` mbarrier that every consumer warpgroup arrives on once it no longer reads the slot; the ring runs on
+  across a persistent CTA's tiles.
+- ``NUM_CONSUMERS`` consumer warpgroups (4 warps each, the first is the default partition) each own 64 query rows:
+  async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded into one
+  multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
+  Two warpgroups per CTA already interleave on their own: while one runs its softmax the other's wgmma keeps the
+  tensor cores busy.
+- Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``OVERLAP`` (FA3's intra-warpgroup
+  overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
+  than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
+  loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
+  named barriers) gave -7% to +2%. Both stay selectable for the probe.
+
+Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
+straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
+keys take the masked one. Rows that see no key give out = 0 and lse = -inf.
+
+Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
+  q: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` (TMA block [64, HEAD_DIM])
+  k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) same dtype behind ``k_desc``/``v_desc`` (block [BLOCK_N, HEAD_DIM])
+  out: (batch, seqlen_q, nheads, HEAD_DIM) same dtype; lse: (batch, nheads, seqlen_q) float32, natural log.
+Rows a TMA tile reads past a sequence's end belong to the next sequence (or are zero past the tensor): the key
+mask hides them and the output store skips them.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+
+LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """Accumulator layout of a 64 x n wgmma over one warpgroup (instruction n = the whole tile width, k = 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _store_layout(head_dim):
+    """Row-major blocked layout for the output store: 8 contiguous elements (16 bytes) per thread."""
+    cols = head_dim // 8
+    cols = 32 if cols > 32 else cols
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // cols, cols], warps_per_cta=[4, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Which rows tile ``tile`` owns and which key blocks it visits.
+
+    Tiles are numbered head-major (all query blocks of one (batch, head) are consecutive, so CTAs that run at the
+    same time share that head's K/V in L2); causal heads visit their query blocks heaviest (last rows) first, so
+    the light tiles fill the tail of a persistent schedule.
+    Returns (batch, head, m_start, n_full_end, n_end): keys [0, n_full_end) need no mask for any of the tile's rows,
+    keys [n_full_end, n_end) are the masked blocks (diagonal and/or the ragged end); both multiples of BLOCK_N."""
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    bh = tile // num_m
+    pid_m = tile % num_m
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m
+    batch = bh // NUM_HEADS
+    head = bh % NUM_HEADS
+    m_start = pid_m * BLOCK_M
+    n_end = seqlen_k
+    full_keys = seqlen_k
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q
+        n_end = gl.minimum(seqlen_k, gl.maximum(m_start + BLOCK_M + shift, 0))
+        full_keys = gl.minimum(seqlen_k, gl.maximum(m_start + shift + 1, 0))
+    n_end = gl.cdiv(n_end, BLOCK_N) * BLOCK_N
+    n_full_end = (full_keys // BLOCK_N) * BLOCK_N
+    return batch, head, m_start, n_full_end, n_end
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: for each of the CTA's tiles, TMA loads of its Q rows (once the consumers have released the
+    previous tile's) and of every visited K/V block into the slot ring. The ring runs on across tiles: its slot and
+    phase come from a block counter over the whole CTA, so the next tile's first K/V blocks load while the
+    consumers still finish the current one."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    blocks_done = 0
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
+                                                               BLOCK_N, CAUSAL)
+        q_row = batch * seqlen_q + m_start
+        # One Q buffer per consumer, indexed statically: a second buffer picked by a runtime index (to prefetch
+        # the next tile's Q) made causal launches read shared memory out of bounds (compute-sanitizer), so the
+        # next tile's Q waits for the current one's release.
+        for c in gl.static_range(NUM_CONSUMERS):
+            # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
+            mbarrier.wait(q_empty.index(c), (tiles_done & 1) ^ 1)
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_ready.index(c),
+                                            q_smem.index(c))
+        kv_row = batch * seqlen_k
+        kv_col = (head // GROUP) * HEAD_DIM
+        for i in range(n_end // BLOCK_N):
+            slot = (blocks_done + i) % NUM_STAGES
+            mbarrier.wait(kv_empty.index(slot), (((blocks_done + i) // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
+                                            k_smem.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+        blocks_done += n_end // BLOCK_N
+        tiles_done += 1
+
+
+@gluon.jit
+def _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores s (64, BLOCK_N) fp32 with hidden keys set to -inf (past seqlen_k; right of the causal diagonal)."""
+    s_layout: gl.constexpr = s.type.layout
+    cols = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    visible = gl.expand_dims(cols < seqlen_k, 0)
+    if CAUSAL:
+        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+    return gl.where(visible, s, -float("inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale_log2):
+    """Online-softmax update for one block of raw scores s (64, BLOCK_N) fp32.
+
+    m_i is the running row max in scaled log2 units (scores * softmax_scale * log2 e), l_i the running row sum of
+    exp2(score - m_i). Returns (p, alpha, m_new, l_new) with p = exp2(scaled score - m_new) fp32 and alpha the
+    factor that rescales what was accumulated under the old max. Rows with no visible key so far keep m = -inf and
+    shift by 0, so exp2(-inf - -inf) never happens."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _pingpong_enter(turn, g, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """FA3's warpgroup ping-pong: before issuing the wgmma of its g-th block, a consumer waits until the other one
+    has issued its own (consumer 0 goes first: its first wait is on the parity before the initial phase). The
+    tensor cores then alternate between the warpgroups, and each one's softmax runs under the other's GEMMs."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), (g + 1 - CONSUMER) & 1)
+
+
+@gluon.jit
+def _pingpong_leave(turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+
+
+@gluon.jit
+def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, m_i, l_i,
+                          seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                          PINGPONG: gl.constexpr):
+    """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
+    O = alpha O + P V, release the slot."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = g % NUM_STAGES
+    phase = (g // NUM_STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    _pingpong_enter(turn, g, CONSUMER, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    _pingpong_leave(turn, CONSUMER, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    if MASKED:
+        s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p = gl.convert_layout(p.to(q.dtype), p_layout)
+    mbarrier.wait(v_ready.index(slot), phase)
+    acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(kv_empty.index(slot), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, p, m_i,
+                            l_i, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                            PINGPONG: gl.constexpr):
+    """The CTA's g-th key block with FA3's intra-warpgroup overlap; p holds block g-1's probabilities.
+
+    Issue S_g = Q K_g^T and O += P_{g-1} V_{g-1} back to back (both async), wait for S_g only, run block g's softmax
+    while the PV wgmma still runs, then wait for PV, release block g-1's slot and rescale O by block g's alpha.
+    Returns (acc, p_g, m_i, l_i)."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = g % NUM_STAGES
+    prev = (g - 1) % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+    _pingpong_enter(turn, g, CONSUMER, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    _pingpong_leave(turn, CONSUMER, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
+    if MASKED:
+        s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
+    p_new = gl.convert_layout(p_new.to(q.dtype), p_layout)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc, p_new, m_i, l_i
+
+
+@gluon.jit
+def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks, rows,
+                         seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    for i in range(0, n_full):
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
+                                              CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG)
+    for i in range(n_full, n_blocks):
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
+                                              CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks,
+                           rows, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """All key blocks of one tile with intra-warpgroup overlap: block 0's scores and softmax alone, then the
+    overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
+    HEAD_DIM: gl.constexpr = q.type.shape[1]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    p = gl.zeros([64, BLOCK_N], q.dtype, p_layout)
+    if n_blocks > 0:
+        first = blocks_done % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (blocks_done // NUM_STAGES) & 1)
+        _pingpong_enter(turn, blocks_done, CONSUMER, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(first).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        _pingpong_leave(turn, CONSUMER, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        if n_full == 0:
+            s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
+        p = gl.convert_layout(p0.to(q.dtype), p_layout)
+    for i in range(1, n_full):
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                                                   blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
+                                                   seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, False,
+                                                   CAUSAL, PINGPONG)
+    for i in range(gl.maximum(n_full, 1), n_blocks):
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                                                   blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
+                                                   seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, True,
+                                                   CAUSAL, PINGPONG)
+    if n_blocks > 0:
+        g_last = blocks_done + n_blocks - 1
+        last = g_last % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+              out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: for each of the CTA's tiles, rows [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key
+    blocks, then the normalised output (masked pointer store) and the natural-log lse."""
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    blocks_done = 0
+    tiles_done = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
+                                                               BLOCK_N, CAUSAL)
+        rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
+        q = q_smem.index(CONSUMER)
+        mbarrier.wait(q_ready.index(CONSUMER), tiles_done & 1)
+        n_blocks = n_end // BLOCK_N
+        if OVERLAP:
+            acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                                   n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                                   qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+        else:
+            acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                                 n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                                 qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+        # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
+        mbarrier.arrive(q_empty.index(CONSUMER), count=1)
+        _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS)
+        blocks_done += n_blocks
+        tiles_done += 1
+
+
+@gluon.jit
+def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS: gl.constexpr):
+    """out = acc / l (0 on rows without a visible key) and lse = (m + log2 l) * ln 2 (-inf there)."""
+    HEAD_DIM: gl.constexpr = acc.type.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    st_layout: gl.constexpr = _store_layout(HEAD_DIM)
+    safe_l = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * gl.expand_dims(gl.convert_layout(1.0 / safe_l, gl.SliceLayout(1, o_layout)), 1)
+    out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), st_layout)
+    o_rows = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+    # out is (batch, seqlen_q, NUM_HEADS, HEAD_DIM) contiguous; int64 row index: batch * seqlen_q * rows can be big.
+    row_off = ((batch * seqlen_q + o_rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
+    ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
+    lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(safe_l)) * LN2)
+    lse_off = (batch * NUM_HEADS + head).to(gl.int64) * seqlen_q + rows
+    gl.store(lse_ptr + lse_off, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                       NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                       OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+    """1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch * NUM_HEADS); a
+    CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller than
+    num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
+    GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL)),
+        ], [1], [PRODUCER_REGS])
