@@ -6,6 +6,7 @@ A config is a frozen dataclass resolved by a pure function of a problem descript
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill / training attention (flash_attn, flash_attn_varlen)
@@ -83,3 +84,106 @@ def _is_tile(tile, length: int) -> bool:
         return False
     ints = [x for i, x in enumerate(tile) if not (split and i == 4)]
     return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)
+=======
+import dataclasses
+import enum
+
+__all__ = ["DecodePath", "DecodeConfig", "check_decode_config"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode (flash_decode, DecodePlan)
+# ----------------------------------------------------------------------------------------------------------------
+
+class DecodePath(enum.Enum):
+    """How a decode call is launched (docs/architecture.md, "Decode dispatch")."""
+
+    UNSPLIT = "unsplit"                      # one stage-1 launch over (1, kv programs, batch) writes the result
+    SPLIT_GRID = "split_grid"                # stage 1 over (num_splits, kv programs, batch), then the merge kernel
+    DEVICE_SPLIT_GRID = "device_split_grid"  # stage 1, one program per work item, split counts chosen on the device
+    PERSISTENT = "persistent"                # one launch of fixed programs, static shares, merge in-kernel
+    PERSISTENT_QUEUE = "persistent_queue"    # the same, programs draw work items from an atomic queue
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Every launch decision of one decode call (or of one DecodePlan run shape).
+
+    Resolved by ``heuristics.resolve_decode_config``; ``flash_decode(..., config=)`` and ``DecodePlan(...,
+    config=)`` take an override, typically ``dataclasses.replace`` of ``flashdecode.ops.decode.decode_config(...)``
+    or of ``DecodePlan.config_for(...)``. Geometry that follows from these fields and the shapes (pages preloaded
+    per split, pipeline depth with table reads, grid sizes) is derived at launch, never chosen here.
+    """
+
+    path: DecodePath
+    num_splits: int                  # splits per sequence: the launch's count, or the most the device may choose
+    block_n: int                     # keys per KV step (a power of two >= 16)
+    num_warps: int
+    num_stages: int                  # software pipeline depth (before the table-read stages below)
+    table_read_extra_stages: int     # + stages where the KV loop reads page ids from the block table ...
+    table_read_min_split_blocks: int  # ... and a split may hold at least this many blocks
+    preload_pages_max: int           # most block-table ids a split holds in registers (0: read them in the loop)
+    preload_gather_max: int          # the same for pages smaller than a block (ids gathered per key)
+    preload_key_ids: bool            # pages of 1, 2, 4 keys preload their ids too
+    use_tma: bool                    # K/V through host tensor descriptors (Hopper)
+    use_pdl: bool                    # the next kernel (merge, next call) may launch early (Hopper)
+    pdl_wait: bool                   # stage 1 is a programmatic dependent of the kernel before it (Hopper)
+    prefetch_blocks: int             # blocks of its split stage 1 prefetches into L2 before the PDL wait (0: off)
+    merge_early_trigger: bool        # the merge lets the next kernel launch before its own wait
+    merge_d_chunks: int              # merge programs per row over head-dim chunks (1, 2 or 4)
+    merge_max_rows: int              # rows per merge program (0: the merge's default tile)
+    offs_32: bool                    # 32-bit gather offsets (every cache offset < 2**31)
+    spec_pages: bool                 # paged: a split's page ids read beside its length after the PDL wait
+    persistent_programs: int         # PERSISTENT*: programs of the fixed grid
+    persistent_slots: int            # PERSISTENT_QUEUE: split slots per program
+    queue_splits: int                # PERSISTENT_QUEUE: equal lengths split up to this many ways (0: off)
+    device_split_slots: int          # DEVICE_SPLIT_GRID: work items the split counts share
+
+
+_POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
+_NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
+                 "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
+                 "persistent_slots", "queue_splits", "device_split_slots")
+_FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages")
+_MAX_SPLITS = 1024
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_decode_config(config, name: str = "config") -> DecodeConfig:
+    """``config`` is a DecodeConfig whose fields are in range and agree with each other (TypeError / ValueError
+    naming ``name`` and the field). Facts of a particular call (the cache's layout, the GPU) are checked by the op."""
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"{name} must be a flashdecode.DecodeConfig, got {type(config).__name__}")
+    if not isinstance(config.path, DecodePath):
+        raise TypeError(f"{name}.path must be a DecodePath, got {config.path!r}")
+    for field in _POSITIVE + _NON_NEGATIVE:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}.{field} must be an int, got {value!r}")
+        if value < (1 if field in _POSITIVE else 0):
+            raise ValueError(f"{name}.{field} must be >= {1 if field in _POSITIVE else 0}, got {value}")
+    for field in _FLAGS:
+        if not isinstance(getattr(config, field), bool):
+            raise TypeError(f"{name}.{field} must be a bool, got {getattr(config, field)!r}")
+    if not (_power_of_two(config.block_n) and config.block_n >= 16):
+        raise ValueError(f"{name}.block_n must be a power of two >= 16, got {config.block_n}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name}.num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
+    if config.merge_d_chunks not in (1, 2, 4):
+        raise ValueError(f"{name}.merge_d_chunks must be 1, 2 or 4, got {config.merge_d_chunks}")
+    if config.num_splits > _MAX_SPLITS:
+        raise ValueError(f"{name}.num_splits must be <= {_MAX_SPLITS}, got {config.num_splits}")
+    if (config.path is DecodePath.UNSPLIT) != (config.num_splits == 1):
+        raise ValueError(f"{name}: path UNSPLIT goes with num_splits == 1 and only with it, got {config.path.name} "
+                         f"with num_splits {config.num_splits}")
+    if config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) and config.persistent_programs < 1:
+        raise ValueError(f"{name}.persistent_programs must be >= 1 on the {config.path.name} path")
+    if config.path is DecodePath.PERSISTENT_QUEUE and config.persistent_slots < 1:
+        raise ValueError(f"{name}.persistent_slots must be >= 1 on the PERSISTENT_QUEUE path")
+    if config.path is DecodePath.DEVICE_SPLIT_GRID and config.device_split_slots < 1:
+        raise ValueError(f"{name}.device_split_slots must be >= 1 on the DEVICE_SPLIT_GRID path")
+    return config
+>>>>>>> decode-config

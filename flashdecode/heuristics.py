@@ -1,11 +1,20 @@
-"""Pure launch-policy functions (no kernels, no tensors): device facts and split counts. Unit-tested on the CPU."""
+"""Pure launch-policy functions (no kernels, no tensors): device facts, the decode configuration
+(resolve_decode_config) and its geometry, the prefill tile candidates. Unit-tested on the CPU; the evidence behind
+each constant is in docs/decisions.md."""
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 import bisect
 import functools
 
 from flashdecode.config import AttentionConfig, AttentionProblem
+=======
+import dataclasses
+import functools
+
+from flashdecode.config import DecodeConfig, DecodePath
+>>>>>>> decode-config
 
 # The SM count we assume when there is no GPU (CPU interpreter runs): the H100 we target, so the CPU makes the
 # same policy decisions the GPU would.
@@ -41,152 +50,64 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Flash-Decoding policy constants: the most splits a sequence gets (partial-buffer size) and the fewest KV blocks
-# a non-empty split holds.
+# ----------------------------------------------------------------------------------------------------------------
+# Decode (flash_decode, DecodePlan): the constants of resolve_decode_config. Each line states the rule; the
+# measurements, evidence files and dates are in docs/decisions.md ("Decode"). "Pairs": (batch, kv head) pairs,
+# i.e. stage-1 programs per split.
+# ----------------------------------------------------------------------------------------------------------------
+
+# Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
-# Contexts this short run unsplit (one or two KV blocks at hd128 bf16). With the merge and stage 1 both programmatic
-# dependent launches, splitting already pays at 512 keys (H100, b1 16/2 hd128 bf16, CUDA-graph replay, one run: 4
-# splits 5.6 us vs unsplit 6.7 contiguous, 6.9 vs 10.1 at page 16); before PDL it did not (8.7 unsplit vs 9.3 split).
+# Most block-table ids a split holds in registers; pages smaller than a block (ids gathered per key) hold more.
+DECODE_PRELOAD_PAGES_MAX = 256
+DECODE_PRELOAD_GATHER_MAX = 1024
+# Contexts of at most this many keys run unsplit (with PDL, 512 keys already gain from splitting).
 DECODE_NO_SPLIT_MAX_KEYS = 128
-# Smallest page whose ids are spread over a block's keys in registers (a BLOCK_N x BLOCK_N / page select):
-# smaller pages read their ids from the block table inside the KV loop.
+# Smallest page whose ids are gathered per key from the preload (smaller ones: DECODE_PRELOAD_KEY_IDS, or read in
+# the KV loop).
 DECODE_MIN_PRELOAD_PAGE = 8
-# Paged caches whose pages need gathers from preloaded page ids (DECODE_MIN_PRELOAD_PAGE <= page < a 16 KiB tile)
-# take 16 KiB tiles at any batch when a split holds at most this many live keys (measured at page 16: 512 faster,
-# 8192 slower; see decode_block_config).
+# Gathered pages take 16 KiB tiles at any batch while a split holds at most this many live keys.
 DECODE_SMALL_TILE_MAX_SPLIT_KEYS = 2048
-# The merge's early PDL trigger (see decode_block_config) for splits of at most this many KV blocks.
+# Gathered pages with few pairs take 8 KiB tiles while a split holds at most this many live keys (0: never).
+DECODE_TINY_TILE_MAX_SPLIT_KEYS = 64
+# The merge lets the next kernel launch before its own wait for splits of at most this many blocks.
 DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS = 2
-# (batch, kv head) pairs between half the SMs and the SMs on Hopper run decode as one persistent launch with split
-# counts chosen on the device (kernels/decode.py decode_persistent_kernel; contiguous caches and pages that are
-# multiples of BLOCK_N): one work item per program for equal lengths, split items for a long sequence among short
-# ones. H100, Llama 32/8 hd128 bf16 8k, us, persistent vs the two-kernel split grid (decodetune T1207 / T1208,
-# T1134): b9 102.2 vs 110.2, b12 139.9 vs 143.5, b16 177.9 vs 188.0 (page 128 179.8 vs 190.8); one 128k sequence
-# among 15 of 1k 211.9 vs 207.5. With more pairs than SMs its static assignment runs a second round on some
-# programs where the split grid's many small programs are balanced by the hardware (b17: 136 one-split items on 132
-# programs, n1 227.8 vs 199.4; b24 268.0 vs 277.2, b64 696.4 vs 722.4 unsplit); a work queue fixes that (below).
+# Hopper: pairs between half the SMs and the SMs run the persistent kernel (device split counts, in-kernel merge).
 DECODE_PERSISTENT_AT_BATCH = True
-# Contiguous caches take the persistent kernel from a third of the SMs' worth of pairs (two or three splits per
-# sequence; its in-kernel merge of so few partials is cheaper than the merge kernel's launch). H100, Llama 32/8 hd128
-# bf16 contiguous, one run each (decodetune T1931, T1932), us at 1k / 8k / 32k / one 128k among short ones,
-# persistent vs split grid: b6 15.6 / 73.4 / 272.6 / 193.8 vs 15.4 / 75.6 / 271.4 / 197.9; b7 16.7 / 82.7 / 307.9 /
-# 208.3 vs 17.2 / 86.3 / 323.4 / 199.7; b8 17.9 / 93.6 / 350.6 / 209.5 vs 20.1 / 97.4 / 359.8 / 198.1 (the mix
-# loses up to 6%, as at b9-b16). b4 (32 pairs) does not gain (1k 12.6 vs 11.7, 8k 51.1 vs 52.5) and page 64 loses
-# at 32k (b8 422.3 vs 364.1: a whole sequence's page ids do not fit the preload), so paged caches keep the half.
+# Contiguous caches take it from a third of the SMs' worth of pairs (paged ones keep the half).
 DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV = 3
-# Pages that are multiples of the few-pairs tile (bf16 hd128: 64 keys; pages 64, 128, 256) take the persistent
-# kernel with its work queue from this fraction of the SMs' worth of pairs (below half, where the split grid ran
-# them: a plan's split count, sized for the worst mix of lengths, gives equal lengths hundreds of short splits).
-# H100, Llama 32/8 hd128 bf16, us at 1k / 8k / 32k / one 128k among 1k, queue vs split grid (static shares) (decodetune
-# T0652, T0654, one run): b8 (64 pairs) page 64 19.3 / 97.0 / 359.6 / 196.8 vs 21.1 / 99.5 / 364.9 / 204.5 (18.2 /
-# 96.7 / 361.1 / 213.2), page 128 19.4 / 96.3 / 357.5 / 196.2 vs 22.2 / 99.1 / 363.8 / 205.2, page 256 20.0 / 95.5 /
-# 356.1 / 194.0 vs 21.5 / 99.0 / 363.1 / 203.1; but b6 (48 pairs) page 64 16.8 / 77.8 / 282.0 / 194.1 vs 16.1 /
-# 77.0 / 276.6 / 201.6, so not from a third. Contiguous b8 keeps static shares (queue 19.3 / 94.5 / 352.0 / 192.4 vs
-# 18.1 / 93.5 / 351.8 / 209.2: uniform batches lose); gathered and 1-7-key pages at b8 gain nothing clear (T0652).
+# Tile-multiple pages take its work queue from this fraction of the SMs' worth of pairs.
 DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION = 0.45
-# More pairs than SMs: the persistent kernel with a work queue (programs take the next item from an atomic counter)
-# and split counts that let the last items end together (4 item slots per program then; the rule below since
-# session 10). H100, Llama 32/8 hd128 bf16 contig, one run (decodetune T0650/T0651), us, queue with 4 slots vs the
-# split grid (2 / 8 slots):
-# b17 8k 198.7 vs 198.3 (229.3 / 197.9); b24 8k 270.7 vs 276.6 (269.5 / 274.0); b32 8k 357.1 vs 366.3 (352.0 /
-# 360.6); b64 4k 353.8 vs 386.3 (352.8 / 360.4); b64 one 128k among 63 of 1k 266.5 vs 309.8 (266.4 / 266.4).
+# More pairs than SMs: the persistent kernel draws work items from a queue (atomic counter).
 DECODE_PERSISTENT_DYNAMIC = True
-# The queue's split counts (kernels/decode.py _queue_split_ways, on the device from the live lengths): equal lengths
-# split up to this many ways, only where the queue's last round would hold fewer than DECODE_QUEUE_FULL_FRACTION of
-# the programs (too few loads in flight for the memory bandwidth; 72 of 132 programs suffice), each further split
-# costing DECODE_QUEUE_SPLIT_COST. Before session 10: 4 slots per program (b32 at 8 kv heads: two splits each).
-# H100, Llama 32/8 hd128 bf16, us, this rule vs 4 slots vs one split per sequence (decodetune T0638-T0640, one run):
-# 8k contiguous b17 198.3 / 199.1 / 229.4 (136 pairs: 4 splits each, not a second round of 4 items), b24 271.2 /
-# 270.5 / 269.5, b32 351.6 / 356.8 / 351.1; b64 4k 353.3 / 353.7 / 353.3, one 128k among 63 of 1k 269.6 / 266.1 /
-# 268.9; 8k page 64 b32 357.4 vs 366.5 (4 slots); page 16 b24 (192 pairs: a last round of 60) 280.6 vs 280.2 (4
-# slots) vs 287.0 (one split), hence a half, not less.
+# The queue splits equal lengths up to DECODE_QUEUE_MAX_SPLITS ways where its last round would hold fewer than
+# DECODE_QUEUE_FULL_FRACTION of the programs, each further split costing DECODE_QUEUE_SPLIT_COST.
 DECODE_QUEUE_MAX_SPLITS = 4
 DECODE_QUEUE_FULL_FRACTION = 0.5
 DECODE_QUEUE_SPLIT_COST = 0.03
-# Pages smaller than a block (8 <= page < a 16 KiB tile) take that queue too, from 3/4 of the SMs' worth of pairs,
-# with 32 KiB tiles (128 keys at bf16 hd128; they spill 144 bytes there, 64-key tiles none, yet measure faster) and,
-# up to one pair per SM, one slot per program (one split per sequence when lengths are equal). H100, Llama 32/8
-# hd128 bf16 page 16 8k, us, vs the split grid with 16 KiB tiles (decodetune T0934, T0940-T0942): b64 717.0 vs
-# 734.4 (64-key tiles 728.4), b32 369.6 vs 386.0, b24 281.0 vs 292.6, b16 187.3 / 187.4 vs 192.7 / 192.9; b12
-# 144.7 vs 146.7 and b9 116.3 vs 112.2 (so not below 3/4); one 128k sequence among 15 / 23 / 31 / 63 of 1k 209.4
-# vs 221.8, 222.1 vs 244.0, 230.2 vs 265.2, 279.9 vs 351.3. Static shares lose the mixed batch (b16 292.7).
+# Gathered pages (8 <= page < a 16 KiB tile) take the queue from 3/4 of the SMs' worth of pairs, 32 KiB tiles.
 DECODE_QUEUE_GATHERED = True
-# Pages below DECODE_MIN_PRELOAD_PAGE (1-7 keys, ids read in the KV loop at batch) take the queue as well, from the
-# same 3/4 of the SMs' worth of pairs. H100, Llama 32/8 hd128 bf16 8k, us, vs the split grid (decodetune
-# T0639 / T0640, one run): page 1 b16 187.3 vs 193.3, b32 364.5 vs 374.6, b64 717.7 vs 737.7; one 128k among 15 /
-# 31 / 63 of 1k 213.5 vs 223.9, 232.6 vs 266.5, 275.9 vs 354.3; page 3 b32 365.1 vs 375.9, mixed 232.4 vs 271.6.
+# Pages of 1-7 keys take the queue likewise.
 DECODE_QUEUE_KEY_PAGES = True
-# Gathered pages with few (batch, kv head) pairs take 8 KiB tiles (bf16 hd128: 32 keys) when a split holds at most
-# this many live keys (0 = never). H100, b1 16/2 hd128 bf16 page 16, one run (decodetune T1117): 32-key tiles 4.9 /
-# 6.6 us at 512 / 4k vs 5.1 / 7.3 with 64, but 18.6 / 32.6 vs 17.8 / 29.8 at 32k / 64k (512-key splits).
-DECODE_TINY_TILE_MAX_SPLIT_KEYS = 64
-# Pipeline stages added where stage 1's KV loop reads page ids from the block table (pages that do not divide a
-# block, e.g. 3 keys; smaller pages whose ids outgrow the preload; block-multiple pages of long sequences on the
-# persistent kernel) and a split holds at least DECODE_TABLE_READ_MIN_SPLIT_BLOCKS blocks: the read takes a stage of
-# its own ahead of the K/V loads it feeds, so 3 stages left K/V single-buffered (ops/decode.py _pipeline_stages).
-# H100, b1 16/2 hd128 bf16, one run (decodetune T0419 console), us, +2 / +0 stages: page 1 (ids read in the loop)
-# 19.2 / 24.3 at 32k, 31.5 / 40.0 at 64k, 54.8 / 71.4 at 128k; page 3 19.0 / 22.9 at 32k, 54.9 / 67.8 at 128k
-# (+3 no better, +1 no gain). Short splits lost: b1 page 1 4k (64-key splits) 8.2 vs 7.2; Llama 32/8 b16 page 1 8k
-# (512-key splits of 128-key tiles, 2048 programs) 202.1 vs 192.8, where single-buffered programs fit three per SM.
+# Pipeline stages added where the KV loop reads page ids from the block table and a split may hold at least
+# DECODE_TABLE_READ_MIN_SPLIT_BLOCKS blocks (3 stages left K / V single-buffered behind the table read).
 DECODE_TABLE_READ_EXTRA_STAGES = 2
 DECODE_TABLE_READ_MIN_SPLIT_BLOCKS = 8
-# Block-multiple pages in 16 KiB tiles (page_tiles in decode_block_config) whose whole-sequence ids outgrow the
-# persistent kernel's preload: bounded splits, so that a split's ids fit (True), or one id read per block in the
-# loop (False). Session 8 measured the bound faster with 3 stages (Llama 32/8 page 64 b32 32k 1457.8 vs 1627.2 us,
-# T1949); with the table-read stages the loop wins (decodetune T0426 / T0427: b16 32k 710.4 vs 738.6, b32 32k
-# 1409.2 vs 1458.7; b64 8k and the mixes within 0.3%, b16 mixed 208.1 vs 205.5).
-DECODE_PERSISTENT_BOUND_PAGES = False
-# Pages of 1, 2 or 4 keys preload their split's ids and gather one per key, as 8-63-key pages do (up to
-# PRELOAD_GATHER_MAX ids; longer splits read them in the loop), with few (batch, kv head) pairs only. H100, one run
-# (decodetune T0425), us, preloaded vs read in the loop (+2 stages) vs before session 9 (in the loop, 3 stages): b1
-# 16/2 page 1 5.1 / 5.5 / 5.6 at 512, 18.0 / 19.4 / 24.6 at 32k, 30.1 / 31.5 / 40.3 at 64k (128k: 2048 ids, not
-# preloaded, 54.9 / 54.8 / 70.9); Llama 32/8 b4 8k 56.4 / 60.0 / 60.1 (FlashInfer 55.1 in T1942). Many pairs lose
-# (short programs wait for the ids before their first K/V load): b16 8k 203.4 vs 192.7, b64 739.7 vs 772.9; with
-# the gathered-page work queue too (variant ids1, T0419) b16 took 226.0.
+# Pages of 1, 2, 4 keys preload their split's ids (as gathered pages), with few pairs only.
 DECODE_PRELOAD_KEY_IDS = True
-# The split grid (few (batch, kv head) pairs) with each sequence's split count chosen on the device from all live
-# lengths, one program per work item (kernels/decode.py DEVICE_SPLITS), where the split count comes from the policy
-# and more than one sequence runs: a plan's count is sized for the worst mix of lengths (balance_mixed: 16 at 8 kv
-# heads), which gives equal lengths many short splits. Items: each sequence's floor'd share of this many per SM.
-# Contiguous caches from DECODE_DEVICE_SPLITS_MIN_PAIRS pairs. H100, Llama 32/8 hd128 bf16, us at 1k / 8k / 32k /
-# one 128k among 1k, one run (decodetune T0736), with the merge over two head-dim halves (below) vs the plan's 16
-# splits (4 splits, the equal lengths' count, in brackets): b4 11.2 / 49.4 / 177.2 / 182.8 vs 11.0 / 50.5 / 180.3
-# / 192.1 (10.2 / 48.4 / 173.9 / 407.2); but b2 7.2 / 28.3 / 91.9 / 179.5 vs 6.8 / 27.7 / 92.7 / 179.8, and page
-# 16 b4 12.8 / 54.8 / 192.7 / 199.6 vs 11.7 / 53.6 / 192.9 / 199.7 (its 16 splits cost the 1k and 8k rows less).
-# The device path itself costs ~0.5 us (ncu at b2 8k: stage 1 30.4 vs 29.9 us with the same 8 splits; the item
-# mapping's values live in vector registers, so the loop's TMA coordinates take R2UR moves).
-# Pages that are multiples of the tile (TMA, one id per block) take it too, up to a third of the SMs' worth of
-# pairs (as contiguous caches, whose persistent kernel starts there): Llama 32/8, us at 1k / 8k / 32k / one 128k
-# among the others of 1k, device vs plan counts (decodetune T0904, T0907): b4 page 64 11.4 / 51.6 / 183.8 / 188.0
-# vs 12.1 / 52.9 / 185.0 / 195.7, page 128 11.6 / 51.1 / 182.1 / 187.3 vs 11.6 / 52.4 / 183.7 / 195.2; b5 page 64
-# 12.9 / 63.1 / 232.4 / 190.3 vs 13.4 / 63.1 / 235.9 / 198.9, page 128 13.4 / 62.1 / 229.0 / 188.9 vs 13.7 / 62.2 /
-# 233.2 / 199.0. At b6 (48 pairs: 2 splits each, 96 programs on 132 SMs) equal long lengths lose (T0905): page 64
-# 8k / 32k 76.2 / 281.3 vs 75.4 / 272.5 (the mix still wins, 193.0 vs 198.4).
+# The split grid with split counts chosen on the device (a policy count at batch > 1): contiguous caches from
+# DECODE_DEVICE_SPLITS_MIN_PAIRS pairs, tile-multiple pages up to a third of the SMs' worth; work items share
+# DECODE_DEVICE_SPLIT_SLOTS_PER_SM x SMs slots.
 DECODE_DEVICE_SPLITS = True
 DECODE_DEVICE_SPLITS_MIN_PAIRS = 32
 DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV = 3
 DECODE_DEVICE_SPLIT_SLOTS_PER_SM = 1
-# The merge kernel over two head-dim halves (twice the programs) from this many (batch, kv head) pairs among few:
-# with a plan's 16 splits per sequence one program held 4 rows x 16 splits x 128 columns and the merge's latency
-# showed (ncu, b2 8k: 5.0 vs 3.8 us for 8 splits). Same run as above, us, halves vs whole rows: b2 contiguous 6.8 /
-# 27.7 / 92.7 / 179.8 vs 7.6 / 28.0 / 93.9 / 181.0, b4 11.0 / 50.5 / 180.3 / 192.1 vs 11.7 / 52.3 / 182.3 / 194.4,
-# b4 page 16 11.7 / 53.6 / 192.9 / 199.7 vs 12.3 / 55.5 / 195.8 / 202.5. At b1 16/2 (2 pairs) halves measured
-# within noise (session 3); below 16 pairs see DECODE_MERGE_FEW_PAIRS_D_CHUNKS.
+# The merge over two head-dim halves from this many pairs among few; below it one row per program over
+# DECODE_MERGE_FEW_PAIRS_D_CHUNKS head-dim chunks.
 DECODE_MERGE_SPLIT_D_MIN_PAIRS = 16
-# Below DECODE_MERGE_SPLIT_D_MIN_PAIRS the merge runs one query row per program over this many head-dim quarters,
-# with all of a row's splits in one pass: a merge of few rows was a handful of programs each pulling up to 64
-# splits x 128 columns from L2 (b1 16/2: 16 programs of 32 KiB; Llama 32/8 b1: 8 programs of 4 rows), and the
-# merge sits on the critical path between a call's last stage-1 program and the next call (1.5 us of it at 32k,
-# scripts/stage1_timeline.py). H100, bf16 hd128, two runs each (session 13), us, one row x quarters vs the tile of
-# up to 8192 values: b1 16/2 1k / 8k / 32k contiguous 4.71 / 6.76 / 16.19 vs 5.20 / 7.12 / 16.40, page 16 5.07 /
-# 7.65 / 17.15 vs 5.44 / 8.25 / 17.28 (512 / 4k / 128k 4.31 / 5.70 / 48.77 vs 4.54 / 5.97 / 48.99); Llama 32/8 b1
-# 1k / 8k / 32k 5.33 / 16.23 / 48.65 vs 6.12 / 16.45 / 48.92, page 16 5.58 / 16.68 / 51.27 vs 6.40 / 17.00 / 51.63.
-# Two rows per program at 32/8 b1 measured the same; two splits passes (half the states per pass) lost at 8k.
-# b2 (16 pairs) and b4 keep their halves (one row x quarters: b2 1k 7.3 vs 6.8 us, 8k / 32k equal).
 DECODE_MERGE_FEW_PAIRS_D_CHUNKS = 4
-# Paged stage 1 reads its split's page ids beside its length after the PDL wait (the range from the length read
-# before the wait, checked after it) instead of one round trip behind it (kernels/decode.py SPEC_PAGES).
+# Hopper, paged: a split's page ids read beside its length after the PDL wait (kernels/decode.py SPEC_PAGES).
 DECODE_SPEC_PAGES = True
 
 
@@ -217,123 +138,290 @@ def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: in
     return max(1, min(want, by_length, max_splits))
 
 
-def decode_block_config(headdim: int, elem_bytes: int, interpret: bool, kv_pairs: int | None = None,
-                        num_sms: int = DEFAULT_NUM_SMS, page_size: int = 0, split_keys: int | None = None) -> dict:
-    """Stage-1 launch constants for flash_decode: BLOCK_N keys per step, warps, pipeline stages.
+@dataclasses.dataclass(frozen=True)
+class DecodeDevice:
+    """Facts of the device a decode call runs on."""
 
-    On the GPU: 32 KiB K tiles with 3 stages (bf16 hd128: 128 keys, the 28.5 us prototype in KERNEL_NOTES.md; 2
-    stages measured much slower), so 3 stages of K and V (192 KiB) fit in Hopper's shared memory for every head dim
-    and dtype. With few (batch, kv head) pairs (``kv_pairs`` * 2 <= ``num_sms``: the SMs are filled by splits, as at
-    batch 1) the tiles shrink to 16 KiB but >= 64 keys (bf16 hd128: 64): twice the splits at short contexts, a
-    shorter pipeline ramp. H100, b1 16/2 hd128 bf16, one run (with the PDL and split defaults below), us at 512 / 4k
-    / 32k / 64k: contiguous 5.1 / 7.0 / 16.9 / 28.0 vs 5.5 / 6.9 / 17.7 / 29.3 with 128 keys, page 16 5.3 / 7.9 /
-    18.4 / 31.4 vs 6.8 / 8.3 / 19.9 / 33.6 (batch >= 16 keeps 128: not measured with 64). In the CPU interpreter the
-    cost is per op, and 16-key tiles make small test lengths cross several blocks and splits. PRELOAD_PAGES_MAX: the
-    most block-table entries a split may hold in registers (KERNEL_NOTES.md: reading the block table inside the KV
-    loop stalled the pipeline); PRELOAD_GATHER_MAX the same for pages smaller than a block, whose ids are looked up
-    by tl.gather (Llama 32/8 b16, one 128k sequence among 15 of 1k, page 16: 1024 ids 219.9 us vs 229.9 with 256,
-    decodetune T1153). PERSISTENT_GATHERED lets such pages take the persistent path too: with static shares b16
-    8k 186.0 vs 192.7 us, but b64 741.6 vs 733.6 and the mixed batch 292.7 vs 219.9 (T1156), so only with the work
-    queue (from 3/4 of the SMs' worth of pairs, DECODE_QUEUE_GATHERED). USE_TMA: host tensor descriptors for
-    contiguous caches and pages that are multiples of BLOCK_N (Hopper; 8.1 vs 9.0 us at 4k, equal at 64k on our
-    H100). USE_PDL: programmatic dependent launch of the merge. PDL_WAIT: stage 1 itself is a
-    programmatic dependent of the kernel before it (its launch overlaps that kernel's tail; it waits on the device
-    before touching memory). H100, b1 16/2 hd128 bf16, one run, us at 512 / 4k / 32k / 64k contiguous: no PDL 7.0 /
-    8.2 / 18.5 / 30.2, merge PDL 6.9 / 7.4 / 18.5 / 30.4, both 6.7 / 6.8 / 18.0 / 29.5 (page 16: 10.4 / 9.6 / 20.7 /
-    34.6 -> 10.1 / 8.3 / 19.7 / 33.7). FUSED_MERGE: split launches merge in their last program per kv head (atomic
-    ticket) instead of a second kernel; off: same run, it won only where the merge is tiny (512 keys in 4 splits 5.3
-    vs 5.6 us contiguous but 7.2 vs 6.9 at page 16; 32/8 heads 32k 50.1 vs 51.2) and lost from 4k up (8.2 vs 6.8 at
-    4k, 19.5 vs 18.0 at 32k: one program reads all of a head's partials). ``split_keys``: the host's estimate of
-    live keys per split (max_seqlen_k / num_splits; None = not known yet), ``page_size``: 0 contiguous. Round 3
-    (H100, same runs, decodetune T0902 / T0903): PREFETCH_BLOCKS: with few (batch, kv head) pairs, stage 1
-    prefetches its split's first block into L2 before the PDL wait (b1 16/2 contiguous 4.8 / 6.7 / 16.4 / 27.4 /
-    49.0 vs 5.0 / 7.0 / 16.9 / 28.1 / 49.4 us at 512 / 4k / 32k / 64k / 128k; page 16 5.0 / 7.4 / 18.7 / 31.5 / 54.4
-    vs 5.3 / 7.9 / 18.5 / 31.3 / 54.9; 4 blocks: no better). MERGE_EARLY_TRIGGER: the merge lets the next kernel
-    launch before its own wait, so the next call's stage 1 prefetches during this call; only for splits of <= 2
-    blocks (latency-bound calls: with the prefetch 4.6 vs 4.8 at 512, 6.1 vs 6.7 at 4k; T0921: 8k 7.3 vs 8.0, page
-    16 8.8 vs 9.6) - from 4 blocks per split it loses (16k 11.3 vs 10.9, 32k 17.1 vs 16.4). Many pairs, paged with
-    pages that need gathers and short splits (one 128k sequence's balance_mixed splits over a uniform batch): 16 KiB
-    tiles too (Llama 32/8 8k page 16: b16 195.8 vs 212.4 us, T0921 b16 194.1 vs 210.9 and b64 737.0 vs 787.4; with
-    8k-key splits the in-loop block table reads made them slower, 237.7 vs 192.8). PERSISTENT (default on Hopper
-    with num_sms / 2 < pairs <= num_sms, DECODE_PERSISTENT_AT_BATCH): all of decode as one launch of kernels/decode.py
-    decode_persistent_kernel - per-sequence split counts chosen on the device from the live lengths, a fixed grid of
-    PERSISTENT_PROGRAMS (default: the SMs) over midpoint-balanced work items, the merge in-kernel - so uniform
-    batches stop paying for balance_mixed (b16 32/8 8k contiguous 177.7 vs 188.4 us for the split grid, T1134);
-    contiguous caches from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV).
-    PERSISTENT_DYNAMIC (more pairs than SMs; gathered pages from 3/4 of them): programs draw work items from a
-    queue, with PERSISTENT_SLOTS slots per program for the split counts and equal lengths split up to
-    PERSISTENT_QUEUE_SPLITS ways where the last round would idle the bandwidth (DECODE_QUEUE_MAX_SPLITS).
-    Contiguous caches and pages that are multiples of BLOCK_N; gathered pages and pages of 1-7 keys only with the
-    queue (PERSISTENT_GATHERED above, DECODE_QUEUE_KEY_PAGES).
-    """
-    if interpret:  # PERSISTENT_PROGRAMS: few programs, so CPU tests give each one several work items
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PRELOAD_PAGES_MAX": 256, "FUSED_MERGE": False,
-                "PERSISTENT_PROGRAMS": 3, "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS}
-    head_dim_pad = next_power_of_2(max(16, headdim))
+    num_sms: int
+    interpret: bool  # the CPU interpreter: small tiles, few programs, no inline asm (prefetch, PDL)
+    hopper: bool     # sm_90 or newer: tensor descriptors (TMA), the persistent kernel, PDL in the policy
+    pdl: bool        # programmatic dependent launches can run here (a GPU of sm_90+, not the interpreter)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+    """A decode call as the host knows it (no tensor values): shapes, the cache layout and the length bounds."""
+
+    batch: int               # sequences of this call
+    grid_batch: int          # the batch tiles are chosen for (a plan's max_batch, so one plan keeps one variant)
+    seqlen_q: int            # new tokens per sequence
+    group: int               # query heads per kv head
+    nheads_kv: int
+    headdim: int
+    elem_bytes: int          # of q / the cache
+    page_size: int           # 0: contiguous cache
+    capacity: int            # keys one sequence's cache holds
+    window_left: int         # -1: no window
+    live_keys: int           # host bound on one sequence's live keys (sizes the splits)
+    total_keys: int | None = None   # host sum of the live lengths (None: lengths assumed equal)
+    num_splits: int | None = None   # a fixed split count (the caller's, a plan's); None: the policy's
+    device_may_reduce_splits: bool = False  # num_splits came from the policy: device paths may use fewer
+    retile_for_device_splits: bool = False  # tiles for the splits the device gives equal lengths (a plan)
+    use_pdl: bool | None = None     # the caller's PDL override (None: the policy's)
+    cache_tma_ok: bool = False      # the cache views densely as (rows, nheads_kv * headdim), 16-byte aligned
+    cache_offsets_fit_int32: bool = False  # every element offset into the cache is < 2**31
+
+    @property
+    def block_m(self) -> int:
+        return decode_block_m(self.group * self.seqlen_q)
+
+    @property
+    def kv_programs(self) -> int:
+        """Stage-1 programs per split and sequence: kv heads x row blocks."""
+        return self.nheads_kv * cdiv(self.group * self.seqlen_q, self.block_m)
+
+    @property
+    def block_d(self) -> int:
+        return next_power_of_2(max(16, self.headdim))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage1Choice:
+    """What the tile policy chooses for one estimate of the live keys per split (before the split path)."""
+
+    block_n: int
+    num_stages: int
+    use_hopper: bool
+    prefetch_blocks: int
+    merge_early_trigger: bool
+    persistent: bool
+    persistent_dynamic: bool
+    persistent_gathered: bool
+    persistent_programs: int  # 0: the SMs
+    preload_key_ids: bool
+    device_splits: bool
+    merge_d_chunks: int
+    merge_max_rows: int
+
+
+def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) -> _Stage1Choice:
+    """Tiles and launch path flags for ``split_keys`` live keys per split (None: not known yet)."""
+    if dev.interpret:  # few programs, so CPU tests give each one several work items
+        return _Stage1Choice(block_n=16, num_stages=1, use_hopper=False, prefetch_blocks=0,
+                             merge_early_trigger=False, persistent=False, persistent_dynamic=False,
+                             persistent_gathered=False, persistent_programs=3,
+                             preload_key_ids=DECODE_PRELOAD_KEY_IDS, device_splits=False, merge_d_chunks=1,
+                             merge_max_rows=0)
+    kv_pairs, num_sms, page_size = p.grid_batch * p.kv_programs, dev.num_sms, p.page_size
+    head_dim_pad, elem_bytes = p.block_d, p.elem_bytes
+    # 32 KiB K tiles (bf16 hd128: 128 keys); 16 KiB (>= 64 keys) where few (batch, kv head) pairs leave the SMs
+    # to the splits (docs/decisions.md, "32 KiB tile, 16 KiB with few pairs")
     block_n = min(128, max(16, 32768 // (head_dim_pad * elem_bytes)))
     small_tile = max(64, 16384 // (head_dim_pad * elem_bytes))
-    few_pairs = kv_pairs is not None and 2 * kv_pairs <= num_sms
+    few_pairs = 2 * kv_pairs <= num_sms
     gathered = DECODE_MIN_PRELOAD_PAGE <= page_size < small_tile
-    short_gathered_splits = (gathered and split_keys is not None
-                             and split_keys <= DECODE_SMALL_TILE_MAX_SPLIT_KEYS)
-    hopper = _is_hopper_or_newer()
-    many_pairs = kv_pairs is not None and kv_pairs > num_sms
+    short_gathered_splits = gathered and split_keys is not None and split_keys <= DECODE_SMALL_TILE_MAX_SPLIT_KEYS
+    hopper = dev.hopper
+    many_pairs = kv_pairs > num_sms
     # gathered pages on the persistent kernel's work queue keep 32 KiB tiles (its splits are chosen on the device)
-    queue_pairs = kv_pairs is not None and 4 * kv_pairs > 3 * num_sms
+    queue_pairs = 4 * kv_pairs > 3 * num_sms
     key_pages = 0 < page_size < DECODE_MIN_PRELOAD_PAGE and DECODE_QUEUE_KEY_PAGES
     queue_gathered = bool(hopper and (gathered or key_pages) and DECODE_PERSISTENT_DYNAMIC and DECODE_QUEUE_GATHERED
                           and queue_pairs)
     if few_pairs or (short_gathered_splits and not queue_gathered):
         block_n = min(block_n, small_tile)
+    # pages of one 16 KiB tile from 3/4 of the SMs' worth of pairs: 16 KiB tiles make them block multiples
     page_tiles = bool(queue_pairs and page_size % block_n and page_size % small_tile == 0)
     if page_tiles:
-        # pages of one 16 KiB tile (bf16 hd128: 64 keys) from 3/4 of the SMs' worth of pairs: 16 KiB tiles make
-        # them block multiples (tensor descriptors, the persistent kernel's queue). H100, Llama 32/8 8k page 64, us
-        # (decodetune T1945): b32 366.4 vs 379.2 with the split grid's 32 KiB gathers, b64 711.4 vs 750.7; one 128k
-        # among 31 / 63 of 1k 261.5 vs 260.4, 318.1 vs 348.3. b16 (pairs <= SMs) on the queue too (T0419 console):
-        # 184.4 vs 196.9, mixed 210.7 vs 220.8 (static shares: 182.9, but the mix 220.8; in T1945 243.2).
-        # Long sequences whose page ids do not all fit the preload read them in the loop (with the table-read
-        # stages below; PERSISTENT_BOUND_PAGES: bounded splits instead, see DECODE_PERSISTENT_BOUND_PAGES).
         block_n = small_tile
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
     prefetch = 1 if hopper and few_pairs else 0
-    # contiguous caches: persistent from a third of the SMs' worth of pairs (DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV)
-    contig_persistent = (page_size == 0 and kv_pairs is not None
-                         and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms)
-    # block-multiple pages: persistent with the work queue from DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION of the SMs
+    contig_persistent = page_size == 0 and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms
     paged_queue = bool(few_pairs and page_size > 0 and page_size % block_n == 0 and DECODE_PERSISTENT_DYNAMIC
                        and kv_pairs > DECODE_PAGED_QUEUE_MIN_PAIRS_FRACTION * num_sms)
-    # device-side split counts in the split grid: contiguous caches, and tile-multiple pages below a third of the
-    # SMs' worth of pairs (DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV)
     device_split_layout = page_size == 0 or (
-        page_size % block_n == 0 and kv_pairs is not None
-        and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
-    # the merge: one row per program over head-dim quarters below 16 pairs, halves from there among few pairs
-    # (DECODE_MERGE_FEW_PAIRS_D_CHUNKS, DECODE_MERGE_SPLIT_D_MIN_PAIRS)
+        page_size % block_n == 0 and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
     row_merge = few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS
-    merge_d_chunks = DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1)
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "PRELOAD_PAGES_MAX": 256,
-            "PRELOAD_GATHER_MAX": 1024, "USE_TMA": hopper, "USE_PDL": hopper, "PDL_WAIT": hopper, "FUSED_MERGE": False,
-            "PREFETCH_BLOCKS": prefetch,
-            "MERGE_EARLY_TRIGGER": bool(prefetch and split_keys is not None
-                                        and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
-            "PERSISTENT": bool(hopper and DECODE_PERSISTENT_AT_BATCH and kv_pairs is not None
-                               and (not few_pairs or contig_persistent or paged_queue)
-                               and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
-            "PERSISTENT_DYNAMIC": many_pairs or queue_gathered or page_tiles or paged_queue,
-            "PERSISTENT_GATHERED": queue_gathered,
-            "PERSISTENT_SLOTS": 1, "PERSISTENT_QUEUE_SPLITS": DECODE_QUEUE_MAX_SPLITS,
-            "PERSISTENT_BOUND_PAGES": page_tiles and DECODE_PERSISTENT_BOUND_PAGES,
-            "TABLE_READ_EXTRA_STAGES": DECODE_TABLE_READ_EXTRA_STAGES,
-            "TABLE_READ_MIN_SPLIT_BLOCKS": DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
-            "PRELOAD_KEY_IDS": DECODE_PRELOAD_KEY_IDS and few_pairs,
-            "DEVICE_SPLITS": bool(DECODE_DEVICE_SPLITS and few_pairs and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS
-                                  and device_split_layout),
-            "DEVICE_SPLIT_SLOTS": DECODE_DEVICE_SPLIT_SLOTS_PER_SM * num_sms,
-            "MERGE_D_CHUNKS": merge_d_chunks,
-            "MERGE_MAX_ROWS": 1 if row_merge else 0,
-            "SPEC_PAGES": bool(hopper and DECODE_SPEC_PAGES)}
+    return _Stage1Choice(
+        block_n=block_n, num_stages=3, use_hopper=hopper, prefetch_blocks=prefetch,
+        merge_early_trigger=bool(prefetch and split_keys is not None
+                                 and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
+        persistent=bool(hopper and DECODE_PERSISTENT_AT_BATCH and (not few_pairs or contig_persistent or paged_queue)
+                        and (kv_pairs <= num_sms or DECODE_PERSISTENT_DYNAMIC)),
+        persistent_dynamic=many_pairs or queue_gathered or page_tiles or paged_queue,
+        persistent_gathered=queue_gathered, persistent_programs=0,
+        preload_key_ids=DECODE_PRELOAD_KEY_IDS and few_pairs,
+        device_splits=bool(DECODE_DEVICE_SPLITS and few_pairs and kv_pairs >= DECODE_DEVICE_SPLITS_MIN_PAIRS
+                           and device_split_layout),
+        merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1),
+        merge_max_rows=1 if row_merge else 0)
+
+
+def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> int:
+    """The split count of a call whose lengths the host knows (p.live_keys, p.total_keys): only the window's keys
+    are live with a window (lengths then treated as equal)."""
+    live, total = p.live_keys, p.total_keys
+    if p.window_left >= 0:
+        live, total = min(live, p.window_left + p.seqlen_q), None
+    return decode_num_splits(p.batch, p.kv_programs, live, dev.num_sms, block_n=block_n,
+                             min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT, total_seqlen_k=total,
+                             max_splits=DECODE_MAX_SPLITS)
+
+
+def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
+                       elem_bytes: int, max_seqlen_k: int, dev: DecodeDevice, balance_mixed: bool) -> int:
+    """A DecodePlan's split count from its host-side bounds (the tiles of a contiguous cache at max_batch):
+    equal lengths of max_seqlen_k, or with balance_mixed also the worst mix (one such sequence among empty ones;
+    the device paths then give equal lengths fewer)."""
+    p = DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
+                      nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
+                      capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k)
+    kw = dict(block_n=_stage1_choice(p, dev, None).block_n, max_splits=DECODE_MAX_SPLITS,
+              min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT)
+    splits = decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms, **kw)
+    if balance_mixed:
+        splits = max(splits, decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms,
+                                               total_seqlen_k=max_seqlen_k, **kw))
+    return splits
+
+
+def decode_device_uniform_splits(p: DecodeProblem, num_splits: int, slots: int) -> int:
+    """Splits per sequence the DEVICE_SPLIT_GRID gives a batch of equal lengths (kernels/decode.py
+    _device_split_counts: each sequence's floor'd share of the slots)."""
+    return max(1, min(num_splits, slots // (p.kv_programs * p.batch)))
+
+
+def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
+    """Every launch decision of a decode call (docs/architecture.md, "Decode dispatch"), from what the host knows.
+
+    The split count: p.num_splits, else the policy's for p.live_keys / p.total_keys with the tiles of an unknown
+    split length. The tiles are then chosen for the live keys per split; a plan (p.retile_for_device_splits)
+    whose device picks the split counts chooses them for the splits the device gives equal lengths."""
+    if p.num_splits is None:
+        splits = decode_policy_splits(p, dev, _stage1_choice(p, dev, None).block_n)
+        may_reduce = True
+    else:
+        splits, may_reduce = p.num_splits, p.device_may_reduce_splits
+    live = max(p.live_keys, 1)
+    choice = _stage1_choice(p, dev, cdiv(live, splits))
+    slots = DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms
+    persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
+    if p.retile_for_device_splits and may_reduce and choice.device_splits and not persistent and p.batch > 1:
+        choice = _stage1_choice(p, dev, cdiv(live, decode_device_uniform_splits(p, splits, slots)))
+        persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
+    hopper, pdl = choice.use_hopper, choice.use_hopper and dev.pdl
+    use_pdl, pdl_wait = pdl, pdl
+    if p.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
+        use_pdl = p.use_pdl and dev.pdl
+        pdl_wait = pdl_wait and use_pdl
+    dynamic = choice.persistent_dynamic
+    config = DecodeConfig(
+        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=4,
+        num_stages=choice.num_stages,
+        table_read_extra_stages=0 if dev.interpret else DECODE_TABLE_READ_EXTRA_STAGES,
+        table_read_min_split_blocks=0 if dev.interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
+        preload_pages_max=DECODE_PRELOAD_PAGES_MAX,
+        preload_gather_max=DECODE_PRELOAD_PAGES_MAX if dev.interpret else DECODE_PRELOAD_GATHER_MAX,
+        preload_key_ids=choice.preload_key_ids,
+        use_tma=hopper and decode_tma_fits(p, choice.block_n),
+        use_pdl=use_pdl, pdl_wait=pdl_wait,
+        prefetch_blocks=0 if dev.interpret else choice.prefetch_blocks,
+        merge_early_trigger=choice.merge_early_trigger and pdl_wait,
+        merge_d_chunks=choice.merge_d_chunks, merge_max_rows=choice.merge_max_rows,
+        offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
+        persistent_programs=choice.persistent_programs or dev.num_sms,
+        persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
+        device_split_slots=slots)
+    return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
+                                                         may_reduce and choice.device_splits and not persistent))
+
+
+def _decode_path(p: DecodeProblem, config: DecodeConfig, splits: int, persistent: bool, dynamic: bool,
+                 device_splits: bool) -> DecodePath:
+    if splits == 1:
+        return DecodePath.UNSPLIT
+    if persistent:
+        return DecodePath.PERSISTENT_QUEUE if dynamic else DecodePath.PERSISTENT
+    # the device's split counts need a preload that holds a whole sequence's ids where the kernel relies on it
+    if device_splits and p.batch > 1 and decode_persistent_preload(p, config)[1] == 0:
+        return DecodePath.DEVICE_SPLIT_GRID
+    return DecodePath.SPLIT_GRID
+
+
+def decode_tma_fits(p: DecodeProblem, block_n: int) -> bool:
+    """The TMA path views the cache as 2-D (rows, nheads_kv * headdim): dense and aligned (p.cache_tma_ok), the
+    head dim a power of two (one box), and a block must not straddle a page."""
+    return p.cache_tma_ok and (p.page_size == 0 or p.page_size % block_n == 0) and p.headdim == p.block_d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode geometry: what follows from a DecodeConfig and the shapes (no choices)
+# ----------------------------------------------------------------------------------------------------------------
+
+def decode_min_chunk(config: DecodeConfig) -> int:
+    """Fewest keys a non-empty split holds (the kernels' MIN_CHUNK): with a fixed split count, short sequences use
+    fewer splits instead of many tiny ones."""
+    return config.block_n * DECODE_MIN_BLOCKS_PER_SPLIT
+
+
+def decode_max_split_keys(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> int:
+    """The most keys one of num_splits splits can hold (kernels/decode.py split_range at the cache capacity)."""
+    return max(cdiv(p.capacity, num_splits * config.block_n) * config.block_n, decode_min_chunk(config))
+
+
+def decode_preload_pages(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> int:
+    """Block-table entries one of num_splits splits can span (a power of two), held in registers; 0 when too many
+    or the pages neither divide nor are multiples of a block (then the loop reads the block table). The bound
+    comes from the capacity, a host-side shape: no sync."""
+    page, block_n = p.page_size, config.block_n
+    if page == 0 or config.preload_pages_max <= 0:
+        return 0
+    small_pages = (page < block_n and block_n % page == 0
+                   and (page >= DECODE_MIN_PRELOAD_PAGE or config.preload_key_ids))
+    if not (small_pages or page % block_n == 0):
+        return 0
+    chunk_max = decode_max_split_keys(p, config, num_splits)
+    # splits start at multiples of BLOCK_N: on a page boundary for pages that divide it, else possibly mid-page
+    straddle = 0 if small_pages else 1
+    pages = next_power_of_2(max(cdiv(chunk_max, page) + straddle, block_n // page))
+    limit = config.preload_gather_max if small_pages else config.preload_pages_max
+    return pages if pages <= limit else 0
+
+
+def decode_persistent_preload(p: DecodeProblem, config: DecodeConfig) -> tuple[int, int]:
+    """(PRELOAD_PAGES, MAX_SPLIT_KEYS) where a split may span a whole sequence (the persistent kernel, the device's
+    split counts): pages preload a whole sequence's ids when they fit; otherwise, for pages smaller than a block,
+    a num_splits-th of the capacity, each split bounded to as many keys (num_splits splits always fit); when even
+    that is too many (or for block-multiple pages) the loop reads the ids. MAX_SPLIT_KEYS 0: unbounded."""
+    whole = decode_preload_pages(p, config, 1)
+    small_pages = 0 < p.page_size < config.block_n
+    if p.page_size == 0 or whole > 0 or not small_pages:
+        return whole, 0
+    pages = decode_preload_pages(p, config, config.num_splits)
+    return pages, (decode_max_split_keys(p, config, config.num_splits) if pages else 0)
+
+
+def decode_pipeline_stages(p: DecodeProblem, config: DecodeConfig, preload_pages: int, split_keys_max: int) -> int:
+    """num_stages of a stage-1 launch: the config's, plus its table-read stages where the KV loop reads page ids
+    from the block table (paged, nothing preloaded) and a split may hold at least table_read_min_split_blocks
+    blocks: the pipeliner issues such a read a stage ahead of the K/V loads it feeds, so 3 stages left K / V
+    single-buffered (docs/decisions.md, DECODE_TABLE_READ_EXTRA_STAGES)."""
+    long_splits = split_keys_max >= config.table_read_min_split_blocks * config.block_n
+    if p.page_size > 0 and preload_pages == 0 and long_splits:
+        return config.num_stages + config.table_read_extra_stages
+    return config.num_stages
+
+
+def decode_prefetch_shape(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> tuple[int, int, int]:
+    """(PREFETCH_KEYS, LINE_ELEMS, NUM_LINES) of stage 1's pre-wait L2 prefetch: the first prefetch_blocks blocks of
+    a split, no more than a split can hold (a power of two, so a short split does not prefetch past its end
+    repeatedly); 128-byte lines of one head-dim row."""
+    if config.prefetch_blocks <= 0:
+        return 0, 64, 1
+    keys = next_power_of_2(min(config.prefetch_blocks * config.block_n, decode_max_split_keys(p, config, num_splits)))
+    line_elems = 128 // p.elem_bytes
+    return keys, line_elems, next_power_of_2(cdiv(p.headdim, line_elems))
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from flashdecode import heuristics
+    import dataclasses
+
+    from flashdecode import DecodePath
     from flashdecode.bench.decode import _make_set, _ours
     from benchmarks.probes.stream import _read_calls
 
@@ -33,7 +35,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", default="16,2", help="q heads,kv heads")
     ap.add_argument("--splits", type=int, default=None, help="a fixed split count (default: the plan's policy)")
-    ap.add_argument("--device-splits", action="store_true", help="force the device-split grid (DEVICE_SPLITS)")
+    ap.add_argument("--device-splits", action="store_true", help="force the device-split grid (config.path)")
     args = ap.parse_args()
     nheads, nheads_kv = (int(x) for x in args.heads.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -42,16 +44,17 @@ def main() -> int:
         out = torch.empty(k.numel() // 8192, device="cuda")
         calls = _read_calls([(k, torch.randn_like(k))], 8192, 8, out) * 2  # as many launches as 2 decode sets
     else:
-        if args.device_splits:
-            base = heuristics.decode_block_config
-            heuristics.decode_block_config = lambda *a, **kw: dict(base(*a, **kw), DEVICE_SPLITS=True)
         page = int(args.layout.rstrip("i"))
         sets = [_make_set(args.batch, [args.context] * args.batch, nheads, nheads_kv, 128, page, torch.bfloat16,
                           gen) for _ in range(2)]
         if args.layout.endswith("i"):  # pages in memory order
             for s in sets:
                 s["table"] = torch.arange(s["table"].numel(), device="cuda", dtype=torch.int32).view_as(s["table"])
-        calls, info = _ours(sets, num_splits=args.splits, use_pdl=False)
+        tweak = None
+        if args.device_splits:
+            def tweak(config):
+                return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID)
+        calls, info = _ours(sets, num_splits=args.splits, use_pdl=False, tweak=tweak)
         print(info)
     for _ in range(3):
         for call in calls:

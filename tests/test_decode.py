@@ -4,13 +4,17 @@ CPU (interpreter) tests use small shapes that still cross several 16-key blocks,
 bf16, long contexts (100k+), the production tile sizes and CUDA-graph capture/replay.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 import flashdecode
+from flashdecode import DecodePath
 from flashdecode import reference as ref
+from flashdecode.ops.decode import decode_config
 from flashdecode.kernels.decode import _device_split_counts, split_range
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
@@ -36,15 +40,38 @@ def _assert_matches_reference(out, lse, q, k, v, lens):
     assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
 
 
-def _check(q, k, v, lens, *, page_size=None, gen=None, **kw):
-    """Run flash_decode (contiguous, or paged via a random page permutation) and compare out and lse with the
-    float64 reference under the FlashAttention rule; returns (out, lse)."""
+def _tweaked(config, tweak):
+    """A resolved DecodeConfig changed by ``tweak``: a dict of fields, or a function of the config."""
+    return tweak(config) if callable(tweak) else dataclasses.replace(config, **tweak)
+
+
+def _decode(q, kc, vc, lens, table=None, tweak=None, **kw):
+    """flash_decode, with the DecodeConfig it resolves changed by ``tweak`` (config=) where given."""
+    if tweak is not None:
+        resolved = decode_config(q, kc, vc, lens, block_table=table, num_splits=kw.get("num_splits"),
+                                 window_size=kw.get("window_size", (-1, -1)), max_seqlen_k=kw.get("max_seqlen_k"))
+        kw["config"] = _tweaked(resolved, tweak)
+    return flashdecode.flash_decode(q, kc, vc, lens, block_table=table, **kw)
+
+
+def _plan(q, kc, vc, lens, *args, table=None, tweak=None, **kw):
+    """DecodePlan(*args, **kw), with the DecodeConfig it resolves for these tensors changed by ``tweak``."""
+    plan = flashdecode.DecodePlan(*args, **kw)
+    if tweak is None:
+        return plan
+    config = _tweaked(plan.config_for(q, kc, vc, lens, block_table=table), tweak)
+    return flashdecode.DecodePlan(*args, **dict(kw, num_splits=config.num_splits), config=config)
+
+
+def _check(q, k, v, lens, *, page_size=None, gen=None, tweak=None, **kw):
+    """Run flash_decode (contiguous, or paged via a random page permutation; its config changed by ``tweak``) and
+    compare out and lse with the float64 reference under the FlashAttention rule; returns (out, lse)."""
     ref_kw = {name: kw[name] for name in ("softmax_scale", "softcap", "window_size") if name in kw}
     if page_size is None:
-        out, lse = flashdecode.flash_decode(q, k, v, lens, return_lse=True, **kw)
+        out, lse = _decode(q, k, v, lens, tweak=tweak, return_lse=True, **kw)
     else:
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=2, generator=gen)
-        out, lse = flashdecode.flash_decode(q, kp, vp, lens, block_table=table, return_lse=True, **kw)
+        out, lse = _decode(q, kp, vp, lens, table, tweak=tweak, return_lse=True, **kw)
     o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, **ref_kw)
     o_same, lse_same = ref.decode_ref(q, k, v, lens, **ref_kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -72,32 +99,16 @@ def test_paged_random_permutation(gen, page_size):
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
 
 
-@pytest.mark.parametrize("page_size", [8, 4])
-def test_page_ids_by_select_steps(gen, monkeypatch, page_size):
-    """PAGE_GATHER off: gathered pages (smaller than a block) take each key's page id from the preloaded ids by
-    select-and-sum steps instead of tl.gather; same results (page 4 on the CPU reads ids in the loop either way)."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PAGE_GATHER=False))
-    lens = [page_size * 5 + 1, page_size - 1, 3 * page_size]
-    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=2)
-
-
 @pytest.mark.parametrize("page_size,window", [(4, -1), (8, -1), (16, 5), (32, -1)])
-def test_page_ids_read_beside_the_length(gen, monkeypatch, page_size, window):
-    """SPEC_PAGES: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
+def test_page_ids_read_beside_the_length(gen, page_size, window):
+    """spec_pages: a split's page ids read beside its length, for the range a first (pre-wait on the GPU) read of
     the length gives, then kept or read again; same results, empty sequences and windows included. (Here both
     reads see the same length, so the ids are always kept; the GPU graph test with lengths written by the kernel
     before stage 1 covers a length that changes across the wait.)"""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1))
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, window_size=(window, -1),
+           tweak=dict(spec_pages=True))
 
 
 @triton.jit
@@ -114,17 +125,15 @@ def _stale_range_of_another_length(SEQLENS, b, split, num_splits, capacity, wind
 
 @pytest.mark.parametrize("page_size", [8, 32])
 def test_page_ids_read_again_when_the_length_changed(gen, monkeypatch, page_size):
-    """SPEC_PAGES when the length read before the wait differs from the one after it (forced here by a stand-in for
-    the pre-wait read): the guessed ids cover other pages, are dropped and read again; results stay exact."""
-    from flashdecode import heuristics
+    """spec_pages when the length read before the wait differs from the one after it (forced here by a stand-in
+    for the pre-wait read, the one kernel function replaced): the guessed ids cover other pages, are dropped and
+    read again; results stay exact."""
     from flashdecode.kernels import decode as kernels_decode
 
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), SPEC_PAGES=True))
     monkeypatch.setattr(kernels_decode, "_stale_split_range", _stale_range_of_another_length)
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size, page_size * 6]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3)
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, tweak=dict(spec_pages=True))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16, 64])
@@ -219,6 +228,75 @@ def test_plan_fixed_grid_with_changing_lengths(gen, page_size):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Block tables on the device are not validated (no sync): ids outside [0, num_pages) read as absent keys
+# ----------------------------------------------------------------------------------------------------------------
+
+def _corrupt_table(table, num_pages, lens, page_size):
+    """Put the bad ids -1, num_pages and 2**30 into live pages of a block table (sequence b gets bad id b % 3 in
+    pages 0 and, where it has one, 2); returns the corrupted table and a (batch, max_len) mask of the keys that are
+    still present."""
+    bad = table.clone()
+    max_len = max(lens)
+    present = torch.ones(len(lens), max_len, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for page in (0, 2):
+            if page * page_size < n:
+                bad[b, page] = (-1, num_pages, 2**30)[b % 3]
+                present[b, page * page_size:(page + 1) * page_size] = False
+    return bad, present
+
+
+def _reference_without(q, k, v, lens, present):
+    """decode_ref over only the present keys (one new token, no window: the order of keys does not matter, so the
+    present ones are packed to the front). Returns (out float64, out in q's dtype)."""
+    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
+    packed = []
+    for b, n in enumerate(lens):
+        keep = present[b, :n].nonzero().squeeze(1).to(k.device)
+        kp[b, :keep.numel()], vp[b, :keep.numel()] = k[b, keep], v[b, keep]
+        packed.append(keep.numel())
+    plens = _lens(packed)
+    return ref.decode_ref(q.double(), kp.double(), vp.double(), plens)[0], ref.decode_ref(q, kp, vp, plens)[0]
+
+
+@pytest.mark.parametrize("page_size,tweak", [(1, None), (3, None), (8, None), (16, None), (32, None),
+                                             (32, dict(use_tma=True)), (16, "persistent")])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, num_splits):
+    """Ids -1, num_pages and 2**30 in a device-resident block table: no crash, no read outside the cache (2**30
+    must not wrap onto page 0), and the result equals the reference with those pages' keys left out (every path:
+    ids read in the loop, gathered from the preload, one per block, TMA, the persistent kernel)."""
+    lens = [70, 40, 57, 1]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
+    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=2, generator=gen)
+    bad, present = _corrupt_table(table, kp.shape[0], lens, page_size)
+    if tweak == "persistent":
+        def tweak(config):
+            path = DecodePath.UNSPLIT if config.num_splits == 1 else DecodePath.PERSISTENT
+            return dataclasses.replace(config, path=path)
+    out = _decode(q, kp, vp, _lens(lens), bad, tweak=tweak, num_splits=num_splits)
+    o64, o_same = _reference_without(q, k, v, lens, present)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+def test_page_ids_outside_the_pool_through_a_plan(gen):
+    """The same through a DecodePlan on the device-split grid (split counts chosen on the device)."""
+    lens = [90, 33, 61]
+    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float32)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 32, generator=gen)
+    bad, present = _corrupt_table(table, kp.shape[0], lens, 32)
+
+    def device_split_grid(config):
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID)
+
+    plan = _plan(q, kp, vp, _lens(lens), 3, 4, 2, 64, table=bad, tweak=device_split_grid, max_seqlen_k=90,
+                 dtype=torch.float32, device=DEVICE, num_splits=4)
+    out = plan.run(q, kp, vp, _lens(lens), block_table=bad)
+    o64, o_same = _reference_without(q, k, v, lens, present)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -289,36 +367,26 @@ def test_gpu_shapes(gen, headdim, nheads, nheads_kv):
     _check(q, k, v, _lens(lens))
 
 
-def _forbid_merge_kernel(monkeypatch):
-    """Fail the test if a decode call launches the merge kernel (the persistent kernel must merge in-kernel)."""
-    from flashdecode.ops import decode as ops_decode
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel must merge split sequences itself")
-
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
+_PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,headdim,nheads,nheads_kv,page_size,seqlen_q", [
     (torch.bfloat16, 128, 32, 8, None, 1), (torch.bfloat16, 128, 32, 8, 128, 1), (torch.float16, 64, 32, 8, 256, 1),
     (torch.bfloat16, 256, 16, 8, None, 1), (torch.bfloat16, 96, 48, 8, None, 3), (torch.float32, 128, 32, 8, None, 1)])
-def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdim, nheads, nheads_kv, page_size,
+def test_gpu_batch_runs_as_one_persistent_launch(gen, dtype, headdim, nheads, nheads_kv, page_size,
                                                  seqlen_q):
     """With more (batch, kv head) pairs than half the SMs (and at most the SMs) the default is the persistent
     kernel (device-side split counts, in-kernel merge): one launch, no merge kernel. A plan sized for the batch,
     lengths mixed (one long sequence, empty and one-token ones) then uniform, contiguous and block-multiple pages,
     every head dim class and dtype."""
-    from flashdecode.ops import decode as ops_decode
-
-    _forbid_merge_kernel(monkeypatch)
     batch = 12  # 96 (batch, kv head) pairs: between half the H100's SMs and all of them
     q, k, v = _make(gen, batch, 9000, nheads, nheads_kv, headdim, dtype, seqlen_q=seqlen_q)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, nheads, nheads_kv, headdim, max_seqlen_k=9000, dtype=dtype,
                                   device=DEVICE, max_seqlen_q=seqlen_q)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent, "96 pairs on the H100: the persistent launch is the default"
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    assert config.path in _PERSISTENT_PATHS, "96 pairs on the H100: the persistent launch is the default"
     for lengths in ([9000, 0, seqlen_q] + [300 + 37 * i for i in range(batch - 3)], [3000] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -329,21 +397,19 @@ def test_gpu_batch_runs_as_one_persistent_launch(gen, monkeypatch, dtype, headdi
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,extra_seqs", [(None, 3), (16, 3), (8, 3), (16, 0), (64, 3), (1, 0), (3, 3)])
-def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs):
+def test_gpu_batches_take_the_work_queue(gen, page_size, extra_seqs):
     """Beyond one (batch, kv head) pair per SM (extra_seqs > 0), and for pages smaller than a block (gathered page
     ids, or pages of 1-7 keys whose ids the KV loop reads) from 3/4 of that, the persistent kernel draws work items
     from its queue: mixed lengths (one long sequence among empty, one-token and short ones), then uniform, through a
     plan; the queue is left at zero."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
 
-    _forbid_merge_kernel(monkeypatch)
     batch = heuristics.num_sms(torch.device(DEVICE)) // 8 + extra_seqs  # 8 kv heads: 0 or 24 pairs beyond the SMs
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent and shape.persistent_dynamic, "more pairs than SMs on Hopper: the work queue"
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    assert config.path is DecodePath.PERSISTENT_QUEUE, "more pairs than SMs on Hopper: the work queue"
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -354,19 +420,17 @@ def test_gpu_batches_take_the_work_queue(gen, monkeypatch, page_size, extra_seqs
 @pytest.mark.xdist_group("gpu_bigmem")
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,page_size", [(6, None), (8, None), (8, 64), (8, 256)])
-def test_gpu_batches_below_half_the_sms_run_persistent(gen, monkeypatch, batch, page_size):
+def test_gpu_batches_below_half_the_sms_run_persistent(gen, batch, page_size):
     """Contiguous caches with a third to a half of the SMs' worth of (batch, kv head) pairs (Llama 32/8, b6 / b8)
     run the persistent kernel with static shares, pages that are multiples of the few-pairs 64-key tiles from 0.45
     of them (b8) with its work queue: mixed lengths (one long among empty, one-token and short ones), then uniform,
     through a plan; no merge kernel; tickets and queue left at zero."""
-    from flashdecode.ops import decode as ops_decode
-
-    _forbid_merge_kernel(monkeypatch)
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-    shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1), grid_batch=batch)
-    assert shape.persistent and shape.persistent_dynamic == (page_size is not None) and shape.block_n == 64
+    config = plan.config_for(q, kc, vc, _lens([8] * batch), block_table=table)
+    queue = config.path is DecodePath.PERSISTENT_QUEUE
+    assert config.path in _PERSISTENT_PATHS and queue == (page_size is not None) and config.block_n == 64
     for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
@@ -382,37 +446,31 @@ def test_gpu_device_split_grid(gen, batch, page_size):
     sequence's split count chosen on the device (DEVICE_SPLITS where heuristics turn it on; forced here): mixed
     lengths (one long among empty, one-token and short ones), then uniform; contiguous, gathered (16), block-
     multiple (64) and 1-key pages (whose ids do not fit the preload: the fixed-count split grid)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-    heuristics_cfg = lambda *a, **kw: dict(base(*a, **kw), DEVICE_SPLITS=True)  # noqa: E731
     q, k, v = _make(gen, batch, 12_000, 32, 8, 128, torch.bfloat16)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(heuristics, "decode_block_config", heuristics_cfg)
-        plan = flashdecode.DecodePlan(batch, 32, 8, 128, max_seqlen_k=12_000, dtype=torch.bfloat16, device=DEVICE)
-        shape = ops_decode._DecodeShape(q, kc, vc, _lens([8] * batch), table, None, 0.0, (-1, -1),
-                                        grid_batch=batch)
-        assert shape.device_splits and not shape.persistent
-        for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
-            lens = _lens(lengths[:batch])
-            out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-            _assert_matches_reference(out, lse, q, k, v, lens)
+    lens0 = _lens([8] * batch)
+
+    def device_split_grid(config):
+        fits = page_size != 1  # 1-key pages at 12k keys: a whole sequence's ids do not fit the preload
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID if fits else config.path)
+
+    plan = _plan(q, kc, vc, lens0, batch, 32, 8, 128, table=table, tweak=device_split_grid, max_seqlen_k=12_000,
+                 dtype=torch.bfloat16, device=DEVICE)
+    for lengths in ([12_000, 0, 1] + [200 + 61 * i for i in range(batch - 3)], [2500] * batch):
+        lens = _lens(lengths[:batch])
+        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [100, 512, 4096])
 def test_gpu_short_gathered_splits_take_8_kib_tiles(gen, context):
     """Batch 1, page 16, splits of <= 64 keys: 32-key tiles (two pages per block) through the plan, correct."""
-    from flashdecode.ops import decode as ops_decode
-
     q, k, v = _make(gen, 1, context, 16, 2, 128, torch.bfloat16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 16, extra_pages=3, generator=gen)
     plan = flashdecode.DecodePlan(1, 16, 2, 128, max_seqlen_k=context, dtype=torch.bfloat16, device=DEVICE)
     split_keys = -(-context // plan.num_splits)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens([context]), table, None, 0.0, (-1, -1), split_keys=split_keys)
-    assert shape.block_n == 32 or split_keys > 64
+    assert plan.config_for(q, kp, vp, _lens([context]), block_table=table).block_n == 32 or split_keys > 64
     for n in (context, context - 17, 1):
         lens = _lens([n])
         out, lse = plan.run(q, kp, vp, lens, block_table=table, return_lse=True)
@@ -426,6 +484,24 @@ def test_gpu_multi_token_softcap_window(gen, seqlen_q):
     q, k, v = _make(gen, 3, max(lens), 32, 8, 128, torch.bfloat16, seqlen_q=seqlen_q)
     _check(q, k, v, _lens(lens), page_size=16, gen=gen, softcap=30.0)
     _check(q, k, v, _lens(lens), window_size=(1000, -1))
+
+
+def _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen):
+    """Write new_lens into the captured lens, move every page of a paged cache (new contents of the same
+    block_table tensor), replay, and check static_out against the reference on the contiguous k, v."""
+    lens.copy_(_lens(new_lens))
+    if table is not None:
+        perm = torch.randperm(kc.shape[0], generator=gen).to(DEVICE)
+        new_k, new_v = torch.empty_like(kc), torch.empty_like(vc)
+        new_k[perm], new_v[perm] = kc, vc
+        kc.copy_(new_k)
+        vc.copy_(new_v)
+        table.copy_(perm[table.long()].to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
+    o_same, _ = ref.decode_ref(q, k, v, lens)
+    assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -448,46 +524,97 @@ def test_gpu_cuda_graph_replay_with_changed_lengths(gen, page_size, use_pdl):
     with torch.cuda.graph(graph):
         static_out = plan.run(q, kc, vc, lens, block_table=table)
     for new_lens in ([1, 9000, 2, 5000], [8191, 8192, 8193, 1]):
-        lens.copy_(_lens(new_lens))
-        if page_size:  # move every page: new contents of the same block_table tensor
-            perm = torch.randperm(kc.shape[0], generator=gen).to(DEVICE)
-            new_k = torch.empty_like(kc)
-            new_v = torch.empty_like(vc)
-            new_k[perm] = kc
-            new_v[perm] = vc
-            kc.copy_(new_k)
-            vc.copy_(new_v)
-            table.copy_(perm[table.long()].to(torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
-        o_same, _ = ref.decode_ref(q, k, v, lens)
-        assert_fa_close(static_out, o64, o_same, factor=3.0, atol=1e-4)
+        _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,page_size", [(1, None), (4, None), (4, 16), (12, 128), (40, None)])
+def test_gpu_plain_flash_decode_captured_and_replayed_with_changed_lengths(gen, batch, page_size):
+    """A decode step calling plain flash_decode (no plan, no num_splits, no max_seqlen_k) is captured in a CUDA
+    graph: no host sync inside (the split count comes from the cache capacity), workspace from the per-device pool
+    sized by the eager warm-up; replays with changed lengths and moved pages stay exact (batch 1 / 4: split grids,
+    12 / 40: the persistent paths on Hopper)."""
+    cap = 6000
+    q, k, v = _make(gen, batch, cap, 32, 8, 128, torch.bfloat16)
+    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    lens = _lens([cap] + [37 * (i + 1) for i in range(batch - 1)])
+    flashdecode.flash_decode(q, kc, vc, lens, block_table=table)  # eager: compiles, sizes the pool
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashdecode.flash_decode(q, kc, vc, lens, block_table=table)
+    for new_lens in ([1] + [cap - i for i in range(batch - 1)], [0] * (batch - 1) + [cap], [cap // 2] * batch):
+        _replay_with(graph, static_out, q, k, v, lens, new_lens, kc, vc, table, gen)
+
+
+class _UnreadableLengths(torch.Tensor):
+    """cache_seqlens whose values must not be read on the host (as under CUDA-graph capture)."""
+
+    def to(self, *args, **kwargs):
+        raise AssertionError("the lengths were read on the host")
+
+
+def test_captured_call_sizes_splits_from_the_capacity_without_reading_lengths(gen):
+    """Host side of a captured plain call: the split policy takes the cache capacity (the lengths are not read),
+    max_seqlen_k still bounds it; the resolved config lets the device reduce the splits (device-split grid at a
+    batch with few pairs on the GPU's rules); the workspace pool hands out views of buffers an eager call sized."""
+    from flashdecode import heuristics as hx
+    from flashdecode.ops.decode_policy import _DecodeShape, choose_live_keys
+    from flashdecode.ops.decode_workspace import _Workspace
+
+    q, k, v = _make(gen, 4, 300, 4, 2, 64, torch.float16)
+    lens = _lens([300, 5, 0, 40]).as_subclass(_UnreadableLengths)
+    shape = _DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
+    assert choose_live_keys(shape, lens, None, None, in_capture=True) == (300, None)
+    assert choose_live_keys(shape, lens, None, 100, in_capture=True) == (100, None)
+    with pytest.raises(AssertionError, match="read on the host"):
+        choose_live_keys(shape, lens, None, None, in_capture=False)
+    gpu = hx.DecodeDevice(num_sms=132, interpret=False, hopper=False, pdl=False)
+    problem = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=4, nheads_kv=8, headdim=128, elem_bytes=2,
+                               page_size=0, capacity=12000, window_left=-1, live_keys=12000)
+    config = hx.resolve_decode_config(problem, gpu)
+    assert config.num_splits > 1 and config.path is DecodePath.DEVICE_SPLIT_GRID
+    pool = _Workspace(torch.device("cpu"))
+    pool.reserve((4, 1, 32, 8, 128), 40)
+    o_ptr, lse_ptr, t_ptr = pool.o.data_ptr(), pool.lse.data_ptr(), pool.tickets.data_ptr()
+    partial_o, partial_lse, tickets = pool.take((2, 1, 32, 8, 128), 20)
+    assert (partial_o.data_ptr(), partial_lse.data_ptr(), tickets.data_ptr()) == (o_ptr, lse_ptr, t_ptr)
+    assert partial_o.shape == (2, 1, 32, 8, 128) and partial_lse.shape == (2, 1, 32, 8) and tickets.numel() == 20
+    assert torch.all(pool.tickets == 0)
+
+
+def test_captured_call_path_is_exact(gen, monkeypatch):
+    """flash_decode's capture branch (split count from the capacity, workspace from the pool) run in the
+    interpreter by declaring the stream captured: exact for lengths far below the capacity, repeatedly."""
+    from flashdecode.ops import decode as ops_decode
+
+    monkeypatch.setattr(ops_decode, "capturing", lambda device: True)  # the one fact the CPU cannot produce
+    q, k, v = _make(gen, 3, 200, 4, 2, 64, torch.float16)
+    for lengths in ([200, 3, 0], [1, 17, 90]):
+        lens = _lens(lengths)
+        out, lse = flashdecode.flash_decode(q, k, v, lens, return_lse=True)
+        _assert_matches_reference(out, lse, q, k, v, lens)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,page_size", [
-    (dict(USE_PDL=True, PDL_WAIT=True), None), (dict(USE_PDL=True, PDL_WAIT=True), 16),
-    (dict(FUSED_MERGE=True, PDL_WAIT=True), None), (dict(FUSED_MERGE=True, PDL_WAIT=True), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), None),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=4, MERGE_EARLY_TRIGGER=True), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=2, MERGE_EARLY_TRIGGER=True, BLOCK_N=64), 3),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True), 64),
-    (dict(USE_PDL=True, PDL_WAIT=True, PREFETCH_BLOCKS=1, SPEC_PAGES=True, BLOCK_N=64), 16),
-    (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True), None), (dict(USE_PDL=True, PDL_WAIT=True, PERSISTENT=True,
-                                                                      PERSISTENT_PROGRAMS=264), 128)])
-def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, variant, page_size):
-    """Stage 1 launched as a programmatic dependent (PDL_WAIT) must wait for the kernel before it: in one graph,
+    (dict(use_pdl=True, pdl_wait=True), None), (dict(use_pdl=True, pdl_wait=True), 16),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=4, merge_early_trigger=True), None),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=4, merge_early_trigger=True), 16),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=2, merge_early_trigger=True, block_n=64), 3),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=1, spec_pages=True), 64),
+    (dict(use_pdl=True, pdl_wait=True, prefetch_blocks=1, spec_pages=True, block_n=64, use_tma=False), 16),
+    (dict(use_pdl=True, pdl_wait=True, path=DecodePath.PERSISTENT), None),
+    (dict(use_pdl=True, pdl_wait=True, path=DecodePath.PERSISTENT, persistent_programs=264), 128)])
+def test_gpu_graph_replay_right_after_a_producer_kernel(gen, variant, page_size):
+    """Stage 1 launched as a programmatic dependent (pdl_wait) must wait for the kernel before it: in one graph,
     three decode calls on one plan, each right after kernels that write its q and lengths; eager warm-up too."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), **variant))
     q_all, k, v = _make(gen, 4, 9000, 16, 2, 128, torch.bfloat16)
     qs = [randn(*q_all.shape, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
     lens_src = [_lens(x) for x in ([9000, 5, 3000, 0], [1, 8192, 129, 4097], [4000, 4000, 9000, 17])]
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    plan = flashdecode.DecodePlan(4, 16, 2, 128, max_seqlen_k=9000, dtype=torch.bfloat16, device=DEVICE)
+    plan = _plan(qs[0], kc, vc, lens_src[0], 4, 16, 2, 128, table=table, tweak=variant, max_seqlen_k=9000,
+                 dtype=torch.bfloat16, device=DEVICE)
     q_static, lens_static = torch.empty_like(qs[0]), torch.empty_like(lens_src[0])
     outs = [torch.empty_like(q) for q in qs]
 
@@ -518,163 +645,142 @@ def test_gpu_graph_replay_right_after_a_producer_kernel(gen, monkeypatch, varian
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 32])
-def test_tma_path(gen, monkeypatch, page_size):
+def test_tma_path(gen, page_size):
     """The tensor-descriptor (TMA) path, forced on (the interpreter runs host descriptors too); NaN in unused
     slots must not leak through whole-block TMA reads."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-
-    def with_tma(*args, **kw):
-        return dict(base(*args, **kw), USE_TMA=True)
-
-    monkeypatch.setattr(heuristics, "decode_block_config", with_tma)
     q, k, v = _make(gen, 3, 70, 8, 2, 64, torch.float16, seqlen_q=2)
     lens = _lens([70, 17, 33])
     for b, n in enumerate([70, 17, 33]):
         v[b, n:] = float("nan")
-    shape = ops_decode._DecodeShape(q, k, v, lens, None, None, 0.0, (-1, -1))
-    assert shape.use_tma
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
     for num_splits in (1, 3):
-        out = flashdecode.flash_decode(q, kc, vc, lens, block_table=table, num_splits=num_splits)
+        out = _decode(q, kc, vc, lens, table, tweak=dict(use_tma=True), num_splits=num_splits)
         o64, _ = ref.decode_ref(q.double(), k.double().nan_to_num(), v.double().nan_to_num(), lens)
         o_same, _ = ref.decode_ref(q, k.nan_to_num(), v.nan_to_num(), lens)
         assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
 
 
-def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen, monkeypatch):
+def test_tma_override_rejected_where_the_cache_cannot_take_it(gen):
+    """config.use_tma on a cache that is not dense in (rows, kv heads x head dim) raises naming config.use_tma."""
+    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
+    ks, vs = k[:, ::2], v[:, ::2]  # every other key: rows no longer consecutive
+    lens = _lens([20, 7])
+    config = dataclasses.replace(decode_config(q, ks, vs, lens, num_splits=2), use_tma=True)
+    with pytest.raises(ValueError, match="config.use_tma"):
+        flashdecode.flash_decode(q, ks, vs, lens, config=config)
+
+
+def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen):
     """Pages of 1, 2 or 4 keys preload one id per key (gathered like 8-key pages; pages of 3 keys cannot: they
     straddle blocks), sized to a split's keys without the straddling page of block-multiple pages; where the loop
-    reads the block table instead, long splits get TABLE_READ_EXTRA_STAGES more pipeline stages, short ones and
-    preloaded ids none."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    reads the block table instead, long splits get table_read_extra_stages more pipeline stages, short ones and
+    preloaded ids none (heuristics' decode geometry, with the interpreter's 16-key tiles and 256 ids)."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config
-    # the interpreter's constants (16-key tiles, 256 preloaded ids) on the GPU too, so the sizes below hold there
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda headdim, elem_bytes, interpret, *a, **k: dict(
-        base(headdim, elem_bytes, True, *a, **k), PRELOAD_KEY_IDS=True, TABLE_READ_EXTRA_STAGES=2,
-        TABLE_READ_MIN_SPLIT_BLOCKS=8))
-    q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
+    config = dataclasses.replace(decode_config(*_make(gen, 2, 512, 4, 2, 64, torch.float16), _lens([512, 100]),
+                                               num_splits=4),
+                                 preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8)
+    assert config.block_n == 16
 
-    def shape_for(page_size):
-        kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-        return ops_decode._DecodeShape(q, kp, vp, _lens([512, 100]), table, None, 0.0, (-1, -1))
+    def problem(page_size):
+        return hx.DecodeProblem(batch=2, grid_batch=2, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                                page_size=page_size, capacity=512, window_left=-1, live_keys=512)
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
-        shape = shape_for(page_size)
-        assert shape.block_n == 16
-        preload = ops_decode._preload_pages(shape, splits, ops_decode._min_chunk(shape))
+        preload = hx.decode_preload_pages(problem(page_size), config, splits)
         assert preload == ids, (page_size, preload)
-        stages = ops_decode._pipeline_stages(shape, preload, 512 // splits)
-        assert stages == shape.num_stages, page_size
-    three = shape_for(3)
-    assert ops_decode._preload_pages(three, 4, ops_decode._min_chunk(three)) == 0
-    long_split, short_split = 8 * three.block_n, 8 * three.block_n - 1
-    assert ops_decode._pipeline_stages(three, 0, long_split) == three.num_stages + 2
-    assert ops_decode._pipeline_stages(three, 0, short_split) == three.num_stages
-    contiguous = ops_decode._DecodeShape(q, k, v, _lens([512, 100]), None, None, 0.0, (-1, -1))
-    assert ops_decode._pipeline_stages(contiguous, 0, long_split) == contiguous.num_stages
+        assert hx.decode_pipeline_stages(problem(page_size), config, preload, 512 // splits) == config.num_stages
+    assert hx.decode_preload_pages(problem(3), config, 4) == 0
+    long_split, short_split = 8 * config.block_n, 8 * config.block_n - 1
+    assert hx.decode_pipeline_stages(problem(3), config, 0, long_split) == config.num_stages + 2
+    assert hx.decode_pipeline_stages(problem(3), config, 0, short_split) == config.num_stages
+    assert hx.decode_pipeline_stages(problem(0), config, 0, long_split) == config.num_stages
+    q, k, v = _make(gen, 2, 512, 4, 2, 64, torch.float16)
     for num_splits in (1, 3):
-        _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits)
+        _check(q, k, v, _lens([512, 100]), page_size=1, gen=gen, num_splits=num_splits,
+               tweak=dict(preload_key_ids=True, table_read_extra_stages=2, table_read_min_split_blocks=8))
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 32])
-def test_paged_without_block_table_preload(gen, monkeypatch, page_size):
+def test_paged_without_block_table_preload(gen, page_size):
     """Long splits whose page ids do not fit in registers read the block table inside the loop: same results."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PRELOAD_PAGES_MAX=0))
     q, k, v = _make(gen, 3, 70, 4, 2, 64, torch.float16, seqlen_q=2)
-    _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2)
+    _check(q, k, v, _lens([70, 32, 33]), page_size=page_size, gen=gen, num_splits=2,
+           tweak=dict(preload_pages_max=0, preload_gather_max=0))
 
 
 @pytest.mark.parametrize("d_chunks,max_rows", [(2, 0), (4, 1)])
-def test_merge_in_head_dim_chunks(gen, monkeypatch, d_chunks, max_rows):
-    """MERGE_D_CHUNKS / MERGE_MAX_ROWS (config): stage 2 as head-dim slices, and as one row per program, gives the
-    same result (GQA, ragged, paged)."""
-    from flashdecode import heuristics
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config",
-                        lambda *a, **k: dict(base(*a, **k), MERGE_D_CHUNKS=d_chunks, MERGE_MAX_ROWS=max_rows))
+def test_merge_in_head_dim_chunks(gen, d_chunks, max_rows):
+    """merge_d_chunks / merge_max_rows: stage 2 as head-dim slices, and as one row per program, gives the same
+    result (GQA, ragged, paged)."""
     q, k, v = _make(gen, 3, 90, 8, 2, 64, torch.float16)
-    _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3)
+    _check(q, k, v, _lens([90, 0, 33]), page_size=16, gen=gen, num_splits=3,
+           tweak=dict(merge_d_chunks=d_chunks, merge_max_rows=max_rows))
 
 
 def test_round3_config_rules():
-    """heuristics.decode_block_config, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's
-    early trigger only for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only (on
-    the split grid: the Hopper work queue keeps 32 KiB)."""
+    """Tile policy, round 3: L2 prefetch with few (batch, kv head) pairs on Hopper; the merge's early trigger only
+    for splits of <= 2 blocks; 16 KiB tiles at batch for gathered pages in short splits only (on the split grid:
+    the Hopper work queue keeps 32 KiB)."""
     from flashdecode import heuristics as hx
 
-    hopper = hx._is_hopper_or_newer()
-    few = dict(kv_pairs=2, num_sms=132)
-    assert hx.decode_block_config(128, 2, False, **few)["PREFETCH_BLOCKS"] == (1 if hopper else 0)
-    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PREFETCH_BLOCKS"] == 0
-    assert hx.decode_block_config(128, 2, False, **few, split_keys=64)["MERGE_EARLY_TRIGGER"] == hopper
-    assert hx.decode_block_config(128, 2, False, **few, split_keys=128)["MERGE_EARLY_TRIGGER"] == hopper
-    assert not hx.decode_block_config(128, 2, False, **few, split_keys=256)["MERGE_EARLY_TRIGGER"]
-    assert not hx.decode_block_config(128, 2, False, **few)["MERGE_EARLY_TRIGGER"]  # split length unknown
-    batch = dict(kv_pairs=96, num_sms=132)  # below the work queue's 3/4 of the SMs (which keeps 128-key tiles)
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=512)["BLOCK_N"] == 64
-    queue = dict(kv_pairs=128, num_sms=132)
-    assert hx.decode_block_config(128, 2, False, **queue, page_size=16, split_keys=512)["BLOCK_N"] == (
-        128 if hopper else 64)
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=16, split_keys=8192)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=0, split_keys=512)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=64, split_keys=512)["BLOCK_N"] == 128
-    assert hx.decode_block_config(128, 2, False, **batch, page_size=4, split_keys=512)["BLOCK_N"] == 128
+    for hopper in (False, True):
+        dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=hopper, pdl=hopper)
+
+        def choice(kv_pairs, page_size=0, split_keys=None):  # 8 kv heads x batch, hd128 bf16
+            p = hx.DecodeProblem(batch=kv_pairs, grid_batch=kv_pairs, seqlen_q=1, group=1, nheads_kv=1,
+                                 headdim=128, elem_bytes=2, page_size=page_size, capacity=1 << 17, window_left=-1,
+                                 live_keys=1 << 17)
+            return hx._stage1_choice(p, dev, split_keys)
+
+        assert choice(2).prefetch_blocks == (1 if hopper else 0)
+        assert choice(128).prefetch_blocks == 0
+        assert choice(2, split_keys=64).merge_early_trigger == hopper
+        assert choice(2, split_keys=128).merge_early_trigger == hopper
+        assert not choice(2, split_keys=256).merge_early_trigger
+        assert not choice(2).merge_early_trigger  # split length unknown
+        # 96 pairs: below the work queue's 3/4 of the SMs (which keeps 128-key tiles)
+        assert choice(96, page_size=16, split_keys=512).block_n == 64
+        assert choice(128, page_size=16, split_keys=512).block_n == (128 if hopper else 64)
+        assert choice(96, page_size=16, split_keys=8192).block_n == 128
+        for page_size in (0, 64, 4):
+            assert choice(96, page_size=page_size, split_keys=512).block_n == 128
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# PERSISTENT (opt-in): split counts chosen on the device, a fixed grid of programs looping over work items
+# The persistent paths (Hopper's default at batch; forced here): split counts chosen on the device, a fixed grid
+# of programs looping over work items, the merge in-kernel
 # ----------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=[(3, False), (16, False), (3, True)], ids=["3programs", "16programs", "3dynamic"])
-def persistent(request, monkeypatch):
-    """PERSISTENT on through the config with 3 programs (several items each, mostly one split per sequence) or 16
-    (several splits per sequence), or 3 programs taking items from the work queue (DYNAMIC, 4 slots per program:
-    more splits, and the device rule that splits equal lengths, kernels _queue_split_ways); the split-grid stage 1
-    is made unusable for split launches and the merge kernel unusable altogether, so a passing test proves the
-    persistent kernel produced and merged the partials."""
+def persistent(request):
+    """A config tweak onto the persistent path with 3 programs (several items each, mostly one split per sequence)
+    or 16 (several splits per sequence), or 3 programs taking items from the work queue (PERSISTENT_QUEUE, 4 slots
+    per program: more splits, and the device rule that splits equal lengths, kernels _queue_split_ways). One
+    split stays UNSPLIT (as resolved)."""
     from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
 
-    base = heuristics.decode_block_config
     programs, dynamic = request.param
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT=True, PERSISTENT_PROGRAMS=programs, PERSISTENT_DYNAMIC=dynamic,
-        PERSISTENT_SLOTS=4, PERSISTENT_QUEUE_SPLITS=heuristics.DECODE_QUEUE_MAX_SPLITS))
-    split_grid = ops_decode._launch_stage1
 
-    def only_unsplit(shape, *args, **kwargs):
-        assert args[7] is True, "split launches must go through the persistent kernel"  # final
-        return split_grid(shape, *args, **kwargs)
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the persistent kernel merges split sequences itself: no merge launch")
-
-    monkeypatch.setattr(ops_decode, "_launch_stage1", only_unsplit)
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
-    return request.param
+    def tweak(config):
+        if config.num_splits == 1:
+            return config
+        path = DecodePath.PERSISTENT_QUEUE if dynamic else DecodePath.PERSISTENT
+        return dataclasses.replace(config, path=path, persistent_programs=programs, persistent_slots=4,
+                                   queue_splits=heuristics.DECODE_QUEUE_MAX_SPLITS)
+    return tweak
 
 
 def _block_multiple_page(batch, nheads, nheads_kv, headdim, dtype, pages_per_block):
-    """A page size that is pages_per_block x the stage-1 BLOCK_N of this shape (16 keys on the CPU, 64-128 on the
-    GPU), so that the persistent kernel (contiguous or block-multiple pages only) takes the launch; None: contiguous."""
-    from flashdecode.ops import decode as ops_decode
-
+    """A page size that is pages_per_block x the stage-1 block_n of this shape (16 keys on the CPU, 64-128 on the
+    GPU); None: contiguous."""
     if pages_per_block is None:
         return None
     q = torch.empty(batch, nheads, headdim, dtype=dtype, device=DEVICE)
     k = torch.empty(batch, 8, nheads_kv, headdim, dtype=dtype, device=DEVICE)
     lens = torch.full((batch,), 8, dtype=torch.int32, device=DEVICE)
-    return ops_decode._DecodeShape(q, k, k, lens, None, None, 0.0, (-1, -1)).block_n * pages_per_block
+    return decode_config(q, k, k, lens, num_splits=2).block_n * pages_per_block
 
 
 @triton.jit
@@ -718,43 +824,31 @@ def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
 
 
 @pytest.fixture(params=[3, 40], ids=["3slots", "40slots"])
-def device_splits(request, monkeypatch):
-    """DEVICE_SPLITS on through the config with 3 work-item slots (short sequences share them: one split each) or
-    40 (a long sequence takes many splits). Returns the list of DEVICE_SPLITS page preloads launched (one entry per
-    split-grid launch that chose its split counts on the device)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), DEVICE_SPLITS=True, DEVICE_SPLIT_SLOTS=request.param))
-    launched = []
-    stage1 = ops_decode._launch_stage1
-
-    def spy(*args, **kwargs):
-        if kwargs.get("device_preload") is not None:
-            launched.append(kwargs["device_preload"])
-        return stage1(*args, **kwargs)
-
-    monkeypatch.setattr(ops_decode, "_launch_stage1", spy)
-    return launched
+def device_splits(request):
+    """A config tweak onto the DEVICE_SPLIT_GRID path with 3 work-item slots (short sequences share them: one split
+    each) or 40 (a long sequence takes many splits). One split stays UNSPLIT."""
+    def tweak(config):
+        if config.num_splits == 1:
+            return config
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=request.param)
+    return tweak
 
 
 @pytest.mark.parametrize("page_size", [None, 3, 8, 32])
 def test_device_splits_ragged_and_paged(gen, device_splits, page_size):
     """A plan's policy split count (sized for the worst mix) with each sequence's count chosen on the device:
     ragged lengths (a long one, an empty one, one token, short ones), then equal ones; contiguous, pages whose ids
-    the loop reads (3), gathered preloaded ids (8 < BLOCK_N 16 on the CPU) and block-multiple pages (32). Every
-    layout launches the device-split grid (their whole sequences' ids fit the preload or are read in the loop)."""
+    the loop reads (3), gathered preloaded ids (8 < block_n 16 on the CPU) and block-multiple pages (32)."""
     q, k, v = _make(gen, 5, 300, 4, 2, 64, torch.float32)
     kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=300, dtype=torch.float32, device=DEVICE)
+    plan = _plan(q, kc, vc, _lens([300] * 5), 5, 4, 2, 64, table=table, tweak=device_splits, max_seqlen_k=300,
+                 dtype=torch.float32, device=DEVICE)
     assert plan.num_splits > 4
+    assert plan.config_for(q, kc, vc, _lens([1] * 5), block_table=table).path is DecodePath.DEVICE_SPLIT_GRID
     for lengths in ([300, 0, 1, 47, 130], [200] * 5):
         lens = _lens(lengths)
         out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
         _assert_matches_reference(out, lse, q, k, v, lens)
-    assert len(device_splits) == 2
 
 
 def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
@@ -762,24 +856,40 @@ def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
     keys start past 0) and softcap, through flash_decode's policy count: every combination exact."""
     lens = _lens([250, 3, 0, 120])
     q, k, v = _make(gen, 4, 250, 8, 2, 64, torch.float32, seqlen_q=3)
-    _check(q, k, v, lens, page_size=8, gen=gen, softcap=20.0)
-    _check(q, k, v, lens, window_size=(150, -1))
-    assert len(device_splits) == 2
+    assert decode_config(q, k, v, lens).num_splits > 1
+    _check(q, k, v, lens, page_size=8, gen=gen, softcap=20.0, tweak=device_splits)
+    _check(q, k, v, lens, window_size=(150, -1), tweak=device_splits)
 
 
-def test_device_splits_keep_a_callers_split_count(gen, device_splits):
-    """A split count the caller chose (flash_decode's num_splits, a plan's num_splits) is run as given, and one
-    sequence needs no device plan: only the policy's count at batch > 1 takes the device-split grid."""
-    q, k, v = _make(gen, 3, 200, 4, 2, 64, torch.float32)
-    lens = _lens([200, 60, 5])
-    _check(q, k, v, lens, num_splits=7)
-    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=200, dtype=torch.float32, device=DEVICE, num_splits=6)
-    out, lse = plan.run(q, k, v, lens, return_lse=True)
-    _assert_matches_reference(out, lse, q, k, v, lens)
-    _check(q[:1], k[:1], v[:1], lens[:1])
-    assert device_splits == []
-    _check(q, k, v, lens)  # the policy's count from the live lengths: the device may split differently
-    assert len(device_splits) == 1
+def test_device_split_grid_only_for_a_policy_count_at_batch():
+    """The resolver takes the device-split grid (where its tile rule allows it: few pairs, contiguous here) only
+    for the policy's split count at batch > 1: a caller's count, or one sequence, runs the plain split grid."""
+    from flashdecode import heuristics as hx
+
+    dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=False, pdl=False)
+
+    def path(batch, **kw):
+        p = hx.DecodeProblem(batch=batch, grid_batch=batch, seqlen_q=1, group=4, nheads_kv=8, headdim=128,
+                             elem_bytes=2, page_size=0, capacity=12000, window_left=-1, live_keys=12000, **kw)
+        return hx.resolve_decode_config(p, dev).path
+
+    assert path(4) is DecodePath.DEVICE_SPLIT_GRID  # 32 pairs, the policy's count
+    assert path(4, num_splits=7) is DecodePath.SPLIT_GRID
+    assert path(4, num_splits=7, device_may_reduce_splits=True) is DecodePath.DEVICE_SPLIT_GRID  # a plan's policy
+    assert path(1) is DecodePath.SPLIT_GRID
+    assert path(2) is DecodePath.SPLIT_GRID  # 16 pairs: below DECODE_DEVICE_SPLITS_MIN_PAIRS
+
+
+def test_device_split_grid_override_rejected_where_the_preload_cannot_hold_a_sequence(gen):
+    """DEVICE_SPLIT_GRID with pages smaller than a block whose whole-sequence ids outgrow the preload raises,
+    naming config.path (the device may give a sequence one split)."""
+    q, k, v = _make(gen, 2, 300, 4, 2, 64, torch.float32)
+    kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
+    lens = _lens([300, 20])
+    config = dataclasses.replace(decode_config(q, kp, vp, lens, block_table=table, num_splits=4),
+                                 path=DecodePath.DEVICE_SPLIT_GRID, preload_gather_max=16)
+    with pytest.raises(ValueError, match="config.path"):
+        flashdecode.flash_decode(q, kp, vp, lens, block_table=table, config=config)
 
 
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2])
@@ -787,114 +897,67 @@ def test_persistent_ragged_and_paged(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(4, 4, 2, 64, torch.float16, pages_per_block)
     n = max(90, 2 * (page_size or 0) + 37)  # several pages per sequence on the GPU's larger blocks too
     q, k, v = _make(gen, 4, n, 4, 2, 64, torch.float16)
-    _check(q, k, v, _lens([n, 0, n // 3, 5]), page_size=page_size, gen=gen, num_splits=4)
-
-
-def test_persistent_not_for_gathered_pages(gen, monkeypatch):
-    """Pages smaller than a block keep the split grid (the persistent kernel spills there on sm_90)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), PERSISTENT=True))
-    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
-    kp, _, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-    assert not ops_decode._DecodeShape(q, kp, kp, _lens([40, 3]), table, None, 0.0, (-1, -1)).persistent
-    _check(q, k, v, _lens([40, 3]), page_size=8, gen=gen, num_splits=3)
+    _check(q, k, v, _lens([n, 0, n // 3, 5]), page_size=page_size, gen=gen, num_splits=4, tweak=persistent)
 
 
 @pytest.mark.parametrize("page_size,key_ids", [(1, False), (1, True), (3, False)])
-def test_persistent_key_pages(gen, monkeypatch, persistent, page_size, key_ids):
+def test_persistent_key_pages(gen, persistent, page_size, key_ids):
     """Pages of 1-7 keys on the persistent path (heuristics.DECODE_QUEUE_KEY_PAGES): page ids read per key in the
-    KV loop, or (1-, 2-, 4-key pages with PRELOAD_KEY_IDS) gathered from a split's preload, bounding the splits."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+    KV loop, or (1-, 2-, 4-key pages with preload_key_ids) gathered from a split's preload, bounding the splits."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_KEY_IDS=key_ids))
     lens = [150, 3, 61, 0, 17]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-    assert shape.persistent
-    preload = ops_decode._persistent_preload(shape, 4, ops_decode._min_chunk(shape))
-    assert (preload["PRELOAD_PAGES"] > 0) == key_ids, preload
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4)
+    config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=4),
+                                            preload_key_ids=key_ids))
+    problem = hx.DecodeProblem(batch=5, grid_batch=5, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                               page_size=page_size, capacity=table.shape[1] * page_size, window_left=-1,
+                               live_keys=150)
+    assert (hx.decode_persistent_preload(problem, config)[0] > 0) == key_ids
+    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4,
+           tweak=lambda c: persistent(dataclasses.replace(c, preload_key_ids=key_ids)))
 
 
 def test_persistent_plan_runs_fewer_sequences_than_its_max_batch(gen, persistent):
     """A plan sized for 5 sequences serving 2 (the engine's graph buckets): the persistent kernel's items cover only
     the live batch, the outputs of the 2 are exact."""
     q, k, v = _make(gen, 2, 80, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(5, 4, 2, 64, max_seqlen_k=80, dtype=torch.float16, device=DEVICE, num_splits=4)
     lens = _lens([80, 33])
+    plan = _plan(q, k, v, lens, 5, 4, 2, 64, tweak=persistent, max_seqlen_k=80, dtype=torch.float16, device=DEVICE,
+                 num_splits=4)
     out, lse = plan.run(q, k, v, lens, return_lse=True)
     _assert_matches_reference(out, lse, q, k, v, lens)
     assert torch.all(plan._tickets == 0)
 
 
 @pytest.mark.parametrize("tight", [True, False], ids=["preload-per-split", "preload-whole-sequence"])
-def test_persistent_gathered_pages_bound_their_splits(gen, monkeypatch, persistent, tight):
-    """Pages smaller than a block on the persistent path (PERSISTENT_GATHERED). With a preload limit that holds one
-    of 6 splits' page ids but not a whole sequence's, the device gives long sequences enough splits
-    (MAX_SPLIT_KEYS) to stay within the preload; with 256 a whole sequence fits (the tile size, and so the limit,
-    differs between the CPU and the GPU)."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
+def test_persistent_gathered_pages_bound_their_splits(gen, persistent, tight):
+    """Pages smaller than a block on the persistent path. With a preload limit that holds one of 6 splits' page ids
+    but not a whole sequence's, the device gives long sequences enough splits (MAX_SPLIT_KEYS) to stay within the
+    preload; with 256 a whole sequence fits (the tile size, and so the limit, differs between the CPU and the GPU)."""
+    from flashdecode import heuristics as hx
 
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    limit = {"value": 256}
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PERSISTENT_GATHERED=True, PRELOAD_GATHER_MAX=limit["value"]))
     lens = [200, 3, 100, 0]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     kp, vp, table = ref.paged_from_contiguous(k, v, 8, generator=gen)
-
-    def preload():
-        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-        assert shape.persistent
-        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
-
-    loose = preload()
-    assert loose["PRELOAD_PAGES"] > 0 and loose["MAX_SPLIT_KEYS"] == 0
+    problem = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
+                               page_size=8, capacity=table.shape[1] * 8, window_left=-1, live_keys=200)
+    config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=6),
+                                            preload_gather_max=256))
+    loose = hx.decode_persistent_preload(problem, config)
+    assert loose[0] > 0 and loose[1] == 0
+    limit = loose[0] // 2 if tight else 256  # too few for a whole sequence, enough for a 6th
     if tight:
-        limit["value"] = loose["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
-        bounded = preload()
-        assert bounded["PRELOAD_PAGES"] > 0 and bounded["MAX_SPLIT_KEYS"] > 0, bounded
-    _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6)
-
-
-def test_persistent_block_multiple_pages_bound_their_splits(gen, monkeypatch, persistent):
-    """Pages that are block multiples on the persistent path with PERSISTENT_BOUND_PAGES and a preload limit below
-    a whole sequence's ids: the splits are bounded (MAX_SPLIT_KEYS) to what a num_splits-th of the capacity
-    preloads instead of reading ids in the loop."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config  # already PERSISTENT (fixture)
-    limit = {"value": 256}
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(
-        base(*a, **k), PRELOAD_PAGES_MAX=limit["value"], PERSISTENT_BOUND_PAGES=True))
-    lens = [200, 3, 100, 0]
-    page_size = _block_multiple_page(len(lens), 4, 2, 64, torch.float16, 1)
-    q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
-    kp, vp, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=8, generator=gen)
-
-    def preload():
-        shape = ops_decode._DecodeShape(q, kp, vp, _lens(lens), table, None, 0.0, (-1, -1))
-        assert shape.persistent
-        return ops_decode._persistent_preload(shape, 6, ops_decode._min_chunk(shape))
-
-    limit["value"] = preload()["PRELOAD_PAGES"] // 2  # too few for a whole sequence, enough for a 6th
-    bound = preload()
-    assert bound["PRELOAD_PAGES"] > 0 and bound["MAX_SPLIT_KEYS"] > 0, bound
-    _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=6)
+        bounded = hx.decode_persistent_preload(problem, dataclasses.replace(config, preload_gather_max=limit))
+        assert bounded[0] > 0 and bounded[1] > 0, bounded
+    _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6,
+           tweak=lambda c: persistent(dataclasses.replace(c, preload_gather_max=limit)))
 
 
 def test_persistent_gqa_multi_token_window_softcap(gen, persistent):
     q, k, v = _make(gen, 2, 70, 8, 1, 64, torch.float32, seqlen_q=3)
-    _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0))
+    _check(q, k, v, _lens([70, 20]), num_splits=6, softcap=20.0, window_size=(24, 0), tweak=persistent)
 
 
 @pytest.mark.parametrize("pages_per_block", [None, 1])
@@ -905,10 +968,11 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
     page_size = _block_multiple_page(3, 4, 2, 64, torch.float16, pages_per_block)
     n = max(96, 3 * (page_size or 0))
     q, k, v = _make(gen, 3, n, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(3, 4, 2, 64, max_seqlen_k=n, dtype=torch.float16, device=DEVICE, num_splits=6)
     kp = vp = table = None
     if page_size:
         kp, vp, table = ref.paged_from_contiguous(k, v, page_size, generator=gen)
+    plan = _plan(q, kp if page_size else k, vp if page_size else v, _lens([n] * 3), 3, 4, 2, 64, table=table,
+                 tweak=persistent, max_seqlen_k=n, dtype=torch.float16, device=DEVICE, num_splits=6)
     for lengths in ([n, 2, 5], [40, 40, 40], [0, n, 1]):
         lens = _lens(lengths)
         out, lse = plan.run(q, kp if page_size else k, vp if page_size else v, lens, block_table=table,
@@ -918,93 +982,22 @@ def test_persistent_plan_mixed_then_uniform(gen, persistent, pages_per_block):
 
 
 def test_prefetch_shape_stays_within_a_split():
-    """Stage 1's pre-wait L2 prefetch covers PREFETCH_BLOCKS blocks but never more than a split can hold (rounded
+    """Stage 1's pre-wait L2 prefetch covers prefetch_blocks blocks but never more than a split can hold (rounded
     to a power of two), in whole 128-byte lines of a head-dim row; off (0 keys) unless configured."""
-    from types import SimpleNamespace
+    from flashdecode import heuristics as hx
 
-    from flashdecode.ops.decode import _prefetch_shape
+    def problem(capacity, headdim=128, elem_bytes=2):
+        return hx.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=headdim,
+                                elem_bytes=elem_bytes, page_size=0, capacity=capacity, window_left=-1,
+                                live_keys=capacity)
 
-    k_bf16 = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16)
-    shape = SimpleNamespace(prefetch_blocks=4, capacity=32768, block_n=64, headdim=128)
-    assert _prefetch_shape(shape, k_bf16, 64, 64) == (256, 64, 2)  # 512-key splits: 4 blocks
-    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] <= 512
-    shape.capacity = 4096  # 64-key splits: one block
-    assert _prefetch_shape(shape, k_bf16, 64, 64) == (64, 64, 2)
-    shape.headdim = 80  # 160 bytes: two lines, the second clamped to the row by the kernel
-    assert _prefetch_shape(shape, torch.empty(1, dtype=torch.float32), 64, 64) == (64, 32, 4)
-    shape.prefetch_blocks = 0
-    assert _prefetch_shape(shape, k_bf16, 64, 64)[0] == 0
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# FUSED_MERGE (opt-in): one launch, the last program of each (batch, kv head, row block) merges
-# ----------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def fused_merge(monkeypatch):
-    """Turn FUSED_MERGE on through the config and make the separate merge kernel unusable, so a passing test proves
-    that the single-launch path produced the result."""
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    base = heuristics.decode_block_config
-    monkeypatch.setattr(heuristics, "decode_block_config", lambda *a, **k: dict(base(*a, **k), FUSED_MERGE=True))
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("FUSED_MERGE must not launch the separate merge kernel")
-
-    monkeypatch.setattr(ops_decode, "launch_merge_many", no_merge_kernel)
-
-
-def test_fused_merge_is_off_by_default(gen):
-    from flashdecode import heuristics
-    from flashdecode.ops import decode as ops_decode
-
-    assert heuristics.decode_block_config(128, 2, False)["FUSED_MERGE"] is False
-    assert heuristics.decode_block_config(64, 2, True)["FUSED_MERGE"] is False
-    q, k, v = _make(gen, 1, 16, 4, 2, 64, torch.float16)
-    assert not ops_decode._DecodeShape(q, k, v, _lens([16]), None, None, 0.0, (-1, -1)).fused_merge
-
-
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16])
-def test_fused_merge_ragged_and_paged(gen, fused_merge, page_size):
-    q, k, v = _make(gen, 4, 50, 4, 2, 64, torch.float16)
-    out, lse = _check(q, k, v, _lens([0, 1, 17, 50]), page_size=page_size, gen=gen, num_splits=3)
-    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
-
-
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
-def test_fused_merge_forced_splits(gen, fused_merge, num_splits):
-    """Any split count, also more splits than keys (empty splits still draw tickets, and may draw the last one)."""
-    q, k, v = _make(gen, 2, 40, 4, 1, 64, torch.float16)
-    _check(q, k, v, _lens([40, 5]), num_splits=num_splits)
-
-
-@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q", [(2, 2, 1), (5, 1, 3), (8, 1, 1), (16, 1, 5)])
-def test_fused_merge_gqa_and_multi_token(gen, fused_merge, nheads, nheads_kv, seqlen_q):
-    """GQA groups 1/5/8 and seqlen_q 1/3; 16 heads x 5 tokens = 80 rows use two row blocks (two counters)."""
-    q, k, v = _make(gen, 2, 37, nheads, nheads_kv, 64, torch.float32 if seqlen_q == 3 else torch.float16,
-                    seqlen_q=seqlen_q)
-    _check(q, k, v, _lens([37, 20]), num_splits=3)
-
-
-def test_fused_merge_window_and_softcap(gen, fused_merge):
-    q, k, v = _make(gen, 2, 60, 4, 2, 64, torch.float16, seqlen_q=2)
-    _check(q, k, v, _lens([60, 11]), num_splits=4, window_size=(20, -1), softcap=5.0)
-
-
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_fused_merge_plan_reuses_its_counters(gen, fused_merge, page_size):
-    """Repeated runs on one plan (changing lengths, as in CUDA-graph replay) stay exact: the last program of each
-    row block resets its counter, so the plan's buffer is all zeros after every run."""
-    q, k, v = _make(gen, 3, 64, 4, 2, 64, torch.float16)
-    plan = flashdecode.DecodePlan(4, 4, 2, 64, max_seqlen_k=64, dtype=torch.float16, device=DEVICE, num_splits=4)
-    kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size, generator=gen)
-    for lengths in ([64, 3, 0], [1, 64, 40], [64, 3, 0]):
-        lens = _lens(lengths)
-        out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
-        _assert_matches_reference(out, lse, q, k, v, lens)
-        assert torch.all(plan._tickets == 0)
+    dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+    config = dataclasses.replace(hx.resolve_decode_config(problem(32768), dev), block_n=64, prefetch_blocks=4)
+    assert hx.decode_prefetch_shape(problem(32768), config, 64) == (256, 64, 2)  # 512-key splits: 4 blocks
+    assert hx.decode_prefetch_shape(problem(4096), config, 64) == (64, 64, 2)  # 64-key splits: one block
+    # 160 bytes: two lines, the second clamped to the row by the kernel
+    assert hx.decode_prefetch_shape(problem(4096, 80, 4), config, 64) == (64, 32, 4)
+    assert hx.decode_prefetch_shape(problem(4096), dataclasses.replace(config, prefetch_blocks=0), 64)[0] == 0
 
 
 _HOPPER_COMPILE_SCRIPT = r'''
@@ -1027,18 +1020,16 @@ def compile_for_sm90(fn, types, consts, num_stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
-def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
+def compile_stage1(page, tma, preload, num_stages=3, **consts):
     """decode_split_kernel for sm_90 with bf16 hd128 tiles; ``consts`` override the defaults below."""
     kv = f"tensordesc<bf16[{consts.get('BLOCK_N', 128)}, 128]>" if tma else "*bf16"  # box = one block
     types = dict(Q="*bf16", K=kv, V=kv, K_RAW="*bf16", V_RAW="*bf16", SEQLENS="*i32", BLOCK_TABLE="*i32",
                  O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32")
-    if fused:
-        types.update(O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32")
     consts = dict(dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
                        NUM_SPLITS=16, MIN_CHUNK=128, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False, FINAL=False,
                        DOT_PRECISION="tf32", USE_TMA=tma, USE_PDL=False, PDL_WAIT=False, PRELOAD_PAGES=preload,
-                       FUSED_MERGE=fused, MERGE_M=8, MERGE_SPLITS=16, MERGE_BLOCK_S=4 if fused else 1,
-                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, PAGE_GATHER=True, DEVICE_SPLITS=False,
+                       MERGE_SPLITS=16,
+                       PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, DEVICE_SPLITS=False,
                        SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1, OFFS_32=False, SPEC_PAGES=False),
                   **consts)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, num_stages)
@@ -1049,7 +1040,7 @@ def compile_stage1(page, tma, preload, fused, num_stages=3, **consts):
 
 for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64, False, 128), (256, True, 8, False, 128),
                                         (3, False, 0, False, 128), (0, True, 0, True, 64), (16, False, 16, True, 64)]:
-    ptx = compile_stage1(page, tma, preload, False, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
+    ptx = compile_stage1(page, tma, preload, SEQLEN_Q=2, SOFTCAP=True, USE_PDL=pdl, PDL_WAIT=pdl,
                          BLOCK_N=block_n).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL_WAIT: stage 1 must wait for the previous kernel"
 # L2 prefetch: issued before the PDL wait, its length / block-table reads bypass L1 (.cg), no spills
@@ -1057,10 +1048,10 @@ for page, tma, preload, pdl, block_n in [(0, True, 0, True, 128), (16, False, 64
 # every block waiting for all copies in flight); preloaded key ids of 1-key pages double-buffer at 3
 for page, tma, preload, block_n, stages in [(1, False, 0, 64, 5), (3, False, 0, 128, 5), (128, True, 0, 128, 5),
                                             (1, False, 1024, 64, 3)]:
-    ttgir = compile_stage1(page, tma, preload, False, BLOCK_N=block_n, NUM_SPLITS=64, num_stages=stages).asm["ttgir"]
+    ttgir = compile_stage1(page, tma, preload, BLOCK_N=block_n, NUM_SPLITS=64, num_stages=stages).asm["ttgir"]
     assert f"memdesc<2x{block_n}x128xbf16" in ttgir, (page, preload, stages, "K/V not double-buffered")
 for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, True, 0, 128), (3, False, 0, 128)]:
-    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
+    kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n,
                             PREFETCH_KEYS=256, LINE_ELEMS=64, NUM_LINES=2)
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
@@ -1069,7 +1060,7 @@ for page, tma, preload, block_n in [(0, True, 0, 64), (16, False, 64, 64), (0, T
 # products (20 mul.lo.s64 with int64 offsets, 4 left outside the KV loop), nothing spills
 muls = {}
 for offs_32 in (False, True):
-    kernel = compile_stage1(16, False, 64, False, BLOCK_N=64, MIN_CHUNK=64, OFFS_32=offs_32)
+    kernel = compile_stage1(16, False, 64, BLOCK_N=64, MIN_CHUNK=64, OFFS_32=offs_32)
     muls[offs_32] = kernel.asm["ptx"].count("mul.lo.s64")
     assert spilled_bytes(kernel) == 0
 assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
@@ -1078,7 +1069,7 @@ assert muls[True] * 4 <= muls[False], ("OFFS_32: 64-bit offset math left", muls)
 for page, tma, preload in [(16, False, 64), (64, True, 16)]:
     ids_beside_length = {}
     for spec in (False, True):
-        kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=64, MIN_CHUNK=64,
+        kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=64, MIN_CHUNK=64,
                                 NUM_SPLITS=64, PREFETCH_KEYS=64, OFFS_32=True, SPEC_PAGES=spec)
         ptx = kernel.asm["ptx"]
         after_wait = ptx[ptx.find("griddepcontrol.wait"):]
@@ -1088,21 +1079,12 @@ for page, tma, preload in [(16, False, 64), (64, True, 16)]:
 # DEVICE_SPLITS (split counts from all lengths, one program per work item): still pipelined, no spills, the
 # prefetch (which places the item with lengths read .cg) before the wait
 for page, tma, preload, block_n in [(0, True, 0, 64), (64, True, 16, 64), (16, False, 64, 64)]:
-    kernel = compile_stage1(page, tma, preload, False, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=64,
+    kernel = compile_stage1(page, tma, preload, USE_PDL=True, PDL_WAIT=True, BLOCK_N=block_n, MIN_CHUNK=64,
                             GROUP=4, DEVICE_SPLITS=True, SPLIT_SLOTS=132, BATCH_PAD=8, KV_PROGRAMS=8,
                             PREFETCH_KEYS=64)
     ptx = kernel.asm["ptx"]
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "prefetch must precede the wait"
     assert spilled_bytes(kernel) == 0, ("device splits spill", page)
-# FUSED_MERGE: the ticket (acq_rel atomic at GPU scope), the in-kernel merge and the counter reset; the merge must
-# not spill (its tile is held in registers)
-for page, tma, preload, consts in [(0, True, 0, dict(PDL_WAIT=True)), (16, False, 64, {}),
-                                   (0, True, 0, dict(NUM_SPLITS=64, MERGE_SPLITS=64))]:
-    kernel = compile_stage1(page, tma, preload, True, **consts)
-    ptx = kernel.asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, "ticket atomics missing"
-    assert "ld.global.cg" in ptx, "partials must be read from L2"
-    assert spilled_bytes(kernel) == 0, "the fused merge spills registers to the stack"
 # PERSISTENT (one launch: the KV loops nested in the work-item loop, then the ticket merge over 2048-value steps, as
 # the launcher configures it): loads still pipelined; contiguous caches spill nothing, block-multiple pages (whose
 # page-id reads keep a few more registers live at the 255 cap) at most 16 bytes (8 at 4 rows x 4 splits per step)
@@ -1119,7 +1101,7 @@ for page, block_n, group, merge_block_s, dynamic in [(0, 128, 4, 4, False), (0, 
                   BLOCK_D=128, NUM_SPLITS=16, MIN_CHUNK=block_n, PAGE_SIZE=page, SOFTCAP=False,
                   WINDOW=False, DOT_PRECISION="tf32", USE_TMA=True, USE_PDL=True, PDL_WAIT=True,
                   PRELOAD_PAGES=0, BATCH_PAD=64, MERGE_M=group, MERGE_SPLITS=16, MERGE_BLOCK_S=merge_block_s,
-                  PAGE_GATHER=True, MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
+                  MAX_SPLIT_KEYS=0, DYNAMIC=dynamic, QUEUE_SPLITS=4 if dynamic else 0,
                   OFFS_32=False)
     kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3)
     assert "async_tma_copy" in kernel.asm["ttgir"], (page, block_n, "persistent loads not pipelined")
@@ -1146,8 +1128,8 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals, KERNEL_NOTES.md). Compile
-    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers, FUSED_MERGE) and the merge for sm_90 with Triton's own
+    """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals). Compile
+    the main stage-1 variants (TMA, PDL, preloaded page tables, gathers), the persistent kernel and the merge for sm_90 with Triton's own
     ptxas - no GPU needed - and check that the K/V loads are software-pipelined (cp.async or TMA)."""
     run_sm90_compile_script(_HOPPER_COMPILE_SCRIPT)
 
@@ -1155,7 +1137,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
     from triton.runtime.errors import OutOfResources
 
-    from flashdecode.ops import decode as ops_decode
+    from flashdecode.ops import decode_launch, decode_policy
 
     tried = []
 
@@ -1165,11 +1147,11 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
             raise OutOfResources(240000, 232448, "shared memory")
 
     key = ("test-only tile",)
-    ops_decode._launch_within_shared_memory(launch, 4, key)
-    ops_decode._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
+    decode_launch._launch_within_shared_memory(launch, 4, key)
+    decode_launch._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
     assert tried == [4, 3, 2, 2]
     with pytest.raises(OutOfResources):
-        ops_decode._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
+        decode_launch._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
 
 
 @pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
@@ -1203,7 +1185,7 @@ def test_32_bit_offsets_only_for_caches_below_2_31_elements():
     """OFFS_32 (32-bit gather offsets) is chosen from the cache's last element offset, not its size alone: a dense
     cache of 2**31 elements (last offset 2**31 - 1) qualifies, a larger one does not, nor a view of fewer elements
     whose strides reach past 2**31."""
-    from flashdecode.ops.decode import _offsets_fit_int32
+    from flashdecode.ops.decode_policy import _offsets_fit_int32
 
     assert _offsets_fit_int32(torch.empty(2**14, 16, 8, 1024, device="meta"))
     assert not _offsets_fit_int32(torch.empty(2**14, 16, 8, 1025, device="meta"))

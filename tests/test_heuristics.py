@@ -1,6 +1,26 @@
 """Decode launch policy (flashdecode.heuristics): split counts from live lengths, SMs and the batch."""
 
+import dataclasses
+
+from flashdecode import DecodePath
 from flashdecode import heuristics as hx
+
+_HOPPER = hx.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+
+
+def _choice(headdim, elem_bytes, interpret=False, kv_pairs=128, num_sms=132, page_size=0, split_keys=None,
+            hopper=True):
+    """The tile policy's choice (heuristics._stage1_choice) for kv_pairs (batch, kv head) pairs: batch kv_pairs,
+    one kv head, one query row; the H100's 132 SMs; Hopper unless told."""
+    dev = hx.DecodeDevice(num_sms=num_sms, interpret=interpret, hopper=hopper, pdl=hopper)
+    return hx._stage1_choice(_problem(headdim, elem_bytes, kv_pairs, page_size), dev, split_keys)
+
+
+def _problem(headdim=128, elem_bytes=2, batch=1, page_size=0, nheads_kv=1, group=1, **kw):
+    kw.setdefault("live_keys", 8192)
+    return hx.DecodeProblem(batch=batch, grid_batch=batch, seqlen_q=1, group=group, nheads_kv=nheads_kv,
+                            headdim=headdim, elem_bytes=elem_bytes, page_size=page_size, capacity=1 << 17,
+                            window_left=-1, **kw)
 
 
 def test_decode_splits_fill_the_sms_at_batch_1():
@@ -26,9 +46,16 @@ def test_short_contexts_are_not_split():
 def test_decode_pdl_only_where_the_gpu_has_it():
     """Both programmatic dependent launches (merge after stage 1, stage 1 after the previous kernel) are on for
     Hopper and off elsewhere; the interpreter config never asks for them (inline asm)."""
-    cfg = hx.decode_block_config(128, 2, interpret=False)
-    assert cfg["USE_PDL"] == cfg["PDL_WAIT"] == hx._is_hopper_or_newer()
-    assert not hx.decode_block_config(128, 2, interpret=True).get("PDL_WAIT", False)
+    for hopper in (False, True):
+        dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=hopper, pdl=hopper)
+        cfg = hx.resolve_decode_config(_problem(), dev)
+        assert cfg.use_pdl == cfg.pdl_wait == hopper
+    interp = hx.DecodeDevice(num_sms=132, interpret=True, hopper=False, pdl=False)
+    cfg = hx.resolve_decode_config(_problem(), interp)
+    assert not (cfg.use_pdl or cfg.pdl_wait or cfg.prefetch_blocks or cfg.use_tma)
+    # a plan's use_pdl=False also keeps stage 1 from waiting on the kernel before it
+    cfg = hx.resolve_decode_config(_problem(use_pdl=False), _HOPPER)
+    assert not (cfg.use_pdl or cfg.pdl_wait or cfg.merge_early_trigger)
 
 
 def test_decode_splits_shrink_with_batch():
@@ -51,17 +78,17 @@ def test_decode_splits_balance_one_long_sequence_among_short_ones():
 def test_decode_block_config_fits_shared_memory():
     for headdim in (64, 80, 96, 128, 256):
         for elem in (2, 4):
-            cfg = hx.decode_block_config(headdim, elem, interpret=False)
+            cfg = _choice(headdim, elem, interpret=False)
             pad = hx.next_power_of_2(headdim)
-            assert cfg["num_stages"] * 2 * cfg["BLOCK_N"] * pad * elem <= 200 * 1024
-            assert cfg["BLOCK_N"] >= 16 and cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1) == 0
-    assert hx.decode_block_config(128, 2, interpret=False)["BLOCK_N"] == 128
+            assert cfg.num_stages * 2 * cfg.block_n * pad * elem <= 200 * 1024
+            assert cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0
+    assert _choice(128, 2, interpret=False).block_n == 128
     # few (batch, kv head) pairs, e.g. batch 1 with 2 kv heads: 16 KiB tiles, never below 64 keys
-    assert hx.decode_block_config(128, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 64
-    assert hx.decode_block_config(128, 2, interpret=False, kv_pairs=128, num_sms=132)["BLOCK_N"] == 128
-    assert hx.decode_block_config(64, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 128
-    assert hx.decode_block_config(256, 2, interpret=False, kv_pairs=2, num_sms=132)["BLOCK_N"] == 64
-    assert hx.decode_block_config(128, 2, interpret=True)["BLOCK_N"] == 16
+    assert _choice(128, 2, interpret=False, kv_pairs=2, num_sms=132).block_n == 64
+    assert _choice(128, 2, interpret=False, kv_pairs=128, num_sms=132).block_n == 128
+    assert _choice(64, 2, interpret=False, kv_pairs=2, num_sms=132).block_n == 128
+    assert _choice(256, 2, interpret=False, kv_pairs=2, num_sms=132).block_n == 64
+    assert _choice(128, 2, interpret=True).block_n == 16
 
 
 def test_decode_block_m_pads_to_mma_minimum():
@@ -85,60 +112,53 @@ def test_head_dim_256_uses_tiles_that_fit_without_the_spilling_four_warp_ones():
         assert hx.prefill_candidates(name, default, 256, 4) == default  # fp32: unchanged
 
 
-def test_persistent_decode_from_half_the_sms(monkeypatch):
+def test_persistent_decode_from_half_the_sms():
     """On Hopper, decode runs as one persistent launch once the (batch, kv head) pairs fill more than half the SMs
     (a third for contiguous caches, 0.45 for pages that are multiples of the tile):
     with static shares up to one pair per SM, with a work queue beyond (DECODE_PERSISTENT_DYNAMIC; off: the
     hardware-balanced split grid there); fewer pairs split over the SMs with the split grid."""
     import flashdecode.heuristics as hx
 
-    monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: True)
-    cfgs = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132)
+    cfgs = {pairs: _choice(128, 2, False, kv_pairs=pairs, num_sms=132)
             for pairs in (2, 44, 45, 66, 67, 96, 128, 132, 133, 512)}
     # contiguous caches from a third of the SMs (with the few-pairs tiles), paged ones from half
-    assert {p: c["PERSISTENT"] for p, c in cfgs.items()} == {2: False, 44: False, 45: True, 66: True, 67: True,
+    assert {p: c.persistent for p, c in cfgs.items()} == {2: False, 44: False, 45: True, 66: True, 67: True,
                                                             96: True, 128: True, 132: True, 133: True, 512: True}
-    assert cfgs[45]["BLOCK_N"] == 64 and cfgs[67]["BLOCK_N"] == 128
+    assert cfgs[45].block_n == 64 and cfgs[67].block_n == 128
     # block-multiple pages (of the few-pairs 64-key tiles) from 0.45 of the SMs, on the work queue there
     for page in (64, 128):
-        paged = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page)
+        paged = {pairs: _choice(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page)
                  for pairs in (45, 59, 60, 66, 67)}
-        assert {p: (c["PERSISTENT"], c["PERSISTENT_DYNAMIC"]) for p, c in paged.items()} == {
+        assert {p: (c.persistent, c.persistent_dynamic) for p, c in paged.items()} == {
             45: (False, False), 59: (False, False), 60: (True, True), 66: (True, True), 67: (True, False)}, page
-        assert paged[66]["BLOCK_N"] == 64
+        assert paged[66].block_n == 64
     # pages that are no block multiple (16, 1) keep the split grid below half of the SMs
-    assert not any(hx.decode_block_config(128, 2, False, kv_pairs=64, num_sms=132, page_size=page)["PERSISTENT"]
+    assert not any(_choice(128, 2, False, kv_pairs=64, num_sms=132, page_size=page).persistent
                    for page in (1, 16))
     # pages of one 16 KiB tile (64 keys) from 3/4 of the SMs: 64-key tiles, so the queue serves them as block
     # multiples
-    page64 = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
+    page64 = {pairs: _choice(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=64)
               for pairs in (99, 100, 128, 133)}
-    assert {p: (c["BLOCK_N"], c["PERSISTENT_DYNAMIC"], c["PERSISTENT_BOUND_PAGES"])
-            for p, c in page64.items()} == {99: (128, False, False), 100: (64, True, False), 128: (64, True, False),
-                                            133: (64, True, False)}
-    monkeypatch.setattr(hx, "DECODE_PERSISTENT_BOUND_PAGES", True)
-    assert hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132, page_size=64)["PERSISTENT_BOUND_PAGES"]
-    assert [p for p, c in cfgs.items() if c["PERSISTENT_DYNAMIC"]] == [133, 512]
-    assert all(c["PERSISTENT_SLOTS"] == 1 and c["PERSISTENT_QUEUE_SPLITS"] == hx.DECODE_QUEUE_MAX_SPLITS
-               for c in cfgs.values())  # the queue splits equal lengths on the device (kernels _queue_split_ways)
+    assert {p: (c.block_n, c.persistent_dynamic) for p, c in page64.items()} == {
+        99: (128, False), 100: (64, True), 128: (64, True), 133: (64, True)}
+    assert [p for p, c in cfgs.items() if c.persistent_dynamic] == [133, 512]
+    # the queue splits equal lengths on the device (kernels _queue_split_ways), one slot per program
+    queue = hx.resolve_decode_config(_problem(batch=512, num_splits=4), _HOPPER)
+    assert queue.path is DecodePath.PERSISTENT_QUEUE
+    assert (queue.persistent_slots, queue.queue_splits) == (1, hx.DECODE_QUEUE_MAX_SPLITS)
+    assert hx.resolve_decode_config(_problem(batch=128, num_splits=4), _HOPPER).path is DecodePath.PERSISTENT
     # pages smaller than a block (bf16 hd128 page 16, 512-key splits; pages of 1-7 keys alike): the queue with 32
     # KiB tiles from 3/4 of the SMs' worth of pairs, the split grid with 16 KiB tiles below (page 16)
     for page in (16, 1, 3):
-        gathered = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page,
+        gathered = {pairs: _choice(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page,
                                                   split_keys=512) for pairs in (96, 128, 512)}
-        assert {p: (c["PERSISTENT_GATHERED"], c["PERSISTENT_DYNAMIC"], c["BLOCK_N"])
+        assert {p: (c.persistent_gathered, c.persistent_dynamic, c.block_n)
                 for p, c in gathered.items()} == {96: (False, False, 64 if page == 16 else 128),
                                                   128: (True, True, 128), 512: (True, True, 128)}, page
-    monkeypatch.setattr(hx, "DECODE_QUEUE_KEY_PAGES", False)
-    assert not hx.decode_block_config(128, 2, False, kv_pairs=512, num_sms=132, page_size=1)["PERSISTENT_GATHERED"]
-    monkeypatch.setattr(hx, "DECODE_PERSISTENT_DYNAMIC", False)
-    assert not hx.decode_block_config(128, 2, False, kv_pairs=133, num_sms=132)["PERSISTENT"]
-    assert not hx.decode_block_config(128, 2, False, kv_pairs=512, num_sms=132, page_size=16)["PERSISTENT_GATHERED"]
-    monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
-    assert not hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PERSISTENT"]
-    monkeypatch.setattr(hx, "_is_hopper_or_newer", lambda: False)
-    monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", True)
-    assert not hx.decode_block_config(128, 2, False, kv_pairs=128, num_sms=132)["PERSISTENT"]
+    assert not _choice(128, 2, False, kv_pairs=128, num_sms=132, hopper=False).persistent
+    # gathered pages below the queue's pairs: the tile rule's persistent flag is masked (split grid)
+    assert hx.resolve_decode_config(_problem(batch=96, page_size=16, num_splits=4), _HOPPER).path is \
+        DecodePath.SPLIT_GRID
 
 
 def test_key_page_ids_preloaded_with_few_pairs_and_table_reads_pipelined_deeper():
@@ -146,11 +166,13 @@ def test_key_page_ids_preloaded_with_few_pairs_and_table_reads_pipelined_deeper(
     programs at batch lost waiting for them); loops that read the block table get extra stages everywhere."""
     import flashdecode.heuristics as hx
 
-    key_ids = {pairs: hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=1)
+    key_ids = {pairs: _choice(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=1)
                for pairs in (2, 66, 67, 512)}
-    assert {p: c["PRELOAD_KEY_IDS"] for p, c in key_ids.items()} == {2: True, 66: True, 67: False, 512: False}
-    assert all(c["TABLE_READ_EXTRA_STAGES"] == hx.DECODE_TABLE_READ_EXTRA_STAGES > 0 for c in key_ids.values())
-    assert all(c["TABLE_READ_MIN_SPLIT_BLOCKS"] == hx.DECODE_TABLE_READ_MIN_SPLIT_BLOCKS for c in key_ids.values())
+    assert {p: c.preload_key_ids for p, c in key_ids.items()} == {2: True, 66: True, 67: False, 512: False}
+    for pairs in (2, 67, 512):
+        cfg = hx.resolve_decode_config(_problem(batch=pairs, page_size=1), _HOPPER)
+        assert cfg.table_read_extra_stages == hx.DECODE_TABLE_READ_EXTRA_STAGES > 0
+        assert cfg.table_read_min_split_blocks == hx.DECODE_TABLE_READ_MIN_SPLIT_BLOCKS
 
 
 def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
@@ -163,14 +185,45 @@ def test_device_splits_and_merge_halves_for_batches_below_a_third_of_the_sms():
     import flashdecode.heuristics as hx
 
     def cfg(pairs, page=0):
-        return hx.decode_block_config(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page, split_keys=512)
+        return _choice(128, 2, False, kv_pairs=pairs, num_sms=132, page_size=page, split_keys=512)
 
-    assert {p: cfg(p)["DEVICE_SPLITS"] for p in (2, 8, 16, 31, 32, 40, 44)} == {
+    assert {p: cfg(p).device_splits for p in (2, 8, 16, 31, 32, 40, 44)} == {
         2: False, 8: False, 16: False, 31: False, 32: True, 40: True, 44: True}
-    assert not any(cfg(32, page)["DEVICE_SPLITS"] for page in (1, 16))
-    assert {(p, page): cfg(p, page)["DEVICE_SPLITS"] for p in (31, 32, 44, 45, 48) for page in (64, 256)} == {
+    assert not any(cfg(32, page).device_splits for page in (1, 16))
+    assert {(p, page): cfg(p, page).device_splits for p in (31, 32, 44, 45, 48) for page in (64, 256)} == {
         (p, page): 32 <= p <= 44 for p in (31, 32, 44, 45, 48) for page in (64, 256)}
-    assert {p: cfg(p)["MERGE_D_CHUNKS"] for p in (2, 8, 15, 16, 32, 66, 67)} == {
+    assert {p: cfg(p).merge_d_chunks for p in (2, 8, 15, 16, 32, 66, 67)} == {
         2: 4, 8: 4, 15: 4, 16: 2, 32: 2, 66: 2, 67: 1}
-    assert {p: cfg(p)["MERGE_MAX_ROWS"] for p in (2, 8, 15, 16, 67)} == {2: 1, 8: 1, 15: 1, 16: 0, 67: 0}
-    assert cfg(32)["DEVICE_SPLIT_SLOTS"] == 132 * hx.DECODE_DEVICE_SPLIT_SLOTS_PER_SM
+    assert {p: cfg(p).merge_max_rows for p in (2, 8, 15, 16, 67)} == {2: 1, 8: 1, 15: 1, 16: 0, 67: 0}
+    assert hx.resolve_decode_config(_problem(batch=32), _HOPPER).device_split_slots == \
+        132 * hx.DECODE_DEVICE_SPLIT_SLOTS_PER_SM
+
+
+def test_decode_config_override_is_checked_and_names_config():
+    """A config= override: not a DecodeConfig -> TypeError; fields out of range or disagreeing with each other ->
+    ValueError; every message names config (and the field)."""
+    import pytest
+
+    from flashdecode.config import check_decode_config
+
+    cfg = hx.resolve_decode_config(_problem(num_splits=4), _HOPPER)
+    assert check_decode_config(cfg) is cfg
+    with pytest.raises(TypeError, match="config"):
+        check_decode_config({"block_n": 64})
+    bad = [dict(block_n=48), dict(block_n=0), dict(num_warps=3), dict(num_splits=0), dict(merge_d_chunks=3),
+           dict(path=DecodePath.UNSPLIT), dict(num_splits=1), dict(persistent_programs=-1), dict(num_splits=10**6)]
+    for change in bad:
+        with pytest.raises(ValueError, match="config"):
+            check_decode_config(dataclasses.replace(cfg, **change))
+    for change in (dict(use_tma=1), dict(block_n=64.0), dict(path="split_grid")):
+        with pytest.raises(TypeError, match="config"):
+            check_decode_config(dataclasses.replace(cfg, **change))
+
+
+def test_resolved_decode_config_is_frozen_and_the_same_for_the_same_problem():
+    cfg = hx.resolve_decode_config(_problem(batch=8, page_size=16), _HOPPER)
+    assert cfg == hx.resolve_decode_config(_problem(batch=8, page_size=16), _HOPPER)
+    import pytest
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_n = 32

@@ -1,6 +1,6 @@
 """Decode attention benchmark: flash_decode vs SDPA FA2, SDPA cuDNN, compiled FlexAttention and FlashInfer.
 
-BENCHMARKING.md rules: CUDA-graph replay of many calls, K/V buffers rotated until the working set is >= 4x L2,
+Method: CUDA-graph replay of many calls, K/V buffers rotated until the working set is >= 4x L2,
 medians, fresh random bf16 inputs; floor = K/V bytes / measured copy bandwidth (read + write, as the anchors).
 Two sweeps: latency vs context at batch 1, 16 q / 2 kv heads, head dim 128 (the seeds' microbenchmark) and a
 batch sweep at the Llama-3-8B shape (32 / 8 heads, 8k context); contiguous and paged caches (random page
@@ -14,7 +14,6 @@ decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and pr
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from typing import Callable, Optional
 
@@ -41,19 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
                         help="compiled FlexAttention peer (default: on, off in --quick: compiles per shape)")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per point (median reported)")
-    parser.add_argument("--tune", action="store_true",
-                        help="instead of the peers: time our kernel under stage-1 config variants (tile, stages, "
-                             "TMA, PDL, block-table preload, max splits) at b1 16/2, contexts 4k/32k/128k, "
-                             "contiguous + page 16")
-    parser.add_argument("--heads", default="16,2", help="--tune: q heads,kv heads (e.g. 32,8 for Llama-3-8B)")
-    parser.add_argument("--variants", default=None, help="--tune: comma list of variant labels (default all)")
-    parser.add_argument("--tune-batch", type=int, default=1, help="--tune: batch size (equal lengths)")
-    parser.add_argument("--tune-mixed", action="store_true",
-                        help="--tune: also time the load-balance mix (one 128k sequence among 15 of 1k, or among "
-                             "--tune-batch - 1 of 1k when that is larger)")
-    parser.add_argument("--mixed-batch", type=int, default=None,
-                        help="--tune-mixed: sequences in the mix (one 128k, the others 1k); default "
-                             "max(--tune-batch, 16)")
 
 
 def _list(value: Optional[str], default, cast=int):
@@ -84,14 +70,19 @@ def _make_set(batch, context_lens, nheads, nheads_kv, headdim, page_size, dtype,
     return dict(q=q, k=k, v=v, lens=lens, table=table, page_size=page_size, context_lens=context_lens)
 
 
-def _ours(sets, num_splits=None, use_pdl=None):
+def _ours(sets, num_splits=None, use_pdl=None, tweak=None):
+    """Our DecodePlan over the sets; ``tweak``: a function of the DecodeConfig it resolves, for probes (config=)."""
     import flashdecode
 
     s0 = sets[0]
     batch, nheads, headdim = s0["q"].shape
-    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, max_seqlen_k=max(s0["context_lens"]),
-                                  dtype=s0["q"].dtype, device=s0["q"].device, num_splits=num_splits,
-                                  use_pdl=use_pdl)
+    kw = dict(max_seqlen_k=max(s0["context_lens"]), dtype=s0["q"].dtype, device=s0["q"].device,
+              num_splits=num_splits, use_pdl=use_pdl)
+    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
+    if tweak is not None:
+        config = tweak(plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"]))
+        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **dict(kw, num_splits=None),
+                                      config=config)
 
     def call(s):
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"])
@@ -126,7 +117,7 @@ def _flex(sets):
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     s0 = sets[0]
     seqlen = s0["k"].shape[1]
-    # A block mask is what makes compiled FlexAttention decode fast (KERNEL_NOTES.md: 2 ms without, ~45 us with).
+    # A block mask is what makes compiled FlexAttention decode fast (measured on the H100: 2 ms without, ~45 us with).
     mask = create_block_mask(lambda b, h, qi, ki: ki >= 0, None, None, 1, seqlen, device="cuda")
     fn = _FLEX["fn"]
 
@@ -289,6 +280,7 @@ def _points(args, base):
 MIXED_LENS = [131072] + [1024] * 15
 
 
+<<<<<<< HEAD
 # The decode path before issue 4's second round (no PDL at all, 512 keys unsplit): the baseline every variant is
 # compared with in the same run.
 _OLD = {"USE_PDL": False, "PDL_WAIT": False, "FUSED_MERGE": False}
@@ -574,6 +566,8 @@ def _tune(args, bandwidth, env) -> int:
     return 0
 
 
+=======
+>>>>>>> decode-config
 def run(args) -> int:
     from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
@@ -581,9 +575,6 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench decode needs a CUDA GPU")
         return 1
-    if args.tune:
-        env = env_info()
-        return _tune(args, copy_bandwidth_bytes_per_s(), env)
     base = QUICK if args.quick else FULL
     use_flex = (not args.quick) if args.flex is None else args.flex
     fi = _flashinfer_available()

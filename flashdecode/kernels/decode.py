@@ -11,11 +11,6 @@ s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen)); splits past the en
 exit. With FINAL (one split) the program writes the normalised output and natural-log lse directly; otherwise it
 writes a normalised fp32 partial and its log2 lse for ``kernels.merge``.
 
-FUSED_MERGE (opt-in, one launch instead of two): after writing its partial, every program - empty splits included -
-draws a ticket from a per-(batch, kv head, row block) int32 counter; the program that draws ticket NUM_SPLITS - 1
-merges the NUM_SPLITS partials of its rows itself, writes the final output and lse, and sets the counter back to 0
-(so the same buffer serves the next launch and CUDA-graph replays without a memset).
-
 Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
 position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
 Blocks that every row sees entirely run without masks; only the tail (or every block under a window) is masked.
@@ -40,40 +35,34 @@ def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexp
 
 @triton.jit
 def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr):
+                       PRELOAD_PAGES: tl.constexpr):
     """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
-    that divide BLOCK_N (the block covers PAGES_PER_BLOCK whole pages). PAGE_GATHER: one tl.gather of each key's
-    id (sm_90 PTX at BLOCK_N 64, PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel). Otherwise two
-    select-and-sum steps in registers: pick the block's row of the (blocks, PAGES_PER_BLOCK) page table, then
-    spread it over the keys (62 shuffles, 35 barriers)."""
-    if PAGE_GATHER:
-        # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
-        # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
-        # (unsigned: the offsets are >= 0, and a power-of-two page divides by one shift, not a signed rounding)
-        idx = ((start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
-        return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
-    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
-    NUM_ROWS: tl.constexpr = PRELOAD_PAGES // PAGES_PER_BLOCK
-    table = tl.reshape(split_pages, (NUM_ROWS, PAGES_PER_BLOCK))
-    row = (start_n // PAGE_SIZE - first_page) // PAGES_PER_BLOCK
-    block_pages = tl.sum(tl.where((tl.arange(0, NUM_ROWS) == row)[:, None], table, 0), 0)
-    key_page = tl.arange(0, BLOCK_N) // PAGE_SIZE
-    spread = key_page[:, None] == tl.arange(0, PAGES_PER_BLOCK)[None, :]
-    return tl.sum(tl.where(spread, block_pages[None, :], 0), 1)
+    that divide BLOCK_N (the block covers whole pages): one tl.gather of each key's id (sm_90 PTX at BLOCK_N 64,
+    PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel, vs 62 and 35 for select-and-sum steps)."""
+    # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
+    # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
+    # (unsigned: the offsets are >= 0, and a power-of-two page divides by one shift, not a signed rounding)
+    idx = ((start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
+    return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
 
 
 @triton.jit
-def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
+def _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages, first_page,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-             PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr):
-    """Element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base pointer: int64,
-    or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the 64-bit address
-    math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block).
+             OFFS_32: tl.constexpr):
+    """(rows, key_ok): element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base
+    pointer, int64 or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the
+    64-bit address math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block); key_ok (BLOCK_N,)
+    marks keys whose page id lies in [0, num_pages).
 
-    PAGE_SIZE == 0: contiguous cache (token stride). PAGE_SIZE a multiple of BLOCK_N: the block lies in one page,
-    one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded split_pages
-    (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in memory.
+    PAGE_SIZE == 0: contiguous cache (token stride; key_ok unused). PAGE_SIZE a multiple of BLOCK_N: the block lies
+    in one page, one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded
+    split_pages (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in
+    memory. A block table on the device is not validated on the host: for an id outside [0, num_pages) key_ok is
+    false, and the caller's loads are predicated off there (its offset, which may even wrap in 32 bits, is never
+    dereferenced) and its keys read as absent.
     """
+    key_ok = offs_n >= 0
     if PAGE_SIZE == 0:
         rows = offs_n * stride_tok if OFFS_32 else offs_n.to(tl.int64) * stride_tok
     else:
@@ -81,28 +70,40 @@ def _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages,
             # blocks start at multiples of BLOCK_N, so a block never straddles a page
             page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
         elif PRELOAD_PAGES > 0:
-            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES,
-                                      PAGE_GATHER)
+            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
         elif MASKED:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
         else:
             page = tl.load(bt_row + offs_n // PAGE_SIZE)
+        page_ok = (page >= 0) & (page < num_pages)
+        key_ok = key_ok & page_ok  # (BLOCK_N,) also for one page id per block
         in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32) * stride_tok  # offs_n >= 0: unsigned is cheaper
         if OFFS_32:
             rows = page * stride_page + in_page
         else:
             rows = page.to(tl.int64) * stride_page + in_page.to(tl.int64)
-    return rows
+    return rows, key_ok
 
 
 @triton.jit
-def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys and padded head-dim columns load as 0 (never garbage, so a
-    NaN left in an unused cache slot cannot leak through 0 * NaN)."""
+def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, key_ok, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASKED: tl.constexpr, PAGED: tl.constexpr, ABSENT_NAN: tl.constexpr = False):
+    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys, keys of absent pages (PAGED: key_ok false) and padded
+    head-dim columns load as 0 (never garbage, so a NaN left in an unused cache slot cannot leak through 0 * NaN),
+    or with ABSENT_NAN (the K tile of a paged cache) masked keys' head-dim columns load as NaN: their scores come
+    out NaN, which the KV loop turns into -inf (absent keys)."""
     ptrs = ptr_base + rows[:, None] + offs_d[None, :]
-    if MASKED:
-        return tl.load(ptrs, mask=(offs_n < end)[:, None] & (offs_d < HEADDIM)[None, :], other=0.0)
+    d_ok = offs_d < HEADDIM
+    if PAGED:
+        keys = key_ok
+        if MASKED:
+            keys = keys & (offs_n < end)
+        if ABSENT_NAN:  # (padded head-dim columns stay 0: q's are 0 there and 0 * NaN would poison every score)
+            absent = tl.where(d_ok, float("nan"), 0.0)[None, :].to(ptr_base.dtype.element_ty)
+            return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=absent)
+        return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=0.0)
+    elif MASKED:
+        return tl.load(ptrs, mask=(offs_n < end)[:, None] & d_ok[None, :], other=0.0)
     elif BLOCK_D == HEADDIM:
         return tl.load(ptrs)
     else:
@@ -110,40 +111,47 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, HEADDIM: tl.constexpr, BL
 
 
 @triton.jit
-def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE: tl.constexpr,
+def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE: tl.constexpr,
              PRELOAD_PAGES: tl.constexpr):
-    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins."""
+    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins. A page id outside
+    [0, num_pages) gives the rows just past the view's end, which the TMA unit fills (NaN for K, 0 for V: the
+    launcher's descriptors), so the id never enters the address math and cannot wrap onto another page."""
     if PAGE_SIZE == 0:
         return tma_row_base + start_n
     page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
-    return page * PAGE_SIZE + start_n % PAGE_SIZE
+    page_ok = (page >= 0) & (page < num_pages)
+    return tl.where(page_ok, page * PAGE_SIZE + start_n % PAGE_SIZE, num_pages * PAGE_SIZE)
 
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
-                   score_scale, softcap_out, stride_page, stride_tok, tma_row_base, tma_col, split_pages, first_page,
+                   score_scale, softcap_out, num_pages, stride_page, stride_tok, tma_row_base, tma_col, split_pages,
+                   first_page,
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr):
+                   OFFS_32: tl.constexpr):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
     as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N).
     Scores are in log2 units: s = qk * scale * log2(e), or softcap * tanh(qk * scale / softcap) * log2(e).
     MASKED applies the split end, the causal bound of each row and the window; unmasked calls must only cover
-    blocks that every row sees entirely.
+    blocks that every row sees entirely. Paged: keys whose page id lies outside [0, num_pages) are absent (no
+    memory read outside the cache, score -inf: they contribute nothing).
     """
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
+            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
+                            PRELOAD_PAGES)
             k = k_src.load([row0, tma_col])
         else:
-            rows = _kv_rows(bt_row, start_n, offs_n, end, stride_page, stride_tok, split_pages, first_page,
-                            PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, PAGE_GATHER, OFFS_32)
-            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+            rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
+                                    first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
+                              True)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
@@ -155,13 +163,18 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             if WINDOW:
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
+        if PAGE_SIZE > 0:
+            # absent pages loaded NaN keys (pointer path: the masked load; TMA: rows past the view's end, which
+            # the K descriptor pads with NaN), so their scores are NaN here. (A mask fed by the page ids instead
+            # made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
+            s = tl.where(s == s, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
         if USE_TMA:
             v = v_src.load([row0, tma_col])
             if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
                 v = tl.where((offs_n < end)[:, None], v, 0.0)
         else:
-            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, HEADDIM, BLOCK_D, MASKED)
+            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -195,7 +208,8 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
                           GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEADDIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
-    """FUSED_MERGE epilogue, run by every program after it stored its partial (o, lse2) rows.
+    """The persistent kernel's merge epilogue, run by every split of a sequence after it stored its partial (o, lse2)
+    rows: the split that draws the last ticket merges (no merge kernel follows).
 
     ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch; ``count``: the splits
     that draw a ticket and whose states are merged (slots 0 .. count - 1, count <= NUM_SPLITS). The merging program
@@ -310,23 +324,21 @@ def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: 
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, K_RAW, V_RAW,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
     score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh,
     stride_btb,
     stride_ob, stride_ot, stride_oh, stride_os, stride_od,
     stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_fb, stride_ft, stride_fh, stride_fd,
-    stride_flb, stride_flt, stride_flh,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    PAGE_GATHER: tl.constexpr = True, DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
+    DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
     BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
     OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
 ):
@@ -344,10 +356,8 @@ def decode_split_kernel(
     (PAGE_SIZE == 0, stride_kb = batch stride) or paged (num_pages, PAGE_SIZE, nheads_kv, HEADDIM) (stride_kb = page
     stride); K and V share strides, unit stride on the head dim. SEQLENS int32 (batch,), clamped to ``capacity``.
     BLOCK_TABLE int32 (batch, pages_per_seq). FINAL: O like Q in the output dtype, LSE (batch, SEQLEN_Q, nheads)
-    fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2.
-    FUSED_MERGE (not FINAL): also O_FINAL like Q (strides stride_f*), LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
-    natural log (strides stride_fl*), TICKETS int32 (batch * nheads_kv * NUM_M_BLOCKS,) zeros; the last program of
-    each row block merges (see module doc and _merge_if_last_ticket). Unused (any tensor) otherwise.
+    fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2
+    (MERGE_SPLITS: NUM_SPLITS padded to a power of two).
     PREFETCH_KEYS (0 = off; a power of two): L2 prefetch of the split's first keys before anything else (before
     gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
     stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
@@ -356,7 +366,7 @@ def decode_split_kernel(
     SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
     length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
-    DEVICE_SPLITS (not FINAL, not FUSED_MERGE): grid (programs, 1, 1) instead, program p runs work
+    DEVICE_SPLITS (not FINAL): grid (programs, 1, 1) instead, program p runs work
     item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
     least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
@@ -426,17 +436,14 @@ def decode_split_kernel(
             tl.store(lse_rows[:, None] + unused[None, :] * stride_ls, tl.full([BLOCK_M, MERGE_SPLITS],
                      float("-inf"), tl.float32),
                      mask=row_ok[:, None] & ((unused >= num_splits) & (unused < NUM_SPLITS))[None, :])
-    ticket_ptr = TICKETS + b * tl.num_programs(1) + pid_hm  # FUSED_MERGE only
-    if not FINAL and not FUSED_MERGE:
+    if not FINAL:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
-    # (With FUSED_MERGE an empty split runs on with empty KV loops, stores (0, -inf) and still draws its ticket:
-    # it may be the last one.)
 
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
-                            stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                            num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                             OFFS_32, spec_pages, stale_start, stale_end, SPEC)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
@@ -447,13 +454,6 @@ def decode_split_kernel(
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
-        if FUSED_MERGE:
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, NUM_SPLITS, b, hk, m_block,
-                                  stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                  stride_lb, stride_lt, stride_lh, stride_ls,
-                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
-                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
 
 
 @triton.jit
@@ -467,18 +467,18 @@ def _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, H
 
 
 @triton.jit
-def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
+def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out, num_pages,
                   stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  PRELOAD_PAGES: tl.constexpr, PAGE_GATHER: tl.constexpr, OFFS_32: tl.constexpr,
+                  PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr,
                   spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
-    decode_split_kernel. SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start,
-    spec_end) (_split_page_ids, read earlier); used where they cover the same pages as [start, end), else read
-    again."""
+    decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the
+    page ids of the keys [spec_start, spec_end) (_split_page_ids, read earlier); used where they cover the same
+    pages as [start, end), else read again."""
     if USE_TMA:
         k_src = K
         v_src = V
@@ -514,14 +514,16 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if not WINDOW:
         full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
+                                   tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
-                                   window_left, score_scale, softcap_out, stride_kb, stride_kt, tma_row_base,
+                                   window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
+                                   tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
-                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES, PAGE_GATHER,
+                                   SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
                                    OFFS_32)
     return normalize_state(acc, m_i, l_i)
 
@@ -542,10 +544,9 @@ def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM
     sequences (rounded), s from _queue_split_ways for n_eff x KVP pairs: n equal lengths split s ways, as do n
     long ones among a bucket's padding of one-token rows, while a lone long sequence keeps the programs' share.
 
-    Finer splits do not pay here: every work item refills the load pipeline (H100, 32/8 8k, 9 sequences in 16
-    splits each: 122.5 us vs 100.8 unsplit, where 72 programs already saturate the memory bandwidth), and items
-    smaller than a program's share can land two on one program (one 128k sequence in 16 splits among 15 of 1k:
-    260.0 vs 212.2 in 14; decodetune T1203/T1204)."""
+    Finer splits do not pay here: every work item refills the load pipeline (72 programs already saturate the
+    memory bandwidth), and items smaller than a program's share can land two on one program (docs/decisions.md,
+    "Persistent device split counts")."""
     lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
     total = tl.maximum(tl.sum(lens64, 0), 1)
     share = (slots * lens64) // (KVP * total)
@@ -651,9 +652,9 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
     BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    PAGE_GATHER: tl.constexpr = True, MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
+    MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
     SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
-    QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False,
+    QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False, num_pages=1,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -668,7 +669,7 @@ def decode_persistent_kernel(
     splits of a longer one write fp32 partials and draw tickets, and the last of them merges
     (_merge_if_last_ticket), so no merge kernel follows.
 
-    Arguments as decode_split_kernel with FUSED_MERGE: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
+    Arguments as decode_split_kernel, plus the in-kernel merge's: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
     LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
     TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
     BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
@@ -716,9 +717,9 @@ def decode_persistent_kernel(
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
         q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
-                                softcap_out, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                PAGE_GATHER, OFFS_32)
+                                softcap_out, num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
+                                BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
+                                OFFS_32)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

@@ -1,0 +1,84 @@
+"""append_kv: write new K/V tokens into a contiguous or paged cache (kernels/append_kv.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashdecode import heuristics
+from flashdecode.kernels.append_kv import append_kv_kernel
+from flashdecode.ops import checks
+from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
+                                           _check_lengths_and_table)
+
+__all__ = ["append_kv"]
+
+_DTYPES = checks.FLOAT_DTYPES
+_check_tensor, _check_device, _interpreting = checks.check_tensor, checks.check_device, checks.interpreting
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *, cu_seqlens_new=None,
+              max_seqlen_new=None):
+    """Write new K/V tokens into a contiguous or paged cache, one launch, in place.
+
+    Args:
+        k_cache, v_cache: contiguous (batch_cache, max_seqlen, nheads_kv, headdim) or paged (num_pages,
+            page_size, nheads_kv, headdim) with ``block_table`` int32 (batch, max_pages_per_seq).
+        k_new, v_new: same dtype. Dense: (batch, seqlen_new, nheads_kv, headdim). Varlen/packed (e.g. a whole
+            ragged prefill): (total, nheads_kv, headdim) with ``cu_seqlens_new`` int32 (batch + 1,) giving each
+            sequence's rows [cu[b], cu[b+1]).
+        cache_seqlens: int32 (batch,): each sequence's length BEFORE the append. Token i of sequence b is written
+            at position cache_seqlens[b] + i. cache_seqlens is NOT modified (the caller advances it, e.g. before
+            flash_decode, whose cache_seqlens counts the new tokens).
+        max_seqlen_new: optional host bound on the varlen lengths (sizes the grid; default the packed total, which
+            is always enough but launches idle programs).
+    Positions past the cache's capacity raise ValueError when cache_seqlens (and cu_seqlens_new) are on the host;
+    with device tensors they are skipped by the kernel (not written), since checking would need a host sync.
+    """
+    _check_tensor("k_new", k_new, (3, 4), _DTYPES)
+    device = k_new.device
+    _check_cache_pair(k_cache, v_cache, k_new.dtype, device)
+    _check_tensor("v_new", v_new, (k_new.dim(),))
+    if v_new.shape != k_new.shape or v_new.dtype != k_new.dtype or v_new.device != device:
+        raise ValueError(f"v_new must match k_new ({tuple(k_new.shape)}, {k_new.dtype}), got "
+                         f"{tuple(v_new.shape)}, {v_new.dtype} on {v_new.device}")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        raise ValueError("k_new and v_new must have unit stride on their last (head) dim")
+    varlen = cu_seqlens_new is not None
+    if varlen != (k_new.dim() == 3):
+        raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
+                         f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
+                         f"{'given' if varlen else 'None'}")
+    if tuple(k_new.shape[-2:]) != tuple(k_cache.shape[-2:]):
+        raise ValueError(f"k_new (nheads_kv, headdim) {tuple(k_new.shape[-2:])} must match the cache's "
+                         f"{tuple(k_cache.shape[-2:])}")
+    if varlen:
+        _check_tensor("cu_seqlens_new", cu_seqlens_new, (1,))
+        if cu_seqlens_new.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens_new must be int32, got {cu_seqlens_new.dtype}")
+        _check_device("cu_seqlens_new", cu_seqlens_new, device)
+        batch = cu_seqlens_new.shape[0] - 1
+        max_new = int(max_seqlen_new) if max_seqlen_new is not None else k_new.shape[0]
+        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if cu_seqlens_new.device.type == "cpu" else 0
+    else:
+        batch, max_new, added = k_new.shape[0], k_new.shape[1], k_new.shape[1]
+    _check_lengths_and_table(cache_seqlens, block_table, batch, device)
+    capacity = _cache_capacity(k_cache, block_table, batch)
+    _check_host_lengths(cache_seqlens, capacity, added)
+    if batch == 0 or max_new == 0:
+        return
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
+    block_t = 16 if _interpreting(device) else 32
+    bt = block_table if block_table is not None else cache_seqlens
+    cu = cu_seqlens_new if varlen else cache_seqlens
+    kb = (0, k_new.stride(0), k_new.stride(1)) if varlen else (k_new.stride(0), k_new.stride(1), k_new.stride(2))
+    vb = (0, v_new.stride(0), v_new.stride(1)) if varlen else (v_new.stride(0), v_new.stride(1), v_new.stride(2))
+    grid = (batch, triton.cdiv(max_new, block_t), nheads_kv)
+    append_kv_kernel[grid](
+        k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, capacity, 0 if varlen else k_new.shape[1],
+        *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0,
+        HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
+        PAGE_SIZE=page_size, VARLEN=varlen, num_warps=4,
+    )

@@ -1,0 +1,250 @@
+"""Decode launches for a resolved DecodeConfig: stage 1 (decode_split_kernel: unsplit, the split grid or the
+device-split grid), the persistent kernel (decode_persistent_kernel) and the merge. ``DecodeLaunch`` holds the
+geometry that follows from a config and the shapes (computed once, by plan_launch); nothing here chooses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdecode import heuristics
+from flashdecode.config import DecodeConfig, DecodePath
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+from flashdecode.ops.merge import launch_merge_many
+
+if TYPE_CHECKING:
+    from flashdecode.ops.decode_policy import _DecodeShape
+
+_PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
+
+# fp32 elements of the (rows, splits, headdim) tile the persistent kernel's merge folds per step: small, so that
+# ptxas keeps every step's loads in flight without spilling (sm_90, bf16 hd128, 128-key tiles, 4 or 8 rows: 2048
+# values per step compile without spills, 4096 spill 40-152 bytes).
+_PERSISTENT_MERGE_TILE_ELEMS = 2048
+
+# the persistent kernel's work queue: the next item, and the programs that found none (kernels/decode.py DYNAMIC)
+_QUEUE_SLOTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """Geometry of one decode launch: what follows from a DecodeConfig and the shapes."""
+
+    config: DecodeConfig
+    min_chunk: int        # MIN_CHUNK: fewest keys of a non-empty split
+    preload_pages: int    # PRELOAD_PAGES: block-table ids a split holds in registers (0: read in the loop)
+    max_split_keys: int   # MAX_SPLIT_KEYS of the persistent / device-split kernels (0: unbounded)
+    num_stages: int       # the config's stages plus the table-read ones where they apply
+    programs: int         # grid size of the persistent and device-split launches
+    batch_pad: int        # BATCH_PAD: the batch padded to a power of two (device-side split counts)
+    prefetch: tuple       # (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+
+
+def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> DecodeLaunch:
+    """The geometry of running ``config`` on ``problem`` (pure: heuristics' decode geometry functions)."""
+    path, splits = config.path, config.num_splits
+    programs, max_split_keys = 0, 0
+    if path in _PERSISTENT_PATHS or path is DecodePath.DEVICE_SPLIT_GRID:
+        preload, max_split_keys = heuristics.decode_persistent_preload(problem, config)
+        split_keys_max = max_split_keys or problem.capacity  # a work item may be a whole sequence
+        if path is DecodePath.DEVICE_SPLIT_GRID:
+            programs = _device_split_programs(problem, config)
+        else:
+            programs = config.persistent_programs
+    else:
+        preload = heuristics.decode_preload_pages(problem, config, splits)
+        split_keys_max = heuristics.decode_max_split_keys(problem, config, splits)
+    return DecodeLaunch(
+        config=config, min_chunk=heuristics.decode_min_chunk(config), preload_pages=preload,
+        max_split_keys=max_split_keys,
+        num_stages=heuristics.decode_pipeline_stages(problem, config, preload, split_keys_max),
+        programs=programs, batch_pad=heuristics.next_power_of_2(max(problem.grid_batch, problem.batch)),
+        prefetch=heuristics.decode_prefetch_shape(problem, config, splits))
+
+
+def _device_split_programs(problem: heuristics.DecodeProblem, config: DecodeConfig) -> int:
+    """Programs of a DEVICE_SPLIT_GRID launch: enough for every work item _planned_item can make. A sequence's split
+    count is its floor'd share of device_split_slots items (kv programs each), at least 1 and at most num_splits,
+    so all of them hold at most slots + batch x kv programs items."""
+    kvp = problem.kv_programs
+    return kvp * min(problem.batch * config.num_splits, config.device_split_slots // kvp + problem.batch)
+
+
+def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
+    """In-kernel merge counters: one per (batch, kv head, stage-1 row block) of a launch with seqlen_q new tokens,
+    then the persistent kernel's work queue (_QUEUE_SLOTS counters)."""
+    group_rows = (nheads // nheads_kv) * seqlen_q
+    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + _QUEUE_SLOTS
+
+
+def run_decode(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
+               partial_o, partial_lse, tickets=None):
+    """Decode into out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log, on
+    launch.config.path. partial_o (batch, seqlen_q, nheads, num_splits, headdim) / partial_lse (..., num_splits)
+    fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero again): the persistent
+    paths' merge counters and work queue."""
+    path = launch.config.path
+    if path is DecodePath.UNSPLIT:  # no partials, no second kernel
+        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, final=True)
+    elif path in _PERSISTENT_PATHS:  # one launch: the kernel merges the sequences that split
+        _launch_persistent(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o,
+                           partial_lse, tickets)
+    else:
+        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
+                       final=False)
+        _launch_merge(shape, launch.config, partial_o, partial_lse, out4, lse3)
+
+
+def _launch_merge(shape, config: DecodeConfig, partial_o, partial_lse, out4, lse3):
+    b, sq, h, s = shape.batch, shape.seqlen_q, shape.nheads, config.num_splits
+    launch_merge_many(
+        partial_o.view(b * sq, h, s, shape.headdim), partial_lse.view(b * sq, h, s),
+        _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
+        early_trigger=config.merge_early_trigger and config.pdl_wait, d_chunks=config.merge_d_chunks,
+        max_rows=config.merge_max_rows)
+
+
+def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
+    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim). Paged: K
+    reads rows past the end as NaN, which the kernel turns into absent keys (page ids outside the pool)."""
+    if not config.use_tma:
+        return k_cache, v_cache, k_cache.stride(0)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    width = k_cache.shape[2] * k_cache.shape[3]
+    box = [config.block_n, k_cache.shape[3]]
+    paged = block_table is not None
+    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box, padding="nan" if paged else "zero")
+    v_desc = TensorDescriptor(v_cache, [rows, width], [width, 1], box)
+    return k_desc, v_desc, k_cache.shape[1]
+
+
+def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, o4,
+                   lse3, final: bool):
+    """decode_split_kernel. o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32
+    partials). On DEVICE_SPLIT_GRID the split counts are chosen on the device (<= num_splits per sequence), one
+    program per work item."""
+    config = launch.config
+    num_splits = 1 if final else config.num_splits
+    q4 = shape.q4
+    bt = block_table if block_table is not None else cache_seqlens
+    stride_os = 0 if final else o4.stride(3)
+    stride_od = o4.stride(3) if final else o4.stride(4)
+    stride_ls = 0 if final else lse3.stride(3)
+    kv_programs = shape.nheads_kv * shape.num_m_blocks
+    grid = (num_splits, kv_programs, shape.batch)
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
+    prefetch_keys, line_elems, num_lines = launch.prefetch
+    device = {}
+    if config.path is DecodePath.DEVICE_SPLIT_GRID:
+        grid = (launch.programs, 1, 1)
+        device = dict(DEVICE_SPLITS=True, SPLIT_SLOTS=config.device_split_slots, KV_PROGRAMS=kv_programs,
+                      BATCH_PAD=launch.batch_pad)
+    run = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, k_cache, v_cache,
+        shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
+        k_cache.stride(0), shape.batch,
+        q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
+        stride_kb, k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0,
+        o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
+        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
+        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
+        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
+        NUM_SPLITS=num_splits, MIN_CHUNK=launch.min_chunk, PAGE_SIZE=shape.page_size,
+        SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
+        USE_PDL=config.use_pdl and not final, PDL_WAIT=config.pdl_wait,
+        PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
+        PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
+        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device,
+        num_warps=config.num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if config.pdl_wait else {}),
+    )
+    _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
+                                                         config.use_tma))
+
+
+def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table,
+                       out4, lse3, o5, lse4, tickets):
+    """All of decode in one decode_persistent_kernel launch: a fixed grid of launch.programs programs; each
+    sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out4 and lse3;
+    o5 / lse4 fp32 partials and tickets (int32 zeros, >= num_tickets(...); left zero again) serve the sequences
+    that split, and the last _QUEUE_SLOTS tickets are the PERSISTENT_QUEUE path's work queue."""
+    config = launch.config
+    q4 = shape.q4
+    queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
+    bt = block_table if block_table is not None else cache_seqlens
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
+    dynamic = config.path is DecodePath.PERSISTENT_QUEUE
+    run = lambda num_stages: decode_persistent_kernel[(launch.programs,)](  # noqa: E731
+        q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
+        shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
+        *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *_final_strides(out4, lse3),
+        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
+        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
+        NUM_SPLITS=config.num_splits, MIN_CHUNK=launch.min_chunk,
+        PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
+        USE_PDL=config.use_pdl, PDL_WAIT=config.pdl_wait,
+        PRELOAD_PAGES=launch.preload_pages, MAX_SPLIT_KEYS=launch.max_split_keys,
+        BATCH_PAD=launch.batch_pad, OFFS_32=config.offs_32, **_merge_tile(shape, config.num_splits),
+        DYNAMIC=dynamic, SLOTS_PER_PROGRAM=config.persistent_slots if dynamic else 1,
+        QUEUE_SPLITS=config.queue_splits if dynamic else 0,
+        QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
+        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0],
+        num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
+    )
+    _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
+                                                         config.use_tma, "persistent"))
+
+
+def _final_strides(out4, lse3) -> tuple:
+    """The kernels' stride_f* / stride_fl* arguments: out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch,
+    seqlen_q, nheads), where the in-kernel merges write the finished states."""
+    return (*out4.stride()[:3], out4.stride(-1), *lse3.stride()[:3])
+
+
+def _merge_tile(shape, num_splits) -> dict:
+    """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the persistent kernel's in-kernel merge (kernels/decode.py
+    _merge_if_last_ticket): the real rows of a row block padded to a power of two, the splits padded likewise, and
+    the splits folded per step so that one step's tile holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one
+    split."""
+    merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
+    merge_splits = heuristics.next_power_of_2(num_splits)
+    return {"MERGE_M": merge_m, "MERGE_SPLITS": merge_splits,
+            "MERGE_BLOCK_S": max(1, min(merge_splits, _PERSISTENT_MERGE_TILE_ELEMS // (merge_m * shape.block_d)))}
+
+
+# Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
+_STAGES_THAT_FIT: dict = {}
+
+
+def _launch_within_shared_memory(launch, num_stages, key):
+    """launch(num_stages); if the tiles do not fit in shared memory (e.g. hd256 with 64 query rows), retry with
+    fewer stages. The failure comes at compile/load time, before anything is enqueued, so this is safe during
+    warm-up; the depth that fitted is remembered, so later (captured) calls launch directly."""
+    from triton.runtime.errors import OutOfResources
+
+    stages = min(num_stages, _STAGES_THAT_FIT.get(key, num_stages))
+    while True:
+        try:
+            launch(stages)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGES_THAT_FIT[key] = stages
+
+
+def _collapse_bt(x4):
+    """(b, sq, h, d) -> (b * sq, h, d) as a view (checked collapsible by _DecodeShape.check_out), never a copy:
+    the merge writes through it."""
+    b, sq, h, d = x4.shape
+    outer = x4.stride(1) if sq > 1 else x4.stride(0)
+    return x4.as_strided((b * sq, h, d), (outer, x4.stride(2), x4.stride(3)), x4.storage_offset())

@@ -1,0 +1,143 @@
+"""The decode launch policy on the host: a call's validated shape facts (_DecodeShape), the problem description
+and device facts handed to heuristics.resolve_decode_config, and the checks of a ``config=`` override against
+them."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdecode import heuristics
+from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
+from flashdecode.ops import checks
+from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
+                                           _check_lengths_and_table, check_out)
+
+_DTYPES = checks.FLOAT_DTYPES
+_MAX_HEADDIM = checks.MAX_HEAD_DIM
+LOG2E = checks.LOG2E
+_check_tensor, _interpreting = checks.check_tensor, checks.interpreting
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper (sm_90) or newer GPU and no interpreter (inline asm)."""
+    return not _interpreting(device) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def decode_device(device: torch.device) -> heuristics.DecodeDevice:
+    """The facts of ``device`` the decode policy uses."""
+    interpret = _interpreting(device)
+    return heuristics.DecodeDevice(num_sms=heuristics.num_sms(device), interpret=interpret,
+                                   hopper=not interpret and heuristics._is_hopper_or_newer(),
+                                   pdl=_pdl_capable(device))
+
+
+class _DecodeShape:
+    """The host-side facts of one decode call, validated (no launch decision: see problem())."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                 grid_batch=None):
+        """grid_batch: the batch the tiles are chosen for (a plan's max_batch, so that one plan always launches
+        one kernel variant); default q's batch."""
+        _check_tensor("q", q, (3, 4), _DTYPES)
+        self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
+        self.device = q.device
+        _check_cache_pair(k_cache, v_cache, q.dtype, self.device)
+        self.nheads_kv = k_cache.shape[2]
+        if k_cache.shape[3] != self.headdim:
+            raise ValueError(f"k_cache head dim {k_cache.shape[3]} must match q head dim {self.headdim}")
+        if not 1 <= self.headdim <= _MAX_HEADDIM:
+            raise ValueError(f"head dim must be in 1..{_MAX_HEADDIM}, got {self.headdim}")
+        if self.nheads % self.nheads_kv != 0:
+            raise ValueError(f"q heads ({self.nheads}) must be a multiple of the cache's kv heads ({self.nheads_kv})")
+        if self.seqlen_q < 1:
+            raise ValueError("q must hold at least one token per sequence")
+        _check_lengths_and_table(cache_seqlens, block_table, self.batch, self.device)
+        self.paged = block_table is not None
+        self.page_size = k_cache.shape[1] if self.paged else 0
+        self.num_pages = k_cache.shape[0]
+        self.capacity = _cache_capacity(k_cache, block_table, self.batch)
+        _check_host_lengths(cache_seqlens, self.capacity)
+        self.softcap = checks.check_softcap(softcap)
+        self.window_left = checks.check_window(window_size)[0]
+        self.scale = checks.resolve_scale(softmax_scale, self.headdim)
+        # stage 1's logit scale (softcap: tanh's argument, else log2 units for exp2) and the softcap in log2 units
+        self.score_scale = self.scale / self.softcap if self.softcap > 0 else self.scale * LOG2E
+        self.softcap_log2 = self.softcap * LOG2E
+        self.group = self.nheads // self.nheads_kv
+        self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
+        self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
+        self.grid_batch = grid_batch or self.batch
+        self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
+        self.elem_bytes = k_cache.element_size()
+        self.cache_tma_ok = _tma_layout(k_cache)
+        self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache)
+
+    def problem(self, live_keys, **kw) -> heuristics.DecodeProblem:
+        """The description heuristics.resolve_decode_config takes; ``kw``: its split and PDL fields."""
+        return heuristics.DecodeProblem(
+            batch=self.batch, grid_batch=self.grid_batch, seqlen_q=self.seqlen_q, group=self.group,
+            nheads_kv=self.nheads_kv, headdim=self.headdim, elem_bytes=self.elem_bytes, page_size=self.page_size,
+            capacity=self.capacity, window_left=self.window_left, live_keys=live_keys,
+            cache_tma_ok=self.cache_tma_ok, cache_offsets_fit_int32=self.cache_offsets_fit_int32, **kw)
+
+    def check_out(self, out, q):
+        check_out(out, q, self.seqlen_q)
+
+
+def _offsets_fit_int32(k_cache) -> bool:
+    """Whether every element offset into the cache (K and V share its shape and strides) is below 2**31, so that
+    the kernels may address it with 32-bit offsets from its base pointer."""
+    last = sum((n - 1) * st for n, st in zip(k_cache.shape, k_cache.stride()) if n > 0)
+    return k_cache.numel() > 0 and last < 2**31
+
+
+def _tma_layout(k_cache) -> bool:
+    """The TMA path views the cache as 2-D (rows, nheads_kv * headdim): rows of one sequence (or page) must be
+    consecutive and 16-byte aligned (heuristics.decode_tma_fits adds the tile conditions)."""
+    _, rows, hk, d = k_cache.shape
+    dense = k_cache.stride(2) == d and k_cache.stride(1) == hk * d and k_cache.stride(0) == rows * hk * d
+    return dense and k_cache.data_ptr() % 16 == 0 and (hk * d * k_cache.element_size()) % 16 == 0
+
+
+def choose_live_keys(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, in_capture: bool):
+    """(live keys bound, total keys or None) for a call's split policy and tiles: max_seqlen_k if given; with
+    neither it nor num_splits, one read of cache_seqlens on the host (the one sync of the convenience path), or
+    the cache capacity ``in_capture`` (CUDA-graph capture allows no sync; the device reduces the splits); else the
+    cache capacity."""
+    if max_seqlen_k is not None:
+        max_seqlen_k = checks.check_int("max_seqlen_k", max_seqlen_k, minimum=0)
+        return min(max_seqlen_k, shape.capacity), None
+    if num_splits is not None or in_capture:
+        return shape.capacity, None
+    lengths = cache_seqlens.to("cpu", torch.int64)
+    longest, total = (int(lengths.max()), int(lengths.sum())) if lengths.numel() else (0, 0)
+    if longest > shape.capacity:
+        raise ValueError(f"cache_seqlens asks for {longest} keys but the cache holds {shape.capacity}")
+    return longest, total
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (no host sync allowed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_config_fits(config: DecodeConfig, problem: heuristics.DecodeProblem,
+                      dev: heuristics.DecodeDevice) -> DecodeConfig:
+    """A ``config=`` override (check_decode_config) that this call's cache and device can run (ValueError naming
+    the field otherwise)."""
+    check_decode_config(config)
+    if config.use_tma and not heuristics.decode_tma_fits(problem, config.block_n):
+        raise ValueError("config.use_tma: this cache cannot be read through tensor descriptors (it needs a dense, "
+                         "16-byte aligned cache, a power-of-two head dim and pages that are multiples of block_n)")
+    if config.offs_32 and not problem.cache_offsets_fit_int32:
+        raise ValueError("config.offs_32: this cache has element offsets of 2**31 or more")
+    for field in ("use_pdl", "pdl_wait", "merge_early_trigger", "prefetch_blocks"):
+        if getattr(config, field) and not dev.pdl:
+            raise ValueError(f"config.{field} needs a Hopper (sm_90+) GPU outside the interpreter")
+    if config.merge_max_rows & (config.merge_max_rows - 1):
+        raise ValueError(f"config.merge_max_rows must be 0 or a power of two, got {config.merge_max_rows}")
+    if config.path is DecodePath.DEVICE_SPLIT_GRID and heuristics.decode_persistent_preload(problem, config)[1]:
+        raise ValueError("config.path DEVICE_SPLIT_GRID: a whole sequence's page ids do not fit the preload "
+                         "(config.preload_gather_max) for these pages")
+    return config

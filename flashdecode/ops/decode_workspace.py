@@ -1,0 +1,53 @@
+"""A per-device pool of decode workspace (split partials, merge tickets) for flash_decode calls under CUDA-graph
+capture, which must not allocate: eager calls size it (reserve), captured calls take views of it (take)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_POOLS: dict = {}
+
+
+class _Workspace:
+    """Flat fp32 partial-output / partial-lse buffers and int32 tickets (zeros at rest: every kernel that draws
+    tickets leaves them zero), grown to the largest request seen, never shrunk."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.o = torch.empty(0, dtype=torch.float32, device=device)
+        self.lse = torch.empty(0, dtype=torch.float32, device=device)
+        self.tickets = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def reserve(self, partial_shape, n_tickets: int) -> None:
+        """Grow the buffers for partials of ``partial_shape`` (batch, seqlen_q, nheads, splits, headdim) (None:
+        no split) and ``n_tickets`` tickets."""
+        if partial_shape is not None:
+            o_elems, lse_elems = math.prod(partial_shape), math.prod(partial_shape[:-1])
+            if o_elems > self.o.numel():
+                self.o = torch.empty(o_elems, dtype=torch.float32, device=self.device)
+            if lse_elems > self.lse.numel():
+                self.lse = torch.empty(lse_elems, dtype=torch.float32, device=self.device)
+        if n_tickets > self.tickets.numel():
+            self.tickets = torch.zeros(n_tickets, dtype=torch.int32, device=self.device)
+
+    def take(self, partial_shape, n_tickets: int):
+        """(partial_o, partial_lse, tickets) views for one call (None where not needed), growing first if an eager
+        call has not sized the pool for it."""
+        self.reserve(partial_shape, n_tickets)
+        partial_o = partial_lse = tickets = None
+        if partial_shape is not None:
+            partial_o = self.o[: math.prod(partial_shape)].view(partial_shape)
+            partial_lse = self.lse[: math.prod(partial_shape[:-1])].view(partial_shape[:-1])
+        if n_tickets:
+            tickets = self.tickets[:n_tickets]
+        return partial_o, partial_lse, tickets
+
+
+def workspace(device: torch.device) -> _Workspace:
+    """The pool of ``device`` (one per device, made on first use)."""
+    pool = _POOLS.get(device)
+    if pool is None:
+        pool = _POOLS[device] = _Workspace(device)
+    return pool
