@@ -4,17 +4,11 @@ each constant is in docs/decisions.md."""
 
 from __future__ import annotations
 
-<<<<<<< HEAD
 import bisect
-import functools
-
-from flashdecode.config import AttentionConfig, AttentionProblem
-=======
 import dataclasses
 import functools
 
-from flashdecode.config import DecodeConfig, DecodePath
->>>>>>> decode-config
+from flashdecode.config import AttentionConfig, AttentionProblem, DecodeConfig, DecodePath
 
 # The SM count we assume when there is no GPU (CPU interpreter runs): the H100 we target, so the CPU makes the
 # same policy decisions the GPU would.

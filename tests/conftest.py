@@ -8,12 +8,22 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Hypothesis (tests/test_fuzz.py, tests/test_bad_inputs.py): "ci", the default, is a fixed, derandomized handful
+# of cases per test (deterministic, CPU-interpreter fast); `pytest --hypothesis-profile=long` (the GPU machine's
+# gpu-check) runs many more, at larger sizes on a GPU. No deadline: interpreter and first-compile times vary.
+settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("long", max_examples=300, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci")  # `--hypothesis-profile` (applied after this file loads) overrides it
 
 
 def pytest_collection_modifyitems(config, items):

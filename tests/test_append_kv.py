@@ -111,3 +111,88 @@ def test_bad_input(gen, case, error, word):
     with pytest.raises(error, match=word):
         flashdecode.append_kv(k, v, k_new, v_new, args["cache_seqlens"], args["block_table"],
                               cu_seqlens_new=args["cu_seqlens_new"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Device-resident metadata is not validated (no sync): the kernel itself must stay inside the tensors
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def device_resident(monkeypatch):
+    """Treat every metadata tensor as device-resident (as CUDA tensors are), so that the host checks stand aside
+    and the kernel's own masking is what is tested."""
+    from flashdecode.ops import checks
+
+    monkeypatch.setattr(checks, "host_resident", lambda x: False)
+
+
+def _guarded_pages(gen, num_pages, page_size, hk, d, dtype=torch.float16):
+    """(pool, k_cache, v_cache): caches that are views of one pool with a guard page before and after each, so a
+    write before or past a cache tensor shows up in the pool."""
+    pool = randn(2, num_pages + 2, page_size, hk, d, gen=gen, dtype=dtype)
+    return pool, pool[0, 1:-1], pool[1, 1:-1]
+
+
+@pytest.mark.parametrize("bad_id", [-1, "num_pages", 2**30, 2**31 - 1, -2**31])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_out_of_range_page_ids_write_nothing(gen, device_resident, bad_id, varlen):
+    """A page id outside [0, num_pages) drops the tokens that would land in it (no write before the pool, past it,
+    or at a 32-bit-wrapped id such as 2**30 * page_stride); every other token is written as usual."""
+    batch, page_size, hk, d, s_new, num_pages = 2, 4, 2, 32, 5, 6
+    pool, kc, vc = _guarded_pages(gen, num_pages, page_size, hk, d)
+    table = _i32([[0, 1, 2], [3, 4, 5]])
+    bad = num_pages if bad_id == "num_pages" else bad_id
+    table[1, 1] = bad  # sequence 1, positions 4..7
+    before = [2, 2]
+    k_new = randn(batch, s_new, hk, d, gen=gen, dtype=torch.float16)
+    v_new = randn(batch, s_new, hk, d, gen=gen, dtype=torch.float16)
+    expected = pool.clone()
+    for b in range(batch):
+        for i in range(s_new):
+            pos = before[b] + i
+            page = int(table[b, pos // page_size])
+            if 0 <= page < num_pages:
+                expected[0, 1 + page, pos % page_size] = k_new[b, i]
+                expected[1, 1 + page, pos % page_size] = v_new[b, i]
+    if varlen:
+        cu = _i32([0, s_new, 2 * s_new])
+        flashdecode.append_kv(kc, vc, k_new.flatten(0, 1), v_new.flatten(0, 1), _lens(before), table,
+                              cu_seqlens_new=cu, max_seqlen_new=s_new)
+    else:
+        flashdecode.append_kv(kc, vc, k_new, v_new, _lens(before), table)
+    assert torch.equal(pool, expected)  # the whole pool, guards included
+
+
+@pytest.mark.parametrize("cu,why", [
+    ([0, 3, 9], "runs past k_new"),
+    ([0, 5, 2], "decreases"),
+    ([-3, 2, 6], "starts below 0"),
+    ([0, 2**31 - 1, 2**31 - 1], "huge"),
+])
+def test_bad_device_cu_seqlens_new_stays_inside_k_new(gen, device_resident, cu, why):
+    """Device-resident cu_seqlens_new is not validated; rows outside k_new are never read (they would copy
+    foreign memory into the cache), and nothing is written outside the cache."""
+    total, cap, hk, d = 6, 16, 2, 32
+    src = randn(2, total + 8, hk, d, gen=gen, dtype=torch.float32)
+    src[:, total:] = float("nan")  # guard rows right behind k_new: reading them would put NaN into the cache
+    k_new, v_new = src[0, :total], src[1, :total]
+    pool = randn(2, 4, cap, hk, d, gen=gen, dtype=torch.float32)
+    kc, vc = pool[0, 1:3], pool[1, 1:3]
+    before = pool.clone()
+    flashdecode.append_kv(kc, vc, k_new, v_new, _lens([0, 4]), cu_seqlens_new=_i32(cu), max_seqlen_new=9)
+    assert not torch.isnan(pool).any(), why
+    assert torch.equal(pool[:, [0, 3]], before[:, [0, 3]]), why  # neighbours of the caches untouched
+    for b, start in enumerate([0, 4]):  # rows that exist in k_new land where cu says; nothing else changes
+        for i in range(max(0, min(cu[b + 1] - cu[b], cap - start))):
+            row = cu[b] + i
+            if 0 <= row < total:
+                assert torch.equal(kc[b, start + i], k_new[row]), why
+
+
+def test_huge_device_lengths_write_nothing(gen, device_resident):
+    """Lengths near 2**31 do not wrap into the cache (int64 positions), nor do negative ones write before it."""
+    pool, kc, vc = _guarded_pages(gen, 4, 8, 1, 16, dtype=torch.float32)
+    before = pool.clone()
+    k_new = randn(2, 9, 1, 16, gen=gen, dtype=torch.float32)
+    flashdecode.append_kv(kc, vc, k_new, k_new.clone(), _lens([2**31 - 5, -20]), _i32([[0, 1], [2, 3]]))
+    assert torch.equal(pool, before)

@@ -90,6 +90,18 @@ def test_merge_of_split_attention_is_full_attention(gen):
     (lambda o, l: flashdecode.merge_states(o.int(), l, o, l), TypeError, "o_a"),
     (lambda o, l: flashdecode.merge_states_many(o[0], l[0]), ValueError, "outs"),
     (lambda o, l: flashdecode.merge_states_many(o[None], l[None].half()), TypeError, "lses"),
+    (lambda o, l: flashdecode.merge_states_many([], []), ValueError, "outs"),
+    (lambda o, l: flashdecode.merge_states_many([o, "x"], [l, l]), TypeError, r"outs\[1\]"),
+    (lambda o, l: flashdecode.merge_states_many([o, o[:, :2]], [l, l]), ValueError, r"outs\[1\]"),
+    (lambda o, l: flashdecode.merge_states_many([o, o], [l, l.double()]), ValueError, r"lses\[1\]"),
+    (lambda o, l: flashdecode.merge_states_many(o[None], 3.0), TypeError, "lses"),
+    (lambda o, l: flashdecode.merge_states_many([o, o], [l]), ValueError, "lses"),
+    (lambda o, l: flashdecode.merge_states(None, l, o, l), TypeError, "o_a"),
+    (lambda o, l: flashdecode.merge_states(o, l, o, l.double()), TypeError, "lse_b"),
+    (lambda o, l: flashdecode.merge_states(o[0, 0], l[0, 0], o[0, 0], l[0, 0]), ValueError, "o_a"),
+    (lambda o, l: flashdecode.merge_states(o, l, o, l[None]), ValueError, "lse_b"),
+    (lambda o, l: flashdecode.merge_states(o.new_zeros(2, 1, 2048), l.new_zeros(2, 1), o.new_zeros(2, 1, 2048),
+                                           l.new_zeros(2, 1)), ValueError, "head dim"),
 ])
 def test_bad_input(gen, call, error, word):
     o = randn(2, 3, 64, gen=gen, dtype=torch.float32)
@@ -126,3 +138,53 @@ def test_merge_many_in_head_dim_chunks(gen, d_chunks, headdim, max_rows):
         launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, d_chunks=3)
     with pytest.raises(ValueError, match="max_rows"):
         launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, max_rows=3)
+
+
+def _layout(x, kind):
+    """The same values as x in another memory layout: a permuted dense copy, or a strided (sliced) view."""
+    if kind == "permuted":  # dense, but the leading dims swapped in memory (e.g. an HF-style transpose)
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if kind == "strided":  # every other element of a wider tensor on the last dim
+        wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device).fill_(float("nan"))
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    return x
+
+
+@pytest.mark.parametrize("kind", ["permuted", "strided"])
+def test_merge_reads_any_layout_and_returns_contiguous(gen, kind):
+    """States in permuted or strided layouts merge to exactly what their contiguous copies give; the outputs are
+    fresh contiguous tensors, not copies of the callers' strides (the stride class of issue 21)."""
+    outs, lses = _states(gen, 3, (4, 2), 3, 32, torch.float32)
+    lses[:, 1, 0, 2] = -INF
+    o_ref, lse_ref = flashdecode.merge_states(outs[0], lses[0], outs[1], lses[1])
+    om_ref, lsem_ref = flashdecode.merge_states_many(outs, lses)
+    lay = [_layout(outs[i], kind) for i in range(3)]
+    lay_l = [_layout(lses[i], kind) for i in range(3)]
+    o, lse = flashdecode.merge_states(lay[0], lay_l[0], lay[1], lay_l[1])
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    assert o.is_contiguous() and lse.is_contiguous()
+    om, lsem = flashdecode.merge_states_many(lay, lay_l)
+    assert torch.equal(om, om_ref) and torch.equal(lsem, lsem_ref)
+    # a tensor whose states dim is not outermost in memory
+    om2, lsem2 = flashdecode.merge_states_many(outs.transpose(0, 1).contiguous().transpose(0, 1),
+                                               lses.transpose(0, 2).contiguous().transpose(0, 2))
+    assert torch.equal(om2, om_ref) and torch.equal(lsem2, lsem_ref) and om2.is_contiguous()
+
+
+def test_lse_on_another_device_is_named(gen):
+    o = randn(2, 3, 64, gen=gen, dtype=torch.float32)
+    lse = randn(2, 3, gen=gen, dtype=torch.float32, device="meta" if DEVICE.type == "cpu" else "cpu")
+    with pytest.raises(ValueError, match="lse_a"):
+        flashdecode.merge_states(o, lse, o, lse)
+
+
+def test_cpu_tensors_without_interpreter_get_a_clear_error(gen, monkeypatch):
+    """Off the GPU without TRITON_INTERPRET, a ValueError that says so, not Triton's '0 active drivers'."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    o = randn(2, 3, 64, gen=gen, dtype=torch.float32, device="cpu")
+    lse = randn(2, 3, gen=gen, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="o_a.*CUDA"):
+        flashdecode.merge_states(o, lse, o, lse)
+    with pytest.raises(ValueError, match="outs.*CUDA"):
+        flashdecode.merge_states_many([o, o], [lse, lse])

@@ -2,8 +2,13 @@
 
 Grid (batch, cdiv(max_new, BLOCK_T), nheads_kv). Sequence b's new tokens come from rows
 [cu_new[b], cu_new[b + 1]) of the packed source (dense sources are described by cu_new[b] = b * seqlen_new, passed
-as a stride) and land at cache positions cache_seqlens[b] + i. Positions at or past ``capacity`` are not written
-(the launcher checks this on the host when it can; see ops.decode.append_kv).
+as a stride) and land at cache positions cache_seqlens[b] + i. Nothing is read or written outside the tensors,
+whatever the device-resident metadata holds (the launcher checks host-resident metadata and raises instead):
+  - positions outside [0, capacity) are not written;
+  - packed source rows outside [0, total_new) are neither read nor written (a cu_new that runs past k_new,
+    decreases or starts below 0 cannot copy foreign memory into the cache);
+  - page ids outside [0, num_pages) are not written (the token is dropped, as if its page were absent);
+  - every offset is computed in int64, so page * page_stride cannot wrap at 2**31.
 """
 
 import triton
@@ -12,42 +17,48 @@ import triton.language as tl
 
 @triton.jit
 def append_kv_kernel(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CU_NEW, BLOCK_TABLE, capacity, dense_seqlen_new,
+    K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CU_NEW, BLOCK_TABLE, capacity, dense_seqlen_new, total_new, num_pages,
     stride_nb, stride_nt, stride_nh, stride_vnb, stride_vnt, stride_vnh,
     stride_cb, stride_ct, stride_ch, stride_btb,
     HEADDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """K_NEW/V_NEW: dense (batch, dense_seqlen_new, nheads_kv, HEADDIM) via (stride_nb, stride_nt, stride_nh), or
-    packed (total, nheads_kv, HEADDIM) rows (VARLEN; stride_nb unused), unit stride on the head dim.
+    packed (total_new, nheads_kv, HEADDIM) rows (VARLEN; stride_nb unused), unit stride on the head dim.
     K_CACHE/V_CACHE share strides: contiguous (batch, max_seqlen, h, d) with stride_cb the batch stride
-    (PAGE_SIZE == 0), or paged (num_pages, PAGE_SIZE, h, d) with stride_cb the page stride. SEQLENS int32 (batch,): lengths BEFORE the append. CU_NEW int32 (batch + 1,) when VARLEN."""
+    (PAGE_SIZE == 0), or paged (num_pages, PAGE_SIZE, h, d) with stride_cb the page stride. SEQLENS int32 (batch,):
+    lengths BEFORE the append. CU_NEW int32 (batch + 1,) when VARLEN. BLOCK_TABLE int32 (batch, pages_per_seq) with
+    capacity = pages_per_seq * PAGE_SIZE (paged)."""
     b = tl.program_id(0)
     t_block = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(2).to(tl.int64)
     offs_t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
     if VARLEN:
         src_start = tl.load(CU_NEW + b)
         num_new = tl.load(CU_NEW + b + 1) - src_start
-        k_rows = (src_start + offs_t).to(tl.int64) * stride_nt
-        v_rows = (src_start + offs_t).to(tl.int64) * stride_vnt
+        src_row = src_start.to(tl.int64) + offs_t
+        # device-resident cu_new is not validated: rows outside the packed source are never touched
+        src_ok = (src_row >= 0) & (src_row < total_new)
+        k_rows = src_row * stride_nt
+        v_rows = src_row * stride_vnt
     else:
         num_new = dense_seqlen_new
+        src_ok = offs_t >= 0
         k_rows = b.to(tl.int64) * stride_nb + offs_t.to(tl.int64) * stride_nt
         v_rows = b.to(tl.int64) * stride_vnb + offs_t.to(tl.int64) * stride_vnt
-    pos = tl.load(SEQLENS + b) + offs_t
-    t_ok = (offs_t < num_new) & (pos < capacity) & (pos >= 0)
+    pos = tl.load(SEQLENS + b).to(tl.int64) + offs_t  # int64: a huge device length must not wrap into range
+    t_ok = (offs_t < num_new) & src_ok & (pos < capacity) & (pos >= 0)
+    if PAGE_SIZE == 0:
+        dst_rows = b.to(tl.int64) * stride_cb + pos * stride_ct
+    else:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_btb + pos // PAGE_SIZE, mask=t_ok, other=0)
+        t_ok = t_ok & (page >= 0) & (page < num_pages)  # an out-of-range page id writes nothing
+        dst_rows = page.to(tl.int64) * stride_cb + (pos % PAGE_SIZE) * stride_ct
     offs_d = tl.arange(0, BLOCK_D)
     mask = t_ok[:, None] & (offs_d < HEADDIM)[None, :]
 
     k = tl.load(K_NEW + k_rows[:, None] + h * stride_nh + offs_d[None, :], mask=mask)
     v = tl.load(V_NEW + v_rows[:, None] + h * stride_vnh + offs_d[None, :], mask=mask)
-
-    if PAGE_SIZE == 0:
-        dst_rows = b.to(tl.int64) * stride_cb + pos.to(tl.int64) * stride_ct
-    else:
-        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_btb + pos // PAGE_SIZE, mask=t_ok, other=0)
-        dst_rows = page.to(tl.int64) * stride_cb + ((pos % PAGE_SIZE) * stride_ct).to(tl.int64)
     dst = dst_rows[:, None] + h * stride_ch + offs_d[None, :]
     tl.store(K_CACHE + dst, k, mask=mask)
     tl.store(V_CACHE + dst, v, mask=mask)

@@ -42,12 +42,13 @@ def merge_many_kernel(
         gdc_wait()
         if not EARLY_TRIGGER:
             gdc_launch_dependents()
+    # int64 indices: any strides are allowed, so index x stride may pass 2**31 (big or permuted tensors)
     r_outer = tl.program_id(0).to(tl.int64)
-    r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_inner = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d_chunk = tl.program_id(2)
     r_ok = r_inner < num_inner
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = d_chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    offs_d = (d_chunk * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
     d_ok = offs_d < HEADDIM
     o_base = O_IN + r_outer * stride_io + r_inner[:, None, None] * stride_ii + offs_d[None, None, :] * stride_id
     lse_base = LSE_IN + r_outer * stride_lio + r_inner[:, None] * stride_lii
@@ -83,9 +84,9 @@ def merge_two_kernel(
 ):
     """Two-way merge of natural-log states, rows (r_outer, r_inner). Grid (num_outer, cdiv(num_inner, BLOCK_R))."""
     r_outer = tl.program_id(0).to(tl.int64)
-    r_inner = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_inner = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: see merge_many_kernel
     r_ok = r_inner < num_inner
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_ok = offs_d < HEADDIM
     lse_a = tl.load(LSE_A + r_outer * stride_lao + r_inner * stride_lai, mask=r_ok, other=float("-inf"))
     lse_b = tl.load(LSE_B + r_outer * stride_lbo + r_inner * stride_lbi, mask=r_ok, other=float("-inf"))

@@ -59,7 +59,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         _check_device("cu_seqlens_new", cu_seqlens_new, device)
         batch = cu_seqlens_new.shape[0] - 1
         max_new = int(max_seqlen_new) if max_seqlen_new is not None else k_new.shape[0]
-        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if cu_seqlens_new.device.type == "cpu" else 0
+        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if checks.host_resident(cu_seqlens_new) else 0
     else:
         batch, max_new, added = k_new.shape[0], k_new.shape[1], k_new.shape[1]
     _check_lengths_and_table(cache_seqlens, block_table, batch, device)
@@ -77,6 +77,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
     grid = (batch, triton.cdiv(max_new, block_t), nheads_kv)
     append_kv_kernel[grid](
         k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, capacity, 0 if varlen else k_new.shape[1],
+        k_new.shape[0], k_cache.shape[0],
         *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),

@@ -16,12 +16,17 @@ import torch
 __all__ = [
     "LOG2E", "FLOAT_DTYPES", "MAX_HEAD_DIM", "interpreting", "full_device", "check_tensor", "check_device",
     "check_kernel_device", "check_bool", "check_int", "check_softmax_scale", "check_softcap", "check_window",
-    "resolve_scale",
+    "resolve_scale", "host_resident", "MAX_NUM_SPLITS", "check_optional_int", "check_num_splits", "check_dtype",
+    "check_device_arg", "check_host_lengths", "check_host_cu_seqlens", "first_bad_page", "check_host_block_table",
+    "to_host_once",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): kernels use exp2 with the scale folded in; natural-log lse * LOG2E = log2 lse
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# The most KV splits a caller may force: far beyond any useful count (the split policy stops at 64), low enough that
+# the fp32 partial buffer (rows x splits x headdim) cannot ask for terabytes.
+MAX_NUM_SPLITS = 1024
 
 
 def interpreting(device: Optional[torch.device] = None) -> bool:
@@ -29,6 +34,13 @@ def interpreting(device: Optional[torch.device] = None) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return True
     return device is not None and torch.device(device).type != "cuda"
+
+
+def host_resident(x: torch.Tensor) -> bool:
+    """Whether metadata (lengths, block tables, cu_seqlens) can be read without a device sync, so that the ops
+    validate it on the host and raise; device-resident metadata is not read (the kernels mask bad values instead).
+    Tests stub this to exercise the kernels' device-side masking with CPU (interpreter) tensors."""
+    return x.device.type == "cpu"
 
 
 def full_device(device) -> torch.device:
@@ -41,11 +53,15 @@ def full_device(device) -> torch.device:
 
 def check_tensor(name: str, x, dims: Iterable[int], dtypes: Optional[Sequence[torch.dtype]] = None):
     """x is a tensor with one of ``dims`` dimensions and (if given) one of ``dtypes``."""
+    if isinstance(dims, range) and len(dims) > 4:  # "at least n" (a rank range up to torch's limit)
+        wanted = f"at least {dims.start}"
+    else:
+        wanted = " or ".join(map(str, dims))
     dims = tuple(dims)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in dims:
-        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have {wanted} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
 
@@ -57,7 +73,7 @@ def check_device(name: str, x: torch.Tensor, device: torch.device, ref: str = "q
 
 def check_kernel_device(name: str, x: torch.Tensor):
     """The Triton kernels need a CUDA tensor, or the CPU interpreter (TRITON_INTERPRET=1) for CPU tensors."""
-    if x.device.type != "cuda" and not interpreting():
+    if not (x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())):
         raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 "
                          "for the CPU interpreter); flashdecode.reference is the pure-PyTorch CPU path")
 
@@ -71,7 +87,7 @@ def check_bool(name: str, value) -> bool:
 def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
     """A Python int (bool excluded; numpy/torch integer scalars accepted) within [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, torch.Tensor) or not hasattr(value, "__index__"):
+        if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         value = int(value.__index__())
     if minimum is not None and value < minimum:
@@ -118,3 +134,114 @@ def check_window(window_size) -> tuple[int, int]:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
         out.append(int(w))
     return out[0], out[1]
+
+
+def check_optional_int(name: str, value, minimum: Optional[int] = None, maximum: Optional[int] = None):
+    """None, or check_int's int within [minimum, maximum]."""
+    return None if value is None else check_int(name, value, minimum, maximum)
+
+
+def check_num_splits(value, optional: bool = True) -> Optional[int]:
+    """A forced KV split count: an int in [1, MAX_NUM_SPLITS] (None = the split policy's, where optional)."""
+    if value is None and optional:
+        return None
+    return check_int("num_splits", value, 1, MAX_NUM_SPLITS)
+
+
+def check_dtype(name: str, value, allowed: Sequence[torch.dtype]) -> torch.dtype:
+    if not isinstance(value, torch.dtype) or value not in allowed:
+        raise TypeError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+    return value
+
+
+def check_device_arg(name: str, value) -> torch.device:
+    """A torch.device or device string the Triton kernels can run on (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if not isinstance(value, (torch.device, str)):
+        raise TypeError(f"{name} must be a torch.device or a device string, got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except RuntimeError as err:
+        raise ValueError(f"{name} is not a device: {value!r} ({err})") from None
+    if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
+        raise ValueError(f"{name} is {device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for "
+                         "the CPU interpreter)")
+    return full_device(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metadata values (lengths, cu_seqlens, block tables). Host-resident metadata is always checked (no sync);
+# device-resident metadata only on request (``validate=True``: one copy to the host), since the kernels mask
+# out-of-range values themselves and must never touch memory outside the tensors.
+# ----------------------------------------------------------------------------------------------------------------
+
+def to_host_once(*tensors):
+    """CPU copies of int metadata tensors (None passes through) with ONE device->host copy (one sync)."""
+    live = [t for t in tensors if t is not None]
+    if not live or all(t.device.type == "cpu" for t in live):
+        return tuple(None if t is None else t.cpu() for t in tensors)
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in live]).cpu()
+    out, at = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[at: at + t.numel()].view(t.shape))
+        at += t.numel()
+    return tuple(out)
+
+
+def check_host_lengths(name: str, lengths: torch.Tensor, capacity: int, added=0):
+    """Host int (batch,) lengths: each >= 0 and, with ``added`` ((batch,) tensor or int) new tokens, <= capacity.
+    The message gives the first bad sequence."""
+    lengths = lengths.to(torch.int64)
+    bad = (lengths < 0).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"{name}[{b}] = {int(lengths[b])} must be >= 0")
+    ends = lengths + added
+    bad = (ends > capacity).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"{name}[{b}] asks for {int(ends[b])} keys but the cache holds {capacity} per sequence")
+
+
+def check_host_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str):
+    """Host int (batch + 1,) cumulative lengths: start at 0, non-decreasing, end <= total (rows of total_name)."""
+    cu = cu.to(torch.int64)
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must have batch + 1 >= 1 entries, got none")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name}[0] = {int(cu[0])} must be 0")
+    bad = (cu[1:] < cu[:-1]).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"{name} must be non-decreasing: {name}[{b + 1}] = {int(cu[b + 1])} < {name}[{b}] = "
+                         f"{int(cu[b])}")
+    if int(cu[-1]) > total:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} runs past the {total} rows of {total_name}")
+
+
+def first_bad_page(block_table: torch.Tensor, start: torch.Tensor, end: torch.Tensor, page_size: int,
+                   num_pages: int):
+    """The first (sequence, table column, page id) of a host block table whose id is outside [0, num_pages) among
+    the pages that hold positions [start[b], end[b]) of each sequence (entries past them are never read), or None.
+    block_table (batch, pages_per_seq) int; start, end (batch,) int with end <= pages_per_seq * page_size."""
+    table = block_table.to(torch.int64)
+    cols = torch.arange(table.shape[1])[None, :]
+    first = (start.to(torch.int64) // page_size)[:, None]
+    last = ((end.to(torch.int64) + page_size - 1) // page_size)[:, None]
+    bad = (cols >= first) & (cols < last) & ((table < 0) | (table >= num_pages))
+    hit = bad.nonzero()
+    if not hit.numel():
+        return None
+    b, j = int(hit[0, 0]), int(hit[0, 1])
+    return b, j, int(table[b, j])
+
+
+def check_host_block_table(block_table, start, end, page_size: int, num_pages: int):
+    """ValueError naming the first out-of-range page id among the pages of positions [start, end) (host tensors)."""
+    found = first_bad_page(block_table, start, end, page_size, num_pages)
+    if found is not None:
+        b, j, page = found
+        raise ValueError(f"block_table[{b}, {j}] = {page} is not a page of the cache (ids 0..{num_pages - 1}); "
+                         f"sequence {b} uses it for positions {j * page_size}..{(j + 1) * page_size - 1}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdecode.ops import checks
 from flashdecode.ops.checks import check_device as _check_device, check_tensor as _check_tensor
 
 def _check_cache_pair(k_cache, v_cache, dtype, device):
@@ -51,7 +52,7 @@ def _cache_capacity(k_cache, block_table, batch) -> int:
 def _check_host_lengths(cache_seqlens, capacity, added=0, name="cache_seqlens"):
     """Lengths that live on the host are checked against the capacity (device lengths cannot be, without a sync:
     the kernels clamp them to the capacity instead)."""
-    if cache_seqlens.device.type != "cpu" or cache_seqlens.numel() == 0:
+    if not checks.host_resident(cache_seqlens) or cache_seqlens.numel() == 0:
         return
     lo, hi = int(cache_seqlens.min()), int((cache_seqlens + added).max())
     if lo < 0:

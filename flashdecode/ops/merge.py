@@ -9,26 +9,45 @@ import triton
 
 from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
+from flashdecode.ops import checks
 
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = checks.FLOAT_DTYPES
 _TILE_ELEMS = 8192  # fp32 elements of the (rows, states, headdim) tile one merge program holds: 64 splits x hd128
+# Widest head dim the merge tiles take: one program holds a (rows, states, headdim) tile of _TILE_ELEMS values,
+# so this bounds its registers (MLA-style 512-wide states fit with room to spare).
+MAX_MERGE_HEAD_DIM = 1024
 
 
 def _check_state(name_o, o, name_lse, lse):
-    for name, x in ((name_o, o), (name_lse, lse)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if o.dtype not in _DTYPES:
-        raise TypeError(f"{name_o} must be float16/bfloat16/float32, got {o.dtype}")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"{name_lse} must be float32 (natural log), got {lse.dtype}")
-    if o.dim() < 2 or tuple(lse.shape) != tuple(o.shape[:-1]):
+    """o (..., nheads, headdim) float, lse (..., nheads) fp32 on o's device, which the kernels can run on."""
+    checks.check_tensor(name_o, o, range(2, 64), _DTYPES)
+    checks.check_tensor(name_lse, lse, range(1, 64), (torch.float32,))
+    if tuple(lse.shape) != tuple(o.shape[:-1]):
         raise ValueError(f"{name_o} must be (..., nheads, headdim) and {name_lse} (..., nheads); got "
                          f"{tuple(o.shape)} and {tuple(lse.shape)}")
-    if lse.device != o.device:
-        raise ValueError(f"{name_lse} is on {lse.device} but {name_o} is on {o.device}")
+    if o.shape[-1] > MAX_MERGE_HEAD_DIM:
+        raise ValueError(f"{name_o} head dim must be <= {MAX_MERGE_HEAD_DIM}, got {o.shape[-1]}")
+    checks.check_device(name_lse, lse, o.device, ref=name_o)
+    checks.check_kernel_device(name_o, o)
+
+
+def _stack_states(name, xs):
+    """A sequence of same-shape, same-dtype, same-device tensors -> one (N, ...) tensor (a tensor passes as is)."""
+    if isinstance(xs, torch.Tensor):
+        return xs
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a tensor or a list/tuple of tensors, got {type(xs).__name__}")
+    if not xs:
+        raise ValueError(f"{name} is an empty sequence: pass an (0, ..., nheads[, headdim]) tensor for no states")
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != xs[0].shape or x.dtype != xs[0].dtype or x.device != xs[0].device:
+            raise ValueError(f"{name}[{i}] is {tuple(x.shape)} {x.dtype} on {x.device} but {name}[0] is "
+                             f"{tuple(xs[0].shape)} {xs[0].dtype} on {xs[0].device}")
+    return torch.stack(list(xs))
 
 
 def _rows3(x, headdim_last: bool):
@@ -82,7 +101,11 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     Returns:
         o (..., nheads, headdim) in o_a's dtype, lse (..., nheads) float32:
         lse = log(e^lse_a + e^lse_b), o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b. A side with lse = -inf
-        contributes nothing (its o is never read); both -inf gives (0, -inf).
+        contributes nothing (its o is never read); both -inf gives (0, -inf). The values are not read on the host
+        (no sync): a NaN or +inf lse gives NaN in its row, never a value that looks valid.
+    Any strides and layouts (permuted, sliced views) are read in place; the results are new contiguous tensors.
+    Raises TypeError / ValueError naming the argument for a bad type, dtype, shape or device (the Triton kernels
+    need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors).
     """
     _check_state("o_a", o_a, "lse_a", lse_a)
     _check_state("o_b", o_b, "lse_b", lse_b)
@@ -114,14 +137,12 @@ def merge_states_many(outs, lses):
         lses: (N, ..., nheads) float32 natural log (or a sequence); -inf marks an empty state (never read).
     Returns:
         o (..., nheads, headdim) in outs' dtype, lse (..., nheads) float32; (0, -inf) where every state is empty.
+    Layouts, NaN / +inf lse and errors as in ``merge_states``; a sequence must hold tensors of one shape, dtype
+    and device (an empty sequence is a ValueError: pass an (0, ..., nheads, headdim) tensor for no states).
     """
-    if isinstance(outs, (list, tuple)):
-        outs = torch.stack(list(outs))
-    if isinstance(lses, (list, tuple)):
-        lses = torch.stack(list(lses))
+    outs, lses = _stack_states("outs", outs), _stack_states("lses", lses)
+    checks.check_tensor("outs", outs, range(3, 64))
     _check_state("outs", outs, "lses", lses)
-    if outs.dim() < 3:
-        raise ValueError(f"outs must be (N, ..., nheads, headdim), got {tuple(outs.shape)}")
     n = outs.shape[0]
     out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
     lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
