@@ -15,7 +15,7 @@ from flashdecode import DecodePath
 from flashdecode import reference as ref
 from flashdecode.ops.decode import decode_config
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
-from helpers import DEVICE, assert_fa_close, randn
+from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
@@ -234,3 +234,197 @@ def test_scale_on_a_float_cache_is_refused(gen):
     plan = flashdecode.DecodePlan(2, 4, 2, 16, max_seqlen_k=8, dtype=torch.float16, device=DEVICE, kv_dtype=FP8)
     with pytest.raises(TypeError, match="kv_dtype"):
         plan.run(q, k, k, _lens([8, 3]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# append_kv into an 8-bit cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def _step(dtype, scale):
+    """The format's worst-case rounding error of a value x quantised with ``scale`` (e4m3: 3 mantissa bits, half a
+    step relative, and the subnormal step (2**-9; the interpreter flushes subnormals, so 2**-6) absolute; int8:
+    half a unit)."""
+    if dtype == INT8:
+        return lambda x: 0.5 * scale + 1e-6
+    return lambda x: x.abs() * 2.0**-4 + scale * 2.0**-6 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_append_kv_per_token_round_trip(gen, dtype, page_size):
+    """Per-token-head scales are written (absmax / QMAX; 0 for an all-zero token) and the dequantised cache is
+    within the format's step of the new tokens; nothing else changes."""
+    b, s, h, d = 2, 12, 2, 24
+    new = randn(b, 5, h, d, gen=gen, dtype=torch.float16) * 3.0
+    vnew = randn(b, 5, h, d, gen=gen, dtype=torch.float16)
+    new[1, 2, 0] = 0.0
+    lens = _lens([4, 7])
+    kc = torch.full((b, s, h, d), 7, dtype=torch.float32).to(dtype)
+    vc = kc.clone()
+    ks, vs = torch.full((b, s, h), -1.0), torch.full((b, s, h), -1.0)
+    table = None
+    if page_size:
+        table = torch.tensor([[3, 0, 5, 1], [2, 6, 4, 7]], dtype=torch.int32)
+        kc, vc = (torch.full((8, page_size, h, d), 7, dtype=torch.float32).to(dtype) for _ in range(2))
+        ks, vs = torch.full((8, page_size, h), -1.0), torch.full((8, page_size, h), -1.0)
+    before = [x.clone() for x in (kc, vc, ks, vs)]
+    flashdecode.append_kv(kc, vc, new, vnew, lens, table, k_scale=ks, v_scale=vs)
+    if page_size:
+        kc, vc = ref.contiguous_from_paged(kc, vc, table, s)
+        ks, vs = (ref.contiguous_from_paged(x[..., None], x[..., None], table, s)[0][..., 0] for x in (ks, vs))
+    for cache, scale, x in ((kc, ks, new), (vc, vs, vnew)):
+        for bi, n in enumerate([4, 7]):
+            got_scale = scale[bi, n:n + 5]
+            want_scale = x[bi].float().abs().amax(-1) / QMAX[dtype]
+            torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+            deq = dequantize_cache(cache[bi, n:n + 5], got_scale)
+            err = (deq - x[bi].float()).abs()
+            assert (err <= _step(dtype, got_scale[..., None])(x[bi].float())).all()
+            assert (scale[bi, :n] == -1).all() and (scale[bi, n + 5:] == -1).all()
+            assert (cache[bi, :n].float() == 7).all() and (cache[bi, n + 5:].float() == 7).all()
+    assert ks[1, 9, 0] == 0 and (kc[1, 9, 0].float() == 0).all()  # the all-zero token
+    if not page_size:
+        assert not any(torch.equal(a, bb) for a, bb in zip(before, (kc, vc, ks, vs)))
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+def test_append_kv_with_given_scales_saturates(gen, dtype):
+    """A per-kv-head scale (and a scalar) is read, not written: x / scale saturates at +-QMAX."""
+    new = randn(1, 6, 2, 16, gen=gen, dtype=torch.float32)
+    new[0, 0, 1, 3] = 1e4
+    new[0, 1, 0, 2] = -1e4
+    for scale in (torch.tensor([0.01, 0.02]), torch.tensor(0.015)):
+        kc = torch.zeros(1, 8, 2, 16, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        given = scale.clone()
+        flashdecode.append_kv(kc, vc, new, new, _lens([1]), k_scale=scale, v_scale=scale)
+        assert torch.equal(scale, given)
+        s = scale.expand(2)
+        assert kc[0, 1, 1, 3].float() == QMAX[dtype] and kc[0, 2, 0, 2].float() == -QMAX[dtype]
+        expect = _to_8bit(new[0], s, dtype).float()
+        got = kc[0, 1:7].float()
+        assert ((got - expect).abs() <= (1 if dtype == INT8 else expect.abs() * 2.0**-3 + 2.0**-6)).all()
+        assert (kc[0, 0].float() == 0).all() and (kc[0, 7].float() == 0).all()
+
+
+def test_append_kv_nonfinite_token_stays_local(gen):
+    """A NaN and an inf new token get non-finite scales and read back as NaN; every other token's data and scale
+    is exactly what it would be without them."""
+    new = randn(2, 4, 2, 16, gen=gen, dtype=torch.float16)
+    clean = new.clone()
+    new[0, 1, 0, 5] = float("nan")
+    new[1, 2, 1, 0] = float("inf")
+    caches = []
+    for x in (new, clean):
+        kc = torch.zeros(2, 6, 2, 16, dtype=FP8)
+        vc = torch.zeros_like(kc)
+        ks, vs = torch.zeros(2, 6, 2), torch.zeros(2, 6, 2)
+        flashdecode.append_kv(kc, vc, x, x, _lens([1, 2]), k_scale=ks, v_scale=vs)
+        caches.append((kc.float(), ks))
+    (kc, ks), (kc0, ks0) = caches
+    bad = torch.zeros(2, 6, 2, dtype=torch.bool)
+    bad[0, 2, 0] = bad[1, 4, 1] = True
+    assert not torch.isfinite(ks[bad]).any()
+    assert dequantize_cache(kc[0, 2, 0], ks[0, 2, 0]).isnan().all()
+    assert torch.equal(ks[~bad], ks0[~bad]) and torch.equal(kc[~bad], kc0[~bad])
+
+
+def test_append_then_decode_int8_paged(gen):
+    """append_kv's per-token quantisation feeds flash_decode on a paged int8 cache (varlen new tokens)."""
+    h, d, ps = 2, 32, 4
+    lens0 = [3, 9]
+    new = [randn(n, h, d, gen=gen, dtype=torch.float16) for n in (14, 6)]
+    table = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]], dtype=torch.int32)
+    kc = torch.zeros(10, ps, h, d, dtype=INT8)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(10, ps, h), torch.zeros(10, ps, h)
+    packed = torch.cat(new)
+    cu = torch.tensor([0, 14, 20], dtype=torch.int32)
+    flashdecode.append_kv(kc, vc, packed, packed * 0.5, _lens(lens0), table, cu_seqlens_new=cu, k_scale=ks,
+                          v_scale=vs)
+    lens = _lens([17, 15])
+    q = _q(gen, 2, 4, d)
+    out, lse = flashdecode.flash_decode(q, kc, vc, lens, block_table=table, k_scale=ks, v_scale=vs,
+                                        return_lse=True)
+    kcc, vcc = ref.contiguous_from_paged(kc, vc, table)
+    ksc, vsc = (ref.contiguous_from_paged(x[..., None], x[..., None], table)[0][..., 0] for x in (ks, vs))
+    _check(out, lse, q, kcc, ksc, vcc, vsc, lens)
+
+
+def test_append_kv_bad_scales(gen):
+    new = randn(1, 2, 2, 16, gen=gen, dtype=torch.float16)
+    kc = torch.zeros(1, 4, 2, 16, dtype=FP8)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]))
+    with pytest.raises(ValueError, match="writes per token"):
+        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]), k_scale=torch.zeros(1, 4, 1),
+                              v_scale=torch.zeros(1, 4, 1))
+    fc = torch.zeros(1, 4, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="v_scale is only for an 8-bit"):
+        flashdecode.append_kv(fc, fc.clone(), new, new, _lens([0]), v_scale=torch.zeros(()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sm_90 compile (Triton's ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+_QUANT_COMPILE_SCRIPT = r'''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashdecode.kernels.append_kv import append_kv_kernel
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+sys.path.insert(0, "tests")
+from helpers import spilled_bytes
+
+
+def compile_for_sm90(fn, types, consts, num_stages=3):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=num_stages))
+
+
+common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
+              SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
+              OFFS_32=True)
+# stage 1 (split grid) on e4m3 and int8 caches, per-token scales and one per head, contiguous and pages of 16
+for kv, quant, page, preload in [("fp8e4nv", 2, 0, 0), ("fp8e4nv", 2, 16, 64), ("i8", 1, 16, 64), ("i8", 2, 1, 0)]:
+    types = dict(Q="*bf16", K=f"*{kv}", V=f"*{kv}", K_RAW=f"*{kv}", V_RAW=f"*{kv}", SEQLENS="*i32",
+                 BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32",
+                 K_SCALE="*fp32", V_SCALE="*fp32")
+    consts = dict(common, BLOCK_N=128, NUM_SPLITS=16, PAGE_SIZE=page, FINAL=False, PRELOAD_PAGES=preload,
+                  MERGE_SPLITS=16, KV_QUANT=quant, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2,
+                  DEVICE_SPLITS=False, SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1,
+                  SPEC_PAGES=False)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, 5 if page == 1 else 3)
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"], (kv, page, "8-bit loads not pipelined")
+    # pages of 16 gathered per key at 128-key blocks: the scales' second set of per-key offsets costs 88 stack
+    # bytes (none at 64-key blocks, none for one scale per head); bounded here, timed on the GPU by the benchmark
+    assert spilled_bytes(kernel) <= (96 if (quant, page) == (2, 16) else 0), (kv, page, "spills")
+# the persistent kernel, e4m3 per-token scales, pages of 128
+types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
+             O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", QUEUE="*i32", score_scale="fp32",
+             softcap_out="fp32", K_SCALE="*fp32", V_SCALE="*fp32")
+consts = dict(common, GROUP=4, NHEADS_KV=8, BLOCK_N=128, NUM_SPLITS=16, PAGE_SIZE=128, PRELOAD_PAGES=0,
+              BATCH_PAD=64, MERGE_M=4, MERGE_SPLITS=16, MERGE_BLOCK_S=4, KV_QUANT=2, MAX_SPLIT_KEYS=0,
+              DYNAMIC=False, SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
+kernel = compile_for_sm90(decode_persistent_kernel, types, consts)
+assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
+# append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
+for kv in ("fp8e4nv", "i8"):
+    types = dict(K_NEW="*bf16", V_NEW="*bf16", K_CACHE=f"*{kv}", V_CACHE=f"*{kv}", SEQLENS="*i32", CU_NEW="*i32",
+                 BLOCK_TABLE="*i32", K_SCALE="*fp32", V_SCALE="*fp32")
+    compile_for_sm90(append_kv_kernel, types, dict(HEADDIM=128, BLOCK_T=32, BLOCK_D=128, PAGE_SIZE=16,
+                                                   VARLEN=True, QUANT=2, QMAX=448.0 if kv == "fp8e4nv" else 127.0), 1)
+print("compiled")
+'''
+
+
+def test_quant_kernels_compile_for_hopper_without_a_gpu():
+    """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
+    persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas: K/V loads still
+    software-pipelined, stage 1 without spills."""
+    run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)

@@ -45,13 +45,26 @@ def quantize_rows(x, scale, QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
     nearest (int8) or by the fp8 conversion. A scale of 0 (an all-zero token, or a zero given scale) writes zeros;
     non-finite values write 0 (their row's scale is then non-finite too, so the token reads back as NaN: it stays
     local to its own row)."""
-    inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+    inv = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale, 1.0), 0.0)
     y = x * inv[:, None]
     y = tl.where(y == y, y, 0.0)  # NaN -> 0 (the row's scale carries the NaN)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if OUT_DTYPE == tl.int8:
         y = tl.floor(y + 0.5)
+    else:
+        y = _round_to_e4m3_grid(y)
     return y.to(OUT_DTYPE)
+
+
+@triton.jit
+def _round_to_e4m3_grid(y):
+    """y (|y| <= 448) rounded to the nearest e4m3 value in fp32 (3 mantissa bits; subnormals share 2**-6's step),
+    so the conversion that follows is exact. (Triton's CPU interpreter converts values that round up to the next
+    power of two wrongly, e.g. -127.9 to -64: rounding here first gives the same codes on the GPU and the CPU.)"""
+    a = tl.abs(y)
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 2.0**-6))) - 3.0)
+    r = tl.floor(a / step + 0.5) * step
+    return tl.where(y < 0, -r, r)
 
 
 @triton.jit
@@ -61,3 +74,23 @@ def row_scales(x, QMAX: tl.constexpr):
     amax = tl.max(tl.abs(x), 1)
     has_nan = tl.sum((x != x).to(tl.int32), 1) > 0  # tl.max need not propagate NaN
     return tl.where(has_nan, float("nan"), amax / QMAX)
+
+
+@triton.jit
+def quantize_new_tokens(k, v, mask, h, s_rows, t_ok, K_SCALE, V_SCALE, stride_sh, QUANT: tl.constexpr,
+                        QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """append_kv's quantisation of (BLOCK_T, BLOCK_D) new K / V rows of kv head h (``mask``: the real tokens and
+    head-dim columns; t_ok (BLOCK_T,): the tokens written). QUANT 2: each token's scales absmax / QMAX are written
+    at K_SCALE / V_SCALE + s_rows + h * stride_sh (only for t_ok tokens: a non-finite token's scale stays in its
+    own slot); QUANT 1: the given scale of kv head h (stride_sh 0 for one scalar). Returns the 8-bit rows."""
+    k = tl.where(mask, k.to(tl.float32), 0.0)
+    v = tl.where(mask, v.to(tl.float32), 0.0)
+    if QUANT == 2:
+        ks = row_scales(k, QMAX)
+        vs = row_scales(v, QMAX)
+        tl.store(K_SCALE + s_rows + h * stride_sh, ks, mask=t_ok)
+        tl.store(V_SCALE + s_rows + h * stride_sh, vs, mask=t_ok)
+    else:
+        ks = tl.zeros_like(t_ok.to(tl.float32)) + tl.load(K_SCALE + h * stride_sh)
+        vs = tl.zeros_like(t_ok.to(tl.float32)) + tl.load(V_SCALE + h * stride_sh)
+    return quantize_rows(k, ks, QMAX, OUT_DTYPE), quantize_rows(v, vs, QMAX, OUT_DTYPE)
