@@ -19,7 +19,7 @@ def ckpt(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("kvq") / "llama", "llama")
 
 
-def _run(path, kv_cache_dtype, backend, prompts):
+def _run(path, kv_cache_dtype, backend, prompts, new_tokens):
     """Greedy outputs and every decode step's logits (float32 (batch, vocab) per step)."""
     llm = LLM(path, device="cpu", dtype="float32", attn_backend=backend, max_num_seqs=4, page_size=4,
               kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 20)
@@ -32,18 +32,20 @@ def _run(path, kv_cache_dtype, backend, prompts):
         return logits, greedy
 
     llm.runner.decode = recording
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
     return llm, [o.token_ids for o in outs], steps
 
 
-@pytest.mark.parametrize("kv_cache_dtype,backend", [("fp8", "torch"), ("int8", "torch"), ("fp8", "flashdecode")])
-def test_greedy_tokens_and_logits_close_to_the_float_cache(ckpt, kv_cache_dtype, backend):
+@pytest.mark.parametrize("kv_cache_dtype,backend,lengths,new_tokens", [
+    ("fp8", "torch", (7, 13, 3, 9), NEW_TOKENS), ("int8", "torch", (7, 13, 3, 9), NEW_TOKENS),
+    ("fp8", "flashdecode", (7, 3), 5)])  # the Triton kernels in the interpreter: a short run
+def test_greedy_tokens_and_logits_close_to_the_float_cache(ckpt, kv_cache_dtype, backend, lengths, new_tokens):
     """Decode logits stay within a bound of the fp32 cache's while the tokens so far agree, and greedy tokens
     agree except where the fp32 logits' top two are closer than twice that bound (the random tiny model has such
     near-ties: the quantised cache may then pick the other one, and the sequences part)."""
-    prompts = random_prompts((7, 13, 3, 9), seed=2)
-    _, want, want_logits = _run(ckpt, "auto", "torch", prompts)
-    llm, got, got_logits = _run(ckpt, kv_cache_dtype, backend, prompts)
+    prompts = random_prompts(lengths, seed=2)
+    _, want, want_logits = _run(ckpt, "auto", "torch", prompts, new_tokens)
+    llm, got, got_logits = _run(ckpt, kv_cache_dtype, backend, prompts, new_tokens)
     assert isinstance(llm.runner.kv_caches[0][0], QuantPages)
     assert llm.runner.pool.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache_dtype]
     scale = max(x.abs().max().item() for x in want_logits)
@@ -51,7 +53,7 @@ def test_greedy_tokens_and_logits_close_to_the_float_cache(ckpt, kv_cache_dtype,
     agreed = 0
     for r, (g, w) in enumerate(zip(got, want)):
         assert g[0] == w[0]  # the prefill attends the unquantised K/V
-        for step in range(NEW_TOKENS - 1):  # token step + 1 comes from decode step ``step``
+        for step in range(new_tokens - 1):  # token step + 1 comes from decode step ``step``
             ref_row, row = want_logits[step][r], got_logits[step][r]
             assert ref_row.argmax().item() == w[step + 1]  # rows are the prompts, in order
             assert (row - ref_row).abs().max().item() <= bound, (r, step)
