@@ -36,20 +36,28 @@ def _quant_set(s, per_token: bool):
     return out
 
 
-def _ours(sets):
-    """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales)."""
+def _ours(sets, block_n=None):
+    """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales); block_n: override the resolved
+    config's (e.g. 64: the 8-bit page-16 tile that compiles without spills)."""
+    import dataclasses
+
     import flashdecode
 
     s0 = sets[0]
     batch, nheads, headdim = s0["q"].shape
-    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, max_seqlen_k=max(s0["context_lens"]),
-                                  dtype=s0["q"].dtype, device=s0["q"].device, kv_dtype=s0["k"].dtype)
+    kw = dict(max_seqlen_k=max(s0["context_lens"]), dtype=s0["q"].dtype, device=s0["q"].device,
+              kv_dtype=s0["k"].dtype)
+    scales0 = {"k_scale": s0["k_scale"], "v_scale": s0["v_scale"]} if "k_scale" in s0 else {}
+    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
+    if block_n is not None:
+        config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
+        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw,
+                                      config=dataclasses.replace(config, block_n=block_n))
 
     def call(s):
         scales = dict(k_scale=s["k_scale"], v_scale=s["v_scale"]) if "k_scale" in s else {}
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"], **scales)
-    config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"],
-                             **({"k_scale": s0["k_scale"], "v_scale": s0["v_scale"]} if "k_scale" in s0 else {}))
+    config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
     return [call(s) for s in sets], {"path": config.path.name, "splits": config.num_splits, "block_n": config.block_n}
 
 
@@ -88,9 +96,11 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
                     f"ours fp8-token {layout}": [_quant_set(s, True) for s in base]}
         if page == 0:
             variants["ours fp8-scalar contig"] = [_quant_set(s, False) for s in base]
+        else:
+            variants["ours fp8-token page16 bn64"] = variants["ours fp8-token page16"]
         for name, sets in variants.items():
             try:
-                fns, info = _ours(sets)
+                fns, info = _ours(sets, 64 if name.endswith("bn64") else None)
                 row[name] = cuda_graph_time_us(fns, reps=reps)
                 row[f"{name} config"] = info
             except Exception as e:  # reported, not fatal
@@ -124,7 +134,7 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
 
 
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
-           "ours bf16 page16", "ours fp8-token page16", "FlashInfer bf16 page16", "FlashInfer fp8 page16",
+           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn64", "FlashInfer bf16 page16", "FlashInfer fp8 page16",
            "bare read fp8 us", "fp8_floor_us", "ours fp8-token contig %floor", "ours fp8-token contig %bare",
            "ours fp8-token page16 %floor", "speedup fp8-token vs bf16 contig", "speedup fp8-token vs bf16 page16",
            "ours fp8 vs FlashInfer fp8 (page16)"]

@@ -162,6 +162,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             if KV_QUANT == 2:
                 srows, _ = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
                                     split_pages, first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+            elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
+                srows = rows // HEADDIM
             ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -505,7 +507,7 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if KV_QUANT == 1:  # one scale per kv head: read once per split
         k_scale = tl.load(K_SCALE + hk * stride_sh)
         v_scale = tl.load(V_SCALE + hk * stride_sh)
-    elif KV_QUANT == 2:
+    elif KV_QUANT >= 2:
         s_off = hk * stride_sh
         if PAGE_SIZE == 0:
             s_off = b.to(tl.int64) * stride_sb + s_off

@@ -8,7 +8,9 @@ column-wise by each key's k_scale, and the probabilities column-wise by each key
 
 KV_QUANT (constexpr): 0 = no quantisation (the bf16/fp16/fp32 cache path, compiled without any of this), 1 = one
 scale per kv head for every token (a scalar broadcast too: loaded once per split), 2 = a scale per token and kv
-head (loaded per block through the scale strides, which are 0 along broadcast dims).
+head (loaded per block through the scale strides, which are 0 along broadcast dims; paged: each key's page id is
+looked up again for them), 3 = the same with the scales' sequence / page and token strides the cache's divided by
+the head dim (the layout append_kv and the engine use): a key's scale offset is its K offset // HEADDIM.
 """
 
 import triton
@@ -30,7 +32,7 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
     ok = key_ok
     if MASKED:
         ok = ok & (offs_n < end)
-    if KV_QUANT == 2:
+    if KV_QUANT >= 2:
         ks = tl.load(k_scale + rows, mask=ok, other=float("nan") if PAGED else 0.0)
         vs = tl.load(v_scale + rows, mask=ok, other=0.0)
     else:

@@ -161,7 +161,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         USE_PDL=config.use_pdl and not final, PDL_WAIT=config.pdl_wait,
         PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **kv_quant_kernel_args(shape.kv_quant),
+        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **kv_quant_kernel_args(shape.kv_quant, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -198,7 +198,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         QUEUE_SPLITS=config.queue_splits if dynamic else 0,
         QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
         QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0],
-        **kv_quant_kernel_args(shape.kv_quant),
+        **kv_quant_kernel_args(shape.kv_quant, k_cache),
         num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
