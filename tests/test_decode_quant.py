@@ -113,10 +113,10 @@ def _q(gen, batch, nheads, headdim, seqlen_q=1, dtype=torch.float16):
 
 @pytest.mark.parametrize("dtype", [FP8, INT8])
 @pytest.mark.parametrize("granularity", ["token", "token-strided", "head", "scalar"])
-@pytest.mark.parametrize("group,seqlen_q,num_splits", [(1, 1, 1), (5, 2, 3), (8, 1, None)])
+@pytest.mark.parametrize("group,seqlen_q,num_splits", [(1, 1, 1), (5, 2, 3), (8, 1, None), (1, 4, 2)])
 def test_contiguous_matches_reference_on_the_dequantised_cache(gen, dtype, granularity, group, seqlen_q,
                                                               num_splits):
-    lens = [37, 0, 50, 2] if seqlen_q == 1 else [37, 2, 50, 2]
+    lens = [37, 0, 50, 2] if seqlen_q == 1 else [37, 4, 50, 5]
     q = _q(gen, len(lens), 2 * group, 32, seqlen_q)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 52, 2, 32, dtype, granularity, lens)
     out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, num_splits=num_splits,

@@ -81,3 +81,18 @@ def test_bad_kv_cache_dtype(ckpt):
         LLM(ckpt, device="cpu", kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs attn_backend"):
         LLM(ckpt, device="cpu", attn_backend="sdpa", kv_cache_dtype="fp8")
+
+
+def test_generate_cli_kv_cache_dtype(ckpt, capsys):
+    """`flashdecode generate --kv-cache-dtype int8` runs the 8-bit pool and prints the same greedy tokens as auto for
+    a prompt without near-ties (the first generated tokens)."""
+    from flashdecode.cli import main
+
+    outs = {}
+    for kv in ("auto", "int8"):
+        code = main(["generate", "--model", str(ckpt), "--device", "cpu", "--dtype", "float32", "--prompt",
+                     "5,17,42,99,3,8", "--max-tokens", "3", "--page-size", "4", "--kv-cache-dtype", kv])
+        out = capsys.readouterr().out
+        assert code in (0, None), out
+        outs[kv] = [line for line in out.splitlines() if line.startswith("token ids:")]
+    assert outs["int8"] and outs["int8"] == outs["auto"]
