@@ -383,21 +383,10 @@ def test_append_kv_bad_scales(gen):
 
 _QUANT_COMPILE_SCRIPT = r'''
 import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 sys.path.insert(0, "tests")
-from helpers import spilled_bytes
-
-
-def compile_for_sm90(fn, types, consts, num_stages=3):
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
-    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=num_stages))
+from helpers import compile_for_sm90, spilled_bytes
 
 
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
