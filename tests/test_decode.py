@@ -1011,13 +1011,22 @@ sys.path.insert(0, "tests")
 from helpers import spilled_bytes
 
 
+# stride tuples of the decode kernels and their lengths
+STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3)
+
+
 def compile_for_sm90(fn, types, consts, num_stages):
     if "KV_QUANT" in fn.arg_names:  # the float cache unless a variant asks for an 8-bit one (test_decode_quant)
         consts = {"KV_QUANT": 0, "K_SCALE": None, "V_SCALE": None, **consts}
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # what the launcher specializes: pointers and strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+    sig = {n: "constexpr" if n in consts else types.get(n, ("i32",) * STRIDE_TUPLES.get(n, 0) or "i32")
+           for n in fn.arg_names}
+    # what the launcher specializes: pointers and strides (each element of a stride tuple) divisible by 16
+    attrs = {}
+    for i, n in enumerate(fn.arg_names):
+        if n in STRIDE_TUPLES:
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(STRIDE_TUPLES[n])})
+        elif n not in consts and (sig[n].startswith("*") or "stride" in n):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
@@ -1193,3 +1202,26 @@ def test_32_bit_offsets_only_for_caches_below_2_31_elements():
     assert not _offsets_fit_int32(torch.empty(2**14, 16, 8, 1025, device="meta"))
     wide = torch.empty(2**20, 2**11 + 1, device="meta")[:, :8]  # 8 columns of rows 2**11 + 1 apart
     assert wide.numel() < 2**31 and not _offsets_fit_int32(wide)
+
+
+def test_config_override_is_checked_against_the_call(gen):
+    """config= on flash_decode / DecodePlan: not a DecodeConfig -> TypeError naming config; a num_splits that
+    disagrees, PDL or prefetch where the device cannot run them, 32-bit offsets the cache does not fit ->
+    ValueError naming config (or num_splits); a valid override runs exactly."""
+    q, k, v = _make(gen, 2, 40, 4, 2, 64, torch.float16)
+    lens = _lens([40, 9])
+    with pytest.raises(TypeError, match="config"):
+        flashdecode.flash_decode(q, k, v, lens, config={"block_n": 16})
+    resolved = decode_config(q, k, v, lens, num_splits=3)
+    with pytest.raises(ValueError, match="num_splits"):
+        flashdecode.flash_decode(q, k, v, lens, num_splits=2, config=resolved)
+    for change in (dict(use_pdl=True), dict(prefetch_blocks=1), dict(merge_max_rows=3)):
+        with pytest.raises(ValueError, match="config"):
+            flashdecode.flash_decode(q, k, v, lens, config=dataclasses.replace(resolved, **change))
+    with pytest.raises(ValueError, match="num_splits"):
+        flashdecode.DecodePlan(2, 4, 2, 64, max_seqlen_k=40, dtype=torch.float16, device=DEVICE, num_splits=2,
+                               config=resolved)
+    with pytest.raises(ValueError, match="config"):
+        flashdecode.flash_decode(q, k, v, lens, plan=flashdecode.DecodePlan(2, 4, 2, 64, max_seqlen_k=40,
+                                 dtype=torch.float16, device=DEVICE), config=resolved)
+    _check(q, k, v, lens, num_splits=3, tweak=dict(block_n=32, num_stages=2))

@@ -134,7 +134,8 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
 
 
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
-           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn64", "FlashInfer bf16 page16", "FlashInfer fp8 page16",
+           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn64", "FlashInfer bf16 page16",
+           "FlashInfer fp8 page16",
            "bare read fp8 us", "fp8_floor_us", "ours fp8-token contig %floor", "ours fp8-token contig %bare",
            "ours fp8-token page16 %floor", "speedup fp8-token vs bf16 contig", "speedup fp8-token vs bf16 page16",
            "ours fp8 vs FlashInfer fp8 (page16)"]

@@ -91,8 +91,8 @@ def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, key_ok, HEADDIM: tl.const
                   MASKED: tl.constexpr, PAGED: tl.constexpr, ABSENT_NAN: tl.constexpr = False):
     """(BLOCK_N, BLOCK_D) tile of K or V; masked keys, keys of absent pages (PAGED: key_ok false) and padded
     head-dim columns load as 0 (never garbage, so a NaN left in an unused cache slot cannot leak through 0 * NaN),
-    or with ABSENT_NAN (the K tile of a paged cache) masked keys' head-dim columns load as NaN: their scores come
-    out NaN, which the KV loop turns into -inf (absent keys)."""
+    or with ABSENT_NAN (the K tile where page ids are read in the loop) masked keys' head-dim columns load as NaN:
+    their scores come out NaN, which the KV loop turns into -inf (absent keys)."""
     ptrs = ptr_base + rows[:, None] + offs_d[None, :]
     d_ok = offs_d < HEADDIM
     if PAGED:
@@ -146,6 +146,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     scale pointers (KV_QUANT 2, key offsets with the scale strides stride_spage / stride_stok) or scalars (1).
     """
     offs_d = tl.arange(0, BLOCK_D)
+    # page ids read from the block table inside the loop (not preloaded into registers)
+    IDS_IN_LOOP: tl.constexpr = PAGE_SIZE > 0 and PRELOAD_PAGES == 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
@@ -156,8 +158,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
-                              KV_QUANT == 0)
-        if KV_QUANT > 0:
+                              IDS_IN_LOOP and KV_QUANT == 0)
+        if KV_QUANT > 0:  # (absent keys of an 8-bit cache: a NaN k scale instead of NaN keys, key_scales)
             srows = rows
             if KV_QUANT == 2:
                 srows, _ = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
@@ -180,10 +182,13 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
         if PAGE_SIZE > 0:
-            # absent pages loaded NaN keys (pointer path: the masked load; TMA: rows past the view's end, which
-            # the K descriptor pads with NaN), so their scores are NaN here. (A mask fed by the page ids instead
-            # made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
-            s = tl.where(s == s, s, float("-inf"))
+            if USE_TMA or IDS_IN_LOOP:
+                # absent pages loaded NaN keys (TMA: rows past the view's end, which the K descriptor pads with
+                # NaN; ids read in the loop: the masked load), so their scores are NaN here. (A mask fed by ids
+                # loaded in the loop made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
+                s = tl.where(s == s, s, float("-inf"))
+            else:  # ids from registers (the split's preload): mask directly, the loads zero-fill
+                s = tl.where(key_ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
         if USE_TMA:
             v = v_src.load([row0, tma_col])
@@ -345,11 +350,7 @@ def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: 
 def decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
     score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh,
-    stride_btb,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_ls,
+    stride_q, stride_k, stride_btb, stride_o, stride_l,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -394,6 +395,10 @@ def decode_split_kernel(
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
     """
+    stride_qb, stride_qt, stride_qh, stride_qd = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
+    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
     # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
     # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
     SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
@@ -673,13 +678,7 @@ def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
 def decode_persistent_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, QUEUE,
     batch, score_scale, softcap_out, window_left, capacity,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh,
-    stride_btb,
-    stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_fb, stride_ft, stride_fh, stride_fd,
-    stride_flb, stride_flt, stride_flh,
+    stride_q, stride_k, stride_btb, stride_o, stride_l, stride_f, stride_fl,
     SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr, NHEADS_KV: tl.constexpr,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -719,6 +718,12 @@ def decode_persistent_kernel(
     would idle the bandwidth (_device_split_counts), so that a batch just above the program count (e.g. 136 pairs
     on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
+    stride_qb, stride_qt, stride_qh, stride_qd = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
+    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
+    stride_fb, stride_ft, stride_fh, stride_fd = stride_f
+    stride_flb, stride_flt, stride_flh = stride_fl
     if PDL_WAIT:
         gdc_wait()
     if USE_PDL:

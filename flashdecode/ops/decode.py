@@ -92,8 +92,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         config: a DecodeConfig overriding every launch decision (e.g. ``dataclasses.replace`` of
             ``decode_config(...)``); checked against this call (TypeError / ValueError naming ``config``).
         k_scale, v_scale: required with an 8-bit cache (k_cache / v_cache torch.float8_e4m3fn, or int8 symmetric),
-            refused otherwise: float32 on q's device, broadcastable to the cache's shape[:-1]: () one scale, (nheads_kv,)
-            one per kv head, or per token and kv head ((batch_cache, max_seqlen, nheads_kv) contiguous,
+            refused otherwise: float32 on q's device, broadcastable to the cache's shape[:-1]: () one scale,
+            (nheads_kv,) one per kv head, or per token and kv head ((batch_cache, max_seqlen, nheads_kv) contiguous,
             (num_pages, page_size, nheads_kv) paged). The cache stands for k_cache.float() * k_scale[..., None]
             (likewise V); q and out stay fp16/bf16/fp32. append_kv(..., k_scale=, v_scale=) writes such a cache.
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without

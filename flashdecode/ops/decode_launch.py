@@ -148,11 +148,10 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, k_cache, v_cache,
         shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
         k_cache.stride(0), shape.batch,
-        q4.stride(0), q4.stride(1), q4.stride(2), q4.stride(3),
-        stride_kb, k_cache.stride(1), k_cache.stride(2),
+        tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0,
-        o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od,
-        lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls,
+        (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
+        (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=num_splits, MIN_CHUNK=launch.min_chunk, PAGE_SIZE=shape.page_size,
@@ -161,7 +160,8 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         USE_PDL=config.use_pdl and not final, PDL_WAIT=config.pdl_wait,
         PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **kv_quant_kernel_args(shape.kv_quant, k_cache),
+        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device,
+        **kv_quant_kernel_args(shape.kv_quant, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -184,8 +184,9 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     run = lambda num_stages: decode_persistent_kernel[(launch.programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
         shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
-        *q4.stride(), stride_kb, k_cache.stride(1), k_cache.stride(2),
-        bt.stride(0) if block_table is not None else 0, *o5.stride(), *lse4.stride(), *_final_strides(out4, lse3),
+        tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
+        bt.stride(0) if block_table is not None else 0, tuple(o5.stride()), tuple(lse4.stride()),
+        *_final_strides(out4, lse3),
         SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
         HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
         NUM_SPLITS=config.num_splits, MIN_CHUNK=launch.min_chunk,
@@ -206,9 +207,9 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
 
 
 def _final_strides(out4, lse3) -> tuple:
-    """The kernels' stride_f* / stride_fl* arguments: out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch,
-    seqlen_q, nheads), where the in-kernel merges write the finished states."""
-    return (*out4.stride()[:3], out4.stride(-1), *lse3.stride()[:3])
+    """The persistent kernel's stride_f / stride_fl tuples: out4 (batch, seqlen_q, nheads, headdim) and lse3
+    (batch, seqlen_q, nheads), where the in-kernel merge writes the finished states."""
+    return (*out4.stride()[:3], out4.stride(-1)), tuple(lse3.stride()[:3])
 
 
 def _merge_tile(shape, num_splits) -> dict:
