@@ -71,6 +71,9 @@ def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_war
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if "KV_QUANT" in fn.arg_names:  # the decode kernels' float cache unless a variant asks for an 8-bit one
+        float_cache = {"KV_QUANT": 0, "K_SCALE": None, "V_SCALE": None}
+        consts = {**{k: v for k, v in float_cache.items() if k not in types}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, ("i32",) * STRIDE_TUPLES.get(n, 0) or "i32")
            for n in fn.arg_names}
     attrs = {}
