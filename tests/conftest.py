@@ -53,3 +53,13 @@ def device():
 def gen():
     """A fresh, seeded CPU generator per test: inputs are random (never zeros) and reproducible."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def device_resident(monkeypatch):
+    """Treat every metadata tensor (lengths, block tables, cu_seqlens) as device-resident, as CUDA tensors are:
+    the ops' host-side value checks stand aside (validate=True still copies and checks), so CPU tests exercise
+    the kernels' own masking of bad values."""
+    from flashdecode.ops import checks
+
+    monkeypatch.setattr(checks, "host_resident", lambda x: False)

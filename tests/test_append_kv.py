@@ -117,15 +117,6 @@ def test_bad_input(gen, case, error, word):
 # Device-resident metadata is not validated (no sync): the kernel itself must stay inside the tensors
 # ------------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def device_resident(monkeypatch):
-    """Treat every metadata tensor as device-resident (as CUDA tensors are), so that the host checks stand aside
-    and the kernel's own masking is what is tested."""
-    from flashdecode.ops import checks
-
-    monkeypatch.setattr(checks, "host_resident", lambda x: False)
-
-
 def _guarded_pages(gen, num_pages, page_size, hk, d, dtype=torch.float16):
     """(pool, k_cache, v_cache): caches that are views of one pool with a guard page before and after each, so a
     write before or past a cache tensor shows up in the pool."""

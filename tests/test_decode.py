@@ -262,7 +262,7 @@ def _reference_without(q, k, v, lens, present):
 @pytest.mark.parametrize("page_size,tweak", [(1, None), (3, None), (8, None), (16, None), (32, None),
                                              (32, dict(use_tma=True)), (16, "persistent")])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, num_splits):
+def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, num_splits, device_resident):
     """Ids -1, num_pages and 2**30 in a device-resident block table: no crash, no read outside the cache (2**30
     must not wrap onto page 0), and the result equals the reference with those pages' keys left out (every path:
     ids read in the loop, gathered from the preload, one per block, TMA, the persistent kernel)."""
@@ -279,7 +279,7 @@ def test_page_ids_outside_the_pool_read_as_absent_keys(gen, page_size, tweak, nu
     assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
 
 
-def test_page_ids_outside_the_pool_through_a_plan(gen):
+def test_page_ids_outside_the_pool_through_a_plan(gen, device_resident):
     """The same through a DecodePlan on the device-split grid (split counts chosen on the device)."""
     lens = [90, 33, 61]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float32)

@@ -222,14 +222,14 @@ def _bad_call(gen, **overrides):
 @pytest.mark.parametrize("overrides,err,match", [
     (dict(k_scale=None), ValueError, "k_scale is required"),
     (dict(v_scale=None), ValueError, "v_scale is required"),
-    (dict(k_scale=torch.ones(2, 8, 3)), ValueError, "k_scale of shape"),
-    (dict(v_scale=torch.ones(5)), ValueError, "v_scale of shape"),
-    (dict(k_scale=torch.ones(2, 8, 2, dtype=torch.float16)), TypeError, "k_scale must be float32"),
+    (dict(k_scale=torch.ones(2, 8, 3, device=DEVICE)), ValueError, "k_scale of shape"),
+    (dict(v_scale=torch.ones(5, device=DEVICE)), ValueError, "v_scale of shape"),
+    (dict(k_scale=torch.ones(2, 8, 2, dtype=torch.float16, device=DEVICE)), TypeError, "k_scale must be float32"),
     (dict(k_scale=[1.0]), TypeError, "k_scale must be a float32"),
     (dict(k_scale=torch.ones(2, 8, 2, device="meta")), ValueError, "k_scale is on"),
-    (dict(v_scale=torch.ones(())), ValueError, "k_scale and v_scale must have the same"),
-    (dict(v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.int8)), TypeError, "same dtype"),
-    (dict(q=torch.zeros(2, 4, 16, dtype=FP8)), TypeError, "q"),
+    (dict(v_scale=torch.ones((), device=DEVICE)), ValueError, "k_scale and v_scale must have the same"),
+    (dict(v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.int8, device=DEVICE)), TypeError, "same dtype"),
+    (dict(q=torch.zeros(2, 4, 16, dtype=FP8, device=DEVICE)), TypeError, "q"),
 ])
 def test_bad_quant_arguments(gen, overrides, err, match):
     with pytest.raises(err, match=match):
@@ -240,7 +240,8 @@ def test_scale_on_a_float_cache_is_refused(gen):
     q = _q(gen, 2, 4, 16)
     k = randn(2, 8, 2, 16, gen=gen, dtype=torch.float16)
     with pytest.raises(ValueError, match="k_scale is only for an 8-bit"):
-        flashdecode.flash_decode(q, k, k, _lens([8, 3]), k_scale=torch.ones(()), v_scale=torch.ones(()))
+        flashdecode.flash_decode(q, k, k, _lens([8, 3]), k_scale=torch.ones((), device=DEVICE),
+                                 v_scale=torch.ones((), device=DEVICE))
     with pytest.raises(TypeError, match="kv_dtype"):
         flashdecode.DecodePlan(2, 4, 2, 16, max_seqlen_k=8, dtype=torch.float16, device=DEVICE,
                                kv_dtype=torch.bfloat16)
@@ -272,14 +273,14 @@ def test_append_kv_per_token_round_trip(gen, dtype, page_size):
     vnew = randn(b, 5, h, d, gen=gen, dtype=torch.float16)
     new[1, 2, 0] = 0.0
     lens = _lens([4, 7])
-    kc = torch.full((b, s, h, d), 7, dtype=torch.float32).to(dtype)
+    kc = torch.full((b, s, h, d), 7, dtype=torch.float32, device=DEVICE).to(dtype)
     vc = kc.clone()
-    ks, vs = torch.full((b, s, h), -1.0), torch.full((b, s, h), -1.0)
+    ks, vs = torch.full((b, s, h), -1.0, device=DEVICE), torch.full((b, s, h), -1.0, device=DEVICE)
     table = None
     if page_size:
-        table = torch.tensor([[3, 0, 5, 1], [2, 6, 4, 7]], dtype=torch.int32)
-        kc, vc = (torch.full((8, page_size, h, d), 7, dtype=torch.float32).to(dtype) for _ in range(2))
-        ks, vs = torch.full((8, page_size, h), -1.0), torch.full((8, page_size, h), -1.0)
+        table = torch.tensor([[3, 0, 5, 1], [2, 6, 4, 7]], dtype=torch.int32, device=DEVICE)
+        kc, vc = (torch.full((8, page_size, h, d), 7, dtype=torch.float32, device=DEVICE).to(dtype) for _ in range(2))
+        ks, vs = torch.full((8, page_size, h), -1.0, device=DEVICE), torch.full((8, page_size, h), -1.0, device=DEVICE)
     before = [x.clone() for x in (kc, vc, ks, vs)]
     flashdecode.append_kv(kc, vc, new, vnew, lens, table, k_scale=ks, v_scale=vs)
     if page_size:
@@ -306,8 +307,8 @@ def test_append_kv_with_given_scales_saturates(gen, dtype):
     new = randn(1, 6, 2, 16, gen=gen, dtype=torch.float32)
     new[0, 0, 1, 3] = 1e4
     new[0, 1, 0, 2] = -1e4
-    for scale in (torch.tensor([0.01, 0.02]), torch.tensor(0.015)):
-        kc = torch.zeros(1, 8, 2, 16, dtype=dtype)
+    for scale in (torch.tensor([0.01, 0.02], device=DEVICE), torch.tensor(0.015, device=DEVICE)):
+        kc = torch.zeros(1, 8, 2, 16, dtype=dtype, device=DEVICE)
         vc = torch.zeros_like(kc)
         given = scale.clone()
         flashdecode.append_kv(kc, vc, new, new, _lens([1]), k_scale=scale, v_scale=scale)
@@ -329,13 +330,13 @@ def test_append_kv_nonfinite_token_stays_local(gen):
     new[1, 2, 1, 0] = float("inf")
     caches = []
     for x in (new, clean):
-        kc = torch.zeros(2, 6, 2, 16, dtype=FP8)
+        kc = torch.zeros(2, 6, 2, 16, dtype=FP8, device=DEVICE)
         vc = torch.zeros_like(kc)
-        ks, vs = torch.zeros(2, 6, 2), torch.zeros(2, 6, 2)
+        ks, vs = torch.zeros(2, 6, 2, device=DEVICE), torch.zeros(2, 6, 2, device=DEVICE)
         flashdecode.append_kv(kc, vc, x, x, _lens([1, 2]), k_scale=ks, v_scale=vs)
         caches.append((kc.float(), ks))
     (kc, ks), (kc0, ks0) = caches
-    bad = torch.zeros(2, 6, 2, dtype=torch.bool)
+    bad = torch.zeros(2, 6, 2, dtype=torch.bool, device=DEVICE)
     bad[0, 2, 0] = bad[1, 4, 1] = True
     assert not torch.isfinite(ks[bad]).any()
     assert dequantize_cache(kc[0, 2, 0], ks[0, 2, 0]).isnan().all()
@@ -347,12 +348,12 @@ def test_append_then_decode_int8_paged(gen):
     h, d, ps = 2, 32, 4
     lens0 = [3, 9]
     new = [randn(n, h, d, gen=gen, dtype=torch.float16) for n in (14, 6)]
-    table = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]], dtype=torch.int32)
-    kc = torch.zeros(10, ps, h, d, dtype=INT8)
+    table = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]], dtype=torch.int32, device=DEVICE)
+    kc = torch.zeros(10, ps, h, d, dtype=INT8, device=DEVICE)
     vc = torch.zeros_like(kc)
-    ks, vs = torch.zeros(10, ps, h), torch.zeros(10, ps, h)
+    ks, vs = torch.zeros(10, ps, h, device=DEVICE), torch.zeros(10, ps, h, device=DEVICE)
     packed = torch.cat(new)
-    cu = torch.tensor([0, 14, 20], dtype=torch.int32)
+    cu = torch.tensor([0, 14, 20], dtype=torch.int32, device=DEVICE)
     flashdecode.append_kv(kc, vc, packed, packed * 0.5, _lens(lens0), table, cu_seqlens_new=cu, k_scale=ks,
                           v_scale=vs)
     lens = _lens([17, 15])
@@ -366,15 +367,15 @@ def test_append_then_decode_int8_paged(gen):
 
 def test_append_kv_bad_scales(gen):
     new = randn(1, 2, 2, 16, gen=gen, dtype=torch.float16)
-    kc = torch.zeros(1, 4, 2, 16, dtype=FP8)
+    kc = torch.zeros(1, 4, 2, 16, dtype=FP8, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale is required"):
         flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]))
     with pytest.raises(ValueError, match="writes per token"):
-        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]), k_scale=torch.zeros(1, 4, 1),
-                              v_scale=torch.zeros(1, 4, 1))
-    fc = torch.zeros(1, 4, 2, 16, dtype=torch.float16)
+        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]), k_scale=torch.zeros(1, 4, 1, device=DEVICE),
+                              v_scale=torch.zeros(1, 4, 1, device=DEVICE))
+    fc = torch.zeros(1, 4, 2, 16, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="v_scale is only for an 8-bit"):
-        flashdecode.append_kv(fc, fc.clone(), new, new, _lens([0]), v_scale=torch.zeros(()))
+        flashdecode.append_kv(fc, fc.clone(), new, new, _lens([0]), v_scale=torch.zeros((), device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine_helpers import random_prompts, save_tiny
+from helpers import DEVICE
 from flashdecode.engine import LLM, SamplingParams
 from flashdecode.engine.kv_quant import QuantPages
 
@@ -20,8 +21,10 @@ def ckpt(tmp_path_factory):
 
 
 def _run(path, kv_cache_dtype, backend, prompts, new_tokens):
-    """Greedy outputs and every decode step's logits (float32 (batch, vocab) per step)."""
-    llm = LLM(path, device="cpu", dtype="float32", attn_backend=backend, max_num_seqs=4, page_size=4,
+    """Greedy outputs and every decode step's logits (float32 (batch, vocab) per step). The flashdecode backend
+    runs where the kernels do (the GPU, with CUDA graphs, or the CPU interpreter)."""
+    device = DEVICE if backend == "flashdecode" else "cpu"
+    llm = LLM(path, device=device, dtype="float32", attn_backend=backend, max_num_seqs=4, page_size=4,
               kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 20)
     steps = []
     decode = llm.runner.decode

@@ -8,8 +8,7 @@ import triton
 from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.ops import checks
-from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
-                                           _check_lengths_and_table)
+from flashdecode.ops.decode_checks import _cache_capacity, _check_cache_pair, _check_lengths_and_table
 from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
 
 __all__ = ["append_kv"]
@@ -19,7 +18,7 @@ _check_tensor, _check_device, _interpreting = checks.check_tensor, checks.check_
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *, cu_seqlens_new=None,
-              max_seqlen_new=None, k_scale=None, v_scale=None):
+              max_seqlen_new=None, validate=False, k_scale=None, v_scale=None):
     """Write new K/V tokens into a contiguous or paged cache, one launch, in place.
 
     Args:
@@ -32,9 +31,15 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
             at position cache_seqlens[b] + i. cache_seqlens is NOT modified (the caller advances it, e.g. before
             flash_decode, whose cache_seqlens counts the new tokens).
         max_seqlen_new: optional host bound on the varlen lengths (sizes the grid; default the packed total, which
-            is always enough but launches idle programs).
-    Positions past the cache's capacity raise ValueError when cache_seqlens (and cu_seqlens_new) are on the host;
-    with device tensors they are skipped by the kernel (not written), since checking would need a host sync.
+            is always enough but launches idle programs). Checked against host-resident cu_seqlens_new; tokens past
+            it in a device-resident one are not written.
+        validate: True copies device-resident metadata to the host once (one sync) and checks it as host-resident
+            metadata is always checked (ValueError naming the first bad sequence and position).
+    Host-resident metadata is checked: cu_seqlens_new starts at 0, never decreases and stays within k_new's rows;
+    lengths + new tokens fit the capacity; the block-table ids of the written positions are pages of the cache.
+    Device-resident metadata is not (that would need a host sync); the kernel then never touches memory outside
+    the tensors: tokens at positions outside [0, capacity), in pages whose id is outside [0, num_pages), or from
+    rows outside k_new (a cu_seqlens_new that runs past it, decreases or starts below 0) are not written.
     k_scale, v_scale: required with an 8-bit cache (torch.float8_e4m3fn, or int8 symmetric; flash_decode's
         k_scale / v_scale), refused otherwise; the fp16/bf16/fp32 new tokens are quantised in the same launch.
         Per token and kv head (the cache's shape[:-1], float32): each new token's scales are WRITTEN there, absmax
@@ -43,7 +48,13 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         per-kv-head (nheads_kv,) scale is read and used: x / scale, saturated to the format's range.
     """
     _check_tensor("k_new", k_new, (3, 4), _DTYPES)
+    checks.check_kernel_device("k_new", k_new)
     device = k_new.device
+    varlen = cu_seqlens_new is not None
+    if varlen != (k_new.dim() == 3):
+        raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
+                         f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
+                         f"{'given' if varlen else 'None'}")
     quant = resolve_kv_quant(k_new.dtype, k_cache, v_cache, k_scale, v_scale)
     # scales of the cache's shape[:-1] are written per new token; others (one per kv head, or one) are read
     write_scales = quant is not None and tuple(k_scale.shape) == tuple(k_cache.shape[:-1])
@@ -57,11 +68,6 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
                          f"{tuple(v_new.shape)}, {v_new.dtype} on {v_new.device}")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         raise ValueError("k_new and v_new must have unit stride on their last (head) dim")
-    varlen = cu_seqlens_new is not None
-    if varlen != (k_new.dim() == 3):
-        raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
-                         f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
-                         f"{'given' if varlen else 'None'}")
     if tuple(k_new.shape[-2:]) != tuple(k_cache.shape[-2:]):
         raise ValueError(f"k_new (nheads_kv, headdim) {tuple(k_new.shape[-2:])} must match the cache's "
                          f"{tuple(k_cache.shape[-2:])}")
@@ -71,13 +77,23 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
             raise TypeError(f"cu_seqlens_new must be int32, got {cu_seqlens_new.dtype}")
         _check_device("cu_seqlens_new", cu_seqlens_new, device)
         batch = cu_seqlens_new.shape[0] - 1
-        max_new = int(max_seqlen_new) if max_seqlen_new is not None else k_new.shape[0]
-        added = (cu_seqlens_new[1:] - cu_seqlens_new[:-1]) if checks.host_resident(cu_seqlens_new) else 0
-    else:
-        batch, max_new, added = k_new.shape[0], k_new.shape[1], k_new.shape[1]
+        if batch < 0:
+            raise ValueError("cu_seqlens_new must have batch + 1 >= 1 entries, got none")
+        if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.shape[:1] != (batch,):
+            raise ValueError(f"cu_seqlens_new has {batch + 1} entries (batch {batch}) but cache_seqlens has shape "
+                             f"{tuple(cache_seqlens.shape)}")
+        max_new = checks.check_optional_int("max_seqlen_new", max_seqlen_new, 0)
+        max_new = k_new.shape[0] if max_new is None else max_new
+    else:  # max_seqlen_new is moot: dense k_new gives its length
+        checks.check_optional_int("max_seqlen_new", max_seqlen_new, 0)
+        batch, max_new = k_new.shape[0], k_new.shape[1]
     _check_lengths_and_table(cache_seqlens, block_table, batch, device)
     capacity = _cache_capacity(k_cache, block_table, batch)
-    _check_host_lengths(cache_seqlens, capacity, added)
+    checks.check_cache_metadata(cache_seqlens, block_table, capacity=capacity,
+                                page_size=k_cache.shape[1] if block_table is not None else 0,
+                                num_pages=k_cache.shape[0], validate=validate, appending=True,
+                                added=0 if varlen else k_new.shape[1], cu_seqlens_new=cu_seqlens_new,
+                                new_rows=k_new.shape[0], max_new=max_new)
     if batch == 0 or max_new == 0:
         return
     page_size = k_cache.shape[1] if block_table is not None else 0

@@ -18,7 +18,7 @@ __all__ = [
     "check_kernel_device", "check_bool", "check_int", "check_softmax_scale", "check_softcap", "check_window",
     "resolve_scale", "host_resident", "MAX_NUM_SPLITS", "check_optional_int", "check_num_splits", "check_dtype",
     "check_device_arg", "check_host_lengths", "check_host_cu_seqlens", "first_bad_page", "check_host_block_table",
-    "to_host_once",
+    "to_host_once", "check_cache_metadata",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): kernels use exp2 with the scale folded in; natural-log lse * LOG2E = log2 lse
@@ -179,7 +179,7 @@ def to_host_once(*tensors):
     live = [t for t in tensors if t is not None]
     if not live or all(t.device.type == "cpu" for t in live):
         return tuple(None if t is None else t.cpu() for t in tensors)
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in live]).cpu()
+    flat = torch.cat([t.reshape(-1).long() for t in live]).cpu()
     out, at = [], 0
     for t in tensors:
         if t is None:
@@ -193,7 +193,7 @@ def to_host_once(*tensors):
 def check_host_lengths(name: str, lengths: torch.Tensor, capacity: int, added=0):
     """Host int (batch,) lengths: each >= 0 and, with ``added`` ((batch,) tensor or int) new tokens, <= capacity.
     The message gives the first bad sequence."""
-    lengths = lengths.to(torch.int64)
+    lengths = lengths.long()
     bad = (lengths < 0).nonzero()
     if bad.numel():
         b = int(bad[0, 0])
@@ -207,7 +207,7 @@ def check_host_lengths(name: str, lengths: torch.Tensor, capacity: int, added=0)
 
 def check_host_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str):
     """Host int (batch + 1,) cumulative lengths: start at 0, non-decreasing, end <= total (rows of total_name)."""
-    cu = cu.to(torch.int64)
+    cu = cu.long()
     if cu.numel() == 0:
         raise ValueError(f"{name} must have batch + 1 >= 1 entries, got none")
     if int(cu[0]) != 0:
@@ -226,10 +226,10 @@ def first_bad_page(block_table: torch.Tensor, start: torch.Tensor, end: torch.Te
     """The first (sequence, table column, page id) of a host block table whose id is outside [0, num_pages) among
     the pages that hold positions [start[b], end[b]) of each sequence (entries past them are never read), or None.
     block_table (batch, pages_per_seq) int; start, end (batch,) int with end <= pages_per_seq * page_size."""
-    table = block_table.to(torch.int64)
+    table = block_table.long()
     cols = torch.arange(table.shape[1])[None, :]
-    first = (start.to(torch.int64) // page_size)[:, None]
-    last = ((end.to(torch.int64) + page_size - 1) // page_size)[:, None]
+    first = (start.long() // page_size)[:, None]
+    last = ((end.long() + page_size - 1) // page_size)[:, None]
     bad = (cols >= first) & (cols < last) & ((table < 0) | (table >= num_pages))
     hit = bad.nonzero()
     if not hit.numel():
@@ -245,3 +245,30 @@ def check_host_block_table(block_table, start, end, page_size: int, num_pages: i
         b, j, page = found
         raise ValueError(f"block_table[{b}, {j}] = {page} is not a page of the cache (ids 0..{num_pages - 1}); "
                          f"sequence {b} uses it for positions {j * page_size}..{(j + 1) * page_size - 1}")
+
+
+def check_cache_metadata(cache_seqlens, block_table, *, capacity: int, page_size: int, num_pages: int, validate,
+                         appending: bool = False, added=0, cu_seqlens_new=None, new_rows: int = 0,
+                         max_new: Optional[int] = None):
+    """Values of a decode / append call's metadata. Host-resident metadata is always checked (no sync);
+    device-resident metadata only with ``validate=True``, by one copy to the host (one sync; not during CUDA-graph
+    capture), since the kernels mask bad values themselves instead. Checks cu_seqlens_new (start 0,
+    non-decreasing, within the new_rows of k_new), the lengths (>= 0; + the new tokens within capacity) and the
+    block-table ids of the positions the call reads ([0, len): decode) or writes ([len, len + new): appending);
+    max_new (with cu_seqlens_new): the bound on its lengths that sizes the grid. ValueError names the first bad
+    sequence and position."""
+    if not (check_bool("validate", validate) or host_resident(cache_seqlens)):
+        return
+    lens, table, cu = to_host_once(cache_seqlens, block_table, cu_seqlens_new)
+    if cu is not None:
+        check_host_cu_seqlens("cu_seqlens_new", cu, new_rows, "k_new")
+        added = (cu[1:] - cu[:-1]).long()
+        if max_new is not None and added.numel() and int(added.max()) > max_new:
+            b = int(added.argmax())
+            raise ValueError(f"max_seqlen_new = {max_new} is less than sequence {b}'s {int(added[b])} new tokens in "
+                             "cu_seqlens_new")
+    check_host_lengths("cache_seqlens", lens, capacity, added)
+    if table is not None:
+        lens = lens.long()
+        start, end = (lens, lens + added) if appending else (torch.zeros_like(lens), lens)
+        check_host_block_table(table, start, end, page_size, num_pages)

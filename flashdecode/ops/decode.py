@@ -28,15 +28,19 @@ from flashdecode.ops.kv_quant import QUANT_DTYPES
 __all__ = ["flash_decode", "decode_config", "DecodePlan", "append_kv"]
 
 _DTYPES = checks.FLOAT_DTYPES
-_MAX_SPLITS = 1024  # the most splits a caller may ask for (the partials grow with it)
 
 
 def _lse_view(lse3, q):
     return lse3[:, 0] if q.dim() == 3 else lse3
 
 
-def _check_num_splits(num_splits):
-    return None if num_splits is None else checks.check_int("num_splits", num_splits, 1, _MAX_SPLITS)
+_check_num_splits = checks.check_num_splits  # None or an int in [1, checks.MAX_NUM_SPLITS]
+
+
+def _check_metadata(shape: _DecodeShape, cache_seqlens, block_table, validate):
+    """Block-table ids (and, with validate, device-resident lengths) of the keys a decode call reads."""
+    checks.check_cache_metadata(cache_seqlens, block_table, capacity=shape.capacity, page_size=shape.page_size,
+                                num_pages=shape.num_pages, validate=validate)
 
 
 def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture: bool = False):
@@ -65,7 +69,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
-                 config: DecodeConfig | None = None, k_scale=None, v_scale=None):
+                 config: DecodeConfig | None = None, validate=False, k_scale=None, v_scale=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
@@ -78,17 +82,22 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         cache_seqlens: int32 (batch,) on q's device: live keys per sequence INCLUDING the seqlen_q new ones
             (call append_kv first). 0 is allowed (out 0, lse -inf). Values on the host are checked against the
             capacity; values on the device are clamped to it by the kernel (too-long lengths cannot be detected
-            without a sync).
+            without a sync; see validate).
         block_table: int32 (batch, max_pages_per_seq) page ids (paged cache only); any page_size >= 1. On the
-            device, ids outside [0, num_pages) are not checked (that would need a sync): the kernels read such a
-            position as absent (it contributes nothing).
+            host, the ids of the pages that hold live keys are checked (ValueError naming the entry). On the
+            device they are not (that would need a sync): the kernels read a position whose id is outside
+            [0, num_pages) as absent (it contributes nothing), never memory outside the cache.
         softmax_scale: default headdim ** -0.5. softcap: logits -> softcap * tanh(logits / softcap), 0 = off.
         window_size: (left, right); left >= 0 restricts row i to keys >= its position - left. right is moot:
             decode rows see no keys after their own position.
         num_splits: KV splits per sequence; None = heuristic from the live lengths, 1 = one kernel, no merge.
         max_seqlen_k: optional host-side bound on cache_seqlens for the heuristic (avoids its one host sync).
         plan: a DecodePlan; the call then runs plan.run(...) (capturable, buffers owned by the plan).
-        out: optional output tensor like q.
+        out: optional output tensor like q; with seqlen_q > 1 and splits its (batch, seqlen_q) dims must collapse
+            into one (e.g. contiguous). Without it the output is a new contiguous tensor, whatever q's layout.
+        validate: True copies device-resident cache_seqlens / block_table to the host once (one sync; not
+            during CUDA-graph capture) and raises ValueError naming the sequence and position of the first
+            length outside [0, capacity] or page id outside [0, num_pages) - for debugging a serving loop.
         config: a DecodeConfig overriding every launch decision (e.g. ``dataclasses.replace`` of
             ``decode_config(...)``); checked against this call (TypeError / ValueError naming ``config``).
         k_scale, v_scale: required with an 8-bit cache (k_cache / v_cache torch.float8_e4m3fn, or int8 symmetric),
@@ -106,16 +115,22 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out, k_scale=k_scale,
-                        v_scale=v_scale)
+                        softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
+                        validate=validate, k_scale=k_scale, v_scale=v_scale)
+    checks.check_bool("return_lse", return_lse)
+    max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
                          k_scale=k_scale, v_scale=v_scale)
     shape.check_out(out, q)
+    _check_metadata(shape, cache_seqlens, block_table, validate)
     in_capture = capturing(q.device)
     config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture)
     b, sq, h, d = shape.q4.shape
-    out = torch.empty_like(q) if out is None else out
+    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
     lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
     pool = workspace(q.device)
@@ -162,18 +177,23 @@ class DecodePlan:
                  dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
                  balance_mixed: bool = True, use_pdl: bool | None = None, config: DecodeConfig | None = None,
                  kv_dtype=None):
-        if max_batch < 1 or nheads < 1 or nheads_kv < 1 or max_seqlen_q < 1:
-            raise ValueError("max_batch, nheads, nheads_kv and max_seqlen_q must be >= 1")
+        max_batch, nheads, nheads_kv, max_seqlen_q = (checks.check_int(name, value, 1) for name, value in (
+            ("max_batch", max_batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("max_seqlen_q", max_seqlen_q)))
+        headdim = checks.check_int("headdim", headdim, 1, checks.MAX_HEAD_DIM)
+        max_seqlen_k = checks.check_int("max_seqlen_k", max_seqlen_k, 0)
         if nheads % nheads_kv:
             raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
+        dtype = checks.check_dtype("dtype", dtype, _DTYPES)
+        checks.check_bool("balance_mixed", balance_mixed)
+        if use_pdl is not None:
+            checks.check_bool("use_pdl", use_pdl)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype not in (dtype,) + QUANT_DTYPES:
             raise TypeError(f"kv_dtype must be dtype ({dtype}) or one of {QUANT_DTYPES}, got {kv_dtype}")
         self.kv_dtype = kv_dtype
         self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
-        self.max_seqlen_q, self.dtype, self.device = max_seqlen_q, dtype, checks.full_device(device)
+        self.max_seqlen_q, self.dtype = max_seqlen_q, dtype
+        self.device = checks.check_device_arg("device", device)
         self.max_seqlen_k = max_seqlen_k
         self._dev = decode_device(self.device)
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and self._dev.pdl
@@ -238,11 +258,14 @@ class DecodePlan:
                                             v_scale=v_scale)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, k_scale=None, v_scale=None):
-        """flash_decode with the plan's split count and buffers (same arguments and results)."""
+            window_size=(-1, -1), return_lse=False, out=None, validate=False, k_scale=None, v_scale=None):
+        """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
+        syncs, so it is for eager debugging runs, not captured ones)."""
+        checks.check_bool("return_lse", return_lse)
         shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
                             k_scale, v_scale)
         shape.check_out(out, q)
+        _check_metadata(shape, cache_seqlens, block_table, validate)
         launch = self._launch_for(shape)
         b, sq, h, d = shape.q4.shape
         rows = b * sq * h

@@ -52,13 +52,8 @@ def _cache_capacity(k_cache, block_table, batch) -> int:
 def _check_host_lengths(cache_seqlens, capacity, added=0, name="cache_seqlens"):
     """Lengths that live on the host are checked against the capacity (device lengths cannot be, without a sync:
     the kernels clamp them to the capacity instead)."""
-    if not checks.host_resident(cache_seqlens) or cache_seqlens.numel() == 0:
-        return
-    lo, hi = int(cache_seqlens.min()), int((cache_seqlens + added).max())
-    if lo < 0:
-        raise ValueError(f"{name} must be >= 0, got a minimum of {lo}")
-    if hi > capacity:
-        raise ValueError(f"{name} asks for {hi} keys but the cache holds {capacity} per sequence")
+    if checks.host_resident(cache_seqlens):
+        checks.check_host_lengths(name, cache_seqlens, capacity, added)
 
 
 def check_out(out, q, seqlen_q):

@@ -40,6 +40,7 @@ class _DecodeShape:
         """grid_batch: the batch the tiles are chosen for (a plan's max_batch, so that one plan always launches
         one kernel variant); default q's batch. k_scale / v_scale: an 8-bit cache's scales (ops/kv_quant.py)."""
         _check_tensor("q", q, (3, 4), _DTYPES)
+        checks.check_kernel_device("q", q)
         self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
         self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
         self.device = q.device
@@ -50,7 +51,7 @@ class _DecodeShape:
             raise ValueError(f"k_cache head dim {k_cache.shape[3]} must match q head dim {self.headdim}")
         if not 1 <= self.headdim <= _MAX_HEADDIM:
             raise ValueError(f"head dim must be in 1..{_MAX_HEADDIM}, got {self.headdim}")
-        if self.nheads % self.nheads_kv != 0:
+        if self.nheads_kv < 1 or self.nheads % self.nheads_kv != 0:
             raise ValueError(f"q heads ({self.nheads}) must be a multiple of the cache's kv heads ({self.nheads_kv})")
         if self.seqlen_q < 1:
             raise ValueError("q must hold at least one token per sequence")
