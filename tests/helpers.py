@@ -59,6 +59,35 @@ def spilled_bytes(kernel) -> int:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
+# the decode kernels' stride tuples and their lengths (compile_for_sm90's signatures)
+STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3, stride_alibi=2)
+
+
+def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_warps: int = 4):
+    """``fn`` compiled for sm_90 (Triton's ptxas, no GPU) with argument types ``types`` (default i32; stride tuples
+    as tuples of i32) and constexprs ``consts``, pointers and strides specialised divisible by 16 as the launcher
+    does. For the scripts of run_sm90_compile_script (a fresh Python without TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # the decode kernels' float cache without ALiBi unless a variant asks for an 8-bit cache / ALiBi
+    for flag, default in (("KV_QUANT", {"KV_QUANT": 0, "K_SCALE": None, "V_SCALE": None}),
+                          ("ALIBI", {"ALIBI": False, "ALIBI_SLOPES": None})):
+        if flag in fn.arg_names:
+            consts = {**{k: v for k, v in default.items() if k not in types}, **consts}
+    sig = {n: "constexpr" if n in consts else types.get(n, ("i32",) * STRIDE_TUPLES.get(n, 0) or "i32")
+           for n in fn.arg_names}
+    attrs = {}
+    for i, n in enumerate(fn.arg_names):
+        if n in STRIDE_TUPLES:
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(STRIDE_TUPLES[n])})
+        elif n not in consts and (sig[n].startswith("*") or "stride" in n):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def run_sm90_compile_script(script: str) -> None:
     """Run a script that compiles kernels for sm_90 with Triton's bundled ptxas (no GPU needed) in a fresh Python
     without TRITON_INTERPRET, from the repository root; it must print "compiled". Skips only where Triton ships no

@@ -1005,31 +1005,10 @@ def test_prefetch_shape_stays_within_a_split():
 
 _HOPPER_COMPILE_SCRIPT = r'''
 import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 from flashdecode.kernels.merge import merge_many_kernel
 sys.path.insert(0, "tests")
-from helpers import spilled_bytes
-
-
-# stride tuples of the decode kernels and their lengths
-STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3, stride_alibi=2)
-
-
-def compile_for_sm90(fn, types, consts, num_stages):
-    sig = {n: "constexpr" if n in consts else types.get(n, ("i32",) * STRIDE_TUPLES.get(n, 0) or "i32")
-           for n in fn.arg_names}
-    # what the launcher specializes: pointers and strides (each element of a stride tuple) divisible by 16
-    attrs = {}
-    for i, n in enumerate(fn.arg_names):
-        if n in STRIDE_TUPLES:
-            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(STRIDE_TUPLES[n])})
-        elif n not in consts and (sig[n].startswith("*") or "stride" in n):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
+from helpers import compile_for_sm90, spilled_bytes
 
 
 def compile_stage1(page, tma, preload, num_stages=3, **consts):

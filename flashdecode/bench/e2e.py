@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--quick: sdpa); 'none' to skip. Skipped with a printed reason without transformers")
     parser.add_argument("--page-size", type=int, default=128,
                         help="KV page size (the engine's CUDA default; 16 for the run before 2026-11-22 05:40)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="comma list of KV page dtypes for the flashdecode backends: auto (the model's), fp8, "
+                             "int8 (8-bit pages + per-token-head scales); each 8-bit one is a '<backend>+<dtype>' "
+                             "column beside the bf16 one")
     parser.add_argument("--quick", action="store_true",
                         help="<= 3 min on an H100: full llama3-8b, contexts 512,4096,16384,65536, 32 steps")
     parser.add_argument("--profile", action="store_true",
@@ -121,23 +125,41 @@ def _fill_running(llm, batch: int, context: int, steps: int) -> None:
         llm.scheduler.running.append(seq)
 
 
+def _page_bytes(cfg, page_size: int, dtype, kv_cache_dtype: str) -> int:
+    """Bytes of one KV page (all layers) with K/V pages of ``kv_cache_dtype`` (8-bit: + float32 scales)."""
+    from flashdecode.engine.kv_cache import bytes_per_page
+    from flashdecode.engine.kv_quant import resolve_kv_cache_dtype, scale_bytes_per_page
+
+    kv = resolve_kv_cache_dtype(kv_cache_dtype)
+    page = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim, kv or dtype)
+    return page + (scale_bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads) if kv else 0)
+
+
+def _fill_pool_randomly(runner) -> None:
+    """Random K/V instead of a prefill: normal values, or for 8-bit pages codes 0..126 (never an e4m3 NaN) with
+    scales 1/448."""
+    if runner.pool.element_size() > 1:
+        runner.pool.normal_()
+        return
+    runner.pool.view(torch.uint8).random_(0, 127)
+    runner.pool_scales.fill_(1.0 / 448)
+
+
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
-                        page_size: int) -> float:
+                        page_size: int, kv_cache_dtype: str = "auto") -> float:
     """Sequence tokens/s (all sequences together) of the engine's decode loop at ``context`` tokens."""
     from flashdecode.engine import LLM
-    from flashdecode.engine.kv_cache import bytes_per_page
 
     cfg = model.config
     warm = 3
     total_steps = warm + repeats * steps + 1
     max_len = context + total_steps + 1
     pages = batch * -(-max_len // page_size)
-    budget = pages * bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim,
-                                    model.lm_head_weight.dtype)
+    budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
-              max_model_len=max_len)
+              max_model_len=max_len, kv_cache_dtype=kv_cache_dtype)
     try:
-        llm.runner.pool.normal_()  # random K/V instead of a prefill
+        _fill_pool_randomly(llm.runner)
         _fill_running(llm, batch, context, total_steps)
         for _ in range(warm):
             llm.step()
@@ -395,9 +417,11 @@ def hf_peer_rows(model, impls: list[str], contexts: list[int], steps: int, repea
     return rows
 
 
-def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float) -> float:
+def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float, kv_cache_dtype: str = "auto") -> float:
     weight_bytes = cfg.num_parameters() * 2
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * context
+    # bytes per K/V element: bf16, or 8 bits plus a float32 scale per head_dim elements
+    elem = 2.0 if kv_cache_dtype == "auto" else 1.0 + 4.0 / cfg.head_dim
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem * context
     return batch * bandwidth / (weight_bytes + batch * kv_bytes)
 
 
@@ -433,20 +457,26 @@ def run(args) -> int:
         profile(model, args, bandwidth)
         if args.profile_only:
             return 0
-    points = [(b, c, bs) for bs in batches for c in contexts for b in backends]
-    points += [(b, args.batched_context, bs) for bs in batched for b in ("flashdecode", "sdpa") if b in backends]
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    # (backend, kv cache dtype, its column label): 8-bit pages only for the flashdecode backends
+    columns = [(b, kv, b if kv == "auto" else f"{b}+{kv}") for kv in kv_dtypes for b in backends
+               if kv == "auto" or b.startswith("flashdecode")]
+    points = [(col, c, bs) for bs in batches for c in contexts for col in columns]
+    points += [(col, args.batched_context, bs) for bs in batched for col in columns
+               if col[0] in ("flashdecode", "sdpa")]
     rows = []
-    for backend, ctx, bs in tqdm(points, desc="e2e decode"):
-        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth)
+    for (backend, kv, label), ctx, bs in tqdm(points, desc="e2e decode"):
+        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
-            rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size)
+            rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv)
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"
             _release()
-        rows.append(dict(kind="decode", backend=backend, context=ctx, batch=bs, tokens_per_s=rate,
+        rows.append(dict(kind="decode", backend=label, kv_cache_dtype=kv, context=ctx, batch=bs, tokens_per_s=rate,
                          roofline_tokens_per_s=roof, pct_roofline=None if rate is None else 100 * rate / roof,
                          error=err))
+    backends = list(dict.fromkeys(backends + [label for _, _, label in columns]))
     if args.prefill:
         for backend in [b for b in ("flashdecode", "sdpa") if b in backends]:
             secs = prefill_seconds(model, backend, args.prefill, args.page_size)

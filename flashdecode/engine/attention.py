@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdecode import reference
+from flashdecode.engine.kv_quant import QuantPages, write_quantized
 
 BACKENDS = ("flashdecode", "flashdecode-nosplit", "sdpa", "eager", "torch")
 
@@ -63,6 +64,9 @@ class AttentionBackend(abc.ABC):
         self.window_size = (window_left, 0)  # causal, optionally a sliding window of window_left + 1 keys
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        if isinstance(k_cache, QuantPages):  # 8-bit pages: quantised by append_kv (engine/kv_quant.py)
+            write_quantized(k_cache, v_cache, k, v, meta.slot_mapping)
+            return
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
@@ -117,6 +121,8 @@ class TorchBackend(AttentionBackend):
     def decode_with_lse(self, q, k_cache, v_cache, meta, out=None):
         """decode() (into ``out`` when given) and its lse float32 (batch, nheads) (context parallelism merges
         these)."""
+        if isinstance(k_cache, QuantPages):  # the spec reads the values the 8-bit pages stand for
+            k_cache, v_cache = k_cache.dequantize(q.dtype), v_cache.dequantize(q.dtype)
         o, lse = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
                                       window_size=self.window_size)
         return (o if out is None else out.copy_(o)), lse.float()
@@ -256,12 +262,12 @@ class FlashDecodeBackend(AttentionBackend):
 
     def _plan(self, q, k_cache, block_tables):
         capacity = block_tables.shape[1] * k_cache.shape[1]
-        key = (q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, capacity)
+        key = (q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, capacity, k_cache.dtype)
         plan = self.plans.get(key)
         if plan is None:
             plan = self._plan_cls(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], max_seqlen_k=capacity,
                                   dtype=q.dtype, device=q.device, num_splits=self.num_splits,
-                                  batch_invariant=self.batch_invariant)
+                                  batch_invariant=self.batch_invariant, kv_dtype=k_cache.dtype)
             self.plans[key] = plan
         return plan
 
@@ -271,9 +277,13 @@ class FlashDecodeBackend(AttentionBackend):
     def decode_with_lse(self, q, k_cache, v_cache, meta, out=None, return_lse: bool = True):
         """decode() (into ``out`` when given) and (return_lse) its lse float32 (batch, nheads) (context
         parallelism merges these)."""
+        scales = {}
+        if isinstance(k_cache, QuantPages):  # 8-bit pages: flash_decode reads them with their scales
+            scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
+            k_cache, v_cache = k_cache.data, v_cache.data
         plan = self._plan(q, k_cache, meta.block_tables)
         return plan.run(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
-                        window_size=self.window_size, return_lse=return_lse, out=out)
+                        window_size=self.window_size, return_lse=return_lse, out=out, **scales)
 
 
 class FlashDecodeNoSplitBackend(FlashDecodeBackend):

@@ -45,6 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="KV pool: bytes (> 1) or a fraction of free GPU memory (<= 1); default: what "
                              "max-num-seqs sequences of max-model-len need")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8"),
+                        help="KV pages: the model's dtype (auto), or 8 bits with per-token-head scales")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--flat-gemm", action="store_true",
                         help="measure the flat GEMM against cuBLAS at start (CUDA) and use it where it wins")
@@ -68,7 +70,8 @@ def build_llm(args, max_model_len: int | None = None):
                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
                enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm,
-               tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1))
+               tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

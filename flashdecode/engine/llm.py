@@ -23,6 +23,7 @@ from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
 from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
+from flashdecode.engine.kv_quant import QUANT_BACKENDS, resolve_kv_cache_dtype, scale_bytes_per_page
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner
@@ -124,6 +125,9 @@ class LLM:
             or the other sequences' lengths (flash_decode(batch_invariant=True); flashdecode backends only).
             The linear layers stay the library's (cuBLAS may pick other kernels per batch size), so bitwise
             equal logits across batches also need batch-invariant GEMMs; attention is what this flag fixes.
+        kv_cache_dtype: "auto" (the model's dtype), "fp8" (float8_e4m3fn) or "int8": 8-bit K/V pages with a float32
+            scale per token and kv head (~1.94x the tokens in the same memory at head dim 128; flashdecode
+            backends, or torch on the CPU; engine/kv_quant.py).
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -142,7 +146,8 @@ class LLM:
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False,
-                 tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False):
+                 tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
+                 kv_cache_dtype: str = "auto"):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -200,8 +205,16 @@ class LLM:
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (self.tokenizer.eos_token_ids
                                                                       if self.tokenizer is not None else ())))
 
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+        if self.kv_cache_dtype is not None and self.backend.name not in QUANT_BACKENDS:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs attn_backend in {QUANT_BACKENDS}, got "
+                             f"{self.backend.name!r}")
+        if self.kv_cache_dtype is not None and self.parallel.cp_size > 1:
+            raise ValueError("kv_cache_dtype other than 'auto' does not support context parallelism yet")
         page_bytes = bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads, cfg.head_dim,
-                                    self.dtype)
+                                    self.kv_cache_dtype or self.dtype)
+        if self.kv_cache_dtype is not None:
+            page_bytes += scale_bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads)
         self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
         num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
                                                                   max_num_seqs))
@@ -210,7 +223,8 @@ class LLM:
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
-                                  dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel)
+                                  dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         logger.info("engine ready in %.1f s: %s, %d layers, %s on %s, attention %s, %d KV pages of %d tokens, "
                     "CUDA graphs %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,

@@ -23,6 +23,7 @@ import torch
 from flashdecode.distributed.groups import ParallelState
 from flashdecode.engine.attention import AttentionBackend, AttentionMetadata, ContextParallelBackend
 from flashdecode.engine.kv_cache import allocate_pool, cp_local_length
+from flashdecode.engine.kv_quant import QuantPages, allocate_scales
 from flashdecode.engine.scheduler import Sequence
 
 
@@ -37,7 +38,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, *, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, device, dtype: torch.dtype, use_cuda_graphs: bool,
-                 parallel: ParallelState | None = None):
+                 parallel: ParallelState | None = None, kv_cache_dtype: torch.dtype | None = None):
         cfg = model.config
         self.model, self.backend, self.device = model, backend, torch.device(device)
         self.page_size, self.num_pages, self.max_model_len = page_size, num_pages, max_model_len
@@ -46,10 +47,15 @@ class ModelRunner:
         self.buckets = batch_buckets(max_num_seqs)
         if self.cp_size > 1:
             self.backend = ContextParallelBackend(backend, self.parallel.cp_group, max_rows=self.buckets[-1])
-        self.pool = allocate_pool(cfg.num_hidden_layers, num_pages, page_size,
-                                  getattr(model, "cache_kv_heads", cfg.num_key_value_heads), cfg.head_dim, dtype,
-                                  device)
+        nheads_kv = getattr(model, "cache_kv_heads", cfg.num_key_value_heads)
+        self.pool = allocate_pool(cfg.num_hidden_layers, num_pages, page_size, nheads_kv, cfg.head_dim,
+                                  kv_cache_dtype or dtype, device)
         self.kv_caches = [(self.pool[0, l], self.pool[1, l]) for l in range(cfg.num_hidden_layers)]
+        if kv_cache_dtype is not None:  # 8-bit pages with per-token-head scales (engine/kv_quant.py)
+            self.pool_scales = allocate_scales(cfg.num_hidden_layers, num_pages, page_size, nheads_kv, device)
+            self.kv_caches = [(QuantPages(self.pool[0, l], self.pool_scales[0, l]),
+                               QuantPages(self.pool[1, l], self.pool_scales[1, l]))
+                              for l in range(cfg.num_hidden_layers)]
         self.scratch_page = num_pages  # the pool's extra page
         self.dynamic_rope = cfg.rope.rope_type == "dynamic"
         self.max_pages = -(-max_model_len // page_size)

@@ -14,6 +14,8 @@ whatever the device-resident metadata holds (the launcher checks host-resident m
 import triton
 import triton.language as tl
 
+from flashdecode.kernels.kv_quant import quantize_new_tokens
+
 
 @triton.jit
 def append_kv_kernel(
@@ -22,13 +24,18 @@ def append_kv_kernel(
     stride_cb, stride_ct, stride_ch, stride_btb,
     HEADDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     VARLEN: tl.constexpr,
+    K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, QUANT: tl.constexpr = 0,
+    QMAX: tl.constexpr = 1.0,
 ):
     """K_NEW/V_NEW: dense (batch, dense_seqlen_new, nheads_kv, HEADDIM) via (stride_nb, stride_nt, stride_nh), or
     packed (total_new, nheads_kv, HEADDIM) rows (VARLEN; stride_nb unused), unit stride on the head dim.
     K_CACHE/V_CACHE share strides: contiguous (batch, max_seqlen, h, d) with stride_cb the batch stride
     (PAGE_SIZE == 0), or paged (num_pages, PAGE_SIZE, h, d) with stride_cb the page stride. SEQLENS int32 (batch,):
     lengths BEFORE the append. CU_NEW int32 (batch + 1,) when VARLEN. BLOCK_TABLE int32 (batch, pages_per_seq) with
-    capacity = pages_per_seq * PAGE_SIZE (paged)."""
+    capacity = pages_per_seq * PAGE_SIZE (paged).
+    QUANT (an 8-bit cache; kernels/kv_quant.py quantize_new_tokens): 2 writes each new token's float32 scales into
+    K_SCALE / V_SCALE (sequence or page, token, kv head) at stride_sb / stride_st / stride_sh, 1 quantises with the
+    given per-kv-head scales (stride_sh 0: one scalar); QMAX: the format's largest magnitude."""
     b = tl.program_id(0)
     t_block = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -60,5 +67,14 @@ def append_kv_kernel(
     k = tl.load(K_NEW + k_rows[:, None] + h * stride_nh + offs_d[None, :], mask=mask)
     v = tl.load(V_NEW + v_rows[:, None] + h * stride_vnh + offs_d[None, :], mask=mask)
     dst = dst_rows[:, None] + h * stride_ch + offs_d[None, :]
+    if QUANT > 0:
+        s_rows = 0
+        if QUANT == 2:
+            if PAGE_SIZE == 0:
+                s_rows = b.to(tl.int64) * stride_sb + pos * stride_st
+            else:
+                s_rows = page.to(tl.int64) * stride_sb + (pos % PAGE_SIZE) * stride_st
+        k, v = quantize_new_tokens(k, v, mask, h, s_rows, t_ok, K_SCALE, V_SCALE, stride_sh, QUANT, QMAX,
+                                   K_CACHE.dtype.element_ty)
     tl.store(K_CACHE + dst, k, mask=mask)
     tl.store(V_CACHE + dst, v, mask=mask)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashdecode.kernels.kv_quant import key_scales
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
@@ -130,7 +131,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False):
+                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, k_scale=None, v_scale=None,
+                   stride_spage=0, stride_stok=0, KV_QUANT: tl.constexpr = 0):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -141,6 +143,10 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     memory read outside the cache, score -inf: they contribute nothing).
     ALIBI: alibi_log2 (BLOCK_M,) fp32 is each row's ALiBi slope times log2(e); the bias -slope * |qpos - key| joins
     the scores after the softcap (flash-attn's order).
+    KV_QUANT (kernels/kv_quant.py; pointer path only): an 8-bit cache whose tiles are converted to q's dtype, the
+    scores scaled by each key's k scale and the probabilities by each key's v scale; k_scale / v_scale are the
+    scale pointers (KV_QUANT 2, key offsets with the scale strides stride_spage / stride_stok) or scalars (1).
+    Order on the scores: q.k, the k scale, the logit scale / softcap, the ALiBi bias, the masks.
     """
     offs_d = tl.arange(0, BLOCK_D)
     # page ids read from the block table inside the loop (not preloaded into registers)
@@ -155,8 +161,19 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
             k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
-                              IDS_IN_LOOP)
+                              IDS_IN_LOOP and KV_QUANT == 0)
+        if KV_QUANT > 0:  # (absent keys of an 8-bit cache: a NaN k scale instead of NaN keys, key_scales)
+            srows = rows
+            if KV_QUANT == 2:
+                srows, _ = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
+                                    split_pages, first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+            elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
+                srows = rows // HEADDIM
+            ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_QUANT > 0:
+            qk = qk * ks[None, :]
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
             s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
@@ -184,6 +201,9 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 v = tl.where((offs_n < end)[:, None], v, 0.0)
         else:
             v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
+        if KV_QUANT > 0:
+            p = p * vs[None, :]
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -347,6 +367,7 @@ def decode_split_kernel(
     BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
     OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
     ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
+    K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, KV_QUANT: tl.constexpr = 0,
 ):
     """Stage 1 (see module doc).
 
@@ -457,7 +478,8 @@ def decode_split_kernel(
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
                             num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
                             SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                            OFFS_32, spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI)
+                            OFFS_32, spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, K_SCALE, V_SCALE,
+                            stride_sb, stride_st, stride_sh, KV_QUANT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -497,13 +519,27 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr,
                   spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False, alibi_log2=0.0,
-                  ALIBI: tl.constexpr = False):
+                  ALIBI: tl.constexpr = False, K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0,
+                  KV_QUANT: tl.constexpr = 0):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
     decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the
     page ids of the keys [spec_start, spec_end) (_split_page_ids, read earlier); used where they cover the same
-    pages as [start, end), else read again. ALIBI: alibi_log2 as in _attend_blocks."""
+    pages as [start, end), else read again. ALIBI: alibi_log2 as in _attend_blocks. K_SCALE / V_SCALE, KV_QUANT:
+    an 8-bit cache's float32 scales (kernels/kv_quant.py), element (sequence or page, token, kv head) at
+    stride_sb / stride_st / stride_sh."""
+    k_scale = K_SCALE
+    v_scale = V_SCALE
+    if KV_QUANT == 1:  # one scale per kv head: read once per split
+        k_scale = tl.load(K_SCALE + hk * stride_sh)
+        v_scale = tl.load(V_SCALE + hk * stride_sh)
+    elif KV_QUANT >= 2:
+        s_off = hk * stride_sh
+        if PAGE_SIZE == 0:
+            s_off = b.to(tl.int64) * stride_sb + s_off
+        k_scale = K_SCALE + s_off
+        v_scale = V_SCALE + s_off
     if USE_TMA:
         k_src = K
         v_src = V
@@ -543,13 +579,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI)
+                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI)
+                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT)
     return normalize_state(acc, m_i, l_i)
 
 
@@ -675,6 +711,7 @@ def decode_persistent_kernel(
     SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
     QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False, num_pages=1,
     ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
+    K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, KV_QUANT: tl.constexpr = 0,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -746,7 +783,8 @@ def decode_persistent_kernel(
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
                                 softcap_out, num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                OFFS_32, alibi_log2=alibi_log2, ALIBI=ALIBI)
+                                OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, K_SCALE, V_SCALE, stride_sb, stride_st,
+                                stride_sh, KV_QUANT)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

@@ -9,6 +9,7 @@ from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import _cache_capacity, _check_cache_pair, _check_lengths_and_table
+from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
 
 __all__ = ["append_kv"]
 
@@ -17,7 +18,7 @@ _check_tensor, _check_device, _interpreting = checks.check_tensor, checks.check_
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *, cu_seqlens_new=None,
-              max_seqlen_new=None, validate=False):
+              max_seqlen_new=None, validate=False, k_scale=None, v_scale=None):
     """Write new K/V tokens into a contiguous or paged cache, one launch, in place.
 
     Args:
@@ -39,6 +40,12 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
     Device-resident metadata is not (that would need a host sync); the kernel then never touches memory outside
     the tensors: tokens at positions outside [0, capacity), in pages whose id is outside [0, num_pages), or from
     rows outside k_new (a cu_seqlens_new that runs past it, decreases or starts below 0) are not written.
+    k_scale, v_scale: required with an 8-bit cache (torch.float8_e4m3fn, or int8 symmetric; flash_decode's
+        k_scale / v_scale), refused otherwise; the fp16/bf16/fp32 new tokens are quantised in the same launch.
+        Per token and kv head (the cache's shape[:-1], float32): each new token's scales are WRITTEN there, absmax
+        / 448 (e4m3) or / 127 (int8) over its head dim (an all-zero token gets 0 and reads back as zeros; a token
+        holding NaN / inf gets a non-finite scale and reads back as NaN, touching no other token). A scalar () or
+        per-kv-head (nheads_kv,) scale is read and used: x / scale, saturated to the format's range.
     """
     _check_tensor("k_new", k_new, (3, 4), _DTYPES)
     checks.check_kernel_device("k_new", k_new)
@@ -48,7 +55,13 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
                          f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
                          f"{'given' if varlen else 'None'}")
-    _check_cache_pair(k_cache, v_cache, k_new.dtype, device)
+    quant = resolve_kv_quant(k_new.dtype, k_cache, v_cache, k_scale, v_scale)
+    # scales of the cache's shape[:-1] are written per new token; others (one per kv head, or one) are read
+    write_scales = quant is not None and tuple(k_scale.shape) == tuple(k_cache.shape[:-1])
+    if quant is not None and quant.per_token and not write_scales:
+        raise ValueError(f"k_scale / v_scale that append_kv writes per token must have the cache's shape[:-1] "
+                         f"{tuple(k_cache.shape[:-1])}, got {tuple(k_scale.shape)} / {tuple(v_scale.shape)}")
+    _check_cache_pair(k_cache, v_cache, k_new.dtype if quant is None else k_cache.dtype, device)
     _check_tensor("v_new", v_new, (k_new.dim(),))
     if v_new.shape != k_new.shape or v_new.dtype != k_new.dtype or v_new.device != device:
         raise ValueError(f"v_new must match k_new ({tuple(k_new.shape)}, {k_new.dtype}), got "
@@ -97,5 +110,14 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0) if block_table is not None else 0,
         HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
-        PAGE_SIZE=page_size, VARLEN=varlen, num_warps=4,
+        PAGE_SIZE=page_size, VARLEN=varlen, num_warps=4, **_quant_args(quant, write_scales),
     )
+
+
+def _quant_args(quant, write_scales: bool) -> dict:
+    """append_kv_kernel's K_SCALE / V_SCALE / stride_s* / QUANT / QMAX ({} for a float cache)."""
+    if quant is None:
+        return {}
+    sb, st, sh = quant.strides
+    return dict(K_SCALE=quant.k_scale, V_SCALE=quant.v_scale, stride_sb=sb, stride_st=st, stride_sh=sh,
+                QUANT=2 if write_scales else 1, QMAX=QMAX[quant.dtype])

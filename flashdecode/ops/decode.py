@@ -23,6 +23,7 @@ from flashdecode.ops.append_kv import append_kv
 from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch, run_decode
 from flashdecode.ops.decode_policy import _DecodeShape, capturing, check_config_fits, choose_live_keys, decode_device
 from flashdecode.ops.decode_workspace import workspace
+from flashdecode.ops.kv_quant import QUANT_DTYPES
 
 __all__ = ["flash_decode", "decode_config", "DecodePlan", "append_kv"]
 
@@ -72,24 +73,26 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
 
 
 def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None, window_size=(-1, -1),
-                  max_seqlen_k=None, batch_invariant: bool = False) -> DecodeConfig:
+                  max_seqlen_k=None, batch_invariant: bool = False, k_scale=None, v_scale=None) -> DecodeConfig:
     """The DecodeConfig flash_decode resolves for these arguments (same host sync where it would sync), e.g. to
     pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, None)
-    shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, None, 0.0, window_size)
+    shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, None, 0.0, window_size, k_scale=k_scale,
+                         v_scale=v_scale)
     return _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, None, batch_invariant=batch_invariant)[0]
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
                  softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
                  config: DecodeConfig | None = None, validate=False, sinks=None, batch_invariant: bool = False,
-                 alibi_slopes=None):
+                 alibi_slopes=None, k_scale=None, v_scale=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
 
     Args:
         q: (batch, nheads, headdim) or (batch, seqlen_q, nheads, headdim) fp16/bf16/fp32; the seqlen_q tokens are
             the LAST seqlen_q positions of each sequence and are causal among themselves (bottom-right aligned).
-        k_cache, v_cache: same dtype as q, same shape and strides, unit stride on headdim. Contiguous
+        k_cache, v_cache: same dtype as q (or both 8-bit, see k_scale), same shape and strides, unit stride on
+            headdim. Contiguous
             (batch_cache >= batch, max_seqlen, nheads_kv, headdim), or paged (num_pages, page_size, nheads_kv,
             headdim) when ``block_table`` is given. nheads % nheads_kv == 0 (GQA/MQA, any group size).
         cache_seqlens: int32 (batch,) on q's device: live keys per sequence INCLUDING the seqlen_q new ones
@@ -124,6 +127,12 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             -slope * |qpos - j| for the row at key position qpos (its token's position in the sequence, the new
             tokens being the last seqlen_q) and key j joins the scaled logits after the softcap (flash-attn's
             rule), on every decode path; lse includes it.
+        k_scale, v_scale: required with an 8-bit cache (k_cache / v_cache torch.float8_e4m3fn, or int8 symmetric),
+            refused otherwise: float32 on q's device, broadcastable to the cache's shape[:-1]: () one scale,
+            (nheads_kv,) one per kv head, or per token and kv head ((batch_cache, max_seqlen, nheads_kv) contiguous,
+            (num_pages, page_size, nheads_kv) paged). The cache stands for k_cache.float() * k_scale[..., None]
+            (likewise V); q and out stay fp16/bf16/fp32. append_kv(..., k_scale=, v_scale=) writes such a cache.
+            They combine with sinks, batch_invariant and alibi_slopes.
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without
     num_splits / max_seqlen_k the split count is sized from the cache capacity (the device-side split counts then
     follow the live lengths), and the split workspace comes from a per-device pool that eager calls of the same
@@ -141,7 +150,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                                        softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                        window_size=window_size, return_lse=return_lse, out=out,
                                        max_seqlen_k=max_seqlen_k, plan=plan, config=config,
-                                       validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes)
+                                       validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
+                                       k_scale=k_scale, v_scale=v_scale)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
@@ -149,10 +159,11 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
-                        validate=validate, alibi_slopes=alibi_slopes)
+                        validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     checks.check_bool("return_lse", return_lse)
     max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
-    shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+    shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                         k_scale=k_scale, v_scale=v_scale)
     shape.with_alibi(alibi_slopes)
     shape.check_out(out, q)
     _check_metadata(shape, cache_seqlens, block_table, validate)
@@ -201,12 +212,14 @@ class DecodePlan:
     The persistent paths merge after int32 ticket counters owned by the plan, zero at rest.
     ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (unsplit, fixed tiles), so a
     sequence's out and lse do not depend on the batch or the other lengths (excludes num_splits > 1 and config=).
+    ``kv_dtype``: the cache's dtype (default ``dtype``; torch.float8_e4m3fn or torch.int8 for an 8-bit cache whose
+    runs pass k_scale / v_scale): the split count and tiles are chosen for its element size.
     """
 
     def __init__(self, max_batch: int, nheads: int, nheads_kv: int, headdim: int, *, max_seqlen_k: int,
                  dtype=torch.bfloat16, device="cuda", max_seqlen_q: int = 1, num_splits: int | None = None,
                  balance_mixed: bool = True, use_pdl: bool | None = None, config: DecodeConfig | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, kv_dtype=None):
         max_batch, nheads, nheads_kv, max_seqlen_q = (checks.check_int(name, value, 1) for name, value in (
             ("max_batch", max_batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("max_seqlen_q", max_seqlen_q)))
         headdim = checks.check_int("headdim", headdim, 1, checks.MAX_HEAD_DIM)
@@ -217,6 +230,10 @@ class DecodePlan:
         checks.check_bool("balance_mixed", balance_mixed)
         if use_pdl is not None:
             checks.check_bool("use_pdl", use_pdl)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in (dtype,) + QUANT_DTYPES:
+            raise TypeError(f"kv_dtype must be dtype ({dtype}) or one of {QUANT_DTYPES}, got {kv_dtype}")
+        self.kv_dtype = kv_dtype
         self.max_batch, self.nheads, self.nheads_kv, self.headdim = max_batch, nheads, nheads_kv, headdim
         self.max_seqlen_q, self.dtype = max_seqlen_q, dtype
         self.device = checks.check_device_arg("device", device)
@@ -237,7 +254,7 @@ class DecodePlan:
         self._policy_splits = num_splits is None  # the device may then choose fewer per sequence
         self.num_splits = num_splits if num_splits is not None else heuristics.decode_plan_splits(
             max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
-            torch.empty((), dtype=dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
+            torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -267,9 +284,11 @@ class DecodePlan:
         return launch
 
     def _shape(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, softcap=0.0,
-               window_size=(-1, -1)) -> _DecodeShape:
+               window_size=(-1, -1), k_scale=None, v_scale=None) -> _DecodeShape:
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                             grid_batch=self.max_batch)
+                             grid_batch=self.max_batch, k_scale=k_scale, v_scale=v_scale)
+        if k_cache.dtype != self.kv_dtype:
+            raise TypeError(f"k_cache dtype {k_cache.dtype} does not match this plan's kv_dtype {self.kv_dtype}")
         b, sq, h, d = shape.q4.shape
         if b > self.max_batch or sq > self.max_seqlen_q or h != self.nheads or d != self.headdim \
                 or shape.nheads_kv != self.nheads_kv or q.dtype != self.dtype or q.device != self.device:
@@ -278,12 +297,15 @@ class DecodePlan:
                              f"{self.nheads_kv}, headdim {self.headdim}, {self.dtype} on {self.device})")
         return shape
 
-    def config_for(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None) -> DecodeConfig:
+    def config_for(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
+                   v_scale=None) -> DecodeConfig:
         """The DecodeConfig ``run`` uses for tensors of these shapes (resolved once per run shape)."""
-        return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table)).config
+        return self._launch_for(self._shape(q, k_cache, v_cache, cache_seqlens, block_table, k_scale=k_scale,
+                                            v_scale=v_scale)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None):
+            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None,
+            k_scale=None, v_scale=None):
         """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
         syncs, so it is for eager debugging runs, not captured ones)."""
         checks.check_bool("return_lse", return_lse)
@@ -292,8 +314,10 @@ class DecodePlan:
             return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
                                            block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
                                            window_size=window_size, return_lse=return_lse, out=out,
-                                           validate=validate, alibi_slopes=alibi_slopes)
-        shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size)
+                                           validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale,
+                                           v_scale=v_scale)
+        shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                            k_scale, v_scale)
         shape.with_alibi(alibi_slopes)
         shape.check_out(out, q)
         _check_metadata(shape, cache_seqlens, block_table, validate)

@@ -12,6 +12,7 @@ import torch
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+from flashdecode.ops.kv_quant import kv_quant_kernel_args
 from flashdecode.ops.merge import launch_merge_many
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
         PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
         OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **_alibi_args(shape),
+        **kv_quant_kernel_args(shape.kv_quant, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -197,6 +199,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         QUEUE_SPLITS=config.queue_splits if dynamic else 0,
         QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
         QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0], **_alibi_args(shape),
+        **kv_quant_kernel_args(shape.kv_quant, k_cache),
         num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,

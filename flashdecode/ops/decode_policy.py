@@ -11,6 +11,7 @@ from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
 from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
                                            _check_lengths_and_table, check_out)
+from flashdecode.ops.kv_quant import resolve_kv_quant
 
 _DTYPES = checks.FLOAT_DTYPES
 _MAX_HEADDIM = checks.MAX_HEAD_DIM
@@ -35,15 +36,16 @@ class _DecodeShape:
     """The host-side facts of one decode call, validated (no launch decision: see problem())."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                 grid_batch=None):
+                 grid_batch=None, k_scale=None, v_scale=None):
         """grid_batch: the batch the tiles are chosen for (a plan's max_batch, so that one plan always launches
-        one kernel variant); default q's batch."""
+        one kernel variant); default q's batch. k_scale / v_scale: an 8-bit cache's scales (ops/kv_quant.py)."""
         _check_tensor("q", q, (3, 4), _DTYPES)
         checks.check_kernel_device("q", q)
         self.q4 = q.unsqueeze(1) if q.dim() == 3 else q
         self.batch, self.seqlen_q, self.nheads, self.headdim = self.q4.shape
         self.device = q.device
-        _check_cache_pair(k_cache, v_cache, q.dtype, self.device)
+        self.kv_quant = resolve_kv_quant(q.dtype, k_cache, v_cache, k_scale, v_scale)
+        _check_cache_pair(k_cache, v_cache, q.dtype if self.kv_quant is None else k_cache.dtype, self.device)
         self.nheads_kv = k_cache.shape[2]
         if k_cache.shape[3] != self.headdim:
             raise ValueError(f"k_cache head dim {k_cache.shape[3]} must match q head dim {self.headdim}")
@@ -71,8 +73,10 @@ class _DecodeShape:
         self.grid_batch = grid_batch or self.batch
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self.elem_bytes = k_cache.element_size()
-        self.cache_tma_ok = _tma_layout(k_cache)
-        self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache)
+        # 8-bit caches take the pointer path (their scales are read beside each block; kernels/kv_quant.py)
+        self.cache_tma_ok = _tma_layout(k_cache) and self.kv_quant is None
+        self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache) and (self.kv_quant is None
+                                                                        or self.kv_quant.offsets_fit_int32())
         self.alibi_slopes = None  # with_alibi
 
     def with_alibi(self, alibi_slopes) -> "_DecodeShape":

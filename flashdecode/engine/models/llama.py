@@ -95,7 +95,8 @@ class Attention(nn.Module):
         also written to this layer's pages."""
         tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
-        if use_fused and self.fused_rope and rotary.has_table:  # one kernel: rotate q/k, write k/v to pages
+        # one kernel: rotate q/k, write k/v to pages (float pages only: 8-bit ones are written by write_kv)
+        if use_fused and self.fused_rope and rotary.has_table and isinstance(k_cache, torch.Tensor):
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
                                            k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim)
         else:

@@ -1,0 +1,178 @@
+"""Decode on 8-bit KV caches vs our bf16 cache and FlashInfer's FP8 paged decode (GPU only; a measurement).
+
+Issue 23's targets: b1, 16 q / 2 kv heads, head dim 128 at 512..128k keys - our e4m3 cache with per-token-head
+scales and with one scalar scale (contiguous and pages of 16) vs our bf16 cache (contiguous, page 16) vs
+FlashInfer's BatchDecodeWithPagedKVCacheWrapper with kv_data_type=torch.float8_e4m3fn (page 16; and its bf16 run),
+plus the Llama-3-8B shape (32 / 8 heads) at batch 16 and 64, 8k keys. Method as ``flashdecode bench decode``:
+CUDA-graph replays (flashdecode.timing) over input sets rotated until they exceed L2 4x, medians. Beside every row:
+the 8-bit floor (8-bit K/V bytes + their float32 scales / measured copy bandwidth, the read+write anchor of bench
+decode) and a bare read of the same 8-bit bytes (benchmarks.probes.stream's read kernel, best of its variants):
+what any kernel pays just to stream them. FlashInfer is skipped (with the reason) where it is not installed.
+
+    PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def _quant_set(s, per_token: bool):
+    """An e4m3 copy of a bf16 set's K/V (values scaled into range) with per-token-head or scalar float32 scales."""
+    out = dict(s)
+    for name in ("k", "v"):
+        x = s[name]
+        if per_token:
+            scale = (x.float().abs().amax(-1) / 448.0).clamp_min(1e-12)
+        else:
+            scale = (x.float().abs().amax() / 448.0).clamp_min(1e-12).reshape(())
+        out[name] = (x.float() / scale.expand(x.shape[:-1])[..., None]).clamp(-448, 448).to(FP8)
+        out[f"{name}_scale"] = scale.contiguous()
+    return out
+
+
+def _ours(sets, block_n=None):
+    """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales); block_n: override the resolved
+    config's (e.g. 64: the 8-bit page-16 tile that compiles without spills)."""
+    import dataclasses
+
+    import flashdecode
+
+    s0 = sets[0]
+    batch, nheads, headdim = s0["q"].shape
+    kw = dict(max_seqlen_k=max(s0["context_lens"]), dtype=s0["q"].dtype, device=s0["q"].device,
+              kv_dtype=s0["k"].dtype)
+    scales0 = {"k_scale": s0["k_scale"], "v_scale": s0["v_scale"]} if "k_scale" in s0 else {}
+    plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
+    if block_n is not None:
+        config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
+        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw,
+                                      config=dataclasses.replace(config, block_n=block_n))
+
+    def call(s):
+        scales = dict(k_scale=s["k_scale"], v_scale=s["v_scale"]) if "k_scale" in s else {}
+        return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"], **scales)
+    config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
+    return [call(s) for s in sets], {"path": config.path.name, "splits": config.num_splits, "block_n": config.block_n}
+
+
+def _bare_read(sets, out):
+    """The best of benchmarks.probes.stream's flat read-only sweeps over the 8-bit K/V bytes (uint8 views)."""
+    from benchmarks.probes.stream import READ_VARIANTS, _read_calls
+    from flashdecode.timing import cuda_graph_time_us
+
+    pairs = [(s["k"].view(torch.uint8).reshape(-1), s["v"].view(torch.uint8).reshape(-1)) for s in sets]
+    best = None
+    for _, block, warps in READ_VARIANTS:
+        if pairs[0][0].numel() % block:
+            continue
+        t = cuda_graph_time_us(_read_calls(pairs, block, warps, out))
+        best = t if best is None else min(best, t)
+    return best
+
+
+def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen):
+    from flashdecode.bench.decode import BUILDERS, _make_set
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
+
+    lens = [context] * batch
+    bf16_bytes = 2 * batch * context * nheads_kv * headdim * 2
+    fp8_bytes = bf16_bytes // 2
+    scale_bytes = 2 * batch * context * nheads_kv * 4
+    n_sets = rotation_count(bf16_bytes)
+    row = dict(shape=label, batch=batch, context=context, nheads=nheads, nheads_kv=nheads_kv, headdim=headdim,
+               rotated_sets=n_sets, bf16_floor_us=bf16_bytes / bandwidth * 1e6,
+               fp8_floor_us=(fp8_bytes + scale_bytes) / bandwidth * 1e6)
+    out = torch.empty(fp8_bytes // 1024 + 1, dtype=torch.float32, device="cuda")
+    for page in (0, 16):
+        base = [_make_set(batch, lens, nheads, nheads_kv, headdim, page, torch.bfloat16, gen) for _ in range(n_sets)]
+        layout = "contig" if page == 0 else "page16"
+        variants = {f"ours bf16 {layout}": base,
+                    f"ours fp8-token {layout}": [_quant_set(s, True) for s in base]}
+        if page == 0:
+            variants["ours fp8-scalar contig"] = [_quant_set(s, False) for s in base]
+        else:
+            variants["ours fp8-token page16 bn64"] = variants["ours fp8-token page16"]
+        for name, sets in variants.items():
+            try:
+                fns, info = _ours(sets, 64 if name.endswith("bn64") else None)
+                row[name] = cuda_graph_time_us(fns, reps=reps)
+                row[f"{name} config"] = info
+            except Exception as e:  # reported, not fatal
+                row[name] = None
+                row[f"{name} skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if page == 0:
+            row["bare read fp8 us"] = _bare_read(variants["ours fp8-token contig"], out)
+        else:
+            fp8_sets = [dict(s, k=q["k"], v=q["v"]) for s, q in zip(base, variants["ours fp8-token page16"])]
+            for name, sets in (("FlashInfer bf16 page16", base), ("FlashInfer fp8 page16", fp8_sets)):
+                try:
+                    fns, _ = BUILDERS["FlashInfer"](sets)
+                    row[name] = cuda_graph_time_us(fns, reps=reps)
+                except Exception as e:
+                    row[name] = None
+                    row[f"{name} skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        del base, variants
+        torch.cuda.empty_cache()
+    for name in [k for k in list(row) if k.startswith(("ours fp8", "FlashInfer fp8")) and row.get(k)]:
+        if isinstance(row[name], float):
+            row[f"{name} %floor"] = 100.0 * row["fp8_floor_us"] / row[name]
+            if row.get("bare read fp8 us"):
+                row[f"{name} %bare"] = 100.0 * row["bare read fp8 us"] / row[name]
+    for layout in ("contig", "page16"):
+        bf, f8 = row.get(f"ours bf16 {layout}"), row.get(f"ours fp8-token {layout}")
+        if bf and f8:
+            row[f"speedup fp8-token vs bf16 {layout}"] = bf / f8
+    if row.get("ours fp8-token page16") and row.get("FlashInfer fp8 page16"):
+        row["ours fp8 vs FlashInfer fp8 (page16)"] = row["FlashInfer fp8 page16"] / row["ours fp8-token page16"]
+    return row
+
+
+COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
+           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn64", "FlashInfer bf16 page16",
+           "FlashInfer fp8 page16",
+           "bare read fp8 us", "fp8_floor_us", "ours fp8-token contig %floor", "ours fp8-token contig %bare",
+           "ours fp8-token page16 %floor", "speedup fp8-token vs bf16 contig", "speedup fp8-token vs bf16 page16",
+           "ours fp8 vs FlashInfer fp8 (page16)"]
+
+
+def main() -> int:
+    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768,65536,131072")
+    parser.add_argument("--batched", default="16,64", help="Llama-3-8B shape (32 / 8 heads) batches; '' to skip")
+    parser.add_argument("--batched-context", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("fp8_decode needs a CUDA GPU")
+        return 2
+    env = env_info()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [bench_point("b1 16/2", 1, ctx, 16, 2, 128, args.reps, bandwidth, gen)
+            for ctx in (int(x) for x in args.contexts.split(",") if x)]
+    rows += [bench_point("llama3-8b", b, args.batched_context, 32, 8, 128, args.reps, bandwidth, gen)
+             for b in (int(x) for x in args.batched.split(",") if x)]
+    print(f"fp8 decode on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; times in us (CUDA-graph replays, K/V rotated beyond L2)")
+    fmt = {c: ".1f" for c in COLUMNS if c not in ("shape", "batch", "context")}
+    fmt.update({c: ".2f" for c in COLUMNS if c.startswith(("speedup", "ours fp8 vs"))})
+    print(markdown_table(rows, COLUMNS, fmt))
+    out = results_dir(args.out)
+    path = write_json(out / f"{result_stem('fp8_decode', env)}.json", "fp8_decode", env, rows,
+                      {"copy_bandwidth_bytes_per_s": bandwidth})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""8-bit KV caches (float8_e4m3fn or symmetric int8 with float32 scales): the decode KV loop's per-key scales and
+append_kv's quantisation of new tokens.
+
+A dequantised key is k_cache.float() * k_scale (one scale per token and kv head, or one per kv head / tensor). The
+decode loop never builds that tile: it converts the 8-bit tile to q's dtype for the dot, multiplies the scores
+column-wise by each key's k_scale, and the probabilities column-wise by each key's v_scale before the PV dot
+(sum_j p_j v_scale_j v_j), so the bytes read per key are the 8-bit row plus two float32 scales.
+
+KV_QUANT (constexpr): 0 = no quantisation (the bf16/fp16/fp32 cache path, compiled without any of this), 1 = one
+scale per kv head for every token (a scalar broadcast too: loaded once per split), 2 = a scale per token and kv
+head (loaded per block through the scale strides, which are 0 along broadcast dims; paged: each key's page id is
+looked up again for them), 3 = the same with the scales' sequence / page and token strides the cache's divided by
+the head dim (the layout append_kv and the engine use): a key's scale offset is its K offset // HEADDIM.
+"""
+
+import triton
+import triton.language as tl
+
+# the largest finite magnitude of each 8-bit format (e4m3fn: 448; int8 symmetric: 127)
+E4M3_MAX = 448.0
+INT8_MAX = 127.0
+
+
+@triton.jit
+def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr, PAGED: tl.constexpr,
+               KV_QUANT: tl.constexpr):
+    """(ks, vs): (BLOCK_N,) fp32 per-key scales of a block. KV_QUANT 2: k_scale / v_scale are the scale pointers
+    of this sequence (contiguous) or kv head (paged) and ``rows`` the keys' offsets into them (decode's _kv_rows
+    with the scale strides); KV_QUANT 1: k_scale / v_scale are this kv head's scalars. Keys of absent pages (PAGED,
+    key_ok false) get a NaN k scale, so their scores come out NaN, which the KV loop turns into -inf (an int8 K tile
+    has no NaN to load for them); masked keys' scales are never read (0, or NaN when paged)."""
+    ok = key_ok
+    if MASKED:
+        ok = ok & (offs_n < end)
+    if KV_QUANT >= 2:
+        ks = tl.load(k_scale + rows, mask=ok, other=float("nan") if PAGED else 0.0)
+        vs = tl.load(v_scale + rows, mask=ok, other=0.0)
+    else:
+        ks = tl.where(ok, k_scale, float("nan") if PAGED else 0.0)
+        vs = tl.where(ok, v_scale, 0.0)
+    return ks, vs
+
+
+@triton.jit
+def quantize_rows(x, scale, QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """(T, D) fp32 rows -> 8-bit OUT_DTYPE with the (T,) scales: x / scale, saturated to [-QMAX, QMAX], rounded to
+    nearest (int8) or by the fp8 conversion. A scale of 0 (an all-zero token, or a zero given scale) writes zeros;
+    non-finite values write 0 (their row's scale is then non-finite too, so the token reads back as NaN: it stays
+    local to its own row)."""
+    inv = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale, 1.0), 0.0)
+    y = x * inv[:, None]
+    y = tl.where(y == y, y, 0.0)  # NaN -> 0 (the row's scale carries the NaN)
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if OUT_DTYPE == tl.int8:
+        y = tl.floor(y + 0.5)
+    else:
+        y = _round_to_e4m3_grid(y)
+    return y.to(OUT_DTYPE)
+
+
+@triton.jit
+def _round_to_e4m3_grid(y):
+    """y (|y| <= 448) rounded to the nearest e4m3 value in fp32 (3 mantissa bits; subnormals share 2**-6's step),
+    so the conversion that follows is exact. (Triton's CPU interpreter converts values that round up to the next
+    power of two wrongly, e.g. -127.9 to -64: rounding here first gives the same codes on the GPU and the CPU.)"""
+    a = tl.abs(y)
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 2.0**-6))) - 3.0)
+    r = tl.floor(a / step + 0.5) * step
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def row_scales(x, QMAX: tl.constexpr):
+    """(T,) fp32 per-row scales absmax / QMAX of (T, D) fp32 rows (padded columns must be 0): 0 for an all-zero row,
+    NaN for a row holding a NaN, inf for one holding an inf."""
+    amax = tl.max(tl.abs(x), 1)
+    has_nan = tl.sum((x != x).to(tl.int32), 1) > 0  # tl.max need not propagate NaN
+    return tl.where(has_nan, float("nan"), amax / QMAX)
+
+
+@triton.jit
+def quantize_new_tokens(k, v, mask, h, s_rows, t_ok, K_SCALE, V_SCALE, stride_sh, QUANT: tl.constexpr,
+                        QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """append_kv's quantisation of (BLOCK_T, BLOCK_D) new K / V rows of kv head h (``mask``: the real tokens and
+    head-dim columns; t_ok (BLOCK_T,): the tokens written). QUANT 2: each token's scales absmax / QMAX are written
+    at K_SCALE / V_SCALE + s_rows + h * stride_sh (only for t_ok tokens: a non-finite token's scale stays in its
+    own slot); QUANT 1: the given scale of kv head h (stride_sh 0 for one scalar). Returns the 8-bit rows."""
+    k = tl.where(mask, k.to(tl.float32), 0.0)
+    v = tl.where(mask, v.to(tl.float32), 0.0)
+    if QUANT == 2:
+        ks = row_scales(k, QMAX)
+        vs = row_scales(v, QMAX)
+        tl.store(K_SCALE + s_rows + h * stride_sh, ks, mask=t_ok)
+        tl.store(V_SCALE + s_rows + h * stride_sh, vs, mask=t_ok)
+    else:
+        ks = tl.zeros_like(t_ok.to(tl.float32)) + tl.load(K_SCALE + h * stride_sh)
+        vs = tl.zeros_like(t_ok.to(tl.float32)) + tl.load(V_SCALE + h * stride_sh)
+    return quantize_rows(k, ks, QMAX, OUT_DTYPE), quantize_rows(v, vs, QMAX, OUT_DTYPE)

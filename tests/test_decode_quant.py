@@ -1,0 +1,508 @@
+"""Decode on 8-bit KV caches (float8_e4m3fn, symmetric int8) and append_kv's quantising writes.
+
+flash_decode on an 8-bit cache is checked against the float64 reference on the DEQUANTISED cache (k_cache.float()
+* k_scale) with the FlashAttention rule (3x for decode); the same-dtype baseline is the PyTorch reference in q's
+dtype on the dequantised cache. The CPU interpreter runs fp16 q (its bf16 tl.dot is wrong).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import DecodePath
+from flashdecode import reference as ref
+from flashdecode.ops.decode import decode_config
+from flashdecode.ops.kv_quant import QMAX, dequantize_cache
+from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
+
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+
+
+def _lens(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _to_8bit(x, scale, dtype):
+    """x float (..., d) / scale (broadcast to x.shape[:-1]) -> saturated 8-bit, as append_kv writes it."""
+    s = scale.expand(x.shape[:-1])[..., None]
+    y = torch.where(s > 0, x.float() / s, torch.zeros_like(x.float())).clamp(-QMAX[dtype], QMAX[dtype])
+    return (y.round() if dtype == INT8 else y).to(dtype)
+
+
+def _quantize(x, dtype, granularity):
+    """A float cache (B, S, H, D) -> (8-bit cache, float32 scale): per token and head ("token"), per kv head
+    ("head") or one scale ("scalar"), each absmax / QMAX over what it covers."""
+    amax = x.float().abs().amax(-1)
+    if granularity == "head":
+        amax = amax.amax((0, 1))
+    elif granularity == "scalar":
+        amax = amax.amax()
+    scale = (amax / QMAX[dtype]).contiguous()
+    return _to_8bit(x, scale, dtype), scale
+
+
+def _heads_major(scale):
+    """The same per-token scales stored heads-major ((nheads_kv, B, S) permuted back): strides that are not the
+    cache's divided by the head dim, so the kernels take their general per-token path (KV_QUANT 2)."""
+    return scale.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+
+
+def _quant_cache(gen, batch, max_seqlen, nheads_kv, headdim, dtype, granularity, lens=None):
+    """K and V 8-bit caches with their scales; per-token scales past each sequence's length are NaN (never read).
+    granularity "token-strided": per-token scales in a heads-major layout (_heads_major)."""
+    out = []
+    for _ in range(2):
+        x = randn(batch, max_seqlen, nheads_kv, headdim, gen=gen) * 2.0
+        cache, scale = _quantize(x, dtype, granularity.split("-")[0])
+        if granularity.startswith("token") and lens is not None:
+            for b, n in enumerate(lens):
+                scale[b, n:] = float("nan")
+        if granularity == "token-strided":
+            scale = _heads_major(scale)
+        out += [cache, scale]
+    return out
+
+
+def _dequant(cache, scale):
+    return torch.nan_to_num(dequantize_cache(cache, scale), nan=0.0)
+
+
+def _page(x, table, page_size, num_pages, fill):
+    """Scatter a contiguous (B, S, ...) tensor into (num_pages, page_size, ...) pages per ``table``; other slots
+    hold ``fill``."""
+    b, pages_per_seq = table.shape
+    padded = torch.full((b, pages_per_seq * page_size, *x.shape[2:]), fill, dtype=torch.float32, device=x.device)
+    padded[:, :x.shape[1]] = x.float()
+    pages = torch.full((num_pages, page_size, *x.shape[2:]), fill, dtype=torch.float32, device=x.device)
+    pages[table.long().flatten()] = padded.view(b * pages_per_seq, page_size, *x.shape[2:])
+    return pages.to(x.dtype)
+
+
+def _paged(gen, kc, ks, vc, vs, page_size, extra_pages=2):
+    """The 8-bit caches (and per-token scales) in randomly permuted pages, unused pages holding 3 (data) and NaN
+    (scales)."""
+    b, s = kc.shape[:2]
+    pages_per_seq = -(-s // page_size)
+    num_pages = b * pages_per_seq + extra_pages
+    table = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq].view(b, pages_per_seq)
+    table = table.to(torch.int32).to(DEVICE)
+    kp, vp = (_page(c, table, page_size, num_pages, 3.0) for c in (kc, vc))
+    if ks.dim() == 3:
+        strided = ks.stride(-1) != 1
+        ks, vs = (_page(x, table, page_size, num_pages, float("nan")) for x in (ks, vs))
+        if strided:
+            ks, vs = _heads_major(ks), _heads_major(vs)
+    return kp, ks, vp, vs, table
+
+
+def _check(out, lse, q, kc, ks, vc, vs, lens, **kw):
+    """out / lse vs decode_ref on the dequantised contiguous cache (float64, and q's dtype as the baseline)."""
+    k, v = _dequant(kc, ks), _dequant(vc, vs)
+    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, **kw)
+    o_same, lse_same = ref.decode_ref(q, k.to(q.dtype), v.to(q.dtype), lens, **kw)
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=2e-3)
+    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=2e-3, name="lse")
+
+
+def _q(gen, batch, nheads, headdim, seqlen_q=1, dtype=torch.float16):
+    shape = (batch, nheads, headdim) if seqlen_q == 1 else (batch, seqlen_q, nheads, headdim)
+    return randn(*shape, gen=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+@pytest.mark.parametrize("granularity", ["token", "token-strided", "head", "scalar"])
+@pytest.mark.parametrize("group,seqlen_q,num_splits", [(1, 1, 1), (5, 2, 3), (8, 1, None), (1, 4, 2)])
+def test_contiguous_matches_reference_on_the_dequantised_cache(gen, dtype, granularity, group, seqlen_q,
+                                                              num_splits):
+    lens = [37, 0, 50, 2] if seqlen_q == 1 else [37, 4, 50, 5]
+    q = _q(gen, len(lens), 2 * group, 32, seqlen_q)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 52, 2, 32, dtype, granularity, lens)
+    out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, num_splits=num_splits,
+                                        return_lse=True)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("dtype,granularity", [(FP8, "token"), (INT8, "token"), (FP8, "token-strided"),
+                                               (INT8, "head"), (FP8, "scalar")])
+def test_paged_matches_reference(gen, page_size, dtype, granularity):
+    lens = [40, 0, 23]
+    q = _q(gen, len(lens), 5, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 40, 1, 32, dtype, granularity, lens)
+    kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, k_scale=ksp, v_scale=vsp,
+                                        num_splits=2, return_lse=True)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+def _persistent(config):
+    path = DecodePath.UNSPLIT if config.num_splits == 1 else DecodePath.PERSISTENT
+    return dataclasses.replace(config, path=path)
+
+
+def _queue(config):
+    if config.num_splits == 1:
+        return config
+    return dataclasses.replace(config, path=DecodePath.PERSISTENT_QUEUE, persistent_programs=3, persistent_slots=2)
+
+
+def _device_splits(config):
+    return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID)
+
+
+@pytest.mark.parametrize("tweak", [_persistent, _queue, _device_splits])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_every_path(gen, tweak, page_size):
+    """The persistent kernel (static shares, work queue) and the device-split grid on the 8-bit cache."""
+    lens = [61, 5, 33]
+    q = _q(gen, len(lens), 4, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 64, 2, 32, FP8, "token", lens)
+    kw = dict(k_scale=ks, v_scale=vs)
+    table = None
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kw = dict(k_scale=ksp, v_scale=vsp)
+    else:
+        kp, vp = kc, vc
+    config = tweak(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=3, **kw))
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, config=config, return_lse=True,
+                                        **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+def test_plan_with_softcap_window_and_seqlen_q(gen):
+    """DecodePlan(kv_dtype=int8) with softcap, a window and 3 new tokens per sequence, fp32 q."""
+    lens = [45, 9]
+    q = _q(gen, 2, 8, 32, seqlen_q=3, dtype=torch.float32)
+    kc, ks, vc, vs = _quant_cache(gen, 2, 48, 2, 32, INT8, "token", lens)
+    plan = flashdecode.DecodePlan(2, 8, 2, 32, max_seqlen_k=48, dtype=torch.float32, device=DEVICE, max_seqlen_q=3,
+                                  kv_dtype=INT8, num_splits=2)
+    kw = dict(softcap=5.0, window_size=(11, 0))
+    out, lse = plan.run(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, return_lse=True, **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens), **kw)
+
+
+def test_zero_scales_and_saturation(gen):
+    """All-zero tokens (scale 0) read back as zeros; +-448 / +-127 codes at the format's limits."""
+    lens = [30, 17]
+    q = _q(gen, 2, 2, 16)
+    for dtype in (FP8, INT8):
+        kc, ks, vc, vs = _quant_cache(gen, 2, 32, 1, 16, dtype, "token", lens)
+        ks[:, ::3] = 0.0
+        vs[:, 1::4] = 0.0
+        kc[:, 5], vc[:, 6] = QMAX[dtype], -QMAX[dtype]
+        out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, return_lse=True)
+        _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+def test_float_cache_path_unchanged(gen):
+    """A fp16 cache without scales gives exactly what it gave before (the KV_QUANT=0 kernels)."""
+    q = _q(gen, 2, 4, 32)
+    k, v = (randn(2, 40, 2, 32, gen=gen, dtype=torch.float16) for _ in range(2))
+    out = flashdecode.flash_decode(q, k, v, _lens([40, 13]), num_splits=2)
+    o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), _lens([40, 13]))
+    o_same, _ = ref.decode_ref(q, k, v, _lens([40, 13]))
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+
+
+def _alibi_slopes(gen, batch, nheads):
+    """(batch, nheads) fp32 ALiBi slopes, geometric per head and scaled per sequence."""
+    base = torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)])
+    return (base[None, :] * (0.5 + torch.rand(batch, nheads, generator=gen))).to(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_alibi_and_batch_invariant_on_an_8bit_cache(gen, page_size):
+    """k_scale / v_scale with alibi_slopes and batch_invariant=True in one call (flash_decode and a DecodePlan made
+    batch-invariant for an e4m3 cache): vs the float64 reference with ALiBi on the dequantised cache, and a
+    sequence's rows bitwise equal whether it runs in the batch or alone."""
+    lens = [45, 3, 30]
+    q = _q(gen, len(lens), 4, 32, seqlen_q=2)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 48, 2, 32, FP8, "token", lens)
+    slopes = _alibi_slopes(gen, len(lens), 4)
+    table = None
+    kp, ksp, vp, vsp = kc, ks, vc, vs
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    kw = dict(block_table=table, k_scale=ksp, v_scale=vsp, softcap=4.0, return_lse=True)
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), alibi_slopes=slopes, batch_invariant=True, **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens), alibi_slopes=slopes, softcap=4.0)
+    alone_kw = dict(kw, block_table=None if table is None else table[:1])
+    if page_size is None:  # contiguous: the first sequence's cache rows and scales alone
+        alone_kw.update(k_scale=ksp[:1], v_scale=vsp[:1])
+    alone = flashdecode.flash_decode(q[:1], kp if page_size else kp[:1], vp if page_size else vp[:1],
+                                     _lens(lens[:1]), alibi_slopes=slopes[:1], batch_invariant=True, **alone_kw)
+    assert torch.equal(alone[0], out[:1]) and torch.equal(alone[1], lse[:1])
+    plan = flashdecode.DecodePlan(len(lens), 4, 2, 32, max_seqlen_k=48, dtype=q.dtype, device=DEVICE,
+                                  max_seqlen_q=2, kv_dtype=FP8, batch_invariant=True)
+    run_out, run_lse = plan.run(q, kp, vp, _lens(lens), alibi_slopes=slopes, **kw)
+    assert torch.equal(run_out, out) and torch.equal(run_lse, lse)
+
+
+def test_sinks_reach_the_8bit_cache(gen):
+    """sinks= with k_scale / v_scale (flash_decode and DecodePlan.run go through ops/sinks.py, which forwards the
+    scales): vs logaddexp(lse, sink) and out * exp(lse - lse') of the float64 reference on the dequantised cache."""
+    lens = [37, 0, 20]
+    q = _q(gen, len(lens), 4, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 40, 2, 32, INT8, "token", lens)
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    k, v = _dequant(kc, ks), _dequant(vc, vs)
+    expected = []
+    for dtype in (torch.float64, q.dtype):
+        o, l_ = ref.decode_ref(q.to(dtype), k.to(dtype), v.to(dtype), _lens(lens))
+        l_sink = torch.logaddexp(l_.double(), sinks.double()[None, :])
+        expected.append(((o.double() * torch.exp(l_.double() - l_sink)[..., None]).to(dtype), l_sink))
+    plan = flashdecode.DecodePlan(len(lens), 4, 2, 32, max_seqlen_k=40, dtype=q.dtype, device=DEVICE, kv_dtype=INT8)
+    for call in (flashdecode.flash_decode, plan.run):
+        out, lse = call(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, sinks=sinks, return_lse=True)
+        assert_fa_close(out, expected[0][0], expected[1][0], factor=3.0, atol=2e-3)
+        assert_fa_close(lse, expected[0][1], expected[1][1], factor=3.0, atol=2e-3, name="lse")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------
+
+def _bad_call(gen, **overrides):
+    q = _q(gen, 2, 4, 16)
+    kc, ks, vc, vs = _quant_cache(gen, 2, 8, 2, 16, FP8, "token")
+    kw = dict(q=q, k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs)
+    kw.update(overrides)
+    return flashdecode.flash_decode(kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache"), _lens([8, 3]), **kw)
+
+
+@pytest.mark.parametrize("overrides,err,match", [
+    (dict(k_scale=None), ValueError, "k_scale is required"),
+    (dict(v_scale=None), ValueError, "v_scale is required"),
+    (dict(k_scale=torch.ones(2, 8, 3, device=DEVICE)), ValueError, "k_scale of shape"),
+    (dict(v_scale=torch.ones(5, device=DEVICE)), ValueError, "v_scale of shape"),
+    (dict(k_scale=torch.ones(2, 8, 2, dtype=torch.float16, device=DEVICE)), TypeError, "k_scale must be float32"),
+    (dict(k_scale=[1.0]), TypeError, "k_scale must be a float32"),
+    (dict(k_scale=torch.ones(2, 8, 2, device="meta")), ValueError, "k_scale is on"),
+    (dict(v_scale=torch.ones((), device=DEVICE)), ValueError, "k_scale and v_scale must have the same"),
+    (dict(v_cache=torch.zeros(2, 8, 2, 16, dtype=torch.int8, device=DEVICE)), TypeError, "same dtype"),
+    (dict(q=torch.zeros(2, 4, 16, dtype=FP8, device=DEVICE)), TypeError, "q"),
+])
+def test_bad_quant_arguments(gen, overrides, err, match):
+    with pytest.raises(err, match=match):
+        _bad_call(gen, **overrides)
+
+
+def test_scale_on_a_float_cache_is_refused(gen):
+    q = _q(gen, 2, 4, 16)
+    k = randn(2, 8, 2, 16, gen=gen, dtype=torch.float16)
+    with pytest.raises(ValueError, match="k_scale is only for an 8-bit"):
+        flashdecode.flash_decode(q, k, k, _lens([8, 3]), k_scale=torch.ones((), device=DEVICE),
+                                 v_scale=torch.ones((), device=DEVICE))
+    with pytest.raises(TypeError, match="kv_dtype"):
+        flashdecode.DecodePlan(2, 4, 2, 16, max_seqlen_k=8, dtype=torch.float16, device=DEVICE,
+                               kv_dtype=torch.bfloat16)
+    plan = flashdecode.DecodePlan(2, 4, 2, 16, max_seqlen_k=8, dtype=torch.float16, device=DEVICE, kv_dtype=FP8)
+    with pytest.raises(TypeError, match="kv_dtype"):
+        plan.run(q, k, k, _lens([8, 3]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# append_kv into an 8-bit cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def _step(dtype, scale):
+    """The format's worst-case rounding error of a value x quantised with ``scale`` (e4m3: 3 mantissa bits, half a
+    step relative, and the subnormal step (2**-9; the interpreter flushes subnormals, so 2**-6) absolute; int8:
+    half a unit)."""
+    if dtype == INT8:
+        return lambda x: 0.5 * scale + 1e-6
+    return lambda x: x.abs() * 2.0**-4 + scale * 2.0**-6 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_append_kv_per_token_round_trip(gen, dtype, page_size):
+    """Per-token-head scales are written (absmax / QMAX; 0 for an all-zero token) and the dequantised cache is
+    within the format's step of the new tokens; nothing else changes."""
+    b, s, h, d = 2, 12, 2, 24
+    new = randn(b, 5, h, d, gen=gen, dtype=torch.float16) * 3.0
+    vnew = randn(b, 5, h, d, gen=gen, dtype=torch.float16)
+    new[1, 2, 0] = 0.0
+    lens = _lens([4, 7])
+    kc = torch.full((b, s, h, d), 7, dtype=torch.float32, device=DEVICE).to(dtype)
+    vc = kc.clone()
+    ks, vs = torch.full((b, s, h), -1.0, device=DEVICE), torch.full((b, s, h), -1.0, device=DEVICE)
+    table = None
+    if page_size:
+        table = torch.tensor([[3, 0, 5, 1], [2, 6, 4, 7]], dtype=torch.int32, device=DEVICE)
+        kc, vc = (torch.full((8, page_size, h, d), 7, dtype=torch.float32, device=DEVICE).to(dtype) for _ in range(2))
+        ks, vs = torch.full((8, page_size, h), -1.0, device=DEVICE), torch.full((8, page_size, h), -1.0, device=DEVICE)
+    before = [x.clone() for x in (kc, vc, ks, vs)]
+    flashdecode.append_kv(kc, vc, new, vnew, lens, table, k_scale=ks, v_scale=vs)
+    if page_size:
+        kc, vc = ref.contiguous_from_paged(kc, vc, table, s)
+        ks, vs = (ref.contiguous_from_paged(x[..., None], x[..., None], table, s)[0][..., 0] for x in (ks, vs))
+    for cache, scale, x in ((kc, ks, new), (vc, vs, vnew)):
+        for bi, n in enumerate([4, 7]):
+            got_scale = scale[bi, n:n + 5]
+            want_scale = x[bi].float().abs().amax(-1) / QMAX[dtype]
+            torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+            deq = dequantize_cache(cache[bi, n:n + 5], got_scale)
+            err = (deq - x[bi].float()).abs()
+            assert (err <= _step(dtype, got_scale[..., None])(x[bi].float())).all()
+            assert (scale[bi, :n] == -1).all() and (scale[bi, n + 5:] == -1).all()
+            assert (cache[bi, :n].float() == 7).all() and (cache[bi, n + 5:].float() == 7).all()
+    assert ks[1, 9, 0] == 0 and (kc[1, 9, 0].float() == 0).all()  # the all-zero token
+    if not page_size:
+        assert not any(torch.equal(a, bb) for a, bb in zip(before, (kc, vc, ks, vs)))
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+def test_append_kv_with_given_scales_saturates(gen, dtype):
+    """A per-kv-head scale (and a scalar) is read, not written: x / scale saturates at +-QMAX."""
+    new = randn(1, 6, 2, 16, gen=gen, dtype=torch.float32)
+    new[0, 0, 1, 3] = 1e4
+    new[0, 1, 0, 2] = -1e4
+    for scale in (torch.tensor([0.01, 0.02], device=DEVICE), torch.tensor(0.015, device=DEVICE)):
+        kc = torch.zeros(1, 8, 2, 16, dtype=dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        given = scale.clone()
+        flashdecode.append_kv(kc, vc, new, new, _lens([1]), k_scale=scale, v_scale=scale)
+        assert torch.equal(scale, given)
+        s = scale.expand(2)
+        assert kc[0, 1, 1, 3].float() == QMAX[dtype] and kc[0, 2, 0, 2].float() == -QMAX[dtype]
+        expect = _to_8bit(new[0], s, dtype).float()
+        got = kc[0, 1:7].float()
+        assert ((got - expect).abs() <= (1 if dtype == INT8 else expect.abs() * 2.0**-3 + 2.0**-6)).all()
+        assert (kc[0, 0].float() == 0).all() and (kc[0, 7].float() == 0).all()
+
+
+def test_append_kv_nonfinite_token_stays_local(gen):
+    """A NaN and an inf new token get non-finite scales and read back as NaN; every other token's data and scale
+    is exactly what it would be without them."""
+    new = randn(2, 4, 2, 16, gen=gen, dtype=torch.float16)
+    clean = new.clone()
+    new[0, 1, 0, 5] = float("nan")
+    new[1, 2, 1, 0] = float("inf")
+    caches = []
+    for x in (new, clean):
+        kc = torch.zeros(2, 6, 2, 16, dtype=FP8, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        ks, vs = torch.zeros(2, 6, 2, device=DEVICE), torch.zeros(2, 6, 2, device=DEVICE)
+        flashdecode.append_kv(kc, vc, x, x, _lens([1, 2]), k_scale=ks, v_scale=vs)
+        caches.append((kc.float(), ks))
+    (kc, ks), (kc0, ks0) = caches
+    bad = torch.zeros(2, 6, 2, dtype=torch.bool, device=DEVICE)
+    bad[0, 2, 0] = bad[1, 4, 1] = True
+    assert not torch.isfinite(ks[bad]).any()
+    assert dequantize_cache(kc[0, 2, 0], ks[0, 2, 0]).isnan().all()
+    assert torch.equal(ks[~bad], ks0[~bad]) and torch.equal(kc[~bad], kc0[~bad])
+
+
+def test_append_then_decode_int8_paged(gen):
+    """append_kv's per-token quantisation feeds flash_decode on a paged int8 cache (varlen new tokens)."""
+    h, d, ps = 2, 32, 4
+    lens0 = [3, 9]
+    new = [randn(n, h, d, gen=gen, dtype=torch.float16) for n in (14, 6)]
+    table = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]], dtype=torch.int32, device=DEVICE)
+    kc = torch.zeros(10, ps, h, d, dtype=INT8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(10, ps, h, device=DEVICE), torch.zeros(10, ps, h, device=DEVICE)
+    packed = torch.cat(new)
+    cu = torch.tensor([0, 14, 20], dtype=torch.int32, device=DEVICE)
+    flashdecode.append_kv(kc, vc, packed, packed * 0.5, _lens(lens0), table, cu_seqlens_new=cu, k_scale=ks,
+                          v_scale=vs)
+    lens = _lens([17, 15])
+    q = _q(gen, 2, 4, d)
+    out, lse = flashdecode.flash_decode(q, kc, vc, lens, block_table=table, k_scale=ks, v_scale=vs,
+                                        return_lse=True)
+    kcc, vcc = ref.contiguous_from_paged(kc, vc, table)
+    ksc, vsc = (ref.contiguous_from_paged(x[..., None], x[..., None], table)[0][..., 0] for x in (ks, vs))
+    _check(out, lse, q, kcc, ksc, vcc, vsc, lens)
+
+
+def test_append_kv_bad_scales(gen):
+    new = randn(1, 2, 2, 16, gen=gen, dtype=torch.float16)
+    kc = torch.zeros(1, 4, 2, 16, dtype=FP8, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]))
+    with pytest.raises(ValueError, match="writes per token"):
+        flashdecode.append_kv(kc, kc.clone(), new, new, _lens([0]), k_scale=torch.zeros(1, 4, 1, device=DEVICE),
+                              v_scale=torch.zeros(1, 4, 1, device=DEVICE))
+    fc = torch.zeros(1, 4, 2, 16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="v_scale is only for an 8-bit"):
+        flashdecode.append_kv(fc, fc.clone(), new, new, _lens([0]), v_scale=torch.zeros((), device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sm_90 compile (Triton's ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+_QUANT_COMPILE_SCRIPT = r'''
+import sys
+from flashdecode.kernels.append_kv import append_kv_kernel
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+sys.path.insert(0, "tests")
+from helpers import compile_for_sm90, spilled_bytes
+
+
+common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
+              SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
+              OFFS_32=True)
+# stage 1 (split grid) on e4m3 and int8 caches, per-token scales and one per head, contiguous and pages of 16
+for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), ("fp8e4nv", 2, 16, 64),
+                                 ("i8", 1, 16, 64), ("i8", 3, 1, 0), ("i8", 2, 1, 0)]:
+    types = dict(Q="*bf16", K=f"*{kv}", V=f"*{kv}", K_RAW=f"*{kv}", V_RAW=f"*{kv}", SEQLENS="*i32",
+                 BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32",
+                 K_SCALE="*fp32", V_SCALE="*fp32")
+    consts = dict(common, BLOCK_N=128, NUM_SPLITS=16, PAGE_SIZE=page, FINAL=False, PRELOAD_PAGES=preload,
+                  MERGE_SPLITS=16, KV_QUANT=quant, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2,
+                  DEVICE_SPLITS=False, SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0, KV_PROGRAMS=1,
+                  SPEC_PAGES=False)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, 5 if page == 1 else 3)
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"], (kv, page, "8-bit loads not pipelined")
+    # per-token scales on pages of 16 gathered per key at 128-key blocks: 80 (KV_QUANT 3, offsets from K's) or 88
+    # (KV_QUANT 2, a second page lookup) stack bytes, none at 64-key blocks or with one scale per head; bounded
+    # here, timed on the GPU by benchmarks/probes/fp8_decode.py (which also times 64-key blocks there)
+    assert spilled_bytes(kernel) <= (96 if quant >= 2 and page == 16 else 0), (kv, page, "spills")
+# ALiBi on an e4m3 cache (the bias after the k scale and the softcap): still pipelined, contiguous and paged
+for page, preload in [(0, 0), (16, 64)]:
+    types.update(K="*fp8e4nv", V="*fp8e4nv", K_RAW="*fp8e4nv", V_RAW="*fp8e4nv", ALIBI_SLOPES="*fp32")
+    consts.update(PAGE_SIZE=page, PRELOAD_PAGES=preload, KV_QUANT=3, ALIBI=True, SOFTCAP=True)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, 3)
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"], (page, "8-bit + ALiBi loads not pipelined")
+# the persistent kernel, e4m3 per-token scales, pages of 128
+types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
+             O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", QUEUE="*i32", score_scale="fp32",
+             softcap_out="fp32", K_SCALE="*fp32", V_SCALE="*fp32")
+consts = dict(common, GROUP=4, NHEADS_KV=8, BLOCK_N=128, NUM_SPLITS=16, PAGE_SIZE=128, PRELOAD_PAGES=0,
+              BATCH_PAD=64, MERGE_M=4, MERGE_SPLITS=16, MERGE_BLOCK_S=4, KV_QUANT=3, MAX_SPLIT_KEYS=0,
+              DYNAMIC=False, SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
+kernel = compile_for_sm90(decode_persistent_kernel, types, consts)
+assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
+# append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
+for kv in ("fp8e4nv", "i8"):
+    types = dict(K_NEW="*bf16", V_NEW="*bf16", K_CACHE=f"*{kv}", V_CACHE=f"*{kv}", SEQLENS="*i32", CU_NEW="*i32",
+                 BLOCK_TABLE="*i32", K_SCALE="*fp32", V_SCALE="*fp32")
+    compile_for_sm90(append_kv_kernel, types, dict(HEADDIM=128, BLOCK_T=32, BLOCK_D=128, PAGE_SIZE=16,
+                                                   VARLEN=True, QUANT=2, QMAX=448.0 if kv == "fp8e4nv" else 127.0), 1)
+print("compiled")
+'''
+
+
+def test_quant_kernels_compile_for_hopper_without_a_gpu():
+    """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
+    persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas: K/V loads still
+    software-pipelined, stage 1 without spills."""
+    run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)
+
+
+def test_scale_layouts_pick_the_kernel_mode():
+    """KV_QUANT 3 for per-token scales laid out like the cache without its head dim (offsets from K's), 2 for other
+    per-token layouts, 1 for one scale per kv head or one scalar."""
+    from flashdecode.ops.kv_quant import kv_quant_kernel_args, resolve_kv_quant
+
+    cache = torch.zeros(3, 8, 2, 16, dtype=FP8)
+    dense = torch.ones(3, 8, 2)
+    for scale, mode in ((dense, 3), (_heads_major(dense), 2), (torch.ones(3, 1, 2), 2), (torch.ones(2), 1),
+                        (torch.ones(()), 1)):
+        quant = resolve_kv_quant(torch.float16, cache, cache, scale, scale)
+        assert kv_quant_kernel_args(quant, cache)["KV_QUANT"] == mode, (tuple(scale.shape), scale.stride())
