@@ -6,7 +6,7 @@ lse = log(sum_j exp(S_ij)). They run in whatever dtype the inputs have, so the s
 "same-dtype PyTorch implementation" error that the FlashAttention tolerance rule compares against, and serves as the
 engine's CPU ("torch") attention backend.
 
-Conventions (flash-attn compatible, see DESIGN.md):
+Conventions (flash-attn compatible; docs/architecture.md):
   q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 and
   query head h reads kv head h // (nheads // nheads_kv).
   Causal and window masks are bottom-right aligned: query row i sits at key position i + seqlen_k - seqlen_q.
