@@ -45,8 +45,7 @@ def _check_metadata(shape: _DecodeShape, cache_seqlens, block_table, validate):
 
 def _check_batch_invariant(batch_invariant, num_splits, config):
     """batch_invariant as a bool; it fixes the launch itself, so it excludes num_splits > 1 and config=."""
-    if not isinstance(batch_invariant, bool):
-        raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    checks.check_bool("batch_invariant", batch_invariant)
     if batch_invariant and config is not None:
         raise ValueError("batch_invariant=True chooses the config itself; do not pass config= with it")
     if batch_invariant and num_splits not in (None, 1):
