@@ -78,6 +78,9 @@ BIGMEM = "xdist_group"  # marker expression of the gpu_bigmem group (the suite's
 # per-part limits: with STOP_GRACE_S and the start-up, one part fits a 10-minute command
 PHASE_TIMEOUT_S = {"tests-kernels": 510, "tests-bigmem": 510, "tests-engine": 420, "fuzz": 510, "sanitize": 510}
 STOP_GRACE_S = 30
+# Most of a kernel test's time is Triton's compile on the host: one pytest worker per core (at most 16; each holds
+# a CUDA context of ~0.5 GB, far from the card's memory).
+KERNEL_WORKERS = max(2, min(16, os.cpu_count() or 8))
 
 
 def _defined_tests(path: Path) -> set[str]:
@@ -113,13 +116,13 @@ def default_pytest_args(phase: str, shard: tuple[int, int] = (1, 1)) -> str:
     kernels, engine = test_files_touching_cuda()
     k, n = shard
     if phase == "tests-kernels":
-        return f"-n 8 --dist loadgroup -m 'not {BIGMEM}' " + " ".join(kernels[k - 1::n])
+        return f"-n {KERNEL_WORKERS} --dist loadgroup -m 'not {BIGMEM}' " + " ".join(kernels[k - 1::n])
     if phase == "tests-bigmem":
         return f"-n 4 --dist load -m '{BIGMEM}' " + " ".join(kernels[k - 1::n])
     if phase == "tests-engine":
         return "-n 2 --dist loadgroup " + " ".join((engine + _cuda_tests_of_cpu_only_files())[k - 1::n])
     if phase == "fuzz":
-        return f"-n 8 --hypothesis-profile=long {FUZZ_FILE}"
+        return f"-n {KERNEL_WORKERS} --hypothesis-profile=long {FUZZ_FILE}"
     raise ValueError(phase)
 
 
