@@ -153,3 +153,32 @@ def test_serve_subprocess_answers_on_loopback(ckpt):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+_BLOCK_SERVER_PACKAGES = """
+import sys
+class _Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fastapi", "uvicorn", "starlette"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+def test_cli_works_without_the_server_packages(tmp_path):
+    """Without FastAPI / uvicorn (the "serve" extra) every other command still parses and runs, and `serve` says in
+    one line what to install (exit status 2)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_SERVER_PACKAGES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "flashdecode", *argv], env=env, text=True,  # noqa
+                                       capture_output=True, timeout=120)
+    helped = run("bench", "decode", "--help")
+    assert helped.returncode == 0 and "--contexts" in helped.stdout, helped.stderr
+    served = run("serve", "--random-weights", "llama3.2-1b", "--device", "cpu")
+    assert served.returncode == 2 and "pip install 'flashdecode[serve]'" in served.stderr, served.stderr
+    assert "Traceback" not in served.stderr and len(served.stderr.strip().splitlines()) == 1

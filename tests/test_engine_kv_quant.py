@@ -106,7 +106,7 @@ def test_generate_cli_kv_cache_dtype(ckpt, capsys):
 def test_batch_invariant_engine_on_8bit_pages(ckpt):
     """LLM(batch_invariant=True, kv_cache_dtype="fp8"): its decode plans are batch-invariant on the e4m3 pages, and
     a sequence's greedy tokens alone equal those it gets in a batch."""
-    llm = LLM(ckpt, device="cpu", dtype="float32", attn_backend="flashdecode", batch_invariant=True,
+    llm = LLM(ckpt, device=DEVICE, dtype="float32", attn_backend="flashdecode", batch_invariant=True,
               kv_cache_dtype="fp8", max_num_seqs=4, page_size=4, kv_cache_memory=1 << 20, use_tqdm=False)
     prompts = random_prompts((7, 3, 12), seed=5)
     params = SamplingParams(max_new_tokens=4)
@@ -115,3 +115,25 @@ def test_batch_invariant_engine_on_8bit_pages(ckpt):
     assert batched[0].token_ids == alone and len(alone) == 4
     plans = list(llm.backend.plans.values())
     assert plans and all(p.batch_invariant and p.kv_dtype == torch.float8_e4m3fn for p in plans)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_torch_quantised_write_matches_append_kv(dtype):
+    """A CPU engine without the Triton interpreter quantises its new tokens in PyTorch (quantize_tokens): the same
+    codes and scales as append_kv's quantising write (incl. an all-zero and a NaN token, which stays local)."""
+    from flashdecode import append_kv
+    from flashdecode.engine.kv_quant import quantize_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 32, generator=gen) * 3
+    x[2, 1] = 0.0
+    x[4, 0, 5] = float("nan")
+    data, scale = quantize_tokens(x, dtype)
+    cache = torch.zeros(1, 8, 2, 32, dtype=dtype, device=DEVICE)
+    scales = torch.zeros(1, 8, 2, device=DEVICE)
+    xd = x.to(DEVICE)
+    append_kv(cache, cache.clone(), xd[None], xd[None].clone(), torch.zeros(1, dtype=torch.int32, device=DEVICE),
+              k_scale=scales, v_scale=scales.clone())
+    assert torch.equal(scale[2, 1], torch.tensor(0.0)) and torch.isnan(scale[4, 0]) and torch.isfinite(scale[4, 1])
+    torch.testing.assert_close(scale, scales[0, :6].cpu(), equal_nan=True)
+    assert torch.equal(data.view(torch.uint8), cache[0, :6].cpu().view(torch.uint8))

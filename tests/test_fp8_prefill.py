@@ -75,8 +75,11 @@ def check_fp8(q8, k8, v8, qd, kd, vd, config_changes=None, **opts):
     want, want_lse = ref.attention_ref(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), **opts)
     emulated = fp8_emulation(q8.cpu(), k8.cpu(), v8.cpu(), qd.cpu(), kd.cpu(), vd.cpu(), **opts)
     assert_fa_close(out, want, emulated, factor=2.0, atol=2e-3, name="fp8 out")
-    # lse comes from fp32 logits of exact fp8 products: only fp32 rounding separates it from the reference
-    assert max_err(lse, want_lse) <= 1e-4 * (1 + want_lse[torch.isfinite(want_lse)].abs().max().item())
+    # lse comes from fp32 logits of exact fp8 products: in the interpreter only fp32 rounding separates it from the
+    # reference; Hopper's e4m3 wgmma adds its products with ~14 mantissa bits (the limit DeepSeek-V3's report
+    # measured), so on the GPU a logit may be off by ~2**-13 of its size (seen: 1.6e-4)
+    rel = 1e-4 if q8.device.type == "cpu" else 1e-3
+    assert max_err(lse, want_lse) <= rel * (1 + want_lse[torch.isfinite(want_lse)].abs().max().item())
     return out, lse
 
 

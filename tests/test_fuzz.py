@@ -375,7 +375,8 @@ def _decode_ref_with_absent_keys(q, k, v, lens, present, **kw):
     sq = q4.shape[1]
     outs, lses = [], []
     for b, length in enumerate(lens.tolist()):
-        mask = ref.visible_mask(sq, length, True, kw.get("window_size", (-1, -1))) & present[b, None, :length]
+        mask = ref.visible_mask(sq, length, True, kw.get("window_size", (-1, -1))).to(present.device)
+        mask = mask & present[b, None, :length]
         o, lse = ref._masked_attention(q4[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length], mask,
                                        kw.get("softmax_scale"), kw.get("softcap", 0.0))
         outs.append(o)

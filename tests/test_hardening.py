@@ -186,7 +186,7 @@ def test_off_the_gpu_without_interpreter_every_op_says_so(monkeypatch):
     ([0, 3, 2], r"cu_seqlens_new must be non-decreasing"),
     ([0, 2, 9], r"cu_seqlens_new\[-1\] = 9 runs past the 3 rows of k_new"),
 ])
-def test_append_kv_host_cu_seqlens_new_validated(gen, cu, match):
+def test_append_kv_host_cu_seqlens_new_validated(gen, cu, match, host_resident):
     """Host-resident cu_seqlens_new is checked (it used to copy memory beyond k_new into the cache)."""
     kc = randn(2, 16, 2, 32, gen=gen)
     k_new = randn(3, 2, 32, gen=gen)
@@ -204,7 +204,7 @@ def _paged(gen, lens, page_size=4, pages_per_seq=4, h=4, hk=2, d=32):
 
 
 @pytest.mark.parametrize("bad_id", [-1, "num_pages", 2**30])
-def test_host_block_table_is_validated(gen, bad_id):
+def test_host_block_table_is_validated(gen, bad_id, host_resident):
     """A host-resident block table is checked without validate=: the first bad live entry is named."""
     q, k, v, kp, vp, table = _paged(gen, [9, 13])
     table[1, 2] = kp.shape[0] if bad_id == "num_pages" else bad_id

@@ -132,6 +132,18 @@ def test_decode_step_logits_match_with_dynamic_cache(gen, name):
     _assert_decode_step_close(gen, models, config.vocab_size)
 
 
+def _cache_kwarg() -> str:
+    """The name under which this transformers version's forward takes the cache ("cache" from 5.2x,
+    "past_key_values" before: the GPU machine has 5.17). An unknown keyword would be ignored silently."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+        else "past_key_values"
+
+
+_CACHE_KWARG = _cache_kwarg()
+
+
 def _assert_decode_step_close(gen, models, vocab):
     """Prefill a left-padded batch, then one decode step: our next-token logits vs the float64 model's within 3x
     the peer backend's error (models: "ours", "peer" (same dtype), "ref" (float64), same weights)."""
@@ -142,7 +154,7 @@ def _assert_decode_step_close(gen, models, vocab):
     for key, model in models.items():
         with torch.no_grad():
             past = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
-            logits[key] = model(input_ids=nxt, attention_mask=mask2, cache=past).logits[:, -1]
+            logits[key] = model(input_ids=nxt, attention_mask=mask2, **{_CACHE_KWARG: past}).logits[:, -1]
     err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
     assert err <= 3 * base + 1e-5, f"decode logits error {err:.3e} > 3 x the peer's {base:.3e}"
 
@@ -159,8 +171,9 @@ def test_static_cache_without_attention_mask_reads_only_the_tokens_seen(gen, nam
         model = _model(config, attn, dtype)
         cache = transformers.StaticCache(config=config, max_cache_len=16)
         with torch.no_grad():
-            first = model(input_ids=ids, cache=cache, use_cache=True).logits
-            logits[key] = torch.cat([first, model(input_ids=nxt, cache=cache, use_cache=True).logits], dim=1)
+            first = model(input_ids=ids, use_cache=True, **{_CACHE_KWARG: cache}).logits
+            second = model(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: cache}).logits
+            logits[key] = torch.cat([first, second], dim=1)
     err, base = max_err(logits["ours"], logits["ref"]), max_err(logits["peer"], logits["ref"])
     assert err <= 3 * base + 1e-5, f"logits error {err:.3e} > 3 x SDPA's {base:.3e}"
 
@@ -178,10 +191,11 @@ def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
     logits = []
     with torch.no_grad():
         for cache, forward in zip(caches, (model.forward, compiled)):
-            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-            logits.append(forward(input_ids=nxt, attention_mask=mask2, cache=cache, use_cache=True).logits)
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{_CACHE_KWARG: cache})
+            logits.append(forward(input_ids=nxt, attention_mask=mask2, use_cache=True,
+                                  **{_CACHE_KWARG: cache}).logits)
             # and a step without attention_mask (the mask of the positions in use is built on the device)
-            logits.append(forward(input_ids=nxt, cache=cache, use_cache=True).logits)
+            logits.append(forward(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: cache}).logits)
     torch.testing.assert_close(logits[2], logits[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(logits[3], logits[1], atol=1e-6, rtol=1e-6)
 

@@ -57,10 +57,33 @@ def write_quantized(k_pages: QuantPages, v_pages: QuantPages, k, v, slot_mapping
     by append_kv with per-token scales written beside them: one launch, each token its own one-token sequence
     (length slot % page_size, block table [slot // page_size]); no host sync, so it fits in a CUDA graph."""
     from flashdecode import append_kv
+    from flashdecode.ops.checks import interpreting
 
     page_size = k_pages.data.shape[1]
+    if k.device.type != "cuda" and not interpreting():
+        # CPU engine without the Triton interpreter (the "torch" backend): the same quantisation in PyTorch
+        for pages, x in ((k_pages, k), (v_pages, v)):
+            data, scale = quantize_tokens(x, pages.data.dtype)
+            pages.data.view(-1, *pages.data.shape[2:])[slot_mapping] = data
+            pages.scale.view(-1, pages.scale.shape[-1])[slot_mapping] = scale
+        return
     slots = slot_mapping.to(torch.int32)
     lens = slots % page_size
     table = (slots // page_size)[:, None]
     append_kv(k_pages.data, v_pages.data, k[:, None], v[:, None], lens, table, k_scale=k_pages.scale,
               v_scale=v_pages.scale)
+
+
+def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch twin of append_kv's quantising write, for CPU engines without the Triton interpreter.
+    x (tokens, nheads_kv, head_dim) float -> (data (tokens, nheads_kv, head_dim) ``dtype``, scale (tokens, nheads_kv)
+    float32): scale absmax / 448 (e4m3) or / 127 (int8, rounded half up), 0 for an all-zero row; a non-finite row
+    keeps a non-finite scale and writes zeros, so it stays local to its own token-head."""
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    xf = x.float()
+    scale = xf.abs().amax(-1) / qmax
+    scale = torch.where(torch.isnan(xf).any(-1), torch.full_like(scale, float("nan")), scale)
+    inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    y = torch.nan_to_num(xf * inv[..., None], nan=0.0).clamp(-qmax, qmax)
+    y = torch.floor(y + 0.5) if dtype == torch.int8 else y + 0.0  # + 0.0: -0 -> +0, the kernel's zero code
+    return y.to(dtype), scale

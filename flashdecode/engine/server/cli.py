@@ -24,8 +24,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences that may wait beyond max-num-seqs; more get 429")
 
 
+# third-party packages of the server (pyproject's "serve" extra); the CLI itself runs without them
+_SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "pydantic")
+
+
 def run(args) -> int:
-    from flashdecode.engine.server.launch import run_server
+    try:
+        from flashdecode.engine.server.launch import run_server
+    except ModuleNotFoundError as e:
+        if e.name not in _SERVER_PACKAGES:
+            raise
+        raise ImportError(f"flashdecode serve needs FastAPI and uvicorn ({e.name} is missing): "
+                          "pip install 'flashdecode[serve]'") from e
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
