@@ -230,6 +230,31 @@ class _FakeCompiled:
         return None
 
 
+def _fake_gluon_compiled():
+    """A fake compiled Gluon kernel whose launcher is Triton's own CudaLauncher Python (its scratch handling and
+    the host-descriptor expansion) around a C launch that does nothing; the CUtensorMap fill is a stub too."""
+    import triton
+    from triton.backends.nvidia import driver as nv
+
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
+    class Driver:  # triton.runtime.driver.active as make_tensordesc_arg reads it
+        class utils:
+            fill_tma_descriptor = staticmethod(lambda *args: object())
+
+    triton.runtime.driver.set_active(Driver())
+    signature = {i: "tensordesc" if i < 3 else "i32" for i in range(len(attn_fwd_ws_kernel.arg_names))}
+    metas = [dict(swizzle=128, elem_size=2, elem_type=6, block_size=[64, 128], fp4_padded=False)] * 3
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.launch = nv.wrap_handle_tensordesc(lambda *args: None, signature, metas)
+    compiled = _FakeCompiled()
+    compiled.run = launcher
+    return compiled
+
+
 class _FakeTuned:
     """Stands in for the autotuner: a launch returns the fake compiled kernel; best_config is the first tile."""
 
@@ -252,7 +277,7 @@ def _fake_device():
     ga.interpreting = lambda device=None: False
     ga._is_hopper = lambda device: True
     ga._num_sms = lambda device: 132
-    ga._jit_launch = lambda grid, args, constexprs: _FakeCompiled()
+    ga._jit_launch = lambda grid, args, constexprs: _fake_gluon_compiled()
     ga._current_stream = lambda index: 0
     attn_ops._current_stream = lambda index: 0
     attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
