@@ -867,18 +867,14 @@ def _bwd(*args):
 class _FlashAttnFunction(torch.autograd.Function):
     """Autograd glue: forward saves (q, k, v, out, lse); backward recomputes P from lse (FA v1/v2).
     cu_seqlens_k None with cu_seqlens_q given means the same tensor (self-attention): torch.compile cannot trace
-    an autograd.Function that gets one tensor twice. dense_call: the ready forward of an eager dense call (the
-    call cache's entry for its key), else None."""
+    an autograd.Function that gets one tensor twice."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                deterministic, config_id, alibi_slopes, dense_call=None):
-        if dense_call is not None:
-            out, lse = dense_call.forward(q, k, v, scale, left, right, softcap)
-        else:
-            cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-            out, lse = _fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-                            config_id, None, None, alibi_slopes)
+                deterministic, config_id, alibi_slopes):
+        cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        out, lse = _fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
+                        config_id, None, None, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
         ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, softcap, deterministic, config_id)
         ctx.mark_non_differentiable(lse)
@@ -889,7 +885,28 @@ class _FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_k, *ctx.params, alibi_slopes)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+class _DenseCallFunction(torch.autograd.Function):
+    """_FlashAttnFunction for an eager dense call with plain options and its ready forward (the dense call cache's
+    entry): the same forward and backward, five arguments instead of fourteen (autograd's apply walks every one).
+    options: (softmax scale, window right: 0 causal / -1, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dense_call, options):
+        scale, right, deterministic = options
+        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (q.shape[1], k.shape[1], scale, -1, right, 0.0, deterministic, _RESOLVE_CONFIG)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, None, None, *ctx.params, None)
+        return dq, dk, dv, None, None
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
@@ -963,8 +980,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     else:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, -1, right, 0.0,
-                                            deterministic, _RESOLVE_CONFIG, None, call)
+        out, lse = _DenseCallFunction.apply(q, k, v, call, (scale, right, deterministic))
     else:
         out, lse = call.forward(q, k, v, scale, -1, right, 0.0)
     return (out, lse) if return_lse else out
