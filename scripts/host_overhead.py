@@ -4,7 +4,7 @@ GPU (default; under a minute on an H100):
 
     PYTHONPATH=$PWD python3 scripts/host_overhead.py [--calls 300]
 
-Rows: 16 x 1024 tokens, 16 heads, bf16, head dim 128 and 64, causal or not, on each forward path (``gluon``: the
+Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim 128 and 64, causal or not, on each forward path (``gluon``: the
 warp-specialised Hopper kernel flash_attn dispatches to; ``triton``: the Triton kernel, forced by refusing the
 Gluon dispatch for the run), each with inputs that need no gradient (``no_grad``) and inputs that require grad
 (``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per call while
@@ -139,14 +139,15 @@ class _LaunchSpy:
         return spy
 
 
-def _direct_kernels():
-    """(owner, attribute) of every recorded compiled-kernel launcher in the caches (Gluon plans, Triton kernels)."""
+def _direct_launchers():
+    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's C launcher
+    (``direct``) or Triton's launcher (``run``), a Triton kernel's ``run``."""
     for plan in ga._PLANS.values():
         if plan and plan.compiled is not None:
-            yield plan
+            yield plan, "direct" if plan.direct is not None else "run"
     for plan in attn_ops._FWD_PLANS.values():
         if plan.kernel.compiled is not None:
-            yield plan.kernel
+            yield plan.kernel, "run"
 
 
 def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
@@ -155,9 +156,8 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
     for _ in range(5):
         f()
     spy = _LaunchSpy()
-    owners = list(_direct_kernels())
-    for owner in owners:
-        owner.run = spy.wrap(owner.run)
+    for owner, attribute in list(_direct_launchers()):
+        setattr(owner, attribute, spy.wrap(getattr(owner, attribute)))
     f()
     torch.cuda.synchronize()
     if spy.last is None:
@@ -178,9 +178,11 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
             f"{total - alloc - launch:.1f} |")
 
 
-def run_gpu(calls: int):
+def run_gpu(calls: int, autotune: bool):
+    if not autotune:  # the first tile that fits: one compile per Triton row instead of a tuning sweep
+        os.environ[attn_ops.AUTOTUNE_ENV] = "0"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, "
-          f"{calls} calls per loop")
+          f"{calls} calls per loop, Triton autotuning {'on' if autotune else 'off'}")
     print("| path | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | gap us/call |")
     print("|---|---|---|---|---|---|---|---|")
     breakdown = []
@@ -309,11 +311,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="CPU tensors on a faked Hopper, launches stubbed")
     parser.add_argument("--calls", type=int, default=None, help="calls per loop (GPU 300, CPU 2000)")
+    parser.add_argument("--autotune", action="store_true", help="GPU: autotune the Triton rows' tiles (slower)")
     args = parser.parse_args()
     if args.cpu:
         run_cpu(args.calls or 2000)
     else:
-        run_gpu(args.calls or 300)
+        run_gpu(args.calls or 300, args.autotune)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ Every launch decision lives in one flashdecode.AttentionConfig, resolved by heur
 from the problem and the device (or given with ``config=``). The host path is cached per launch key (shapes,
 strides, dtype, alignment, mask flags, configuration): a repeated call checks its options, allocates its outputs
 and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
-per-call argument binding. FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
+per-call argument binding. Dense forwards go through one cache from the call's key to its ready forward (the
+Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
+options builds that key, allocates out and lse and launches (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
 the first candidate tile that fits shared memory runs.
 
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
