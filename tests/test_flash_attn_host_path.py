@@ -58,6 +58,17 @@ def test_repeated_call_goes_straight_to_its_ready_forward(spied, causal):
     assert torch.equal(first, flashdecode.flash_attn(q, k, v, causal=causal))
 
 
+def test_flash_attn_interface_calls_take_the_cache(spied):
+    """flash_attn_func passes its own (-1, -1) window and 0.0 softcap: still a plain call."""
+    from flashdecode.flash_attn_interface import flash_attn_func
+
+    q, k, v = _qkv(5)
+    flash_attn_func(q, k, v, causal=True)
+    spied.clear()
+    flash_attn_func(q, k, v, causal=True)
+    assert spied == []
+
+
 def test_autograd_only_where_a_gradient_can_flow(spied):
     q, k, v = _qkv(2, requires_grad=True)
     flashdecode.flash_attn(q, k, v, causal=True)  # the key's first call

@@ -950,6 +950,14 @@ def _check_batch(q, k):
 _DENSE_LAYOUT = "(batch, seqlen, nheads, headdim)"
 
 
+def _no_window(window_size) -> bool:
+    """window_size is the default: the default object, or a tuple of the ints -1, -1 (flash_attn_interface passes
+    its own). Types first: comparing other objects could call their __eq__."""
+    return window_size is _NO_WINDOW or (type(window_size) is tuple and len(window_size) == 2
+                                         and type(window_size[0]) is int and type(window_size[1]) is int
+                                         and window_size[0] == -1 and window_size[1] == -1)
+
+
 def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
     """flash_attn's result for an eager dense call with plain options (bools, softmax_scale None or a finite
     float, the default window, softcap 0.0; no config, FP8, ALiBi or sinks) through the dense call cache, or None
@@ -961,7 +969,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     built. Autograd only where a gradient can flow (its Function costs
     host time per call)."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or type(v) is not torch.Tensor or window_size is not _NO_WINDOW or type(softcap) is not float
+            or type(v) is not torch.Tensor or not _no_window(window_size) or type(softcap) is not float
             or softcap != 0.0 or (causal is not True and causal is not False)
             or (return_lse is not True and return_lse is not False)
             or (deterministic is not True and deterministic is not False)):
