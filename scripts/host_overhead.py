@@ -1,43 +1,95 @@
 """Host cost of one flash_attn call against its kernel time (short sequences are host-bound).
 
-GPU (default):
+GPU (default; under a minute on an H100):
 
-    PYTHONPATH=. python3 scripts/host_overhead.py [--calls 300]
+    PYTHONPATH=$PWD python3 scripts/host_overhead.py [--calls 300]
 
-Per shape (16 x 1024 tokens, 16 heads, bf16): ``host`` = microseconds of Python per call while the GPU runs behind
-(perf_counter around a loop of calls, no sync inside); ``loop`` = GPU time per call of that loop (CUDA events around
-it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a CUDA graph (no host work), CUDA
-events around the replays; ``gap`` = loop - kernel. Then a cProfile of the last shape's calls, by own time.
+Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim 128 and 64, causal or not, on each forward path (``gluon``: the
+warp-specialised Hopper kernel flash_attn dispatches to; ``triton``: the Triton kernel, forced by refusing the
+Gluon dispatch for the run), each with inputs that need no gradient (``no_grad``) and inputs that require grad
+(``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per call while
+the GPU runs behind (host clock around a loop of calls, no sync inside); ``loop`` = GPU time per call of that loop
+(CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a CUDA graph
+(no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon / triton
+call; each part timed alone in a loop): the two output allocations, the direct launch of the compiled kernel with
+ready arguments, and the rest (Python: checks, cache lookup, argument building). Then a cProfile of the last row.
 
 CPU (no GPU needed):
 
-    PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/host_overhead.py --cpu
+    PYTHONPATH=$PWD python3 scripts/host_overhead.py --cpu [--calls 2000]
 
-The same calls with small CPU tensors (2 x 16 tokens: a CPU allocation of 16 x 1024 tokens costs far more than the
-GPU's caching allocator), the kernel launch replaced by a stub that does the direct launch's Python work (grid,
-argument tuple): the host time of the checks, the launch-plan lookup, the allocations and the argument building, in CPU time of the calling thread.
+The same rows on small CPU tensors (2 x 16 tokens: a CPU allocation of 16 x 1024 tokens costs far more than the
+GPU's caching allocator), TRITON_INTERPRET=1 for the argument checks, the dispatch told it is not interpreting and
+runs on a Hopper of 132 SMs, every kernel launch stubbed where Triton's launcher would be called: the host time of
+everything flashdecode does in Python per call (checks, the call cache, two small CPU allocations, the argument
+tuple), median of ``--calls`` single calls, in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import os
 import pstats
+import statistics
 import time
 
 import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import gluon_attention as ga
 
-SHAPES = [(64, True), (128, True), (128, False)]  # (head dim, causal); 16 x 1024 tokens, 16 heads
+SHAPES = [(128, False), (128, True), (64, False)]  # (head dim, causal); 16 x 1024 tokens, 16 heads
+PATHS = ("gluon", "triton")
+GRADS = ("no_grad", "grad")
 
 
-def _host_us(f, calls: int, clock=time.perf_counter) -> float:
-    start = clock()
+def _clear_caches():
+    for cache in (ga._PLANS, attn_ops._FWD_PLANS, getattr(attn_ops, "_DENSE_CALLS", {})):
+        cache.clear()
+
+
+@contextlib.contextmanager
+def forward_path(path: str):
+    """The Gluon dispatch as it is (``gluon``) or refused for every call (``triton``); launch caches cleared on
+    the way in and out, so no call key keeps the other path's plan."""
+    pays = ga.gluon_pays
+    if path == "triton":
+        ga.gluon_pays = lambda headdim, seqlen_k: False
+    _clear_caches()
+    try:
+        yield
+    finally:
+        ga.gluon_pays = pays
+        _clear_caches()
+
+
+def _call(headdim: int, causal: bool, grad: str, device: str, batch: int = 16, tokens: int = 1024):
+    """A flash_attn call on fresh bf16 inputs of (batch, tokens, 16 heads, headdim)."""
+    q = torch.randn(batch, tokens, 16, headdim, device=device, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    if grad == "grad":
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+    return lambda: flashdecode.flash_attn(q, k, v, causal=causal)
+
+
+def _host_us(f, calls: int) -> float:
+    start = time.perf_counter()
     for _ in range(calls):
         f()
-    return (clock() - start) / calls * 1e6
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _median_us(f, calls: int) -> float:
+    """Median of single calls (robust to a busy machine)."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter_ns()
+        f()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3
 
 
 def _gpu_us(f, calls: int) -> float:
@@ -55,20 +107,13 @@ def _kernel_us(f, calls: int) -> float:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), torch.no_grad():
         f()
         with torch.cuda.graph(graph, stream=stream):
             f()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return _gpu_us(graph.replay, calls)
-
-
-def _call(headdim: int, causal: bool, batch: int, tokens: int, device: str):
-    """A flash_attn call on fresh bf16 inputs of (batch, tokens, 16 heads, headdim)."""
-    q = torch.randn(batch, tokens, 16, headdim, device=device, dtype=torch.bfloat16)
-    k, v = torch.randn_like(q), torch.randn_like(q)
-    return lambda: flashdecode.flash_attn(q, k, v, causal=causal)
 
 
 def _profile(f, calls: int, rows: int):
@@ -80,53 +125,198 @@ def _profile(f, calls: int, rows: int):
     pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
 
 
-def _stub_launch(self, grid_fn, args, device):
-    """What a cached direct launch does in Python besides the C launcher call."""
-    meta = dict(zip(self.names, self.tiles[0]))
-    grid_fn(meta)
-    return args + (None,) * 8
+class _LaunchSpy:
+    """Wraps the compiled kernels' launchers: counts direct launches and keeps the last one's arguments, so that
+    the launch alone can be replayed."""
+
+    def __init__(self):
+        self.last = None
+
+    def wrap(self, run):
+        def spy(*args):
+            self.last = (run, args)
+            return run(*args)
+        return spy
 
 
-def run_gpu(calls: int):
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, {calls} calls")
-    print("| head dim | causal | host us/call | loop us/call | kernel us/call | gap us/call |")
-    print("|---|---|---|---|---|---|")
-    for headdim, causal in SHAPES:
-        f = _call(headdim, causal, 16, 1024, "cuda")
-        for _ in range(30):  # compile, autotune, cache the launch plan
-            f()
-        torch.cuda.synchronize()
-        host = _host_us(f, calls)
-        torch.cuda.synchronize()
-        loop = _gpu_us(f, calls)
-        kernel = _kernel_us(f, calls)
-        print(f"| {headdim} | {causal} | {host:.1f} | {loop:.1f} | {kernel:.1f} | {loop - kernel:.1f} |", flush=True)
+def _direct_launchers():
+    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's C launcher
+    (``direct``) or Triton's launcher (``run``), a Triton kernel's ``run``."""
+    for plan in ga._PLANS.values():
+        if plan and plan.compiled is not None:
+            yield plan, "direct" if plan.direct is not None else "run"
+    for plan in attn_ops._FWD_PLANS.values():
+        if plan.kernel.compiled is not None:
+            yield plan.kernel, "run"
+
+
+def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
+    """One no_grad call's host time split into the allocations, the launch alone and the rest."""
+    f = _call(headdim, causal, "no_grad", "cuda")
+    for _ in range(5):
+        f()
+    spy = _LaunchSpy()
+    for owner, attribute in list(_direct_launchers()):
+        setattr(owner, attribute, spy.wrap(getattr(owner, attribute)))
+    f()
+    torch.cuda.synchronize()
+    if spy.last is None:
+        return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | |"
+    run, args = spy.last
+    q = torch.empty(16, 1024, 16, headdim, device="cuda", dtype=torch.bfloat16)
+    lse_shape = (16, 16, 1024)
+
+    def allocations():
+        torch.empty_like(q, memory_format=torch.contiguous_format)
+        torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    total = _host_us(f, calls)
+    torch.cuda.synchronize()
+    alloc = _host_us(allocations, calls)
+    launch = _host_us(lambda: run(*args), calls)
+    torch.cuda.synchronize()
+    return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {launch:.1f} | "
+            f"{total - alloc - launch:.1f} |")
+
+
+def run_gpu(calls: int, autotune: bool):
+    if not autotune:  # the first tile that fits: one compile per Triton row instead of a tuning sweep
+        os.environ[attn_ops.AUTOTUNE_ENV] = "0"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, "
+          f"{calls} calls per loop, Triton autotuning {'on' if autotune else 'off'}")
+    print("| path | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | gap us/call |")
+    print("|---|---|---|---|---|---|---|---|")
+    breakdown = []
+    for path in PATHS:
+        with forward_path(path):
+            for headdim, causal in SHAPES:
+                for grad in GRADS:
+                    f = _call(headdim, causal, grad, "cuda")
+                    for _ in range(20):  # compile, autotune, cache the launch
+                        f()
+                    torch.cuda.synchronize()
+                    host = _host_us(f, calls)
+                    torch.cuda.synchronize()
+                    loop = _gpu_us(f, calls)
+                    kernel = _kernel_us(f, calls)
+                    print(f"| {path} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | {kernel:.1f} | "
+                          f"{loop - kernel:.1f} |", flush=True)
+            breakdown.append(_breakdown(128, False, path, calls))
+    print("\nOne no_grad call's host time, us: total, out + lse allocations alone, the direct launch alone (ready "
+          "arguments), the rest (Python)")
+    print("| path | head dim | causal | total | allocations | launch | rest |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(breakdown))
+    print()
     _profile(f, calls, 15)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# CPU: small CPU tensors, a faked Hopper, launches stubbed where Triton's launcher would run
+# ----------------------------------------------------------------------------------------------------------------
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: launch_metadata does what Triton's does while a hook chain is set
+    (a LazyDict of the launch); run (the launcher) does nothing."""
+
+    function, packed_metadata, name = 0, (4, 1, 0), "stub"
+
+    def launch_metadata(self, grid, stream, *args):
+        from triton import knobs
+        from triton.compiler.compiler import LazyDict
+
+        if knobs.runtime.launch_enter_hook is None:
+            return None
+        return LazyDict({"name": self.name, "function": self.function, "stream": stream})
+
+    def run(self, *args):
+        return None
+
+
+def _fake_gluon_compiled():
+    """A fake compiled Gluon kernel whose launcher is Triton's own CudaLauncher Python (its scratch handling and
+    the host-descriptor expansion) around a C launch that does nothing; the CUtensorMap fill is a stub too."""
+    import triton
+    from triton.backends.nvidia import driver as nv
+
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
+    class Driver:  # triton.runtime.driver.active as make_tensordesc_arg reads it
+        class utils:
+            fill_tma_descriptor = staticmethod(lambda *args: object())
+
+    triton.runtime.driver.set_active(Driver())
+    signature = {i: "tensordesc" if i < 3 else "i32" for i in range(len(attn_fwd_ws_kernel.arg_names))}
+    metas = [dict(swizzle=128, elem_size=2, elem_type=6, block_size=[64, 128], fp4_padded=False)] * 3
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.launch = nv.wrap_handle_tensordesc(lambda *args: None, signature, metas)
+    compiled = _FakeCompiled()
+    compiled.run = launcher
+    return compiled
+
+
+class _FakeTuned:
+    """Stands in for the autotuner: a launch returns the fake compiled kernel; best_config is the first tile."""
+
+    def __init__(self, fn, tiles, names):
+        import triton
+
+        tile = tiles[0]
+        self.fn = fn
+        self.best_config = triton.Config(dict(zip(names, tile)), num_warps=tile[len(names)],
+                                         num_stages=tile[len(names) + 1])
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _FakeCompiled()
+
+
+def _fake_device():
+    """Patches (for the rest of the process) that make CPU tensors take the GPU's host path."""
+    os.environ["TRITON_INTERPRET"] = "1"  # the argument checks take CPU tensors
+    attn_ops._interpreting = lambda: False  # the dispatch and launches do not interpret
+    ga.interpreting = lambda device=None: False
+    ga._is_hopper = lambda device: True
+    ga._num_sms = lambda device: 132
+    ga._jit_launch = lambda grid, args, constexprs: _fake_gluon_compiled()
+    ga._current_stream = lambda index: 0
+    attn_ops._current_stream = lambda index: 0
+    attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
+    attn_ops._device_facts = lambda device: (227 * 1024, 9)
+    torch.cuda.current_device = lambda: None  # a CPU tensor's device index
+
+
 def run_cpu(calls: int):
-    attn_ops._Kernel.__call__ = _stub_launch
-    print(f"CPU, launch stubbed, torch {torch.__version__}, 2 x 16 tokens, 16 heads, bf16, {calls} calls")
-    print("| head dim | causal | host us/call |")
-    print("|---|---|---|")
-    for headdim, causal in SHAPES:
-        f = _call(headdim, causal, 2, 16, "cpu")
-        for _ in range(10):
-            f()
-        host = min(_host_us(f, calls, time.thread_time) for _ in range(3))  # CPU time: robust to a busy machine
-        print(f"| {headdim} | {causal} | {host:.1f} |", flush=True)
-    _profile(f, calls, 12)
+    _fake_device()
+    print(f"CPU tensors on a faked Hopper, launches stubbed, torch {torch.__version__}, 2 x 16 tokens, 16 heads, "
+          f"bf16; median of {calls} calls")
+    print("| path | head dim | causal | inputs | host us/call |")
+    print("|---|---|---|---|---|")
+    for path in PATHS:
+        with forward_path(path):
+            for headdim, causal in SHAPES:
+                for grad in GRADS:
+                    f = _call(headdim, causal, grad, "cpu", batch=2, tokens=16)
+                    for _ in range(10):
+                        f()
+                    print(f"| {path} | {headdim} | {causal} | {grad} | {_median_us(f, calls):.1f} |", flush=True)
+            if path == PATHS[0]:
+                f0 = _call(128, False, "no_grad", "cpu", batch=2, tokens=16)
+                f0()
+                _profile(f0, calls, 14)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="CPU tensors (TRITON_INTERPRET=1), launch stubbed")
-    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--cpu", action="store_true", help="CPU tensors on a faked Hopper, launches stubbed")
+    parser.add_argument("--calls", type=int, default=None, help="calls per loop (GPU 300, CPU 2000)")
+    parser.add_argument("--autotune", action="store_true", help="GPU: autotune the Triton rows' tiles (slower)")
     args = parser.parse_args()
     if args.cpu:
-        run_cpu(args.calls)
+        run_cpu(args.calls or 2000)
     else:
-        run_gpu(args.calls)
+        run_gpu(args.calls or 300, args.autotune)
 
 
 if __name__ == "__main__":

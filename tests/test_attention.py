@@ -486,7 +486,7 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
             calls.append(args)
 
         def launch_metadata(self, grid, stream, *args):
-            return None
+            return "metadata"
 
     class Tuned:
         best_config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
@@ -500,9 +500,19 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
     args = tuple(range(nargs))
     kernel(lambda meta: (meta["BLOCK_M"], 2, 3), args, torch.device("cuda", 0))
     (launched,) = calls
-    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
-    assert launched[:9] == (128, 2, 3, 7, "function", "packed", None) + hooks
+    # no hook registered: no launch metadata, and None for both hooks (the launcher then calls neither chain)
+    assert launched[:9] == (128, 2, 3, 7, "function", "packed", None, None, None)
     assert launched[9:] == args + kernel.tail
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+
+    def hook(metadata):
+        return None
+    hooks[0].add(hook)  # a registered hook (Triton's profiler adds one) gets the chains and the metadata
+    try:
+        kernel(lambda meta: (meta["BLOCK_M"], 2, 3), args, torch.device("cuda", 0))
+    finally:
+        hooks[0].remove(hook)
+    assert calls[1][:9] == (128, 2, 3, 7, "function", "packed", "metadata") + hooks
 
 
 @pytest.mark.gpu

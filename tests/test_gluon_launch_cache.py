@@ -16,10 +16,7 @@ class _FakeCompiled:
     def __init__(self):
         self.launches = []
         self.function, self.packed_metadata = "function-handle", "packed"
-
-    @property
-    def run(self):
-        return lambda *a: self.launches.append(a)
+        self.run = lambda *a: self.launches.append(a)
 
     def launch_metadata(self, grid, stream, *args):
         return None
@@ -121,3 +118,75 @@ def test_dispatch_rule_decides_once_per_launch_key(stubbed):
     assert isinstance(ga._plan_for(*_qkv(sq=128, sk=128), False, None), ga._GluonPlan)
     assert isinstance(ga._plan_for(*short64, True, ga.resolve_gluon_config(64, True, 512)), ga._GluonPlan)
     assert len(ga._PLANS) == 4
+
+
+class _FakeTmaDriver:
+    """triton.runtime.driver.active as Triton's make_tensordesc_arg reads it: fill_tma_descriptor returns its inputs
+    (as the CUtensorMap stand-in) and counts the fills."""
+
+    def __init__(self):
+        self.fills = []
+        self.utils = self
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
+        self.fills.append(ptr)
+        return ("tensormap", ptr, swizzle, elem_size, elem_type, tuple(block_size), tuple(shape), tuple(strides),
+                padding)
+
+
+def _triton_launcher(c_calls: list):
+    """Triton 3.6's own CudaLauncher (its __call__, scratch handling and wrap_handle_tensordesc) around a recording
+    C launch, for attn_fwd_ws_kernel's signature: three host tensor descriptors first."""
+    from triton.backends.nvidia import driver as nv
+
+    names = attn_fwd_ws_kernel.arg_names
+    signature = {i: ("tensordesc<fp16[64,128]>" if i < 3 else "*fp16" if i < 5 else "i32") for i in range(len(names))}
+    metas = [dict(swizzle=128, elem_size=2, elem_type=6, block_size=[rows, 128], fp4_padded=False)
+             for rows in (64, 128, 128)]
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher: not here
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.launch = nv.wrap_handle_tensordesc(lambda *args: c_calls.append(args), signature, metas)
+    return launcher
+
+
+def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, monkeypatch):
+    """With Triton's real launcher wrappers around a recording C launch: the plan's direct launch
+    (direct_launch.TensormapLauncher) passes the C launcher the same arguments as Triton's own path (taken while a
+    launch hook is registered), except the metadata and hooks; the CUtensorMaps are filled once per address."""
+    import triton
+
+    fake = _FakeTmaDriver()
+    monkeypatch.setattr(triton.runtime.driver, "_active", fake)
+    c_calls = []
+    compiled = _FakeCompiled()
+    compiled.run = _triton_launcher(c_calls)
+    monkeypatch.setattr(ga, "_jit_launch", lambda grid, args, constexprs: compiled)
+    q, k, v = _qkv()
+    ga.gluon_attention_forward(q, k, v, causal=True)  # the key's JIT launch (stubbed)
+    plan, = ga._PLANS.values()
+    assert isinstance(plan.direct, ga.direct_launch.TensormapLauncher)
+    ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.25)
+    ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.25)
+    assert len(c_calls) == 2 and len(fake.fills) == 3 and plan.direct.fills == 3  # one fill per operand address
+    hooks = triton.knobs.runtime.launch_enter_hook
+
+    def hook(metadata):
+        return None
+    hooks.add(hook)
+    try:
+        ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.25)
+    finally:
+        hooks.remove(hook)
+    direct, wrapped = c_calls[1], c_calls[2]
+    assert direct[10:13] == (None, None, None) and wrapped[11:13] == (hooks, triton.knobs.runtime.launch_exit_hook)
+    assert direct[:10] == wrapped[:10]  # grid, stream, function, cooperative, pdl, scratch, packed metadata
+    out_at = 13 + 3 * 5  # each descriptor: the map, 2 shape and 2 stride entries
+    assert direct[13:out_at] == wrapped[13:out_at] and direct[13] == ("tensormap", q.data_ptr(), 128, 2, 6,
+                                                                      (64, 128), (600, 512), (512, 1), 0)
+    assert direct[out_at + 2:] == wrapped[out_at + 2:]  # runtime arguments and constexprs
+    assert all(a.shape == b.shape for a, b in zip(direct[out_at:out_at + 2], wrapped[out_at:out_at + 2]))
+    q2 = q.clone()  # a new address: one more fill, for q only
+    ga.gluon_attention_forward(q2, k, v, causal=True)
+    assert plan.direct.fills == 4 and c_calls[-1][13][1] == q2.data_ptr()

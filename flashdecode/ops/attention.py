@@ -19,7 +19,9 @@ Every launch decision lives in one flashdecode.AttentionConfig, resolved by heur
 from the problem and the device (or given with ``config=``). The host path is cached per launch key (shapes,
 strides, dtype, alignment, mask flags, configuration): a repeated call checks its options, allocates its outputs
 and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
-per-call argument binding. FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
+per-call argument binding. Dense forwards go through one cache from the call's key to its ready forward (the
+Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
+options builds that key, allocates out and lse and launches (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
 the first candidate tile that fits shared memory runs.
 
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
@@ -31,18 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+import math
 import threading
 from typing import Callable, Optional
 
 import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensor
-from triton import knobs
 
 from flashdecode import heuristics
 from flashdecode.config import AttentionConfig, AttentionProblem
-from flashdecode.ops import checks, gluon_attention
+from flashdecode.ops import checks, direct_launch, gluon_attention
 from flashdecode.kernels import bwd as bwd_kernels
 from flashdecode.kernels import fwd as fwd_kernels
 
@@ -58,6 +59,7 @@ AUTOTUNE_ENV = "FLASHDECODE_AUTOTUNE"
 cdiv = heuristics.cdiv  # pure Python: triton.cdiv is a constexpr function, ~10x slower on the host
 _INT32_MAX = 2 ** 31 - 1  # window bounds are clamped to it: a huge window means "unbounded", and stays an i32
 _LAUNCH_CACHE_SIZE = 4096  # launch keys kept per direction (a dict cleared when full: keys are cheap to rebuild)
+_NO_WINDOW = (-1, -1)  # the default window_size: the options' fast checks pass it by identity
 
 
 def _interpreting() -> bool:
@@ -65,7 +67,7 @@ def _interpreting() -> bool:
 
 
 def _autotune_enabled() -> bool:
-    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+    return checks.env_value(AUTOTUNE_ENV, "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ def _check_tensor_args(q, k, v, ndim: int, layout: str):
                             f"(FP8 attention takes all three in float8_e4m3fn)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type == "cpu" and not _interpreting():
+    if q.device.type == "cpu" and not checks.interpreting():
         raise ValueError("q, k, v are CPU tensors: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
                          "flashdecode.reference.attention_ref is the pure-PyTorch CPU path")
     headdim = q.shape[-1]
@@ -113,7 +115,7 @@ def _check_tensors_once(q, k, v, ndim: int, layout: str):
     read nothing else; the layout keeps a varlen call's 3-D shapes from passing for flash_attn)."""
     try:
         key = (ndim, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               type(q), type(k), type(v), q.device.type == "cpu" and _interpreting())
+               type(q), type(k), type(v), q.device.type == "cpu" and checks.interpreting())
     except AttributeError:  # not tensors: the full check names the argument
         key = None
     if key is None or key not in _CHECKED_TENSORS:
@@ -125,11 +127,18 @@ def _check_tensors_once(q, k, v, ndim: int, layout: str):
 
 
 def _check_options(causal, softmax_scale, window_size, softcap, deterministic=True):
-    checks.check_bool("causal", causal)
-    checks.check_bool("deterministic", deterministic)
-    checks.check_softmax_scale(softmax_scale)
-    checks.check_window(window_size)
-    checks.check_softcap(softcap)
+    """The shared checks, in this order; the common values (bools, no scale, the default window, softcap 0.0) pass
+    without a call."""
+    if causal is not True and causal is not False:
+        checks.check_bool("causal", causal)
+    if deterministic is not True and deterministic is not False:
+        checks.check_bool("deterministic", deterministic)
+    if softmax_scale is not None:
+        checks.check_softmax_scale(softmax_scale)
+    if window_size is not _NO_WINDOW:
+        checks.check_window(window_size)
+    if type(softcap) is not float or softcap != 0.0:
+        checks.check_softcap(softcap)
 
 
 def _check_descales(q, q_descale, k_descale, v_descale, batch: int, nheads_kv: int):
@@ -229,11 +238,12 @@ def _check_cu_seqlens_values(checks):
 
 
 def _normalise_options(headdim, causal, softmax_scale, window_size, softcap):
-    scale = float(headdim ** -0.5 if softmax_scale is None else softmax_scale)
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal:
-        right = 0
-    return scale, min(left, _INT32_MAX), min(right, _INT32_MAX), float(softcap)
+    scale = headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if window_size is _NO_WINDOW:
+        left, right = -1, -1
+    else:
+        left, right = min(int(window_size[0]), _INT32_MAX), min(int(window_size[1]), _INT32_MAX)
+    return scale, left, 0 if causal else right, float(softcap)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,27 +375,29 @@ class _Kernel:
     kernel's runtime parameters in order, as a tuple.
     """
 
-    __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "meta", "tail", "run",
-                 "function", "packed", "compiled")
+    __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "use_tma", "meta", "tail",
+                 "run", "function", "packed", "compiled")
 
     def __init__(self, name: str, fn, tiles: tuple, names: tuple, autotune: bool, constexprs: dict,
                  reset_dq: bool = False):
         self.name = name  # fwd, bwd_atomic, bwd_fused, bwd_dkdv or bwd_dq
         self.fn, self.tiles, self.names, self.autotune, self.reset_dq = fn, tiles, names, autotune, reset_dq
         self.constexprs = constexprs
+        self.use_tma = bool(constexprs.get("USE_TMA"))  # descriptors need the allocator of the calling thread
         self.compiled = None
 
     def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
         if self.compiled is not None:
-            if self.constexprs.get("USE_TMA"):  # descriptors need the allocator of the calling thread
+            if self.use_tma:
                 _ensure_triton_allocator()
-            if device.index == torch.cuda.current_device():
-                self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
+            index = device.index
+            if index == torch.cuda.current_device():
+                self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
             else:
                 with torch.cuda.device(device):
-                    self._launch_compiled(grid_fn(self.meta), args + self.tail, device.index)
+                    self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
             return
-        if self.constexprs.get("USE_TMA"):
+        if self.use_tma:
             _ensure_triton_allocator()
         if _interpreting():
             meta = dict(zip(self.names, self.tiles[0]))
@@ -401,9 +413,9 @@ class _Kernel:
 
     def _launch_compiled(self, grid: tuple, full: tuple, index: int):
         stream = _current_stream(index)
-        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed,
-                 self.compiled.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
-                 knobs.runtime.launch_exit_hook, *full)
+        enter, exit_ = direct_launch.launch_hooks()
+        meta = None if enter is None else self.compiled.launch_metadata(grid, stream, *full)
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, meta, enter, exit_, *full)
 
     def _record(self, tuned, compiled, nargs: int):
         """Keep what a direct launch needs; anything unexpected leaves the key on the autotuner's path."""
@@ -427,16 +439,18 @@ class _Kernel:
         self.compiled = compiled
 
 
-def _current_stream(index: int):
-    return triton.runtime.driver.active.get_current_stream(index)
-
+_current_stream = direct_launch.current_stream
 
 _ALLOCATOR_SET = threading.local()
 
 
+@functools.lru_cache(maxsize=None)
+def _scratch_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"  # "cuda": the current device (Triton's convention)
+
+
 def _scratch_allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8,
-                       device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    return torch.empty(size, dtype=torch.int8, device=_scratch_device())
 
 
 def _ensure_triton_allocator():
@@ -611,15 +625,93 @@ def _fp8_v_transposed(v: torch.Tensor, varlen: bool):
     return phys, (phys.stride(0), 1, phys.stride(1), phys.stride(2))
 
 
+def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
+              alibi_slopes=None, alibi_stride=0, v_descale=None, v_layout=None) -> _FwdPlan:
+    """The Triton forward plan of this launch key (built on its first call)."""
+    key = _launch_key(q, k, v_kernel, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
+                      alibi_slopes, alibi_stride, v_descale)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
+                                                      config_id, alibi_slopes is not None, v_layout))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense forwards (no FP8, no ALiBi): one cache from a call's signature to its ready forward, shared by flash_attn's
+# eager path and the forward op
+# ----------------------------------------------------------------------------------------------------------------
+
+_DENSE_CALLS: dict = {}
+
+
+def _dense_key(q, k, v, left: int, right: int, softcap: float, config_id: int) -> tuple:
+    """What a dense forward's launch depends on besides the data: shapes, strides, dtypes and devices of q, k, v
+    (with the tensor checks' inputs among them, so a hit also stands for checks passed), each pointer's 16-byte
+    alignment (Triton specialises on it; TMA needs it), the mask flags (right == 0 apart: the Gluon kernel takes
+    causal but no other window), the softcap flag, the configuration and the interpreter and autotune switches."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, left >= 0,
+            right >= 0, right == 0, softcap > 0.0, config_id, _interpreting(), _autotune_enabled())
+
+
+class _DenseCall:
+    """The forward of one dense call key with everything but the data resolved: on Hopper the Gluon plan where
+    the dispatch sends the call there (ops/gluon_attention.py, docs/decisions.md; an explicit config= keeps the
+    Triton kernels), else the Triton kernel with its grid and the kernel arguments the key fixes. A repeated call
+    allocates out and lse and launches. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv,
+    headdim), fp16 / bf16 / fp32, checked."""
+
+    __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls")
+
+    def __init__(self, q, k, v, left: int, right: int, softcap: float, config_id: int):
+        batch, sq, nheads, _ = q.shape
+        sk, nheads_kv = k.shape[1], k.shape[2]
+        self.lse_shape = (batch, nheads, sq)
+        self.empty = q.numel() == 0
+        self.gluon = None
+        if config_id == _RESOLVE_CONFIG and not self.empty:
+            self.gluon = gluon_attention.dispatch_plan(q, k, v, left, right, softcap)
+        self.calls = 0  # forwards run through this entry (the host-path tests read it)
+        if self.gluon is not None or self.empty:
+            return
+        out = torch.empty_like(q)  # the layout of every call's out under this key: its strides are fixed too
+        strides = (q.stride(), k.stride(), v.stride())
+        plan = _fwd_plan(q, k, v, v, out, strides, None, None, sq, sk, left, right, softcap, config_id)
+        self.kernel, self.buckets = plan.kernel, plan.buckets
+        self.fixed = (*strides, out.stride(), (nheads * sq, sq), nheads // nheads_kv, sq, sk, batch, k.shape[0])
+        self.grid = lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch)
+
+    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float):
+        """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key."""
+        self.calls += 1
+        if self.gluon is not None:
+            return gluon_attention.run_plan(self.gluon, q, k, v, scale)
+        out = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.empty:
+            return out, lse.fill_(float("-inf"))
+        qk_scale, softcap_log2 = _scale_args(scale, softcap)
+        args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
+                + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
+        self.kernel(self.grid, args, q.device)
+        return out, lse
+
+
+def _dense_call(q, k, v, left: int, right: int, softcap: float, config_id: int) -> _DenseCall:
+    """The ready forward of this dense call's key (built on its first call; inputs already checked)."""
+    key = _dense_key(q, k, v, left, right, softcap, config_id)
+    call = _DENSE_CALLS.get(key)
+    if call is None:
+        call = _bounded_put(_DENSE_CALLS, key, _DenseCall(q, k, v, left, right, softcap, config_id))
+    return call
+
+
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
               config_id=_RESOLVE_CONFIG, qk_descale=None, v_descale=None, alibi_slopes=None):
     """(out like q (bfloat16 for FP8 inputs), lse fp32) of one forward; see attn_fwd_op."""
-    if (config_id == _RESOLVE_CONFIG and cu_seqlens_q is None and alibi_slopes is None and qk_descale is None):
-        # Hopper: the warp-specialised Gluon kernel where it applies and measured faster (ops/gluon_attention.py,
-        # docs/decisions.md); an explicit config= keeps the Triton kernels
-        result = gluon_attention.gluon_forward_if_supported(q, k, v, scale, left, right, softcap)
-        if result is not None:
-            return result
+    if cu_seqlens_q is None and alibi_slopes is None and qk_descale is None and q.dtype != FP8_DTYPE:
+        return _dense_call(q, k, v, left, right, softcap, config_id).forward(q, k, v, scale, left, right, softcap)
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     fp8 = q.dtype == FP8_DTYPE
     out = torch.empty(q.shape, dtype=FP8_OUT_DTYPE, device=q.device) if fp8 else torch.empty_like(q)
@@ -637,12 +729,8 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         alibi_stride = alibi_slopes.stride(0)
     strides = (_strides(q, varlen), _strides(k, varlen), v_strides)
-    key = _launch_key(q, k, v_kernel, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
-                      alibi_slopes, alibi_stride, v_descale)
-    plan = _FWD_PLANS.get(key)
-    if plan is None:
-        plan = _bounded_put(_FWD_PLANS, key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
-                                                      config_id, alibi_slopes is not None, v_layout))
+    plan = _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap,
+                     config_id, alibi_slopes, alibi_stride, v_descale, v_layout)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
     args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
             alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
@@ -802,6 +890,27 @@ class _FlashAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
+class _DenseCallFunction(torch.autograd.Function):
+    """_FlashAttnFunction for an eager dense call with plain options and its ready forward (the dense call cache's
+    entry): the same forward and backward, five arguments instead of fourteen (autograd's apply walks every one).
+    options: (softmax scale, window right: 0 causal / -1, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dense_call, options):
+        scale, right, deterministic = options
+        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (q.shape[1], k.shape[1], scale, -1, right, 0.0, deterministic, _RESOLVE_CONFIG)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, None, None, *ctx.params, None)
+        return dq, dk, dv, None, None
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
                deterministic, config_id, descales=None, alibi_slopes=None):
     """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call).
@@ -833,8 +942,62 @@ def _check_sinks_alone(config, q, q_descale, alibi_slopes):
 # Public API
 # ----------------------------------------------------------------------------------------------------------------
 
+def _check_batch(q, k):
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
+
+
+_DENSE_LAYOUT = "(batch, seqlen, nheads, headdim)"
+
+
+def _no_window(window_size) -> bool:
+    """window_size is the default: the default object, or a tuple of the ints -1, -1 (flash_attn_interface passes
+    its own). Types first: comparing other objects could call their __eq__."""
+    return window_size is _NO_WINDOW or (type(window_size) is tuple and len(window_size) == 2
+                                         and type(window_size[0]) is int and type(window_size[1]) is int
+                                         and window_size[0] == -1 and window_size[1] == -1)
+
+
+def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
+    """flash_attn's result for an eager dense call with plain options (bools, softmax_scale None or a finite
+    float, the default window, softcap 0.0; no config, FP8, ALiBi or sinks) through the dense call cache, or None
+    where flash_attn's general path runs instead (it checks everything and raises for bad input): other options,
+    tensors that are not plain torch.Tensors (subclasses, FakeTensor), torch.compile tracing, FP8 inputs.
+
+    A hit on the call's key stands for the tensor checks (the key holds everything they read); a miss runs them
+    (or finds them passed for the same shapes, dtypes and devices), in flash_attn's order, before the entry is
+    built. Autograd only where a gradient can flow (its Function costs
+    host time per call)."""
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or not _no_window(window_size) or type(softcap) is not float
+            or softcap != 0.0 or (causal is not True and causal is not False)
+            or (return_lse is not True and return_lse is not False)
+            or (deterministic is not True and deterministic is not False)):
+        return None
+    right = 0 if causal else -1
+    key = _dense_key(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG)
+    call = _DENSE_CALLS.get(key)
+    if call is None:
+        _check_tensors_once(q, k, v, 4, _DENSE_LAYOUT)
+        _check_batch(q, k)
+        if q.dtype == FP8_DTYPE:  # descales required: the general path says so
+            return None
+        call = _bounded_put(_DENSE_CALLS, key, _DenseCall(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG))
+    if softmax_scale is None:
+        scale = q.shape[3] ** -0.5
+    elif type(softmax_scale) is float and math.isfinite(softmax_scale):
+        scale = softmax_scale
+    else:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _DenseCallFunction.apply(q, k, v, call, (scale, right, deterministic))
+    else:
+        out, lse = call.forward(q, k, v, scale, -1, right, 0.0)
+    return (out, lse) if return_lse else out
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-               softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+               softmax_scale: Optional[float] = None, window_size=_NO_WINDOW, softcap: float = 0.0,
                return_lse: bool = False, deterministic: bool = True, config: Optional[AttentionConfig] = None,
                q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
                v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
@@ -873,9 +1036,13 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         out (batch, seqlen_q, nheads, headdim) like q (bfloat16 for FP8 inputs) [, lse]. Rows with no visible key
         give out 0, lse -inf.
     """
-    _check_tensors_once(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
+    if (config is None and sinks is None and alibi_slopes is None and q_descale is None and k_descale is None
+            and v_descale is None):
+        result = _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, return_lse, deterministic)
+        if result is not None:
+            return result
+    _check_tensors_once(q, k, v, 4, _DENSE_LAYOUT)
+    _check_batch(q, k)
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     checks.check_bool("return_lse", return_lse)
     if sinks is not None:
@@ -898,7 +1065,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
-                      softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+                      softmax_scale: Optional[float] = None, window_size=_NO_WINDOW, softcap: float = 0.0,
                       return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True,
                       config: Optional[AttentionConfig] = None, q_descale: Optional[torch.Tensor] = None,
                       k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,

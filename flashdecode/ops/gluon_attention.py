@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from flashdecode.ops import direct_launch
 from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
 
 GLUON_HEAD_DIMS = (64, 128)
@@ -124,15 +125,7 @@ def _rows_view(x: torch.Tensor) -> tuple[list, list]:
     return [b * s, h * d], [x.stride(1), 1]
 
 
-class _HostDescriptor:
-    """The fields of a host TensorDescriptor that a compiled kernel's launcher reads to fill the CUtensorMap
-    (base.data_ptr(), shape, strides, padding). Built per call from the plan's cached lists: a TensorDescriptor's
-    constructor re-validates, field by field in Python, what the launch key already fixes."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base: torch.Tensor, view: tuple[list, list]):
-        self.base, (self.shape, self.strides), self.padding = base, view, "zero"
+_HostDescriptor = direct_launch.HostDescriptor
 
 
 def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int):
@@ -161,30 +154,17 @@ def _kernel_arg_names() -> list:
     return attn_fwd_ws_kernel.arg_names
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_knobs():
-    from triton import knobs  # imported once (a module-level import would load Triton for every CPU user)
-
-    return knobs
-
-
-@functools.lru_cache(maxsize=None)
-def _stream_getter():
-    import triton
-
-    return triton.runtime.driver.active.get_current_stream
-
-
-def _current_stream(index: int):
-    return _stream_getter()(index)
+_current_stream = direct_launch.current_stream
 
 
 class _GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
-    (after the first launch) the compiled kernel with its launcher, handle and packed metadata."""
+    (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
+    with the CUtensorMaps of the addresses seen (direct_launch.TensormapLauncher; None where Triton's launcher
+    does not have the layout it expects)."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "compiled", "run", "function", "packed", "direct_launches")
+                 "compiled", "run", "function", "packed", "direct", "direct_launches")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
@@ -199,7 +179,7 @@ class _GluonPlan:
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-        self.compiled = None
+        self.compiled = self.direct = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
     def launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
@@ -217,14 +197,17 @@ class _GluonPlan:
                           zip((q, k, v), self.views, (64, self.cfg.block_n, self.cfg.block_n)))
             self._record(_jit_launch(self.grid, descs + (out, lse) + runtime, self.constexprs))
             return
-        qv, kv, vv = self.views
-        args = (_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + runtime + self.tail
         stream = _current_stream(index)
-        knobs = _triton_knobs()
-        enter = knobs.runtime.launch_enter_hook
-        meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
-        self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
-                 knobs.runtime.launch_exit_hook, *args)
+        enter, exit_ = direct_launch.launch_hooks()
+        if enter is None and self.direct is not None:
+            self.direct(self.grid, stream, self.function, self.packed, (q, k, v), (out, lse) + runtime + self.tail)
+        else:
+            qv, kv, vv = self.views
+            args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + runtime
+                    + self.tail)
+            meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
+            self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
+                     exit_, *args)
         self.direct_launches += 1
 
     def _record(self, compiled) -> None:
@@ -236,6 +219,7 @@ class _GluonPlan:
             return
         self.tail = tuple(self.constexprs[n] for n in names)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views)
         self.compiled = compiled
 
 
@@ -256,8 +240,10 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     return plan
 
 
-def _run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (batch, seqlen_q, nheads, headdim) contiguous like q, lse (batch, nheads, seqlen_q) float32) of q, k, v
+    (the plan's launch key, 16-byte aligned) on the plan's launch."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     plan.launch(q, k, v, out, lse, scale * LOG2E)
     return out, lse
@@ -293,7 +279,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                          "use flashdecode.ops.attention")
     scale = resolve_scale(softmax_scale, q.shape[-1])
     cfg = config or resolve_gluon_config(q.shape[-1], causal, k.shape[1])
-    return _run_plan(_plan_for(q, k, v, causal, cfg), q, k, v, scale)
+    return run_plan(_plan_for(q, k, v, causal, cfg), q, k, v, scale)
 
 
 def gluon_forward_if_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
@@ -309,11 +295,21 @@ def gluon_forward_if_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     no key (out 0 there). None for: varlen, a sliding window, softcap, the CPU interpreter, a non-sm_90 device,
     fp32, head dims other than 64/128, layouts TMA cannot read, empty sequences, and problems gluon_pays rules out.
     Host cost on a repeated launch key: one dict lookup, two allocations, one direct launch."""
-    if varlen or softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
+    plan = None if varlen else dispatch_plan(q, k, v, window_left, window_right, softcap)
+    return None if plan is None else run_plan(plan, q, k, v, softmax_scale)
+
+
+def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0) -> Optional[_GluonPlan]:
+    """The plan of a dense forward that the dispatch sends to the Gluon kernel (see gluon_forward_if_supported,
+    whose arguments these are), else None. The answer holds for every call that shares the launch key (shapes,
+    strides, dtypes, devices, mask flags) and the pointers' 16-byte alignment and the interpreter switch: a caller
+    that keys on those may keep it (ops/attention.py's dense call cache)."""
+    if softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
         return None
-    if not isinstance(q, torch.Tensor) or q.device.type != "cuda":
+    if not isinstance(q, torch.Tensor) or not _is_hopper(q.device):
         return None
     plan = _plan_for(q, k, v, window_right == 0, None)
     if plan is _NOT_APPLICABLE or not _aligned16(q, k, v):
         return None
-    return _run_plan(plan, q, k, v, softmax_scale)
+    return plan
