@@ -21,7 +21,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # gpu-check) runs many more, at larger sizes on a GPU. No deadline: interpreter and first-compile times vary.
 settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("long", max_examples=300, deadline=None, print_blob=True,
+settings.register_profile("long", max_examples=100, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("ci")  # `--hypothesis-profile` (applied after this file loads) overrides it
 
