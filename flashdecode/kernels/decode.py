@@ -393,7 +393,7 @@ def decode_split_kernel(
     SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
     length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
-    DEVICE_SPLITS (not FINAL): grid (programs, 1, 1) instead, program p runs work
+    DEVICE_SPLITS (given, not FINAL): grid (programs, 1, 1) instead, program p runs work
     item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
     least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
@@ -418,7 +418,7 @@ def decode_split_kernel(
     USE_PDL: tl.constexpr = PDL.launch_dependents
     PDL_WAIT: tl.constexpr = PDL.wait
     PREFETCH_KEYS: tl.constexpr = PREFETCH.keys
-    DEVICE: tl.constexpr = DEVICE_SPLITS is not None
+    DEVICE: tl.constexpr = DEVICE_SPLITS is not None  # split counts chosen on the device, one program per item
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kt, stride_kh = stride_k
     stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
