@@ -59,29 +59,83 @@ def spilled_bytes(kernel) -> int:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
-# the decode kernels' stride tuples and their lengths (compile_for_sm90's signatures)
-STRIDE_TUPLES = dict(stride_q=4, stride_k=3, stride_o=5, stride_l=4, stride_f=4, stride_fl=3, stride_alibi=2)
+# the decode kernels' tuple arguments: element types (i32 elements are strides, specialised divisible by 16 as the
+# launcher's usually are)
+DECODE_TUPLES = dict(stride_q=("i32",) * 4, stride_k=("i32",) * 3, stride_o=("i32",) * 5, stride_l=("i32",) * 4,
+                     stride_final=(("i32",) * 4, ("i32",) * 3), scales=("fp32", "fp32"))
+
+# decode_split_kernel's and decode_persistent_kernel's grouped constexprs (kernels/decode_args.py) from the flat names
+# their bodies use, with the defaults a flat name takes when a script leaves it out
+_DECODE_GROUPS = dict(
+    ROWS=("Rows", ("SEQLEN_Q", "GROUP", "NUM_M_BLOCKS")),
+    TILE=("Tile", ("BLOCK_M", "BLOCK_N", "BLOCK_D")),
+    SPLITS=("Splits", ("NUM_SPLITS", "MIN_CHUNK", "MERGE_SPLITS")),
+    PAGES=("Pages", ("PAGE_SIZE", "PRELOAD_PAGES")),
+    PDL=("Pdl", ("USE_PDL", "PDL_WAIT")),
+    PREFETCH=("Prefetch", ("PREFETCH_KEYS", "LINE_ELEMS", "NUM_LINES")),
+    DEVICE_SPLITS=("DeviceSplits", ("SPLIT_SLOTS", "BATCH_PAD", "MAX_SPLIT_KEYS", "KV_PROGRAMS")),
+    SCHEDULE=("WorkSchedule", ("NHEADS_KV", "BATCH_PAD", "MAX_SPLIT_KEYS", "DYNAMIC", "SLOTS_PER_PROGRAM",
+                               "QUEUE_SPLITS", "QUEUE_FULL_FRACTION", "QUEUE_SPLIT_COST")),
+    MERGE=("MergeTile", ("MERGE_M", "MERGE_BLOCK_S")),
+)
+_DECODE_DEFAULTS = dict(PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, BATCH_PAD=1, MAX_SPLIT_KEYS=0, DYNAMIC=False,
+                        SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
+
+
+def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:
+    """(types, consts) of a decode kernel from a script's flat names: the constexprs grouped as _DECODE_GROUPS (a flat
+    DEVICE_SPLITS=True turns the device-split fields into DeviceSplits, else None), K_SCALE / V_SCALE types into
+    kv_scales = (K_SCALE, V_SCALE, strides) and ALIBI_SLOPES into alibi = (ALIBI_SLOPES, strides); without KV_QUANT /
+    ALIBI those are None (the float cache without ALiBi)."""
+    from flashdecode.kernels import decode_args
+
+    flat = dict(_DECODE_DEFAULTS, **consts)
+    grouped = {n: v for n, v in consts.items() if n in fn.arg_names}
+    for name, (cls, fields) in _DECODE_GROUPS.items():
+        if name in fn.arg_names and not (name == "DEVICE_SPLITS" and not flat.get("DEVICE_SPLITS")):
+            grouped[name] = getattr(decode_args, cls)(*(flat[f] for f in fields))
+    if not flat.get("DEVICE_SPLITS") and "DEVICE_SPLITS" in fn.arg_names:
+        grouped["DEVICE_SPLITS"] = None
+    scale_types = (types.get("K_SCALE", "*fp32"), types.get("V_SCALE", "*fp32"), ("i32",) * 3)
+    alibi_types = (types.get("ALIBI_SLOPES", "*fp32"), ("i32", "i32"))
+    types = {n: t for n, t in types.items() if n in fn.arg_names}
+    if flat.get("KV_QUANT"):
+        types["kv_scales"] = scale_types
+    else:
+        grouped.update(kv_scales=None, KV_QUANT=0)
+    if flat.get("ALIBI"):
+        types["alibi"] = alibi_types
+    else:
+        grouped.update(alibi=None, ALIBI=False)
+    return types, grouped
+
+
+def _divisible(path: tuple, ty, attrs: dict):
+    """Divisibility-16 attributes on the pointers and i32 strides of a (possibly nested) tuple argument's type."""
+    if isinstance(ty, tuple):
+        for j, t in enumerate(ty):
+            _divisible(path + (j,), t, attrs)
+    elif ty.startswith("*") or ty == "i32":
+        attrs[path] = [["tt.divisibility", 16]]
 
 
 def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_warps: int = 4):
-    """``fn`` compiled for sm_90 (Triton's ptxas, no GPU) with argument types ``types`` (default i32; stride tuples
-    as tuples of i32) and constexprs ``consts``, pointers and strides specialised divisible by 16 as the launcher
-    does. For the scripts of run_sm90_compile_script (a fresh Python without TRITON_INTERPRET)."""
+    """``fn`` compiled for sm_90 (Triton's ptxas, no GPU) with argument types ``types`` (default i32; the decode
+    kernels' tuples as DECODE_TUPLES) and constexprs ``consts``, pointers and strides specialised divisible by 16 as
+    the launcher does. The decode kernels take the flat constexpr names their bodies use (SEQLEN_Q, BLOCK_N, ...:
+    _decode_kernel_args groups them). For the scripts of run_sm90_compile_script (a fresh Python without
+    TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # the decode kernels' float cache without ALiBi unless a variant asks for an 8-bit cache / ALiBi
-    for flag, default in (("KV_QUANT", {"KV_QUANT": 0, "K_SCALE": None, "V_SCALE": None}),
-                          ("ALIBI", {"ALIBI": False, "ALIBI_SLOPES": None})):
-        if flag in fn.arg_names:
-            consts = {**{k: v for k, v in default.items() if k not in types}, **consts}
-    sig = {n: "constexpr" if n in consts else types.get(n, ("i32",) * STRIDE_TUPLES.get(n, 0) or "i32")
-           for n in fn.arg_names}
+    if "ROWS" in fn.arg_names:
+        types, consts = _decode_kernel_args(fn, types, consts)
+    sig = {n: "constexpr" if n in consts else types.get(n, DECODE_TUPLES.get(n, "i32")) for n in fn.arg_names}
     attrs = {}
     for i, n in enumerate(fn.arg_names):
-        if n in STRIDE_TUPLES:
-            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(STRIDE_TUPLES[n])})
+        if isinstance(sig[n], tuple):
+            _divisible((i,), sig[n], attrs)
         elif n not in consts and (sig[n].startswith("*") or "stride" in n):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),

@@ -847,9 +847,28 @@ MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HA
 SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", scales=("fp32", "fp32", "fp32"))
 
 
+def stride_types(path, name, constexprs, attrs):
+    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple), other strides
+    # divisible by 16
+    width = 2 if name in ("lse_strides", "delta_strides") else 4
+    types = []
+    for j in range(width):
+        if width == 4 and j == 3:
+            types.append("constexpr")
+            constexprs[path + (j,)] = 1
+        else:
+            types.append("i32")
+            attrs[path + (j,)] = [["tt.divisibility", 16]]
+    return tuple(types)
+
+
+# attn_bwd_dkdv_kernel's grouped strides
+DKDV_STRIDES = ("q_strides", "k_strides", "v_strides", "do_strides", "dk_strides", "dv_strides", "dq_strides",
+                "lse_strides", "delta_strides")
+
+
 def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
-    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple), other pointers and
-    # strides divisible by 16
+    # pointers divisible by 16 as the launcher specializes them; strides as stride_types
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # as a launch fills them
     consts = dict(defaults, **consts)
     sig, constexprs, attrs = {}, {}, {}
@@ -858,16 +877,12 @@ def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
             sig[n] = "constexpr"
             constexprs[(i,)] = consts[n]
         elif n.endswith("_strides"):
-            width = 2 if n in ("lse_strides", "delta_strides") else 4
-            types = []
-            for j in range(width):
-                if width == 4 and j == 3:
-                    types.append("constexpr")
-                    constexprs[(i, j)] = 1
-                else:
-                    types.append("i32")
-                    attrs[(i, j)] = [["tt.divisibility", 16]]
-            sig[n] = tuple(types)
+            sig[n] = stride_types((i,), n, constexprs, attrs)
+        elif n == "strides":
+            sig[n] = tuple(stride_types((i, j), name, constexprs, attrs) for j, name in enumerate(DKDV_STRIDES))
+        elif n == "cu_seqlens":  # (cu_seqlens_q, cu_seqlens_k)
+            sig[n] = (pointers["cu_seqlens_q"], pointers["cu_seqlens_k"])
+            attrs.update({(i, 0): [["tt.divisibility", 16]], (i, 1): [["tt.divisibility", 16]]})
         else:
             sig[n] = pointers.get(n, SCALARS.get(n, "i32"))
             if isinstance(sig[n], str) and sig[n].startswith("*"):

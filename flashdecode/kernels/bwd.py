@@ -126,16 +126,20 @@ def attn_bwd_delta_kernel(
 
 @triton.jit
 def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc, dq_desc,
-                        stride_qs, stride_qd, stride_dos, stride_dod, stride_dqs, stride_dqd, start, end, k_pos,
-                        offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
-                        softcap_log2, alibi_slope,
+                        q_strides, do_strides, dq_strides, start, end, k_pos, offs_m, offs_d, d_mask, seqlen_q,
+                        seqlen_k, diag, window_left, window_right, scales, alibi_slope,
                         MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, PART: tl.constexpr,
                         HAS_ALIBI: tl.constexpr = False):
     """Accumulate one query head's Q blocks [start, end) into dk, dv (BLOCK_N, HEAD_DIM_PAD) fp32, transposed
     form: S^T = K Q^T (BLOCK_N, BLOCK_M). ATOMIC_DQ: also add dS K (unscaled) of each Q block into the fp32
-    buffer at dq_base with atomics. PART: 0 = both, 1 = dV only (2 of the 4 matmuls), 2 = dK only (3 of 4)."""
+    buffer at dq_base with atomics. PART: 0 = both, 1 = dV only (2 of the 4 matmuls), 2 = dK only (3 of 4).
+    *_strides and scales as attn_bwd_dkdv_kernel's (the sequence and head-dim strides are read here)."""
+    stride_qs, stride_qd = q_strides[1], q_strides[3]
+    stride_dos, stride_dod = do_strides[1], do_strides[3]
+    stride_dqs, stride_dqd = dq_strides[1], dq_strides[3]
+    qk_scale, softcap_log2 = scales[0], scales[1]
     q_ptrs = q_base + start.to(tl.int64) * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
     do_ptrs = do_base + start.to(tl.int64) * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
     dq_ptrs = dq_base + start.to(tl.int64) * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
@@ -187,10 +191,9 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
 
 @triton.jit
 def attn_bwd_dkdv_program(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, strides,
     batch, head_kv, group_size, q_start, seqlen_q, k_start, seqlen_k, n_start,
-    qk_scale, softcap_log2, sm_scale, window_left, window_right,
+    scales, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
@@ -199,6 +202,8 @@ def attn_bwd_dkdv_program(
     """dK, dV of the BLOCK_N keys from n_start (< seqlen_k) of one (sequence, kv head): holds K, V and loops over
     the Q blocks of every query head of the GQA group. Arguments as attn_bwd_dkdv_kernel; q_start / k_start: first
     packed row of the sequence (0 when dense). PART 1 / 2: only dV / only dK (one fp32 accumulator)."""
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides = \
+        strides
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -239,22 +244,19 @@ def attn_bwd_dkdv_program(
             do_desc = do_base
             dq_desc = dq_base
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
-                                     dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
-                                     dq_strides[1], dq_strides[3], full_lo, full_hi, offs_n, offs_m, offs_d, d_mask,
-                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     dq_desc, q_strides, do_strides, dq_strides, full_lo, full_hi, offs_n, offs_m,
+                                     offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left, window_right, scales,
                                      alibi_slope, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
                                      ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
         if HAS_RIGHT:  # causal diagonal / right window edge, after the unmasked blocks
             dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc,
-                                         do_desc, dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
-                                         dq_strides[1], dq_strides[3], lo, full_lo, offs_n, offs_m, offs_d, d_mask,
-                                         seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale,
-                                         softcap_log2, alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                         do_desc, dq_desc, q_strides, do_strides, dq_strides, lo, full_lo, offs_n,
+                                         offs_m, offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left,
+                                         window_right, scales, alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                          DOT_PRECISION, BLOCK_M, ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
         dk, dv = attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, q_desc, do_desc,
-                                     dq_desc, q_strides[1], q_strides[3], do_strides[1], do_strides[3],
-                                     dq_strides[1], dq_strides[3], full_hi, hi, offs_n, offs_m, offs_d, d_mask,
-                                     seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, softcap_log2,
+                                     dq_desc, q_strides, do_strides, dq_strides, full_hi, hi, offs_n, offs_m,
+                                     offs_d, d_mask, seqlen_q, seqlen_k, diag, window_left, window_right, scales,
                                      alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M,
                                      ATOMIC_DQ, USE_TMA, PART, HAS_ALIBI)
 
@@ -263,7 +265,7 @@ def attn_bwd_dkdv_program(
     dv_base = head_base(DV, dv_strides, batch, k_start, head_kv)
     if PART != 1:
         tl.store(dk_base + offs_n[:, None] * dk_strides[1] + offs_d[None, :] * dk_strides[3],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+                 (dk * scales[2]).to(DK.dtype.element_ty), mask=out_mask)
     if PART != 2:
         tl.store(dv_base + offs_n[:, None] * dv_strides[1] + offs_d[None, :] * dv_strides[3],
                  dv.to(DV.dtype.element_ty), mask=out_mask)
@@ -271,8 +273,7 @@ def attn_bwd_dkdv_program(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens_q, cu_seqlens_k, AlibiSlopes,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, delta_strides,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, cu_seqlens, AlibiSlopes, strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
     scales, window_left, window_right, alibi_batch_stride,
     bucket_q, bucket_k,
@@ -299,9 +300,12 @@ def attn_bwd_dkdv_kernel(
     two and affords twice the KV rows without spilling (5 matmuls per KV block instead of 4). With FUSED_DQ,
     program p pairs KV block p // 2 with Q block p (BLOCK_M2 = BLOCK_N / 2 keeps causal work balanced).
 
-    scales: (qk_scale, softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them. AlibiSlopes,
-    alibi_batch_stride, HAS_ALIBI: as attn_fwd_kernel's."""
-    qk_scale, softcap_log2, sm_scale = scales[0], scales[1], scales[2]
+    cu_seqlens: (cu_seqlens_q, cu_seqlens_k). strides: (q_strides, k_strides, v_strides, do_strides, dk_strides,
+    dv_strides, dq_strides, lse_strides, delta_strides), each as attn_fwd_kernel's *_strides. scales: (qk_scale,
+    softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them. AlibiSlopes, alibi_batch_stride,
+    HAS_ALIBI: as attn_fwd_kernel's. (The lengths and window stay separate arguments: Triton specialises the
+    elements of a tuple whatever do_not_specialize says.)"""
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
     pid_n = tl.program_id(0)
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
@@ -314,35 +318,34 @@ def attn_bwd_dkdv_kernel(
             # per part, identical but for it
             if pid_n % 2 == 0:
                 attn_bwd_dkdv_program(
-                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
-                    dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
-                    seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
-                    window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
-                    BLOCK_M, False, USE_TMA, 1, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, strides, batch, head_kv, group_size, q_start, seqlen_q,
+                    k_start, seqlen_k, n_start, scales, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False, USE_TMA, 1,
+                    AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
             else:
                 attn_bwd_dkdv_program(
-                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
-                    dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start,
-                    seqlen_q, k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left,
-                    window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N,
-                    BLOCK_M, False, USE_TMA, 2, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
+                    Q, K, V, DO, Lse, Delta, DK, DV, DQ, strides, batch, head_kv, group_size, q_start, seqlen_q,
+                    k_start, seqlen_k, n_start, scales, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD,
+                    HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, False, USE_TMA, 2,
+                    AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
     else:
         n_start = pid_n * BLOCK_N
         if n_start < seqlen_k:
             attn_bwd_dkdv_program(
-                Q, K, V, DO, Lse, Delta, DK, DV, DQ, q_strides, k_strides, v_strides, do_strides, dk_strides,
-                dv_strides, dq_strides, lse_strides, delta_strides, batch, head_kv, group_size, q_start, seqlen_q,
-                k_start, seqlen_k, n_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
-                HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ,
-                USE_TMA, 0, AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
+                Q, K, V, DO, Lse, Delta, DK, DV, DQ, strides, batch, head_kv, group_size, q_start, seqlen_q,
+                k_start, seqlen_k, n_start, scales, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_M, ATOMIC_DQ, USE_TMA, 0, AlibiSlopes,
+                alibi_batch_stride, HAS_ALIBI)
     if FUSED_DQ:
+        q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, \
+            delta_strides = strides
         m_start = pid_n * BLOCK_M2
         if m_start < seqlen_q:
             for g in range(group_size):
                 attn_bwd_dq_program(
                     Q, K, V, DO, Lse, Delta, DQ, q_strides, k_strides, v_strides, do_strides, dq_strides,
                     lse_strides, delta_strides, batch, head_kv * group_size + g, head_kv, q_start, seqlen_q,
-                    k_start, seqlen_k, m_start, qk_scale, softcap_log2, sm_scale, window_left, window_right,
+                    k_start, seqlen_k, m_start, scales[0], scales[1], scales[2], window_left, window_right,
                     HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_M2, BLOCK_N2, USE_TMA,
                     AlibiSlopes, alibi_batch_stride, HAS_ALIBI)
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashdecode.kernels.decode_args import PREFETCH_OFF
 from flashdecode.kernels.kv_quant import key_scales
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
@@ -354,22 +355,21 @@ def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: 
 @triton.jit
 def decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
-    score_scale, softcap_out, window_left, capacity, num_pages, stride_rb, batch,
+    scales, window_left, capacity, num_pages, stride_rb, batch,
     stride_q, stride_k, stride_btb, stride_o, stride_l,
-    SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
-    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    ROWS: tl.constexpr, HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PAGES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
-    PREFETCH_KEYS: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, NUM_LINES: tl.constexpr = 2,
-    DEVICE_SPLITS: tl.constexpr = False, SPLIT_SLOTS: tl.constexpr = 0,
-    BATCH_PAD: tl.constexpr = 1, MAX_SPLIT_KEYS: tl.constexpr = 0, KV_PROGRAMS: tl.constexpr = 1,
-    OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
-    ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
-    K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, KV_QUANT: tl.constexpr = 0,
+    USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = PREFETCH_OFF,
+    DEVICE_SPLITS: tl.constexpr = None, OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
+    alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
 ):
     """Stage 1 (see module doc).
+
+    Grouped arguments (kernels/decode_args.py): scales = (score_scale, softcap_out) fp32: the logit scale (softcap:
+    tanh's argument, else log2 units) and the softcap in log2 units; ROWS (SEQLEN_Q, GROUP, NUM_M_BLOCKS), TILE
+    (BLOCK_M, BLOCK_N, BLOCK_D), SPLITS (NUM_SPLITS, MIN_CHUNK, MERGE_SPLITS), PAGES (PAGE_SIZE, PRELOAD_PAGES), PDL
+    (USE_PDL, PDL_WAIT), PREFETCH (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES), DEVICE_SPLITS (None, or SPLIT_SLOTS,
+    BATCH_PAD, MAX_SPLIT_KEYS, KV_PROGRAMS), named below as the helpers take them.
 
     Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
     cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic.
@@ -393,34 +393,49 @@ def decode_split_kernel(
     SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
     length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
-    DEVICE_SPLITS (not FINAL): grid (programs, 1, 1) instead, program p runs work
+    DEVICE_SPLITS (given, not FINAL): grid (programs, 1, 1) instead, program p runs work
     item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
     least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
     the item with the lengths read before the wait (a hint), the work with those read after it. A sequence's split
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
-    ALIBI: ALIBI_SLOPES fp32 per (sequence, query head) through stride_alibi (batch stride 0 for (nheads,) slopes):
-    the bias -slope * |qpos - key| (_alibi_log2).
+    ALIBI: alibi = (ALIBI_SLOPES, stride_alibi): fp32 slopes per (sequence, query head) through (batch stride, head
+    stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (_alibi_log2).
+    KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (_attend_split).
     """
+    SEQLEN_Q: tl.constexpr = ROWS.seqlen_q
+    GROUP: tl.constexpr = ROWS.group
+    NUM_M_BLOCKS: tl.constexpr = ROWS.num_m_blocks
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_N: tl.constexpr = TILE.block_n
+    BLOCK_D: tl.constexpr = TILE.block_d
+    NUM_SPLITS: tl.constexpr = SPLITS.num_splits
+    MIN_CHUNK: tl.constexpr = SPLITS.min_chunk
+    MERGE_SPLITS: tl.constexpr = SPLITS.merge_splits
+    PAGE_SIZE: tl.constexpr = PAGES.page_size
+    PRELOAD_PAGES: tl.constexpr = PAGES.preload
+    USE_PDL: tl.constexpr = PDL.launch_dependents
+    PDL_WAIT: tl.constexpr = PDL.wait
+    PREFETCH_KEYS: tl.constexpr = PREFETCH.keys
+    DEVICE: tl.constexpr = DEVICE_SPLITS is not None  # split counts chosen on the device, one program per item
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kt, stride_kh = stride_k
     stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
     stride_lb, stride_lt, stride_lh, stride_ls = stride_l
     # SPEC_PAGES: the split's page ids are read right after the wait, beside its length, from the range the
     # pre-wait length gives; the read after the wait decides whether that guess holds (see _attend_split)
-    SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE_SPLITS
+    SPEC: tl.constexpr = SPEC_PAGES and PAGE_SIZE > 0 and PRELOAD_PAGES > 0 and not DEVICE
     stale_start = 0
     stale_end = 0
-    if DEVICE_SPLITS:
+    if DEVICE:
         split = 0
         pid_hm = 0
         b = 0
         num_splits = 1
         if PREFETCH_KEYS > 0:  # the item as the (possibly stale) lengths place it: a hint only, as below
             b, pid_hm, split, num_splits, stale_len = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
-                                                                    SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS,
-                                                                    MIN_CHUNK, MAX_SPLIT_KEYS, BATCH_PAD, ".cg")
+                                                                    DEVICE_SPLITS, NUM_SPLITS, MIN_CHUNK, ".cg")
             stale_start, stale_end = split_range(stale_len, split, window_left, SEQLEN_Q, num_splits, BLOCK_N,
                                                  MIN_CHUNK, WINDOW)  # empty past the last item (length 0)
     else:
@@ -434,15 +449,14 @@ def decode_split_kernel(
     if PREFETCH_KEYS > 0:
         _prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
                              stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,
-                             HEADDIM, PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+                             HEADDIM, PREFETCH_KEYS, PREFETCH.line_elems, PREFETCH.num_lines)
     if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
         gdc_wait()
     if USE_PDL:
         gdc_launch_dependents()
-    if DEVICE_SPLITS:  # the item again, from the lengths as the previous kernel left them
+    if DEVICE:  # the item again, from the lengths as the previous kernel left them
         b, pid_hm, split, num_splits, seqlen = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
-                                                             SPLIT_SLOTS, KV_PROGRAMS, NUM_SPLITS, MIN_CHUNK,
-                                                             MAX_SPLIT_KEYS, BATCH_PAD, "")
+                                                             DEVICE_SPLITS, NUM_SPLITS, MIN_CHUNK, "")
         if b >= batch:  # past the last work item
             return
     hk = pid_hm // NUM_M_BLOCKS
@@ -453,18 +467,18 @@ def decode_split_kernel(
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-    alibi_log2 = _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI)
+    alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
     spec_pages = 0
     if SPEC:  # after the wait (the ids are current), before the length (their read overlaps its round trip)
         spec_pages = _split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
-    if not DEVICE_SPLITS:  # (the device-split path read every length already)
+    if not DEVICE:  # (the device-split path read every length already)
         seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
 
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
     lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
     lse_ptrs = lse_rows + split * stride_ls
-    if DEVICE_SPLITS:
+    if DEVICE:
         if split == 0:  # the slots this sequence does not use must read as empty states in the merge
             unused = tl.arange(0, MERGE_SPLITS)
             tl.store(lse_rows[:, None] + unused[None, :] * stride_ls, tl.full([BLOCK_M, MERGE_SPLITS],
@@ -475,11 +489,9 @@ def decode_split_kernel(
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
 
-    o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out,
-                            num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                            SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                            OFFS_32, spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, K_SCALE, V_SCALE,
-                            stride_sb, stride_st, stride_sh, KV_QUANT)
+    o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages, stride_k,
+                            HEADDIM, TILE, PAGES, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, OFFS_32,
+                            spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, kv_scales, KV_QUANT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -492,10 +504,11 @@ def decode_split_kernel(
 
 
 @triton.jit
-def _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI: tl.constexpr):
+def _alibi_log2(alibi, b, head, row_ok, ALIBI: tl.constexpr):
     """(ROWS,) ALiBi slopes of the rows' query heads (head: (ROWS,)) of sequence b times log2(e) (the scores are in
-    log2 units); 0.0 without ALIBI. stride_alibi: (batch stride, head stride) of the fp32 slopes."""
+    log2 units); 0.0 without ALIBI. alibi: (ALIBI_SLOPES, (batch stride, head stride)) of the fp32 slopes."""
     if ALIBI:
+        ALIBI_SLOPES, stride_alibi = alibi
         ptrs = ALIBI_SLOPES + b.to(tl.int64) * stride_alibi[0] + head * stride_alibi[1]
         return tl.load(ptrs, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     else:
@@ -513,24 +526,35 @@ def _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, H
 
 
 @triton.jit
-def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale, softcap_out, num_pages,
-                  stride_kb, stride_kt, stride_kh, HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLEN_Q: tl.constexpr,
+def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages, stride_k,
+                  HEADDIM: tl.constexpr, TILE: tl.constexpr, PAGES: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                  PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr,
-                  spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False, alibi_log2=0.0,
-                  ALIBI: tl.constexpr = False, K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0,
-                  KV_QUANT: tl.constexpr = 0):
+                  OFFS_32: tl.constexpr, spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False,
+                  alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
-    normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V as in
-    decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES: spec_pages (PRELOAD_PAGES,) are the
-    page ids of the keys [spec_start, spec_end) (_split_page_ids, read earlier); used where they cover the same
-    pages as [start, end), else read again. ALIBI: alibi_log2 as in _attend_blocks. K_SCALE / V_SCALE, KV_QUANT:
-    an 8-bit cache's float32 scales (kernels/kv_quant.py), element (sequence or page, token, kv head) at
-    stride_sb / stride_st / stride_sh."""
-    k_scale = K_SCALE
-    v_scale = V_SCALE
+    normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V, scales,
+    stride_k, TILE and PAGES as in decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES:
+    spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start, spec_end) (_split_page_ids, read
+    earlier); used where they cover the same pages as [start, end), else read again. ALIBI: alibi_log2 as in
+    _attend_blocks. KV_QUANT: kv_scales = (K_SCALE, V_SCALE, (stride_sb, stride_st, stride_sh)), an 8-bit cache's
+    float32 scales (kernels/kv_quant.py), element (sequence or page, token, kv head) at those strides."""
+    score_scale, softcap_out = scales
+    stride_kb, stride_kt, stride_kh = stride_k
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_N: tl.constexpr = TILE.block_n
+    BLOCK_D: tl.constexpr = TILE.block_d
+    PAGE_SIZE: tl.constexpr = PAGES.page_size
+    PRELOAD_PAGES: tl.constexpr = PAGES.preload
+    k_scale = None
+    v_scale = None
+    stride_sb = 0
+    stride_st = 0
+    if KV_QUANT > 0:
+        K_SCALE, V_SCALE, stride_s = kv_scales
+        stride_sb, stride_st, stride_sh = stride_s
+        k_scale = K_SCALE
+        v_scale = V_SCALE
     if KV_QUANT == 1:  # one scale per kv head: read once per split
         k_scale = tl.load(K_SCALE + hk * stride_sh)
         v_scale = tl.load(V_SCALE + hk * stride_sh)
@@ -625,18 +649,21 @@ def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM
 
 
 @triton.jit
-def _planned_item(SEQLENS, item, batch, capacity, slots, KVP, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  MAX_SPLIT_KEYS: tl.constexpr, BATCH_PAD: tl.constexpr, CACHE: tl.constexpr):
+def _planned_item(SEQLENS, item, batch, capacity, DEVICE_SPLITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  MIN_CHUNK: tl.constexpr, CACHE: tl.constexpr):
     """Work item ``item`` of decode_split_kernel's DEVICE_SPLITS grid: (b, pid_hm, split, splits of b, length of
     b), items in the order (sequence, kv head x row block, split), each sequence split as _device_split_counts
     decides from all ``batch`` lengths (SEQLENS int32, clamped to ``capacity``; read with cache modifier CACHE) for
-    ``slots`` items; b == batch past the last item. KVP: kv heads x row blocks."""
+    DEVICE_SPLITS.slots items; b == batch past the last item. DEVICE_SPLITS: kernels/decode_args.DeviceSplits."""
+    BATCH_PAD: tl.constexpr = DEVICE_SPLITS.batch_pad
+    slots: tl.constexpr = DEVICE_SPLITS.slots
+    KVP: tl.constexpr = DEVICE_SPLITS.kv_programs
     offs_b = tl.arange(0, BATCH_PAD)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0, cache_modifier=CACHE),
                                  capacity), 0)
-    splits_b = _device_split_counts(lens, in_batch, slots, slots, KVP, NUM_SPLITS, MIN_CHUNK, MAX_SPLIT_KEYS, 0,
-                                    0.5, 0.0)
+    splits_b = _device_split_counts(lens, in_batch, slots, slots, KVP, NUM_SPLITS, MIN_CHUNK,
+                                    DEVICE_SPLITS.max_split_keys, 0, 0.5, 0.0)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     return _item_of(item, offs_b, lens, splits_b, items_b, tl.cumsum(items_b, 0))
 
@@ -699,19 +726,12 @@ def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
 @triton.jit
 def decode_persistent_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, QUEUE,
-    batch, score_scale, softcap_out, window_left, capacity,
-    stride_q, stride_k, stride_btb, stride_o, stride_l, stride_f, stride_fl,
-    SEQLEN_Q: tl.constexpr, GROUP: tl.constexpr, NUM_M_BLOCKS: tl.constexpr, NHEADS_KV: tl.constexpr,
-    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-    BATCH_PAD: tl.constexpr, MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    MAX_SPLIT_KEYS: tl.constexpr = 0, DYNAMIC: tl.constexpr = False,
-    SLOTS_PER_PROGRAM: tl.constexpr = 1, QUEUE_SPLITS: tl.constexpr = 0, QUEUE_FULL_FRACTION: tl.constexpr = 0.5,
-    QUEUE_SPLIT_COST: tl.constexpr = 0.03, OFFS_32: tl.constexpr = False, num_pages=1,
-    ALIBI_SLOPES=None, stride_alibi=(0, 0), ALIBI: tl.constexpr = False,
-    K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, KV_QUANT: tl.constexpr = 0,
+    batch, scales, window_left, capacity,
+    stride_q, stride_k, stride_btb, stride_o, stride_l, stride_final,
+    ROWS: tl.constexpr, HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    PDL: tl.constexpr, SCHEDULE: tl.constexpr, MERGE: tl.constexpr, OFFS_32: tl.constexpr = False, num_pages=1,
+    alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -726,13 +746,17 @@ def decode_persistent_kernel(
     splits of a longer one write fp32 partials and draw tickets, and the last of them merges
     (_merge_if_last_ticket), so no merge kernel follows.
 
-    Arguments as decode_split_kernel, plus the in-kernel merge's: O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and
-    LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32 natural log,
-    TICKETS int32 (batch * NHEADS_KV * NUM_M_BLOCKS,) zeros at rest; plus ``batch`` (sequences to serve, <=
-    BATCH_PAD) and NHEADS_KV. PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
+    Arguments as decode_split_kernel, plus the in-kernel merge's: O (batch, SEQLEN_Q, nheads, NUM_SPLITS,
+    HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2 partials, O_FINAL like Q, LSE_FINAL (batch, SEQLEN_Q, nheads) fp32
+    natural log (stride_final: their strides, (stride_f, stride_fl)), TICKETS int32 (batch * NHEADS_KV *
+    NUM_M_BLOCKS,) zeros at rest, MERGE (MERGE_M, MERGE_BLOCK_S of _merge_if_last_ticket); plus ``batch``
+    (sequences to serve, <= BATCH_PAD) and SCHEDULE (kernels/decode_args.WorkSchedule: NHEADS_KV, BATCH_PAD,
+    MAX_SPLIT_KEYS, DYNAMIC and the queue's SLOTS_PER_PROGRAM, QUEUE_SPLITS, QUEUE_FULL_FRACTION,
+    QUEUE_SPLIT_COST). PRELOAD_PAGES must bound the pages of any split: of a whole sequence (the launcher
     derives it from one split per sequence), or of a split of at most MAX_SPLIT_KEYS keys (pages smaller than a
-    block, whose per-key ids are gathered from the preload: long sequences then take more splits). USE_PDL: let
-    the next kernel (a programmatic dependent that waits on the device, e.g. the next call's stage 1) launch early.
+    block, whose per-key ids are gathered from the preload: long sequences then take more splits). PDL: let
+    the next kernel (a programmatic dependent that waits on the device, e.g. the next call's stage 1) launch early;
+    wait for the previous one.
 
     DYNAMIC (for more (sequence, kv head) pairs than programs): instead of the static shares, programs take the
     next work item from QUEUE[0] (an int32 counter, zero at rest, as QUEUE[1]) until none is left, so that items
@@ -741,26 +765,28 @@ def decode_persistent_kernel(
     would idle the bandwidth (_device_split_counts), so that a batch just above the program count (e.g. 136 pairs
     on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
+    DYNAMIC: tl.constexpr = SCHEDULE.dynamic
+    stride_f, stride_fl = stride_final
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
-    stride_kb, stride_kt, stride_kh = stride_k
     stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
     stride_lb, stride_lt, stride_lh, stride_ls = stride_l
     stride_fb, stride_ft, stride_fh, stride_fd = stride_f
     stride_flb, stride_flt, stride_flh = stride_fl
-    if PDL_WAIT:
+    if PDL.wait:
         gdc_wait()
-    if USE_PDL:
+    if PDL.launch_dependents:
         gdc_launch_dependents()
-    KVP: tl.constexpr = NHEADS_KV * NUM_M_BLOCKS
-    offs_b = tl.arange(0, BATCH_PAD)
+    KVP: tl.constexpr = SCHEDULE.nheads_kv * ROWS.num_m_blocks
+    offs_b = tl.arange(0, SCHEDULE.batch_pad)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
     programs = tl.num_programs(0)
-    splits_b = _device_split_counts(lens, in_batch, programs * SLOTS_PER_PROGRAM, programs, KVP, NUM_SPLITS,
-                                    MIN_CHUNK, MAX_SPLIT_KEYS, QUEUE_SPLITS, QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
+    splits_b = _device_split_counts(lens, in_batch, programs * SCHEDULE.slots_per_program, programs, KVP,
+                                    SPLITS.num_splits, SPLITS.min_chunk, SCHEDULE.max_split_keys,
+                                    SCHEDULE.queue_splits, SCHEDULE.queue_full_fraction, SCHEDULE.queue_split_cost)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
     items_end = tl.cumsum(items_b, 0)  # work items of sequences 0..b
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, TILE.block_d)
     d_ok = offs_d < HEADDIM
     if DYNAMIC:
         w = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
@@ -771,20 +797,19 @@ def decode_persistent_kernel(
         stop = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
     while w < stop:
         b, pid_hm, split, num_splits, seqlen = _item_of(w, offs_b, lens, splits_b, items_b, items_end)
-        hk = pid_hm // NUM_M_BLOCKS
-        m_block = pid_hm % NUM_M_BLOCKS
-        start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
-        t, head, row_ok = _group_rows(m_block, hk, BLOCK_M, BLOCK_M, GROUP, SEQLEN_Q)
+        hk = pid_hm // ROWS.num_m_blocks
+        m_block = pid_hm % ROWS.num_m_blocks
+        start, end = split_range(seqlen, split, window_left, ROWS.seqlen_q, num_splits, TILE.block_n,
+                                 SPLITS.min_chunk, WINDOW)
+        t, head, row_ok = _group_rows(m_block, hk, TILE.block_m, TILE.block_m, ROWS.group, ROWS.seqlen_q)
         # (an empty split - only possible where MIN_CHUNK rounds the chunks up - runs empty KV loops and stores
         # (0, -inf): it still draws its ticket)
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
-        q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-        alibi_log2 = _alibi_log2(ALIBI_SLOPES, stride_alibi, b, head, row_ok, ALIBI)
-        o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, score_scale,
-                                softcap_out, num_pages, stride_kb, stride_kt, stride_kh, HEADDIM, BLOCK_M, BLOCK_N,
-                                BLOCK_D, PAGE_SIZE, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, K_SCALE, V_SCALE, stride_sb, stride_st,
-                                stride_sh, KV_QUANT)
+        q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, TILE.block_d)
+        alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
+        o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages,
+                                stride_k, HEADDIM, TILE, PAGES, ROWS.seqlen_q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
+                                OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
@@ -797,8 +822,8 @@ def decode_persistent_kernel(
                                   m_block, stride_ob, stride_ot, stride_oh, stride_os, stride_od,
                                   stride_lb, stride_lt, stride_lh, stride_ls,
                                   stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  GROUP, SEQLEN_Q, HEADDIM, BLOCK_M, BLOCK_D, NUM_SPLITS,
-                                  MERGE_M, MERGE_SPLITS, MERGE_BLOCK_S)
+                                  ROWS.group, ROWS.seqlen_q, HEADDIM, TILE.block_m, TILE.block_d, SPLITS.num_splits,
+                                  MERGE.rows, SPLITS.merge_splits, MERGE.block_s)
         if DYNAMIC:
             w = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
         else:

@@ -777,13 +777,16 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    tail = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen), nheads // nheads_kv, sq, sk,
-            q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0), max(right, 0), alibi_stride,
-            *plan.buckets)
+    row_strides = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen))
+    tail = (nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0),
+            max(right, 0), alibi_stride, *plan.buckets)
     q_strides, k_strides, v_strides = strides
     dq_strides = _strides(dq, varlen)
-    dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes, q_strides,
-                 k_strides, v_strides, do_strides, _strides(dk, varlen), _strides(dv, varlen), dq_strides) + tail
+    # the dK/dV kernel takes its lengths and strides grouped (kernels/bwd.py attn_bwd_dkdv_kernel)
+    dkdv_strides = (q_strides, k_strides, v_strides, do_strides, _strides(dk, varlen), _strides(dv, varlen),
+                    dq_strides) + row_strides
+    dkdv_args = (q, k, v, dout, lse2, delta, dk, dv, dq, (cu_seqlens_q, cu_seqlens_k), alibi_slopes,
+                 dkdv_strides) + tail
     if plan.mode == "atomic":
         plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
         return dq.mul_(scale).to(q.dtype), dk, dv
@@ -795,7 +798,7 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         return dq, dk, dv
     plan.dkdv(lambda meta: (cdiv(sk, meta["BLOCK_N"]), nheads_kv, batch), dkdv_args, q.device)
     dq_args = (q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi_slopes, q_strides, k_strides,
-               v_strides, do_strides, dq_strides) + tail
+               v_strides, do_strides, dq_strides) + row_strides + tail
     plan.dq(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), dq_args, q.device)
     return dq, dk, dv
 

@@ -12,6 +12,8 @@ import torch
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, Rows, Splits, Tile,
+                                             WorkSchedule)
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
 from flashdecode.ops.merge import launch_merge_many
 
@@ -40,7 +42,7 @@ class DecodeLaunch:
     num_stages: int       # the config's stages plus the table-read ones where they apply
     programs: int         # grid size of the persistent and device-split launches
     batch_pad: int        # BATCH_PAD: the batch padded to a power of two (device-side split counts)
-    prefetch: tuple       # (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES)
+    prefetch: tuple       # (keys, line_elems, num_lines) of kernels/decode_args.Prefetch
 
 
 def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> DecodeLaunch:
@@ -138,30 +140,22 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     kv_programs = shape.nheads_kv * shape.num_m_blocks
     grid = (num_splits, kv_programs, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
-    prefetch_keys, line_elems, num_lines = launch.prefetch
-    device = {}
+    device_splits = None
     if config.path is DecodePath.DEVICE_SPLIT_GRID:
         grid = (launch.programs, 1, 1)
-        device = dict(DEVICE_SPLITS=True, SPLIT_SLOTS=config.device_split_slots, KV_PROGRAMS=kv_programs,
-                      BATCH_PAD=launch.batch_pad)
+        device_splits = DeviceSplits(slots=config.device_split_slots, batch_pad=launch.batch_pad,
+                                     max_split_keys=launch.max_split_keys, kv_programs=kv_programs)
     run = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, k_cache, v_cache,
-        shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
+        (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
         k_cache.stride(0), shape.batch,
         tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0,
         (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
         (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
-        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks,
-        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
-        NUM_SPLITS=num_splits, MIN_CHUNK=launch.min_chunk, PAGE_SIZE=shape.page_size,
-        SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0, FINAL=final,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
-        USE_PDL=config.use_pdl and not final, PDL_WAIT=config.pdl_wait,
-        PRELOAD_PAGES=launch.preload_pages, MERGE_SPLITS=heuristics.next_power_of_2(num_splits),
-        PREFETCH_KEYS=prefetch_keys, LINE_ELEMS=line_elems, NUM_LINES=num_lines,
-        OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, **device, **_alibi_args(shape),
-        **kv_quant_kernel_args(shape.kv_quant, k_cache),
+        FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
+        PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
+        **_shared_args(shape, launch, num_splits, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -181,56 +175,65 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
     dynamic = config.path is DecodePath.PERSISTENT_QUEUE
+    schedule = WorkSchedule(
+        nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys, dynamic=dynamic,
+        slots_per_program=config.persistent_slots if dynamic else 1,
+        queue_splits=config.queue_splits if dynamic else 0,
+        queue_full_fraction=heuristics.DECODE_QUEUE_FULL_FRACTION, queue_split_cost=heuristics.DECODE_QUEUE_SPLIT_COST)
     run = lambda num_stages: decode_persistent_kernel[(launch.programs,)](  # noqa: E731
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
-        shape.batch, shape.score_scale, shape.softcap_log2, max(shape.window_left, 0), shape.capacity,
+        shape.batch, (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity,
         tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0, tuple(o5.stride()), tuple(lse4.stride()),
-        *_final_strides(out4, lse3),
-        SEQLEN_Q=shape.seqlen_q, GROUP=shape.group, NUM_M_BLOCKS=shape.num_m_blocks, NHEADS_KV=shape.nheads_kv,
-        HEADDIM=shape.headdim, BLOCK_M=shape.block_m, BLOCK_N=config.block_n, BLOCK_D=shape.block_d,
-        NUM_SPLITS=config.num_splits, MIN_CHUNK=launch.min_chunk,
-        PAGE_SIZE=shape.page_size, SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
-        USE_PDL=config.use_pdl, PDL_WAIT=config.pdl_wait,
-        PRELOAD_PAGES=launch.preload_pages, MAX_SPLIT_KEYS=launch.max_split_keys,
-        BATCH_PAD=launch.batch_pad, OFFS_32=config.offs_32, **_merge_tile(shape, config.num_splits),
-        DYNAMIC=dynamic, SLOTS_PER_PROGRAM=config.persistent_slots if dynamic else 1,
-        QUEUE_SPLITS=config.queue_splits if dynamic else 0,
-        QUEUE_FULL_FRACTION=heuristics.DECODE_QUEUE_FULL_FRACTION,
-        QUEUE_SPLIT_COST=heuristics.DECODE_QUEUE_SPLIT_COST, num_pages=k_cache.shape[0], **_alibi_args(shape),
-        **kv_quant_kernel_args(shape.kv_quant, k_cache),
+        _final_strides(out4, lse3),
+        PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
+        MERGE=_merge_tile(shape, config.num_splits), num_pages=k_cache.shape[0],
+        **_shared_args(shape, launch, config.num_splits, k_cache),
         num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
                                                          config.use_tma, "persistent"))
 
 
+def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
+    """The arguments both decode kernels take alike, by keyword: the query rows, tiles, splits and pages
+    (kernels/decode_args.py), the score options, the K/V read path, ALiBi and an 8-bit cache's scales."""
+    config = launch.config
+    return dict(
+        ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
+        HEADDIM=shape.headdim, TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d),
+        SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
+                      merge_splits=heuristics.next_power_of_2(num_splits)),
+        PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
+        SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
+        DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
+        OFFS_32=config.offs_32, **_alibi_args(shape), **kv_quant_kernel_args(shape.kv_quant, k_cache))
+
+
 def _alibi_args(shape) -> dict:
-    """The kernels' ALiBi arguments: the fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -
-    or, without ALiBi, q as an unread placeholder."""
+    """The kernels' ALiBi arguments: alibi = (fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -,
+    their strides), or, without ALiBi, q as an unread placeholder."""
     slopes = shape.alibi_slopes
     if slopes is None:
-        return {"ALIBI_SLOPES": shape.q4, "stride_alibi": (0, 0), "ALIBI": False}
+        return {"alibi": (shape.q4, (0, 0)), "ALIBI": False}
     strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    return {"ALIBI_SLOPES": slopes, "stride_alibi": strides, "ALIBI": True}
+    return {"alibi": (slopes, strides), "ALIBI": True}
 
 
 def _final_strides(out4, lse3) -> tuple:
-    """The persistent kernel's stride_f / stride_fl tuples: out4 (batch, seqlen_q, nheads, headdim) and lse3
+    """The persistent kernel's stride_final, (stride_f, stride_fl): out4 (batch, seqlen_q, nheads, headdim) and lse3
     (batch, seqlen_q, nheads), where the in-kernel merge writes the finished states."""
     return (*out4.stride()[:3], out4.stride(-1)), tuple(lse3.stride()[:3])
 
 
-def _merge_tile(shape, num_splits) -> dict:
-    """MERGE_M / MERGE_SPLITS / MERGE_BLOCK_S of the persistent kernel's in-kernel merge (kernels/decode.py
-    _merge_if_last_ticket): the real rows of a row block padded to a power of two, the splits padded likewise, and
-    the splits folded per step so that one step's tile holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one
-    split."""
+def _merge_tile(shape, num_splits) -> MergeTile:
+    """MERGE of the persistent kernel's in-kernel merge (kernels/decode.py _merge_if_last_ticket): the real rows of a
+    row block padded to a power of two, and the splits (padded likewise) folded per step so that one step's tile
+    holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one split."""
     merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
     merge_splits = heuristics.next_power_of_2(num_splits)
-    return {"MERGE_M": merge_m, "MERGE_SPLITS": merge_splits,
-            "MERGE_BLOCK_S": max(1, min(merge_splits, _PERSISTENT_MERGE_TILE_ELEMS // (merge_m * shape.block_d)))}
+    return MergeTile(rows=merge_m,
+                     block_s=max(1, min(merge_splits, _PERSISTENT_MERGE_TILE_ELEMS // (merge_m * shape.block_d))))
 
 
 # Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
