@@ -92,9 +92,17 @@ def test_each_launch_key_gets_its_own_plan(stubbed):
     assert persistent_grid == (min(-(-300 // 128) * 8, 132), 1, 1)
 
 
-def test_dispatch_entry_refuses_what_the_gluon_kernel_does_not_take(stubbed):
+def test_cpu_tensors_never_take_the_gluon_path():
+    assert not ga._is_hopper(torch.device("cpu"))
     q, k, v = _qkv()
-    assert ga.gluon_forward_if_supported(q, k, v, 0.1) is None  # CPU tensors: never Gluon
+    assert ga.dispatch_plan(q, k, v) is None
+
+
+def test_dispatch_entry_refuses_what_the_gluon_kernel_does_not_take(stubbed, monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ga.gluon_forward_if_supported(q, k, v, 0.1) is None  # the CPU interpreter: never Gluon
+    monkeypatch.delenv("TRITON_INTERPRET")
     for kwargs in (dict(window_left=8, window_right=0), dict(window_right=4), dict(softcap=30.0),
                    dict(varlen=True)):
         assert ga.gluon_forward_if_supported(q, k, v, 0.1, **kwargs) is None, kwargs
