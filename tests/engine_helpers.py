@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from flashdecode.bench.e2e import hf_cache_kwarg
+
 VOCAB = 160
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -65,7 +67,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         tok = out.logits[0, -1].argmax().item()
         new.append(tok)
-        out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[tok]]), use_cache=True, **{hf_cache_kwarg(model): cache})
         cache = out.past_key_values
     return new
 

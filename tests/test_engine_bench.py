@@ -81,7 +81,7 @@ def test_hf_peer_shares_our_weights_and_matches_our_model(model_type, extra):
         with torch.inference_mode():
             theirs_logits = hf(torch.tensor([ids])).logits[0].float()
             cache = e2e.hf_prefilled_cache(hf, 0)
-            out = hf(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            out = hf(torch.tensor([ids]), use_cache=True, **{e2e.hf_cache_kwarg(hf): cache})
             first = out.logits[:, -1].argmax(-1, keepdim=True)
             rest = [first]
             for _ in range(11):  # the bench's own decode loop, one step at a time

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
+from flashdecode.bench.e2e import hf_cache_kwarg  # noqa: E402
 from helpers import DEVICE, max_err  # noqa: E402
 
 
@@ -132,16 +133,9 @@ def test_decode_step_logits_match_with_dynamic_cache(gen, name):
     _assert_decode_step_close(gen, models, config.vocab_size)
 
 
-def _cache_kwarg() -> str:
-    """The name under which this transformers version's forward takes the cache ("cache" from 5.2x,
-    "past_key_values" before: the GPU machine has 5.17). An unknown keyword would be ignored silently."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
-        else "past_key_values"
-
-
-_CACHE_KWARG = _cache_kwarg()
+# the keyword this transformers version's forward takes the cache under ("cache" from 5.2x, "past_key_values"
+# before: the GPU machine has 5.17); an unknown keyword would be swallowed by **kwargs silently
+_CACHE_KWARG = hf_cache_kwarg(transformers.LlamaForCausalLM)
 
 
 def _assert_decode_step_close(gen, models, vocab):

@@ -9,7 +9,7 @@ token), weight bytes counting every parameter (embedding included). Prefill: one
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
 random weights, no second 16 GB copy): batch-1 greedy decode as users run it (``model(next_token,
-past_key_values=cache)`` in a Python loop, CUDA-event timed) with a DynamicCache pre-filled with random K/V of each
+cache)`` in a Python loop, CUDA-event timed) with a DynamicCache pre-filled with random K/V of each
 context, and an hf-sdpa forward over the ``--prefill`` prompt (last-position logits). Skipped, with the reason
 printed, when transformers cannot be imported.
 
@@ -334,12 +334,21 @@ def hf_prefilled_cache(hf, context: int, seed: int = 0):
     return cache
 
 
+def hf_cache_kwarg(model) -> str:
+    """The keyword under which this transformers version's forward takes the KV cache: "cache" (newer releases,
+    which deprecate the old name) or "past_key_values"."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def hf_greedy_steps(hf, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
-    """``steps`` greedy decode steps as users run them: model(next_token, past_key_values=cache) in a Python loop.
+    """``steps`` greedy decode steps as users run them: model(next_token, cache) in a Python loop.
     token int64 (1, 1) on the model's device -> the last generated token (1, 1); no host sync in the loop."""
+    kw = {hf_cache_kwarg(hf): cache}
     for _ in range(steps):
-        logits = hf(input_ids=token, past_key_values=cache, use_cache=True).logits
+        logits = hf(input_ids=token, use_cache=True, **kw).logits
         token = logits[:, -1].argmax(dim=-1, keepdim=True)
     return token
 
