@@ -83,3 +83,27 @@ def test_benchmarks_page_is_built_from_latest_and_add_replaces_the_same_benchmar
     text = page.read_text()
     assert "| 1.93x |" in text  # FA2 / ours at 512 tokens: (4 + 512 / 2000) / (2 + 512 / 2500)
     assert md.benchmark_key(record) == "decode:contig"
+
+
+def test_benchmarks_page_renders_the_8bit_decode_and_serving_records(tmp_path, monkeypatch):
+    md = _load_script("write_benchmarks_md")
+    env = {"device": "test", "date": "2026-01-01 00:00 UTC"}
+    fp8 = {"kind": "fp8_decode", "env": env, "git_commit": "abc", "command": "python -m benchmarks.probes.fp8_decode",
+           "rows": [{"shape": "b1 16/2", "batch": 1, "context": 131072, "ours bf16 contig": 49.5,
+                     "ours fp8-token contig": 30.0, "speedup fp8-token vs bf16 contig": 1.65}]}
+    serve = {"kind": "serve", "env": env, "git_commit": "abc", "command": "flashdecode bench serve",
+             "rows": [{"ok": 32, "failed": 0, "concurrency": 32, "prompt_len": 1024, "output_len": 256,
+                       "output_tokens_per_s": 1234.5, "generate_output_tokens_per_s": 1300.0,
+                       "serve_vs_generate": 0.95, "ttft_ms": {"p50": 100.0, "p99": 200.0},
+                       "tpot_ms": {"p50": 20.0, "p99": None}, "endpoint": "completions", "model": "m", "layers": 2}]}
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    (latest / "fp8_decode_a.json").write_text(json.dumps(fp8))
+    (latest / "serve_a.json").write_text(json.dumps(serve))
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page)])
+    assert md.main() == 0
+    text = page.read_text()
+    assert "| b1 16/2 | 1 | 128k | 49.5 | 30.0 | 1.65 | - |" in text
+    assert "| 32 / 0 | 32 | 1024 / 256 | 1234 | 1300 | 0.95 | 100.0 / 200.0 | 20.0 / - |" in text
+    assert text.index("8-bit KV caches") < text.index("Serving")
