@@ -1,15 +1,22 @@
 """flash_decode(batch_invariant=True) / DecodePlan(batch_invariant=True) / LLM(batch_invariant=True): a sequence's
 out and lse are bitwise identical alone and inside batches of other sizes with other neighbour lengths (contiguous
-and paged caches, one and two new tokens), and still match the float64 reference (FlashAttention rule, 3x)."""
+and paged caches, one and two new tokens, 8-bit caches), and still match the float64 reference (FlashAttention
+rule, 3x). The batch-invariant config splits every sequence at fixed key offsets (FIXED_SPLIT,
+heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS): the CPU tests that need several splits per sequence run its config
+with a small split size (dataclasses.replace of the resolved config, which stays batch-invariant)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import flashdecode
-from flashdecode import DecodePath
+from flashdecode import DecodePath, heuristics
 from flashdecode import reference as ref
 from flashdecode.ops.decode import decode_config
-from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
+from flashdecode.ops.decode_launch import plan_launch
+from flashdecode.ops.decode_policy import _DecodeShape, decode_device
+from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 NHEADS, NHEADS_KV, HEADDIM = 4, 2, 32
 TARGET_LEN = 45  # crosses several 16-key blocks (the interpreter's tile)
@@ -34,20 +41,63 @@ def _batch_around(gen, target, neighbours, slot, capacity):
     lens = list(neighbours[:slot]) + [length] + list(neighbours[slot:])
     b = len(lens)
     q = randn(b, *q_t.shape[1:], gen=gen, dtype=q_t.dtype)
-    k = randn(b, capacity, hk, d, gen=gen, dtype=q_t.dtype)
-    v = randn(b, capacity, hk, d, gen=gen, dtype=q_t.dtype)
+    k = randn(b, capacity, hk, d, gen=gen, dtype=k_t.dtype)
+    v = randn(b, capacity, hk, d, gen=gen, dtype=k_t.dtype)
     q[slot], k[slot, :length], v[slot, :length] = q_t[0], k_t[0], v_t[0]
     return q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
 
-def _run(q, k, v, lens, page_size, gen, plan=None):
+def _run(q, k, v, lens, page_size, gen, plan=None, config=None, **kw):
+    """flash_decode(batch_invariant=True) (or with ``config``, a FIXED_SPLIT config, or ``plan``.run) with lse;
+    page_size > 0 pages the cache with a random page permutation (3 extra pages)."""
     if page_size:
         k, v, table = ref.paged_from_contiguous(k, v, page_size, extra_pages=3, generator=gen)
     else:
         table = None
     if plan is not None:
-        return plan.run(q, k, v, lens, block_table=table, return_lse=True)
-    return flashdecode.flash_decode(q, k, v, lens, block_table=table, return_lse=True, batch_invariant=True)
+        return plan.run(q, k, v, lens, block_table=table, return_lse=True, **kw)
+    flag = dict(config=config) if config is not None else dict(batch_invariant=True)
+    return flashdecode.flash_decode(q, k, v, lens, block_table=table, return_lse=True, **flag, **kw)
+
+
+# Several splits per sequence on the CPU: 32-key splits (two interpreter blocks) folded 2 per merge step, so a
+# 100-key target has 4 splits in 2 steps, and a 400-key cache gives its launch 13 splits (7 steps, the last ones
+# all empty).
+SMALL_SPLIT_KEYS, SMALL_MERGE_BLOCK_S = 32, 2
+FIXED_TARGET_LEN = 100
+# neighbours shorter and longer than the target, capacities from its own length (no trailing empty split) to 400
+FIXED_BATCHES = [((), 0, FIXED_TARGET_LEN), ((3, 300), 1, 320), ((400, 0, 1, 7), 3, 400)]
+
+
+def _small_split_config(q, k, lens, **kw):
+    """The batch-invariant config resolved for these tensors, with SMALL_SPLIT_KEYS-key splits."""
+    kw = {n: kw[n] for n in ("k_scale", "v_scale", "window_size") if n in kw}
+    config = decode_config(q, k, k, lens, batch_invariant=True, **kw)
+    assert config.path is DecodePath.FIXED_SPLIT
+    return dataclasses.replace(config, split_keys=SMALL_SPLIT_KEYS, merge_block_s=SMALL_MERGE_BLOCK_S)
+
+
+def _check_fixed_splits_in_batches(gen, target, page_size, config=None, **kw):
+    """The target's (out, lse) in FIXED_BATCHES: bitwise equal to its result alone, which matches the float64
+    reference (``kw``: scales of an 8-bit cache given per kv head, the same in every batch)."""
+    results = []
+    for neighbours, slot, capacity in FIXED_BATCHES:
+        q, k, v, lens = _batch_around(gen, target, neighbours, slot, capacity)
+        if config is None:
+            config = _small_split_config(q, k, lens, **kw)
+        out, lse = _run(q, k, v, lens, page_size, gen, config=config, **kw)
+        results.append((out[slot], lse[slot]))
+        if len(neighbours) == 0:
+            qk = {n: t for n, t in kw.items() if n not in ("k_scale", "v_scale")}
+            kd, vd = (k, v) if "k_scale" not in kw else (k.float() * kw["k_scale"][:, None],
+                                                          v.float() * kw["v_scale"][:, None])
+            o64, lse64 = ref.decode_ref(q.double(), kd.double(), vd.double(), lens, **qk)
+            o_same, lse_same = ref.decode_ref(q, kd.to(q.dtype), vd.to(q.dtype), lens, **qk)
+            assert_fa_close(out, o64, o_same, factor=3.0, atol=1e-4)
+            assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    return config
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -67,6 +117,79 @@ def test_sequence_bitwise_equal_in_any_batch(gen, dtype, seqlen_q, page_size):
             assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=1e-4, name="lse")
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+@pytest.mark.parametrize("dtype, seqlen_q, page_size", [
+    (torch.float16, 1, 0), (torch.float32, 2, 0), (torch.float16, 2, 16), (torch.float32, 1, 5),
+    (torch.float16, 1, 64)])
+def test_fixed_splits_bitwise_equal_in_any_batch(gen, dtype, seqlen_q, page_size):
+    """A target of 4 fixed splits alone (no trailing empty split) and among shorter and longer neighbours (up to 12
+    trailing empty splits, whole empty merge steps among them): the same bits, contiguous and paged (pages of 5
+    straddle the splits, pages of 64 span two)."""
+    _check_fixed_splits_in_batches(gen, _target(gen, dtype, seqlen_q, length=FIXED_TARGET_LEN), page_size)
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_fixed_splits_on_an_8bit_cache(gen, page_size):
+    """An e4m3 cache (scales per kv head) with two new tokens, in fixed splits: bitwise equal in any batch, and the
+    float64 reference on the dequantised cache."""
+    q_t, k_t, v_t = _target(gen, torch.float16, 2, length=FIXED_TARGET_LEN)
+    scales = [torch.tensor([0.02, 0.05], device=DEVICE) for _ in range(2)]
+    fp8 = torch.float8_e4m3fn
+    target = (q_t, (k_t.float() / scales[0][:, None]).to(fp8), (v_t.float() / scales[1][:, None]).to(fp8))
+    _check_fixed_splits_in_batches(gen, target, page_size, k_scale=scales[0], v_scale=scales[1])
+
+
+def test_fixed_splits_with_options_in_any_batch(gen):
+    """ALiBi, softcap and a window that starts mid-split, in fixed splits: bitwise equal in any batch, and the
+    reference."""
+    target = _target(gen, torch.float32, 2, length=FIXED_TARGET_LEN)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)
+    _check_fixed_splits_in_batches(gen, target, 0, alibi_slopes=slopes, softcap=5.0, window_size=(70, 0))
+
+
+def test_batch_invariant_config_splits_a_long_sequence(gen):
+    """The resolved batch-invariant config is FIXED_SPLIT with DECODE_BATCH_INVARIANT_SPLIT_KEYS-key splits: a
+    128k-key cache gives its launch 128k / 2048 = 64 splits (one for a cache of at most 2048 keys; with a window,
+    as many as the window's keys need); and the kernels do split: a plan's partial buffer holds a finite lse for
+    each of a 100-key sequence's 4 small splits and -inf for the launch's trailing ones."""
+    q = randn(1, NHEADS, HEADDIM, gen=gen)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    config = decode_config(q, randn(1, 8, NHEADS_KV, HEADDIM, gen=gen), randn(1, 8, NHEADS_KV, HEADDIM, gen=gen),
+                           lens, batch_invariant=True)
+    assert config.path is DecodePath.FIXED_SPLIT and config.split_keys == heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS
+    assert decode_config(q, *[randn(1, 8, NHEADS_KV, HEADDIM, gen=gen)] * 2, lens, batch_invariant=True,
+                         num_splits=1).path is DecodePath.UNSPLIT
+
+    def grid_splits(capacity, window=(-1, -1)):
+        k = torch.empty(1, capacity, NHEADS_KV, HEADDIM, device=DEVICE)
+        shape = _DecodeShape(q, k, k, lens, None, None, 0.0, window)
+        return plan_launch(config, shape.problem(capacity, batch_invariant=True)).grid_splits
+    assert (grid_splits(131072), grid_splits(2048), grid_splits(2049)) == (64, 1, 2)
+    assert grid_splits(131072, window=(4096, 0)) == 3
+
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, lens = _batch_around(gen, _target(gen, dtype, 1, length=FIXED_TARGET_LEN), (7,), 0, 400)
+    small = _small_split_config(q, k, lens)
+    plan = flashdecode.DecodePlan(2, NHEADS, NHEADS_KV, HEADDIM, max_seqlen_k=400, dtype=dtype, device=DEVICE,
+                                  config=small)
+    assert plan.batch_invariant and plan.num_splits == 13
+    out, lse = _run(q, k, v, lens, 0, gen, plan=plan)
+    partial_lse = plan._partial_lse[: 2 * NHEADS * 13].view(2, NHEADS, 13)
+    assert torch.isfinite(partial_lse[0, :, :4]).all() and torch.isneginf(partial_lse[0, :, 4:]).all()
+    assert torch.isfinite(partial_lse[1, :, :1]).all() and torch.isneginf(partial_lse[1, :, 1:]).all()
+    alone = _run(q[:1], k[:1, :FIXED_TARGET_LEN], v[:1, :FIXED_TARGET_LEN], lens[:1], 0, gen, config=small)
+    assert torch.equal(out[0], alone[0][0]) and torch.equal(lse[0], alone[1][0])
+
+
+def test_plan_cache_beyond_max_seqlen_k_raises(gen):
+    """A batch-invariant plan holds partials for max_seqlen_k keys' splits: a cache that needs more raises
+    ValueError naming max_seqlen_k (no silent loss of keys)."""
+    q, k, v, lens = _batch_around(gen, _target(gen, KERNEL_DTYPES[0], 1, length=40), (), 0, 200)
+    plan = flashdecode.DecodePlan(1, NHEADS, NHEADS_KV, HEADDIM, max_seqlen_k=64, dtype=q.dtype, device=DEVICE,
+                                  config=_small_split_config(q, k, lens))
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        plan.run(q, k, v, lens)
 
 
 def test_split_counts_move_the_default_bits(gen):
@@ -91,7 +214,7 @@ def test_plan_bitwise_equal_across_batches_and_with_flash_decode(gen, page_size)
         q, k, v, lens = _batch_around(gen, target, neighbours, slot, capacity)
         out, lse = _run(q, k, v, lens, page_size, gen, plan=plan)
         results.append((out[slot].clone(), lse[slot].clone()))
-        assert plan.config_for(q, k, v, lens).path is DecodePath.UNSPLIT
+        assert plan.config_for(q, k, v, lens).path is DecodePath.FIXED_SPLIT
     q, k, v, lens = _batch_around(gen, target, (), 0, 48)
     alone = _run(q, k, v, lens, page_size, gen)
     for out, lse in results:
@@ -121,7 +244,7 @@ def test_config_ignores_batch_and_lengths(gen):
         k = randn(b, cap, NHEADS_KV, HEADDIM, gen=gen, dtype=dtype)
         lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         configs.add(decode_config(q, k, k, lens_t, batch_invariant=True))
-    assert len(configs) == 1 and next(iter(configs)).path is DecodePath.UNSPLIT
+    assert len(configs) == 1 and next(iter(configs)).path is DecodePath.FIXED_SPLIT
 
 
 @pytest.mark.parametrize("kw, word", [(dict(num_splits=3), "num_splits"), (dict(batch_invariant=1), "batch_invariant")])

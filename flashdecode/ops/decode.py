@@ -258,6 +258,7 @@ class DecodePlan:
         self._policy_splits = num_splits is None  # the device may then choose fewer per sequence
         split_keys = config.split_keys if config is not None else (
             heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS if batch_invariant and num_splits is None else 0)
+        self._fixed_split = bool(split_keys)
         if split_keys:  # FIXED_SPLIT: partials for the splits of max_seqlen_k keys (runs check their cache fits)
             most = heuristics.DECODE_BATCH_INVARIANT_MAX_SPLITS if config is None else config.num_splits
             self.num_splits = min(heuristics.cdiv(max(max_seqlen_k, 1), split_keys), most)
@@ -283,7 +284,8 @@ class DecodePlan:
                shape.cache_offsets_fit_int32)
         launch = self._launches.get(key)
         if launch is None:
-            problem = shape.problem(self.max_seqlen_k, num_splits=self.num_splits,
+            # (FIXED_SPLIT: num_splits sizes the partials only; 1 would ask batch_invariant_config for UNSPLIT)
+            problem = shape.problem(self.max_seqlen_k, num_splits=None if self._fixed_split else self.num_splits,
                                     device_may_reduce_splits=self._policy_splits, retile_for_device_splits=True,
                                     use_pdl=self.use_pdl, batch_invariant=self.batch_invariant)
             if self._config is None:
