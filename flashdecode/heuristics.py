@@ -355,14 +355,18 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     in order, merge_block_s at a time, leaving out steps whose states are all empty (kernels/merge.py SKIP_EMPTY),
     so trailing empty splits change no bit. p.num_splits == 1 (num_splits=1, the nosplit engine backend) keeps the
     UNSPLIT variant: one program per row block over all its keys (32 KiB tiles, no page-id preload). Tiles from the
-    head dim and dtype alone (16 KiB of K on FIXED_SPLIT; 16 keys in the interpreter); the page-id preload and the
+    head dim and dtype alone (16 KiB of 16-bit K on FIXED_SPLIT, as many keys for an 8-bit cache; 16 keys in the
+    interpreter); the page-id preload and the
     pipeline depth follow from split_keys and the page size (never the capacity); descriptors, the spec-page read
     and the L2 prefetch stay off so that the variant does not follow the cache's alignment or the block table
     either; PDL (the GPU's, not the batch's) only changes when kernels start; the merge runs one row per program
     over head-dim quarters (the shape that serves batch 1's few rows)."""
     interpret = dev.interpret
-    tile_bytes = 32768 if p.num_splits == 1 else 16384
-    block_n = 16 if interpret else min(128, max(16, tile_bytes // (p.block_d * p.elem_bytes)))
+    if p.num_splits == 1:
+        block_n = min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
+    else:  # 8-bit tiles as many keys as 16-bit ones: they are converted to q's dtype in registers (no spill)
+        block_n = min(128, max(16, 16384 // (p.block_d * max(p.elem_bytes, 2))))
+    block_n = 16 if interpret else block_n
     config = DecodeConfig(
         path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if interpret else 3,
         table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,

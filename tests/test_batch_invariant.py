@@ -319,3 +319,73 @@ def test_gpu_bitwise_equal_in_any_batch_at_production_tiles(gen, page_size, seql
     o64, _ = ref.decode_ref(q.double(), k.double(), v.double(), lens)
     o_same, _ = ref.decode_ref(q, k, v, lens)
     assert_fa_close(results[0][0][None], o64, o_same, factor=3.0, atol=1e-4)
+
+
+_FIXED_SPLIT_SM90_SCRIPT = r'''
+import os, re, subprocess, sys, tempfile
+import triton.backends.nvidia as nv
+from flashdecode import heuristics as hx
+from flashdecode.kernels.decode import decode_split_kernel
+from flashdecode.kernels.merge import merge_many_kernel
+from flashdecode.ops.decode_launch import plan_launch
+sys.path.insert(0, "tests")
+from helpers import compile_for_sm90
+
+
+def usage(kernel):
+    """(registers, spilled stack bytes) of a compiled kernel, from cuobjdump on its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
+
+
+dev = hx.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+print("variant                       block_n preload stages regs spill")
+for page, seqlen_q, kv in [(0, 1, "bf16"), (0, 2, "bf16"), (16, 1, "bf16"), (128, 1, "bf16"), (5, 1, "bf16"),
+                           (1, 1, "bf16"), (16, 1, "fp8e4nv")]:
+    # bf16 hd128, 16 query / 2 kv heads (the b1 sweep's shape), a 128k-key cache: the launcher's geometry
+    p = hx.DecodeProblem(batch=1, grid_batch=1, seqlen_q=seqlen_q, group=8, nheads_kv=2, headdim=128,
+                         elem_bytes=1 if kv != "bf16" else 2, page_size=page, capacity=131072, window_left=-1,
+                         live_keys=131072, cache_offsets_fit_int32=True, batch_invariant=True)
+    config = hx.batch_invariant_config(p, dev)
+    launch = plan_launch(config, p)
+    assert config.path.name == "FIXED_SPLIT" and launch.grid_splits == 64
+    types = dict(Q="*bf16", K="*" + kv, V="*" + kv, K_RAW="*" + kv, V_RAW="*" + kv, SEQLENS="*i32",
+                 BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32",
+                 K_SCALE="*fp32", V_SCALE="*fp32")
+    consts = dict(SEQLEN_Q=seqlen_q, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=p.block_m,
+                  BLOCK_N=config.block_n, BLOCK_D=128, NUM_SPLITS=launch.grid_splits, MIN_CHUNK=launch.min_chunk,
+                  MERGE_SPLITS=64, SPLIT_KEYS=config.split_keys, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False,
+                  FINAL=False, DOT_PRECISION="tf32", USE_TMA=config.use_tma, USE_PDL=config.use_pdl,
+                  PDL_WAIT=config.pdl_wait, PRELOAD_PAGES=launch.preload_pages, DEVICE_SPLITS=False,
+                  OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, ALIBI=False,
+                  KV_QUANT=0 if kv == "bf16" else 1)
+    kernel = compile_for_sm90(decode_split_kernel, types, consts, launch.num_stages, config.num_warps)
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"], (page, "K/V loads not pipelined")
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]
+    regs, spill = usage(kernel)
+    name = f"stage1 page {page} sq {seqlen_q} {kv}"
+    print(f"{name:30s} {config.block_n:7d} {launch.preload_pages:7d} {launch.num_stages:6d} {regs:4d} {spill:5d}")
+    assert spill == 0, (name, spill)
+# the merge as the launcher runs it on FIXED_SPLIT (ops/merge.py launch_merge_many): one row per program over
+# head-dim quarters, merge_block_s states per step, SKIP_EMPTY
+block_d = 128 // config.merge_d_chunks
+kernel = compile_for_sm90(merge_many_kernel, dict(O_IN="*fp32", LSE_IN="*fp32", O_OUT="*bf16", LSE_OUT="*fp32"),
+                          dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=config.merge_block_s, BLOCK_D=block_d,
+                               LSE_LOG2=True, USE_PDL=True, EARLY_TRIGGER=False, SKIP_EMPTY=True), 1)
+regs, spill = usage(kernel)
+print(f"{'merge SKIP_EMPTY':30s} {'':7s} {'':7s} {1:6d} {regs:4d} {spill:5d}")
+assert spill == 0
+print("compiled")
+'''
+
+
+def test_fixed_split_kernels_compile_for_hopper_without_a_gpu():
+    """The batch-invariant variant as the launcher configures it on an H100 (bf16 hd128, 16 / 2 heads, a 128k
+    cache: 64 splits of 2048 keys, 16 KiB tiles, contiguous and paged with 16-, 128-, 5- and 1-key pages, two new
+    tokens, an e4m3 cache) and its SKIP_EMPTY merge compile for sm_90 with Triton's ptxas (no GPU), loads
+    pipelined, PDL in, nothing spilled (``python -c`` of the script prints the registers)."""
+    run_sm90_compile_script(_FIXED_SPLIT_SM90_SCRIPT)
