@@ -124,9 +124,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels (ops/sinks.py), so the
             call then allocates its result.
         batch_invariant: each sequence's out and lse are bitwise identical whatever batch it sits in and whatever
-            the other sequences' lengths (one unsplit kernel variant with fixed tiles, heuristics
-            .batch_invariant_config; docs/architecture.md, "Decode dispatch"); excludes num_splits > 1 and
-            config=. It never reads the lengths on the host. With plan=, the plan's own flag decides.
+            the other sequences' lengths (and the cache's capacity): every sequence is split at fixed key offsets,
+            every heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS (2048) keys from its first live key, each split run
+            with the same tiles, and its splits merged in order in fixed steps (the FIXED_SPLIT path,
+            heuristics.batch_invariant_config; docs/architecture.md, "Decode dispatch"), so only its own length
+            decides its splits; num_splits=1 runs it unsplit instead (also invariant, slower for long sequences);
+            excludes num_splits > 1 and config= (a FIXED_SPLIT config, e.g. dataclasses.replace of
+            decode_config(..., batch_invariant=True) with another split_keys, is batch-invariant by itself). It never
+            reads the lengths on the host (max_seqlen_k is ignored): the split grid is sized from the cache's
+            capacity, its splits past a sequence's end are empty. With plan=, the plan's own flag decides.
         alibi_slopes: optional float32 (nheads,) or (batch, nheads) ALiBi slopes, one per query head: the bias
             -slope * |qpos - j| for the row at key position qpos (its token's position in the sequence, the new
             tokens being the last seqlen_q) and key j joins the scaled logits after the softcap (flash-attn's
@@ -215,8 +221,12 @@ class DecodePlan:
     dependent of the kernel before it; None: the heuristics' defaults; ignored where the GPU cannot do it).
     ``config``: a DecodeConfig used for every run instead of the resolved ones (its num_splits sizes the plan).
     The persistent paths merge after int32 ticket counters owned by the plan, zero at rest.
-    ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (unsplit, fixed tiles), so a
-    sequence's out and lse do not depend on the batch or the other lengths (excludes num_splits > 1 and config=).
+    ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (splits of a fixed number of keys, fixed
+    tiles, an in-order merge; with num_splits=1 unsplit), so a sequence's out and lse do not depend on the batch or
+    the other lengths, and equal flash_decode(batch_invariant=True)'s (excludes num_splits > 1 and config=; a
+    FIXED_SPLIT ``config`` makes the plan batch-invariant too). The plan holds partials for the splits of
+    max_seqlen_k keys; a run whose cache capacity needs more raises ValueError (make it with max_seqlen_k >= the
+    capacity, as the engine does).
     ``kv_dtype``: the cache's dtype (default ``dtype``; torch.float8_e4m3fn or torch.int8 for an 8-bit cache whose
     runs pass k_scale / v_scale): the split count and tiles are chosen for its element size.
     """
