@@ -294,6 +294,12 @@ def test_bench_decode_rows_for_batch_invariant_and_kvcache():
     line = bench.summary_line(row)
     assert "batch-invariant 25.0us (2.50x)" in line and "flash_attn_with_kvcache 11.0us vs FA2 22.0us (2.00x)" in line
     assert bench._best_peer(row, ["ours", "ours-bi", "fai-kvcache", "FA2"]) == ("FA2", 22.0)
+    # --bi-split-keys: columns of the batch-invariant plan with other split sizes, never "the best peer"
+    assert parser.parse_args(["--bi-split-keys", "512,4096"]).bi_split_keys == "512,4096"
+    row.update({"ours-bi@4096": 40.0, "ours-bi@512": 9.0, "FA2": 50.0})
+    assert "batch-invariant 25.0us (2.50x), bi@512 keys 9.0us, bi@4096 keys 40.0us" in bench.summary_line(row)
+    assert bench._best_peer(row, ["ours", "ours-bi@512", "FA2"]) == ("FA2", 50.0)
+    assert callable(bench._builder("ours-bi@512")) and bench._builder("ours") is bench.BUILDERS["ours"]
 
 
 @pytest.mark.gpu
@@ -357,8 +363,8 @@ for page, seqlen_q, kv in [(0, 1, "bf16"), (0, 2, "bf16"), (16, 1, "bf16"), (128
                  BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32",
                  K_SCALE="*fp32", V_SCALE="*fp32")
     consts = dict(SEQLEN_Q=seqlen_q, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=p.block_m,
-                  BLOCK_N=config.block_n, BLOCK_D=128, NUM_SPLITS=launch.grid_splits, MIN_CHUNK=launch.min_chunk,
-                  MERGE_SPLITS=64, SPLIT_KEYS=config.split_keys, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False,
+                  BLOCK_N=config.block_n, BLOCK_D=128, NUM_SPLITS=config.num_splits, MIN_CHUNK=launch.min_chunk,
+                  MERGE_SPLITS=hx.next_power_of_2(config.num_splits), SPLIT_KEYS=config.split_keys, PAGE_SIZE=page, SOFTCAP=False, WINDOW=False,
                   FINAL=False, DOT_PRECISION="tf32", USE_TMA=config.use_tma, USE_PDL=config.use_pdl,
                   PDL_WAIT=config.pdl_wait, PRELOAD_PAGES=launch.preload_pages, DEVICE_SPLITS=False,
                   OFFS_32=config.offs_32, SPEC_PAGES=config.spec_pages, ALIBI=False,

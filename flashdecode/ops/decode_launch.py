@@ -149,7 +149,8 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
                    lse3, final: bool):
     """decode_split_kernel. o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32
     partials). On DEVICE_SPLIT_GRID the split counts are chosen on the device (<= num_splits per sequence), one
-    program per work item."""
+    program per work item. FIXED_SPLIT: the grid's splits follow from the cache, while the kernel's NUM_SPLITS (unused
+    there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant."""
     config = launch.config
     num_splits = 1 if final else launch.grid_splits
     q4 = shape.q4
@@ -175,7 +176,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
         FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
         PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
-        **_shared_args(shape, launch, num_splits, k_cache),
+        **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
