@@ -70,11 +70,12 @@ FIXED_BATCHES = [((), 0, FIXED_TARGET_LEN), ((3, 300), 1, 320), ((400, 0, 1, 7),
 
 
 def _small_split_config(q, k, lens, **kw):
-    """The batch-invariant config resolved for these tensors, with SMALL_SPLIT_KEYS-key splits."""
+    """The batch-invariant config resolved for these tensors, with SMALL_SPLIT_KEYS-key splits of 16-key blocks."""
     kw = {n: kw[n] for n in ("k_scale", "v_scale", "window_size") if n in kw}
     config = decode_config(q, k, k, lens, batch_invariant=True, **kw)
     assert config.path is DecodePath.FIXED_SPLIT
-    return dataclasses.replace(config, split_keys=SMALL_SPLIT_KEYS, merge_block_s=SMALL_MERGE_BLOCK_S)
+    # (16-key blocks on the GPU too, whose tile for these small heads would be 128 keys, more than a split)
+    return dataclasses.replace(config, block_n=16, split_keys=SMALL_SPLIT_KEYS, merge_block_s=SMALL_MERGE_BLOCK_S)
 
 
 def _check_fixed_splits_in_batches(gen, target, page_size, config=None, **kw):
