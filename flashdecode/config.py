@@ -24,6 +24,7 @@ class DecodePath(enum.Enum):
     DEVICE_SPLIT_GRID = "device_split_grid"  # stage 1, one program per work item, split counts chosen on the device
     PERSISTENT = "persistent"                # one launch of fixed programs, static shares, merge in-kernel
     PERSISTENT_QUEUE = "persistent_queue"    # the same, programs draw work items from an atomic queue
+    FIXED_SPLIT = "fixed_split"              # batch-invariant: splits of split_keys keys each, then an in-order merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class DecodeConfig:
 
     path: DecodePath
     num_splits: int                  # splits per sequence: the launch's count, or the most the device may choose
+    #                                  (FIXED_SPLIT: the most a launch may take; its grid follows from the cache)
     block_n: int                     # keys per KV step (a power of two >= 16)
     num_warps: int
     num_stages: int                  # software pipeline depth (before the table-read stages below)
@@ -59,12 +61,14 @@ class DecodeConfig:
     persistent_slots: int            # PERSISTENT_QUEUE: split slots per program
     queue_splits: int                # PERSISTENT_QUEUE: equal lengths split up to this many ways (0: off)
     device_split_slots: int          # DEVICE_SPLIT_GRID: work items the split counts share
+    split_keys: int = 0              # FIXED_SPLIT: keys per split (a multiple of block_n), whatever the batch
+    merge_block_s: int = 0           # states the merge folds per step (0: sized from the launch's split count)
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
 _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
                  "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
-                 "persistent_slots", "queue_splits", "device_split_slots")
+                 "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages")
 _MAX_SPLITS = 1024
 
@@ -97,9 +101,18 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
         raise ValueError(f"{name}.merge_d_chunks must be 1, 2 or 4, got {config.merge_d_chunks}")
     if config.num_splits > _MAX_SPLITS:
         raise ValueError(f"{name}.num_splits must be <= {_MAX_SPLITS}, got {config.num_splits}")
-    if (config.path is DecodePath.UNSPLIT) != (config.num_splits == 1):
-        raise ValueError(f"{name}: path UNSPLIT goes with num_splits == 1 and only with it, got {config.path.name} "
-                         f"with num_splits {config.num_splits}")
+    if (config.path is DecodePath.UNSPLIT and config.num_splits != 1) or (
+            config.num_splits == 1 and config.path not in (DecodePath.UNSPLIT, DecodePath.FIXED_SPLIT)):
+        raise ValueError(f"{name}: path UNSPLIT goes with num_splits == 1 and only with it (FIXED_SPLIT may cap "
+                         f"the splits at 1), got {config.path.name} with num_splits {config.num_splits}")
+    if (config.path is DecodePath.FIXED_SPLIT) != (config.split_keys > 0):
+        raise ValueError(f"{name}.split_keys: > 0 goes with path FIXED_SPLIT and only with it, got "
+                         f"{config.split_keys} on {config.path.name}")
+    if config.split_keys % config.block_n:
+        raise ValueError(f"{name}.split_keys must be a multiple of block_n ({config.block_n}), got "
+                         f"{config.split_keys}")
+    if config.merge_block_s & (config.merge_block_s - 1):
+        raise ValueError(f"{name}.merge_block_s must be 0 or a power of two, got {config.merge_block_s}")
     if config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) and config.persistent_programs < 1:
         raise ValueError(f"{name}.persistent_programs must be >= 1 on the {config.path.name} path")
     if config.path is DecodePath.PERSISTENT_QUEUE and config.persistent_slots < 1:

@@ -103,6 +103,14 @@ DECODE_MERGE_SPLIT_D_MIN_PAIRS = 16
 DECODE_MERGE_FEW_PAIRS_D_CHUNKS = 4
 # Hopper, paged: a split's page ids read beside its length after the PDL wait (kernels/decode.py SPEC_PAGES).
 DECODE_SPEC_PAGES = True
+# Batch-invariant decode (batch_invariant_config): every sequence is split every this many keys, whatever its batch
+# (a constant, the same in the interpreter and on every GPU): 128k keys take 64 splits, which with 2 kv heads fill
+# the H100's 132 SMs at batch 1, while contexts of at most this many keys stay one split (a multiple of any block_n).
+DECODE_BATCH_INVARIANT_SPLIT_KEYS = 2048
+# ... at most this many splits per sequence (2M keys; the launch's split grid follows from the cache's capacity) ...
+DECODE_BATCH_INVARIANT_MAX_SPLITS = 1024
+# ... merged this many at a time, in order (128k keys: two steps).
+DECODE_BATCH_INVARIANT_MERGE_BLOCK_S = 32
 
 
 def decode_num_splits(batch: int, nheads_kv: int, max_seqlen_k: int, num_sms: int, *,
@@ -335,23 +343,47 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
 
 
 def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
-    """The config of batch-invariant decode (flash_decode(batch_invariant=True)): the UNSPLIT path with a tile
-    chosen from the head dim and dtype alone (32 KiB of K; 16 keys in the interpreter). No field depends on the
-    batch, the grid batch, the other sequences' lengths or the host's length bounds, so each (sequence, head) row
-    is computed by the same kernel variant, over the same key blocks (from key 0 or its window's first block), in
-    the same order, whatever batch it sits in: its out and lse are bitwise reproducible. No splits means no merge
-    whose order could depend on a split count; the cost is the split parallelism at small batch (docs/decisions.md,
-    "Batch-invariant decode"). Descriptors, PDL and the page-id preload stay off so that the variant does not
-    follow the cache's alignment, the block table's width or the GPU generation's launch options either (those
-    change how keys are fetched, not the arithmetic, but one variant is the simpler promise)."""
-    block_n = 16 if dev.interpret else min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
-    return DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if dev.interpret else 3,
+    """The config of batch-invariant decode (flash_decode(batch_invariant=True)): no field depends on the batch,
+    the grid batch, the other sequences' lengths, the capacity or the host's length bounds, so each (sequence, head)
+    row is computed by the same kernel variant, over the same key ranges, in the same order, whatever batch it sits
+    in: its out and lse are bitwise reproducible (docs/decisions.md, "Batch-invariant decode").
+
+    The FIXED_SPLIT path: split s of a sequence holds keys [lo + s * split_keys, lo + (s + 1) * split_keys) (lo: 0,
+    or its window's first block), DECODE_BATCH_INVARIANT_SPLIT_KEYS keys each whatever the batch, so only the
+    sequence's own length decides how many of its splits hold keys; the launch's split grid is sized from the
+    cache (capacity or window), the splits past a sequence's end write empty states, and the merge folds the splits
+    in order, merge_block_s at a time, leaving out steps whose states are all empty (kernels/merge.py SKIP_EMPTY),
+    so trailing empty splits change no bit. p.num_splits == 1 (num_splits=1, the nosplit engine backend) keeps the
+    UNSPLIT variant: one program per row block over all its keys (32 KiB tiles, no page-id preload). Tiles from the
+    head dim and dtype alone (16 KiB of 16-bit K on FIXED_SPLIT, as many keys for an 8-bit cache; 16 keys in the
+    interpreter); the page-id preload and the
+    pipeline depth follow from split_keys and the page size (never the capacity); descriptors, the spec-page read
+    and the L2 prefetch stay off so that the variant does not follow the cache's alignment or the block table
+    either; PDL (the GPU's, not the batch's) only changes when kernels start; the merge runs one row per program
+    over head-dim quarters (the shape that serves batch 1's few rows)."""
+    interpret = dev.interpret
+    if p.num_splits == 1:
+        block_n = min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
+    else:  # 8-bit tiles as many keys as 16-bit ones: they are converted to q's dtype in registers (no spill)
+        block_n = min(128, max(16, 16384 // (p.block_d * max(p.elem_bytes, 2))))
+    block_n = 16 if interpret else block_n
+    config = DecodeConfig(
+        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if interpret else 3,
         table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,
         preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
         merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
         spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
         device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1))
+    if p.num_splits == 1:  # one program per row block over all its keys (32 KiB tiles), no page-id preload
+        return config
+    return dataclasses.replace(
+        config, path=DecodePath.FIXED_SPLIT, num_splits=DECODE_BATCH_INVARIANT_MAX_SPLITS,
+        split_keys=DECODE_BATCH_INVARIANT_SPLIT_KEYS, merge_block_s=DECODE_BATCH_INVARIANT_MERGE_BLOCK_S,
+        table_read_extra_stages=0 if interpret else DECODE_TABLE_READ_EXTRA_STAGES,
+        table_read_min_split_blocks=0 if interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
+        preload_pages_max=DECODE_PRELOAD_PAGES_MAX,
+        preload_gather_max=DECODE_PRELOAD_PAGES_MAX if interpret else DECODE_PRELOAD_GATHER_MAX,
+        use_pdl=dev.pdl, pdl_wait=dev.pdl, merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS, merge_max_rows=1)
 
 
 def _decode_path(p: DecodeProblem, config: DecodeConfig, splits: int, persistent: bool, dynamic: bool,
@@ -383,7 +415,10 @@ def decode_min_chunk(config: DecodeConfig) -> int:
 
 
 def decode_max_split_keys(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> int:
-    """The most keys one of num_splits splits can hold (kernels/decode.py split_range at the cache capacity)."""
+    """The most keys one of num_splits splits can hold (kernels/decode.py split_range at the cache capacity; on
+    FIXED_SPLIT the config's split_keys, whatever the capacity)."""
+    if config.split_keys:
+        return config.split_keys
     return max(cdiv(p.capacity, num_splits * config.block_n) * config.block_n, decode_min_chunk(config))
 
 

@@ -114,13 +114,13 @@ def test_page_ids_read_beside_the_length(gen, page_size, window):
 @triton.jit
 def _stale_range_of_another_length(SEQLENS, b, split, num_splits, capacity, window_left,
                                    SEQLEN_Q: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                                   WINDOW: tl.constexpr):
+                                   WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0):
     """Stands in for kernels.decode._stale_split_range: the split's range for capacity - length (another length in
     the cache's range, as a length rewritten across the PDL wait would be), so that the page ids read beside the
     length are for the wrong pages and must be read again."""
     seqlen = tl.load(SEQLENS + b)
     other = tl.maximum(tl.minimum(capacity - seqlen, capacity), 0)
-    return split_range(other, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+    return split_range(other, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
 
 
 @pytest.mark.parametrize("page_size", [8, 32])

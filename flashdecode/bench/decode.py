@@ -17,6 +17,7 @@ decode_<device>_<date>.json (rows + "summary" strings) and a PNG to --out and pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20, help="graph replays per point (median reported)")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                         help="time the batch_invariant=True plan (ours-bi) beside the default (default: on)")
+    parser.add_argument("--bi-split-keys", default=None,
+                        help="comma list of other batch-invariant split sizes in keys to time beside ours-bi "
+                             "(columns ours-bi@S), e.g. 512,1024,4096")
     parser.add_argument("--kvcache", action=argparse.BooleanOptionalAction, default=True,
                         help="time flash_attn_with_kvcache through flashdecode.flash_attn_interface (fai-kvcache)"
                              " (default: on)")
@@ -90,8 +94,8 @@ def _ours(sets, num_splits=None, use_pdl=None, tweak=None, batch_invariant=False
     plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
     if tweak is not None:
         config = tweak(plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"]))
-        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **dict(kw, num_splits=None),
-                                      config=config)
+        plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim,
+                                      **dict(kw, num_splits=None, batch_invariant=False), config=config)
 
     def call(s):
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"])
@@ -189,6 +193,16 @@ BUILDERS: dict[str, Callable] = {
 }
 
 
+def _builder(name: str) -> Callable:
+    """BUILDERS[name]; "ours-bi@S": the batch-invariant plan with splits of S keys instead of
+    DECODE_BATCH_INVARIANT_SPLIT_KEYS (a FIXED_SPLIT config=, batch-invariant too), to choose that constant."""
+    if name.startswith("ours-bi@"):
+        keys = int(name.split("@", 1)[1])
+        return lambda sets: _ours(sets, batch_invariant=True,
+                                  tweak=lambda config: dataclasses.replace(config, split_keys=keys))
+    return BUILDERS[name]
+
+
 def _flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
@@ -215,7 +229,7 @@ def bench_point(sweep, batch, context_lens, shape, page_size, peers, reps, bandw
                nheads_kv=shape["nheads_kv"], headdim=shape["headdim"], floor_us=floor_us, rotated_sets=n_sets)
     for name in peers:
         try:
-            fns, info = BUILDERS[name](sets)
+            fns, info = _builder(name)(sets)
             row[name] = cuda_graph_time_us(fns, reps=reps)
             row.update({f"{name}_{k}": v for k, v in info.items()})
         except Exception as e:  # a peer that cannot run this shape is reported, not fatal
@@ -234,7 +248,7 @@ def bench_point(sweep, batch, context_lens, shape, page_size, peers, reps, bandw
 
 
 def _best_peer(row, peers):
-    times = [(p, row[p]) for p in peers if p not in OURS and row.get(p)]
+    times = [(p, row[p]) for p in peers if p not in OURS and not p.startswith("ours-bi@") and row.get(p)]
     return min(times, key=lambda t: t[1]) if times else None
 
 
@@ -254,6 +268,8 @@ def summary_line(row) -> str:
     s += f" (with PDL {row['ours-pdl']:.1f}us)" if row.get("ours-pdl") else ""
     if row.get("ours-bi"):
         s += f"; batch-invariant {row['ours-bi']:.1f}us ({row['ours-bi'] / row['ours']:.2f}x)"
+    for name in sorted((p for p in row if p.startswith("ours-bi@") and row.get(p)), key=lambda p: int(p[8:])):
+        s += f", {name[5:]} keys {row[name]:.1f}us"
     if row.get("fai-kvcache"):
         s += f"; flash_attn_with_kvcache {row['fai-kvcache']:.1f}us"
         s += f" vs FA2 {row['FA2']:.1f}us ({row['FA2'] / row['fai-kvcache']:.2f}x)" if row.get("FA2") else ""
@@ -331,6 +347,8 @@ def run(args) -> int:
         peers = list(CONTIG_PEERS if layout == 0 else PAGED_PEERS)
         peers = [p for p in peers if (p != "flex" or use_flex) and (p != "FlashInfer" or fi)
                  and (p != "ours-bi" or args.batch_invariant) and (p != "fai-kvcache" or args.kvcache)]
+        if args.batch_invariant:
+            peers += [f"ours-bi@{keys}" for keys in _list(args.bi_split_keys, [])]
         if sweep == "batch" and layout == 0:
             peers = [p for p in peers if p != "FlashInfer"]  # FlashInfer's batch decode is paged: see paged rows
         all_peers += [p for p in peers if p not in all_peers]

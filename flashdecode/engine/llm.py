@@ -131,9 +131,9 @@ class LLM:
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
-        """batch_invariant=True: decode attention through DecodePlans made with batch_invariant=True (one
-        unsplit kernel variant, fixed tiles), so a sequence's attention does not depend on its batch; only the
-        flashdecode backends have it."""
+        """batch_invariant=True: decode attention through DecodePlans made with batch_invariant=True
+        (splits at fixed key offsets with fixed tiles and an in-order merge; unsplit on 'flashdecode-nosplit'),
+        so a sequence's attention does not depend on its batch; only the flashdecode backends have it."""
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         if batch_invariant and not hasattr(self.backend, "batch_invariant"):

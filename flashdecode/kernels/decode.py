@@ -6,10 +6,11 @@ GROUP query heads, row r = t * GROUP + g) form one BLOCK_M tile (padded to the M
 is read from memory once per kv head, not once per query head.
 
 Split ranges are derived on the device from cache_seqlens, so a launch with a fixed grid (CUDA graphs) stays
-correct when the lengths change: chunk = max(ceil(live / (NUM_SPLITS * BLOCK_N)) * BLOCK_N, MIN_CHUNK) keys, split
-s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen)); splits past the end are empty, write lse = -inf and
-exit. With FINAL (one split) the program writes the normalised output and natural-log lse directly; otherwise it
-writes a normalised fp32 partial and its log2 lse for ``kernels.merge``.
+correct when the lengths change: chunk = max(ceil(live / (NUM_SPLITS * BLOCK_N)) * BLOCK_N, MIN_CHUNK) keys (or
+a fixed SPLIT_KEYS: batch-invariant decode), split s covers [lo + s * chunk, min(lo + (s + 1) * chunk, seqlen));
+splits past the end are empty, write lse = -inf and exit. With FINAL (one split) the program writes the normalised
+output and natural-log lse directly; otherwise it writes a normalised fp32 partial and its log2 lse for
+``kernels.merge``.
 
 Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
 position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
@@ -287,14 +288,20 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
 
 @triton.jit
 def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, num_splits,
-                BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
+                BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0):
     """[start, end) of keys this split attends to, from the live length on the device (see module doc).
-    num_splits: the launch's constexpr split count, or a per-sequence count computed on the device."""
+    num_splits: the launch's constexpr split count, or a per-sequence count computed on the device.
+    SPLIT_KEYS > 0 (batch-invariant decode; a multiple of BLOCK_N): every split holds SPLIT_KEYS keys from the
+    sequence's first live block whatever num_splits, so the boundaries follow from the sequence's own length
+    alone; splits past its end are empty."""
     kv_lo = 0
     if WINDOW:  # keys left of every row's window are skipped entirely; align so blocks stay page-aligned
         kv_lo = (tl.maximum(seqlen - SEQLEN_Q - window_left, 0) // BLOCK_N) * BLOCK_N
-    live = tl.maximum(seqlen - kv_lo, 0)
-    chunk = tl.maximum(tl.cdiv(live, num_splits * BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    if SPLIT_KEYS > 0:
+        chunk = SPLIT_KEYS
+    else:
+        live = tl.maximum(seqlen - kv_lo, 0)
+        chunk = tl.maximum(tl.cdiv(live, num_splits * BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = kv_lo + split * chunk
     end = tl.minimum(start + chunk, seqlen)
     return start, end
@@ -336,12 +343,13 @@ def _prefetch_split_head(K_RAW, V_RAW, bt_row, b, hk, start, end, num_pages, str
 
 @triton.jit
 def _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left, SEQLEN_Q: tl.constexpr,
-                       BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr):
+                       BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr,
+                       SPLIT_KEYS: tl.constexpr = 0):
     """[start, end) of the split from sequence b's length read before gdc_wait (.cg: never cached in L1, so the
     read after the wait cannot hit a stale line): a guess that steers hints and speculative loads, never the
     result; clamped into [0, capacity] whatever was read."""
     seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
-    return split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+    return split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
 
 
 @triton.jit
@@ -367,8 +375,8 @@ def decode_split_kernel(
 
     Grouped arguments (kernels/decode_args.py): scales = (score_scale, softcap_out) fp32: the logit scale (softcap:
     tanh's argument, else log2 units) and the softcap in log2 units; ROWS (SEQLEN_Q, GROUP, NUM_M_BLOCKS), TILE
-    (BLOCK_M, BLOCK_N, BLOCK_D), SPLITS (NUM_SPLITS, MIN_CHUNK, MERGE_SPLITS), PAGES (PAGE_SIZE, PRELOAD_PAGES), PDL
-    (USE_PDL, PDL_WAIT), PREFETCH (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES), DEVICE_SPLITS (None, or SPLIT_SLOTS,
+    (BLOCK_M, BLOCK_N, BLOCK_D), SPLITS (NUM_SPLITS, MIN_CHUNK, MERGE_SPLITS, SPLIT_KEYS), PAGES (PAGE_SIZE,
+    PRELOAD_PAGES), PDL (USE_PDL, PDL_WAIT), PREFETCH (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES), DEVICE_SPLITS (None, or SPLIT_SLOTS,
     BATCH_PAD, MAX_SPLIT_KEYS, KV_PROGRAMS), named below as the helpers take them.
 
     Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
@@ -413,6 +421,7 @@ def decode_split_kernel(
     NUM_SPLITS: tl.constexpr = SPLITS.num_splits
     MIN_CHUNK: tl.constexpr = SPLITS.min_chunk
     MERGE_SPLITS: tl.constexpr = SPLITS.merge_splits
+    SPLIT_KEYS: tl.constexpr = SPLITS.split_keys
     PAGE_SIZE: tl.constexpr = PAGES.page_size
     PRELOAD_PAGES: tl.constexpr = PAGES.preload
     USE_PDL: tl.constexpr = PDL.launch_dependents
@@ -445,7 +454,7 @@ def decode_split_kernel(
         num_splits = NUM_SPLITS
         if PREFETCH_KEYS > 0 or SPEC:
             stale_start, stale_end = _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left,
-                                                        SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW)
+                                                        SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
     if PREFETCH_KEYS > 0:
         _prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
                              stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,
@@ -473,7 +482,8 @@ def decode_split_kernel(
         spec_pages = _split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
     if not DEVICE:  # (the device-split path read every length already)
         seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
-    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW)
+    start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW,
+                             SPLIT_KEYS)
 
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
     lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh

@@ -32,11 +32,13 @@ class Tile(NamedTuple):
 
 class Splits(NamedTuple):
     """SPLITS: splits per sequence (the launch's count, or the most the device may choose), the fewest keys of a
-    non-empty split, and num_splits padded to a power of two (the merges' tiles)."""
+    non-empty split, num_splits padded to a power of two (the merges' tiles), and split_keys: 0, or the keys of
+    every split whatever the split count (batch-invariant decode; kernels/decode.py split_range)."""
 
     num_splits: int
     min_chunk: int
     merge_splits: int
+    split_keys: int = 0
 
 
 class Pages(NamedTuple):

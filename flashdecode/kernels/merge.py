@@ -22,6 +22,7 @@ def merge_many_kernel(
     stride_loo, stride_loi,
     HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
+    SKIP_EMPTY: tl.constexpr = False,
 ):
     """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R), head-dim chunks): program
     (., ., c) merges head-dim columns [c * BLOCK_D, (c + 1) * BLOCK_D) (one chunk when BLOCK_D covers HEADDIM; more
@@ -35,6 +36,11 @@ def merge_many_kernel(
     EARLY_TRIGGER (with USE_PDL): let the next kernel launch before this one's wait, i.e. while the producer still
     runs. Safe for a next kernel that waits (gdc_wait) before it reads: it then waits for this kernel, and this one
     for the producer. It gives that kernel's pre-wait prologue (decode stage 1's L2 prefetch) more time.
+    SKIP_EMPTY (batch-invariant decode): a step whose BLOCK_S states are empty in every row of the program leaves
+    the running state exactly as it was (selected, not recomputed: the fold would give acc * exp2(0) + 0, which
+    turns -0.0 into +0.0 and trusts exp2(0) to be exactly 1), so trailing empty states - however many the launch
+    has - change no bit of the result; with BLOCK_S fixed by the caller the states are folded in the same steps
+    in the same order whatever num_states is.
     """
     if USE_PDL:
         if EARLY_TRIGGER:
@@ -66,7 +72,14 @@ def merge_many_kernel(
         # garbage (never written), so it is zeroed after the load.
         o = tl.load(o_base + n[None, :, None] * stride_in, mask=lse_ok[:, :, None] & d_ok[None, None, :], other=0.0)
         o = tl.where((lse > float("-inf"))[:, :, None], o.to(tl.float32), 0.0)
-        acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
+        if SKIP_EMPTY:
+            acc_n, m_n, l_n = merge_many_step(acc, m_i, l_i, o, lse)
+            live = tl.max(tl.max(lse, 1), 0) > float("-inf")
+            acc = tl.where(live, acc_n, acc)
+            m_i = tl.where(live, m_n, m_i)
+            l_i = tl.where(live, l_n, l_i)
+        else:
+            acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
     # Each state is already normalised, so (acc, m, l) is exactly a running state over the union of their keys.
     o, lse2 = normalize_state(acc, m_i, l_i)
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od

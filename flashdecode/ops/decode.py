@@ -44,12 +44,16 @@ def _check_metadata(shape: _DecodeShape, cache_seqlens, block_table, validate):
 
 
 def _check_batch_invariant(batch_invariant, num_splits, config):
-    """batch_invariant as a bool; it fixes the launch itself, so it excludes num_splits > 1 and config=."""
+    """batch_invariant as a bool; it fixes the launch itself, so it excludes num_splits > 1 and config= (a config
+    of the FIXED_SPLIT path is batch-invariant by itself: pass it without the flag)."""
     checks.check_bool("batch_invariant", batch_invariant)
     if batch_invariant and config is not None:
-        raise ValueError("batch_invariant=True chooses the config itself; do not pass config= with it")
+        raise ValueError("batch_invariant=True chooses the config itself; do not pass config= with it (a "
+                         "FIXED_SPLIT config, e.g. dataclasses.replace of decode_config(..., batch_invariant=True), "
+                         "is batch-invariant without the flag)")
     if batch_invariant and num_splits not in (None, 1):
-        raise ValueError(f"batch_invariant=True runs unsplit; num_splits must be None or 1, got {num_splits}")
+        raise ValueError(f"batch_invariant=True splits every sequence at fixed key offsets (None) or not at all "
+                         f"(1); num_splits must be None or 1, got {num_splits}")
     return batch_invariant
 
 
@@ -57,9 +61,10 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
              batch_invariant: bool = False):
     """(config, launch geometry) of a flash_decode call: the override checked against the call, or resolved."""
     num_splits = _check_num_splits(num_splits)
-    if batch_invariant:  # no length is read: the config does not depend on them
-        num_splits, max_seqlen_k = 1, shape.capacity if max_seqlen_k is None else max_seqlen_k
-    live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
+    if batch_invariant or getattr(config, "path", None) is DecodePath.FIXED_SPLIT:
+        live, total = shape.capacity, None  # no length is read: the config does not depend on them
+    else:
+        live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
     problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant)
     dev = decode_device(shape.device)
     if config is None:
@@ -119,9 +124,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels (ops/sinks.py), so the
             call then allocates its result.
         batch_invariant: each sequence's out and lse are bitwise identical whatever batch it sits in and whatever
-            the other sequences' lengths (one unsplit kernel variant with fixed tiles, heuristics
-            .batch_invariant_config; docs/architecture.md, "Decode dispatch"); excludes num_splits > 1 and
-            config=. It never reads the lengths on the host. With plan=, the plan's own flag decides.
+            the other sequences' lengths (and the cache's capacity): every sequence is split at fixed key offsets,
+            every heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS (2048) keys from its first live key, each split run
+            with the same tiles, and its splits merged in order in fixed steps (the FIXED_SPLIT path,
+            heuristics.batch_invariant_config; docs/architecture.md, "Decode dispatch"), so only its own length
+            decides its splits; num_splits=1 runs it unsplit instead (also invariant, slower for long sequences);
+            excludes num_splits > 1 and config= (a FIXED_SPLIT config, e.g. dataclasses.replace of
+            decode_config(..., batch_invariant=True) with another split_keys, is batch-invariant by itself). It never
+            reads the lengths on the host (max_seqlen_k is ignored): the split grid is sized from the cache's
+            capacity, its splits past a sequence's end are empty. With plan=, the plan's own flag decides.
         alibi_slopes: optional float32 (nheads,) or (batch, nheads) ALiBi slopes, one per query head: the bias
             -slope * |qpos - j| for the row at key position qpos (its token's position in the sequence, the new
             tokens being the last seqlen_q) and key j joins the scaled logits after the softcap (flash-attn's
@@ -174,19 +185,20 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
     lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
     pool = workspace(q.device)
-    splits = config.num_splits
+    splits = launch.grid_splits
+    partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
     persistent = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
     n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if persistent else 0
     if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
-        partial_o, partial_lse, tickets = pool.take((b, sq, h, splits, d) if splits > 1 else None, n_tickets)
+        partial_o, partial_lse, tickets = pool.take(partial_shape, n_tickets)
     else:
         partial_o = partial_lse = tickets = None
-        if splits > 1:
+        if partial_shape is not None:
             partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
             partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
         if n_tickets:
             tickets = torch.zeros(n_tickets, dtype=torch.int32, device=q.device)
-        pool.reserve((b, sq, h, splits, d) if splits > 1 else None, n_tickets)
+        pool.reserve(partial_shape, n_tickets)
     run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                tickets)
     return (out, _lse_view(lse3, q)) if return_lse else out
@@ -209,8 +221,12 @@ class DecodePlan:
     dependent of the kernel before it; None: the heuristics' defaults; ignored where the GPU cannot do it).
     ``config``: a DecodeConfig used for every run instead of the resolved ones (its num_splits sizes the plan).
     The persistent paths merge after int32 ticket counters owned by the plan, zero at rest.
-    ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (unsplit, fixed tiles), so a
-    sequence's out and lse do not depend on the batch or the other lengths (excludes num_splits > 1 and config=).
+    ``batch_invariant=True``: every run uses heuristics.batch_invariant_config (splits of a fixed number of keys, fixed
+    tiles, an in-order merge; with num_splits=1 unsplit), so a sequence's out and lse do not depend on the batch or
+    the other lengths, and equal flash_decode(batch_invariant=True)'s (excludes num_splits > 1 and config=; a
+    FIXED_SPLIT ``config`` makes the plan batch-invariant too). The plan holds partials for the splits of
+    max_seqlen_k keys; a run whose cache capacity needs more raises ValueError (make it with max_seqlen_k >= the
+    capacity, as the engine does).
     ``kv_dtype``: the cache's dtype (default ``dtype``; torch.float8_e4m3fn or torch.int8 for an 8-bit cache whose
     runs pass k_scale / v_scale): the split count and tiles are chosen for its element size.
     """
@@ -241,25 +257,31 @@ class DecodePlan:
         self.use_pdl = use_pdl if use_pdl is None else bool(use_pdl) and self._dev.pdl
         num_splits = _check_num_splits(num_splits)
         self.batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
-        if batch_invariant:
-            num_splits = 1
         if config is not None:
             check_decode_config(config)
+            self.batch_invariant = config.path is DecodePath.FIXED_SPLIT
             if num_splits is not None and num_splits != config.num_splits:
                 raise ValueError(f"num_splits ({num_splits}) disagrees with config.num_splits "
                                  f"({config.num_splits})")
             num_splits = config.num_splits
         self._config = config
         self._policy_splits = num_splits is None  # the device may then choose fewer per sequence
-        self.num_splits = num_splits if num_splits is not None else heuristics.decode_plan_splits(
-            max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
-            torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
+        split_keys = config.split_keys if config is not None else (
+            heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS if batch_invariant and num_splits is None else 0)
+        self._fixed_split = bool(split_keys)
+        if split_keys:  # FIXED_SPLIT: partials for the splits of max_seqlen_k keys (runs check their cache fits)
+            most = heuristics.DECODE_BATCH_INVARIANT_MAX_SPLITS if config is None else config.num_splits
+            self.num_splits = min(heuristics.cdiv(max(max_seqlen_k, 1), split_keys), most)
+        else:
+            self.num_splits = num_splits if num_splits is not None else heuristics.decode_plan_splits(
+                max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
+                torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
         self._out = torch.empty(rows * headdim, dtype=dtype, device=self.device)
         self._lse = torch.empty(rows, **f32)
-        splits = self.num_splits if self.num_splits > 1 else 0
+        splits = self.num_splits if self.num_splits > 1 or split_keys else 0
         self._partial_o = torch.empty(rows * splits * headdim, **f32)
         self._partial_lse = torch.empty(rows * splits, **f32)
         # the persistent kernel's ticket counters and work queue (zeros; every launch leaves them zero again). Row
@@ -272,14 +294,21 @@ class DecodePlan:
                shape.cache_offsets_fit_int32)
         launch = self._launches.get(key)
         if launch is None:
-            problem = shape.problem(self.max_seqlen_k, num_splits=self.num_splits,
+            # (FIXED_SPLIT: num_splits sizes the partials only; 1 would ask batch_invariant_config for UNSPLIT)
+            problem = shape.problem(self.max_seqlen_k, num_splits=None if self._fixed_split else self.num_splits,
                                     device_may_reduce_splits=self._policy_splits, retile_for_device_splits=True,
                                     use_pdl=self.use_pdl, batch_invariant=self.batch_invariant)
             if self._config is None:
                 config = heuristics.resolve_decode_config(problem, self._dev)
             else:
                 config = check_config_fits(self._config, problem, self._dev)
-            launch = self._launches[key] = plan_launch(config, problem)
+            launch = plan_launch(config, problem)
+            if launch.grid_splits > self.num_splits:
+                raise ValueError(f"this cache holds {shape.capacity} keys per sequence: {launch.grid_splits} "
+                                 f"splits of {config.split_keys} keys, but the plan holds partials for "
+                                 f"{self.num_splits} (max_seqlen_k {self.max_seqlen_k}); make the plan with "
+                                 f"max_seqlen_k >= the cache's capacity")
+            self._launches[key] = launch
         return launch
 
     def _shape(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, softcap=0.0,
@@ -327,9 +356,10 @@ class DecodePlan:
             out = self._out[: rows * d].view(q.shape)
         out4 = out.unsqueeze(1) if q.dim() == 3 else out
         lse3 = self._lse[:rows].view(b, sq, h)
-        s = self.num_splits
-        partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if s > 1 else None
-        partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if s > 1 else None
+        s = launch.grid_splits
+        split = launch.config.path is not DecodePath.UNSPLIT
+        partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if split else None
+        partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if split else None
         run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                    self._tickets)
         return (out, _lse_view(lse3, q)) if return_lse else out

@@ -43,6 +43,7 @@ class DecodeLaunch:
     programs: int         # grid size of the persistent and device-split launches
     batch_pad: int        # BATCH_PAD: the batch padded to a power of two (device-side split counts)
     prefetch: tuple       # (keys, line_elems, num_lines) of kernels/decode_args.Prefetch
+    grid_splits: int      # the split grid's splits per sequence (FIXED_SPLIT: from the cache; else num_splits)
 
 
 def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> DecodeLaunch:
@@ -61,10 +62,27 @@ def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> Deco
         split_keys_max = heuristics.decode_max_split_keys(problem, config, splits)
     return DecodeLaunch(
         config=config, min_chunk=heuristics.decode_min_chunk(config), preload_pages=preload,
+        grid_splits=fixed_split_grid(problem, config) if path is DecodePath.FIXED_SPLIT else splits,
         max_split_keys=max_split_keys,
         num_stages=heuristics.decode_pipeline_stages(problem, config, preload, split_keys_max),
         programs=programs, batch_pad=heuristics.next_power_of_2(max(problem.grid_batch, problem.batch)),
         prefetch=heuristics.decode_prefetch_shape(problem, config, splits))
+
+
+def fixed_split_grid(problem: heuristics.DecodeProblem, config: DecodeConfig) -> int:
+    """Splits per sequence of a FIXED_SPLIT launch: enough split_keys-key splits for the most keys a sequence of
+    this cache can attend (its capacity; with a window, the window's rows and the block its start rounds down
+    into), from host-side shapes only (no sync). Only the grid and the merge's state count follow from it: the
+    splits past a sequence's end are empty and change no bit of its result. ValueError where more than
+    config.num_splits would be needed."""
+    keys = problem.capacity
+    if problem.window_left >= 0:
+        keys = min(keys, problem.window_left + problem.seqlen_q + config.block_n - 1)
+    splits = max(1, heuristics.cdiv(keys, config.split_keys))
+    if splits > config.num_splits:
+        raise ValueError(f"the cache holds {problem.capacity} keys per sequence: {splits} splits of "
+                         f"{config.split_keys} keys, more than config.num_splits ({config.num_splits})")
+    return splits
 
 
 def _device_split_programs(problem: heuristics.DecodeProblem, config: DecodeConfig) -> int:
@@ -85,7 +103,7 @@ def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
 def run_decode(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
                partial_o, partial_lse, tickets=None):
     """Decode into out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log, on
-    launch.config.path. partial_o (batch, seqlen_q, nheads, num_splits, headdim) / partial_lse (..., num_splits)
+    launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) / partial_lse (..., splits)
     fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero again): the persistent
     paths' merge counters and work queue."""
     path = launch.config.path
@@ -97,16 +115,18 @@ def run_decode(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cach
     else:
         _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
                        final=False)
-        _launch_merge(shape, launch.config, partial_o, partial_lse, out4, lse3)
+        _launch_merge(shape, launch, partial_o, partial_lse, out4, lse3)
 
 
-def _launch_merge(shape, config: DecodeConfig, partial_o, partial_lse, out4, lse3):
-    b, sq, h, s = shape.batch, shape.seqlen_q, shape.nheads, config.num_splits
+def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out4, lse3):
+    config = launch.config
+    b, sq, h, s = shape.batch, shape.seqlen_q, shape.nheads, launch.grid_splits
     launch_merge_many(
         partial_o.view(b * sq, h, s, shape.headdim), partial_lse.view(b * sq, h, s),
         _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
         early_trigger=config.merge_early_trigger and config.pdl_wait, d_chunks=config.merge_d_chunks,
-        max_rows=config.merge_max_rows)
+        max_rows=config.merge_max_rows, block_s=config.merge_block_s,
+        skip_empty=config.path is DecodePath.FIXED_SPLIT)
 
 
 def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
@@ -129,9 +149,10 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
                    lse3, final: bool):
     """decode_split_kernel. o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32
     partials). On DEVICE_SPLIT_GRID the split counts are chosen on the device (<= num_splits per sequence), one
-    program per work item."""
+    program per work item. FIXED_SPLIT: the grid's splits follow from the cache, while the kernel's NUM_SPLITS (unused
+    there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant."""
     config = launch.config
-    num_splits = 1 if final else config.num_splits
+    num_splits = 1 if final else launch.grid_splits
     q4 = shape.q4
     bt = block_table if block_table is not None else cache_seqlens
     stride_os = 0 if final else o4.stride(3)
@@ -155,7 +176,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
         FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
         PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
-        **_shared_args(shape, launch, num_splits, k_cache),
+        **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
         num_warps=config.num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
@@ -203,7 +224,7 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
         HEADDIM=shape.headdim, TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d),
         SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
-                      merge_splits=heuristics.next_power_of_2(num_splits)),
+                      merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,

@@ -58,7 +58,8 @@ def _rows3(x, headdim_last: bool):
 
 
 def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
-                      early_trigger: bool = False, d_chunks: int = 1, max_rows: int = 0):
+                      early_trigger: bool = False, d_chunks: int = 1, max_rows: int = 0, block_s: int = 0,
+                      skip_empty: bool = False):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
@@ -66,7 +67,10 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     kernel launch before this one waits (only for next kernels that wait on the device before reading).
     d_chunks: programs per row block, each merging a slice of the head dim (a power of two; more, smaller
     programs for merges of few rows). max_rows: the most rows one program merges (0: as many as its tile of
-    _TILE_ELEMS values holds; 1 with d_chunks spreads a merge of few rows over rows x d_chunks programs)."""
+    _TILE_ELEMS values holds; 1 with d_chunks spreads a merge of few rows over rows x d_chunks programs).
+    block_s: states folded per step (a power of two; 0: up to the state count, as the tile allows). skip_empty
+    (with a fixed block_s): steps whose states are all empty leave the result's bits alone (kernels/merge.py
+    SKIP_EMPTY), so appending empty states changes nothing - batch-invariant decode's merge."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -79,7 +83,10 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     if max_rows < 0 or max_rows & (max_rows - 1):
         raise ValueError(f"max_rows must be 0 or a power of two, got {max_rows}")
     block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
-    block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
+    if block_s < 0 or block_s & (block_s - 1):
+        raise ValueError(f"block_s must be 0 or a power of two, got {block_s}")
+    if not block_s:
+        block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
     block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
     if max_rows:
         block_r = min(block_r, max_rows)
@@ -88,7 +95,7 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
         *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
         HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
-        EARLY_TRIGGER=bool(use_pdl and early_trigger), num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
