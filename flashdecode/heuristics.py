@@ -50,6 +50,12 @@ def next_power_of_2(n: int) -> int:
 # i.e. stage-1 programs per split.
 # ----------------------------------------------------------------------------------------------------------------
 
+# 8-bit caches (elem_bytes 1): a K / V tile of 16 KiB of 8-bit values, at most 128 keys (hd128: 128 keys), whatever
+# the pairs, and one warp per 2048 elements of it (hd128: 8 warps): each thread converts 64 values per tile to q's
+# dtype, as the 16-bit cache's 64-key tile at 4 warps, so sm_90 holds the loop without spills (docs/decisions.md,
+# "8-bit cache tiles").
+DECODE_QUANT_TILE_BYTES = 16384
+DECODE_QUANT_ELEMS_PER_WARP = 2048
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -188,6 +194,7 @@ class _Stage1Choice:
     num_stages: int
     use_hopper: bool
     prefetch_blocks: int
+    num_warps: int
     merge_early_trigger: bool
     persistent: bool
     persistent_dynamic: bool
@@ -202,7 +209,7 @@ class _Stage1Choice:
 def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) -> _Stage1Choice:
     """Tiles and launch path flags for ``split_keys`` live keys per split (None: not known yet)."""
     if dev.interpret:  # few programs, so CPU tests give each one several work items
-        return _Stage1Choice(block_n=16, num_stages=1, use_hopper=False, prefetch_blocks=0,
+        return _Stage1Choice(block_n=16, num_stages=1, use_hopper=False, prefetch_blocks=0, num_warps=4,
                              merge_early_trigger=False, persistent=False, persistent_dynamic=False,
                              persistent_gathered=False, persistent_programs=3,
                              preload_key_ids=DECODE_PRELOAD_KEY_IDS, device_splits=False, merge_d_chunks=1,
@@ -231,6 +238,9 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
         block_n = small_tile
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
+    num_warps = 4
+    if elem_bytes == 1:
+        block_n, num_warps = decode_quant_tile(p, block_n)
     prefetch = 1 if hopper and few_pairs else 0
     contig_persistent = page_size == 0 and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms
     paged_queue = bool(few_pairs and page_size > 0 and page_size % block_n == 0 and DECODE_PERSISTENT_DYNAMIC
@@ -239,7 +249,7 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
         page_size % block_n == 0 and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
     row_merge = few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS
     return _Stage1Choice(
-        block_n=block_n, num_stages=3, use_hopper=hopper, prefetch_blocks=prefetch,
+        block_n=block_n, num_stages=3, use_hopper=hopper, prefetch_blocks=prefetch, num_warps=num_warps,
         merge_early_trigger=bool(prefetch and split_keys is not None
                                  and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
         persistent=bool(hopper and DECODE_PERSISTENT_AT_BATCH and (not few_pairs or contig_persistent or paged_queue)
@@ -251,6 +261,16 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
                            and device_split_layout),
         merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1),
         merge_max_rows=1 if row_merge else 0)
+
+
+def decode_quant_tile(p: DecodeProblem, block_n: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of an 8-bit cache (p.elem_bytes 1) where the 16-bit rules chose ``block_n`` (computed
+    with 1-byte elements): a tile of DECODE_QUANT_TILE_BYTES of 8-bit values (at most 128 keys; fewer only where
+    the rules above chose fewer keys), one warp per DECODE_QUANT_ELEMS_PER_WARP of its elements (4 to 8). The loop
+    converts the tile to q's dtype in registers: with 4 warps a 128 x 128 tile held 128 converted values per thread
+    and spilled on sm_90 (docs/decisions.md, "8-bit cache tiles")."""
+    block_n = min(block_n, max(16, DECODE_QUANT_TILE_BYTES // p.block_d))
+    return block_n, min(8, max(4, block_n * p.block_d // DECODE_QUANT_ELEMS_PER_WARP))
 
 
 def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> int:
@@ -314,7 +334,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         pdl_wait = pdl_wait and use_pdl
     dynamic = choice.persistent_dynamic
     config = DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=4,
+        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=choice.num_warps,
         num_stages=choice.num_stages,
         table_read_extra_stages=0 if dev.interpret else DECODE_TABLE_READ_EXTRA_STAGES,
         table_read_min_split_blocks=0 if dev.interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
@@ -336,7 +356,8 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
 
 def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     """The config of batch-invariant decode (flash_decode(batch_invariant=True)): the UNSPLIT path with a tile
-    chosen from the head dim and dtype alone (32 KiB of K; 16 keys in the interpreter). No field depends on the
+    chosen from the head dim and dtype alone (32 KiB of K, an 8-bit cache's decode_quant_tile; 16 keys in the
+    interpreter). No field depends on the
     batch, the grid batch, the other sequences' lengths or the host's length bounds, so each (sequence, head) row
     is computed by the same kernel variant, over the same key blocks (from key 0 or its window's first block), in
     the same order, whatever batch it sits in: its out and lse are bitwise reproducible. No splits means no merge
@@ -345,8 +366,12 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     follow the cache's alignment, the block table's width or the GPU generation's launch options either (those
     change how keys are fetched, not the arithmetic, but one variant is the simpler promise)."""
     block_n = 16 if dev.interpret else min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
+    num_warps = 4
+    if p.elem_bytes == 1 and not dev.interpret:  # an 8-bit cache: its tile rule (decode_quant_tile)
+        block_n, num_warps = decode_quant_tile(p, block_n)
     return DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if dev.interpret else 3,
+        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=num_warps,
+        num_stages=1 if dev.interpret else 3,
         table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,
         preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
         merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
