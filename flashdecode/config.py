@@ -59,13 +59,15 @@ class DecodeConfig:
     persistent_slots: int            # PERSISTENT_QUEUE: split slots per program
     queue_splits: int                # PERSISTENT_QUEUE: equal lengths split up to this many ways (0: off)
     device_split_slots: int          # DEVICE_SPLIT_GRID: work items the split counts share
+    quant_v_convert_first: bool = False  # 8-bit caches: V converted to q's dtype before shared memory (GPU)
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
 _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
                  "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
                  "persistent_slots", "queue_splits", "device_split_slots")
-_FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages")
+_FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
+          "quant_v_convert_first")
 _MAX_SPLITS = 1024
 
 

@@ -349,7 +349,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
         persistent_programs=choice.persistent_programs or dev.num_sms,
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
-        device_split_slots=slots)
+        device_split_slots=slots, quant_v_convert_first=not dev.interpret)
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
                                                          may_reduce and choice.device_splits and not persistent))
 
@@ -376,7 +376,8 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
         merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
         spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
-        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1))
+        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1),
+        quant_v_convert_first=not dev.interpret)
 
 
 def _decode_path(p: DecodeProblem, config: DecodeConfig, splits: int, persistent: bool, dynamic: bool,

@@ -433,10 +433,41 @@ def test_append_kv_bad_scales(gen):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# GPU: bf16 q, hd128, the tiles the resolver gives 8-bit caches (V converted before shared memory)
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,page_size,granularity,seqlen_q", [
+    (FP8, None, "token", 1), (FP8, 16, "token", 1), (FP8, 1, "token", 2), (FP8, 16, "scalar", 1),
+    (FP8, 128, "token-strided", 1), (INT8, None, "head", 2), (INT8, 16, "token", 1)])
+def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seqlen_q):
+    """Long ragged lengths on the GPU's own config (128-key tiles at 8 warps on hd128, V converted to bf16 before
+    its shared-memory stage): flash_decode and a DecodePlan vs the float64 reference on the dequantised cache."""
+    lens = [5003, 0, 777, 129]
+    q = _q(gen, len(lens), 16, 128, seqlen_q, dtype=torch.bfloat16)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), max(lens), 2, 128, dtype, granularity, lens)
+    kw = dict(k_scale=ks, v_scale=vs)
+    table = None
+    kp, vp = kc, vc
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kw = dict(k_scale=ksp, v_scale=vsp)
+    config = decode_config(q, kp, vp, _lens(lens), block_table=table, **kw)
+    assert config.quant_v_convert_first and config.block_n * 128 <= 16384
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
+                                  dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
+    out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
+    _check(out_p, lse_p, q, kc, ks, vc, vs, _lens(lens))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # sm_90 compile (Triton's ptxas, no GPU)
 # ----------------------------------------------------------------------------------------------------------------
 
 _QUANT_COMPILE_SCRIPT = r'''
+import re
 import sys
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
@@ -452,7 +483,19 @@ BLOCK_N, WARPS = heuristics.decode_quant_tile(problem, 128)
 assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
-              OFFS_32=True)
+              OFFS_32=True, V_CONVERT_FIRST=True)
+
+
+def assert_16_byte_kv_copies(kernel, what, ids_in_loop=False):
+    """K / V reach shared memory in 16-byte cp.async pieces (1-byte elements: 16 per copy; the 4-byte copies are the
+    float32 scales; with ids_in_loop the block-table reads of the loop are pipelined too, in other sizes) and no
+    8-bit tile is read back from it byte by byte (V_CONVERT_FIRST)."""
+    ptx = kernel.asm["ptx"]
+    sizes = set(re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx))
+    assert (ids_in_loop or sizes <= {"0x10", "0x4"}) and "0x10" in sizes, (what, sizes)
+    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, (what, "byte-wise shared loads")
+
+
 # stage 1 (split grid) on e4m3 and int8 caches, per-token scales and one per head, contiguous and pages of 16
 for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), ("fp8e4nv", 2, 16, 64),
                                  ("i8", 1, 16, 64), ("i8", 3, 1, 0), ("i8", 2, 1, 0)]:
@@ -467,6 +510,7 @@ for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), (
     assert "async_copy_global_to_local" in kernel.asm["ttgir"], (kv, page, "8-bit loads not pipelined")
     # (at 4 warps these 128-key tiles spilled up to 176 bytes: docs/decisions.md, "8-bit cache tiles")
     assert spilled_bytes(kernel) == 0, (kv, quant, page, "spills")
+    assert_16_byte_kv_copies(kernel, (kv, quant, page), ids_in_loop=page > 0 and preload == 0)
     if page == 16:  # the tiny tile of short gathered splits, at its 4 warps
         kernel = compile_for_sm90(decode_split_kernel, types, dict(consts, BLOCK_N=64), 3, 4)
         assert spilled_bytes(kernel) == 0, (kv, quant, page, "64-key tile spills")
@@ -487,6 +531,7 @@ consts = dict(common, GROUP=4, NHEADS_KV=8, BLOCK_N=BLOCK_N, NUM_SPLITS=16, PAGE
 kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3, WARPS)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
 assert spilled_bytes(kernel) == 0, "persistent 8-bit kernel spills"
+assert_16_byte_kv_copies(kernel, "persistent")
 # append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
 for kv in ("fp8e4nv", "i8"):
     types = dict(K_NEW="*bf16", V_NEW="*bf16", K_CACHE=f"*{kv}", V_CACHE=f"*{kv}", SEQLENS="*i32", CU_NEW="*i32",
@@ -500,8 +545,8 @@ print("compiled")
 def test_quant_kernels_compile_for_hopper_without_a_gpu():
     """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
     persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas at the tiles the
-    resolver gives 8-bit caches: K/V loads still software-pipelined, stage 1 and the persistent kernel without
-    spills."""
+    resolver gives 8-bit caches: K/V loads still software-pipelined in 16-byte pieces, V converted before shared
+    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills."""
     run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)
 
 

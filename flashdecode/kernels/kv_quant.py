@@ -42,6 +42,21 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
 
 
 @triton.jit
+def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr):
+    """An 8-bit tile (BLOCK_N, BLOCK_D) converted to the dot's ``dtype`` (q's). CONVERT_FIRST (GPU only: inline
+    asm): in the layout it was loaded in, so that the 16-bit tile, not the 8-bit one, goes through shared memory to
+    the mma operand layout. Without it Triton moves the conversion after that layout change; for V (the PV dot's B
+    operand, whose k dim - the keys - is strided) that read the 8-bit tile from shared memory one byte per element
+    (ldmatrix's transposing load exists for 16-bit elements only) and copied it in 8-byte pieces (docs/decisions.md,
+    "8-bit cache tiles"). The asm is an identity move that Triton cannot look through."""
+    y = x.to(dtype)
+    if CONVERT_FIRST:
+        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
+                                      pack=32 // y.dtype.primitive_bitwidth)
+    return y
+
+
+@triton.jit
 def quantize_rows(x, scale, QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """(T, D) fp32 rows -> 8-bit OUT_DTYPE with the (T,) scales: x / scale, saturated to [-QMAX, QMAX], rounded to
     nearest (int8) or by the fp8 conversion. A scale of 0 (an all-zero token, or a zero given scale) writes zeros;
