@@ -9,10 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashdecode
 from flashdecode import DecodePath
 from flashdecode import reference as ref
+from flashdecode.kernels.kv_quant import keys_operand
 from flashdecode.ops.decode import decode_config
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
@@ -430,6 +433,31 @@ def test_append_kv_bad_scales(gen):
     fc = torch.zeros(1, 4, 2, 16, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="v_scale is only for an 8-bit"):
         flashdecode.append_kv(fc, fc.clone(), new, new, _lens([0]), v_scale=torch.zeros((), device=DEVICE))
+
+
+@triton.jit
+def _keys_operand_kernel(Q, QK, UNSCALE, M: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
+    q_k, unscale = keys_operand(tl.load(Q + offs))
+    tl.store(QK + offs, q_k.to(tl.float32))
+    tl.store(UNSCALE, unscale)
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-30, 1e-3, 1.0, 3e4, 1e30])
+def test_bf16_q_becomes_an_exact_fp16_keys_operand(magnitude):
+    """kv_quant.keys_operand: a bf16 q tile scaled by a power of two into fp16 (the e4m3 K tile's dot dtype) stands
+    for q exactly, whatever its magnitude (entries over ~2**-28 of the largest, here all), and never overflows."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(16, 32, generator=g) * magnitude).to(torch.bfloat16)
+    q[0, 0] = magnitude  # (one entry at the magnitude itself, bf16-rounded)
+    q = q.to(DEVICE)
+    q_k = torch.empty(16, 32, device=DEVICE)
+    unscale = torch.empty(1, device=DEVICE)
+    _keys_operand_kernel[(1,)](q, q_k, unscale, 16, 32)
+    assert torch.isfinite(q_k).all() and q_k.abs().max() < 2.0**15
+    assert torch.equal((q_k.double() * unscale.double()), q.double())
+    if magnitude:
+        assert q_k.abs().max() >= 2.0**14
 
 
 # ----------------------------------------------------------------------------------------------------------------

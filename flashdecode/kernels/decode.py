@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashdecode.kernels.decode_args import PREFETCH_OFF
-from flashdecode.kernels.kv_quant import key_scales, to_dot_dtype
+from flashdecode.kernels.kv_quant import key_scales, keys_operand, to_dot_dtype
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
@@ -132,9 +132,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, k_scale=None, v_scale=None,
-                   stride_spage=0, stride_stok=0, KV_QUANT: tl.constexpr = 0,
-                   V_CONVERT_FIRST: tl.constexpr = False):
+                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_quant=None,
+                   KV_QUANT: tl.constexpr = 0, V_CONVERT_FIRST: tl.constexpr = False):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -145,13 +144,17 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     memory read outside the cache, score -inf: they contribute nothing).
     ALIBI: alibi_log2 (BLOCK_M,) fp32 is each row's ALiBi slope times log2(e); the bias -slope * |qpos - key| joins
     the scores after the softcap (flash-attn's order).
-    KV_QUANT (kernels/kv_quant.py; pointer path only): an 8-bit cache whose tiles are converted to q's dtype, the
-    scores scaled by each key's k scale and the probabilities by each key's v scale; k_scale / v_scale are the
-    scale pointers (KV_QUANT 2, key offsets with the scale strides stride_spage / stride_stok) or scalars (1).
+    KV_QUANT (kernels/kv_quant.py; pointer path only): an 8-bit cache whose tiles are converted to a 16-bit dtype
+    for the dots, the scores scaled by each key's k scale and the probabilities by each key's v scale; kv_quant =
+    (k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale): the scale pointers (KV_QUANT 2, key offsets with
+    the scale strides stride_spage / stride_stok) or scalars (1), and the QK^T operand with its score scale
+    (kv_quant.keys_operand; the V tile goes to q's dtype).
     Order on the scores: q.k, the k scale, the logit scale / softcap, the ALiBi bias, the masks.
     V_CONVERT_FIRST (GPU): the 8-bit V tile converted before its layout change to the mma operand
     (kv_quant.to_dot_dtype).
     """
+    if KV_QUANT > 0:
+        k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale = kv_quant
     offs_d = tl.arange(0, BLOCK_D)
     # page ids read from the block table inside the loop (not preloaded into registers)
     IDS_IN_LOOP: tl.constexpr = PAGE_SIZE > 0 and PRELOAD_PAGES == 0
@@ -174,10 +177,10 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
                 srows = rows // HEADDIM
             ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if KV_QUANT > 0:
-            qk = qk * ks[None, :]
+            k = k.to(q_k.dtype)
+            qk = tl.dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
             s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
@@ -597,6 +600,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
         else:
             split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
     qpos = seqlen - SEQLEN_Q + t
+    quant = None
+    if KV_QUANT > 0:
+        q_k = q
+        q_unscale = 1.0
+        if K.dtype.element_ty == tl.float8e4nv:  # (int8 -> bf16 is already a permute and a packed subtract)
+            q_k, q_unscale = keys_operand(q)
+        quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -610,15 +620,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT,
-                                   V_CONVERT_FIRST)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT,
-                                   V_CONVERT_FIRST)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
     return normalize_state(acc, m_i, l_i)
 
 

@@ -42,6 +42,26 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
 
 
 @triton.jit
+def keys_operand(q):
+    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an 8-bit K tile, and the fp32 power of two
+    that scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen from q's largest magnitude so that it lands
+    in [2**14, 2**15) (bf16 values keep all their 8 significant bits there, so nothing rounds but magnitudes below
+    ~2**-28 of the largest), and the K tile goes to fp16 in one conversion per two values (e4m3 and int8 are exact
+    in fp16) instead of two per value to bf16 on sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q
+    are used as they are (unscale 1)."""
+    q_k = q
+    unscale = 1.0
+    if q.dtype == tl.bfloat16:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        # unbiased exponent of amax minus 14, as f32 exponent bits (an all-zero q: the smallest normal scale)
+        sh = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
+        down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
+        unscale = ((127 + sh) << 23).to(tl.float32, bitcast=True)
+        q_k = (q.to(tl.float32) * down).to(tl.float16)
+    return q_k, unscale
+
+
+@triton.jit
 def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr):
     """An 8-bit tile (BLOCK_N, BLOCK_D) converted to the dot's ``dtype`` (q's). CONVERT_FIRST (GPU only: inline
     asm): in the layout it was loaded in, so that the 16-bit tile, not the 8-bit one, goes through shared memory to
