@@ -2,7 +2,8 @@
 append_kv's quantisation of new tokens.
 
 A dequantised key is k_cache.float() * k_scale (one scale per token and kv head, or one per kv head / tensor). The
-decode loop never builds that tile: it converts the 8-bit tile to q's dtype for the dot, multiplies the scores
+decode loop never builds that tile: it converts the 8-bit tile to q's dtype for the dot (an e4m3 K tile to fp16
+against q scaled into fp16's range: keys_operand), multiplies the scores
 column-wise by each key's k_scale, and the probabilities column-wise by each key's v_scale before the PV dot
 (sum_j p_j v_scale_j v_j), so the bytes read per key are the 8-bit row plus two float32 scales.
 
