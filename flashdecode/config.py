@@ -63,13 +63,15 @@ class DecodeConfig:
     device_split_slots: int          # DEVICE_SPLIT_GRID: work items the split counts share
     split_keys: int = 0              # FIXED_SPLIT: keys per split (a multiple of block_n), whatever the batch
     merge_block_s: int = 0           # states the merge folds per step (0: sized from the launch's split count)
+    quant_v_convert_first: bool = False  # 8-bit caches: V converted to q's dtype before shared memory (GPU)
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
 _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
                  "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s")
-_FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages")
+_FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
+          "quant_v_convert_first")
 _MAX_SPLITS = 1024
 
 

@@ -50,6 +50,12 @@ def next_power_of_2(n: int) -> int:
 # i.e. stage-1 programs per split.
 # ----------------------------------------------------------------------------------------------------------------
 
+# 8-bit caches (elem_bytes 1): a K / V tile of 16 KiB of 8-bit values, at most 128 keys (hd128: 128 keys), whatever
+# the pairs, and one warp per 2048 elements of it (hd128: 8 warps): each thread converts 64 values per tile to q's
+# dtype, as the 16-bit cache's 64-key tile at 4 warps, so sm_90 holds the loop without spills (docs/decisions.md,
+# "8-bit cache tiles").
+DECODE_QUANT_TILE_BYTES = 16384
+DECODE_QUANT_ELEMS_PER_WARP = 2048
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -196,6 +202,7 @@ class _Stage1Choice:
     num_stages: int
     use_hopper: bool
     prefetch_blocks: int
+    num_warps: int
     merge_early_trigger: bool
     persistent: bool
     persistent_dynamic: bool
@@ -210,7 +217,7 @@ class _Stage1Choice:
 def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) -> _Stage1Choice:
     """Tiles and launch path flags for ``split_keys`` live keys per split (None: not known yet)."""
     if dev.interpret:  # few programs, so CPU tests give each one several work items
-        return _Stage1Choice(block_n=16, num_stages=1, use_hopper=False, prefetch_blocks=0,
+        return _Stage1Choice(block_n=16, num_stages=1, use_hopper=False, prefetch_blocks=0, num_warps=4,
                              merge_early_trigger=False, persistent=False, persistent_dynamic=False,
                              persistent_gathered=False, persistent_programs=3,
                              preload_key_ids=DECODE_PRELOAD_KEY_IDS, device_splits=False, merge_d_chunks=1,
@@ -239,6 +246,9 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
         block_n = small_tile
     if few_pairs and gathered and split_keys is not None and split_keys <= DECODE_TINY_TILE_MAX_SPLIT_KEYS:
         block_n = min(block_n, max(32, 8192 // (head_dim_pad * elem_bytes)))
+    num_warps = 4
+    if elem_bytes == 1:
+        block_n, num_warps = decode_quant_tile(p, block_n)
     prefetch = 1 if hopper and few_pairs else 0
     contig_persistent = page_size == 0 and DECODE_PERSISTENT_CONTIG_MIN_PAIRS_DIV * kv_pairs > num_sms
     paged_queue = bool(few_pairs and page_size > 0 and page_size % block_n == 0 and DECODE_PERSISTENT_DYNAMIC
@@ -247,7 +257,7 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
         page_size % block_n == 0 and DECODE_DEVICE_SPLITS_PAGED_MAX_PAIRS_DIV * kv_pairs <= num_sms)
     row_merge = few_pairs and kv_pairs < DECODE_MERGE_SPLIT_D_MIN_PAIRS
     return _Stage1Choice(
-        block_n=block_n, num_stages=3, use_hopper=hopper, prefetch_blocks=prefetch,
+        block_n=block_n, num_stages=3, use_hopper=hopper, prefetch_blocks=prefetch, num_warps=num_warps,
         merge_early_trigger=bool(prefetch and split_keys is not None
                                  and split_keys <= DECODE_EARLY_TRIGGER_MAX_SPLIT_BLOCKS * block_n),
         persistent=bool(hopper and DECODE_PERSISTENT_AT_BATCH and (not few_pairs or contig_persistent or paged_queue)
@@ -259,6 +269,16 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
                            and device_split_layout),
         merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS if row_merge else (2 if few_pairs else 1),
         merge_max_rows=1 if row_merge else 0)
+
+
+def decode_quant_tile(p: DecodeProblem, block_n: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of an 8-bit cache (p.elem_bytes 1) where the 16-bit rules chose ``block_n`` (computed
+    with 1-byte elements): a tile of DECODE_QUANT_TILE_BYTES of 8-bit values (at most 128 keys; fewer only where
+    the rules above chose fewer keys), one warp per DECODE_QUANT_ELEMS_PER_WARP of its elements (4 to 8). The loop
+    converts the tile to q's dtype in registers: with 4 warps a 128 x 128 tile held 128 converted values per thread
+    and spilled on sm_90 (docs/decisions.md, "8-bit cache tiles")."""
+    block_n = min(block_n, max(16, DECODE_QUANT_TILE_BYTES // p.block_d))
+    return block_n, min(8, max(4, block_n * p.block_d // DECODE_QUANT_ELEMS_PER_WARP))
 
 
 def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> int:
@@ -322,7 +342,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         pdl_wait = pdl_wait and use_pdl
     dynamic = choice.persistent_dynamic
     config = DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=4,
+        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=choice.num_warps,
         num_stages=choice.num_stages,
         table_read_extra_stages=0 if dev.interpret else DECODE_TABLE_READ_EXTRA_STAGES,
         table_read_min_split_blocks=0 if dev.interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
@@ -337,7 +357,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
         persistent_programs=choice.persistent_programs or dev.num_sms,
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
-        device_split_slots=slots)
+        device_split_slots=slots, quant_v_convert_first=not dev.interpret)
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
                                                          may_reduce and choice.device_splits and not persistent))
 
@@ -354,26 +374,30 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     cache (capacity or window), the splits past a sequence's end write empty states, and the merge folds the splits
     in order, merge_block_s at a time, leaving out steps whose states are all empty (kernels/merge.py SKIP_EMPTY),
     so trailing empty splits change no bit. p.num_splits == 1 (num_splits=1, the nosplit engine backend) keeps the
-    UNSPLIT variant: one program per row block over all its keys (32 KiB tiles, no page-id preload). Tiles from the
-    head dim and dtype alone (16 KiB of 16-bit K on FIXED_SPLIT, as many keys for an 8-bit cache; 16 keys in the
-    interpreter); the page-id preload and the
+    UNSPLIT variant: one program per row block over all its keys (32 KiB tiles, an 8-bit cache's
+    decode_quant_tile, no page-id preload). Tiles from the head dim and dtype alone (16 KiB of 16-bit K on
+    FIXED_SPLIT, an 8-bit cache's decode_quant_tile; 16 keys in the interpreter); the page-id preload and the
     pipeline depth follow from split_keys and the page size (never the capacity); descriptors, the spec-page read
     and the L2 prefetch stay off so that the variant does not follow the cache's alignment or the block table
     either; PDL (the GPU's, not the batch's) only changes when kernels start; the merge runs one row per program
     over head-dim quarters (the shape that serves batch 1's few rows)."""
     interpret = dev.interpret
+    num_warps = 4
     if p.num_splits == 1:
         block_n = min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
-    else:  # 8-bit tiles as many keys as 16-bit ones: they are converted to q's dtype in registers (no spill)
-        block_n = min(128, max(16, 16384 // (p.block_d * max(p.elem_bytes, 2))))
+    else:
+        block_n = min(128, max(16, 16384 // (p.block_d * p.elem_bytes)))
+    if p.elem_bytes == 1 and not interpret:  # an 8-bit cache: its tile rule (decode_quant_tile), on both paths
+        block_n, num_warps = decode_quant_tile(p, block_n)
     block_n = 16 if interpret else block_n
     config = DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=4, num_stages=1 if interpret else 3,
+        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=1 if interpret else 3,
         table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,
         preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
         merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
         spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
-        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1))
+        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1),
+        quant_v_convert_first=not interpret)
     if p.num_splits == 1:  # one program per row block over all its keys (32 KiB tiles), no page-id preload
         return config
     return dataclasses.replace(

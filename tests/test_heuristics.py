@@ -227,3 +227,22 @@ def test_resolved_decode_config_is_frozen_and_the_same_for_the_same_problem():
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_n = 32
+
+
+def test_eight_bit_caches_take_16_kib_tiles_at_64_values_per_thread():
+    """An 8-bit cache (elem_bytes 1) converts its K / V tile to q's dtype in registers: the resolver gives it 16 KiB
+    of 8-bit values (at most 128 keys) and one warp per 2048 of them, whatever the batch, layout or path (the 4-warp
+    128-key tile spilled on sm_90); the 16-bit cache keeps 4 warps."""
+    for headdim, block_n, warps in ((64, 128, 4), (128, 128, 8), (256, 64, 8)):
+        for batch, nheads_kv, page in ((1, 2, 0), (1, 2, 16), (1, 2, 1), (8, 2, 128), (16, 8, 16), (64, 8, 0)):
+            p = _problem(headdim=headdim, elem_bytes=1, batch=batch, nheads_kv=nheads_kv, group=4, page_size=page)
+            config = hx.resolve_decode_config(p, _HOPPER)
+            assert (config.block_n, config.num_warps) == (block_n, warps), (headdim, batch, page, config.path)
+            assert config.block_n * p.block_d <= hx.DECODE_QUANT_TILE_BYTES
+            bf16 = hx.resolve_decode_config(dataclasses.replace(p, elem_bytes=2), _HOPPER)
+            assert bf16.num_warps == 4
+    # the tiny tile of short gathered splits (8 KiB): 4 warps
+    assert hx.decode_quant_tile(_problem(elem_bytes=1), 64) == (64, 4)
+    # batch-invariant decode follows the same rule (head dim and dtype only)
+    config = hx.batch_invariant_config(_problem(elem_bytes=1, batch=3), _HOPPER)
+    assert (config.block_n, config.num_warps) == (128, 8)

@@ -7,7 +7,10 @@ plus the Llama-3-8B shape (32 / 8 heads) at batch 16 and 64, 8k keys. Method as 
 CUDA-graph replays (flashdecode.timing) over input sets rotated until they exceed L2 4x, medians. Beside every row:
 the 8-bit floor (8-bit K/V bytes + their float32 scales / measured copy bandwidth, the read+write anchor of bench
 decode) and a bare read of the same 8-bit bytes (benchmarks.probes.stream's read kernel, best of its variants):
-what any kernel pays just to stream them. FlashInfer is skipped (with the reason) where it is not installed.
+what any kernel pays just to stream them. FlashInfer is skipped (with the reason) where it is not installed. On
+pages of 16 the 8-bit tile rules' A/B (docs/decisions.md, "8-bit cache tiles") runs beside the resolved config:
+128-key tiles at 4 warps (bn128w4), 64-key tiles at 4 warps (bn64w4), V converted after its shared-memory stage
+(vlate).
 
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
 """
@@ -36,9 +39,9 @@ def _quant_set(s, per_token: bool):
     return out
 
 
-def _ours(sets, block_n=None):
-    """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales); block_n: override the resolved
-    config's (e.g. 64: the 8-bit page-16 tile that compiles without spills)."""
+def _ours(sets, changes=None):
+    """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales); changes: DecodeConfig fields that
+    replace the resolved config's (e.g. the 4-warp tiles 8-bit caches had before heuristics.decode_quant_tile)."""
     import dataclasses
 
     import flashdecode
@@ -49,16 +52,17 @@ def _ours(sets, block_n=None):
               kv_dtype=s0["k"].dtype)
     scales0 = {"k_scale": s0["k_scale"], "v_scale": s0["v_scale"]} if "k_scale" in s0 else {}
     plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw)
-    if block_n is not None:
+    if changes:
         config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
         plan = flashdecode.DecodePlan(batch, nheads, s0["k"].shape[2], headdim, **kw,
-                                      config=dataclasses.replace(config, block_n=block_n))
+                                      config=dataclasses.replace(config, **changes))
 
     def call(s):
         scales = dict(k_scale=s["k_scale"], v_scale=s["v_scale"]) if "k_scale" in s else {}
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"], **scales)
     config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
-    return [call(s) for s in sets], {"path": config.path.name, "splits": config.num_splits, "block_n": config.block_n}
+    return [call(s) for s in sets], {"path": config.path.name, "splits": config.num_splits, "block_n": config.block_n,
+                                     "num_warps": config.num_warps}
 
 
 def _bare_read(sets, out):
@@ -74,6 +78,11 @@ def _bare_read(sets, out):
         t = cuda_graph_time_us(_read_calls(pairs, block, warps, out))
         best = t if best is None else min(best, t)
     return best
+
+
+# config changes of the A/B rows (suffix of the row name)
+_TILE_AB = {"bn128w4": dict(block_n=128, num_warps=4), "bn64w4": dict(block_n=64, num_warps=4),
+            "vlate": dict(quant_v_convert_first=False)}
 
 
 def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen):
@@ -96,11 +105,13 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
                     f"ours fp8-token {layout}": [_quant_set(s, True) for s in base]}
         if page == 0:
             variants["ours fp8-scalar contig"] = [_quant_set(s, False) for s in base]
-        else:
-            variants["ours fp8-token page16 bn64"] = variants["ours fp8-token page16"]
+        else:  # the rules' A/B (docs/decisions.md, "8-bit cache tiles"): 4-warp tiles of 128 and 64 keys, and V
+            # converted after its shared-memory stage (Triton's own order)
+            for ab in _TILE_AB:
+                variants[f"ours fp8-token page16 {ab}"] = variants["ours fp8-token page16"]
         for name, sets in variants.items():
             try:
-                fns, info = _ours(sets, 64 if name.endswith("bn64") else None)
+                fns, info = _ours(sets, _TILE_AB.get(name.rsplit(" ", 1)[-1]))
                 row[name] = cuda_graph_time_us(fns, reps=reps)
                 row[f"{name} config"] = info
             except Exception as e:  # reported, not fatal
@@ -134,7 +145,8 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
 
 
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
-           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn64", "FlashInfer bf16 page16",
+           "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn128w4",
+           "ours fp8-token page16 bn64w4", "ours fp8-token page16 vlate", "FlashInfer bf16 page16",
            "FlashInfer fp8 page16",
            "bare read fp8 us", "fp8_floor_us", "ours fp8-token contig %floor", "ours fp8-token contig %bare",
            "ours fp8-token page16 %floor", "speedup fp8-token vs bf16 contig", "speedup fp8-token vs bf16 page16",

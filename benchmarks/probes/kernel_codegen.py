@@ -89,9 +89,10 @@ HOPPER = dict(num_sms=132, interpret=False, hopper=True, pdl=True)
 
 
 def _decode(*, batch=1, nheads=16, nheads_kv=2, headdim=128, seqlen_q=1, live=32768, page=0, kv_dtype=None,
-            path=None, alibi=False, softcap=0.0, window=-1, **changes):
+            path=None, alibi=False, softcap=0.0, window=-1, scales="token", **changes):
     """Compile one decode launch: bf16 q, a cache of ``live`` keys per sequence (contiguous or ``page``-token pages,
-    bf16 or the torch dtype named ``kv_dtype`` with per-token scales), the config resolved for an H100 (132 SMs,
+    bf16 or the torch dtype named ``kv_dtype`` with ``scales`` "token" (per token and kv head, laid out like the
+    cache without its head dim) or "scalar" (one float32 scale)), the config resolved for an H100 (132 SMs,
     PDL) with ``path`` and ``changes`` replacing its fields (checked as a config= override is)."""
     import torch
 
@@ -111,9 +112,11 @@ def _decode(*, batch=1, nheads=16, nheads_kv=2, headdim=128, seqlen_q=1, live=32
     else:
         shape, table = (batch, live, nheads_kv, headdim), None
     k_cache, v_cache = torch.zeros(shape, **kv), torch.zeros(shape, **kv)
-    scales = {}
-    if kv_dtype is not None:  # per-token scales laid out like the cache without its head dim
-        scales = dict(k_scale=torch.ones(shape[:-1]), v_scale=torch.ones(shape[:-1]))
+    if kv_dtype is not None:
+        scale_shape = shape[:-1] if scales == "token" else ()
+        scales = dict(k_scale=torch.ones(scale_shape), v_scale=torch.ones(scale_shape))
+    else:
+        scales = {}
     shape_ = _DecodeShape(q, k_cache, v_cache, lens, table, None, softcap, (window, -1), **scales)
     shape_.with_alibi(torch.full((nheads,), 0.5) if alibi else None)
     problem = shape_.problem(live)
@@ -187,6 +190,18 @@ VARIANTS = {
                                                persistent_programs=132, persistent_slots=2, queue_splits=4),
     "split_fp8_page16": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
     "split_int8_contig": lambda: _decode(kv_dtype="int8", path="SPLIT_GRID"),
+    # 8-bit caches as resolved for b1 16/2 hd128 at 32k keys: e4m3 with per-token-head scales (contiguous, pages of
+    # 1 and 128) and one scalar scale (contiguous, page 16); int8 on pages of 16
+    "split_fp8_contig": lambda: _decode(kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
+    "split_fp8_page1": lambda: _decode(page=1, kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
+    "split_fp8_page128": lambda: _decode(page=128, kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
+    "split_fp8_scalar_contig": lambda: _decode(kv_dtype="float8_e4m3fn", scales="scalar", path="SPLIT_GRID"),
+    "split_fp8_scalar_page16": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", scales="scalar",
+                                               path="SPLIT_GRID"),
+    "split_int8_page16": lambda: _decode(page=16, kv_dtype="int8", path="SPLIT_GRID"),
+    # the Llama-3-8B shape (32 / 8 heads) at batch 16, 8k keys, e4m3 on pages of 16: the path it resolves to
+    "llama_b16_fp8_page16": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=8192, page=16,
+                                            kv_dtype="float8_e4m3fn"),
     "persistent_fp8_page128": lambda: _decode(batch=8, live=8192, page=128, kv_dtype="float8_e4m3fn",
                                               path="PERSISTENT", persistent_programs=132),
     # backward: deterministic (as resolved) at hd64 / hd128, the other deterministic form, the atomic-dQ form,

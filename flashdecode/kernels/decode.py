@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashdecode.kernels.decode_args import PREFETCH_OFF
-from flashdecode.kernels.kv_quant import key_scales
+from flashdecode.kernels.kv_quant import key_scales, keys_operand, to_dot_dtype
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
@@ -133,8 +133,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, k_scale=None, v_scale=None,
-                   stride_spage=0, stride_stok=0, KV_QUANT: tl.constexpr = 0):
+                   OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_quant=None,
+                   KV_QUANT: tl.constexpr = 0, V_CONVERT_FIRST: tl.constexpr = False):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -145,11 +145,17 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     memory read outside the cache, score -inf: they contribute nothing).
     ALIBI: alibi_log2 (BLOCK_M,) fp32 is each row's ALiBi slope times log2(e); the bias -slope * |qpos - key| joins
     the scores after the softcap (flash-attn's order).
-    KV_QUANT (kernels/kv_quant.py; pointer path only): an 8-bit cache whose tiles are converted to q's dtype, the
-    scores scaled by each key's k scale and the probabilities by each key's v scale; k_scale / v_scale are the
-    scale pointers (KV_QUANT 2, key offsets with the scale strides stride_spage / stride_stok) or scalars (1).
+    KV_QUANT (kernels/kv_quant.py; pointer path only): an 8-bit cache whose tiles are converted to a 16-bit dtype
+    for the dots, the scores scaled by each key's k scale and the probabilities by each key's v scale; kv_quant =
+    (k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale): the scale pointers (KV_QUANT 2, key offsets with
+    the scale strides stride_spage / stride_stok) or scalars (1), and the QK^T operand with its score scale
+    (kv_quant.keys_operand; the V tile goes to q's dtype).
     Order on the scores: q.k, the k scale, the logit scale / softcap, the ALiBi bias, the masks.
+    V_CONVERT_FIRST (GPU): the 8-bit V tile converted before its layout change to the mma operand
+    (kv_quant.to_dot_dtype).
     """
+    if KV_QUANT > 0:
+        k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale = kv_quant
     offs_d = tl.arange(0, BLOCK_D)
     # page ids read from the block table inside the loop (not preloaded into registers)
     IDS_IN_LOOP: tl.constexpr = PAGE_SIZE > 0 and PRELOAD_PAGES == 0
@@ -172,10 +178,10 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
                 srows = rows // HEADDIM
             ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if KV_QUANT > 0:
-            qk = qk * ks[None, :]
+            k = k.to(q_k.dtype)
+            qk = tl.dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
             s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
@@ -205,7 +211,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         if KV_QUANT > 0:
             p = p * vs[None, :]
-            v = v.to(q.dtype)
+            v = to_dot_dtype(v, q.dtype, V_CONVERT_FIRST)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -370,6 +376,7 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = PREFETCH_OFF,
     DEVICE_SPLITS: tl.constexpr = None, OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
     alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
+    V_CONVERT_FIRST: tl.constexpr = False,
 ):
     """Stage 1 (see module doc).
 
@@ -410,7 +417,8 @@ def decode_split_kernel(
     sees them as empty.
     ALIBI: alibi = (ALIBI_SLOPES, stride_alibi): fp32 slopes per (sequence, query head) through (batch stride, head
     stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (_alibi_log2).
-    KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (_attend_split).
+    KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (_attend_split);
+    V_CONVERT_FIRST: _attend_blocks'.
     """
     SEQLEN_Q: tl.constexpr = ROWS.seqlen_q
     GROUP: tl.constexpr = ROWS.group
@@ -501,7 +509,8 @@ def decode_split_kernel(
 
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages, stride_k,
                             HEADDIM, TILE, PAGES, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, OFFS_32,
-                            spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, kv_scales, KV_QUANT)
+                            spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, kv_scales, KV_QUANT,
+                            V_CONVERT_FIRST)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -540,7 +549,8 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   HEADDIM: tl.constexpr, TILE: tl.constexpr, PAGES: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   OFFS_32: tl.constexpr, spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False,
-                  alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0):
+                  alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
+                  V_CONVERT_FIRST: tl.constexpr = False):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V, scales,
@@ -600,6 +610,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
         else:
             split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
     qpos = seqlen - SEQLEN_Q + t
+    quant = None
+    if KV_QUANT > 0:
+        q_k = q
+        q_unscale = 1.0
+        if K.dtype.element_ty == tl.float8e4nv:  # (int8 -> bf16 is already a permute and a packed subtract)
+            q_k, q_unscale = keys_operand(q)
+        quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -613,13 +630,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, k_scale, v_scale, stride_sb, stride_st, KV_QUANT)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
     return normalize_state(acc, m_i, l_i)
 
 
@@ -742,6 +759,7 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     PDL: tl.constexpr, SCHEDULE: tl.constexpr, MERGE: tl.constexpr, OFFS_32: tl.constexpr = False, num_pages=1,
     alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
+    V_CONVERT_FIRST: tl.constexpr = False,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -819,7 +837,8 @@ def decode_persistent_kernel(
         alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages,
                                 stride_k, HEADDIM, TILE, PAGES, ROWS.seqlen_q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
-                                OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT)
+                                OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT,
+                                V_CONVERT_FIRST)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

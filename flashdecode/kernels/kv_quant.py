@@ -2,7 +2,8 @@
 append_kv's quantisation of new tokens.
 
 A dequantised key is k_cache.float() * k_scale (one scale per token and kv head, or one per kv head / tensor). The
-decode loop never builds that tile: it converts the 8-bit tile to q's dtype for the dot, multiplies the scores
+decode loop never builds that tile: it converts the 8-bit tile to q's dtype for the dot (an e4m3 K tile to fp16
+against q scaled into fp16's range: keys_operand), multiplies the scores
 column-wise by each key's k_scale, and the probabilities column-wise by each key's v_scale before the PV dot
 (sum_j p_j v_scale_j v_j), so the bytes read per key are the 8-bit row plus two float32 scales.
 
@@ -39,6 +40,41 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
         ks = tl.where(ok, k_scale, float("nan") if PAGED else 0.0)
         vs = tl.where(ok, v_scale, 0.0)
     return ks, vs
+
+
+@triton.jit
+def keys_operand(q):
+    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an 8-bit K tile, and the fp32 power of two
+    that scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen from q's largest magnitude so that it lands
+    in [2**14, 2**15) (bf16 values keep all their 8 significant bits there, so nothing rounds but magnitudes below
+    ~2**-28 of the largest), and the K tile goes to fp16 in one conversion per two values (e4m3 and int8 are exact
+    in fp16) instead of two per value to bf16 on sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q
+    are used as they are (unscale 1)."""
+    q_k = q
+    unscale = 1.0
+    if q.dtype == tl.bfloat16:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        # unbiased exponent of amax minus 14, as f32 exponent bits (an all-zero q: the smallest normal scale)
+        sh = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
+        down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
+        unscale = ((127 + sh) << 23).to(tl.float32, bitcast=True)
+        q_k = (q.to(tl.float32) * down).to(tl.float16)
+    return q_k, unscale
+
+
+@triton.jit
+def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr):
+    """An 8-bit tile (BLOCK_N, BLOCK_D) converted to the dot's ``dtype`` (q's). CONVERT_FIRST (GPU only: inline
+    asm): in the layout it was loaded in, so that the 16-bit tile, not the 8-bit one, goes through shared memory to
+    the mma operand layout. Without it Triton moves the conversion after that layout change; for V (the PV dot's B
+    operand, whose k dim - the keys - is strided) that read the 8-bit tile from shared memory one byte per element
+    (ldmatrix's transposing load exists for 16-bit elements only) and copied it in 8-byte pieces (docs/decisions.md,
+    "8-bit cache tiles"). The asm is an identity move that Triton cannot look through."""
+    y = x.to(dtype)
+    if CONVERT_FIRST:
+        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
+                                      pack=32 // y.dtype.primitive_bitwidth)
+    return y
 
 
 @triton.jit

@@ -228,7 +228,8 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
-        OFFS_32=config.offs_32, **_alibi_args(shape), **kv_quant_kernel_args(shape.kv_quant, k_cache))
+        OFFS_32=config.offs_32, **_alibi_args(shape),
+        **kv_quant_kernel_args(shape.kv_quant, k_cache, config.quant_v_convert_first))
 
 
 def _alibi_args(shape) -> dict:
