@@ -18,6 +18,7 @@ pages of 16 the 8-bit tile rules' A/B (docs/decisions.md, "8-bit cache tiles") r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -170,10 +171,14 @@ def main() -> int:
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [bench_point("b1 16/2", 1, ctx, 16, 2, 128, args.reps, bandwidth, gen)
-            for ctx in (int(x) for x in args.contexts.split(",") if x)]
-    rows += [bench_point("llama3-8b", b, args.batched_context, 32, 8, 128, args.reps, bandwidth, gen)
-             for b in (int(x) for x in args.batched.split(",") if x)]
+    points = [("b1 16/2", 1, int(c), 16, 2) for c in args.contexts.split(",") if c]
+    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in args.batched.split(",") if b]
+    rows = []
+    for shape, batch, context, nheads, nheads_kv in points:
+        rows.append(bench_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen))
+        # each point as it is measured (a run cut short by a time limit keeps what it had)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()
+                          if not k.endswith(("config", "skipped"))}), flush=True)
     print(f"fp8 decode on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; times in us (CUDA-graph replays, K/V rotated beyond L2)")
     fmt = {c: ".1f" for c in COLUMNS if c not in ("shape", "batch", "context")}
