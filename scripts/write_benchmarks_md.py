@@ -5,8 +5,9 @@
 
 latest/ holds one record per benchmark (decode at contiguous + 16-token pages, decode at other page sizes, prefill,
 e2e), each written by `flashdecode bench ...` (flashdecode/bench/report.py: env, git commit, command, rows). --add
-copies new records in, replacing the older record of the same benchmark (git history keeps it), and fills in the git
-commit (--commit, else this checkout's HEAD) when the run happened outside a git checkout.
+copies new records in, replacing the older record of the same benchmark (git history keeps it); --commit sets the
+git commit the runs are of (the GPU machine's copy of .git can be older than the tree it ran), else a record
+without one gets this checkout's HEAD.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def benchmark_key(record: dict) -> str:
 def normalise(record: dict, commit: str | None) -> dict:
     """A record as latest/ keeps it: a git commit, and a command a user can paste (older runs stored the path of
     flashdecode/__main__.py on the GPU machine and their --out folder)."""
-    if not record.get("git_commit"):
-        record["git_commit"] = commit or report.git_commit()
+    if commit:  # the runs' commit as the caller knows it (the GPU machine's copy of .git may be stale)
+        record["git_commit"] = commit
+    elif not record.get("git_commit"):
+        record["git_commit"] = report.git_commit()
     command = record.get("command", "")
     if "__main__.py" in command or "--out" in command:
         record["command"] = report.user_command(shlex.split(command))
@@ -177,12 +180,28 @@ def _serve_section(record: dict) -> list[str]:
     return [text, ""] + lines
 
 
+def _fp8_rmse_section(record: dict) -> list[str]:
+    args = record.get("args", {})
+    lines = ["| scheme | RMSE (emulated) | RMSE (kernel) |", "|---|---|---|"]
+    lines += [f"| {r['scheme']} | {r['emulated']:.2e} | {_num(r.get('kernel'), '.2e')} |" for r in record["rows"]]
+    ratios = record.get("ratios", {})
+    text = (f"FlashAttention-3's setup: q, k, v N(0, 1) plus N(0, 100) on 0.1% of the entries; batch "
+            f"{args.get('batch')}, {args.get('seqlen')} tokens, {args.get('nheads')} heads, head dim "
+            f"{args.get('headdim')}. Incoherent processing (a random-sign Hadamard rotation of q and k before "
+            f"per-head e4m3 quantisation, `quantize_fp8(hadamard=True)`) lowers the error "
+            + ", ".join(f"{v:.2f}x ({k})" for k, v in ratios.items())
+            + f"; the FlashAttention-3 paper reports {record.get('fa3_claim')}x. Per-block descales are emulated "
+            "only (the kernel takes per-head descales).")
+    return [text, ""] + lines
+
+
 SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": ("Prefill (FlashAttention)",
                                                                              _prefill_section),
             "fp8_decode": ("Decode on 8-bit KV caches", _fp8_decode_section),
+            "fp8_rmse": ("FP8 attention accuracy", _fp8_rmse_section),
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section)}
-ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "e2e", "serve"]
+ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "fp8_rmse", "e2e", "serve"]
 
 
 def section(path: Path, record: dict, png: Path | None) -> str:
@@ -219,7 +238,7 @@ def main() -> int:
     ap.add_argument("--latest", default=str(report.LATEST))
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--add", nargs="*", default=[], help="result JSON files to put into latest/")
-    ap.add_argument("--commit", help="git commit of the --add runs (default: this checkout's HEAD)")
+    ap.add_argument("--commit", help="git commit the --add runs are of (replaces theirs; default: theirs, else this checkout's HEAD)")
     args = ap.parse_args()
     latest = Path(args.latest)
     latest.mkdir(parents=True, exist_ok=True)

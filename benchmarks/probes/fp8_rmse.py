@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 
@@ -125,15 +124,17 @@ def main(argv=None) -> int:
         print(f"| {r['scheme']} | {r['emulated']:.3e} | {kernel} |")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x (FA3 paper: {FA3_CLAIM}x)")
-    record = dict(probe="fp8_rmse", device=device_name, torch=torch.__version__, args=vars(args), rows=rows,
-                  ratios=ratios, fa3_claim=FA3_CLAIM)
-    text = json.dumps(record, indent=1)
-    print(text)
-    if args.out:
-        path = Path(args.out) / "fp8_rmse.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    extra = dict(args=vars(args), ratios=ratios, fa3_claim=FA3_CLAIM)
+    if args.out:  # the record every benchmark writes (kind fp8_rmse: docs/benchmarks.md renders it from latest/)
+        from flashdecode.bench.report import result_stem, results_dir, write_json
+        from flashdecode.timing import env_info
+
+        env = dict(env_info(), device=device_name)
+        path = write_json(results_dir(args.out) / f"{result_stem('fp8_rmse', env)}.json", "fp8_rmse", env, rows,
+                          extra)
         print(f"wrote {path}")
+    else:
+        print(json.dumps(dict(rows=rows, **extra), indent=1))
     return 0
 
 

@@ -364,7 +364,30 @@ def plot_e2e(record: dict, path: Path) -> Path | None:
     return path
 
 
-PLOTTERS = {"decode": plot_decode, "prefill": plot_prefill, "e2e": plot_e2e}
+def plot_fp8_rmse(record: dict, path: Path) -> Path | None:
+    """RMSE against float64 per quantisation scheme (log axis): the emulation's bar beside the kernel's."""
+    plt = _pyplot()
+    rows = record["rows"]
+    if plt is None or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8.5, 4.0))
+    xs = range(len(rows))
+    for offset, key, label in ((-0.2, "emulated", "emulated (PyTorch, the kernel's rounding)"),
+                               (0.2, "kernel", "our FP8 kernel")):
+        ax.bar([x + offset for x in xs], [r.get(key) or 0.0 for r in rows], width=0.4, label=label)
+    ax.set_xticks(list(xs), [r["scheme"] for r in rows], fontsize=8, rotation=15)
+    ax.set_yscale("log")
+    ax.set_ylabel("RMSE vs float64")
+    ax.set_title("FP8 attention error with 0.1% outliers (lower is better)", fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTTERS = {"decode": plot_decode, "prefill": plot_prefill, "e2e": plot_e2e, "fp8_rmse": plot_fp8_rmse}
 
 
 def plot_record(record: dict, path: Path) -> Path | None:

@@ -24,7 +24,9 @@ def test_probe_table_and_record(tmp_path, capsys):
 
     assert main(["--seqlen", "256", "--nheads", "2", "--headdim", "64", "--device", "cpu",
                  "--out", str(tmp_path)]) == 0
-    record = json.loads((tmp_path / "fp8_rmse.json").read_text())
+    (path,) = tmp_path.glob("fp8_rmse_*.json")
+    record = json.loads(path.read_text())
+    assert record["kind"] == "fp8_rmse" and record["fa3_claim"] == 2.6
     rmse = {r["scheme"]: r["emulated"] for r in record["rows"]}
     assert list(rmse) == list(SCHEMES) and all(r["kernel"] is None for r in record["rows"])
     assert 0 < rmse["bf16"] < rmse["per_head"] / 4
@@ -38,6 +40,7 @@ def test_probe_kernel_rows_match_the_emulation(tmp_path):
     from benchmarks.probes.fp8_rmse import main
 
     main(["--seqlen", "2048", "--nheads", "4", "--out", str(tmp_path)])
-    for row in json.loads((tmp_path / "fp8_rmse.json").read_text())["rows"]:
+    (path,) = tmp_path.glob("fp8_rmse_*.json")
+    for row in json.loads(path.read_text())["rows"]:
         if row["kernel"] is not None:
             assert row["kernel"] <= 1.5 * row["emulated"] + 1e-4, row
