@@ -5,6 +5,7 @@
 #                   reinstalls torch); one part per command fits 10 minutes: GPU_CHECK_ARGS="--only tests-kernels"
 #   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
 #                   installs them there (--no-deps) so FlashInfer joins the benchmarks as a peer
+#   make serve-wheels  here: FastAPI / uvicorn / openai wheels into .whl/ for the GPU machine's serve tests
 
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
@@ -23,7 +24,7 @@ RUN       := TRITON_INTERPRET=1 $(PY)
 SETUP     := $(STAMP)
 endif
 
-.PHONY: test demo gpu-check peer-wheels clean
+.PHONY: test demo gpu-check peer-wheels serve-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +47,17 @@ PEER_WHEELS := "flashinfer-python==0.5.3" "apache-tvm-ffi<0.2" "nvidia-cudnn-fro
 peer-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(PEER_WHEELS)
+
+# The server's stack (FastAPI, uvicorn) and the openai client for the GPU machine, which has neither: the serve
+# tests and `bench serve` there. Versions as this machine's dev install resolved them.
+SERVE_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+	annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 click==8.5.1 h11==0.16.0 \
+	anyio==4.16.0 sniffio==1.3.1 idna==3.20 certifi openai==3.57.0 jiter==0.19.0 httpx==0.28.1 httpcore==1.0.9 \
+	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 opentelemetry-api==1.45.2
+serve-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d .whl $(SERVE_WHEELS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
