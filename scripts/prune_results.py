@@ -5,7 +5,8 @@
 
 benchmarks/results/latest/ is never touched; a run that was copied into it goes from benchmarks/results/. A file elsewhere in benchmarks/results/ stays when the docs, README,
 the package, scripts, probes or tests name it, or when docs/decisions.md or the package name its run by its UTC
-time stamp (``decodetune T1207``, the evidence behind a heuristic constant): every file of that stamp stays.
+time stamp (``decodetune T1207``, ``..._T1207_*.json``: the evidence behind a heuristic constant): every file of that
+stamp stays.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 CITING = ["README.md", "docs/*.md", "flashdecode/**/*.py", "scripts/*.py", "benchmarks/**/*.py", "tests/**/*.py"]
 CITING_RUNS = ["docs/decisions.md", "flashdecode/**/*.py"]  # where evidence is named by run stamp alone
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT(\d{4})")
-RUN = re.compile(r"\bT(\d{4})\b")
+RUN = re.compile(r"(?<![A-Za-z])T(\d{4})(?!\d)")  # "T1207", "..._T1207.json", "2026-11-22T1207"
 
 
 def read(patterns: list[str]) -> str:

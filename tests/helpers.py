@@ -12,7 +12,7 @@ import torch
 
 from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
 
-# The Triton interpreter computes bf16 tl.dot wrong (KERNEL_NOTES.md): CPU kernel tests use fp16/fp32.
+# The Triton interpreter computes bf16 tl.dot wrong (it rounds like no GPU does): CPU kernel tests use fp16/fp32.
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
 
 

@@ -107,3 +107,9 @@ def test_benchmarks_page_renders_the_8bit_decode_and_serving_records(tmp_path, m
     assert "| b1 16/2 | 1 | 128k | 49.5 | 30.0 | 1.65 | - |" in text
     assert "| 32 / 0 | 32 | 1024 / 256 | 1234 | 1300 | 0.95 | 100.0 / 200.0 | 20.0 / - |" in text
     assert text.index("8-bit KV caches") < text.index("Serving")
+
+
+def test_prune_keeps_runs_cited_by_stamp_in_any_spelling():
+    prune = _load_script("prune_results")
+    text = "`decodetune T1207`, `..._T0741.json` (`old`), `decodetune_x_2026-11-22T0739.json`, version T10000"
+    assert set(prune.RUN.findall(text)) == {"1207", "0741", "0739"}
