@@ -99,6 +99,26 @@ def test_chat_and_completion_greedy_equal_generate(server, client, ref):
     assert "".join(c.choices[0].text for c in stream) == want.text
 
 
+def test_a_list_of_prompts_is_a_batch(server, client, ref):
+    """OpenAI's batched prompt forms (strings, token-id lists): choice p * n + i is prompt p's completion i, the
+    same greedy text as one request per prompt, streamed or not; usage sums the prompts."""
+    texts = ["w7 w8 w9", "w1 w2"]
+    want = [o.text for o in ref.generate(texts, SamplingParams(max_tokens=5), use_tqdm=False)]
+    got = client.completions.create(model=MODEL, prompt=texts, max_tokens=5, temperature=0, n=2)
+    by_index = {c.index: c.text for c in got.choices}
+    assert [by_index[i] for i in range(4)] == [want[0], want[0], want[1], want[1]]
+    assert got.usage.prompt_tokens == sum(len(ref.encode(t)) for t in texts) and got.usage.completion_tokens == 20
+    ids = random_prompts([5, 8], seed=33)
+    want = [o.text for o in ref.generate(ids, SamplingParams(max_tokens=4), use_tqdm=False)]
+    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True)
+    streamed = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[0], streamed[1]] == want
+    assert wait_until(lambda: pool_is_full(server))
+
+
 def test_raw_sse_ends_with_done_and_reports_usage(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "w3"}], "max_tokens": 5, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -220,6 +240,9 @@ def test_client_disconnect_frees_pages(server, monkeypatch, stream):
     ("/v1/completions", {"model": MODEL, "prompt": " ".join(["w1"] * MAX_LEN)}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 3}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["w1", []]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[2, 3], []]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["w1", 3]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "w1", "temperature": float("nan")}, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "w1", "top_p": 5.0}, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "w1", "n": "2"}, "n"),

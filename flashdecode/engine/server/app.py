@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -41,6 +42,45 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
                            code="invalid_json")
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors[:4])
     return OpenAIError(message or "invalid request", param=loc[0] if loc else None)
+
+
+def _prompt_list(prompt) -> list:
+    """OpenAI's prompt forms as a list of prompts: a string or a list of token ids is one prompt, a list of strings
+    or of token-id lists a batch (an empty list is one empty prompt, refused by the prompt check)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+class PromptBatch:
+    """Several prompts' RequestStreams (n choices each) as one request: choice p * n + i is prompt p's completion
+    i (OpenAI's order for a list of prompts). Iterating yields each stream's deltas, re-indexed, as they arrive;
+    close() releases every stream (a client that left aborts them all)."""
+
+    def __init__(self, streams: list[RequestStream]):
+        self.streams = streams
+        self.n = streams[0].params.n
+
+    async def __aiter__(self):
+        pending = {asyncio.ensure_future(s.__anext__()): p for p, s in enumerate(self.streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    p = pending.pop(task)
+                    try:
+                        deltas = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(self.streams[p].__anext__())] = p
+                    yield [dataclasses.replace(d, index=p * self.n + d.index) for d in deltas]
+        finally:
+            for task in pending:
+                task.cancel()
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
 
 
 class Server:
@@ -78,6 +118,19 @@ class Server:
         except QueueFull as e:
             raise OpenAIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
 
+    def _submit_all(self, prompts: list[list[int]], params):
+        """One prompt's RequestStream, or a PromptBatch of several; a batch that does not fit the queue is
+        withdrawn whole (429)."""
+        streams = []
+        try:
+            for ids in prompts:
+                streams.append(self._submit(ids, params))
+        except OpenAIError:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams[0] if len(streams) == 1 else PromptBatch(streams)
+
     def _token_text(self, tok: int) -> str:
         if self.llm.tokenizer is None:
             return f"token_id:{tok}"
@@ -109,10 +162,11 @@ class Server:
                             for t, lp in zip(delta_tokens, lps)]}
 
     # -------------------------------------------------------------------------------------------- running
-    async def _collect(self, stream: RequestStream, request: Request) -> list[dict]:
-        """Run a non-streamed request to the end; abort it if the client disconnects meanwhile."""
+    async def _collect(self, stream, request: Request, n: int) -> list[dict]:
+        """Run a non-streamed request (a RequestStream or a PromptBatch of n choices) to the end; abort it if the
+        client disconnects meanwhile."""
         choices = [{"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "stop_reason": None}
-                   for _ in range(stream.params.n)]
+                   for _ in range(n)]
 
         async def consume():
             async for deltas in stream:
@@ -136,9 +190,10 @@ class Server:
             stream.close()
         return choices
 
-    async def _sse(self, stream: RequestStream, chunk_of, final_usage: bool):
-        """Server-sent events: one chunk per delta, then the usage chunk (if asked), then [DONE]. A cancelled
-        generator (the client left) closes the stream, which aborts its sequences."""
+    async def _sse(self, stream, chunk_of, final_usage: bool, prompt_len: int):
+        """Server-sent events of a RequestStream or a PromptBatch: one chunk per delta, then the usage chunk (if
+        asked), then [DONE]. A cancelled generator (the client left) closes the stream, which aborts its
+        sequences."""
         completion = 0
         try:
             async for deltas in stream:
@@ -146,7 +201,7 @@ class Server:
                     completion += len(d.token_ids)
                     yield f"data: {json.dumps(chunk_of(d))}\n\n"
             if final_usage:
-                yield f"data: {json.dumps(chunk_of(None, self._usage(len(stream.prompt_token_ids), completion)))}\n\n"
+                yield f"data: {json.dumps(chunk_of(None, self._usage(prompt_len, completion)))}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as e:  # an engine failure mid-stream: an error event, then the end
             err = OpenAIError(str(e), status=500, type="internal_error")
@@ -164,13 +219,16 @@ class Server:
         self._check_model(body.model)
         if body.echo or body.suffix is not None:
             raise OpenAIError("echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        ids = self._encode(body.prompt)
-        self._check_prompt(ids)
-        params = self._params(body, self._max_tokens(body.max_tokens, len(ids)), body.logprobs)
-        stream = self._submit(ids, params)
+        prompts = [self._encode(p) for p in _prompt_list(body.prompt)]
+        for ids in prompts:
+            self._check_prompt(ids)
+        longest = max(prompts, key=len)
+        params = self._params(body, self._max_tokens(body.max_tokens, len(longest)), body.logprobs)
+        stream = self._submit_all(prompts, params)
+        prompt_len, n = sum(len(ids) for ids in prompts), params.n * len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        offsets = [0] * params.n
+        offsets = [0] * n
 
         def choice(d: Delta) -> dict:
             lp = None
@@ -185,12 +243,13 @@ class Server:
                 return {**base, "choices": [] if d is None else [choice(d)], **({"usage": usage} if usage else {})}
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, chunk, include_usage), media_type="text/event-stream")
-        choices = await self._collect(stream, request)
+            return StreamingResponse(self._sse(stream, chunk, include_usage, prompt_len),
+                                     media_type="text/event-stream")
+        choices = await self._collect(stream, request, n)
         out = [choice(Delta(i, c["token_ids"], c["text"], c["logprobs"] if params.logprobs is not None else None,
                             c["finish_reason"], c["stop_reason"])) for i, c in enumerate(choices)]
         return {**base, "choices": out,
-                "usage": self._usage(len(ids), sum(len(c["token_ids"]) for c in choices))}
+                "usage": self._usage(prompt_len, sum(len(c["token_ids"]) for c in choices))}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
@@ -227,8 +286,9 @@ class Server:
                                      "token_ids": d.token_ids}]}
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, chunk, include_usage), media_type="text/event-stream")
-        choices = await self._collect(stream, request)
+            return StreamingResponse(self._sse(stream, chunk, include_usage, len(ids)),
+                                     media_type="text/event-stream")
+        choices = await self._collect(stream, request, params.n)
         out = []
         for i, c in enumerate(choices):
             d = Delta(i, c["token_ids"], c["text"], c["logprobs"] if params.logprobs is not None else None)

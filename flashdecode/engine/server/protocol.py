@@ -74,7 +74,8 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
+    # a string or token ids, or a list of either: a batch, whose choice p * n + i is prompt p's completion i
+    prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
