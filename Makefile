@@ -26,10 +26,11 @@ endif
 
 .PHONY: test demo gpu-check peer-wheels serve-wheels clean
 
+# -qq: pip's errors only (its warnings about configured index folders a machine lacks would fill the screen)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q $(CPU_PINS)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -qq $(CPU_PINS)
+	$(PY) -m pip install -qq -e ".[dev]"
 	touch $(STAMP)
 
 test: $(SETUP)
