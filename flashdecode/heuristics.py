@@ -311,7 +311,7 @@ def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q:
 
 def decode_device_uniform_splits(p: DecodeProblem, num_splits: int, slots: int) -> int:
     """Splits per sequence the DEVICE_SPLIT_GRID gives a batch of equal lengths (kernels/decode.py
-    _device_split_counts: each sequence's floor'd share of the slots)."""
+    decode_schedule.device_split_counts: each sequence's floor'd share of the slots)."""
     return max(1, min(num_splits, slots // (p.kv_programs * p.batch)))
 
 

@@ -15,7 +15,7 @@ import flashdecode
 from flashdecode import DecodePath
 from flashdecode import reference as ref
 from flashdecode.ops.decode import decode_config
-from flashdecode.kernels.decode import _device_split_counts, split_range
+from flashdecode.kernels.decode_schedule import device_split_counts, split_range
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
@@ -115,7 +115,7 @@ def test_page_ids_read_beside_the_length(gen, page_size, window):
 def _stale_range_of_another_length(SEQLENS, b, split, num_splits, capacity, window_left,
                                    SEQLEN_Q: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
                                    WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0):
-    """Stands in for kernels.decode._stale_split_range: the split's range for capacity - length (another length in
+    """Stands in for kernels.decode_schedule.stale_split_range: the split's range for capacity - length (another length in
     the cache's range, as a length rewritten across the PDL wait would be), so that the page ids read beside the
     length are for the wrong pages and must be read again."""
     seqlen = tl.load(SEQLENS + b)
@@ -130,7 +130,7 @@ def test_page_ids_read_again_when_the_length_changed(gen, monkeypatch, page_size
     read again; results stay exact."""
     from flashdecode.kernels import decode as kernels_decode
 
-    monkeypatch.setattr(kernels_decode, "_stale_split_range", _stale_range_of_another_length)
+    monkeypatch.setattr(kernels_decode, "stale_split_range", _stale_range_of_another_length)  # as the kernel sees it
     lens = [page_size * 5 + 1, 0, page_size - 1, 3 * page_size, page_size * 6]
     q, k, v = _make(gen, len(lens), max(lens), 4, 2, 64, torch.float16)
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=3, tweak=dict(spec_pages=True))
@@ -760,7 +760,7 @@ def test_round3_config_rules():
 def persistent(request):
     """A config tweak onto the persistent path with 3 programs (several items each, mostly one split per sequence)
     or 16 (several splits per sequence), or 3 programs taking items from the work queue (PERSISTENT_QUEUE, 4 slots
-    per program: more splits, and the device rule that splits equal lengths, kernels _queue_split_ways). One
+    per program: more splits, and the device rule that splits equal lengths, kernels.decode_schedule queue_split_ways). One
     split stays UNSPLIT (as resolved)."""
     from flashdecode import heuristics
 
@@ -793,7 +793,7 @@ def _split_counts_kernel(SEQLENS, OUT, batch, programs, KVP: tl.constexpr, BATCH
     offs = tl.arange(0, BATCH_PAD)
     in_batch = offs < batch
     lens = tl.load(SEQLENS + offs, mask=in_batch, other=0)
-    splits = _device_split_counts(lens, in_batch, programs, programs, KVP, 16, 128, 0, QUEUE_SPLITS,
+    splits = device_split_counts(lens, in_batch, programs, programs, KVP, 16, 128, 0, QUEUE_SPLITS,
                                   QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
     tl.store(OUT + offs, splits, mask=in_batch)
 
@@ -810,7 +810,7 @@ def _device_splits(lens, queue_splits, programs=132, kvp=8):
 
 
 def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
-    """The work queue's split counts (kernels/decode.py _queue_split_ways) on 132 programs, 8 kv heads: 17 equal
+    """The work queue's split counts (kernels/decode_schedule.py queue_split_ways) on 132 programs, 8 kv heads: 17 equal
     sequences (136 pairs: a second round of 4 items) split 4 ways, also padded to a bucket of 32 with one-token
     rows; 32 or 64 (last rounds of 124 / 116 items) and 16 (one round) not at all; one 128k sequence among 31 of
     1k keeps the programs' share (13 splits); without the rule 17 sequences run unsplit."""

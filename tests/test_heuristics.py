@@ -142,7 +142,7 @@ def test_persistent_decode_from_half_the_sms():
     assert {p: (c.block_n, c.persistent_dynamic) for p, c in page64.items()} == {
         99: (128, False), 100: (64, True), 128: (64, True), 133: (64, True)}
     assert [p for p, c in cfgs.items() if c.persistent_dynamic] == [133, 512]
-    # the queue splits equal lengths on the device (kernels _queue_split_ways), one slot per program
+    # the queue splits equal lengths on the device (kernels.decode_schedule queue_split_ways), one slot per program
     queue = hx.resolve_decode_config(_problem(batch=512, num_splits=4), _HOPPER)
     assert queue.path is DecodePath.PERSISTENT_QUEUE
     assert (queue.persistent_slots, queue.queue_splits) == (1, hx.DECODE_QUEUE_MAX_SPLITS)

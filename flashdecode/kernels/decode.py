@@ -15,6 +15,10 @@ output and natural-log lse directly; otherwise it writes a normalised fp32 parti
 Masks (bottom-right aligned, always causal among the new tokens, as reference.decode_split_ref): row t sits at key
 position qpos = seqlen - SEQLEN_Q + t and sees keys j with j <= qpos and, with a window, j >= qpos - window_left.
 Blocks that every row sees entirely run without masks; only the tail (or every block under a window) is masked.
+
+The work schedule (split ranges, device split counts, the persistent kernel's queue) is kernels.decode_schedule,
+the K/V fetches (page gathers, tile loads, L2 prefetch) kernels.decode_gather; this module holds the attention
+bodies and the two kernels.
 """
 
 import triton
@@ -22,108 +26,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashdecode.kernels.decode_args import PREFETCH_OFF
+from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv_rows, load_kv_tile,  # noqa: F401
+                                               prefetch_l2, prefetch_split_head, split_page_ids, tma_row)
+from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
+                                                 planned_item, queue_split_ways, split_range, stale_split_range)
 from flashdecode.kernels.kv_quant import key_scales, keys_operand, to_dot_dtype
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
-
-
-@triton.jit
-def _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
-    """Page id of the block starting at key start_n (pages that are multiples of BLOCK_N: one page per block).
-    With PRELOAD_PAGES, picked from the split's page ids already in registers instead of a memory read in the loop."""
-    if PRELOAD_PAGES > 0:
-        pick = tl.arange(0, PRELOAD_PAGES) == (start_n // PAGE_SIZE - first_page)
-        return tl.sum(tl.where(pick, split_pages, 0), 0)
-    return tl.load(bt_row + start_n // PAGE_SIZE)
-
-
-@triton.jit
-def _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRELOAD_PAGES: tl.constexpr):
-    """Page id of each of the BLOCK_N keys of the block at start_n, from the split's preloaded page ids, for pages
-    that divide BLOCK_N (the block covers whole pages): one tl.gather of each key's id (sm_90 PTX at BLOCK_N 64,
-    PRELOAD_PAGES 64: 26 shuffles and 29 barriers per kernel, vs 62 and 35 for select-and-sum steps)."""
-    # start_n and first_page * PAGE_SIZE are block-aligned split offsets: every index is < PRELOAD_PAGES
-    # (the launcher sizes it to the pages one split spans); the clamp only guards the tail block's padding
-    # (unsigned: the offsets are >= 0, and a power-of-two page divides by one shift, not a signed rounding)
-    idx = ((start_n - first_page * PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.uint32) // PAGE_SIZE).to(tl.int32)
-    return tl.gather(split_pages, tl.minimum(idx, PRELOAD_PAGES - 1), 0)
-
-
-@triton.jit
-def _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages, first_page,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
-             OFFS_32: tl.constexpr):
-    """(rows, key_ok): element offsets (BLOCK_N,) of key positions ``offs_n`` relative to the sequence/head base
-    pointer, int64 or int32 with OFFS_32 (the launcher's promise that every offset into the cache is < 2**31; the
-    64-bit address math cost the page-16 loop 57 of its 372 sm_90 instructions per 64-key block); key_ok (BLOCK_N,)
-    marks keys whose page id lies in [0, num_pages).
-
-    PAGE_SIZE == 0: contiguous cache (token stride; key_ok unused). PAGE_SIZE a multiple of BLOCK_N: the block lies
-    in one page, one page id. Otherwise (pages of 1, 3, 16 ... tokens): one page id per key, from the preloaded
-    split_pages (registers) when PRELOAD_PAGES (pages that divide BLOCK_N), else read from the block table in
-    memory. A block table on the device is not validated on the host: for an id outside [0, num_pages) key_ok is
-    false, and the caller's loads are predicated off there (its offset, which may even wrap in 32 bits, is never
-    dereferenced) and its keys read as absent.
-    """
-    key_ok = offs_n >= 0
-    if PAGE_SIZE == 0:
-        rows = offs_n * stride_tok if OFFS_32 else offs_n.to(tl.int64) * stride_tok
-    else:
-        if PAGE_SIZE % BLOCK_N == 0:
-            # blocks start at multiples of BLOCK_N, so a block never straddles a page
-            page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
-        elif PRELOAD_PAGES > 0:
-            page = _block_token_pages(start_n, split_pages, first_page, PAGE_SIZE, BLOCK_N, PRELOAD_PAGES)
-        elif MASKED:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
-        else:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE)
-        page_ok = (page >= 0) & (page < num_pages)
-        key_ok = key_ok & page_ok  # (BLOCK_N,) also for one page id per block
-        in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32) * stride_tok  # offs_n >= 0: unsigned is cheaper
-        if OFFS_32:
-            rows = page * stride_page + in_page
-        else:
-            rows = page.to(tl.int64) * stride_page + in_page.to(tl.int64)
-    return rows, key_ok
-
-
-@triton.jit
-def _load_kv_tile(ptr_base, rows, offs_d, offs_n, end, key_ok, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr, PAGED: tl.constexpr, ABSENT_NAN: tl.constexpr = False):
-    """(BLOCK_N, BLOCK_D) tile of K or V; masked keys, keys of absent pages (PAGED: key_ok false) and padded
-    head-dim columns load as 0 (never garbage, so a NaN left in an unused cache slot cannot leak through 0 * NaN),
-    or with ABSENT_NAN (the K tile where page ids are read in the loop) masked keys' head-dim columns load as NaN:
-    their scores come out NaN, which the KV loop turns into -inf (absent keys)."""
-    ptrs = ptr_base + rows[:, None] + offs_d[None, :]
-    d_ok = offs_d < HEADDIM
-    if PAGED:
-        keys = key_ok
-        if MASKED:
-            keys = keys & (offs_n < end)
-        if ABSENT_NAN:  # (padded head-dim columns stay 0: q's are 0 there and 0 * NaN would poison every score)
-            absent = tl.where(d_ok, float("nan"), 0.0)[None, :].to(ptr_base.dtype.element_ty)
-            return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=absent)
-        return tl.load(ptrs, mask=keys[:, None] & d_ok[None, :], other=0.0)
-    elif MASKED:
-        return tl.load(ptrs, mask=(offs_n < end)[:, None] & d_ok[None, :], other=0.0)
-    elif BLOCK_D == HEADDIM:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=(offs_d < HEADDIM)[None, :], other=0.0)
-
-
-@triton.jit
-def _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE: tl.constexpr,
-             PRELOAD_PAGES: tl.constexpr):
-    """Row of the 2-D (tokens, nheads_kv * headdim) TMA view where the block at key start_n begins. A page id outside
-    [0, num_pages) gives the rows just past the view's end, which the TMA unit fills (NaN for K, 0 for V: the
-    launcher's descriptors), so the id never enters the address math and cannot wrap onto another page."""
-    if PAGE_SIZE == 0:
-        return tma_row_base + start_n
-    page = _block_page(bt_row, start_n, split_pages, first_page, PAGE_SIZE, PRELOAD_PAGES)
-    page_ok = (page >= 0) & (page < num_pages)
-    return tl.where(page_ok, page * PAGE_SIZE + start_n % PAGE_SIZE, num_pages * PAGE_SIZE)
 
 
 @triton.jit
@@ -162,18 +70,18 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            row0 = _tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
+            row0 = tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
                             PRELOAD_PAGES)
             k = k_src.load([row0, tma_col])
         else:
-            rows, key_ok = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
+            rows, key_ok = kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
-            k = _load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
+            k = load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
                               IDS_IN_LOOP and KV_QUANT == 0)
         if KV_QUANT > 0:  # (absent keys of an 8-bit cache: a NaN k scale instead of NaN keys, key_scales)
             srows = rows
             if KV_QUANT == 2:
-                srows, _ = _kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
+                srows, _ = kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
                                     split_pages, first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
             elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
                 srows = rows // HEADDIM
@@ -208,7 +116,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
                 v = tl.where((offs_n < end)[:, None], v, 0.0)
         else:
-            v = _load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
+            v = load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         if KV_QUANT > 0:
             p = p * vs[None, :]
             v = to_dot_dtype(v, q.dtype, V_CONVERT_FIRST)
@@ -293,80 +201,6 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
 
 
 @triton.jit
-def split_range(seqlen, split, window_left, SEQLEN_Q: tl.constexpr, num_splits,
-                BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr = 0):
-    """[start, end) of keys this split attends to, from the live length on the device (see module doc).
-    num_splits: the launch's constexpr split count, or a per-sequence count computed on the device.
-    SPLIT_KEYS > 0 (batch-invariant decode; a multiple of BLOCK_N): every split holds SPLIT_KEYS keys from the
-    sequence's first live block whatever num_splits, so the boundaries follow from the sequence's own length
-    alone; splits past its end are empty."""
-    kv_lo = 0
-    if WINDOW:  # keys left of every row's window are skipped entirely; align so blocks stay page-aligned
-        kv_lo = (tl.maximum(seqlen - SEQLEN_Q - window_left, 0) // BLOCK_N) * BLOCK_N
-    if SPLIT_KEYS > 0:
-        chunk = SPLIT_KEYS
-    else:
-        live = tl.maximum(seqlen - kv_lo, 0)
-        chunk = tl.maximum(tl.cdiv(live, num_splits * BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    start = kv_lo + split * chunk
-    end = tl.minimum(start + chunk, seqlen)
-    return start, end
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Hint: bring the 128-byte lines at ``ptrs`` into L2 (no data, no fault semantics needed: callers clamp every
-    address into the cache's allocation). Not a memory read in the memory model, so it may run before gdc_wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_split_head(K_RAW, V_RAW, bt_row, b, hk, start, end, num_pages, stride_rb, stride_kt, stride_kh,
-                         PAGE_SIZE: tl.constexpr, HEADDIM: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
-                         LINE_ELEMS: tl.constexpr, NUM_LINES: tl.constexpr):
-    """L2 prefetch of the first PREFETCH_KEYS keys of this split's K and V rows (kv head hk), issued BEFORE
-    gdc_wait, while the previous kernel still runs: the DRAM latency of the first tiles then overlaps it.
-
-    [start, end): the split's keys as the stale lengths place it (_stale_split_range). The block table read here
-    may be stale too - the previous kernel may still be writing it - so it only steers the hint (.cg, as the
-    lengths); every address is clamped into the cache (keys into [start, end) within the capacity, page ids into
-    [0, num_pages)), whatever the stale values. stride_rb: the raw cache's batch (contiguous) or page stride.
-    """
-    if start < end:
-        keys = tl.minimum(start + tl.arange(0, PREFETCH_KEYS), end - 1)
-        if PAGE_SIZE == 0:
-            rows = b.to(tl.int64) * stride_rb + keys.to(tl.int64) * stride_kt
-        else:
-            page = tl.load(bt_row + keys // PAGE_SIZE, cache_modifier=".cg")
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            rows = page.to(tl.int64) * stride_rb + ((keys % PAGE_SIZE) * stride_kt).to(tl.int64)
-        cols = tl.minimum(tl.arange(0, NUM_LINES) * LINE_ELEMS, HEADDIM - 1)
-        offs = rows[:, None] + (hk * stride_kh + cols)[None, :]
-        _prefetch_l2(K_RAW + offs)
-        _prefetch_l2(V_RAW + offs)
-
-
-@triton.jit
-def _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left, SEQLEN_Q: tl.constexpr,
-                       BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, WINDOW: tl.constexpr,
-                       SPLIT_KEYS: tl.constexpr = 0):
-    """[start, end) of the split from sequence b's length read before gdc_wait (.cg: never cached in L1, so the
-    read after the wait cannot hit a stale line): a guess that steers hints and speculative loads, never the
-    result; clamped into [0, capacity] whatever was read."""
-    seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b, cache_modifier=".cg"), capacity), 0)
-    return split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
-
-
-@triton.jit
-def _split_page_ids(bt_row, start, end, PAGE_SIZE: tl.constexpr, PRELOAD_PAGES: tl.constexpr):
-    """The block-table entries of keys [start, end): (PRELOAD_PAGES,) int32 from page start // PAGE_SIZE on, 0
-    past the last page the range touches (so no read runs past the sequence's row)."""
-    page_idx = start // PAGE_SIZE + tl.arange(0, PRELOAD_PAGES)
-    return tl.load(bt_row + page_idx, mask=page_idx < tl.cdiv(end, PAGE_SIZE), other=0)
-
-
-@triton.jit
 def decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
     scales, window_left, capacity, num_pages, stride_rb, batch,
@@ -383,8 +217,8 @@ def decode_split_kernel(
     Grouped arguments (kernels/decode_args.py): scales = (score_scale, softcap_out) fp32: the logit scale (softcap:
     tanh's argument, else log2 units) and the softcap in log2 units; ROWS (SEQLEN_Q, GROUP, NUM_M_BLOCKS), TILE
     (BLOCK_M, BLOCK_N, BLOCK_D), SPLITS (NUM_SPLITS, MIN_CHUNK, MERGE_SPLITS, SPLIT_KEYS), PAGES (PAGE_SIZE,
-    PRELOAD_PAGES), PDL (USE_PDL, PDL_WAIT), PREFETCH (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES), DEVICE_SPLITS (None, or SPLIT_SLOTS,
-    BATCH_PAD, MAX_SPLIT_KEYS, KV_PROGRAMS), named below as the helpers take them.
+    PRELOAD_PAGES), PDL (USE_PDL, PDL_WAIT), PREFETCH (PREFETCH_KEYS, LINE_ELEMS, NUM_LINES), DEVICE_SPLITS (None,
+    or SPLIT_SLOTS, BATCH_PAD, MAX_SPLIT_KEYS, KV_PROGRAMS), named below as the helpers take them.
 
     Q: (batch, SEQLEN_Q, nheads, HEADDIM) via strides. With USE_TMA, K and V are host TensorDescriptors over the
     cache viewed as (rows, nheads_kv * HEADDIM), block (BLOCK_N, HEADDIM), and carry no pointer arithmetic.
@@ -409,7 +243,7 @@ def decode_split_kernel(
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
     length read after the wait gives the same pages, else read again (one L2 round trip less at the ramp).
     DEVICE_SPLITS (given, not FINAL): grid (programs, 1, 1) instead, program p runs work
-    item p of the split counts chosen on the device from all ``batch`` lengths (_planned_item; KV_PROGRAMS = kv
+    item p of the split counts chosen on the device from all ``batch`` lengths (planned_item; KV_PROGRAMS = kv
     heads x NUM_M_BLOCKS programs per split: each sequence's share of SPLIT_SLOTS items, at most NUM_SPLITS, at
     least cdiv(len, MAX_SPLIT_KEYS) when MAX_SPLIT_KEYS > 0); programs past the last item exit. The prefetch places
     the item with the lengths read before the wait (a hint), the work with those read after it. A sequence's split
@@ -451,7 +285,7 @@ def decode_split_kernel(
         b = 0
         num_splits = 1
         if PREFETCH_KEYS > 0:  # the item as the (possibly stale) lengths place it: a hint only, as below
-            b, pid_hm, split, num_splits, stale_len = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+            b, pid_hm, split, num_splits, stale_len = planned_item(SEQLENS, tl.program_id(0), batch, capacity,
                                                                     DEVICE_SPLITS, NUM_SPLITS, MIN_CHUNK, ".cg")
             stale_start, stale_end = split_range(stale_len, split, window_left, SEQLEN_Q, num_splits, BLOCK_N,
                                                  MIN_CHUNK, WINDOW)  # empty past the last item (length 0)
@@ -461,10 +295,10 @@ def decode_split_kernel(
         b = tl.program_id(2)
         num_splits = NUM_SPLITS
         if PREFETCH_KEYS > 0 or SPEC:
-            stale_start, stale_end = _stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left,
+            stale_start, stale_end = stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left,
                                                         SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
     if PREFETCH_KEYS > 0:
-        _prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
+        prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
                              stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,
                              HEADDIM, PREFETCH_KEYS, PREFETCH.line_elems, PREFETCH.num_lines)
     if PDL_WAIT:  # no memory read before this line but hints: the previous kernel may still write q, K/V, lengths
@@ -472,7 +306,7 @@ def decode_split_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     if DEVICE:  # the item again, from the lengths as the previous kernel left them
-        b, pid_hm, split, num_splits, seqlen = _planned_item(SEQLENS, tl.program_id(0), batch, capacity,
+        b, pid_hm, split, num_splits, seqlen = planned_item(SEQLENS, tl.program_id(0), batch, capacity,
                                                              DEVICE_SPLITS, NUM_SPLITS, MIN_CHUNK, "")
         if b >= batch:  # past the last work item
             return
@@ -487,7 +321,7 @@ def decode_split_kernel(
     alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
     spec_pages = 0
     if SPEC:  # after the wait (the ids are current), before the length (their read overlaps its round trip)
-        spec_pages = _split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
+        spec_pages = split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
     if not DEVICE:  # (the device-split path read every length already)
         seqlen = tl.maximum(tl.minimum(tl.load(SEQLENS + b), capacity), 0)
     start, end = split_range(seqlen, split, window_left, SEQLEN_Q, num_splits, BLOCK_N, MIN_CHUNK, WINDOW,
@@ -555,7 +389,7 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V, scales,
     stride_k, TILE and PAGES as in decode_split_kernel (num_pages: the paged cache's page count). SPEC_PAGES:
-    spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start, spec_end) (_split_page_ids, read
+    spec_pages (PRELOAD_PAGES,) are the page ids of the keys [spec_start, spec_end) (split_page_ids, read
     earlier); used where they cover the same pages as [start, end), else read again. ALIBI: alibi_log2 as in
     _attend_blocks. KV_QUANT: kv_scales = (K_SCALE, V_SCALE, (stride_sb, stride_st, stride_sh)), an 8-bit cache's
     float32 scales (kernels/kv_quant.py), element (sequence or page, token, kv head) at those strides."""
@@ -606,9 +440,9 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
             same = ((first_page == spec_start // PAGE_SIZE)
                     & (tl.cdiv(end, PAGE_SIZE) == tl.cdiv(spec_end, PAGE_SIZE)))
             if not same:  # the length changed across the wait (e.g. written by the kernel before): read again
-                split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
+                split_pages = split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
         else:
-            split_pages = _split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
+            split_pages = split_page_ids(bt_row, start, end, PAGE_SIZE, PRELOAD_PAGES)
     qpos = seqlen - SEQLEN_Q + t
     quant = None
     if KV_QUANT > 0:
@@ -641,116 +475,6 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
 
 
 @triton.jit
-def _device_split_counts(lens, in_batch, slots, programs, KVP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_CHUNK: tl.constexpr, MAX_SPLIT_KEYS: tl.constexpr, QUEUE_SPLITS: tl.constexpr,
-                         QUEUE_FULL_FRACTION: tl.constexpr, QUEUE_SPLIT_COST: tl.constexpr):
-    """Splits per sequence from the live lengths (BATCH_PAD,), computed by every program alike: each sequence's
-    share of the ``slots`` program slots, slots * len / (KVP * total) rounded down (KVP programs per split: kv heads
-    x row blocks), at least 1, at most NUM_SPLITS (the partial buffer) and at most one per MIN_CHUNK keys. Equal
-    lengths give num_sms / (batch x KVP) - one split each at batch 9-16 with 8 kv heads - while one long sequence
-    among short ones gets about num_sms / KVP (heuristics.decode_num_splits's balance, on the device).
-    MAX_SPLIT_KEYS (0 = no bound): at least cdiv(len, MAX_SPLIT_KEYS) splits, so that no split spans more pages
-    than the kernel preloads (the launcher guarantees that NUM_SPLITS splits always suffice).
-
-    QUEUE_SPLITS > 0 (the work queue): also at least s x the sequence's share of n_eff = (sum len)^2 / sum len^2
-    sequences (rounded), s from _queue_split_ways for n_eff x KVP pairs: n equal lengths split s ways, as do n
-    long ones among a bucket's padding of one-token rows, while a lone long sequence keeps the programs' share.
-
-    Finer splits do not pay here: every work item refills the load pipeline (72 programs already saturate the
-    memory bandwidth), and items smaller than a program's share can land two on one program (docs/decisions.md,
-    "Persistent device split counts")."""
-    lens64 = tl.where(in_batch, lens, 0).to(tl.int64)
-    total = tl.maximum(tl.sum(lens64, 0), 1)
-    share = (slots * lens64) // (KVP * total)
-    if QUEUE_SPLITS > 0:
-        lens_f = lens64.to(tl.float32)
-        total_f = total.to(tl.float32)
-        n_eff = total_f * total_f / tl.maximum(tl.sum(lens_f * lens_f, 0), 1.0)
-        ways = _queue_split_ways(n_eff * KVP, programs, QUEUE_SPLITS, QUEUE_FULL_FRACTION, QUEUE_SPLIT_COST)
-        share = tl.maximum(share, tl.floor(ways * n_eff * lens_f / total_f + 0.5).to(tl.int64))
-    splits = tl.minimum(tl.maximum(share, 1), NUM_SPLITS)
-    splits = tl.minimum(splits, tl.maximum(tl.cdiv(lens64, MIN_CHUNK), 1))
-    if MAX_SPLIT_KEYS > 0:
-        splits = tl.maximum(splits, tl.cdiv(lens64, MAX_SPLIT_KEYS))
-    return splits.to(tl.int32)
-
-
-@triton.jit
-def _planned_item(SEQLENS, item, batch, capacity, DEVICE_SPLITS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, CACHE: tl.constexpr):
-    """Work item ``item`` of decode_split_kernel's DEVICE_SPLITS grid: (b, pid_hm, split, splits of b, length of
-    b), items in the order (sequence, kv head x row block, split), each sequence split as _device_split_counts
-    decides from all ``batch`` lengths (SEQLENS int32, clamped to ``capacity``; read with cache modifier CACHE) for
-    DEVICE_SPLITS.slots items; b == batch past the last item. DEVICE_SPLITS: kernels/decode_args.DeviceSplits."""
-    BATCH_PAD: tl.constexpr = DEVICE_SPLITS.batch_pad
-    slots: tl.constexpr = DEVICE_SPLITS.slots
-    KVP: tl.constexpr = DEVICE_SPLITS.kv_programs
-    offs_b = tl.arange(0, BATCH_PAD)
-    in_batch = offs_b < batch
-    lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0, cache_modifier=CACHE),
-                                 capacity), 0)
-    splits_b = _device_split_counts(lens, in_batch, slots, slots, KVP, NUM_SPLITS, MIN_CHUNK,
-                                    DEVICE_SPLITS.max_split_keys, 0, 0.5, 0.0)
-    items_b = tl.where(in_batch, splits_b * KVP, 0)
-    return _item_of(item, offs_b, lens, splits_b, items_b, tl.cumsum(items_b, 0))
-
-
-@triton.jit
-def _item_of(w, offs_b, lens, splits_b, items_b, items_end):
-    """Work item w of the item order (sequence, kv head x row block, split): (b, pid_hm, split, splits of b,
-    length of b). offs_b: arange(BATCH_PAD); lens, splits_b, items_b (splits x KVP, 0 outside the batch) and
-    items_end (their cumulative sum): (BATCH_PAD,). Past the last item b is the batch size (and 1 split)."""
-    b = tl.sum((items_end <= w).to(tl.int32), 0)  # the sequence whose items cover w
-    pick = offs_b == b
-    num_splits = tl.maximum(tl.sum(tl.where(pick, splits_b, 0), 0), 1)
-    r = w - tl.sum(tl.where(pick, items_end - items_b, 0), 0)
-    return b, r // num_splits, r % num_splits, num_splits, tl.sum(tl.where(pick, lens, 0), 0)
-
-
-@triton.jit
-def _queue_split_ways(pairs, programs, QUEUE_SPLITS: tl.constexpr, QUEUE_FULL_FRACTION: tl.constexpr,
-                      QUEUE_SPLIT_COST: tl.constexpr):
-    """Ways (1..QUEUE_SPLITS) to split each of ``pairs`` equal (sequence, kv head) items (fp32 scalar, may be
-    fractional) for ``programs`` drawing from the work queue: the fewest that minimise the modelled time - rounds
-    of ``programs`` items of 1/s of a sequence, the last round, if it holds fewer than QUEUE_FULL_FRACTION of the
-    programs, costing as if it held that many (too few programs in flight to saturate the memory bandwidth), and
-    every further split QUEUE_SPLIT_COST more (pipeline refill, partials, merge). E.g. 132 programs: 136 pairs
-    split 4 ways (a 5th round of 16 items instead of a 2nd of 4), 256 or 512 not at all (a last round of 124 or
-    116 items). pairs: fp32 scalar, programs: int32 scalar; returns an int32 scalar."""
-    programs_f = programs.to(tl.float32)
-    best_ways = 1
-    best_time = float("inf")
-    for ways in tl.static_range(1, QUEUE_SPLITS + 1):
-        items = tl.floor(pairs * ways + 0.5)
-        full_rounds = tl.floor(items / programs_f)
-        tail = items - full_rounds * programs_f
-        tail_time = tl.where(tail > 0, tl.maximum(tail / programs_f, QUEUE_FULL_FRACTION), 0.0)
-        time = (full_rounds + tail_time) / ways * (1 + QUEUE_SPLIT_COST * (ways - 1))
-        better = time < best_time * (1 - 1e-4)  # ties keep the fewer splits
-        best_ways = tl.where(better, ways, best_ways)
-        best_time = tl.where(better, time, best_time)
-    return best_ways
-
-
-@triton.jit
-def _items_before(share, lens, in_batch, splits_b, programs, KVP: tl.constexpr):
-    """How many work items (in item order: sequence, then kv head x row block, then split) have their midpoint
-    before the start of program share ``share`` (0..programs), all sequences summed.
-
-    Costs in keys: sequence b weighs w_b = max(len_b, 1) (an empty sequence still needs its items run) per kv
-    program, its KVP * splits_b items w_b / splits_b each; laid end to end the items span T = KVP * sum(w), and
-    share p starts at p * T / programs. In integers: item i of b (cum_b keys of earlier sequences per kv program)
-    lies before share p iff (2i + 1) * programs * w_b < 2 * splits_b * KVP * (p * sum(w) - programs * cum_b)."""
-    w = tl.where(in_batch, tl.maximum(lens, 1), 0).to(tl.int64)
-    cum = tl.cumsum(w, 0) - w
-    splits = splits_b.to(tl.int64)
-    n = 2 * splits * KVP * (share.to(tl.int64) * tl.sum(w, 0) - programs * cum)
-    a = tl.maximum(programs * w, 1)
-    count = tl.where(n > a, tl.cdiv(n - a, 2 * a), 0)
-    return tl.sum(tl.minimum(count, tl.where(in_batch, splits * KVP, 0)), 0)
-
-
-@triton.jit
 def decode_persistent_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, O_FINAL, LSE_FINAL, TICKETS, QUEUE,
     batch, scales, window_left, capacity,
@@ -765,10 +489,10 @@ def decode_persistent_kernel(
 
     Grid (programs,): a fixed number of programs (CUDA-graph friendly) loops over work items (sequence b, kv head x
     row block, split s). Each program runs the consecutive items whose midpoints fall in its equal share of all
-    items' keys (_items_before): one long item per program, or many short ones together, so that a long sequence's
+    items' keys (items_before): one long item per program, or many short ones together, so that a long sequence's
     splits and the short sequences never pile up on the same programs (the round-robin order they had before ran
     one long and one short item on 100 of 132 programs for one 128k sequence among 15 of 1k). Every program derives
-    the same per-sequence split counts from the live lengths (_device_split_counts), so a uniform batch runs one
+    the same per-sequence split counts from the live lengths (device_split_counts), so a uniform batch runs one
     split per sequence, while one long sequence among short ones still gets many splits - without the plan paying
     for the worst mix up front (balance_mixed). A sequence with one split writes its final output directly; the
     splits of a longer one write fp32 partials and draw tickets, and the last of them merges
@@ -790,7 +514,7 @@ def decode_persistent_kernel(
     next work item from QUEUE[0] (an int32 counter, zero at rest, as QUEUE[1]) until none is left, so that items
     of unequal cost balance like the split grid's programs do under the hardware scheduler; the split counts then
     divide SLOTS_PER_PROGRAM x programs slots and, with QUEUE_SPLITS, split equal lengths where the last round
-    would idle the bandwidth (_device_split_counts), so that a batch just above the program count (e.g. 136 pairs
+    would idle the bandwidth (device_split_counts), so that a batch just above the program count (e.g. 136 pairs
     on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
     DYNAMIC: tl.constexpr = SCHEDULE.dynamic
@@ -809,7 +533,7 @@ def decode_persistent_kernel(
     in_batch = offs_b < batch
     lens = tl.maximum(tl.minimum(tl.load(SEQLENS + offs_b, mask=in_batch, other=0), capacity), 0)
     programs = tl.num_programs(0)
-    splits_b = _device_split_counts(lens, in_batch, programs * SCHEDULE.slots_per_program, programs, KVP,
+    splits_b = device_split_counts(lens, in_batch, programs * SCHEDULE.slots_per_program, programs, KVP,
                                     SPLITS.num_splits, SPLITS.min_chunk, SCHEDULE.max_split_keys,
                                     SCHEDULE.queue_splits, SCHEDULE.queue_full_fraction, SCHEDULE.queue_split_cost)
     items_b = tl.where(in_batch, splits_b * KVP, 0)
@@ -821,10 +545,10 @@ def decode_persistent_kernel(
         stop = tl.sum(items_b, 0)
     else:
         pid = tl.program_id(0)
-        w = _items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
-        stop = _items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+        w = items_before(pid, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
+        stop = items_before(pid + 1, lens, in_batch, splits_b, programs, KVP).to(tl.int32)
     while w < stop:
-        b, pid_hm, split, num_splits, seqlen = _item_of(w, offs_b, lens, splits_b, items_b, items_end)
+        b, pid_hm, split, num_splits, seqlen = item_of(w, offs_b, lens, splits_b, items_b, items_end)
         hk = pid_hm // ROWS.num_m_blocks
         m_block = pid_hm % ROWS.num_m_blocks
         start, end = split_range(seqlen, split, window_left, ROWS.seqlen_q, num_splits, TILE.block_n,

@@ -84,7 +84,7 @@ class WorkSchedule(NamedTuple):
     """SCHEDULE of decode_persistent_kernel: how its programs find their work items. nheads_kv; batch_pad (the batch
     padded to a power of two); max_split_keys (0 or the most keys of one split); dynamic (draw items from the work
     queue instead of static shares); slots_per_program, queue_splits, queue_full_fraction, queue_split_cost: the
-    queue's split counts (kernels/decode.py _device_split_counts)."""
+    queue's split counts (kernels/decode_schedule.py device_split_counts)."""
 
     nheads_kv: int
     batch_pad: int

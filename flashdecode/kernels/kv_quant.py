@@ -26,7 +26,7 @@ INT8_MAX = 127.0
 def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr, PAGED: tl.constexpr,
                KV_QUANT: tl.constexpr):
     """(ks, vs): (BLOCK_N,) fp32 per-key scales of a block. KV_QUANT 2: k_scale / v_scale are the scale pointers
-    of this sequence (contiguous) or kv head (paged) and ``rows`` the keys' offsets into them (decode's _kv_rows
+    of this sequence (contiguous) or kv head (paged) and ``rows`` the keys' offsets into them (decode_gather.kv_rows
     with the scale strides); KV_QUANT 1: k_scale / v_scale are this kv head's scalars. Keys of absent pages (PAGED,
     key_ok false) get a NaN k scale, so their scores come out NaN, which the KV loop turns into -inf (an int8 K tile
     has no NaN to load for them); masked keys' scales are never read (0, or NaN when paged)."""

@@ -86,9 +86,9 @@ def fixed_split_grid(problem: heuristics.DecodeProblem, config: DecodeConfig) ->
 
 
 def _device_split_programs(problem: heuristics.DecodeProblem, config: DecodeConfig) -> int:
-    """Programs of a DEVICE_SPLIT_GRID launch: enough for every work item _planned_item can make. A sequence's split
-    count is its floor'd share of device_split_slots items (kv programs each), at least 1 and at most num_splits,
-    so all of them hold at most slots + batch x kv programs items."""
+    """Programs of a DEVICE_SPLIT_GRID launch: enough for every work item that kernels.decode_schedule's
+    planned_item can make. A sequence's split count is its floor'd share of device_split_slots items (kv programs
+    each), at least 1 and at most num_splits, so all of them hold at most slots + batch x kv programs items."""
     kvp = problem.kv_programs
     return kvp * min(problem.batch * config.num_splits, config.device_split_slots // kvp + problem.batch)
 
