@@ -113,3 +113,12 @@ def test_prune_keeps_runs_cited_by_stamp_in_any_spelling():
     prune = _load_script("prune_results")
     text = "`decodetune T1207`, `..._T0741.json` (`old`), `decodetune_x_2026-11-22T0739.json`, version T10000"
     assert set(prune.RUN.findall(text)) == {"1207", "0741", "0739"}
+
+
+def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"shape": "b1 16/2", "batch": 1, "context": c, "ours bf16 page16": 2 + c / 2500,
+             "ours fp8-token page16": 2 + c / 4000, "FlashInfer fp8 page16": 3 + c / 3500, "fp8_floor_us": c / 6000}
+            for c in (4096, 32768, 131072)] + [{"shape": "llama3-8b", "batch": 16, "context": 8192}]
+    path = report.plot_record({"kind": "fp8_decode", "rows": rows}, tmp_path / "fp8.png")
+    assert path is not None and path.stat().st_size > 0

@@ -157,17 +157,19 @@ def _legend_below(fig, handles, labels, ncol=None):
 def line_plot(path: Path, series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
               logx: bool = True, logy: bool = True) -> Path | None:
     """series: label -> [(x, y), ...]; one colour and marker per series, the legend right of the axes. Returns the
-    PNG path, or None when matplotlib is missing."""
+    PNG path, or None when matplotlib is missing or no series has a point."""
     plt = _pyplot()
     if plt is None:
+        return None
+    series = {label: [p for p in pts if p[1] is not None] for label, pts in series.items()}
+    series = {label: pts for label, pts in series.items() if pts}
+    if not series:  # nothing measured: no figure
         return None
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     styles = series_styles(list(series))
     for label, pts in series.items():
-        pts = [p for p in pts if p[1] is not None]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, label=label, **styles[label])
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, label=label, **styles[label])
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
@@ -364,6 +366,22 @@ def plot_e2e(record: dict, path: Path) -> Path | None:
     return path
 
 
+FP8_DECODE_SERIES = {"ours bf16 page16": "ours, bf16 cache", "ours fp8-token page16": "ours, e4m3 cache",
+                     "FlashInfer bf16 page16": "FlashInfer, bf16 cache",
+                     "FlashInfer fp8 page16": "FlashInfer, e4m3 cache", "fp8_floor_us": "8-bit floor"}
+
+
+def plot_fp8_decode(record: dict, path: Path) -> Path | None:
+    """Batch-1 decode latency against the context on 16-token pages: our bf16 and e4m3 caches, FlashInfer's, and
+    the 8-bit floor (the batched rows are in the table)."""
+    rows = sorted((r for r in record["rows"] if r.get("batch") == 1), key=lambda r: r["context"])
+    if not rows:
+        return None
+    series = {label: [(r["context"], r.get(key)) for r in rows] for key, label in FP8_DECODE_SERIES.items()}
+    return line_plot(path, series, title="decode on 8-bit KV caches, batch 1, 16 q / 2 kv heads, 16-token pages",
+                     xlabel="context (tokens)", ylabel="microseconds per call")
+
+
 def plot_fp8_rmse(record: dict, path: Path) -> Path | None:
     """RMSE against float64 per quantisation scheme (log axis): the emulation's bar beside the kernel's."""
     plt = _pyplot()
@@ -387,7 +405,8 @@ def plot_fp8_rmse(record: dict, path: Path) -> Path | None:
     return path
 
 
-PLOTTERS = {"decode": plot_decode, "prefill": plot_prefill, "e2e": plot_e2e, "fp8_rmse": plot_fp8_rmse}
+PLOTTERS = {"decode": plot_decode, "prefill": plot_prefill, "e2e": plot_e2e, "fp8_decode": plot_fp8_decode,
+            "fp8_rmse": plot_fp8_rmse}
 
 
 def plot_record(record: dict, path: Path) -> Path | None:
