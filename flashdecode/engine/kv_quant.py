@@ -57,10 +57,10 @@ def write_quantized(k_pages: QuantPages, v_pages: QuantPages, k, v, slot_mapping
     by append_kv with per-token scales written beside them: one launch, each token its own one-token sequence
     (length slot % page_size, block table [slot // page_size]); no host sync, so it fits in a CUDA graph."""
     from flashdecode import append_kv
-    from flashdecode.ops.checks import interpreting
+    from flashdecode.ops.checks import kernels_run_on
 
     page_size = k_pages.data.shape[1]
-    if k.device.type != "cuda" and not interpreting():
+    if not kernels_run_on(k.device):
         # CPU engine without the Triton interpreter (the "torch" backend): the same quantisation in PyTorch
         for pages, x in ((k_pages, k), (v_pages, v)):
             data, scale = quantize_tokens(x, pages.data.dtype)

@@ -30,7 +30,7 @@ from flashdecode.engine.runner import ModelRunner
 from flashdecode.engine.sampling import SamplingParams, prompt_logprobs, sample
 from flashdecode.engine.scheduler import Scheduler, Sequence
 from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from flashdecode.ops.checks import interpreting
+from flashdecode.ops.checks import kernels_run_on
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class LLM:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.backend = make_backend(attn_backend, self.device, (cfg.sliding_window - 1) if cfg.sliding_window else -1)
-        if self.backend.name.startswith("flashdecode") and self.device.type != "cuda" and not interpreting():
+        if self.backend.name.startswith("flashdecode") and not kernels_run_on(self.device):
             raise ValueError(f"attn_backend={self.backend.name!r} runs Triton kernels, which need a CUDA device "
                              f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "
                              f"sdpa / eager")

@@ -85,9 +85,14 @@ def check_device(name: str, x: torch.Tensor, device: torch.device, ref: str = "q
         raise ValueError(f"{name} is on {x.device} but {ref} is on {device}")
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device``: CUDA, or the CPU under the interpreter (TRITON_INTERPRET=1)."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
 def check_kernel_device(name: str, x: torch.Tensor):
     """The Triton kernels need a CUDA tensor, or the CPU interpreter (TRITON_INTERPRET=1) for CPU tensors."""
-    if not (x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())):
+    if not kernels_run_on(x.device):
         raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 "
                          "for the CPU interpreter); flashdecode.reference is the pure-PyTorch CPU path")
 
