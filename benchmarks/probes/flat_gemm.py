@@ -7,14 +7,13 @@ For each linear of the model (qkv, o, gate_up, down, lm_head: (N, K)) and each d
 a handful), CUDA-graph replays cycling through weight copies that together exceed L2 four times. Prints a markdown
 table - M, N, K, cuBLAS us, best flat us, speed-up, best config, and the weight-read bandwidth of each as a
 fraction of the device's copy bandwidth (measured in the same run) - and, for M = 1, the batch-1 GEMV beside
-cuBLAS. Writes flat_gemm.json (the ChoiceTable rows + env) to $OUT (or the current directory).
+cuBLAS. Writes the record flat_gemm_<device>_<date>.json (the ChoiceTable rows + env) to $OUT (else
+benchmarks/results/latest).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -86,9 +85,10 @@ def main() -> int:
                                 "cublas_bw", "flat_bw"],
                          {"cublas_us": ".1f", "flat_us": ".1f", "speedup": ".2f", "cublas_bw": ".0%",
                           "flat_bw": ".0%"}))
-    out = Path(os.environ.get("OUT") or ".") / "flat_gemm.json"
-    out.write_text(json.dumps({"env": env, "copy_bandwidth": bandwidth, "dtype": args.dtype, "rows": rows},
-                              indent=1))
+    from flashdecode.bench.report import result_stem, results_dir, write_json
+
+    out = write_json(results_dir(None) / f"{result_stem('flat_gemm', env)}.json", "flat_gemm", env, rows,
+                     dict(copy_bandwidth=bandwidth, dtype=args.dtype, model=args.model))
     print(f"wrote {out}")
     return 0
 
