@@ -206,3 +206,29 @@ def test_named_configs_parameter_counts():
     assert abs(named_config("llama3-8b").num_parameters() - 8.03e9) < 0.01e9
     assert abs(named_config("qwen2.5-1.5b").num_parameters() - 1.54e9) < 0.01e9
     assert named_config("llama3-8b", num_layers=2).num_hidden_layers == 2
+
+
+def test_flashdecode_backend_prefills_one_prompt_through_the_dense_call():
+    """A single-prompt prefill takes flash_attn (the Gluon kernel on sm_90) instead of the varlen call, with the
+    same causal result; a batch of prompts stays on varlen."""
+    from flashdecode import reference
+    from flashdecode.engine.attention import AttentionMetadata, FlashDecodeBackend
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(37, 4, 16, generator=gen).half()
+    k, v = (torch.randn(37, 2, 16, generator=gen).half() for _ in range(2))
+    backend = FlashDecodeBackend()
+    dense, varlen = [], []
+    backend._dense = lambda *a, real=backend._dense, **kw: dense.append(1) or real(*a, **kw)
+    backend._varlen = lambda *a, real=backend._varlen, **kw: varlen.append(1) or real(*a, **kw)
+    one = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(37), cu_seqlens=torch.tensor([0, 37],
+                            dtype=torch.int32), max_seqlen=37, seqlens=[37])
+    out = backend.prefill(q, k, v, one)
+    ref, _ = reference.attention_varlen_ref(q.double(), k.double(), v.double(), one.cu_seqlens, one.cu_seqlens,
+                                            causal=True)
+    assert dense == [1] and not varlen and out.shape == q.shape
+    assert (out.double() - ref).abs().max() < 2e-3
+    two = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(37), cu_seqlens=torch.tensor(
+        [0, 20, 37], dtype=torch.int32), max_seqlen=20, seqlens=[20, 17])
+    backend.prefill(q, k, v, two)
+    assert dense == [1] and varlen == [1]

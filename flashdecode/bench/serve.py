@@ -3,7 +3,9 @@
     flashdecode bench serve --random-weights llama3-8b --num-requests 32 --prompt-len 1024 --output-len 256
     flashdecode bench serve --url http://127.0.0.1:8000 --model-name NAME --num-requests 64
 
-Without --url the server is started in this process (loopback, a free port) from the engine options; after the
+The requests come from a separate (spawned) client process, as a real server's clients would: in the server's
+process the client's own HTTP work would compete for the GIL with the engine thread. Without --url the server is
+started in this process (loopback, a free port) from the engine options; after the
 load test the same engine runs ``LLM.generate`` on the same batch (same prompts and lengths), the offline number
 the server is compared with. Each request asks for exactly --output-len tokens (ignore_eos) and streams them;
 TTFT is the time to the first streamed token, TPOT the mean time per later token of a request. Requests go to
@@ -124,6 +126,24 @@ async def load_test(base_url: str, bodies: list[tuple[str, dict]], concurrency: 
             "ttft_s_all": [r["ttft_s"] for r in ok], "tpot_s_all": [r["tpot_s"] for r in ok]}
 
 
+def client_process_run(base_url: str, warm: list[tuple[str, dict]], bodies: list[tuple[str, dict]], concurrency: int,
+                       timeout: float) -> dict:
+    """The load test as its own process runs it: the warm-up requests (compile / first-call costs outside the
+    timing), then ``bodies``. A separate process, as a real server's clients are: in the server's process the
+    client's HTTP parsing would hold the GIL that the engine thread and the server's event loop need."""
+    asyncio.run(load_test(base_url, warm, 1, timeout))
+    return asyncio.run(load_test(base_url, bodies, concurrency, timeout))
+
+
+def run_client(base_url: str, warm, bodies, concurrency: int, timeout: float) -> dict:
+    """``client_process_run`` in a spawned child process (fork would copy a CUDA context); its result dict."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(client_process_run, base_url, warm, bodies, concurrency, timeout).result()
+
+
 def build_requests(prompts: list[list[int]], output_len: int, model: str, chat_text=None) -> list[tuple[str, dict]]:
     """(path, body) per prompt: chat with the prompt's text when ``chat_text`` (ids -> str) is given, else a
     token-id completion."""
@@ -192,9 +212,8 @@ def run(args) -> int:
                 raise ValueError("--endpoint chat needs a local engine with a tokenizer (prompts are built with it)")
             chat_text = llm.tokenizer.decode
         warm = build_requests(prompts[:1], 2, model, chat_text)
-        asyncio.run(load_test(base_url, warm, 1, args.timeout))  # compile / first-call costs outside the timing
-        result = asyncio.run(load_test(base_url, build_requests(prompts, args.output_len, model, chat_text),
-                                       concurrency, args.timeout))
+        result = run_client(base_url, warm, build_requests(prompts, args.output_len, model, chat_text), concurrency,
+                            args.timeout)
     finally:
         if server is not None:
             server.stop()

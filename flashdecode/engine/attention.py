@@ -246,12 +246,17 @@ class FlashDecodeBackend(AttentionBackend):
             raise RuntimeError(f"attention backend {self.name!r} needs flashdecode.{', '.join(missing)}, which "
                                f"this build does not export; use attn_backend='torch' or 'sdpa'")
         self._varlen = flashdecode.flash_attn_varlen
+        self._dense = flashdecode.flash_attn
         self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
         self.batch_invariant = False  # LLM(batch_invariant=True): plans made with it (ops/decode.py DecodePlan)
         self.plans: dict[tuple, object] = {}
 
     def prefill(self, q, k, v, meta):
+        if meta.seqlens is not None and len(meta.seqlens) == 1:
+            # one prompt (a long-context prefill): the dense call, which takes the Hopper (Gluon) kernel on sm_90;
+            # varlen runs the Triton kernel everywhere
+            return self._dense(q[None], k[None], v[None], causal=True, window_size=self.window_size)[0]
         # the runner built cu_seqlens from host lengths: skip the value check's host sync (one per layer)
         return self._varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
                             causal=True, window_size=self.window_size, check_seqlens=False)
