@@ -110,25 +110,6 @@ def test_choice_table_keeps_the_flat_gemm_only_where_it_wins():
     assert all(abs(r["speedup"] - r["cublas_us"] / r["flat_us"]) < 1e-12 for r in rows)
 
 
-def test_layer_configs_take_the_flat_gemm_for_a_whole_layer_within_the_prologue_saving():
-    """A layer goes to the flat GEMM (every linear, with the best config even where cuBLAS won alone) when its
-    flat times together are at most the saved elementwise kernels above cuBLAS's; never for unmeasured shapes or
-    batches outside 2..64."""
-    a, b = fg.FlatGemmConfig(32, 64, 4, 2), fg.FlatGemmConfig(64, 64, 4, 2)
-    table = fg.ChoiceTable()
-    table.choices[(16, 8, 4)] = fg.Choice("flat", a, 7.0, 10.0, a)
-    table.choices[(16, 4, 8)] = fg.Choice("cublas", None, 11.0, 10.0, b)
-    table.choices[(32, 8, 4)] = fg.Choice("cublas", None, 20.0, 10.0, a)
-    table.choices[(32, 4, 8)] = fg.Choice("cublas", None, 10.0, 10.0, b)
-    shapes = [(8, 4), (4, 8)]
-    assert table.layer_configs(16, shapes) == {(8, 4): a, (4, 8): b}
-    assert table.layer_configs(9, shapes) == {(8, 4): a, (4, 8): b}  # bucket 16
-    assert table.layer_configs(32, shapes) is None  # 30 us against 20 + the saving
-    assert table.layer_configs(32, shapes, saving_us=10.0) == {(8, 4): a, (4, 8): b}
-    assert table.layer_configs(16, shapes + [(2, 2)]) is None
-    assert table.layer_configs(1, shapes) is None and table.layer_configs(65, shapes) is None
-
-
 def test_linear_shapes_of_a_model():
     from flashdecode.engine.config import named_config
     from flashdecode.engine.models import model_class
@@ -161,7 +142,5 @@ def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
     hf = hf_model(path)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in prompts]
     assert calls and set(calls) <= {2, 3, 4}
-    # the whole layer took the flat GEMM with its prologues (norms and silu*mul fused into the input loads)
-    assert llm.model._fused_matmul(3) is not None and llm.model._fused_matmul(5) is None
     with pytest.raises(ValueError, match="CUDA") if not HAS_CUDA else pytest.raises(TypeError):
         LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=True if not HAS_CUDA else "yes")

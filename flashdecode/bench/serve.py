@@ -154,6 +154,16 @@ def build_requests(prompts: list[list[int]], output_len: int, model: str, chat_t
             for ids in prompts]
 
 
+def warm_up_engine(llm, prompts: list[list[int]]) -> None:
+    """Compile outside the timing what the load test will run: the prefill of one prompt, of several at once
+    (another kernel: varlen) and the decode step. The HTTP warm-up request covers the server's path."""
+    from flashdecode.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
+
+
 def generate_baseline(llm, prompts: list[list[int]], output_len: int) -> dict:
     """LLM.generate on the same batch (warm: after the server ran): output tokens/s."""
     from flashdecode.engine import SamplingParams
@@ -196,6 +206,7 @@ def run(args) -> int:
         from flashdecode.engine.server.launch import ServerThread
 
         llm = build_llm(args, max_model_len=args.max_model_len or args.prompt_len + args.output_len + 8)
+        warm_up_engine(llm, random_prompts(2, args.prompt_len, llm.config.vocab_size, args.seed + 1))
         server = ServerThread(llm, "bench", max_queue=args.num_requests).start()
         base_url, model = server.url, "bench"
     else:

@@ -31,11 +31,6 @@ from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
 
 MAX_M = 64
 WIN_MARGIN = 0.97  # the flat GEMM must be at least 3% faster than cuBLAS to be chosen (timing noise)
-# A decoder layer whose four linears all take the flat GEMM also takes their norm / silu*mul prologues, which
-# replaces three elementwise kernels (two add + RMSNorm, one silu * up) per layer. Each is a few microseconds in a
-# CUDA graph at decode batches (a launch plus a read and a write of M x hidden values): the layer takes the flat
-# GEMM when its four GEMMs together are at most this much slower than cuBLAS's (an estimate, not measured per GPU).
-PROLOGUE_SAVING_US = 6.0
 
 
 @triton.jit
@@ -202,7 +197,6 @@ class Choice:
     config: FlatGemmConfig | None
     flat_us: float
     cublas_us: float
-    best: FlatGemmConfig | None = None  # the fastest flat-GEMM config, whichever kernel won
 
 
 class ChoiceTable:
@@ -223,20 +217,6 @@ class ChoiceTable:
             return None
         choice = self.choices.get((m_bucket(m), n, k))
         return choice.config if choice is not None and choice.kernel == "flat" else None
-
-    def layer_configs(self, m: int, shapes: Iterable[tuple[int, int]],
-                      saving_us: float = PROLOGUE_SAVING_US) -> dict[tuple[int, int], FlatGemmConfig] | None:
-        """For a decoder layer whose linears have weight ``shapes`` [(n, k), ...]: the flat-GEMM config of each
-        shape when the layer should run every linear on the flat GEMM with the fused prologues (their flat times
-        together at most ``saving_us`` above cuBLAS's, see PROLOGUE_SAVING_US), else None (unmeasured shapes too)."""
-        if not 2 <= m <= MAX_M:
-            return None
-        picks = [self.choices.get((m_bucket(m), n, k)) for n, k in shapes]
-        if any(c is None or (c.best or c.config) is None for c in picks):
-            return None
-        if sum(c.flat_us for c in picks) > sum(c.cublas_us for c in picks) + saving_us:
-            return None
-        return {shape: c.best or c.config for shape, c in zip(shapes, picks)}
 
     def measure(self, shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device, *,
                 m_values: Iterable[int] = M_BUCKETS, configs: Iterable[FlatGemmConfig] = CANDIDATE_CONFIGS,
@@ -262,7 +242,7 @@ class ChoiceTable:
                 best_us, best = min(timed, key=lambda t: t[0])
                 wins = best_us < WIN_MARGIN * cublas
                 self.choices[(m_bucket(m), n, k)] = Choice("flat" if wins else "cublas", best if wins else None,
-                                                           best_us, cublas, best)
+                                                           best_us, cublas)
         return self
 
     def rows(self) -> list[dict]:
@@ -283,20 +263,12 @@ def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
 
 def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
     """Let every linear layer of ``model`` consult ``table`` (None: cuBLAS everywhere again), and the model itself
-    (its decoder layers' fused flat-GEMM path and its lm_head: ``flat_table``)."""
+    (its lm_head: ``flat_table``)."""
     for mod in _linears(model):
         mod.choice_table = table
     if hasattr(model, "flat_table"):
         model.flat_table = table
 
-
-def fused_matmul(configs: dict[tuple[int, int], FlatGemmConfig]) -> Callable:
-    """A matmul with the batch-1 GEMV's signature (x, weight, bias, prologue=, residual=, norm_weight=, eps=) that
-    runs the flat GEMM with each weight shape's config from ``configs`` (ChoiceTable.layer_configs)."""
-    def matmul(x, weight, bias=None, **prologue):
-        return flat_gemm(x, weight, bias, config=configs[tuple(weight.shape)], **prologue)
-
-    return matmul
 
 
 def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> "ChoiceTable":

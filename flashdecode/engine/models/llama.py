@@ -215,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
         self.use_fused = torch.device(device).type == "cuda"
         # single-token steps (batch-1 decode) through the Triton GEMV with fused norm/silu prologues
         self.use_gemv = torch.device(device).type == "cuda"
-        # a flat_gemm.ChoiceTable (flat_gemm.install): small decode batches through the flat GEMM with the same
-        # prologues where it wins for a whole layer, and the lm_head where it wins
+        # a flat_gemm.ChoiceTable (flat_gemm.install): the lm_head's small decode batches through the flat GEMM
+        # where it wins (the decoder layers' linears consult the table themselves)
         self.flat_table = None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, device)
         if cfg.tie_word_embeddings:
@@ -258,15 +258,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual, use_fused=self.use_fused)[0]
 
     def _fused_matmul(self, tokens: int):
-        """The projection kernel with fused prologues for a forward of ``tokens`` rows, or None (cuBLAS, separate
-        norm / silu kernels): the GEMV for one token on CUDA; the flat GEMM when the installed choice table has it
-        win for the whole layer at this batch (ChoiceTable.layer_configs)."""
-        if tokens == 1 and self.use_gemv and self.use_fused:
-            return gemv.gemv
-        if self.flat_table is None or not self.model.layers:
-            return None
-        configs = self.flat_table.layer_configs(tokens, self.model.layers[0].linear_shapes())
-        return None if configs is None else flat_gemm.fused_matmul(configs)
+        """The projection kernel with fused norm / silu prologues for a forward of ``tokens`` rows, or None
+        (cuBLAS or the flat GEMM per linear, separate norm / silu kernels): the GEMV for one token on CUDA.
+        (The flat GEMM with the same prologues at 16 rows ran the Llama-3-8B decode step 1.7x slower on the H100:
+        each of its programs re-reads every row's K inputs for the norm - docs/decisions.md.)"""
+        return gemv.gemv if tokens == 1 and self.use_gemv and self.use_fused else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (rows, hidden) -> float32 logits (rows, vocab)."""
