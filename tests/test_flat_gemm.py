@@ -4,6 +4,7 @@ On the CPU the kernel runs in the Triton interpreter (fp16/fp32, small shapes)."
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -142,5 +143,53 @@ def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
     hf = hf_model(path)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in prompts]
     assert calls and set(calls) <= {2, 3, 4}
-    with pytest.raises(ValueError, match="CUDA") if not HAS_CUDA else pytest.raises(TypeError):
-        LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=True if not HAS_CUDA else "yes")
+    with pytest.raises(ValueError, match="flat_gemm"):
+        LLM(path, device=DEVICE, use_tqdm=False, flat_gemm="yes")
+    with pytest.raises(TypeError, match="flat_gemm"):
+        LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=3)
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="CUDA"):
+            LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=True)
+
+
+def test_choice_table_json_round_trip_and_the_per_gpu_cache(tmp_path, monkeypatch):
+    """to_json / from_json keep every choice; cached_table_for_model measures once per key, then reads the file
+    (a changed key - another GPU, software or shape - measures again; an unreadable file is measured over)."""
+    from types import SimpleNamespace
+
+    table = fg.ChoiceTable()
+    table.choices[(16, 64, 32)] = fg.Choice("flat", SMALL, 7.0, 9.0)
+    table.choices[(32, 64, 32)] = fg.Choice("cublas", None, 12.0, 9.0)
+    back = fg.ChoiceTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert back.choices == table.choices
+    measured = []
+    monkeypatch.setattr(fg, "measure_for_model", lambda *a: measured.append(a) or table)
+    props = SimpleNamespace(name="GPU-A", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    model = torch.nn.Linear(32, 64)
+    monkeypatch.setattr(fg, "linear_shapes", lambda m: [(64, 32)])
+    first = fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    again = fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    assert len(measured) == 1 and first.choices == again.choices == table.choices
+    props.name = "GPU-B"
+    fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    assert len(measured) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{not json")
+    fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    assert len(measured) == 3
+
+
+def test_auto_measures_only_models_whose_weights_stream_from_memory():
+    from flashdecode.engine.config import named_config
+    from flashdecode.engine.models import model_class
+
+    def model(name, layers):
+        cfg = named_config(name, num_layers=layers)
+        return model_class(cfg)(cfg, torch.bfloat16, "meta", max_positions=16)
+
+    from flashdecode.engine.layers.linear import Linear
+
+    assert fg.worth_measuring(model("llama3.2-1b", 1))  # 2048 x 8192 bf16 MLP weights: 32 MiB
+    assert not fg.worth_measuring(Linear(256, 512, False, torch.bfloat16, "meta"))  # the tests' tiny models
+    assert not fg.worth_measuring(torch.nn.Sequential())

@@ -63,10 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of KV page dtypes for the flashdecode backends: auto (the model's), fp8, "
                              "int8 (8-bit pages + per-token-head scales); each 8-bit one is a '<backend>+<dtype>' "
                              "column beside the bf16 one")
-    parser.add_argument("--flat-gemm", action="store_true",
-                        help="also run the batched points with the flat GEMM where the per-shape choice table "
-                             "(measured once on this GPU, flashdecode.engine.layers.flat_gemm) beats cuBLAS: a "
-                             "'flashdecode+flat' column")
+    parser.add_argument("--cublas-column", action="store_true",
+                        help="also run the batched points with the flat GEMM off (cuBLAS for every linear; the "
+                             "engine's default takes the flat GEMM where its measured table says it wins): a "
+                             "'flashdecode+cublas' column")
     parser.add_argument("--quick", action="store_true",
                         help="<= 3 min on an H100: full llama3-8b, contexts 512,4096,16384,65536, 32 steps")
     parser.add_argument("--profile", action="store_true",
@@ -150,9 +150,9 @@ def _fill_pool_randomly(runner) -> None:
 
 
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
-                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm=False) -> float:
+                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm="auto") -> float:
     """Sequence tokens/s (all sequences together) of the engine's decode loop at ``context`` tokens.
-    ``flat_gemm``: False, or a measured flat_gemm.ChoiceTable the engine installs (LLM(flat_gemm=))."""
+    ``flat_gemm``: the engine's LLM(flat_gemm=) (default: its own)."""
     from flashdecode.engine import LLM
 
     cfg = model.config
@@ -478,20 +478,16 @@ def run(args) -> int:
     points = [(col, c, bs) for bs in batches for c in contexts for col in columns]
     points += [(col, args.batched_context, bs) for bs in batched for col in columns
                if col[0] in ("flashdecode", "sdpa")]
-    table = False
-    if args.flat_gemm and batched and "flashdecode" in backends:
-        from flashdecode.engine.layers import flat_gemm as fg
-
-        table = fg.measure_for_model(model, max(batched), model.lm_head_weight.dtype, torch.device("cuda"))
-        flat_col = ("flashdecode", "auto", "flashdecode+flat")
-        points += [(flat_col, args.batched_context, bs) for bs in batched]
-        columns.append(flat_col)
+    if args.cublas_column and batched and "flashdecode" in backends:
+        cublas_col = ("flashdecode", "auto", "flashdecode+cublas")
+        points += [(cublas_col, args.batched_context, bs) for bs in batched]
+        columns.append(cublas_col)
     rows = []
     for (backend, kv, label), ctx, bs in tqdm(points, desc="e2e decode"):
         roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
-                                       table if label.endswith("+flat") else False)
+                                       False if label.endswith("+cublas") else "auto")
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"

@@ -48,8 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8"),
                         help="KV pages: the model's dtype (auto), or 8 bits with per-token-head scales")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--flat-gemm", action="store_true",
-                        help="measure the flat GEMM against cuBLAS at start (CUDA) and use it where it wins")
+    parser.add_argument("--flat-gemm", choices=("auto", "on", "off"), default="auto",
+                        help="the flat GEMM for small decode batches where it beats cuBLAS: auto = from the "
+                             "table measured once per GPU model (cached), on = measure now, off = cuBLAS")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
@@ -69,7 +70,7 @@ def build_llm(args, max_model_len: int | None = None):
     return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
-               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=args.flat_gemm,
+               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm={"auto": "auto", "on": True, "off": False}[args.flat_gemm],
                tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
                kv_cache_dtype=args.kv_cache_dtype)
 

@@ -115,9 +115,12 @@ class LLM:
         enforce_eager: no CUDA graphs.
         seed: seed of the random weights when ``model`` is a ModelConfig.
         use_tqdm: a progress bar while the weights load.
-        flat_gemm: True = measure, at start (CUDA only; seconds), the flat GEMM against cuBLAS for every linear
-            shape at the decode batch buckets and use it where it wins (flashdecode.engine.layers.flat_gemm);
-            or a ready ChoiceTable. Default off.
+        flat_gemm: "auto" (default) = on CUDA with max_num_seqs >= 2, the flat GEMM for the decode linears of
+            small batches where it beats cuBLAS (models whose weights stream from HBM: fg.worth_measuring), from a
+            per-(M, N, K) table measured on this GPU model once and
+            then read from the cache (flashdecode.engine.layers.flat_gemm.cached_table_for_model; a first start
+            on a new GPU measures for some seconds); True = measure now (CUDA only); False = cuBLAS everywhere;
+            or a ready ChoiceTable.
         tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
             that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
             (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.
@@ -145,7 +148,7 @@ class LLM:
     def __init__(self, model, *, dtype=None, device=None, attn_backend: str | None = None, page_size: int | None = None,
                  kv_cache_memory: int | float | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm=False,
+                 enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm="auto",
                  tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
                  kv_cache_dtype: str = "auto"):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
@@ -235,6 +238,14 @@ class LLM:
 
         if flat_gemm is False or flat_gemm is None:
             return
+        if isinstance(flat_gemm, str):
+            if flat_gemm != "auto":
+                raise ValueError(f"flat_gemm must be 'auto', a bool or a ChoiceTable, got {flat_gemm!r}")
+            if self.device.type != "cuda" or max_num_seqs < 2 or not fg.worth_measuring(self.model):
+                return
+            t0 = time.perf_counter()
+            flat_gemm = fg.cached_table_for_model(self.model, max_num_seqs, self.dtype, self.device)
+            logger.debug("flat GEMM table ready in %.1f s", time.perf_counter() - t0)
         if flat_gemm is True:
             if self.device.type != "cuda":
                 raise ValueError("flat_gemm=True measures kernels on the GPU; it needs a CUDA device")

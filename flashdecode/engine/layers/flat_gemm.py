@@ -20,6 +20,11 @@ benchmarks/probes/flat_gemm.py prints the same comparison as a table.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -28,6 +33,8 @@ import triton
 import triton.language as tl
 
 from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
+
+logger = logging.getLogger(__name__)
 
 MAX_M = 64
 WIN_MARGIN = 0.97  # the flat GEMM must be at least 3% faster than cuBLAS to be chosen (timing noise)
@@ -245,6 +252,20 @@ class ChoiceTable:
                                                            best_us, cublas)
         return self
 
+    def to_json(self) -> list[dict]:
+        """The choices as JSON-able rows (``from_json`` reads them back)."""
+        return [{"m": m, "n": n, "k": k, "kernel": c.kernel, "flat_us": c.flat_us, "cublas_us": c.cublas_us,
+                 "config": dataclasses.asdict(c.config) if c.config else None}
+                for (m, n, k), c in sorted(self.choices.items())]
+
+    @classmethod
+    def from_json(cls, rows: list[dict]) -> "ChoiceTable":
+        table = cls()
+        for r in rows:
+            config = FlatGemmConfig(**r["config"]) if r["config"] else None
+            table.choices[(r["m"], r["n"], r["k"])] = Choice(r["kernel"], config, r["flat_us"], r["cublas_us"])
+        return table
+
     def rows(self) -> list[dict]:
         """The table as rows (M, N, K, kernel, flat us, cuBLAS us, speed-up, config)."""
         return [{"M": m, "N": n, "K": k, "kernel": c.kernel, "flat_us": c.flat_us, "cublas_us": c.cublas_us,
@@ -269,6 +290,62 @@ def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
     if hasattr(model, "flat_table"):
         model.flat_table = table
 
+
+
+# The flat GEMM's gain is in streaming a weight from HBM (cuBLAS pads M and may leave SMs idle): for a model whose
+# largest linear weight is smaller than this, launch overheads decide and cuBLAS stays (nothing is measured).
+MIN_WEIGHT_BYTES = 8 << 20
+
+
+def worth_measuring(model: torch.nn.Module) -> bool:
+    """Whether the engine's flat_gemm="auto" measures a table for ``model`` (see MIN_WEIGHT_BYTES)."""
+    sizes = [mod.weight.numel() * mod.weight.element_size() for mod in _linears(model)]
+    return bool(sizes) and max(sizes) >= MIN_WEIGHT_BYTES
+
+
+def cache_dir() -> Path:
+    """Where measured tables are kept: $FLASHDECODE_CACHE_DIR, else $XDG_CACHE_HOME/flashdecode, else
+    ~/.cache/flashdecode (a subfolder flat_gemm/)."""
+    root = os.environ.get("FLASHDECODE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "flashdecode")
+    return Path(root) / "flat_gemm"
+
+
+def _cache_key(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> dict:
+    """Everything a measured table depends on: the GPU, the software, the shapes, batches and candidates."""
+    props = torch.cuda.get_device_properties(device)
+    top = m_bucket(min(max(2, max_batch), MAX_M))
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "dtype": str(dtype), "shapes": sorted(linear_shapes(model)),
+            "m_values": [b for b in M_BUCKETS if b <= top], "win_margin": WIN_MARGIN,
+            "configs": [dataclasses.asdict(c) for c in QUICK_CONFIGS]}
+
+
+def cached_table_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device,
+                           directory: Path | None = None) -> "ChoiceTable":
+    """``measure_for_model``, measured once per GPU model, software and shapes and then read from
+    ``directory`` (default ``cache_dir()``): the engine's default on CUDA (a first start on a new GPU measures
+    for some seconds). A cache file that cannot be read or written is measured over / skipped with a warning."""
+    key = json.loads(json.dumps(_cache_key(model, max_batch, dtype, device)))  # as the file will hold it
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (directory or cache_dir()) / f"{digest}.json"
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return ChoiceTable.from_json(stored["rows"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        logger.warning("flat GEMM table %s unreadable (%s): measuring again", path, err)
+    table = measure_for_model(model, max_batch, dtype, device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "rows": table.to_json()}, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        logger.warning("flat GEMM table not cached at %s: %s", path, err)
+    return table
 
 
 def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> "ChoiceTable":
