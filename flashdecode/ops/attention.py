@@ -610,19 +610,35 @@ _BWD_PLANS: dict = {}
 
 def _fp8_v_transposed(v: torch.Tensor, varlen: bool):
     """FP8 forward: a copy of v with the key dimension contiguous (the fp8 wgmma takes its B operand K-major, and
-    PV's K is the key), padded to a multiple of 16 keys so that its rows suit tensor descriptors. Costs one read
-    and one write of v (1/hd of the forward's work per key; see docs/decisions.md). Returns (physical tensor:
-    dense (batch, nheads_kv, headdim, keys_pad), varlen (nheads_kv, headdim, keys_pad); its (batch, seq, head,
-    dim) strides for the kernel)."""
+    PV's K is the key), padded with zeros to a multiple of 16 keys so that its rows suit tensor descriptors, by
+    kernels/fp8_transpose.py. Costs one read and one write of v (1/hd of the forward's work per key; see
+    docs/decisions.md). Returns (physical tensor: dense (batch, nheads_kv, headdim, keys_pad), varlen (nheads_kv,
+    headdim, keys_pad); its (batch, seq, head, dim) strides for the kernel)."""
     keys = v.shape[-3]
     pad = -(-keys // 16) * 16
     if varlen:
         phys = torch.empty((v.shape[1], v.shape[2], pad), dtype=v.dtype, device=v.device)
-        phys[:, :, :keys].copy_(v.permute(1, 2, 0))
+        _launch_v_transpose(v[None], phys[None], keys, pad)
         return phys, (0, 1, phys.stride(0), phys.stride(1))
     phys = torch.empty((v.shape[0], v.shape[2], v.shape[3], pad), dtype=v.dtype, device=v.device)
-    phys[..., :keys].copy_(v.permute(0, 2, 3, 1))
+    _launch_v_transpose(v, phys, keys, pad)
     return phys, (phys.stride(0), 1, phys.stride(1), phys.stride(2))
+
+
+_V_TRANSPOSE_KEYS = 64  # keys per program of the V transpose (a 64 x headdim byte tile)
+
+
+def _launch_v_transpose(v: torch.Tensor, phys: torch.Tensor, keys: int, pad: int) -> None:
+    """phys (batch, nheads_kv, headdim, pad) = v (batch, keys, nheads_kv, headdim) transposed, zeros past keys."""
+    from flashdecode.kernels.fp8_transpose import v_transpose_kernel
+
+    if pad == 0 or phys.numel() == 0:
+        return
+    d = v.shape[3]
+    src, dst = v.view(torch.uint8), phys.view(torch.uint8)  # a byte move: no float8 arithmetic anywhere
+    grid = (cdiv(pad, _V_TRANSPOSE_KEYS), v.shape[2], v.shape[0])
+    v_transpose_kernel[grid](src, dst, keys, pad, *src.stride(), *dst.stride()[:3], HEAD_DIM=d,
+                             HEAD_DIM_P2=triton.next_power_of_2(d), BLOCK_S=_V_TRANSPOSE_KEYS)
 
 
 def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
