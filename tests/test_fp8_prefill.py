@@ -240,3 +240,24 @@ def test_gpu_fp8_autotuned_and_pointer_paths(gen, monkeypatch):
     inputs = fp8_inputs(gen, 2, 2048, 2048, 8, 2, 128)
     check_fp8(*inputs, causal=True)
     check_fp8(*inputs, causal=True, config_changes=dict(fwd_tma=False))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The V transpose both FP8 forwards read (kernels/fp8_transpose.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keys,headdim,varlen", [(37, 64, False), (128, 80, False), (1, 16, True), (70, 128, True)])
+def test_fp8_v_transpose_moves_bytes_and_zero_pads(gen, keys, headdim, varlen):
+    """V^T holds V's bytes with the keys contiguous (every e4m3 code, NaN ones included, moved exactly, from a
+    strided view) and zeros in the padding up to a multiple of 16 keys."""
+    codes = torch.randint(0, 256, (2, keys, 3, 2 * headdim), generator=gen, dtype=torch.uint8)
+    v = codes.to(DEVICE).view(FP8)[..., ::2]  # a non-unit head-dim stride
+    if varlen:
+        v = v[0]
+    phys, _ = attn_ops._fp8_v_transposed(v, varlen)
+    pad = -(-keys // 16) * 16
+    want = v.view(torch.uint8)[None] if varlen else v.view(torch.uint8)
+    got = phys.view(torch.uint8)[None] if varlen else phys.view(torch.uint8)
+    assert got.shape == (want.shape[0], 3, headdim, pad) and got.stride(-1) == 1
+    assert torch.equal(got[..., :keys], want.permute(0, 2, 3, 1))
+    assert not got[..., keys:].any()

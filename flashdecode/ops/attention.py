@@ -740,6 +740,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if fp8:
         v_layout, v_strides = _fp8_v_transposed(v, varlen)
         v_kernel, v_descale = v_layout, v_descale.contiguous()
+        if (not varlen and alibi_slopes is None and config_id == _RESOLVE_CONFIG
+                and gluon_attention.gluon_fp8_forward_into(q, k, v_layout, out, lse, qk_descale, v_descale, scale,
+                                                           left, right, softcap)):
+            return out, lse  # the e4m3 Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
     else:
         v_strides = _strides(v, varlen)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
