@@ -223,11 +223,12 @@ def test_gluon_fp8_forward_every_config(overrides, causal):
 @needs_hopper
 def test_gluon_fp8_rows_without_keys_zero_descales_and_per_head_q_descale():
     """Causal seqlen_q > seqlen_k: empty rows give 0 and -inf; an all-zero head (descale 0) and v_descale 0 give
-    no NaN; q_descale per query head."""
+    no NaN; q_descale per query head; a negative k_descale (a sign flip) still gives the right row max."""
     inputs = _fp8(2, 300, 100, 4, 2, 128, seed=3, q_per_head=True)
     q8, k8, v8, qd, kd, vd = inputs
     q8[0, :, 0] = 0
     qd[0, 0] = 0.0
+    kd[1, 0] = -kd[1, 0]
     v8[1, :, 1] = 0
     vd[1, 1] = 0.0
     out, lse = _check_fp8_gluon(inputs, True)

@@ -162,21 +162,18 @@ def _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
-    """Online-softmax update for one block of scores s (64, BLOCK_N) fp32: raw for fp16/bf16, already in scaled
-    log2 units for e4m3 (P_LOG2_SCALE != 0, see _scores_for_softmax).
+    """Online-softmax update for one block of raw scores s (64, BLOCK_N) fp32.
 
     m_i is the running row max in scaled log2 units (scores * softmax_scale * log2 e), l_i the running row sum of
     exp2(score - m_i) (times 2**P_LOG2_SCALE, see _p_log2_scale). Returns (p, alpha, m_new, l_new) with
     p = exp2(scaled score - m_new) * 2**P_LOG2_SCALE fp32 and alpha the factor that rescales what was accumulated
     under the old max. Rows with no visible key so far keep m = -inf and shift by 0, so exp2(-inf - -inf) never
     happens."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     if P_LOG2_SCALE != 0.0:  # P * 2**P_LOG2_SCALE: a per-row shift of the exponent, no per-element multiply
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_use - P_LOG2_SCALE, 1))
+        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use - P_LOG2_SCALE, 1))
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
@@ -184,14 +181,15 @@ def _softmax_step(s, m_i, l_i, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
 
 
 @gluon.jit
-def _scores_for_softmax(s, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
-    """The scores as _softmax_step takes them, before any mask. e4m3: scaled first (one multiply per score), since
-    the scale holds the tile's q_descale * k_descale: a descale of 0 (an all-zero tensor's) would turn a masked
-    -inf into NaN after the mask, and a negative one would make max(s) * scale the row minimum. fp16/bf16: raw
-    (the row max is taken on raw scores and scaled once per row)."""
+def _scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
+    """(scores, scale) for _softmax_step in a masked block. e4m3: the scores scaled before the mask, and scale 1.
+    The scale holds the tile's q_descale * k_descale there, so it may be 0 (an all-zero tensor's descale: -inf * 0
+    would be NaN) or negative (max(s) * scale would be the row minimum); tiles whose scale is not > 0 take every
+    block through this path (see _consumer). fp16/bf16: unchanged (raw scores, the row max scaled once per row)."""
     if P_LOG2_SCALE != 0.0:
         s = s * qk_scale_log2
-    return s
+        qk_scale_log2 = 1.0
+    return s, qk_scale_log2
 
 
 @gluon.jit
@@ -238,10 +236,11 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
                       use_acc=False, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    s = _scores_for_softmax(s, qk_scale_log2, _p_log2_scale(q.dtype))
+    scale = qk_scale_log2
     if MASKED:
+        s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, _p_log2_scale(q.dtype))
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.convert_layout(p.to(q.dtype), p_layout)
     mbarrier.wait(v_ready.index(slot), phase)
@@ -275,10 +274,11 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
     acc = warpgroup_mma(p, _pv_operand(v_smem.index(prev)), acc, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
-    s = _scores_for_softmax(s, qk_scale_log2, _p_log2_scale(q.dtype))
+    scale = qk_scale_log2
     if MASKED:
+        s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, _p_log2_scale(q.dtype))
+    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
     p_new = gl.convert_layout(p_new.to(q.dtype), p_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     mbarrier.arrive(kv_empty.index(prev), count=1)
@@ -331,10 +331,11 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
                           use_acc=False, is_async=True)
         _pingpong_leave(turn, CONSUMER, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        s = _scores_for_softmax(s, qk_scale_log2, _p_log2_scale(q.dtype))
+        scale = qk_scale_log2
         if n_full == 0:
+            s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
             s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2, _p_log2_scale(q.dtype))
+        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
         p = gl.convert_layout(p0.to(q.dtype), p_layout)
     for i in range(1, n_full):
         acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
@@ -376,6 +377,9 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
         if P_LOG2_SCALE != 0.0:
             scale_log2 = qk_scale_log2 * gl.load(qk_descale_ptr + batch * NUM_HEADS + head)
             out_scale = gl.load(v_descale_ptr + batch * (NUM_HEADS // GROUP) + head // GROUP)
+            # A scale that is not > 0 (a descale of 0 or below) takes every block through the masked path, which
+            # scales the scores before masking them (_scale_before_mask); NaN descales give NaN either way.
+            n_full_end = gl.where(scale_log2 > 0.0, n_full_end, 0)
         else:
             scale_log2 = qk_scale_log2
             out_scale = 1.0
