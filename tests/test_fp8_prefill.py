@@ -246,18 +246,33 @@ def test_gpu_fp8_autotuned_and_pointer_paths(gen, monkeypatch):
 # The V transpose both FP8 forwards read (kernels/fp8_transpose.py)
 # ----------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("key_order", ["natural", "wgmma"])
 @pytest.mark.parametrize("keys,headdim,varlen", [(37, 64, False), (128, 80, False), (1, 16, True), (70, 128, True)])
-def test_fp8_v_transpose_moves_bytes_and_zero_pads(gen, keys, headdim, varlen):
+def test_fp8_v_transpose_moves_bytes_and_zero_pads(gen, keys, headdim, varlen, key_order):
     """V^T holds V's bytes with the keys contiguous (every e4m3 code, NaN ones included, moved exactly, from a
-    strided view) and zeros in the padding up to a multiple of 16 keys."""
+    strided view) and zeros in the padding up to a multiple of 16 keys (32 for the Gluon kernel's "wgmma" order,
+    where column 32 ch + 16 jh + 4 c + 2 jl + e holds key 32 ch + 16 jh + 8 jl + 2 c + e)."""
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
     codes = torch.randint(0, 256, (2, keys, 3, 2 * headdim), generator=gen, dtype=torch.uint8)
     v = codes.to(DEVICE).view(FP8)[..., ::2]  # a non-unit head-dim stride
     if varlen:
         v = v[0]
-    phys, _ = attn_ops._fp8_v_transposed(v, varlen)
-    pad = -(-keys // 16) * 16
+    phys, _ = fp8_v_transposed(v, varlen, key_order)
+    pad = -(-keys // 32) * 32 if key_order == "wgmma" else -(-keys // 16) * 16
     want = v.view(torch.uint8)[None] if varlen else v.view(torch.uint8)
+    want = torch.cat([want, want.new_zeros(want.shape[0], pad - keys, *want.shape[2:])], dim=1)
+    if key_order == "wgmma":
+        col = torch.arange(pad)
+        ch, jh, c, jl, e = col // 32, col // 16 % 2, col // 4 % 4, col // 2 % 2, col % 2
+        want = want[:, (ch * 32 + jh * 16 + jl * 8 + c * 2 + e).to(want.device)]
     got = phys.view(torch.uint8)[None] if varlen else phys.view(torch.uint8)
     assert got.shape == (want.shape[0], 3, headdim, pad) and got.stride(-1) == 1
-    assert torch.equal(got[..., :keys], want.permute(0, 2, 3, 1))
-    assert not got[..., keys:].any()
+    assert torch.equal(got, want.permute(0, 2, 3, 1))
+
+
+def test_fp8_v_transpose_rejects_unknown_key_order():
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    with pytest.raises(ValueError, match="key_order"):
+        fp8_v_transposed(torch.zeros(1, 4, 1, 16, device=DEVICE).to(FP8), key_order="sorted")

@@ -167,7 +167,6 @@ def _fp8_plans():
 def _check_fp8_gluon(inputs, causal, config=None):
     """The e4m3 kernel (called directly, so a fallback cannot hide) against the float64 reference on the
     dequantised inputs, with test_fp8_prefill's tolerance (2x the same-rounding PyTorch emulation + 2e-3)."""
-    from flashdecode.ops import attention as attn_ops
     from flashdecode.ops.gluon_attention import gluon_fp8_forward_into
     from flashdecode.reference import attention_ref as ref64
     from test_fp8_prefill import dequantise, fp8_emulation
@@ -176,11 +175,10 @@ def _check_fp8_gluon(inputs, causal, config=None):
     group = q8.shape[2] // k8.shape[2]
     q_rep = qd if qd.shape[1] == q8.shape[2] else qd.repeat_interleave(group, dim=1)
     qk_descale = q_rep * kd.repeat_interleave(group, dim=1)
-    vt, _ = attn_ops._fp8_v_transposed(v8, False)
     out = torch.empty(q8.shape, dtype=torch.bfloat16, device=q8.device)
     lse = torch.empty(q8.shape[0], q8.shape[2], q8.shape[1], dtype=torch.float32, device=q8.device)
     scale = q8.shape[-1] ** -0.5
-    assert gluon_fp8_forward_into(q8, k8, vt, out, lse, qk_descale, vd, scale, -1, 0 if causal else -1,
+    assert gluon_fp8_forward_into(q8, k8, v8, out, lse, qk_descale, vd, scale, -1, 0 if causal else -1,
                                   config=config), "the e4m3 Gluon kernel refused a call it should take"
     want, want_lse = ref64(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), causal=causal)
     emulated = fp8_emulation(*(t.cpu() for t in inputs), causal=causal)

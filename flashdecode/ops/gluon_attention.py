@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from flashdecode.ops import direct_launch
+from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
 
 GLUON_HEAD_DIMS = (64, 128)
@@ -114,18 +115,16 @@ def _supported_problem(q, k, v) -> bool:
     return all(_rows_layout_ok(t) for t in (q, k, v))
 
 
-def _supported_fp8_problem(q, k, vt) -> bool:
+def _supported_fp8_problem(q, k, v) -> bool:
     """The e4m3 kernel takes q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_kv, headdim) in
-    TMA-viewable layouts and V^T vt (batch, nheads_kv, headdim, keys_pad >= seqlen_k) with a unit key stride and
-    16-byte rows, all float8_e4m3fn on one sm_90 device, head dim in FP8_HEAD_DIMS, non-empty sequences."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == FP8_DTYPE for t in (q, k, vt)):
+    TMA-viewable layouts and v like k (any strides: the kernel reads its transposed copy), all float8_e4m3fn on one
+    sm_90 device, head dim in FP8_HEAD_DIMS, non-empty sequences."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == FP8_DTYPE for t in (q, k, v)):
         return False
-    if not (q.device == k.device == vt.device) or not _is_hopper(q.device):
+    if not (q.device == k.device == v.device) or not _is_hopper(q.device):
         return False
     b, sk, hkv, d = k.shape
-    if q.shape[-1] != d or d not in FP8_HEAD_DIMS or q.shape[0] != b or q.shape[2] % hkv != 0:
-        return False
-    if vt.shape[:3] != (b, hkv, d) or vt.shape[3] < sk or vt.stride(3) != 1 or vt.stride(2) % 16 != 0:
+    if q.shape[-1] != d or d not in FP8_HEAD_DIMS or q.shape[0] != b or q.shape[2] % hkv != 0 or v.shape != k.shape:
         return False
     if min(q.shape[:3]) == 0 or min(k.shape[:3]) == 0:
         return False
@@ -148,12 +147,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _vt_view(vt: torch.Tensor, seqlen_k: int) -> tuple[list, list]:
-    """(shape, strides) of V^T vt (batch, nheads_kv, headdim, keys_pad) (unit key stride) read as the 2-D
-    (batch * nheads_kv * headdim, seqlen_k) rows view of the e4m3 kernel: the view ends at seqlen_k, so TMA
-    zero-fills the keys past it instead of reading the padding."""
-    b, h, d, _ = vt.shape
-    return [b * h * d, seqlen_k], [vt.stride(2), 1]
+def _vt_view(v: torch.Tensor) -> tuple[list, list]:
+    """(shape, strides) of the e4m3 kernel's V^T of v (batch, seqlen_k, nheads_kv, headdim): fp8_v_transposed's
+    (batch, nheads_kv, headdim, keys_pad) contiguous copy (key_order "wgmma", keys_pad = seqlen_k rounded up to 32,
+    zeros past seqlen_k) read as the 2-D (batch * nheads_kv * headdim, keys_pad) rows. The view takes the padding
+    in: keys are renumbered within each 32, so a column past seqlen_k may hold a key before it."""
+    b, sk, h, d = v.shape
+    pad = _cdiv(sk, 32) * 32
+    return [b * h * d, pad], [pad, 1]
 
 
 def _rows_view(x: torch.Tensor) -> tuple[list, list]:
@@ -204,8 +205,8 @@ class _GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
     (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
     with the CUtensorMaps of the addresses seen (direct_launch.TensormapLauncher; None where Triton's launcher
-    does not have the layout it expects). fp8 (e4m3 q, k): v is V^T (batch, nheads_kv, headdim, keys_pad) and each
-    launch passes the descale pointers after out and lse."""
+    does not have the layout it expects). fp8 (e4m3 q, k, v): each launch gets V^T (see _vt_view) as v and the
+    descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "fp8")
@@ -219,7 +220,7 @@ class _GluonPlan:
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
-        self.views = (_rows_view(q), _rows_view(k), _vt_view(v, k.shape[1]) if self.fp8 else _rows_view(v))
+        self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
         self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
@@ -282,7 +283,7 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     plan = _PLANS.get(key)
     if plan is None:
         plan = _NOT_APPLICABLE
-        fp8 = q.dtype == FP8_DTYPE  # v is V^T (see _supported_fp8_problem)
+        fp8 = q.dtype == FP8_DTYPE
         supported = _supported_fp8_problem(q, k, v) if fp8 else _supported_problem(q, k, v)
         if supported and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
             resolve = resolve_gluon_fp8_config if fp8 else resolve_gluon_config
@@ -355,7 +356,7 @@ def gluon_forward_if_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int = -1, window_right: int = -1,
                   softcap: float = 0.0, config: Optional[GluonFwdConfig] = None) -> Optional[_GluonPlan]:
     """The plan of a dense forward that the dispatch sends to the Gluon kernel (see gluon_forward_if_supported,
-    whose arguments these are; e4m3 q, k with V^T as v: see gluon_fp8_forward_into), else None. The answer holds
+    whose arguments these are; e4m3 q, k, v: see gluon_fp8_forward_into), else None. The answer holds
     for every call that shares the launch key (shapes, strides, dtypes, devices, mask flags) and the pointers'
     16-byte alignment and the interpreter switch: a caller that keys on those may keep it (ops/attention.py's dense
     call cache). config: the launch to use (and no gluon_pays rule), as in gluon_attention_forward."""
@@ -373,23 +374,24 @@ def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left
 # FP8 (float8_e4m3fn): the e4m3 kernel behind flash_attn's FP8 forward
 # ----------------------------------------------------------------------------------------------------------------
 
-def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            qk_descale: torch.Tensor, v_descale: torch.Tensor, softmax_scale: float,
                            window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                            config: Optional[GluonFwdConfig] = None) -> bool:
     """flash_attn's dense FP8 forward on the e4m3 Gluon kernel where it applies (and gluon_pays, unless config is
     given): writes out and lse and returns True; else returns False having touched nothing (take the Triton path).
 
-    q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_kv, headdim) float8_e4m3fn; vt: V^T
-    (batch, nheads_kv, headdim, keys_pad) float8_e4m3fn with a unit key stride (ops/attention.py's
-    _fp8_v_transposed); out (batch, seqlen_q, nheads, headdim) bfloat16 contiguous; lse (batch, nheads, seqlen_q)
-    float32 contiguous (natural log; -inf and out 0 on rows that see no key). qk_descale float32 (batch, nheads):
+    q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_kv, headdim) float8_e4m3fn (v is first
+    transposed, ops/fp8_v_transpose.py); out (batch, seqlen_q, nheads, headdim) bfloat16 contiguous; lse (batch,
+    nheads, seqlen_q) float32 contiguous (natural log; -inf and out 0 on rows that see no key). qk_descale float32
+    (batch, nheads):
     q_descale * k_descale per query head; v_descale float32 (batch, nheads_kv). Options as in
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
-    plan = dispatch_plan(q, k, vt, window_left, window_right, softcap, config)
+    plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False
+    vt, _ = fp8_v_transposed(v, key_order="wgmma")
     plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E, (qk_descale.contiguous(), v_descale.contiguous()))
     return True

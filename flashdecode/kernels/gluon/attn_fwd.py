@@ -193,6 +193,27 @@ def _scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, p_layout: gl.constexpr):
+    """P (64, BLOCK_N) in the scores' accumulator layout as the A operand (p_layout) of O += P V.
+
+    fp16/bf16: a layout conversion that moves nothing. e4m3: the accumulator gives a thread keys in pairs
+    (8 jl + 2 c + e within each 32 keys: jl, e in {0, 1}, c = lane % 4) where the 8-bit operand wants 4
+    consecutive keys per register (4 c + 2 jl + e); reading that as a conversion costs shuffles and byte permutes
+    per block. Instead P's keys are renumbered within each 32 (key 32 ch + 16 jh + 8 jl + 2 c + e becomes column
+    32 ch + 16 jh + 4 c + 2 jl + e), which makes the conversion a register-for-register identity (asserted), and
+    the V^T operand holds its keys in the same order (ops/fp8_v_transpose.py, key_order="wgmma"), so P V is
+    unchanged."""
+    if p.dtype.primitive_bitwidth == 8:
+        BLOCK_N: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [64, BLOCK_N // 32, 2, 2, 4, 2])  # (row, ch, jh, jl, c, e)
+        p = gl.permute(p, [0, 1, 2, 4, 3, 5])  # (row, ch, jh, c, jl, e)
+        p = gl.convert_layout(gl.reshape(p, [64, BLOCK_N]), p_layout, assert_trivial=True)
+    else:
+        p = gl.convert_layout(p, p_layout)
+    return p
+
+
+@gluon.jit
 def _pv_operand(v_tile):
     """A V slot as the B operand (BLOCK_N keys x HEAD_DIM) of O += P V. fp16/bf16 slots hold V's rows as they are;
     an e4m3 slot holds V^T (HEAD_DIM x BLOCK_N, keys contiguous), read through its transpose: the 8-bit wgmma
@@ -242,7 +263,7 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = gl.convert_layout(p.to(q.dtype), p_layout)
+    p = _p_operand(p.to(q.dtype), p_layout)
     mbarrier.wait(v_ready.index(slot), phase)
     acc = warpgroup_mma(p, _pv_operand(v_smem.index(slot)), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -279,7 +300,7 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
         s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
     p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
-    p_new = gl.convert_layout(p_new.to(q.dtype), p_layout)
+    p_new = _p_operand(p_new.to(q.dtype), p_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     mbarrier.arrive(kv_empty.index(prev), count=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -336,7 +357,7 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
             s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
             s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
         p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
-        p = gl.convert_layout(p0.to(q.dtype), p_layout)
+        p = _p_operand(p0.to(q.dtype), p_layout)
     for i in range(1, n_full):
         acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
