@@ -276,3 +276,18 @@ def test_fp8_v_transpose_rejects_unknown_key_order():
 
     with pytest.raises(ValueError, match="key_order"):
         fp8_v_transposed(torch.zeros(1, 4, 1, 16, device=DEVICE).to(FP8), key_order="sorted")
+
+
+def test_fp8_wgmma_key_order_matches_the_gluon_kernels_p_columns(gen):
+    """The Gluon e4m3 kernel renumbers P's keys with reshape (64, n/32, 2, 2, 4, 2) -> permute (0, 1, 2, 4, 3, 5)
+    -> reshape (its _p_operand; reshape and permute there have torch's semantics); P renumbered that way times the
+    "wgmma"-ordered V^T is P V."""
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    keys, d = 128, 16
+    v8 = (torch.randn(1, keys, 1, d, generator=gen) * 4).to(FP8).to(DEVICE)
+    p = torch.rand(64, keys, generator=gen, dtype=torch.float64)
+    p_cols = p.reshape(64, keys // 32, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, keys)
+    vt, _ = fp8_v_transposed(v8, key_order="wgmma")
+    got = p_cols @ vt[0, 0].cpu().double().T
+    torch.testing.assert_close(got, p @ v8[0, :, 0].cpu().double(), rtol=1e-12, atol=1e-12)
