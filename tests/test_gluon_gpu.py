@@ -165,9 +165,10 @@ def _fp8_plans():
 
 
 def _check_fp8_gluon(inputs, causal, config=None):
-    """The e4m3 kernel (called directly, so a fallback cannot hide) against the float64 reference on the
-    dequantised inputs, with test_fp8_prefill's tolerance (2x the same-rounding PyTorch emulation + 2e-3)."""
-    from flashdecode.ops.gluon_attention import gluon_fp8_forward_into
+    """The e4m3 kernel (called directly with a config, so neither a fallback nor the gluon_pays rule can hide it)
+    against the float64 reference on the dequantised inputs, with test_fp8_prefill's tolerance (2x the
+    same-rounding PyTorch emulation + 2e-3)."""
+    from flashdecode.ops.gluon_attention import gluon_fp8_forward_into, resolve_gluon_fp8_config
     from flashdecode.reference import attention_ref as ref64
     from test_fp8_prefill import dequantise, fp8_emulation
 
@@ -178,6 +179,7 @@ def _check_fp8_gluon(inputs, causal, config=None):
     out = torch.empty(q8.shape, dtype=torch.bfloat16, device=q8.device)
     lse = torch.empty(q8.shape[0], q8.shape[2], q8.shape[1], dtype=torch.float32, device=q8.device)
     scale = q8.shape[-1] ** -0.5
+    config = config or resolve_gluon_fp8_config(q8.shape[-1], causal, k8.shape[1])
     assert gluon_fp8_forward_into(q8, k8, v8, out, lse, qk_descale, vd, scale, -1, 0 if causal else -1,
                                   config=config), "the e4m3 Gluon kernel refused a call it should take"
     want, want_lse = ref64(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), causal=causal)
