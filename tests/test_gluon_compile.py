@@ -53,8 +53,8 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
 # e4m3: the resolved configs of every head dim it takes, and the ping-pong and one-warpgroup options.
 resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal)) for d in FP8_HEAD_DIMS
              for causal in (False, True)]
-ablations += [(128, "fp8e4nv", True, GluonFwdConfig(
-    num_consumers=nc, pingpong=pp, num_stages=3)) for nc, pp in [(1, False), (2, True)]]
+ablations += [(128, "fp8e4nv", True, GluonFwdConfig(num_consumers=nc, pingpong=pp, num_stages=st, block_n=bn))
+              for nc, pp, st, bn in [(1, False, 3, 128), (2, True, 3, 128), (2, False, 2, 256)]]
 for d, dtype, causal, cfg in resolved + ablations:
     kernel = compile_variant(d, dtype, causal, cfg)
     ptx = kernel.asm["ptx"]
