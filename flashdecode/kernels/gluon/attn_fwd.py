@@ -23,6 +23,12 @@ Masking: key blocks lying entirely inside every row's visible range take the unm
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
 keys take the masked one. Rows that see no key give out = 0 and lse = -inf.
 
+e4m3 (``attn_fwd_fp8_ws_kernel``, FP8 attention with FA3's descales): the same partitions with both GEMMs on the
+8-bit wgmma. Its B operands must be K-major, so V comes transposed (V^T slots, read through their transpose); P is
+rounded to e4m3 in registers (times 2**8, see _p_log2_scale) and, with its keys renumbered within each 32 to match
+the order the transpose pass writes, is the A operand without any data movement (_p_operand). The q * k descale of
+the tile's head multiplies the logit scale, the v descale the output.
+
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` (TMA block [64, HEAD_DIM])
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) same dtype behind ``k_desc``/``v_desc`` (block [BLOCK_N, HEAD_DIM])
@@ -53,8 +59,7 @@ def _mma_layout(n, dtype):
 @gluon.constexpr_function
 def _p_layout(o_layout, dtype):
     """Register layout of P as the A operand of O += P V: k_width = the elements of ``dtype`` per 32-bit register
-    (2 for fp16/bf16, 4 for e4m3; an 8-bit operand holds 4 consecutive keys per register where the scores'
-    accumulator layout gives a thread pairs, so the e4m3 conversion moves bytes between threads)."""
+    (2 for fp16/bf16, 4 for e4m3: see _p_operand for how P gets there without moving data)."""
     return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth)
 
 
@@ -473,8 +478,9 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
 
     q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
-    (batch * nheads_kv * HEAD_DIM, seqlen_k) rows of a (batch, nheads_kv, HEAD_DIM, keys_pad) tensor (key stride 1,
-    row stride keys_pad: TMA zero-fills keys >= seqlen_k, so padding is never read), block [HEAD_DIM, BLOCK_N].
+    (batch * nheads_kv * HEAD_DIM, keys_pad) rows of a contiguous (batch, nheads_kv, HEAD_DIM, keys_pad) tensor,
+    block [HEAD_DIM, BLOCK_N]: keys_pad = seqlen_k rounded up to 32, keys renumbered within each 32 as _p_operand
+    renumbers P's columns, zeros past seqlen_k (ops/fp8_v_transpose.py, key_order="wgmma").
     qk_descale_ptr: float32 (batch, nheads) contiguous, q_descale * k_descale of each query head, folded into the
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
@@ -515,12 +521,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS, CAUSAL, V_T)),
@@ -529,8 +533,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS, CAUSAL, V_T)),
