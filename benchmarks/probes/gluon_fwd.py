@@ -214,8 +214,12 @@ def check_fp8(names) -> list[dict]:
             cfg = _fp8_config(name, d, causal, sk)
             if cfg is None:
                 continue
-            out = _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg)().clone()
-            torch.cuda.synchronize()
+            try:
+                out = _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg)().clone()
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant that fails to build is reported, the others still run
+                print(f"{name} d{d} causal={causal} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                out = torch.full_like(ref, float("nan"))
             err = (out.double() - ref).abs().max().item()
             ok = not torch.isnan(out).any().item() and err <= 2 * tri_err + 2e-3
             rows.append(dict(case=f"b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal}", config=name, err=err,
