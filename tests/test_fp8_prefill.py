@@ -240,3 +240,54 @@ def test_gpu_fp8_autotuned_and_pointer_paths(gen, monkeypatch):
     inputs = fp8_inputs(gen, 2, 2048, 2048, 8, 2, 128)
     check_fp8(*inputs, causal=True)
     check_fp8(*inputs, causal=True, config_changes=dict(fwd_tma=False))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The V transpose both FP8 forwards read (kernels/fp8_transpose.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key_order", ["natural", "wgmma"])
+@pytest.mark.parametrize("keys,headdim,varlen", [(37, 64, False), (128, 80, False), (1, 16, True), (70, 128, True)])
+def test_fp8_v_transpose_moves_bytes_and_zero_pads(gen, keys, headdim, varlen, key_order):
+    """V^T holds V's bytes with the keys contiguous (every e4m3 code, NaN ones included, moved exactly, from a
+    strided view) and zeros in the padding up to a multiple of 16 keys (32 for the Gluon kernel's "wgmma" order,
+    where column 32 ch + 16 jh + 4 c + 2 jl + e holds key 32 ch + 16 jh + 8 jl + 2 c + e)."""
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    codes = torch.randint(0, 256, (2, keys, 3, 2 * headdim), generator=gen, dtype=torch.uint8)
+    v = codes.to(DEVICE).view(FP8)[..., ::2]  # a non-unit head-dim stride
+    if varlen:
+        v = v[0]
+    phys, _ = fp8_v_transposed(v, varlen, key_order)
+    pad = -(-keys // 32) * 32 if key_order == "wgmma" else -(-keys // 16) * 16
+    want = v.view(torch.uint8)[None] if varlen else v.view(torch.uint8)
+    want = torch.cat([want, want.new_zeros(want.shape[0], pad - keys, *want.shape[2:])], dim=1)
+    if key_order == "wgmma":
+        col = torch.arange(pad)
+        ch, jh, c, jl, e = col // 32, col // 16 % 2, col // 4 % 4, col // 2 % 2, col % 2
+        want = want[:, (ch * 32 + jh * 16 + jl * 8 + c * 2 + e).to(want.device)]
+    got = phys.view(torch.uint8)[None] if varlen else phys.view(torch.uint8)
+    assert got.shape == (want.shape[0], 3, headdim, pad) and got.stride(-1) == 1
+    assert torch.equal(got, want.permute(0, 2, 3, 1))
+
+
+def test_fp8_v_transpose_rejects_unknown_key_order():
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    with pytest.raises(ValueError, match="key_order"):
+        fp8_v_transposed(torch.zeros(1, 4, 1, 16, device=DEVICE).to(FP8), key_order="sorted")
+
+
+def test_fp8_wgmma_key_order_matches_the_gluon_kernels_p_columns(gen):
+    """The Gluon e4m3 kernel renumbers P's keys with reshape (64, n/32, 2, 2, 4, 2) -> permute (0, 1, 2, 4, 3, 5)
+    -> reshape (its _p_operand; reshape and permute there have torch's semantics); P renumbered that way times the
+    "wgmma"-ordered V^T is P V."""
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    keys, d = 128, 16
+    v8 = (torch.randn(1, keys, 1, d, generator=gen) * 4).to(FP8).to(DEVICE)
+    p = torch.rand(64, keys, generator=gen, dtype=torch.float64)
+    p_cols = p.reshape(64, keys // 32, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, keys)
+    vt, _ = fp8_v_transposed(v8, key_order="wgmma")
+    got = p_cols @ vt[0, 0].cpu().double().T
+    torch.testing.assert_close(got, p @ v8[0, :, 0].cpu().double(), rtol=1e-12, atol=1e-12)

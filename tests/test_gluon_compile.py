@@ -1,6 +1,7 @@
 """Every Gluon kernel variant compiles for sm_90 on the CPU (Triton's bundled ptxas, no GPU): Gluon cannot run in
 the interpreter, so this is the CPU CI's check that the warp-specialised forward still builds - TMA loads, wgmma,
-per-partition register budgets (setmaxnreg), no register spills, shared memory within the 227 KiB of an H100."""
+per-partition register budgets (setmaxnreg), no register spills, shared memory within the 227 KiB of an H100; the
+e4m3 variant on the 8-bit wgmma."""
 
 from helpers import run_sm90_compile_script
 
@@ -10,25 +11,32 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
-from flashdecode.ops.gluon_attention import GluonFwdConfig, resolve_gluon_config
+from flashdecode.kernels.gluon.attn_fwd import attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel
+from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, GluonFwdConfig, resolve_gluon_config,
+                                             resolve_gluon_fp8_config)
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
 
 
+GL_DTYPES = dict(bf16=gl.bfloat16, fp16=gl.float16, fp8e4nv=gl.float8e4nv)
+
+
 def desc(dtype, rows, d):
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], GL_DTYPES[dtype])
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
 def compile_variant(d, dtype, causal, cfg):
-    fn = attn_fwd_ws_kernel
+    """fp16/bf16 on attn_fwd_ws_kernel; fp8e4nv on attn_fwd_fp8_ws_kernel (V^T blocks [d, block_n], bf16 out)."""
+    fp8 = dtype == "fp8e4nv"
+    fn = attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_kernel
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
-                 out_ptr="*" + dtype, lse_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
+                 vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
+                 qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
                  qk_scale_log2="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -42,11 +50,19 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
                                                 num_stages=st, block_n=bn))
              for nc, ov, pp, ps, st, bn in [(1, True, False, False, 2, 128), (2, True, True, False, 2, 128),
                                             (2, False, True, True, 2, 128), (2, False, False, False, 3, 64)]]
+# e4m3: the resolved configs of every head dim it takes, and the ping-pong and one-warpgroup options.
+resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal)) for d in FP8_HEAD_DIMS
+             for causal in (False, True)]
+ablations += [(128, "fp8e4nv", True, GluonFwdConfig(num_consumers=nc, pingpong=pp, num_stages=st, block_n=bn))
+              for nc, pp, st, bn in [(1, False, 3, 128), (2, True, 3, 128), (2, False, 2, 256)]]
 for d, dtype, causal, cfg in resolved + ablations:
     kernel = compile_variant(d, dtype, causal, cfg)
     ptx = kernel.asm["ptx"]
     what = f"d{d} {dtype} causal={causal} {cfg}"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    if dtype == "fp8e4nv":  # both GEMMs on the 8-bit wgmma (k = 32), P rounded to e4m3 by the hardware cast
+        assert ptx.count("k32.f32.e4m3.e4m3") > 0 and "k16" not in ptx, what + ": not on the e4m3 wgmma"
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what + ": P not rounded to e4m3 in registers"
     assert "setmaxnreg" in ptx, what + ": no per-partition register budgets"
     assert "mbarrier.try_wait" in ptx, what + ": no mbarrier pipeline"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"

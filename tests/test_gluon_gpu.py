@@ -151,3 +151,104 @@ def test_gluon_dispatch_entry_matches_the_triton_forward(causal):
     assert gluon_forward_if_supported(q, k, v, 0.1, 16, 0) is None
     assert gluon_forward_if_supported(q, k, v, 0.1, softcap=20.0) is None
     assert gluon_forward_if_supported(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.1) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# e4m3 (FP8) inputs: the e4m3 kernel (attn_fwd_fp8_ws_kernel) behind flash_attn's FP8 forward
+# ----------------------------------------------------------------------------------------------------------------
+
+def _fp8_plans():
+    """The e4m3 launch plans built so far (flash_attn's FP8 forwards that took the Gluon kernel)."""
+    from flashdecode.ops import gluon_attention as ga
+
+    return [p for p in ga._PLANS.values() if p and p.fp8]
+
+
+def _check_fp8_gluon(inputs, causal, config=None):
+    """The e4m3 kernel (called directly with a config, so neither a fallback nor the gluon_pays rule can hide it)
+    against the float64 reference on the dequantised inputs, with test_fp8_prefill's tolerance (2x the
+    same-rounding PyTorch emulation + 2e-3)."""
+    from flashdecode.ops.gluon_attention import gluon_fp8_forward_into, resolve_gluon_fp8_config
+    from flashdecode.reference import attention_ref as ref64
+    from test_fp8_prefill import dequantise, fp8_emulation
+
+    q8, k8, v8, qd, kd, vd = inputs
+    group = q8.shape[2] // k8.shape[2]
+    q_rep = qd if qd.shape[1] == q8.shape[2] else qd.repeat_interleave(group, dim=1)
+    qk_descale = q_rep * kd.repeat_interleave(group, dim=1)
+    out = torch.empty(q8.shape, dtype=torch.bfloat16, device=q8.device)
+    lse = torch.empty(q8.shape[0], q8.shape[2], q8.shape[1], dtype=torch.float32, device=q8.device)
+    scale = q8.shape[-1] ** -0.5
+    config = config or resolve_gluon_fp8_config(q8.shape[-1], causal, k8.shape[1])
+    assert gluon_fp8_forward_into(q8, k8, v8, out, lse, qk_descale, vd, scale, -1, 0 if causal else -1,
+                                  config=config), "the e4m3 Gluon kernel refused a call it should take"
+    want, want_lse = ref64(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), causal=causal)
+    emulated = fp8_emulation(*(t.cpu() for t in inputs), causal=causal)
+    assert_fa_close(out, want, emulated, factor=2.0, atol=2e-3, name="fp8 gluon out")
+    assert not torch.isnan(lse).any(), "lse has NaN"
+    assert max_err(lse, want_lse) <= 1e-3 * (1 + want_lse[torch.isfinite(want_lse)].abs().max().item())
+    return out, lse
+
+
+def _fp8(b, sq, sk, h, hkv, d, seed, **kw):
+    from test_fp8_prefill import fp8_inputs
+
+    return fp8_inputs(torch.Generator().manual_seed(seed), b, sq, sk, h, hkv, d, **kw)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,sq,sk,h,hkv", [(2, 128, 128, 4, 4), (1, 333, 517, 4, 2), (2, 517, 333, 8, 2),
+                                          (3, 1, 300, 4, 1), (1, 1000, 999, 2, 2), (1, 2048, 2048, 4, 1)])
+def test_gluon_fp8_forward_matches_reference(b, sq, sk, h, hkv, d, causal):
+    _check_fp8_gluon(_fp8(b, sq, sk, h, hkv, d, seed=sq * 7 + sk + d), causal)
+
+
+FP8_ABLATIONS = [dict(num_consumers=1), dict(pingpong=True), dict(persistent=True), dict(num_stages=2),
+                 dict(num_stages=4), dict(persistent=True, pingpong=True), dict(block_n=256, num_stages=2)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("overrides", FP8_ABLATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_gluon_fp8_forward_every_config(overrides, causal):
+    """The e4m3 configs the probe times (GQA, ragged lengths, 144 tiles > 132 SMs: persistent CTAs loop)."""
+    from flashdecode.ops.gluon_attention import resolve_gluon_fp8_config
+
+    cfg = dataclasses.replace(resolve_gluon_fp8_config(128), **overrides)
+    _check_fp8_gluon(_fp8(2, 1100, 700, 8, 4, 128, seed=5), causal, cfg)
+
+
+@needs_hopper
+def test_gluon_fp8_rows_without_keys_zero_descales_and_per_head_q_descale():
+    """Causal seqlen_q > seqlen_k: empty rows give 0 and -inf; an all-zero head (descale 0) and v_descale 0 give
+    no NaN; q_descale per query head; a negative k_descale (a sign flip) still gives the right row max."""
+    inputs = _fp8(2, 300, 100, 4, 2, 128, seed=3, q_per_head=True)
+    q8, k8, v8, qd, kd, vd = inputs
+    q8[0, :, 0] = 0
+    qd[0, 0] = 0.0
+    kd[1, 0] = -kd[1, 0]
+    v8[1, :, 1] = 0
+    vd[1, 1] = 0.0
+    out, lse = _check_fp8_gluon(inputs, True)
+    assert torch.all(out[:, :200] == 0) and torch.all(torch.isinf(lse[:, :, :200]))
+    assert torch.all(out[1, :, 2:] == 0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_fp8_takes_the_gluon_kernel(causal):
+    """flash_attn with e4m3 inputs and descales dispatches to the e4m3 Gluon kernel (a plan is built and launched
+    directly on repeated calls), with test_fp8_prefill's checks (return_lse, GQA)."""
+    from test_fp8_prefill import check_fp8
+
+    inputs = _fp8(2, 1500, 1500, 8, 2, 128, seed=51 + causal)
+    before = {id(p) for p in _fp8_plans()}
+    for _ in range(3):
+        check_fp8(*inputs, causal=causal)
+    new = [p for p in _fp8_plans() if id(p) not in before]
+    assert new and all(p.compiled is not None for p in new), "flash_attn's FP8 forward did not take the Gluon kernel"
+    assert all(p.direct_launches >= 2 for p in new)
+    # fallbacks: a window, softcap and varlen stay on the Triton kernel and still match the reference
+    check_fp8(*inputs, window_size=(100, 0), softcap=5.0)

@@ -1,6 +1,7 @@
 """Probe: the warp-specialised Gluon attention forward on Hopper - correctness, then speed beside its peers.
 
     PYTHONPATH=. python benchmarks/probes/gluon_fwd.py [--variants all|name,name] [--quick]
+    PYTHONPATH=. python benchmarks/probes/gluon_fwd.py --fp8 [--fp8-variants all|name,name] [--quick]
 
 1. Correctness: every supported feature (causal or not, GQA, odd lengths, hd 64/128, fp16/bf16) against the float64
    reference with the FlashAttention rule (error <= 2x a same-dtype PyTorch implementation's).
@@ -8,6 +9,14 @@
    and not; the Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside our Triton flash_attn and
    torch SDPA's cuDNN and FLASH (FlashAttention-2) backends. TFLOP/s = 4 b h sq sk d, halved for causal.
 Writes gluon_fwd.json to $OUT (or the current directory) and prints a table last.
+
+--fp8 (instead of the above): the e4m3 kernel. Correctness of each FP8_VARIANTS config against the Triton FP8
+forward (same rounding of P; both vs the float64 reference on the dequantised inputs), then speed at 16k tokens
+(batch 1, 16 heads), hd 128 / 64 / 256, causal and not: flash_attn's FP8 forward end to end (V transpose + e4m3
+Gluon kernel, resolved config), the e4m3 path per variant (V transpose + kernel, outputs preallocated), the V
+transpose alone (ms, GB/s), the Triton FP8 kernel (flash_attn with an explicit config) and bf16 on the Gluon kernel
+and through flash_attn; ratios to bf16 Gluon in the same run.
+Writes gluon_fwd_fp8.json.
 """
 
 from __future__ import annotations
@@ -129,13 +138,175 @@ def time_all(names, quick: bool, graph: bool = False) -> list[dict]:
     return rows
 
 
+FP8_VARIANTS = {  # name -> overrides of resolve_gluon_fp8_config
+    "resolved": {},
+    "pingpong": dict(pingpong=True),
+    "stages2": dict(num_stages=2),
+    "stages4": dict(num_stages=4),
+    "persistent": dict(persistent=True),
+    "1wg": dict(num_consumers=1),
+    "bn256": dict(block_n=256, num_stages=2),  # hd 64 / 128 only (at hd256 the 64 x 256 scores do not fit)
+}
+
+
+def _fp8_config(name: str, d: int, causal: bool, seqlen_k: int):
+    """The FP8 variant's config at head dim d, or None where it does not apply."""
+    from flashdecode.ops.gluon_attention import resolve_gluon_fp8_config
+
+    if name == "bn256" and d > 128:
+        return None
+    return dataclasses.replace(resolve_gluon_fp8_config(d, causal, seqlen_k), **FP8_VARIANTS[name])
+
+
+def _fp8_inputs(b, sq, sk, h, hkv, d, seed=0):
+    """e4m3 q, k, v of N(0, 1) data with per-(batch, kv head) absmax descales (FA3's layout), float32."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s, n in ((sq, h), (sk, hkv), (sk, hkv)):
+        x = torch.randn(b, s, n, d, generator=gen).to("cuda")
+        amax = x.abs().amax(dim=(1, 3)).clamp_min(1e-12)  # (b, n)
+        descale = (amax / 448.0).float()
+        x8 = (x / descale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if n != hkv:  # q: one descale per kv head (its group's max)
+            descale = descale.view(b, hkv, n // hkv).amax(dim=2)
+            x8 = (x / descale.repeat_interleave(n // hkv, 1)[:, None, :, None]).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
+        out += [x8, descale.contiguous()]
+    q8, qd, k8, kd, v8, vd = out
+    return q8, k8, v8, qd, kd, vd
+
+
+def _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg):
+    """The e4m3 Gluon path with its V transpose (the fused descale and the outputs made once, outside the timed
+    call)."""
+    from flashdecode.ops.gluon_attention import gluon_fp8_forward_into
+
+    group = q8.shape[2] // k8.shape[2]
+    qk = (qd * kd).repeat_interleave(group, dim=1).contiguous()
+    out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(q8.shape[0], q8.shape[2], q8.shape[1], dtype=torch.float32, device="cuda")
+    scale = q8.shape[-1] ** -0.5
+
+    def run():
+        if not gluon_fp8_forward_into(q8, k8, v8, out, lse, qk, vd, scale, -1, 0 if causal else -1, config=cfg):
+            raise RuntimeError("the e4m3 Gluon kernel refused the call")
+        return out
+    return run
+
+
+def check_fp8(names) -> list[dict]:
+    """Each FP8 variant vs the Triton FP8 kernel and both vs float64 on the dequantised inputs (max abs error)."""
+    from flashdecode.ops.attention import resolve_config
+
+    rows = []
+    for b, sq, sk, h, hkv, d, causal in [(2, 1000, 1100, 8, 2, 128, False), (2, 1000, 1100, 8, 2, 128, True),
+                                         (1, 777, 777, 4, 4, 64, True), (1, 300, 100, 4, 2, 256, True),
+                                         (1, 4096, 4096, 4, 1, 128, True)]:
+        q8, k8, v8, qd, kd, vd = _fp8_inputs(b, sq, sk, h, hkv, d, seed=sq + sk + d)
+        group = h // hkv
+        deq = lambda x, s: (x.double() * s.double().repeat_interleave(x.shape[2] // s.shape[1], 1)  # noqa: E731
+                            [:, None, :, None])
+        ref, _ = attention_ref(deq(q8, qd), deq(k8, kd), deq(v8, vd), causal=causal)
+        tri = flash_attn(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                         config=resolve_config(q8, k8, v8))
+        tri_err = (tri.double() - ref).abs().max().item()
+        for name in names:
+            cfg = _fp8_config(name, d, causal, sk)
+            if cfg is None:
+                continue
+            try:
+                out = _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg)().clone()
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant that fails to build is reported, the others still run
+                print(f"{name} d{d} causal={causal} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                out = torch.full_like(ref, float("nan"))
+            err = (out.double() - ref).abs().max().item()
+            ok = not torch.isnan(out).any().item() and err <= 2 * tri_err + 2e-3
+            rows.append(dict(case=f"b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal}", config=name, err=err,
+                             triton_err=tri_err, ok=bool(ok), group=group))
+    return rows
+
+
+def time_fp8(names, quick: bool) -> list[dict]:
+    from flashdecode.ops.attention import resolve_config
+    from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
+
+    rows = []
+    b, s, h = 1, 16384, 16
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100)  # noqa
+    for d in (128, 64, 256):
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            q8, k8, v8, qd, kd, vd = _fp8_inputs(b, s, s, h, h, d, seed=1)
+            q, k, v = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=1)
+            fns = {"fp8 flash_attn": lambda: flash_attn(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                        v_descale=vd)}
+            for n in names:
+                cfg = _fp8_config(n, d, causal, s)
+                if cfg is not None:
+                    fns[f"fp8 gluon:{n}"] = _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg)
+            tri_cfg = resolve_config(q8, k8, v8)
+            fns["fp8 triton"] = lambda: flash_attn(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                   v_descale=vd, config=tri_cfg)
+            if d != 256:  # bf16 Gluon takes hd 64 / 128
+                fns["bf16 gluon"] = _gluon_call(q, k, v, causal, resolve_gluon_config(d, causal, s))
+            fns["bf16 flash_attn"] = lambda: flash_attn(q, k, v, causal=causal)
+            for name, fn in fns.items():
+                try:
+                    ms = bench(fn)
+                    tf = flops / ms / 1e9
+                except Exception as e:  # reported, not fatal
+                    print(f"d{d} causal={causal} {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                    ms, tf = float("nan"), float("nan")
+                rows.append(dict(d=d, b=b, s=s, h=h, causal=causal, impl=name, ms=ms, tflops=tf))
+            ms = bench(lambda: fp8_v_transposed(v8, key_order="wgmma"))
+            rows.append(dict(d=d, b=b, s=s, h=h, causal=causal, impl="v transpose", ms=ms, tflops=float("nan"),
+                             gbps=2 * v8.numel() / ms / 1e6))
+    return rows
+
+
+def main_fp8(args):
+    names = list(FP8_VARIANTS) if args.fp8_variants == "all" else args.fp8_variants.split(",")
+    dev = torch.cuda.get_device_name()
+    print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}")
+    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, fp8_variants=names)
+    if not args.no_check:
+        result["correctness"] = check_fp8(names)
+        for r in result["correctness"]:
+            print(f"{'ok ' if r['ok'] else 'BAD'} {r['config']:>12} {r['case']:<40} err {r['err']:.2e} "
+                  f"(triton fp8 {r['triton_err']:.2e})")
+    result["timing"] = time_fp8(names, args.quick)
+    with open(os.path.join(os.environ.get("OUT", "."), "gluon_fwd_fp8.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    timing = result["timing"]
+    impls = list(dict.fromkeys(r["impl"] for r in timing if r["impl"] != "v transpose"))
+    print(f"\n{'shape':<22}" + "".join(f"{n[-14:]:>15}" for n in impls)
+          + f"{'fp8/bf16':>10}{'best/bf16':>10}{'vT ms':>8}{'vT GB/s':>9}")
+    for key in dict.fromkeys((r["d"], r["causal"]) for r in timing):
+        cells = {r["impl"]: r for r in timing if (r["d"], r["causal"]) == key}
+        bf16 = cells.get("bf16 gluon", {}).get("tflops", float("nan"))
+        best = max((c["tflops"] for n, c in cells.items() if n.startswith("fp8 gluon")), default=float("nan"))
+        vt = cells["v transpose"]
+        label = f"d{key[0]} 1x16384 h16 {'causal' if key[1] else 'full'}"
+        print(f"{label:<22}" + "".join(f"{cells[n]['tflops'] if n in cells else float('nan'):>15.1f}" for n in impls)
+              + f"{cells['fp8 flash_attn']['tflops'] / bf16:>10.2f}{best / bf16:>10.2f}{vt['ms']:>8.3f}"
+              f"{vt['gbps']:>9.0f}")
+    print("(TFLOP/s, do_bench median; V transpose included in every fp8 column; fp8/bf16 = flash_attn FP8 over bf16"
+          " Gluon, best/bf16 = the best e4m3 variant over bf16 Gluon; vT = the V transpose alone)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="resolved", help="comma-separated names from VARIANTS, or 'all'")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (kernels without host work)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the e4m3 kernel's checks and timings instead")
+    ap.add_argument("--fp8-variants", default="resolved,pingpong,stages2,stages4,bn256",
+                    help="comma-separated names from FP8_VARIANTS, or 'all'")
     args = ap.parse_args()
+    if args.fp8:
+        return main_fp8(args)
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}")

@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from flashdecode import heuristics
 from flashdecode.config import AttentionConfig, AttentionProblem
 from flashdecode.ops import checks, direct_launch, gluon_attention
+from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.kernels import bwd as bwd_kernels
 from flashdecode.kernels import fwd as fwd_kernels
 
@@ -608,23 +609,6 @@ _FWD_PLANS: dict = {}
 _BWD_PLANS: dict = {}
 
 
-def _fp8_v_transposed(v: torch.Tensor, varlen: bool):
-    """FP8 forward: a copy of v with the key dimension contiguous (the fp8 wgmma takes its B operand K-major, and
-    PV's K is the key), padded to a multiple of 16 keys so that its rows suit tensor descriptors. Costs one read
-    and one write of v (1/hd of the forward's work per key; see docs/decisions.md). Returns (physical tensor:
-    dense (batch, nheads_kv, headdim, keys_pad), varlen (nheads_kv, headdim, keys_pad); its (batch, seq, head,
-    dim) strides for the kernel)."""
-    keys = v.shape[-3]
-    pad = -(-keys // 16) * 16
-    if varlen:
-        phys = torch.empty((v.shape[1], v.shape[2], pad), dtype=v.dtype, device=v.device)
-        phys[:, :, :keys].copy_(v.permute(1, 2, 0))
-        return phys, (0, 1, phys.stride(0), phys.stride(1))
-    phys = torch.empty((v.shape[0], v.shape[2], v.shape[3], pad), dtype=v.dtype, device=v.device)
-    phys[..., :keys].copy_(v.permute(0, 2, 3, 1))
-    return phys, (phys.stride(0), 1, phys.stride(1), phys.stride(2))
-
-
 def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap, config_id,
               alibi_slopes=None, alibi_stride=0, v_descale=None, v_layout=None) -> _FwdPlan:
     """The Triton forward plan of this launch key (built on its first call)."""
@@ -722,8 +706,13 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     v_layout, v_kernel, alibi_stride = None, v, 0
     if fp8:
-        v_layout, v_strides = _fp8_v_transposed(v, varlen)
-        v_kernel, v_descale = v_layout, v_descale.contiguous()
+        v_descale = v_descale.contiguous()
+        if (not varlen and alibi_slopes is None and config_id == _RESOLVE_CONFIG
+                and gluon_attention.gluon_fp8_forward_into(q, k, v, out, lse, qk_descale, v_descale, scale, left,
+                                                           right, softcap)):
+            return out, lse  # the e4m3 Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
+        v_layout, v_strides = fp8_v_transposed(v, varlen)  # V^T (docs/decisions.md)
+        v_kernel = v_layout
     else:
         v_strides = _strides(v, varlen)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:

@@ -13,11 +13,14 @@ from typing import Optional
 import torch
 
 from flashdecode.ops import direct_launch
+from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
 
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_HEAD_DIMS = (64, 128, 256)  # the e4m3 kernel's head dims (no register spills at any, 2 stages fit hd256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,15 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     tile: the grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some
     CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s)."""
     return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=not causal and 0 < seqlen_k <= 2048)
+
+
+def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
+    """The e4m3 kernel's launch: K and V^T slots are half the bf16 size, so the ring gets more stages in the same
+    shared memory (hd64: 4, hd128: 3, hd256: 2 - 196 KiB with the 64 KiB Q tile); the persistent rule as for bf16.
+    No OVERLAP: its P (e4m3) would be a dependency of a wgmma wait, which Triton 3.6 cannot lower for 8-bit
+    values."""
+    stages = {64: 4, 128: 3}.get(headdim, 2)
+    return GluonFwdConfig(num_stages=stages, persistent=not causal and 0 < seqlen_k <= 2048)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,12 +115,29 @@ def _supported_problem(q, k, v) -> bool:
     return all(_rows_layout_ok(t) for t in (q, k, v))
 
 
+def _supported_fp8_problem(q, k, v) -> bool:
+    """The e4m3 kernel takes q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_kv, headdim) in
+    TMA-viewable layouts and v like k (any strides: the kernel reads its transposed copy), all float8_e4m3fn on one
+    sm_90 device, head dim in FP8_HEAD_DIMS, non-empty sequences."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == FP8_DTYPE for t in (q, k, v)):
+        return False
+    if not (q.device == k.device == v.device) or not _is_hopper(q.device):
+        return False
+    b, sk, hkv, d = k.shape
+    if q.shape[-1] != d or d not in FP8_HEAD_DIMS or q.shape[0] != b or q.shape[2] % hkv != 0 or v.shape != k.shape:
+        return False
+    if min(q.shape[:3]) == 0 or min(k.shape[:3]) == 0:
+        return False
+    return _rows_layout_ok(q) and _rows_layout_ok(k)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Launch plans: everything a call computes besides the data, cached per launch key; after a key's first launch
 # (through Triton's JIT) its calls go to the compiled kernel's launcher directly
 # ----------------------------------------------------------------------------------------------------------------
 
 _RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
+_FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
 _PLAN_CACHE_SIZE = 4096  # launch keys kept (a dict cleared when full: a plan is cheap to rebuild)
 _NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (None means "not seen yet")
 _PLANS: dict = {}
@@ -116,6 +145,16 @@ _PLANS: dict = {}
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _vt_view(v: torch.Tensor) -> tuple[list, list]:
+    """(shape, strides) of the e4m3 kernel's V^T of v (batch, seqlen_k, nheads_kv, headdim): fp8_v_transposed's
+    (batch, nheads_kv, headdim, keys_pad) contiguous copy (key_order "wgmma", keys_pad = seqlen_k rounded up to 32,
+    zeros past seqlen_k) read as the 2-D (batch * nheads_kv * headdim, keys_pad) rows. The view takes the padding
+    in: keys are renumbered within each 32, so a column past seqlen_k may hold a key before it."""
+    b, sk, h, d = v.shape
+    pad = _cdiv(sk, 32) * 32
+    return [b * h * d, pad], [pad, 1]
 
 
 def _rows_view(x: torch.Tensor) -> tuple[list, list]:
@@ -128,30 +167,35 @@ def _rows_view(x: torch.Tensor) -> tuple[list, list]:
 _HostDescriptor = direct_launch.HostDescriptor
 
 
-def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int):
-    """The real TensorDescriptor of x's rows view, for a key's first (JIT) launch, which specialises on its type."""
+def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int, block_cols: int = 0):
+    """The real TensorDescriptor of x's rows view, for a key's first (JIT) launch, which specialises on its type.
+    Blocks are [block_rows, x's last dim] unless block_cols is given."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     shape, strides = view
     rows = x.as_strided(shape, strides)
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, x.shape[-1]], dtype)
-    return TensorDescriptor(rows, shape, strides, [block_rows, x.shape[-1]], layout)
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}[x.dtype]
+    block = [block_rows, block_cols or x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(rows, shape, strides, block, layout)
 
 
-def _jit_launch(grid: tuple, args: tuple, constexprs: dict):
+def _kernel(fp8: bool = False):
+    """The Gluon forward kernel: fp16/bf16, or e4m3 (which takes V^T and two descale pointers more)."""
+    from flashdecode.kernels.gluon import attn_fwd
+
+    return attn_fwd.attn_fwd_fp8_ws_kernel if fp8 else attn_fwd.attn_fwd_ws_kernel
+
+
+def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False):
     """One launch through Triton's JIT (binds, specialises, compiles on a miss); returns the compiled kernel."""
-    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
-
-    compiled = attn_fwd_ws_kernel[grid](*args, **constexprs, num_warps=4)
+    compiled = _kernel(fp8)[grid](*args, **constexprs, num_warps=4)
     return compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compilation
 
 
-def _kernel_arg_names() -> list:
-    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
-
-    return attn_fwd_ws_kernel.arg_names
+def _kernel_arg_names(fp8: bool = False) -> list:
+    return _kernel(fp8).arg_names
 
 
 _current_stream = direct_launch.current_stream
@@ -161,20 +205,22 @@ class _GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
     (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
     with the CUtensorMaps of the addresses seen (direct_launch.TensormapLauncher; None where Triton's launcher
-    does not have the layout it expects)."""
+    does not have the layout it expects). fp8 (e4m3 q, k, v): each launch gets V^T (see _vt_view) as v and the
+    descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "compiled", "run", "function", "packed", "direct", "direct_launches")
+                 "compiled", "run", "function", "packed", "direct", "direct_launches", "fp8")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
         self.cfg = cfg
+        self.fp8 = q.dtype == FP8_DTYPE
         self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
         self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
-        self.views = (_rows_view(q), _rows_view(k), _rows_view(v))
+        self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
         self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
@@ -182,29 +228,34 @@ class _GluonPlan:
         self.compiled = self.direct = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
-    def launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
+    def launch(self, q, k, v, out, lse, qk_scale_log2: float, descales: tuple = ()) -> None:
+        """descales: () for fp16/bf16; (qk_descale (batch, nheads), v_descale (batch, nheads_kv)) float32
+        contiguous for e4m3."""
         index = q.device.index
         if index == torch.cuda.current_device():
-            self._launch(q, k, v, out, lse, qk_scale_log2, index)
+            self._launch(q, k, v, out, lse, qk_scale_log2, index, descales)
         else:
             with torch.cuda.device(q.device):
-                self._launch(q, k, v, out, lse, qk_scale_log2, index)
+                self._launch(q, k, v, out, lse, qk_scale_log2, index, descales)
 
-    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, index: int) -> None:
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, index: int, descales: tuple = ()) -> None:
         runtime = (self.num_tiles, self.seqlen_q, self.seqlen_k, qk_scale_log2)
         if self.compiled is None:
-            descs = tuple(_descriptor(x, view, rows) for x, view, rows in
-                          zip((q, k, v), self.views, (64, self.cfg.block_n, self.cfg.block_n)))
-            self._record(_jit_launch(self.grid, descs + (out, lse) + runtime, self.constexprs))
+            v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n, 0)
+            descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
+                     _descriptor(v, self.views[2], *v_block))
+            kernel = dict(fp8=True) if self.fp8 else {}  # (the bf16 call as it always was: tests stub it)
+            self._record(_jit_launch(self.grid, descs + (out, lse) + descales + runtime, self.constexprs, **kernel))
             return
         stream = _current_stream(index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(self.grid, stream, self.function, self.packed, (q, k, v), (out, lse) + runtime + self.tail)
+            self.direct(self.grid, stream, self.function, self.packed, (q, k, v),
+                        (out, lse) + descales + runtime + self.tail)
         else:
             qv, kv, vv = self.views
-            args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + runtime
-                    + self.tail)
+            args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
+                    + runtime + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)
@@ -214,7 +265,7 @@ class _GluonPlan:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
         if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return
-        names = _kernel_arg_names()[_RUNTIME_ARGS:]
+        names = _kernel_arg_names(self.fp8)[_RUNTIME_ARGS + (_FP8_EXTRA_ARGS if self.fp8 else 0):]
         if any(n not in self.constexprs for n in names):
             return
         self.tail = tuple(self.constexprs[n] for n in names)
@@ -232,8 +283,11 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     plan = _PLANS.get(key)
     if plan is None:
         plan = _NOT_APPLICABLE
-        if _supported_problem(q, k, v) and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
-            plan = _GluonPlan(q, k, v, causal, config or resolve_gluon_config(q.shape[-1], causal, k.shape[1]))
+        fp8 = q.dtype == FP8_DTYPE
+        supported = _supported_fp8_problem(q, k, v) if fp8 else _supported_problem(q, k, v)
+        if supported and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
+            resolve = resolve_gluon_fp8_config if fp8 else resolve_gluon_config
+            plan = _GluonPlan(q, k, v, causal, config or resolve(q.shape[-1], causal, k.shape[1]))
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -300,16 +354,44 @@ def gluon_forward_if_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int = -1, window_right: int = -1,
-                  softcap: float = 0.0) -> Optional[_GluonPlan]:
+                  softcap: float = 0.0, config: Optional[GluonFwdConfig] = None) -> Optional[_GluonPlan]:
     """The plan of a dense forward that the dispatch sends to the Gluon kernel (see gluon_forward_if_supported,
-    whose arguments these are), else None. The answer holds for every call that shares the launch key (shapes,
-    strides, dtypes, devices, mask flags) and the pointers' 16-byte alignment and the interpreter switch: a caller
-    that keys on those may keep it (ops/attention.py's dense call cache)."""
+    whose arguments these are; e4m3 q, k, v: see gluon_fp8_forward_into), else None. The answer holds
+    for every call that shares the launch key (shapes, strides, dtypes, devices, mask flags) and the pointers'
+    16-byte alignment and the interpreter switch: a caller that keys on those may keep it (ops/attention.py's dense
+    call cache). config: the launch to use (and no gluon_pays rule), as in gluon_attention_forward."""
     if softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
         return None
     if not isinstance(q, torch.Tensor) or not _is_hopper(q.device):
         return None
-    plan = _plan_for(q, k, v, window_right == 0, None)
+    plan = _plan_for(q, k, v, window_right == 0, config)
     if plan is _NOT_APPLICABLE or not _aligned16(q, k, v):
         return None
     return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 (float8_e4m3fn): the e4m3 kernel behind flash_attn's FP8 forward
+# ----------------------------------------------------------------------------------------------------------------
+
+def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           qk_descale: torch.Tensor, v_descale: torch.Tensor, softmax_scale: float,
+                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                           config: Optional[GluonFwdConfig] = None) -> bool:
+    """flash_attn's dense FP8 forward on the e4m3 Gluon kernel where it applies (and gluon_pays, unless config is
+    given): writes out and lse and returns True; else returns False having touched nothing (take the Triton path).
+
+    q (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_kv, headdim) float8_e4m3fn (v is first
+    transposed, ops/fp8_v_transpose.py); out (batch, seqlen_q, nheads, headdim) bfloat16 contiguous; lse (batch,
+    nheads, seqlen_q) float32 contiguous (natural log; -inf and out 0 on rows that see no key). qk_descale float32
+    (batch, nheads):
+    q_descale * k_descale per query head; v_descale float32 (batch, nheads_kv). Options as in
+    gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
+    if config is not None and config.overlap:
+        raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
+    plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
+    if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
+        return False
+    vt, _ = fp8_v_transposed(v, key_order="wgmma")
+    plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E, (qk_descale.contiguous(), v_descale.contiguous()))
+    return True

@@ -23,6 +23,12 @@ Masking: key blocks lying entirely inside every row's visible range take the unm
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
 keys take the masked one. Rows that see no key give out = 0 and lse = -inf.
 
+e4m3 (``attn_fwd_fp8_ws_kernel``, FP8 attention with FA3's descales): the same partitions with both GEMMs on the
+8-bit wgmma. Its B operands must be K-major, so V comes transposed (V^T slots, read through their transpose); P is
+rounded to e4m3 in registers (times 2**8, see _p_log2_scale) and, with its keys renumbered within each 32 to match
+the order the transpose pass writes, is the A operand without any data movement (_p_operand). The q * k descale of
+the tile's head multiplies the logit scale, the v descale the output.
+
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` (TMA block [64, HEAD_DIM])
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) same dtype behind ``k_desc``/``v_desc`` (block [BLOCK_N, HEAD_DIM])
@@ -43,9 +49,26 @@ LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
 
 
 @gluon.constexpr_function
-def _mma_layout(n):
-    """Accumulator layout of a 64 x n wgmma over one warpgroup (instruction n = the whole tile width, k = 16)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+def _mma_layout(n, dtype):
+    """Accumulator layout of a 64 x n wgmma over one warpgroup with operands of ``dtype`` (instruction n = the
+    whole tile width; instruction k = 32 bytes: 16 for fp16/bf16, 32 for e4m3)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def _p_layout(o_layout, dtype):
+    """Register layout of P as the A operand of O += P V: k_width = the elements of ``dtype`` per 32-bit register
+    (2 for fp16/bf16, 4 for e4m3: see _p_operand for how P gets there without moving data)."""
+    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth)
+
+
+@gluon.constexpr_function
+def _p_log2_scale(dtype):
+    """log2 of the factor P (in [0, 1]) carries into an e4m3 PV wgmma: P * 2**8 <= 256 stays below e4m3's 448 and
+    keeps probabilities down to 2**-17 (e4m3's smallest subnormal is 2**-9) instead of flushing them to 0; the
+    factor cancels in O / l and comes out of the lse. 0 (no factor) for fp16/bf16."""
+    return 8.0 if dtype.primitive_bitwidth == 8 else 0.0
 
 
 @gluon.constexpr_function
@@ -89,11 +112,12 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows (once the consumers have released the
     previous tile's) and of every visited K/V block into the slot ring. The ring runs on across tiles: its slot and
     phase come from a block counter over the whole CTA, so the next tile's first K/V blocks load while the
-    consumers still finish the current one."""
+    consumers still finish the current one. V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and
+    one column per key, so a block is the [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     blocks_done = 0
@@ -120,8 +144,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
                                             k_smem.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
-                                            v_smem.index(slot))
+            if V_T:
+                tma.async_copy_global_to_shared(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
+                                                         i * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
+                                                v_smem.index(slot))
         blocks_done += n_end // BLOCK_N
         tiles_done += 1
 
@@ -138,19 +166,66 @@ def _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale_log2):
+def _softmax_step(s, m_i, l_i, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
     """Online-softmax update for one block of raw scores s (64, BLOCK_N) fp32.
 
     m_i is the running row max in scaled log2 units (scores * softmax_scale * log2 e), l_i the running row sum of
-    exp2(score - m_i). Returns (p, alpha, m_new, l_new) with p = exp2(scaled score - m_new) fp32 and alpha the
-    factor that rescales what was accumulated under the old max. Rows with no visible key so far keep m = -inf and
-    shift by 0, so exp2(-inf - -inf) never happens."""
+    exp2(score - m_i) (times 2**P_LOG2_SCALE, see _p_log2_scale). Returns (p, alpha, m_new, l_new) with
+    p = exp2(scaled score - m_new) * 2**P_LOG2_SCALE fp32 and alpha the factor that rescales what was accumulated
+    under the old max. Rows with no visible key so far keep m = -inf and shift by 0, so exp2(-inf - -inf) never
+    happens."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+    if P_LOG2_SCALE != 0.0:  # P * 2**P_LOG2_SCALE: a per-row shift of the exponent, no per-element multiply
+        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use - P_LOG2_SCALE, 1))
+    else:
+        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
+    """(scores, scale) for _softmax_step in a masked block. e4m3: the scores scaled before the mask, and scale 1.
+    The scale holds the tile's q_descale * k_descale there, so it may be 0 (an all-zero tensor's descale: -inf * 0
+    would be NaN) or negative (max(s) * scale would be the row minimum); tiles whose scale is not > 0 take every
+    block through this path (see _consumer). fp16/bf16: unchanged (raw scores, the row max scaled once per row)."""
+    if P_LOG2_SCALE != 0.0:
+        s = s * qk_scale_log2
+        qk_scale_log2 = 1.0
+    return s, qk_scale_log2
+
+
+@gluon.jit
+def _p_operand(p, p_layout: gl.constexpr):
+    """P (64, BLOCK_N) in the scores' accumulator layout as the A operand (p_layout) of O += P V.
+
+    fp16/bf16: a layout conversion that moves nothing. e4m3: the accumulator gives a thread keys in pairs
+    (8 jl + 2 c + e within each 32 keys: jl, e in {0, 1}, c = lane % 4) where the 8-bit operand wants 4
+    consecutive keys per register (4 c + 2 jl + e); reading that as a conversion costs shuffles and byte permutes
+    per block. Instead P's keys are renumbered within each 32 (key 32 ch + 16 jh + 8 jl + 2 c + e becomes column
+    32 ch + 16 jh + 4 c + 2 jl + e), which makes the conversion a register-for-register identity (asserted), and
+    the V^T operand holds its keys in the same order (ops/fp8_v_transpose.py, key_order="wgmma"), so P V is
+    unchanged."""
+    if p.dtype.primitive_bitwidth == 8:
+        BLOCK_N: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [64, BLOCK_N // 32, 2, 2, 4, 2])  # (row, ch, jh, jl, c, e)
+        p = gl.permute(p, [0, 1, 2, 4, 3, 5])  # (row, ch, jh, c, jl, e)
+        p = gl.convert_layout(gl.reshape(p, [64, BLOCK_N]), p_layout, assert_trivial=True)
+    else:
+        p = gl.convert_layout(p, p_layout)
+    return p
+
+
+@gluon.jit
+def _pv_operand(v_tile):
+    """A V slot as the B operand (BLOCK_N keys x HEAD_DIM) of O += P V. fp16/bf16 slots hold V's rows as they are;
+    an e4m3 slot holds V^T (HEAD_DIM x BLOCK_N, keys contiguous), read through its transpose: the 8-bit wgmma
+    takes B K-major (keys contiguous) only."""
+    if v_tile.dtype.primitive_bitwidth == 8:
+        v_tile = v_tile.permute((1, 0))
+    return v_tile
 
 
 @gluon.jit
@@ -176,9 +251,9 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
     """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
     O = alpha O + P V, release the slot."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, q.dtype)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, q.dtype)
+    p_layout: gl.constexpr = _p_layout(o_layout, q.dtype)
     slot = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
@@ -187,13 +262,15 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
                       use_acc=False, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
+    scale = qk_scale_log2
     if MASKED:
+        s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = gl.convert_layout(p.to(q.dtype), p_layout)
+    p = _p_operand(p.to(q.dtype), p_layout)
     mbarrier.wait(v_ready.index(slot), phase)
-    acc = warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+    acc = warpgroup_mma(p, _pv_operand(v_smem.index(slot)), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(kv_empty.index(slot), count=1)
     return acc, m_i, l_i
@@ -210,9 +287,9 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
     while the PV wgmma still runs, then wait for PV, release block g-1's slot and rescale O by block g's alpha.
     Returns (acc, p_g, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, q.dtype)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, q.dtype)
+    p_layout: gl.constexpr = _p_layout(o_layout, q.dtype)
     slot = g % NUM_STAGES
     prev = (g - 1) % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
@@ -220,13 +297,15 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
     _pingpong_enter(turn, g, CONSUMER, PINGPONG)
     s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    acc = warpgroup_mma(p, _pv_operand(v_smem.index(prev)), acc, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
+    scale = qk_scale_log2
     if MASKED:
+        s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
-    p_new = gl.convert_layout(p_new.to(q.dtype), p_layout)
+    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
+    p_new = _p_operand(p_new.to(q.dtype), p_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     mbarrier.arrive(kv_empty.index(prev), count=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -239,8 +318,8 @@ def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, bl
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q.dtype))
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, q.dtype)
     m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
@@ -262,9 +341,9 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     """All key blocks of one tile with intra-warpgroup overlap: block 0's scores and softmax alone, then the
     overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, q.dtype)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, q.dtype)
+    p_layout: gl.constexpr = _p_layout(o_layout, q.dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m_i = gl.full([64], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([64], gl.float32, row_layout)
@@ -278,10 +357,12 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
                           use_acc=False, is_async=True)
         _pingpong_leave(turn, CONSUMER, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
+        scale = qk_scale_log2
         if n_full == 0:
+            s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
             s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale_log2)
-        p = gl.convert_layout(p0.to(q.dtype), p_layout)
+        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
+        p = _p_operand(p0.to(q.dtype), p_layout)
     for i in range(1, n_full):
         acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
@@ -296,7 +377,7 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
         g_last = blocks_done + n_blocks - 1
         last = g_last % NUM_STAGES
         mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma(p, _pv_operand(v_smem.index(last)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(last), count=1)
     return acc, m_i, l_i
@@ -304,45 +385,63 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
 
 @gluon.jit
 def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles, rows [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key
-    blocks, then the normalised output (masked pointer store) and the natural-log lse."""
+    blocks, then the normalised output (masked pointer store) and the natural-log lse. e4m3 inputs: the tile's
+    q_descale * k_descale joins the logit scale and its v_descale the output's (None for fp16/bf16)."""
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
-    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N))
+    P_LOG2_SCALE: gl.constexpr = _p_log2_scale(q_smem.dtype)
+    row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q_smem.dtype))
     blocks_done = 0
     tiles_done = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
                                                                BLOCK_N, CAUSAL)
         rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
+        if P_LOG2_SCALE != 0.0:
+            scale_log2 = qk_scale_log2 * gl.load(qk_descale_ptr + batch * NUM_HEADS + head)
+            out_scale = gl.load(v_descale_ptr + batch * (NUM_HEADS // GROUP) + head // GROUP)
+            # A scale that is not > 0 (a descale of 0 or below) takes every block through the masked path, which
+            # scales the scores before masking them (_scale_before_mask); NaN descales give NaN either way.
+            n_full_end = gl.where(scale_log2 > 0.0, n_full_end, 0)
+        else:
+            scale_log2 = qk_scale_log2
+            out_scale = 1.0
         q = q_smem.index(CONSUMER)
         mbarrier.wait(q_ready.index(CONSUMER), tiles_done & 1)
         n_blocks = n_end // BLOCK_N
         if OVERLAP:
             acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
                                                    n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                                   qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+                                                   scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
         else:
             acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
                                                  n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                                 qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+                                                 scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
         # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
         mbarrier.arrive(q_empty.index(CONSUMER), count=1)
-        _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS)
+        _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale,
+                    P_LOG2_SCALE)
         blocks_done += n_blocks
         tiles_done += 1
 
 
 @gluon.jit
-def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS: gl.constexpr):
-    """out = acc / l (0 on rows without a visible key) and lse = (m + log2 l) * ln 2 (-inf there)."""
+def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS: gl.constexpr, out_scale,
+                P_LOG2_SCALE: gl.constexpr):
+    """out = acc * out_scale / l (0 on rows without a visible key) and lse = (m + log2 l - P_LOG2_SCALE) * ln 2
+    (-inf there). out_scale and P_LOG2_SCALE (see _p_log2_scale) only for e4m3 inputs: 1.0 and 0 otherwise."""
     HEAD_DIM: gl.constexpr = acc.type.shape[1]
     o_layout: gl.constexpr = acc.type.layout
     st_layout: gl.constexpr = _store_layout(HEAD_DIM)
     safe_l = gl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * gl.expand_dims(gl.convert_layout(1.0 / safe_l, gl.SliceLayout(1, o_layout)), 1)
+    if P_LOG2_SCALE != 0.0:
+        out = acc * gl.expand_dims(gl.convert_layout(out_scale / safe_l, gl.SliceLayout(1, o_layout)), 1)
+        m_i = m_i - P_LOG2_SCALE
+    else:
+        out = acc * gl.expand_dims(gl.convert_layout(1.0 / safe_l, gl.SliceLayout(1, o_layout)), 1)
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), st_layout)
     o_rows = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
@@ -361,15 +460,47 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
-    """1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch * NUM_HEADS); a
-    CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller than
-    num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
+    """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
+    NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
+    than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
+    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                 NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
+                 PRODUCER_REGS, False)
+
+
+@gluon.jit
+def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles,
+                           seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
+
+    q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
+    (batch * nheads_kv * HEAD_DIM, keys_pad) rows of a contiguous (batch, nheads_kv, HEAD_DIM, keys_pad) tensor,
+    block [HEAD_DIM, BLOCK_N]: keys_pad = seqlen_k rounded up to 32, keys renumbered within each 32 as _p_operand
+    renumbers P's columns, zeros past seqlen_k (ops/fp8_v_transpose.py, key_order="wgmma").
+    qk_descale_ptr: float32 (batch, nheads) contiguous, q_descale * k_descale of each query head, folded into the
+    logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
+    _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
+                 seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True)
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
+                 seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                 OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr):
+    """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
+                                       v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -389,21 +520,21 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL)),
+                         NUM_CONSUMERS, CAUSAL, V_T)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL)),
+                         NUM_CONSUMERS, CAUSAL, V_T)),
         ], [1], [PRODUCER_REGS])
