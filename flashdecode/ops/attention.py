@@ -694,7 +694,10 @@ def _dense_call(q, k, v, left: int, right: int, softcap: float, config_id: int) 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
               config_id=_RESOLVE_CONFIG, qk_descale=None, v_descale=None, alibi_slopes=None):
     """(out like q (bfloat16 for FP8 inputs), lse fp32) of one forward; see attn_fwd_op."""
-    if cu_seqlens_q is None and alibi_slopes is None and qk_descale is None and q.dtype != FP8_DTYPE:
+    # scale > 0: the dense call cache may hold a Gluon plan, and the Gluon kernel masks scores before it scales
+    # them (-inf * 0 is NaN; a negative scale turns the mask into +inf): other scales take the Triton kernel below
+    if (cu_seqlens_q is None and alibi_slopes is None and qk_descale is None and q.dtype != FP8_DTYPE
+            and scale > 0):
         return _dense_call(q, k, v, left, right, softcap, config_id).forward(q, k, v, scale, left, right, softcap)
     varlen, batch, sq, sk, nheads, nheads_kv = _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     fp8 = q.dtype == FP8_DTYPE
