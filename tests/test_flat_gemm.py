@@ -168,15 +168,15 @@ def test_choice_table_json_round_trip_and_the_per_gpu_cache(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     model = torch.nn.Linear(32, 64)
     monkeypatch.setattr(fg, "linear_shapes", lambda m: [(64, 32)])
-    first = fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
-    again = fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    first = fg.cached_table_for_model(model, torch.bfloat16, "cuda", directory=tmp_path)
+    again = fg.cached_table_for_model(model, torch.bfloat16, "cuda", directory=tmp_path)
     assert len(measured) == 1 and first.choices == again.choices == table.choices
     props.name = "GPU-B"
-    fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    fg.cached_table_for_model(model, torch.bfloat16, "cuda", directory=tmp_path)
     assert len(measured) == 2 and len(list(tmp_path.glob("*.json"))) == 2
     for f in tmp_path.glob("*.json"):
         f.write_text("{not json")
-    fg.cached_table_for_model(model, 16, torch.bfloat16, "cuda", directory=tmp_path)
+    fg.cached_table_for_model(model, torch.bfloat16, "cuda", directory=tmp_path)
     assert len(measured) == 3
 
 

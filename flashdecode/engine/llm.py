@@ -244,7 +244,7 @@ class LLM:
             if self.device.type != "cuda" or max_num_seqs < 2 or not fg.worth_measuring(self.model):
                 return
             t0 = time.perf_counter()
-            flat_gemm = fg.cached_table_for_model(self.model, max_num_seqs, self.dtype, self.device)
+            flat_gemm = fg.cached_table_for_model(self.model, self.dtype, self.device)
             logger.debug("flat GEMM table ready in %.1f s", time.perf_counter() - t0)
         if flat_gemm is True:
             if self.device.type != "cuda":

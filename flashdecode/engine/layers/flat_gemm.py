@@ -311,22 +311,22 @@ def cache_dir() -> Path:
     return Path(root) / "flat_gemm"
 
 
-def _cache_key(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device) -> dict:
+def _cache_key(model: torch.nn.Module, dtype: torch.dtype, device) -> dict:
     """Everything a measured table depends on: the GPU, the software, the shapes, batches and candidates."""
     props = torch.cuda.get_device_properties(device)
-    top = m_bucket(min(max(2, max_batch), MAX_M))
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "dtype": str(dtype), "shapes": sorted(linear_shapes(model)),
-            "m_values": [b for b in M_BUCKETS if b <= top], "win_margin": WIN_MARGIN,
+            "m_values": list(M_BUCKETS), "win_margin": WIN_MARGIN,
             "configs": [dataclasses.asdict(c) for c in QUICK_CONFIGS]}
 
 
-def cached_table_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype, device,
+def cached_table_for_model(model: torch.nn.Module, dtype: torch.dtype, device,
                            directory: Path | None = None) -> "ChoiceTable":
-    """``measure_for_model``, measured once per GPU model, software and shapes and then read from
-    ``directory`` (default ``cache_dir()``): the engine's default on CUDA (a first start on a new GPU measures
-    for some seconds). A cache file that cannot be read or written is measured over / skipped with a warning."""
-    key = json.loads(json.dumps(_cache_key(model, max_batch, dtype, device)))  # as the file will hold it
+    """``measure_for_model`` at every decode bucket (M = 2..64), measured once per GPU model, software and shapes
+    and then read from ``directory`` (default ``cache_dir()``): the engine's default on CUDA (a first start on a
+    new GPU measures for some seconds, whatever its max_num_seqs, so that one file serves every engine of the model).
+    A cache file that cannot be read or written is measured over / skipped with a warning."""
+    key = json.loads(json.dumps(_cache_key(model, dtype, device)))  # as the file will hold it
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (directory or cache_dir()) / f"{digest}.json"
     try:
@@ -337,7 +337,7 @@ def cached_table_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.
         pass
     except (OSError, ValueError, KeyError, TypeError) as err:
         logger.warning("flat GEMM table %s unreadable (%s): measuring again", path, err)
-    table = measure_for_model(model, max_batch, dtype, device)
+    table = measure_for_model(model, MAX_M, dtype, device)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
