@@ -33,7 +33,7 @@ def compile_variant(d, dtype, causal, cfg):
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -50,6 +50,9 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
                                                 num_stages=st, block_n=bn))
              for nc, ov, pp, ps, st, bn in [(1, True, False, False, 2, 128), (2, True, True, False, 2, 128),
                                             (2, False, True, True, 2, 128), (2, False, False, False, 3, 64)]]
+# two Q buffer sets for persistent CTAs (non-causal and causal: the loop unrolled by two)
+ablations += [(d, "bf16", causal, GluonFwdConfig(persistent=True, q_buffers=2, num_stages=2 if d > 64 else 3))
+              for d, causal in [(128, False), (64, False), (128, True)]]
 # e4m3: the resolved configs of every head dim it takes, and the ping-pong and one-warpgroup options.
 resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal)) for d in FP8_HEAD_DIMS
              for causal in (False, True)]

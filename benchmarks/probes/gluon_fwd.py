@@ -45,6 +45,7 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "resolved": {},
     "pingpong": dict(pingpong=True),
     "persistent": dict(persistent=True),
+    "persist+qbuf2": dict(persistent=True, q_buffers=2),
     "one-cta-per-tile": dict(persistent=False),
     "persist+pp": dict(persistent=True, pingpong=True),
     "overlap+pp": dict(overlap=True, pingpong=True),

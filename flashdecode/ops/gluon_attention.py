@@ -28,8 +28,9 @@ class GluonFwdConfig:
     """One launch of attn_fwd_ws_kernel: a tile is num_consumers * 64 query rows; key blocks of block_n rows flow
     through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
     pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
-    (else one CTA per tile); consumer_regs / producer_regs = per-thread register budgets of the worker partitions
-    (setmaxnreg)."""
+    (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
+    consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
+    per-thread register budgets of the worker partitions (setmaxnreg)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -37,6 +38,7 @@ class GluonFwdConfig:
     overlap: bool = False
     pingpong: bool = False
     persistent: bool = False
+    q_buffers: int = 1
     consumer_regs: int = 240
     producer_regs: int = 24
 
@@ -224,7 +226,8 @@ class _GluonPlan:
         self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                               CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                               CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                               Q_BUFFERS=cfg.q_buffers)
         self.compiled = self.direct = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 

@@ -110,48 +110,75 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr):
-    """One warp: for each of the CTA's tiles, TMA loads of its Q rows (once the consumers have released the
-    previous tile's) and of every visited K/V block into the slot ring. The ring runs on across tiles: its slot and
-    phase come from a block counter over the whole CTA, so the next tile's first K/V blocks load while the
-    consumers still finish the current one. V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and
-    one column per key, so a block is the [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
+def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                  q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr):
+    """The producer's work for one tile: its Q rows into Q buffer set BUF (once the consumers have released that
+    set's previous tile; ``uses`` = tiles the set held before, its barrier phase), then every visited K/V block
+    into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter). Returns the new counter."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                                           CAUSAL)
+    q_row = batch * seqlen_q + m_start
+    for c in gl.static_range(NUM_CONSUMERS):
+        # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
+        mbarrier.wait(q_empty.index(BUF * NUM_CONSUMERS + c), (uses & 1) ^ 1)
+        mbarrier.expect(q_ready.index(BUF * NUM_CONSUMERS + c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM],
+                                        q_ready.index(BUF * NUM_CONSUMERS + c), q_smem.index(BUF * NUM_CONSUMERS + c))
+    kv_row = batch * seqlen_k
+    kv_col = (head // GROUP) * HEAD_DIM
+    for i in range(n_end // BLOCK_N):
+        slot = (blocks_done + i) % NUM_STAGES
+        mbarrier.wait(kv_empty.index(slot), (((blocks_done + i) // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        if V_T:
+            tma.async_copy_global_to_shared(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
+                                                     i * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+    return blocks_done + n_end // BLOCK_N
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
+              Q_BUFFERS: gl.constexpr):
+    """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
+    ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
+    whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
+    Q_BUFFERS = 2 (persistent CTAs): two Q buffer sets, tiles alternating between them, so the next tile's Q loads
+    while the consumers still read the current one's; the loop is unrolled by two so every buffer index is static
+    (a buffer picked by a runtime index made causal launches read shared memory out of bounds, compute-sanitizer).
+    With one set the next tile's Q waits for the current one's release.
+    V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and one column per key, so a block is the
+    [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
     blocks_done = 0
-    tiles_done = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
-                                                               BLOCK_N, CAUSAL)
-        q_row = batch * seqlen_q + m_start
-        # One Q buffer per consumer, indexed statically: a second buffer picked by a runtime index (to prefetch
-        # the next tile's Q) made causal launches read shared memory out of bounds (compute-sanitizer), so the
-        # next tile's Q waits for the current one's release.
-        for c in gl.static_range(NUM_CONSUMERS):
-            # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
-            mbarrier.wait(q_empty.index(c), (tiles_done & 1) ^ 1)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM], q_ready.index(c),
-                                            q_smem.index(c))
-        kv_row = batch * seqlen_k
-        kv_col = (head // GROUP) * HEAD_DIM
-        for i in range(n_end // BLOCK_N):
-            slot = (blocks_done + i) % NUM_STAGES
-            mbarrier.wait(kv_empty.index(slot), (((blocks_done + i) // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
-                                            k_smem.index(slot))
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            if V_T:
-                tma.async_copy_global_to_shared(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
-                                                         i * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
-                                                v_smem.index(slot))
-        blocks_done += n_end // BLOCK_N
-        tiles_done += 1
+    uses = 0
+    if Q_BUFFERS == 1:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+            uses += 1
+    else:
+        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+            if tile + gl.num_programs(0) < num_tiles:
+                blocks_done = _produce_tile(tile + gl.num_programs(0), uses, blocks_done, 1, q_desc, k_desc, v_desc,
+                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                            seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                                            CAUSAL, V_T)
+            uses += 1
 
 
 @gluon.jit
@@ -384,48 +411,77 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
 
 
 @gluon.jit
-def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """One warpgroup: for each of the CTA's tiles, rows [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key
-    blocks, then the normalised output (masked pointer store) and the natural-log lse. e4m3 inputs: the tile's
-    q_descale * k_descale joins the logit scale and its v_descale the output's (None for fp16/bf16)."""
+def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem,
+                  q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                  v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                  CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup's rows [CONSUMER * 64, CONSUMER * 64 + 64) of one tile, its Q in buffer set BUF (``uses`` =
+    tiles the set held before): all visited key blocks, then the output and lse. Returns the new block counter."""
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     P_LOG2_SCALE: gl.constexpr = _p_log2_scale(q_smem.dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q_smem.dtype))
+    batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                                           CAUSAL)
+    rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
+    if P_LOG2_SCALE != 0.0:
+        scale_log2 = qk_scale_log2 * gl.load(qk_descale_ptr + batch * NUM_HEADS + head)
+        out_scale = gl.load(v_descale_ptr + batch * (NUM_HEADS // GROUP) + head // GROUP)
+        # A scale that is not > 0 (a descale of 0 or below) takes every block through the masked path, which
+        # scales the scores before masking them (_scale_before_mask); NaN descales give NaN either way.
+        n_full_end = gl.where(scale_log2 > 0.0, n_full_end, 0)
+    else:
+        scale_log2 = qk_scale_log2
+        out_scale = 1.0
+    q = q_smem.index(BUF * NUM_CONSUMERS + CONSUMER)
+    mbarrier.wait(q_ready.index(BUF * NUM_CONSUMERS + CONSUMER), uses & 1)
+    n_blocks = n_end // BLOCK_N
+    if OVERLAP:
+        acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                               n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                               scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+    else:
+        acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+                                             n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                             scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+    # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
+    mbarrier.arrive(q_empty.index(BUF * NUM_CONSUMERS + CONSUMER), count=1)
+    _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale, P_LOG2_SCALE)
+    return blocks_done + n_blocks
+
+
+@gluon.jit
+def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+              Q_BUFFERS: gl.constexpr):
+    """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
+    [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
+    store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
+    scale and its v_descale the output's (None for fp16/bf16)."""
     blocks_done = 0
-    tiles_done = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M,
-                                                               BLOCK_N, CAUSAL)
-        rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
-        if P_LOG2_SCALE != 0.0:
-            scale_log2 = qk_scale_log2 * gl.load(qk_descale_ptr + batch * NUM_HEADS + head)
-            out_scale = gl.load(v_descale_ptr + batch * (NUM_HEADS // GROUP) + head // GROUP)
-            # A scale that is not > 0 (a descale of 0 or below) takes every block through the masked path, which
-            # scales the scores before masking them (_scale_before_mask); NaN descales give NaN either way.
-            n_full_end = gl.where(scale_log2 > 0.0, n_full_end, 0)
-        else:
-            scale_log2 = qk_scale_log2
-            out_scale = 1.0
-        q = q_smem.index(CONSUMER)
-        mbarrier.wait(q_ready.index(CONSUMER), tiles_done & 1)
-        n_blocks = n_end // BLOCK_N
-        if OVERLAP:
-            acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
-                                                   n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                                   scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
-        else:
-            acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
-                                                 n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                                 scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
-        # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
-        mbarrier.arrive(q_empty.index(CONSUMER), count=1)
-        _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale,
-                    P_LOG2_SCALE)
-        blocks_done += n_blocks
-        tiles_done += 1
+    uses = 0
+    if Q_BUFFERS == 1:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
+            uses += 1
+    else:
+        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
+            if tile + gl.num_programs(0) < num_tiles:
+                blocks_done = _consume_tile(tile + gl.num_programs(0), uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
+                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                                            lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
+                                            qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                                            CAUSAL, OVERLAP, PINGPONG)
+            uses += 1
 
 
 @gluon.jit
@@ -459,14 +515,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                  NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False)
+                 PRODUCER_REGS, False, Q_BUFFERS)
 
 
 @gluon.jit
@@ -474,7 +530,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
                            seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                            CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
 
     q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
@@ -485,7 +541,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
                  seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True)
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS)
 
 
 @gluon.jit
@@ -493,21 +549,22 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr):
-    """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles."""
+                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
+    Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]],
                                        v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(NUM_CONSUMERS):
+    for c in gl.static_range(Q_BUFFERS * NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
@@ -521,20 +578,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
         ], [1], [PRODUCER_REGS])
