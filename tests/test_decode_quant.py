@@ -15,7 +15,7 @@ import triton.language as tl
 import flashdecode
 from flashdecode import DecodePath
 from flashdecode import reference as ref
-from flashdecode.kernels.kv_quant import keys_operand
+from flashdecode.kernels.kv_quant import e4m3_bits, keys_operand, keys_tile, to_dot_dtype
 from flashdecode.ops.decode import decode_config
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
@@ -437,9 +437,9 @@ def test_append_kv_bad_scales(gen):
 
 
 @triton.jit
-def _keys_operand_kernel(Q, QK, UNSCALE, M: tl.constexpr, D: tl.constexpr):
+def _keys_operand_kernel(Q, QK, UNSCALE, M: tl.constexpr, D: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0):
     offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
-    q_k, unscale = keys_operand(tl.load(Q + offs))
+    q_k, unscale = keys_operand(tl.load(Q + offs), QUANT_CONVERT)
     tl.store(QK + offs, q_k.to(tl.float32))
     tl.store(UNSCALE, unscale)
 
@@ -459,6 +459,139 @@ def test_bf16_q_becomes_an_exact_fp16_keys_operand(magnitude):
     assert torch.equal((q_k.double() * unscale.double()), q.double())
     if magnitude:
         assert q_k.abs().max() >= 2.0**14
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# e4m3 tiles to 16 bits by integer bit operations (kv_quant.e4m3_bits, DecodeConfig.quant_convert)
+# ----------------------------------------------------------------------------------------------------------------
+
+_NAN_CODES = (0x7F, 0xFF)
+
+
+def _all_e4m3_codes():
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
+
+
+@triton.jit
+def _e4m3_bits_kernel(X, Y, N: tl.constexpr, ASM: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, e4m3_bits(tl.load(X + offs), Y.dtype.element_ty, ASM))
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, 8), (torch.bfloat16, 120)])
+def test_e4m3_bits_is_exact_for_every_code(asm, dtype, shift):
+    """All 256 e4m3 codes: e4m3_bits gives torch's float8_e4m3fn -> float value times 2**-shift exactly, signed
+    zeros, subnormals (0x01..0x07) and +-448 included; the two NaN codes read as +-480 times the factor."""
+    if asm and DEVICE == "cpu":
+        pytest.skip("inline asm needs the GPU")
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _e4m3_bits_kernel[(1,)](codes, y, 256, asm)
+    want = codes.double() * 2.0 ** -shift
+    want[list(_NAN_CODES)] = torch.tensor([480.0, -480.0], dtype=torch.float64, device=DEVICE) * 2.0 ** -shift
+    assert torch.equal(y.double(), want)
+    # the sign bit survives on zero, and subnormal codes stay distinct values
+    assert torch.equal(torch.signbit(y[[0x00, 0x80]]).cpu(), torch.tensor([False, True]))
+    assert (y[1:8].double() * 2.0 ** shift).tolist() == [m * 2.0 ** -9 for m in range(1, 8)]
+    assert y[0x7E].double() * 2.0 ** shift == 448.0 and y[0xFE].double() * 2.0 ** shift == -448.0
+
+
+@triton.jit
+def _dot_operand_kernel(X, Y, N: tl.constexpr, KEYS: tl.constexpr, QUANT_CONVERT: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    if KEYS:
+        y = keys_tile(x, Y.dtype.element_ty, QUANT_CONVERT)
+    else:
+        y = to_dot_dtype(x, Y.dtype.element_ty, False, QUANT_CONVERT)
+    tl.store(Y + offs, y)
+
+
+@pytest.mark.parametrize("convert", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_v_operand_is_the_e4m3_value(convert, dtype):
+    """kv_quant.to_dot_dtype (the V tile): every finite code becomes its exact value in fp16 / bf16 with either
+    conversion (bit operations: the packed multiply by 2**8 / 2**120 takes subnormals to their normal values)."""
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, False, convert)
+    finite = torch.ones(256, dtype=torch.bool)
+    finite[list(_NAN_CODES)] = False
+    assert torch.equal(y[finite].double(), codes[finite].double())
+
+
+@pytest.mark.parametrize("convert,shift", [(0, 0), (1, 8)])
+def test_k_operand_and_its_unscale(convert, shift):
+    """kv_quant.keys_tile against fp16 holds each finite code's value times 2**-shift (bit operations: 2**-8), and
+    keys_operand's unscale carries exactly that factor back (fp16 q, and bf16 q scaled into fp16)."""
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, True, convert)
+    finite = torch.ones(256, dtype=torch.bool)
+    finite[list(_NAN_CODES)] = False
+    assert torch.equal(y[finite].double() * 2.0 ** shift, codes[finite].double())
+    for q_dtype in (torch.float16, torch.bfloat16):
+        q = torch.full((16, 32), 1.5, dtype=q_dtype, device=DEVICE)
+        q_k = torch.empty(16, 32, device=DEVICE)
+        unscale = torch.empty(1, device=DEVICE)
+        _keys_operand_kernel[(1,)](q, q_k, unscale, 16, 32, convert)
+        assert torch.equal(q_k.double() * unscale.double() * 2.0 ** -shift, q.double())
+
+
+def _all_codes_cache(gen, batch, seqlen, nheads_kv, headdim):
+    """An e4m3 cache (B, S, H, D) of random finite codes (subnormals, zeros, +-448 included) and per-token scales
+    over 2**-10 .. 2**4 (the values stay within fp16, q's dtype here), a quarter of them 0."""
+    codes = torch.randint(0, 256, (batch, seqlen, nheads_kv, headdim), generator=gen, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] -= 1  # NaN codes -> +-448
+    codes[:, :, :, :4] = torch.tensor([0x01, 0x87, 0x7E, 0xFE])  # a subnormal of each sign, +-448 in every row
+    cache = codes.to(torch.uint8).view(FP8)
+    scale = torch.exp2(torch.randint(-10, 5, (batch, seqlen, nheads_kv), generator=gen).float())
+    scale *= torch.rand(batch, seqlen, nheads_kv, generator=gen) + 0.5
+    scale[torch.rand(batch, seqlen, nheads_kv, generator=gen) < 0.25] = 0.0
+    return cache.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("convert", [0, 1])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_on_every_code_with_either_conversion(gen, convert, page_size):
+    """flash_decode on caches of every finite e4m3 code with per-token scales (some 0), quant_convert 0 (conversion
+    instructions) and 1 (bit operations) forced through config=: each vs the float64 reference (3x rule)."""
+    lens = [70, 0, 33]
+    q = _q(gen, len(lens), 4, 32)
+    kc, ks = _all_codes_cache(gen, len(lens), 72, 2, 32)
+    vc, vs = _all_codes_cache(gen, len(lens), 72, 2, 32)
+    kw, table, kp, vp = dict(k_scale=ks, v_scale=vs), None, kc, vc
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kw = dict(k_scale=ksp, v_scale=vsp)
+    config = decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=2, **kw)
+    assert config.quant_convert == 1  # the interpreter's resolution
+    config = dataclasses.replace(config, quant_convert=convert)
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, config=config, return_lse=True,
+                                        **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+def test_quant_convert_is_resolved_in_one_place(monkeypatch):
+    """heuristics.decode_quant_convert: packed PTX on a GPU, Triton integer ops in the interpreter, the conversion
+    instructions with DECODE_QUANT_BIT_CONVERT off; resolve_decode_config and batch_invariant_config both take it,
+    and a config with another value is refused naming the field."""
+    from flashdecode import heuristics
+    from flashdecode.config import check_decode_config
+
+    hopper = heuristics.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+    cpu = heuristics.DecodeDevice(num_sms=1, interpret=True, hopper=False, pdl=False)
+    assert heuristics.decode_quant_convert(hopper) == 2 and heuristics.decode_quant_convert(cpu) == 1
+    problem = heuristics.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=128,
+                                       elem_bytes=1, page_size=16, capacity=32768, window_left=-1,
+                                       live_keys=32768)
+    assert heuristics.resolve_decode_config(problem, hopper).quant_convert == 2
+    assert heuristics.batch_invariant_config(problem, hopper).quant_convert == 2
+    monkeypatch.setattr(heuristics, "DECODE_QUANT_BIT_CONVERT", False)
+    assert heuristics.resolve_decode_config(problem, hopper).quant_convert == 0
+    with pytest.raises(ValueError, match="quant_convert"):
+        check_decode_config(dataclasses.replace(heuristics.resolve_decode_config(problem, hopper), quant_convert=3))
 
 
 # ----------------------------------------------------------------------------------------------------------------
