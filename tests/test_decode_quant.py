@@ -552,11 +552,11 @@ def _all_codes_cache(gen, batch, seqlen, nheads_kv, headdim):
     return cache.to(DEVICE), scale.to(DEVICE)
 
 
-@pytest.mark.parametrize("convert", [0, 1])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_decode_on_every_code_with_either_conversion(gen, convert, page_size):
+def test_decode_on_every_code_with_either_conversion(gen, page_size):
     """flash_decode on caches of every finite e4m3 code with per-token scales (some 0), quant_convert 0 (conversion
-    instructions) and 1 (bit operations) forced through config=: each vs the float64 reference (3x rule)."""
+    instructions) and 1 (bit operations) forced through config=: each vs the float64 reference (3x rule), and the
+    two bitwise equal (the bit operations' powers of two come back exactly)."""
     lens = [70, 0, 33]
     q = _q(gen, len(lens), 4, 32)
     kc, ks = _all_codes_cache(gen, len(lens), 72, 2, 32)
@@ -567,10 +567,13 @@ def test_decode_on_every_code_with_either_conversion(gen, convert, page_size):
         kw = dict(k_scale=ksp, v_scale=vsp)
     config = decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=2, **kw)
     assert config.quant_convert == 1  # the interpreter's resolution
-    config = dataclasses.replace(config, quant_convert=convert)
-    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, config=config, return_lse=True,
-                                        **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    results = []
+    for convert in (0, 1):
+        out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
+                                            config=dataclasses.replace(config, quant_convert=convert), **kw)
+        _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_quant_convert_is_resolved_in_one_place(monkeypatch):
@@ -604,7 +607,8 @@ def test_quant_convert_is_resolved_in_one_place(monkeypatch):
     (FP8, 128, "token-strided", 1), (INT8, None, "head", 2), (INT8, 16, "token", 1)])
 def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seqlen_q):
     """Long ragged lengths on the GPU's own config (128-key tiles at 8 warps on hd128, V converted to bf16 before
-    its shared-memory stage): flash_decode and a DecodePlan vs the float64 reference on the dequantised cache."""
+    its shared-memory stage, e4m3 by packed PTX bit operations): flash_decode and a DecodePlan vs the float64
+    reference on the dequantised cache; the other two conversions give bitwise the same output."""
     lens = [5003, 0, 777, 129]
     q = _q(gen, len(lens), 16, 128, seqlen_q, dtype=torch.bfloat16)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), max(lens), 2, 128, dtype, granularity, lens)
@@ -615,9 +619,14 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
         kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
         kw = dict(k_scale=ksp, v_scale=vsp)
     config = decode_config(q, kp, vp, _lens(lens), block_table=table, **kw)
-    assert config.quant_v_convert_first and config.block_n * 128 <= 16384
+    assert config.quant_v_convert_first and config.block_n * 128 <= 16384 and config.quant_convert == 2
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    # the conversion instructions (0) and the Triton bit operations (1) give the same bits as the packed PTX (2)
+    for convert in (0, 1):
+        out_c, lse_c = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
+                                                config=dataclasses.replace(config, quant_convert=convert), **kw)
+        assert torch.equal(out_c, out) and torch.equal(lse_c, lse), convert
     plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
                                   dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
     out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
@@ -645,7 +654,27 @@ BLOCK_N, WARPS = heuristics.decode_quant_tile(problem, 128)
 assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
-              OFFS_32=True, V_CONVERT_FIRST=True)
+              OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2)
+
+
+def sass_opcodes(kernel):
+    """The kernel's SASS opcodes (cuobjdump, bundled with Triton)."""
+    import os, subprocess, tempfile
+    import triton.backends.nvidia as nv
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+
+
+def assert_bit_conversion(kernel, what):
+    """e4m3 tiles reach 16 bits without sm_90's conversion instructions (QUANT_CONVERT 2: PRMT / shift / LOP3, one
+    packed HMUL2 per two V values)."""
+    ops = sass_opcodes(kernel)
+    conversions = [o for o in ops if o.startswith(("F2FP.F16.E4M3", "F2F.BF16.F16"))]
+    assert not conversions and "PRMT" in ops and "HMUL2.BF16_V2" in ops, (what, conversions[:4])
 
 
 def assert_16_byte_kv_copies(kernel, what, ids_in_loop=False):
@@ -673,6 +702,8 @@ for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), (
     # (at 4 warps these 128-key tiles spilled up to 176 bytes: docs/decisions.md, "8-bit cache tiles")
     assert spilled_bytes(kernel) == 0, (kv, quant, page, "spills")
     assert_16_byte_kv_copies(kernel, (kv, quant, page), ids_in_loop=page > 0 and preload == 0)
+    if kv == "fp8e4nv":
+        assert_bit_conversion(kernel, (quant, page))
     if page == 16:  # the tiny tile of short gathered splits, at its 4 warps
         kernel = compile_for_sm90(decode_split_kernel, types, dict(consts, BLOCK_N=64), 3, 4)
         assert spilled_bytes(kernel) == 0, (kv, quant, page, "64-key tile spills")
@@ -694,6 +725,7 @@ kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3, WARPS)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
 assert spilled_bytes(kernel) == 0, "persistent 8-bit kernel spills"
 assert_16_byte_kv_copies(kernel, "persistent")
+assert_bit_conversion(kernel, "persistent")
 # append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
 for kv in ("fp8e4nv", "i8"):
     types = dict(K_NEW="*bf16", V_NEW="*bf16", K_CACHE=f"*{kv}", V_CACHE=f"*{kv}", SEQLENS="*i32", CU_NEW="*i32",
@@ -708,7 +740,8 @@ def test_quant_kernels_compile_for_hopper_without_a_gpu():
     """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
     persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas at the tiles the
     resolver gives 8-bit caches: K/V loads still software-pipelined in 16-byte pieces, V converted before shared
-    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills."""
+    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills, e4m3 tiles converted by
+    bit operations (no F2FP.F16.E4M3 / F2F.BF16.F16 left)."""
     run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)
 
 

@@ -30,13 +30,13 @@ E4M3_MAX = 448.0
 INT8_MAX = 127.0
 
 # QUANT_CONVERT values (module doc)
-CONVERT_CVT: tl.constexpr = 0
-CONVERT_BITS: tl.constexpr = 1
-CONVERT_BITS_ASM: tl.constexpr = 2
+CONVERT_CVT = tl.constexpr(0)
+CONVERT_BITS = tl.constexpr(1)
+CONVERT_BITS_ASM = tl.constexpr(2)
 # e4m3_bits' fp16 / bf16 codes stand for the e4m3 value times 2**-E4M3_FP16_SHIFT / 2**-E4M3_BF16_SHIFT: the
 # exponent biases differ by 15 - 7 and 127 - 7
-E4M3_FP16_SHIFT: tl.constexpr = 8
-E4M3_BF16_SHIFT: tl.constexpr = 120
+E4M3_FP16_SHIFT = tl.constexpr(8)
+E4M3_BF16_SHIFT = tl.constexpr(120)
 
 
 @triton.jit
