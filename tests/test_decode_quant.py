@@ -643,7 +643,7 @@ import sys
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 sys.path.insert(0, "tests")
-from helpers import compile_for_sm90, spilled_bytes
+from helpers import compile_for_sm90, sass_opcodes, spilled_bytes
 from flashdecode import heuristics
 
 # the tile an 8-bit cache resolves to at hd128 (heuristics.decode_quant_tile: 128 keys, 8 warps), and the tiny tile
@@ -655,18 +655,6 @@ assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
               OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2)
-
-
-def sass_opcodes(kernel):
-    """The kernel's SASS opcodes (cuobjdump, bundled with Triton)."""
-    import os, subprocess, tempfile
-    import triton.backends.nvidia as nv
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
 
 
 def assert_bit_conversion(kernel, what):
