@@ -12,7 +12,14 @@ pages of 16 the 8-bit tile rules' A/B (docs/decisions.md, "8-bit cache tiles") r
 128-key tiles at 4 warps (bn128w4), 64-key tiles at 4 warps (bn64w4), V converted after its shared-memory stage
 (vlate).
 
+``--convert-ab``: instead, the A/B of how e4m3 tiles become 16-bit dot operands (DecodeConfig.quant_convert,
+kernels/kv_quant.py; docs/decisions.md, "8-bit cache tiles"): the conversion instructions (cvt, 0), integer bit
+operations as Triton ops (bits-tl, 1) and as packed PTX (bits, 2, the resolved one), in the same run on the same
+caches, contiguous and pages of 16, per-token-head and scalar scales, beside our bf16 cache, with % of the 8-bit
+floor; each row also says whether the three outputs are bitwise equal (they should be: every conversion is exact).
+
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
+    PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
 """
 
 from __future__ import annotations
@@ -145,6 +152,53 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
     return row
 
 
+# --convert-ab: DecodeConfig.quant_convert of each column
+_CONVERTS = {"cvt": 0, "bits-tl": 1, "bits": 2}
+
+
+def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen) -> list[dict]:
+    """--convert-ab rows of one shape: per layout (contiguous, pages of 16) and scale granularity (per token and kv
+    head, one scalar), our e4m3 cache under each quant_convert, our bf16 cache, the 8-bit floor."""
+    from flashdecode.bench.decode import _make_set
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
+
+    lens = [context] * batch
+    bf16_bytes = 2 * batch * context * nheads_kv * headdim * 2
+    n_sets = rotation_count(bf16_bytes)
+    rows = []
+    for page in (0, 16):
+        base = [_make_set(batch, lens, nheads, nheads_kv, headdim, page, torch.bfloat16, gen) for _ in range(n_sets)]
+        fns, _ = _ours(base)
+        bf16_us = cuda_graph_time_us(fns, reps=reps)
+        for per_token in (True, False):
+            sets = [_quant_set(s, per_token) for s in base]
+            scale_bytes = 2 * batch * context * nheads_kv * 4 if per_token else 0
+            floor = (bf16_bytes // 2 + scale_bytes) / bandwidth * 1e6
+            row = dict(shape=label, batch=batch, context=context, layout="page16" if page else "contig",
+                       scales="token" if per_token else "scalar", bf16=bf16_us, fp8_floor_us=floor)
+            outs = []
+            for name, convert in _CONVERTS.items():
+                fns, info = _ours(sets, dict(quant_convert=convert))
+                row[name] = cuda_graph_time_us(fns, reps=reps)
+                row[f"{name} %floor"] = 100.0 * floor / row[name]
+                outs.append(fns[0]().clone())
+            row["cvt/bits"] = row["cvt"] / row["bits"]
+            row["bf16/bits"] = bf16_us / row["bits"]
+            row["equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
+            row["config"] = info
+            rows.append(row)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
+                              if k != "config"}), flush=True)
+            del sets
+        del base
+        torch.cuda.empty_cache()
+    return rows
+
+
+CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "bits-tl", "bits", "fp8_floor_us",
+                   "cvt %floor", "bits %floor", "cvt/bits", "bf16/bits", "equal"]
+
+
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
            "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn128w4",
            "ours fp8-token page16 bn64w4", "ours fp8-token page16 vlate", "FlashInfer bf16 page16",
@@ -159,20 +213,28 @@ def main() -> int:
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768,65536,131072")
-    parser.add_argument("--batched", default="16,64", help="Llama-3-8B shape (32 / 8 heads) batches; '' to skip")
+    parser.add_argument("--contexts", default=None, help="512..131072 (--convert-ab: 4096..131072)")
+    parser.add_argument("--batched", default=None,
+                        help="Llama-3-8B shape (32 / 8 heads) batches, '' to skip: 16,64 (--convert-ab: 16)")
     parser.add_argument("--batched-context", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--convert-ab", action="store_true",
+                        help="time the e4m3 -> 16-bit conversions against each other (contexts default 4k..128k, "
+                             "--batched default 16)")
     args = parser.parse_args()
+    if args.convert_ab:
+        return convert_ab(args)
+    contexts = args.contexts or "512,1024,2048,4096,8192,16384,32768,65536,131072"
+    batched = "16,64" if args.batched is None else args.batched
     if not torch.cuda.is_available():
         print("fp8_decode needs a CUDA GPU")
         return 2
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    points = [("b1 16/2", 1, int(c), 16, 2) for c in args.contexts.split(",") if c]
-    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in args.batched.split(",") if b]
+    points = [("b1 16/2", 1, int(c), 16, 2) for c in contexts.split(",") if c]
+    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in batched.split(",") if b]
     rows = []
     for shape, batch, context, nheads, nheads_kv in points:
         rows.append(bench_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen))
@@ -186,6 +248,38 @@ def main() -> int:
     print(markdown_table(rows, COLUMNS, fmt))
     out = results_dir(args.out)
     path = write_json(out / f"{result_stem('fp8_decode', env)}.json", "fp8_decode", env, rows,
+                      {"copy_bandwidth_bytes_per_s": bandwidth})
+    print(f"wrote {path}")
+    return 0
+
+
+def convert_ab(args) -> int:
+    """--convert-ab: bench_convert_point over the contexts (4k..128k unless given) at b1 16/2 hd128 and the
+    Llama-3-8B shape at the --batched batches (16 unless given), 8k; a compact table and a result file."""
+    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
+
+    if not torch.cuda.is_available():
+        print("fp8_decode needs a CUDA GPU")
+        return 2
+    contexts = args.contexts or "4096,16384,32768,65536,131072"
+    batched = "16" if args.batched is None else args.batched
+    env = env_info()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    points = [("b1 16/2", 1, int(c), 16, 2) for c in contexts.split(",") if c]
+    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in batched.split(",") if b]
+    rows = []
+    for shape, batch, context, nheads, nheads_kv in points:
+        rows += bench_convert_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen)
+    print(f"e4m3 -> 16-bit conversion A/B on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy "
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s; us (CUDA-graph replays, K/V rotated beyond L2); cvt: conversion "
+          f"instructions, bits-tl: bit ops in Triton, bits: packed PTX bit ops (resolved)")
+    fmt = {c: ".1f" for c in CONVERT_COLUMNS if c not in ("shape", "batch", "context", "layout", "scales", "equal")}
+    fmt.update({"cvt/bits": ".2f", "bf16/bits": ".2f"})
+    print(markdown_table(rows, CONVERT_COLUMNS, fmt))
+    out = results_dir(args.out)
+    path = write_json(out / f"{result_stem('fp8_convert_ab', env)}.json", "fp8_convert_ab", env, rows,
                       {"copy_bandwidth_bytes_per_s": bandwidth})
     print(f"wrote {path}")
     return 0
