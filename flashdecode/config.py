@@ -66,6 +66,7 @@ class DecodeConfig:
     quant_v_convert_first: bool = False  # 8-bit caches: V converted to q's dtype before shared memory (GPU)
     quant_convert: int = 0           # e4m3 caches: tiles to 16 bits by 0 conversion instructions, 1 integer bit ops
     #                                  in Triton, 2 the same in packed PTX (GPU) (kernels/kv_quant.py)
+    quant_k_convert_first: bool = False  # 8-bit caches: K converted before its layout change too (GPU)
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
@@ -74,7 +75,7 @@ _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "prel
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
                  "quant_convert")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first")
+          "quant_v_convert_first", "quant_k_convert_first")
 _MAX_SPLITS = 1024
 
 

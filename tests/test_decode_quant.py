@@ -577,22 +577,26 @@ def test_decode_on_every_code_with_either_conversion(gen, page_size):
 
 
 def test_quant_convert_is_resolved_in_one_place(monkeypatch):
-    """heuristics.decode_quant_convert: packed PTX on a GPU, Triton integer ops in the interpreter, the conversion
-    instructions with DECODE_QUANT_BIT_CONVERT off; resolve_decode_config and batch_invariant_config both take it,
-    and a config with another value is refused naming the field."""
+    """heuristics.decode_quant_convert: packed PTX and K converted first on a GPU, Triton integer ops in the
+    interpreter, the conversion instructions (K after) with DECODE_QUANT_BIT_CONVERT off; resolve_decode_config and
+    batch_invariant_config both take it, and a config with another quant_convert is refused naming the field."""
     from flashdecode import heuristics
     from flashdecode.config import check_decode_config
 
     hopper = heuristics.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
     cpu = heuristics.DecodeDevice(num_sms=1, interpret=True, hopper=False, pdl=False)
-    assert heuristics.decode_quant_convert(hopper) == 2 and heuristics.decode_quant_convert(cpu) == 1
+    assert heuristics.decode_quant_convert(hopper) == dict(quant_v_convert_first=True, quant_convert=2,
+                                                           quant_k_convert_first=True)
+    assert heuristics.decode_quant_convert(cpu) == dict(quant_v_convert_first=False, quant_convert=1,
+                                                        quant_k_convert_first=False)
     problem = heuristics.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=128,
                                        elem_bytes=1, page_size=16, capacity=32768, window_left=-1,
                                        live_keys=32768)
     assert heuristics.resolve_decode_config(problem, hopper).quant_convert == 2
     assert heuristics.batch_invariant_config(problem, hopper).quant_convert == 2
     monkeypatch.setattr(heuristics, "DECODE_QUANT_BIT_CONVERT", False)
-    assert heuristics.resolve_decode_config(problem, hopper).quant_convert == 0
+    config = heuristics.resolve_decode_config(problem, hopper)
+    assert config.quant_convert == 0 and not config.quant_k_convert_first and config.quant_v_convert_first
     with pytest.raises(ValueError, match="quant_convert"):
         check_decode_config(dataclasses.replace(heuristics.resolve_decode_config(problem, hopper), quant_convert=3))
 
@@ -622,11 +626,14 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
     assert config.quant_v_convert_first and config.block_n * 128 <= 16384 and config.quant_convert == 2
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
-    # the conversion instructions (0) and the Triton bit operations (1) give the same bits as the packed PTX (2)
-    for convert in (0, 1):
+    # the conversion instructions (0) and the Triton bit operations (1), K converted after or before its layout
+    # change, give the same bits as the packed PTX (2) with K first
+    assert config.quant_k_convert_first
+    for convert, k_first in ((0, False), (0, True), (1, True), (2, False)):
+        changed = dataclasses.replace(config, quant_convert=convert, quant_k_convert_first=k_first)
         out_c, lse_c = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
-                                                config=dataclasses.replace(config, quant_convert=convert), **kw)
-        assert torch.equal(out_c, out) and torch.equal(lse_c, lse), convert
+                                                config=changed, **kw)
+        assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
     plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
                                   dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
     out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
@@ -654,7 +661,8 @@ BLOCK_N, WARPS = heuristics.decode_quant_tile(problem, 128)
 assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
-              OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2)
+              OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2,
+              K_CONVERT_FIRST=True)
 
 
 def assert_bit_conversion(kernel, what):

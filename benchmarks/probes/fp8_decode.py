@@ -12,11 +12,13 @@ pages of 16 the 8-bit tile rules' A/B (docs/decisions.md, "8-bit cache tiles") r
 128-key tiles at 4 warps (bn128w4), 64-key tiles at 4 warps (bn64w4), V converted after its shared-memory stage
 (vlate).
 
-``--convert-ab``: instead, the A/B of how e4m3 tiles become 16-bit dot operands (DecodeConfig.quant_convert,
-kernels/kv_quant.py; docs/decisions.md, "8-bit cache tiles"): the conversion instructions (cvt, 0), integer bit
-operations as Triton ops (bits-tl, 1) and as packed PTX (bits, 2, the resolved one), in the same run on the same
-caches, contiguous and pages of 16, per-token-head and scalar scales, beside our bf16 cache, with % of the 8-bit
-floor; each row also says whether the three outputs are bitwise equal (they should be: every conversion is exact).
+``--convert-ab``: instead, the A/B of how e4m3 tiles become 16-bit dot operands (DecodeConfig.quant_convert and
+quant_k_convert_first, kernels/kv_quant.py; docs/decisions.md, "8-bit cache tiles"): the conversion instructions
+with K converted after its layout change (cvt: the earlier resolution) and before it (cvt-kfirst), packed PTX bit
+operations with K after (bits-klate), Triton bit ops with K first (bits-tl) and packed PTX bit ops with K first
+(bits: the resolved config), in the same run on the same caches, contiguous and pages of 16, per-token-head and
+scalar scales, beside our bf16 cache, with % of the 8-bit floor; each row also says whether all outputs are bitwise
+equal (they should be: every conversion is exact).
 
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
@@ -152,8 +154,14 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
     return row
 
 
-# --convert-ab: DecodeConfig.quant_convert of each column
-_CONVERTS = {"cvt": 0, "bits-tl": 1, "bits": 2}
+# --convert-ab columns: DecodeConfig changes (quant_convert 0 conversion instructions, 1 Triton bit ops, 2 packed
+# PTX bit ops; quant_k_convert_first: K converted before its layout change). "cvt" is the earlier resolution, "bits"
+# the current one.
+_CONVERTS = {"cvt": dict(quant_convert=0, quant_k_convert_first=False),
+             "cvt-kfirst": dict(quant_convert=0, quant_k_convert_first=True),
+             "bits-klate": dict(quant_convert=2, quant_k_convert_first=False),
+             "bits-tl": dict(quant_convert=1, quant_k_convert_first=True),
+             "bits": dict(quant_convert=2, quant_k_convert_first=True)}
 
 
 def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen) -> list[dict]:
@@ -177,14 +185,14 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
             row = dict(shape=label, batch=batch, context=context, layout="page16" if page else "contig",
                        scales="token" if per_token else "scalar", bf16=bf16_us, fp8_floor_us=floor)
             outs = []
-            for name, convert in _CONVERTS.items():
-                fns, info = _ours(sets, dict(quant_convert=convert))
+            for name, changes in _CONVERTS.items():
+                fns, info = _ours(sets, changes)
                 row[name] = cuda_graph_time_us(fns, reps=reps)
                 row[f"{name} %floor"] = 100.0 * floor / row[name]
                 outs.append(fns[0]().clone())
             row["cvt/bits"] = row["cvt"] / row["bits"]
             row["bf16/bits"] = bf16_us / row["bits"]
-            row["equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
+            row["equal"] = all(torch.equal(outs[0], o) for o in outs[1:])  # every conversion is exact
             row["config"] = info
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
@@ -195,8 +203,8 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
     return rows
 
 
-CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "bits-tl", "bits", "fp8_floor_us",
-                   "cvt %floor", "bits %floor", "cvt/bits", "bf16/bits", "equal"]
+CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "cvt-kfirst", "bits-klate",
+                   "bits-tl", "bits", "fp8_floor_us", "cvt %floor", "bits %floor", "cvt/bits", "bf16/bits", "equal"]
 
 
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",

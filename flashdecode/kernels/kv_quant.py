@@ -113,13 +113,28 @@ def e4m3_bits(x, dtype, ASM: tl.constexpr):
 
 
 @triton.jit
-def keys_tile(k, dtype, QUANT_CONVERT: tl.constexpr):
+def _layout_barrier(y):
+    """y unchanged (a 16-bit tile), through an identity move in non-pure inline asm that Triton cannot look
+    through: the conversion before it stays in the tile's load layout (keys_tile, to_dot_dtype)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
+                                     pack=32 // y.dtype.primitive_bitwidth)
+
+
+@triton.jit
+def keys_tile(k, dtype, QUANT_CONVERT: tl.constexpr, CONVERT_FIRST: tl.constexpr = False):
     """An 8-bit K tile (BLOCK_N, BLOCK_D) as the QK^T dot's ``dtype`` (keys_operand's q_k dtype): an e4m3 tile
-    against fp16 by e4m3_bits (the keys times 2**-8; keys_operand's unscale carries the 2**8), else converted."""
+    against fp16 by e4m3_bits (the keys times 2**-8; keys_operand's unscale carries the 2**8), else converted.
+    CONVERT_FIRST (GPU only: inline asm): converted in the layout it was loaded in, as to_dot_dtype does for V. Left
+    to Triton, the conversion follows the tile's layout change to the mma operand, and an operand converted from 8
+    bits makes Triton lay out both operands of the dot for 8-bit k-packing: q_k is then read from shared memory
+    every block in 8-byte pieces and reassembled into mma fragments by register moves (~80 instructions per block
+    at hd128; docs/decisions.md, "8-bit cache tiles"), where a 16-bit K tile gives q_k and K ldmatrix loads."""
     if QUANT_CONVERT != CONVERT_CVT and k.dtype == tl.float8e4nv and dtype == tl.float16:
         y = e4m3_bits(k, dtype, QUANT_CONVERT == CONVERT_BITS_ASM)
     else:
         y = k.to(dtype)
+    if CONVERT_FIRST:
+        y = _layout_barrier(y)
     return y
 
 
@@ -140,8 +155,7 @@ def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr, QUANT_CONVERT: tl.conste
     else:
         y = x.to(dtype)
     if CONVERT_FIRST:
-        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
-                                      pack=32 // y.dtype.primitive_bitwidth)
+        y = _layout_barrier(y)
     if QUANT_CONVERT != CONVERT_CVT and x.dtype == tl.float8e4nv and dtype == tl.float16:
         y = y * (2.0 ** E4M3_FP16_SHIFT)
     elif QUANT_CONVERT == CONVERT_BITS_ASM and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:

@@ -230,7 +230,7 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
         OFFS_32=config.offs_32, **_alibi_args(shape),
         **kv_quant_kernel_args(shape.kv_quant, k_cache, config.quant_v_convert_first,
-                               config.quant_convert))
+                               config.quant_convert, config.quant_k_convert_first))
 
 
 def _alibi_args(shape) -> dict:
