@@ -91,9 +91,11 @@ _DECODE_GROUPS = dict(
     SCHEDULE=("WorkSchedule", ("NHEADS_KV", "BATCH_PAD", "MAX_SPLIT_KEYS", "DYNAMIC", "SLOTS_PER_PROGRAM",
                                "QUEUE_SPLITS", "QUEUE_FULL_FRACTION", "QUEUE_SPLIT_COST")),
     MERGE=("MergeTile", ("MERGE_M", "MERGE_BLOCK_S")),
+    QUANT_TILES=("QuantTiles", ("V_CONVERT_FIRST", "QUANT_CONVERT", "K_CONVERT_FIRST")),
 )
 _DECODE_DEFAULTS = dict(SPLIT_KEYS=0, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, BATCH_PAD=1, MAX_SPLIT_KEYS=0, DYNAMIC=False,
-                        SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
+                        SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03,
+                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False)
 
 
 def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:
