@@ -542,6 +542,16 @@ def test_k_operand_and_its_unscale(convert, shift):
         assert torch.equal(q_k.double() * unscale.double() * 2.0 ** -shift, q.double())
 
 
+@pytest.mark.gpu
+def test_int8_k_operand_by_packed_ptx():
+    """kv_quant.keys_tile with quant_convert 2 takes int8 K tiles to fp16 by the magic-number PTX (int8_to_fp16):
+    every code exactly."""
+    codes = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8).to(DEVICE)
+    y = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, True, 2)
+    assert torch.equal(y.double(), codes.double())
+
+
 def _all_codes_cache(gen, batch, seqlen, nheads_kv, headdim):
     """An e4m3 cache (B, S, H, D) of random finite codes (subnormals, zeros, +-448 included) and per-token scales
     over 2**-10 .. 2**4 (the values stay within fp16, q's dtype here), a quarter of them 0."""

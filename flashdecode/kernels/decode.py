@@ -30,7 +30,7 @@ from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv
                                                prefetch_l2, prefetch_split_head, split_page_ids, tma_row)
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
-from flashdecode.kernels.kv_quant import key_scales, keys_operand, keys_tile, to_dot_dtype
+from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
@@ -449,8 +449,11 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if KV_QUANT > 0:
         q_k = q
         q_unscale = 1.0
-        if K.dtype.element_ty == tl.float8e4nv:  # (int8 -> bf16 is already a permute and a packed subtract)
-            q_k, q_unscale = keys_operand(q, QUANT_TILES.convert)
+        # e4m3 K against fp16 (kv_quant.keys_operand); int8 too where its packed-PTX conversion to fp16 is on (else
+        # int8 -> bf16 is a permute, logic ops and a packed subtract, no conversion-unit work)
+        k_dtype: tl.constexpr = K.dtype.element_ty
+        if k_dtype == tl.float8e4nv or (k_dtype == tl.int8 and QUANT_TILES.convert == CONVERT_BITS_ASM):
+            q_k, q_unscale = keys_operand(q, QUANT_TILES.convert, k_dtype)
         quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -19,7 +19,8 @@ value on top). CONVERT_BITS / CONVERT_BITS_ASM: integer bit operations (e4m3_bit
 seven exponent-mantissa bits moved into a fp16 / bf16 code, which then stands for the value times a power of two;
 docs/decisions.md, "8-bit cache tiles"), written as Triton integer ops (what the CPU interpreter runs) or as packed
 PTX on four codes per 32-bit register (one PRMT, one shift, one LOP3 per two values; the Triton form compiles to
-about twice that). int8 tiles and fp32 dots keep the conversion.
+about twice that). CONVERT_BITS_ASM also takes int8 K tiles to fp16 (int8_to_fp16: the 1024 + byte magic number, no
+conversion-unit work) against a fp16 q_k; int8 V tiles and fp32 dots keep the conversion.
 """
 
 import triton
@@ -60,14 +61,15 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
 
 
 @triton.jit
-def keys_operand(q, QUANT_CONVERT: tl.constexpr = 0):
-    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an e4m3 K tile, and the fp32 factor that
-    scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen from q's largest magnitude so that it lands
-    in [2**14, 2**15) (bf16 values keep all their 8 significant bits there, so nothing rounds but magnitudes below
-    ~2**-28 of the largest), and the K tile goes to fp16 (keys_tile: exact, e4m3 is a subset of fp16) instead of to
-    bf16, which costs two conversions per value on sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q
-    are used as they are (unscale 1). With a fp16 q_k and bit conversion (QUANT_CONVERT) the K tile holds the keys
-    times 2**-8 (e4m3_bits): unscale carries the 2**8 back (exact: a power of two on fp32 scores)."""
+def keys_operand(q, QUANT_CONVERT: tl.constexpr = 0, K_DTYPE: tl.constexpr = tl.float8e4nv):
+    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an 8-bit K tile of K_DTYPE (e4m3; int8
+    with QUANT_CONVERT 2), and the fp32 factor that scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen
+    from q's largest magnitude so that it lands in [2**14, 2**15) (bf16 values keep all their 8 significant bits
+    there, so nothing rounds but magnitudes below ~2**-28 of the largest), and the K tile goes to fp16 (keys_tile:
+    exact, e4m3 and int8 are subsets of fp16) instead of to bf16, which costs two conversions per e4m3 value on
+    sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q are used as they are (unscale 1). With a fp16
+    q_k and an e4m3 K tile converted by bit operations (QUANT_CONVERT) the tile holds the keys times 2**-8
+    (e4m3_bits): unscale carries the 2**8 back (exact: a power of two on fp32 scores)."""
     q_k = q
     unscale = 1.0
     if q.dtype == tl.bfloat16:
@@ -77,9 +79,21 @@ def keys_operand(q, QUANT_CONVERT: tl.constexpr = 0):
         down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
         unscale = ((127 + sh) << 23).to(tl.float32, bitcast=True)
         q_k = (q.to(tl.float32) * down).to(tl.float16)
-    if QUANT_CONVERT != CONVERT_CVT and q_k.dtype == tl.float16:
+    if QUANT_CONVERT != CONVERT_CVT and q_k.dtype == tl.float16 and K_DTYPE == tl.float8e4nv:
         unscale = unscale * (2.0 ** E4M3_FP16_SHIFT)
     return q_k, unscale
+
+
+@triton.jit
+def int8_to_fp16(x):
+    """An int8 tile (any shape) as fp16, exactly, in packed PTX (GPU only), four values per 32-bit register: one xor
+    (x + 128 as an unsigned byte) per four values, then per two values one prmt that puts each byte under the high
+    byte 0x64 (the fp16 1024 + byte) and one packed subtract of 1152 (Triton's conversion: I2F.F16.S16, one per
+    value on the conversion unit, plus byte permutes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; prmt.b32 $0, t, 0x64646464, 0x5140; "
+        "prmt.b32 $1, t, 0x64646464, 0x7362; sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -123,7 +137,8 @@ def _layout_barrier(y):
 @triton.jit
 def keys_tile(k, dtype, QUANT_CONVERT: tl.constexpr, CONVERT_FIRST: tl.constexpr = False):
     """An 8-bit K tile (BLOCK_N, BLOCK_D) as the QK^T dot's ``dtype`` (keys_operand's q_k dtype): an e4m3 tile
-    against fp16 by e4m3_bits (the keys times 2**-8; keys_operand's unscale carries the 2**8), else converted.
+    against fp16 by e4m3_bits (the keys times 2**-8; keys_operand's unscale carries the 2**8), an int8 tile against
+    fp16 with QUANT_CONVERT 2 by int8_to_fp16, else converted.
     CONVERT_FIRST (GPU only: inline asm): converted in the layout it was loaded in, as to_dot_dtype does for V. Left
     to Triton, the conversion follows the tile's layout change to the mma operand, and an operand converted from 8
     bits makes Triton lay out both operands of the dot for 8-bit k-packing: q_k is then read from shared memory
@@ -131,6 +146,8 @@ def keys_tile(k, dtype, QUANT_CONVERT: tl.constexpr, CONVERT_FIRST: tl.constexpr
     at hd128; docs/decisions.md, "8-bit cache tiles"), where a 16-bit K tile gives q_k and K ldmatrix loads."""
     if QUANT_CONVERT != CONVERT_CVT and k.dtype == tl.float8e4nv and dtype == tl.float16:
         y = e4m3_bits(k, dtype, QUANT_CONVERT == CONVERT_BITS_ASM)
+    elif QUANT_CONVERT == CONVERT_BITS_ASM and k.dtype == tl.int8 and dtype == tl.float16:
+        y = int8_to_fp16(k)
     else:
         y = k.to(dtype)
     if CONVERT_FIRST:
