@@ -625,7 +625,8 @@ def test_quant_convert_is_resolved_in_one_place(monkeypatch):
 def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seqlen_q):
     """Long ragged lengths on the GPU's own config (128-key tiles at 8 warps on hd128, V converted to bf16 before
     its shared-memory stage, e4m3 by packed PTX bit operations): flash_decode and a DecodePlan vs the float64
-    reference on the dequantised cache; the other two conversions give bitwise the same output."""
+    reference on the dequantised cache; the other conversions give bitwise the same output on e4m3 (and pass the
+    reference on int8)."""
     lens = [5003, 0, 777, 129]
     q = _q(gen, len(lens), 16, 128, seqlen_q, dtype=torch.bfloat16)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), max(lens), 2, 128, dtype, granularity, lens)
@@ -640,13 +641,17 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
     # the conversion instructions (0) and the Triton bit operations (1), K converted after or before its layout
-    # change, give the same bits as the packed PTX (2) with K first
+    # change: e4m3 gives the same bits as the packed PTX (2) with K first (the same fp16 QK^T operands up to powers
+    # of two); int8 K goes to fp16 only with 2 (bf16 otherwise), so there each is checked against the reference
     assert config.quant_k_convert_first
     for convert, k_first in ((0, False), (0, True), (1, True), (2, False)):
         changed = dataclasses.replace(config, quant_convert=convert, quant_k_convert_first=k_first)
         out_c, lse_c = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
                                                 config=changed, **kw)
-        assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
+        if dtype == FP8:
+            assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
+        else:
+            _check(out_c, lse_c, q, kc, ks, vc, vs, _lens(lens))
     plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
                                   dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
     out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
