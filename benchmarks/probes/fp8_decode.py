@@ -168,9 +168,11 @@ _CONVERTS = {"cvt": dict(quant_convert=0, quant_k_convert_first=False),
              "bits-w4": dict(quant_convert=2, quant_k_convert_first=True, block_n=128, num_warps=4)}
 
 
-def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen) -> list[dict]:
-    """--convert-ab rows of one shape: per layout (contiguous, pages of 16) and scale granularity (per token and kv
-    head, one scalar), our e4m3 cache under each quant_convert, our bf16 cache, the 8-bit floor."""
+def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen, pages=(0, 16),
+                        scales=("token", "scalar"), columns=tuple(_CONVERTS)) -> list[dict]:
+    """--convert-ab rows of one shape: per layout (``pages``: 0 contiguous, else the page size) and scale granularity
+    (per token and kv head, one scalar), our e4m3 cache under each of ``columns`` (_CONVERTS), our bf16 cache, the
+    8-bit floor."""
     from flashdecode.bench.decode import _make_set
     from flashdecode.timing import cuda_graph_time_us, rotation_count
 
@@ -178,18 +180,18 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
     bf16_bytes = 2 * batch * context * nheads_kv * headdim * 2
     n_sets = rotation_count(bf16_bytes)
     rows = []
-    for page in (0, 16):
+    for page in pages:
         base = [_make_set(batch, lens, nheads, nheads_kv, headdim, page, torch.bfloat16, gen) for _ in range(n_sets)]
         fns, _ = _ours(base)
         bf16_us = cuda_graph_time_us(fns, reps=reps)
-        for per_token in (True, False):
+        for per_token in [g == "token" for g in scales]:
             sets = [_quant_set(s, per_token) for s in base]
             scale_bytes = 2 * batch * context * nheads_kv * 4 if per_token else 0
             floor = (bf16_bytes // 2 + scale_bytes) / bandwidth * 1e6
-            row = dict(shape=label, batch=batch, context=context, layout="page16" if page else "contig",
+            row = dict(shape=label, batch=batch, context=context, layout=f"page{page}" if page else "contig",
                        scales="token" if per_token else "scalar", bf16=bf16_us, fp8_floor_us=floor)
             outs = []
-            for name, changes in _CONVERTS.items():
+            for name, changes in ((n, _CONVERTS[n]) for n in columns):
                 try:
                     fns, _ = _ours(sets, changes)
                     row[name] = cuda_graph_time_us(fns, reps=reps)
@@ -200,7 +202,7 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
                 row[f"{name} %floor"] = 100.0 * floor / row[name]
                 if "num_warps" not in changes:  # (the resolved warps: the same reduction order)
                     outs.append(fns[0]().clone())
-            if row["cvt"] and row["bits"]:
+            if row.get("cvt") and row.get("bits"):
                 row["cvt/bits"] = row["cvt"] / row["bits"]
                 row["bf16/bits"] = bf16_us / row["bits"]
             row["equal"] = all(torch.equal(outs[0], o) for o in outs[1:])  # every conversion is exact
@@ -239,13 +241,19 @@ def main() -> int:
     parser.add_argument("--batched-context", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--pages", default="0,16", help="--convert-ab: layouts (0: contiguous, else a page size)")
+    parser.add_argument("--scales", default="token,scalar", help="--convert-ab: scale granularities")
+    parser.add_argument("--ab-columns", default=",".join(_CONVERTS),
+                        help="--convert-ab: which of " + ", ".join(_CONVERTS))
+    parser.add_argument("--llama-b1-contexts", default="",
+                        help="--convert-ab: also the Llama-3-8B shape (32 / 8 heads) at batch 1 and these contexts")
     parser.add_argument("--convert-ab", action="store_true",
                         help="time the e4m3 -> 16-bit conversions against each other (contexts default 4k..128k, "
                              "--batched default 16)")
     args = parser.parse_args()
     if args.convert_ab:
         return convert_ab(args)
-    contexts = args.contexts or "512,1024,2048,4096,8192,16384,32768,65536,131072"
+    contexts = "512,1024,2048,4096,8192,16384,32768,65536,131072" if args.contexts is None else args.contexts
     batched = "16,64" if args.batched is None else args.batched
     if not torch.cuda.is_available():
         print("fp8_decode needs a CUDA GPU")
@@ -282,16 +290,23 @@ def convert_ab(args) -> int:
     if not torch.cuda.is_available():
         print("fp8_decode needs a CUDA GPU")
         return 2
-    contexts = args.contexts or "4096,16384,32768,65536,131072"
+    contexts = "4096,16384,32768,65536,131072" if args.contexts is None else args.contexts
     batched = "16" if args.batched is None else args.batched
+    columns = [c for c in args.ab_columns.split(",") if c]
+    pages = tuple(int(p) for p in args.pages.split(",") if p)
+    scales = tuple(g for g in args.scales.split(",") if g)
+    if set(columns) - set(_CONVERTS) or set(scales) - {"token", "scalar"}:
+        raise SystemExit(f"--ab-columns: from {sorted(_CONVERTS)}; --scales: token, scalar")
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
     gen = torch.Generator(device="cuda").manual_seed(0)
     points = [("b1 16/2", 1, int(c), 16, 2) for c in contexts.split(",") if c]
     points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in batched.split(",") if b]
+    points += [("llama3-8b", 1, int(c), 32, 8) for c in args.llama_b1_contexts.split(",") if c]
     rows = []
     for shape, batch, context, nheads, nheads_kv in points:
-        rows += bench_convert_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen)
+        rows += bench_convert_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen, pages,
+                                    scales, columns)
     print(f"e4m3 -> 16-bit conversion A/B on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s; us (CUDA-graph replays, K/V rotated beyond L2); cvt: conversion "
           f"instructions, bits-tl: bit ops in Triton, bits: packed PTX bit ops (resolved)")
