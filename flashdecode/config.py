@@ -64,14 +64,18 @@ class DecodeConfig:
     split_keys: int = 0              # FIXED_SPLIT: keys per split (a multiple of block_n), whatever the batch
     merge_block_s: int = 0           # states the merge folds per step (0: sized from the launch's split count)
     quant_v_convert_first: bool = False  # 8-bit caches: V converted to q's dtype before shared memory (GPU)
+    quant_convert: int = 0           # e4m3 caches: tiles to 16 bits by 0 conversion instructions, 1 integer bit ops
+    #                                  in Triton, 2 the same in packed PTX (GPU) (kernels/kv_quant.py)
+    quant_k_convert_first: bool = False  # 8-bit caches: K converted before its layout change too (GPU)
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
 _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
                  "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
-                 "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s")
+                 "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
+                 "quant_convert")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first")
+          "quant_v_convert_first", "quant_k_convert_first")
 _MAX_SPLITS = 1024
 
 
@@ -113,6 +117,8 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
     if config.split_keys % config.block_n:
         raise ValueError(f"{name}.split_keys must be a multiple of block_n ({config.block_n}), got "
                          f"{config.split_keys}")
+    if config.quant_convert > 2:
+        raise ValueError(f"{name}.quant_convert must be 0, 1 or 2, got {config.quant_convert}")
     if config.merge_block_s & (config.merge_block_s - 1):
         raise ValueError(f"{name}.merge_block_s must be 0 or a power of two, got {config.merge_block_s}")
     if config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) and config.persistent_programs < 1:

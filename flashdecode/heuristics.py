@@ -56,6 +56,12 @@ def next_power_of_2(n: int) -> int:
 # "8-bit cache tiles").
 DECODE_QUANT_TILE_BYTES = 16384
 DECODE_QUANT_ELEMS_PER_WARP = 2048
+# e4m3 tiles reach their 16-bit dot operand by integer bit operations (kernels/kv_quant.py e4m3_bits: PRMT / shift /
+# LOP3 on the full-rate ALU) instead of sm_90's conversion instructions (F2FP.F16.E4M3 per two values, plus an
+# F2F.BF16.F16 per value for bf16), the power-of-two factor folded into the scores' scale (K) or one packed multiply
+# (V), and (GPU) K converted before its layout change like V, which keeps q_k's mma fragments ldmatrix-loaded
+# (docs/decisions.md, "8-bit cache tiles"); False: the conversion instructions, K converted after (the A/B baseline).
+DECODE_QUANT_BIT_CONVERT = True
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -271,6 +277,17 @@ def _stage1_choice(p: DecodeProblem, dev: DecodeDevice, split_keys: int | None) 
         merge_max_rows=1 if row_merge else 0)
 
 
+def decode_quant_convert(dev: DecodeDevice) -> dict:
+    """The DecodeConfig fields of how 8-bit tiles become 16-bit dot operands (kernels/kv_quant.py): V converted
+    before its layout change on a GPU (quant_v_convert_first; inline asm, which the CPU interpreter does not run);
+    with DECODE_QUANT_BIT_CONVERT, e4m3 tiles by integer bit operations (quant_convert: packed PTX on a GPU, 2;
+    Triton integer ops in the interpreter, 1) and K converted before its layout change on a GPU too
+    (quant_k_convert_first); else the conversion instructions (0), K after."""
+    bits = DECODE_QUANT_BIT_CONVERT
+    return dict(quant_v_convert_first=not dev.interpret, quant_convert=(1 if dev.interpret else 2) if bits else 0,
+                quant_k_convert_first=bits and not dev.interpret)
+
+
 def decode_quant_tile(p: DecodeProblem, block_n: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of an 8-bit cache (p.elem_bytes 1) where the 16-bit rules chose ``block_n`` (computed
     with 1-byte elements): a tile of DECODE_QUANT_TILE_BYTES of 8-bit values (at most 128 keys; fewer only where
@@ -357,7 +374,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
         persistent_programs=choice.persistent_programs or dev.num_sms,
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
-        device_split_slots=slots, quant_v_convert_first=not dev.interpret)
+        device_split_slots=slots, **decode_quant_convert(dev))
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
                                                          may_reduce and choice.device_splits and not persistent))
 
@@ -397,7 +414,7 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
         spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
         device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1),
-        quant_v_convert_first=not interpret)
+        **decode_quant_convert(dev))
     if p.num_splits == 1:  # one program per row block over all its keys (32 KiB tiles), no page-id preload
         return config
     return dataclasses.replace(

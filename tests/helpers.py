@@ -41,11 +41,9 @@ def assert_fa_close(out: torch.Tensor, ref64: torch.Tensor, same_dtype: torch.Te
     return err, base
 
 
-def spilled_bytes(kernel) -> int:
-    """Stack bytes (register spills) of a kernel compiled for a GPU target, from cuobjdump (bundled with Triton) on
-    its cubin: the sm_90 compile-on-CPU checks use it to prove a tile configuration holds its state in registers."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """cuobjdump (bundled with Triton) ``flag``'s output on a kernel compiled for a GPU target."""
     import os
-    import re
     import subprocess
     import tempfile
 
@@ -54,9 +52,25 @@ def spilled_bytes(kernel) -> int:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    out = subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    return out
+
+
+def spilled_bytes(kernel) -> int:
+    """Stack bytes (register spills) of a kernel compiled for a GPU target, from cuobjdump (bundled with Triton) on
+    its cubin: the sm_90 compile-on-CPU checks use it to prove a tile configuration holds its state in registers."""
+    import re
+
+    return int(re.search(r"STACK:(\d+)", _cuobjdump(kernel, "--dump-resource-usage")).group(1))
+
+
+def sass_opcodes(kernel) -> list[str]:
+    """The SASS opcodes (predicates dropped, modifiers kept: "HMUL2.BF16_V2") of a kernel compiled for a GPU
+    target, in program order."""
+    import re
+
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", _cuobjdump(kernel, "-sass"))
 
 
 # the decode kernels' tuple arguments: element types (i32 elements are strides, specialised divisible by 16 as the
@@ -77,9 +91,11 @@ _DECODE_GROUPS = dict(
     SCHEDULE=("WorkSchedule", ("NHEADS_KV", "BATCH_PAD", "MAX_SPLIT_KEYS", "DYNAMIC", "SLOTS_PER_PROGRAM",
                                "QUEUE_SPLITS", "QUEUE_FULL_FRACTION", "QUEUE_SPLIT_COST")),
     MERGE=("MergeTile", ("MERGE_M", "MERGE_BLOCK_S")),
+    QUANT_TILES=("QuantTiles", ("V_CONVERT_FIRST", "QUANT_CONVERT", "K_CONVERT_FIRST")),
 )
 _DECODE_DEFAULTS = dict(SPLIT_KEYS=0, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, BATCH_PAD=1, MAX_SPLIT_KEYS=0, DYNAMIC=False,
-                        SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
+                        SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03,
+                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False)
 
 
 def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:

@@ -15,7 +15,7 @@ import triton.language as tl
 import flashdecode
 from flashdecode import DecodePath
 from flashdecode import reference as ref
-from flashdecode.kernels.kv_quant import keys_operand
+from flashdecode.kernels.kv_quant import e4m3_bits, keys_operand, keys_tile, to_dot_dtype
 from flashdecode.ops.decode import decode_config
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
@@ -437,9 +437,9 @@ def test_append_kv_bad_scales(gen):
 
 
 @triton.jit
-def _keys_operand_kernel(Q, QK, UNSCALE, M: tl.constexpr, D: tl.constexpr):
+def _keys_operand_kernel(Q, QK, UNSCALE, M: tl.constexpr, D: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0):
     offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
-    q_k, unscale = keys_operand(tl.load(Q + offs))
+    q_k, unscale = keys_operand(tl.load(Q + offs), QUANT_CONVERT)
     tl.store(QK + offs, q_k.to(tl.float32))
     tl.store(UNSCALE, unscale)
 
@@ -462,6 +462,159 @@ def test_bf16_q_becomes_an_exact_fp16_keys_operand(magnitude):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# e4m3 tiles to 16 bits by integer bit operations (kv_quant.e4m3_bits, DecodeConfig.quant_convert)
+# ----------------------------------------------------------------------------------------------------------------
+
+_NAN_CODES = (0x7F, 0xFF)
+
+
+def _all_e4m3_codes():
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
+
+
+@triton.jit
+def _e4m3_bits_kernel(X, Y, N: tl.constexpr, ASM: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, e4m3_bits(tl.load(X + offs), Y.dtype.element_ty, ASM))
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, 8), (torch.bfloat16, 120)])
+def test_e4m3_bits_is_exact_for_every_code(asm, dtype, shift):
+    """All 256 e4m3 codes: e4m3_bits gives torch's float8_e4m3fn -> float value times 2**-shift exactly, signed
+    zeros, subnormals (0x01..0x07) and +-448 included; the two NaN codes read as +-480 times the factor."""
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _e4m3_bits_kernel[(1,)](codes, y, 256, asm)
+    want = codes.double() * 2.0 ** -shift
+    want[list(_NAN_CODES)] = torch.tensor([480.0, -480.0], dtype=torch.float64, device=DEVICE) * 2.0 ** -shift
+    assert torch.equal(y.double(), want)
+    # the sign bit survives on zero, and subnormal codes stay distinct values
+    assert torch.equal(torch.signbit(y[[0x00, 0x80]]).cpu(), torch.tensor([False, True]))
+    assert (y[1:8].double() * 2.0 ** shift).tolist() == [m * 2.0 ** -9 for m in range(1, 8)]
+    assert y[0x7E].double() * 2.0 ** shift == 448.0 and y[0xFE].double() * 2.0 ** shift == -448.0
+
+
+@triton.jit
+def _dot_operand_kernel(X, Y, N: tl.constexpr, KEYS: tl.constexpr, QUANT_CONVERT: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    if KEYS:
+        y = keys_tile(x, Y.dtype.element_ty, QUANT_CONVERT)
+    else:
+        y = to_dot_dtype(x, Y.dtype.element_ty, False, QUANT_CONVERT)
+    tl.store(Y + offs, y)
+
+
+_GPU_CONVERT = pytest.param(2, marks=pytest.mark.gpu)  # packed PTX (inline asm: the GPU only; the gpu mark skips it
+#                                                       on the CPU, conftest)
+
+
+@pytest.mark.parametrize("convert", [0, 1, _GPU_CONVERT])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_v_operand_is_the_e4m3_value(convert, dtype):
+    """kv_quant.to_dot_dtype (the V tile): every finite code becomes its exact value in fp16 / bf16 with either
+    conversion (bit operations: the packed multiply by 2**8 / 2**120 takes subnormals to their normal values; on the
+    GPU this checks that HMUL2 keeps bf16 / fp16 subnormal inputs)."""
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, False, convert)
+    finite = torch.ones(256, dtype=torch.bool)
+    finite[list(_NAN_CODES)] = False
+    assert torch.equal(y[finite].double(), codes[finite].double())
+
+
+@pytest.mark.parametrize("convert,shift", [(0, 0), (1, 8), pytest.param(2, 8, marks=pytest.mark.gpu)])
+def test_k_operand_and_its_unscale(convert, shift):
+    """kv_quant.keys_tile against fp16 holds each finite code's value times 2**-shift (bit operations: 2**-8), and
+    keys_operand's unscale carries exactly that factor back (fp16 q, and bf16 q scaled into fp16)."""
+    codes = _all_e4m3_codes().to(DEVICE)
+    y = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, True, convert)
+    finite = torch.ones(256, dtype=torch.bool)
+    finite[list(_NAN_CODES)] = False
+    assert torch.equal(y[finite].double() * 2.0 ** shift, codes[finite].double())
+    for q_dtype in (torch.float16, torch.bfloat16):
+        q = torch.full((16, 32), 1.5, dtype=q_dtype, device=DEVICE)
+        q_k = torch.empty(16, 32, device=DEVICE)
+        unscale = torch.empty(1, device=DEVICE)
+        _keys_operand_kernel[(1,)](q, q_k, unscale, 16, 32, convert)
+        assert torch.equal(q_k.double() * unscale.double() * 2.0 ** -shift, q.double())
+
+
+@pytest.mark.gpu
+def test_int8_k_operand_by_packed_ptx():
+    """kv_quant.keys_tile with quant_convert 2 takes int8 K tiles to fp16 by the magic-number PTX (int8_to_fp16):
+    every code exactly."""
+    codes = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8).to(DEVICE)
+    y = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _dot_operand_kernel[(1,)](codes, y, 256, True, 2)
+    assert torch.equal(y.double(), codes.double())
+
+
+def _all_codes_cache(gen, batch, seqlen, nheads_kv, headdim):
+    """An e4m3 cache (B, S, H, D) of random finite codes (subnormals, zeros, +-448 included) and per-token scales
+    over 2**-10 .. 2**4 (the values stay within fp16, q's dtype here), a quarter of them 0."""
+    codes = torch.randint(0, 256, (batch, seqlen, nheads_kv, headdim), generator=gen, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] -= 1  # NaN codes -> +-448
+    codes[:, :, :, :4] = torch.tensor([0x01, 0x87, 0x7E, 0xFE])  # a subnormal of each sign, +-448 in every row
+    cache = codes.to(torch.uint8).view(FP8)
+    scale = torch.exp2(torch.randint(-10, 5, (batch, seqlen, nheads_kv), generator=gen).float())
+    scale *= torch.rand(batch, seqlen, nheads_kv, generator=gen) + 0.5
+    scale[torch.rand(batch, seqlen, nheads_kv, generator=gen) < 0.25] = 0.0
+    return cache.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_on_every_code_with_either_conversion(gen, page_size):
+    """flash_decode on caches of every finite e4m3 code with per-token scales (some 0), quant_convert 0 (conversion
+    instructions) and 1 (bit operations) forced through config=: each vs the float64 reference (3x rule), and the
+    two bitwise equal (the bit operations' powers of two come back exactly)."""
+    lens = [70, 0, 33]
+    q = _q(gen, len(lens), 4, 32)
+    kc, ks = _all_codes_cache(gen, len(lens), 72, 2, 32)
+    vc, vs = _all_codes_cache(gen, len(lens), 72, 2, 32)
+    kw, table, kp, vp = dict(k_scale=ks, v_scale=vs), None, kc, vc
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kw = dict(k_scale=ksp, v_scale=vsp)
+    config = decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=2, **kw)
+    assert config.quant_convert == 1  # the interpreter's resolution
+    results = []
+    for convert in (0, 1):
+        out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
+                                            config=dataclasses.replace(config, quant_convert=convert), **kw)
+        _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_quant_convert_is_resolved_in_one_place(monkeypatch):
+    """heuristics.decode_quant_convert: packed PTX and K converted first on a GPU, Triton integer ops in the
+    interpreter, the conversion instructions (K after) with DECODE_QUANT_BIT_CONVERT off; resolve_decode_config and
+    batch_invariant_config both take it, and a config with another quant_convert is refused naming the field."""
+    from flashdecode import heuristics
+    from flashdecode.config import check_decode_config
+
+    hopper = heuristics.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
+    cpu = heuristics.DecodeDevice(num_sms=1, interpret=True, hopper=False, pdl=False)
+    assert heuristics.decode_quant_convert(hopper) == dict(quant_v_convert_first=True, quant_convert=2,
+                                                           quant_k_convert_first=True)
+    assert heuristics.decode_quant_convert(cpu) == dict(quant_v_convert_first=False, quant_convert=1,
+                                                        quant_k_convert_first=False)
+    problem = heuristics.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=128,
+                                       elem_bytes=1, page_size=16, capacity=32768, window_left=-1,
+                                       live_keys=32768)
+    assert heuristics.resolve_decode_config(problem, hopper).quant_convert == 2
+    assert heuristics.batch_invariant_config(problem, hopper).quant_convert == 2
+    monkeypatch.setattr(heuristics, "DECODE_QUANT_BIT_CONVERT", False)
+    config = heuristics.resolve_decode_config(problem, hopper)
+    assert config.quant_convert == 0 and not config.quant_k_convert_first and config.quant_v_convert_first
+    with pytest.raises(ValueError, match="quant_convert"):
+        check_decode_config(dataclasses.replace(heuristics.resolve_decode_config(problem, hopper), quant_convert=3))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: bf16 q, hd128, the tiles the resolver gives 8-bit caches (V converted before shared memory)
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -471,7 +624,9 @@ def test_bf16_q_becomes_an_exact_fp16_keys_operand(magnitude):
     (FP8, 128, "token-strided", 1), (INT8, None, "head", 2), (INT8, 16, "token", 1)])
 def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seqlen_q):
     """Long ragged lengths on the GPU's own config (128-key tiles at 8 warps on hd128, V converted to bf16 before
-    its shared-memory stage): flash_decode and a DecodePlan vs the float64 reference on the dequantised cache."""
+    its shared-memory stage, e4m3 by packed PTX bit operations): flash_decode and a DecodePlan vs the float64
+    reference on the dequantised cache; the other conversions give bitwise the same output on e4m3 (and pass the
+    reference on int8)."""
     lens = [5003, 0, 777, 129]
     q = _q(gen, len(lens), 16, 128, seqlen_q, dtype=torch.bfloat16)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), max(lens), 2, 128, dtype, granularity, lens)
@@ -482,9 +637,21 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
         kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
         kw = dict(k_scale=ksp, v_scale=vsp)
     config = decode_config(q, kp, vp, _lens(lens), block_table=table, **kw)
-    assert config.quant_v_convert_first and config.block_n * 128 <= 16384
+    assert config.quant_v_convert_first and config.block_n * 128 <= 16384 and config.quant_convert == 2
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    # the conversion instructions (0) and the Triton bit operations (1), K converted after or before its layout
+    # change: e4m3 gives the same bits as the packed PTX (2) with K first (the same fp16 QK^T operands up to powers
+    # of two); int8 K goes to fp16 only with 2 (bf16 otherwise), so there each is checked against the reference
+    assert config.quant_k_convert_first
+    for convert, k_first in ((0, False), (0, True), (1, True), (2, False)):
+        changed = dataclasses.replace(config, quant_convert=convert, quant_k_convert_first=k_first)
+        out_c, lse_c = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
+                                                config=changed, **kw)
+        if dtype == FP8:
+            assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
+        else:
+            _check(out_c, lse_c, q, kc, ks, vc, vs, _lens(lens))
     plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
                                   dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
     out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
@@ -501,7 +668,7 @@ import sys
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 sys.path.insert(0, "tests")
-from helpers import compile_for_sm90, spilled_bytes
+from helpers import compile_for_sm90, sass_opcodes, spilled_bytes
 from flashdecode import heuristics
 
 # the tile an 8-bit cache resolves to at hd128 (heuristics.decode_quant_tile: 128 keys, 8 warps), and the tiny tile
@@ -512,7 +679,16 @@ BLOCK_N, WARPS = heuristics.decode_quant_tile(problem, 128)
 assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
-              OFFS_32=True, V_CONVERT_FIRST=True)
+              OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2,
+              K_CONVERT_FIRST=True)
+
+
+def assert_bit_conversion(kernel, what):
+    """e4m3 tiles reach 16 bits without sm_90's conversion instructions (QUANT_CONVERT 2: PRMT / shift / LOP3, one
+    packed HMUL2 per two V values)."""
+    ops = sass_opcodes(kernel)
+    conversions = [o for o in ops if o.startswith(("F2FP.F16.E4M3", "F2F.BF16.F16"))]
+    assert not conversions and "PRMT" in ops and "HMUL2.BF16_V2" in ops, (what, conversions[:4])
 
 
 def assert_16_byte_kv_copies(kernel, what, ids_in_loop=False):
@@ -540,6 +716,8 @@ for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), (
     # (at 4 warps these 128-key tiles spilled up to 176 bytes: docs/decisions.md, "8-bit cache tiles")
     assert spilled_bytes(kernel) == 0, (kv, quant, page, "spills")
     assert_16_byte_kv_copies(kernel, (kv, quant, page), ids_in_loop=page > 0 and preload == 0)
+    if kv == "fp8e4nv":
+        assert_bit_conversion(kernel, (quant, page))
     if page == 16:  # the tiny tile of short gathered splits, at its 4 warps
         kernel = compile_for_sm90(decode_split_kernel, types, dict(consts, BLOCK_N=64), 3, 4)
         assert spilled_bytes(kernel) == 0, (kv, quant, page, "64-key tile spills")
@@ -561,6 +739,7 @@ kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3, WARPS)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
 assert spilled_bytes(kernel) == 0, "persistent 8-bit kernel spills"
 assert_16_byte_kv_copies(kernel, "persistent")
+assert_bit_conversion(kernel, "persistent")
 # append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
 for kv in ("fp8e4nv", "i8"):
     types = dict(K_NEW="*bf16", V_NEW="*bf16", K_CACHE=f"*{kv}", V_CACHE=f"*{kv}", SEQLENS="*i32", CU_NEW="*i32",
@@ -575,7 +754,8 @@ def test_quant_kernels_compile_for_hopper_without_a_gpu():
     """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
     persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas at the tiles the
     resolver gives 8-bit caches: K/V loads still software-pipelined in 16-byte pieces, V converted before shared
-    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills."""
+    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills, e4m3 tiles converted by
+    bit operations (no F2FP.F16.E4M3 / F2F.BF16.F16 left)."""
     run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)
 
 

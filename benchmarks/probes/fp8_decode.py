@@ -12,7 +12,17 @@ pages of 16 the 8-bit tile rules' A/B (docs/decisions.md, "8-bit cache tiles") r
 128-key tiles at 4 warps (bn128w4), 64-key tiles at 4 warps (bn64w4), V converted after its shared-memory stage
 (vlate).
 
+``--convert-ab``: instead, the A/B of how e4m3 tiles become 16-bit dot operands (DecodeConfig.quant_convert and
+quant_k_convert_first, kernels/kv_quant.py; docs/decisions.md, "8-bit cache tiles"): the conversion instructions
+with K converted after its layout change (cvt: the earlier resolution) and before it (cvt-kfirst), packed PTX bit
+operations with K after (bits-klate), Triton bit ops with K first (bits-tl), packed PTX bit ops with K first (bits:
+the resolved config) and the same on 128-key tiles of 4 warps (bits-w4), in the same run on the same caches,
+contiguous and pages of 16, per-token-head and scalar scales, beside our bf16 cache, with % of the 8-bit floor;
+each row also says whether the outputs of the 8-warp columns are bitwise equal (they should be: every conversion is
+exact; bits-w4 reduces in another order).
+
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
+    PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
 """
 
 from __future__ import annotations
@@ -145,6 +155,72 @@ def bench_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
     return row
 
 
+# --convert-ab columns: DecodeConfig changes (quant_convert 0 conversion instructions, 1 Triton bit ops, 2 packed
+# PTX bit ops; quant_k_convert_first: K converted before its layout change). "cvt" is the earlier resolution, "bits"
+# the current one.
+_CONVERTS = {"cvt": dict(quant_convert=0, quant_k_convert_first=False),
+             "cvt-kfirst": dict(quant_convert=0, quant_k_convert_first=True),
+             "bits-klate": dict(quant_convert=2, quant_k_convert_first=False),
+             "bits-tl": dict(quant_convert=1, quant_k_convert_first=True),
+             "bits": dict(quant_convert=2, quant_k_convert_first=True),
+             # the 128-key tile at 4 warps: ~20% fewer warp-instructions per key than at 8 (SASS), one warp per
+             # scheduler (docs/decisions.md, "8-bit cache tiles")
+             "bits-w4": dict(quant_convert=2, quant_k_convert_first=True, block_n=128, num_warps=4)}
+
+
+def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen, pages=(0, 16),
+                        scales=("token", "scalar"), columns=tuple(_CONVERTS)) -> list[dict]:
+    """--convert-ab rows of one shape: per layout (``pages``: 0 contiguous, else the page size) and scale granularity
+    (per token and kv head, one scalar), our e4m3 cache under each of ``columns`` (_CONVERTS), our bf16 cache, the
+    8-bit floor."""
+    from flashdecode.bench.decode import _make_set
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
+
+    lens = [context] * batch
+    bf16_bytes = 2 * batch * context * nheads_kv * headdim * 2
+    n_sets = rotation_count(bf16_bytes)
+    rows = []
+    for page in pages:
+        base = [_make_set(batch, lens, nheads, nheads_kv, headdim, page, torch.bfloat16, gen) for _ in range(n_sets)]
+        fns, _ = _ours(base)
+        bf16_us = cuda_graph_time_us(fns, reps=reps)
+        for per_token in [g == "token" for g in scales]:
+            sets = [_quant_set(s, per_token) for s in base]
+            scale_bytes = 2 * batch * context * nheads_kv * 4 if per_token else 0
+            floor = (bf16_bytes // 2 + scale_bytes) / bandwidth * 1e6
+            row = dict(shape=label, batch=batch, context=context, layout=f"page{page}" if page else "contig",
+                       scales="token" if per_token else "scalar", bf16=bf16_us, fp8_floor_us=floor)
+            outs = []
+            for name, changes in ((n, _CONVERTS[n]) for n in columns):
+                try:
+                    fns, _ = _ours(sets, changes)
+                    row[name] = cuda_graph_time_us(fns, reps=reps)
+                except Exception as e:  # reported, not fatal
+                    row[name] = None
+                    row[f"{name} skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                    continue
+                row[f"{name} %floor"] = 100.0 * floor / row[name]
+                if "num_warps" not in changes:  # (the resolved warps: the same reduction order)
+                    outs.append(fns[0]().clone())
+            if row.get("cvt") and row.get("bits"):
+                row["cvt/bits"] = row["cvt"] / row["bits"]
+                row["bf16/bits"] = bf16_us / row["bits"]
+            row["equal"] = all(torch.equal(outs[0], o) for o in outs[1:])  # every conversion is exact
+            row["config"] = _ours(sets)[1]
+            rows.append(row)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
+                              if k != "config"}), flush=True)  # (each row as it is measured)
+            del sets
+        del base
+        torch.cuda.empty_cache()
+    return rows
+
+
+CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "cvt-kfirst", "bits-klate",
+                   "bits-tl", "bits", "bits-w4", "fp8_floor_us", "cvt %floor", "bits %floor", "cvt/bits", "bf16/bits",
+                   "equal"]
+
+
 COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token contig", "ours fp8-scalar contig",
            "ours bf16 page16", "ours fp8-token page16", "ours fp8-token page16 bn128w4",
            "ours fp8-token page16 bn64w4", "ours fp8-token page16 vlate", "FlashInfer bf16 page16",
@@ -159,20 +235,34 @@ def main() -> int:
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768,65536,131072")
-    parser.add_argument("--batched", default="16,64", help="Llama-3-8B shape (32 / 8 heads) batches; '' to skip")
+    parser.add_argument("--contexts", default=None, help="512..131072 (--convert-ab: 4096..131072)")
+    parser.add_argument("--batched", default=None,
+                        help="Llama-3-8B shape (32 / 8 heads) batches, '' to skip: 16,64 (--convert-ab: 16)")
     parser.add_argument("--batched-context", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--pages", default="0,16", help="--convert-ab: layouts (0: contiguous, else a page size)")
+    parser.add_argument("--scales", default="token,scalar", help="--convert-ab: scale granularities")
+    parser.add_argument("--ab-columns", default=",".join(_CONVERTS),
+                        help="--convert-ab: which of " + ", ".join(_CONVERTS))
+    parser.add_argument("--llama-b1-contexts", default="",
+                        help="--convert-ab: also the Llama-3-8B shape (32 / 8 heads) at batch 1 and these contexts")
+    parser.add_argument("--convert-ab", action="store_true",
+                        help="time the e4m3 -> 16-bit conversions against each other (contexts default 4k..128k, "
+                             "--batched default 16)")
     args = parser.parse_args()
+    if args.convert_ab:
+        return convert_ab(args)
+    contexts = "512,1024,2048,4096,8192,16384,32768,65536,131072" if args.contexts is None else args.contexts
+    batched = "16,64" if args.batched is None else args.batched
     if not torch.cuda.is_available():
         print("fp8_decode needs a CUDA GPU")
         return 2
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    points = [("b1 16/2", 1, int(c), 16, 2) for c in args.contexts.split(",") if c]
-    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in args.batched.split(",") if b]
+    points = [("b1 16/2", 1, int(c), 16, 2) for c in contexts.split(",") if c]
+    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in batched.split(",") if b]
     rows = []
     for shape, batch, context, nheads, nheads_kv in points:
         rows.append(bench_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen))
@@ -186,6 +276,45 @@ def main() -> int:
     print(markdown_table(rows, COLUMNS, fmt))
     out = results_dir(args.out)
     path = write_json(out / f"{result_stem('fp8_decode', env)}.json", "fp8_decode", env, rows,
+                      {"copy_bandwidth_bytes_per_s": bandwidth})
+    print(f"wrote {path}")
+    return 0
+
+
+def convert_ab(args) -> int:
+    """--convert-ab: bench_convert_point over the contexts (4k..128k unless given) at b1 16/2 hd128 and the
+    Llama-3-8B shape at the --batched batches (16 unless given), 8k; a compact table and a result file."""
+    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
+
+    if not torch.cuda.is_available():
+        print("fp8_decode needs a CUDA GPU")
+        return 2
+    contexts = "4096,16384,32768,65536,131072" if args.contexts is None else args.contexts
+    batched = "16" if args.batched is None else args.batched
+    columns = [c for c in args.ab_columns.split(",") if c]
+    pages = tuple(int(p) for p in args.pages.split(",") if p)
+    scales = tuple(g for g in args.scales.split(",") if g)
+    if set(columns) - set(_CONVERTS) or set(scales) - {"token", "scalar"}:
+        raise SystemExit(f"--ab-columns: from {sorted(_CONVERTS)}; --scales: token, scalar")
+    env = env_info()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    points = [("b1 16/2", 1, int(c), 16, 2) for c in contexts.split(",") if c]
+    points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in batched.split(",") if b]
+    points += [("llama3-8b", 1, int(c), 32, 8) for c in args.llama_b1_contexts.split(",") if c]
+    rows = []
+    for shape, batch, context, nheads, nheads_kv in points:
+        rows += bench_convert_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen, pages,
+                                    scales, columns)
+    print(f"e4m3 -> 16-bit conversion A/B on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy "
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s; us (CUDA-graph replays, K/V rotated beyond L2); cvt: conversion "
+          f"instructions, bits-tl: bit ops in Triton, bits: packed PTX bit ops (resolved)")
+    fmt = {c: ".1f" for c in CONVERT_COLUMNS if c not in ("shape", "batch", "context", "layout", "scales", "equal")}
+    fmt.update({"cvt/bits": ".2f", "bf16/bits": ".2f"})
+    print(markdown_table(rows, CONVERT_COLUMNS, fmt))
+    out = results_dir(args.out)
+    path = write_json(out / f"{result_stem('fp8_convert_ab', env)}.json", "fp8_convert_ab", env, rows,
                       {"copy_bandwidth_bytes_per_s": bandwidth})
     print(f"wrote {path}")
     return 0

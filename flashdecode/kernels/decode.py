@@ -25,12 +25,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashdecode.kernels.decode_args import PREFETCH_OFF
+from flashdecode.kernels.decode_args import PREFETCH_OFF, QUANT_TILES_OFF
 from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv_rows, load_kv_tile,  # noqa: F401
                                                prefetch_l2, prefetch_split_head, split_page_ids, tma_row)
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
-from flashdecode.kernels.kv_quant import key_scales, keys_operand, to_dot_dtype
+from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
 from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
 
 
@@ -42,7 +42,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
                    OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_quant=None,
-                   KV_QUANT: tl.constexpr = 0, V_CONVERT_FIRST: tl.constexpr = False):
+                   KV_QUANT: tl.constexpr = 0, QUANT_TILES: tl.constexpr = QUANT_TILES_OFF):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
@@ -59,8 +59,9 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     the scale strides stride_spage / stride_stok) or scalars (1), and the QK^T operand with its score scale
     (kv_quant.keys_operand; the V tile goes to q's dtype).
     Order on the scores: q.k, the k scale, the logit scale / softcap, the ALiBi bias, the masks.
-    V_CONVERT_FIRST (GPU): the 8-bit V tile converted before its layout change to the mma operand
-    (kv_quant.to_dot_dtype).
+    QUANT_TILES (decode_args.QuantTiles): v_first / k_first (GPU): the 8-bit V / K tile converted before its layout
+    change to the mma operand (kv_quant.to_dot_dtype, keys_tile); convert: how e4m3 tiles become 16-bit (kv_quant's
+    module doc).
     """
     if KV_QUANT > 0:
         k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale = kv_quant
@@ -86,7 +87,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             elif KV_QUANT == 3:  # scales laid out like the cache without its head dim: no second page lookup
                 srows = rows // HEADDIM
             ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
-            k = k.to(q_k.dtype)
+            k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
             qk = tl.dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -119,7 +120,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             v = load_kv_tile(v_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         if KV_QUANT > 0:
             p = p * vs[None, :]
-            v = to_dot_dtype(v, q.dtype, V_CONVERT_FIRST)
+            v = to_dot_dtype(v, q.dtype, QUANT_TILES.v_first, QUANT_TILES.convert)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -210,7 +211,7 @@ def decode_split_kernel(
     USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = PREFETCH_OFF,
     DEVICE_SPLITS: tl.constexpr = None, OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
     alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
-    V_CONVERT_FIRST: tl.constexpr = False,
+    QUANT_TILES: tl.constexpr = QUANT_TILES_OFF,
 ):
     """Stage 1 (see module doc).
 
@@ -252,7 +253,7 @@ def decode_split_kernel(
     ALIBI: alibi = (ALIBI_SLOPES, stride_alibi): fp32 slopes per (sequence, query head) through (batch stride, head
     stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (_alibi_log2).
     KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (_attend_split);
-    V_CONVERT_FIRST: _attend_blocks'.
+    QUANT_TILES: _attend_blocks'.
     """
     SEQLEN_Q: tl.constexpr = ROWS.seqlen_q
     GROUP: tl.constexpr = ROWS.group
@@ -344,7 +345,7 @@ def decode_split_kernel(
     o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages, stride_k,
                             HEADDIM, TILE, PAGES, SEQLEN_Q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, OFFS_32,
                             spec_pages, stale_start, stale_end, SPEC, alibi_log2, ALIBI, kv_scales, KV_QUANT,
-                            V_CONVERT_FIRST)
+                            QUANT_TILES)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEADDIM
     o_ptrs = O + o_rows[:, None] + offs_d[None, :] * stride_od
@@ -384,7 +385,7 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                   OFFS_32: tl.constexpr, spec_pages=0, spec_start=0, spec_end=0, SPEC_PAGES: tl.constexpr = False,
                   alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
-                  V_CONVERT_FIRST: tl.constexpr = False):
+                  QUANT_TILES: tl.constexpr = QUANT_TILES_OFF):
     """One split of one (sequence b, kv head hk) row block: runs the unmasked then the masked KV loop of the rows'
     q (BLOCK_M, BLOCK_D) (_load_q; rows of new token t: (BLOCK_M,)) over keys [start, end). Returns the
     normalised state (o (BLOCK_M, BLOCK_D) fp32, lse2 (BLOCK_M,) log2; -inf for an empty range). K/V, scales,
@@ -448,8 +449,11 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if KV_QUANT > 0:
         q_k = q
         q_unscale = 1.0
-        if K.dtype.element_ty == tl.float8e4nv:  # (int8 -> bf16 is already a permute and a packed subtract)
-            q_k, q_unscale = keys_operand(q)
+        # e4m3 K against fp16 (kv_quant.keys_operand); int8 too where its packed-PTX conversion to fp16 is on (else
+        # int8 -> bf16 is a permute, logic ops and a packed subtract, no conversion-unit work)
+        k_dtype: tl.constexpr = K.dtype.element_ty
+        if k_dtype == tl.float8e4nv or (k_dtype == tl.int8 and QUANT_TILES.convert == CONVERT_BITS_ASM):
+            q_k, q_unscale = keys_operand(q, QUANT_TILES.convert, k_dtype)
         quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -464,13 +468,13 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, V_CONVERT_FIRST)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES)
     return normalize_state(acc, m_i, l_i)
 
 
@@ -483,7 +487,7 @@ def decode_persistent_kernel(
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     PDL: tl.constexpr, SCHEDULE: tl.constexpr, MERGE: tl.constexpr, OFFS_32: tl.constexpr = False, num_pages=1,
     alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
-    V_CONVERT_FIRST: tl.constexpr = False,
+    QUANT_TILES: tl.constexpr = QUANT_TILES_OFF,
 ):
     """All of Flash-Decoding in one launch, with the split count chosen on the device (config PERSISTENT).
 
@@ -562,7 +566,7 @@ def decode_persistent_kernel(
         o, lse2 = _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages,
                                 stride_k, HEADDIM, TILE, PAGES, ROWS.seqlen_q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
                                 OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT,
-                                V_CONVERT_FIRST)
+                                QUANT_TILES)
         if num_splits == 1:
             _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                          stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

@@ -102,3 +102,17 @@ class MergeTile(NamedTuple):
 
     rows: int
     block_s: int
+
+
+class QuantTiles(NamedTuple):
+    """QUANT_TILES: how an 8-bit cache's K / V tiles become the dots' 16-bit operands (kernels/kv_quant.py; a
+    DecodeConfig's quant_v_convert_first, quant_convert, quant_k_convert_first). v_first / k_first: V / K converted
+    in the layout it was loaded in, before its change to the mma operand (GPU only: inline asm); convert: e4m3 tiles
+    by the conversion instructions (0) or by integer bit operations (1: Triton ops, 2: packed PTX, GPU only)."""
+
+    v_first: bool
+    convert: int
+    k_first: bool
+
+
+QUANT_TILES_OFF = QuantTiles(False, 0, False)

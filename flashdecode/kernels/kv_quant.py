@@ -12,6 +12,15 @@ scale per kv head for every token (a scalar broadcast too: loaded once per split
 head (loaded per block through the scale strides, which are 0 along broadcast dims; paged: each key's page id is
 looked up again for them), 3 = the same with the scales' sequence / page and token strides the cache's divided by
 the head dim (the layout append_kv and the engine use): a key's scale offset is its K offset // HEADDIM.
+
+QUANT_CONVERT (constexpr, a DecodeConfig's quant_convert): how an e4m3 tile becomes a 16-bit dot operand.
+CONVERT_CVT: Triton's conversion (sm_90: F2FP.F16.E4M3.UNPACK_B per two values, and for bf16 an F2F.BF16.F16 per
+value on top). CONVERT_BITS / CONVERT_BITS_ASM: integer bit operations (e4m3_bits: the e4m3 code's sign and its
+seven exponent-mantissa bits moved into a fp16 / bf16 code, which then stands for the value times a power of two;
+docs/decisions.md, "8-bit cache tiles"), written as Triton integer ops (what the CPU interpreter runs) or as packed
+PTX on four codes per 32-bit register (one PRMT, one shift, one LOP3 per two values; the Triton form compiles to
+about twice that). CONVERT_BITS_ASM also takes int8 K tiles to fp16 (int8_to_fp16: the 1024 + byte magic number, no
+conversion-unit work) against a fp16 q_k; int8 V tiles and fp32 dots keep the conversion.
 """
 
 import triton
@@ -20,6 +29,15 @@ import triton.language as tl
 # the largest finite magnitude of each 8-bit format (e4m3fn: 448; int8 symmetric: 127)
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
+
+# QUANT_CONVERT values (module doc)
+CONVERT_CVT = tl.constexpr(0)
+CONVERT_BITS = tl.constexpr(1)
+CONVERT_BITS_ASM = tl.constexpr(2)
+# e4m3_bits' fp16 / bf16 codes stand for the e4m3 value times 2**-E4M3_FP16_SHIFT / 2**-E4M3_BF16_SHIFT: the
+# exponent biases differ by 15 - 7 and 127 - 7
+E4M3_FP16_SHIFT = tl.constexpr(8)
+E4M3_BF16_SHIFT = tl.constexpr(120)
 
 
 @triton.jit
@@ -43,13 +61,15 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
 
 
 @triton.jit
-def keys_operand(q):
-    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an 8-bit K tile, and the fp32 power of two
-    that scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen from q's largest magnitude so that it lands
-    in [2**14, 2**15) (bf16 values keep all their 8 significant bits there, so nothing rounds but magnitudes below
-    ~2**-28 of the largest), and the K tile goes to fp16 in one conversion per two values (e4m3 and int8 are exact
-    in fp16) instead of two per value to bf16 on sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q
-    are used as they are (unscale 1)."""
+def keys_operand(q, QUANT_CONVERT: tl.constexpr = 0, K_DTYPE: tl.constexpr = tl.float8e4nv):
+    """(q_k, unscale): the QK^T operand of (BLOCK_M, BLOCK_D) q against an 8-bit K tile of K_DTYPE (e4m3; int8
+    with QUANT_CONVERT 2), and the fp32 factor that scales q_k's scores back. bf16 q: q * 2**-e in fp16, e chosen
+    from q's largest magnitude so that it lands in [2**14, 2**15) (bf16 values keep all their 8 significant bits
+    there, so nothing rounds but magnitudes below ~2**-28 of the largest), and the K tile goes to fp16 (keys_tile:
+    exact, e4m3 and int8 are subsets of fp16) instead of to bf16, which costs two conversions per e4m3 value on
+    sm_90 (docs/decisions.md, "8-bit cache tiles"). fp16 and fp32 q are used as they are (unscale 1). With a fp16
+    q_k and an e4m3 K tile converted by bit operations (QUANT_CONVERT) the tile holds the keys times 2**-8
+    (e4m3_bits): unscale carries the 2**8 back (exact: a power of two on fp32 scores)."""
     q_k = q
     unscale = 1.0
     if q.dtype == tl.bfloat16:
@@ -59,21 +79,109 @@ def keys_operand(q):
         down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
         unscale = ((127 + sh) << 23).to(tl.float32, bitcast=True)
         q_k = (q.to(tl.float32) * down).to(tl.float16)
+    if QUANT_CONVERT != CONVERT_CVT and q_k.dtype == tl.float16 and K_DTYPE == tl.float8e4nv:
+        unscale = unscale * (2.0 ** E4M3_FP16_SHIFT)
     return q_k, unscale
 
 
 @triton.jit
-def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr):
-    """An 8-bit tile (BLOCK_N, BLOCK_D) converted to the dot's ``dtype`` (q's). CONVERT_FIRST (GPU only: inline
+def int8_to_fp16(x):
+    """An int8 tile (any shape) as fp16, exactly, in packed PTX (GPU only), four values per 32-bit register: one xor
+    (x + 128 as an unsigned byte) per four values, then per two values one prmt that puts each byte under the high
+    byte 0x64 (the fp16 1024 + byte) and one packed subtract of 1152 (Triton's conversion: I2F.F16.S16, one per
+    value on the conversion unit, plus byte permutes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; prmt.b32 $0, t, 0x64646464, 0x5140; "
+        "prmt.b32 $1, t, 0x64646464, 0x7362; sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_bits(x, dtype, ASM: tl.constexpr):
+    """An e4m3 tile (any shape) as a fp16 or bf16 (``dtype``) tile holding x * 2**-8 (fp16) or x * 2**-120 (bf16)
+    exactly, by integer operations only: the code s.eeee.mmm sign-extended to 16 bits, shifted so that eeee.mmm
+    lands in the low bits of the 16-bit exponent and the top of its mantissa (fp16: << 7; bf16: << 4), and masked
+    to the sign and those seven bits. The exponent bias grows from 7 to 15 (fp16) / 127 (bf16) while the field
+    keeps its value, hence the factor; e4m3 subnormals (exponent 0) land on fp16 / bf16 subnormals with the same
+    factor, so every finite code is exact. The NaN codes (0x7F, 0xFF: never written by append_kv, which saturates)
+    read as +-480 times the factor. ASM (GPU): packed PTX, four codes per 32-bit register - prmt's sign-replicating
+    byte select builds two sign-extended 16-bit lanes at once, then one shift and one and per two values."""
+    if ASM:
+        if dtype == tl.float16:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 7; "
+                "shl.b32 hi, hi, 7; and.b32 $0, lo, 0xBF80BF80; and.b32 $1, hi, 0xBF80BF80; }",
+                "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 4; "
+                "shl.b32 hi, hi, 4; and.b32 $0, lo, 0x87F087F0; and.b32 $1, hi, 0x87F087F0; }",
+                "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = x.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: s in bits 15..7, eeee.mmm in 6..0
+        if dtype == tl.float16:
+            y = ((w << 7) & -16512).to(tl.float16, bitcast=True)  # mask 0xBF80: bit 15 and bits 13..7
+        else:
+            y = ((w << 4) & -30736).to(tl.bfloat16, bitcast=True)  # mask 0x87F0: bit 15 and bits 10..4
+    return y
+
+
+@triton.jit
+def _layout_barrier(y):
+    """y unchanged (a 16-bit tile), through an identity move in non-pure inline asm that Triton cannot look
+    through: the conversion before it stays in the tile's load layout (keys_tile, to_dot_dtype)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
+                                     pack=32 // y.dtype.primitive_bitwidth)
+
+
+@triton.jit
+def keys_tile(k, dtype, QUANT_CONVERT: tl.constexpr, CONVERT_FIRST: tl.constexpr = False):
+    """An 8-bit K tile (BLOCK_N, BLOCK_D) as the QK^T dot's ``dtype`` (keys_operand's q_k dtype): an e4m3 tile
+    against fp16 by e4m3_bits (the keys times 2**-8; keys_operand's unscale carries the 2**8), an int8 tile against
+    fp16 with QUANT_CONVERT 2 by int8_to_fp16, else converted.
+    CONVERT_FIRST (GPU only: inline asm): converted in the layout it was loaded in, as to_dot_dtype does for V. Left
+    to Triton, the conversion follows the tile's layout change to the mma operand, and an operand converted from 8
+    bits makes Triton lay out both operands of the dot for 8-bit k-packing: q_k is then read from shared memory
+    every block in 8-byte pieces and reassembled into mma fragments by register moves (~80 instructions per block
+    at hd128; docs/decisions.md, "8-bit cache tiles"), where a 16-bit K tile gives q_k and K ldmatrix loads."""
+    if QUANT_CONVERT != CONVERT_CVT and k.dtype == tl.float8e4nv and dtype == tl.float16:
+        y = e4m3_bits(k, dtype, QUANT_CONVERT == CONVERT_BITS_ASM)
+    elif QUANT_CONVERT == CONVERT_BITS_ASM and k.dtype == tl.int8 and dtype == tl.float16:
+        y = int8_to_fp16(k)
+    else:
+        y = k.to(dtype)
+    if CONVERT_FIRST:
+        y = _layout_barrier(y)
+    return y
+
+
+@triton.jit
+def to_dot_dtype(x, dtype, CONVERT_FIRST: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0):
+    """An 8-bit V tile (BLOCK_N, BLOCK_D) converted to the dot's ``dtype`` (q's). CONVERT_FIRST (GPU only: inline
     asm): in the layout it was loaded in, so that the 16-bit tile, not the 8-bit one, goes through shared memory to
     the mma operand layout. Without it Triton moves the conversion after that layout change; for V (the PV dot's B
     operand, whose k dim - the keys - is strided) that read the 8-bit tile from shared memory one byte per element
     (ldmatrix's transposing load exists for 16-bit elements only) and copied it in 8-byte pieces (docs/decisions.md,
-    "8-bit cache tiles"). The asm is an identity move that Triton cannot look through."""
-    y = x.to(dtype)
+    "8-bit cache tiles"). The asm is an identity move that Triton cannot look through.
+    QUANT_CONVERT (module doc): an e4m3 tile against fp16 / bf16 by e4m3_bits, then one packed 16-bit multiply by
+    2**8 / 2**120 (one per two values; exact: a power of two that takes every code, subnormals included, to its
+    value in the normal range), so P and the v scales stay as they are (folding 2**120 into P * v_scale instead
+    would overflow bf16 for v scales >= 2**8)."""
+    if QUANT_CONVERT != CONVERT_CVT and x.dtype == tl.float8e4nv and (dtype == tl.float16 or dtype == tl.bfloat16):
+        y = e4m3_bits(x, dtype, QUANT_CONVERT == CONVERT_BITS_ASM)
+    else:
+        y = x.to(dtype)
     if CONVERT_FIRST:
-        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False,
-                                      pack=32 // y.dtype.primitive_bitwidth)
+        y = _layout_barrier(y)
+    if QUANT_CONVERT != CONVERT_CVT and x.dtype == tl.float8e4nv and dtype == tl.float16:
+        y = y * (2.0 ** E4M3_FP16_SHIFT)
+    elif QUANT_CONVERT == CONVERT_BITS_ASM and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        y = y * (2.0 ** E4M3_BF16_SHIFT)
+    elif QUANT_CONVERT == CONVERT_BITS and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        # through fp32, widened by bits (the CPU interpreter's bf16 arithmetic is wrong, and it flushes bf16
+        # subnormals when it converts them): exact too
+        wide = (y.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        y = (wide * (2.0 ** E4M3_BF16_SHIFT)).to(tl.bfloat16)
     return y
 
 

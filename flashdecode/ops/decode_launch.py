@@ -12,8 +12,8 @@ import torch
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
-from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, Rows, Splits, Tile,
-                                             WorkSchedule)
+from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, QuantTiles, Rows, Splits,
+                                             Tile, WorkSchedule)
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
 from flashdecode.ops.merge import launch_merge_many
 
@@ -229,7 +229,8 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
         OFFS_32=config.offs_32, **_alibi_args(shape),
-        **kv_quant_kernel_args(shape.kv_quant, k_cache, config.quant_v_convert_first))
+        **kv_quant_kernel_args(shape.kv_quant, k_cache, QuantTiles(
+            config.quant_v_convert_first, config.quant_convert, config.quant_k_convert_first)))
 
 
 def _alibi_args(shape) -> dict:

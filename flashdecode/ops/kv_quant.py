@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from flashdecode.kernels.decode_args import QUANT_TILES_OFF, QuantTiles
 from flashdecode.ops import checks
 
 __all__ = ["QUANT_DTYPES", "QMAX", "KVQuant", "resolve_kv_quant", "kv_quant_kernel_args", "dequantize_cache"]
@@ -91,11 +92,13 @@ def resolve_kv_quant(q_dtype, k_cache, v_cache, k_scale, v_scale, *, kv_name: st
     return KVQuant(k_cache.dtype, ks, vs, per_token)
 
 
-def kv_quant_kernel_args(quant: KVQuant | None, k_cache: torch.Tensor, v_convert_first: bool = False) -> dict:
+def kv_quant_kernel_args(quant: KVQuant | None, k_cache: torch.Tensor,
+                         tiles: QuantTiles = QUANT_TILES_OFF) -> dict:
     """The decode kernels' kv_scales = (K_SCALE, V_SCALE, (sequence or page, token, kv head) strides), KV_QUANT and
-    V_CONVERT_FIRST (a DecodeConfig's quant_v_convert_first) arguments ({} for a float cache: the kernels' defaults
-    compile the float path unchanged). Per-token scales whose (sequence or page, token) strides are the cache's
-    divided by the head dim take KV_QUANT 3 (a key's scale offset = its K offset // head dim)."""
+    QUANT_TILES (``tiles``: how its tiles are converted, from the DecodeConfig's quant_* fields) arguments ({}
+    for a float cache: the kernels' defaults compile the float path unchanged). Per-token scales whose (sequence or
+    page, token) strides are the cache's divided by the head dim take KV_QUANT 3 (a key's scale offset = its K offset
+    // head dim)."""
     if quant is None:
         return {}
     sb, st, sh = quant.strides
@@ -103,8 +106,7 @@ def kv_quant_kernel_args(quant: KVQuant | None, k_cache: torch.Tensor, v_convert
     if quant.per_token:
         d = k_cache.shape[-1]
         mode = 3 if (k_cache.stride(0), k_cache.stride(1)) == (d * sb, d * st) else 2
-    return dict(kv_scales=(quant.k_scale, quant.v_scale, (sb, st, sh)), KV_QUANT=mode,
-                V_CONVERT_FIRST=v_convert_first)
+    return dict(kv_scales=(quant.k_scale, quant.v_scale, (sb, st, sh)), KV_QUANT=mode, QUANT_TILES=tiles)
 
 
 def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
