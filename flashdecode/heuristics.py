@@ -281,11 +281,12 @@ def decode_quant_convert(dev: DecodeDevice) -> dict:
     """The DecodeConfig fields of how 8-bit tiles become 16-bit dot operands (kernels/kv_quant.py): V converted
     before its layout change on a GPU (quant_v_convert_first; inline asm, which the CPU interpreter does not run);
     with DECODE_QUANT_BIT_CONVERT, e4m3 tiles by integer bit operations (quant_convert: packed PTX on a GPU, 2;
-    Triton integer ops in the interpreter, 1) and K converted before its layout change on a GPU too
-    (quant_k_convert_first); else the conversion instructions (0), K after."""
+    Triton integer ops in the interpreter, 1), K after its layout change (quant_k_convert_first stays an option:
+    on the H100 it was 1.12-1.26x slower than K after and its outputs were not bitwise equal to the other
+    conversions' - docs/decisions.md, "8-bit cache tiles"); else the conversion instructions (0), K after."""
     bits = DECODE_QUANT_BIT_CONVERT
     return dict(quant_v_convert_first=not dev.interpret, quant_convert=(1 if dev.interpret else 2) if bits else 0,
-                quant_k_convert_first=bits and not dev.interpret)
+                quant_k_convert_first=False)
 
 
 def decode_quant_tile(p: DecodeProblem, block_n: int) -> tuple[int, int]:

@@ -31,6 +31,9 @@ forward + backward). E2E: the engine's CUDA-graphed decode step, tokens/s agains
 per token over the copy bandwidth). Each section names its record in `benchmarks/results/latest/` (JSON with every
 row, the git commit and the command); `python scripts/write_benchmarks_md.py` regenerates this page and the figures.
 """
+# The targets of the open work, one line each with the measured value and its record: written by hand (the numbers
+# come from several records and probes), placed after the introduction.
+TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "targets.md"
 
 
 def _fmt_tokens(n: int) -> str:
@@ -262,6 +265,8 @@ def main() -> int:
     ordered = sorted(records.items(), key=lambda pr: next((i for i, k in enumerate(ORDER)
                                                           if benchmark_key(pr[1]).startswith(k)), len(ORDER)))
     out = [INTRO]
+    if TARGETS.exists():
+        out.append(TARGETS.read_text().rstrip() + "\n")
     for path, record in ordered:
         png = report.plot_record(record, path.with_suffix(".png"))
         if png is None and path.with_suffix(".png").exists():  # a figure its benchmark drew itself (serve)

@@ -590,16 +590,17 @@ def test_decode_on_every_code_with_either_conversion(gen, page_size):
 
 
 def test_quant_convert_is_resolved_in_one_place(monkeypatch):
-    """heuristics.decode_quant_convert: packed PTX and K converted first on a GPU, Triton integer ops in the
-    interpreter, the conversion instructions (K after) with DECODE_QUANT_BIT_CONVERT off; resolve_decode_config and
-    batch_invariant_config both take it, and a config with another quant_convert is refused naming the field."""
+    """heuristics.decode_quant_convert: packed PTX with K converted after its layout change on a GPU, Triton
+    integer ops in the interpreter, the conversion instructions (K after) with DECODE_QUANT_BIT_CONVERT off;
+    resolve_decode_config and batch_invariant_config both take it, and a config with another quant_convert is
+    refused naming the field."""
     from flashdecode import heuristics
     from flashdecode.config import check_decode_config
 
     hopper = heuristics.DecodeDevice(num_sms=132, interpret=False, hopper=True, pdl=True)
     cpu = heuristics.DecodeDevice(num_sms=1, interpret=True, hopper=False, pdl=False)
     assert heuristics.decode_quant_convert(hopper) == dict(quant_v_convert_first=True, quant_convert=2,
-                                                           quant_k_convert_first=True)
+                                                           quant_k_convert_first=False)
     assert heuristics.decode_quant_convert(cpu) == dict(quant_v_convert_first=False, quant_convert=1,
                                                         quant_k_convert_first=False)
     problem = heuristics.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=128,
@@ -640,15 +641,16 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
     assert config.quant_v_convert_first and config.block_n * 128 <= 16384 and config.quant_convert == 2
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
-    # the conversion instructions (0) and the Triton bit operations (1), K converted after or before its layout
-    # change: e4m3 gives the same bits as the packed PTX (2) with K first (the same fp16 QK^T operands up to powers
-    # of two); int8 K goes to fp16 only with 2 (bf16 otherwise), so there each is checked against the reference
-    assert config.quant_k_convert_first
-    for convert, k_first in ((0, False), (0, True), (1, True), (2, False)):
+    # the conversion instructions (0) and the Triton bit operations (1) with K converted after its layout change,
+    # as the resolved packed PTX (2): e4m3 gives the same bits (the same fp16 QK^T operands up to powers of two).
+    # K converted first (an option: on the H100 its outputs were not bitwise equal to these) and int8 (K goes to
+    # fp16 only with 2, bf16 otherwise) are checked against the reference.
+    assert not config.quant_k_convert_first
+    for convert, k_first in ((0, False), (1, False), (0, True), (2, True)):
         changed = dataclasses.replace(config, quant_convert=convert, quant_k_convert_first=k_first)
         out_c, lse_c = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
                                                 config=changed, **kw)
-        if dtype == FP8:
+        if dtype == FP8 and not k_first:
             assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
         else:
             _check(out_c, lse_c, q, kc, ks, vc, vs, _lens(lens))

@@ -56,7 +56,10 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128. Causal launches stay one CTA per
     tile: the grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some
     CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s)."""
-    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=not causal and 0 < seqlen_k <= 2048)
+    persistent = not causal and 0 < seqlen_k <= 2048
+    # two Q buffer sets where CTAs are persistent: 16 x 1k non-causal 1.056x (hd128) / 1.074x (hd64) on the H100;
+    # one set elsewhere (16k keys: 0.97x; forced-persistent causal 0.985x) - docs/decisions.md
+    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1)
 
 
 def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
