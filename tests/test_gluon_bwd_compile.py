@@ -12,6 +12,7 @@ import torch
 from helpers import run_sm90_compile_script
 
 _GLUON_BWD_COMPILE_SCRIPT = r'''
+import dataclasses
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -26,17 +27,18 @@ POINTERS = ("dk_ptr", "dv_ptr", "dq_ptr", "lse2_ptr", "delta_ptr", "sem_ptr")
 
 
 def desc(dtype, rows, d):
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], dict(bf16=gl.bfloat16, fp16=gl.float16,
+                                                                  fp32=gl.float32)[dtype])
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
 def compile_variant(d, dtype, causal, deterministic, cfg):
     fn = attn_bwd_ws_kernel
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
-                  DETERMINISTIC=deterministic, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d),
                  k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
-                 kh_desc=desc(dtype, cfg.block_n, d // 2), dk_ptr="*" + dtype, dv_ptr="*" + dtype,
+                 kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2), dk_ptr="*" + dtype, dv_ptr="*" + dtype,
                  dq_ptr="*fp32", lse2_ptr="*fp32", delta_ptr="*fp32", sem_ptr="*i32", seqlen_q="i32",
                  seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
@@ -46,17 +48,26 @@ def compile_variant(d, dtype, causal, deterministic, cfg):
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-variants = [(d, "bf16", causal, det) for d in (64, 128) for causal in (False, True) for det in (False, True)]
-variants.append((128, "fp16", True, True))
-for d, dtype, causal, det in variants:
-    cfg = resolve_gluon_bwd_config(d)
+# the resolved configs (dQ by TMA reduce-add) for every mask / determinism / head dim, fp16 once; the atomic dQ
+# ablation at hd128
+variants = [(d, "bf16", causal, det, resolve_gluon_bwd_config(d)) for d in (64, 128) for causal in (False, True)
+            for det in (False, True)]
+variants.append((128, "fp16", True, True, resolve_gluon_bwd_config(128)))
+variants += [(128, "bf16", causal, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False))
+             for causal in (False, True)]
+for d, dtype, causal, det, cfg in variants:
     kernel = compile_variant(d, dtype, causal, det, cfg)
     ptx = kernel.asm["ptx"]
     what = f"d{d} {dtype} causal={causal} deterministic={det} {cfg}"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
     assert "setmaxnreg" in ptx, what + ": no per-partition register budgets"
     assert "mbarrier.try_wait" in ptx, what + ": no mbarrier pipeline"
-    assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, what + ": dQ not added with 16-byte vector atomics"
+    if cfg.dq_tma:
+        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx, what + ": dQ not by TMA reduce-add"
+        # deterministic: the reduce-adds complete (not only read their source) before the turn passes on
+        assert ("cp.async.bulk.wait_group 0" in ptx) == det, what + ": bulk wait"
+    else:
+        assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, what + ": dQ not added with 16-byte vector atomics"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
     print(what, "shared", kernel.metadata.shared, "spilled", spilled_bytes(kernel))
 print("compiled")

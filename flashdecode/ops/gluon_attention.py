@@ -322,11 +322,13 @@ def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left
 @dataclasses.dataclass(frozen=True)
 class GluonBwdConfig:
     """One launch of attn_bwd_ws_kernel: a CTA holds block_n = 128 keys (two consumer warpgroups of 64) and walks
-    query blocks of block_m rows through a ring of num_stages Q / dO slots; consumer_regs / producer_regs as
-    GluonFwdConfig's."""
+    query blocks of block_m rows through a ring of num_stages Q / dO slots; dq_tma = dQ added by a writer warp's
+    TMA reduce-adds from a staging buffer (else by the consumers' 16-byte atomics); consumer_regs / producer_regs
+    as GluonFwdConfig's."""
 
     block_m: int = 64
     num_stages: int = 2
+    dq_tma: bool = True
     consumer_regs: int = 240
     producer_regs: int = 24
 
@@ -336,7 +338,7 @@ class GluonBwdConfig:
 
 
 def resolve_gluon_bwd_config(headdim: int) -> GluonBwdConfig:
-    """hd128: two 64-row Q / dO stages beside K, V, K's column halves and the double dS buffer use ~224 KiB of
+    """hd128: two 64-row Q / dO stages beside K, V, the double dS buffer and the dQ staging tile use ~208 KiB of
     shared memory; hd64 tiles are half the size, so three stages fit."""
     return GluonBwdConfig(num_stages=2 if headdim > 64 else 3)
 
@@ -386,13 +388,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     d = headdim
     descs = (_block_descriptor(q, [cfg.block_m, d]), _block_descriptor(dout, [cfg.block_m, d]),
              _block_descriptor(k, [cfg.block_n, d]), _block_descriptor(v, [cfg.block_n, d]),
-             _block_descriptor(k, [cfg.block_n, d // 2]))
+             _block_descriptor(k, [cfg.block_n, d // 2]), _block_descriptor(dq_acc, [cfg.block_m, d // 2]))
     grid = (_cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     with torch.cuda.device(q.device):
         attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, lse2, delta, sem, seqlen_q, seqlen_k, scale * LOG2E,
                                  scale, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
-                                 CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+                                 DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     return dq_acc.mul_(scale).to(q.dtype), dk, dv
 
 
@@ -403,7 +405,7 @@ def _block_descriptor(x: torch.Tensor, block: list):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     shape, strides = _rows_view(x)
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[x.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
     return TensorDescriptor(x.as_strided(shape, strides), shape, strides, block, layout)
 

@@ -16,33 +16,38 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
   memory);
 - dQ needs dS over all 128 keys: each warpgroup writes its dS^T rows into a shared buffer (double-buffered,
   ``ds_ready`` counts both warpgroups' writes), then computes half of dQ's columns, dS (64 x 128, the buffer read
-  transposed) times K's column half (its own TMA copy, ``kh_smem``), and adds it into an fp32 buffer in global
-  memory with atomics. DETERMINISTIC orders those additions: per (batch, head, query block, column half) a
-  semaphore counts the key blocks that have added; key block j waits for the count j before adding (every key block
-  before j visits every query block j visits, causal or not), so the fp32 sums happen in one fixed order and the
-  result is bitwise reproducible. The grid runs key blocks of one head in order, so the wait is for CTAs that are
-  already running.
+  transposed) times K's column half. DQ_TMA (the default): each warpgroup stages its fp32 half in shared memory
+  and a writer warp adds the tile into an fp32 buffer in global memory with TMA reduce-adds (FA3's way: the
+  consumers neither hold addresses nor wait for the additions); otherwise the consumers add their halves with
+  16-byte vector atomics (and read K's column halves from a copy of their own). DETERMINISTIC orders those
+  additions: per (batch, head, query block[, column half]) a semaphore counts the key blocks that have added;
+  key block j waits for the count j before adding (every key block before j visits every query block j visits,
+  causal or not), so the fp32 sums happen in one fixed order and the result is bitwise reproducible. The grid
+  runs key blocks of one head in order, so the wait is for CTAs that are already running.
 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
 row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
 (a TMA tile reads them from the next sequence or as zeros past the tensor) get lse2 = +inf, hence P = dS = 0, and
-their dQ additions are masked off. Rows that see no key have lse = -inf, which the preprocess turns into +inf too.
+their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf, which the preprocess turns into +inf too.
 
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q, do: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` / ``do_desc`` (TMA block [64, HEAD_DIM])
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) behind ``k_desc`` / ``v_desc`` (block [BLOCK_N, HEAD_DIM]) and
-        ``kh_desc`` (K again, block [BLOCK_N, HEAD_DIM // 2]: the column halves dQ's wgmmas read)
+        ``kh_desc`` (K again, block [BLOCK_N, HEAD_DIM // 2]: the column halves of the atomic variant)
   dk, dv: (batch, seqlen_k, nheads_kv, HEAD_DIM) q's dtype; dq_acc: (batch, seqlen_q, nheads, HEAD_DIM) float32,
         zeroed, receives dS K unscaled; lse2, delta: (batch, nheads, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 (lse
-        in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0); sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
+        in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0);
+        sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -51,6 +56,16 @@ from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
 NUM_CONSUMERS = gl.constexpr(2)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add (cp.reduce.async.bulk.tensor ... .add) of the shared-memory tile src into tensor_desc's
+    block at coord. Triton 3.6's Gluon builder has the op (ttng.async_tma_reduce) but the hopper tma module exports
+    only the plain copies, so this wraps it as tma.async_copy_shared_to_global does its copy; tma.store_wait
+    waits for it like for a TMA store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.constexpr_function
@@ -90,21 +105,24 @@ def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, kv_ready,
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
                   q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: K, V (and K's column halves) once, then Q and dO of each visited (query head, query block) into the
-    slot ring, in the consumers' order."""
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q and dO of each visited
+    (query head, query block) into the slot ring, in the consumers' order."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = HEAD_DIM // 2
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     kv_row = batch * seqlen_k + n_start
     kv_col = head_kv * HEAD_DIM
-    mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
+    if DQ_TMA:
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0), dq_aux.index(h))
     tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem)
-    for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0), kh_smem.index(h))
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
@@ -155,12 +173,52 @@ def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUM
 
 
 @gluon.jit
-def _bwd_step(it, m, head, batch, dk, dv, k_c, v_c, kh_smem, q_smem, do_smem, ds_smem, q_ready, do_ready,
-              qdo_empty, ds_ready, key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, ticket,
-              qk_scale_log2, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _bulk_wait_done(x):
+    """cp.async.bulk.wait_group 0: this thread's bulk TMA operations have completed, writes included
+    (tma.store_wait waits with .read, for the source buffer only). x: any scalar (inline asm wants an operand)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
+               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
+    dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
+    reduce-adds, wait until they are done (the buffer is then free, and the sums written), and release the buffer.
+    DETERMINISTIC: waits for its turn first (key-block order) and passes it on after. Rows past seqlen_q add
+    exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops them)."""
+    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
+    HALF: gl.constexpr = dq_desc.block_type.shape[1]
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    n_iter = num_m - m_lo
+    for it in range(GROUP * n_iter):
+        head = head_kv * GROUP + it // n_iter
+        m = m_lo + it % n_iter
+        mbarrier.wait(dq_full.index(0), it & 1)
+        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
+        if DETERMINISTIC:
+            _wait_turn(sem, pid_n)
+        for c in gl.static_range(2):
+            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF], dq_aux.index(c))
+        if DETERMINISTIC:
+            _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
+            gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
+            gl.atomic_add(sem, 1, sem="release", scope="gpu")
+        else:
+            tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
+        mbarrier.arrive(dq_empty.index(0), count=1)
+
+
+@gluon.jit
+def _bwd_step(it, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem, do_smem, ds_smem, q_ready, do_ready,
+              qdo_empty, ds_ready, dq_full, dq_empty, key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+              seqlen_k, num_m, ticket, qk_scale_log2, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
+              BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+              DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
-    updated (dk, dv), (64, HEAD_DIM) fp32 each, after adding its dQ columns to dq_acc."""
+    updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on (DQ_TMA: staged in dq_aux for
+    the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
     HEAD_DIM: gl.constexpr = dk.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
@@ -205,12 +263,22 @@ def _bwd_step(it, m, head, batch, dk, dv, k_c, v_c, kh_smem, q_smem, do_smem, ds
     fence_async_shared()
     mbarrier.arrive(ds_ready.index(buf), count=1)
     mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), kh_smem.index(CONSUMER),
+    if DQ_TMA:
+        k_half = k_smem.slice(CONSUMER * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
+    else:
+        k_half = dq_aux.index(CONSUMER)
+    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
     mbarrier.arrive(qdo_empty.index(slot), count=1)
-    _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUMER, NUM_HEADS, BLOCK_M,
-            DETERMINISTIC)
+    if DQ_TMA:
+        mbarrier.wait(dq_empty.index(0), (it & 1) ^ 1)
+        dq_aux.index(CONSUMER).store(dq)
+        fence_async_shared()  # the writer's TMA (async proxy) reads what these generic stores wrote
+        mbarrier.arrive(dq_full.index(0), count=1)
+    else:
+        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUMER, NUM_HEADS, BLOCK_M,
+                DETERMINISTIC)
     return dk, dv
 
 
@@ -228,11 +296,11 @@ def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constex
 
 
 @gluon.jit
-def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_ready, q_ready,
-                  do_ready, qdo_empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-                  seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
+def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready,
+                  do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+                  sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One warpgroup: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's block against every visited query
     block of the group's heads (masked ones first), then its dK (times sm_scale) and dV rows."""
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -248,28 +316,34 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kh_sm
     for g in range(GROUP):
         head = head_kv * GROUP + g
         for m in range(m_lo, m_full):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_c, v_c, kh_smem, q_smem, do_smem,
-                               ds_smem, q_ready, do_ready, qdo_empty, ds_ready, key_rows, dq_ptr, lse2_ptr,
-                               delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n, qk_scale_log2, CONSUMER,
-                               NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL, DETERMINISTIC)
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem,
+                               do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
+                               key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
+                               DETERMINISTIC, DQ_TMA)
         for m in range(m_full, num_m):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_c, v_c, kh_smem, q_smem, do_smem,
-                               ds_smem, q_ready, do_ready, qdo_empty, ds_ready, key_rows, dq_ptr, lse2_ptr,
-                               delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n, qk_scale_log2, CONSUMER,
-                               NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL, DETERMINISTIC)
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem,
+                               do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
+                               key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
+                               DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
     _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
 
 
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
-                       sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
+def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr, dq_ptr, lse2_ptr,
+                       delta_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), num_warps=4 (the default partition is consumer 0).
     BLOCK_N must be 128 (two warpgroups of 64 keys); BLOCK_M (query rows per step) is q_desc's block rows.
     qk_scale_log2 = softmax_scale * log2(e); sm_scale = softmax_scale. GROUP = nheads // nheads_kv (GQA).
+    DQ_TMA: dQ goes through a staging buffer and a writer warp's TMA reduce-adds (dq_desc: dq_acc's rows view
+    (batch * seqlen_q, nheads * HEAD_DIM) fp32, block [BLOCK_M, HEAD_DIM // 2]; kh_desc unused); else the consumers
+    add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
     Tensors as the module docstring says."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -279,33 +353,58 @@ def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dk_ptr, dv_ptr,
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    kh_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM // 2], kh_desc.layout)
+    if DQ_TMA:
+        dq_aux = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    else:
+        dq_aux = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM // 2], kh_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _ds_smem_layout(BLOCK_M))
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(dq_full.index(0), count=NUM_CONSUMERS)
+    mbarrier.init(dq_empty.index(0), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(do_ready.index(s), count=1)
         mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=NUM_CONSUMERS)
-    gl.warp_specialize([
-        (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_ready, q_ready, do_ready,
-                         qdo_empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+    # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
+    if DQ_TMA:
+        gl.warp_specialize([
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
                          seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC)),
-        (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_ready, q_ready, do_ready,
-                         qdo_empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+                         DETERMINISTIC, DQ_TMA)),
+            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
                          seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
-                         kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                         DETERMINISTIC, DQ_TMA)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
+                         q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL, DQ_TMA)),
+            (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP,
+                          BLOCK_N, CAUSAL, DETERMINISTIC)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         DETERMINISTIC, DQ_TMA)),
+            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         DETERMINISTIC, DQ_TMA)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
+                         q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL, DQ_TMA)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
