@@ -35,12 +35,13 @@ def desc(dtype, rows, d):
 def compile_variant(d, dtype, causal, deterministic, cfg):
     fn = attn_bwd_ws_kernel
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
-                  DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
+                  PRODUCER_REGS=cfg.producer_regs)
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d),
                  k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
-                 kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2), dk_ptr="*" + dtype, dv_ptr="*" + dtype,
-                 dq_ptr="*fp32", lse2_ptr="*fp32", delta_ptr="*fp32", sem_ptr="*i32", seqlen_q="i32",
-                 seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
+                 kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2),
+                 dk_ptr="*" + dtype, dv_ptr="*" + dtype, dq_ptr="*fp32", lse2_ptr="*fp32", delta_ptr="*fp32",
+                 sem_ptr="*i32", seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     # the launcher specialises 16-byte aligned pointers (torch allocations are): so does this build
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in POINTERS}

@@ -362,7 +362,8 @@ def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool = False,
                              deterministic: bool = True,
-                             config: Optional[GluonBwdConfig] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             config: Optional[GluonBwdConfig] = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of exact attention on the Gluon backward kernel, for a call gluon_bwd_supported accepts.
 
     q, dout, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16/bf16 on an
@@ -388,13 +389,15 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     d = headdim
     descs = (_block_descriptor(q, [cfg.block_m, d]), _block_descriptor(dout, [cfg.block_m, d]),
              _block_descriptor(k, [cfg.block_n, d]), _block_descriptor(v, [cfg.block_n, d]),
-             _block_descriptor(k, [cfg.block_n, d // 2]), _block_descriptor(dq_acc, [cfg.block_m, d // 2]))
+             _block_descriptor(k, [cfg.block_n, d // 2]),
+             _block_descriptor(dq_acc, [cfg.block_m, d // 2]))
     grid = (_cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     with torch.cuda.device(q.device):
         attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, lse2, delta, sem, seqlen_q, seqlen_k, scale * LOG2E,
                                  scale, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
-                                 DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+                                 DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
+                                 PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     return dq_acc.mul_(scale).to(q.dtype), dk, dv
 
 

@@ -28,7 +28,8 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
 row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
 (a TMA tile reads them from the next sequence or as zeros past the tensor) get lse2 = +inf, hence P = dS = 0, and
-their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf, which the preprocess turns into +inf too.
+their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf,
+which the preprocess turns into +inf too.
 
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q, do: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` / ``do_desc`` (TMA block [64, HEAD_DIM])
@@ -120,7 +121,8 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_s
     else:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
         for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0), dq_aux.index(h))
+            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
+                                            dq_aux.index(h))
     tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem)
     n_iter = num_m - m_lo
@@ -182,7 +184,8 @@ def _bulk_wait_done(x):
 
 @gluon.jit
 def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
-               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+               DQ_TMA: gl.constexpr):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds, wait until they are done (the buffer is then free, and the sums written), and release the buffer.
@@ -192,7 +195,7 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     n_iter = num_m - m_lo
-    for it in range(GROUP * n_iter):
+    for it in range(GROUP * n_iter if DQ_TMA else 0):
         head = head_kv * GROUP + it // n_iter
         m = m_lo + it % n_iter
         mbarrier.wait(dq_full.index(0), it & 1)
@@ -200,7 +203,8 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
         if DETERMINISTIC:
             _wait_turn(sem, pid_n)
         for c in gl.static_range(2):
-            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF], dq_aux.index(c))
+            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                            dq_aux.index(c))
         if DETERMINISTIC:
             _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
             gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
@@ -375,36 +379,22 @@ def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=NUM_CONSUMERS)
     # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
-    if DQ_TMA:
-        gl.warp_specialize([
-            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA)),
-            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
-                         q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL, DQ_TMA)),
-            (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP,
-                          BLOCK_N, CAUSAL, DETERMINISTIC)),
-        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA)),
-            (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-                         ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-                         seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
-                         q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL, DQ_TMA)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # Without DQ_TMA the writer warp has nothing to do and returns at once.
+    gl.warp_specialize([
+        (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready,
+                         qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+        (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready,
+                         qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux,
+                         kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, DQ_TMA)),
+        (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                      CAUSAL, DETERMINISTIC, DQ_TMA)),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
