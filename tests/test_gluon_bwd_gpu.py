@@ -3,12 +3,15 @@ the FlashAttention rule for gradients (error <= 3x a same-dtype PyTorch implemen
 atomic dQ, GQA, odd lengths, causal bottom-right (rows that see no key), hd 64/128, fp16/bf16; bitwise
 reproducibility of the deterministic mode; the dense backward's dispatch to it and its fallbacks."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import flashdecode.ops.gluon_attention as ga
 from flashdecode.ops.attention import flash_attn
-from flashdecode.ops.gluon_attention import gluon_attention_backward, gluon_attention_forward, gluon_bwd_supported
+from flashdecode.ops.gluon_attention import (gluon_attention_backward, gluon_attention_forward, gluon_bwd_supported,
+                                             resolve_gluon_bwd_config)
 from flashdecode.reference import attention_ref
 from helpers import HAS_CUDA, assert_fa_close, randn
 
@@ -32,11 +35,11 @@ def _reference_grads(q, k, v, dout, causal, dtype):
     return [x.grad for x in leaves]
 
 
-def _check(q, k, v, dout, causal, deterministic=True):
+def _check(q, k, v, dout, causal, deterministic=True, config=None):
     out, lse = gluon_attention_forward(q, k, v, causal=causal)
     scale = q.shape[-1] ** -0.5
     assert gluon_bwd_supported(q, k, v, dout, -1, 0 if causal else -1, 0.0, scale)
-    grads = gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, deterministic)
+    grads = gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, deterministic, config)
     ref64 = _reference_grads(q, k, v, dout, causal, torch.float64)
     same = _reference_grads(q, k, v, dout, causal, q.dtype)
     for name, g, g64, gs, x in zip(("dq", "dk", "dv"), grads, ref64, same, (q, k, v)):
@@ -57,6 +60,17 @@ CASES = [(2, 128, 128, 4, 4), (1, 333, 517, 4, 2), (2, 517, 333, 8, 2), (3, 1, 3
 @pytest.mark.parametrize("b,sq,sk,h,hkv", CASES)
 def test_gluon_backward_matches_reference(b, sq, sk, h, hkv, d, causal, dtype, deterministic):
     _check(*_inputs(b, sq, sk, h, hkv, d, dtype, seed=sq * 7 + sk + d), causal, deterministic)
+
+
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,sq,sk,h,hkv", [(2, 517, 333, 8, 2), (1, 1000, 999, 2, 2)])
+def test_gluon_backward_atomic_dq_ablation(b, sq, sk, h, hkv, d, causal, deterministic):
+    """dq_tma=False: the consumers add dQ with vector atomics (the probe's ablation) - correct too."""
+    cfg = dataclasses.replace(resolve_gluon_bwd_config(d), dq_tma=False)
+    _check(*_inputs(b, sq, sk, h, hkv, d, torch.bfloat16, seed=sq + d), causal, deterministic, cfg)
 
 
 @needs_hopper

@@ -9,13 +9,15 @@
    forward + backward through flash_attn with the backward on the Gluon kernel (deterministic, and atomic dQ
    "gluon-nd"), on the Triton kernel ("triton", "triton-nd": the Gluon dispatch switched off), and torch SDPA's
    cuDNN backend. TFLOP/s = 4 b h s^2 d x 3.5 (forward 1 + backward 2.5), halved for causal, as
-   flashdecode bench prefill counts them. --bwd-only also times the backward kernels alone (x 2.5).
+   flashdecode bench prefill counts them. --bwd-only also times the Gluon backward alone (x 2.5): dQ by TMA
+   reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or not.
 Writes gluon_bwd.json to $OUT (or the current directory) and prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -56,18 +58,19 @@ def check_correctness() -> list[dict]:
             same = _grads(q, k, v, dout, causal, dtype)
             out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
             scale = d ** -0.5
-            for det in (True, False):
-                grads = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det)
+            for det, dq_tma in ((True, True), (False, True), (True, False), (False, False)):
+                cfg = dataclasses.replace(ga.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
+                grads = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
                 torch.cuda.synchronize()
                 row = dict(case=f"b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} {str(dtype)[6:]} causal={causal}",
-                           deterministic=det, ok=True)
+                           deterministic=det, dq_tma=dq_tma, ok=True)
                 for name, g, g64, gs in zip(("dq", "dk", "dv"), grads, ref, same):
                     err = (g.double() - g64).abs().max().item()
                     base = (gs.double() - g64).abs().max().item()
                     row[name] = [err, base]
                     row["ok"] &= bool(not torch.isnan(g).any().item() and err <= 3 * base + 1e-4)
                 if det:
-                    again = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det)
+                    again = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
                     row["reproducible"] = all(torch.equal(a, b_) for a, b_ in zip(grads, again))
                     row["ok"] &= row["reproducible"]
                 rows.append(row)
@@ -122,9 +125,11 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
                    "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t)}
             if bwd_only:
                 out, lse = ga.gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal=causal)
-                for det_mode, name in ((True, "bwd:gluon"), (False, "bwd:gluon-nd")):
-                    fns[name] = (lambda m: lambda: ga.gluon_attention_backward(
-                        dout, q.detach(), k.detach(), v.detach(), out, lse, d ** -0.5, causal, m))(det_mode)
+                for det_mode, dq_tma, name in ((True, True, "bwd:gluon"), (False, True, "bwd:gluon-nd"),
+                                               (True, False, "bwd:atomic"), (False, False, "bwd:atomic-nd")):
+                    cfg = dataclasses.replace(ga.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
+                    fns[name] = (lambda m, c: lambda: ga.gluon_attention_backward(
+                        dout, q.detach(), k.detach(), v.detach(), out, lse, d ** -0.5, causal, m, c))(det_mode, cfg)
             for name, fn in fns.items():
                 flops = fwd_flops * (2.5 if name.startswith("bwd:") else BWD_FACTOR)
                 try:
@@ -157,7 +162,7 @@ def main():
         for r in result["correctness"]:
             mark = "ok " if r["ok"] else "BAD"
             errs = " ".join(f"{n} {r[n][0]:.2e}/{3 * r[n][1]:.2e}" for n in ("dq", "dk", "dv"))
-            print(f"{mark} {r['case']:<44} det={r['deterministic']!s:<5} {errs} "
+            print(f"{mark} {r['case']:<44} det={r['deterministic']!s:<5} tma={r['dq_tma']!s:<5} {errs} "
                   f"repro={r.get('reproducible', '-')}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad (err / 3x same-dtype)")
     result["timing"] = time_all(args.quick, args.bwd_only)
