@@ -70,7 +70,12 @@ for d, dtype, causal, det, cfg in variants:
     else:
         assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, what + ": dQ not added with 16-byte vector atomics"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
-    print(what, "shared", kernel.metadata.shared, "spilled", spilled_bytes(kernel))
+    spilled = spilled_bytes(kernel)
+    # The consumers run at the 240-register limit (dK, dV accumulators: 128 registers at hd128): unmasked steps
+    # hold everything in registers; hd128's causal variants spill a few scalars (under 128 bytes) in the masked
+    # diagonal steps.
+    assert spilled == 0 or (causal and d == 128 and spilled <= 128), what + f": spills {spilled} bytes"
+    print(what, "shared", kernel.metadata.shared, "spilled", spilled)
 print("compiled")
 '''
 

@@ -123,8 +123,8 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_s
         for h in gl.static_range(2):
             tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
                                             dq_aux.index(h))
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
@@ -215,8 +215,8 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
-def _bwd_step(it, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem, do_smem, ds_smem, q_ready, do_ready,
-              qdo_empty, ds_ready, dq_full, dq_empty, key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, ds_smem, q_ready, do_ready,
+              qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
               seqlen_k, num_m, ticket, qk_scale_log2, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
               DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -231,30 +231,35 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem, do_s
     dq_layout: gl.constexpr = _mma_layout(HEAD_DIM // 2)
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
+    # K and V are one-slot rings indexed by a zero that the compiler cannot see is constant: with a constant
+    # index, the wgmma descriptors of every k-step of K and V (64-bit each) are hoisted out of the loop and
+    # spilled; indexed per step they are recomputed in uniform registers for free.
+    kv_slot = it >> 30
+    k_all = k_smem.index(kv_slot)
+    k_c = k_all.slice(CONSUMER * 64, 64)
+    v_c = v_smem.index(kv_slot).slice(CONSUMER * 64, 64)
     # lse2 / delta rows are padded to whole query blocks (+inf / 0 past seqlen_q): no masks, no per-element
     # predicates, and the addresses fold into one base plus constant offsets
-    row_base = (batch * NUM_HEADS + head).to(gl.int64) * (num_m * BLOCK_M) + m * BLOCK_M
+    # (int32 offsets that change with m: loop-invariant 64-bit per-element addresses would be hoisted and spilled)
+    row_base = (batch * NUM_HEADS + head).to(gl.int64) * (num_m * BLOCK_M)
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    offs = m * BLOCK_M + cols
     # The accumulators start at -lse2 / scale and -D, so that S^T and dP^T come out already shifted: neither row
     # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
-    lse2 = gl.load(lse2_ptr + row_base + cols)
+    lse2 = gl.load(lse2_ptr + row_base + offs)
     s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) + gl.expand_dims(-lse2 / qk_scale_log2, 0)
     q = q_smem.index(slot)
     do = do_smem.index(slot)
     mbarrier.wait(q_ready.index(slot), phase)
     s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
-    delta = gl.load(delta_ptr + row_base + cols)
+    delta = gl.load(delta_ptr + row_base + offs)
     dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
     mbarrier.wait(do_ready.index(slot), phase)
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
     p_t = gl.exp2(s_t * qk_scale_log2)
     if MASKED:
-        visible = gl.expand_dims(key_rows < seqlen_k, 1)
-        if CAUSAL:
-            q_pos = m * BLOCK_M + cols + (seqlen_k - seqlen_q)
-            visible = visible & (gl.expand_dims(key_rows, 1) <= gl.expand_dims(q_pos, 0))
-        p_t = gl.where(visible, p_t, 0.0)
+        p_t = gl.where(gl.expand_dims(first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -268,9 +273,9 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem, do_s
     mbarrier.arrive(ds_ready.index(buf), count=1)
     mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
     if DQ_TMA:
-        k_half = k_smem.slice(CONSUMER * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
+        k_half = k_all.slice(CONSUMER * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
     else:
-        k_half = dq_aux.index(CONSUMER)
+        k_half = dq_aux.index(CONSUMER + kv_slot)
     dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
@@ -311,8 +316,12 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_au
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
-    k_c = k_smem.slice(CONSUMER * 64, 64)
-    v_c = v_smem.slice(CONSUMER * 64, 64)
+    # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
+    # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
+    first_row = gl.zeros_like(key_rows)
+    if CAUSAL:
+        first_row = key_rows - (seqlen_k - seqlen_q)
+    first_row = gl.where(key_rows < seqlen_k, first_row, 1 << 30)
     dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_ready.index(0), 0)
@@ -320,15 +329,15 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_au
     for g in range(GROUP):
         head = head_kv * GROUP + g
         for m in range(m_lo, m_full):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem,
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
-                               key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
                                qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
         for m in range(m_full, num_m):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, k_c, v_c, dq_aux, q_smem,
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
-                               key_rows, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
                                qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -355,8 +364,8 @@ def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
     if DQ_TMA:
         dq_aux = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     else:
