@@ -398,7 +398,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
                                  DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
                                  PRODUCER_REGS=cfg.producer_regs, num_warps=4)
-    return dq_acc.mul_(scale).to(q.dtype), dk, dv
+    return dq_acc.to(q.dtype), dk, dv
 
 
 def _block_descriptor(x: torch.Tensor, block: list):

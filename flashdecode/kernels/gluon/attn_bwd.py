@@ -36,7 +36,7 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) behind ``k_desc`` / ``v_desc`` (block [BLOCK_N, HEAD_DIM]) and
         ``kh_desc`` (K again, block [BLOCK_N, HEAD_DIM // 2]: the column halves of the atomic variant)
   dk, dv: (batch, seqlen_k, nheads_kv, HEAD_DIM) q's dtype; dq_acc: (batch, seqlen_q, nheads, HEAD_DIM) float32,
-        zeroed, receives dS K unscaled; lse2, delta: (batch, nheads, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 (lse
+        zeroed, receives scale * dS K; lse2, delta: (batch, nheads, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 (lse
         in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0);
         sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
 """
@@ -217,7 +217,7 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 @gluon.jit
 def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, ds_smem, q_ready, do_ready,
               qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
-              seqlen_k, num_m, ticket, qk_scale_log2, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
+              seqlen_k, num_m, ticket, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
               DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
@@ -280,6 +280,7 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
     mbarrier.arrive(qdo_empty.index(slot), count=1)
+    dq = dq * sm_scale  # (here, rather than one more pass over dq_acc after the kernel)
     if DQ_TMA:
         mbarrier.wait(dq_empty.index(0), (it & 1) ^ 1)
         dq_aux.index(CONSUMER).store(dq)
@@ -332,13 +333,13 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_au
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
                                first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
         for m in range(m_full, num_m):
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
                                first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
