@@ -23,7 +23,8 @@ from flashdecode.ops.gluon_attention import resolve_gluon_bwd_config
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
 
-POINTERS = ("dk_ptr", "dv_ptr", "dq_ptr", "lse2_ptr", "delta_ptr", "sem_ptr")
+POINTERS = ("dk_ptr", "dv_ptr", "dq_ptr", "sem_ptr")
+ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def desc(dtype, rows, d):
@@ -37,11 +38,12 @@ def compile_variant(d, dtype, causal, deterministic, cfg):
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
                   DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
                   PRODUCER_REGS=cfg.producer_regs)
-    types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d),
-                 k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
+    row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
+    types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
+                 delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2),
-                 dk_ptr="*" + dtype, dv_ptr="*" + dtype, dq_ptr="*fp32", lse2_ptr="*fp32", delta_ptr="*fp32",
-                 sem_ptr="*i32", seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
+                 dk_ptr="*" + dtype, dv_ptr="*" + dtype, dq_ptr="*fp32", sem_ptr="*i32",
+                 seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     # the launcher specialises 16-byte aligned pointers (torch allocations are): so does this build
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in POINTERS}
@@ -71,10 +73,9 @@ for d, dtype, causal, det, cfg in variants:
         assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, what + ": dQ not added with 16-byte vector atomics"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
     spilled = spilled_bytes(kernel)
-    # The consumers run at the 240-register limit (dK, dV accumulators: 128 registers at hd128): unmasked steps
-    # hold everything in registers; hd128's causal variants spill a few scalars (under 128 bytes) in the masked
-    # diagonal steps.
-    assert spilled == 0 or (causal and d == 128 and spilled <= 128), what + f": spills {spilled} bytes"
+    # the consumers run at the 240-register limit (dK, dV accumulators: 128 registers at hd128); the resolved
+    # configs hold everything in registers, the atomic ablation may spill a few bytes (its addresses)
+    assert spilled == 0 or not cfg.dq_tma, what + f": spills {spilled} bytes"
     print(what, "shared", kernel.metadata.shared, "spilled", spilled)
 print("compiled")
 '''

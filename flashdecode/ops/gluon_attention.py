@@ -388,12 +388,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dv = torch.empty_like(dk)
     d = headdim
     descs = (_block_descriptor(q, [cfg.block_m, d]), _block_descriptor(dout, [cfg.block_m, d]),
+             _row_tile_descriptor(lse2, cfg.block_m), _row_tile_descriptor(delta, cfg.block_m),
              _block_descriptor(k, [cfg.block_n, d]), _block_descriptor(v, [cfg.block_n, d]),
              _block_descriptor(k, [cfg.block_n, d // 2]),
              _block_descriptor(dq_acc, [cfg.block_m, d // 2]))
     grid = (_cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
     with torch.cuda.device(q.device):
-        attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, lse2, delta, sem, seqlen_q, seqlen_k, scale * LOG2E,
+        attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, scale * LOG2E,
                                  scale, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
                                  DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
@@ -411,6 +412,18 @@ def _block_descriptor(x: torch.Tensor, block: list):
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[x.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
     return TensorDescriptor(x.as_strided(shape, strides), shape, strides, block, layout)
+
+
+def _row_tile_descriptor(rows: torch.Tensor, block_m: int):
+    """TensorDescriptor of a padded (batch, nheads, num_m * block_m) float32 row vector read as (batch * nheads *
+    num_m, block_m) tiles of one row, unswizzled: the backward's producer loads each step's lse2 / delta with
+    its Q / dO."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    shape = [rows.numel() // block_m, block_m]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(rows.view(shape), shape, [block_m, 1], [1, block_m], layout)
 
 
 def gluon_backward_if_supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -37,7 +37,9 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
         ``kh_desc`` (K again, block [BLOCK_N, HEAD_DIM // 2]: the column halves of the atomic variant)
   dk, dv: (batch, seqlen_k, nheads_kv, HEAD_DIM) q's dtype; dq_acc: (batch, seqlen_q, nheads, HEAD_DIM) float32,
         zeroed, receives scale * dS K; lse2, delta: (batch, nheads, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 (lse
-        in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0);
+        in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0), read as
+        (batch * nheads * cdiv(seqlen_q, BLOCK_M), BLOCK_M) through ``lse_desc`` / ``delta_desc`` (block
+        [1, BLOCK_M]);
         sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
 """
 
@@ -106,11 +108,13 @@ def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux, kv_ready,
-                  q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
-    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q and dO of each visited
-    (query head, query block) into the slot ring, in the consumers' order."""
+def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, lse_smem,
+                  delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
+                  NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
+    dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
+    order."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = HEAD_DIM // 2
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -128,14 +132,18 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_s
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
-        q_row = batch * seqlen_q + (m_lo + it % n_iter) * BLOCK_M
+        m = m_lo + it % n_iter
+        q_row = batch * seqlen_q + m * BLOCK_M
+        row_tile = (batch * NUM_HEADS + head) * num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
         slot = it % NUM_STAGES
         # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
@@ -215,8 +223,8 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
-def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, ds_smem, q_ready, do_ready,
-              qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q,
+def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+              q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
               seqlen_k, num_m, ticket, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
               DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -238,23 +246,17 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
     k_all = k_smem.index(kv_slot)
     k_c = k_all.slice(CONSUMER * 64, 64)
     v_c = v_smem.index(kv_slot).slice(CONSUMER * 64, 64)
-    # lse2 / delta rows are padded to whole query blocks (+inf / 0 past seqlen_q): no masks, no per-element
-    # predicates, and the addresses fold into one base plus constant offsets
-    # (int32 offsets that change with m: loop-invariant 64-bit per-element addresses would be hoisted and spilled)
-    row_base = (batch * NUM_HEADS + head).to(gl.int64) * (num_m * BLOCK_M)
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    offs = m * BLOCK_M + cols
-    # The accumulators start at -lse2 / scale and -D, so that S^T and dP^T come out already shifted: neither row
-    # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
-    lse2 = gl.load(lse2_ptr + row_base + offs)
-    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) + gl.expand_dims(-lse2 / qk_scale_log2, 0)
+    offs = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # the step's query rows
     q = q_smem.index(slot)
     do = do_smem.index(slot)
+    # The accumulators start at -lse2 / scale and -D (rows of the slot's (1, BLOCK_M) tiles, which the producer
+    # loaded with Q and dO, broadcast over the keys), so that S^T and dP^T come out already shifted: neither row
+    # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
     mbarrier.wait(q_ready.index(slot), phase)
+    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - lse_smem.index(slot).load(s_layout) / qk_scale_log2
     s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
-    delta = gl.load(delta_ptr + row_base + offs)
-    dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
     mbarrier.wait(do_ready.index(slot), phase)
+    dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - delta_smem.index(slot).load(s_layout)
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
     p_t = gl.exp2(s_t * qk_scale_log2)
@@ -306,8 +308,8 @@ def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constex
 
 
 @gluon.jit
-def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready,
-                  do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                  kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                   sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -331,14 +333,14 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_au
         head = head_kv * GROUP + g
         for m in range(m_lo, m_full):
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                               do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
-                               first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
                                qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
         for m in range(m_full, num_m):
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                               do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
-                               first_row, dq_ptr, lse2_ptr, delta_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
                                qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
                                DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -347,8 +349,8 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, k_smem, v_smem, dq_au
 
 
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr, dq_ptr, lse2_ptr,
-                       delta_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
+def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr,
+                       dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
@@ -365,6 +367,8 @@ def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
     if DQ_TMA:
@@ -391,17 +395,17 @@ def attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr
     # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
     # Without DQ_TMA the writer warp has nothing to do and returns at once.
     gl.warp_specialize([
-        (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready,
-                         qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+        (_bwd_consumer, (0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                          sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
-        (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, dq_aux, ds_smem, kv_ready, q_ready, do_ready,
-                         qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr, lse2_ptr, delta_ptr,
+        (_bwd_consumer, (1, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                          sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, dq_aux,
-                         kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, DQ_TMA)),
+        (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem,
+                         lse_smem, delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty,
+                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_TMA)),
         (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
                       CAUSAL, DETERMINISTIC, DQ_TMA)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
