@@ -21,9 +21,8 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
   consumers neither hold addresses nor wait for the additions); otherwise the consumers add their halves with
   16-byte vector atomics (and read K's column halves from a copy of their own). DETERMINISTIC orders those
   additions: per (batch, head, query block[, column half]) a semaphore counts the key blocks that have added;
-  key block j waits for the count j before adding (every key block before j visits every query block j visits,
-  causal or not), so the fp32 sums happen in one fixed order and the result is bitwise reproducible. The grid
-  runs key blocks of one head in order, so the wait is for CTAs that are already running.
+  each key block waits for its turn (_turn: ascending block order, descending for causal) before adding, so the
+  fp32 sums happen in one fixed order and the result is bitwise reproducible.
 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
 row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
@@ -85,13 +84,20 @@ def _atomic_layout(cols):
 
 
 @gluon.jit
-def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
     """This CTA's key block and the query blocks it visits.
 
     Returns (batch, head_kv, pid_n, n_start, m_lo, m_full, num_m): query blocks [m_lo, m_full) need the mask (the
     causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the query
-    blocks that see none of the keys (causal)."""
+    blocks that see none of the keys (causal).
+    The grid runs a head's key blocks first to last - causal, the heaviest first (each sees the most query rows)
+    - except causal DETERMINISTIC, which runs them last to first: there block j waits for the later blocks'
+    additions (_turn), and a CTA must only ever wait for CTAs launched before it (a head's blocks can outnumber
+    the SMs: waiting for one not yet resident could deadlock)."""
     pid_n = gl.program_id(0)
+    if CAUSAL and DETERMINISTIC:
+        pid_n = gl.num_programs(0) - 1 - pid_n
     head_kv = gl.program_id(1)
     batch = gl.program_id(2)
     n_start = pid_n * BLOCK_N
@@ -111,13 +117,15 @@ def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, lse_smem,
                   delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
                   NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                  DQ_TMA: gl.constexpr):
     """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
     dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
     order."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = HEAD_DIM // 2
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
     kv_row = batch * seqlen_k + n_start
     kv_col = head_kv * HEAD_DIM
     if DQ_TMA:
@@ -147,6 +155,23 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
 
 
 @gluon.jit
+def _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
+
+    The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
+    all of m's rows, and causal hides later blocks first). Non-causal: ascending. Causal: descending - block j
+    starts at its diagonal, where no later block has work, so with every block running at the same pace none
+    waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
+    head would end with the longest)."""
+    if CAUSAL:
+        visiting = gl.minimum(gl.cdiv((m + 1) * BLOCK_M + seqlen_k - seqlen_q, BLOCK_N), gl.cdiv(seqlen_k, BLOCK_N))
+        turn = visiting - 1 - pid_n
+    else:
+        turn = pid_n
+    return turn
+
+
+@gluon.jit
 def _wait_turn(sem, ticket):
     """Spin until the semaphore (int32 in global memory) reaches ticket; acquire, so the earlier key blocks' dQ
     additions are ordered before ours."""
@@ -157,8 +182,9 @@ def _wait_turn(sem, ticket):
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUMER: gl.constexpr,
-            NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER: gl.constexpr,
+            NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+            DETERMINISTIC: gl.constexpr):
     """Add this warpgroup's dQ columns dq (BLOCK_M, HEAD_DIM // 2) fp32 of query block m into dq_acc (rows past
     seqlen_q dropped); DETERMINISTIC: in key-block order (see the module docstring)."""
     HALF: gl.constexpr = dq.type.shape[1]
@@ -174,7 +200,7 @@ def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUM
     mask = gl.expand_dims(rows < seqlen_q, 1)
     if DETERMINISTIC:
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
-        _wait_turn(sem, ticket)
+        _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
         gl.thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -201,7 +227,8 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
     exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops them)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter if DQ_TMA else 0):
         head = head_kv * GROUP + it // n_iter
@@ -209,7 +236,7 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
         mbarrier.wait(dq_full.index(0), it & 1)
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
         if DETERMINISTIC:
-            _wait_turn(sem, pid_n)
+            _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         for c in gl.static_range(2):
             _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
                             dq_aux.index(c))
@@ -225,9 +252,9 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 @gluon.jit
 def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
               q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
-              seqlen_k, num_m, ticket, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
-              BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-              DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
+              seqlen_k, num_m, pid_n, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
+              CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
     updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on (DQ_TMA: staged in dq_aux for
     the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
@@ -289,8 +316,8 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
         fence_async_shared()  # the writer's TMA (async proxy) reads what these generic stores wrote
         mbarrier.arrive(dq_full.index(0), count=1)
     else:
-        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, num_m, ticket, CONSUMER, NUM_HEADS, BLOCK_M,
-                DETERMINISTIC)
+        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER, NUM_HEADS, BLOCK_M,
+                BLOCK_N, CAUSAL, DETERMINISTIC)
     return dk, dv
 
 
@@ -317,7 +344,8 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
     block of the group's heads (masked ones first), then its dK (times sm_scale) and dV rows."""
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
     key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
@@ -335,14 +363,14 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
                                dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, True, CAUSAL,
-                               DETERMINISTIC, DQ_TMA)
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                               CAUSAL, DETERMINISTIC, DQ_TMA)
         for m in range(m_full, num_m):
             dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
                                do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
                                dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, NUM_STAGES, False, CAUSAL,
-                               DETERMINISTIC, DQ_TMA)
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                               CAUSAL, DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
     _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
@@ -405,7 +433,8 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
                          NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
         (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem,
                          lse_smem, delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty,
-                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_TMA)),
+                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         DETERMINISTIC, DQ_TMA)),
         (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
                       CAUSAL, DETERMINISTIC, DQ_TMA)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
