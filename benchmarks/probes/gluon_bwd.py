@@ -1,14 +1,15 @@
 """Probe: the warp-specialised Gluon attention backward on Hopper - correctness, then forward+backward speed.
 
-    PYTHONPATH=. python benchmarks/probes/gluon_bwd.py [--quick] [--no-check] [--bwd-only]
+    PYTHONPATH=. python benchmarks/probes/gluon_bwd.py [--quick] [--check/--no-check] [--bwd-only]
 
 1. Correctness (a few shapes: odd lengths, GQA, causal, hd 64/128, bf16/fp16, deterministic and atomic dQ): dq, dk,
    dv of the Gluon kernel against the float64 reference with the FlashAttention rule for gradients (error <= 3x a
    same-dtype PyTorch implementation's), and the deterministic mode run twice bitwise equal.
+   (Skipped by --quick, which times hd128 only with the Triton backward untuned: under a minute.)
 2. Speed (bf16, 16k tokens: batch 1, 16 heads, hd 128 and 64, causal and not; triton.testing.do_bench median):
-   forward + backward through flash_attn with the backward on the Gluon kernel (deterministic, and atomic dQ
-   "gluon-nd"), on the Triton kernel ("triton", "triton-nd": the Gluon dispatch switched off), and torch SDPA's
-   cuDNN backend. TFLOP/s = 4 b h s^2 d x 3.5 (forward 1 + backward 2.5), halved for causal, as
+   forward + backward through flash_attn with the backward on the Gluon kernel (deterministic, and "gluon-nd"
+   not), on the Triton kernel ("triton", "triton-nd": the Gluon dispatch switched off), and torch SDPA's cuDNN
+   backend. TFLOP/s = 4 b h s^2 d x 3.5 (forward 1 + backward 2.5), halved for causal, as
    flashdecode bench prefill counts them. --bwd-only also times the Gluon backward alone (x 2.5): dQ by TMA
    reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or not.
 Writes gluon_bwd.json to $OUT (or the current directory) and prints a table last.
@@ -26,7 +27,7 @@ import torch
 import triton
 
 import flashdecode.ops.gluon_attention as ga
-from flashdecode.ops.attention import flash_attn
+from flashdecode.ops.attention import AUTOTUNE_ENV, flash_attn
 from flashdecode.reference import attention_ref
 
 BWD_FACTOR = 3.5  # forward (1) + backward (2.5)
@@ -100,12 +101,15 @@ def _fwd_bwd(fn, inputs, dout, triton_bwd=False):
 
 
 def time_all(quick: bool, bwd_only: bool) -> list[dict]:
+    """fwd+bwd TFLOP/s rows at 16k tokens (batch 1, 16 heads), each printed as soon as it is measured. quick: hd128
+    only, the deterministic Gluon and Triton backwards and cuDNN; else hd 128 and 64 and the non-deterministic
+    modes too. bwd_only adds the Gluon backward alone (both dQ variants)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     rows = []
     b, s, h = 1, 16384, 16
-    for d in (128, 64):
+    for d in (128, ) if quick else (128, 64):
         for causal in (False, True):
             q, k, v, dout = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=1)
             inputs = [x.requires_grad_() for x in (q, k, v)]
@@ -119,10 +123,11 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
 
             det = lambda a, b_, c: flash_attn(a, b_, c, causal=causal)  # noqa: E731
             nd = lambda a, b_, c: flash_attn(a, b_, c, causal=causal, deterministic=False)  # noqa: E731
-            fns = {"gluon": _fwd_bwd(det, inputs, dout), "gluon-nd": _fwd_bwd(nd, inputs, dout),
-                   "triton": _fwd_bwd(det, inputs, dout, triton_bwd=True),
-                   "triton-nd": _fwd_bwd(nd, inputs, dout, triton_bwd=True),
+            fns = {"gluon": _fwd_bwd(det, inputs, dout), "triton": _fwd_bwd(det, inputs, dout, triton_bwd=True),
                    "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t)}
+            if not quick:
+                fns["gluon-nd"] = _fwd_bwd(nd, inputs, dout)
+                fns["triton-nd"] = _fwd_bwd(nd, inputs, dout, triton_bwd=True)
             if bwd_only:
                 out, lse = ga.gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal=causal)
                 for det_mode, dq_tma, name in ((True, True, "bwd:gluon"), (False, True, "bwd:gluon-nd"),
@@ -149,14 +154,19 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="hd128 only, no correctness pass, Triton backward without autotuning (under a minute)")
+    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                    help="the correctness pass first (default: on unless --quick)")
     ap.add_argument("--bwd-only", action="store_true", help="also time the Gluon backward alone")
     args = ap.parse_args()
+    if args.quick:
+        os.environ[AUTOTUNE_ENV] = "0"  # the Triton backward's first (default) tile config, no autotuning
     dev = torch.cuda.get_device_name()
-    print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}")
-    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__)
-    if not args.no_check:
+    print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}"
+          + ("; Triton backward not autotuned" if args.quick else ""), flush=True)
+    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, quick=args.quick)
+    if args.check if args.check is not None else not args.quick:
         result["correctness"] = check_correctness()
         bad = [r for r in result["correctness"] if not r["ok"]]
         for r in result["correctness"]:
@@ -164,7 +174,8 @@ def main():
             errs = " ".join(f"{n} {r[n][0]:.2e}/{3 * r[n][1]:.2e}" for n in ("dq", "dk", "dv"))
             print(f"{mark} {r['case']:<44} det={r['deterministic']!s:<5} tma={r['dq_tma']!s:<5} {errs} "
                   f"repro={r.get('reproducible', '-')}")
-        print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad (err / 3x same-dtype)")
+        print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad (err / 3x same-dtype)",
+              flush=True)
     result["timing"] = time_all(args.quick, args.bwd_only)
     with open(os.path.join(os.environ.get("OUT", "."), "gluon_bwd.json"), "w") as f:
         json.dump(result, f, indent=1)
