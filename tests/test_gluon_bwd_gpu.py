@@ -5,8 +5,8 @@ non-deterministic dQ, the atomic-dQ ablation, GQA, odd lengths, causal bottom-ri
 fallbacks.
 
 Every compiled variant costs seconds on the GPU machine, so the file keeps to a few: one head layout (4 query
-heads on 2 kv heads: the head counts are kernel constants) and each test loops over its shapes in one compile.
-The whole file runs in under a minute."""
+heads on 2 kv heads: the head counts are kernel constants) and each test loops over its shapes in one compile
+(8 backward variants in all; -k "not fp16 and not atomic" leaves 5)."""
 
 import dataclasses
 
@@ -78,9 +78,8 @@ def test_gluon_backward_matches_reference(d, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("causal", [False, True])
-def test_gluon_backward_nondeterministic(causal):
-    _check_shapes(128, causal, deterministic=False, shapes=SHAPES[1:3] + SHAPES[5:6])
+def test_gluon_backward_nondeterministic():
+    _check_shapes(128, True, deterministic=False, shapes=SHAPES[1:3] + SHAPES[5:6])
 
 
 @needs_hopper
