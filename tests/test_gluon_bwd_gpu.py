@@ -110,7 +110,8 @@ def test_gluon_backward_long_and_bitwise_reproducible(causal):
 @needs_hopper
 def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     """flash_attn's autograd backward takes the Gluon kernel on a supported call, deterministic or not (an expanded
-    dout, stride 0, is made contiguous first), and its gradients match the reference."""
+    dout, stride 0, is made contiguous first), and its gradients match the reference; FLASHDECODE_GLUON_BWD=0
+    switches it off."""
     calls = []
     real = ga.gluon_attention_backward
     monkeypatch.setattr(ga, "gluon_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -125,6 +126,9 @@ def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     flash_attn(*leaves, causal=True).sum().backward()
     assert calls
     _assert_grads([x.grad for x in leaves], q, k, v, torch.ones_like(dout), True, "flash_attn sum()")
+    calls.clear()
+    monkeypatch.setenv(ga.GLUON_BWD_ENV, "0")  # the switch back to the Triton backward
+    assert ga.gluon_backward_if_supported(dout, q, k, v, q, None, 0.1) is None and not calls
 
 
 def test_gluon_backward_refuses_what_it_cannot_take():

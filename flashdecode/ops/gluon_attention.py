@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 
 from flashdecode.ops import direct_launch
-from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
+from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, env_value, interpreting, resolve_scale
 
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
+GLUON_BWD_ENV = "FLASHDECODE_GLUON_BWD"  # "0": the dense backward stays on the Triton kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,7 +431,8 @@ def gluon_backward_if_supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 out: torch.Tensor, lse: torch.Tensor, scale: float, window_left: int = -1,
                                 window_right: int = -1, softcap: float = 0.0,
                                 deterministic: bool = True) -> Optional[tuple]:
-    """The backward on the Gluon kernel where it applies, else None (take the Triton path). For
+    """The backward on the Gluon kernel where it applies (and FLASHDECODE_GLUON_BWD is not "0"), else None (take the
+    Triton path). For
     flashdecode.ops.attention's dense backward, with its normalised options (window_right 0 = causal). Shapes as
     gluon_attention_backward's."""
     if not gluon_bwd_supported(q, k, v, dout, window_left, window_right, softcap, scale):
