@@ -376,7 +376,7 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
     _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # (one compile for every length: nothing gains from it)
 def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr,
                        dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -440,7 +440,7 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q"])
 def attn_bwd_prep_kernel(Out, DO, Lse, Lse2, Delta, o_strides, do_strides, seqlen_q, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """The Gluon backward's preprocess (plain Triton: it runs in the interpreter too). Grid (cdiv(seqlen_q,
