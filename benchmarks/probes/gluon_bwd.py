@@ -10,8 +10,10 @@
    forward + backward through flash_attn with the backward on the Gluon kernel (deterministic, and "gluon-nd"
    not), on the Triton kernel ("triton", "triton-nd": the Gluon dispatch switched off), and torch SDPA's cuDNN
    backend. TFLOP/s = 4 b h s^2 d x 3.5 (forward 1 + backward 2.5), halved for causal, as
-   flashdecode bench prefill counts them. --bwd-only also times the Gluon backward alone (x 2.5): dQ by TMA
-   reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or not.
+   flashdecode bench prefill counts them; the forwards alone too, so that the table also gives each backward's
+   own rate (fwd+bwd time minus fwd time, 2.5x the forward's flops). --bwd-only also times the Gluon backward
+   by itself: dQ by TMA reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or
+   not.
 Writes gluon_bwd.json to $OUT (or the current directory) and prints a table last.
 """
 
@@ -100,6 +102,19 @@ def _fwd_bwd(fn, inputs, dout, triton_bwd=False):
     return step
 
 
+def _no_grad(fn, inputs):
+    def step():
+        with torch.no_grad():
+            fn(*inputs)
+    return step
+
+
+def _backward_alone(cells: dict, total: str, fwd: str, fwd_flops: float) -> float:
+    """TFLOP/s of a backward alone (2.5x the forward's flops) from its fwd+bwd and fwd times."""
+    ms = cells[total]["ms"] - cells[fwd]["ms"]
+    return fwd_flops * 2.5 / ms / 1e9 if ms > 0 else float("nan")
+
+
 def time_all(quick: bool, bwd_only: bool) -> list[dict]:
     """fwd+bwd TFLOP/s rows at 16k tokens (batch 1, 16 heads), each printed as soon as it is measured. quick: hd128
     only, the deterministic Gluon and Triton backwards and cuDNN; else hd 128 and 64 and the non-deterministic
@@ -124,7 +139,9 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
             det = lambda a, b_, c: flash_attn(a, b_, c, causal=causal)  # noqa: E731
             nd = lambda a, b_, c: flash_attn(a, b_, c, causal=causal, deterministic=False)  # noqa: E731
             fns = {"gluon": _fwd_bwd(det, inputs, dout), "triton": _fwd_bwd(det, inputs, dout, triton_bwd=True),
-                   "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t)}
+                   "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t),
+                   # the forwards alone: each backward's own time is the difference
+                   "fwd:ours": _no_grad(det, inputs), "fwd:cudnn": _no_grad(cudnn, [qt, kt, vt])}
             if not quick:
                 fns["gluon-nd"] = _fwd_bwd(nd, inputs, dout)
                 fns["triton-nd"] = _fwd_bwd(nd, inputs, dout, triton_bwd=True)
@@ -136,7 +153,7 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
                     fns[name] = (lambda m, c: lambda: ga.gluon_attention_backward(
                         dout, q.detach(), k.detach(), v.detach(), out, lse, d ** -0.5, causal, m, c))(det_mode, cfg)
             for name, fn in fns.items():
-                flops = fwd_flops * (2.5 if name.startswith("bwd:") else BWD_FACTOR)
+                flops = fwd_flops * {"bwd": 2.5, "fwd": 1.0}.get(name.split(":")[0], BWD_FACTOR)
                 try:
                     fn()
                     torch.cuda.synchronize()
@@ -179,15 +196,26 @@ def main():
     result["timing"] = time_all(args.quick, args.bwd_only)
     with open(os.path.join(os.environ.get("OUT", "."), "gluon_bwd.json"), "w") as f:
         json.dump(result, f, indent=1)
-    timing = result["timing"]
+    print_table(result["timing"])
+
+
+def print_table(timing: list[dict]) -> None:
+    """One line per shape: every row's TFLOP/s, the three backwards alone, Gluon fwd+bwd over cuDNN's."""
     impls = list(dict.fromkeys(r["impl"] for r in timing))
-    print(f"\n{'shape':<26}" + "".join(f"{n:>13}" for n in impls) + f"{'gluon/cudnn':>13}")
+    derived = ("bwd=gluon", "bwd=triton", "bwd=cudnn")
+    print(f"\n{'shape':<26}" + "".join(f"{n[-11:]:>12}" for n in impls + list(derived)) + f"{'gluon/cudnn':>12}")
     for key in dict.fromkeys((r["d"], r["s"], r["h"], r["causal"]) for r in timing):
-        cells = {r["impl"]: r["tflops"] for r in timing if (r["d"], r["s"], r["h"], r["causal"]) == key}
+        cells = {r["impl"]: r for r in timing if (r["d"], r["s"], r["h"], r["causal"]) == key}
+        fwd_flops = 4 * key[1] * key[1] * key[2] * key[0] / (2 if key[3] else 1)
+        alone = [_backward_alone(cells, "gluon", "fwd:ours", fwd_flops),
+                 _backward_alone(cells, "triton", "fwd:ours", fwd_flops),
+                 _backward_alone(cells, "cudnn", "fwd:cudnn", fwd_flops)]
         label = f"d{key[0]} 1x{key[1]} h{key[2]} {'causal' if key[3] else 'full'}"
-        print(f"{label:<26}" + "".join(f"{cells[n]:>13.1f}" for n in impls)
-              + f"{cells['gluon'] / cells['cudnn']:>13.2f}")
-    print("(TFLOP/s fwd+bwd = 3.5x fwd flops, bwd: rows 2.5x; bf16, do_bench median)")
+        print(f"{label:<26}" + "".join(f"{cells[n]['tflops']:>12.1f}" for n in impls)
+              + "".join(f"{x:>12.1f}" for x in alone)
+              + f"{cells['gluon']['tflops'] / cells['cudnn']['tflops']:>12.2f}")
+    print("(TFLOP/s: fwd+bwd rows 3.5x the forward's flops, fwd: 1x, bwd: 2.5x - bwd=... from fwd+bwd minus fwd "
+          "times; bf16, do_bench median)")
 
 
 if __name__ == "__main__":
