@@ -1,6 +1,7 @@
 """Probe: the warp-specialised Gluon attention backward on Hopper - correctness, then forward+backward speed.
 
-    PYTHONPATH=. python benchmarks/probes/gluon_bwd.py [--quick] [--check/--no-check] [--bwd-only]
+    PYTHONPATH=. python benchmarks/probes/gluon_bwd.py [--quick] [--check/--no-check] [--bwd-only] [--ablation]
+        [--headdim 64|128]
 
 1. Correctness (a few shapes: odd lengths, GQA, causal, hd 64/128, bf16/fp16, deterministic and atomic dQ): dq, dk,
    dv of the Gluon kernel against the float64 reference with the FlashAttention rule for gradients (error <= 3x a
@@ -13,7 +14,7 @@
    flashdecode bench prefill counts them; the forwards alone too, so that the table also gives each backward's
    own rate (fwd+bwd time minus fwd time, 2.5x the forward's flops). --bwd-only also times the Gluon backward
    by itself: dQ by TMA reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or
-   not.
+   not; --ablation times only those (three of them), at hd128 unless --headdim says otherwise.
 Writes gluon_bwd.json to $OUT (or the current directory) and prints a table last.
 """
 
@@ -115,16 +116,21 @@ def _backward_alone(cells: dict, total: str, fwd: str, fwd_flops: float) -> floa
     return fwd_flops * 2.5 / ms / 1e9 if ms > 0 else float("nan")
 
 
-def time_all(quick: bool, bwd_only: bool) -> list[dict]:
-    """fwd+bwd TFLOP/s rows at 16k tokens (batch 1, 16 heads), each printed as soon as it is measured. quick: hd128
-    only, the deterministic Gluon and Triton backwards and cuDNN; else hd 128 and 64 and the non-deterministic
-    modes too. bwd_only adds the Gluon backward alone (both dQ variants)."""
+BWD_VARIANTS = {"bwd:gluon": (True, True), "bwd:gluon-nd": (False, True), "bwd:atomic": (True, False),
+                "bwd:atomic-nd": (False, False)}  # name -> (deterministic, dq_tma) of the Gluon backward alone
+
+
+def time_all(quick: bool, bwd_only: bool, headdims=(128, 64), ablation: bool = False) -> list[dict]:
+    """fwd+bwd TFLOP/s rows at 16k tokens (batch 1, 16 heads), each printed as soon as it is measured. quick: the
+    deterministic Gluon and Triton backwards and cuDNN (and the forwards alone); else the non-deterministic modes
+    too. bwd_only adds the Gluon backward alone (BWD_VARIANTS); ablation times only the Gluon backward alone, the
+    default, non-deterministic and atomic-dQ variants."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     rows = []
     b, s, h = 1, 16384, 16
-    for d in (128, ) if quick else (128, 64):
+    for d in headdims:
         for causal in (False, True):
             q, k, v, dout = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=1)
             inputs = [x.requires_grad_() for x in (q, k, v)]
@@ -138,17 +144,20 @@ def time_all(quick: bool, bwd_only: bool) -> list[dict]:
 
             det = lambda a, b_, c: flash_attn(a, b_, c, causal=causal)  # noqa: E731
             nd = lambda a, b_, c: flash_attn(a, b_, c, causal=causal, deterministic=False)  # noqa: E731
-            fns = {"gluon": _fwd_bwd(det, inputs, dout), "triton": _fwd_bwd(det, inputs, dout, triton_bwd=True),
-                   "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t),
-                   # the forwards alone: each backward's own time is the difference
-                   "fwd:ours": _no_grad(det, inputs), "fwd:cudnn": _no_grad(cudnn, [qt, kt, vt])}
-            if not quick:
+            fns = {}
+            if not ablation:
+                fns = {"gluon": _fwd_bwd(det, inputs, dout), "triton": _fwd_bwd(det, inputs, dout, triton_bwd=True),
+                       "cudnn": _fwd_bwd(cudnn, [qt, kt, vt], dout_t),
+                       # the forwards alone: each backward's own time is the difference
+                       "fwd:ours": _no_grad(det, inputs), "fwd:cudnn": _no_grad(cudnn, [qt, kt, vt])}
+            if not quick and not ablation:
                 fns["gluon-nd"] = _fwd_bwd(nd, inputs, dout)
                 fns["triton-nd"] = _fwd_bwd(nd, inputs, dout, triton_bwd=True)
-            if bwd_only:
+            if bwd_only or ablation:
                 out, lse = ga.gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal=causal)
-                for det_mode, dq_tma, name in ((True, True, "bwd:gluon"), (False, True, "bwd:gluon-nd"),
-                                               (True, False, "bwd:atomic"), (False, False, "bwd:atomic-nd")):
+                names = list(BWD_VARIANTS)[:3] if ablation else list(BWD_VARIANTS)
+                for name in names:
+                    det_mode, dq_tma = BWD_VARIANTS[name]
                     cfg = dataclasses.replace(ga.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
                     fns[name] = (lambda m, c: lambda: ga.gluon_attention_backward(
                         dout, q.detach(), k.detach(), v.detach(), out, lse, d ** -0.5, causal, m, c))(det_mode, cfg)
@@ -176,14 +185,19 @@ def main():
     ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                     help="the correctness pass first (default: on unless --quick)")
     ap.add_argument("--bwd-only", action="store_true", help="also time the Gluon backward alone")
+    ap.add_argument("--ablation", action="store_true",
+                    help="only the Gluon backward alone: default, non-deterministic, atomic dQ (no correctness pass)")
+    ap.add_argument("--headdim", type=int, choices=(64, 128), default=None,
+                    help="one head dim (default: 128 with --quick / --ablation, else both)")
     args = ap.parse_args()
+    headdims = (args.headdim, ) if args.headdim else (128, ) if args.quick or args.ablation else (128, 64)
     if args.quick:
         os.environ[AUTOTUNE_ENV] = "0"  # the Triton backward's first (default) tile config, no autotuning
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}"
           + ("; Triton backward not autotuned" if args.quick else ""), flush=True)
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, quick=args.quick)
-    if args.check if args.check is not None else not args.quick:
+    if args.check if args.check is not None else not (args.quick or args.ablation):
         result["correctness"] = check_correctness()
         bad = [r for r in result["correctness"] if not r["ok"]]
         for r in result["correctness"]:
@@ -193,27 +207,29 @@ def main():
                   f"repro={r.get('reproducible', '-')}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad (err / 3x same-dtype)",
               flush=True)
-    result["timing"] = time_all(args.quick, args.bwd_only)
+    result["timing"] = time_all(args.quick, args.bwd_only, headdims, args.ablation)
     with open(os.path.join(os.environ.get("OUT", "."), "gluon_bwd.json"), "w") as f:
         json.dump(result, f, indent=1)
     print_table(result["timing"])
 
 
 def print_table(timing: list[dict]) -> None:
-    """One line per shape: every row's TFLOP/s, the three backwards alone, Gluon fwd+bwd over cuDNN's."""
+    """One line per shape: every row's TFLOP/s, then (where their rows were timed) the three backwards alone and
+    Gluon's fwd+bwd over cuDNN's."""
     impls = list(dict.fromkeys(r["impl"] for r in timing))
-    derived = ("bwd=gluon", "bwd=triton", "bwd=cudnn")
-    print(f"\n{'shape':<26}" + "".join(f"{n[-11:]:>12}" for n in impls + list(derived)) + f"{'gluon/cudnn':>12}")
+    derived = {"bwd=gluon": ("gluon", "fwd:ours"), "bwd=triton": ("triton", "fwd:ours"),
+               "bwd=cudnn": ("cudnn", "fwd:cudnn")}
+    derived = {n: pair for n, pair in derived.items() if all(p in impls for p in pair)}
+    ratio = "gluon" in impls and "cudnn" in impls
+    print(f"\n{'shape':<26}" + "".join(f"{n[-12:]:>13}" for n in impls + list(derived))
+          + (f"{'gluon/cudnn':>13}" if ratio else ""))
     for key in dict.fromkeys((r["d"], r["s"], r["h"], r["causal"]) for r in timing):
         cells = {r["impl"]: r for r in timing if (r["d"], r["s"], r["h"], r["causal"]) == key}
         fwd_flops = 4 * key[1] * key[1] * key[2] * key[0] / (2 if key[3] else 1)
-        alone = [_backward_alone(cells, "gluon", "fwd:ours", fwd_flops),
-                 _backward_alone(cells, "triton", "fwd:ours", fwd_flops),
-                 _backward_alone(cells, "cudnn", "fwd:cudnn", fwd_flops)]
         label = f"d{key[0]} 1x{key[1]} h{key[2]} {'causal' if key[3] else 'full'}"
-        print(f"{label:<26}" + "".join(f"{cells[n]['tflops']:>12.1f}" for n in impls)
-              + "".join(f"{x:>12.1f}" for x in alone)
-              + f"{cells['gluon']['tflops'] / cells['cudnn']['tflops']:>12.2f}")
+        print(f"{label:<26}" + "".join(f"{cells[n]['tflops']:>13.1f}" for n in impls)
+              + "".join(f"{_backward_alone(cells, *pair, fwd_flops):>13.1f}" for pair in derived.values())
+              + (f"{cells['gluon']['tflops'] / cells['cudnn']['tflops']:>13.2f}" if ratio else ""))
     print("(TFLOP/s: fwd+bwd rows 3.5x the forward's flops, fwd: 1x, bwd: 2.5x - bwd=... from fwd+bwd minus fwd "
           "times; bf16, do_bench median)")
 
