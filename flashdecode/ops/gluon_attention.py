@@ -432,9 +432,16 @@ def gluon_backward_if_supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 window_right: int = -1, softcap: float = 0.0,
                                 deterministic: bool = True) -> Optional[tuple]:
     """The backward on the Gluon kernel where it applies (and FLASHDECODE_GLUON_BWD is not "0"), else None (take the
-    Triton path). For
-    flashdecode.ops.attention's dense backward, with its normalised options (window_right 0 = causal). Shapes as
-    gluon_attention_backward's."""
+    Triton path). For flashdecode.ops.attention's dense backward, with its normalised options (window_right 0 =
+    causal). Shapes as gluon_attention_backward's; a dout that TMA cannot read (autograd may hand an expanded or
+    strided one) is made contiguous first."""
+    if interpreting() or not isinstance(q, torch.Tensor) or not _is_hopper(q.device):
+        return None
+    if env_value(GLUON_BWD_ENV, "1") == "0":
+        return None
+    if isinstance(dout, torch.Tensor) and dout.dim() == 4 and not (_rows_layout_ok(dout)
+                                                                   and dout.data_ptr() % 16 == 0):
+        dout = dout.contiguous()
     if not gluon_bwd_supported(q, k, v, dout, window_left, window_right, softcap, scale):
         return None
     return gluon_attention_backward(dout, q, k, v, out, lse, scale, window_right == 0, deterministic)
