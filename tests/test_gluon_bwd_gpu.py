@@ -14,8 +14,9 @@ import dataclasses
 import pytest
 import torch
 
+import flashdecode.ops.attention as attention
 import flashdecode.ops.gluon_attention as ga
-from flashdecode.ops.attention import flash_attn
+from flashdecode.ops.attention import flash_attn, resolve_config
 from flashdecode.ops.gluon_attention import gluon_attention_backward, gluon_bwd_supported, resolve_gluon_bwd_config
 from flashdecode.reference import attention_ref
 from helpers import HAS_CUDA, assert_fa_close, randn
@@ -114,11 +115,19 @@ def test_gluon_backward_long_and_bitwise_reproducible(causal):
         assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 
 
+class _ReachedTriton(Exception):
+    pass
+
+
+def _stop_at_triton(*args, **kwargs):
+    raise _ReachedTriton
+
+
 @needs_hopper
 def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     """flash_attn's autograd backward takes the Gluon kernel on a supported call, deterministic or not (an expanded
-    dout, stride 0, is made contiguous first), and its gradients match the reference; FLASHDECODE_GLUON_BWD=0
-    switches it off."""
+    dout, stride 0, is made contiguous first), and its gradients match the reference; a call with an explicit
+    config= stays on the Triton kernels (as the forward's dispatch)."""
     calls = []
     real = ga.gluon_attention_backward
     monkeypatch.setattr(ga, "gluon_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -134,8 +143,14 @@ def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     assert calls
     _assert_grads([x.grad for x in leaves], q, k, v, torch.ones_like(dout), True, "flash_attn sum()")
     calls.clear()
-    monkeypatch.setenv(ga.GLUON_BWD_ENV, "0")  # the switch back to the Triton backward
-    assert ga.gluon_backward_if_supported(dout, q, k, v, q, None, 0.1) is None and not calls
+    # an explicit config keeps the Triton kernels: the backward goes past the Gluon dispatch to the Triton path's
+    # preprocess (stopped there, so that no Triton kernel compiles in this file)
+    monkeypatch.setattr(attention, "_bwd_delta", _stop_at_triton)
+    out, lse = _forward(q, k, v, True)
+    with pytest.raises(_ReachedTriton):
+        attention._bwd_impl(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 128 ** -0.5, -1, 0, 0.0,
+                            True, attention._config_id(resolve_config(q, k, v)))
+    assert not calls
 
 
 def test_gluon_backward_refuses_what_it_cannot_take():
