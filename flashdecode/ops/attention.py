@@ -752,6 +752,11 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    if not varlen and alibi_slopes is None and config_id == _RESOLVE_CONFIG:  # sm_90: the Gluon backward
+        grads = gluon_attention.gluon_backward_if_supported(dout, q, k, v, out, lse, scale, left, right, softcap,
+                                                           deterministic)
+        if grads is not None:
+            return grads
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)

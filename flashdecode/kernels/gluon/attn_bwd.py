@@ -1,0 +1,468 @@
+"""Warp-specialised Hopper (sm_90) attention backward in Gluon, after FlashAttention-3's structure.
+
+One CTA per (key block of ``BLOCK_N`` = 128 keys, kv head, batch). With P = exp2(S * scale log2 e - lse log2 e),
+D = rowsum(dO * O) (a preprocess), dP = dO V^T and dS = P * (dP - D):
+    dV = P^T dO,   dK = scale * dS^T Q,   dQ = scale * dS K.
+The CTA keeps its keys' dK and dV in registers and walks the query blocks (``BLOCK_M`` = 64 rows) of every query
+head of its GQA group (the group sum happens in registers). Its warps are split into partitions
+(``gl.warp_specialize``):
+
+- a producer warp loads K and V once, then each query block's Q and dO rows by TMA into a ring of ``NUM_STAGES``
+  shared-memory slots (``q_ready`` / ``do_ready`` completed by byte count, ``qdo_empty`` arrived on by both
+  consumers once their wgmmas no longer read the slot);
+- two consumer warpgroups, each owning 64 of the block's keys, compute the transposed products with the keys as
+  the wgmma M dimension: S^T = K Q^T and dP^T = V dO^T from shared memory, so that P^T and dS^T come out as
+  register tensors that are directly the A operands of dV += P^T dO and dK += dS^T Q (P never touches shared
+  memory);
+- dQ needs dS over all 128 keys: each warpgroup writes its dS^T rows into a shared buffer (double-buffered,
+  ``ds_ready`` counts both warpgroups' writes), then computes half of dQ's columns, dS (64 x 128, the buffer read
+  transposed) times K's column half. DQ_TMA (the default): each warpgroup stages its fp32 half in shared memory
+  and a writer warp adds the tile into an fp32 buffer in global memory with TMA reduce-adds (FA3's way: the
+  consumers neither hold addresses nor wait for the additions); otherwise the consumers add their halves with
+  16-byte vector atomics (and read K's column halves from a copy of their own). DETERMINISTIC orders those
+  additions: per (batch, head, query block[, column half]) a semaphore counts the key blocks that have added;
+  each key block waits for its turn (_turn: ascending block order, descending for causal) before adding, so the
+  fp32 sums happen in one fixed order and the result is bitwise reproducible.
+
+Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
+row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
+(a TMA tile reads them from the next sequence or as zeros past the tensor) get lse2 = +inf, hence P = dS = 0, and
+their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf,
+which the preprocess turns into +inf too.
+
+Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
+  q, do: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` / ``do_desc`` (TMA block [64, HEAD_DIM])
+  k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) behind ``k_desc`` / ``v_desc`` (block [BLOCK_N, HEAD_DIM]) and
+        ``kh_desc`` (K again, block [BLOCK_N, HEAD_DIM // 2]: the column halves of the atomic variant)
+  dk, dv: (batch, seqlen_k, nheads_kv, HEAD_DIM) q's dtype; dq_acc: (batch, seqlen_q, nheads, HEAD_DIM) float32,
+        zeroed, receives scale * dS K; lse2, delta: (batch, nheads, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 (lse
+        in log2 units with +inf on rows without a key, and D; the padding rows hold +inf and 0), read as
+        (batch * nheads * cdiv(seqlen_q, BLOCK_M), BLOCK_M) through ``lse_desc`` / ``delta_desc`` (block
+        [1, BLOCK_M]);
+        sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
+
+LOG2E = tl.constexpr(1.4426950408889634)
+KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
+NUM_CONSUMERS = gl.constexpr(2)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add (cp.reduce.async.bulk.tensor ... .add) of the shared-memory tile src into tensor_desc's
+    block at coord. Triton 3.6's Gluon builder has the op (ttng.async_tma_reduce) but the hopper tma module exports
+    only the plain copies, so this wraps it as tma.async_copy_shared_to_global does its copy; tma.store_wait
+    waits for it like for a TMA store."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.constexpr_function
+def _ds_smem_layout(block_m):
+    """Shared layout of the dS^T buffer (BLOCK_N keys x block_m queries, 16-bit): rows of block_m * 2 bytes."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_m * 2), element_bitwidth=16, rank=2)
+
+
+@gluon.constexpr_function
+def _atomic_layout(cols):
+    """Blocked layout of a (rows, cols) fp32 dQ tile for the atomic adds: 4 consecutive columns per thread."""
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[128 // cols, cols // 4], warps_per_cta=[4, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
+    """This CTA's key block and the query blocks it visits.
+
+    Returns (batch, head_kv, pid_n, n_start, m_lo, m_full, num_m): query blocks [m_lo, m_full) need the mask (the
+    causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the query
+    blocks that see none of the keys (causal).
+    The grid runs a head's key blocks first to last - causal, the heaviest first (each sees the most query rows)
+    - except causal DETERMINISTIC, which runs them last to first: there block j waits for the later blocks'
+    additions (_turn), and a CTA must only ever wait for CTAs launched before it (a head's blocks can outnumber
+    the SMs: waiting for one not yet resident could deadlock)."""
+    pid_n = gl.program_id(0)
+    if CAUSAL and DETERMINISTIC:
+        pid_n = gl.num_programs(0) - 1 - pid_n
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
+    n_start = pid_n * BLOCK_N
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        m_lo = gl.minimum(gl.maximum(n_start - diag, 0) // BLOCK_M, num_m)
+        m_full = gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag, 0), BLOCK_M), num_m)
+    if n_start + BLOCK_N > seqlen_k:
+        m_full = num_m
+    return batch, head_kv, pid_n, n_start, m_lo, m_full, num_m
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, lse_smem,
+                  delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
+                  NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                  DQ_TMA: gl.constexpr):
+    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
+    dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
+    order."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HALF: gl.constexpr = HEAD_DIM // 2
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
+    kv_row = batch * seqlen_k + n_start
+    kv_col = head_kv * HEAD_DIM
+    if DQ_TMA:
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
+                                            dq_aux.index(h))
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
+    n_iter = num_m - m_lo
+    for it in range(GROUP * n_iter):
+        head = head_kv * GROUP + it // n_iter
+        m = m_lo + it % n_iter
+        q_row = batch * seqlen_q + m * BLOCK_M
+        row_tile = (batch * NUM_HEADS + head) * num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
+        slot = it % NUM_STAGES
+        # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
+        mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
+
+
+@gluon.jit
+def _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
+
+    The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
+    all of m's rows, and causal hides later blocks first). Non-causal: ascending. Causal: descending - block j
+    starts at its diagonal, where no later block has work, so with every block running at the same pace none
+    waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
+    head would end with the longest)."""
+    if CAUSAL:
+        visiting = gl.minimum(gl.cdiv((m + 1) * BLOCK_M + seqlen_k - seqlen_q, BLOCK_N), gl.cdiv(seqlen_k, BLOCK_N))
+        turn = visiting - 1 - pid_n
+    else:
+        turn = pid_n
+    return turn
+
+
+@gluon.jit
+def _wait_turn(sem, ticket):
+    """Spin until the semaphore (int32 in global memory) reaches ticket; acquire, so the earlier key blocks' dQ
+    additions are ordered before ours."""
+    seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+    while seen < ticket:
+        seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER: gl.constexpr,
+            NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+            DETERMINISTIC: gl.constexpr):
+    """Add this warpgroup's dQ columns dq (BLOCK_M, HEAD_DIM // 2) fp32 of query block m into dq_acc (rows past
+    seqlen_q dropped); DETERMINISTIC: in key-block order (see the module docstring)."""
+    HALF: gl.constexpr = dq.type.shape[1]
+    HEAD_DIM: gl.constexpr = 2 * HALF
+    layout: gl.constexpr = _atomic_layout(HALF)
+    # 4 consecutive columns per thread: one 16-byte vector atomic each, and a quarter of the addresses the wgmma
+    # layout (2 columns per thread) needs in registers
+    dq = gl.convert_layout(dq, layout)
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    row_off = ((batch * seqlen_q + rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
+    ptrs = dq_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < seqlen_q, 1)
+    if DETERMINISTIC:
+        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
+        _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+        gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
+        gl.thread_barrier()  # every thread's additions before the release below
+        gl.atomic_add(sem, 1, sem="release", scope="gpu")
+    else:
+        gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _bulk_wait_done(x):
+    """cp.async.bulk.wait_group 0: this thread's bulk TMA operations have completed, writes included
+    (tma.store_wait waits with .read, for the source buffer only). x: any scalar (inline asm wants an operand)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
+               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+               DQ_TMA: gl.constexpr):
+    """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
+    dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
+    reduce-adds, wait until they are done (the buffer is then free, and the sums written), and release the buffer.
+    DETERMINISTIC: waits for its turn first (key-block order) and passes it on after. Rows past seqlen_q add
+    exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops them)."""
+    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
+    HALF: gl.constexpr = dq_desc.block_type.shape[1]
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
+    n_iter = num_m - m_lo
+    for it in range(GROUP * n_iter if DQ_TMA else 0):
+        head = head_kv * GROUP + it // n_iter
+        m = m_lo + it % n_iter
+        mbarrier.wait(dq_full.index(0), it & 1)
+        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
+        if DETERMINISTIC:
+            _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+        for c in gl.static_range(2):
+            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                            dq_aux.index(c))
+        if DETERMINISTIC:
+            _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
+            gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
+            gl.atomic_add(sem, 1, sem="release", scope="gpu")
+        else:
+            tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
+        mbarrier.arrive(dq_empty.index(0), count=1)
+
+
+@gluon.jit
+def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+              q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
+              seqlen_k, num_m, pid_n, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
+              CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
+    updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on (DQ_TMA: staged in dq_aux for
+    the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
+    HEAD_DIM: gl.constexpr = dk.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = dk.type.layout
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM // 2)
+    slot = it % NUM_STAGES
+    phase = (it // NUM_STAGES) & 1
+    # K and V are one-slot rings indexed by a zero that the compiler cannot see is constant: with a constant
+    # index, the wgmma descriptors of every k-step of K and V (64-bit each) are hoisted out of the loop and
+    # spilled; indexed per step they are recomputed in uniform registers for free.
+    kv_slot = it >> 30
+    k_all = k_smem.index(kv_slot)
+    k_c = k_all.slice(CONSUMER * 64, 64)
+    v_c = v_smem.index(kv_slot).slice(CONSUMER * 64, 64)
+    offs = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # the step's query rows
+    q = q_smem.index(slot)
+    do = do_smem.index(slot)
+    # The accumulators start at -lse2 / scale and -D (rows of the slot's (1, BLOCK_M) tiles, which the producer
+    # loaded with Q and dO, broadcast over the keys), so that S^T and dP^T come out already shifted: neither row
+    # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
+    mbarrier.wait(q_ready.index(slot), phase)
+    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - lse_smem.index(slot).load(s_layout) / qk_scale_log2
+    s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - delta_smem.index(slot).load(s_layout)
+    dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
+    p_t = gl.exp2(s_t * qk_scale_log2)
+    if MASKED:
+        p_t = gl.where(gl.expand_dims(first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+    ds_t = (p_t * dp_t).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    # dQ = dS K over all BLOCK_N keys: both warpgroups' dS^T rows meet in shared memory.
+    buf = it % 2
+    ds_smem.index(buf).slice(CONSUMER * 64, 64).store(ds_t)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+    mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+    if DQ_TMA:
+        k_half = k_all.slice(CONSUMER * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
+    else:
+        k_half = dq_aux.index(CONSUMER + kv_slot)
+    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
+                       gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
+    mbarrier.arrive(qdo_empty.index(slot), count=1)
+    dq = dq * sm_scale  # (here, rather than one more pass over dq_acc after the kernel)
+    if DQ_TMA:
+        mbarrier.wait(dq_empty.index(0), (it & 1) ^ 1)
+        dq_aux.index(CONSUMER).store(dq)
+        fence_async_shared()  # the writer's TMA (async proxy) reads what these generic stores wrote
+        mbarrier.arrive(dq_full.index(0), count=1)
+    else:
+        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER, NUM_HEADS, BLOCK_M,
+                BLOCK_N, CAUSAL, DETERMINISTIC)
+    return dk, dv
+
+
+@gluon.jit
+def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constexpr):
+    """Store x (64, HEAD_DIM) fp32 as ptr's dtype at key rows rows of (batch, seqlen_k, NUM_HEADS_KV, HEAD_DIM)
+    contiguous, rows past seqlen_k dropped."""
+    HEAD_DIM: gl.constexpr = x.type.shape[1]
+    st_layout: gl.constexpr = _store_layout(HEAD_DIM)
+    x = gl.convert_layout(x.to(ptr.dtype.element_ty), st_layout)
+    r = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+    row_off = ((batch * seqlen_k + r).to(gl.int64) * NUM_HEADS_KV + head_kv) * HEAD_DIM
+    gl.store(ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0), x, mask=gl.expand_dims(r < seqlen_k, 1))
+
+
+@gluon.jit
+def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                  kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
+                  sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One warpgroup: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's block against every visited query
+    block of the group's heads (masked ones first), then its dK (times sm_scale) and dV rows."""
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                     DETERMINISTIC)
+    key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
+    # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
+    # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
+    first_row = gl.zeros_like(key_rows)
+    if CAUSAL:
+        first_row = key_rows - (seqlen_k - seqlen_q)
+    first_row = gl.where(key_rows < seqlen_k, first_row, 1 << 30)
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+    n_iter = num_m - m_lo
+    for g in range(GROUP):
+        head = head_kv * GROUP + g
+        for m in range(m_lo, m_full):
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
+                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, True,
+                               CAUSAL, DETERMINISTIC, DQ_TMA)
+        for m in range(m_full, num_m):
+            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
+                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, False,
+                               CAUSAL, DETERMINISTIC, DQ_TMA)
+    rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
+    _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # (one compile for every length: nothing gains from it)
+def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr,
+                       dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
+                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), num_warps=4 (the default partition is consumer 0).
+    BLOCK_N must be 128 (two warpgroups of 64 keys); BLOCK_M (query rows per step) is q_desc's block rows.
+    qk_scale_log2 = softmax_scale * log2(e); sm_scale = softmax_scale. GROUP = nheads // nheads_kv (GQA).
+    DQ_TMA: dQ goes through a staging buffer and a writer warp's TMA reduce-adds (dq_desc: dq_acc's rows view
+    (batch * seqlen_q, nheads * HEAD_DIM) fp32, block [BLOCK_M, HEAD_DIM // 2]; kh_desc unused); else the consumers
+    add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
+    Tensors as the module docstring says."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is two warpgroups' 64 keys")
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if DQ_TMA:
+        dq_aux = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    else:
+        dq_aux = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM // 2], kh_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _ds_smem_layout(BLOCK_M))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(dq_full.index(0), count=NUM_CONSUMERS)
+    mbarrier.init(dq_empty.index(0), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
+    for b in gl.static_range(2):
+        mbarrier.init(ds_ready.index(b), count=NUM_CONSUMERS)
+    # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
+    # Without DQ_TMA the writer warp has nothing to do and returns at once.
+    gl.warp_specialize([
+        (_bwd_consumer, (0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
+                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+        (_bwd_consumer, (1, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
+                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
+                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+        (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem,
+                         lse_smem, delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty,
+                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         DETERMINISTIC, DQ_TMA)),
+        (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                      CAUSAL, DETERMINISTIC, DQ_TMA)),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def attn_bwd_prep_kernel(Out, DO, Lse, Lse2, Delta, o_strides, do_strides, seqlen_q, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The Gluon backward's preprocess (plain Triton: it runs in the interpreter too). Grid (cdiv(seqlen_q,
+    BLOCK_M), NUM_HEADS, batch). Out, DO: (batch, seqlen_q, NUM_HEADS, HEAD_DIM) with (batch, seq, head, dim)
+    strides o_strides / do_strides; Lse: (batch, NUM_HEADS, seqlen_q) float32 contiguous, natural log. Writes
+    Delta = rowsum(dO * O) and Lse2 = Lse * log2(e) (+inf where Lse = -inf: P = 0 on rows that see no key) into
+    (batch, NUM_HEADS, cdiv(seqlen_q, BLOCK_M) * BLOCK_M) float32 contiguous buffers, padding rows included
+    (Delta 0, Lse2 +inf), so that attn_bwd_ws_kernel loads them without masks."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    inside = rows < seqlen_q
+    o_ptrs = (Out + batch.to(tl.int64) * o_strides[0] + head * o_strides[2] + rows[:, None].to(tl.int64) * o_strides[1]
+              + cols[None, :] * o_strides[3])
+    do_ptrs = (DO + batch.to(tl.int64) * do_strides[0] + head * do_strides[2]
+               + rows[:, None].to(tl.int64) * do_strides[1] + cols[None, :] * do_strides[3])
+    o = tl.load(o_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    bh = batch * NUM_HEADS + head
+    lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + rows, mask=inside, other=float("-inf"))
+    padded = bh.to(tl.int64) * (tl.num_programs(0) * BLOCK_M) + rows
+    tl.store(Delta + padded, tl.sum(o * do, 1))
+    tl.store(Lse2 + padded, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E))

@@ -1,0 +1,109 @@
+"""The Gluon attention backward compiles for sm_90 on the CPU (Triton's bundled ptxas, no GPU): every variant the
+dispatch launches (head dim 64 / 128, causal or not, deterministic or not, bf16 and fp16) is built on TMA loads,
+wgmma and mbarriers with per-partition register budgets, fits the H100's 227 KiB of shared memory, adds dQ with
+16-byte vector atomics and holds its state in registers. Its preprocess is plain Triton and runs in the
+interpreter: checked here against torch."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import run_sm90_compile_script
+
+_GLUON_BWD_COMPILE_SCRIPT = r'''
+import dataclasses
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+from flashdecode.ops.gluon_attention import resolve_gluon_bwd_config
+sys.path.insert(0, "tests")
+from helpers import spilled_bytes
+
+POINTERS = ("dk_ptr", "dv_ptr", "dq_ptr", "sem_ptr")
+ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def desc(dtype, rows, d):
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], dict(bf16=gl.bfloat16, fp16=gl.float16,
+                                                                  fp32=gl.float32)[dtype])
+    return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
+
+
+def compile_variant(d, dtype, causal, deterministic, cfg):
+    fn = attn_bwd_ws_kernel
+    consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
+                  DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
+                  PRODUCER_REGS=cfg.producer_regs)
+    row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
+    types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
+                 delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
+                 kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2),
+                 dk_ptr="*" + dtype, dv_ptr="*" + dtype, dq_ptr="*fp32", sem_ptr="*i32",
+                 seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    # the launcher specialises 16-byte aligned pointers (torch allocations are): so does this build
+    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in POINTERS}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+# the resolved configs (dQ by TMA reduce-add): both masks deterministic, causal not, both head dims; fp16 once;
+# the atomic dQ ablation at hd128
+variants = [(d, "bf16", causal, True, resolve_gluon_bwd_config(d)) for d in (64, 128) for causal in (False, True)]
+variants += [(d, "bf16", True, False, resolve_gluon_bwd_config(d)) for d in (64, 128)]
+variants.append((128, "fp16", True, True, resolve_gluon_bwd_config(128)))
+variants.append((128, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)))
+for d, dtype, causal, det, cfg in variants:
+    kernel = compile_variant(d, dtype, causal, det, cfg)
+    ptx = kernel.asm["ptx"]
+    what = f"d{d} {dtype} causal={causal} deterministic={det} {cfg}"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert "setmaxnreg" in ptx, what + ": no per-partition register budgets"
+    assert "mbarrier.try_wait" in ptx, what + ": no mbarrier pipeline"
+    if cfg.dq_tma:
+        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx, what + ": dQ not by TMA reduce-add"
+        # deterministic: the reduce-adds complete (not only read their source) before the turn passes on
+        assert ("cp.async.bulk.wait_group 0" in ptx) == det, what + ": bulk wait"
+    else:
+        assert "atom.global.gpu.relaxed.add.v4.f32" in ptx, what + ": dQ not added with 16-byte vector atomics"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    spilled = spilled_bytes(kernel)
+    # the consumers run at the 240-register limit (dK, dV accumulators: 128 registers at hd128); the resolved
+    # configs hold everything in registers, the atomic ablation may spill a few bytes (its addresses)
+    assert spilled == 0 or not cfg.dq_tma, what + f": spills {spilled} bytes"
+    print(what, "shared", kernel.metadata.shared, "spilled", spilled)
+print("compiled")
+'''
+
+
+def test_gluon_backward_compiles_for_hopper_without_a_gpu():
+    run_sm90_compile_script(_GLUON_BWD_COMPILE_SCRIPT)
+
+
+@pytest.mark.parametrize("seqlen_q,causal_empty_rows", [(77, False), (128, True)])
+def test_backward_preprocess_pads_delta_and_lse2(seqlen_q, causal_empty_rows):
+    """attn_bwd_prep_kernel (interpreter): Delta = rowsum(dO * O) and lse2 = lse * log2(e) with +inf for -inf, in
+    buffers padded to whole 64-row blocks (padding Delta 0, lse2 +inf); strided O / dO."""
+    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_prep_kernel
+
+    gen = torch.Generator().manual_seed(seqlen_q)
+    batch, heads, d, block = 2, 3, 64, 64
+    out = torch.randn(batch, heads, seqlen_q, d, generator=gen).to(torch.float16).transpose(1, 2)
+    dout = torch.randn(batch, seqlen_q, heads, d, generator=gen).to(torch.float16)
+    lse = torch.randn(batch, heads, seqlen_q, generator=gen)
+    if causal_empty_rows:
+        lse[:, :, :5] = -math.inf
+    num_m = -(-seqlen_q // block)
+    lse2 = torch.full((batch, heads, num_m * block), math.nan)
+    delta = torch.full_like(lse2, math.nan)
+    attn_bwd_prep_kernel[(num_m, heads, batch)](out, dout, lse, lse2, delta, out.stride(), dout.stride(), seqlen_q,
+                                                NUM_HEADS=heads, HEAD_DIM=d, BLOCK_M=block)
+    want_delta = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(delta[..., :seqlen_q].double(), want_delta, rtol=1e-5, atol=1e-4)
+    want_lse2 = torch.where(lse == -math.inf, math.inf, lse * 1.4426950408889634)
+    torch.testing.assert_close(lse2[..., :seqlen_q], want_lse2)
+    assert (delta[..., seqlen_q:] == 0).all() and (lse2[..., seqlen_q:] == math.inf).all()
