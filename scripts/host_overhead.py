@@ -4,15 +4,18 @@ GPU (default; under a minute on an H100):
 
     PYTHONPATH=$PWD python3 scripts/host_overhead.py [--calls 300]
 
-Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim 128 and 64, causal or not, on each forward path (``gluon``: the
-warp-specialised Hopper kernel flash_attn dispatches to; ``triton``: the Triton kernel, forced by refusing the
-Gluon dispatch for the run), each with inputs that need no gradient (``no_grad``) and inputs that require grad
-(``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per call while
-the GPU runs behind (host clock around a loop of calls, no sync inside); ``loop`` = GPU time per call of that loop
-(CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a CUDA graph
-(no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon / triton
-call; each part timed alone in a loop): the two output allocations, the direct launch of the compiled kernel with
-ready arguments, and the rest (Python: checks, cache lookup, argument building). Then a cProfile of the last row.
+Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim
+128 and 64, causal or not, on each forward path (``gluon``: the warp-specialised Hopper kernel flash_attn dispatches
+to; ``triton``: the Triton kernel, forced by refusing the Gluon dispatch for the run), each with inputs that need no
+gradient (``no_grad``: out only, so no lse is allocated), the same with return_lse=True (``lse``) and inputs that
+require grad (``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per
+call while the GPU runs behind (host clock around a loop of calls, no sync inside); ``loop`` = GPU time per call of
+that loop (CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a
+CUDA graph (no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon /
+triton call; each part timed alone in a loop): the out allocation, an lse allocation (which a no_grad call without
+return_lse no longer makes), the direct launch of the compiled kernel with ready arguments, and the rest (Python:
+checks, cache lookup, argument building); then what each way of allocating out costs alone; then a cProfile of the
+last row.
 
 CPU (no GPU needed):
 
@@ -43,7 +46,7 @@ from flashdecode.ops import gluon_attention as ga
 
 SHAPES = [(128, False), (128, True), (64, False)]  # (head dim, causal); 16 x 1024 tokens, 16 heads
 PATHS = ("gluon", "triton")
-GRADS = ("no_grad", "grad")
+GRADS = ("no_grad", "lse", "grad")  # the inputs column: no grad (out only), no grad with return_lse, grad
 
 
 def _clear_caches():
@@ -72,7 +75,8 @@ def _call(headdim: int, causal: bool, grad: str, device: str, batch: int = 16, t
     k, v = torch.randn_like(q), torch.randn_like(q)
     if grad == "grad":
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-    return lambda: flashdecode.flash_attn(q, k, v, causal=causal)
+    return_lse = grad == "lse"
+    return lambda: flashdecode.flash_attn(q, k, v, causal=causal, return_lse=return_lse)
 
 
 def _host_us(f, calls: int) -> float:
@@ -140,18 +144,19 @@ class _LaunchSpy:
 
 
 def _direct_launchers():
-    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's C launcher
-    (``direct``) or Triton's launcher (``run``), a Triton kernel's ``run``."""
+    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's or a Triton
+    kernel's C launcher (``direct``) or else Triton's launcher (``run``)."""
     for plan in ga._PLANS.values():
         if plan and plan.compiled is not None:
             yield plan, "direct" if plan.direct is not None else "run"
     for plan in attn_ops._FWD_PLANS.values():
         if plan.kernel.compiled is not None:
-            yield plan.kernel, "run"
+            yield plan.kernel, "direct" if plan.kernel.direct is not None else "run"
 
 
 def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
-    """One no_grad call's host time split into the allocations, the launch alone and the rest."""
+    """One no_grad call's host time split into the out allocation, the launch alone and the rest; beside them what
+    an lse allocation (which the call no longer makes) costs."""
     f = _call(headdim, causal, "no_grad", "cuda")
     for _ in range(5):
         f()
@@ -166,16 +171,36 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
     q = torch.empty(16, 1024, 16, headdim, device="cuda", dtype=torch.bfloat16)
     lse_shape = (16, 16, 1024)
 
-    def allocations():
-        torch.empty_like(q, memory_format=torch.contiguous_format)
-        torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     total = _host_us(f, calls)
     torch.cuda.synchronize()
-    alloc = _host_us(allocations, calls)
+    alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls)
+    lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls)
     launch = _host_us(lambda: run(*args), calls)
     torch.cuda.synchronize()
-    return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {launch:.1f} | "
+    return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {lse:.1f} | {launch:.1f} | "
             f"{total - alloc - launch:.1f} |")
+
+
+def _allocation_ways(calls: int):
+    """Host us of each way of allocating a (16, 1024, 16, 128) bf16 out (allocated and freed per call)."""
+    q = torch.empty(16, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)
+    shape, strides, dtype, device = tuple(q.shape), q.stride(), q.dtype, q.device
+    ways = {
+        "torch.empty_like(q, memory_format=torch.contiguous_format)":
+            lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "torch.empty(shape, dtype=, device=)": lambda: torch.empty(shape, dtype=dtype, device=device),
+        "q.new_empty(shape)": lambda: q.new_empty(shape),
+        "torch.empty_strided(shape, strides, dtype=, device=)":
+            lambda: torch.empty_strided(shape, strides, dtype=dtype, device=device),
+    }
+    print("\nOne out allocation alone, host us per call")
+    print("| allocation | host us |")
+    print("|---|---|")
+    for name, f in ways.items():
+        for _ in range(20):
+            f()
+        print(f"| {name} | {_host_us(f, calls):.2f} |")
 
 
 def run_gpu(calls: int, autotune: bool):
@@ -201,11 +226,12 @@ def run_gpu(calls: int, autotune: bool):
                     print(f"| {path} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | {kernel:.1f} | "
                           f"{loop - kernel:.1f} |", flush=True)
             breakdown.append(_breakdown(128, False, path, calls))
-    print("\nOne no_grad call's host time, us: total, out + lse allocations alone, the direct launch alone (ready "
-          "arguments), the rest (Python)")
-    print("| path | head dim | causal | total | allocations | launch | rest |")
-    print("|---|---|---|---|---|---|---|")
+    print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
+          "by this call), the direct launch alone (ready arguments), the rest (total - out - launch: Python)")
+    print("| path | head dim | causal | total | out | (lse) | launch | rest |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(breakdown))
+    _allocation_ways(calls)
     print()
     _profile(f, calls, 15)
 
@@ -257,6 +283,21 @@ def _fake_gluon_compiled():
     return compiled
 
 
+def _fake_triton_compiled():
+    """A fake compiled Triton kernel whose launcher is a CudaLauncher (not constructed: its constructor compiles C)
+    around a C launch that does nothing, with a global scratch as the TMA forward has."""
+    from triton.backends.nvidia import driver as nv
+
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size, launcher.profile_scratch_size = 128, 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 128
+    launcher.launch = lambda *args: None
+    compiled = _FakeCompiled()
+    compiled.run = launcher
+    return compiled
+
+
 class _FakeTuned:
     """Stands in for the autotuner: a launch returns the fake compiled kernel; best_config is the first tile."""
 
@@ -269,7 +310,7 @@ class _FakeTuned:
                                          num_stages=tile[len(names) + 1])
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: _FakeCompiled()
+        return lambda *args, **kwargs: _fake_triton_compiled()
 
 
 def _fake_device():
@@ -285,6 +326,7 @@ def _fake_device():
     attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
     attn_ops._device_facts = lambda device: (227 * 1024, 9)
     torch.cuda.current_device = lambda: None  # a CPU tensor's device index
+    attn_ops._ensure_triton_allocator()  # Triton's launcher asks for the fake kernel's global scratch
 
 
 def run_cpu(calls: int):

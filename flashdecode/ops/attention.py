@@ -376,7 +376,7 @@ class _Kernel:
     """
 
     __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "use_tma", "meta", "tail",
-                 "run", "function", "packed", "compiled")
+                 "run", "function", "packed", "compiled", "direct")
 
     def __init__(self, name: str, fn, tiles: tuple, names: tuple, autotune: bool, constexprs: dict,
                  reset_dq: bool = False):
@@ -384,18 +384,11 @@ class _Kernel:
         self.fn, self.tiles, self.names, self.autotune, self.reset_dq = fn, tiles, names, autotune, reset_dq
         self.constexprs = constexprs
         self.use_tma = bool(constexprs.get("USE_TMA"))  # descriptors need the allocator of the calling thread
-        self.compiled = None
+        self.compiled = self.direct = None
 
     def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
         if self.compiled is not None:
-            if self.use_tma:
-                _ensure_triton_allocator()
-            index = device.index
-            if index == torch.cuda.current_device():
-                self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
-            else:
-                with torch.cuda.device(device):
-                    self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
+            self.launch(grid_fn(self.meta), args + self.tail, device)
             return
         if self.use_tma:
             _ensure_triton_allocator()
@@ -411,9 +404,23 @@ class _Kernel:
                 compiled = tuned[grid_fn](*args, **self.constexprs)
         self._record(tuned, compiled, len(args))
 
-    def _launch_compiled(self, grid: tuple, full: tuple, index: int):
-        stream = _current_stream(index)
+    def launch(self, grid: tuple, full: tuple, device: torch.device):
+        """A launch of the compiled kernel (after the first) on ``grid`` (3 entries) with every kernel parameter
+        (``full``: the runtime arguments, pointers as tensors or data_ptr() ints, then self.tail)."""
+        if device.index == _current_device():
+            self._launch_compiled(grid, full, device)
+        else:
+            with torch.cuda.device(device):
+                self._launch_compiled(grid, full, device)
+
+    def _launch_compiled(self, grid: tuple, full: tuple, device: torch.device):
+        stream = _current_stream(device.index)
         enter, exit_ = direct_launch.launch_hooks()
+        if enter is None and self.direct is not None:
+            self.direct(grid, stream, device, full)
+            return
+        if self.use_tma:
+            _ensure_triton_allocator()
         meta = None if enter is None else self.compiled.launch_metadata(grid, stream, *full)
         self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, meta, enter, exit_, *full)
 
@@ -436,10 +443,12 @@ class _Kernel:
                 return
         self.meta, self.tail = dict(best.kwargs), tuple(tail)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.direct = direct_launch.PlainLauncher.of(compiled)  # None: Triton's launcher (self.run)
         self.compiled = compiled
 
 
 _current_stream = direct_launch.current_stream
+_current_device = direct_launch.current_device
 
 _ALLOCATOR_SET = threading.local()
 
@@ -659,17 +668,19 @@ class _DenseCall:
     """The forward of one dense call key with everything but the data resolved: on Hopper the Gluon plan where
     the dispatch sends the call there (ops/gluon_attention.py, docs/decisions.md; an explicit config= keeps the
     Triton kernels), else the Triton kernel with its grid and the kernel arguments the key fixes. A repeated call
-    allocates out and lse and launches. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv,
-    headdim), fp16 / bf16 / fp32, checked."""
+    allocates out (and lse where wanted) and launches. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k,
+    nheads_kv, headdim), fp16 / bf16 / fp32, checked."""
 
-    __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls")
+    __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls", "device", "bound",
+                 "discard_lse")
 
     def __init__(self, q, k, v, left: int, right: int, softcap: float, config_id: int):
         batch, sq, nheads, _ = q.shape
         sk, nheads_kv = k.shape[1], k.shape[2]
         self.lse_shape = (batch, nheads, sq)
         self.empty = q.numel() == 0
-        self.gluon = None
+        self.device = q.device
+        self.gluon = self.bound = self.discard_lse = None
         if config_id == _RESOLVE_CONFIG and not self.empty:
             self.gluon = gluon_attention.dispatch_plan(q, k, v, left, right, softcap)
         self.calls = 0  # forwards run through this entry (the host-path tests read it)
@@ -682,20 +693,49 @@ class _DenseCall:
         self.fixed = (*strides, out.stride(), (nheads * sq, sq), nheads // nheads_kv, sq, sk, batch, k.shape[0])
         self.grid = lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch)
 
-    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float):
-        """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key."""
+    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float, need_lse: bool = True):
+        """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key; need_lse False: lse is
+        None (the kernel writes it where nobody reads it, direct_launch.discard_buffer, where it can)."""
         self.calls += 1
         if self.gluon is not None:
-            return gluon_attention.run_plan(self.gluon, q, k, v, scale)
+            return gluon_attention.run_plan(self.gluon, q, k, v, scale, need_lse)
         out = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        if self.empty:
-            return out, lse.fill_(float("-inf"))
+        bound = self.bound
+        if bound is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            if self.empty:
+                return out, lse.fill_(float("-inf"))
+            qk_scale, softcap_log2 = _scale_args(scale, softcap)
+            args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
+                    + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
+            self.kernel(self.grid, args, q.device)
+            self._bind()
+            return out, lse
+        lse = None
+        lse_ptr = None if need_lse else self._lse_discard()
+        if lse_ptr is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            lse_ptr = lse.data_ptr()
         qk_scale, softcap_log2 = _scale_args(scale, softcap)
-        args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
-                + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
-        self.kernel(self.grid, args, q.device)
+        grid, middle, end = bound
+        self.kernel.launch(grid, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_ptr, *middle,
+                                  qk_scale, softcap_log2, max(left, 0), max(right, 0), *end), self.device)
         return out, lse
+
+    def _bind(self):
+        """After the kernel's first launch: its grid and the parts of its parameter list that the key fixes
+        (around the pointers and the per-call scalars), for the direct launches of later calls."""
+        kernel = self.kernel
+        if kernel.compiled is not None:
+            self.bound = (self.grid(kernel.meta), (None,) * 5 + self.fixed, (0, *self.buckets, *kernel.tail))
+
+    def _lse_discard(self):
+        """As _GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
+        if self.discard_lse is None:
+            nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
+            buffer = direct_launch.discard_buffer(self.device, nbytes)
+            self.discard_lse = False if buffer is None else buffer.data_ptr()
+        return self.discard_lse or None
 
 
 def _dense_call(q, k, v, left: int, right: int, softcap: float, config_id: int) -> _DenseCall:
@@ -995,7 +1035,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _DenseCallFunction.apply(q, k, v, call, (scale, right, deterministic))
     else:
-        out, lse = call.forward(q, k, v, scale, -1, right, 0.0)
+        out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -155,6 +155,7 @@ def _kernel_arg_names() -> list:
 
 
 _current_stream = direct_launch.current_stream
+_current_device = direct_launch.current_device
 
 
 class _GluonPlan:
@@ -164,13 +165,16 @@ class _GluonPlan:
     does not have the layout it expects)."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "compiled", "run", "function", "packed", "direct", "direct_launches")
+                 "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
+                 "discard_lse")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
         self.cfg = cfg
+        self.device, self.index = q.device, q.device.index
         self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
         self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
+        self.shapes = (self.num_tiles, seqlen_q, self.seqlen_k)  # the kernel's runtime arguments after lse_ptr
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
@@ -179,36 +183,47 @@ class _GluonPlan:
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-        self.compiled = self.direct = None
+        self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
     def launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
-        index = q.device.index
-        if index == torch.cuda.current_device():
-            self._launch(q, k, v, out, lse, qk_scale_log2, index)
+        """One forward of q, k, v (this plan's launch key, 16-byte aligned) into out (batch, seqlen_q, nheads,
+        headdim) contiguous and lse (batch, nheads, seqlen_q) float32 contiguous: tensors, or (after the first
+        launch) their data_ptr() ints, which the C launcher takes as they are."""
+        if self.index == _current_device():
+            self._launch(q, k, v, out, lse, qk_scale_log2)
         else:
-            with torch.cuda.device(q.device):
-                self._launch(q, k, v, out, lse, qk_scale_log2, index)
+            with torch.cuda.device(self.device):
+                self._launch(q, k, v, out, lse, qk_scale_log2)
 
-    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, index: int) -> None:
-        runtime = (self.num_tiles, self.seqlen_q, self.seqlen_k, qk_scale_log2)
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
         if self.compiled is None:
             descs = tuple(_descriptor(x, view, rows) for x, view, rows in
                           zip((q, k, v), self.views, (64, self.cfg.block_n, self.cfg.block_n)))
-            self._record(_jit_launch(self.grid, descs + (out, lse) + runtime, self.constexprs))
+            self._record(_jit_launch(self.grid, descs + (out, lse) + self.shapes + (qk_scale_log2,),
+                                     self.constexprs))
             return
-        stream = _current_stream(index)
+        stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(self.grid, stream, self.function, self.packed, (q, k, v), (out, lse) + runtime + self.tail)
+            self.direct(stream, (q, k, v), (out, lse, *self.shapes, qk_scale_log2, *self.tail))
         else:
             qv, kv, vv = self.views
-            args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + runtime
-                    + self.tail)
+            args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + self.shapes
+                    + (qk_scale_log2,) + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)
         self.direct_launches += 1
+
+    def lse_discard(self):
+        """Where a call that wants no lse lets the kernel write it: a data_ptr() int into
+        direct_launch.discard_buffer (shared, never read), or None where it is too large (allocate it)."""
+        if self.discard_lse is None:
+            nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
+            buffer = direct_launch.discard_buffer(self.device, nbytes)
+            self.discard_lse = False if buffer is None else buffer.data_ptr()
+        return self.discard_lse or None
 
     def _record(self, compiled) -> None:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
@@ -219,7 +234,7 @@ class _GluonPlan:
             return
         self.tail = tuple(self.constexprs[n] for n in names)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
-        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views)
+        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views, self.grid)
         self.compiled = compiled
 
 
@@ -240,13 +255,22 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     return plan
 
 
-def run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True):
     """(out (batch, seqlen_q, nheads, headdim) contiguous like q, lse (batch, nheads, seqlen_q) float32) of q, k, v
-    (the plan's launch key, 16-byte aligned) on the plan's launch."""
+    (the plan's launch key, 16-byte aligned) on the plan's launch. need_lse False: lse is None, and the kernel
+    writes it where nobody reads it (no allocation; see _GluonPlan.lse_discard)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
-    plan.launch(q, k, v, out, lse, scale * LOG2E)
-    return out, lse
+    if plan.compiled is None:  # the first (JIT) launch takes tensors
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        plan.launch(q, k, v, out, lse, scale * LOG2E)
+        return out, lse if need_lse else None
+    lse_ptr = None if need_lse else plan.lse_discard()
+    if lse_ptr is None:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E)
+        return out, lse if need_lse else None
+    plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E)
+    return out, None
 
 
 def gluon_pays(headdim: int, seqlen_k: int) -> bool:
