@@ -114,3 +114,221 @@ def test_bad_tensors_miss_the_cache_and_raise():
         flashdecode.flash_attn(q, torch.cat([k, k]), torch.cat([v, v]))
     with pytest.raises(ValueError, match="head dim"):
         flashdecode.flash_attn(q, k[..., :16], v[..., :16])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The direct launches of a cache hit on a faked Hopper (CPU tensors; every launch recorded instead of run): what each
+# call hands the compiled kernel's C launcher, and where a hit must not happen
+# ----------------------------------------------------------------------------------------------------------------
+
+class _RecordingLaunch:
+    """Stands in for the C launch function of a compiled kernel (a plain callable, like the C function)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _FakeCompiled:
+    """Triton's CompiledKernel as a direct launch reads it: a CudaLauncher (not constructed: its constructor
+    compiles C) over a recording C launch, with ``scratch`` bytes of global scratch per program."""
+
+    def __init__(self, launch, scratch: int = 0):
+        from triton.backends.nvidia import driver as nv
+
+        self.function, self.packed_metadata = "function", (4, 1, 0)
+        run = self.run = nv.CudaLauncher.__new__(nv.CudaLauncher)
+        run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
+        run.global_scratch_size, run.profile_scratch_size = scratch, 0
+        run.global_scratch_align = run.profile_scratch_align = 128
+        run.launch = launch
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class _FakeTuned:
+    """The autotuner: one config (the first tile); a launch returns the fake compiled kernel."""
+
+    def __init__(self, compiled, tiles, names):
+        import triton
+
+        tile = tiles[0]
+        self.compiled = compiled
+        self.best_config = triton.Config(dict(zip(names, tile)), num_warps=tile[len(names)],
+                                         num_stages=tile[len(names) + 1])
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.compiled
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """CPU tensors take the GPU's host path: the dispatch sees a Hopper that does not interpret, first launches
+    return fake compiled kernels (Gluon: Triton's own launcher wrapper; Triton: 256 bytes of global scratch per
+    program, as the TMA forward has), and each later launch reaches a recording C launch. ``state.stream`` is the
+    current stream each launch reads."""
+    from types import SimpleNamespace
+
+    import triton
+    from test_gluon_launch_cache import _FakeTmaDriver, _triton_launcher
+    from triton.runtime.jit import JITFunction
+
+    from flashdecode.ops import direct_launch
+    from flashdecode.ops import gluon_attention as ga
+
+    state = SimpleNamespace(stream=7, c_calls=_RecordingLaunch(), jit=[], tuned=[])
+    state.triton_compiled = _FakeCompiled(state.c_calls, scratch=256)
+
+    def gluon_compiled(grid, args, constexprs):
+        state.jit.append((grid, args, constexprs))
+        monkeypatch.setattr(triton.runtime.driver, "_active", _FakeTmaDriver())
+        compiled = _FakeCompiled(state.c_calls)
+        compiled.run = _triton_launcher(state.c_calls.calls)
+        return compiled
+
+    def tuned(fn, tiles, names, autotune, reset_dq):
+        state.tuned.append(fn)
+        return _FakeTuned(state.triton_compiled, tiles, names)
+
+    monkeypatch.setattr(attn_ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(ga, "interpreting", lambda device=None: False)
+    monkeypatch.setattr(ga, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(ga, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ga, "_jit_launch", gluon_compiled)
+    monkeypatch.setattr(attn_ops, "_tuned", tuned)
+    kernel = attn_ops.fwd_kernels.attn_fwd_kernel  # the GPU's form (the interpreter wraps it differently)
+    if not isinstance(kernel, JITFunction):
+        monkeypatch.setattr(attn_ops.fwd_kernels, "attn_fwd_kernel", JITFunction(kernel.fn))
+    monkeypatch.setattr(attn_ops, "_device_facts", lambda device: (227 * 1024, 9))
+    monkeypatch.setattr(ga, "_current_stream", lambda index: state.stream)
+    monkeypatch.setattr(attn_ops, "_current_stream", lambda index: state.stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(direct_launch, "SCRATCH", direct_launch.StreamScratch())
+    for cache in (ga._PLANS, attn_ops._FWD_PLANS, attn_ops._DENSE_CALLS):
+        cache.clear()
+    yield state
+    for cache in (ga._PLANS, attn_ops._FWD_PLANS, attn_ops._DENSE_CALLS):
+        cache.clear()  # no fake kernel outlives the test
+
+
+def _dense(shape_q=(2, 40, 4, 128), shape_kv=(2, 56, 2, 128), dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen).to(dtype) for s in (shape_q, shape_kv, shape_kv)]
+
+
+def _entries():
+    return len(attn_ops._DENSE_CALLS)
+
+
+_GLUON_OUT_AT = 13 + 3 * 5  # the C launch's out argument (after 13 launch fields and 3 x 5 descriptor fields)
+_TRITON_OUT_AT = 13 + 3  # after 13 launch fields, q, k, v
+
+
+@pytest.mark.parametrize("headdim, out_at", [(128, _GLUON_OUT_AT), (96, _TRITON_OUT_AT)], ids=["gluon", "triton"])
+def test_a_hit_launches_on_the_stream_current_at_the_call(hopper, headdim, out_at):
+    q, k, v = _dense(shape_q=(2, 40, 4, headdim), shape_kv=(2, 56, 2, headdim))
+    flashdecode.flash_attn(q, k, v)  # the key's first launch
+    flashdecode.flash_attn(q, k, v)
+    hopper.stream = 9
+    out = flashdecode.flash_attn(q, k, v)
+    assert _entries() == 1 and [c[3] for c in hopper.c_calls.calls] == [7, 9]
+    assert hopper.c_calls.calls[-1][out_at] == out.data_ptr()
+
+
+@pytest.mark.parametrize("headdim, out_at", [(128, _GLUON_OUT_AT), (96, _TRITON_OUT_AT)], ids=["gluon", "triton"])
+def test_no_lse_is_allocated_where_none_is_wanted(hopper, headdim, out_at):
+    """A no-grad call without return_lse hands the kernel the device's discard buffer for lse (the same address
+    every call, nothing allocated); return_lse and autograd calls get an lse of their own, and all compute out
+    the same way."""
+    from flashdecode.ops import direct_launch
+
+    q, k, v = _dense(shape_q=(2, 40, 4, headdim), shape_kv=(2, 56, 2, headdim))
+    flashdecode.flash_attn(q, k, v)
+    flashdecode.flash_attn(q, k, v)
+    flashdecode.flash_attn(q, k, v)
+    discard = direct_launch.discard_buffer(q.device, 2 * 4 * 40 * 4).data_ptr()
+    assert [c[out_at + 1] for c in hopper.c_calls.calls] == [discard, discard]
+    out, lse = flashdecode.flash_attn(q, k, v, return_lse=True)
+    assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    assert hopper.c_calls.calls[-1][out_at:out_at + 2] == (out.data_ptr(), lse.data_ptr())
+    q.requires_grad_()
+    out = flashdecode.flash_attn(q, k, v)
+    assert out.requires_grad and hopper.c_calls.calls[-1][out_at + 1] not in (discard, lse.data_ptr())
+    assert len({c[out_at + 2:] for c in hopper.c_calls.calls}) == 1  # the other arguments: one launch
+    assert _entries() == 1
+
+
+def test_discard_buffers_grow_and_are_never_freed():
+    from flashdecode.ops import direct_launch
+
+    device = torch.device("cpu")
+    small = direct_launch.discard_buffer(device, 100)
+    assert small.numel() >= 100 and direct_launch.discard_buffer(device, 50) is small
+    big = direct_launch.discard_buffer(device, small.numel() + 1)
+    assert big.numel() >= 2 * small.numel() and small in direct_launch._DISCARD[device]
+    assert direct_launch.discard_buffer(device, direct_launch.DISCARD_MAX_BYTES + 1) is None
+
+
+@pytest.mark.parametrize("headdim", [128, 96], ids=["gluon", "triton"])
+def test_no_hit_across_dtypes_strides_alignment_or_flags(hopper, headdim):
+    """Each of these calls differs from the first in one thing its launch depends on: none may take another's
+    entry. q, k, v dtypes, strides (a transposed view, a packed qkv), 16-byte alignment, causal."""
+    q, k, v = _dense(shape_q=(2, 40, 4, headdim), shape_kv=(2, 40, 4, headdim))
+    flashdecode.flash_attn(q, k, v)
+    variants = [
+        [x.to(torch.bfloat16) for x in (q, k, v)],
+        [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)],
+        list(torch.stack([q, k, v], dim=2).unbind(2)),
+        [torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x) for x in (q, k, v)],
+    ]
+    for n, variant in enumerate(variants, start=2):
+        flashdecode.flash_attn(*variant)
+        assert _entries() == n
+    flashdecode.flash_attn(q, k, v, causal=True)
+    assert _entries() == len(variants) + 2
+    keys = list(attn_ops._DENSE_CALLS)
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("headdim", [128, 96], ids=["gluon", "triton"])
+def test_grad_mode_decides_per_call_on_a_hit(hopper, headdim, spied):
+    q, k, v = _dense(shape_q=(1, 24, 2, headdim), shape_kv=(1, 24, 2, headdim))
+    q.requires_grad_()
+    flashdecode.flash_attn(q, k, v)
+    spied.clear()
+    with torch.no_grad():
+        assert not flashdecode.flash_attn(q, k, v).requires_grad
+    assert spied == []
+    assert flashdecode.flash_attn(q, k, v).requires_grad
+    assert spied == ["_DenseCallFunction"]
+    with torch.inference_mode():
+        assert not flashdecode.flash_attn(q, k, v).requires_grad
+    assert spied == ["_DenseCallFunction"] and _entries() == 1
+
+
+def test_triton_scratch_is_per_stream_and_fresh_under_capture(hopper, monkeypatch):
+    """The Triton forward's global scratch (read back by the kernel): reused by launches on one stream, never
+    shared between two streams, and a fresh one for each launch while a CUDA graph is being captured."""
+    from flashdecode.ops import direct_launch
+
+    q, k, v = _dense(shape_q=(2, 40, 4, 96), shape_kv=(2, 56, 2, 96))
+    flashdecode.flash_attn(q, k, v)
+    scratch = lambda: hopper.c_calls.calls[-1][7]  # noqa: E731  (the C launch's global scratch argument)
+    flashdecode.flash_attn(q, k, v)
+    first = scratch()
+    flashdecode.flash_attn(q, k, v)
+    assert scratch() == first and direct_launch.SCRATCH.allocations == 1
+    hopper.stream = 9
+    flashdecode.flash_attn(q, k, v)
+    assert scratch() != first and direct_launch.SCRATCH.allocations == 2
+    buffers = list(direct_launch.SCRATCH.buffers.values())
+    assert all(b.data_ptr() <= s < b.data_ptr() + b.numel() for b, s in zip(buffers, (first, scratch())))
+    monkeypatch.setattr(direct_launch, "capturing", lambda: True)
+    flashdecode.flash_attn(q, k, v)
+    flashdecode.flash_attn(q, k, v)
+    assert direct_launch.SCRATCH.allocations == 4 and len(direct_launch.SCRATCH.buffers) == 2
+    grid = hopper.c_calls.calls[-1][:3]
+    assert min(b.numel() for b in buffers) >= grid[0] * grid[1] * grid[2] * 256
