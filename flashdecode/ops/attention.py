@@ -21,7 +21,9 @@ strides, dtype, alignment, mask flags, configuration): a repeated call checks it
 and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
 per-call argument binding. Dense forwards go through one cache from the call's key to its ready forward (the
 Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
-options builds that key, allocates out and lse and launches (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
+options builds that key, allocates out (and lse only where it is wanted: return_lse or autograd; otherwise the
+kernel writes it to a per-device buffer nobody reads, ops/direct_launch.py) and calls the compiled kernel's C
+launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
 the first candidate tile that fits shared memory runs.
 
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is

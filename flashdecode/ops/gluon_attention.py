@@ -166,12 +166,13 @@ class _GluonPlan:
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
-                 "discard_lse")
+                 "discard_lse", "q_contiguous")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
         self.cfg = cfg
         self.device, self.index = q.device, q.device.index
+        self.q_contiguous = q.is_contiguous()
         self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
         self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
         self.shapes = (self.num_tiles, seqlen_q, self.seqlen_k)  # the kernel's runtime arguments after lse_ptr
@@ -259,7 +260,8 @@ def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True):
     """(out (batch, seqlen_q, nheads, headdim) contiguous like q, lse (batch, nheads, seqlen_q) float32) of q, k, v
     (the plan's launch key, 16-byte aligned) on the plan's launch. need_lse False: lse is None, and the kernel
     writes it where nobody reads it (no allocation; see _GluonPlan.lse_discard)."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # a contiguous q (the key fixes its strides) gives a contiguous out without the memory_format argument's parsing
+    out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     if plan.compiled is None:  # the first (JIT) launch takes tensors
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
         plan.launch(q, k, v, out, lse, scale * LOG2E)
