@@ -23,8 +23,8 @@ per-call argument binding. Dense forwards go through one cache from the call's k
 Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
 options builds that key, allocates out (and lse only where it is wanted: return_lse or autograd; otherwise the
 kernel writes it to a per-device buffer nobody reads, ops/direct_launch.py) and calls the compiled kernel's C
-launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
-the first candidate tile that fits shared memory runs.
+launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a
+configuration is resolved) turns autotuning off: the first candidate tile that fits shared memory runs.
 
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
 copied. Off the GPU the kernels run only in Triton's CPU interpreter (TRITON_INTERPRET=1); plain CPU tensors
