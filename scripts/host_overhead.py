@@ -5,7 +5,8 @@ GPU (default; under a minute on an H100):
     PYTHONPATH=$PWD python3 scripts/host_overhead.py [--calls 300]
 
 Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim
-128 and 64, causal or not, on each forward path (``gluon``: the warp-specialised Hopper kernel flash_attn dispatches
+128 and 64, causal or not, and 1 x 128 tokens (a kernel of a few microseconds: the host time shows in the loop), on
+each forward path (``gluon``: the warp-specialised Hopper kernel flash_attn dispatches
 to; ``triton``: the Triton kernel, forced by refusing the Gluon dispatch for the run), each with inputs that need no
 gradient (``no_grad``: out only, so no lse is allocated), the same with return_lse=True (``lse``) and inputs that
 require grad (``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per
@@ -42,9 +43,12 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import direct_launch
 from flashdecode.ops import gluon_attention as ga
 
-SHAPES = [(128, False), (128, True), (64, False)]  # (head dim, causal); 16 x 1024 tokens, 16 heads
+# (batch, tokens, head dim, causal), 16 heads: the issue's 16 x 1k calls, and one call short enough that the host
+# time shows in the loop (its kernel runs for a few microseconds)
+SHAPES = [(16, 1024, 128, False), (16, 1024, 128, True), (16, 1024, 64, False), (1, 128, 128, False)]
 PATHS = ("gluon", "triton")
 GRADS = ("no_grad", "lse", "grad")  # the inputs column: no grad (out only), no grad with return_lse, grad
 
@@ -154,9 +158,22 @@ def _direct_launchers():
             yield plan.kernel, "direct" if plan.kernel.direct is not None else "run"
 
 
+def _with_tensor_pointers(run, args: tuple, tensors: tuple):
+    """A recorded direct launch's arguments with its int pointers (data_ptr()) replaced by tensors of the same
+    layouts, ``tensors`` = (q, k, v, out, lse): the launch as the C launcher got it before (it then calls data_ptr()
+    and cuPointerGetAttribute per tensor)."""
+    if isinstance(run, direct_launch.TensormapLauncher):
+        stream, bases, rest = args
+        return stream, bases, tensors[3:] + rest[2:]
+    if isinstance(run, direct_launch.PlainLauncher):
+        grid, stream, device, full = args
+        return grid, stream, device, tensors + full[5:]
+    return None
+
+
 def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
     """One no_grad call's host time split into the out allocation, the launch alone and the rest; beside them what
-    an lse allocation (which the call no longer makes) costs."""
+    an lse allocation (which the call no longer makes) costs, and the launch with tensors for its pointers."""
     f = _call(headdim, causal, "no_grad", "cuda")
     for _ in range(5):
         f()
@@ -166,7 +183,7 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
     f()
     torch.cuda.synchronize()
     if spy.last is None:
-        return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | |"
+        return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | | | |"
     run, args = spy.last
     q = torch.empty(16, 1024, 16, headdim, device="cuda", dtype=torch.bfloat16)
     lse_shape = (16, 16, 1024)
@@ -177,8 +194,12 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
     lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls)
     launch = _host_us(lambda: run(*args), calls)
     torch.cuda.synchronize()
+    tensor_args = _with_tensor_pointers(run, args, (q, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
+                                                    torch.empty(lse_shape, dtype=torch.float32, device=q.device)))
+    with_tensors = "-" if tensor_args is None else f"{_host_us(lambda: run(*tensor_args), calls):.1f}"
+    torch.cuda.synchronize()
     return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {lse:.1f} | {launch:.1f} | "
-            f"{total - alloc - launch:.1f} |")
+            f"{with_tensors} | {total - alloc - launch:.1f} |")
 
 
 def _allocation_ways(calls: int):
@@ -208,14 +229,15 @@ def run_gpu(calls: int, autotune: bool):
         os.environ[attn_ops.AUTOTUNE_ENV] = "0"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, "
           f"{calls} calls per loop, Triton autotuning {'on' if autotune else 'off'}")
-    print("| path | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | gap us/call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| path | batch x tokens | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | "
+          "gap us/call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     breakdown = []
     for path in PATHS:
         with forward_path(path):
-            for headdim, causal in SHAPES:
+            for batch, tokens, headdim, causal in SHAPES:
                 for grad in GRADS:
-                    f = _call(headdim, causal, grad, "cuda")
+                    f = _call(headdim, causal, grad, "cuda", batch, tokens)
                     for _ in range(20):  # compile, autotune, cache the launch
                         f()
                     torch.cuda.synchronize()
@@ -223,13 +245,14 @@ def run_gpu(calls: int, autotune: bool):
                     torch.cuda.synchronize()
                     loop = _gpu_us(f, calls)
                     kernel = _kernel_us(f, calls)
-                    print(f"| {path} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | {kernel:.1f} | "
-                          f"{loop - kernel:.1f} |", flush=True)
+                    print(f"| {path} | {batch} x {tokens} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | "
+                          f"{kernel:.1f} | {loop - kernel:.1f} |", flush=True)
             breakdown.append(_breakdown(128, False, path, calls))
     print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
-          "by this call), the direct launch alone (ready arguments), the rest (total - out - launch: Python)")
-    print("| path | head dim | causal | total | out | (lse) | launch | rest |")
-    print("|---|---|---|---|---|---|---|---|")
+          "by this call), the direct launch alone (ready arguments: pointers as ints), the same launch with tensors "
+          "for the pointers (as before), the rest (total - out - launch: Python)")
+    print("| path | head dim | causal | total | out | (lse) | launch | (launch, tensors) | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(breakdown))
     _allocation_ways(calls)
     print()
@@ -337,7 +360,7 @@ def run_cpu(calls: int):
     print("|---|---|---|---|---|")
     for path in PATHS:
         with forward_path(path):
-            for headdim, causal in SHAPES:
+            for _, _, headdim, causal in SHAPES[:3]:
                 for grad in GRADS:
                     f = _call(headdim, causal, grad, "cpu", batch=2, tokens=16)
                     for _ in range(10):
