@@ -332,3 +332,39 @@ def test_triton_scratch_is_per_stream_and_fresh_under_capture(hopper, monkeypatc
     assert direct_launch.SCRATCH.allocations == 4 and len(direct_launch.SCRATCH.buffers) == 2
     grid = hopper.c_calls.calls[-1][:3]
     assert min(b.numel() for b in buffers) >= grid[0] * grid[1] * grid[2] * 256
+
+
+def test_plain_launcher_hands_the_c_launcher_what_tritons_wrapper_does(monkeypatch):
+    """direct_launch.PlainLauncher against Triton 3.6's own CudaLauncher.__call__ over the same recording C launch:
+    the same arguments but the global scratch (Triton's from the thread's allocator, ours per stream: both of
+    grid size * num_ctas * global_scratch_size bytes) and the hooks (None: no hook registered)."""
+    import triton
+
+    from flashdecode.ops import direct_launch
+
+    monkeypatch.setattr(direct_launch, "SCRATCH", direct_launch.StreamScratch())
+    c_calls = _RecordingLaunch()
+    compiled = _FakeCompiled(c_calls, scratch=256)
+    compiled.run.num_ctas = 2
+    plain = direct_launch.PlainLauncher.of(compiled)
+    assert plain is not None and plain.scratch_bytes == 512
+    asked = []
+
+    def allocator(size, align, stream):
+        asked.append((size, align, stream))
+        return torch.empty(size, dtype=torch.int8)
+    triton.set_allocator(allocator)
+    try:
+        args = (1 << 20, 2 << 20, (4, 1, 8, 16), 0.5, 3, "CONSTEXPR")
+        compiled.run(5, 2, 3, 11, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    finally:
+        triton.set_allocator(attn_ops._scratch_allocator)
+    plain((5, 2, 3), 11, torch.device("cpu"), args)
+    tritons, ours = c_calls.calls
+    assert asked == [(5 * 2 * 3 * 2 * 256, 128, 11)]
+    assert tritons[:7] == ours[:7] and tritons[8:] == ours[8:]  # all but the scratch
+    assert ours[7] % 128 == 0 and direct_launch.SCRATCH.buffers[(torch.device("cpu"), 11)].numel() >= 5 * 2 * 3 * 512
+    no_scratch = _FakeCompiled(c_calls)
+    compiled.run.launch_pdl = True  # the next kernel may start before this one ends: Triton's path
+    assert direct_launch.PlainLauncher.of(compiled) is None
+    assert direct_launch.PlainLauncher.of(no_scratch).scratch_bytes == 0
