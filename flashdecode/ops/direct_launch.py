@@ -243,11 +243,14 @@ class PlainLauncher:
     def __call__(self, grid: tuple, stream, device: torch.device, args: tuple):
         """Launch on ``grid`` (3 entries) on ``stream`` (current on ``device``, the current device) with the
         kernel's parameters ``args`` (runtime arguments, then constexprs, as the JIT binds them)."""
-        scratch = None
+        buffer = scratch = None
         if self.scratch_bytes:
             nbytes = grid[0] * grid[1] * grid[2] * self.scratch_bytes
-            scratch = SCRATCH.get(nbytes + self.scratch_align, device, stream).data_ptr()
+            # held until the launch is enqueued: a buffer that another thread replaces meanwhile is freed after it
+            buffer = SCRATCH.get(nbytes + self.scratch_align, device, stream)
+            scratch = buffer.data_ptr()
             scratch += -scratch % self.scratch_align
         self.launch(grid[0], grid[1], grid[2], stream, self.function, self.coop, False, scratch, None, self.packed,
                     None, None, None, *args)
+        del buffer
         self.launches += 1
