@@ -674,7 +674,7 @@ class _DenseCall:
     nheads_kv, headdim), fp16 / bf16 / fp32, checked."""
 
     __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls", "device", "bound",
-                 "discard_lse")
+                 "discard_lse", "default_scale")
 
     def __init__(self, q, k, v, left: int, right: int, softcap: float, config_id: int):
         batch, sq, nheads, _ = q.shape
@@ -682,6 +682,7 @@ class _DenseCall:
         self.lse_shape = (batch, nheads, sq)
         self.empty = q.numel() == 0
         self.device = q.device
+        self.default_scale = q.shape[3] ** -0.5  # softmax_scale None
         self.gluon = self.bound = self.discard_lse = None
         if config_id == _RESOLVE_CONFIG and not self.empty:
             self.gluon = gluon_attention.dispatch_plan(q, k, v, left, right, softcap)
@@ -1014,7 +1015,8 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     built. Autograd only where a gradient can flow (its Function costs
     host time per call)."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or type(v) is not torch.Tensor or not _no_window(window_size) or type(softcap) is not float
+            or type(v) is not torch.Tensor or (window_size is not _NO_WINDOW and not _no_window(window_size))
+            or type(softcap) is not float
             or softcap != 0.0 or (causal is not True and causal is not False)
             or (return_lse is not True and return_lse is not False)
             or (deterministic is not True and deterministic is not False)):
@@ -1029,7 +1031,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
             return None
         call = _bounded_put(_DENSE_CALLS, key, _DenseCall(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG))
     if softmax_scale is None:
-        scale = q.shape[3] ** -0.5
+        scale = call.default_scale
     elif type(softmax_scale) is float and math.isfinite(softmax_scale):
         scale = softmax_scale
     else:
