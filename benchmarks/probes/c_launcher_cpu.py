@@ -1,0 +1,165 @@
+"""flash_attn's direct launch of the Triton forward through Triton's real generated C launcher, on the CPU: a stub
+libcuda.so.1 (built here with the C compiler Triton uses) stands in for the driver, so the C launcher parses every
+argument, reads every pointer and calls cuLaunchKernelEx exactly as on the GPU, and the stub records what the kernel
+would get. Checks that the dense call cache's launch (pointers as data_ptr() ints, the per-stream global scratch,
+the fixed argument tuple) reaches the kernel's parameters intact, then times the C launcher's per-call parsing: with
+int vs tensor pointers, and with vs without the constexpr arguments (which the launcher parses and drops).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/c_launcher_cpu.py
+
+No GPU; needs gcc (or clang). The driver calls cost nothing here: on a GPU each tensor pointer also costs a
+cuPointerGetAttribute, and the launch a cuLaunchKernelEx.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+import timeit
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+STUB = r"""
+#include <stdint.h>
+#include <string.h>
+typedef int CUresult;
+typedef struct { unsigned gridDimX, gridDimY, gridDimZ; } CUlaunchConfigHead;
+static int context;
+unsigned long long stub_launches = 0, stub_grid[3];
+int stub_nparams = 0;
+uint64_t stub_params[256];
+CUresult cuGetErrorString(CUresult e, const char** s) { *s = "stub"; return 0; }
+CUresult cuPointerGetAttribute(void* data, int attr, uint64_t ptr) { *(uint64_t*)data = ptr; return 0; }
+CUresult cuCtxGetCurrent(void** c) { *c = &context; return 0; }
+CUresult cuDeviceGet(int* d, int o) { *d = 0; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void** c, int d) { *c = &context; return 0; }
+CUresult cuCtxSetCurrent(void* c) { return 0; }
+CUresult cuFuncSetAttribute(void* f, int attr, int value) { return 0; }
+CUresult cuLaunchKernelEx(const CUlaunchConfigHead* config, void* f, void** params, void** extra) {
+  stub_launches++;
+  stub_grid[0] = config->gridDimX; stub_grid[1] = config->gridDimY; stub_grid[2] = config->gridDimZ;
+  for (int i = 0; i < stub_nparams && i < 256; i++) { stub_params[i] = 0; memcpy(&stub_params[i], params[i], 8); }
+  return 0;
+}
+"""
+
+
+def _stub_driver(workdir: str):
+    """Builds and loads the stub libcuda.so.1 (global symbols, so the launcher binds to it)."""
+    src = os.path.join(workdir, "stub.c")
+    with open(src, "w") as f:
+        f.write(STUB)
+    lib = os.path.join(workdir, "libcuda.so.1")
+    cc = os.environ.get("CC") or "gcc"
+    subprocess.check_call([cc, "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", lib, src])
+    return ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+def _type_of(value, pointer: bool):
+    """The signature type Triton's binder gives a runtime argument (1 and None specialise to constexpr)."""
+    if pointer:
+        return "*bf16"
+    if value is None or (type(value) is int and value == 1):
+        return "constexpr"
+    if isinstance(value, tuple):
+        return tuple(_type_of(x, False) for x in value)
+    if type(value) is float:
+        return "fp32"
+    if type(value) is bool:
+        return "u1"
+    return "i32"
+
+
+def _flat(types) -> list:
+    out = []
+    for t in types:
+        out.extend(_flat(t) if isinstance(t, tuple) else [t])
+    return out
+
+
+def _launcher(types: list, workdir: str, stub_dir: str):
+    from triton.backends.nvidia import driver as nv
+    from triton.runtime.build import compile_module_from_src
+
+    src = nv.make_launcher({}, dict(enumerate(types)), None)
+    return compile_module_from_src(src=src, name="__triton_launcher", library_dirs=[stub_dir],
+                                   include_dirs=nv.include_dirs, libraries=nv.libraries)
+
+
+def main():
+    workdir = tempfile.mkdtemp(prefix="c_launcher_cpu_")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "cache"))
+    stub = _stub_driver(workdir)
+    import host_overhead as ho  # the faked Hopper of scripts/host_overhead.py --cpu
+
+    import flashdecode
+    from flashdecode.ops import attention as attn_ops
+    from flashdecode.ops import direct_launch
+    from flashdecode.ops import gluon_attention as ga
+
+    ho._fake_device()
+    ga.gluon_pays = lambda headdim, seqlen_k: False  # the Triton forward
+    q, k, v = (torch.randn(2, 16, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+    flashdecode.flash_attn(q, k, v)
+    call, = attn_ops._DENSE_CALLS.values()
+    kernel = call.kernel
+    seen = []
+    recorder = kernel.direct.launch
+    kernel.direct.launch = lambda *args: seen.append(args)
+    out = flashdecode.flash_attn(q, k, v)
+    full = seen[-1][13:]
+    params = kernel.fn.params
+    nargs = next(i for i, p in enumerate(params) if p.is_constexpr)
+    types = [_type_of(x, i < 5) for i, x in enumerate(full[:nargs])] + ["constexpr"] * (len(full) - nargs)
+    module = _launcher(types, workdir, workdir)
+    kernel.direct.launch = module.launch
+    runtime = [t for t in _flat(types) if t != "constexpr"]
+    ctypes.c_int.in_dll(stub, "stub_nparams").value = len(runtime) + 2  # and the two scratch pointers
+
+    out = flashdecode.flash_attn(q, k, v)
+    got = (ctypes.c_uint64 * 256).in_dll(stub, "stub_params")
+    discard = call._lse_discard()
+    expected = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), discard]
+    assert list(got[:5]) == expected, (list(got[:5]), expected)
+    scratch = got[len(runtime)]
+    buffer, = direct_launch.SCRATCH.buffers.values()
+    assert buffer.data_ptr() <= scratch < buffer.data_ptr() + buffer.numel() and scratch % 128 == 0
+    grid = tuple((ctypes.c_uint64 * 3).in_dll(stub, "stub_grid"))
+    assert grid == call.bound[0], (grid, call.bound[0])
+    i32 = [x & 0xFFFFFFFF for x in got[5:len(runtime)]]
+    print(f"C launcher got the pointers, the grid {grid} and the scratch; {len(runtime)} runtime parameters "
+          f"(first i32/fp32 words: {i32[:8]})")
+
+    def us(f, n=100000):
+        return min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6
+    launch = seen[-1][:13]
+    with_ints = launch + full
+    out_t = torch.empty_like(q)
+    lse_t = torch.empty(2, 16, 16)
+    with_tensors = launch + (q, k, v, out_t, lse_t) + full[5:]
+    no_constexprs = [t for t in types if t != "constexpr"]
+    bare = _launcher(no_constexprs, workdir, workdir)
+    bare_args = launch + tuple(x for x, t in zip(full, types) if t != "constexpr")
+    rows = [
+        ("flash_attn, Triton path, C launcher on the stub driver", us(lambda: flashdecode.flash_attn(q, k, v), 20000)),
+        ("C launcher alone, pointers as ints", us(lambda: module.launch(*with_ints))),
+        ("C launcher alone, pointers as tensors", us(lambda: module.launch(*with_tensors))),
+        (f"C launcher alone, without the {len(types) - len(no_constexprs)} top-level constexprs",
+         us(lambda: bare.launch(*bare_args))),
+    ]
+    kernel.direct.launch = recorder
+    print(f"torch {torch.__version__}; host us per call, CPU, stub driver")
+    print("| what | us |")
+    print("|---|---|")
+    for name, t in rows:
+        print(f"| {name} | {t:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
