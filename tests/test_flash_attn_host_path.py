@@ -25,7 +25,7 @@ def _qkv(seed: int, requires_grad: bool = False):
 @pytest.fixture
 def spied(monkeypatch):
     """Records the general path's work: the tensor checks, the dense entry's construction, the launch-plan and
-    configuration lookups, the autograd Function and the forward op's implementation."""
+    configuration lookups, the autograd Functions and the forward op's implementation."""
     work = []
     for owner, name in ((attn_ops, "_check_tensor_args"), (attn_ops, "_check_tensors_once"),
                         (attn_ops, "_config_for"), (attn_ops, "_fwd_plan"), (attn_ops, "_fwd_impl"),
@@ -33,9 +33,11 @@ def spied(monkeypatch):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **kw: (work.append(_name),
                                                                                  _real(*a, **kw))[1])
-    for function in (attn_ops._FlashAttnFunction, attn_ops._DenseCallFunction):
-        monkeypatch.setattr(function, "apply", lambda *a, _apply=function.apply, _name=function.__name__:
-                            (work.append(_name), _apply(*a))[1])
+    monkeypatch.setattr(attn_ops._FlashAttnFunction, "apply", lambda *a, _apply=attn_ops._FlashAttnFunction.apply:
+                        (work.append("_FlashAttnFunction"), _apply(*a))[1])
+    # the dense call cache's autograd: _DenseCallFunction through its C apply (_dense_autograd)
+    monkeypatch.setattr(attn_ops, "_dense_autograd", lambda *a, _apply=attn_ops._dense_autograd:
+                        (work.append("_DenseCallFunction"), _apply(*a))[1])
     return work
 
 
@@ -368,3 +370,29 @@ def test_plain_launcher_hands_the_c_launcher_what_tritons_wrapper_does(monkeypat
     compiled.run.launch_pdl = True  # the next kernel may start before this one ends: Triton's path
     assert direct_launch.PlainLauncher.of(compiled) is None
     assert direct_launch.PlainLauncher.of(no_scratch).scratch_bytes == 0
+
+
+def test_dense_autograd_is_the_functions_c_apply_unless_functorch_is_active(monkeypatch):
+    """_dense_autograd skips Function.apply's Python part only where that part would just unwrap dead functorch
+    wrappers: the same graph node (the Function's backward), the same outputs and gradients; with a functorch
+    transform active it takes Function.apply itself (which refuses a Function without setup_context)."""
+    q, k, v = _qkv(6, requires_grad=True)
+    flashdecode.flash_attn(q, k, v)
+    call, = [c for key, c in attn_ops._DENSE_CALLS.items() if key[0] == q.shape and key[3] == q.stride()][:1]
+    options = (0.3, -1, True)
+    fast, fast_lse = attn_ops._dense_autograd(q, k, v, call, options)
+    assert type(fast.grad_fn).__name__ == "_DenseCallFunctionBackward" and not fast_lse.requires_grad
+    slow, _ = attn_ops._DenseCallFunction.apply(q, k, v, call, options)
+    dout = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(slow, (q, k, v), dout)):
+        assert torch.equal(a, b)
+    assert torch.equal(fast, slow)
+    applied = []
+    real_apply = attn_ops._DenseCallFunction.apply
+    monkeypatch.setattr(attn_ops._DenseCallFunction, "apply", lambda *a: (applied.append(1), real_apply(*a))[1])
+    attn_ops._dense_autograd(q, k, v, call, options)
+    assert applied == []
+    monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+    with pytest.raises(RuntimeError, match="setup_context"):  # what Function.apply says under a transform
+        attn_ops._dense_autograd(q, k, v, call, options)
+    assert applied == [1]

@@ -957,6 +957,29 @@ class _DenseCallFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _c_apply(function):
+    """``function``'s autograd apply in C (what torch.autograd.Function.apply calls last), or None where this torch
+    lacks what _dense_autograd needs to stand in for Function.apply's Python part."""
+    try:
+        torch._C._are_functorch_transforms_active, torch._C._functorch.unwrap_if_dead  # noqa: B018
+        return super(torch.autograd.Function, function).apply
+    except AttributeError:
+        return None
+
+
+_DENSE_C_APPLY = _c_apply(_DenseCallFunction)
+
+
+def _dense_autograd(q, k, v, call, options):
+    """_DenseCallFunction.apply(q, k, v, call, options) without Function.apply's Python part where that part only
+    unwraps dead functorch wrappers (no functorch transform active; the Function has no setup_context): the C apply
+    it ends in, with q, k, v unwrapped the same way (~2 us less per call on the CPU)."""
+    if _DENSE_C_APPLY is None or torch._C._are_functorch_transforms_active():
+        return _DenseCallFunction.apply(q, k, v, call, options)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _DENSE_C_APPLY(unwrap(q), unwrap(k), unwrap(v), call, options)
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
                deterministic, config_id, descales=None, alibi_slopes=None):
     """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call).
@@ -1037,7 +1060,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     else:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _DenseCallFunction.apply(q, k, v, call, (scale, right, deterministic))
+        out, lse = _dense_autograd(q, k, v, call, (scale, right, deterministic))
     else:
         out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse)
     return (out, lse) if return_lse else out
