@@ -348,7 +348,7 @@ def _fake_device():
     attn_ops._current_stream = lambda index: 0
     attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
     attn_ops._device_facts = lambda device: (227 * 1024, 9)
-    torch.cuda.current_device = lambda: None  # a CPU tensor's device index
+    ga._current_device = attn_ops._current_device = lambda: None  # a CPU tensor's device index
     attn_ops._ensure_triton_allocator()  # Triton's launcher asks for the fake kernel's global scratch
 
 

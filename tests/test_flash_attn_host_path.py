@@ -207,7 +207,9 @@ def hopper(monkeypatch):
     monkeypatch.setattr(attn_ops, "_device_facts", lambda device: (227 * 1024, 9))
     monkeypatch.setattr(ga, "_current_stream", lambda index: state.stream)
     monkeypatch.setattr(attn_ops, "_current_stream", lambda index: state.stream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(ga, "_current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(attn_ops, "_current_device", lambda: None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the argument checks take CPU tensors (also on a GPU machine)
     monkeypatch.setattr(direct_launch, "SCRATCH", direct_launch.StreamScratch())
     for cache in (ga._PLANS, attn_ops._FWD_PLANS, attn_ops._DENSE_CALLS):
         cache.clear()

@@ -36,7 +36,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(ga, "_num_sms", lambda device: 132)
     monkeypatch.setattr(ga, "_jit_launch", fake_jit)
     monkeypatch.setattr(ga, "_current_stream", lambda index: 7)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(ga, "_current_device", lambda: None)  # CPU tensors' device index
     monkeypatch.setattr(ga, "_PLANS", {})
     return jit_calls, compiled
 

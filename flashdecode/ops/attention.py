@@ -399,7 +399,7 @@ class _Kernel:
             self.fn[grid_fn(meta)](*args, **self.constexprs, **meta)
             return
         tuned = _tuned(self.fn, self.tiles, self.names, self.autotune, self.reset_dq)
-        if device.index == torch.cuda.current_device():
+        if device.index == _current_device():
             compiled = tuned[grid_fn](*args, **self.constexprs)
         else:
             with torch.cuda.device(device):
