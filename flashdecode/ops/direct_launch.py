@@ -171,7 +171,7 @@ def discard_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     Every such output of ``device`` goes to the same memory, written by any number of kernels at once, on any
     stream: harmless because nothing reads it. Buffers are never freed (a larger request adds one of at least twice
     the size), so an address handed out stays valid for every launch that got it, including CUDA graphs that
-    captured it; what is held stays below twice the largest request."""
+    captured it; what is held stays below four times the largest request (each buffer at least doubles the last)."""
     if nbytes > DISCARD_MAX_BYTES:
         return None
     held = _DISCARD.setdefault(device, [])
@@ -228,6 +228,8 @@ class PlainLauncher:
 
     @classmethod
     def of(cls, compiled):
+        """For ``compiled`` (a CompiledKernel), or None where its launcher is not Triton 3.6's CudaLauncher over the
+        bare C function, or needs profile scratch or programmatic dependent launch."""
         run = getattr(compiled, "run", None)
         launch = getattr(run, "launch", None)
         # Triton wraps the C function in a Python closure where host tensor descriptors are to be expanded
