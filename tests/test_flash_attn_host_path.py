@@ -398,3 +398,17 @@ def test_dense_autograd_is_the_functions_c_apply_unless_functorch_is_active(monk
     with pytest.raises(RuntimeError, match="setup_context"):  # what Function.apply says under a transform
         attn_ops._dense_autograd(q, k, v, call, options)
     assert applied == [1]
+
+
+@pytest.mark.parametrize("headdim, out_at", [(128, _GLUON_OUT_AT), (96, _TRITON_OUT_AT)], ids=["gluon", "triton"])
+def test_torch_compile_reaches_the_direct_launch(hopper, headdim, out_at):
+    """Under torch.compile flash_attn is the forward op (its fake implementation traced); the op's eager
+    implementation then takes the same dense entry and direct launch, lse included (the op returns it)."""
+    q, k, v = _dense(shape_q=(2, 40, 4, headdim), shape_kv=(2, 56, 2, headdim))
+    compiled = torch.compile(lambda q, k, v: flashdecode.flash_attn(q, k, v, causal=True, return_lse=True),
+                             backend="aot_eager", fullgraph=True)
+    compiled(q, k, v)
+    out, lse = compiled(q, k, v)
+    assert _entries() == 1 and out.shape == q.shape and lse.shape == (2, 4, 40)
+    launched = hopper.c_calls.calls[-1]
+    assert launched[out_at:out_at + 2] == (out.data_ptr(), lse.data_ptr())
