@@ -1,9 +1,10 @@
-"""flash_attn's direct launch of the Triton forward through Triton's real generated C launcher, on the CPU: a stub
-libcuda.so.1 (built here with the C compiler Triton uses) stands in for the driver, so the C launcher parses every
-argument, reads every pointer and calls cuLaunchKernelEx exactly as on the GPU, and the stub records what the kernel
-would get. Checks that the dense call cache's launch (pointers as data_ptr() ints, the per-stream global scratch,
-the fixed argument tuple) reaches the kernel's parameters intact, then times the C launcher's per-call parsing: with
-int vs tensor pointers, and with vs without the constexpr arguments (which the launcher parses and drops).
+"""flash_attn's direct launches (the Triton forward and the Gluon forward) through Triton's real generated C
+launchers, on the CPU: a stub libcuda.so.1 (built here with the C compiler Triton uses) stands in for the driver, so
+each C launcher parses every argument, reads every pointer and CUtensorMap (filled by Triton's own cuda_utils) and
+calls cuLaunchKernelEx exactly as on the GPU, and the stub records what the kernel would get. Checks that the dense
+call cache's launches (pointers as data_ptr() ints, the per-stream global scratch, the CUtensorMaps kept per
+address, the fixed argument tuples) reach the kernel's parameters intact, then times the Triton launcher's per-call
+parsing: with int vs tensor pointers, and with vs without the constexpr arguments (which it parses and drops).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/c_launcher_cpu.py
 
@@ -41,6 +42,20 @@ CUresult cuDeviceGet(int* d, int o) { *d = 0; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void** c, int d) { *c = &context; return 0; }
 CUresult cuCtxSetCurrent(void* c) { return 0; }
 CUresult cuFuncSetAttribute(void* f, int attr, int value) { return 0; }
+CUresult cuFuncGetAttribute(int* v, int attr, void* f) { *v = 0; return 0; }
+CUresult cuFuncSetCacheConfig(void* f, int c) { return 0; }
+CUresult cuCtxGetLimit(size_t* v, int limit) { *v = 0; return 0; }
+CUresult cuCtxSetLimit(int limit, size_t v) { return 0; }
+CUresult cuDeviceGetAttribute(int* v, int attr, int d) { *v = 0; return 0; }
+CUresult cuModuleLoadData(void** m, const void* image) { *m = &context; return 0; }
+CUresult cuModuleGetFunction(void** f, void* m, const char* name) { *f = &context; return 0; }
+CUresult cuOccupancyMaxActiveClusters(int* n, void* f, const void* config) { *n = 1; return 0; }
+/* a CUtensorMap's first 8 bytes: its global address (the probe reads it back from the kernel's parameters) */
+CUresult cuTensorMapEncodeTiled(void* map, int type, unsigned rank, void* address, const uint64_t* dims,
+                                const uint64_t* strides, const unsigned* box, const unsigned* element_strides,
+                                int interleave, int swizzle, int l2, int fill) {
+  memcpy(map, &address, 8); return 0;
+}
 CUresult cuLaunchKernelEx(const CUlaunchConfigHead* config, void* f, void** params, void** extra) {
   stub_launches++;
   stub_grid[0] = config->gridDimX; stub_grid[1] = config->gridDimY; stub_grid[2] = config->gridDimZ;
@@ -90,6 +105,53 @@ def _launcher(types: list, workdir: str, stub_dir: str):
     src = nv.make_launcher({}, dict(enumerate(types)), None)
     return compile_module_from_src(src=src, name="__triton_launcher", library_dirs=[stub_dir],
                                    include_dirs=nv.include_dirs, libraries=nv.libraries)
+
+
+def _gluon_check(stub, workdir: str):
+    """The Gluon forward's direct launch (TensormapLauncher) through the real C launcher and real CUtensorMaps."""
+    import triton
+    from triton.backends.nvidia import driver as nv
+    from triton.runtime.build import compile_module_from_src
+
+    import flashdecode
+    from flashdecode.ops import attention as attn_ops
+    from flashdecode.ops import gluon_attention as ga
+
+    with open(os.path.join(os.path.dirname(nv.__file__), "driver.c")) as f:
+        utils = compile_module_from_src(src=f.read(), name="cuda_utils", library_dirs=[workdir],
+                                        include_dirs=nv.include_dirs, libraries=nv.libraries)
+    nv.PyCUtensorMap = utils.PyCUtensorMap  # the launcher module's type check reads it at import
+
+    class Driver:  # triton.runtime.driver.active as make_tensordesc_arg reads it
+        pass
+    Driver.utils = utils
+    q, k, v = (torch.randn(2, 16, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+    flashdecode.flash_attn(q, k, v)  # the key's first (JIT, faked) launch
+    triton.runtime.driver.set_active(Driver())
+    plan, = [p for p in ga._PLANS.values() if p]
+    direct = plan.direct
+    metas = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=[rows, 128], fp4_padded=False)
+             for rows in (64, plan.cfg.block_n, plan.cfg.block_n)]
+    direct.metas, direct.maps, direct.descs = metas, tuple({} for _ in metas), {}
+    types = ["tensordesc<bf16[64,128]>"] * 3 + ["*bf16", "*fp32", "i32", "i32", "i32", "fp32"]
+    types += ["constexpr"] * len(plan.tail)
+    module = compile_module_from_src(src=nv.make_launcher({}, dict(enumerate(types)), metas),
+                                     name="__triton_launcher", library_dirs=[workdir], include_dirs=nv.include_dirs,
+                                     libraries=nv.libraries)
+    direct.launcher = module.launch
+    ctypes.c_int.in_dll(stub, "stub_nparams").value = 3 * 5 + 6 + 2
+    out = flashdecode.flash_attn(q, k, v)
+    got = list((ctypes.c_uint64 * 256).in_dll(stub, "stub_params"))
+    call, = [c for c in attn_ops._DENSE_CALLS.values() if c.gluon is plan]
+    assert [got[0], got[5], got[10]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()], "CUtensorMap addresses"
+    assert [x & 0xFFFFFFFF for x in got[1:3]] == [2 * 16, 16 * 128] and got[3:5] == [16 * 128, 1], got[1:5]
+    assert got[15:17] == [out.data_ptr(), plan.lse_discard()], "out, lse"
+    assert [x & 0xFFFFFFFF for x in got[17:20]] == list(plan.shapes), "num_tiles, seqlen_q, seqlen_k"
+    grid = tuple((ctypes.c_uint64 * 3).in_dll(stub, "stub_grid"))
+    assert grid == plan.grid and direct.fills == 3 and call.gluon is plan
+    print(f"Gluon: the C launcher got the three CUtensorMaps (q, k, v addresses), out, the discarded lse, the "
+          f"shapes and the grid {grid}")
+    return min(timeit.repeat(lambda: flashdecode.flash_attn(q, k, v), number=20000, repeat=5)) / 20000 * 1e6
 
 
 def main():
@@ -154,6 +216,9 @@ def main():
          us(lambda: bare.launch(*bare_args))),
     ]
     kernel.direct.launch = recorder
+    ga.gluon_pays = lambda headdim, seqlen_k: headdim == 128
+    ho._clear_caches()
+    rows.insert(0, ("flash_attn, Gluon path, C launcher on the stub driver", _gluon_check(stub, workdir)))
     print(f"torch {torch.__version__}; host us per call, CPU, stub driver")
     print("| what | us |")
     print("|---|---|")
