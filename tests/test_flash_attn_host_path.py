@@ -11,7 +11,7 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
-from helpers import DEVICE, KERNEL_DTYPES, randn
+from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, randn
 
 SHAPE_Q, SHAPE_KV = (1, 19, 4, 32), (1, 23, 2, 32)
 
@@ -412,3 +412,24 @@ def test_torch_compile_reaches_the_direct_launch(hopper, headdim, out_at):
     assert _entries() == 1 and out.shape == q.shape and lse.shape == (2, 4, 40)
     launched = hopper.c_calls.calls[-1]
     assert launched[out_at:out_at + 2] == (out.data_ptr(), lse.data_ptr())
+
+
+def test_direct_launches_through_tritons_real_c_launchers():
+    """benchmarks/probes/c_launcher_cpu.py --check in a fresh Python: the Triton and Gluon forwards' direct launches
+    through Triton's real generated C launchers (and its CUtensorMap fills) over a stub libcuda built there, which
+    records the kernel parameters: every pointer, map, shape, the scratch and the grid arrive intact."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if HAS_CUDA:  # the stub would meet the real libcuda.so.1 there
+        pytest.skip("a CPU check: on a GPU the launches run for real (tests/test_direct_launch_gpu.py)")
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler to build Triton's launchers with")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join("benchmarks", "probes", "c_launcher_cpu.py"), "--check"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("intact"), proc.stdout[-2000:] + proc.stderr[-3000:]

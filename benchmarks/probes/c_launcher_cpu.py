@@ -6,8 +6,9 @@ call cache's launches (pointers as data_ptr() ints, the per-stream global scratc
 address, the fixed argument tuples) reach the kernel's parameters intact, then times the Triton launcher's per-call
 parsing: with int vs tensor pointers, and with vs without the constexpr arguments (which it parses and drops).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/c_launcher_cpu.py
+    PYTHONPATH=$PWD python3 benchmarks/probes/c_launcher_cpu.py [--check]
 
+(--check: the checks only, no timings; tests/test_flash_attn_host_path.py runs it.)
 No GPU; needs gcc (or clang). The driver calls cost nothing here: on a GPU each tensor pointer also costs a
 cuPointerGetAttribute, and the launch a cuLaunchKernelEx.
 """
@@ -151,43 +152,33 @@ def _gluon_check(stub, workdir: str):
     assert grid == plan.grid and direct.fills == 3 and call.gluon is plan
     print(f"Gluon: the C launcher got the three CUtensorMaps (q, k, v addresses), out, the discarded lse, the "
           f"shapes and the grid {grid}")
-    return min(timeit.repeat(lambda: flashdecode.flash_attn(q, k, v), number=20000, repeat=5)) / 20000 * 1e6
+    return q
 
 
-def main():
-    workdir = tempfile.mkdtemp(prefix="c_launcher_cpu_")
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "cache"))
-    stub = _stub_driver(workdir)
-    import host_overhead as ho  # the faked Hopper of scripts/host_overhead.py --cpu
-
+def _triton_check(stub, workdir: str):
+    """The Triton forward's direct launch (PlainLauncher) through the real C launcher. Returns what the timings
+    need: the C launcher module, the launch's arguments (launch fields, kernel parameters), their types, q."""
     import flashdecode
     from flashdecode.ops import attention as attn_ops
     from flashdecode.ops import direct_launch
-    from flashdecode.ops import gluon_attention as ga
 
-    ho._fake_device()
-    ga.gluon_pays = lambda headdim, seqlen_k: False  # the Triton forward
-    q, k, v = (torch.randn(2, 16, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, 16, 16, 96, dtype=torch.bfloat16) for _ in range(3))  # head dim 96: Triton's
     flashdecode.flash_attn(q, k, v)
     call, = attn_ops._DENSE_CALLS.values()
     kernel = call.kernel
     seen = []
-    recorder = kernel.direct.launch
     kernel.direct.launch = lambda *args: seen.append(args)
-    out = flashdecode.flash_attn(q, k, v)
+    flashdecode.flash_attn(q, k, v)
     full = seen[-1][13:]
-    params = kernel.fn.params
-    nargs = next(i for i, p in enumerate(params) if p.is_constexpr)
+    nargs = next(i for i, p in enumerate(kernel.fn.params) if p.is_constexpr)
     types = [_type_of(x, i < 5) for i, x in enumerate(full[:nargs])] + ["constexpr"] * (len(full) - nargs)
     module = _launcher(types, workdir, workdir)
     kernel.direct.launch = module.launch
     runtime = [t for t in _flat(types) if t != "constexpr"]
     ctypes.c_int.in_dll(stub, "stub_nparams").value = len(runtime) + 2  # and the two scratch pointers
-
     out = flashdecode.flash_attn(q, k, v)
     got = (ctypes.c_uint64 * 256).in_dll(stub, "stub_params")
-    discard = call._lse_discard()
-    expected = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), discard]
+    expected = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), call._lse_discard()]
     assert list(got[:5]) == expected, (list(got[:5]), expected)
     scratch = got[len(runtime)]
     buffer, = direct_launch.SCRATCH.buffers.values()
@@ -195,30 +186,49 @@ def main():
     grid = tuple((ctypes.c_uint64 * 3).in_dll(stub, "stub_grid"))
     assert grid == call.bound[0], (grid, call.bound[0])
     i32 = [x & 0xFFFFFFFF for x in got[5:len(runtime)]]
-    print(f"C launcher got the pointers, the grid {grid} and the scratch; {len(runtime)} runtime parameters "
-          f"(first i32/fp32 words: {i32[:8]})")
+    print(f"Triton: the C launcher got q, k, v, out, the discarded lse, the grid {grid} and the scratch; "
+          f"{len(runtime)} runtime parameters (first i32/fp32 words: {i32[:8]})")
+    return module, seen[-1][:13], full, types, q
+
+
+def _timings(workdir: str, gluon_us: float, module, launch: tuple, full: tuple, types: list, q):
+    import flashdecode
 
     def us(f, n=100000):
         return min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6
-    launch = seen[-1][:13]
-    with_ints = launch + full
-    out_t = torch.empty_like(q)
-    lse_t = torch.empty(2, 16, 16)
-    with_tensors = launch + (q, k, v, out_t, lse_t) + full[5:]
+    out_t, lse_t = torch.empty_like(q), torch.empty(2, 16, 16)  # the Triton entry's q (head dim 96)
+    with_tensors = launch + (q, q, q, out_t, lse_t) + full[5:]
     no_constexprs = [t for t in types if t != "constexpr"]
     bare = _launcher(no_constexprs, workdir, workdir)
     bare_args = launch + tuple(x for x, t in zip(full, types) if t != "constexpr")
-    rows = [
-        ("flash_attn, Triton path, C launcher on the stub driver", us(lambda: flashdecode.flash_attn(q, k, v), 20000)),
-        ("C launcher alone, pointers as ints", us(lambda: module.launch(*with_ints))),
+    triton_us = us(lambda: flashdecode.flash_attn(q, q, q), 20000)
+    return [
+        ("flash_attn, Gluon path, C launcher on the stub driver", gluon_us),
+        ("flash_attn, Triton path, C launcher on the stub driver", triton_us),
+        ("C launcher alone, pointers as ints", us(lambda: module.launch(*launch, *full))),
         ("C launcher alone, pointers as tensors", us(lambda: module.launch(*with_tensors))),
         (f"C launcher alone, without the {len(types) - len(no_constexprs)} top-level constexprs",
          us(lambda: bare.launch(*bare_args))),
     ]
-    kernel.direct.launch = recorder
-    ga.gluon_pays = lambda headdim, seqlen_k: headdim == 128
-    ho._clear_caches()
-    rows.insert(0, ("flash_attn, Gluon path, C launcher on the stub driver", _gluon_check(stub, workdir)))
+
+
+def main(check_only: bool):
+    workdir = tempfile.mkdtemp(prefix="c_launcher_cpu_")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "cache"))
+    stub = _stub_driver(workdir)
+    import host_overhead as ho  # the faked Hopper of scripts/host_overhead.py --cpu
+
+    import flashdecode
+
+    ho._fake_device()
+    timing = _triton_check(stub, workdir)
+    gluon_q = _gluon_check(stub, workdir)
+    print("intact")
+    if check_only:
+        return
+    gluon_us = min(timeit.repeat(lambda: flashdecode.flash_attn(gluon_q, gluon_q, gluon_q), number=20000,
+                                 repeat=5)) / 20000 * 1e6
+    rows = _timings(workdir, gluon_us, *timing)
     print(f"torch {torch.__version__}; host us per call, CPU, stub driver")
     print("| what | us |")
     print("|---|---|")
@@ -227,4 +237,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(check_only="--check" in sys.argv[1:])
