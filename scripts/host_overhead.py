@@ -24,9 +24,11 @@ CPU (no GPU needed):
 
 The same rows on small CPU tensors (2 x 16 tokens: a CPU allocation of 16 x 1024 tokens costs far more than the
 GPU's caching allocator), TRITON_INTERPRET=1 for the argument checks, the dispatch told it is not interpreting and
-runs on a Hopper of 132 SMs, every kernel launch stubbed where Triton's launcher would be called: the host time of
-everything flashdecode does in Python per call (checks, the call cache, two small CPU allocations, the argument
-tuple), median of ``--calls`` single calls, in microseconds.
+runs on a Hopper of 132 SMs, every kernel launch stubbed where Triton's C launch function would be called (Triton's
+Python wrappers kept where a launch goes through them): the host time of everything flashdecode does in Python per
+call (checks, the call cache, small CPU allocations, the argument tuple), median of ``--calls`` single calls, in
+microseconds; then the same breakdown of one call as on the GPU (stub launches). benchmarks/probes/c_launcher_cpu.py
+adds Triton's real C launchers over a stub driver.
 """
 
 from __future__ import annotations
@@ -171,33 +173,39 @@ def _with_tensor_pointers(run, args: tuple, tensors: tuple):
     return None
 
 
-def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _breakdown(headdim: int, causal: bool, path: str, calls: int, device: str = "cuda", batch: int = 16,
+               tokens: int = 1024) -> str:
     """One no_grad call's host time split into the out allocation, the launch alone and the rest; beside them what
     an lse allocation (which the call no longer makes) costs, and the launch with tensors for its pointers."""
-    f = _call(headdim, causal, "no_grad", "cuda")
+    f = _call(headdim, causal, "no_grad", device, batch, tokens)
     for _ in range(5):
         f()
     spy = _LaunchSpy()
     for owner, attribute in list(_direct_launchers()):
         setattr(owner, attribute, spy.wrap(getattr(owner, attribute)))
     f()
-    torch.cuda.synchronize()
+    _sync(device)
     if spy.last is None:
         return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | | | |"
     run, args = spy.last
-    q = torch.empty(16, 1024, 16, headdim, device="cuda", dtype=torch.bfloat16)
-    lse_shape = (16, 16, 1024)
+    q = torch.empty(batch, tokens, 16, headdim, device=device, dtype=torch.bfloat16)
+    lse_shape = (batch, 16, tokens)
 
     total = _host_us(f, calls)
-    torch.cuda.synchronize()
+    _sync(device)
     alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls)
     lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls)
     launch = _host_us(lambda: run(*args), calls)
-    torch.cuda.synchronize()
+    _sync(device)
     tensor_args = _with_tensor_pointers(run, args, (q, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
                                                     torch.empty(lse_shape, dtype=torch.float32, device=q.device)))
     with_tensors = "-" if tensor_args is None else f"{_host_us(lambda: run(*tensor_args), calls):.1f}"
-    torch.cuda.synchronize()
+    _sync(device)
     return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {lse:.1f} | {launch:.1f} | "
             f"{with_tensors} | {total - alloc - launch:.1f} |")
 
@@ -224,6 +232,15 @@ def _allocation_ways(calls: int):
         print(f"| {name} | {_host_us(f, calls):.2f} |")
 
 
+def _print_breakdown(rows: list):
+    print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
+          "by this call), the direct launch alone (ready arguments: pointers as ints), the same launch with tensors "
+          "for the pointers (as before), the rest (total - out - launch: Python)")
+    print("| path | head dim | causal | total | out | (lse) | launch | (launch, tensors) | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
 def run_gpu(calls: int, autotune: bool):
     if not autotune:  # the first tile that fits: one compile per Triton row instead of a tuning sweep
         os.environ[attn_ops.AUTOTUNE_ENV] = "0"
@@ -248,12 +265,7 @@ def run_gpu(calls: int, autotune: bool):
                     print(f"| {path} | {batch} x {tokens} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | "
                           f"{kernel:.1f} | {loop - kernel:.1f} |", flush=True)
             breakdown.append(_breakdown(128, False, path, calls))
-    print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
-          "by this call), the direct launch alone (ready arguments: pointers as ints), the same launch with tensors "
-          "for the pointers (as before), the rest (total - out - launch: Python)")
-    print("| path | head dim | causal | total | out | (lse) | launch | (launch, tensors) | rest |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(breakdown))
+    _print_breakdown(breakdown)
     _allocation_ways(calls)
     print()
     _profile(f, calls, 15)
@@ -358,6 +370,7 @@ def run_cpu(calls: int):
           f"bf16; median of {calls} calls")
     print("| path | head dim | causal | inputs | host us/call |")
     print("|---|---|---|---|---|")
+    breakdown = []
     for path in PATHS:
         with forward_path(path):
             for _, _, headdim, causal in SHAPES[:3]:
@@ -366,10 +379,11 @@ def run_cpu(calls: int):
                     for _ in range(10):
                         f()
                     print(f"| {path} | {headdim} | {causal} | {grad} | {_median_us(f, calls):.1f} |", flush=True)
-            if path == PATHS[0]:
-                f0 = _call(128, False, "no_grad", "cpu", batch=2, tokens=16)
-                f0()
-                _profile(f0, calls, 14)
+            breakdown.append(_breakdown(128, False, path, calls, "cpu", batch=2, tokens=16))
+    _print_breakdown(breakdown)
+    f0 = _call(128, False, "no_grad", "cpu", batch=2, tokens=16)
+    f0()
+    _profile(f0, calls, 14)
 
 
 def main():
