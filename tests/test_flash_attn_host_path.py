@@ -11,7 +11,7 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
-from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, randn
+from helpers import HAS_CUDA, KERNEL_DTYPES, randn
 
 SHAPE_Q, SHAPE_KV = (1, 19, 4, 32), (1, 23, 2, 32)
 
