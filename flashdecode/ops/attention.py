@@ -64,11 +64,21 @@ _LAUNCH_CACHE_SIZE = 4096  # launch keys kept per direction (a dict cleared when
 _NO_WINDOW = (-1, -1)  # the default window_size: the options' fast checks pass it by identity
 
 
+# os.environ's own bytes dict on POSIX: the switches below are read per call (the dense call cache's key holds
+# them), so one dict lookup each instead of checks.env_value's decoding (the same answers: "1" and "0" are ASCII)
+_ENVIRON_GET = checks._ENVIRON_DATA.get if checks._ENVIRON_BYTES else None
+_INTERPRET_NAME, _AUTOTUNE_NAME = b"TRITON_INTERPRET", AUTOTUNE_ENV.encode()
+
+
 def _interpreting() -> bool:
+    if _ENVIRON_GET is not None:
+        return _ENVIRON_GET(_INTERPRET_NAME) == b"1"
     return checks.interpreting()
 
 
 def _autotune_enabled() -> bool:
+    if _ENVIRON_GET is not None:
+        return _ENVIRON_GET(_AUTOTUNE_NAME) != b"0"
     return checks.env_value(AUTOTUNE_ENV, "1") != "0"
 
 
