@@ -10,7 +10,8 @@ each forward path (``gluon``: the warp-specialised Hopper kernel flash_attn disp
 to; ``triton``: the Triton kernel, forced by refusing the Gluon dispatch for the run), each with inputs that need no
 gradient (``no_grad``: out only, so no lse is allocated), the same with return_lse=True (``lse``) and inputs that
 require grad (``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per
-call while the GPU runs behind (host clock around a loop of calls, no sync inside); ``loop`` = GPU time per call of
+call while the GPU runs behind (host clock around a loop of calls, no sync inside; the best of 3 loops, each from
+an idle GPU after a garbage collection); ``loop`` = GPU time per call of
 that loop (CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a
 CUDA graph (no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon /
 triton call; each part timed alone in a loop): the out allocation, an lse allocation (which a no_grad call without
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -85,11 +87,20 @@ def _call(headdim: int, causal: bool, grad: str, device: str, batch: int = 16, t
     return lambda: flashdecode.flash_attn(q, k, v, causal=causal, return_lse=return_lse)
 
 
-def _host_us(f, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        f()
-    return (time.perf_counter() - start) / calls * 1e6
+def _host_us(f, calls: int, sync=None, repeats: int = 3) -> float:
+    """Host microseconds per call of ``f``: the best of ``repeats`` loops of ``calls`` calls, each loop after a
+    garbage collection (a full collection of the process's import-time objects would otherwise land in some loops
+    and not others) and ``sync`` (not timed: each loop starts from an idle GPU)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        gc.collect()
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
 
 
 def _median_us(f, calls: int) -> float:
@@ -103,6 +114,7 @@ def _median_us(f, calls: int) -> float:
 
 
 def _gpu_us(f, calls: int) -> float:
+    gc.collect()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(calls):
@@ -196,15 +208,14 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int, device: str = 
     q = torch.empty(batch, tokens, 16, headdim, device=device, dtype=torch.bfloat16)
     lse_shape = (batch, 16, tokens)
 
-    total = _host_us(f, calls)
-    _sync(device)
-    alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls)
-    lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls)
-    launch = _host_us(lambda: run(*args), calls)
-    _sync(device)
+    sync = (lambda: _sync(device))
+    total = _host_us(f, calls, sync)
+    alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls, sync)
+    lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls, sync)
+    launch = _host_us(lambda: run(*args), calls, sync)
     tensor_args = _with_tensor_pointers(run, args, (q, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
                                                     torch.empty(lse_shape, dtype=torch.float32, device=q.device)))
-    with_tensors = "-" if tensor_args is None else f"{_host_us(lambda: run(*tensor_args), calls):.1f}"
+    with_tensors = "-" if tensor_args is None else f"{_host_us(lambda: run(*tensor_args), calls, sync):.1f}"
     _sync(device)
     return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {lse:.1f} | {launch:.1f} | "
             f"{with_tensors} | {total - alloc - launch:.1f} |")
@@ -229,7 +240,7 @@ def _allocation_ways(calls: int):
     for name, f in ways.items():
         for _ in range(20):
             f()
-        print(f"| {name} | {_host_us(f, calls):.2f} |")
+        print(f"| {name} | {_host_us(f, calls, torch.cuda.synchronize):.2f} |")
 
 
 def _print_breakdown(rows: list):
@@ -257,8 +268,7 @@ def run_gpu(calls: int, autotune: bool):
                     f = _call(headdim, causal, grad, "cuda", batch, tokens)
                     for _ in range(20):  # compile, autotune, cache the launch
                         f()
-                    torch.cuda.synchronize()
-                    host = _host_us(f, calls)
+                    host = _host_us(f, calls, torch.cuda.synchronize)
                     torch.cuda.synchronize()
                     loop = _gpu_us(f, calls)
                     kernel = _kernel_us(f, calls)
