@@ -177,7 +177,7 @@ def _with_tensor_pointers(run, args: tuple, tensors: tuple):
     layouts, ``tensors`` = (q, k, v, out, lse): the launch as the C launcher got it before (it then calls data_ptr()
     and cuPointerGetAttribute per tensor)."""
     if isinstance(run, direct_launch.TensormapLauncher):
-        stream, bases, rest = args
+        stream, bases, rest = args[:3]  # (the bases' pointers, if passed, are left for the launcher to read)
         return stream, bases, tensors[3:] + rest[2:]
     if isinstance(run, direct_launch.PlainLauncher):
         grid, stream, device, full = args

@@ -666,14 +666,17 @@ def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, s
 _DENSE_CALLS: dict = {}
 
 
-def _dense_key(q, k, v, left: int, right: int, softcap: float, config_id: int) -> tuple:
+def _dense_key(q, k, v, left: int, right: int, softcap: float, config_id: int,
+               ptrs: Optional[tuple] = None) -> tuple:
     """What a dense forward's launch depends on besides the data: shapes, strides, dtypes and devices of q, k, v
     (with the tensor checks' inputs among them, so a hit also stands for checks passed), each pointer's 16-byte
     alignment (Triton specialises on it; TMA needs it), the mask flags (right == 0 apart: the Gluon kernel takes
-    causal but no other window), the softcap flag, the configuration and the interpreter and autotune switches."""
+    causal but no other window), the softcap flag, the configuration and the interpreter and autotune switches.
+    ptrs: (q, k, v).data_ptr() where the caller has them (it hands them on to the launch)."""
+    qp, kp, vp = (q.data_ptr(), k.data_ptr(), v.data_ptr()) if ptrs is None else ptrs
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, left >= 0,
-            right >= 0, right == 0, softcap > 0.0, config_id, _interpreting(), _autotune_enabled())
+            k.device, v.device, qp % 16 == 0, kp % 16 == 0, vp % 16 == 0, left >= 0, right >= 0, right == 0,
+            softcap > 0.0, config_id, _interpreting(), _autotune_enabled())
 
 
 class _DenseCall:
@@ -706,12 +709,14 @@ class _DenseCall:
         self.fixed = (*strides, out.stride(), (nheads * sq, sq), nheads // nheads_kv, sq, sk, batch, k.shape[0])
         self.grid = lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch)
 
-    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float, need_lse: bool = True):
+    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float, need_lse: bool = True,
+                ptrs: Optional[tuple] = None):
         """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key; need_lse False: lse is
-        None (the kernel writes it where nobody reads it, direct_launch.discard_buffer, where it can)."""
+        None (the kernel writes it where nobody reads it, direct_launch.discard_buffer, where it can). ptrs: (q, k,
+        v).data_ptr() where the caller has them."""
         self.calls += 1
         if self.gluon is not None:
-            return gluon_attention.run_plan(self.gluon, q, k, v, scale, need_lse)
+            return gluon_attention.run_plan(self.gluon, q, k, v, scale, need_lse, ptrs)
         out = torch.empty_like(q)
         bound = self.bound
         if bound is None:
@@ -731,8 +736,10 @@ class _DenseCall:
             lse_ptr = lse.data_ptr()
         qk_scale, softcap_log2 = _scale_args(scale, softcap)
         grid, middle, end = bound
-        self.kernel.launch(grid, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_ptr, *middle,
-                                  qk_scale, softcap_log2, max(left, 0), max(right, 0), *end), self.device)
+        if ptrs is None:
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        self.kernel.launch(grid, (*ptrs, out.data_ptr(), lse_ptr, *middle, qk_scale, softcap_log2, max(left, 0),
+                                  max(right, 0), *end), self.device)
         return out, lse
 
     def _bind(self):
@@ -1055,7 +1062,8 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
             or (deterministic is not True and deterministic is not False)):
         return None
     right = 0 if causal else -1
-    key = _dense_key(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    key = _dense_key(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG, ptrs)
     call = _DENSE_CALLS.get(key)
     if call is None:
         _check_tensors_once(q, k, v, 4, _DENSE_LAYOUT)
@@ -1072,7 +1080,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _dense_autograd(q, k, v, call, (scale, right, deterministic))
     else:
-        out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse)
+        out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse, ptrs)
     return (out, lse) if return_lse else out
 
 

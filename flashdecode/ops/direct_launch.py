@@ -12,6 +12,7 @@ hook (e.g. Triton's profiler) gets the metadata.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -145,10 +146,12 @@ class TensormapLauncher:
         self.descs[ptrs] = descs
         return descs
 
-    def __call__(self, stream, bases: tuple, rest: tuple):
+    def __call__(self, stream, bases: tuple, rest: tuple, ptrs: Optional[tuple] = None):
         """Launch on ``stream``: descriptors over ``bases`` (one tensor per view), then ``rest`` (the kernel's
-        other parameters: pointers as tensors or ints, scalars, constexprs)."""
-        ptrs = tuple([x.data_ptr() for x in bases])
+        other parameters: pointers as tensors or ints, scalars, constexprs). ptrs: the bases' data_ptr() where the
+        caller has them."""
+        if ptrs is None:
+            ptrs = tuple([x.data_ptr() for x in bases])
         descs = self.descs.get(ptrs)
         if descs is None:
             descs = self._descs(ptrs, bases)

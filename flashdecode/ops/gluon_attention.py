@@ -187,17 +187,18 @@ class _GluonPlan:
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
-    def launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
+    def launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple] = None) -> None:
         """One forward of q, k, v (this plan's launch key, 16-byte aligned) into out (batch, seqlen_q, nheads,
         headdim) contiguous and lse (batch, nheads, seqlen_q) float32 contiguous: tensors, or (after the first
-        launch) their data_ptr() ints, which the C launcher takes as they are."""
+        launch) their data_ptr() ints, which the C launcher takes as they are. ptrs: (q, k, v).data_ptr() where
+        the caller has them."""
         if self.index == _current_device():
-            self._launch(q, k, v, out, lse, qk_scale_log2)
+            self._launch(q, k, v, out, lse, qk_scale_log2, ptrs)
         else:
             with torch.cuda.device(self.device):
-                self._launch(q, k, v, out, lse, qk_scale_log2)
+                self._launch(q, k, v, out, lse, qk_scale_log2, ptrs)
 
-    def _launch(self, q, k, v, out, lse, qk_scale_log2: float) -> None:
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple]) -> None:
         if self.compiled is None:
             descs = tuple(_descriptor(x, view, rows) for x, view, rows in
                           zip((q, k, v), self.views, (64, self.cfg.block_n, self.cfg.block_n)))
@@ -207,7 +208,7 @@ class _GluonPlan:
         stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(stream, (q, k, v), (out, lse, *self.shapes, qk_scale_log2, *self.tail))
+            self.direct(stream, (q, k, v), (out, lse, *self.shapes, qk_scale_log2, *self.tail), ptrs)
         else:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + self.shapes
@@ -256,10 +257,11 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     return plan
 
 
-def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True):
+def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptrs: Optional[tuple] = None):
     """(out (batch, seqlen_q, nheads, headdim) contiguous like q, lse (batch, nheads, seqlen_q) float32) of q, k, v
     (the plan's launch key, 16-byte aligned) on the plan's launch. need_lse False: lse is None, and the kernel
-    writes it where nobody reads it (no allocation; see _GluonPlan.lse_discard)."""
+    writes it where nobody reads it (no allocation; see _GluonPlan.lse_discard). ptrs: (q, k, v).data_ptr() where
+    the caller has them."""
     # a contiguous q (the key fixes its strides) gives a contiguous out without the memory_format argument's parsing
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     if plan.compiled is None:  # the first (JIT) launch takes tensors
@@ -269,9 +271,9 @@ def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True):
     lse_ptr = None if need_lse else plan.lse_discard()
     if lse_ptr is None:
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
-        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E)
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E, ptrs)
         return out, lse if need_lse else None
-    plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E)
+    plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E, ptrs)
     return out, None
 
 
