@@ -243,6 +243,26 @@ def _allocation_ways(calls: int):
         print(f"| {name} | {_host_us(f, calls, torch.cuda.synchronize):.2f} |")
 
 
+def _per_launch_reads(calls: int):
+    """Host us of each read a direct launch makes per call (the current device, stream, capture status, launch
+    hooks) and of the Triton path's scratch lookup."""
+    index = torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    stream = direct_launch.current_stream(index)
+    reads = {
+        "direct_launch.current_device()": direct_launch.current_device,
+        "direct_launch.current_stream(index)": lambda: direct_launch.current_stream(index),
+        "direct_launch.capturing()": direct_launch.capturing,
+        "direct_launch.launch_hooks()": direct_launch.launch_hooks,
+        "direct_launch.SCRATCH.get(64 KiB)": lambda: direct_launch.SCRATCH.get(65536, device, stream),
+    }
+    print("\nPer-launch reads alone, host us per call")
+    print("| read | host us |")
+    print("|---|---|")
+    for name, f in reads.items():
+        print(f"| {name} | {_host_us(f, calls):.2f} |")
+
+
 def _print_breakdown(rows: list):
     print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
           "by this call), the direct launch alone (ready arguments: pointers as ints), the same launch with tensors "
@@ -277,6 +297,7 @@ def run_gpu(calls: int, autotune: bool):
             breakdown.append(_breakdown(128, False, path, calls))
     _print_breakdown(breakdown)
     _allocation_ways(calls)
+    _per_launch_reads(calls)
     print()
     _profile(f, calls, 15)
 
