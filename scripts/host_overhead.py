@@ -211,7 +211,8 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int, device: str = 
     sync = (lambda: _sync(device))
     total = _host_us(f, calls, sync)
     alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls, sync)
-    lse = _host_us(lambda: torch.empty(lse_shape, dtype=torch.float32, device=q.device), calls, sync)
+    template = direct_launch.empty_template(lse_shape, torch.float32, q.device)
+    lse = _host_us(lambda: direct_launch.empty_from(template, lse_shape, torch.float32, q.device), calls, sync)
     launch = _host_us(lambda: run(*args), calls, sync)
     tensor_args = _with_tensor_pointers(run, args, (q, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
                                                     torch.empty(lse_shape, dtype=torch.float32, device=q.device)))
@@ -222,7 +223,8 @@ def _breakdown(headdim: int, causal: bool, path: str, calls: int, device: str = 
 
 
 def _allocation_ways(calls: int):
-    """Host us of each way of allocating a (16, 1024, 16, 128) bf16 out (allocated and freed per call)."""
+    """Host us of each way of allocating a (16, 1024, 16, 128) bf16 out and a (16, 16, 1024) fp32 lse (allocated and
+    freed per call)."""
     q = torch.empty(16, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)
     shape, strides, dtype, device = tuple(q.shape), q.stride(), q.dtype, q.device
     ways = {
@@ -234,7 +236,13 @@ def _allocation_ways(calls: int):
         "torch.empty_strided(shape, strides, dtype=, device=)":
             lambda: torch.empty_strided(shape, strides, dtype=dtype, device=device),
     }
-    print("\nOne out allocation alone, host us per call")
+    lse_shape = (16, 16, 1024)
+    template = direct_launch.empty_template(lse_shape, torch.float32, device)
+    ways["lse: torch.empty(shape, dtype=, device=)"] = lambda: torch.empty(lse_shape, dtype=torch.float32,
+                                                                           device=device)
+    ways["lse: torch.empty_like(one element expanded, direct_launch.empty_template)"] = (
+        lambda: torch.empty_like(template))
+    print("\nOne out (or lse) allocation alone, host us per call")
     print("| allocation | host us |")
     print("|---|---|")
     for name, f in ways.items():

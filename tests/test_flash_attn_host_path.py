@@ -433,3 +433,30 @@ def test_direct_launches_through_tritons_real_c_launchers():
     proc = subprocess.run([sys.executable, os.path.join("benchmarks", "probes", "c_launcher_cpu.py"), "--check"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("intact"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_empty_templates_make_contiguous_tensors():
+    from flashdecode.ops import direct_launch
+
+    for shape in [(2, 1, 5), (16, 16, 1024), (1, 3, 1), (7,), (2, 3)]:
+        template = direct_launch.empty_template(shape, torch.float32, torch.device("cpu"))
+        made = direct_launch.empty_from(template, shape, torch.float32, torch.device("cpu"))
+        reference = torch.empty(shape, dtype=torch.float32)
+        assert template is not None and template.untyped_storage().nbytes() == 4
+        assert made.shape == shape and made.stride() == reference.stride() and made.dtype == torch.float32
+    # one element or none: empty_like would keep the zero strides; 4-D: it could pick channels-last
+    for shape in [(1, 1, 1), (0, 4, 5), (2, 3, 4, 5)]:
+        assert direct_launch.empty_template(shape, torch.float32, torch.device("cpu")) is None
+        made = direct_launch.empty_from(None, shape, torch.float16, torch.device("cpu"))
+        assert made.shape == shape and made.dtype == torch.float16 and made.is_contiguous()
+
+
+@pytest.mark.parametrize("headdim, out_at", [(128, _GLUON_OUT_AT), (96, _TRITON_OUT_AT)], ids=["gluon", "triton"])
+def test_a_hits_lse_is_a_new_contiguous_tensor(hopper, headdim, out_at):
+    q, k, v = _dense(shape_q=(2, 40, 4, headdim), shape_kv=(2, 56, 2, headdim))
+    flashdecode.flash_attn(q, k, v, return_lse=True)
+    lses = [flashdecode.flash_attn(q, k, v, return_lse=True)[1] for _ in range(2)]
+    for lse in lses:
+        assert lse.shape == (2, 4, 40) and lse.stride() == (160, 40, 1) and lse.dtype == torch.float32
+    assert lses[0].data_ptr() != lses[1].data_ptr() and lses[0].untyped_storage().nbytes() == 2 * 4 * 40 * 4
+    assert [c[out_at + 1] for c in hopper.c_calls.calls] == [lse.data_ptr() for lse in lses]

@@ -687,12 +687,13 @@ class _DenseCall:
     nheads_kv, headdim), fp16 / bf16 / fp32, checked."""
 
     __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls", "device", "bound",
-                 "discard_lse", "default_scale")
+                 "discard_lse", "default_scale", "lse_template")
 
     def __init__(self, q, k, v, left: int, right: int, softcap: float, config_id: int):
         batch, sq, nheads, _ = q.shape
         sk, nheads_kv = k.shape[1], k.shape[2]
         self.lse_shape = (batch, nheads, sq)
+        self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.empty = q.numel() == 0
         self.device = q.device
         self.default_scale = q.shape[3] ** -0.5  # softmax_scale None
@@ -732,7 +733,7 @@ class _DenseCall:
         lse = None
         lse_ptr = None if need_lse else self._lse_discard()
         if lse_ptr is None:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            lse = direct_launch.empty_from(self.lse_template, self.lse_shape, torch.float32, q.device)
             lse_ptr = lse.data_ptr()
         qk_scale, softcap_log2 = _scale_args(scale, softcap)
         grid, middle, end = bound

@@ -166,7 +166,7 @@ class _GluonPlan:
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
-                 "discard_lse", "q_contiguous")
+                 "discard_lse", "q_contiguous", "lse_template")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
@@ -179,6 +179,7 @@ class _GluonPlan:
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
+        self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.views = (_rows_view(q), _rows_view(k), _rows_view(v))
         self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
@@ -270,7 +271,7 @@ def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptr
         return out, lse if need_lse else None
     lse_ptr = None if need_lse else plan.lse_discard()
     if lse_ptr is None:
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        lse = direct_launch.empty_from(plan.lse_template, plan.lse_shape, torch.float32, q.device)
         plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E, ptrs)
         return out, lse if need_lse else None
     plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E, ptrs)
