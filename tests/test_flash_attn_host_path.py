@@ -381,7 +381,7 @@ def test_dense_autograd_is_the_functions_c_apply_unless_functorch_is_active(monk
     q, k, v = _qkv(6, requires_grad=True)
     flashdecode.flash_attn(q, k, v)
     call, = [c for key, c in attn_ops._DENSE_CALLS.items() if key[0] == q.shape and key[3] == q.stride()][:1]
-    options = (0.3, -1, True)
+    options = (0.3, -1, True, None)
     fast, fast_lse = attn_ops._dense_autograd(q, k, v, call, options)
     assert type(fast.grad_fn).__name__ == "_DenseCallFunctionBackward" and not fast_lse.requires_grad
     slow, _ = attn_ops._DenseCallFunction.apply(q, k, v, call, options)

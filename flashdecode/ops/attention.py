@@ -957,12 +957,12 @@ class _FlashAttnFunction(torch.autograd.Function):
 class _DenseCallFunction(torch.autograd.Function):
     """_FlashAttnFunction for an eager dense call with plain options and its ready forward (the dense call cache's
     entry): the same forward and backward, five arguments instead of fourteen (autograd's apply walks every one).
-    options: (softmax scale, window right: 0 causal / -1, deterministic)."""
+    options: (softmax scale, window right: 0 causal / -1, deterministic, (q, k, v).data_ptr() or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dense_call, options):
-        scale, right, deterministic = options
-        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0)
+        scale, right, deterministic, ptrs = options
+        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0, True, ptrs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = (q.shape[1], k.shape[1], scale, -1, right, 0.0, deterministic, _RESOLVE_CONFIG)
         ctx.mark_non_differentiable(lse)
@@ -1079,7 +1079,7 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     else:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _dense_autograd(q, k, v, call, (scale, right, deterministic))
+        out, lse = _dense_autograd(q, k, v, call, (scale, right, deterministic, ptrs))
     else:
         out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse, ptrs)
     return (out, lse) if return_lse else out
