@@ -4,15 +4,20 @@ GPU (default; under a minute on an H100):
 
     PYTHONPATH=$PWD python3 scripts/host_overhead.py [--calls 300]
 
-Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim 128 and 64, causal or not, on each forward path (``gluon``: the
-warp-specialised Hopper kernel flash_attn dispatches to; ``triton``: the Triton kernel, forced by refusing the
-Gluon dispatch for the run), each with inputs that need no gradient (``no_grad``) and inputs that require grad
-(``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per call while
-the GPU runs behind (host clock around a loop of calls, no sync inside); ``loop`` = GPU time per call of that loop
-(CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a CUDA graph
-(no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon / triton
-call; each part timed alone in a loop): the two output allocations, the direct launch of the compiled kernel with
-ready arguments, and the rest (Python: checks, cache lookup, argument building). Then a cProfile of the last row.
+Rows (Triton autotuning off unless --autotune, to stay under a minute): 16 x 1024 tokens, 16 heads, bf16, head dim
+128 and 64, causal or not, and 1 x 128 tokens (a kernel of a few microseconds: the host time shows in the loop), on
+each forward path (``gluon``: the warp-specialised Hopper kernel flash_attn dispatches
+to; ``triton``: the Triton kernel, forced by refusing the Gluon dispatch for the run), each with inputs that need no
+gradient (``no_grad``: out only, so no lse is allocated), the same with return_lse=True (``lse``) and inputs that
+require grad (``grad``: the forward through autograd, no backward). Columns: ``host`` = microseconds of Python per
+call while the GPU runs behind (host clock around a loop of calls, no sync inside; the best of 3 loops, each from
+an idle GPU after a garbage collection); ``loop`` = GPU time per call of
+that loop (CUDA events around it: kernel plus any gap the host leaves); ``kernel`` = the same call replayed from a
+CUDA graph (no host work); ``gap`` = loop - kernel. Then where the host time of one call goes (a no_grad gluon /
+triton call; each part timed alone in a loop): the out allocation, an lse allocation (which a no_grad call without
+return_lse no longer makes), the direct launch of the compiled kernel with ready arguments, and the rest (Python:
+checks, cache lookup, argument building); then what each way of allocating out costs alone; then a cProfile of the
+last row.
 
 CPU (no GPU needed):
 
@@ -20,9 +25,11 @@ CPU (no GPU needed):
 
 The same rows on small CPU tensors (2 x 16 tokens: a CPU allocation of 16 x 1024 tokens costs far more than the
 GPU's caching allocator), TRITON_INTERPRET=1 for the argument checks, the dispatch told it is not interpreting and
-runs on a Hopper of 132 SMs, every kernel launch stubbed where Triton's launcher would be called: the host time of
-everything flashdecode does in Python per call (checks, the call cache, two small CPU allocations, the argument
-tuple), median of ``--calls`` single calls, in microseconds.
+runs on a Hopper of 132 SMs, every kernel launch stubbed where Triton's C launch function would be called (Triton's
+Python wrappers kept where a launch goes through them): the host time of everything flashdecode does in Python per
+call (checks, the call cache, small CPU allocations, the argument tuple), median of ``--calls`` single calls, in
+microseconds; then the same breakdown of one call as on the GPU (stub launches). benchmarks/probes/c_launcher_cpu.py
+adds Triton's real C launchers over a stub driver.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -39,11 +47,14 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import direct_launch
 from flashdecode.ops import gluon_attention as ga
 
-SHAPES = [(128, False), (128, True), (64, False)]  # (head dim, causal); 16 x 1024 tokens, 16 heads
+# (batch, tokens, head dim, causal), 16 heads: the issue's 16 x 1k calls, and one call short enough that the host
+# time shows in the loop (its kernel runs for a few microseconds)
+SHAPES = [(16, 1024, 128, False), (16, 1024, 128, True), (16, 1024, 64, False), (1, 128, 128, False)]
 PATHS = ("gluon", "triton")
-GRADS = ("no_grad", "grad")
+GRADS = ("no_grad", "lse", "grad")  # the inputs column: no grad (out only), no grad with return_lse, grad
 
 
 def _clear_caches():
@@ -72,14 +83,24 @@ def _call(headdim: int, causal: bool, grad: str, device: str, batch: int = 16, t
     k, v = torch.randn_like(q), torch.randn_like(q)
     if grad == "grad":
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-    return lambda: flashdecode.flash_attn(q, k, v, causal=causal)
+    return_lse = grad == "lse"
+    return lambda: flashdecode.flash_attn(q, k, v, causal=causal, return_lse=return_lse)
 
 
-def _host_us(f, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        f()
-    return (time.perf_counter() - start) / calls * 1e6
+def _host_us(f, calls: int, sync=None, repeats: int = 3) -> float:
+    """Host microseconds per call of ``f``: the best of ``repeats`` loops of ``calls`` calls, each loop after a
+    garbage collection (a full collection of the process's import-time objects would otherwise land in some loops
+    and not others) and ``sync`` (not timed: each loop starts from an idle GPU)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        gc.collect()
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
 
 
 def _median_us(f, calls: int) -> float:
@@ -93,6 +114,7 @@ def _median_us(f, calls: int) -> float:
 
 
 def _gpu_us(f, calls: int) -> float:
+    gc.collect()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(calls):
@@ -140,42 +162,122 @@ class _LaunchSpy:
 
 
 def _direct_launchers():
-    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's C launcher
-    (``direct``) or Triton's launcher (``run``), a Triton kernel's ``run``."""
+    """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's or a Triton
+    kernel's C launcher (``direct``) or else Triton's launcher (``run``)."""
     for plan in ga._PLANS.values():
         if plan and plan.compiled is not None:
             yield plan, "direct" if plan.direct is not None else "run"
     for plan in attn_ops._FWD_PLANS.values():
         if plan.kernel.compiled is not None:
-            yield plan.kernel, "run"
+            yield plan.kernel, "direct" if plan.kernel.direct is not None else "run"
 
 
-def _breakdown(headdim: int, causal: bool, path: str, calls: int) -> str:
-    """One no_grad call's host time split into the allocations, the launch alone and the rest."""
-    f = _call(headdim, causal, "no_grad", "cuda")
+def _with_tensor_pointers(run, args: tuple, tensors: tuple):
+    """A recorded direct launch's arguments with its int pointers (data_ptr()) replaced by tensors of the same
+    layouts, ``tensors`` = (q, k, v, out, lse): the launch as the C launcher got it before (it then calls data_ptr()
+    and cuPointerGetAttribute per tensor)."""
+    if isinstance(run, direct_launch.TensormapLauncher):
+        stream, bases, rest = args[:3]  # (the bases' pointers, if passed, are left for the launcher to read)
+        return stream, bases, tensors[3:] + rest[2:]
+    if isinstance(run, direct_launch.PlainLauncher):
+        grid, stream, device, full = args
+        return grid, stream, device, tensors + full[5:]
+    return None
+
+
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _breakdown(headdim: int, causal: bool, path: str, calls: int, device: str = "cuda", batch: int = 16,
+               tokens: int = 1024) -> str:
+    """One no_grad call's host time split into the out allocation, the launch alone and the rest; beside them what
+    an lse allocation (which the call no longer makes) costs, and the launch with tensors for its pointers."""
+    f = _call(headdim, causal, "no_grad", device, batch, tokens)
     for _ in range(5):
         f()
     spy = _LaunchSpy()
     for owner, attribute in list(_direct_launchers()):
         setattr(owner, attribute, spy.wrap(getattr(owner, attribute)))
     f()
-    torch.cuda.synchronize()
+    _sync(device)
     if spy.last is None:
-        return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | |"
+        return f"| {path} | {headdim} | {causal} | no direct launch recorded | | | | | |"
     run, args = spy.last
-    q = torch.empty(16, 1024, 16, headdim, device="cuda", dtype=torch.bfloat16)
-    lse_shape = (16, 16, 1024)
+    q = torch.empty(batch, tokens, 16, headdim, device=device, dtype=torch.bfloat16)
+    lse_shape = (batch, 16, tokens)
 
-    def allocations():
-        torch.empty_like(q, memory_format=torch.contiguous_format)
-        torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    total = _host_us(f, calls)
-    torch.cuda.synchronize()
-    alloc = _host_us(allocations, calls)
-    launch = _host_us(lambda: run(*args), calls)
-    torch.cuda.synchronize()
-    return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {launch:.1f} | "
-            f"{total - alloc - launch:.1f} |")
+    sync = (lambda: _sync(device))
+    total = _host_us(f, calls, sync)
+    alloc = _host_us(lambda: torch.empty_like(q, memory_format=torch.contiguous_format), calls, sync)
+    template = direct_launch.empty_template(lse_shape, torch.float32, q.device)
+    lse = _host_us(lambda: direct_launch.empty_from(template, lse_shape, torch.float32, q.device), calls, sync)
+    launch = _host_us(lambda: run(*args), calls, sync)
+    tensor_args = _with_tensor_pointers(run, args, (q, torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
+                                                    torch.empty(lse_shape, dtype=torch.float32, device=q.device)))
+    with_tensors = "-" if tensor_args is None else f"{_host_us(lambda: run(*tensor_args), calls, sync):.1f}"
+    _sync(device)
+    return (f"| {path} | {headdim} | {causal} | {total:.1f} | {alloc:.1f} | {lse:.1f} | {launch:.1f} | "
+            f"{with_tensors} | {total - alloc - launch:.1f} |")
+
+
+def _allocation_ways(calls: int):
+    """Host us of each way of allocating a (16, 1024, 16, 128) bf16 out and a (16, 16, 1024) fp32 lse (allocated and
+    freed per call)."""
+    q = torch.empty(16, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)
+    shape, strides, dtype, device = tuple(q.shape), q.stride(), q.dtype, q.device
+    ways = {
+        "torch.empty_like(q, memory_format=torch.contiguous_format)":
+            lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "torch.empty(shape, dtype=, device=)": lambda: torch.empty(shape, dtype=dtype, device=device),
+        "q.new_empty(shape)": lambda: q.new_empty(shape),
+        "torch.empty_strided(shape, strides, dtype=, device=)":
+            lambda: torch.empty_strided(shape, strides, dtype=dtype, device=device),
+    }
+    lse_shape = (16, 16, 1024)
+    template = direct_launch.empty_template(lse_shape, torch.float32, device)
+    ways["lse: torch.empty(shape, dtype=, device=)"] = lambda: torch.empty(lse_shape, dtype=torch.float32,
+                                                                           device=device)
+    ways["lse: torch.empty_like(one element expanded, direct_launch.empty_template)"] = (
+        lambda: torch.empty_like(template))
+    print("\nOne out (or lse) allocation alone, host us per call")
+    print("| allocation | host us |")
+    print("|---|---|")
+    for name, f in ways.items():
+        for _ in range(20):
+            f()
+        print(f"| {name} | {_host_us(f, calls, torch.cuda.synchronize):.2f} |")
+
+
+def _per_launch_reads(calls: int):
+    """Host us of each read a direct launch makes per call (the current device, stream, capture status, launch
+    hooks) and of the Triton path's scratch lookup."""
+    index = torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    stream = direct_launch.current_stream(index)
+    reads = {
+        "direct_launch.current_device()": direct_launch.current_device,
+        "direct_launch.current_stream(index)": lambda: direct_launch.current_stream(index),
+        "direct_launch.capturing()": direct_launch.capturing,
+        "direct_launch.launch_hooks()": direct_launch.launch_hooks,
+        "direct_launch.SCRATCH.get(64 KiB)": lambda: direct_launch.SCRATCH.get(65536, device, stream),
+    }
+    print("\nPer-launch reads alone, host us per call")
+    print("| read | host us |")
+    print("|---|---|")
+    for name, f in reads.items():
+        print(f"| {name} | {_host_us(f, calls):.2f} |")
+
+
+def _print_breakdown(rows: list):
+    print("\nOne no_grad call's host time, us: total, the out allocation alone, an lse allocation alone (not made "
+          "by this call), the direct launch alone (ready arguments: pointers as ints), the same launch with tensors "
+          "for the pointers (as before), the rest (total - out - launch: Python)")
+    print("| path | head dim | causal | total | out | (lse) | launch | (launch, tensors) | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 def run_gpu(calls: int, autotune: bool):
@@ -183,29 +285,27 @@ def run_gpu(calls: int, autotune: bool):
         os.environ[attn_ops.AUTOTUNE_ENV] = "0"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, "
           f"{calls} calls per loop, Triton autotuning {'on' if autotune else 'off'}")
-    print("| path | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | gap us/call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| path | batch x tokens | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | "
+          "gap us/call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     breakdown = []
     for path in PATHS:
         with forward_path(path):
-            for headdim, causal in SHAPES:
+            for batch, tokens, headdim, causal in SHAPES:
                 for grad in GRADS:
-                    f = _call(headdim, causal, grad, "cuda")
+                    f = _call(headdim, causal, grad, "cuda", batch, tokens)
                     for _ in range(20):  # compile, autotune, cache the launch
                         f()
-                    torch.cuda.synchronize()
-                    host = _host_us(f, calls)
+                    host = _host_us(f, calls, torch.cuda.synchronize)
                     torch.cuda.synchronize()
                     loop = _gpu_us(f, calls)
                     kernel = _kernel_us(f, calls)
-                    print(f"| {path} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | {kernel:.1f} | "
-                          f"{loop - kernel:.1f} |", flush=True)
+                    print(f"| {path} | {batch} x {tokens} | {headdim} | {causal} | {grad} | {host:.1f} | {loop:.1f} | "
+                          f"{kernel:.1f} | {loop - kernel:.1f} |", flush=True)
             breakdown.append(_breakdown(128, False, path, calls))
-    print("\nOne no_grad call's host time, us: total, out + lse allocations alone, the direct launch alone (ready "
-          "arguments), the rest (Python)")
-    print("| path | head dim | causal | total | allocations | launch | rest |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(breakdown))
+    _print_breakdown(breakdown)
+    _allocation_ways(calls)
+    _per_launch_reads(calls)
     print()
     _profile(f, calls, 15)
 
@@ -257,6 +357,21 @@ def _fake_gluon_compiled():
     return compiled
 
 
+def _fake_triton_compiled():
+    """A fake compiled Triton kernel whose launcher is a CudaLauncher (not constructed: its constructor compiles C)
+    around a C launch that does nothing, with a global scratch as the TMA forward has."""
+    from triton.backends.nvidia import driver as nv
+
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size, launcher.profile_scratch_size = 128, 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 128
+    launcher.launch = lambda *args: None
+    compiled = _FakeCompiled()
+    compiled.run = launcher
+    return compiled
+
+
 class _FakeTuned:
     """Stands in for the autotuner: a launch returns the fake compiled kernel; best_config is the first tile."""
 
@@ -269,7 +384,7 @@ class _FakeTuned:
                                          num_stages=tile[len(names) + 1])
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: _FakeCompiled()
+        return lambda *args, **kwargs: _fake_triton_compiled()
 
 
 def _fake_device():
@@ -284,7 +399,8 @@ def _fake_device():
     attn_ops._current_stream = lambda index: 0
     attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
     attn_ops._device_facts = lambda device: (227 * 1024, 9)
-    torch.cuda.current_device = lambda: None  # a CPU tensor's device index
+    ga._current_device = attn_ops._current_device = lambda: None  # a CPU tensor's device index
+    attn_ops._ensure_triton_allocator()  # Triton's launcher asks for the fake kernel's global scratch
 
 
 def run_cpu(calls: int):
@@ -293,18 +409,20 @@ def run_cpu(calls: int):
           f"bf16; median of {calls} calls")
     print("| path | head dim | causal | inputs | host us/call |")
     print("|---|---|---|---|---|")
+    breakdown = []
     for path in PATHS:
         with forward_path(path):
-            for headdim, causal in SHAPES:
+            for _, _, headdim, causal in SHAPES[:3]:
                 for grad in GRADS:
                     f = _call(headdim, causal, grad, "cpu", batch=2, tokens=16)
                     for _ in range(10):
                         f()
                     print(f"| {path} | {headdim} | {causal} | {grad} | {_median_us(f, calls):.1f} |", flush=True)
-            if path == PATHS[0]:
-                f0 = _call(128, False, "no_grad", "cpu", batch=2, tokens=16)
-                f0()
-                _profile(f0, calls, 14)
+            breakdown.append(_breakdown(128, False, path, calls, "cpu", batch=2, tokens=16))
+    _print_breakdown(breakdown)
+    f0 = _call(128, False, "no_grad", "cpu", batch=2, tokens=16)
+    f0()
+    _profile(f0, calls, 14)
 
 
 def main():

@@ -1,6 +1,6 @@
-"""Host time per forward call of the Gluon launcher beside the Triton path, on a tiny shape (the GPU never holds the
-host back): a loop of asynchronous calls timed on the host clock and with CUDA events, beside the kernel alone
-(CUDA-graph replay).
+"""Host time per forward call of the Gluon launcher's entry points beside flash_attn's (with and without lse), on a
+tiny shape (the GPU never holds the host back): a loop of asynchronous calls timed on the host clock and with CUDA
+events, beside the kernel alone (CUDA-graph replay).
     PYTHONPATH=. python benchmarks/probes/gluon_host_overhead.py
 Writes gluon_host_overhead.json to $OUT (or the current directory) and prints a table last."""
 import json
@@ -50,7 +50,8 @@ def main(calls: int = 500):
                 "gluon_attention_forward": lambda: gluon_attention_forward(q, k, v, causal=causal),
                 "gluon_forward_if_supported": lambda: gluon_forward_if_supported(q, k, v, scale, -1,
                                                                                  0 if causal else -1),
-                "triton flash_attn": lambda: flash_attn(q, k, v, causal=causal),
+                "flash_attn": lambda: flash_attn(q, k, v, causal=causal),  # no lse allocated
+                "flash_attn return_lse": lambda: flash_attn(q, k, v, causal=causal, return_lse=True),
             }
             for name, fn in fns.items():
                 host_us, event_us = _host_and_event_us(fn, calls if s <= 128 else 100)

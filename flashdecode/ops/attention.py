@@ -21,8 +21,10 @@ strides, dtype, alignment, mask flags, configuration): a repeated call checks it
 and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
 per-call argument binding. Dense forwards go through one cache from the call's key to its ready forward (the
 Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
-options builds that key, allocates out and lse and launches (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a configuration is resolved) turns autotuning off:
-the first candidate tile that fits shared memory runs.
+options builds that key, allocates out (and lse only where it is wanted: return_lse or autograd; otherwise the
+kernel writes it to a per-device buffer nobody reads, ops/direct_launch.py) and calls the compiled kernel's C
+launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a
+configuration is resolved) turns autotuning off: the first candidate tile that fits shared memory runs.
 
 Inputs may have any strides (e.g. q, k, v as views of one packed qkv tensor): strides go to the kernels, nothing is
 copied. Off the GPU the kernels run only in Triton's CPU interpreter (TRITON_INTERPRET=1); plain CPU tensors
@@ -63,11 +65,21 @@ _LAUNCH_CACHE_SIZE = 4096  # launch keys kept per direction (a dict cleared when
 _NO_WINDOW = (-1, -1)  # the default window_size: the options' fast checks pass it by identity
 
 
+# os.environ's own bytes dict on POSIX: the switches below are read per call (the dense call cache's key holds
+# them), so one dict lookup each instead of checks.env_value's decoding (the same answers: "1" and "0" are ASCII)
+_ENVIRON_GET = checks._ENVIRON_DATA.get if checks._ENVIRON_BYTES else None
+_INTERPRET_NAME, _AUTOTUNE_NAME = b"TRITON_INTERPRET", AUTOTUNE_ENV.encode()
+
+
 def _interpreting() -> bool:
+    if _ENVIRON_GET is not None:
+        return _ENVIRON_GET(_INTERPRET_NAME) == b"1"
     return checks.interpreting()
 
 
 def _autotune_enabled() -> bool:
+    if _ENVIRON_GET is not None:
+        return _ENVIRON_GET(_AUTOTUNE_NAME) != b"0"
     return checks.env_value(AUTOTUNE_ENV, "1") != "0"
 
 
@@ -377,7 +389,7 @@ class _Kernel:
     """
 
     __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "use_tma", "meta", "tail",
-                 "run", "function", "packed", "compiled")
+                 "run", "function", "packed", "compiled", "direct")
 
     def __init__(self, name: str, fn, tiles: tuple, names: tuple, autotune: bool, constexprs: dict,
                  reset_dq: bool = False):
@@ -385,18 +397,11 @@ class _Kernel:
         self.fn, self.tiles, self.names, self.autotune, self.reset_dq = fn, tiles, names, autotune, reset_dq
         self.constexprs = constexprs
         self.use_tma = bool(constexprs.get("USE_TMA"))  # descriptors need the allocator of the calling thread
-        self.compiled = None
+        self.compiled = self.direct = None
 
     def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
         if self.compiled is not None:
-            if self.use_tma:
-                _ensure_triton_allocator()
-            index = device.index
-            if index == torch.cuda.current_device():
-                self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
-            else:
-                with torch.cuda.device(device):
-                    self._launch_compiled(grid_fn(self.meta), args + self.tail, index)
+            self.launch(grid_fn(self.meta), args + self.tail, device)
             return
         if self.use_tma:
             _ensure_triton_allocator()
@@ -405,16 +410,30 @@ class _Kernel:
             self.fn[grid_fn(meta)](*args, **self.constexprs, **meta)
             return
         tuned = _tuned(self.fn, self.tiles, self.names, self.autotune, self.reset_dq)
-        if device.index == torch.cuda.current_device():
+        if device.index == _current_device():
             compiled = tuned[grid_fn](*args, **self.constexprs)
         else:
             with torch.cuda.device(device):
                 compiled = tuned[grid_fn](*args, **self.constexprs)
         self._record(tuned, compiled, len(args))
 
-    def _launch_compiled(self, grid: tuple, full: tuple, index: int):
-        stream = _current_stream(index)
+    def launch(self, grid: tuple, full: tuple, device: torch.device):
+        """A launch of the compiled kernel (after the first) on ``grid`` (3 entries) with every kernel parameter
+        (``full``: the runtime arguments, pointers as tensors or data_ptr() ints, then self.tail)."""
+        if device.index == _current_device():
+            self._launch_compiled(grid, full, device)
+        else:
+            with torch.cuda.device(device):
+                self._launch_compiled(grid, full, device)
+
+    def _launch_compiled(self, grid: tuple, full: tuple, device: torch.device):
+        stream = _current_stream(device.index)
         enter, exit_ = direct_launch.launch_hooks()
+        if enter is None and self.direct is not None:
+            self.direct(grid, stream, device, full)
+            return
+        if self.use_tma:
+            _ensure_triton_allocator()
         meta = None if enter is None else self.compiled.launch_metadata(grid, stream, *full)
         self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, meta, enter, exit_, *full)
 
@@ -437,10 +456,12 @@ class _Kernel:
                 return
         self.meta, self.tail = dict(best.kwargs), tuple(tail)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.direct = direct_launch.PlainLauncher.of(compiled)  # None: Triton's launcher (self.run)
         self.compiled = compiled
 
 
 _current_stream = direct_launch.current_stream
+_current_device = direct_launch.current_device
 
 _ALLOCATOR_SET = threading.local()
 
@@ -629,31 +650,38 @@ def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, s
 _DENSE_CALLS: dict = {}
 
 
-def _dense_key(q, k, v, left: int, right: int, softcap: float, config_id: int) -> tuple:
+def _dense_key(q, k, v, left: int, right: int, softcap: float, config_id: int,
+               ptrs: Optional[tuple] = None) -> tuple:
     """What a dense forward's launch depends on besides the data: shapes, strides, dtypes and devices of q, k, v
     (with the tensor checks' inputs among them, so a hit also stands for checks passed), each pointer's 16-byte
     alignment (Triton specialises on it; TMA needs it), the mask flags (right == 0 apart: the Gluon kernel takes
-    causal but no other window), the softcap flag, the configuration and the interpreter and autotune switches."""
+    causal but no other window), the softcap flag, the configuration and the interpreter and autotune switches.
+    ptrs: (q, k, v).data_ptr() where the caller has them (it hands them on to the launch)."""
+    qp, kp, vp = (q.data_ptr(), k.data_ptr(), v.data_ptr()) if ptrs is None else ptrs
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, left >= 0,
-            right >= 0, right == 0, softcap > 0.0, config_id, _interpreting(), _autotune_enabled())
+            k.device, v.device, qp % 16 == 0, kp % 16 == 0, vp % 16 == 0, left >= 0, right >= 0, right == 0,
+            softcap > 0.0, config_id, _interpreting(), _autotune_enabled())
 
 
 class _DenseCall:
     """The forward of one dense call key with everything but the data resolved: on Hopper the Gluon plan where
     the dispatch sends the call there (ops/gluon_attention.py, docs/decisions.md; an explicit config= keeps the
     Triton kernels), else the Triton kernel with its grid and the kernel arguments the key fixes. A repeated call
-    allocates out and lse and launches. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv,
-    headdim), fp16 / bf16 / fp32, checked."""
+    allocates out (and lse where wanted) and launches. q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k,
+    nheads_kv, headdim), fp16 / bf16 / fp32, checked."""
 
-    __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls")
+    __slots__ = ("gluon", "kernel", "grid", "lse_shape", "empty", "fixed", "buckets", "calls", "device", "bound",
+                 "discard_lse", "default_scale", "lse_template")
 
     def __init__(self, q, k, v, left: int, right: int, softcap: float, config_id: int):
         batch, sq, nheads, _ = q.shape
         sk, nheads_kv = k.shape[1], k.shape[2]
         self.lse_shape = (batch, nheads, sq)
+        self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.empty = q.numel() == 0
-        self.gluon = None
+        self.device = q.device
+        self.default_scale = q.shape[3] ** -0.5  # softmax_scale None
+        self.gluon = self.bound = self.discard_lse = None
         if config_id == _RESOLVE_CONFIG and not self.empty:
             self.gluon = gluon_attention.dispatch_plan(q, k, v, left, right, softcap)
         self.calls = 0  # forwards run through this entry (the host-path tests read it)
@@ -666,20 +694,53 @@ class _DenseCall:
         self.fixed = (*strides, out.stride(), (nheads * sq, sq), nheads // nheads_kv, sq, sk, batch, k.shape[0])
         self.grid = lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch)
 
-    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float):
-        """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key."""
+    def forward(self, q, k, v, scale: float, left: int, right: int, softcap: float, need_lse: bool = True,
+                ptrs: Optional[tuple] = None):
+        """(out like q, lse (batch, nheads, seqlen_q) float32) of q, k, v under this key; need_lse False: lse is
+        None (the kernel writes it where nobody reads it, direct_launch.discard_buffer, where it can). ptrs: (q, k,
+        v).data_ptr() where the caller has them."""
         self.calls += 1
         if self.gluon is not None:
-            return gluon_attention.run_plan(self.gluon, q, k, v, scale)
+            return gluon_attention.run_plan(self.gluon, q, k, v, scale, need_lse, ptrs)
         out = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        if self.empty:
-            return out, lse.fill_(float("-inf"))
+        bound = self.bound
+        if bound is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            if self.empty:
+                return out, lse.fill_(float("-inf"))
+            qk_scale, softcap_log2 = _scale_args(scale, softcap)
+            args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
+                    + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
+            self.kernel(self.grid, args, q.device)
+            self._bind()
+            return out, lse
+        lse = None
+        lse_ptr = None if need_lse else self._lse_discard()
+        if lse_ptr is None:
+            lse = direct_launch.empty_from(self.lse_template, self.lse_shape, torch.float32, q.device)
+            lse_ptr = lse.data_ptr()
         qk_scale, softcap_log2 = _scale_args(scale, softcap)
-        args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
-                + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
-        self.kernel(self.grid, args, q.device)
+        grid, middle, end = bound
+        if ptrs is None:
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        self.kernel.launch(grid, (*ptrs, out.data_ptr(), lse_ptr, *middle, qk_scale, softcap_log2, max(left, 0),
+                                  max(right, 0), *end), self.device)
         return out, lse
+
+    def _bind(self):
+        """After the kernel's first launch: its grid and the parts of its parameter list that the key fixes
+        (around the pointers and the per-call scalars), for the direct launches of later calls."""
+        kernel = self.kernel
+        if kernel.compiled is not None:
+            self.bound = (self.grid(kernel.meta), (None,) * 5 + self.fixed, (0, *self.buckets, *kernel.tail))
+
+    def _lse_discard(self):
+        """As _GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
+        if self.discard_lse is None:
+            nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
+            buffer = direct_launch.discard_buffer(self.device, nbytes)
+            self.discard_lse = False if buffer is None else buffer.data_ptr()
+        return self.discard_lse or None
 
 
 def _dense_call(q, k, v, left: int, right: int, softcap: float, config_id: int) -> _DenseCall:
@@ -893,12 +954,12 @@ class _FlashAttnFunction(torch.autograd.Function):
 class _DenseCallFunction(torch.autograd.Function):
     """_FlashAttnFunction for an eager dense call with plain options and its ready forward (the dense call cache's
     entry): the same forward and backward, five arguments instead of fourteen (autograd's apply walks every one).
-    options: (softmax scale, window right: 0 causal / -1, deterministic)."""
+    options: (softmax scale, window right: 0 causal / -1, deterministic, (q, k, v).data_ptr() or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dense_call, options):
-        scale, right, deterministic = options
-        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0)
+        scale, right, deterministic, ptrs = options
+        out, lse = dense_call.forward(q, k, v, scale, -1, right, 0.0, True, ptrs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = (q.shape[1], k.shape[1], scale, -1, right, 0.0, deterministic, _RESOLVE_CONFIG)
         ctx.mark_non_differentiable(lse)
@@ -909,6 +970,29 @@ class _DenseCallFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _bwd(dout, q, k, v, out, lse, None, None, *ctx.params, None)
         return dq, dk, dv, None, None
+
+
+def _c_apply(function):
+    """``function``'s autograd apply in C (what torch.autograd.Function.apply calls last), or None where this torch
+    lacks what _dense_autograd needs to stand in for Function.apply's Python part."""
+    try:
+        torch._C._are_functorch_transforms_active, torch._C._functorch.unwrap_if_dead  # noqa: B018
+        return super(torch.autograd.Function, function).apply
+    except AttributeError:
+        return None
+
+
+_DENSE_C_APPLY = _c_apply(_DenseCallFunction)
+
+
+def _dense_autograd(q, k, v, call, options):
+    """_DenseCallFunction.apply(q, k, v, call, options) without Function.apply's Python part where that part only
+    unwraps dead functorch wrappers (no functorch transform active; the Function has no setup_context): the C apply
+    it ends in, with q, k, v unwrapped the same way (~2 us less per call on the CPU)."""
+    if _DENSE_C_APPLY is None or torch._C._are_functorch_transforms_active():
+        return _DenseCallFunction.apply(q, k, v, call, options)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _DENSE_C_APPLY(unwrap(q), unwrap(k), unwrap(v), call, options)
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
@@ -969,13 +1053,15 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
     built. Autograd only where a gradient can flow (its Function costs
     host time per call)."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or type(v) is not torch.Tensor or not _no_window(window_size) or type(softcap) is not float
+            or type(v) is not torch.Tensor or (window_size is not _NO_WINDOW and not _no_window(window_size))
+            or type(softcap) is not float
             or softcap != 0.0 or (causal is not True and causal is not False)
             or (return_lse is not True and return_lse is not False)
             or (deterministic is not True and deterministic is not False)):
         return None
     right = 0 if causal else -1
-    key = _dense_key(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    key = _dense_key(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG, ptrs)
     call = _DENSE_CALLS.get(key)
     if call is None:
         _check_tensors_once(q, k, v, 4, _DENSE_LAYOUT)
@@ -984,15 +1070,15 @@ def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, retu
             return None
         call = _bounded_put(_DENSE_CALLS, key, _DenseCall(q, k, v, -1, right, 0.0, _RESOLVE_CONFIG))
     if softmax_scale is None:
-        scale = q.shape[3] ** -0.5
+        scale = call.default_scale
     elif type(softmax_scale) is float and math.isfinite(softmax_scale):
         scale = softmax_scale
     else:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _DenseCallFunction.apply(q, k, v, call, (scale, right, deterministic))
+        out, lse = _dense_autograd(q, k, v, call, (scale, right, deterministic, ptrs))
     else:
-        out, lse = call.forward(q, k, v, scale, -1, right, 0.0)
+        out, lse = call.forward(q, k, v, scale, -1, right, 0.0, return_lse, ptrs)
     return (out, lse) if return_lse else out
 
 

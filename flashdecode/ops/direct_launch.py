@@ -1,5 +1,6 @@
-"""Direct launches of compiled Triton kernels (ops/attention.py, ops/gluon_attention.py): the current stream and the
-launch hooks, each read per launch as cheaply as Triton allows.
+"""Direct launches of compiled Triton kernels (ops/attention.py, ops/gluon_attention.py): the current device, stream
+and launch hooks, each read per launch as cheaply as Triton allows, the C launchers called without Triton's Python
+wrappers, and the device buffers those launches need (global scratch, discarded outputs).
 
 A launch key's first launch goes through Triton's JIT (or autotuner), which compiles and binds the arguments; later
 launches call the compiled kernel's launcher with the same argument layout. Triton's own launch path builds a
@@ -11,6 +12,9 @@ hook (e.g. Triton's profiler) gets the metadata.
 from __future__ import annotations
 
 import functools
+from typing import Optional
+
+import torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,6 +27,24 @@ def _stream_getter():
 def current_stream(index: int):
     """The raw handle of the current CUDA stream of device ``index``."""
     return _stream_getter()(index)
+
+
+_CUDA_BUILD = torch.version.cuda is not None  # CPU-only builds of torch lack (or stub) the C functions below
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) if _CUDA_BUILD else None
+
+
+def current_device() -> int:
+    """torch.cuda.current_device() without its Python-level lazy-initialisation check (the C call initialises
+    CUDA itself where needed)."""
+    return torch.cuda.current_device() if _cuda_get_device is None else _cuda_get_device()
+
+
+_cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA_BUILD else None
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing)."""
+    return _cuda_capturing is not None and _cuda_capturing()
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,27 +81,32 @@ _TENSORMAPS_PER_OPERAND = 64  # base addresses kept per descriptor operand (a di
 class TensormapLauncher:
     """Triton's C launcher of a compiled kernel whose first parameters are host tensor descriptors, called without
     Triton's Python wrappers (Triton 3.6: CudaLauncher.__call__, which allocates the scratch buffers, and
-    wrap_handle_tensordesc's per-argument loop, which fills a CUtensorMap per descriptor and launch).
+    wrap_handle_tensordesc's per-argument loop, which fills a CUtensorMap per descriptor and launch), on one grid.
 
     A CUtensorMap encodes the base address, shape, strides, block shape and swizzle of one descriptor: a caller
     whose launch key fixes everything but the address (a launch plan, given the views) keeps one per address and
-    operand, filled by Triton's own make_tensordesc_arg on the first launch that uses that address. The launcher
-    copies the map into the kernel's parameters at each launch (and a CUDA graph at capture), so a kept map is only
-    read. Built by ``of`` only where the compiled kernel has exactly the layout described here; callers keep
-    Triton's path otherwise, and while a launch hook is registered (the hooks need the launch metadata)."""
+    operand, filled by Triton's own make_tensordesc_arg on the first launch that uses that address, and the
+    launcher arguments of all descriptors per tuple of addresses (one lookup per launch). The launcher copies the
+    map into the kernel's parameters at each launch (and a CUDA graph at capture), so a kept map is only read.
+    Built by ``of`` only where the compiled kernel has exactly the layout described here; callers keep Triton's
+    path otherwise, and while a launch hook is registered (the hooks need the launch metadata)."""
 
-    __slots__ = ("launcher", "metas", "views", "coop", "pdl", "maps", "fills")
+    __slots__ = ("launcher", "metas", "views", "grid", "mid", "maps", "descs", "fills")
 
-    def __init__(self, launcher, metas: list, views: tuple, coop: bool, pdl: bool):
-        self.launcher, self.metas, self.views, self.coop, self.pdl = launcher, metas, views, coop, pdl
-        self.maps = tuple({} for _ in views)
+    def __init__(self, launcher, metas: list, views: tuple, coop: bool, pdl: bool, grid: tuple, function, packed):
+        self.launcher, self.metas, self.views, self.grid = launcher, metas, views, tuple(grid)
+        # the C launcher's arguments between the stream and the kernel's: no scratch, no launch metadata, no hooks
+        self.mid = (function, coop, pdl, None, None, packed, None, None, None)
+        self.maps = tuple({} for _ in views)  # per operand: address -> its launcher arguments
+        self.descs: dict = {}  # addresses of all operands -> the launcher arguments of all descriptors
         self.fills = 0  # CUtensorMaps filled (the launch-cache tests read it)
 
     @classmethod
-    def of(cls, compiled, views: tuple):
+    def of(cls, compiled, views: tuple, grid: tuple):
         """For ``compiled`` (a CompiledKernel) whose first len(views) parameters are host tensor descriptors read
-        through ``views`` ((shape, strides) lists per descriptor), or None where its launcher is not Triton 3.6's
-        CudaLauncher over wrap_handle_tensordesc with TMA metadata for exactly those parameters, or needs scratch."""
+        through ``views`` ((shape, strides) lists per descriptor), launched on ``grid``, or None where its launcher
+        is not Triton 3.6's CudaLauncher over wrap_handle_tensordesc with TMA metadata for exactly those
+        parameters, or needs scratch."""
         run = getattr(compiled, "run", None)
         inner = getattr(run, "launch", None)
         code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
@@ -94,7 +121,7 @@ class TensormapLauncher:
         coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
         if not isinstance(coop, bool) or not isinstance(pdl, bool):
             return None
-        return cls(launcher, metas, views, coop, pdl)
+        return cls(launcher, metas, views, coop, pdl, grid, compiled.function, compiled.packed_metadata)
 
     def _map(self, i: int, x) -> tuple:
         """(CUtensorMap, *shape, *strides): descriptor i's launcher arguments for tensor x."""
@@ -110,10 +137,145 @@ class TensormapLauncher:
             self.fills += 1
         return found
 
-    def __call__(self, grid: tuple, stream, function, packed, bases: tuple, rest: tuple):
-        """Launch on ``grid`` (3 entries): descriptors over ``bases`` (one tensor per view), then ``rest``."""
+    def _descs(self, ptrs: tuple, bases: tuple) -> tuple:
         descs = ()
         for i, x in enumerate(bases):
             descs += self._map(i, x)
-        self.launcher(grid[0], grid[1], grid[2], stream, function, self.coop, self.pdl, None, None, packed, None,
-                      None, None, *descs, *rest)
+        if len(self.descs) >= _TENSORMAPS_PER_OPERAND:
+            self.descs.clear()
+        self.descs[ptrs] = descs
+        return descs
+
+    def __call__(self, stream, bases: tuple, rest: tuple, ptrs: Optional[tuple] = None):
+        """Launch on ``stream``: descriptors over ``bases`` (one tensor per view), then ``rest`` (the kernel's
+        other parameters: pointers as tensors or ints, scalars, constexprs). ptrs: the bases' data_ptr() where the
+        caller has them."""
+        if ptrs is None:
+            ptrs = tuple([x.data_ptr() for x in bases])
+        descs = self.descs.get(ptrs)
+        if descs is None:
+            descs = self._descs(ptrs, bases)
+        grid = self.grid
+        self.launcher(grid[0], grid[1], grid[2], stream, *self.mid, *descs, *rest)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device buffers of direct launches
+# ----------------------------------------------------------------------------------------------------------------
+
+def empty_template(shape: tuple, dtype: torch.dtype, device: torch.device):
+    """A tensor ``t`` for which torch.empty_like(t) is a new contiguous ``shape`` tensor of ``dtype`` on ``device``
+    (what torch.empty(shape, dtype=dtype, device=device) makes, without parsing shape, dtype and device per call:
+    6.7 against 4.1 us on the H100 host, scripts/host_overhead.py): one element expanded over the shape (all strides 0:
+    not dense, so empty_like lays the new tensor out contiguously), or None where the shape has at most one element
+    or more than 3 dims (empty_like would keep the expanded strides, or could pick channels-last)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel <= 1 or len(shape) > 3:
+        return None
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+def empty_from(template, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new contiguous ``shape`` tensor of ``dtype`` on ``device``: torch.empty_like(template) where ``template``
+    (empty_template's answer for them) is not None."""
+    return torch.empty(shape, dtype=dtype, device=device) if template is None else torch.empty_like(template)
+
+
+DISCARD_MAX_BYTES = 64 * 2 ** 20  # a discarded output larger than this is allocated per call instead
+_DISCARD: dict = {}  # device -> the buffers handed out so far (the last is the largest; none is ever freed)
+
+
+def discard_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of at least ``nbytes`` on ``device`` for an output a kernel must write but nobody reads (e.g.
+    the lse of a call that asked for none), or None where nbytes > DISCARD_MAX_BYTES (allocate that per call).
+
+    Every such output of ``device`` goes to the same memory, written by any number of kernels at once, on any
+    stream: harmless because nothing reads it. Buffers are never freed (a larger request adds one of at least twice
+    the size), so an address handed out stays valid for every launch that got it, including CUDA graphs that
+    captured it; what is held stays below four times the largest request (each buffer at least doubles the last)."""
+    if nbytes > DISCARD_MAX_BYTES:
+        return None
+    held = _DISCARD.setdefault(device, [])
+    if not held or held[-1].numel() < nbytes:
+        size = max(nbytes, 2 * held[-1].numel() if held else 4096)
+        held.append(torch.empty(min(size, DISCARD_MAX_BYTES), dtype=torch.uint8, device=device))
+    return held[-1]
+
+
+class StreamScratch:
+    """Global scratch of the kernels launched directly (Triton's device-side tensor descriptors live there): one
+    buffer per (device, stream), grown as needed. A kernel reads what it wrote there, so a buffer is shared only by
+    launches on one stream, which run one after another (callers use it only for launches without programmatic
+    dependent launch, whose next kernel may start before the previous one ends). While the stream is capturing a
+    CUDA graph, every launch gets a buffer of its own (the graph keeps it; its replays may overlap other work on
+    any stream), as Triton's own launcher does. A replaced buffer goes back to the caching allocator, which hands
+    it out again in the order of the stream it was allocated on: the stream of every launch that used it."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.allocations = 0  # buffers allocated (the launch-cache tests read it)
+
+    def get(self, nbytes: int, device: torch.device, stream):
+        """The scratch (a device tensor of at least nbytes) for one launch on ``stream`` of ``device``."""
+        if capturing():
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        key = (device, stream)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < nbytes:
+            self.allocations += 1
+            buffer = self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buffer
+
+
+SCRATCH = StreamScratch()
+
+
+class PlainLauncher:
+    """Triton's C launcher of a compiled kernel without host tensor descriptors, called without Triton's Python
+    wrapper (Triton 3.6: CudaLauncher.__call__, which defines and calls a scratch allocator per launch and asks the
+    allocator of the calling thread for the global scratch). The global scratch (grid size * num_ctas *
+    global_scratch_size bytes) comes from SCRATCH. Pointer arguments may be ints (data_ptr()): the C launcher then
+    skips its data_ptr() call and cuPointerGetAttribute for them. Built by ``of`` only where the compiled kernel's
+    launcher has exactly this layout and needs no profile scratch and no programmatic dependent launch; callers
+    keep Triton's path otherwise, and while a launch hook is registered."""
+
+    __slots__ = ("launch", "function", "packed", "coop", "scratch_bytes", "scratch_align", "launches")
+
+    def __init__(self, launch, function, packed, coop: bool, scratch_bytes: int, scratch_align: int):
+        self.launch, self.function, self.packed, self.coop = launch, function, packed, coop
+        self.scratch_bytes, self.scratch_align = scratch_bytes, scratch_align  # per program
+        self.launches = 0  # direct launches (the launch-cache tests read it)
+
+    @classmethod
+    def of(cls, compiled):
+        """For ``compiled`` (a CompiledKernel), or None where its launcher is not Triton 3.6's CudaLauncher over the
+        bare C function, or needs profile scratch or programmatic dependent launch."""
+        run = getattr(compiled, "run", None)
+        launch = getattr(run, "launch", None)
+        # Triton wraps the C function in a Python closure where host tensor descriptors are to be expanded
+        if not callable(launch) or getattr(launch, "__closure__", None) is not None:
+            return None
+        sizes = [getattr(run, a, None) for a in ("global_scratch_size", "global_scratch_align", "profile_scratch_size",
+                                                 "num_ctas")]
+        coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+        if not all(type(x) is int for x in sizes) or sizes[2] != 0 or not isinstance(coop, bool) or pdl is not False:
+            return None
+        return cls(launch, compiled.function, compiled.packed_metadata, coop, sizes[0] * sizes[3], sizes[1])
+
+    def __call__(self, grid: tuple, stream, device: torch.device, args: tuple):
+        """Launch on ``grid`` (3 entries) on ``stream`` (current on ``device``, the current device) with the
+        kernel's parameters ``args`` (runtime arguments, then constexprs, as the JIT binds them)."""
+        buffer = scratch = None
+        if self.scratch_bytes:
+            nbytes = grid[0] * grid[1] * grid[2] * self.scratch_bytes
+            # held until the launch is enqueued: a buffer that another thread replaces meanwhile is freed after it
+            buffer = SCRATCH.get(nbytes + self.scratch_align, device, stream)
+            scratch = buffer.data_ptr()
+            scratch += -scratch % self.scratch_align
+        self.launch(grid[0], grid[1], grid[2], stream, self.function, self.coop, False, scratch, None, self.packed,
+                    None, None, None, *args)
+        del buffer
+        self.launches += 1

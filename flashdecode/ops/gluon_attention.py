@@ -204,6 +204,7 @@ def _kernel_arg_names(fp8: bool = False) -> list:
 
 
 _current_stream = direct_launch.current_stream
+_current_device = direct_launch.current_device
 
 
 class _GluonPlan:
@@ -214,58 +215,74 @@ class _GluonPlan:
     descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "compiled", "run", "function", "packed", "direct", "direct_launches", "fp8")
+                 "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
+                 "discard_lse", "q_contiguous", "lse_template", "fp8")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
         batch, seqlen_q, nheads, _ = q.shape
         self.cfg = cfg
         self.fp8 = q.dtype == FP8_DTYPE
+        self.device, self.index = q.device, q.device.index
+        self.q_contiguous = q.is_contiguous()
         self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
         self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
+        self.shapes = (self.num_tiles, seqlen_q, self.seqlen_k)  # the kernel's runtime arguments after lse_ptr
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
+        self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
         self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                                Q_BUFFERS=cfg.q_buffers)
-        self.compiled = self.direct = None
+        self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
-    def launch(self, q, k, v, out, lse, qk_scale_log2: float, descales: tuple = ()) -> None:
-        """descales: () for fp16/bf16; (qk_descale (batch, nheads), v_descale (batch, nheads_kv)) float32
-        contiguous for e4m3."""
-        index = q.device.index
-        if index == torch.cuda.current_device():
-            self._launch(q, k, v, out, lse, qk_scale_log2, index, descales)
+    def launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple] = None,
+               descales: tuple = ()) -> None:
+        """One forward of q, k, v (this plan's launch key, 16-byte aligned) into out (batch, seqlen_q, nheads,
+        headdim) contiguous and lse (batch, nheads, seqlen_q) float32 contiguous: tensors, or (after the first
+        launch) their data_ptr() ints, which the C launcher takes as they are. ptrs: (q, k, v).data_ptr() where
+        the caller has them. descales: () for fp16/bf16; (qk_descale (batch, nheads), v_descale (batch,
+        nheads_kv)) float32 contiguous for e4m3 (v is then V^T, see _vt_view)."""
+        if self.index == _current_device():
+            self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales)
         else:
-            with torch.cuda.device(q.device):
-                self._launch(q, k, v, out, lse, qk_scale_log2, index, descales)
+            with torch.cuda.device(self.device):
+                self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales)
 
-    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, index: int, descales: tuple = ()) -> None:
-        runtime = (self.num_tiles, self.seqlen_q, self.seqlen_k, qk_scale_log2)
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple], descales: tuple) -> None:
         if self.compiled is None:
-            v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n, 0)
+            v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n,)
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
                      _descriptor(v, self.views[2], *v_block))
             kernel = dict(fp8=True) if self.fp8 else {}  # (the bf16 call as it always was: tests stub it)
-            self._record(_jit_launch(self.grid, descs + (out, lse) + descales + runtime, self.constexprs, **kernel))
+            self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes + (qk_scale_log2,),
+                                     self.constexprs, **kernel))
             return
-        stream = _current_stream(index)
+        stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(self.grid, stream, self.function, self.packed, (q, k, v),
-                        (out, lse) + descales + runtime + self.tail)
+            self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, *self.tail), ptrs)
         else:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
-                    + runtime + self.tail)
+                    + self.shapes + (qk_scale_log2,) + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)
         self.direct_launches += 1
+
+    def lse_discard(self):
+        """Where a call that wants no lse lets the kernel write it: a data_ptr() int into
+        direct_launch.discard_buffer (shared, never read), or None where it is too large (allocate it)."""
+        if self.discard_lse is None:
+            nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
+            buffer = direct_launch.discard_buffer(self.device, nbytes)
+            self.discard_lse = False if buffer is None else buffer.data_ptr()
+        return self.discard_lse or None
 
     def _record(self, compiled) -> None:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
@@ -276,7 +293,7 @@ class _GluonPlan:
             return
         self.tail = tuple(self.constexprs[n] for n in names)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
-        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views)
+        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views, self.grid)
         self.compiled = compiled
 
 
@@ -300,13 +317,24 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     return plan
 
 
-def run_plan(plan: _GluonPlan, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run_plan(plan: _GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptrs: Optional[tuple] = None):
     """(out (batch, seqlen_q, nheads, headdim) contiguous like q, lse (batch, nheads, seqlen_q) float32) of q, k, v
-    (the plan's launch key, 16-byte aligned) on the plan's launch."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
-    plan.launch(q, k, v, out, lse, scale * LOG2E)
-    return out, lse
+    (the plan's launch key, 16-byte aligned) on the plan's launch. need_lse False: lse is None, and the kernel
+    writes it where nobody reads it (no allocation; see _GluonPlan.lse_discard). ptrs: (q, k, v).data_ptr() where
+    the caller has them."""
+    # a contiguous q (the key fixes its strides) gives a contiguous out without the memory_format argument's parsing
+    out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
+    if plan.compiled is None:  # the first (JIT) launch takes tensors
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        plan.launch(q, k, v, out, lse, scale * LOG2E)
+        return out, lse if need_lse else None
+    lse_ptr = None if need_lse else plan.lse_discard()
+    if lse_ptr is None:
+        lse = direct_launch.empty_from(plan.lse_template, plan.lse_shape, torch.float32, q.device)
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E, ptrs)
+        return out, lse if need_lse else None
+    plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E, ptrs)
+    return out, None
 
 
 def gluon_pays(headdim: int, seqlen_k: int) -> bool:
@@ -399,7 +427,8 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False
     vt, _ = fp8_v_transposed(v, key_order="wgmma")
-    plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E, (qk_descale.contiguous(), v_descale.contiguous()))
+    plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E,
+                descales=(qk_descale.contiguous(), v_descale.contiguous()))
     return True
 
 
