@@ -49,11 +49,12 @@ LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
 
 
 @gluon.constexpr_function
-def _mma_layout(n, dtype):
+def _mma_layout(n, dtype=None):
     """Accumulator layout of a 64 x n wgmma over one warpgroup with operands of ``dtype`` (instruction n = the
-    whole tile width; instruction k = 32 bytes: 16 for fp16/bf16, 32 for e4m3)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+    whole tile width; instruction k = 32 bytes: 16 for fp16/bf16 - also dtype None, as the backward passes it -,
+    32 for e4m3)."""
+    k = 16 if dtype is None else 256 // dtype.primitive_bitwidth
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
 
 
 @gluon.constexpr_function
