@@ -245,7 +245,8 @@ class LLM:
                 return
             t0 = time.perf_counter()
             flat_gemm = fg.cached_table_for_model(self.model, self.dtype, self.device)
-            logger.debug("flat GEMM table ready in %.1f s", time.perf_counter() - t0)
+            logger.info("flat GEMM table ready in %.1f s (measured once per GPU model, then read from %s; "
+                        "flat_gemm=False skips it)", time.perf_counter() - t0, fg.cache_dir())
         if flat_gemm is True:
             if self.device.type != "cuda":
                 raise ValueError("flat_gemm=True measures kernels on the GPU; it needs a CUDA device")
