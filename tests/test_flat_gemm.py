@@ -153,14 +153,14 @@ def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
 
 
 def test_choice_table_json_round_trip_and_the_per_gpu_cache(tmp_path, monkeypatch):
-    """to_json / from_json keep every choice; cached_table_for_model measures once per key, then reads the file
+    """rows() / from_json keep every choice; cached_table_for_model measures once per key, then reads the file
     (a changed key - another GPU, software or shape - measures again; an unreadable file is measured over)."""
     from types import SimpleNamespace
 
     table = fg.ChoiceTable()
     table.choices[(16, 64, 32)] = fg.Choice("flat", SMALL, 7.0, 9.0)
     table.choices[(32, 64, 32)] = fg.Choice("cublas", None, 12.0, 9.0)
-    back = fg.ChoiceTable.from_json(json.loads(json.dumps(table.to_json())))
+    back = fg.ChoiceTable.from_json(json.loads(json.dumps(table.rows())))
     assert back.choices == table.choices
     measured = []
     monkeypatch.setattr(fg, "measure_for_model", lambda *a: measured.append(a) or table)

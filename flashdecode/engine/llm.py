@@ -117,10 +117,9 @@ class LLM:
         use_tqdm: a progress bar while the weights load.
         flat_gemm: "auto" (default) = on CUDA with max_num_seqs >= 2, the flat GEMM for the decode linears of
             small batches where it beats cuBLAS (models whose weights stream from HBM: fg.worth_measuring), from a
-            per-(M, N, K) table measured on this GPU model once and
-            then read from the cache (flashdecode.engine.layers.flat_gemm.cached_table_for_model; a first start
-            on a new GPU measures for some seconds); True = measure now (CUDA only); False = cuBLAS everywhere;
-            or a ready ChoiceTable.
+            per-(M, N, K) table measured once per GPU model and then read from the cache
+            (flashdecode.engine.layers.flat_gemm.cached_table_for_model; a first start on a new GPU measures for
+            some seconds); True = measure now (CUDA only); False = cuBLAS everywhere; or a ready ChoiceTable.
         tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
             that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
             (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.

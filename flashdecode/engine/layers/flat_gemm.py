@@ -252,18 +252,13 @@ class ChoiceTable:
                                                            best_us, cublas)
         return self
 
-    def to_json(self) -> list[dict]:
-        """The choices as JSON-able rows (``from_json`` reads them back)."""
-        return [{"m": m, "n": n, "k": k, "kernel": c.kernel, "flat_us": c.flat_us, "cublas_us": c.cublas_us,
-                 "config": dataclasses.asdict(c.config) if c.config else None}
-                for (m, n, k), c in sorted(self.choices.items())]
-
     @classmethod
     def from_json(cls, rows: list[dict]) -> "ChoiceTable":
+        """The table whose ``rows()`` (as JSON holds them) these are."""
         table = cls()
         for r in rows:
             config = FlatGemmConfig(**r["config"]) if r["config"] else None
-            table.choices[(r["m"], r["n"], r["k"])] = Choice(r["kernel"], config, r["flat_us"], r["cublas_us"])
+            table.choices[(r["M"], r["N"], r["K"])] = Choice(r["kernel"], config, r["flat_us"], r["cublas_us"])
         return table
 
     def rows(self) -> list[dict]:
@@ -289,7 +284,6 @@ def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
         mod.choice_table = table
     if hasattr(model, "flat_table"):
         model.flat_table = table
-
 
 
 # The flat GEMM's gain is in streaming a weight from HBM (cuBLAS pads M and may leave SMs idle): for a model whose
@@ -341,7 +335,7 @@ def cached_table_for_model(model: torch.nn.Module, dtype: torch.dtype, device,
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "rows": table.to_json()}, indent=1))
+        tmp.write_text(json.dumps({"key": key, "rows": table.rows()}, indent=1))
         tmp.replace(path)
     except OSError as err:
         logger.warning("flat GEMM table not cached at %s: %s", path, err)

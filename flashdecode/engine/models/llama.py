@@ -67,9 +67,8 @@ class Attention(nn.Module):
         return self.attend(self.qkv_proj(x), positions, rotary, meta, kv_cache, backend, use_fused)
 
     def attend(self, qkv, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
-               use_fused: bool = False, matmul=None):
-        """qkv (tokens, q_size + 2 kv_size) = the qkv projection -> attention + o_proj, (tokens, hidden).
-        matmul: o_proj's kernel (gemv.gemv or a flat GEMM, see DecoderLayer.forward_fused_linears); None: o_proj."""
+               use_fused: bool = False, use_gemv: bool = False):
+        """qkv (tokens, q_size + 2 kv_size) = the qkv projection -> attention + o_proj, (tokens, hidden)."""
         tokens = qkv.shape[0]
         q, k, v = self._rotate_and_store(qkv, positions, rotary, meta, kv_cache, backend, use_fused)
         k_cache, v_cache = kv_cache
@@ -78,8 +77,8 @@ class Attention(nn.Module):
         else:
             o = backend.decode(q, k_cache, v_cache, meta)
         o = o.reshape(tokens, self.nheads * self.head_dim)
-        if matmul is not None:
-            return self.o_proj.finish(matmul(o, self.o_proj.weight, self.o_proj.local_bias))
+        if use_gemv:
+            return self.o_proj.finish(gemv.gemv(o, self.o_proj.weight, self.o_proj.local_bias))
         return self.o_proj(o)
 
     def forward_last_rows(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
@@ -160,30 +159,23 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual[last_rows], use_fused=use_fused)
         return self.mlp(h, use_fused), residual
 
-    def forward_fused_linears(self, x, residual, positions, rotary, meta, kv_cache, backend, use_fused: bool,
-                              matmul):
-        """forward() with every projection through ``matmul`` - the Triton GEMV for a single token, the flat GEMM
-        for small decode batches (flashdecode.engine.layers.flat_gemm) - and the norms / silu*mul fused into its
-        input loads (6-7 launches per layer instead of 9-10). x, residual (tokens, hidden)."""
+    def forward_one_token(self, x, residual, positions, rotary, meta, kv_cache, backend):
+        """forward() for a single token with every projection a Triton GEMV and the norms / silu*mul fused into
+        the GEMV input loads (6-7 launches per layer instead of 9-10). x, residual (1, hidden)."""
         attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = x
-            qkv = matmul(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.RMSNORM,
-                         norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+            qkv = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.RMSNORM,
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
         else:
-            qkv, residual = matmul(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.ADD_NORM,
-                                   residual=residual, norm_weight=self.input_layernorm.weight,
-                                   eps=self.input_layernorm.eps)
-        h = attn.attend(qkv, positions, rotary, meta, kv_cache, backend, use_fused=use_fused, matmul=matmul)
-        gate_up, residual = matmul(h, mlp.gate_up_proj.weight, prologue=gemv.ADD_NORM, residual=residual,
-                                   norm_weight=self.post_attention_layernorm.weight,
-                                   eps=self.post_attention_layernorm.eps)
-        return mlp.down_proj.finish(matmul(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL)), residual
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(N, K) of the four projection weights, in forward_fused_linears' order."""
-        return [tuple(m.weight.shape) for m in (self.self_attn.qkv_proj, self.self_attn.o_proj,
-                                                self.mlp.gate_up_proj, self.mlp.down_proj)]
+            qkv, residual = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.ADD_NORM,
+                                      residual=residual, norm_weight=self.input_layernorm.weight,
+                                      eps=self.input_layernorm.eps)
+        h = attn.attend(qkv, positions, rotary, meta, kv_cache, backend, use_fused=True, use_gemv=True)
+        gate_up, residual = gemv.gemv(h, mlp.gate_up_proj.weight, prologue=gemv.ADD_NORM, residual=residual,
+                                      norm_weight=self.post_attention_layernorm.weight,
+                                      eps=self.post_attention_layernorm.eps)
+        return mlp.down_proj.finish(gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL)), residual
 
 
 class LlamaModel(nn.Module):
@@ -242,27 +234,19 @@ class LlamaForCausalLM(nn.Module):
         rows after its K/V write (at 64k tokens that is 1/32 of the attention and of the MLP / o_proj GEMMs).
         """
         x, residual = self.model.embed_tokens(input_ids), None
-        matmul = self._fused_matmul(input_ids.shape[0])
+        one_token = self.use_gemv and input_ids.shape[0] == 1 and self.use_fused
         last_layer = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            if matmul is not None:
-                x, residual = layer.forward_fused_linears(x, residual, positions, self.rotary, meta, kv_cache,
-                                                          backend, self.use_fused, matmul)
+            if one_token:
+                x, residual = layer.forward_one_token(x, residual, positions, self.rotary, meta, kv_cache, backend)
             elif last_rows is not None and i == last_layer:
                 x, residual = layer.forward_last_rows(x, residual, positions, self.rotary, meta, kv_cache, backend,
                                                       self.use_fused, last_rows)
             else:
                 x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache, backend, self.use_fused)
-        if matmul is not None and last_rows is not None:
+        if one_token and last_rows is not None:
             x, residual = x[last_rows], residual[last_rows]
         return self.model.norm(x, residual, use_fused=self.use_fused)[0]
-
-    def _fused_matmul(self, tokens: int):
-        """The projection kernel with fused norm / silu prologues for a forward of ``tokens`` rows, or None
-        (cuBLAS or the flat GEMM per linear, separate norm / silu kernels): the GEMV for one token on CUDA.
-        (The flat GEMM with the same prologues at 16 rows ran the Llama-3-8B decode step 1.7x slower on the H100:
-        each of its programs re-reads every row's K inputs for the norm - docs/decisions.md.)"""
-        return gemv.gemv if tokens == 1 and self.use_gemv and self.use_fused else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (rows, hidden) -> float32 logits (rows, vocab)."""
