@@ -6,7 +6,7 @@
 1. Correctness: every supported feature (causal or not, GQA, odd lengths, hd 64/128, fp16/bf16) against the float64
    reference with the FlashAttention rule (error <= 2x a same-dtype PyTorch implementation's).
 2. Speed (triton.testing.do_bench median, bf16): 16k tokens (batch 1, 16 heads) and 16 x 1k, hd 128 and 64, causal
-   and not; the Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside our Triton flash_attn and
+   and not (--shapes / --headdims choose others, e.g. --shapes 1x65536x32/8: the Llama-3-8B prefill, GQA); the Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside our Triton flash_attn and
    torch SDPA's cuDNN and FLASH (FlashAttention-2) backends. TFLOP/s = 4 b h sq sk d, halved for causal.
 Writes gluon_fwd.json to $OUT (or the current directory) and prints a table last.
 
@@ -86,13 +86,13 @@ def check_correctness(names) -> list[dict]:
     return rows
 
 
-def _sdpa(backend):
+def _sdpa(backend, **kwargs):
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
-            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
     return run
 
 
@@ -111,21 +111,35 @@ def _graphed(fn):
     return g.replay
 
 
-def time_all(names, quick: bool, graph: bool = False) -> list[dict]:
+DEFAULT_SHAPES = "1x16384x16,16x1024x16"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """"BxSxH[/HKV],..." -> [(batch, seqlen, nheads, nheads_kv)], e.g. "1x65536x32/8" (the Llama-3-8B prefill)."""
+    shapes = []
+    for item in text.split(","):
+        bsh, _, hkv = item.partition("/")
+        b, s, h = (int(x) for x in bsh.split("x"))
+        shapes.append((b, s, h, int(hkv) if hkv else h))
+    return shapes
+
+
+def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128, 64)) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
-    shapes = [(1, 16384, 16), (16, 1024, 16)]
+    shapes = shapes or parse_shapes(DEFAULT_SHAPES)
     rows = []
-    for d in (128, 64):
-        for b, s, h in shapes:
+    for d in headdims:
+        for b, s, h, hkv in shapes:
             for causal in (False, True):
-                q, k, v = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=1)
+                q, k, v = _inputs(b, s, s, h, hkv, d, torch.bfloat16, seed=1)
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 fns = {f"gluon:{n}": _gluon_call(q, k, v, causal, config_for(n, d, causal, s)) for n in names}
                 fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
-                fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt, causal)
-                fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt, causal)
+                gqa = dict(enable_gqa=True) if hkv != h else {}
+                fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, **gqa)(qt, kt, vt, causal)
+                fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION, **gqa)(qt, kt, vt, causal)
                 for name, fn in fns.items():
                     try:
                         if graph:
@@ -135,7 +149,8 @@ def time_all(names, quick: bool, graph: bool = False) -> list[dict]:
                     except Exception as e:  # a peer missing on this build is reported, not fatal
                         print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                         ms, tf = float("nan"), float("nan")
-                    rows.append(dict(d=d, b=b, s=s, h=h, causal=causal, impl=name, ms=ms, tflops=tf, graph=graph))
+                    rows.append(dict(d=d, b=b, s=s, h=h, hkv=hkv, causal=causal, impl=name, ms=ms, tflops=tf,
+                                     graph=graph))
     return rows
 
 
@@ -302,6 +317,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (kernels without host work)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="timed shapes BxSxH[/HKV], e.g. 1x65536x32/8")
+    ap.add_argument("--headdims", default="128,64", help="timed head dims")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernel's checks and timings instead")
     ap.add_argument("--fp8-variants", default="resolved,pingpong,stages2,stages4,bn256",
                     help="comma-separated names from FP8_VARIANTS, or 'all'")
@@ -322,9 +339,10 @@ def main():
             print(f"BAD {r['config']:>16} {r['case']:<48} err {r['err']:.2e} "
                   f"(2x base {2 * r['base']:.2e}) lse {r['lse_err']:.1e}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad")
-    result["timing"] = time_all(names, args.quick)
+    shapes, headdims = parse_shapes(args.shapes), [int(d) for d in args.headdims.split(",")]
+    result["timing"] = time_all(names, args.quick, shapes=shapes, headdims=headdims)
     if args.graph:
-        result["timing"] += time_all(names, args.quick, graph=True)
+        result["timing"] += time_all(names, args.quick, graph=True, shapes=shapes, headdims=headdims)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "gluon_fwd.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -332,10 +350,10 @@ def main():
         timing = [r for r in result["timing"] if r["graph"] == graph]
         print(f"\n{'CUDA-graph replay' if graph else 'direct calls'}\n{'shape':<28}"
               + "".join(f"{n[-12:]:>13}" for n in dict.fromkeys(r["impl"] for r in timing)))
-        keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["causal"]) for r in timing)
+        keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["hkv"], r["causal"]) for r in timing)
         for key in keys:
-            cells = [r for r in timing if (r["d"], r["b"], r["s"], r["h"], r["causal"]) == key]
-            label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]} {'causal' if key[4] else 'full'}"
+            cells = [r for r in timing if (r["d"], r["b"], r["s"], r["h"], r["hkv"], r["causal"]) == key]
+            label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]}/{key[4]} {'causal' if key[5] else 'full'}"
             print(f"{label:<28}" + "".join(f"{c['tflops']:>13.1f}" for c in cells))
     print("(TFLOP/s, bf16, do_bench median)")
 
