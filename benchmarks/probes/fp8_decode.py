@@ -25,11 +25,12 @@ exact; bits-w4 reduces in another order).
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
 
 ``--sweep``: the e4m3 decode (contiguous, per-token-head scales) over a small grid of DecodeConfig changes around the
-resolved config (_SWEEP: splits x2 / x4, 4 warps, 64-key tiles, 2 / 4 pipeline stages, the persistent kernel at two
-programs per SM or as a split grid, QK^T as an e4m3 mma), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape
-b16 8k; one row per point and config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of
-the 8-bit floor, our bf16 cache / it), the fastest per point marked *. About two minutes on an H100 (mostly
-compiles).
+resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 4 pipeline stages, a 128-register cap that lets
+two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the split grid as
+the persistent kernel), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
+config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of the 8-bit floor, our bf16 cache
+/ it, max |difference| from the resolved config's output), the fastest per point marked *. About two minutes on an
+H100 (mostly compiles).
 
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --sweep [--sweep-configs resolved,x2,...] [--contexts ...]
 """
@@ -230,11 +231,16 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
 
 # --sweep: DecodeConfig changes around the resolved config of an e4m3 cache with per-token-head scales (contiguous).
 # Each entry maps (the resolved config, the point's context) to its changes, or None where it would repeat another
-# entry or leave splits empty (a split holds at least block_n keys). "x2" / "x4": twice / four times the splits
-# (half / a quarter of the keys per split; more CTAs; the split grid only: the persistent kernel's device split counts
+# entry or leave splits empty (a split holds at least block_n keys). "x2" / "x3": twice / three times the splits
+# (half / a third of the keys per split; more CTAs; the split grid only: the persistent kernel's device split counts
 # follow its programs); "w4": 4 warps; "st2" / "st4": pipeline stages; "p264": the
 # persistent kernel's grid at two programs per SM; "grid": the split grid instead of the persistent kernel;
-# "kfp8": QK^T as an e4m3 mma against q split into e4m3 parts (DecodeConfig.quant_k_fp8_dot).
+# "persist": the persistent kernel instead of the split grid (no merge launch); "rN": stage 1 under an N-register
+# cap (DecodeConfig.max_registers). Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178
+# registers and 106 KiB of shared memory a program at 3 stages (one program per SM); r128: no spills, +3% loop
+# instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
+# (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
+# under r128 its KV loops stay free of spills (its work loop spills a few values per item), under r80 they do not.
 def _splits_by(factor, block_n=None):
     def changes(c, context):
         from flashdecode.config import DecodePath
@@ -280,6 +286,19 @@ def _grid_splits(splits, **fields):
     return changes
 
 
+def _on_persistent(factor=1, **fields):
+    """The split grid's configs on the persistent kernel (its device split counts, the merge in the last split's
+    program: no merge launch), with ``factor`` times the splits; None where already (or where splits are empty)."""
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        base = {} if factor == 1 else _splits_by(factor)(c, context)
+        if c.path is not DecodePath.SPLIT_GRID or base is None:
+            return None
+        return dict(base, path=DecodePath.PERSISTENT, **fields)
+    return changes
+
+
 def _persistent_programs(factor, **fields):
     def changes(c, context):
         from flashdecode.config import DecodePath
@@ -297,15 +316,20 @@ _SWEEP = {
     "w4 x2": _then(_splits_by(2), num_warps=4),
     "bn64w4": _with(block_n=64, num_warps=4),
     "bn64w4 x2": _then(_splits_by(2, 64), num_warps=4),
-    "bn64w4 x4": _then(_splits_by(4, 64), num_warps=4),
     "st2": _with(num_stages=2),
     "st4": _with(num_stages=4),
+    "r128": _with(max_registers=128),
+    "r128 x2": _then(_splits_by(2), max_registers=128),
+    "st2 x2": _then(_splits_by(2), num_stages=2),
+    "st2 r80 x3": _then(_splits_by(3), num_stages=2, max_registers=80),
+    "persist": _on_persistent(),
+    "persist r128 p264 x2": _on_persistent(2, max_registers=128, persistent_programs=264),
     "w4 p264": _persistent_programs(2, num_warps=4),
+    "r128 p264": _persistent_programs(2, max_registers=128),
+    "st2 r128 p264": _persistent_programs(2, num_stages=2, max_registers=128),
     "grid x1": _grid_splits(1),
-    "grid x2 w4": _grid_splits(2, num_warps=4),
-    "kfp8": _with(quant_k_fp8_dot=True),
-    "kfp8 w4 x2": _then(_splits_by(2), num_warps=4, quant_k_fp8_dot=True),
-    "kfp8 w4 p264": _persistent_programs(2, num_warps=4, quant_k_fp8_dot=True),
+    "r128 grid x2": _grid_splits(2, max_registers=128),
+    "st2 r80 grid x3": _grid_splits(3, num_stages=2, max_registers=80),
 }
 SWEEP_POINTS = (("b1 16/2", 1, 4096, 16, 2), ("b1 16/2", 1, 32768, 16, 2), ("b1 16/2", 1, 131072, 16, 2),
                 ("llama3-8b", 16, 8192, 32, 8))
@@ -331,7 +355,8 @@ def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
     torch.cuda.empty_cache()
     out = torch.empty(bf16_bytes // 2048 + 1, dtype=torch.float32, device="cuda")
     bare = _bare_read(sets, out)
-    _, resolved = _ours(sets, config_out=True)
+    fns, resolved = _ours(sets, config_out=True)
+    reference = fns[0]().float().clone()  # every row's output is compared with the resolved config's
     common = dict(shape=label, batch=batch, context=context, bf16_us=bf16_us, bare_us=bare, floor_us=floor)
     rows, seen = [], set()
     for name in names:
@@ -346,6 +371,7 @@ def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
                    warps=config.num_warps, stages=config.num_stages, changes={k: str(v) for k, v in changes.items()})
         try:
             fns, _ = _ours(sets, changes)
+            row["max|diff|"] = (fns[0]().float() - reference).abs().max().item()
             row["us"] = cuda_graph_time_us(fns, reps=reps)
             row["%bare"] = 100.0 * bare / row["us"] if bare else None
             row["%floor"] = 100.0 * floor / row["us"]
@@ -363,7 +389,7 @@ def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
 
 
 SWEEP_COLUMNS = ["shape", "batch", "context", "config", "path", "splits", "block_n", "warps", "stages", "us", "best",
-                 "%bare", "%floor", "bf16/fp8", "bf16_us", "bare_us"]
+                 "%bare", "%floor", "bf16/fp8", "bf16_us", "bare_us", "max|diff|"]
 
 
 def sweep(args) -> int:
@@ -400,7 +426,7 @@ def sweep(args) -> int:
           f"bandwidth {bandwidth / 1e12:.2f} TB/s; contiguous, per-token-head scales; us (CUDA-graph replays, K/V "
           f"rotated beyond L2); %bare: a bare read of the 8-bit bytes / ours; %floor: the 8-bit floor / ours")
     fmt = {c: ".1f" for c in ("us", "%bare", "%floor", "bf16_us", "bare_us")}
-    fmt["bf16/fp8"] = ".2f"
+    fmt.update({"bf16/fp8": ".2f", "max|diff|": ".1e"})
     print(markdown_table(rows, SWEEP_COLUMNS, fmt))
     out = results_dir(args.out)
     path = write_json(out / f"{result_stem('fp8_sweep', env)}.json", "fp8_sweep", env, rows,
