@@ -67,6 +67,8 @@ class DecodeConfig:
     quant_convert: int = 0           # e4m3 caches: tiles to 16 bits by 0 conversion instructions, 1 integer bit ops
     #                                  in Triton, 2 the same in packed PTX (GPU) (kernels/kv_quant.py)
     quant_k_convert_first: bool = False  # 8-bit caches: K converted before its layout change too (GPU)
+    softmax_sum_tile: bool = False   # the KV loop's softmax row sums kept per key column, summed once after it (no
+    #                                  cross-warp sum per block; kernels/softmax_state.py online_softmax_step_sum_tile)
     max_registers: int = 0           # stage 1's registers per thread, a cap for ptxas (maxnreg; 0: its choice, GPU):
     #                                  <= 65536 / (2 * 32 * num_warps) lets two programs share an SM
 
@@ -77,7 +79,7 @@ _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "prel
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
                  "quant_convert", "max_registers")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first", "quant_k_convert_first")
+          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile")
 _MAX_SPLITS = 1024
 # what ptxas accepts as a per-thread register cap (sm_90: 24 .. 255)
 _MIN_REGISTERS, _MAX_REGISTERS = 24, 255

@@ -27,10 +27,10 @@ exact; bits-w4 reduces in another order).
 ``--sweep``: the e4m3 decode (contiguous, per-token-head scales) over a small grid of DecodeConfig changes around the
 resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 4 pipeline stages, a 128-register cap that lets
 two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the split grid as
-the persistent kernel), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
+the persistent kernel, the softmax row sums summed once after the KV loop), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
 config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of the 8-bit floor, our bf16 cache
-/ it, max |difference| from the resolved config's output), the fastest per point marked *. About two minutes on an
-H100 (mostly compiles).
+/ it, max |difference| from the resolved config's output), the fastest per point marked *. About three minutes on an
+H100 (mostly compiles; --sweep-configs runs fewer).
 
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --sweep [--sweep-configs resolved,x2,...] [--contexts ...]
 """
@@ -241,6 +241,8 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
 # instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
 # (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
 # under r128 its KV loops stay free of spills (its work loop spills a few values per item), under r80 they do not.
+# "sum": the softmax row sums kept per key column and summed after the KV loop (DecodeConfig.softmax_sum_tile): the
+# 8-warp e4m3 loop without its cross-warp sum per block, 8 -> 5 barriers and 639 -> 614 instructions per block.
 def _splits_by(factor, block_n=None):
     def changes(c, context):
         from flashdecode.config import DecodePath
@@ -312,21 +314,23 @@ def _persistent_programs(factor, **fields):
 _SWEEP = {
     "resolved": _with(),
     "x2": _splits_by(2),
-    "w4": _with(num_warps=4),
     "w4 x2": _then(_splits_by(2), num_warps=4),
     "bn64w4": _with(block_n=64, num_warps=4),
     "bn64w4 x2": _then(_splits_by(2, 64), num_warps=4),
     "st2": _with(num_stages=2),
     "st4": _with(num_stages=4),
-    "r128": _with(max_registers=128),
     "r128 x2": _then(_splits_by(2), max_registers=128),
     "st2 x2": _then(_splits_by(2), num_stages=2),
     "st2 r80 x3": _then(_splits_by(3), num_stages=2, max_registers=80),
     "persist": _on_persistent(),
     "persist r128 p264 x2": _on_persistent(2, max_registers=128, persistent_programs=264),
+    "sum": _with(softmax_sum_tile=True),
+    "sum r128 x2": _then(_splits_by(2), softmax_sum_tile=True, max_registers=128),
+    "sum st2 r80 x3": _then(_splits_by(3), softmax_sum_tile=True, num_stages=2, max_registers=80),
     "w4 p264": _persistent_programs(2, num_warps=4),
     "r128 p264": _persistent_programs(2, max_registers=128),
     "st2 r128 p264": _persistent_programs(2, num_stages=2, max_registers=128),
+    "sum r128 p264": _persistent_programs(2, softmax_sum_tile=True, max_registers=128),
     "grid x1": _grid_splits(1),
     "r128 grid x2": _grid_splits(2, max_registers=128),
     "st2 r80 grid x3": _grid_splits(3, num_stages=2, max_registers=80),

@@ -229,7 +229,9 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
     config = launch.config
     return dict(
         ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
-        HEADDIM=shape.headdim, TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d),
+        HEADDIM=shape.headdim,
+        TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d,
+                  sum_tile=config.softmax_sum_tile),
         SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
                       merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
