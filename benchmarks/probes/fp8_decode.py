@@ -233,10 +233,9 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
 # Each entry maps (the resolved config, the point's context) to its changes, or None where it would repeat another
 # entry or leave splits empty (a split holds at least block_n keys). "x2" / "x3": twice / three times the splits
 # (half / a third of the keys per split; more CTAs; the split grid only: the persistent kernel's device split counts
-# follow its programs); "w4": 4 warps; "st2" / "st4": pipeline stages; "p264": the
-# persistent kernel's grid at two programs per SM; "grid": the split grid instead of the persistent kernel;
-# "persist": the persistent kernel instead of the split grid (no merge launch); "rN": stage 1 under an N-register
-# cap (DecodeConfig.max_registers). Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178
+# follow its programs); "w4": 4 warps; "st2" / "st4": pipeline stages; "p264": the persistent kernel's grid at two
+# programs per SM; "grid": the split grid instead of the persistent kernel; "persist": the persistent kernel instead
+# of the split grid (no merge launch); "rN": stage 1 under an N-register cap (DecodeConfig.max_registers). Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178
 # registers and 106 KiB of shared memory a program at 3 stages (one program per SM); r128: no spills, +3% loop
 # instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
 # (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
