@@ -67,16 +67,22 @@ class DecodeConfig:
     quant_convert: int = 0           # e4m3 caches: tiles to 16 bits by 0 conversion instructions, 1 integer bit ops
     #                                  in Triton, 2 the same in packed PTX (GPU) (kernels/kv_quant.py)
     quant_k_convert_first: bool = False  # 8-bit caches: K converted before its layout change too (GPU)
+    softmax_sum_tile: bool = False   # the KV loop's softmax row sums kept per key column, summed once after it (no
+    #                                  cross-warp sum per block; kernels/softmax_state.py online_softmax_step_sum_tile)
+    max_registers: int = 0           # stage 1's registers per thread, a cap for ptxas (maxnreg; 0: its choice, GPU):
+    #                                  <= 65536 / (2 * 32 * num_warps) lets two programs share an SM
 
 
 _POSITIVE = ("num_splits", "block_n", "num_warps", "num_stages", "merge_d_chunks")
 _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "preload_pages_max",
                  "preload_gather_max", "prefetch_blocks", "merge_max_rows", "persistent_programs",
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
-                 "quant_convert")
+                 "quant_convert", "max_registers")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first", "quant_k_convert_first")
+          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile")
 _MAX_SPLITS = 1024
+# what ptxas accepts as a per-thread register cap (sm_90: 24 .. 255)
+_MIN_REGISTERS, _MAX_REGISTERS = 24, 255
 
 
 def _power_of_two(n: int) -> bool:
@@ -119,6 +125,9 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
                          f"{config.split_keys}")
     if config.quant_convert > 2:
         raise ValueError(f"{name}.quant_convert must be 0, 1 or 2, got {config.quant_convert}")
+    if config.max_registers and not _MIN_REGISTERS <= config.max_registers <= _MAX_REGISTERS:
+        raise ValueError(f"{name}.max_registers must be 0 (ptxas's choice) or in {_MIN_REGISTERS}.."
+                         f"{_MAX_REGISTERS}, got {config.max_registers}")
     if config.merge_block_s & (config.merge_block_s - 1):
         raise ValueError(f"{name}.merge_block_s must be 0 or a power of two, got {config.merge_block_s}")
     if config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) and config.persistent_programs < 1:

@@ -65,6 +65,13 @@ def spilled_bytes(kernel) -> int:
     return int(re.search(r"STACK:(\d+)", _cuobjdump(kernel, "--dump-resource-usage")).group(1))
 
 
+def registers(kernel) -> int:
+    """Registers per thread of a kernel compiled for a GPU target (cuobjdump's resource usage)."""
+    import re
+
+    return int(re.search(r"REG:(\d+)", _cuobjdump(kernel, "--dump-resource-usage")).group(1))
+
+
 def sass_opcodes(kernel) -> list[str]:
     """The SASS opcodes (predicates dropped, modifiers kept: "HMUL2.BF16_V2") of a kernel compiled for a GPU
     target, in program order."""
@@ -82,7 +89,7 @@ DECODE_TUPLES = dict(stride_q=("i32",) * 4, stride_k=("i32",) * 3, stride_o=("i3
 # their bodies use, with the defaults a flat name takes when a script leaves it out
 _DECODE_GROUPS = dict(
     ROWS=("Rows", ("SEQLEN_Q", "GROUP", "NUM_M_BLOCKS")),
-    TILE=("Tile", ("BLOCK_M", "BLOCK_N", "BLOCK_D")),
+    TILE=("Tile", ("BLOCK_M", "BLOCK_N", "BLOCK_D", "SUM_TILE")),
     SPLITS=("Splits", ("NUM_SPLITS", "MIN_CHUNK", "MERGE_SPLITS", "SPLIT_KEYS")),
     PAGES=("Pages", ("PAGE_SIZE", "PRELOAD_PAGES")),
     PDL=("Pdl", ("USE_PDL", "PDL_WAIT")),
@@ -95,7 +102,7 @@ _DECODE_GROUPS = dict(
 )
 _DECODE_DEFAULTS = dict(SPLIT_KEYS=0, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, BATCH_PAD=1, MAX_SPLIT_KEYS=0, DYNAMIC=False,
                         SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03,
-                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False)
+                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False, SUM_TILE=False)
 
 
 def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:
@@ -135,12 +142,13 @@ def _divisible(path: tuple, ty, attrs: dict):
         attrs[path] = [["tt.divisibility", 16]]
 
 
-def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_warps: int = 4):
+def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_warps: int = 4,
+                     maxnreg: int | None = None):
     """``fn`` compiled for sm_90 (Triton's ptxas, no GPU) with argument types ``types`` (default i32; the decode
     kernels' tuples as DECODE_TUPLES) and constexprs ``consts``, pointers and strides specialised divisible by 16 as
     the launcher does. The decode kernels take the flat constexpr names their bodies use (SEQLEN_Q, BLOCK_N, ...:
     _decode_kernel_args groups them). For the scripts of run_sm90_compile_script (a fresh Python without
-    TRITON_INTERPRET)."""
+    TRITON_INTERPRET). maxnreg: a register cap per thread for ptxas, as a launch's maxnreg= gives it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -155,7 +163,8 @@ def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_war
         elif n not in consts and (sig[n].startswith("*") or "stride" in n):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 
 
 def run_sm90_compile_script(script: str) -> None:

@@ -772,3 +772,124 @@ def test_scale_layouts_pick_the_kernel_mode():
                         (torch.ones(()), 1)):
         quant = resolve_kv_quant(torch.float16, cache, cache, scale, scale)
         assert kv_quant_kernel_args(quant, cache)["KV_QUANT"] == mode, (tuple(scale.shape), scale.stride())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DecodeConfig.max_registers: a register cap for stage 1, so that two 8-warp programs of an 8-bit cache share an SM
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [DecodePath.SPLIT_GRID, DecodePath.PERSISTENT])
+def test_register_cap_reaches_the_launch_and_keeps_the_result(gen, path):
+    """config.max_registers becomes the stage-1 launch's maxnreg (none at 0) and changes no result: e4m3 cache with
+    per-token scales, split grid and persistent kernel, vs the float64 reference on the dequantised cache."""
+    from flashdecode.ops.decode_launch import _register_cap
+
+    lens = [61, 5, 33]
+    q = _q(gen, len(lens), 4, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 64, 2, 32, FP8, "token", lens)
+    config = decode_config(q, kc, vc, _lens(lens), num_splits=3, k_scale=ks, v_scale=vs)
+    assert config.max_registers == 0 and _register_cap(config) == {}  # the resolution leaves it to ptxas
+    capped = dataclasses.replace(config, path=path, max_registers=128)
+    assert _register_cap(capped) == {"maxnreg": 128}
+    out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), config=capped, return_lse=True, k_scale=ks,
+                                        v_scale=vs)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+@pytest.mark.parametrize("value,err", [(8, ValueError), (256, ValueError), (-1, ValueError), (True, TypeError),
+                                       (128.0, TypeError)])
+def test_bad_register_cap(gen, value, err):
+    q = _q(gen, 1, 4, 32)
+    kc, ks, vc, vs = _quant_cache(gen, 1, 16, 2, 32, FP8, "token")
+    config = dataclasses.replace(decode_config(q, kc, vc, _lens([16]), k_scale=ks, v_scale=vs), max_registers=value)
+    with pytest.raises(err, match="max_registers"):
+        flashdecode.flash_decode(q, kc, vc, _lens([16]), config=config, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("path", [DecodePath.UNSPLIT, DecodePath.SPLIT_GRID, DecodePath.PERSISTENT])
+@pytest.mark.parametrize("cache", ["e4m3", "fp16"])
+def test_softmax_sum_tile_keeps_the_result(gen, path, cache):
+    """config.softmax_sum_tile (row sums per key column, summed after the KV loops) on an e4m3 cache with per-token
+    scales and on a fp16 cache: 2 new tokens, a softcap and a window (the masked loop and fully masked blocks), vs
+    the float64 reference (on the dequantised cache)."""
+    lens = [61, 5, 33]
+    q = _q(gen, len(lens), 4, 32, seqlen_q=2)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 64, 2, 32, FP8, "token", lens)
+    kw = dict(softcap=5.0, window_size=(19, 0))
+    if cache == "fp16":
+        kc, vc = _dequant(kc, ks).half(), _dequant(vc, vs).half()
+        ks = vs = torch.ones(kc.shape[:-1], device=DEVICE)  # the float reference below: the same cache
+        scales = {}
+    else:
+        scales = dict(k_scale=ks, v_scale=vs)
+    splits = 1 if path is DecodePath.UNSPLIT else 3
+    config = decode_config(q, kc, vc, _lens(lens), num_splits=splits, window_size=kw["window_size"], **scales)
+    config = dataclasses.replace(config, path=path, softmax_sum_tile=True)
+    out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), config=config, return_lse=True, **kw, **scales)
+    _check(out, lse, q, kc.float() if cache == "fp16" else kc, ks, vc.float() if cache == "fp16" else vc, vs,
+           _lens(lens), **kw)
+
+
+_REGISTER_CAP_SCRIPT = r'''
+import re
+import sys
+from flashdecode.kernels.decode import decode_split_kernel
+sys.path.insert(0, "tests")
+from helpers import _cuobjdump, compile_for_sm90, registers
+
+
+def spills_in_loops(kernel):
+    """The local-memory (spill) instructions of the kernel's SASS that lie inside a loop (between a backward
+    branch's target and the branch)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))
+    code = [(int(a, 16), text) for a, text in lines]
+    loops = [(int(m.group(1), 16), a) for a, text in code for m in [re.search(r"BRA (0x[0-9a-f]+)", text)]
+             if m and int(m.group(1), 16) < a]
+    return [text for a, text in code if re.search(r"\b(LDL|STL)", text) and any(lo <= a <= hi for lo, hi in loops)]
+
+
+# stage 1 as an e4m3 cache with per-token scales resolves at b1 16/2 hd128 32k keys (128-key tiles, 8 warps): 178
+# registers, so one program per SM; under a 128-register cap two share one (65536 registers, 2 x 108 KiB of shared
+# memory)
+types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", K_RAW="*fp8e4nv", V_RAW="*fp8e4nv", SEQLENS="*i32",
+             BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32", K_SCALE="*fp32",
+             V_SCALE="*fp32")
+consts = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, MIN_CHUNK=128,
+              SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=True, PDL_WAIT=True,
+              OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2, K_CONVERT_FIRST=False, NUM_SPLITS=64,
+              PAGE_SIZE=0, FINAL=False, PRELOAD_PAGES=0, MERGE_SPLITS=64, KV_QUANT=3, PREFETCH_KEYS=128,
+              LINE_ELEMS=128, NUM_LINES=1, DEVICE_SPLITS=False, SPLIT_SLOTS=0, BATCH_PAD=1, MAX_SPLIT_KEYS=0,
+              KV_PROGRAMS=1, SPEC_PAGES=False)
+free = compile_for_sm90(decode_split_kernel, types, consts, 3, 8)
+capped = compile_for_sm90(decode_split_kernel, types, consts, 3, 8, maxnreg=128)
+assert registers(free) > 128 and registers(capped) <= 128, (registers(free), registers(capped))
+# (ptxas may keep a value or two of the epilogue in local memory, stored before the KV loops: none in them)
+assert not spills_in_loops(capped), spills_in_loops(capped)[:4]
+assert "async_copy_global_to_local" in capped.asm["ttgir"], "8-bit loads not pipelined under the cap"
+assert 2 * capped.metadata.shared <= 227 * 1024, capped.metadata.shared
+
+
+def loop_barriers(kernel):
+    """Barriers (BAR.SYNC) per iteration of the kernel's first KV loop (the unmasked one)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))
+    code = [(int(a, 16), text) for a, text in lines]
+    lo, hi = next((int(m.group(1), 16), a) for a, text in code for m in [re.search(r"BRA (0x[0-9a-f]+)", text)]
+                  if m and int(m.group(1), 16) < a)
+    return sum("BAR.SYNC" in text for a, text in code if lo <= a <= hi)
+
+
+# softmax_sum_tile: the row sums per key column, no cross-warp sum per block (8 warps along the keys): fewer barriers
+summed = compile_for_sm90(decode_split_kernel, types, dict(consts, SUM_TILE=True), 3, 8)
+assert loop_barriers(summed) < loop_barriers(free), (loop_barriers(summed), loop_barriers(free))
+assert not spills_in_loops(summed), "the sum tile spills"
+print("compiled")
+'''
+
+
+def test_register_cap_and_sum_tile_compile_for_hopper():
+    """Under max_registers=128 the 8-warp e4m3 stage 1 (as resolved at b1 16/2 hd128) compiles for sm_90 to <= 128
+    registers without spills in its KV loops and still pipelined (without the cap ptxas takes more than 128), and two
+    programs' shared memory fits an SM: the occupancy the cap is for. With softmax_sum_tile its KV loop has fewer
+    barriers per block (sm_90, Triton 3.6: 8 -> 5) and no spills. (GPU timing: fp8_decode --sweep, rows r128 and
+    sumtile.)"""
+    run_sm90_compile_script(_REGISTER_CAP_SCRIPT)

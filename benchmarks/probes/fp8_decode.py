@@ -23,6 +23,16 @@ exact; bits-w4 reduces in another order).
 
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode [--contexts 512,...,131072] [--batched 16,64] [--out DIR]
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
+
+``--sweep``: the e4m3 decode (contiguous, per-token-head scales) over a small grid of DecodeConfig changes around the
+resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 4 pipeline stages, a 128-register cap that lets
+two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the split grid as
+the persistent kernel, the softmax row sums summed once after the KV loop), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
+config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of the 8-bit floor, our bf16 cache
+/ it, max |difference| from the resolved config's output), the fastest per point marked *. About three minutes on an
+H100 (mostly compiles; --sweep-configs runs fewer).
+
+    PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --sweep [--sweep-configs resolved,x2,...] [--contexts ...]
 """
 
 from __future__ import annotations
@@ -50,9 +60,10 @@ def _quant_set(s, per_token: bool):
     return out
 
 
-def _ours(sets, changes=None):
+def _ours(sets, changes=None, config_out=False):
     """Our DecodePlan over the sets (8-bit caches: kv_dtype and the sets' scales); changes: DecodeConfig fields that
-    replace the resolved config's (e.g. the 4-warp tiles 8-bit caches had before heuristics.decode_quant_tile)."""
+    replace the resolved config's (e.g. the 4-warp tiles 8-bit caches had before heuristics.decode_quant_tile).
+    Returns (calls, a summary of the config), or with config_out (calls, the DecodeConfig itself)."""
     import dataclasses
 
     import flashdecode
@@ -72,6 +83,8 @@ def _ours(sets, changes=None):
         scales = dict(k_scale=s["k_scale"], v_scale=s["v_scale"]) if "k_scale" in s else {}
         return lambda: plan.run(s["q"], s["k"], s["v"], s["lens"], block_table=s["table"], **scales)
     config = plan.config_for(s0["q"], s0["k"], s0["v"], s0["lens"], block_table=s0["table"], **scales0)
+    if config_out:
+        return [call(s) for s in sets], config
     return [call(s) for s in sets], {"path": config.path.name, "splits": config.num_splits, "block_n": config.block_n,
                                      "num_warps": config.num_warps}
 
@@ -216,6 +229,215 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
     return rows
 
 
+# --sweep: DecodeConfig changes around the resolved config of an e4m3 cache with per-token-head scales (contiguous).
+# Each entry maps (the resolved config, the point's context) to its changes, or None where it would repeat another
+# entry or leave splits empty (a split holds at least block_n keys). "x2" / "x3": twice / three times the splits
+# (half / a third of the keys per split; more CTAs; the split grid only: the persistent kernel's device split counts
+# follow its programs); "w4": 4 warps; "st2" / "st4": pipeline stages; "p264": the persistent kernel's grid at two
+# programs per SM; "grid": the split grid instead of the persistent kernel; "persist": the persistent kernel instead
+# of the split grid (no merge launch); "rN": stage 1 under an N-register cap (DecodeConfig.max_registers). Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178
+# registers and 106 KiB of shared memory a program at 3 stages (one program per SM); r128: no spills, +3% loop
+# instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
+# (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
+# under r128 its KV loops stay free of spills (its work loop spills a few values per item), under r80 they do not.
+# "sum": the softmax row sums kept per key column and summed after the KV loop (DecodeConfig.softmax_sum_tile): the
+# 8-warp e4m3 loop without its cross-warp sum per block, 8 -> 5 barriers and 639 -> 614 instructions per block.
+def _splits_by(factor, block_n=None):
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        if c.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):  # its device splits follow its programs
+            return None if factor > 1 else ({} if block_n is None else dict(block_n=block_n))
+        bn = block_n or c.block_n
+        splits = c.num_splits * factor
+        if splits * bn > context or splits > 1024:  # empty splits: nothing new
+            return None
+        return dict(num_splits=splits, **({} if block_n is None else dict(block_n=block_n)))
+    return changes
+
+
+def _with(**fields):
+    return lambda c, context: fields
+
+
+def _then(first, **fields):
+    def changes(c, context):
+        base = first(c, context)
+        return None if base is None else dict(base, **fields)
+    return changes
+
+
+def _on_split_grid(c, context):
+    """The persistent configs as a split grid (one CTA per split and kv head, merge kernel); None where already."""
+    from flashdecode.config import DecodePath
+
+    if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):
+        return None
+    return dict(path=DecodePath.SPLIT_GRID)
+
+
+def _grid_splits(splits, **fields):
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        base = _on_split_grid(c, context)
+        if base is None:
+            return None
+        return dict(base, num_splits=splits, **fields, **({} if splits > 1 else dict(path=DecodePath.UNSPLIT)))
+    return changes
+
+
+def _on_persistent(factor=1, **fields):
+    """The split grid's configs on the persistent kernel (its device split counts, the merge in the last split's
+    program: no merge launch), with ``factor`` times the splits; None where already (or where splits are empty)."""
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        base = {} if factor == 1 else _splits_by(factor)(c, context)
+        if c.path is not DecodePath.SPLIT_GRID or base is None:
+            return None
+        return dict(base, path=DecodePath.PERSISTENT, **fields)
+    return changes
+
+
+def _persistent_programs(factor, **fields):
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):
+            return None
+        return dict(persistent_programs=c.persistent_programs * factor, **fields)
+    return changes
+
+
+_SWEEP = {
+    "resolved": _with(),
+    "x2": _splits_by(2),
+    "w4 x2": _then(_splits_by(2), num_warps=4),
+    "bn64w4": _with(block_n=64, num_warps=4),
+    "bn64w4 x2": _then(_splits_by(2, 64), num_warps=4),
+    "st2": _with(num_stages=2),
+    "st4": _with(num_stages=4),
+    "r128 x2": _then(_splits_by(2), max_registers=128),
+    "st2 x2": _then(_splits_by(2), num_stages=2),
+    "st2 r80 x3": _then(_splits_by(3), num_stages=2, max_registers=80),
+    "persist": _on_persistent(),
+    "persist r128 p264 x2": _on_persistent(2, max_registers=128, persistent_programs=264),
+    "sum": _with(softmax_sum_tile=True),
+    "sum r128 x2": _then(_splits_by(2), softmax_sum_tile=True, max_registers=128),
+    "sum st2 r80 x3": _then(_splits_by(3), softmax_sum_tile=True, num_stages=2, max_registers=80),
+    "w4 p264": _persistent_programs(2, num_warps=4),
+    "r128 p264": _persistent_programs(2, max_registers=128),
+    "st2 r128 p264": _persistent_programs(2, num_stages=2, max_registers=128),
+    "sum r128 p264": _persistent_programs(2, softmax_sum_tile=True, max_registers=128),
+    "grid x1": _grid_splits(1),
+    "r128 grid x2": _grid_splits(2, max_registers=128),
+    "st2 r80 grid x3": _grid_splits(3, num_stages=2, max_registers=80),
+}
+SWEEP_POINTS = (("b1 16/2", 1, 4096, 16, 2), ("b1 16/2", 1, 32768, 16, 2), ("b1 16/2", 1, 131072, 16, 2),
+                ("llama3-8b", 16, 8192, 32, 8))
+
+
+def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen, names) -> list[dict]:
+    """--sweep rows of one shape: our e4m3 cache (contiguous, per-token-head scales) under each sweep entry that
+    applies (_SWEEP), our bf16 cache's resolved config, a bare read of the 8-bit bytes and the 8-bit floor."""
+    import dataclasses
+
+    from flashdecode.bench.decode import _make_set
+    from flashdecode.timing import cuda_graph_time_us, rotation_count
+
+    lens = [context] * batch
+    bf16_bytes = 2 * batch * context * nheads_kv * headdim * 2
+    floor = (bf16_bytes // 2 + 2 * batch * context * nheads_kv * 4) / bandwidth * 1e6
+    n_sets = rotation_count(bf16_bytes)
+    base = [_make_set(batch, lens, nheads, nheads_kv, headdim, 0, torch.bfloat16, gen) for _ in range(n_sets)]
+    fns, _ = _ours(base)
+    bf16_us = cuda_graph_time_us(fns, reps=reps)
+    sets = [_quant_set(s, True) for s in base]
+    del base, fns
+    torch.cuda.empty_cache()
+    out = torch.empty(bf16_bytes // 2048 + 1, dtype=torch.float32, device="cuda")
+    bare = _bare_read(sets, out)
+    fns, resolved = _ours(sets, config_out=True)
+    reference = fns[0]().float().clone()  # every row's output is compared with the resolved config's
+    common = dict(shape=label, batch=batch, context=context, bf16_us=bf16_us, bare_us=bare, floor_us=floor)
+    rows, seen = [], set()
+    for name in names:
+        changes = _SWEEP[name](resolved, context)
+        if changes is None or any(f not in {f.name for f in dataclasses.fields(resolved)} for f in changes):
+            continue
+        config = dataclasses.replace(resolved, **changes)
+        if config in seen:
+            continue
+        seen.add(config)
+        row = dict(common, config=name, path=config.path.name, splits=config.num_splits, block_n=config.block_n,
+                   warps=config.num_warps, stages=config.num_stages, changes={k: str(v) for k, v in changes.items()})
+        try:
+            fns, _ = _ours(sets, changes)
+            row["max|diff|"] = (fns[0]().float() - reference).abs().max().item()
+            row["us"] = cuda_graph_time_us(fns, reps=reps)
+            row["%bare"] = 100.0 * bare / row["us"] if bare else None
+            row["%floor"] = 100.0 * floor / row["us"]
+            row["bf16/fp8"] = bf16_us / row["us"]
+        except Exception as e:  # reported, not fatal
+            row["us"] = None
+            row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        rows.append(row)
+    timed = [r for r in rows if r.get("us")]
+    if timed:
+        best = min(timed, key=lambda r: r["us"])
+        for r in rows:
+            r["best"] = "*" if r is best else ""
+    return rows
+
+
+SWEEP_COLUMNS = ["shape", "batch", "context", "config", "path", "splits", "block_n", "warps", "stages", "us", "best",
+                 "%bare", "%floor", "bf16/fp8", "bf16_us", "bare_us", "max|diff|"]
+
+
+def sweep(args) -> int:
+    """--sweep: sweep_point at b1 16/2 4k / 32k / 128k and the Llama-3-8B shape b16 8k (hd128; --contexts and
+    --batched replace them), the entries of --sweep-configs (default all of _SWEEP); one table (one row per point
+    and config, the fastest per point marked *) and a result file."""
+    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
+    from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
+
+    if not torch.cuda.is_available():
+        print("fp8_decode needs a CUDA GPU")
+        return 2
+    names = [n for n in args.sweep_configs.split(",") if n] if args.sweep_configs else list(_SWEEP)
+    if set(names) - set(_SWEEP):
+        raise SystemExit(f"--sweep-configs: from {list(_SWEEP)}")
+    points = list(SWEEP_POINTS)
+    if args.contexts is not None:
+        points = [("b1 16/2", 1, int(c), 16, 2) for c in args.contexts.split(",") if c]
+        points += [p for p in SWEEP_POINTS if p[1] > 1]
+    if args.batched is not None:
+        points = [p for p in points if p[1] == 1]
+        points += [("llama3-8b", int(b), args.batched_context, 32, 8) for b in args.batched.split(",") if b]
+    env = env_info()
+    bandwidth = copy_bandwidth_bytes_per_s()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for shape, batch, context, nheads, nheads_kv in points:
+        point_rows = sweep_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen, names)
+        rows += point_rows
+        for r in point_rows:  # each row as it is measured (a run cut short keeps what it had)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                              if k != "changes"}), flush=True)
+    print(f"e4m3 decode config sweep on {env['device']} (torch {env['torch']}, triton {env['triton']}), copy "
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s; contiguous, per-token-head scales; us (CUDA-graph replays, K/V "
+          f"rotated beyond L2); %bare: a bare read of the 8-bit bytes / ours; %floor: the 8-bit floor / ours")
+    fmt = {c: ".1f" for c in ("us", "%bare", "%floor", "bf16_us", "bare_us")}
+    fmt.update({"bf16/fp8": ".2f", "max|diff|": ".1e"})
+    print(markdown_table(rows, SWEEP_COLUMNS, fmt))
+    out = results_dir(args.out)
+    path = write_json(out / f"{result_stem('fp8_sweep', env)}.json", "fp8_sweep", env, rows,
+                      {"copy_bandwidth_bytes_per_s": bandwidth})
+    print(f"wrote {path}")
+    return 0
+
+
 CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "cvt-kfirst", "bits-klate",
                    "bits-tl", "bits", "bits-w4", "fp8_floor_us", "cvt %floor", "bits %floor", "cvt/bits", "bf16/bits",
                    "equal"]
@@ -247,12 +469,18 @@ def main() -> int:
                         help="--convert-ab: which of " + ", ".join(_CONVERTS))
     parser.add_argument("--llama-b1-contexts", default="",
                         help="--convert-ab: also the Llama-3-8B shape (32 / 8 heads) at batch 1 and these contexts")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the e4m3 decode over DecodeConfig changes around the resolved config (b1 16/2 "
+                             "4k / 32k / 128k and the Llama-3-8B shape b16 8k unless --contexts / --batched say)")
+    parser.add_argument("--sweep-configs", default="", help="--sweep: which of " + ", ".join(_SWEEP))
     parser.add_argument("--convert-ab", action="store_true",
                         help="time the e4m3 -> 16-bit conversions against each other (contexts default 4k..128k, "
                              "--batched default 16)")
     args = parser.parse_args()
     if args.convert_ab:
         return convert_ab(args)
+    if args.sweep:
+        return sweep(args)
     contexts = "512,1024,2048,4096,8192,16384,32768,65536,131072" if args.contexts is None else args.contexts
     batched = "16,64" if args.batched is None else args.batched
     if not torch.cuda.is_available():

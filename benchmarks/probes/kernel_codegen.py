@@ -193,6 +193,9 @@ VARIANTS = {
     # 8-bit caches as resolved for b1 16/2 hd128 at 32k keys: e4m3 with per-token-head scales (contiguous, pages of
     # 1 and 128) and one scalar scale (contiguous, page 16); int8 on pages of 16
     "split_fp8_contig": lambda: _decode(kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
+    # the same at two programs per SM: 8 warps under a 128-register cap (DecodeConfig.max_registers), 4 warps
+    "split_fp8_contig_r128": lambda: _decode(kv_dtype="float8_e4m3fn", path="SPLIT_GRID", max_registers=128),
+    "split_fp8_contig_w4": lambda: _decode(kv_dtype="float8_e4m3fn", path="SPLIT_GRID", num_warps=4),
     "split_fp8_page1": lambda: _decode(page=1, kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
     "split_fp8_page128": lambda: _decode(page=128, kv_dtype="float8_e4m3fn", path="SPLIT_GRID"),
     "split_fp8_scalar_contig": lambda: _decode(kv_dtype="float8_e4m3fn", scales="scalar", path="SPLIT_GRID"),

@@ -31,7 +31,8 @@ from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
-from flashdecode.kernels.softmax_state import LN2, LOG2E, normalize_state, online_softmax_step, safe_max
+from flashdecode.kernels.softmax_state import (LN2, LOG2E, normalize_state, online_softmax_step,
+                                               online_softmax_step_sum_tile, safe_max)
 
 
 @triton.jit
@@ -42,8 +43,11 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
                    OFFS_32: tl.constexpr, alibi_log2=0.0, ALIBI: tl.constexpr = False, kv_quant=None,
-                   KV_QUANT: tl.constexpr = 0, QUANT_TILES: tl.constexpr = QUANT_TILES_OFF):
+                   KV_QUANT: tl.constexpr = 0, QUANT_TILES: tl.constexpr = QUANT_TILES_OFF,
+                   SUM_TILE: tl.constexpr = False):
     """The KV loop over keys [lo, hi) in BLOCK_N steps: takes and returns the running state (acc, m_i, l_i).
+    SUM_TILE: l_i is a (BLOCK_M, BLOCK_N) tile of per-column row sums (online_softmax_step_sum_tile), summed by the
+    caller after the last loop.
 
     k_src/v_src: base pointers of this sequence/kv head (pointer path), or TMA descriptors over the cache viewed
     as (tokens, nheads_kv * headdim) (USE_TMA: contiguous, or pages that are multiples of BLOCK_N).
@@ -111,7 +115,10 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 s = tl.where(s == s, s, float("-inf"))
             else:  # ids from registers (the split's preload): mask directly, the loads zero-fill
                 s = tl.where(key_ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
+        if SUM_TILE:
+            p, alpha, m_i, l_i = online_softmax_step_sum_tile(m_i, l_i, s)
+        else:
+            p, alpha, m_i, l_i = online_softmax_step(m_i, l_i, s)
         if USE_TMA:
             v = v_src.load([row0, tma_col])
             if MASKED:  # TMA reads whole blocks: slots past the end may hold garbage, and 0 * NaN = NaN
@@ -457,7 +464,11 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
         quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    SUM_TILE: tl.constexpr = TILE.sum_tile
+    if SUM_TILE:  # the row sums per key column, summed once after the loops (softmax_state)
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys below seqlen - SEQLEN_Q + 1 are visible to every row (causal bound of row 0): no masks there.
     full_hi = start
@@ -468,13 +479,15 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, False,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES, SUM_TILE)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, full_hi, end, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
                                    tma_col, split_pages, first_page, HEADDIM, BLOCK_N, BLOCK_D, PAGE_SIZE, True,
                                    SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA, PRELOAD_PAGES,
-                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES)
+                                   OFFS_32, alibi_log2, ALIBI, quant, KV_QUANT, QUANT_TILES, SUM_TILE)
+    if SUM_TILE:
+        l_i = tl.sum(l_i, 1)
     return normalize_state(acc, m_i, l_i)
 
 

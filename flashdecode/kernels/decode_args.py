@@ -23,11 +23,13 @@ class Rows(NamedTuple):
 
 class Tile(NamedTuple):
     """TILE: query rows per program (padded to the MMA minimum of 16), keys per KV step, head-dim columns (the head
-    dim padded to a power of two)."""
+    dim padded to a power of two), and whether the KV loop keeps its softmax row sums as a (block_m, block_n) tile
+    summed once after the loop (sum_tile; kernels/decode.py _attend_split) instead of one sum per block."""
 
     block_m: int
     block_n: int
     block_d: int
+    sum_tile: bool = False
 
 
 class Splits(NamedTuple):

@@ -38,6 +38,20 @@ def online_softmax_step(m_i, l_i, s):
 
 
 @triton.jit
+def online_softmax_step_sum_tile(m_i, l_tile, s):
+    """online_softmax_step with the row sums kept per column: l_tile (BLOCK_M, BLOCK_N) fp32 holds, per key column,
+    the running sum of its p values (rescaled by every alpha like the accumulator), so that a row's l is
+    tl.sum(l_tile, 1), taken once after the KV loop. Per block this costs one multiply-add per score instead of a
+    row reduction, which (with warps split along the keys) crosses warps through shared memory and a barrier.
+    Returns (p, alpha, m_new, l_tile_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = safe_max(m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
+    return p, alpha, m_new, l_tile * alpha[:, None] + p
+
+
+@triton.jit
 def normalize_state(acc, m_i, l_i):
     """(acc, m, l) -> (o, lse2): o = acc / l (0 where l = 0), lse2 = m + log2(l) (-inf where l = 0)."""
     empty = l_i == 0.0

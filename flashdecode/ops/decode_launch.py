@@ -177,7 +177,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
         FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
         PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
         **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
-        num_warps=config.num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
@@ -210,10 +210,17 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
         MERGE=_merge_tile(shape, config.num_splits), num_pages=k_cache.shape[0],
         **_shared_args(shape, launch, config.num_splits, k_cache),
-        num_warps=config.num_warps, num_stages=num_stages, **({"launch_pdl": True} if config.pdl_wait else {}),
+        num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
+        **({"launch_pdl": True} if config.pdl_wait else {}),
     )
     _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
                                                          config.use_tma, "persistent"))
+
+
+def _register_cap(config) -> dict:
+    """The stage-1 launch's maxnreg (config.max_registers; none at 0; the CPU interpreter ignores it): fewer
+    registers per thread so that more programs share an SM (ptxas spills what does not fit)."""
+    return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
 def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
@@ -222,7 +229,9 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
     config = launch.config
     return dict(
         ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
-        HEADDIM=shape.headdim, TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d),
+        HEADDIM=shape.headdim,
+        TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d,
+                  sum_tile=config.softmax_sum_tile),
         SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
                       merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
