@@ -244,6 +244,7 @@ class LLM:
         from flashdecode.engine.layers import flat_gemm as fg
 
         if flat_gemm is False or flat_gemm is None:
+            fg.install(self.model, None)  # a shared model may hold another engine's table (bench e2e's columns)
             return
         if isinstance(flat_gemm, str):
             if flat_gemm != "auto":
