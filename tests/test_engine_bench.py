@@ -39,6 +39,38 @@ def test_decode_and_prefill_measurements_and_report(tmp_path):
         assert next(tmp_path.glob("e2e_*.png")).stat().st_size > 0
 
 
+def test_pdl_both_pairs_every_flashdecode_point_with_a_pdl_twin(tmp_path):
+    """--pdl both: each flashdecode point is followed by its '+pdl' twin (PDL on; the original off), other backends
+    run once; the report gives the twins' % of the roofline and their speed-up over the same column without PDL."""
+    fd, fp8, sdpa = ("flashdecode", "auto", "flashdecode"), ("flashdecode", "fp8", "flashdecode+fp8"), \
+        ("sdpa", "auto", "sdpa")
+    points = [(fd, 4096, 16), (sdpa, 4096, 16), (fp8, 4096, 16)]
+    columns = [fd, sdpa, fp8]
+    assert e2e.with_pdl_twins(points, columns, "on") == (points, columns)
+    paired, cols = e2e.with_pdl_twins(points, columns, "both")
+    assert [(c[2], ctx, bs) for c, ctx, bs in paired] == [
+        ("flashdecode", 4096, 16), ("flashdecode+pdl", 4096, 16), ("sdpa", 4096, 16), ("flashdecode+fp8", 4096, 16),
+        ("flashdecode+fp8+pdl", 4096, 16)]
+    assert [c[2] for c in cols] == ["flashdecode", "sdpa", "flashdecode+fp8", "flashdecode+pdl", "flashdecode+fp8+pdl"]
+    assert [e2e.point_pdl(c[2], "both") for c, _, _ in paired] == [False, True, False, False, True]
+    assert e2e.point_pdl("flashdecode", "auto") == "auto" and e2e.point_pdl("sdpa", "on") is True
+    assert e2e.point_pdl("flashdecode+cublas", "off") is False
+
+    cfg = named_config("llama3-8b")
+    roof = e2e.roofline_tokens_per_s(cfg, 4096, 16, 3e12)
+    rows = [dict(kind="decode", backend=b, context=4096, batch=16, tokens_per_s=rate, pct_roofline=100 * rate / roof)
+            for b, rate in (("flashdecode", 0.88 * roof), ("flashdecode+pdl", 0.92 * roof), ("sdpa", 0.8 * roof))]
+    args = argparse.Namespace(quick=False, contexts="4096", batch="16", page_size=128, out=str(tmp_path), pdl="both")
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    e2e._write(args, env, rows, cfg, "llama3-8b", "llama3-8b", 3e12, ["flashdecode", "sdpa", "flashdecode+pdl"])
+    record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    table, = record["table"]
+    assert table["flashdecode+pdl % roofline"] == pytest.approx(92.0)
+    assert table["flashdecode+pdl speed-up"] == pytest.approx(0.92 / 0.88)
+    assert "x vs flashdecode+pdl" not in table and table["x vs sdpa"] == pytest.approx(0.88 / 0.8)
+    assert "flashdecode+pdl" in record["summary"][0] and "92.0% roofline" in record["summary"][0]
+
+
 def test_roofline_matches_hand_computed_llama3_8b():
     """Llama-3-8B at 3.02 TB/s: 16.06 GB of bf16 weights plus 128 KiB of K/V per cached token (32 layers x 8 kv
     heads x 128 x 2 tensors x 2 bytes) read per token: 187 tok/s at 512 tokens, 122.5 at 64k."""

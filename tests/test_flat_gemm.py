@@ -152,6 +152,21 @@ def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
             LLM(path, device=DEVICE, use_tqdm=False, flat_gemm=True)
 
 
+def test_flat_gemm_false_takes_a_shared_models_table_away():
+    """Engines sharing a model (bench e2e's columns): flat_gemm=False means cuBLAS everywhere even where an engine
+    before installed a table on the model."""
+    from flashdecode.engine import LLM
+    from flashdecode.engine.config import config_from_dict
+    from flashdecode.engine.models import model_class
+
+    cfg = config_from_dict(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    model = model_class(cfg)(cfg, torch.float32, torch.device("cpu"), 64)
+    fg.install(model, fg.ChoiceTable())
+    LLM(model, device="cpu", use_tqdm=False, flat_gemm=False, max_model_len=64)
+    assert model.flat_table is None and all(mod.choice_table is None for mod in fg._linears(model))
+
+
 def test_choice_table_json_round_trip_and_the_per_gpu_cache(tmp_path, monkeypatch):
     """rows() / from_json keep every choice; cached_table_for_model measures once per key, then reads the file
     (a changed key - another GPU, software or shape - measures again; an unreadable file is measured over)."""

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the batched points with the flat GEMM off (cuBLAS for every linear; the "
                              "engine's default takes the flat GEMM where its measured table says it wins): a "
                              "'flashdecode+cublas' column")
+    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
+                        help="programmatic dependent launch of the engine's decode-step kernels (LLM(pdl=)): the "
+                             "engine's default (auto), on, off, or both: every flashdecode point run with PDL off "
+                             "and then on, same run, the second as a '<column>+pdl' column")
     parser.add_argument("--quick", action="store_true",
                         help="<= 3 min on an H100: full llama3-8b, contexts 512,4096,16384,65536, 32 steps")
     parser.add_argument("--profile", action="store_true",
@@ -150,9 +154,9 @@ def _fill_pool_randomly(runner) -> None:
 
 
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
-                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm="auto") -> float:
+                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm="auto", pdl="auto") -> float:
     """Sequence tokens/s (all sequences together) of the engine's decode loop at ``context`` tokens.
-    ``flat_gemm``: the engine's LLM(flat_gemm=) (default: its own)."""
+    ``flat_gemm``, ``pdl``: the engine's LLM(flat_gemm=, pdl=) (default: its own)."""
     from flashdecode.engine import LLM
 
     cfg = model.config
@@ -162,7 +166,7 @@ def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: in
     pages = batch * -(-max_len // page_size)
     budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
-              max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm)
+              max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl)
     try:
         _fill_pool_randomly(llm.runner)
         _fill_running(llm, batch, context, total_steps)
@@ -482,12 +486,13 @@ def run(args) -> int:
         cublas_col = ("flashdecode", "auto", "flashdecode+cublas")
         points += [(cublas_col, args.batched_context, bs) for bs in batched]
         columns.append(cublas_col)
+    points, columns = with_pdl_twins(points, columns, args.pdl)
     rows = []
     for (backend, kv, label), ctx, bs in tqdm(points, desc="e2e decode"):
         roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
-                                       False if label.endswith("+cublas") else "auto")
+                                       False if "+cublas" in label else "auto", point_pdl(label, args.pdl))
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"
@@ -515,6 +520,31 @@ def run(args) -> int:
         backends = backends + [f"hf-{i}" for i in impls]
     args.hf_note = hf_note
     return _write(args, env, rows, cfg, name, what, bandwidth, backends)
+
+
+PDL_SUFFIX = "+pdl"
+
+
+def with_pdl_twins(points: list, columns: list, pdl: str) -> tuple[list, list]:
+    """--pdl both: each point of a flashdecode column followed by its twin in the '<label>+pdl' column (PDL on; the
+    original runs with it off), so the two arms of a pair run back to back in one process. Other settings: as
+    given. points: ((backend, kv dtype, label), context, batch); columns: (backend, kv dtype, label)."""
+    if pdl != "both":
+        return points, columns
+    twin = lambda col: (col[0], col[1], col[2] + PDL_SUFFIX)  # noqa: E731
+    paired = []
+    for col, ctx, bs in points:
+        paired.append((col, ctx, bs))
+        if col[0].startswith("flashdecode"):
+            paired.append((twin(col), ctx, bs))
+    return paired, columns + [twin(c) for c in columns if c[0].startswith("flashdecode")]
+
+
+def point_pdl(label: str, pdl: str):
+    """LLM(pdl=) of a point of column ``label`` under --pdl ``pdl`` (both: on for the '+pdl' twins, off else)."""
+    if label.endswith(PDL_SUFFIX):
+        return True
+    return {"auto": "auto", "on": True, "off": False, "both": False}[pdl]
 
 
 def _hf_plan(args) -> tuple[list[str], str]:
@@ -547,6 +577,28 @@ def _rate(rows, backend, ctx, bs):
     return None
 
 
+def _pct(rows, backend, ctx, bs):
+    for r in rows:
+        if r["kind"] == "decode" and r["backend"] == backend and r["context"] == ctx and r["batch"] == bs:
+            return r.get("pct_roofline")
+    return None
+
+
+def _pdl_columns(row: dict, rows: list, pdl_labels: list, ctx: int, bs: int) -> list[str]:
+    """The '+pdl' twins' % of the roofline (their own row's, for their KV dtype) and speed-up over the same column
+    without PDL, added to the table ``row``; returns summary notes."""
+    notes = []
+    for b in pdl_labels:
+        on, off = _rate(rows, b, ctx, bs), _rate(rows, b[:-len(PDL_SUFFIX)], ctx, bs)
+        pct = _pct(rows, b, ctx, bs)
+        if pct is not None:
+            row[f"{b} % roofline"] = pct
+        if on and off:
+            row[f"{b} speed-up"] = on / off
+            notes.append(f"{b} {on:.0f} tok/s ({pct:.1f}% roofline, {on / off:.3f}x without PDL)")
+    return notes
+
+
 def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     table_rows, summary = [], []
     for bs, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows if r["kind"] == "decode"):
@@ -556,16 +608,17 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         for b in backends:
             row[f"{b} tok/s"] = _rate(rows, b, ctx, bs)
         row["flashdecode % roofline"] = None if ours is None else 100 * ours / roof
-        for b in backends:
+        peers = [b for b in backends if b != "flashdecode" and not b.endswith(PDL_SUFFIX)]
+        for b in peers:
             other = _rate(rows, b, ctx, bs)
-            if b != "flashdecode" and ours and other:
+            if ours and other:
                 row[f"x vs {b}"] = ours / other
+        pdl_notes = _pdl_columns(row, rows, [b for b in backends if b.endswith(PDL_SUFFIX)], ctx, bs)
         table_rows.append(row)
         if ours:
-            peers = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in backends
-                              if b != "flashdecode" and row.get(f"{b} tok/s"))
+            vs = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in peers if row.get(f"{b} tok/s"))
             summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
-                           + (f", {peers}" if peers else ""))
+                           + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in pdl_notes))
     prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
@@ -584,7 +637,8 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
               f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; KV caches filled with random values (no prefill) for "
               f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
               f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
-              f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')}\n"
+              f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')} "
+              f"--pdl {getattr(args, 'pdl', 'auto')}\n"
               f"{getattr(args, 'hf_note', 'hf peer: not run')}\n")
     print(header)
     print(md)

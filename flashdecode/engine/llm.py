@@ -24,6 +24,7 @@ from flashdecode.engine.attention import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
 from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
 from flashdecode.engine.kv_quant import QUANT_BACKENDS, resolve_kv_cache_dtype, scale_bytes_per_page
+from flashdecode.engine.layers import pdl as pdl_setting
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner
@@ -130,6 +131,11 @@ class LLM:
         kv_cache_dtype: "auto" (the model's dtype), "fp8" (float8_e4m3fn) or "int8": 8-bit K/V pages with a float32
             scale per token and kv head (~1.94x the tokens in the same memory at head dim 128; flashdecode
             backends, or torch on the CPU; engine/kv_quant.py).
+        pdl: programmatic dependent launch of the decode step's Triton kernels (fused norm / rope / silu*mul, the
+            GEMV and the flat GEMM): each may start while the kernel before it finishes, prefetching its weights
+            (flashdecode.engine.layers.pdl). "auto" (default) = pdl.AUTO_ON on a GPU of compute capability >= 9.0
+            (currently off), True = on (ValueError elsewhere: CPU, interpreter, older GPUs), False = off. Decode
+            attention keeps its own PDL policy (DecodePlan: on for Hopper) either way.
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -149,7 +155,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm="auto",
                  tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", pdl="auto"):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -161,6 +167,7 @@ class LLM:
                              f"is then used) or pass device='cpu'")
         t_start = time.perf_counter()
         self.dtype = resolve_dtype(dtype, self.device)
+        self.pdl = pdl_setting.resolve_pdl(pdl, self.device)
         self.parallel = ParallelState.create(ParallelConfig(tensor_parallel_size, context_parallel_size), self.device)
         if prebuilt is not None:
             self.config, self.model_dir = prebuilt.config, None
@@ -202,6 +209,7 @@ class LLM:
             else:
                 load_checkpoint(self.model, self.model_dir, use_tqdm=use_tqdm)
         self._install_flat_gemm(flat_gemm, max_num_seqs)
+        pdl_setting.install(self.model, self.pdl)  # before the runner captures its graphs
         self.tokenizer = load_tokenizer(self.model_dir)
         # EOS: config.json / generation_config.json and the tokenizer's (vLLM reads both)
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + (self.tokenizer.eos_token_ids
@@ -228,14 +236,15 @@ class LLM:
                                   dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel,
                                   kv_cache_dtype=self.kv_cache_dtype)
         logger.info("engine ready in %.1f s: %s, %d layers, %s on %s, attention %s, %d KV pages of %d tokens, "
-                    "CUDA graphs %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
+                    "CUDA graphs %s, PDL %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
-                    "on" if self.runner.graphs else "off")
+                    "on" if self.runner.graphs else "off", "on" if self.pdl else "off")
 
     def _install_flat_gemm(self, flat_gemm, max_num_seqs: int) -> None:
         from flashdecode.engine.layers import flat_gemm as fg
 
         if flat_gemm is False or flat_gemm is None:
+            fg.install(self.model, None)  # a shared model may hold another engine's table (bench e2e's columns)
             return
         if isinstance(flat_gemm, str):
             if flat_gemm != "auto":

@@ -12,6 +12,10 @@ the batch-1 GEMV (flashdecode.engine.layers.gemv), applied per row with the same
     RMSNORM    Y = norm(X) W^T
     ADD_NORM   S = R + X; Y = norm(S) W^T   S stored to RES_OUT by the programs of the first N block
 
+``pdl=True`` (the engine's setting, flashdecode.engine.layers.pdl): a programmatic dependent launch. Before waiting
+for the previous kernel, the programs of the first M block hint the first PREFETCH_K columns of their weight rows
+into L2 (weights are never written during a step); every read of X / RES and every store comes after the wait.
+
 Whether the flat GEMM or cuBLAS (torch.matmul) runs is a per-(M, N, K) decision measured on the device: the
 ``ChoiceTable`` times both for the shapes a model has and keeps the flat GEMM only where it wins by a margin.
 benchmarks/probes/flat_gemm.py prints the same comparison as a table.
@@ -32,6 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flashdecode.engine.layers.pdl import (linear_launch_args, prefetch_weight_rows,
+                                          wait_for_previous_kernel)
 from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
 
 logger = logging.getLogger(__name__)
@@ -61,9 +67,11 @@ def _row_inv_rms(X, RES, offs_m, m_ok, stride_x, stride_r, K, eps, PROLOGUE: tl.
 def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x, strides_r, stride_w, stride_out,
                       eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RES: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                      NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+                      PREFETCH_K: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
     """OUT (M, N) = prologue(X) (M, K) @ W (N, K)^T; see the module docstring for PROLOGUE. strides_x / strides_r:
-    row strides of X and of RES / RES_OUT (the column stride is 1)."""
+    row strides of X and of RES / RES_OUT (the column stride is 1). USE_PDL, PREFETCH_K (0: no prefetch) and
+    LINE_ELEMS (elements of a 128-byte line): the module docstring's PDL."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     dt = X.dtype.element_ty
@@ -73,6 +81,10 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
     n_ok = offs_n < N
     x_rows = X + offs_m.to(tl.int64)[:, None] * strides_x
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    if USE_PDL and PREFETCH_K > 0:
+        if pid_m == 0:  # the other M blocks read the same rows
+            prefetch_weight_rows(W, offs_n, N, stride_w, K, PREFETCH_K, LINE_ELEMS)
+    wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     if PROLOGUE >= 2:
         inv_rms = _row_inv_rms(X, RES, offs_m.to(tl.int64), m_ok, strides_x, strides_r, K, eps, PROLOGUE,
@@ -125,13 +137,14 @@ def default_config(m: int, n: int, k: int) -> FlatGemmConfig:
 
 def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = PLAIN,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              config: FlatGemmConfig | None = None):
+              config: FlatGemmConfig | None = None, pdl: bool = False):
     """M tokens through a linear layer (M <= 64).
 
     x: (M, K) activations (SILU_MUL: (M, 2K) = [gate | up]), unit stride along K. weight (N, K) row-major, bias
     (N,), in x's dtype. residual (M, K) for ADD_NORM (unit stride along K), norm_weight (K,) for RMSNORM/ADD_NORM.
     Returns Y (M, N) in x's dtype, and for ADD_NORM also the new residual stream (M, K) = residual + x (a new
-    tensor; ``residual`` is not modified).
+    tensor; ``residual`` is not modified). pdl: launch as a programmatic dependent (module docstring; only where
+    pdl.pdl_supported).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be tensors")
@@ -167,7 +180,7 @@ def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 1024),
         # float32 models get float32 products (no TF32 rounding); half types use the tensor cores as they are
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **linear_launch_args(pdl, n, k, weight))
     return (out, res_out) if prologue == ADD_NORM else out
 
 

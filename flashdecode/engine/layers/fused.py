@@ -4,6 +4,10 @@ K/V writes) cost as much as reading a third of the weights. These Triton kernels
 
 Each kernel reproduces the PyTorch (HF) op order and its roundings to the activation dtype, so results match the
 unfused path (``fused=False``, the CPU default) to the last bit up to reduction order.
+
+``pdl=True`` (the engine's setting, flashdecode.engine.layers.pdl; Hopper only, never under the interpreter): the
+kernel is a programmatic dependent launch that waits for the previous kernel before its first memory access (all
+their inputs are produced by the step) and then lets the next one launch.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdecode.engine.layers.pdl import launch_options, wait_for_previous_kernel
+
 
 @triton.jit
 def _add_rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, HIDDEN, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One row: (residual += x; x = residual) then out = w * (x * rsqrt(mean(x^2) + eps)) in HF's roundings."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < HIDDEN
+    wait_for_previous_kernel(USE_PDL)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(RES + row * stride_r + offs, mask=ok, other=0.0)
@@ -33,14 +40,16 @@ def _add_rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, HIDDEN, e
     tl.store(OUT + row * stride_o + offs, out, mask=ok)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 pdl: bool = False):
     """x (tokens, hidden). With ``residual`` (same shape, contiguous, updated IN PLACE to residual + x) the norm
-    is of the sum. Returns the normalised (tokens, hidden) tensor in x's dtype."""
+    is of the sum. Returns the normalised (tokens, hidden) tensor in x's dtype. pdl: see the module doc."""
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
-                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+                                    USE_PDL=pdl, **launch_options(pdl))
     return out
 
 
@@ -67,9 +76,10 @@ def _rope_heads(X, OUT, row, stride_x, stride_o, c, s, NHEADS: tl.constexpr, HAL
 def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT, K_CACHE, V_CACHE,
                        stride_qkv, stride_q, stride_k, stride_v, stride_tab, stride_page_slot,
                        NHEADS: tl.constexpr, NHEADS_KV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One token: rotate q and k from the fused qkv row, write q/k/v out contiguously and k/v into its page slot."""
     row = tl.program_id(0).to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)
     pos = tl.load(POS + row)
     j = tl.arange(0, HALF)[None, :]
     dt = Q_OUT.dtype.element_ty
@@ -102,10 +112,11 @@ def rope_supported(head_dim: int) -> bool:
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nheads: int,
-                   nheads_kv: int, head_dim: int):
+                   nheads_kv: int, head_dim: int, pdl: bool = False):
     """qkv (tokens, (nheads + 2 nheads_kv) head_dim) -> q (tokens, nheads, d), k, v (tokens, nheads_kv, d), all
     contiguous, q/k rotated; k/v also written to the paged cache (num_pages, page_size, nheads_kv, d) at the flat
-    int64 ``slot_mapping``. cos/sin_table float32 (max_positions, d); positions int64 (tokens,)."""
+    int64 ``slot_mapping``. cos/sin_table float32 (max_positions, d); positions int64 (tokens,). pdl: see the
+    module doc."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, nheads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, nheads_kv, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -116,15 +127,16 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.
         qkv, positions, cos_table, sin_table, slot_mapping, q, k, v, k_cache, v_cache,
         qkv.stride(0), q.stride(0), k.stride(0), v.stride(0), cos_table.stride(0), nheads_kv * head_dim,
         NHEADS=nheads, NHEADS_KV=nheads_kv, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(nheads),
-        BLOCK_HK=triton.next_power_of_2(nheads_kv))
+        BLOCK_HK=triton.next_power_of_2(nheads_kv), USE_PDL=pdl, **launch_options(pdl))
     return q, k, v
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < INTER
+    wait_for_previous_kernel(USE_PDL)
     g = tl.load(GU + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_gu + INTER + offs, mask=ok, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
@@ -132,13 +144,13 @@ def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + offs, (act * u).to(dt), mask=ok)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (tokens, 2 * inter) = [gate | up] -> silu(gate) * up, (tokens, inter)."""
+def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """gate_up (tokens, 2 * inter) = [gate | up] -> silu(gate) * up, (tokens, inter). pdl: see the module doc."""
     tokens, width = gate_up.shape
     inter = width // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                          BLOCK=block)
+                                                          BLOCK=block, USE_PDL=pdl, **launch_options(pdl))
     return out
 

@@ -17,6 +17,10 @@ dot product accumulates in float32 and rounds once (what cuBLAS does). Only the 
 
 Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks; the norm prologues first sum the squares of
 the (8 KB, L2-resident) input vector. Programs never write what another program reads: RES_OUT is a new tensor.
+
+``pdl=True`` (the engine's setting, flashdecode.engine.layers.pdl): a programmatic dependent launch. Before waiting
+for the previous kernel, each program hints the first PREFETCH_K columns of its weight rows into L2 (weights are
+never written during a step); every read of X / RES and every store comes after the wait.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flashdecode.engine.layers.pdl import (linear_launch_args, prefetch_weight_rows,
+                                          wait_for_previous_kernel)
 
 PLAIN, SILU_MUL, RMSNORM, ADD_NORM = 0, 1, 2, 3
 
@@ -66,12 +73,17 @@ def _input_chunk(X, RES, NORM_W, offs, ok, K, inv_rms, PROLOGUE: tl.constexpr, E
 @triton.jit
 def _gemv_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, N, K, stride_w, eps,
                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RES: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """OUT (N,) = W (N, K) @ prologue(X); see the module docstring for PROLOGUE."""
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 USE_PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
+    """OUT (N,) = W (N, K) @ prologue(X); see the module docstring for PROLOGUE. USE_PDL, PREFETCH_K (0: no
+    prefetch) and LINE_ELEMS (elements of a 128-byte line): the module docstring's PDL."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    if USE_PDL and PREFETCH_K > 0:
+        prefetch_weight_rows(W, offs_n, N, stride_w, K, PREFETCH_K, LINE_ELEMS)
+    wait_for_previous_kernel(USE_PDL)
     inv_rms = 1.0
     if PROLOGUE >= 2:  # sum of squares of the whole (residual-added) input
         sq = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
@@ -119,12 +131,13 @@ def default_config(n: int, k: int, prologue: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 0.0, config: tuple[int, int, int] | None = None):
+         eps: float = 0.0, config: tuple[int, int, int] | None = None, pdl: bool = False):
     """One token through a linear layer.
 
     x: (1, K) activations (SILU_MUL: (1, 2K) = [gate | up]), contiguous. weight (N, K), row-major. bias (N,).
     residual (1, K) for ADD_NORM, norm_weight (K,) for RMSNORM/ADD_NORM. Returns y (1, N) in x's dtype, and for
     ADD_NORM also the new residual stream (1, K) = residual + x (a new tensor; ``residual`` is not modified).
+    pdl: launch as a programmatic dependent (module docstring; only where pdl.pdl_supported).
     """
     n, k = weight.shape
     width = 2 * k if prologue == SILU_MUL else k
@@ -144,5 +157,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias if bias is not None else weight, out, res_out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, STORE_RES=prologue == ADD_NORM, EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=min(triton.next_power_of_2(k), 16384), num_warps=warps)
+        NORM_BLOCK=min(triton.next_power_of_2(k), 16384), num_warps=warps,
+        **linear_launch_args(pdl, n, k, weight))
     return (out, res_out) if prologue == ADD_NORM else out

@@ -52,6 +52,8 @@ class MergedLinear(nn.Module):
     # a flat_gemm.ChoiceTable (installed by the engine when asked): decode batches of 2..64 rows whose shape it
     # measured faster than cuBLAS go through the flat GEMM
     choice_table = None
+    # the flat GEMM launched as a programmatic dependent (flashdecode.engine.layers.pdl.install sets it)
+    use_pdl = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (tokens, in_features) -> (tokens, sum(out_sizes))."""
@@ -60,7 +62,7 @@ class MergedLinear(nn.Module):
             if config is not None:
                 from flashdecode.engine.layers.flat_gemm import flat_gemm
 
-                return flat_gemm(x, self.weight, self.bias, config=config)
+                return flat_gemm(x, self.weight, self.bias, config=config, pdl=self.use_pdl)
         return F.linear(x, self.weight, self.bias)
 
     # the split a fused kernel (GEMV) computing x W^T + local_bias needs, then finish(): see RowParallelLinear

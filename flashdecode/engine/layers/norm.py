@@ -15,11 +15,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
+    # launch the fused kernel as a programmatic dependent (flashdecode.engine.layers.pdl.install sets it)
+    use_pdl = False
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, use_fused: bool = False):
         """x (tokens, hidden). Without residual: returns norm(x). With it: s = residual + x, returns (norm(s), s);
         the fused kernel writes s into ``residual`` in place."""
         if use_fused:
-            out = fused.add_rms_norm(x, self.weight, self.eps, residual)
+            out = fused.add_rms_norm(x, self.weight, self.eps, residual, pdl=self.use_pdl)
             return out if residual is None else (out, residual)
         if residual is not None:
             x = residual + x

@@ -61,6 +61,10 @@ class Attention(nn.Module):
         self.splits = (q_size, kv_size, kv_size)
         self.fused_rope = fused.rope_supported(cfg.head_dim)
 
+    # this module's Triton kernels (rope + KV write, the one-token o_proj GEMV) launched as programmatic dependents
+    # (flashdecode.engine.layers.pdl.install sets it, like on the modules below)
+    use_pdl = False
+
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
                 use_fused: bool = False):
         """x (tokens, hidden) -> (tokens, hidden); writes this step's K/V into kv_cache = (k_pages, v_pages)."""
@@ -78,7 +82,7 @@ class Attention(nn.Module):
             o = backend.decode(q, k_cache, v_cache, meta)
         o = o.reshape(tokens, self.nheads * self.head_dim)
         if use_gemv:
-            return self.o_proj.finish(gemv.gemv(o, self.o_proj.weight, self.o_proj.local_bias))
+            return self.o_proj.finish(gemv.gemv(o, self.o_proj.weight, self.o_proj.local_bias, pdl=self.use_pdl))
         return self.o_proj(o)
 
     def forward_last_rows(self, x, positions, rotary, meta: AttentionMetadata, kv_cache, backend: AttentionBackend,
@@ -98,7 +102,8 @@ class Attention(nn.Module):
         # one kernel: rotate q/k, write k/v to pages (float pages only: 8-bit ones are written by write_kv)
         if use_fused and self.fused_rope and rotary.has_table and isinstance(k_cache, torch.Tensor):
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
-                                           k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim)
+                                           k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim,
+                                           pdl=self.use_pdl)
         else:
             q, k, v = qkv.split(self.splits, dim=-1)
             q = q.view(tokens, self.nheads, self.head_dim)
@@ -119,10 +124,12 @@ class MLP(nn.Module):
         self.down_proj = _output_projection(cfg.intermediate_size, cfg.hidden_size, False, dtype, device, (i0, i1),
                                             parallel)
 
+    use_pdl = False  # silu*mul launched as a programmatic dependent
+
     def forward(self, x, use_fused: bool = False):
         gate_up = self.gate_up_proj(x)
         if use_fused:
-            return self.down_proj(fused.silu_and_mul(gate_up))
+            return self.down_proj(fused.silu_and_mul(gate_up, pdl=self.use_pdl))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -134,6 +141,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device, parallel)
+
+    use_pdl = False  # forward_one_token's GEMVs launched as programmatic dependents
 
     def forward(self, x, residual, positions, rotary, meta, kv_cache, backend, use_fused: bool):
         """Residual-stream form of HF's block: returns (mlp output, residual) with residual + output = HF's layer
@@ -162,20 +171,20 @@ class DecoderLayer(nn.Module):
     def forward_one_token(self, x, residual, positions, rotary, meta, kv_cache, backend):
         """forward() for a single token with every projection a Triton GEMV and the norms / silu*mul fused into
         the GEMV input loads (6-7 launches per layer instead of 9-10). x, residual (1, hidden)."""
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp, pdl = self.self_attn, self.mlp, self.use_pdl
         if residual is None:
             residual = x
             qkv = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.RMSNORM,
-                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, pdl=pdl)
         else:
             qkv, residual = gemv.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=gemv.ADD_NORM,
                                       residual=residual, norm_weight=self.input_layernorm.weight,
-                                      eps=self.input_layernorm.eps)
+                                      eps=self.input_layernorm.eps, pdl=pdl)
         h = attn.attend(qkv, positions, rotary, meta, kv_cache, backend, use_fused=True, use_gemv=True)
         gate_up, residual = gemv.gemv(h, mlp.gate_up_proj.weight, prologue=gemv.ADD_NORM, residual=residual,
                                       norm_weight=self.post_attention_layernorm.weight,
-                                      eps=self.post_attention_layernorm.eps)
-        return mlp.down_proj.finish(gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL)), residual
+                                      eps=self.post_attention_layernorm.eps, pdl=pdl)
+        return mlp.down_proj.finish(gemv.gemv(gate_up, mlp.down_proj.weight, prologue=gemv.SILU_MUL, pdl=pdl)), residual
 
 
 class LlamaModel(nn.Module):
@@ -210,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
         # a flat_gemm.ChoiceTable (flat_gemm.install): the lm_head's small decode batches through the flat GEMM
         # where it wins (the decoder layers' linears consult the table themselves)
         self.flat_table = None
+        # the Triton kernels of a decode step (fused elementwise, GEMV, flat GEMM) as programmatic dependent
+        # launches: off unless the engine turns it on (LLM(pdl=...), flashdecode.engine.layers.pdl)
+        self.use_pdl = False
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, device)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -251,11 +263,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (rows, hidden) -> float32 logits (rows, vocab)."""
         if self.use_gemv and hidden.shape[0] == 1 and hidden.is_contiguous():
-            return gemv.gemv(hidden, self.lm_head_weight).float()
+            return gemv.gemv(hidden, self.lm_head_weight, pdl=self.use_pdl).float()
         config = None if self.flat_table is None else self.flat_table.choose(hidden.shape[0],
                                                                               *self.lm_head_weight.shape)
         if config is not None and hidden.stride(-1) == 1:
-            return flat_gemm.flat_gemm(hidden, self.lm_head_weight, config=config).float()
+            return flat_gemm.flat_gemm(hidden, self.lm_head_weight, config=config, pdl=self.use_pdl).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
