@@ -33,8 +33,7 @@ def compile_variant(d, dtype, causal, cfg):
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
-                  SNAKE=cfg.snake and cfg.persistent)
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -54,8 +53,6 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
 # two Q buffer sets for persistent CTAs (non-causal and causal: the loop unrolled by two)
 ablations += [(d, "bf16", causal, GluonFwdConfig(persistent=True, q_buffers=2, num_stages=2 if d > 64 else 3))
               for d, causal in [(128, False), (64, False), (128, True)]]
-# the snake tile order of persistent CTAs, with one and two Q buffer sets
-ablations += [(128, "bf16", True, GluonFwdConfig(persistent=True, snake=True, q_buffers=qb)) for qb in (1, 2)]
 # e4m3: the resolved configs of every head dim it takes, and the ping-pong and one-warpgroup options.
 resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal)) for d in FP8_HEAD_DIMS
              for causal in (False, True)]

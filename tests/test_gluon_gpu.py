@@ -44,8 +44,7 @@ def test_gluon_forward_matches_reference(b, sq, sk, h, hkv, d, causal, dtype):
 
 ABLATIONS = [dict(num_consumers=1), dict(num_consumers=1, overlap=True), dict(overlap=True, pingpong=True),
              dict(pingpong=True), dict(persistent=True), dict(persistent=True, pingpong=True),
-             dict(block_n=64, num_stages=3), dict(persistent=True, snake=True),
-             dict(persistent=True, snake=True, q_buffers=2)]
+             dict(block_n=64, num_stages=3)]
 
 
 @needs_hopper
@@ -56,16 +55,6 @@ def test_gluon_forward_every_config(overrides, causal):
     take several tiles and the K/V ring runs across tiles)."""
     cfg = dataclasses.replace(resolve_gluon_config(128), **overrides)
     _check(*_qkv(2, 1100, 700, 8, 4, 128, torch.bfloat16, seed=5), causal, cfg)
-
-
-@needs_hopper
-@pytest.mark.parametrize("q_buffers", [1, 2])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gluon_forward_snake_order_covers_every_tile_once(causal, q_buffers):
-    """The snake order over several rounds of persistent CTAs, the last one odd and partial (480 tiles on 132 SMs:
-    its 84 tiles go to the last CTAs): every tile computed once and right."""
-    cfg = dataclasses.replace(resolve_gluon_config(128), persistent=True, snake=True, q_buffers=q_buffers)
-    _check(*_qkv(4, 1800, 1800, 8, 2, 128, torch.bfloat16, seed=11), causal, cfg)
 
 
 @needs_hopper

@@ -48,8 +48,6 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "persist+qbuf2": dict(persistent=True, q_buffers=2),
     "one-cta-per-tile": dict(persistent=False),
     "persist+pp": dict(persistent=True, pingpong=True),
-    "snake": dict(persistent=True, snake=True),
-    "snake+qbuf2": dict(persistent=True, snake=True, q_buffers=2),
     "overlap+pp": dict(overlap=True, pingpong=True),
     "bn64": dict(block_n=64, num_stages=3),
     "1wg": dict(num_consumers=1),

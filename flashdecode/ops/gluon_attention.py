@@ -29,9 +29,8 @@ class GluonFwdConfig:
     through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
     pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
     (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
-    consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); snake = persistent CTAs take the
-    tiles level-major in a snake order (attn_fwd.py _scheduled_tile: balanced causal work) instead of round robin;
-    consumer_regs / producer_regs = per-thread register budgets of the worker partitions (setmaxnreg)."""
+    consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
+    per-thread register budgets of the worker partitions (setmaxnreg)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -40,7 +39,6 @@ class GluonFwdConfig:
     pingpong: bool = False
     persistent: bool = False
     q_buffers: int = 1
-    snake: bool = False
     consumer_regs: int = 240
     producer_regs: int = 24
 
@@ -238,7 +236,7 @@ class _GluonPlan:
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                               Q_BUFFERS=cfg.q_buffers, SNAKE=cfg.snake and cfg.persistent)
+                               Q_BUFFERS=cfg.q_buffers)
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 

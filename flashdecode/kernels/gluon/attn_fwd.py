@@ -111,38 +111,6 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _scheduled_tile(slot, num_tiles, seqlen_q, BLOCK_M: gl.constexpr, SNAKE: gl.constexpr):
-    """The tile a persistent CTA takes at ``slot`` (= program_id + round * num_programs; slots run up to num_tiles
-    rounded up to whole rounds): the slot itself (round robin), or with SNAKE the rank in a snake order - even
-    rounds hand ranks to CTAs 0, 1, ..., odd rounds to the last CTA first, so a CTA that drew a heavy tile draws a
-    light one next - over the tiles sorted level-major (every (batch, head)'s first query block in
-    _tile_coords' order, the heaviest for causal, then every second one, ...). The CTAs of a round then work on
-    the same few levels of all heads: balanced causal work, and key blocks that the heads' tiles read in step.
-    Returns num_tiles for a slot without a tile (the last round's)."""
-    if SNAKE:
-        nprog = gl.num_programs(0)
-        rnd = slot // nprog
-        cta = slot % nprog
-        rank = rnd * nprog + cta + (rnd % 2) * (nprog - 1 - 2 * cta)
-        num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        num_bh = num_tiles // num_m
-        tile = (rank % num_bh) * num_m + rank // num_bh
-        return gl.where(rank < num_tiles, tile, num_tiles)
-    else:
-        return slot
-
-
-@gluon.jit
-def _rounds_end(num_tiles, SNAKE: gl.constexpr):
-    """The slot loops' end: num_tiles, rounded up to whole rounds of num_programs with SNAKE (an odd round gives
-    its tiles to the last CTAs, whose slots lie past num_tiles)."""
-    if SNAKE:
-        return gl.cdiv(num_tiles, gl.num_programs(0)) * gl.num_programs(0)
-    else:
-        return num_tiles
-
-
-@gluon.jit
 def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                   q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -183,7 +151,7 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, SNAKE: gl.constexpr):
+              Q_BUFFERS: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
@@ -193,31 +161,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     With one set the next tile's Q waits for the current one's release.
     V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and one column per key, so a block is the
     [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     blocks_done = 0
     uses = 0
-    end = _rounds_end(num_tiles, SNAKE)
     if Q_BUFFERS == 1:
-        for slot in range(gl.program_id(0), end, gl.num_programs(0)):
-            tile = _scheduled_tile(slot, num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
-                uses += 1
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+            uses += 1
     else:
-        # A slot's second tile comes later in the order than its first, so a pair never has only its second.
-        for slot in range(gl.program_id(0), end, 2 * gl.num_programs(0)):
-            tile = _scheduled_tile(slot, num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
-            tile = _scheduled_tile(slot + gl.num_programs(0), num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _produce_tile(tile, uses, blocks_done, 1, q_desc, k_desc, v_desc, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+            if tile + gl.num_programs(0) < num_tiles:
+                blocks_done = _produce_tile(tile + gl.num_programs(0), uses, blocks_done, 1, q_desc, k_desc, v_desc,
+                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                            seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                                            CAUSAL, V_T)
             uses += 1
 
 
@@ -495,41 +456,32 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
               out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, SNAKE: gl.constexpr):
+              Q_BUFFERS: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
     scale and its v_descale the output's (None for fp16/bf16)."""
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     blocks_done = 0
     uses = 0
-    end = _rounds_end(num_tiles, SNAKE)
     if Q_BUFFERS == 1:
-        for slot in range(gl.program_id(0), end, gl.num_programs(0)):
-            tile = _scheduled_tile(slot, num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                            q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr,
-                                            qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                                            PINGPONG)
-                uses += 1
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
+            uses += 1
     else:
-        for slot in range(gl.program_id(0), end, 2 * gl.num_programs(0)):
-            tile = _scheduled_tile(slot, num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                            q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr,
-                                            qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                                            PINGPONG)
-            tile = _scheduled_tile(slot + gl.num_programs(0), num_tiles, seqlen_q, BLOCK_M, SNAKE)
-            if tile < num_tiles:
-                blocks_done = _consume_tile(tile, uses, blocks_done, 1, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                            q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr,
-                                            qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2,
-                                            NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                                            PINGPONG)
+        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
+            if tile + gl.num_programs(0) < num_tiles:
+                blocks_done = _consume_tile(tile + gl.num_programs(0), uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
+                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                                            lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
+                                            qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                                            CAUSAL, OVERLAP, PINGPONG)
             uses += 1
 
 
@@ -564,14 +516,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1, SNAKE: gl.constexpr = False):
+                       PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                  NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False, Q_BUFFERS, SNAKE)
+                 PRODUCER_REGS, False, Q_BUFFERS)
 
 
 @gluon.jit
@@ -579,8 +531,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
                            seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                            CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                           SNAKE: gl.constexpr = False):
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
 
     q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
@@ -591,7 +542,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
                  seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, SNAKE)
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS)
 
 
 @gluon.jit
@@ -599,10 +550,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, SNAKE: gl.constexpr):
+                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
-    Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). SNAKE: persistent CTAs take tiles in
-    _scheduled_tile's snake order."""
+    Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
@@ -629,20 +579,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS, SNAKE)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS, SNAKE)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, SNAKE)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS, SNAKE)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, SNAKE)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
         ], [1], [PRODUCER_REGS])
