@@ -51,11 +51,19 @@ def next_power_of_2(n: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 # 8-bit caches (elem_bytes 1): a K / V tile of 16 KiB of 8-bit values, at most 128 keys (hd128: 128 keys), whatever
-# the pairs, and one warp per 2048 elements of it (hd128: 8 warps): each thread converts 64 values per tile to q's
-# dtype, as the 16-bit cache's 64-key tile at 4 warps, so sm_90 holds the loop without spills (docs/decisions.md,
-# "8-bit cache tiles").
+# the pairs, and one warp per DECODE_QUANT_ELEMS_PER_WARP elements of it (docs/decisions.md, "8-bit cache tiles").
 DECODE_QUANT_TILE_BYTES = 16384
-DECODE_QUANT_ELEMS_PER_WARP = 2048
+# 4 warps a 128 x 128 tile (128 values per thread; ptxas spills a few bytes in the loop) and twice the programs of a
+# 16-bit cache (splits from 2 waves of the SMs, up to DECODE_QUANT_MAX_SPLITS; persistent grids of 2 programs per
+# SM): the 8-bit loop is latency-bound, and two 4-warp programs per SM hide more of it than one of 8 warps (H100,
+# e4m3 per-token scales, `fp8_decode --sweep`: b1 16/2 128k 40.2 -> 33.2 us, 32k 16.0 -> 14.0, Llama-3-8B b16 8k
+# 128.2 -> 110.8 us; docs/decisions.md, "8-bit cache tiles").
+DECODE_QUANT_ELEMS_PER_WARP = 4096
+# batch-invariant decode (FIXED_SPLIT) keeps one warp per 2048 (8 warps at hd128): its stage 1 spills at 4 warps
+# on pages of 16 and was not measured there.
+DECODE_QUANT_FIXED_SPLIT_ELEMS_PER_WARP = 2048
+DECODE_QUANT_WAVES = 2
+DECODE_QUANT_MAX_SPLITS = 128
 # e4m3 tiles reach their 16-bit dot operand by integer bit operations (kernels/kv_quant.py e4m3_bits: PRMT / shift /
 # LOP3 on the full-rate ALU) instead of sm_90's conversion instructions (F2FP.F16.E4M3 per two values, plus an
 # F2F.BF16.F16 per value for bf16), the power-of-two factor folded into the scores' scale (K) or one packed multiply
@@ -289,14 +297,16 @@ def decode_quant_convert(dev: DecodeDevice) -> dict:
                 quant_k_convert_first=False)
 
 
-def decode_quant_tile(p: DecodeProblem, block_n: int) -> tuple[int, int]:
+def decode_quant_tile(p: DecodeProblem, block_n: int,
+                      elems_per_warp: int = DECODE_QUANT_ELEMS_PER_WARP) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of an 8-bit cache (p.elem_bytes 1) where the 16-bit rules chose ``block_n`` (computed
     with 1-byte elements): a tile of DECODE_QUANT_TILE_BYTES of 8-bit values (at most 128 keys; fewer only where
-    the rules above chose fewer keys), one warp per DECODE_QUANT_ELEMS_PER_WARP of its elements (4 to 8). The loop
-    converts the tile to q's dtype in registers: with 4 warps a 128 x 128 tile held 128 converted values per thread
-    and spilled on sm_90 (docs/decisions.md, "8-bit cache tiles")."""
+    the rules above chose fewer keys), one warp per ``elems_per_warp`` of its elements (4 to 8). The loop
+    converts the tile to q's dtype in registers: at 4 warps a 128 x 128 tile holds 128 converted values per thread
+    (sm_90 spills a few bytes), yet two such programs per SM beat one of 8 warps (docs/decisions.md, "8-bit cache
+    tiles")."""
     block_n = min(block_n, max(16, DECODE_QUANT_TILE_BYTES // p.block_d))
-    return block_n, min(8, max(4, block_n * p.block_d // DECODE_QUANT_ELEMS_PER_WARP))
+    return block_n, min(8, max(4, block_n * p.block_d // elems_per_warp))
 
 
 def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> int:
@@ -307,7 +317,15 @@ def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> i
         live, total = min(live, p.window_left + p.seqlen_q), None
     return decode_num_splits(p.batch, p.kv_programs, live, dev.num_sms, block_n=block_n,
                              min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT, total_seqlen_k=total,
-                             max_splits=DECODE_MAX_SPLITS)
+                             **_split_occupancy(p.elem_bytes, dev))
+
+
+def _split_occupancy(elem_bytes: int, dev: DecodeDevice) -> dict:
+    """decode_num_splits' waves / max_splits: twice the programs for an 8-bit cache on the GPU (its 4-warp
+    programs run two per SM: DECODE_QUANT_WAVES), one wave otherwise."""
+    if elem_bytes == 1 and not dev.interpret:
+        return dict(waves=DECODE_QUANT_WAVES, max_splits=DECODE_QUANT_MAX_SPLITS)
+    return dict(max_splits=DECODE_MAX_SPLITS)
 
 
 def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
@@ -318,8 +336,8 @@ def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q:
     p = DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
                       nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
                       capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k)
-    kw = dict(block_n=_stage1_choice(p, dev, None).block_n, max_splits=DECODE_MAX_SPLITS,
-              min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT)
+    kw = dict(block_n=_stage1_choice(p, dev, None).block_n, min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT,
+              **_split_occupancy(elem_bytes, dev))
     splits = decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms, **kw)
     if balance_mixed:
         splits = max(splits, decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms,
@@ -373,7 +391,8 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         merge_early_trigger=choice.merge_early_trigger and pdl_wait,
         merge_d_chunks=choice.merge_d_chunks, merge_max_rows=choice.merge_max_rows,
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
-        persistent_programs=choice.persistent_programs or dev.num_sms,
+        persistent_programs=(choice.persistent_programs or dev.num_sms) * (
+            DECODE_QUANT_WAVES if p.elem_bytes == 1 and not dev.interpret else 1),
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
         device_split_slots=slots, **decode_quant_convert(dev))
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
@@ -406,7 +425,7 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     else:
         block_n = min(128, max(16, 16384 // (p.block_d * p.elem_bytes)))
     if p.elem_bytes == 1 and not interpret:  # an 8-bit cache: its tile rule (decode_quant_tile), on both paths
-        block_n, num_warps = decode_quant_tile(p, block_n)
+        block_n, num_warps = decode_quant_tile(p, block_n, DECODE_QUANT_FIXED_SPLIT_ELEMS_PER_WARP)
     block_n = 16 if interpret else block_n
     config = DecodeConfig(
         path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=1 if interpret else 3,

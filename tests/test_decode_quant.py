@@ -673,12 +673,16 @@ sys.path.insert(0, "tests")
 from helpers import compile_for_sm90, sass_opcodes, spilled_bytes
 from flashdecode import heuristics
 
-# the tile an 8-bit cache resolves to at hd128 (heuristics.decode_quant_tile: 128 keys, 8 warps), and the tiny tile
-# of short gathered splits (64 keys, 4 warps)
+# the tile an 8-bit cache resolves to at hd128 (heuristics.decode_quant_tile: 128 keys, 4 warps), and the tiny tile
+# of short gathered splits (64 keys, 4 warps). At 4 warps the 128-key tile holds 128 converted values per thread:
+# stage 1 keeps it without spills; the persistent kernel (more live state per work item) spills a few bytes, which
+# PERSISTENT_SPILL_BUDGET bounds (two such programs per SM still beat one of 8 warps: docs/decisions.md, "8-bit
+# cache tiles").
+PERSISTENT_SPILL_BUDGET = 128
 problem = heuristics.DecodeProblem(batch=1, grid_batch=1, seqlen_q=1, group=8, nheads_kv=2, headdim=128,
                                    elem_bytes=1, page_size=16, capacity=32768, window_left=-1, live_keys=32768)
 BLOCK_N, WARPS = heuristics.decode_quant_tile(problem, 128)
-assert (BLOCK_N, WARPS) == (128, 8) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
+assert (BLOCK_N, WARPS) == (128, 4) and heuristics.decode_quant_tile(problem, 64) == (64, 4)
 common = dict(SEQLEN_Q=1, GROUP=8, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_D=128, MIN_CHUNK=128,
               SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False, PDL_WAIT=False,
               OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2,
@@ -715,7 +719,6 @@ for kv, quant, page, preload in [("fp8e4nv", 3, 0, 0), ("fp8e4nv", 3, 16, 64), (
                   SPEC_PAGES=False)
     kernel = compile_for_sm90(decode_split_kernel, types, consts, 5 if page == 1 else 3, WARPS)
     assert "async_copy_global_to_local" in kernel.asm["ttgir"], (kv, page, "8-bit loads not pipelined")
-    # (at 4 warps these 128-key tiles spilled up to 176 bytes: docs/decisions.md, "8-bit cache tiles")
     assert spilled_bytes(kernel) == 0, (kv, quant, page, "spills")
     assert_16_byte_kv_copies(kernel, (kv, quant, page), ids_in_loop=page > 0 and preload == 0)
     if kv == "fp8e4nv":
@@ -739,7 +742,7 @@ consts = dict(common, GROUP=4, NHEADS_KV=8, BLOCK_N=BLOCK_N, NUM_SPLITS=16, PAGE
               DYNAMIC=False, SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03)
 kernel = compile_for_sm90(decode_persistent_kernel, types, consts, 3, WARPS)
 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "persistent 8-bit loads not pipelined"
-assert spilled_bytes(kernel) == 0, "persistent 8-bit kernel spills"
+assert spilled_bytes(kernel) <= PERSISTENT_SPILL_BUDGET, ("persistent 8-bit kernel spills", spilled_bytes(kernel))
 assert_16_byte_kv_copies(kernel, "persistent")
 assert_bit_conversion(kernel, "persistent")
 # append_kv quantising bf16 rows into e4m3 / int8 with written per-token scales
@@ -756,8 +759,8 @@ def test_quant_kernels_compile_for_hopper_without_a_gpu():
     """The 8-bit variants of stage 1 (e4m3 / int8, per-token and per-head scales, contiguous and paged), the
     persistent kernel and append_kv's quantising writes compile for sm_90 with Triton's ptxas at the tiles the
     resolver gives 8-bit caches: K/V loads still software-pipelined in 16-byte pieces, V converted before shared
-    memory (no byte-wise reads of it), stage 1 and the persistent kernel without spills, e4m3 tiles converted by
-    bit operations (no F2FP.F16.E4M3 / F2F.BF16.F16 left)."""
+    memory (no byte-wise reads of it), stage 1 without spills and the persistent kernel within its small spill
+    budget, e4m3 tiles converted by bit operations (no F2FP.F16.E4M3 / F2F.BF16.F16 left)."""
     run_sm90_compile_script(_QUANT_COMPILE_SCRIPT)
 
 

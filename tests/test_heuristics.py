@@ -229,20 +229,37 @@ def test_resolved_decode_config_is_frozen_and_the_same_for_the_same_problem():
         cfg.block_n = 32
 
 
-def test_eight_bit_caches_take_16_kib_tiles_at_64_values_per_thread():
+def test_eight_bit_caches_take_16_kib_tiles_on_4_warps():
     """An 8-bit cache (elem_bytes 1) converts its K / V tile to q's dtype in registers: the resolver gives it 16 KiB
-    of 8-bit values (at most 128 keys) and one warp per 2048 of them, whatever the batch, layout or path (the 4-warp
-    128-key tile spilled on sm_90); the 16-bit cache keeps 4 warps."""
-    for headdim, block_n, warps in ((64, 128, 4), (128, 128, 8), (256, 64, 8)):
+    of 8-bit values (at most 128 keys) on 4 warps, whatever the batch, layout or path (two such programs per SM beat
+    one of 8 warps on the H100); the 16-bit cache keeps 4 warps too."""
+    for headdim, block_n, warps in ((64, 128, 4), (128, 128, 4), (256, 64, 4)):
         for batch, nheads_kv, page in ((1, 2, 0), (1, 2, 16), (1, 2, 1), (8, 2, 128), (16, 8, 16), (64, 8, 0)):
             p = _problem(headdim=headdim, elem_bytes=1, batch=batch, nheads_kv=nheads_kv, group=4, page_size=page)
             config = hx.resolve_decode_config(p, _HOPPER)
-            assert (config.block_n, config.num_warps) == (block_n, warps), (headdim, batch, page, config.path)
+            # (paged splits short enough for the tiny tile of gathered splits: 8 KiB, see below)
+            tiny = page > 0 and config.block_n == max(32, 8192 // p.block_d)
+            assert config.num_warps == warps and (config.block_n == block_n or tiny), (headdim, batch, page, config)
             assert config.block_n * p.block_d <= hx.DECODE_QUANT_TILE_BYTES
             bf16 = hx.resolve_decode_config(dataclasses.replace(p, elem_bytes=2), _HOPPER)
             assert bf16.num_warps == 4
     # the tiny tile of short gathered splits (8 KiB): 4 warps
     assert hx.decode_quant_tile(_problem(elem_bytes=1), 64) == (64, 4)
     # batch-invariant decode follows the same rule (head dim and dtype only)
+    # batch-invariant decode keeps its 8 warps at hd128 (DECODE_QUANT_FIXED_SPLIT_ELEMS_PER_WARP)
     config = hx.batch_invariant_config(_problem(elem_bytes=1, batch=3), _HOPPER)
     assert (config.block_n, config.num_warps) == (128, 8)
+
+
+def test_eight_bit_caches_get_twice_the_programs_on_the_gpu():
+    """8-bit caches: splits from two waves of the SMs (up to DECODE_QUANT_MAX_SPLITS) and persistent grids of two
+    programs per SM on the GPU; the interpreter keeps the 16-bit counts."""
+    long = _problem(elem_bytes=1, batch=1, nheads_kv=2, group=8, live_keys=131072)
+    fp8 = hx.resolve_decode_config(long, _HOPPER)
+    bf16 = hx.resolve_decode_config(dataclasses.replace(long, elem_bytes=2), _HOPPER)
+    assert fp8.num_splits == 2 * bf16.num_splits <= hx.DECODE_QUANT_MAX_SPLITS, (fp8.num_splits, bf16.num_splits)
+    interp = dataclasses.replace(_HOPPER, interpret=True)
+    assert hx.resolve_decode_config(long, interp).num_splits == hx.resolve_decode_config(
+        dataclasses.replace(long, elem_bytes=2), interp).num_splits
+    batched = _problem(elem_bytes=1, batch=16, nheads_kv=8, group=4, live_keys=8192)
+    assert hx.resolve_decode_config(batched, _HOPPER).persistent_programs == 2 * _HOPPER.num_sms
