@@ -98,7 +98,9 @@ candidates = [(64, False, dict(three, num_stages=3)), (64, True, dict(three, num
               (128, False, dict(num_stages=2, exp2_emu_cols=32)), (128, True, dict(num_stages=2, exp2_emu_cols=64)),
               (64, False, dict(num_stages=3, exp2_emu_cols=64, exp2_emu_degree=3)),
               (64, True, dict(num_stages=2, block_n=256)), (64, False, dict(num_stages=2, block_n=256,
-                                                                             exp2_emu_cols=64))]
+                                                                             exp2_emu_cols=64)),
+              (64, True, dict(num_stages=3, overlap=True, exp2_emu_cols=32)),
+              (64, False, dict(num_stages=3, pingpong=True, exp2_emu_cols=32))]
 ex2_counts = {}
 for d, causal, overrides in candidates:
     cfg = GluonFwdConfig(**overrides)

@@ -62,7 +62,8 @@ _THREE = dict(num_consumers=3, consumer_regs=160)
 CANDIDATES = [(64, _THREE), (64, dict(_THREE, persistent=True, q_buffers=2, num_stages=4)),
               (64, dict(_THREE, exp2_emu_cols=32)), (128, dict(exp2_emu_cols=32)),
               (64, dict(exp2_emu_cols=64, persistent=True, q_buffers=2)),
-              (128, dict(exp2_emu_cols=128, exp2_emu_degree=3)), (64, dict(block_n=256, num_stages=2))]
+              (128, dict(exp2_emu_cols=128, exp2_emu_degree=3)), (64, dict(block_n=256, num_stages=2)),
+              (64, dict(overlap=True, exp2_emu_cols=32))]
 
 
 @needs_hopper

@@ -61,6 +61,11 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "emu64": dict(exp2_emu_cols=64),
     "emu32d4": dict(exp2_emu_cols=32, exp2_emu_degree=4),
     "emu32d3": dict(exp2_emu_cols=32, exp2_emu_degree=3),
+    # with FA3's intra-warpgroup overlap (the softmax under the PV wgmma; no spills at hd64, unlike hd128) or the
+    # warpgroups' ping-pong
+    "overlap": dict(overlap=True),
+    "overlap+emu32": dict(overlap=True, exp2_emu_cols=32),
+    "pp+emu32": dict(pingpong=True, exp2_emu_cols=32),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
