@@ -8,16 +8,19 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   shared-memory slots. Each slot has a ``k_ready`` / ``v_ready`` mbarrier (TMA completes them by byte count) and a
   ``kv_empty`` mbarrier that every consumer warpgroup arrives on once it no longer reads the slot; the ring runs on
   across a persistent CTA's tiles.
-- ``NUM_CONSUMERS`` consumer warpgroups (4 warps each, the first is the default partition) each own 64 query rows:
-  async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded into one
-  multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
+- ``NUM_CONSUMERS`` (1-3) consumer warpgroups (4 warps each, the first is the default partition) each own 64
+  query rows: async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded
+  into one multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
   Two warpgroups per CTA already interleave on their own: while one runs its softmax the other's wgmma keeps the
   tensor cores busy.
 - Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``OVERLAP`` (FA3's intra-warpgroup
   overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
   than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
   loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
-  named barriers) gave -7% to +2%. Both stay selectable for the probe.
+  named barriers) gave -7% to +2%. Both stay selectable for the probe. Candidates not yet measured (off by default):
+  three consumer warpgroups (192-row tiles, FA3's hd64 shape; 160 registers each), and ``EXP2_EMU_COLS``: the
+  first columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
+  trick), the rest on the MUFU unit, whose 16 exp2 / clock / SM are as busy as the tensor cores at head dim 64.
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
