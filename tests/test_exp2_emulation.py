@@ -70,9 +70,14 @@ def test_exp2_emulation_special_values(degree):
 
 
 def test_exp2_polynomials_match_the_config_choices():
-    """Every degree GluonFwdConfig accepts has coefficients in the kernel; bad emulation settings are refused."""
+    """Every degree GluonFwdConfig accepts has coefficients in the kernel."""
     assert sorted(EXP2_POLY) == sorted(EXP2_EMU_DEGREES)
     assert all(len(EXP2_POLY[d]) == d for d in EXP2_POLY)
+
+
+def test_gluon_config_refuses_what_the_kernel_cannot_take():
+    """Emulated columns off the multiple-of-8 grid or past the block, unknown degrees, register budgets beyond an
+    SM's 65536 or off setmaxnreg's grid, four consumers, zigzag without persistent two-Q-buffer CTAs."""
     for bad in (dict(exp2_emu_cols=12), dict(exp2_emu_cols=136), dict(exp2_emu_cols=-8)):
         with pytest.raises(ValueError, match="exp2_emu_cols"):
             GluonFwdConfig(**bad)
@@ -84,4 +89,7 @@ def test_exp2_polynomials_match_the_config_choices():
         GluonFwdConfig(num_consumers=4, consumer_regs=120)
     with pytest.raises(ValueError, match="producer_regs"):
         GluonFwdConfig(producer_regs=20)
+    with pytest.raises(ValueError, match="zigzag"):
+        GluonFwdConfig(zigzag=True, persistent=True)
     assert GluonFwdConfig(num_consumers=3, consumer_regs=160).block_m == 192
+    assert GluonFwdConfig(zigzag=True, persistent=True, q_buffers=2).zigzag

@@ -35,7 +35,8 @@ def compile_variant(d, dtype, causal, cfg):
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers)
     if not fp8:
-        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
+                      TILE_ZIGZAG=cfg.zigzag)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -85,9 +86,10 @@ def test_gluon_kernels_compile_for_hopper_without_a_gpu():
 
 
 # The candidates of benchmarks/probes/gluon_fwd.py's VARIANTS beyond the ablations above: three consumer warpgroups
-# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64. Each must hold its state in registers;
-# an emulated share must take exactly that share of the MUFU ex2 instructions off the softmax (the column test on
-# a static arange folds away at compile time) and leave no exp2 of the same register on both pipes.
+# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag tile order. Each must hold
+# its state in registers; an emulated share must take exactly that share of the MUFU ex2 instructions off the
+# softmax (the column test on a static arange folds away at compile time) and leave no exp2 of the same register on
+# both pipes.
 _GLUON_CANDIDATES_SCRIPT = _COMPILE_PRELUDE + r'''
 import dataclasses
 
@@ -100,7 +102,9 @@ candidates = [(64, False, dict(three, num_stages=3)), (64, True, dict(three, num
               (64, True, dict(num_stages=2, block_n=256)), (64, False, dict(num_stages=2, block_n=256,
                                                                              exp2_emu_cols=64)),
               (64, True, dict(num_stages=3, overlap=True, exp2_emu_cols=32)),
-              (64, False, dict(num_stages=3, pingpong=True, exp2_emu_cols=32))]
+              (64, False, dict(num_stages=3, pingpong=True, exp2_emu_cols=32)),
+              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, zigzag=True)),
+              (64, True, dict(three, num_stages=3, persistent=True, q_buffers=2, zigzag=True))]
 ex2_counts = {}
 for d, causal, overrides in candidates:
     cfg = GluonFwdConfig(**overrides)

@@ -63,7 +63,9 @@ CANDIDATES = [(64, _THREE), (64, dict(_THREE, persistent=True, q_buffers=2, num_
               (64, dict(_THREE, exp2_emu_cols=32)), (128, dict(exp2_emu_cols=32)),
               (64, dict(exp2_emu_cols=64, persistent=True, q_buffers=2)),
               (128, dict(exp2_emu_cols=128, exp2_emu_degree=3)), (64, dict(block_n=256, num_stages=2)),
-              (64, dict(overlap=True, exp2_emu_cols=32))]
+              (64, dict(overlap=True, exp2_emu_cols=32)),
+              (128, dict(persistent=True, q_buffers=2, zigzag=True)),
+              (64, dict(_THREE, persistent=True, q_buffers=2, zigzag=True))]
 
 
 @needs_hopper
@@ -72,9 +74,10 @@ CANDIDATES = [(64, _THREE), (64, dict(_THREE, persistent=True, q_buffers=2, num_
 @pytest.mark.parametrize("d,overrides", CANDIDATES,
                          ids=lambda o: o if isinstance(o, int) else ",".join(f"{k}={v}" for k, v in o.items()))
 def test_gluon_forward_candidates(d, overrides, causal, dtype):
-    """Three consumer warpgroups (192-row tiles), exp2 partly or wholly on the FMA pipe, 256-key blocks: the
-    FlashAttention rule against float64, fp16 and bf16, GQA, ragged lengths (seqlen_q > seqlen_k: causal rows
-    without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop."""
+    """Three consumer warpgroups (192-row tiles), exp2 partly or wholly on the FMA pipe, 256-key blocks, the
+    zigzag tile order: the FlashAttention rule against float64, fp16 and bf16, GQA, ragged lengths (seqlen_q >
+    seqlen_k: causal rows without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop (and zigzag's second
+    round is partial: every tile must still be computed once)."""
     cfg = dataclasses.replace(resolve_gluon_config(d), **overrides)
     _check(*_qkv(2, 1700, 1100, 8, 4, d, dtype, seed=7 + d), causal, cfg)
 

@@ -66,13 +66,20 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "overlap": dict(overlap=True),
     "overlap+emu32": dict(overlap=True, exp2_emu_cols=32),
     "pp+emu32": dict(pingpong=True, exp2_emu_cols=32),
+    # persistent CTAs (two Q buffer sets) taking their tiles in a boustrophedon order: each CTA's pair of causal
+    # tiles (heaviest first) carries about the same work, unlike the round robin's. For short causal calls (each
+    # tile's pipeline fill exposed one CTA per tile): modelled balance (mean / max blocks per CTA) 16 x 1k 0.97 vs
+    # the round robin's 0.73; at 16k (1 x 16 heads) it stays ~0.65, below one CTA per tile's ~0.99
+    "persist+zz": dict(persistent=True, q_buffers=2, zigzag=True),
+    "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, zigzag=True),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
 }
 # variants that apply at some head dims only (hd128: three consumers spill at 160 registers and their two-Q-buffer
 # persistent launches overflow shared memory; 64 x 256 scores and a 64 x 128 accumulator exceed the registers)
-VARIANT_HEAD_DIMS = {"3wg": (64, ), "3wg+s4": (64, ), "3wg+emu32": (64, ), "bn256": (64, ), "bn256+emu64": (64, )}
+VARIANT_HEAD_DIMS = {"3wg": (64, ), "3wg+s4": (64, ), "3wg+emu32": (64, ), "3wg+persist+zz": (64, ), "bn256": (64, ),
+                     "bn256+emu64": (64, )}
 
 
 def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig | None:

@@ -36,7 +36,10 @@ class GluonFwdConfig:
     is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
     take consumer_regs <= 160, FA3's hd64 budget); exp2_emu_cols = columns of each key block whose exp2 runs as a
     degree-exp2_emu_degree polynomial on the FMA pipe instead of the MUFU unit (0 = none; a multiple of 8 up to
-    block_n; kernels/gluon/attn_fwd.py _exp2_mixed). fp16/bf16 only: the e4m3 kernel takes no exp2 emulation."""
+    block_n; kernels/gluon/attn_fwd.py _exp2_mixed); zigzag = persistent CTAs with two Q buffer sets take their
+    tiles in a boustrophedon order (round j of num_programs tiles: CTA c takes the c-th on even j, the c-th from the
+    end on odd j), so with causal tiles heaviest first a CTA's pair carries about the same work as another's
+    (_second_tile). fp16/bf16 only: the e4m3 kernel takes neither exp2 emulation nor zigzag."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -49,6 +52,7 @@ class GluonFwdConfig:
     producer_regs: int = 24
     exp2_emu_cols: int = 0
     exp2_emu_degree: int = 5
+    zigzag: bool = False
 
     def __post_init__(self):
         if self.num_consumers not in (1, 2, 3):
@@ -66,6 +70,8 @@ class GluonFwdConfig:
                              f"{self.exp2_emu_cols}")
         if self.exp2_emu_degree not in EXP2_EMU_DEGREES:
             raise ValueError(f"exp2_emu_degree: one of {EXP2_EMU_DEGREES}, got {self.exp2_emu_degree}")
+        if self.zigzag and not (self.persistent and self.q_buffers == 2):
+            raise ValueError("zigzag: orders a persistent CTA's tile pairs (persistent=True, q_buffers=2)")
 
     @property
     def block_m(self) -> int:
@@ -263,7 +269,8 @@ class _GluonPlan:
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                                Q_BUFFERS=cfg.q_buffers)
         if not self.fp8:
-            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
+                                   TILE_ZIGZAG=cfg.zigzag)
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
@@ -450,8 +457,9 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
-    if config is not None and config.exp2_emu_cols:
-        raise ValueError("config: the e4m3 kernel has no exp2 emulation (exp2_emu_cols must be 0)")
+    if config is not None and (config.exp2_emu_cols or config.zigzag):
+        raise ValueError("config: the e4m3 kernel has no exp2 emulation or zigzag order (exp2_emu_cols=0, "
+                         "zigzag=False)")
     plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False

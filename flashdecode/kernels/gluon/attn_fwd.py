@@ -151,17 +151,32 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
 
 
 @gluon.jit
+def _second_tile(tile, ZIGZAG: gl.constexpr):
+    """The second tile of a two-Q-buffer CTA's pair that starts at tile (= program_id + 2 k num_programs, the
+    CTA's place in an even round of num_programs tiles): the next round's tile at the same place (round robin), or
+    at the mirrored place (ZIGZAG: a boustrophedon order). Causal tiles come heaviest first within each head, so
+    with ZIGZAG a CTA that takes a round's heavy tile takes the next round's light one, and every pair carries
+    about the same work (the round robin hands the first CTAs the heavy tiles of every round)."""
+    if ZIGZAG:
+        second = tile + 2 * gl.num_programs(0) - 1 - 2 * gl.program_id(0)
+    else:
+        second = tile + gl.num_programs(0)
+    return second
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-              Q_BUFFERS: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
     Q_BUFFERS = 2 (persistent CTAs): two Q buffer sets, tiles alternating between them, so the next tile's Q loads
     while the consumers still read the current one's; the loop is unrolled by two so every buffer index is static
     (a buffer picked by a runtime index made causal launches read shared memory out of bounds, compute-sanitizer).
-    With one set the next tile's Q waits for the current one's release.
+    With one set the next tile's Q waits for the current one's release. ZIGZAG (two sets only): the pair's second
+    tile by _second_tile's boustrophedon order.
     V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and one column per key, so a block is the
     [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
     blocks_done = 0
@@ -177,8 +192,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
-            if tile + gl.num_programs(0) < num_tiles:
-                blocks_done = _produce_tile(tile + gl.num_programs(0), uses, blocks_done, 1, q_desc, k_desc, v_desc,
+            second = _second_tile(tile, ZIGZAG)
+            if second < num_tiles:
+                blocks_done = _produce_tile(second, uses, blocks_done, 1, q_desc, k_desc, v_desc,
                                             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                                             seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, V_T)
@@ -526,7 +542,7 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
               out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
@@ -548,8 +564,9 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
                                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE)
-            if tile + gl.num_programs(0) < num_tiles:
-                blocks_done = _consume_tile(tile + gl.num_programs(0), uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
+            second = _second_tile(tile, ZIGZAG)
+            if second < num_tiles:
+                blocks_done = _consume_tile(second, uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
                                             v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                                             lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
                                             qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
@@ -589,16 +606,18 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                       EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5):
+                       EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5,
+                       TILE_ZIGZAG: gl.constexpr = False):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2. NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles,
     FA3's hd64 shape; its register budgets must fit 65536 per SM: see GluonFwdConfig). EXP2_EMU_COLS of each
-    block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed)."""
+    block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed).
+    TILE_ZIGZAG (Q_BUFFERS == 2): persistent CTAs take their tiles in a boustrophedon order (_second_tile)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                  NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE)
+                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ZIGZAG)
 
 
 @gluon.jit
@@ -617,7 +636,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
                  seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5)
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, False)
 
 
 @gluon.jit
@@ -626,10 +645,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
     Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
-    _exp2_mixed (0: every exp2 on the MUFU unit)."""
+    _exp2_mixed (0: every exp2 on the MUFU unit). ZIGZAG: see _second_tile."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
@@ -657,40 +676,40 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE)),
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
         ], [1], [PRODUCER_REGS])
