@@ -5,7 +5,7 @@ e4m3 variant on the 8-bit wgmma."""
 
 from helpers import run_sm90_compile_script
 
-_GLUON_COMPILE_SCRIPT = r'''
+_COMPILE_PRELUDE = r'''
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -34,6 +34,9 @@ def compile_variant(d, dtype, causal, cfg):
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers)
+    if not fp8:
+        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
+                      TILE_ZIGZAG=cfg.zigzag)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -42,7 +45,9 @@ def compile_variant(d, dtype, causal, cfg):
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
 
+'''
 
+_GLUON_COMPILE_SCRIPT = _COMPILE_PRELUDE + r'''
 # The resolved configs (both head dims, causal or not; fp16 once) and every ablation the probe times.
 resolved = [(d, "bf16", causal, resolve_gluon_config(d, causal, 1024)) for d in (64, 128) for causal in (False, True)]
 resolved.append((128, "fp16", True, resolve_gluon_config(128, True)))
@@ -78,3 +83,49 @@ print("compiled")
 
 def test_gluon_kernels_compile_for_hopper_without_a_gpu():
     run_sm90_compile_script(_GLUON_COMPILE_SCRIPT)
+
+
+# The candidates of benchmarks/probes/gluon_fwd.py's VARIANTS beyond the ablations above: three consumer warpgroups
+# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag tile order. Each must hold
+# its state in registers; an emulated share must take exactly that share of the MUFU ex2 instructions off the
+# softmax (the column test on a static arange folds away at compile time) and leave no exp2 of the same register on
+# both pipes.
+_GLUON_CANDIDATES_SCRIPT = _COMPILE_PRELUDE + r'''
+import dataclasses
+
+three = dict(num_consumers=3, consumer_regs=160, producer_regs=24)
+candidates = [(64, False, dict(three, num_stages=3)), (64, True, dict(three, num_stages=3)),
+              (64, False, dict(three, num_stages=4, persistent=True, q_buffers=2)),
+              (64, True, dict(three, num_stages=3, exp2_emu_cols=32)),
+              (128, False, dict(num_stages=2, exp2_emu_cols=32)), (128, True, dict(num_stages=2, exp2_emu_cols=64)),
+              (64, False, dict(num_stages=3, exp2_emu_cols=64, exp2_emu_degree=3)),
+              (64, True, dict(num_stages=2, block_n=256)), (64, False, dict(num_stages=2, block_n=256,
+                                                                             exp2_emu_cols=64)),
+              (64, True, dict(num_stages=3, overlap=True, exp2_emu_cols=32)),
+              (64, False, dict(num_stages=3, pingpong=True, exp2_emu_cols=32)),
+              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, zigzag=True)),
+              (64, True, dict(three, num_stages=3, persistent=True, q_buffers=2, zigzag=True))]
+ex2_counts = {}
+for d, causal, overrides in candidates:
+    cfg = GluonFwdConfig(**overrides)
+    kernel = compile_variant(d, "bf16", causal, cfg)
+    ptx = kernel.asm["ptx"]
+    what = f"d{d} causal={causal} {cfg}"
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, what + ": not the warp-specialised wgmma kernel"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    assert spilled_bytes(kernel) == 0, what + ": spills"
+    ex2 = ptx.count("ex2.approx")
+    if cfg.exp2_emu_cols:
+        base = compile_variant(d, "bf16", causal, dataclasses.replace(cfg, exp2_emu_cols=0)).asm["ptx"]
+        base_ex2 = base.count("ex2.approx")
+        # per consumer warpgroup and loop body: 64 * BLOCK_N / 128 score exp2s a thread plus 2 alphas; the emulated
+        # share of the scores' goes
+        blocks = base_ex2 // (cfg.block_n // 2 + 2)
+        assert ex2 == base_ex2 - blocks * cfg.exp2_emu_cols // 2, f"{what}: {ex2} ex2 vs {base_ex2} without emulation"
+        assert "0f4B400000" in ptx, what + ": no rounding constant (emulation missing)"
+print("compiled")
+'''
+
+
+def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu():
+    run_sm90_compile_script(_GLUON_CANDIDATES_SCRIPT)

@@ -57,6 +57,39 @@ def test_gluon_forward_every_config(overrides, causal):
     _check(*_qkv(2, 1100, 700, 8, 4, 128, torch.bfloat16, seed=5), causal, cfg)
 
 
+# Candidates the probe times (benchmarks/probes/gluon_fwd.py VARIANTS): (head dim, overrides of the resolved config)
+_THREE = dict(num_consumers=3, consumer_regs=160)
+_BOTH = (torch.float16, torch.bfloat16)
+_BF16 = (torch.bfloat16, )
+# (head dim, overrides, dtypes): fp16 and bf16 where the arithmetic changes (exp2 emulation) or first appears
+CANDIDATES = [(64, _THREE, _BOTH), (64, dict(_THREE, persistent=True, q_buffers=2, num_stages=4), _BF16),
+              (64, dict(_THREE, exp2_emu_cols=32), _BOTH), (128, dict(exp2_emu_cols=32), _BOTH),
+              (64, dict(exp2_emu_cols=64, persistent=True, q_buffers=2), _BOTH),
+              (128, dict(exp2_emu_cols=128, exp2_emu_degree=3), _BOTH), (64, dict(block_n=256, num_stages=2), _BF16),
+              (64, dict(overlap=True, exp2_emu_cols=32), _BOTH),
+              (128, dict(persistent=True, q_buffers=2, zigzag=True), _BF16),
+              (64, dict(_THREE, persistent=True, q_buffers=2, zigzag=True), _BF16)]
+
+
+def _candidate_params():
+    for d, overrides, dtypes in CANDIDATES:
+        for dtype in dtypes:
+            for causal in (False, True):
+                name = ",".join(f"{k}={v}" for k, v in overrides.items())
+                yield pytest.param(d, overrides, causal, dtype, id=f"d{d}-{name}-causal={causal}-{str(dtype)[6:]}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,overrides,causal,dtype", list(_candidate_params()))
+def test_gluon_forward_candidates(d, overrides, causal, dtype):
+    """Three consumer warpgroups (192-row tiles), exp2 partly or wholly on the FMA pipe, 256-key blocks, the
+    zigzag tile order: the FlashAttention rule against float64, GQA, ragged lengths (seqlen_q > seqlen_k: causal
+    rows without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop (and zigzag's second round is partial:
+    every tile must still be computed once)."""
+    cfg = dataclasses.replace(resolve_gluon_config(d), **overrides)
+    _check(*_qkv(2, 1700, 1100, 8, 4, d, dtype, seed=7 + d), causal, cfg)
+
+
 @needs_hopper
 def test_gluon_forward_rows_without_keys():
     """Causal with seqlen_q > seqlen_k (bottom-right): the first rows see no key -> out 0, lse -inf, no NaN."""

@@ -51,20 +51,52 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "overlap+pp": dict(overlap=True, pingpong=True),
     "bn64": dict(block_n=64, num_stages=3),
     "1wg": dict(num_consumers=1),
+    # three consumer warpgroups: 192-row tiles (FA3's hd64 tile), consumer registers 160 to fit the SM's 65536
+    "3wg": dict(num_consumers=3, consumer_regs=160),
+    "3wg+s4": dict(num_consumers=3, consumer_regs=160, num_stages=4),
+    "3wg+emu32": dict(num_consumers=3, consumer_regs=160, exp2_emu_cols=32),
+    # exp2 of the first N of each block's 128 columns on the FMA pipe (degree-5 polynomial; d3/d4: cheaper ones)
+    "emu16": dict(exp2_emu_cols=16),
+    "emu32": dict(exp2_emu_cols=32),
+    "emu64": dict(exp2_emu_cols=64),
+    "emu32d4": dict(exp2_emu_cols=32, exp2_emu_degree=4),
+    "emu32d3": dict(exp2_emu_cols=32, exp2_emu_degree=3),
+    # with FA3's intra-warpgroup overlap (the softmax under the PV wgmma; no spills at hd64, unlike hd128) or the
+    # warpgroups' ping-pong
+    "overlap": dict(overlap=True),
+    "overlap+emu32": dict(overlap=True, exp2_emu_cols=32),
+    "pp+emu32": dict(pingpong=True, exp2_emu_cols=32),
+    # persistent CTAs (two Q buffer sets) taking their tiles in a boustrophedon order: each CTA's pair of causal
+    # tiles (heaviest first) carries about the same work, unlike the round robin's. For short causal calls (each
+    # tile's pipeline fill exposed one CTA per tile): modelled balance (mean / max blocks per CTA) 16 x 1k 0.97 vs
+    # the round robin's 0.73; at 16k (1 x 16 heads) it stays ~0.65, below one CTA per tile's ~0.99
+    "persist+zz": dict(persistent=True, q_buffers=2, zigzag=True),
+    "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, zigzag=True),
+    # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
+    "bn256": dict(block_n=256, num_stages=2),
+    "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
 }
+# variants that apply at some head dims only (hd128: three consumers spill at 160 registers and their two-Q-buffer
+# persistent launches overflow shared memory; 64 x 256 scores and a 64 x 128 accumulator exceed the registers)
+VARIANT_HEAD_DIMS = {"3wg": (64, ), "3wg+s4": (64, ), "3wg+emu32": (64, ), "3wg+persist+zz": (64, ), "bn256": (64, ),
+                     "bn256+emu64": (64, )}
 
 
-def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
+def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig | None:
+    """The variant's config at head dim d (None where it does not apply: VARIANT_HEAD_DIMS)."""
+    if d not in VARIANT_HEAD_DIMS.get(name, (d, )):
+        return None
     return dataclasses.replace(resolve_gluon_config(d, causal, seqlen_k), **VARIANTS[name])
 
 
 def check_correctness(names) -> list[dict]:
-    """Each case on each config (the resolved one on all cases, others on the bf16 ones); one row per pair."""
+    """Each case on each config that applies at its head dim (the resolved one and the exp2-emulation variants on
+    all cases, others on the bf16 ones); one row per pair."""
     cases = [(2, 128, 128, 4, 4, 128, torch.bfloat16, False), (2, 128, 128, 4, 4, 128, torch.bfloat16, True),
              (1, 333, 517, 4, 2, 128, torch.float16, False), (1, 333, 517, 4, 2, 128, torch.float16, True),
              (2, 517, 333, 8, 2, 64, torch.bfloat16, True), (3, 77, 1000, 4, 1, 64, torch.bfloat16, False),
              (1, 1000, 999, 2, 2, 128, torch.bfloat16, True), (2, 1, 300, 4, 4, 128, torch.float16, True),
-             (1, 4096, 4096, 2, 1, 128, torch.bfloat16, True)]
+             (1, 4096, 4096, 2, 1, 128, torch.bfloat16, True), (2, 1700, 1100, 8, 4, 64, torch.float16, False)]
     rows = []
     for b, sq, sk, h, hkv, d, dtype, causal in cases:
         q, k, v = _inputs(b, sq, sk, h, hkv, d, dtype, seed=sq + sk)
@@ -72,10 +104,16 @@ def check_correctness(names) -> list[dict]:
         same, _ = attention_ref(q, k, v, causal=causal)
         base = (same.double() - ref).abs().max().item()
         for name in names:
-            if name != "resolved" and dtype != torch.bfloat16:
+            cfg = config_for(name, d, causal, sk)
+            # fp16 cases: the resolved config and the variants that change the arithmetic (exp2 emulation)
+            if cfg is None or (dtype != torch.bfloat16 and name != "resolved" and not cfg.exp2_emu_cols):
                 continue
-            out, lse = gluon_attention_forward(q, k, v, causal=causal, config=config_for(name, d, causal, sk))
-            torch.cuda.synchronize()
+            try:
+                out, lse = gluon_attention_forward(q, k, v, causal=causal, config=cfg)
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant that fails to build or launch is reported BAD, the others still run
+                print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                out, lse = torch.full_like(ref, float("nan")), torch.full_like(ref_lse, float("nan"))
             err = (out.double() - ref).abs().max().item()
             fin = torch.isfinite(ref_lse)
             lse_err = (lse.double() - ref_lse)[fin].abs().max().item() if fin.any() else 0.0
@@ -135,7 +173,8 @@ def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128
                 q, k, v = _inputs(b, s, s, h, hkv, d, torch.bfloat16, seed=1)
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                fns = {f"gluon:{n}": _gluon_call(q, k, v, causal, config_for(n, d, causal, s)) for n in names}
+                fns = {f"gluon:{n}": _gluon_call(q, k, v, causal, config_for(n, d, causal, s)) for n in names
+                       if config_for(n, d, causal, s) is not None}
                 fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
                 gqa = dict(enable_gqa=True) if hkv != h else {}
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, **gqa)(qt, kt, vt, causal)
@@ -329,7 +368,8 @@ def main():
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}")
     result = dict(device=dev, torch=torch.__version__, triton=triton.__version__,
-                  configs={n: {d: dataclasses.asdict(config_for(n, d)) for d in (64, 128)} for n in names})
+                  configs={n: {d: dataclasses.asdict(config_for(n, d)) for d in (64, 128) if config_for(n, d)}
+                           for n in names})
     if not args.no_check:
         result["correctness"] = check_correctness(names)
         bad = [r for r in result["correctness"] if not r["ok"]]
@@ -348,14 +388,16 @@ def main():
         json.dump(result, f, indent=1)
     for graph in (False, True) if args.graph else (False, ):
         timing = [r for r in result["timing"] if r["graph"] == graph]
+        impls = list(dict.fromkeys(r["impl"] for r in timing))
         print(f"\n{'CUDA-graph replay' if graph else 'direct calls'}\n{'shape':<28}"
-              + "".join(f"{n[-12:]:>13}" for n in dict.fromkeys(r["impl"] for r in timing)))
+              + "".join(f"{n[-12:]:>13}" for n in impls))
         keys = dict.fromkeys((r["d"], r["b"], r["s"], r["h"], r["hkv"], r["causal"]) for r in timing)
         for key in keys:
-            cells = [r for r in timing if (r["d"], r["b"], r["s"], r["h"], r["hkv"], r["causal"]) == key]
+            cells = {r["impl"]: r for r in timing if (r["d"], r["b"], r["s"], r["h"], r["hkv"], r["causal"]) == key}
             label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]}/{key[4]} {'causal' if key[5] else 'full'}"
-            print(f"{label:<28}" + "".join(f"{c['tflops']:>13.1f}" for c in cells))
-    print("(TFLOP/s, bf16, do_bench median)")
+            print(f"{label:<28}" + "".join(f"{cells[n]['tflops']:>13.1f}" if n in cells else f"{'-':>13}"
+                                           for n in impls))
+    print("(TFLOP/s, bf16, do_bench median; - = the variant does not apply at that head dim)")
 
 
 if __name__ == "__main__":

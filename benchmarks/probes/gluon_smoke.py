@@ -18,8 +18,11 @@ def run_one(name):
 
     for d in (128, 64):
         for causal in (False, True):
+            cfg = config_for(name, d, causal, 1100)
+            if cfg is None:  # the variant does not apply at this head dim (gluon_fwd.VARIANT_HEAD_DIMS)
+                continue
             q, k, v = (torch.randn(2, 1100, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            out, _ = gluon_attention_forward(q, k, v, causal=causal, config=config_for(name, d, causal, 1100))
+            out, _ = gluon_attention_forward(q, k, v, causal=causal, config=cfg)
             torch.cuda.synchronize()
             ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=causal)
             same, _ = attention_ref(q, k, v, causal=causal)

@@ -21,6 +21,8 @@ GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEAD_DIMS = (64, 128, 256)  # the e4m3 kernel's head dims (no register spills at any, 2 stages fit hd256)
+EXP2_EMU_DEGREES = (3, 4, 5)  # the exp2 polynomials the kernel has (kernels/gluon/attn_fwd.py EXP2_POLY)
+_SM_REGISTERS = 65536  # an H100 SM's register file, shared by every partition's warpgroup (setmaxnreg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,14 @@ class GluonFwdConfig:
     pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
     (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
     consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
-    per-thread register budgets of the worker partitions (setmaxnreg)."""
+    per-thread register budgets of the worker partitions (setmaxnreg; the default partition, consumer 0, gets what
+    is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
+    take consumer_regs <= 160, FA3's hd64 budget); exp2_emu_cols = columns of each key block whose exp2 runs as a
+    degree-exp2_emu_degree polynomial on the FMA pipe instead of the MUFU unit (0 = none; a multiple of 8 up to
+    block_n; kernels/gluon/attn_fwd.py _exp2_mixed); zigzag = persistent CTAs with two Q buffer sets take their
+    tiles in a boustrophedon order (round j of num_programs tiles: CTA c takes the c-th on even j, the c-th from the
+    end on odd j), so with causal tiles heaviest first a CTA's pair carries about the same work as another's
+    (_second_tile). fp16/bf16 only: the e4m3 kernel takes neither exp2 emulation nor zigzag."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -41,6 +50,28 @@ class GluonFwdConfig:
     q_buffers: int = 1
     consumer_regs: int = 240
     producer_regs: int = 24
+    exp2_emu_cols: int = 0
+    exp2_emu_degree: int = 5
+    zigzag: bool = False
+
+    def __post_init__(self):
+        if self.num_consumers not in (1, 2, 3):
+            raise ValueError(f"num_consumers: 1, 2 or 3 warpgroups, got {self.num_consumers}")
+        for name in ("consumer_regs", "producer_regs"):
+            regs = getattr(self, name)
+            if not (isinstance(regs, int) and 24 <= regs <= 256 and regs % 8 == 0):
+                raise ValueError(f"{name}: setmaxnreg takes a multiple of 8 in [24, 256], got {regs}")
+        if 128 * (self.num_consumers * self.consumer_regs + self.producer_regs) > _SM_REGISTERS:
+            raise ValueError(f"consumer_regs: {self.num_consumers} consumer warpgroups of {self.consumer_regs} and a "
+                             f"producer of {self.producer_regs} registers per thread exceed {_SM_REGISTERS} per SM")
+        if not (isinstance(self.exp2_emu_cols, int) and 0 <= self.exp2_emu_cols <= self.block_n
+                and self.exp2_emu_cols % 8 == 0):
+            raise ValueError(f"exp2_emu_cols: a multiple of 8 in [0, block_n={self.block_n}], got "
+                             f"{self.exp2_emu_cols}")
+        if self.exp2_emu_degree not in EXP2_EMU_DEGREES:
+            raise ValueError(f"exp2_emu_degree: one of {EXP2_EMU_DEGREES}, got {self.exp2_emu_degree}")
+        if self.zigzag and not (self.persistent and self.q_buffers == 2):
+            raise ValueError("zigzag: orders a persistent CTA's tile pairs (persistent=True, q_buffers=2)")
 
     @property
     def block_m(self) -> int:
@@ -237,6 +268,9 @@ class _GluonPlan:
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                                Q_BUFFERS=cfg.q_buffers)
+        if not self.fp8:
+            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
+                                   TILE_ZIGZAG=cfg.zigzag)
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
@@ -423,6 +457,9 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
+    if config is not None and (config.exp2_emu_cols or config.zigzag):
+        raise ValueError("config: the e4m3 kernel has no exp2 emulation or zigzag order (exp2_emu_cols=0, "
+                         "zigzag=False)")
     plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False

@@ -8,16 +8,19 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   shared-memory slots. Each slot has a ``k_ready`` / ``v_ready`` mbarrier (TMA completes them by byte count) and a
   ``kv_empty`` mbarrier that every consumer warpgroup arrives on once it no longer reads the slot; the ring runs on
   across a persistent CTA's tiles.
-- ``NUM_CONSUMERS`` consumer warpgroups (4 warps each, the first is the default partition) each own 64 query rows:
-  async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded into one
-  multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
+- ``NUM_CONSUMERS`` (1-3) consumer warpgroups (4 warps each, the first is the default partition) each own 64
+  query rows: async wgmma S = Q K^T from shared memory, online softmax in registers with exp2 and the scale folded
+  into one multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
   Two warpgroups per CTA already interleave on their own: while one runs its softmax the other's wgmma keeps the
   tensor cores busy.
 - Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``OVERLAP`` (FA3's intra-warpgroup
   overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
   than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
   loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
-  named barriers) gave -7% to +2%. Both stay selectable for the probe.
+  named barriers) gave -7% to +2%. Both stay selectable for the probe. Candidates not yet measured (off by default):
+  three consumer warpgroups (192-row tiles, FA3's hd64 shape; 160 registers each), and ``EXP2_EMU_COLS``: the
+  first columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
+  trick), the rest on the MUFU unit, whose 16 exp2 / clock / SM are as busy as the tensor cores at head dim 64.
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
@@ -148,17 +151,32 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
 
 
 @gluon.jit
+def _second_tile(tile, ZIGZAG: gl.constexpr):
+    """The second tile of a two-Q-buffer CTA's pair that starts at tile (= program_id + 2 k num_programs, the
+    CTA's place in an even round of num_programs tiles): the next round's tile at the same place (round robin), or
+    at the mirrored place (ZIGZAG: a boustrophedon order). Causal tiles come heaviest first within each head, so
+    with ZIGZAG a CTA that takes a round's heavy tile takes the next round's light one, and every pair carries
+    about the same work (the round robin hands the first CTAs the heavy tiles of every round)."""
+    if ZIGZAG:
+        second = tile + 2 * gl.num_programs(0) - 1 - 2 * gl.program_id(0)
+    else:
+        second = tile + gl.num_programs(0)
+    return second
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-              Q_BUFFERS: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
     Q_BUFFERS = 2 (persistent CTAs): two Q buffer sets, tiles alternating between them, so the next tile's Q loads
     while the consumers still read the current one's; the loop is unrolled by two so every buffer index is static
     (a buffer picked by a runtime index made causal launches read shared memory out of bounds, compute-sanitizer).
-    With one set the next tile's Q waits for the current one's release.
+    With one set the next tile's Q waits for the current one's release. ZIGZAG (two sets only): the pair's second
+    tile by _second_tile's boustrophedon order.
     V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and one column per key, so a block is the
     [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
     blocks_done = 0
@@ -174,8 +192,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
-            if tile + gl.num_programs(0) < num_tiles:
-                blocks_done = _produce_tile(tile + gl.num_programs(0), uses, blocks_done, 1, q_desc, k_desc, v_desc,
+            second = _second_tile(tile, ZIGZAG)
+            if second < num_tiles:
+                blocks_done = _produce_tile(second, uses, blocks_done, 1, q_desc, k_desc, v_desc,
                                             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                                             seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, V_T)
@@ -193,21 +212,79 @@ def _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, 
     return gl.where(visible, s, -float("inf"))
 
 
+# 2**f ~= 1 + c1 f + ... + cd f**d for f in [-1/2, 1/2]: coefficients (c1, ..., cd) of degree d, fitted for the
+# least maximum relative error (Lawson's reweighted least squares) and rounded to float32. The constant term is
+# exactly 1, so that 2**-127 comes out as exactly 0 (see _exp2_fma). Relative error of _exp2_fma on x >= -126
+# (tests/test_exp2_emulation.py, float32 arithmetic): degree 3 ~1.0e-4, 4 ~3e-6, 5 ~2e-7 (MUFU's ex2.approx: ~2e-7).
+EXP2_POLY = {
+    3: (0.6932829022407532, 0.2422109693288803, 0.05500892922282219),
+    4: (0.6931241750717163, 0.24024099111557007, 0.055906426161527634, 0.009582852944731712),
+    5: (0.6931470036506653, 0.24022242426872253, 0.05550733581185341, 0.009671512991189957, 0.001326472731307149),
+}
+EXP2_CLAMP = gl.constexpr(-127.0)
+ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2**23: x + it rounds x to an integer, kept in the low mantissa bits
+
+
+@gluon.constexpr_function
+def _exp2_coeff(degree, i):
+    """c_i of EXP2_POLY[degree] (c_0 = 1)."""
+    return 1.0 if i == 0 else EXP2_POLY[degree][i - 1]
+
+
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale_log2, P_LOG2_SCALE: gl.constexpr):
+def _exp2_fma(x, DEGREE: gl.constexpr):
+    """2**x of float32 x (any shape and layout) on the FMA/ALU pipes instead of the MUFU unit (FlashAttention-4's
+    trick: the MUFU unit's 16 exp2 / clock / SM is as busy as the tensor cores at head dim 64).
+
+    Cody-Waite split x = j + f with j = rint(x), f in [-1/2, 1/2]: adding 1.5 * 2**23 rounds x to j and leaves j
+    (two's complement) in the sum's low mantissa bits, so j << 23 is that sum's bits shifted (its exponent and
+    leading mantissa bits shift out); 2**f is a degree-DEGREE polynomial (Horner, FMAs), and j is added to its
+    exponent field as an integer. x is clamped to >= -127 first: -inf (masked keys) gives j = -127, f = 0, a
+    polynomial of exactly 1.0 and so exactly +0.0. Results below 2**-126 (x < -126) are not the float32 subnormal
+    2**x but are below 2**-126 (ex2.approx.ftz flushes them to 0). Per element: 3 FADD, 1 FMNMX, DEGREE FFMA and an
+    integer shift-add, no MUFU."""
+    x = gl.maximum(x, EXP2_CLAMP)
+    t = x + ROUND_MAGIC
+    f = x - (t - ROUND_MAGIC)
+    p = f * _exp2_coeff(DEGREE, DEGREE) + _exp2_coeff(DEGREE, DEGREE - 1)
+    for k in gl.static_range(DEGREE - 1):
+        p = p * f + _exp2_coeff(DEGREE, DEGREE - 2 - k)
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2_mixed(x, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+    """2**x of x (64, BLOCK_N) fp32 in an accumulator layout: columns [0, EMU_COLS) by _exp2_fma, the others on
+    the MUFU unit (gl.exp2). The column test is on a static arange: each thread's registers hold fixed columns, so
+    it folds away at compile time and each register gets one of the two (a multiple of 8 gives every thread the same
+    share: the wgmma layout gives a thread 2 of every 8 columns)."""
+    if EMU_COLS == 0:
+        p = gl.exp2(x)
+    elif EMU_COLS >= x.shape[1]:
+        p = _exp2_fma(x, EMU_DEGREE)
+    else:
+        cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, x.type.layout))
+        p = gl.where(gl.expand_dims(cols < EMU_COLS, 0), _exp2_fma(x, EMU_DEGREE), gl.exp2(x))
+    return p
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale_log2, P_LOG2_SCALE: gl.constexpr, EMU_COLS: gl.constexpr,
+                  EMU_DEGREE: gl.constexpr):
     """Online-softmax update for one block of raw scores s (64, BLOCK_N) fp32.
 
     m_i is the running row max in scaled log2 units (scores * softmax_scale * log2 e), l_i the running row sum of
     exp2(score - m_i) (times 2**P_LOG2_SCALE, see _p_log2_scale). Returns (p, alpha, m_new, l_new) with
     p = exp2(scaled score - m_new) * 2**P_LOG2_SCALE fp32 and alpha the factor that rescales what was accumulated
     under the old max. Rows with no visible key so far keep m = -inf and shift by 0, so exp2(-inf - -inf) never
-    happens."""
+    happens. The block's first EMU_COLS columns take their exp2 on the FMA pipe (_exp2_mixed)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     if P_LOG2_SCALE != 0.0:  # P * 2**P_LOG2_SCALE: a per-row shift of the exponent, no per-element multiply
-        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use - P_LOG2_SCALE, 1))
+        p = _exp2_mixed(s * qk_scale_log2 - gl.expand_dims(m_use - P_LOG2_SCALE, 1), EMU_COLS, EMU_DEGREE)
     else:
-        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+        p = _exp2_mixed(s * qk_scale_log2 - gl.expand_dims(m_use, 1), EMU_COLS, EMU_DEGREE)
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -275,7 +352,7 @@ def _pingpong_leave(turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
 def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, m_i, l_i,
                           seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                          PINGPONG: gl.constexpr):
+                          PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
     """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
     O = alpha O + P V, release the slot."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
@@ -294,7 +371,7 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
     if MASKED:
         s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype), EMU_COLS, EMU_DEGREE)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = _p_operand(p.to(q.dtype), p_layout)
     mbarrier.wait(v_ready.index(slot), phase)
@@ -308,7 +385,7 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
 def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, p, m_i,
                             l_i, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                            PINGPONG: gl.constexpr):
+                            PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
     """The CTA's g-th key block with FA3's intra-warpgroup overlap; p holds block g-1's probabilities.
 
     Issue S_g = Q K_g^T and O += P_{g-1} V_{g-1} back to back (both async), wait for S_g only, run block g's softmax
@@ -332,7 +409,8 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
     if MASKED:
         s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
+    p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype), EMU_COLS,
+                                           EMU_DEGREE)
     p_new = _p_operand(p_new.to(q.dtype), p_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     mbarrier.arrive(kv_empty.index(prev), count=1)
@@ -343,7 +421,8 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
 @gluon.jit
 def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks, rows,
                          seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                         EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
     """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q.dtype))
@@ -354,18 +433,21 @@ def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, bl
     for i in range(0, n_full):
         acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
                                               i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
-                                              CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG)
+                                              CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG,
+                                              EMU_COLS, EMU_DEGREE)
     for i in range(n_full, n_blocks):
         acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
                                               i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
-                                              CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG)
+                                              CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG,
+                                              EMU_COLS, EMU_DEGREE)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks,
                            rows, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                           EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
     """All key blocks of one tile with intra-warpgroup overlap: block 0's scores and softmax alone, then the
     overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
@@ -389,18 +471,19 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
         if n_full == 0:
             s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
             s = _masked_scores(s, 0, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype))
+        p0, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype), EMU_COLS,
+                                            EMU_DEGREE)
         p = _p_operand(p0.to(q.dtype), p_layout)
     for i in range(1, n_full):
         acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
                                                    seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, False,
-                                                   CAUSAL, PINGPONG)
+                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE)
     for i in range(gl.maximum(n_full, 1), n_blocks):
         acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
                                                    seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, True,
-                                                   CAUSAL, PINGPONG)
+                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE)
     if n_blocks > 0:
         g_last = blocks_done + n_blocks - 1
         last = g_last % NUM_STAGES
@@ -416,7 +499,8 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
                   q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                   v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
     """One warpgroup's rows [CONSUMER * 64, CONSUMER * 64 + 64) of one tile, its Q in buffer set BUF (``uses`` =
     tiles the set held before): all visited key blocks, then the output and lse. Returns the new block counter."""
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
@@ -440,11 +524,13 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
     if OVERLAP:
         acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
                                                n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                               scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+                                               scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
+                                               EMU_COLS, EMU_DEGREE)
     else:
         acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
                                              n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
-                                             scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG)
+                                             scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
+                                             EMU_COLS, EMU_DEGREE)
     # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
     mbarrier.arrive(q_empty.index(BUF * NUM_CONSUMERS + CONSUMER), count=1)
     _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale, P_LOG2_SCALE)
@@ -456,7 +542,7 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
               out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
@@ -468,20 +554,23 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
-                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                                        EMU_COLS, EMU_DEGREE)
             uses += 1
     else:
         for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
-                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG)
-            if tile + gl.num_programs(0) < num_tiles:
-                blocks_done = _consume_tile(tile + gl.num_programs(0), uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
+                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                                        EMU_COLS, EMU_DEGREE)
+            second = _second_tile(tile, ZIGZAG)
+            if second < num_tiles:
+                blocks_done = _consume_tile(second, uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
                                             v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                                             lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
                                             qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                            CAUSAL, OVERLAP, PINGPONG)
+                                            CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE)
             uses += 1
 
 
@@ -516,14 +605,19 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
+                       PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
+                       EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5,
+                       TILE_ZIGZAG: gl.constexpr = False):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
-    GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2."""
+    GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2. NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles,
+    FA3's hd64 shape; its register budgets must fit 65536 per SM: see GluonFwdConfig). EXP2_EMU_COLS of each
+    block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed).
+    TILE_ZIGZAG (Q_BUFFERS == 2): persistent CTAs take their tiles in a boustrophedon order (_second_tile)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                  NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False, Q_BUFFERS)
+                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ZIGZAG)
 
 
 @gluon.jit
@@ -542,7 +636,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
                  seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS)
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, False)
 
 
 @gluon.jit
@@ -550,9 +644,11 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr):
+                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
-    Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer)."""
+    Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
+    _exp2_mixed (0: every exp2 on the MUFU unit). ZIGZAG: see _second_tile."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
@@ -579,20 +675,41 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif NUM_CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS)),
+                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
+                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
         ], [1], [PRODUCER_REGS])
