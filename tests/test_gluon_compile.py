@@ -51,6 +51,8 @@ _GLUON_COMPILE_SCRIPT = _COMPILE_PRELUDE + r'''
 # The resolved configs (both head dims, causal or not; fp16 once) and every ablation the probe times.
 resolved = [(d, "bf16", causal, resolve_gluon_config(d, causal, 1024)) for d in (64, 128) for causal in (False, True)]
 resolved.append((128, "fp16", True, resolve_gluon_config(128, True)))
+# hd64 at long keys: three consumer warpgroups
+resolved += [(64, "bf16", causal, resolve_gluon_config(64, causal, 16384)) for causal in (False, True)]
 ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pingpong=pp, persistent=ps,
                                                 num_stages=st, block_n=bn))
              for nc, ov, pp, ps, st, bn in [(1, True, False, False, 2, 128), (2, True, True, False, 2, 128),

@@ -91,6 +91,18 @@ def test_gluon_forward_candidates(d, overrides, causal, dtype):
 
 
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_forward_hd64_long_keys_on_three_consumers(causal, dtype):
+    """hd64 with >= THREE_CONSUMERS_MIN_KEYS keys resolves to three consumer warpgroups (192-row tiles): vs the
+    float64 reference with ragged query rows (1000 = 5 tiles + 40) and GQA."""
+    from flashdecode.ops.gluon_attention import THREE_CONSUMERS_MIN_KEYS
+
+    assert resolve_gluon_config(64, causal, THREE_CONSUMERS_MIN_KEYS).num_consumers == 3
+    _check(*_qkv(1, 1000, THREE_CONSUMERS_MIN_KEYS + 3, 4, 2, 64, dtype, seed=3), causal)
+
+
+@needs_hopper
 def test_gluon_forward_rows_without_keys():
     """Causal with seqlen_q > seqlen_k (bottom-right): the first rows see no key -> out 0, lse -inf, no NaN."""
     q, k, v = _qkv(1, 300, 100, 2, 2, 128, torch.bfloat16, seed=3)

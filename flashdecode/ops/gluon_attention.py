@@ -78,6 +78,9 @@ class GluonFwdConfig:
         return 64 * self.num_consumers
 
 
+THREE_CONSUMERS_MIN_KEYS = 16384  # hd64: three consumer warpgroups from here (resolve_gluon_config)
+
+
 def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
     """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
     memory; hd64 tiles are half the size, so three stages fit with room to spare.
@@ -86,8 +89,16 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     loads the next tile's first K/V blocks under the current tile's last ones and its epilogue (H100, 16 x 1k:
     +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128. Causal launches stay one CTA per
     tile: the grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some
-    CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s)."""
+    CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s).
+
+    hd64 from THREE_CONSUMERS_MIN_KEYS keys: three consumer warpgroups (192-row tiles, 160 registers each), FA3's
+    hd64 tile - at hd64 a block's softmax costs as much as its two GEMMs, and a third warpgroup keeps the tensor
+    cores fed while two run softmax (H100, 16k keys: 538.8 vs 452.3 TFLOP/s, causal 483.9 vs 464.6; cuDNN 497.6 /
+    452.2 in the same run). At 16 x 1k it lost (412 vs 418; causal 168 vs 238: few blocks per tile), and lengths
+    between were not measured."""
     persistent = not causal and 0 < seqlen_k <= 2048
+    if headdim == 64 and seqlen_k >= THREE_CONSUMERS_MIN_KEYS:
+        return GluonFwdConfig(num_consumers=3, consumer_regs=160, num_stages=3)
     # two Q buffer sets where CTAs are persistent: 16 x 1k non-causal 1.056x (hd128) / 1.074x (hd64) on the H100;
     # one set elsewhere (16k keys: 0.97x; forced-persistent causal 0.985x) - docs/decisions.md
     return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1)

@@ -37,7 +37,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashdecode.kernels.decode_gather import prefetch_l2
 from flashdecode.ops.checks import interpreting
 
-# What pdl="auto" gives on a GPU that can do PDL. Off until measured end to end on the H100 (bench e2e --pdl both).
+# What pdl="auto" gives on a GPU that can do PDL: off. Measured end to end on the H100 (bench e2e --pdl both, Llama-3-8B
+# shape, 4k): b1 1.012x, b16 0.982x, b64 1.006x - no step gained beyond noise (docs/decisions.md); pdl=True opts in.
 AUTO_ON = False
 
 # Weight bytes one PDL GEMV / flat-GEMM launch prefetches into L2 before its wait, over all its rows: about what HBM
