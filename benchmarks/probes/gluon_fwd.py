@@ -6,8 +6,10 @@
 1. Correctness: every supported feature (causal or not, GQA, odd lengths, hd 64/128, fp16/bf16) against the float64
    reference with the FlashAttention rule (error <= 2x a same-dtype PyTorch implementation's).
 2. Speed (triton.testing.do_bench median, bf16): 16k tokens (batch 1, 16 heads) and 16 x 1k, hd 128 and 64, causal
-   and not (--shapes / --headdims choose others, e.g. --shapes 1x65536x32/8: the Llama-3-8B prefill, GQA); the Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside our Triton flash_attn and
-   torch SDPA's cuDNN and FLASH (FlashAttention-2) backends. TFLOP/s = 4 b h sq sk d, halved for causal.
+   and not (--shapes / --headdims choose others, e.g. --shapes 1x65536x32/8: the Llama-3-8B prefill, GQA); the
+   Gluon kernel (resolved config; --variants adds the VARIANTS ablations) beside flash_attn (the dispatch: the
+   Gluon kernel where it applies on sm_90, our Triton kernel elsewhere) and torch SDPA's cuDNN and FLASH
+   (FlashAttention-2) backends. TFLOP/s = 4 b h sq sk d, halved for causal.
 Writes gluon_fwd.json to $OUT (or the current directory) and prints a table last.
 
 --fp8 (instead of the above): the e4m3 kernel. Correctness of each FP8_VARIANTS config against the Triton FP8
@@ -175,7 +177,7 @@ def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 fns = {f"gluon:{n}": _gluon_call(q, k, v, causal, config_for(n, d, causal, s)) for n in names
                        if config_for(n, d, causal, s) is not None}
-                fns["triton"] = lambda: flash_attn(q, k, v, causal=causal)
+                fns["flash_attn"] = lambda: flash_attn(q, k, v, causal=causal)  # the dispatch (Gluon on sm_90)
                 gqa = dict(enable_gqa=True) if hkv != h else {}
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, **gqa)(qt, kt, vt, causal)
                 fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION, **gqa)(qt, kt, vt, causal)
