@@ -53,7 +53,8 @@ def next_power_of_2(n: int) -> int:
 # 8-bit caches (elem_bytes 1): a K / V tile of 16 KiB of 8-bit values, at most 128 keys (hd128: 128 keys), whatever
 # the pairs, and one warp per DECODE_QUANT_ELEMS_PER_WARP elements of it (docs/decisions.md, "8-bit cache tiles").
 DECODE_QUANT_TILE_BYTES = 16384
-# 4 warps a 128 x 128 tile (128 values per thread; ptxas spills a few bytes in the loop) and twice the programs of a
+# 4 warps a 128 x 128 tile (128 values per thread; stage 1 holds it without spills, the persistent kernel spills a
+# few bytes per work item) and twice the programs of a
 # 16-bit cache (splits from 2 waves of the SMs, up to DECODE_QUANT_MAX_SPLITS; persistent grids of 2 programs per
 # SM): the 8-bit loop is latency-bound, and two 4-warp programs per SM hide more of it than one of 8 warps (H100,
 # e4m3 per-token scales, `fp8_decode --sweep`: b1 16/2 128k 40.2 -> 33.2 us, 32k 16.0 -> 14.0, Llama-3-8B b16 8k
@@ -303,8 +304,8 @@ def decode_quant_tile(p: DecodeProblem, block_n: int,
     with 1-byte elements): a tile of DECODE_QUANT_TILE_BYTES of 8-bit values (at most 128 keys; fewer only where
     the rules above chose fewer keys), one warp per ``elems_per_warp`` of its elements (4 to 8). The loop
     converts the tile to q's dtype in registers: at 4 warps a 128 x 128 tile holds 128 converted values per thread
-    (sm_90 spills a few bytes), yet two such programs per SM beat one of 8 warps (docs/decisions.md, "8-bit cache
-    tiles")."""
+    (the persistent kernel spills a few bytes on sm_90), yet two such programs per SM beat one of 8 warps
+    (docs/decisions.md, "8-bit cache tiles")."""
     block_n = min(block_n, max(16, DECODE_QUANT_TILE_BYTES // p.block_d))
     return block_n, min(8, max(4, block_n * p.block_d // elems_per_warp))
 
@@ -320,11 +321,16 @@ def decode_policy_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> i
                              **_split_occupancy(p.elem_bytes, dev))
 
 
+def _program_waves(elem_bytes: int, dev: DecodeDevice) -> int:
+    """Programs per SM a decode grid aims at: DECODE_QUANT_WAVES for an 8-bit cache on the GPU (its 4-warp
+    programs run two per SM), else 1. Sizes both the split counts and the persistent grid."""
+    return DECODE_QUANT_WAVES if elem_bytes == 1 and not dev.interpret else 1
+
+
 def _split_occupancy(elem_bytes: int, dev: DecodeDevice) -> dict:
-    """decode_num_splits' waves / max_splits: twice the programs for an 8-bit cache on the GPU (its 4-warp
-    programs run two per SM: DECODE_QUANT_WAVES), one wave otherwise."""
-    if elem_bytes == 1 and not dev.interpret:
-        return dict(waves=DECODE_QUANT_WAVES, max_splits=DECODE_QUANT_MAX_SPLITS)
+    """decode_num_splits' waves / max_splits (_program_waves; 8-bit caches up to DECODE_QUANT_MAX_SPLITS)."""
+    if _program_waves(elem_bytes, dev) > 1:
+        return dict(waves=_program_waves(elem_bytes, dev), max_splits=DECODE_QUANT_MAX_SPLITS)
     return dict(max_splits=DECODE_MAX_SPLITS)
 
 
@@ -391,8 +397,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         merge_early_trigger=choice.merge_early_trigger and pdl_wait,
         merge_d_chunks=choice.merge_d_chunks, merge_max_rows=choice.merge_max_rows,
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
-        persistent_programs=(choice.persistent_programs or dev.num_sms) * (
-            DECODE_QUANT_WAVES if p.elem_bytes == 1 and not dev.interpret else 1),
+        persistent_programs=(choice.persistent_programs or dev.num_sms) * _program_waves(p.elem_bytes, dev),
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
         device_split_slots=slots, **decode_quant_convert(dev))
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,

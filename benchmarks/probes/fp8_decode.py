@@ -395,11 +395,21 @@ SWEEP_COLUMNS = ["shape", "batch", "context", "config", "path", "splits", "block
                  "%bare", "%floor", "bf16/fp8", "bf16_us", "bare_us", "max|diff|"]
 
 
+def _report(args, kind: str, env: dict, rows: list[dict], columns: list[str], fmt: dict, bandwidth: float) -> int:
+    """Print the rows as a markdown table and write them as the ``kind`` result file (with the copy bandwidth)."""
+    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
+
+    print(markdown_table(rows, columns, fmt))
+    path = write_json(results_dir(args.out) / f"{result_stem(kind, env)}.json", kind, env, rows,
+                      {"copy_bandwidth_bytes_per_s": bandwidth})
+    print(f"wrote {path}")
+    return 0
+
+
 def sweep(args) -> int:
     """--sweep: sweep_point at b1 16/2 4k / 32k / 128k and the Llama-3-8B shape b16 8k (hd128; --contexts and
     --batched replace them), the entries of --sweep-configs (default all of _SWEEP); one table (one row per point
     and config, the fastest per point marked *) and a result file."""
-    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     if not torch.cuda.is_available():
@@ -430,12 +440,7 @@ def sweep(args) -> int:
           f"rotated beyond L2); %bare: a bare read of the 8-bit bytes / ours; %floor: the 8-bit floor / ours")
     fmt = {c: ".1f" for c in ("us", "%bare", "%floor", "bf16_us", "bare_us")}
     fmt.update({"bf16/fp8": ".2f", "max|diff|": ".1e"})
-    print(markdown_table(rows, SWEEP_COLUMNS, fmt))
-    out = results_dir(args.out)
-    path = write_json(out / f"{result_stem('fp8_sweep', env)}.json", "fp8_sweep", env, rows,
-                      {"copy_bandwidth_bytes_per_s": bandwidth})
-    print(f"wrote {path}")
-    return 0
+    return _report(args, "fp8_sweep", env, rows, SWEEP_COLUMNS, fmt, bandwidth)
 
 
 CONVERT_COLUMNS = ["shape", "batch", "context", "layout", "scales", "bf16", "cvt", "cvt-kfirst", "bits-klate",
@@ -453,7 +458,6 @@ COLUMNS = ["shape", "batch", "context", "ours bf16 contig", "ours fp8-token cont
 
 
 def main() -> int:
-    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -501,18 +505,12 @@ def main() -> int:
           f"{bandwidth / 1e12:.2f} TB/s; times in us (CUDA-graph replays, K/V rotated beyond L2)")
     fmt = {c: ".1f" for c in COLUMNS if c not in ("shape", "batch", "context")}
     fmt.update({c: ".2f" for c in COLUMNS if c.startswith(("speedup", "ours fp8 vs"))})
-    print(markdown_table(rows, COLUMNS, fmt))
-    out = results_dir(args.out)
-    path = write_json(out / f"{result_stem('fp8_decode', env)}.json", "fp8_decode", env, rows,
-                      {"copy_bandwidth_bytes_per_s": bandwidth})
-    print(f"wrote {path}")
-    return 0
+    return _report(args, "fp8_decode", env, rows, COLUMNS, fmt, bandwidth)
 
 
 def convert_ab(args) -> int:
     """--convert-ab: bench_convert_point over the contexts (4k..128k unless given) at b1 16/2 hd128 and the
     Llama-3-8B shape at the --batched batches (16 unless given), 8k; a compact table and a result file."""
-    from flashdecode.bench.report import markdown_table, result_stem, results_dir, write_json
     from flashdecode.timing import copy_bandwidth_bytes_per_s, env_info
 
     if not torch.cuda.is_available():
@@ -540,12 +538,7 @@ def convert_ab(args) -> int:
           f"instructions, bits-tl: bit ops in Triton, bits: packed PTX bit ops (resolved)")
     fmt = {c: ".1f" for c in CONVERT_COLUMNS if c not in ("shape", "batch", "context", "layout", "scales", "equal")}
     fmt.update({"cvt/bits": ".2f", "bf16/bits": ".2f"})
-    print(markdown_table(rows, CONVERT_COLUMNS, fmt))
-    out = results_dir(args.out)
-    path = write_json(out / f"{result_stem('fp8_convert_ab', env)}.json", "fp8_convert_ab", env, rows,
-                      {"copy_bandwidth_bytes_per_s": bandwidth})
-    print(f"wrote {path}")
-    return 0
+    return _report(args, "fp8_convert_ab", env, rows, CONVERT_COLUMNS, fmt, bandwidth)
 
 
 if __name__ == "__main__":

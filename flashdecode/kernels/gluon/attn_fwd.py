@@ -17,10 +17,11 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
   than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
   loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
-  named barriers) gave -7% to +2%. Both stay selectable for the probe. Candidates not yet measured (off by default):
-  three consumer warpgroups (192-row tiles, FA3's hd64 shape; 160 registers each), and ``EXP2_EMU_COLS``: the
-  first columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
-  trick), the rest on the MUFU unit, whose 16 exp2 / clock / SM are as busy as the tensor cores at head dim 64.
+  named barriers) gave -7% to +2%. Both stay selectable for the probe. Three consumer warpgroups (192-row tiles,
+  FA3's hd64 shape; 160 registers each) are hd64's tile from 16k keys (ops/gluon_attention.py
+  resolve_gluon_config). ``EXP2_EMU_COLS`` (off: slower at every shape timed, docs/decisions.md): the first
+  columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
+  trick), the rest on the MUFU unit. ``TILE_ZIGZAG`` (off, not timed): a boustrophedon order of persistent tiles.
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
