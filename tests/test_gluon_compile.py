@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel
-from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, GluonFwdConfig, resolve_gluon_config,
+from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, TILE_ORDERS, GluonFwdConfig, resolve_gluon_config,
                                              resolve_gluon_fp8_config)
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
@@ -33,10 +33,10 @@ def compile_variant(d, dtype, causal, cfg):
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers)
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
+                  TILE_ORDER=TILE_ORDERS[cfg.tile_order])
     if not fp8:
-        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
-                      TILE_ZIGZAG=cfg.zigzag)
+        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -88,7 +88,7 @@ def test_gluon_kernels_compile_for_hopper_without_a_gpu():
 
 
 # The candidates of benchmarks/probes/gluon_fwd.py's VARIANTS beyond the ablations above: three consumer warpgroups
-# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag tile order. Each must hold
+# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag and pairs tile orders. Each must hold
 # its state in registers; an emulated share must take exactly that share of the MUFU ex2 instructions off the
 # softmax (the column test on a static arange folds away at compile time) and leave no exp2 of the same register on
 # both pipes.
@@ -105,8 +105,11 @@ candidates = [(64, False, dict(three, num_stages=3)), (64, True, dict(three, num
                                                                              exp2_emu_cols=64)),
               (64, True, dict(num_stages=3, overlap=True, exp2_emu_cols=32)),
               (64, False, dict(num_stages=3, pingpong=True, exp2_emu_cols=32)),
-              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, zigzag=True)),
-              (64, True, dict(three, num_stages=3, persistent=True, q_buffers=2, zigzag=True))]
+              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, tile_order="zigzag")),
+              (64, True, dict(three, num_stages=3, persistent=True, q_buffers=2, tile_order="zigzag")),
+              (128, True, dict(num_stages=2, q_buffers=2, tile_order="pairs")),
+              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, tile_order="pairs")),
+              (64, True, dict(three, num_stages=3, q_buffers=2, tile_order="pairs"))]
 ex2_counts = {}
 for d, causal, overrides in candidates:
     cfg = GluonFwdConfig(**overrides)

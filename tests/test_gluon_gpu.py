@@ -67,8 +67,11 @@ CANDIDATES = [(64, _THREE, _BOTH), (64, dict(_THREE, persistent=True, q_buffers=
               (64, dict(exp2_emu_cols=64, persistent=True, q_buffers=2), _BOTH),
               (128, dict(exp2_emu_cols=128, exp2_emu_degree=3), _BOTH), (64, dict(block_n=256, num_stages=2), _BF16),
               (64, dict(overlap=True, exp2_emu_cols=32), _BOTH),
-              (128, dict(persistent=True, q_buffers=2, zigzag=True), _BF16),
-              (64, dict(_THREE, persistent=True, q_buffers=2, zigzag=True), _BF16)]
+              (128, dict(persistent=True, q_buffers=2, tile_order="zigzag"), _BF16),
+              (64, dict(_THREE, persistent=True, q_buffers=2, tile_order="zigzag"), _BF16),
+              (128, dict(q_buffers=2, tile_order="pairs"), _BF16),
+              (128, dict(persistent=True, q_buffers=2, tile_order="pairs"), _BF16),
+              (64, dict(_THREE, q_buffers=2, tile_order="pairs"), _BF16)]
 
 
 def _candidate_params():
@@ -83,11 +86,22 @@ def _candidate_params():
 @pytest.mark.parametrize("d,overrides,causal,dtype", list(_candidate_params()))
 def test_gluon_forward_candidates(d, overrides, causal, dtype):
     """Three consumer warpgroups (192-row tiles), exp2 partly or wholly on the FMA pipe, 256-key blocks, the
-    zigzag tile order: the FlashAttention rule against float64, GQA, ragged lengths (seqlen_q > seqlen_k: causal
-    rows without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop (and zigzag's second round is partial:
-    every tile must still be computed once)."""
+    zigzag and pairs tile orders: the FlashAttention rule against float64, GQA, ragged lengths (seqlen_q >
+    seqlen_k: causal rows without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop (and zigzag's second
+    round is partial: every tile must still be computed once; 192-row pairs: 9 query blocks, the middle one alone)."""
     cfg = dataclasses.replace(resolve_gluon_config(d), **overrides)
     _check(*_qkv(2, 1700, 1100, 8, 4, d, dtype, seed=7 + d), causal, cfg)
+
+
+@needs_hopper
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gluon_forward_tile_pairs_with_more_units_than_sms(persistent):
+    """The pairs tile order where units outnumber the SMs (3 x 8 heads x 7 units of an odd 13 query blocks = 168
+    > 132), so persistent CTAs loop over units, some of which have no second tile: every tile computed once, causal
+    (with more queries than keys: rows without keys) and not."""
+    cfg = dataclasses.replace(resolve_gluon_config(128), q_buffers=2, persistent=persistent, tile_order="pairs")
+    for causal, seqlen_k in ((True, 1600), (True, 1000), (False, 900)):
+        _check(*_qkv(3, 1600, seqlen_k, 8, 2, 128, torch.bfloat16, seed=11), causal, cfg)
 
 
 @needs_hopper

@@ -66,7 +66,10 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
     args = launch[9:]
     cfg = ga.resolve_gluon_config(128, True, 200)
     num_tiles = -(-300 // cfg.block_m) * 2 * 4
-    assert (g0, g1, g2) == (num_tiles, 1, 1) and grid == (num_tiles, 1, 1)  # causal: one CTA per tile
+    # causal short keys: persistent CTAs over units of two tiles (3 query blocks -> 2 units per head)
+    assert cfg.tile_order == "pairs" and cfg.persistent
+    units = -(-(num_tiles // 8) // 2) * 2 * 4
+    assert (g0, g1, g2) == (units, 1, 1) and grid == (units, 1, 1)
     assert (stream, function, packed) == (7, "function-handle", "packed")
     # the kernel's whole parameter list: runtime arguments, then every constexpr in declaration order
     assert len(args) == len(attn_fwd_ws_kernel.arg_names) == len(jit_args) + len(constexprs)
@@ -199,3 +202,18 @@ def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, mo
     q2 = q.clone()  # a new address: one more fill, for q only
     ga.gluon_attention_forward(q2, k, v, causal=True)
     assert plan.direct.fills == 4 and c_calls[-1][13][1] == q2.data_ptr()
+
+
+def test_resolved_launch_rule():
+    """resolve_gluon_config's measured rule (docs/decisions.md): persistent CTAs to 2k keys, to 8k for causal
+    launches and hd64; causal persistent CTAs take tile pairs; hd64 from 16k keys on three consumer warpgroups,
+    one CTA per tile; every config valid for its kernel (two Q buffer sets exactly where CTAs are persistent)."""
+    for d in (64, 128):
+        for causal in (False, True):
+            for seqlen_k in (1, 2048, 4096, 8192, 8193, 16384, 65536):
+                cfg = ga.resolve_gluon_config(d, causal, seqlen_k)
+                persistent = seqlen_k <= 2048 or (seqlen_k <= 8192 and (causal or d == 64))
+                assert cfg.persistent == persistent, (d, causal, seqlen_k)
+                assert cfg.q_buffers == (2 if persistent else 1)
+                assert cfg.tile_order == ("pairs" if persistent and causal else "round_robin")
+                assert cfg.num_consumers == (3 if d == 64 and seqlen_k >= ga.THREE_CONSUMERS_MIN_KEYS else 2)

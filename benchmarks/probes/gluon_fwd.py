@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -72,8 +73,10 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     # tiles (heaviest first) carries about the same work, unlike the round robin's. For short causal calls (each
     # tile's pipeline fill exposed one CTA per tile): modelled balance (mean / max blocks per CTA) 16 x 1k 0.97 vs
     # the round robin's 0.73; at 16k (1 x 16 heads) it stays ~0.65, below one CTA per tile's ~0.99
-    "persist+zz": dict(persistent=True, q_buffers=2, zigzag=True),
-    "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, zigzag=True),
+    "persist+zz": dict(persistent=True, q_buffers=2, tile_order="zigzag"),
+    "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, tile_order="zigzag"),
+    "pairs": dict(q_buffers=2, persistent=False, tile_order="pairs"),
+    "pairs+persist": dict(q_buffers=2, persistent=True, tile_order="pairs"),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
@@ -164,7 +167,26 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128, 64)) -> list[dict]:
+def _graphed_or_none(name, fn):
+    try:
+        return _graphed(fn)
+    except Exception as e:  # a peer that cannot be captured is reported, not fatal
+        print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+
+
+def _time_ms(name, fn, quick: bool) -> float:
+    """do_bench median of fn in ms, nan where fn is None or fails (a peer missing on this build is reported)."""
+    if fn is None:
+        return float("nan")
+    try:
+        return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100)
+    except Exception as e:
+        print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return float("nan")
+
+
+def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128, 64), rounds: int = 1) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     shapes = shapes or parse_shapes(DEFAULT_SHAPES)
@@ -181,17 +203,19 @@ def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128
                 gqa = dict(enable_gqa=True) if hkv != h else {}
                 fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, **gqa)(qt, kt, vt, causal)
                 fns["fa2"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION, **gqa)(qt, kt, vt, causal)
-                for name, fn in fns.items():
-                    try:
-                        if graph:
-                            fn = _graphed(fn)
-                        ms = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100)
-                        tf = flops / ms / 1e9
-                    except Exception as e:  # a peer missing on this build is reported, not fatal
-                        print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-                        ms, tf = float("nan"), float("nan")
-                    rows.append(dict(d=d, b=b, s=s, h=h, hkv=hkv, causal=causal, impl=name, ms=ms, tflops=tf,
-                                     graph=graph))
+                if graph:
+                    fns = {name: _graphed_or_none(name, fn) for name, fn in fns.items()}
+                times = {name: [] for name in fns}
+                # rounds > 1: every implementation once per round, the order rotated each round, so no column
+                # always runs first (cooler, higher clocks) or last; the median over rounds is reported
+                for r in range(rounds):
+                    names_r = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+                    for name in names_r:
+                        times[name].append(_time_ms(name, fns[name], quick))
+                for name, ms_all in times.items():
+                    ms = statistics.median(ms_all)
+                    rows.append(dict(d=d, b=b, s=s, h=h, hkv=hkv, causal=causal, impl=name, ms=ms,
+                                     tflops=flops / ms / 1e9, graph=graph, ms_rounds=ms_all))
     return rows
 
 
@@ -284,14 +308,14 @@ def check_fp8(names) -> list[dict]:
     return rows
 
 
-def time_fp8(names, quick: bool) -> list[dict]:
+def time_fp8(names, quick: bool, headdims=(128, 64, 256)) -> list[dict]:
     from flashdecode.ops.attention import resolve_config
     from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 
     rows = []
     b, s, h = 1, 16384, 16
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100)  # noqa
-    for d in (128, 64, 256):
+    for d in headdims:
         for causal in (False, True):
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             q8, k8, v8, qd, kd, vd = _fp8_inputs(b, s, s, h, h, d, seed=1)
@@ -332,7 +356,7 @@ def main_fp8(args):
         for r in result["correctness"]:
             print(f"{'ok ' if r['ok'] else 'BAD'} {r['config']:>12} {r['case']:<40} err {r['err']:.2e} "
                   f"(triton fp8 {r['triton_err']:.2e})")
-    result["timing"] = time_fp8(names, args.quick)
+    result["timing"] = time_fp8(names, args.quick, [int(d) for d in (args.headdims or "128,64,256").split(",")])
     with open(os.path.join(os.environ.get("OUT", "."), "gluon_fwd_fp8.json"), "w") as f:
         json.dump(result, f, indent=1)
     timing = result["timing"]
@@ -358,8 +382,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (kernels without host work)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every column this many times per shape in rotated order and report the median")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="timed shapes BxSxH[/HKV], e.g. 1x65536x32/8")
-    ap.add_argument("--headdims", default="128,64", help="timed head dims")
+    ap.add_argument("--headdims", default=None, help="timed head dims (default 128,64; --fp8: 128,64,256)")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernel's checks and timings instead")
     ap.add_argument("--fp8-variants", default="resolved,pingpong,stages2,stages4,bn256",
                     help="comma-separated names from FP8_VARIANTS, or 'all'")
@@ -381,10 +407,11 @@ def main():
             print(f"BAD {r['config']:>16} {r['case']:<48} err {r['err']:.2e} "
                   f"(2x base {2 * r['base']:.2e}) lse {r['lse_err']:.1e}")
         print(f"correctness: {len(result['correctness']) - len(bad)} ok, {len(bad)} bad")
-    shapes, headdims = parse_shapes(args.shapes), [int(d) for d in args.headdims.split(",")]
-    result["timing"] = time_all(names, args.quick, shapes=shapes, headdims=headdims)
+    shapes, headdims = parse_shapes(args.shapes), [int(d) for d in (args.headdims or "128,64").split(",")]
+    result["timing"] = time_all(names, args.quick, shapes=shapes, headdims=headdims, rounds=args.rounds)
     if args.graph:
-        result["timing"] += time_all(names, args.quick, graph=True, shapes=shapes, headdims=headdims)
+        result["timing"] += time_all(names, args.quick, graph=True, shapes=shapes, headdims=headdims,
+                                     rounds=args.rounds)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "gluon_fwd.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -399,7 +426,8 @@ def main():
             label = f"d{key[0]} {key[1]}x{key[2]} h{key[3]}/{key[4]} {'causal' if key[5] else 'full'}"
             print(f"{label:<28}" + "".join(f"{cells[n]['tflops']:>13.1f}" if n in cells else f"{'-':>13}"
                                            for n in impls))
-    print("(TFLOP/s, bf16, do_bench median; - = the variant does not apply at that head dim)")
+    print(f"(TFLOP/s, bf16, do_bench median{f' of {args.rounds} rotated rounds' if args.rounds > 1 else ''}; - = "
+          f"the variant does not apply at that head dim)")
 
 
 if __name__ == "__main__":

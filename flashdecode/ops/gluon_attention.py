@@ -21,6 +21,7 @@ GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEAD_DIMS = (64, 128, 256)  # the e4m3 kernel's head dims (no register spills at any, 2 stages fit hd256)
+TILE_ORDERS = {"round_robin": 0, "zigzag": 1, "pairs": 2}  # kernels/gluon/attn_fwd.py TILE_ORDER_*
 EXP2_EMU_DEGREES = (3, 4, 5)  # the exp2 polynomials the kernel has (kernels/gluon/attn_fwd.py EXP2_POLY)
 _SM_REGISTERS = 65536  # an H100 SM's register file, shared by every partition's warpgroup (setmaxnreg)
 
@@ -36,10 +37,11 @@ class GluonFwdConfig:
     is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
     take consumer_regs <= 160, FA3's hd64 budget); exp2_emu_cols = columns of each key block whose exp2 runs as a
     degree-exp2_emu_degree polynomial on the FMA pipe instead of the MUFU unit (0 = none; a multiple of 8 up to
-    block_n; kernels/gluon/attn_fwd.py _exp2_mixed); zigzag = persistent CTAs with two Q buffer sets take their
-    tiles in a boustrophedon order (round j of num_programs tiles: CTA c takes the c-th on even j, the c-th from the
-    end on odd j), so with causal tiles heaviest first a CTA's pair carries about the same work as another's
-    (_second_tile). fp16/bf16 only: the e4m3 kernel takes neither exp2 emulation nor zigzag."""
+    block_n; kernels/gluon/attn_fwd.py _exp2_mixed; fp16/bf16 only); tile_order = how CTAs with two Q buffer sets
+    take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "zigzag"
+    (persistent: round j of num_programs tiles, CTA c takes the c-th on even j, the c-th from the end on odd j;
+    _second_tile) or "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
+    blocks: with causal tiles every unit carries about the same work; _pair_tiles)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -52,7 +54,7 @@ class GluonFwdConfig:
     producer_regs: int = 24
     exp2_emu_cols: int = 0
     exp2_emu_degree: int = 5
-    zigzag: bool = False
+    tile_order: str = "round_robin"
 
     def __post_init__(self):
         if self.num_consumers not in (1, 2, 3):
@@ -70,8 +72,13 @@ class GluonFwdConfig:
                              f"{self.exp2_emu_cols}")
         if self.exp2_emu_degree not in EXP2_EMU_DEGREES:
             raise ValueError(f"exp2_emu_degree: one of {EXP2_EMU_DEGREES}, got {self.exp2_emu_degree}")
-        if self.zigzag and not (self.persistent and self.q_buffers == 2):
-            raise ValueError("zigzag: orders a persistent CTA's tile pairs (persistent=True, q_buffers=2)")
+        if self.tile_order not in TILE_ORDERS:
+            raise ValueError(f"tile_order: one of {tuple(TILE_ORDERS)}, got {self.tile_order!r}")
+        if self.tile_order != "round_robin" and self.q_buffers != 2:
+            raise ValueError(f"tile_order: {self.tile_order!r} orders the tile pairs of CTAs with two Q buffer sets "
+                             f"(q_buffers=2)")
+        if self.tile_order == "zigzag" and not self.persistent:
+            raise ValueError("tile_order: 'zigzag' orders a persistent CTA's rounds (persistent=True)")
 
     @property
     def block_m(self) -> int:
@@ -79,29 +86,39 @@ class GluonFwdConfig:
 
 
 THREE_CONSUMERS_MIN_KEYS = 16384  # hd64: three consumer warpgroups from here (resolve_gluon_config)
+PERSISTENT_MAX_KEYS = 2048  # persistent CTAs (one per SM) up to this many keys (resolve_gluon_config)
+PERSISTENT_MID_MAX_KEYS = 8192  # ... and up to this many for causal launches and hd64 (resolve_gluon_config)
 
 
 def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
     """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
     memory; hd64 tiles are half the size, so three stages fit with room to spare.
 
-    Persistent CTAs only for short non-causal keys: there each tile is a few blocks, and a CTA that stays resident
-    loads the next tile's first K/V blocks under the current tile's last ones and its epilogue (H100, 16 x 1k:
-    +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128. Causal launches stay one CTA per
-    tile: the grid then runs the heaviest tiles first, while a static round robin over a persistent grid gave some
-    CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s).
+    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64): there each tile is a few
+    blocks, and a CTA that stays resident loads the next tile's first K/V blocks under the current tile's last ones
+    and its epilogue (H100, 16 x 1k: +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128,
+    and at 4k-8k non-causal hd128 2-6% slower. A causal persistent CTA takes its tiles in
+    pairs of one head's k-th heaviest and k-th lightest (tile_order="pairs"): a static round robin over single
+    tiles gave some CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s). Long causal
+    launches stay one CTA per tile: the grid then runs the heaviest tiles first.
 
     hd64 from THREE_CONSUMERS_MIN_KEYS keys: three consumer warpgroups (192-row tiles, 160 registers each), FA3's
     hd64 tile - at hd64 a block's softmax costs as much as its two GEMMs, and a third warpgroup keeps the tensor
     cores fed while two run softmax (H100, 16k keys: 538.8 vs 452.3 TFLOP/s, causal 483.9 vs 464.6; cuDNN 497.6 /
     452.2 in the same run). At 16 x 1k it lost (412 vs 418; causal 168 vs 238: few blocks per tile), and lengths
     between were not measured."""
-    persistent = not causal and 0 < seqlen_k <= 2048
+    persistent = 0 < seqlen_k <= PERSISTENT_MAX_KEYS or (
+        0 < seqlen_k <= PERSISTENT_MID_MAX_KEYS and (causal or headdim == 64))
     if headdim == 64 and seqlen_k >= THREE_CONSUMERS_MIN_KEYS:
         return GluonFwdConfig(num_consumers=3, consumer_regs=160, num_stages=3)
     # two Q buffer sets where CTAs are persistent: 16 x 1k non-causal 1.056x (hd128) / 1.074x (hd64) on the H100;
-    # one set elsewhere (16k keys: 0.97x; forced-persistent causal 0.985x) - docs/decisions.md
-    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1)
+    # one set elsewhere (16k keys: 0.97x; forced-persistent causal 0.985x) - docs/decisions.md. Causal persistent
+    # CTAs take pairs of one head's heavy and light tiles (equal work per unit, so the round robin balances):
+    # 16 x 1k causal 352 -> 408 TFLOP/s at hd128, 235 -> 277 at hd64, 4 x 4k 517 -> 564 / 374 -> 398, 2 x 8k
+    # 573 -> 586 / 418 -> 422; at 16k keys pairs gave nothing. hd64 non-causal persistent to 8k: 4 x 4k 424 -> 462,
+    # 2 x 8k 438 -> 477 (hd128 lost there: 607 -> 595, 617 -> 581).
+    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1,
+                          tile_order="pairs" if persistent and causal else "round_robin")
 
 
 def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
@@ -267,10 +284,12 @@ class _GluonPlan:
         self.device, self.index = q.device, q.device.index
         self.q_contiguous = q.is_contiguous()
         self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
-        self.num_tiles = _cdiv(seqlen_q, cfg.block_m) * batch * nheads
+        num_m = _cdiv(seqlen_q, cfg.block_m)
+        self.num_tiles = num_m * batch * nheads
         self.shapes = (self.num_tiles, seqlen_q, self.seqlen_k)  # the kernel's runtime arguments after lse_ptr
+        units = _cdiv(num_m, 2) * batch * nheads if cfg.tile_order == "pairs" else self.num_tiles
         # the compiled kernel's launcher reads three grid entries
-        self.grid = (min(self.num_tiles, _num_sms(q.device)) if cfg.persistent else self.num_tiles, 1, 1)
+        self.grid = (min(units, _num_sms(q.device)) if cfg.persistent else units, 1, 1)
         self.lse_shape = (batch, nheads, seqlen_q)
         self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
@@ -278,10 +297,9 @@ class _GluonPlan:
                                NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                               Q_BUFFERS=cfg.q_buffers)
+                               Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
         if not self.fp8:
-            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree,
-                                   TILE_ZIGZAG=cfg.zigzag)
+            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
@@ -468,9 +486,8 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
-    if config is not None and (config.exp2_emu_cols or config.zigzag):
-        raise ValueError("config: the e4m3 kernel has no exp2 emulation or zigzag order (exp2_emu_cols=0, "
-                         "zigzag=False)")
+    if config is not None and config.exp2_emu_cols:
+        raise ValueError("config: the e4m3 kernel has no exp2 emulation (exp2_emu_cols=0)")
     plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False

@@ -21,7 +21,8 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   FA3's hd64 shape; 160 registers each) are hd64's tile from 16k keys (ops/gluon_attention.py
   resolve_gluon_config). ``EXP2_EMU_COLS`` (off: slower at every shape timed, docs/decisions.md): the first
   columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
-  trick), the rest on the MUFU unit. ``TILE_ZIGZAG`` (off, not timed): a boustrophedon order of persistent tiles.
+  trick), the rest on the MUFU unit. ``TILE_ORDER`` (two Q buffer sets): round robin, a boustrophedon order of
+  persistent tiles (zigzag, off, not timed), or pairs of a head's heavy and light causal tiles (_pair_tiles).
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
@@ -50,6 +51,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 
 LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
+# How CTAs with two Q buffer sets walk the tiles (TILE_ORDER; ops/gluon_attention.py TILE_ORDERS names them):
+TILE_ORDER_ROUND_ROBIN = gl.constexpr(0)  # tiles program_id, program_id + num_programs, ...
+TILE_ORDER_ZIGZAG = gl.constexpr(1)  # rounds of num_programs tiles taken forwards, then backwards (_second_tile)
+TILE_ORDER_PAIRS = gl.constexpr(2)  # a head's k-th tile with its k-th from the end (_pair_tiles)
 
 
 @gluon.constexpr_function
@@ -166,18 +171,59 @@ def _second_tile(tile, ZIGZAG: gl.constexpr):
 
 
 @gluon.jit
+def _units(num_tiles, seqlen_q, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """A two-Q-buffer CTA's work units, (count, stride of its loop): pairs of tiles (_unit_tiles), ceil(query
+    blocks / 2) per (batch, head) with TILE_ORDER_PAIRS, else one unit per round of num_programs tiles."""
+    if TILE_ORDER == TILE_ORDER_PAIRS:
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        count = (num_tiles // num_m) * ((num_m + 1) // 2)
+        stride = gl.num_programs(0)
+    else:
+        count = num_tiles
+        stride = 2 * gl.num_programs(0)
+    return count, stride
+
+
+@gluon.jit
+def _unit_tiles(unit, num_tiles, seqlen_q, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """The two tiles of work unit ``unit`` (_units): (first, second), second = num_tiles where there is none."""
+    if TILE_ORDER == TILE_ORDER_PAIRS:
+        first, second = _pair_tiles(unit, seqlen_q, BLOCK_M)
+        if second == first:
+            second = num_tiles
+    else:
+        first = unit
+        second = _second_tile(unit, TILE_ORDER == TILE_ORDER_ZIGZAG)
+    return first, second
+
+
+@gluon.jit
+def _pair_tiles(pair, seqlen_q, BLOCK_M: gl.constexpr):
+    """TILE_ORDER_PAIRS: unit ``pair`` is the k-th tile and the k-th from the end of one (batch, head)'s query
+    blocks (k = pair % ceil(blocks / 2)), in _tile_coords' numbering. Causal tiles come heaviest first within a
+    head, so the two carry k + 1 and blocks - k key blocks' worth of rows: every unit about the same work, and a
+    grid of units needs no scheduler to balance (the second tile's Q and first K/V blocks load under the first
+    tile's last blocks). Returns (first, second); second == first for the middle block of an odd count."""
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    half = (num_m + 1) // 2
+    base = (pair // half) * num_m
+    k = pair % half
+    return base + k, base + num_m - 1 - k
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, ZIGZAG: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
     Q_BUFFERS = 2 (persistent CTAs): two Q buffer sets, tiles alternating between them, so the next tile's Q loads
     while the consumers still read the current one's; the loop is unrolled by two so every buffer index is static
     (a buffer picked by a runtime index made causal launches read shared memory out of bounds, compute-sanitizer).
-    With one set the next tile's Q waits for the current one's release. ZIGZAG (two sets only): the pair's second
-    tile by _second_tile's boustrophedon order.
+    With one set the next tile's Q waits for the current one's release. TILE_ORDER (two sets only): which two
+    tiles a loop step takes (_units, _unit_tiles).
     V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim) and one column per key, so a block is the
     [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys."""
     blocks_done = 0
@@ -189,16 +235,19 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
             uses += 1
     else:
-        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+        uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
+        units, stride = _units(num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
+        for unit in range(gl.program_id(0), units, stride):
+            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
-            second = _second_tile(tile, ZIGZAG)
             if second < num_tiles:
-                blocks_done = _produce_tile(second, uses, blocks_done, 1, q_desc, k_desc, v_desc,
+                blocks_done = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
                                             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                                             seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, V_T)
+                uses_second += 1
             uses += 1
 
 
@@ -543,7 +592,7 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
               out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
@@ -559,19 +608,22 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                         EMU_COLS, EMU_DEGREE)
             uses += 1
     else:
-        for tile in range(gl.program_id(0), num_tiles, 2 * gl.num_programs(0)):
+        uses_second = 0
+        units, stride = _units(num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
+        for unit in range(gl.program_id(0), units, stride):
+            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
                                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE)
-            second = _second_tile(tile, ZIGZAG)
             if second < num_tiles:
-                blocks_done = _consume_tile(second, uses, blocks_done, 1, CONSUMER, q_smem, k_smem,
+                blocks_done = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
                                             v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                                             lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
                                             qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE)
+                uses_second += 1
             uses += 1
 
 
@@ -608,17 +660,17 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
                        EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5,
-                       TILE_ZIGZAG: gl.constexpr = False):
+                       TILE_ORDER: gl.constexpr = 0):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2. NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles,
     FA3's hd64 shape; its register budgets must fit 65536 per SM: see GluonFwdConfig). EXP2_EMU_COLS of each
     block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed).
-    TILE_ZIGZAG (Q_BUFFERS == 2): persistent CTAs take their tiles in a boustrophedon order (_second_tile)."""
+    TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles (TILE_ORDER_ROUND_ROBIN, _ZIGZAG, _PAIRS above)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                  NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ZIGZAG)
+                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER)
 
 
 @gluon.jit
@@ -626,7 +678,8 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
                            seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                            CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1):
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
+                           TILE_ORDER: gl.constexpr = 0):
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
 
     q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
@@ -637,7 +690,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
                  seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, False)
+                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER)
 
 
 @gluon.jit
@@ -646,10 +699,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, ZIGZAG: gl.constexpr):
+                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
     Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
-    _exp2_mixed (0: every exp2 on the MUFU unit). ZIGZAG: see _second_tile."""
+    _exp2_mixed (0: every exp2 on the MUFU unit). TILE_ORDER: see _units."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, 64, HEAD_DIM], q_desc.layout)
@@ -677,40 +730,40 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                          NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, ZIGZAG)),
+                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, ZIGZAG)),
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [1], [PRODUCER_REGS])
