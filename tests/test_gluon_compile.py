@@ -61,8 +61,8 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
 ablations += [(d, "bf16", causal, GluonFwdConfig(persistent=True, q_buffers=2, num_stages=2 if d > 64 else 3))
               for d, causal in [(128, False), (64, False), (128, True)]]
 # e4m3: the resolved configs of every head dim it takes, and the ping-pong and one-warpgroup options.
-resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal)) for d in FP8_HEAD_DIMS
-             for causal in (False, True)]
+resolved += [(d, "fp8e4nv", causal, resolve_gluon_fp8_config(d, causal, sk)) for d in FP8_HEAD_DIMS
+             for causal in (False, True) for sk in (1024, 16384)]
 ablations += [(128, "fp8e4nv", True, GluonFwdConfig(num_consumers=nc, pingpong=pp, num_stages=st, block_n=bn))
               for nc, pp, st, bn in [(1, False, 3, 128), (2, True, 3, 128), (2, False, 2, 256)]]
 for d, dtype, causal, cfg in resolved + ablations:
@@ -88,10 +88,10 @@ def test_gluon_kernels_compile_for_hopper_without_a_gpu():
 
 
 # The candidates of benchmarks/probes/gluon_fwd.py's VARIANTS beyond the ablations above: three consumer warpgroups
-# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag and pairs tile orders. Each must hold
-# its state in registers; an emulated share must take exactly that share of the MUFU ex2 instructions off the
-# softmax (the column test on a static arange folds away at compile time) and leave no exp2 of the same register on
-# both pipes.
+# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag and pairs tile orders.
+# Each must hold its state in registers; an emulated share must take exactly that share of the MUFU ex2
+# instructions off the softmax (the column test on a static arange folds away at compile time) and leave no exp2
+# of the same register on both pipes.
 _GLUON_CANDIDATES_SCRIPT = _COMPILE_PRELUDE + r'''
 import dataclasses
 
