@@ -137,10 +137,14 @@ kernels = [
                                           BLOCK_N=16, BLOCK_K=1024, NORM_BLOCK=4096, PREFETCH_K=1024),
      dict(num_warps=8)) for p in (0, 1, 3)
 ] + [
-    (f"flat_gemm {p}", flat_gemm._flat_gemm_kernel, dict(linear, PROLOGUE=p, STORE_RES=p == 3, BLOCK_M=16,
+    (f"flat_gemm {p}", flat_gemm._flat_gemm_kernel, dict(linear, PROLOGUE=p, EPILOGUE=0, STORE_RES=p == 3, BLOCK_M=16,
                                                          BLOCK_N=64, BLOCK_K=128, NORM_BLOCK=1024,
                                                          PRECISION="tf32", PREFETCH_K=512),
      dict(num_warps=4, num_stages=3)) for p in (0, 1)
+] + [
+    ("flat_gemm silu*mul epilogue", flat_gemm._flat_gemm_kernel,
+     dict(linear, PROLOGUE=3, EPILOGUE=1, STORE_RES=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NORM_BLOCK=1024,
+          PRECISION="tf32", PREFETCH_K=512), dict(num_warps=4, num_stages=3)),
 ]
 for name, fn, consts, opts in kernels:
     types = {n: t for n, t in pointers.items() if n in fn.arg_names}
@@ -215,6 +219,7 @@ def test_kernels_give_the_same_bits_with_and_without_pdl():
         same_bits(lambda pdl: fg.flat_gemm(xs, w_qkv, prologue=fg.ADD_NORM, residual=rs, norm_weight=norm_w,
                                            eps=1e-5, pdl=pdl))
         same_bits(lambda pdl: fg.flat_gemm(gu, w_down, prologue=fg.SILU_MUL, pdl=pdl))
+        same_bits(lambda pdl: fg.flat_gemm(xs, w_qkv, epilogue=fg.EPILOGUE_SILU_MUL, pdl=pdl))  # as a gate_up
     one, r1, gu1 = rand(1, hidden), rand(1, hidden), rand(1, 2 * inter)
     for prologue in (gemv.PLAIN, gemv.RMSNORM, gemv.ADD_NORM):
         same_bits(lambda pdl: gemv.gemv(one, w_qkv, prologue=prologue, residual=r1, norm_weight=norm_w, eps=1e-5,

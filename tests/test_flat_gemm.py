@@ -80,6 +80,74 @@ def test_flat_gemm_rejects_bad_inputs():
         fg.flat_gemm(torch.zeros(2, 16, device=DEVICE), w, prologue=9)
 
 
+def _grid(*shape, dtype, gen, steps=64):
+    """Multiples of 1/steps in [-1, 1]: exact in fp16 / bf16 / fp32 (7 significant bits), and at K <= 128 every
+    float32 sum of their products is exact too (< 20 bits), so a dot gives the same bits whatever its accumulation
+    order (the interpreter's numpy matmul, or the tensor cores' order on a GPU) - while rounding such a sum to
+    fp16 / bf16 does change it, so the roundings before silu are tested."""
+    return (torch.randint(-steps, steps + 1, shape, generator=gen) / steps).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,inter,k", [(1, 48, 64), (3, 80, 96), (16, 72, 80)])
+def test_silu_mul_epilogue_is_silu_and_mul_of_the_gemm_bit_for_bit(dtype, m, inter, k):
+    """EPILOGUE_SILU_MUL = fused.silu_and_mul(flat_gemm(x, w)) in every bit, with and without a bias: the gate and
+    up sums are rounded to the dtype, then silu and the product as silu_and_mul rounds them. inter is not a
+    multiple of BLOCK_N (the masked last tile; its up rows start mid-tile of the unfused GEMM's grid), K not of
+    BLOCK_K. The sums reach +-10 or so: silu sees both its tails and its bend."""
+    from flashdecode.engine.layers.fused import silu_and_mul
+
+    gen = torch.Generator().manual_seed(m * inter + k)
+    x, w, b = _grid(m, k, dtype=dtype, gen=gen), _grid(2 * inter, k, dtype=dtype, gen=gen), \
+        _grid(2 * inter, dtype=dtype, gen=gen)
+    for bias in (None, b):
+        want = silu_and_mul(fg.flat_gemm(x, w, bias, config=SMALL))
+        got = fg.flat_gemm(x, w, bias, config=SMALL, epilogue=fg.EPILOGUE_SILU_MUL)
+        assert got.shape == (m, inter) and got.dtype == dtype
+        assert torch.equal(got, want)
+    # and the PyTorch ops the MLP's unfused path runs, within rounding
+    gate, up = F.linear(x, w).split(inter, dim=-1)
+    torch.testing.assert_close(got.float(), (F.silu(gate + b[:inter]) * (up + b[inter:])).float(),
+                               rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_epilogue_after_a_prologue(dtype):
+    """A prologue and the epilogue together (ADD_NORM: the MLP's residual add + post-attention norm, gate_up and
+    silu*mul in one launch): the same bits as the epilogue-free launch followed by silu_and_mul, and the same new
+    residual. BLOCK_N 16: several N tiles, so the residual store by the first one alone is exercised."""
+    from flashdecode.engine.layers.fused import silu_and_mul
+
+    gen = torch.Generator().manual_seed(11)
+    m, inter, k = 5, 40, 64
+    cfg = fg.FlatGemmConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
+    x, res, w = _grid(m, k, dtype=dtype, gen=gen), _grid(m, k, dtype=dtype, gen=gen), \
+        _grid(2 * inter, k, dtype=dtype, gen=gen)
+    norm_w = torch.ones(k, device=DEVICE, dtype=dtype)
+    args = dict(prologue=fg.ADD_NORM, residual=res, norm_weight=norm_w, eps=1e-5, config=cfg)
+    y, s = fg.flat_gemm(x, w, **args)
+    got, s_got = fg.flat_gemm(x, w, **args, epilogue=fg.EPILOGUE_SILU_MUL)
+    assert torch.equal(s_got, s)
+    # the normalised input is off the grid, so the dots are exact only up to their summation order: the same in both
+    # launches on a GPU (same tiles, same K loop, per-element MMA order), not promised by the interpreter's numpy
+    # matmul (an up row sits at another column of its tile than in the epilogue-free launch)
+    tol = 0 if HAS_CUDA else 2 ** -9
+    torch.testing.assert_close(got.float(), silu_and_mul(y).float(), rtol=tol, atol=tol)
+
+
+def test_silu_mul_epilogue_rejects_bad_arguments():
+    w = torch.zeros(8, 16, device=DEVICE)
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="even N"):
+        fg.flat_gemm(x, torch.zeros(7, 16, device=DEVICE), epilogue=fg.EPILOGUE_SILU_MUL)
+    for bad in (2, -1, "silu_mul", None, True):
+        with pytest.raises(ValueError, match="epilogue"):
+            fg.flat_gemm(x, w, epilogue=bad)
+    with pytest.raises(ValueError, match="bias"):  # the bias covers all 2 I rows, as the unfused GEMM's does
+        fg.flat_gemm(x, w, torch.zeros(4, device=DEVICE), epilogue=fg.EPILOGUE_SILU_MUL)
+    assert fg.flat_gemm(x, w, epilogue=fg.EPILOGUE_SILU_MUL).shape == (2, 4)
+
+
 def test_choice_table_keeps_the_flat_gemm_only_where_it_wins():
     """A fake timer: cuBLAS costs 10 us; the flat GEMM 7 us for N = 64 and 9.9 us (inside the noise margin)
     for N = 32. The table picks flat (with the faster config) only for N = 64, buckets M like the CUDA graphs,

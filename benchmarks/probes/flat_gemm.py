@@ -1,6 +1,6 @@
 """Flat GEMM vs cuBLAS (torch.matmul) for the decode linears of Llama-3-8B at M = 1..64 (GPU only).
 
-    python benchmarks/probes/flat_gemm.py [--m 2,4,8,16,32,64] [--dtype bfloat16] [--quick]
+    python benchmarks/probes/flat_gemm.py [--m 2,4,8,16,32,64] [--dtype bfloat16] [--quick] [--gated-silu]
 
 For each linear of the model (qkv, o, gate_up, down, lm_head: (N, K)) and each decode batch M, times cuBLAS
 (F.linear) and every candidate flat-GEMM config (flashdecode.engine.layers.flat_gemm.CANDIDATE_CONFIGS; --quick:
@@ -9,6 +9,14 @@ table - M, N, K, cuBLAS us, best flat us, speed-up, best config, and the weight-
 fraction of the device's copy bandwidth (measured in the same run) - and, for M = 1, the batch-1 GEMV beside
 cuBLAS. Writes the record flat_gemm_<device>_<date>.json (the ChoiceTable rows + env) to $OUT (else
 benchmarks/results/latest).
+
+--gated-silu: instead, the MLP's gate_up_proj + silu*mul only ((2 I, H) weight), three ways per M: cuBLAS then
+fused.silu_and_mul (the engine's batched decode today where the table keeps cuBLAS), the flat GEMM then silu_and_mul
+(where it keeps the flat GEMM), and the flat GEMM with the silu*mul epilogue (one launch, (M, I) out). Both flat
+columns are the best of one config set (the candidates plus GATED_EXTRA_CONFIGS), timed the same way; configs whose
+gated variant needs more shared memory than the device has are skipped. Also: silu_and_mul alone, and whether the
+fused output equals silu_and_mul of the epilogue-free GEMM bit for bit at the fused column's config. Record:
+flat_gemm_gated_silu_<device>_<date>.json.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,7 +35,13 @@ from flashdecode.bench.report import markdown_table  # noqa: E402
 from flashdecode.timing import copy_bandwidth_bytes_per_s, cuda_graph_time_us, env_info, rotation_count  # noqa: E402,E501
 from flashdecode.engine.config import named_config  # noqa: E402
 from flashdecode.engine.layers import flat_gemm as fg  # noqa: E402
+from flashdecode.engine.layers.fused import silu_and_mul  # noqa: E402
 from flashdecode.engine.layers.gemv import gemv  # noqa: E402
+
+# The gated epilogue reads 2 BLOCK_N weight rows per program: BLOCK_N 16 reads as many rows per program (and launches
+# as many programs) as the plain GEMM's BLOCK_N 32, so the gated sweep adds it (16 is the smallest N tile tl.dot takes)
+GATED_EXTRA_CONFIGS = (fg.FlatGemmConfig(16, 128, 4, 3), fg.FlatGemmConfig(16, 256, 4, 3),
+                       fg.FlatGemmConfig(16, 256, 4, 4), fg.FlatGemmConfig(16, 256, 8, 3))
 
 
 def llama_linears(name: str) -> dict[str, tuple[int, int]]:
@@ -48,6 +63,75 @@ def gemv_row(n: int, k: int, dtype, bandwidth: float) -> dict:
             "flat_bw": n * k * size / (ours * 1e-6) / bandwidth, "cublas_bw": n * k * size / (cublas * 1e-6) / bandwidth}
 
 
+def _config_name(c: fg.FlatGemmConfig | None) -> str:
+    return "-" if c is None else f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
+def _best(make, ws, configs) -> tuple[float, fg.FlatGemmConfig | None]:
+    """(us, config) of the fastest config, ``make(w, config)`` the closure timed per weight copy; a config whose
+    kernel needs more shared memory than the device has (the gated variant stages twice the weight) is skipped
+    (its launch fails in the timer's warm-up, before any graph capture)."""
+    timed = []
+    for c in configs:
+        try:
+            timed.append((cuda_graph_time_us([make(w, c) for w in ws]), c))
+        except OutOfResources:
+            continue
+    return min(timed, key=lambda t: t[0]) if timed else (float("nan"), None)
+
+
+def gated_silu_rows(n: int, k: int, dtype, ms: list[int], configs, bandwidth: float) -> list[dict]:
+    """gate_up (n = 2 I, k) + silu*mul per M: cuBLAS + silu_and_mul, flat GEMM + silu_and_mul, the flat GEMM's silu*mul
+    epilogue (module docstring), on rotated weight copies as the ChoiceTable times them."""
+    size = torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
+          for _ in range(rotation_count(n * k * size))]
+    gated = fg.EPILOGUE_SILU_MUL
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        cublas = cuda_graph_time_us([lambda w=w: silu_and_mul(F.linear(x, w)) for w in ws])
+        flat, flat_cfg = _best(lambda w, c: lambda: silu_and_mul(fg.flat_gemm(x, w, config=c)), ws, configs)
+        fused, fused_cfg = _best(lambda w, c: lambda: fg.flat_gemm(x, w, config=c, epilogue=gated), ws, configs)
+        gate_up = F.linear(x, ws[0])
+        silu = cuda_graph_time_us([lambda: silu_and_mul(gate_up)])
+        same, err = False, float("nan")
+        if fused_cfg is not None:
+            out = fg.flat_gemm(x, ws[0], config=fused_cfg, epilogue=gated)
+            same = torch.equal(out, silu_and_mul(fg.flat_gemm(x, ws[0], config=fused_cfg)))
+            err = (out.float() - silu_and_mul(gate_up).float()).abs().max().item()
+        rows.append({"M": m, "N": n, "K": k, "cublas_silu_us": cublas, "flat_silu_us": flat, "fused_us": fused,
+                     "silu_us": silu, "cublas_over_fused": cublas / fused, "flat_over_fused": flat / fused,
+                     "flat_config": _config_name(flat_cfg), "fused_config": _config_name(fused_cfg),
+                     "fused_bw": n * k * size / (fused * 1e-6) / bandwidth, "bitwise": same,
+                     "max_err_vs_cublas": err})
+    return rows
+
+
+def gated_silu_main(args, dtype, ms: list[int], env: dict, bandwidth: float) -> int:
+    """--gated-silu: the table and record of gated_silu_rows at the model's gate_up shape."""
+    n, k = llama_linears(args.model)["gate_up"]
+    base = fg.QUICK_CONFIGS if args.quick else fg.CANDIDATE_CONFIGS
+    configs = base + tuple(c for c in GATED_EXTRA_CONFIGS if c not in base)
+    rows = gated_silu_rows(n, k, dtype, ms, configs, bandwidth)
+    print(f"{env.get('device')}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, {args.dtype}, {args.model} gate_up "
+          f"({n}, {k}) + silu*mul; flat columns = best of the same {len(configs)} configs; ratios > 1: fused faster")
+    print(markdown_table(rows, ["M", "cublas_silu_us", "flat_silu_us", "fused_us", "silu_us", "cublas_over_fused",
+                                "flat_over_fused", "flat_config", "fused_config", "fused_bw", "bitwise",
+                                "max_err_vs_cublas"],
+                         {"cublas_silu_us": ".1f", "flat_silu_us": ".1f", "fused_us": ".1f", "silu_us": ".1f",
+                          "cublas_over_fused": ".3f", "flat_over_fused": ".3f", "fused_bw": ".0%",
+                          "max_err_vs_cublas": ".2e"}))
+    from flashdecode.bench.report import result_stem, results_dir, write_json
+
+    out = write_json(results_dir(None) / f"{result_stem('flat_gemm_gated_silu', env)}.json", "flat_gemm_gated_silu",
+                     env, rows, dict(copy_bandwidth=bandwidth, dtype=args.dtype, model=args.model,
+                                     configs=[_config_name(c) for c in configs]))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -56,6 +140,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--quick", action="store_true", help=f"{len(fg.QUICK_CONFIGS)} configs instead of "
                                                               f"{len(fg.CANDIDATE_CONFIGS)}")
+    parser.add_argument("--gated-silu", action="store_true",
+                        help="gate_up + silu*mul: cuBLAS / flat GEMM + silu_and_mul vs the silu*mul epilogue")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("flat_gemm probe: needs a CUDA GPU", file=sys.stderr)
@@ -64,6 +150,8 @@ def main() -> int:
     ms = [int(v) for v in args.m.split(",")]
     env = env_info()
     bandwidth = copy_bandwidth_bytes_per_s()
+    if args.gated_silu:
+        return gated_silu_main(args, dtype, ms, env, bandwidth)
     shapes = llama_linears(args.model)
     configs = fg.QUICK_CONFIGS if args.quick else fg.CANDIDATE_CONFIGS
     size = torch.empty((), dtype=dtype).element_size()

@@ -12,6 +12,13 @@ the batch-1 GEMV (flashdecode.engine.layers.gemv), applied per row with the same
     RMSNORM    Y = norm(X) W^T
     ADD_NORM   S = R + X; Y = norm(S) W^T   S stored to RES_OUT by the programs of the first N block
 
+The output goes through an optional epilogue (``epilogue=``), with the roundings of the kernel it replaces:
+
+    EPILOGUE_NONE      OUT = Y (M, N)
+    EPILOGUE_SILU_MUL  OUT = silu(G) * U (M, N/2),  Y = [G | U]: W (N, K) holds the gate rows [0, N/2) and the up rows
+                       [N/2, N) (the MLP's gate_up_proj); each program accumulates its BLOCK_N gate columns and the
+                       same BLOCK_N up columns in one K loop, so silu*mul costs no launch (and [G | U] no round trip)
+
 ``pdl=True`` (the engine's setting, flashdecode.engine.layers.pdl): a programmatic dependent launch. Before waiting
 for the previous kernel, the programs of the first M block hint the first PREFETCH_K columns of their weight rows
 into L2 (weights are never written during a step); every read of X / RES and every store comes after the wait.
@@ -42,6 +49,9 @@ from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
 
 logger = logging.getLogger(__name__)
 
+# the epilogues (module docstring)
+EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
+
 MAX_M = 64
 WIN_MARGIN = 0.97  # the flat GEMM must be at least 3% faster than cuBLAS to be chosen (timing noise)
 
@@ -68,10 +78,11 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
                       eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RES: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
-                      PREFETCH_K: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
-    """OUT (M, N) = prologue(X) (M, K) @ W (N, K)^T; see the module docstring for PROLOGUE. strides_x / strides_r:
-    row strides of X and of RES / RES_OUT (the column stride is 1). USE_PDL, PREFETCH_K (0: no prefetch) and
-    LINE_ELEMS (elements of a 128-byte line): the module docstring's PDL."""
+                      PREFETCH_K: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, EPILOGUE: tl.constexpr = 0):
+    """OUT (M, N) = epilogue(prologue(X) (M, K) @ W^T); see the module docstring for PROLOGUE and EPILOGUE. N counts
+    output columns: W is (N, K), or (2N, K) = [gate | up] rows for EPILOGUE_SILU_MUL (BIAS (N,) / (2N,) alike).
+    strides_x / strides_r: row strides of X and of RES / RES_OUT (the column stride is 1). USE_PDL, PREFETCH_K (0: no
+    prefetch) and LINE_ELEMS (elements of a 128-byte line): the module docstring's PDL."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     dt = X.dtype.element_ty
@@ -81,15 +92,21 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
     n_ok = offs_n < N
     x_rows = X + offs_m.to(tl.int64)[:, None] * strides_x
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    if EPILOGUE == 1:  # the up row of output column n is weight row N + n
+        up_rows = W + (N + offs_n).to(tl.int64)[:, None] * stride_w
     if USE_PDL and PREFETCH_K > 0:
         if pid_m == 0:  # the other M blocks read the same rows
             prefetch_weight_rows(W, offs_n, N, stride_w, K, PREFETCH_K, LINE_ELEMS)
+            if EPILOGUE == 1:
+                prefetch_weight_rows(W, N + offs_n, 2 * N, stride_w, K, PREFETCH_K, LINE_ELEMS)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     if PROLOGUE >= 2:
         inv_rms = _row_inv_rms(X, RES, offs_m.to(tl.int64), m_ok, strides_x, strides_r, K, eps, PROLOGUE,
                                BLOCK_M, NORM_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == 1:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
@@ -112,10 +129,22 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
             nw = tl.load(NORM_W + offs_k, mask=k_ok, other=0.0)
             x = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dt)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EPILOGUE == 1:  # both halves' tiles in flight before the dots; x is loaded (and prologued) once
+            wu = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+        if EPILOGUE == 1:
+            acc_up += tl.dot(x.to(wu.dtype), tl.trans(wu), input_precision=PRECISION)
     if HAS_BIAS:  # HF rounds the product before adding the bias
         acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + \
             tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if EPILOGUE == 1:  # what fused.silu_and_mul computes from the [gate | up] the unfused GEMM would have stored
+        if HAS_BIAS:
+            acc_up = acc_up.to(dt).to(tl.float32) + \
+                tl.load(BIAS + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        g = acc.to(dt).to(tl.float32)
+        u = acc_up.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        acc = act * u
     out = OUT + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -137,13 +166,15 @@ def default_config(m: int, n: int, k: int) -> FlatGemmConfig:
 
 def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = PLAIN,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              config: FlatGemmConfig | None = None, pdl: bool = False):
+              config: FlatGemmConfig | None = None, pdl: bool = False, epilogue: int = EPILOGUE_NONE):
     """M tokens through a linear layer (M <= 64).
 
     x: (M, K) activations (SILU_MUL: (M, 2K) = [gate | up]), unit stride along K. weight (N, K) row-major, bias
     (N,), in x's dtype. residual (M, K) for ADD_NORM (unit stride along K), norm_weight (K,) for RMSNORM/ADD_NORM.
-    Returns Y (M, N) in x's dtype, and for ADD_NORM also the new residual stream (M, K) = residual + x (a new
-    tensor; ``residual`` is not modified). pdl: launch as a programmatic dependent (module docstring; only where
+    Returns Y (M, N) in x's dtype - EPILOGUE_SILU_MUL: silu(Y[:, :N/2]) * Y[:, N/2:] (M, N/2), bit for bit
+    fused.silu_and_mul of the EPILOGUE_NONE output (N even; config.block_n tiles the N/2 output columns, each program
+    reads 2 block_n weight rows) - and for ADD_NORM also the new residual stream (M, K) = residual + x (a new tensor;
+    ``residual`` is not modified). pdl: launch as a programmatic dependent (module docstring; only where
     pdl.pdl_supported).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -164,19 +195,24 @@ def flat_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
     if prologue not in (PLAIN, SILU_MUL, RMSNORM, ADD_NORM):
         raise ValueError(f"prologue must be PLAIN, SILU_MUL, RMSNORM or ADD_NORM, got {prologue!r}")
+    if isinstance(epilogue, bool) or epilogue not in (EPILOGUE_NONE, EPILOGUE_SILU_MUL):
+        raise ValueError(f"epilogue must be EPILOGUE_NONE or EPILOGUE_SILU_MUL, got {epilogue!r}")
+    if epilogue == EPILOGUE_SILU_MUL and n % 2:
+        raise ValueError(f"epilogue=EPILOGUE_SILU_MUL needs a weight of [gate | up] rows (an even N), got N = {n}")
     if prologue in (RMSNORM, ADD_NORM) and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"the norm prologues need a ({k},) norm_weight")
     if prologue == ADD_NORM and (residual is None or residual.shape != (m, k) or residual.stride(1) != 1):
         raise ValueError(f"ADD_NORM needs an ({m}, {k}) residual with unit stride along its last dim")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    n_out = n // 2 if epilogue == EPILOGUE_SILU_MUL else n
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     res = residual if prologue == ADD_NORM else x
     cfg = config or default_config(m, n, k)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, 16))
+    grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, 16))
     _flat_gemm_kernel[grid](
         x, res, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, out,
-        res_out, m, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, STORE_RES=prologue == ADD_NORM, BLOCK_M=16,
+        res_out, m, n_out, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, STORE_RES=prologue == ADD_NORM, BLOCK_M=16,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 1024),
         # float32 models get float32 products (no TF32 rounding); half types use the tensor cores as they are
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
