@@ -276,3 +276,76 @@ def test_auto_measures_only_models_whose_weights_stream_from_memory():
     assert fg.worth_measuring(model("llama3.2-1b", 1))  # 2048 x 8192 bf16 MLP weights: 32 MiB
     assert not fg.worth_measuring(Linear(256, 512, False, torch.bfloat16, "meta"))  # the tests' tiny models
     assert not fg.worth_measuring(torch.nn.Sequential())
+
+
+def test_choice_table_takes_the_silu_mul_epilogue_only_where_it_wins():
+    """A fake timer: the plain GEMM choice is cuBLAS (10 us); cuBLAS + silu_and_mul costs 12 us; the fused launch
+    11.9 us (inside the noise margin) for N = 64 and 9 us for N = 128. The epilogue is chosen only for N = 128,
+    the rows and from_json keep it apart from the plain choices, and a model's [gate | up] layers are its shapes."""
+    configs = (fg.FlatGemmConfig(32, 64, 4, 2), )
+
+    def timer(fns):
+        fn = fns[0]
+        names = fn.__code__.co_names
+        if "silu_and_mul" in names:
+            return 12.0
+        if "linear" in names:
+            return 10.0
+        if "EPILOGUE_SILU_MUL" in names:
+            return 11.9 if timer.n == 64 else 9.0
+        return 10.5  # the plain flat GEMM: loses to cuBLAS
+
+    table = fg.ChoiceTable()
+    for n in (64, 128):
+        timer.n = n
+        table.measure([(n, 16)], torch.float32, "cpu", m_values=(2, 8), configs=configs, timer=timer, copies=2,
+                      silu_mul_shapes=[(n, 16)])
+    assert table.choose(2, 128, 16) is None  # the plain GEMM stays on cuBLAS
+    assert table.choose_silu_mul(2, 128, 16) == configs[0] and table.choose_silu_mul(8, 128, 16) == configs[0]
+    assert table.choose_silu_mul(2, 64, 16) is None and table.choose_silu_mul(1, 128, 16) is None
+    assert table.choose_silu_mul(2, 128, 32) is None  # unmeasured shape
+    back = fg.ChoiceTable.from_json(json.loads(json.dumps(table.rows())))
+    assert back.choices == table.choices and back.silu_mul == table.silu_mul and len(table.silu_mul) == 4
+    assert {r["epilogue"] for r in table.rows()} == {"none", "silu_mul"}
+
+    from triton.runtime.errors import OutOfResources
+
+    def no_room(fns):  # every fused config is too big for shared memory: the layer keeps GEMM + silu_and_mul
+        if "EPILOGUE_SILU_MUL" in fns[0].__code__.co_names:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return timer(fns)
+
+    small = fg.ChoiceTable().measure([(128, 16)], torch.float32, "cpu", m_values=(2, ), configs=configs,
+                                     timer=no_room, copies=2, silu_mul_shapes=[(128, 16)])
+    assert small.choose_silu_mul(2, 128, 16) is None and small.silu_mul[(2, 128, 16)].kernel == "cublas"
+
+    from flashdecode.engine.config import named_config
+    from flashdecode.engine.models import model_class
+
+    cfg = named_config("llama3.2-1b", num_layers=1)
+    model = model_class(cfg)(cfg, torch.float32, "meta", max_positions=16)
+    assert fg.silu_mul_shapes(model) == [(2 * cfg.intermediate_size, cfg.hidden_size)]
+
+
+def test_engine_decodes_through_the_silu_mul_epilogue(tmp_path, monkeypatch):
+    """A table that picks the silu*mul epilogue for the MLPs at batches 2..4 (with the fused kernels, as on CUDA):
+    greedy tokens equal transformers' and the fused launch really ran (float32)."""
+    from engine_helpers import hf_greedy, hf_model, random_prompts, save_tiny
+    from flashdecode.engine import LLM, SamplingParams
+
+    path = save_tiny(tmp_path / "m", "llama")
+    calls = []
+    real = fg.flat_gemm
+    monkeypatch.setattr(fg, "flat_gemm", lambda *a, **kw: calls.append(kw.get("epilogue")) or real(*a, **kw))
+    llm = LLM(path, device=DEVICE, dtype="float32", max_num_seqs=4, use_tqdm=False)
+    llm.model.use_fused = True  # the CUDA default (the Triton elementwise kernels), also on the CPU
+    table = fg.ChoiceTable()
+    for n, k in fg.silu_mul_shapes(llm.model):
+        for m in (2, 4):
+            table.silu_mul[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
+    fg.install(llm.model, table)
+    prompts = random_prompts((5, 3, 6), seed=43)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    hf = hf_model(path)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    assert calls and set(calls) == {fg.EPILOGUE_SILU_MUL}

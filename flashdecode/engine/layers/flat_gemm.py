@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from flashdecode.engine.layers.pdl import (linear_launch_args, prefetch_weight_rows,
                                           wait_for_previous_kernel)
@@ -247,7 +248,9 @@ def rotated_graph_timer(fns: list[Callable[[], object]]) -> float:
 
 @dataclasses.dataclass
 class Choice:
-    """The measured winner of one (M bucket, N, K): "flat" (with its config) or "cublas", and both times (us)."""
+    """The measured winner of one (M bucket, N, K): "flat" (with its config) or "cublas", and both times (us).
+    For the silu*mul epilogue (ChoiceTable.silu_mul): "flat" is the fused launch (flat_us its time), "cublas" the
+    layer's own GEMM (the plain choice) followed by fused.silu_and_mul (cublas_us)."""
 
     kernel: str
     config: FlatGemmConfig | None
@@ -266,6 +269,7 @@ class ChoiceTable:
 
     def __init__(self):
         self.choices: dict[tuple[int, int, int], Choice] = {}
+        self.silu_mul: dict[tuple[int, int, int], Choice] = {}  # [gate | up] layers: the fused epilogue or not
 
     def choose(self, m: int, n: int, k: int) -> FlatGemmConfig | None:
         """The flat-GEMM config to use for this shape, or None for cuBLAS (also for unmeasured shapes)."""
@@ -274,14 +278,25 @@ class ChoiceTable:
         choice = self.choices.get((m_bucket(m), n, k))
         return choice.config if choice is not None and choice.kernel == "flat" else None
 
+    def choose_silu_mul(self, m: int, n: int, k: int) -> FlatGemmConfig | None:
+        """The config of the flat GEMM with the silu*mul epilogue for a [gate | up] (n, k) layer at m rows, or
+        None: the layer's GEMM (``choose``) then silu_and_mul (also for unmeasured shapes)."""
+        if not 2 <= m <= MAX_M:
+            return None
+        choice = self.silu_mul.get((m_bucket(m), n, k))
+        return choice.config if choice is not None and choice.kernel == "flat" else None
+
     def measure(self, shapes: Iterable[tuple[int, int]], dtype: torch.dtype, device, *,
                 m_values: Iterable[int] = M_BUCKETS, configs: Iterable[FlatGemmConfig] = CANDIDATE_CONFIGS,
                 timer: Callable[[list[Callable[[], object]]], float] | None = None,
-                copies: int | None = None) -> "ChoiceTable":
-        """Measure every (m, n, k) for ``shapes`` = [(n, k), ...] (the model's linear layers) and m in m_values.
-        ``copies``: weight copies rotated per timing (default: enough to exceed L2 four times)."""
+                copies: int | None = None, silu_mul_shapes: Iterable[tuple[int, int]] = ()) -> "ChoiceTable":
+        """Measure every (m, n, k) for ``shapes`` = [(n, k), ...] (the model's linear layers) and m in m_values;
+        then, for ``silu_mul_shapes`` (the [gate | up] layers among them), the silu*mul epilogue against the
+        plain choice followed by fused.silu_and_mul. ``copies``: weight copies rotated per timing (default: enough
+        to exceed L2 four times)."""
         timer = timer or rotated_graph_timer
         configs = tuple(configs)
+        silu_mul_shapes = set(silu_mul_shapes)
         gen = torch.Generator(device=device).manual_seed(0)
         for n, k in dict.fromkeys(shapes):
             if copies is None:
@@ -299,7 +314,30 @@ class ChoiceTable:
                 wins = best_us < WIN_MARGIN * cublas
                 self.choices[(m_bucket(m), n, k)] = Choice("flat" if wins else "cublas", best if wins else None,
                                                            best_us, cublas)
+                if (n, k) in silu_mul_shapes:
+                    self.silu_mul[(m_bucket(m), n, k)] = self._measure_silu_mul(x, ws, configs, timer)
         return self
+
+    def _measure_silu_mul(self, x, ws, configs, timer) -> Choice:
+        """The silu*mul epilogue's best config at x's rows against the plain choice + silu_and_mul (measured
+        before it), kept only where it wins by WIN_MARGIN."""
+        from flashdecode.engine.layers.fused import silu_and_mul
+
+        plain = self.choose(x.shape[0], *ws[0].shape)
+        if plain is None:
+            unfused = timer([lambda w=w: silu_and_mul(F.linear(x, w)) for w in ws])
+        else:
+            unfused = timer([lambda w=w: silu_and_mul(flat_gemm(x, w, config=plain)) for w in ws])
+        timed = []
+        for c in configs:
+            try:
+                timed.append((timer([lambda w=w, c=c: flat_gemm(x, w, config=c, epilogue=EPILOGUE_SILU_MUL)
+                                     for w in ws]), c))
+            except OutOfResources:  # it stages two weight tiles: a config may not fit the device's shared memory
+                continue
+        best_us, best = min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
+        wins = best_us < WIN_MARGIN * unfused
+        return Choice("flat" if wins else "cublas", best if wins else None, best_us, unfused)
 
     @classmethod
     def from_json(cls, rows: list[dict]) -> "ChoiceTable":
@@ -307,14 +345,18 @@ class ChoiceTable:
         table = cls()
         for r in rows:
             config = FlatGemmConfig(**r["config"]) if r["config"] else None
-            table.choices[(r["M"], r["N"], r["K"])] = Choice(r["kernel"], config, r["flat_us"], r["cublas_us"])
+            into = table.silu_mul if r.get("epilogue") == "silu_mul" else table.choices
+            into[(r["M"], r["N"], r["K"])] = Choice(r["kernel"], config, r["flat_us"], r["cublas_us"])
         return table
 
     def rows(self) -> list[dict]:
-        """The table as rows (M, N, K, kernel, flat us, cuBLAS us, speed-up, config)."""
-        return [{"M": m, "N": n, "K": k, "kernel": c.kernel, "flat_us": c.flat_us, "cublas_us": c.cublas_us,
-                 "speedup": c.cublas_us / c.flat_us, "config": dataclasses.asdict(c.config) if c.config else None}
-                for (m, n, k), c in sorted(self.choices.items())]
+        """The table as rows (M, N, K, epilogue ("none" / "silu_mul"), kernel, flat us, cuBLAS us, speed-up,
+        config)."""
+        return [{"M": m, "N": n, "K": k, "epilogue": epilogue, "kernel": c.kernel, "flat_us": c.flat_us,
+                 "cublas_us": c.cublas_us, "speedup": c.cublas_us / c.flat_us,
+                 "config": dataclasses.asdict(c.config) if c.config else None}
+                for epilogue, table in (("none", self.choices), ("silu_mul", self.silu_mul))
+                for (m, n, k), c in sorted(table.items())]
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -324,6 +366,12 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(N, K) of every distinct weight of the model's linear layers (the shapes a choice table measures)."""
     return list(dict.fromkeys(tuple(mod.weight.shape) for mod in _linears(model)))
+
+
+def silu_mul_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(N, K) of the model's [gate | up] layers (MLP gate_up_proj: the shapes the silu*mul epilogue can take)."""
+    return list(dict.fromkeys(tuple(mod.weight.shape) for mod in _linears(model)
+                              if list(mod.shard_rows) == ["gate", "up"]))
 
 
 def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
@@ -359,6 +407,7 @@ def _cache_key(model: torch.nn.Module, dtype: torch.dtype, device) -> dict:
     props = torch.cuda.get_device_properties(device)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "dtype": str(dtype), "shapes": sorted(linear_shapes(model)),
+            "silu_mul_shapes": sorted(silu_mul_shapes(model)),
             "m_values": list(M_BUCKETS), "win_margin": WIN_MARGIN,
             "configs": [dataclasses.asdict(c) for c in QUICK_CONFIGS]}
 
@@ -395,4 +444,5 @@ def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype
     """The choice table for a model's linears at the decode buckets up to ``max_batch`` (QUICK_CONFIGS)."""
     top = m_bucket(min(max(2, max_batch), MAX_M))
     m_values = [b for b in M_BUCKETS if b <= top]
-    return ChoiceTable().measure(linear_shapes(model), dtype, device, m_values=m_values, configs=QUICK_CONFIGS)
+    return ChoiceTable().measure(linear_shapes(model), dtype, device, m_values=m_values, configs=QUICK_CONFIGS,
+                                 silu_mul_shapes=silu_mul_shapes(model))

@@ -65,6 +65,19 @@ class MergedLinear(nn.Module):
                 return flat_gemm(x, self.weight, self.bias, config=config, pdl=self.use_pdl)
         return F.linear(x, self.weight, self.bias)
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up (tokens, out / 2) of a [gate | up] layer in one flat-GEMM launch (its silu*mul
+        epilogue) where the choice table measured that faster than this layer's GEMM followed by silu_and_mul;
+        else None (the caller runs those two)."""
+        if self.choice_table is None or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        config = self.choice_table.choose_silu_mul(x.shape[0], *self.weight.shape)
+        if config is None:
+            return None
+        from flashdecode.engine.layers.flat_gemm import EPILOGUE_SILU_MUL, flat_gemm
+
+        return flat_gemm(x, self.weight, self.bias, config=config, pdl=self.use_pdl, epilogue=EPILOGUE_SILU_MUL)
+
     # the split a fused kernel (GEMV) computing x W^T + local_bias needs, then finish(): see RowParallelLinear
     @property
     def local_bias(self):

@@ -127,9 +127,12 @@ class MLP(nn.Module):
     use_pdl = False  # silu*mul launched as a programmatic dependent
 
     def forward(self, x, use_fused: bool = False):
+        if use_fused:  # one launch where the flat-GEMM table chose its silu*mul epilogue, else GEMM + silu_and_mul
+            act = self.gate_up_proj.forward_silu_mul(x)
+            if act is None:
+                act = fused.silu_and_mul(self.gate_up_proj(x), pdl=self.use_pdl)
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
-        if use_fused:
-            return self.down_proj(fused.silu_and_mul(gate_up, pdl=self.use_pdl))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
