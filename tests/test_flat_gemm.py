@@ -190,26 +190,41 @@ def test_linear_shapes_of_a_model():
     assert {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)} <= shapes
 
 
-def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
-    """A choice table that picks the flat GEMM for every linear at batches 2..4: the engine's greedy tokens still
-    equal transformers', and the flat GEMM really ran (float32: IEEE products)."""
+def _greedy_through_a_table(tmp_path, monkeypatch, fill, record, fused_kernels=False, seed=41):
+    """A tiny Llama engine (float32: IEEE products) with a ChoiceTable that ``fill(table, model)`` fills, installed
+    before greedy decoding of three prompts at batches up to 4: asserts the tokens equal transformers' and returns
+    (engine path, what ``record(args, kwargs)`` noted of every flat_gemm call). fused_kernels: the Triton
+    elementwise kernels, as on CUDA, also on the CPU."""
     from engine_helpers import hf_greedy, hf_model, random_prompts, save_tiny
     from flashdecode.engine import LLM, SamplingParams
 
     path = save_tiny(tmp_path / "m", "llama")
     calls = []
     real = fg.flat_gemm
-    monkeypatch.setattr(fg, "flat_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    table = fg.ChoiceTable()
+    monkeypatch.setattr(fg, "flat_gemm", lambda *a, **kw: calls.append(record(a, kw)) or real(*a, **kw))
     llm = LLM(path, device=DEVICE, dtype="float32", max_num_seqs=4, use_tqdm=False)
-    for n, k in fg.linear_shapes(llm.model):
-        for m in (2, 4):
-            table.choices[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
+    llm.model.use_fused = llm.model.use_fused or fused_kernels
+    table = fg.ChoiceTable()
+    fill(table, llm.model)
     fg.install(llm.model, table)
-    prompts = random_prompts((4, 7, 3), seed=41)
+    prompts = random_prompts((4, 7, 3), seed=seed)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
     hf = hf_model(path)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in prompts]
+    return path, calls
+
+
+def test_engine_decodes_through_the_flat_gemm(tmp_path, monkeypatch):
+    """A choice table that picks the flat GEMM for every linear at batches 2..4: the engine's greedy tokens still
+    equal transformers', and the flat GEMM really ran."""
+    from flashdecode.engine import LLM
+
+    def fill(table, model):
+        for n, k in fg.linear_shapes(model):
+            for m in (2, 4):
+                table.choices[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
+
+    path, calls = _greedy_through_a_table(tmp_path, monkeypatch, fill, lambda a, kw: a[0].shape[0])
     assert calls and set(calls) <= {2, 3, 4}
     with pytest.raises(ValueError, match="flat_gemm"):
         LLM(path, device=DEVICE, use_tqdm=False, flat_gemm="yes")
@@ -329,23 +344,12 @@ def test_choice_table_takes_the_silu_mul_epilogue_only_where_it_wins():
 
 def test_engine_decodes_through_the_silu_mul_epilogue(tmp_path, monkeypatch):
     """A table that picks the silu*mul epilogue for the MLPs at batches 2..4 (with the fused kernels, as on CUDA):
-    greedy tokens equal transformers' and the fused launch really ran (float32)."""
-    from engine_helpers import hf_greedy, hf_model, random_prompts, save_tiny
-    from flashdecode.engine import LLM, SamplingParams
+    greedy tokens equal transformers' and the fused launch really ran."""
+    def fill(table, model):
+        for n, k in fg.silu_mul_shapes(model):
+            for m in (2, 4):
+                table.silu_mul[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
 
-    path = save_tiny(tmp_path / "m", "llama")
-    calls = []
-    real = fg.flat_gemm
-    monkeypatch.setattr(fg, "flat_gemm", lambda *a, **kw: calls.append(kw.get("epilogue")) or real(*a, **kw))
-    llm = LLM(path, device=DEVICE, dtype="float32", max_num_seqs=4, use_tqdm=False)
-    llm.model.use_fused = True  # the CUDA default (the Triton elementwise kernels), also on the CPU
-    table = fg.ChoiceTable()
-    for n, k in fg.silu_mul_shapes(llm.model):
-        for m in (2, 4):
-            table.silu_mul[(m, n, k)] = fg.Choice("flat", SMALL, 1.0, 2.0)
-    fg.install(llm.model, table)
-    prompts = random_prompts((5, 3, 6), seed=43)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
-    hf = hf_model(path)
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    _, calls = _greedy_through_a_table(tmp_path, monkeypatch, fill, lambda a, kw: kw.get("epilogue"),
+                                       fused_kernels=True, seed=43)
     assert calls and set(calls) == {fg.EPILOGUE_SILU_MUL}
