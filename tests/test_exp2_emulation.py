@@ -98,6 +98,8 @@ def test_gluon_config_refuses_what_the_kernel_cannot_take():
         GluonFwdConfig(tile_order="pairs")
     with pytest.raises(ValueError, match="tile_order"):
         GluonFwdConfig(tile_order="snake", q_buffers=2)
+    with pytest.raises(ValueError, match="tile_order"):
+        GluonFwdConfig(tile_order="lpt", q_buffers=2)  # a list per persistent CTA
     assert GluonFwdConfig(num_consumers=3, consumer_regs=160).block_m == 192
     assert GluonFwdConfig(tile_order="zigzag", persistent=True, q_buffers=2).tile_order == "zigzag"
     assert GluonFwdConfig(tile_order="pairs", q_buffers=2).tile_order == "pairs"

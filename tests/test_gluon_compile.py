@@ -40,7 +40,7 @@ def compile_variant(d, dtype, causal, cfg):
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
-                 qk_scale_log2="fp32")
+                 qk_scale_log2="fp32", sched_ptr="*i32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
@@ -88,7 +88,7 @@ def test_gluon_kernels_compile_for_hopper_without_a_gpu():
 
 
 # The candidates of benchmarks/probes/gluon_fwd.py's VARIANTS beyond the ablations above: three consumer warpgroups
-# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag and pairs tile orders.
+# (192-row tiles, hd64), exp2 partly on the FMA pipe, 256-key blocks at hd64, the zigzag, pairs and lpt tile orders.
 # Each must hold its state in registers; an emulated share must take exactly that share of the MUFU ex2
 # instructions off the softmax (the column test on a static arange folds away at compile time) and leave no exp2
 # of the same register on both pipes.
@@ -109,7 +109,9 @@ candidates = [(64, False, dict(three, num_stages=3)), (64, True, dict(three, num
               (64, True, dict(three, num_stages=3, persistent=True, q_buffers=2, tile_order="zigzag")),
               (128, True, dict(num_stages=2, q_buffers=2, tile_order="pairs")),
               (128, True, dict(num_stages=2, persistent=True, q_buffers=2, tile_order="pairs")),
-              (64, True, dict(three, num_stages=3, q_buffers=2, tile_order="pairs"))]
+              (64, True, dict(three, num_stages=3, q_buffers=2, tile_order="pairs")),
+              (128, True, dict(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt")),
+              (64, False, dict(three, num_stages=3, persistent=True, q_buffers=2, tile_order="lpt"))]
 ex2_counts = {}
 for d, causal, overrides in candidates:
     cfg = GluonFwdConfig(**overrides)

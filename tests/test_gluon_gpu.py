@@ -71,7 +71,9 @@ CANDIDATES = [(64, _THREE, _BOTH), (64, dict(_THREE, persistent=True, q_buffers=
               (64, dict(_THREE, persistent=True, q_buffers=2, tile_order="zigzag"), _BF16),
               (128, dict(q_buffers=2, tile_order="pairs"), _BF16),
               (128, dict(persistent=True, q_buffers=2, tile_order="pairs"), _BF16),
-              (64, dict(_THREE, q_buffers=2, tile_order="pairs"), _BF16)]
+              (64, dict(_THREE, q_buffers=2, tile_order="pairs"), _BF16),
+              (128, dict(persistent=True, q_buffers=2, tile_order="lpt"), _BF16),
+              (64, dict(_THREE, persistent=True, q_buffers=2, tile_order="lpt"), _BF16)]
 
 
 def _candidate_params():
@@ -86,7 +88,7 @@ def _candidate_params():
 @pytest.mark.parametrize("d,overrides,causal,dtype", list(_candidate_params()))
 def test_gluon_forward_candidates(d, overrides, causal, dtype):
     """Three consumer warpgroups (192-row tiles), exp2 partly or wholly on the FMA pipe, 256-key blocks, the
-    zigzag and pairs tile orders: the FlashAttention rule against float64, GQA, ragged lengths (seqlen_q >
+    zigzag, pairs and lpt tile orders: the FlashAttention rule against float64, GQA, ragged lengths (seqlen_q >
     seqlen_k: causal rows without keys), 144 192-row tiles > 132 SMs so persistent CTAs loop (and zigzag's second
     round is partial: every tile must still be computed once; 192-row pairs: 9 query blocks, the middle one alone)."""
     cfg = dataclasses.replace(resolve_gluon_config(d), **overrides)

@@ -73,8 +73,8 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
     assert (stream, function, packed) == (7, "function-handle", "packed")
     # the kernel's whole parameter list: runtime arguments, then every constexpr in declaration order
     assert len(args) == len(attn_fwd_ws_kernel.arg_names) == len(jit_args) + len(constexprs)
-    assert args[5:9] == (num_tiles, 300, 200, 0.5 * ga.LOG2E)
-    assert args[9:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[9:])
+    assert args[5:10] == (num_tiles, 300, 200, 0.5 * ga.LOG2E, plan.sched_ptr)
+    assert args[10:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[10:])
     assert constexprs["GROUP"] == 2 and constexprs["CAUSAL"] is True
     for host, jit, x in zip(args[:3], jit_args[:3], (q, k, v)):  # descriptors: what the JIT launch described
         assert host.base is x and host.padding == "zero"
@@ -231,3 +231,27 @@ def test_resolved_fp8_launch_rule():
                 assert (cfg.block_n, cfg.num_stages) == ((256, 2) if long128 else (128, stages)), (d, causal, seqlen_k)
                 assert cfg.persistent == (not causal and seqlen_k <= 2048)
                 assert cfg.tile_order == "round_robin" and cfg.q_buffers == 1
+
+
+def test_lpt_schedule_hands_every_tile_to_one_cta_and_balances_the_work():
+    """lpt_schedule (tile_order "lpt"): every tile in exactly one CTA's list, each list in the grid's order, rows
+    padded to an even width with the "no tile" value, and the estimated work per CTA within one tile of the mean
+    (causal 16k x 16 heads: 2048 tiles of 1..128 key blocks on 132 CTAs; a ragged causal GQA case with rows that
+    see no key: tiles of 0 blocks)."""
+    cfg = ga.GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt")
+    for sq, sk, heads, ctas in ((16384, 16384, 16, 132), (1600, 1000, 3 * 8, 132), (300, 200, 2, 7)):
+        blocks = ga.tile_key_blocks(sq, sk, heads, cfg, causal=True)
+        assert len(blocks) == -(-sq // cfg.block_m) * heads
+        sched = ga.lpt_schedule(blocks, ctas)
+        stride = int(sched[0])
+        rows = sched[1:].view(ctas, stride).tolist()
+        assert stride % 2 == 1  # 1 + an even width
+        lists = [row[1:1 + row[0]] for row in rows]
+        assert sorted(t for tiles in lists for t in tiles) == list(range(len(blocks)))
+        assert all(tiles == sorted(tiles) for tiles in lists)
+        assert all(x == len(blocks) for row in rows for x in row[1 + row[0]:])
+        work = [sum(blocks[t] + ga.LPT_TILE_OVERHEAD_BLOCKS for t in tiles) for tiles in lists]
+        assert max(work) - min(work) <= max(blocks) + ga.LPT_TILE_OVERHEAD_BLOCKS
+    assert ga.tile_key_blocks(300, 200, 1, cfg, causal=False) == [2, 2, 2]
+    assert ga.tile_key_blocks(300, 200, 1, cfg, causal=True) == [2, 2, 1]  # heaviest first
+    assert ga.tile_key_blocks(300, 100, 1, cfg, causal=True) == [1, 1, 0]  # rows 0..199 see no key

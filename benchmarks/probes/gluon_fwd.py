@@ -77,6 +77,7 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, tile_order="zigzag"),
     "pairs": dict(q_buffers=2, persistent=False, tile_order="pairs"),
     "pairs+persist": dict(q_buffers=2, persistent=True, tile_order="pairs"),
+    "lpt": dict(q_buffers=2, persistent=True, tile_order="lpt"),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),

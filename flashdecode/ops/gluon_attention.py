@@ -21,7 +21,8 @@ GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEAD_DIMS = (64, 128, 256)  # the e4m3 kernel's head dims (no register spills at any, 2 stages fit hd256)
-TILE_ORDERS = {"round_robin": 0, "zigzag": 1, "pairs": 2}  # kernels/gluon/attn_fwd.py TILE_ORDER_*
+TILE_ORDERS = {"round_robin": 0, "zigzag": 1, "pairs": 2, "lpt": 3}  # kernels/gluon/attn_fwd.py TILE_ORDER_*
+LPT_TILE_OVERHEAD_BLOCKS = 2.0  # lpt_schedule's cost of a tile beyond its key blocks (Q load, epilogue), in blocks
 EXP2_EMU_DEGREES = (3, 4, 5)  # the exp2 polynomials the kernel has (kernels/gluon/attn_fwd.py EXP2_POLY)
 _SM_REGISTERS = 65536  # an H100 SM's register file, shared by every partition's warpgroup (setmaxnreg)
 
@@ -40,8 +41,11 @@ class GluonFwdConfig:
     block_n; kernels/gluon/attn_fwd.py _exp2_mixed; fp16/bf16 only); tile_order = how CTAs with two Q buffer sets
     take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "zigzag"
     (persistent: round j of num_programs tiles, CTA c takes the c-th on even j, the c-th from the end on odd j;
-    _second_tile) or "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
-    blocks: with causal tiles every unit carries about the same work; _pair_tiles)."""
+    _second_tile), "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
+    blocks: with causal tiles every unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA
+    walks a list made on the host by handing the tiles, in the order the grid would run them, to whichever CTA
+    is free first by a cost model - what the hardware's block dispatch does for one CTA per tile, with the
+    next tile's loads under the current tile's end; lpt_schedule)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -77,8 +81,8 @@ class GluonFwdConfig:
         if self.tile_order != "round_robin" and self.q_buffers != 2:
             raise ValueError(f"tile_order: {self.tile_order!r} orders the tile pairs of CTAs with two Q buffer sets "
                              f"(q_buffers=2)")
-        if self.tile_order == "zigzag" and not self.persistent:
-            raise ValueError("tile_order: 'zigzag' orders a persistent CTA's rounds (persistent=True)")
+        if self.tile_order in ("zigzag", "lpt") and not self.persistent:
+            raise ValueError(f"tile_order: {self.tile_order!r} orders a persistent CTA's tiles (persistent=True)")
 
     @property
     def block_m(self) -> int:
@@ -205,7 +209,7 @@ def _supported_fp8_problem(q, k, v) -> bool:
 # (through Triton's JIT) its calls go to the compiled kernel's launcher directly
 # ----------------------------------------------------------------------------------------------------------------
 
-_RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
+_RUNTIME_ARGS = 10  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2, sched_ptr
 _FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
 _PLAN_CACHE_SIZE = 4096  # launch keys kept (a dict cleared when full: a plan is cheap to rebuild)
 _NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (None means "not seen yet")
@@ -271,6 +275,42 @@ _current_stream = direct_launch.current_stream
 _current_device = direct_launch.current_device
 
 
+def tile_key_blocks(seqlen_q: int, seqlen_k: int, heads: int, cfg: GluonFwdConfig, causal: bool) -> list[int]:
+    """Key blocks each tile visits, in the kernel's tile numbering (kernels/gluon/attn_fwd.py _tile_coords: head
+    major; causal heads heaviest query block first) for ``heads`` = batch * nheads."""
+    num_m = _cdiv(seqlen_q, cfg.block_m)
+    per_head = []
+    for i in range(num_m):
+        m_start = (num_m - 1 - i if causal else i) * cfg.block_m
+        n_end = seqlen_k
+        if causal:
+            n_end = min(seqlen_k, max(m_start + cfg.block_m + seqlen_k - seqlen_q, 0))
+        per_head.append(_cdiv(n_end, cfg.block_n))
+    return per_head * heads
+
+
+def lpt_schedule(tile_blocks: list[int], num_ctas: int, overhead: float = LPT_TILE_OVERHEAD_BLOCKS) -> torch.Tensor:
+    """Each of num_ctas persistent CTAs' tiles (tile_order "lpt"): tile t (in the kernel's numbering, the order a
+    grid of one CTA per tile runs them) goes to the CTA that is free first, its work tile_blocks[t] + overhead key
+    blocks - list scheduling, the hardware's block dispatch simulated with a cost model, so heavy causal tiles
+    start first and the light ones fill the tail, and CTAs running at the same time share a head's K/V in L2.
+    Returns int32 (1 + num_ctas * S,) on the CPU: [S, then per CTA: count, its tiles in order, padding]; S = 1 +
+    the longest list rounded up to even, padded with len(tile_blocks) (the kernel's "no tile")."""
+    import heapq
+
+    lists = [[] for _ in range(num_ctas)]
+    free = [(0.0, c) for c in range(num_ctas)]
+    for tile, blocks in enumerate(tile_blocks):
+        when, cta = heapq.heappop(free)
+        lists[cta].append(tile)
+        heapq.heappush(free, (when + blocks + overhead, cta))
+    width = max(len(tiles) for tiles in lists)
+    width += width % 2
+    pad = len(tile_blocks)
+    rows = [[len(tiles)] + tiles + [pad] * (width - len(tiles)) for tiles in lists]
+    return torch.tensor([1 + width] + [x for row in rows for x in row], dtype=torch.int32)
+
+
 class _GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
     (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
@@ -279,6 +319,7 @@ class _GluonPlan:
     descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
+                 "sched", "sched_ptr",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
                  "discard_lse", "q_contiguous", "lse_template", "fp8")
 
@@ -305,6 +346,11 @@ class _GluonPlan:
                                Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
         if not self.fp8:
             self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+        # the host's tile lists (tile_order "lpt"), else one int32 the kernel never reads
+        self.sched = (lpt_schedule(tile_key_blocks(seqlen_q, self.seqlen_k, batch * nheads, cfg, causal),
+                                   self.grid[0]) if cfg.tile_order == "lpt" else torch.zeros(1, dtype=torch.int32))
+        self.sched = self.sched.to(q.device)
+        self.sched_ptr = self.sched.data_ptr()
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
@@ -327,17 +373,18 @@ class _GluonPlan:
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
                      _descriptor(v, self.views[2], *v_block))
             kernel = dict(fp8=True) if self.fp8 else {}  # (the bf16 call as it always was: tests stub it)
-            self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes + (qk_scale_log2,),
-                                     self.constexprs, **kernel))
+            self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes
+                                     + (qk_scale_log2, self.sched), self.constexprs, **kernel))
             return
         stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, *self.tail), ptrs)
+            self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, self.sched_ptr,
+                                                                    *self.tail), ptrs)
         else:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
-                    + self.shapes + (qk_scale_log2,) + self.tail)
+                    + self.shapes + (qk_scale_log2, self.sched_ptr) + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)

@@ -55,6 +55,7 @@ LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
 TILE_ORDER_ROUND_ROBIN = gl.constexpr(0)  # tiles program_id, program_id + num_programs, ...
 TILE_ORDER_ZIGZAG = gl.constexpr(1)  # rounds of num_programs tiles taken forwards, then backwards (_second_tile)
 TILE_ORDER_PAIRS = gl.constexpr(2)  # a head's k-th tile with its k-th from the end (_pair_tiles)
+TILE_ORDER_LPT = gl.constexpr(3)  # each CTA's list of tiles, made on the host (_lpt_tiles)
 
 
 @gluon.constexpr_function
@@ -171,26 +172,44 @@ def _second_tile(tile, ZIGZAG: gl.constexpr):
 
 
 @gluon.jit
-def _units(num_tiles, seqlen_q, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
-    """A two-Q-buffer CTA's work units, (count, stride of its loop): pairs of tiles (_unit_tiles), ceil(query
-    blocks / 2) per (batch, head) with TILE_ORDER_PAIRS, else one unit per round of num_programs tiles."""
+def _units(num_tiles, seqlen_q, sched_ptr, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
+    """A two-Q-buffer CTA's work units as its loop's (start, stop, step); a unit is two tiles (_unit_tiles):
+    TILE_ORDER_PAIRS: ceil(query blocks / 2) units per (batch, head), round robin over the CTAs; TILE_ORDER_LPT:
+    this CTA's list from the host, two entries a unit; else one unit per round of num_programs tiles."""
     if TILE_ORDER == TILE_ORDER_PAIRS:
         num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        count = (num_tiles // num_m) * ((num_m + 1) // 2)
-        stride = gl.num_programs(0)
+        start = gl.program_id(0)
+        stop = (num_tiles // num_m) * ((num_m + 1) // 2)
+        step = gl.num_programs(0)
+    elif TILE_ORDER == TILE_ORDER_LPT:
+        start = 0
+        stop = (gl.load(_lpt_row(sched_ptr)) + 1) // 2
+        step = 1
     else:
-        count = num_tiles
-        stride = 2 * gl.num_programs(0)
-    return count, stride
+        start = gl.program_id(0)
+        stop = num_tiles
+        step = 2 * gl.num_programs(0)
+    return start, stop, step
 
 
 @gluon.jit
-def _unit_tiles(unit, num_tiles, seqlen_q, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
+def _lpt_row(sched_ptr):
+    """This CTA's row of the host's schedule (ops/gluon_attention.py lpt_schedule): int32 sched[0] = the row
+    stride S; row p at sched[1 + p S] = [count, tile, tile, ..., num_tiles padding]."""
+    return sched_ptr + 1 + gl.program_id(0) * gl.load(sched_ptr)
+
+
+@gluon.jit
+def _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, BLOCK_M: gl.constexpr, TILE_ORDER: gl.constexpr):
     """The two tiles of work unit ``unit`` (_units): (first, second), second = num_tiles where there is none."""
     if TILE_ORDER == TILE_ORDER_PAIRS:
         first, second = _pair_tiles(unit, seqlen_q, BLOCK_M)
         if second == first:
             second = num_tiles
+    elif TILE_ORDER == TILE_ORDER_LPT:  # rows are padded with num_tiles to an even count of entries
+        row = _lpt_row(sched_ptr)
+        first = gl.load(row + 1 + 2 * unit)
+        second = gl.load(row + 2 + 2 * unit)
     else:
         first = unit
         second = _second_tile(unit, TILE_ORDER == TILE_ORDER_ZIGZAG)
@@ -213,9 +232,9 @@ def _pair_tiles(pair, seqlen_q, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              num_tiles, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr):
+              num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
@@ -236,9 +255,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             uses += 1
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
-        units, stride = _units(num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
-        for unit in range(gl.program_id(0), units, stride):
-            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
+        start, stop, step = _units(num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
+        for unit in range(start, stop, step):
+            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
@@ -589,7 +608,7 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
 
 @gluon.jit
 def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
+              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr):
@@ -609,9 +628,9 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
             uses += 1
     else:
         uses_second = 0
-        units, stride = _units(num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
-        for unit in range(gl.program_id(0), units, stride):
-            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, NUM_CONSUMERS * 64, TILE_ORDER)
+        start, stop, step = _units(num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
+        for unit in range(start, stop, step):
+            tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
@@ -655,7 +674,7 @@ def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NU
 
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                       NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                       sched_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
@@ -667,15 +686,16 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     GROUP = nheads // nheads_kv (GQA). PINGPONG needs NUM_CONSUMERS == 2. NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles,
     FA3's hd64 shape; its register budgets must fit 65536 per SM: see GluonFwdConfig). EXP2_EMU_COLS of each
     block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed).
-    TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles (TILE_ORDER_ROUND_ROBIN, _ZIGZAG, _PAIRS above)."""
-    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                 NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, CONSUMER_REGS,
-                 PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER)
+    TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles (TILE_ORDER_ROUND_ROBIN, _ZIGZAG, _PAIRS, _LPT above);
+    sched_ptr: int32, the host's per-CTA tile lists for TILE_ORDER_LPT (_lpt_row), else never read."""
+    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                 qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                 CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER)
 
 
 @gluon.jit
 def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles,
-                           seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                           seqlen_q, seqlen_k, qk_scale_log2, sched_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                            CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
@@ -688,14 +708,14 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     renumbers P's columns, zeros past seqlen_k (ops/fp8_v_transpose.py, key_order="wgmma").
     qk_descale_ptr: float32 (batch, nheads) contiguous, q_descale * k_descale of each query head, folded into the
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
-    _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
-                 seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                 PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER)
+    _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr,
+                 seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                 OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER)
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q,
-                 seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr,
+                 seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
@@ -728,42 +748,42 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
-                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, False, Q_BUFFERS,
-                         EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
         ], [1], [PRODUCER_REGS])
