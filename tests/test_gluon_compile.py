@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from flashdecode.kernels.gluon.attn_fwd import attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel
+from flashdecode.kernels.gluon.attn_fwd import attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel, attn_fwd_ws_lpt_kernel
 from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, TILE_ORDERS, GluonFwdConfig, resolve_gluon_config,
                                              resolve_gluon_fp8_config)
 sys.path.insert(0, "tests")
@@ -29,13 +29,15 @@ def desc(dtype, rows, d):
 def compile_variant(d, dtype, causal, cfg):
     """fp16/bf16 on attn_fwd_ws_kernel; fp8e4nv on attn_fwd_fp8_ws_kernel (V^T blocks [d, block_n], bf16 out)."""
     fp8 = dtype == "fp8e4nv"
-    fn = attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_kernel
+    lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
+    fn = attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_kernel
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
-                  TILE_ORDER=TILE_ORDERS[cfg.tile_order])
-    if not fp8:
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    if not lpt:
+        consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
+    if not fp8 and not lpt:
         consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",

@@ -73,8 +73,8 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
     assert (stream, function, packed) == (7, "function-handle", "packed")
     # the kernel's whole parameter list: runtime arguments, then every constexpr in declaration order
     assert len(args) == len(attn_fwd_ws_kernel.arg_names) == len(jit_args) + len(constexprs)
-    assert args[5:10] == (num_tiles, 300, 200, 0.5 * ga.LOG2E, plan.sched_ptr)
-    assert args[10:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[10:])
+    assert args[5:9] == (num_tiles, 300, 200, 0.5 * ga.LOG2E)
+    assert args[9:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[9:])
     assert constexprs["GROUP"] == 2 and constexprs["CAUSAL"] is True
     for host, jit, x in zip(args[:3], jit_args[:3], (q, k, v)):  # descriptors: what the JIT launch described
         assert host.base is x and host.padding == "zero"
@@ -255,3 +255,35 @@ def test_lpt_schedule_hands_every_tile_to_one_cta_and_balances_the_work():
     assert ga.tile_key_blocks(300, 200, 1, cfg, causal=False) == [2, 2, 2]
     assert ga.tile_key_blocks(300, 200, 1, cfg, causal=True) == [2, 2, 1]  # heaviest first
     assert ga.tile_key_blocks(300, 100, 1, cfg, causal=True) == [1, 1, 0]  # rows 0..199 see no key
+
+
+def test_lpt_plans_launch_their_own_kernel_with_the_tile_lists(stubbed, monkeypatch):
+    """tile_order "lpt": the JIT launch goes to attn_fwd_ws_lpt_kernel with the plan's int32 tile lists after
+    qk_scale_log2 and its constexprs only; direct launches pass the lists' address there and the same constexpr
+    tail; the grid is one CTA per list (at most the SMs)."""
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_lpt_kernel
+
+    _, compiled = stubbed
+    lpt_calls = []
+
+    def fake_jit(grid, args, constexprs, **kernel):
+        lpt_calls.append((grid, args, constexprs, kernel))
+        return compiled
+
+    monkeypatch.setattr(ga, "_jit_launch", fake_jit)
+    cfg = ga.GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt")
+    q, k, v = _qkv(sq=1000, sk=1000)
+    for _ in range(2):
+        ga.gluon_attention_forward(q, k, v, causal=True, config=cfg)
+    (grid, args, constexprs, kernel), = lpt_calls
+    plan, = ga._PLANS.values()
+    num_tiles = -(-1000 // 128) * 2 * 4
+    assert kernel == dict(lpt=True) and grid == (min(num_tiles, 132), 1, 1) == plan.grid
+    assert args[9] is plan.sched[0] and plan.sched[0].dtype == torch.int32
+    assert len(args) + len(constexprs) == len(attn_fwd_ws_lpt_kernel.arg_names)
+    assert set(constexprs) == set(attn_fwd_ws_lpt_kernel.arg_names[10:])
+    launch = compiled.launches[-1][9:]
+    assert launch[5:10] == (num_tiles, 1000, 1000, q.shape[-1] ** -0.5 * ga.LOG2E, plan.sched_ptr[0])
+    assert launch[10:] == tuple(constexprs[n] for n in attn_fwd_ws_lpt_kernel.arg_names[10:])
+    with pytest.raises(ValueError, match="tile_order"):
+        ga.GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt", exp2_emu_cols=32)

@@ -83,6 +83,8 @@ class GluonFwdConfig:
                              f"(q_buffers=2)")
         if self.tile_order in ("zigzag", "lpt") and not self.persistent:
             raise ValueError(f"tile_order: {self.tile_order!r} orders a persistent CTA's tiles (persistent=True)")
+        if self.tile_order == "lpt" and self.exp2_emu_cols:
+            raise ValueError("tile_order: the 'lpt' kernel has no exp2 emulation (exp2_emu_cols=0)")
 
     @property
     def block_m(self) -> int:
@@ -209,7 +211,8 @@ def _supported_fp8_problem(q, k, v) -> bool:
 # (through Triton's JIT) its calls go to the compiled kernel's launcher directly
 # ----------------------------------------------------------------------------------------------------------------
 
-_RUNTIME_ARGS = 10  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2, sched_ptr
+_RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
+_LPT_EXTRA_ARGS = 1  # attn_fwd_ws_lpt_kernel's sched_ptr after qk_scale_log2
 _FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
 _PLAN_CACHE_SIZE = 4096  # launch keys kept (a dict cleared when full: a plan is cheap to rebuild)
 _NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (None means "not seen yet")
@@ -254,21 +257,24 @@ def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int, block
     return TensorDescriptor(rows, shape, strides, block, layout)
 
 
-def _kernel(fp8: bool = False):
-    """The Gluon forward kernel: fp16/bf16, or e4m3 (which takes V^T and two descale pointers more)."""
+def _kernel(fp8: bool = False, lpt: bool = False):
+    """The Gluon forward kernel: fp16/bf16, e4m3 (which takes V^T and two descale pointers more), or fp16/bf16 on
+    host-made tile lists (tile_order "lpt": the sched pointer after qk_scale_log2)."""
     from flashdecode.kernels.gluon import attn_fwd
 
+    if lpt:
+        return attn_fwd.attn_fwd_ws_lpt_kernel
     return attn_fwd.attn_fwd_fp8_ws_kernel if fp8 else attn_fwd.attn_fwd_ws_kernel
 
 
-def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False):
+def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False, lpt: bool = False):
     """One launch through Triton's JIT (binds, specialises, compiles on a miss); returns the compiled kernel."""
-    compiled = _kernel(fp8)[grid](*args, **constexprs, num_warps=4)
+    compiled = _kernel(fp8, lpt)[grid](*args, **constexprs, num_warps=4)
     return compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compilation
 
 
-def _kernel_arg_names(fp8: bool = False) -> list:
-    return _kernel(fp8).arg_names
+def _kernel_arg_names(fp8: bool = False, lpt: bool = False) -> list:
+    return _kernel(fp8, lpt).arg_names
 
 
 _current_stream = direct_launch.current_stream
@@ -344,13 +350,17 @@ class _GluonPlan:
                                OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                                CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                                Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
-        if not self.fp8:
+        if cfg.tile_order == "lpt":  # its kernel fixes Q_BUFFERS, TILE_ORDER and no exp2 emulation
+            for name in ("Q_BUFFERS", "TILE_ORDER"):
+                del self.constexprs[name]
+        elif not self.fp8:
             self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
-        # the host's tile lists (tile_order "lpt"), else one int32 the kernel never reads
-        self.sched = (lpt_schedule(tile_key_blocks(seqlen_q, self.seqlen_k, batch * nheads, cfg, causal),
-                                   self.grid[0]) if cfg.tile_order == "lpt" else torch.zeros(1, dtype=torch.int32))
-        self.sched = self.sched.to(q.device)
-        self.sched_ptr = self.sched.data_ptr()
+        # tile_order "lpt": the host's tile lists, an argument after qk_scale_log2 (attn_fwd_ws_lpt_kernel)
+        self.sched = ()
+        if cfg.tile_order == "lpt":
+            lists = lpt_schedule(tile_key_blocks(seqlen_q, self.seqlen_k, batch * nheads, cfg, causal), self.grid[0])
+            self.sched = (lists.to(q.device), )
+        self.sched_ptr = tuple(t.data_ptr() for t in self.sched)
         self.compiled = self.direct = self.discard_lse = None
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
@@ -372,19 +382,20 @@ class _GluonPlan:
             v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n,)
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
                      _descriptor(v, self.views[2], *v_block))
-            kernel = dict(fp8=True) if self.fp8 else {}  # (the bf16 call as it always was: tests stub it)
+            # (the bf16 call as it always was: tests stub it)
+            kernel = dict(fp8=True) if self.fp8 else dict(lpt=True) if self.sched else {}
             self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes
-                                     + (qk_scale_log2, self.sched), self.constexprs, **kernel))
+                                     + (qk_scale_log2, ) + self.sched, self.constexprs, **kernel))
             return
         stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
-            self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, self.sched_ptr,
+            self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, *self.sched_ptr,
                                                                     *self.tail), ptrs)
         else:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
-                    + self.shapes + (qk_scale_log2, self.sched_ptr) + self.tail)
+                    + self.shapes + (qk_scale_log2, ) + self.sched_ptr + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)
@@ -403,7 +414,8 @@ class _GluonPlan:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
         if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return
-        names = _kernel_arg_names(self.fp8)[_RUNTIME_ARGS + (_FP8_EXTRA_ARGS if self.fp8 else 0):]
+        extra = _FP8_EXTRA_ARGS if self.fp8 else _LPT_EXTRA_ARGS if self.sched else 0
+        names = _kernel_arg_names(self.fp8, bool(self.sched))[_RUNTIME_ARGS + extra:]
         if any(n not in self.constexprs for n in names):
             return
         self.tail = tuple(self.constexprs[n] for n in names)
@@ -538,8 +550,9 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
-    if config is not None and config.exp2_emu_cols:
-        raise ValueError("config: the e4m3 kernel has no exp2 emulation (exp2_emu_cols=0)")
+    if config is not None and (config.exp2_emu_cols or config.tile_order == "lpt"):
+        raise ValueError("config: the e4m3 kernel has no exp2 emulation or host-made tile lists (exp2_emu_cols=0, "
+                         "tile_order other than 'lpt')")
     plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False
