@@ -22,7 +22,8 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   resolve_gluon_config). ``EXP2_EMU_COLS`` (off: slower at every shape timed, docs/decisions.md): the first
   columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
   trick), the rest on the MUFU unit. ``TILE_ORDER`` (two Q buffer sets): round robin, a boustrophedon order of
-  persistent tiles (zigzag, off, not timed), or pairs of a head's heavy and light causal tiles (_pair_tiles).
+  persistent tiles (zigzag, off, not timed), pairs of a head's heavy and light causal tiles (_pair_tiles), or
+  per-CTA lists made on the host (attn_fwd_ws_lpt_kernel, _lpt_row; off, not timed).
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
