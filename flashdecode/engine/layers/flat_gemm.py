@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
 
 MAX_M = 64
+# Whether an engine start measures the silu*mul epilogue for its [gate | up] layers (ChoiceTable.silu_mul): off
+# until its GPU timing and a GPU check of its bits are in (docs/decisions.md); a table given by hand still uses it.
+SILU_MUL_EPILOGUE = False
 WIN_MARGIN = 0.97  # the flat GEMM must be at least 3% faster than cuBLAS to be chosen (timing noise)
 
 
@@ -407,9 +410,9 @@ def _cache_key(model: torch.nn.Module, dtype: torch.dtype, device) -> dict:
     props = torch.cuda.get_device_properties(device)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "dtype": str(dtype), "shapes": sorted(linear_shapes(model)),
-            "silu_mul_shapes": sorted(silu_mul_shapes(model)),
             "m_values": list(M_BUCKETS), "win_margin": WIN_MARGIN,
-            "configs": [dataclasses.asdict(c) for c in QUICK_CONFIGS]}
+            "configs": [dataclasses.asdict(c) for c in QUICK_CONFIGS],
+            **({"silu_mul_shapes": sorted(silu_mul_shapes(model))} if SILU_MUL_EPILOGUE else {})}
 
 
 def cached_table_for_model(model: torch.nn.Module, dtype: torch.dtype, device,
@@ -445,4 +448,4 @@ def measure_for_model(model: torch.nn.Module, max_batch: int, dtype: torch.dtype
     top = m_bucket(min(max(2, max_batch), MAX_M))
     m_values = [b for b in M_BUCKETS if b <= top]
     return ChoiceTable().measure(linear_shapes(model), dtype, device, m_values=m_values, configs=QUICK_CONFIGS,
-                                 silu_mul_shapes=silu_mul_shapes(model))
+                                 silu_mul_shapes=silu_mul_shapes(model) if SILU_MUL_EPILOGUE else ())
