@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -68,16 +67,10 @@ def _config_name(c: fg.FlatGemmConfig | None) -> str:
 
 
 def _best(make, ws, configs) -> tuple[float, fg.FlatGemmConfig | None]:
-    """(us, config) of the fastest config, ``make(w, config)`` the closure timed per weight copy; a config whose
-    kernel needs more shared memory than the device has (the gated variant stages twice the weight) is skipped
-    (its launch fails in the timer's warm-up, before any graph capture)."""
-    timed = []
-    for c in configs:
-        try:
-            timed.append((cuda_graph_time_us([make(w, c) for w in ws]), c))
-        except OutOfResources:
-            continue
-    return min(timed, key=lambda t: t[0]) if timed else (float("nan"), None)
+    """(us, config) of the fastest config, ``make(w, config)`` the closure timed per weight copy (configs that do
+    not fit the device's shared memory skipped: fg.fastest_config); nan where none fits."""
+    us, config = fg.fastest_config(cuda_graph_time_us, configs, lambda c: [make(w, c) for w in ws])
+    return (float("nan"), None) if config is None else (us, config)
 
 
 def gated_silu_rows(n: int, k: int, dtype, ms: list[int], configs, bandwidth: float) -> list[dict]:

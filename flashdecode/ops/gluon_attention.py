@@ -345,16 +345,15 @@ class _GluonPlan:
         self.lse_shape = (batch, nheads, seqlen_q)
         self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
-        self.constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
-                               NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
-                               OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                               CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                               Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
-        if cfg.tile_order == "lpt":  # its kernel fixes Q_BUFFERS, TILE_ORDER and no exp2 emulation
-            for name in ("Q_BUFFERS", "TILE_ORDER"):
-                del self.constexprs[name]
-        elif not self.fp8:
-            self.constexprs.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+        constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
+                          NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
+                          OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
+                          CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
+                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], EXP2_EMU_COLS=cfg.exp2_emu_cols,
+                          EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+        # the ones this plan's kernel takes (e4m3: no exp2 emulation; lpt: Q_BUFFERS and TILE_ORDER fixed too)
+        params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt"))
+        self.constexprs = {name: value for name, value in constexprs.items() if name in params}
         # tile_order "lpt": the host's tile lists, an argument after qk_scale_log2 (attn_fwd_ws_lpt_kernel)
         self.sched = ()
         if cfg.tile_order == "lpt":

@@ -249,6 +249,21 @@ def rotated_graph_timer(fns: list[Callable[[], object]]) -> float:
     return cuda_graph_time_us(fns)
 
 
+def fastest_config(timer: Callable[[list[Callable[[], object]]], float], configs: Iterable[FlatGemmConfig],
+                   fns_for: Callable[[FlatGemmConfig], list[Callable[[], object]]]
+                   ) -> tuple[float, FlatGemmConfig | None]:
+    """(us, config) of the fastest of ``configs``, each timed as timer(fns_for(config)) (one closure per weight
+    copy); a config whose kernel needs more shared memory than the device has (the silu*mul epilogue stages two
+    weight tiles) is skipped - its launch fails in the timer's warm-up; (inf, None) where none fits."""
+    timed = []
+    for config in configs:
+        try:
+            timed.append((timer(fns_for(config)), config))
+        except OutOfResources:
+            continue
+    return min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
+
+
 @dataclasses.dataclass
 class Choice:
     """The measured winner of one (M bucket, N, K): "flat" (with its config) or "cublas", and both times (us).
@@ -312,8 +327,8 @@ class ChoiceTable:
             for m in m_values:
                 x = torch.randn(m, k, generator=gen, device=device).to(dtype)
                 cublas = timer([lambda w=w: F.linear(x, w) for w in ws])
-                timed = [(timer([lambda w=w, c=c: flat_gemm(x, w, config=c) for w in ws]), c) for c in configs]
-                best_us, best = min(timed, key=lambda t: t[0])
+                best_us, best = fastest_config(
+                    timer, configs, lambda c: [lambda w=w, c=c: flat_gemm(x, w, config=c) for w in ws])
                 wins = best_us < WIN_MARGIN * cublas
                 self.choices[(m_bucket(m), n, k)] = Choice("flat" if wins else "cublas", best if wins else None,
                                                            best_us, cublas)
@@ -331,14 +346,9 @@ class ChoiceTable:
             unfused = timer([lambda w=w: silu_and_mul(F.linear(x, w)) for w in ws])
         else:
             unfused = timer([lambda w=w: silu_and_mul(flat_gemm(x, w, config=plain)) for w in ws])
-        timed = []
-        for c in configs:
-            try:
-                timed.append((timer([lambda w=w, c=c: flat_gemm(x, w, config=c, epilogue=EPILOGUE_SILU_MUL)
-                                     for w in ws]), c))
-            except OutOfResources:  # it stages two weight tiles: a config may not fit the device's shared memory
-                continue
-        best_us, best = min(timed, key=lambda t: t[0]) if timed else (float("inf"), None)
+        best_us, best = fastest_config(
+            timer, configs, lambda c: [lambda w=w, c=c: flat_gemm(x, w, config=c, epilogue=EPILOGUE_SILU_MUL)
+                                       for w in ws])
         wins = best_us < WIN_MARGIN * unfused
         return Choice("flat" if wins else "cublas", best if wins else None, best_us, unfused)
 

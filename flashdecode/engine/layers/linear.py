@@ -55,9 +55,13 @@ class MergedLinear(nn.Module):
     # the flat GEMM launched as a programmatic dependent (flashdecode.engine.layers.pdl.install sets it)
     use_pdl = False
 
+    def _table_applies(self, x: torch.Tensor) -> bool:
+        """Whether x may take a flat-GEMM launch the choice table picks (a table, 2-D rows of unit stride)."""
+        return self.choice_table is not None and x.dim() == 2 and x.stride(-1) == 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (tokens, in_features) -> (tokens, sum(out_sizes))."""
-        if self.choice_table is not None and x.dim() == 2 and x.stride(-1) == 1:
+        if self._table_applies(x):
             config = self.choice_table.choose(x.shape[0], *self.weight.shape)
             if config is not None:
                 from flashdecode.engine.layers.flat_gemm import flat_gemm
@@ -69,7 +73,7 @@ class MergedLinear(nn.Module):
         """silu(gate) * up (tokens, out / 2) of a [gate | up] layer in one flat-GEMM launch (its silu*mul
         epilogue) where the choice table measured that faster than this layer's GEMM followed by silu_and_mul;
         else None (the caller runs those two)."""
-        if self.choice_table is None or x.dim() != 2 or x.stride(-1) != 1:
+        if not self._table_applies(x):
             return None
         config = self.choice_table.choose_silu_mul(x.shape[0], *self.weight.shape)
         if config is None:
