@@ -42,6 +42,16 @@ def test_gluon_forward_matches_reference(b, sq, sk, h, hkv, d, causal, dtype):
     _check(*_qkv(b, sq, sk, h, hkv, d, dtype, seed=sq * 7 + sk + d), causal)
 
 
+@needs_hopper
+def test_gluon_forward_resolved_long_causal_takes_lpt_lists():
+    """Causal hd128 beyond PERSISTENT_MID_MAX_KEYS resolves to persistent CTAs with lpt tile lists (the default
+    of long prefill): bottom-right causal with more queries than keys' blocks split unevenly, GQA."""
+    cfg = resolve_gluon_config(128, True, 9000)
+    assert cfg.tile_order == "lpt" and cfg.persistent
+    _check(*_qkv(1, 9000, 9000, 4, 2, 128, torch.bfloat16, seed=11), True)
+    _check(*_qkv(1, 8300, 9000, 2, 1, 128, torch.bfloat16, seed=12), True)
+
+
 ABLATIONS = [dict(num_consumers=1), dict(num_consumers=1, overlap=True), dict(overlap=True, pingpong=True),
              dict(pingpong=True), dict(persistent=True), dict(persistent=True, pingpong=True),
              dict(block_n=64, num_stages=3)]

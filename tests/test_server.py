@@ -39,7 +39,9 @@ def ref(ckpt):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    with ServerThread(make_llm(ckpt), MODEL, max_queue=64) as srv:
+    # async scheduling as on a GPU (its default there; "auto" leaves it off on the CPU): every test below also
+    # checks that greedy streams equal the synchronous `ref` and that aborts free their pages with it on
+    with ServerThread(make_llm(ckpt, async_scheduling=True), MODEL, max_queue=64) as srv:
         yield srv
 
 

@@ -27,7 +27,7 @@ from flashdecode.engine.kv_quant import QUANT_BACKENDS, resolve_kv_cache_dtype, 
 from flashdecode.engine.layers import pdl as pdl_setting
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
-from flashdecode.engine.runner import ModelRunner
+from flashdecode.engine.runner import ModelRunner, PendingTokens
 from flashdecode.engine.sampling import SamplingParams, prompt_logprobs, sample
 from flashdecode.engine.scheduler import Scheduler, Sequence
 from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -94,6 +94,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@dataclasses.dataclass
+class _InFlightDecode:
+    """A decode step launched under async scheduling whose tokens the host has not read: its rows' sequences
+    (in row order) and the copy of its greedy tokens to the host."""
+    seqs: list[Sequence]
+    tokens: PendingTokens
+
+
 class LLM:
     """An engine instance: model weights, page pool, scheduler and runner.
 
@@ -136,6 +144,12 @@ class LLM:
             (flashdecode.engine.layers.pdl). "auto" (default) = pdl.AUTO_ON on a GPU of compute capability >= 9.0
             (off: measured neutral end to end on the H100, docs/decisions.md), True = on (ValueError elsewhere: CPU, interpreter, older GPUs), False = off. Decode
             attention keeps its own PDL policy (DecodePlan: on for Hopper) either way.
+        async_scheduling: "auto" (default) = on for a single-GPU engine on CUDA, True = on (any device), False =
+            off. On, a decode step of plain greedy sequences (no sampling, penalties, logprobs or pending
+            min_tokens) is launched before the host has read the tokens of the step in flight, so the host's
+            bookkeeping overlaps the GPU's work (vLLM's async scheduling). Same tokens as off; a sequence that
+            stops costs one discarded row, and a step that cannot run ahead (new requests waiting, a length
+            limit, a full page pool, sampled rows) waits as before.
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -155,7 +169,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm="auto",
                  tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
-                 kv_cache_dtype: str = "auto", pdl="auto"):
+                 kv_cache_dtype: str = "auto", pdl="auto", async_scheduling="auto"):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -235,10 +249,24 @@ class LLM:
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
                                   dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel,
                                   kv_cache_dtype=self.kv_cache_dtype)
+        self.async_scheduling = self._resolve_async_scheduling(async_scheduling)
+        self._in_flight: _InFlightDecode | None = None  # the decode step launched and not yet read (async)
         logger.info("engine ready in %.1f s: %s, %d layers, %s on %s, attention %s, %d KV pages of %d tokens, "
                     "CUDA graphs %s, PDL %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
                     "on" if self.runner.graphs else "off", "on" if self.pdl else "off")
+
+    def _resolve_async_scheduling(self, async_scheduling) -> bool:
+        if isinstance(async_scheduling, str):
+            if async_scheduling != "auto":
+                raise ValueError(f"async_scheduling must be 'auto' or a bool, got {async_scheduling!r}")
+            return self.device.type == "cuda" and self.parallel.world_size == 1
+        if not isinstance(async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be 'auto' or a bool, got {type(async_scheduling).__name__}")
+        if async_scheduling and self.parallel.world_size > 1:
+            raise ValueError("async_scheduling=True needs a single-rank engine (parallel ranks agree on each "
+                             "step's tokens first)")
+        return async_scheduling
 
     def _install_flat_gemm(self, flat_gemm, max_num_seqs: int) -> None:
         from flashdecode.engine.layers import flat_gemm as fg
@@ -370,13 +398,25 @@ class LLM:
         return self.step_sequences()[1]
 
     def step_sequences(self) -> tuple[list[Sequence], list[Sequence]]:
-        """One engine step. Returns (the sequences that got a token, those of them that finished)."""
+        """One engine step. Returns (the sequences that got a token, those of them that finished).
+
+        With async scheduling the step whose tokens this returns may have been launched by the call before, and
+        the step after it is launched here before its tokens are read (see _read_in_flight)."""
+        if self._in_flight is not None:
+            if any(not s.finished for s in self._in_flight.seqs):
+                return self._read_in_flight()
+            self._in_flight.tokens.wait()  # every row was aborted meanwhile: nothing to report
+            self._in_flight = None
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return [], []
         tables = [self.block_manager.table(s.seq_id) for s in seqs]
         if is_prefill:
             logits, greedy = self.runner.prefill(seqs, tables), None
+        elif self._runs_ahead(seqs, ahead=0):
+            self.runner.decode(seqs, tables)
+            self._in_flight = _InFlightDecode(seqs, self.runner.greedy_tokens_to_host(len(seqs)))
+            return self._read_in_flight()
         else:
             logits, greedy = self.runner.decode(seqs, tables)
         result = sample(logits, seqs, greedy)
@@ -385,11 +425,54 @@ class LLM:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[tok]
         # parallel ranks continue with rank 0's draws (its logprobs above are of its own draw)
-        finished = self.scheduler.postprocess(seqs, self.parallel.agree_tokens(result.tokens))
+        return seqs, self._finish_step(seqs, self.parallel.agree_tokens(result.tokens))
+
+    def _finish_step(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append the step's tokens; the sequences that finished (stop token, length, stop string)."""
+        finished = self.scheduler.postprocess(seqs, tokens)
         for seq in seqs:
             if seq.params.stop and seq.detokenizer is not None and self._check_stop_strings(seq):
                 finished.append(seq)
-        return seqs, finished
+        return finished
+
+    # ------------------------------------------------------------------------------------- async scheduling
+    def _runs_ahead(self, seqs: list[Sequence], ahead: int) -> bool:
+        """Whether a decode step of ``seqs`` may be launched without reading the device's tokens: ``ahead`` = 0
+        for a step whose inputs the host has, 1 for the step after the one in flight (whose token is still on
+        the device). Plain greedy rows only (the graph's argmax is their token), no request waiting to join (it
+        would be prefilled first), and for ahead = 1 no row ending by length at the step in flight (its next row
+        would need a position past its limit)."""
+        if not self.async_scheduling or self.scheduler.waiting:
+            return False
+        for s in seqs:
+            p, generated = s.params, s.num_generated + ahead
+            if not p.greedy or p.has_penalties or p.logprobs is not None or (
+                    generated < p.min_tokens and s.min_tokens_stop_ids):
+                return False
+            if ahead and (generated >= p.max_tokens or len(s) + ahead >= self.max_model_len):
+                return False
+        return True
+
+    def _read_in_flight(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Launch the next decode step of the in-flight step's sequences ahead of its tokens (same rows, same
+        order: each row's input token is copied on the device) where every row is still running and may run
+        ahead and pages allow, then read the in-flight step's tokens and apply them. Rows of sequences that
+        finished meanwhile (aborted; or, for a step launched ahead, stopped at the step before) are dropped."""
+        flight, nxt = self._in_flight, None
+        seqs = flight.seqs
+        if all(not s.finished for s in seqs) and self._runs_ahead(seqs, ahead=1) and all(
+                self.block_manager.can_ensure(s.seq_id, len(s) + 1) for s in seqs):
+            tables = [self.block_manager.ensure(s.seq_id, len(s) + 1) for s in seqs]
+            self.runner.decode(seqs, tables, ahead=True)
+            nxt = _InFlightDecode(seqs, self.runner.greedy_tokens_to_host(len(seqs)))
+        tokens = flight.tokens.wait()
+        live = [i for i, s in enumerate(seqs) if not s.finished]
+        stepped = [seqs[i] for i in live]
+        finished = self._finish_step(stepped, [tokens[i] for i in live])
+        self._in_flight = nxt if nxt is not None and any(not s.finished for s in seqs) else None
+        if nxt is not None and self._in_flight is None:
+            nxt.tokens.wait()  # every row stopped: the step ahead is discarded (its pinned slot comes free)
+        return stepped, finished
 
     def update_text(self, seq: Sequence) -> str:
         """Bring ``seq.text`` up to its tokens (detokenisation is lazy: only sequences with stop strings need it

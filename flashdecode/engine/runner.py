@@ -5,8 +5,11 @@ Decode batches are padded up to a bucket (1, 2, 4, 8, 16, 32, ...) in graph and 
 very same kernels on the very same shapes (identical results). Padded rows read one token of the scratch page and
 write their K/V there. The step inputs go through one pinned host buffer and one non-blocking copy; a sequence's
 block table is copied incrementally (only the pages it gained since the last step, and only on steps where some
-row gained one), so a 128k-token context does not cost a host-side rebuild per token. The GPU idles while the host
-prepares a step, so this path is kept free of per-element torch calls. The greedy argmax runs inside the graph.
+row gained one), so a 128k-token context does not cost a host-side rebuild per token. Without async scheduling the
+GPU idles while the host prepares a step, so this path is kept free of per-element torch calls. The greedy argmax
+runs inside the graph; with async scheduling (``LLM(async_scheduling=)``) the next step is launched before the
+host has read it (``decode(..., ahead=True)``: its input tokens are copied on the device from the argmax of the
+step in flight) and the tokens come back through ``greedy_tokens_to_host``.
 
 Parallel ranks (``parallel``): the pool holds this rank's KV heads; under context parallelism it holds this rank's
 pages of every sequence (logical pages r, r + cp, ... of rank r, flashdecode.engine.kv_cache), a token is written
@@ -33,6 +36,18 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     while buckets[-1] < max_num_seqs:
         buckets.append(buckets[-1] * 2)
     return buckets
+
+
+class PendingTokens:
+    """The greedy tokens of a launched decode step on their way to the host: ``wait()`` -> list[int]."""
+
+    def __init__(self, host: torch.Tensor, done: "torch.cuda.Event | None"):
+        self.host, self.done = host, done
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -88,6 +103,11 @@ class ModelRunner:
         self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)  # what the kernels read
         self.block_tables = self.h_block_tables.to(self.device)
         self.greedy_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        # async scheduling (LLM(async_scheduling=)): the next step's host buffers may only be rewritten once the
+        # copies of the step before have run; two pinned slots take the greedy tokens of two in-flight steps
+        self.inputs_copied = torch.cuda.Event() if pin else None
+        self.h_tokens = [torch.zeros(max_bs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.tokens_slot = 0
 
     def bucket(self, batch: int) -> int:
         for b in self.buckets:
@@ -102,13 +122,18 @@ class ModelRunner:
                                  rope_lens=positions + 1 if self.dynamic_rope else None)
 
     # ------------------------------------------------------------------------------------------------ decode
-    def prepare_decode(self, seqs: list[Sequence], tables: list[list[int]]) -> int:
-        """Fill the host buffers for one decode step and copy them to the device. Returns the padded batch."""
+    def prepare_decode(self, seqs: list[Sequence], tables: list[list[int]], ahead: bool = False) -> int:
+        """Fill the host buffers for one decode step and copy them to the device. Returns the padded batch.
+        ahead: the step after the one in flight, whose tokens the host has not read yet: each row's input token is
+        the in-flight step's greedy token of the same row (copied on the device), one position further on."""
         n, bs = len(seqs), self.bucket(len(seqs))
         ps = self.page_size
         step, bt = self.h_step_np, self.h_block_tables_np
-        positions = [len(seq) - 1 for seq in seqs]  # the newest token is not in the cache yet
-        step[0, :n] = [seq.token_ids[-1] for seq in seqs]
+        if self.inputs_copied is not None:
+            self.inputs_copied.synchronize()  # the previous step's copies out of these pinned buffers have run
+        # the newest token is not in the cache yet (ahead: it is not even on the host yet)
+        positions = [len(seq) - 1 + ahead for seq in seqs]
+        step[0, :n] = 0 if ahead else [seq.token_ids[-1] for seq in seqs]
         step[1, :n] = positions
         if self.cp_size == 1:
             step[2, :n] = [table[p // ps] * ps + p % ps for table, p in zip(tables, positions)]
@@ -142,20 +167,38 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             self.block_tables[:bs, dirty_from:width].copy_(self.h_block_tables[:bs, dirty_from:width],
                                                            non_blocking=True)
+        if self.inputs_copied is not None:
+            self.inputs_copied.record()
+        if ahead:  # stream order: after the in-flight step wrote greedy_tokens, before this step reads input_ids
+            self.input_ids[:n].copy_(self.greedy_tokens[:n])
         return bs
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, seqs: list[Sequence], tables: list[list[int]],
+               ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for each sequence. Returns float32 logits (len(seqs), vocab) and their argmax int64
-        (len(seqs),) (the greedy tokens, computed on the device in the same graph), views of static buffers."""
+        (len(seqs),) (the greedy tokens, computed on the device in the same graph), views of static buffers.
+        Nothing waits for the device. ahead: see prepare_decode (the rows must be the in-flight step's, in order)."""
         n = len(seqs)
-        bs = self.prepare_decode(seqs, tables)
+        bs = self.prepare_decode(seqs, tables, ahead)
         if bs in self.graphs:
             self.graphs[bs].replay()
             logits = self.graph_logits[bs]
         else:
             logits = self._decode_forward(bs)
         return logits[:n], self.greedy_tokens[:n]
+
+    def greedy_tokens_to_host(self, n: int) -> "PendingTokens":
+        """Start copying the greedy tokens of the step just launched (its first ``n`` rows) to a pinned host slot;
+        the slot is read by PendingTokens.wait (two slots: the step in flight and the one launched ahead of it)."""
+        host = self.h_tokens[self.tokens_slot][:n]
+        self.tokens_slot ^= 1
+        host.copy_(self.greedy_tokens[:n], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return PendingTokens(host, done)
 
     def _decode_forward(self, bs: int) -> torch.Tensor:
         self.context_lens[:bs].copy_(self.context_lens_i64[:bs])  # int32 for the kernels, inside the graph

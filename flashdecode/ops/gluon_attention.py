@@ -101,13 +101,16 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
     memory; hd64 tiles are half the size, so three stages fit with room to spare.
 
-    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64): there each tile is a few
+    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64; causal hd128 beyond that
+    takes the host-made longest-first tile lists of tile_order="lpt"): there each tile is a few
     blocks, and a CTA that stays resident loads the next tile's first K/V blocks under the current tile's last ones
     and its epilogue (H100, 16 x 1k: +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128,
     and at 4k-8k non-causal hd128 2-6% slower. A causal persistent CTA takes its tiles in
     pairs of one head's k-th heaviest and k-th lightest (tile_order="pairs"): a static round robin over single
     tiles gave some CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s). Long causal
-    launches stay one CTA per tile: the grid then runs the heaviest tiles first.
+    launches at hd128 take tile_order="lpt" instead (each persistent CTA gets a host-made list of tiles, heaviest
+    first, greedily balanced by key blocks: H100 kernel time, 1 x 16k causal 611.2 -> 618.5 TFLOP/s, the engine's
+    64k x 32 / 8 heads 566.2 -> 575.1; docs/decisions.md); hd64 (unmeasured there) stays one CTA per tile.
 
     hd64 from THREE_CONSUMERS_MIN_KEYS keys: three consumer warpgroups (192-row tiles, 160 registers each), FA3's
     hd64 tile - at hd64 a block's softmax costs as much as its two GEMMs, and a third warpgroup keeps the tensor
@@ -124,6 +127,8 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     # 16 x 1k causal 352 -> 408 TFLOP/s at hd128, 235 -> 277 at hd64, 4 x 4k 517 -> 564 / 374 -> 398, 2 x 8k
     # 573 -> 586 / 418 -> 422; at 16k keys pairs gave nothing. hd64 non-causal persistent to 8k: 4 x 4k 424 -> 462,
     # 2 x 8k 438 -> 477 (hd128 lost there: 607 -> 595, 617 -> 581).
+    if causal and headdim == 128 and seqlen_k > PERSISTENT_MID_MAX_KEYS:
+        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt")
     return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1,
                           tile_order="pairs" if persistent and causal else "round_robin")
 
