@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="programmatic dependent launch of the engine's decode-step kernels (LLM(pdl=)): the "
                              "engine's default (auto), on, off, or both: every flashdecode point run with PDL off "
                              "and then on, same run, the second as a '<column>+pdl' column")
+    parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                        help="LLM(async_scheduling=) of the flashdecode engines: launch each greedy decode step "
+                             "before the host reads the one in flight (auto: on for a single-GPU CUDA engine)")
     parser.add_argument("--quick", action="store_true",
                         help="<= 3 min on an H100: full llama3-8b, contexts 512,4096,16384,65536, 32 steps")
     parser.add_argument("--profile", action="store_true",
@@ -154,9 +157,11 @@ def _fill_pool_randomly(runner) -> None:
 
 
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
-                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm="auto", pdl="auto") -> float:
+                        page_size: int, kv_cache_dtype: str = "auto", flat_gemm="auto", pdl="auto",
+                        async_scheduling="auto") -> float:
     """Sequence tokens/s (all sequences together) of the engine's decode loop at ``context`` tokens.
-    ``flat_gemm``, ``pdl``: the engine's LLM(flat_gemm=, pdl=) (default: its own)."""
+    ``flat_gemm``, ``pdl``, ``async_scheduling``: the engine's LLM(flat_gemm=, pdl=, async_scheduling=) (default:
+    its own)."""
     from flashdecode.engine import LLM
 
     cfg = model.config
@@ -166,7 +171,8 @@ def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: in
     pages = batch * -(-max_len // page_size)
     budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
-              max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl)
+              max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl,
+              async_scheduling=async_scheduling)
     try:
         _fill_pool_randomly(llm.runner)
         _fill_running(llm, batch, context, total_steps)
@@ -492,7 +498,8 @@ def run(args) -> int:
         roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
-                                       False if "+cublas" in label else "auto", point_pdl(label, args.pdl))
+                                       False if "+cublas" in label else "auto", point_pdl(label, args.pdl),
+                                       ASYNC_SCHEDULING[args.async_scheduling])
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"
@@ -522,6 +529,7 @@ def run(args) -> int:
     return _write(args, env, rows, cfg, name, what, bandwidth, backends)
 
 
+ASYNC_SCHEDULING = {"auto": "auto", "on": True, "off": False}  # --async-scheduling -> LLM(async_scheduling=)
 PDL_SUFFIX = "+pdl"
 
 
@@ -638,7 +646,7 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
               f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
               f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
               f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')} "
-              f"--pdl {getattr(args, 'pdl', 'auto')}\n"
+              f"--pdl {getattr(args, 'pdl', 'auto')} --async-scheduling {getattr(args, 'async_scheduling', 'auto')}\n"
               f"{getattr(args, 'hf_note', 'hf peer: not run')}\n")
     print(header)
     print(md)
