@@ -324,6 +324,8 @@ _SWEEP = {
     "persist": _on_persistent(),
     "persist r128 p264 x2": _on_persistent(2, max_registers=128, persistent_programs=264),
     "sum": _with(softmax_sum_tile=True),
+    "sum st2": _with(softmax_sum_tile=True, num_stages=2),
+    "sum st4": _with(softmax_sum_tile=True, num_stages=4),
     "sum r128 x2": _then(_splits_by(2), softmax_sum_tile=True, max_registers=128),
     "sum st2 r80 x3": _then(_splits_by(3), softmax_sum_tile=True, num_stages=2, max_registers=80),
     "w4 p264": _persistent_programs(2, num_warps=4),
