@@ -1,8 +1,8 @@
-"""Async scheduling (LLM(async_scheduling=True)): a decode step of plain greedy sequences is launched before the
+"""Async scheduling (LLM(async_scheduling=True)): a decode step whose tokens the device draws alone is launched before the
 host reads the tokens of the step in flight. On the CPU (tiny random checkpoints, fp32) it must give exactly the
 tokens, finish reasons and page accounting of the synchronous engine: sequences ending by length at different
-steps, stop tokens (the row launched ahead is dropped), min_tokens, a sampled row (no running ahead), requests
-joining and aborted while a step is in flight."""
+steps, stop tokens (the row launched ahead is dropped), min_tokens, seeded sampled rows, a penalised row (no
+running ahead), requests joining and aborted while a step is in flight."""
 
 from __future__ import annotations
 
@@ -60,20 +60,26 @@ def test_async_greedy_equals_sync_across_lengths_joins_and_stops(ckpt):
 
 
 def test_async_min_tokens_and_sampled_rows_match_sync(ckpt):
-    """min_tokens masks stop tokens on the host: no running ahead while it is pending; a sampled row keeps the
-    whole batch synchronous while it runs; seeded sampling is reproduced exactly."""
+    """min_tokens masks stop tokens on the host: no running ahead while it is pending; seeded sampled rows run
+    ahead (the device draws them from their own generators, in the synchronous order) and give the same tokens;
+    a row with a repetition penalty keeps the batch synchronous while it runs."""
     sync, llm = _engine(ckpt, False), _engine(ckpt, True)
+    flags = _count_ahead(llm)
     first = sync.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     params = [SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[first.token_ids[1]]),
-              SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),  # the last to end
+              SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.3, top_k=20, top_p=0.9, min_p=0.01, seed=6,
+                             ignore_eos=True),
               SamplingParams(max_tokens=8, ignore_eos=True)]
-    flags = _count_ahead(llm)
-    assert _outputs(llm.generate(PROMPTS[:3], params, use_tqdm=False)) == _outputs(
-        sync.generate(PROMPTS[:3], params, use_tqdm=False))
-    assert not any(flags), "a batch with a sampled row ran ahead"
-    params = [params[0], params[2]]
-    assert _outputs(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == _outputs(
-        sync.generate(PROMPTS[:2], params, use_tqdm=False))
+    assert _outputs(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == _outputs(
+        sync.generate(PROMPTS[:4], params, use_tqdm=False))
+    assert any(flags), "sampled rows did not run ahead"
+    flags.clear()
+    penalised = [SamplingParams(max_tokens=12, repetition_penalty=1.3, ignore_eos=True),  # the last to end
+                 SamplingParams(max_tokens=8, ignore_eos=True)]
+    assert _outputs(llm.generate(PROMPTS[:2], penalised, use_tqdm=False)) == _outputs(
+        sync.generate(PROMPTS[:2], penalised, use_tqdm=False))
+    assert not any(flags), "a batch with a penalised row ran ahead"
 
 
 def _drive(llm: LLM, events) -> dict[int, list[int]]:

@@ -90,11 +90,13 @@ def test_paged_vs_contiguous_and_graphs_vs_eager_identical(llama8b_2l, monkeypat
 
 def test_async_scheduling_gives_the_synchronous_tokens_on_cuda_graphs(llama8b_2l):
     """Async scheduling (on by default on CUDA) launches each decode graph before the host has read the tokens
-    of the one in flight: the same tokens as the synchronous engine, with rows ending by length at different
-    steps and stop tokens, through graphs and eager; the pool comes back full."""
+    of the one in flight: the same tokens as the synchronous engine, with greedy and seeded sampled rows ending
+    by length at different steps and stop tokens, through graphs and eager; the pool comes back full."""
     ours = llama8b_2l[0]
     prompts = _prompts((7, 300, 45, 129, 1, 60), seed=2)
     lengths = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 17, 9, 30, 2)]
+    lengths[2] = SamplingParams(max_tokens=17, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)  # sampled rows
+    lengths[4] = SamplingParams(max_tokens=30, temperature=1.1, top_k=50, seed=4, ignore_eos=True)  # draw alike
 
     def run(params, some=prompts, **kw):
         llm = LLM(ours, attn_backend="flashdecode", max_model_len=512, max_num_seqs=4, page_size=16, **kw)

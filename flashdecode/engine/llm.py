@@ -28,7 +28,7 @@ from flashdecode.engine.layers import pdl as pdl_setting
 from flashdecode.engine.loader import load_checkpoint
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner, PendingTokens
-from flashdecode.engine.sampling import SamplingParams, prompt_logprobs, sample
+from flashdecode.engine.sampling import SamplingParams, draw_tokens, prompt_logprobs, sample
 from flashdecode.engine.scheduler import Scheduler, Sequence
 from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashdecode.ops.checks import kernels_run_on
@@ -145,11 +145,11 @@ class LLM:
             (off: measured neutral end to end on the H100, docs/decisions.md), True = on (ValueError elsewhere: CPU, interpreter, older GPUs), False = off. Decode
             attention keeps its own PDL policy (DecodePlan: on for Hopper) either way.
         async_scheduling: "auto" (default) = on for a single-GPU engine on CUDA, True = on (any device), False =
-            off. On, a decode step of plain greedy sequences (no sampling, penalties, logprobs or pending
-            min_tokens) is launched before the host has read the tokens of the step in flight, so the host's
-            bookkeeping overlaps the GPU's work (vLLM's async scheduling). Same tokens as off; a sequence that
-            stops costs one discarded row, and a step that cannot run ahead (new requests waiting, a length
-            limit, a full page pool, sampled rows) waits as before.
+            off. On, a decode step whose tokens the device draws alone (greedy or seeded / unseeded sampling; no
+            penalties, logprobs or pending min_tokens) is launched before the host has read the tokens of the
+            step in flight, so the host's bookkeeping overlaps the GPU's work (vLLM's async scheduling). Same
+            tokens as off; a sequence that stops costs one discarded row, and a step that cannot run ahead (new
+            requests waiting, a length limit, a full page pool, those sampling options) waits as before.
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -414,8 +414,7 @@ class LLM:
         if is_prefill:
             logits, greedy = self.runner.prefill(seqs, tables), None
         elif self._runs_ahead(seqs, ahead=0):
-            self.runner.decode(seqs, tables)
-            self._in_flight = _InFlightDecode(seqs, self.runner.greedy_tokens_to_host(len(seqs)))
+            self._in_flight = self._launch_decode(seqs, tables, ahead=False)
             return self._read_in_flight()
         else:
             logits, greedy = self.runner.decode(seqs, tables)
@@ -439,19 +438,29 @@ class LLM:
     def _runs_ahead(self, seqs: list[Sequence], ahead: int) -> bool:
         """Whether a decode step of ``seqs`` may be launched without reading the device's tokens: ``ahead`` = 0
         for a step whose inputs the host has, 1 for the step after the one in flight (whose token is still on
-        the device). Plain greedy rows only (the graph's argmax is their token), no request waiting to join (it
-        would be prefilled first), and for ahead = 1 no row ending by length at the step in flight (its next row
-        would need a position past its limit)."""
+        the device). Rows whose token the device draws alone (greedy, or sampled from the row's generator; no
+        penalties, logprobs or pending min_tokens mask, which need the host's token lists), no request waiting to
+        join (it would be prefilled first), and for ahead = 1 no row ending by length at the step in flight (its
+        next row would need a position past its limit)."""
         if not self.async_scheduling or self.scheduler.waiting:
             return False
         for s in seqs:
             p, generated = s.params, s.num_generated + ahead
-            if not p.greedy or p.has_penalties or p.logprobs is not None or (
-                    generated < p.min_tokens and s.min_tokens_stop_ids):
+            if p.has_penalties or p.logprobs is not None or (generated < p.min_tokens and s.min_tokens_stop_ids):
                 return False
             if ahead and (generated >= p.max_tokens or len(s) + ahead >= self.max_model_len):
                 return False
         return True
+
+    def _launch_decode(self, seqs: list[Sequence], tables: list[list[int]], ahead: bool) -> "_InFlightDecode":
+        """Launch a decode step and its tokens' way to the host, without waiting for either. Sampled rows draw on
+        the device, before the next step's graph overwrites the logits; their tokens replace the argmax in the
+        runner's token buffer, which the step after copies its input tokens from."""
+        logits, greedy = self.runner.decode(seqs, tables, ahead=ahead)
+        tokens = draw_tokens(logits, seqs, greedy)
+        if tokens.data_ptr() != greedy.data_ptr():  # some row was sampled
+            greedy.copy_(tokens)
+        return _InFlightDecode(seqs, self.runner.greedy_tokens_to_host(len(seqs)))
 
     def _read_in_flight(self) -> tuple[list[Sequence], list[Sequence]]:
         """Launch the next decode step of the in-flight step's sequences ahead of its tokens (same rows, same
@@ -463,8 +472,7 @@ class LLM:
         if all(not s.finished for s in seqs) and self._runs_ahead(seqs, ahead=1) and all(
                 self.block_manager.can_ensure(s.seq_id, len(s) + 1) for s in seqs):
             tables = [self.block_manager.ensure(s.seq_id, len(s) + 1) for s in seqs]
-            self.runner.decode(seqs, tables, ahead=True)
-            nxt = _InFlightDecode(seqs, self.runner.greedy_tokens_to_host(len(seqs)))
+            nxt = self._launch_decode(seqs, tables, ahead=True)
         tokens = flight.tokens.wait()
         live = [i for i, s in enumerate(seqs) if not s.finished]
         stepped = [seqs[i] for i in live]

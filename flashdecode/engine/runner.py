@@ -8,8 +8,9 @@ block table is copied incrementally (only the pages it gained since the last ste
 row gained one), so a 128k-token context does not cost a host-side rebuild per token. Without async scheduling the
 GPU idles while the host prepares a step, so this path is kept free of per-element torch calls. The greedy argmax
 runs inside the graph; with async scheduling (``LLM(async_scheduling=)``) the next step is launched before the
-host has read it (``decode(..., ahead=True)``: its input tokens are copied on the device from the argmax of the
-step in flight) and the tokens come back through ``greedy_tokens_to_host``.
+host has read it (``decode(..., ahead=True)``: its input tokens are copied on the device from the token buffer of
+the step in flight - the argmax, with any sampled rows' draws written over it) and the tokens come back through
+``greedy_tokens_to_host``.
 
 Parallel ranks (``parallel``): the pool holds this rank's KV heads; under context parallelism it holds this rank's
 pages of every sequence (logical pages r, r + cp, ... of rank r, flashdecode.engine.kv_cache), a token is written
@@ -125,7 +126,7 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence], tables: list[list[int]], ahead: bool = False) -> int:
         """Fill the host buffers for one decode step and copy them to the device. Returns the padded batch.
         ahead: the step after the one in flight, whose tokens the host has not read yet: each row's input token is
-        the in-flight step's greedy token of the same row (copied on the device), one position further on."""
+        the in-flight step's token of the same row (greedy_tokens, copied on the device), one position further on."""
         n, bs = len(seqs), self.bucket(len(seqs))
         ps = self.page_size
         step, bt = self.h_step_np, self.h_block_tables_np

@@ -237,6 +237,21 @@ def _sample_rows(logits: torch.Tensor, rows: list[int], seqs) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
+def draw_tokens(logits: torch.Tensor, seqs, greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of float32 ``logits`` (batch, vocab) as they stand (no penalties or masks applied here),
+    on the device and without a host sync: the argmax for greedy rows (``greedy_tokens`` int64 (batch,) where the
+    device already has it), a draw from the row's own generator for sampled rows. Returns int64 (len(seqs),)
+    (``greedy_tokens[:n]`` itself when every row is greedy)."""
+    n = len(seqs)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if not sampled and greedy_tokens is not None:
+        return greedy_tokens[:n]
+    tokens = logits.argmax(-1) if greedy_tokens is None else greedy_tokens[:n].clone()
+    if sampled:
+        tokens[_host(sampled, torch.int64, logits.device)] = _sample_rows(logits, sampled, seqs)
+    return tokens
+
+
 def sample(logits: torch.Tensor, seqs, greedy_tokens: torch.Tensor | None = None) -> SampleResult:
     """Pick one token per row of float32 ``logits`` (batch, vocab) for the scheduled ``seqs`` (one per row: their
     ``params``, ``generator``, ``token_ids``, ``num_prompt_tokens`` and ``min_tokens_stop_ids`` are read).
@@ -257,13 +272,7 @@ def sample(logits: torch.Tensor, seqs, greedy_tokens: torch.Tensor | None = None
         if min_tok:
             mask_stops_before_min_tokens(logits, min_tok, seqs)
         greedy_tokens = None
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled and greedy_tokens is not None:
-        tokens = greedy_tokens[:n]
-    else:
-        tokens = logits.argmax(-1) if greedy_tokens is None else greedy_tokens[:n].clone()
-        if sampled:
-            tokens[_host(sampled, torch.int64, logits.device)] = _sample_rows(logits, sampled, seqs)
+    tokens = draw_tokens(logits, seqs, greedy_tokens)
     host = [tokens]
     if want_lp:
         idx = _host(want_lp, torch.int64, logits.device)
