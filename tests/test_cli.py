@@ -87,6 +87,10 @@ def test_prompt_ids_without_tokenizer_and_text_prompt(capsys, ckpt, tmp_path):
     assert code == 2 and "comma-separated token ids" in err.splitlines()[-1]
     code, out, _ = run_cli(capsys, "generate", "--model", str(bare), "--prompt", "1, 2,3", "--max-tokens", "4")
     assert code == 0 and "generated 4 (length)" in out
+    code, ahead, _ = run_cli(capsys, "generate", "--model", str(bare), "--prompt", "1, 2,3", "--max-tokens", "4",
+                             "--async-scheduling", "on")  # the same tokens, launched ahead of the host
+    assert code == 0 and "token ids:" in ahead and [l for l in ahead.splitlines() if "token ids" in l] == [
+        l for l in out.splitlines() if "token ids" in l]
     code, out, _ = run_cli(capsys, "generate", "--model", str(ckpt), "--prompt", "w1 w2", "--max-tokens", "3")
     ids = LLM(ckpt, device="cpu", use_tqdm=False).generate("w1 w2", use_tqdm=False)[0].token_ids[:3]
     assert code == 0 and f"text: {words(ids)}" in out

@@ -33,6 +33,7 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
+from flashdecode.engine.cli import ON_OFF
 
 DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
 
@@ -499,7 +500,7 @@ def run(args) -> int:
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
                                        False if "+cublas" in label else "auto", point_pdl(label, args.pdl),
-                                       ASYNC_SCHEDULING[args.async_scheduling])
+                                       ON_OFF[args.async_scheduling])
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"
@@ -529,7 +530,6 @@ def run(args) -> int:
     return _write(args, env, rows, cfg, name, what, bandwidth, backends)
 
 
-ASYNC_SCHEDULING = {"auto": "auto", "on": True, "off": False}  # --async-scheduling -> LLM(async_scheduling=)
 PDL_SUFFIX = "+pdl"
 
 

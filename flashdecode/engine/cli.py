@@ -23,7 +23,7 @@ from flashdecode.engine.config import NAMED_CONFIGS
 logger = logging.getLogger(__name__)
 
 _TOKEN_IDS = re.compile(r"^[\d,\s]+$")
-_ON_OFF = {"auto": "auto", "on": True, "off": False}  # the engine options' auto | on | off choices, as LLM takes them
+ON_OFF = {"auto": "auto", "on": True, "off": False}  # the engine options' auto | on | off choices, as LLM takes them
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: int, required: bool = True) -> None:
@@ -55,6 +55,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--pdl", choices=("auto", "on", "off"), default="auto",
                         help="programmatic dependent launch of the decode step's Triton kernels (sm_90+): auto = "
                              "the engine's default for the GPU, on, off")
+    parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                        help="launch each decode step before the host reads the one in flight (vLLM's async "
+                             "scheduling): auto = on for a single-GPU engine on CUDA, on, off")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
@@ -74,9 +77,10 @@ def build_llm(args, max_model_len: int | None = None):
     return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
-               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=_ON_OFF[args.flat_gemm],
+               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=ON_OFF[args.flat_gemm],
                tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
-               kv_cache_dtype=args.kv_cache_dtype, pdl=_ON_OFF[args.pdl])
+               kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
+               async_scheduling=ON_OFF[args.async_scheduling])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
