@@ -7,6 +7,7 @@ running ahead), requests joining and aborted while a step is in flight."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_helpers import random_prompts, save_tiny
 from flashdecode.engine import LLM, SamplingParams
@@ -80,6 +81,26 @@ def test_async_min_tokens_and_sampled_rows_match_sync(ckpt):
     assert _outputs(llm.generate(PROMPTS[:2], penalised, use_tqdm=False)) == _outputs(
         sync.generate(PROMPTS[:2], penalised, use_tqdm=False))
     assert not any(flags), "a batch with a penalised row ran ahead"
+
+
+def test_async_with_fewer_free_pages_than_rows_needing_one(ckpt):
+    """Two rows cross a page boundary at the same step with one page free: the step is not launched ahead (the
+    rows' needs are counted together), and the synchronous fallback preempts as the synchronous engine does."""
+    from flashdecode.engine.kv_cache import bytes_per_page
+
+    sync = _engine(ckpt, False)
+    cfg = sync.config
+    page = bytes_per_page(cfg.num_hidden_layers, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    prompts = [PROMPTS[0][:4], PROMPTS[1][:4]]  # page 4: both rows need a new page at the same steps
+    params = SamplingParams(max_tokens=8, ignore_eos=True)  # 12 tokens = 3 pages each, 5 in the pool
+    want = _engine(ckpt, False, kv_cache_memory=5 * page).generate(prompts, params, use_tqdm=False)
+    llm = _engine(ckpt, True, kv_cache_memory=5 * page)
+    assert llm.block_manager.num_pages == 5
+    flags = _count_ahead(llm)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert _outputs(got) == _outputs(want) and any(flags)
+    assert llm.scheduler.num_preemptions >= 1
+    assert llm.block_manager.num_free == llm.block_manager.num_pages
 
 
 def _drive(llm: LLM, events) -> dict[int, list[int]]:

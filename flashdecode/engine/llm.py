@@ -469,9 +469,10 @@ class LLM:
         finished meanwhile (aborted; or, for a step launched ahead, stopped at the step before) are dropped."""
         flight, nxt = self._in_flight, None
         seqs = flight.seqs
-        if all(not s.finished for s in seqs) and self._runs_ahead(seqs, ahead=1) and all(
-                self.block_manager.can_ensure(s.seq_id, len(s) + 1) for s in seqs):
-            tables = [self.block_manager.ensure(s.seq_id, len(s) + 1) for s in seqs]
+        blocks = self.block_manager
+        if all(not s.finished for s in seqs) and self._runs_ahead(seqs, ahead=1) and sum(
+                blocks.pages_missing(s.seq_id, len(s) + 1) for s in seqs) <= blocks.num_free:
+            tables = [blocks.ensure(s.seq_id, len(s) + 1) for s in seqs]
             nxt = self._launch_decode(seqs, tables, ahead=True)
         tokens = flight.tokens.wait()
         live = [i for i, s in enumerate(seqs) if not s.finished]
