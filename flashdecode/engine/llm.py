@@ -142,8 +142,9 @@ class LLM:
         pdl: programmatic dependent launch of the decode step's Triton kernels (fused norm / rope / silu*mul, the
             GEMV and the flat GEMM): each may start while the kernel before it finishes, prefetching its weights
             (flashdecode.engine.layers.pdl). "auto" (default) = pdl.AUTO_ON on a GPU of compute capability >= 9.0
-            (off: measured neutral end to end on the H100, docs/decisions.md), True = on (ValueError elsewhere: CPU, interpreter, older GPUs), False = off. Decode
-            attention keeps its own PDL policy (DecodePlan: on for Hopper) either way.
+            (off: measured neutral end to end on the H100, docs/decisions.md), True = on (ValueError elsewhere:
+            CPU, interpreter, older GPUs), False = off. Decode attention keeps its own PDL policy (DecodePlan: on
+            for Hopper) either way.
         async_scheduling: "auto" (default) = on for a single-GPU engine on CUDA, True = on (any device), False =
             off. On, a decode step whose tokens the device draws alone (greedy or seeded / unseeded sampling; no
             penalties, logprobs or pending min_tokens) is launched before the host has read the tokens of the

@@ -108,6 +108,7 @@ class ModelRunner:
         # copies of the step before have run; two pinned slots take the greedy tokens of two in-flight steps
         self.inputs_copied = torch.cuda.Event() if pin else None
         self.h_tokens = [torch.zeros(max_bs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.tokens_copied = [torch.cuda.Event() if pin else None for _ in range(2)]
         self.tokens_slot = 0
 
     def bucket(self, batch: int) -> int:
@@ -192,12 +193,11 @@ class ModelRunner:
     def greedy_tokens_to_host(self, n: int) -> "PendingTokens":
         """Start copying the greedy tokens of the step just launched (its first ``n`` rows) to a pinned host slot;
         the slot is read by PendingTokens.wait (two slots: the step in flight and the one launched ahead of it)."""
-        host = self.h_tokens[self.tokens_slot][:n]
+        slot = self.tokens_slot
         self.tokens_slot ^= 1
+        host, done = self.h_tokens[slot][:n], self.tokens_copied[slot]
         host.copy_(self.greedy_tokens[:n], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         return PendingTokens(host, done)
 
