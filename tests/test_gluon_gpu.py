@@ -277,7 +277,8 @@ def test_gluon_fp8_forward_matches_reference(b, sq, sk, h, hkv, d, causal):
 
 
 FP8_ABLATIONS = [dict(num_consumers=1), dict(pingpong=True), dict(persistent=True), dict(num_stages=2),
-                 dict(num_stages=4), dict(persistent=True, pingpong=True), dict(block_n=256, num_stages=2)]
+                 dict(num_stages=4), dict(persistent=True, pingpong=True), dict(block_n=256, num_stages=2),
+                 dict(block_n=256, num_stages=2, persistent=True, q_buffers=2)]
 
 
 @needs_hopper

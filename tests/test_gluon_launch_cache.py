@@ -222,17 +222,19 @@ def test_resolved_launch_rule():
 
 
 def test_resolved_fp8_launch_rule():
-    """resolve_gluon_fp8_config: hd128 from FP8_BN256_MIN_KEYS keys on 256-key blocks in two stages (the config
-    tests/test_gluon_gpu.py test_gluon_fp8_forward_every_config checks on the GPU); persistent CTAs only for
-    non-causal launches to 2k keys; the stage counts that fill shared memory elsewhere."""
+    """resolve_gluon_fp8_config: hd128 from FP8_BN256_MIN_KEYS keys on 256-key blocks in two stages (the configs
+    tests/test_gluon_gpu.py test_gluon_fp8_forward_every_config checks on the GPU), persistent with two Q buffer
+    sets where not causal; persistent CTAs otherwise only for non-causal launches to 2k keys; the stage counts that
+    fill shared memory elsewhere."""
     for d, stages in ((64, 4), (128, 3), (256, 2)):
         for causal in (False, True):
             for seqlen_k in (1, 2048, 4096, 16383, 16384, 65536):
                 cfg = ga.resolve_gluon_fp8_config(d, causal, seqlen_k)
                 long128 = d == 128 and seqlen_k >= ga.FP8_BN256_MIN_KEYS
                 assert (cfg.block_n, cfg.num_stages) == ((256, 2) if long128 else (128, stages)), (d, causal, seqlen_k)
-                assert cfg.persistent == (not causal and seqlen_k <= 2048)
-                assert cfg.tile_order == "round_robin" and cfg.q_buffers == 1
+                assert cfg.persistent == (not causal and (seqlen_k <= 2048 or long128))
+                assert cfg.tile_order == "round_robin"
+                assert cfg.q_buffers == (2 if long128 and not causal else 1)
 
 
 def test_lpt_schedule_hands_every_tile_to_one_cta_and_balances_the_work():

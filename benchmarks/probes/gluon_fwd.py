@@ -228,6 +228,8 @@ FP8_VARIANTS = {  # name -> overrides of resolve_gluon_fp8_config
     "persistent": dict(persistent=True),
     "1wg": dict(num_consumers=1),
     "bn256": dict(block_n=256, num_stages=2),  # hd 64 / 128 only (at hd256 the 64 x 256 scores do not fit)
+    "bn256s3": dict(block_n=256, num_stages=3),  # hd128: 3 x 64 KiB K / V^T slots + the Q tile fit 227 KiB
+    "bn256p": dict(block_n=256, num_stages=2, persistent=True, q_buffers=2),  # next tile's loads under this one's end
 }
 
 
@@ -235,7 +237,7 @@ def _fp8_config(name: str, d: int, causal: bool, seqlen_k: int):
     """The FP8 variant's config at head dim d, or None where it does not apply."""
     from flashdecode.ops.gluon_attention import resolve_gluon_fp8_config
 
-    if name == "bn256" and d > 128:
+    if name.startswith("bn256") and d > 128:
         return None
     return dataclasses.replace(resolve_gluon_fp8_config(d, causal, seqlen_k), **FP8_VARIANTS[name])
 

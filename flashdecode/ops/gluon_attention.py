@@ -138,11 +138,15 @@ def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int =
     shared memory (hd64: 4, hd128: 3, hd256: 2 - 196 KiB with the 64 KiB Q tile); persistent CTAs for non-causal
     launches to 2k keys (tile pairs are not timed for e4m3). hd128 from FP8_BN256_MIN_KEYS keys: 256-key blocks in
     two stages (the per-block rescale and bookkeeping amortised over twice the keys; H100, 16k keys: 906.0 vs 830.5
-    TFLOP/s, causal 957.4 vs 837.9, docs/decisions.md; shorter keys not timed). No OVERLAP: its P (e4m3) would be
-    a dependency of a wgmma wait, which Triton 3.6 cannot lower for 8-bit values."""
+    TFLOP/s, causal 957.4 vs 837.9, docs/decisions.md; shorter keys not timed), non-causal ones on persistent CTAs
+    with two Q buffer sets (each tile's first loads under the previous tile's last blocks and store: 986.4 vs 891.9
+    TFLOP/s; causal ones spill there and lose, 634.3 vs 925.5). No OVERLAP: its P (e4m3) would be a dependency of a
+    wgmma wait, which Triton 3.6 cannot lower for 8-bit values."""
     persistent = not causal and 0 < seqlen_k <= PERSISTENT_MAX_KEYS
     if headdim == 128 and seqlen_k >= FP8_BN256_MIN_KEYS:
-        return GluonFwdConfig(num_stages=2, block_n=256)
+        if causal:
+            return GluonFwdConfig(num_stages=2, block_n=256)
+        return GluonFwdConfig(num_stages=2, block_n=256, persistent=True, q_buffers=2)
     return GluonFwdConfig(num_stages={64: 4, 128: 3}.get(headdim, 2), persistent=persistent)
 
 
