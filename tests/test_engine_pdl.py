@@ -130,7 +130,8 @@ pointers = dict(X=bf, RES=bf, W=bf, OUT=bf, NORM_W=bf, BIAS=bf, RES_OUT=bf, GU=b
 linear = dict(HAS_BIAS=False, LINE_ELEMS=64)
 kernels = [
     ("add_rms_norm", fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), {}),
-    ("rope_and_store", fused._rope_store_kernel, dict(NHEADS=32, NHEADS_KV=8, HALF=64, BLOCK_H=32, BLOCK_HK=8), {}),
+    ("rope_and_store", fused._rope_store_kernel, dict(NHEADS=32, NHEADS_KV=8, HALF=64, BLOCK_H=32, BLOCK_HK=8,
+                                                      QUANT=False), {}),
     ("silu_and_mul", fused._silu_mul_kernel, dict(BLOCK=1024), {}),
 ] + [
     (f"gemv {p}", gemv._gemv_kernel, dict(linear, PROLOGUE=p, STORE_RES=p == 3, EVEN_N=True, EVEN_K=True,
@@ -146,8 +147,15 @@ kernels = [
      dict(linear, PROLOGUE=3, EPILOGUE=1, STORE_RES=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NORM_BLOCK=1024,
           PRECISION="tf32", PREFETCH_K=512), dict(num_warps=4, num_stages=3)),
 ]
+# 8-bit pages written by the rope kernel (fused.QUANT_ROPE_STORE): e4m3 and int8 codes, float32 scales
+quant_pages = {"*fp8e4nv": 448.0, "*i8": 127.0}
+kernels += [(f"rope_and_store into {t[1:]} pages", fused._rope_store_kernel,
+             dict(NHEADS=32, NHEADS_KV=8, HALF=64, BLOCK_H=32, BLOCK_HK=8, QUANT=True, QMAX=qmax),
+             dict(types=dict(K_CACHE=t, V_CACHE=t, K_SCALE="*fp32", V_SCALE="*fp32"))) for t, qmax in quant_pages.items()]
 for name, fn, consts, opts in kernels:
     types = {n: t for n, t in pointers.items() if n in fn.arg_names}
+    opts = dict(opts)
+    types.update(opts.pop("types", {}))
     off = compile_for_sm90(fn, types, dict(consts, USE_PDL=False), **opts).asm["ptx"]
     assert "griddepcontrol" not in off and "prefetch.global.L2" not in off, name
     ptx = compile_for_sm90(fn, types, dict(consts, USE_PDL=True), **opts).asm["ptx"]
@@ -156,6 +164,8 @@ for name, fn, consts, opts in kernels:
     first_access = MEMORY.search(ptx).start()
     # the wait precedes every memory access (read or write) and the release follows it
     assert 0 <= wait < release < first_access, (name, wait, release, first_access)
+    if "pages" in name:  # the hardware's e4m3 conversion / int8 codes from the floored value (quantize_rows)
+        assert ("cvt.rn.satfinite.e4m3x2.f32" if "fp8" in name else "cvt.rzi.s16.f32") in ptx, name
     if name.startswith(("gemv", "flat_gemm")):  # weight rows hinted into L2 before the wait
         assert 0 <= ptx.find("prefetch.global.L2") < wait, name
     else:
@@ -252,9 +262,9 @@ def test_cuda_graphed_decode_steps_give_the_same_logits_with_and_without_pdl():
         logits = []
         real = llm.runner.decode
 
-        def decode(seqs, tables):
-            out, tokens = real(seqs, tables)
-            logits.append(out.clone())
+        def decode(seqs, tables, **kw):  # kw: ahead=True where async scheduling launches a step early
+            out, tokens = real(seqs, tables, **kw)
+            logits.append(out.clone())  # stream-ordered: the copy runs right after this step's replay
             return out, tokens
 
         llm.runner.decode = decode

@@ -17,6 +17,14 @@ import triton
 import triton.language as tl
 
 from flashdecode.engine.layers.pdl import launch_options, wait_for_previous_kernel
+from flashdecode.kernels.kv_quant import quantize_rows
+from flashdecode.ops.kv_quant import QMAX
+
+# The engine's 8-bit pages written by rope_and_store (one launch per layer and step) instead of the unfused rotary
+# + kv_quant.write_quantized (~18 small launches: ~1 ms of a Llama-3-8B b1 step at ~2 us each, the gap the fp8
+# engine showed to the kernel timings, docs/decisions.md). Same codes and scales (tests/test_engine_fused.py, CPU
+# interpreter; sm_90 compile); off until a GPU run checks and times it.
+QUANT_ROPE_STORE = False
 
 
 @triton.jit
@@ -76,8 +84,11 @@ def _rope_heads(X, OUT, row, stride_x, stride_o, c, s, NHEADS: tl.constexpr, HAL
 def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT, K_CACHE, V_CACHE,
                        stride_qkv, stride_q, stride_k, stride_v, stride_tab, stride_page_slot,
                        NHEADS: tl.constexpr, NHEADS_KV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """One token: rotate q and k from the fused qkv row, write q/k/v out contiguously and k/v into its page slot."""
+                       BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                       K_SCALE=None, V_SCALE=None, QUANT: tl.constexpr = False, QMAX: tl.constexpr = 1.0):
+    """One token: rotate q and k from the fused qkv row, write q/k/v out contiguously and k/v into its page slot.
+    QUANT (8-bit pages): k/v are quantised as append_kv's per-token path does (kernels/kv_quant.py) and each kv
+    head's float32 scales absmax / QMAX written at K_SCALE / V_SCALE + slot * NHEADS_KV + head."""
     row = tl.program_id(0).to(tl.int64)
     wait_for_previous_kernel(USE_PDL)
     pos = tl.load(POS + row)
@@ -98,10 +109,27 @@ def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, Q_OUT, K_OUT, V_OUT, K_CACHE, 
     tl.store(ob + HALF, v2, mask=ok)
     slot = tl.load(SLOTS + row)  # int64: slot * row_size can exceed 2**31 on big pools
     cb = slot * stride_page_slot + h * (2 * HALF) + j
+    if QUANT:
+        k1, k2 = _quantize_halves(k1, k2, K_SCALE + slot * NHEADS_KV + h, ok, QMAX, K_CACHE.dtype.element_ty)
+        v1, v2 = _quantize_halves(v1, v2, V_SCALE + slot * NHEADS_KV + h, ok, QMAX, V_CACHE.dtype.element_ty)
     tl.store(K_CACHE + cb, k1, mask=ok)
     tl.store(K_CACHE + cb + HALF, k2, mask=ok)
     tl.store(V_CACHE + cb, v1, mask=ok)
     tl.store(V_CACHE + cb + HALF, v2, mask=ok)
+
+
+@triton.jit
+def _quantize_halves(x1, x2, SCALE_PTRS, ok, QMAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The two halves (BLOCK_HK, HALF) of each kv head's row -> 8-bit OUT_DTYPE with one scale per head: absmax /
+    QMAX over the whole row (NaN where it holds a NaN), stored at SCALE_PTRS (BLOCK_HK, 1) for the ``ok`` heads -
+    the same codes and scales as append_kv's per-token path (kv_quant.row_scales / quantize_rows)."""
+    x1 = tl.where(ok, x1.to(tl.float32), 0.0)
+    x2 = tl.where(ok, x2.to(tl.float32), 0.0)
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    has_nan = (tl.sum((x1 != x1).to(tl.int32), 1) + tl.sum((x2 != x2).to(tl.int32), 1)) > 0
+    scale = tl.where(has_nan, float("nan"), amax / QMAX)
+    tl.store(SCALE_PTRS, scale[:, None], mask=ok)
+    return quantize_rows(x1, scale, QMAX, OUT_DTYPE), quantize_rows(x2, scale, QMAX, OUT_DTYPE)
 
 
 def rope_supported(head_dim: int) -> bool:
@@ -112,22 +140,35 @@ def rope_supported(head_dim: int) -> bool:
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nheads: int,
-                   nheads_kv: int, head_dim: int, pdl: bool = False):
+                   nheads_kv: int, head_dim: int, pdl: bool = False, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None):
     """qkv (tokens, (nheads + 2 nheads_kv) head_dim) -> q (tokens, nheads, d), k, v (tokens, nheads_kv, d), all
     contiguous, q/k rotated; k/v also written to the paged cache (num_pages, page_size, nheads_kv, d) at the flat
     int64 ``slot_mapping``. cos/sin_table float32 (max_positions, d); positions int64 (tokens,). pdl: see the
-    module doc."""
+    module doc. 8-bit caches (float8_e4m3fn / int8, engine/kv_quant.py QuantPages): k_scale / v_scale float32
+    (num_pages, page_size, nheads_kv) contiguous receive each written token's per-head scales, and the codes are
+    append_kv's (the unfused path: rotary, then kv_quant.write_quantized)."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, nheads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, nheads_kv, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     if qkv.stride(1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("rope_and_store needs a row-major qkv and contiguous caches")
+    quant = k_cache.dtype in QMAX
+    if quant != (k_scale is not None and v_scale is not None):
+        raise ValueError(f"k_scale / v_scale: needed exactly for an 8-bit cache (k_cache dtype {k_cache.dtype})")
+    scales = {}
+    if quant:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(k_cache.shape[:-1]) or not sc.is_contiguous():
+                raise ValueError(f"{name} must be float32 {tuple(k_cache.shape[:-1])} contiguous, got {sc.dtype} "
+                                 f"{tuple(sc.shape)}")
+        scales = dict(K_SCALE=k_scale, V_SCALE=v_scale, QUANT=True, QMAX=QMAX[k_cache.dtype])
     _rope_store_kernel[(tokens,)](
         qkv, positions, cos_table, sin_table, slot_mapping, q, k, v, k_cache, v_cache,
         qkv.stride(0), q.stride(0), k.stride(0), v.stride(0), cos_table.stride(0), nheads_kv * head_dim,
         NHEADS=nheads, NHEADS_KV=nheads_kv, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(nheads),
-        BLOCK_HK=triton.next_power_of_2(nheads_kv), USE_PDL=pdl, **launch_options(pdl))
+        BLOCK_HK=triton.next_power_of_2(nheads_kv), USE_PDL=pdl, **scales, **launch_options(pdl))
     return q, k, v
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from flashdecode.engine.attention import AttentionBackend, AttentionMetadata
 from flashdecode.engine.config import ModelConfig
+from flashdecode.engine.kv_quant import QuantPages
 from flashdecode.engine.layers import flat_gemm, fused, gemv
 from flashdecode.distributed.groups import ParallelState
 from flashdecode.engine.layers.linear import Linear, MergedLinear, RowParallelLinear
@@ -99,11 +100,15 @@ class Attention(nn.Module):
         also written to this layer's pages."""
         tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
-        # one kernel: rotate q/k, write k/v to pages (float pages only: 8-bit ones are written by write_kv)
-        if use_fused and self.fused_rope and rotary.has_table and isinstance(k_cache, torch.Tensor):
+        # one kernel: rotate q/k, write k/v to pages (8-bit pages quantised in it too where QUANT_ROPE_STORE is on;
+        # otherwise rotary, then write_kv's quantising append_kv)
+        quant = isinstance(k_cache, QuantPages)
+        if use_fused and self.fused_rope and rotary.has_table and (not quant or fused.QUANT_ROPE_STORE):
+            pages = (k_cache.data, v_cache.data, dict(k_scale=k_cache.scale, v_scale=v_cache.scale)) if quant \
+                else (k_cache, v_cache, {})
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
-                                           k_cache, v_cache, self.nheads, self.nheads_kv, self.head_dim,
-                                           pdl=self.use_pdl)
+                                           pages[0], pages[1], self.nheads, self.nheads_kv, self.head_dim,
+                                           pdl=self.use_pdl, **pages[2])
         else:
             q, k, v = qkv.split(self.splits, dim=-1)
             q = q.view(tokens, self.nheads, self.head_dim)
