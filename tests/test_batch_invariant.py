@@ -263,7 +263,8 @@ def test_bad_input_names_the_argument(gen, kw, word):
         flashdecode.flash_decode(q, k, k, lens, batch_invariant=True, config=decode_config(q, k, k, lens))
 
 
-def test_engine_greedy_tokens_alone_equal_batched(tmp_path):
+@pytest.mark.parametrize("async_scheduling", ["auto", True])  # auto: on for CUDA; True: also on the CPU
+def test_engine_greedy_tokens_alone_equal_batched(tmp_path, async_scheduling):
     from engine_helpers import save_tiny
     from flashdecode.engine import LLM, SamplingParams
 
@@ -271,7 +272,7 @@ def test_engine_greedy_tokens_alone_equal_batched(tmp_path):
     prompts = [[5, 17, 33, 2, 9, 101, 64], [7, 7, 1], list(range(20, 41)), [150, 3, 88, 12]]
     params = SamplingParams(max_new_tokens=5)
     llm = LLM(path, device=DEVICE, dtype="float32", attn_backend="flashdecode", batch_invariant=True,
-              max_num_seqs=4, use_tqdm=False)
+              max_num_seqs=4, use_tqdm=False, async_scheduling=async_scheduling)
     alone = llm.generate([prompts[0]], params)[0].token_ids
     batched = llm.generate(prompts, params)
     assert batched[0].token_ids == alone and len(alone) == 5

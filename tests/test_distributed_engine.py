@@ -26,8 +26,8 @@ def _run(llm: LLM, prompts, params):
     logits = []
     decode = llm.runner.decode
 
-    def recording_decode(seqs, tables):
-        out = decode(seqs, tables)
+    def recording_decode(seqs, tables, **kw):
+        out = decode(seqs, tables, **kw)
         logits.append(out[0].clone())
         return out
 
