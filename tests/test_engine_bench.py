@@ -71,6 +71,28 @@ def test_pdl_both_pairs_every_flashdecode_point_with_a_pdl_twin(tmp_path):
     assert "flashdecode+pdl" in record["summary"][0] and "92.0% roofline" in record["summary"][0]
 
 
+def test_8bit_page_columns_report_their_own_roofline_and_the_ratio_to_model_dtype_pages(tmp_path):
+    """bench e2e --kv-cache-dtype auto,fp8: the fp8 column gets its % of the fp8 roofline (fewer KV bytes) and its
+    tokens/s over the bf16 pages' - not an 'x vs' peer ratio."""
+    cfg = named_config("llama3-8b")
+    roof = e2e.roofline_tokens_per_s(cfg, 65536, 1, 3e12)
+    roof8 = e2e.roofline_tokens_per_s(cfg, 65536, 1, 3e12, "fp8")
+    assert roof8 > roof
+    rows = [dict(kind="decode", backend="flashdecode", kv_cache_dtype="auto", context=65536, batch=1,
+                 tokens_per_s=0.9 * roof, pct_roofline=90.0),
+            dict(kind="decode", backend="flashdecode+fp8", kv_cache_dtype="fp8", context=65536, batch=1,
+                 tokens_per_s=0.8 * roof8, pct_roofline=80.0)]
+    args = argparse.Namespace(quick=False, contexts="65536", batch="1", page_size=128, out=str(tmp_path), pdl="auto")
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    e2e._write(args, env, rows, cfg, "llama3-8b", "llama3-8b", 3e12, ["flashdecode", "flashdecode+fp8"])
+    record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    table, = record["table"]
+    assert table["flashdecode+fp8 % roofline"] == pytest.approx(80.0)
+    assert table["flashdecode+fp8 vs model-dtype pages"] == pytest.approx(0.8 * roof8 / (0.9 * roof))
+    assert "x vs flashdecode+fp8" not in table
+    assert "80.0% of its roofline" in record["summary"][0]
+
+
 def test_roofline_matches_hand_computed_llama3_8b():
     """Llama-3-8B at 3.02 TB/s: 16.06 GB of bf16 weights plus 128 KiB of K/V per cached token (32 layers x 8 kv
     heads x 128 x 2 tensors x 2 bytes) read per token: 187 tok/s at 512 tokens, 122.5 at 64k."""

@@ -607,8 +607,24 @@ def _pdl_columns(row: dict, rows: list, pdl_labels: list, ctx: int, bs: int) -> 
     return notes
 
 
+def _quant_columns(row: dict, rows: list, quant_labels: list, ctx: int, bs: int, ours: float | None) -> list[str]:
+    """The 8-bit-page columns' % of their own roofline (fewer KV bytes) and tokens/s over the same engine's
+    model-dtype pages (``ours``), added to the table ``row``; returns summary notes."""
+    notes = []
+    for b in quant_labels:
+        rate, pct = _rate(rows, b, ctx, bs), _pct(rows, b, ctx, bs)
+        if pct is not None:
+            row[f"{b} % roofline"] = pct
+        if rate and ours:
+            row[f"{b} vs model-dtype pages"] = rate / ours
+            notes.append(f"{b} {rate:.0f} tok/s ({pct:.1f}% of its roofline, {rate / ours:.2f}x the model-dtype "
+                         f"pages)")
+    return notes
+
+
 def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     table_rows, summary = [], []
+    quant = {r["backend"] for r in rows if r["kind"] == "decode" and r.get("kv_cache_dtype", "auto") != "auto"}
     for bs, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows if r["kind"] == "decode"):
         ours = _rate(rows, "flashdecode", ctx, bs)
         roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth)
@@ -616,17 +632,19 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         for b in backends:
             row[f"{b} tok/s"] = _rate(rows, b, ctx, bs)
         row["flashdecode % roofline"] = None if ours is None else 100 * ours / roof
-        peers = [b for b in backends if b != "flashdecode" and not b.endswith(PDL_SUFFIX)]
+        peers = [b for b in backends if b != "flashdecode" and not b.endswith(PDL_SUFFIX) and b not in quant]
         for b in peers:
             other = _rate(rows, b, ctx, bs)
             if ours and other:
                 row[f"x vs {b}"] = ours / other
-        pdl_notes = _pdl_columns(row, rows, [b for b in backends if b.endswith(PDL_SUFFIX)], ctx, bs)
+        notes = _quant_columns(row, rows, [b for b in backends if b in quant and not b.endswith(PDL_SUFFIX)], ctx,
+                               bs, ours)
+        notes += _pdl_columns(row, rows, [b for b in backends if b.endswith(PDL_SUFFIX)], ctx, bs)
         table_rows.append(row)
         if ours:
             vs = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in peers if row.get(f"{b} tok/s"))
             summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
-                           + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in pdl_notes))
+                           + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
     prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
