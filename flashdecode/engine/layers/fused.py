@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from flashdecode.engine.layers.pdl import launch_options, wait_for_previous_kernel
-from flashdecode.kernels.kv_quant import quantize_rows
+from flashdecode.kernels.kv_quant import quantize_rows, row_scales
 from flashdecode.ops.kv_quant import QMAX
 
 # The engine's 8-bit pages written by rope_and_store (one launch per layer and step) instead of the unfused rotary
@@ -125,9 +125,8 @@ def _quantize_halves(x1, x2, SCALE_PTRS, ok, QMAX: tl.constexpr, OUT_DTYPE: tl.c
     the same codes and scales as append_kv's per-token path (kv_quant.row_scales / quantize_rows)."""
     x1 = tl.where(ok, x1.to(tl.float32), 0.0)
     x2 = tl.where(ok, x2.to(tl.float32), 0.0)
-    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
-    has_nan = (tl.sum((x1 != x1).to(tl.int32), 1) + tl.sum((x2 != x2).to(tl.int32), 1)) > 0
-    scale = tl.where(has_nan, float("nan"), amax / QMAX)
+    # one (BLOCK_HK, 2 HALF) row per head for the scale (the column order does not matter to it)
+    scale = row_scales(tl.reshape(tl.join(x1, x2), (x1.shape[0], 2 * x1.shape[1])), QMAX)
     tl.store(SCALE_PTRS, scale[:, None], mask=ok)
     return quantize_rows(x1, scale, QMAX, OUT_DTYPE), quantize_rows(x2, scale, QMAX, OUT_DTYPE)
 
