@@ -140,7 +140,8 @@ def test_rope_and_store_rejects_missing_or_misshapen_scales():
                              16, k_scale=scale, v_scale=scale)
 
 
-def test_engine_on_8bit_pages_gives_the_same_logits_with_the_quantising_rope_store(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if HAS_CUDA else ["float32"])
+def test_engine_on_8bit_pages_gives_the_same_logits_with_the_quantising_rope_store(tmp_path, monkeypatch, dtype):
     """A tiny Llama on fp8 pages with the fused kernels on: every step's logits and the greedy tokens are bitwise
     the same whether the pages are written by rope_and_store (QUANT_ROPE_STORE) or by rotary + append_kv."""
     path = save_tiny(tmp_path / "m", "llama", rope_scaling=LLAMA3_ROPE)
@@ -148,7 +149,7 @@ def test_engine_on_8bit_pages_gives_the_same_logits_with_the_quantising_rope_sto
 
     def run(quant_store: bool):
         monkeypatch.setattr(fused, "QUANT_ROPE_STORE", quant_store)
-        llm = LLM(path, device=DEVICE, dtype="float32", attn_backend="flashdecode", max_model_len=64, page_size=4,
+        llm = LLM(path, device=DEVICE, dtype=dtype, attn_backend="flashdecode", max_model_len=64, page_size=4,
                   kv_cache_dtype="fp8", enforce_eager=True, use_tqdm=False)
         llm.model.use_fused = True
         calls, rope_store = [], fused.rope_and_store

@@ -22,9 +22,10 @@ from flashdecode.ops.kv_quant import QMAX
 
 # The engine's 8-bit pages written by rope_and_store (one launch per layer and step) instead of the unfused rotary
 # + kv_quant.write_quantized (~18 small launches: ~1 ms of a Llama-3-8B b1 step at ~2 us each, the gap the fp8
-# engine showed to the kernel timings, docs/decisions.md). Same codes and scales (tests/test_engine_fused.py, CPU
-# interpreter; sm_90 compile); off until a GPU run checks and times it.
-QUANT_ROPE_STORE = False
+# engine showed to the kernel timings, docs/decisions.md). Same codes and scales, bit for bit, on the CPU
+# interpreter and the H100 (tests/test_engine_fused.py); Llama-3-8B b1 fp8 pages 114.0 -> 130.3 tok/s at 64k,
+# 96.5 -> 108.0 at 128k (benchmarks/probes/engine_quant_store.py).
+QUANT_ROPE_STORE = True
 
 
 @triton.jit
@@ -167,7 +168,10 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.
         qkv, positions, cos_table, sin_table, slot_mapping, q, k, v, k_cache, v_cache,
         qkv.stride(0), q.stride(0), k.stride(0), v.stride(0), cos_table.stride(0), nheads_kv * head_dim,
         NHEADS=nheads, NHEADS_KV=nheads_kv, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(nheads),
-        BLOCK_HK=triton.next_power_of_2(nheads_kv), USE_PDL=pdl, **scales, **launch_options(pdl))
+        BLOCK_HK=triton.next_power_of_2(nheads_kv), USE_PDL=pdl, **scales, **launch_options(pdl),
+        # no FMA contraction: with float32 activations x * cos + rotate_half(x) * sin would become one fused
+        # multiply-add, one rounding fewer than PyTorch's rotary (so the two paths' pages would differ)
+        enable_fp_fusion=False)
     return q, k, v
 
 
