@@ -34,7 +34,8 @@ def compile_variant(d, dtype, causal, cfg):
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                  SPLIT_KV_RELEASE=cfg.split_release)
     if not lpt:
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
     if not fp8 and not lpt:
@@ -53,6 +54,8 @@ _GLUON_COMPILE_SCRIPT = _COMPILE_PRELUDE + r'''
 # The resolved configs (both head dims, causal or not; fp16 once) and every ablation the probe times.
 resolved = [(d, "bf16", causal, resolve_gluon_config(d, causal, 1024)) for d in (64, 128) for causal in (False, True)]
 resolved.append((128, "fp16", True, resolve_gluon_config(128, True)))
+# hd128 from 16k keys: the overlapped loop, one CTA per tile (non-causal) or on host tile lists (causal)
+resolved += [(128, "bf16", causal, resolve_gluon_config(128, causal, 16384)) for causal in (False, True)]
 # hd64 at long keys: three consumer warpgroups
 resolved += [(64, "bf16", causal, resolve_gluon_config(64, causal, 16384)) for causal in (False, True)]
 ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pingpong=pp, persistent=ps,
@@ -78,9 +81,11 @@ for d, dtype, causal, cfg in resolved + ablations:
     assert "setmaxnreg" in ptx, what + ": no per-partition register budgets"
     assert "mbarrier.try_wait" in ptx, what + ": no mbarrier pipeline"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
-    # The resolved configs hold their state in registers; an ablation may spill (overlap keeps P and two wgmma
-    # groups alive), which the probe's timings then show.
-    assert (d, dtype, causal, cfg) not in resolved or spilled_bytes(kernel) == 0, what + ": spills"
+    # The resolved configs hold their state in registers, but for the overlapped loop on host tile lists (two Q
+    # buffer sets, the tile loop unrolled by two: 144 bytes a thread in the sm_90 compile), which was
+    # timed faster as it is (docs/decisions.md); an ablation may spill, which the probe's timings then show.
+    allowed = 192 if cfg.overlap and cfg.tile_order == "lpt" else 0
+    assert (d, dtype, causal, cfg) not in resolved or spilled_bytes(kernel) <= allowed, what + ": spills"
 print("compiled")
 '''
 

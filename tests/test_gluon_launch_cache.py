@@ -206,19 +206,23 @@ def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, mo
 
 def test_resolved_launch_rule():
     """resolve_gluon_config's measured rule (docs/decisions.md): persistent CTAs to 2k keys, to 8k for causal
-    launches and hd64; causal persistent CTAs take tile pairs; longer causal hd128 launches persistent CTAs with
-    lpt tile lists; hd64 from 16k keys on three consumer warpgroups, one CTA per tile; every config valid for its
-    kernel (two Q buffer sets exactly where CTAs are persistent)."""
+    launches and hd64; causal persistent CTAs take tile pairs; hd128 takes host-made (lpt) tile lists with the
+    overlapped loop (FA3's intra-warpgroup overlap, K and V released apart) for causal launches beyond 4k keys and
+    non-causal ones of 1k-8k keys, and the overlapped loop one CTA per tile for longer non-causal ones; hd64 from
+    16k keys on three consumer warpgroups, one CTA per tile; every config valid for its kernel (two Q buffer sets
+    exactly where CTAs are persistent)."""
     for d in (64, 128):
         for causal in (False, True):
-            for seqlen_k in (1, 2048, 4096, 8192, 8193, 16384, 65536):
+            for seqlen_k in (1, 1023, 1024, 2048, 4096, 4097, 8192, 8193, 16384, 65536):
                 cfg = ga.resolve_gluon_config(d, causal, seqlen_k)
-                lpt = causal and d == 128 and seqlen_k > 8192
+                lpt = d == 128 and (seqlen_k > 4096 if causal else 1024 <= seqlen_k <= 8192)
                 persistent = seqlen_k <= 2048 or (seqlen_k <= 8192 and (causal or d == 64)) or lpt
                 assert cfg.persistent == persistent, (d, causal, seqlen_k)
                 assert cfg.q_buffers == (2 if persistent else 1)
                 assert cfg.tile_order == ("lpt" if lpt else "pairs" if persistent and causal else "round_robin")
                 assert cfg.num_consumers == (3 if d == 64 and seqlen_k >= ga.THREE_CONSUMERS_MIN_KEYS else 2)
+                fa3_loop = d == 128 and (lpt or not persistent)
+                assert cfg.overlap == fa3_loop and cfg.split_release == fa3_loop, (d, causal, seqlen_k)
 
 
 def test_resolved_fp8_launch_rule():

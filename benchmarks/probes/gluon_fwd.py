@@ -78,6 +78,17 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "pairs": dict(q_buffers=2, persistent=False, tile_order="pairs"),
     "pairs+persist": dict(q_buffers=2, persistent=True, tile_order="pairs"),
     "lpt": dict(q_buffers=2, persistent=True, tile_order="lpt"),
+    # K and V slots released apart (K once its scores are in registers), alone and with the overlap / ping-pong:
+    # with one release after PV the overlapped loop held K_{j-1}'s slot until PV_{j-1} retired, so with two stages
+    # K_{j+1}'s load waited on it
+    "split": dict(split_release=True),
+    "no-overlap": dict(overlap=False, split_release=False),  # hd128's loop before the overlap was resolved
+    "overlap+split": dict(overlap=True, split_release=True),
+    "overlap+split+pp": dict(overlap=True, split_release=True, pingpong=True),
+    "pp+split": dict(pingpong=True, split_release=True),
+    # the overlapped loop where launches up to 8k keys resolve to persistent CTAs: host tile lists, or one CTA a tile
+    "lpt+overlap": dict(persistent=True, q_buffers=2, tile_order="lpt", overlap=True, split_release=True),
+    "cta+overlap": dict(persistent=False, q_buffers=1, tile_order="round_robin", overlap=True, split_release=True),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),

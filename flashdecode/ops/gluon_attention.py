@@ -45,7 +45,9 @@ class GluonFwdConfig:
     blocks: with causal tiles every unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA
     walks a list made on the host by handing the tiles, in the order the grid would run them, to whichever CTA
     is free first by a cost model - what the hardware's block dispatch does for one CTA per tile, with the
-    next tile's loads under the current tile's end; lpt_schedule)."""
+    next tile's loads under the current tile's end; lpt_schedule); split_release = the consumers release a
+    slot's K as soon as their scores are in registers and its V after PV (FA3's two pipelines), so the producer
+    can load the next K into it during the softmax and PV (else one release after PV frees both)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -59,6 +61,7 @@ class GluonFwdConfig:
     exp2_emu_cols: int = 0
     exp2_emu_degree: int = 5
     tile_order: str = "round_robin"
+    split_release: bool = False
 
     def __post_init__(self):
         if self.num_consumers not in (1, 2, 3):
@@ -94,6 +97,8 @@ class GluonFwdConfig:
 THREE_CONSUMERS_MIN_KEYS = 16384  # hd64: three consumer warpgroups from here (resolve_gluon_config)
 PERSISTENT_MAX_KEYS = 2048  # persistent CTAs (one per SM) up to this many keys (resolve_gluon_config)
 PERSISTENT_MID_MAX_KEYS = 8192  # ... and up to this many for causal launches and hd64 (resolve_gluon_config)
+LPT_OVERLAP_CAUSAL_MIN_KEYS = 4096  # hd128 causal: host tile lists + the overlapped loop beyond this many keys
+LPT_OVERLAP_MIN_KEYS = 1024  # hd128 non-causal: ... from this many keys up to PERSISTENT_MID_MAX_KEYS
 FP8_BN256_MIN_KEYS = 16384  # e4m3 hd128: 256-key blocks from here (resolve_gluon_fp8_config)
 
 
@@ -127,10 +132,24 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     # 16 x 1k causal 352 -> 408 TFLOP/s at hd128, 235 -> 277 at hd64, 4 x 4k 517 -> 564 / 374 -> 398, 2 x 8k
     # 573 -> 586 / 418 -> 422; at 16k keys pairs gave nothing. hd64 non-causal persistent to 8k: 4 x 4k 424 -> 462,
     # 2 x 8k 438 -> 477 (hd128 lost there: 607 -> 595, 617 -> 581).
-    if causal and headdim == 128 and seqlen_k > PERSISTENT_MID_MAX_KEYS:
-        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt")
-    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=persistent, q_buffers=2 if persistent else 1,
-                          tile_order="pairs" if persistent and causal else "round_robin")
+    # hd128: FA3's intra-warpgroup overlap (block j's softmax under PV of block j - 1) with K and V slots released
+    # apart (the overlapped loop holds a V slot a block longer, so with one release per slot the next K load waited
+    # on it): H100 kernel time, 1 x 16k x 16 heads, 652.2 -> 705.7 TFLOP/s, causal 628.8 -> 690.9 (cuDNN 647.9 /
+    # 634.6, FA3 707.5 / 715.6 in the same run; docs/decisions.md). Not on the short persistent launches: with the
+    # two Q buffer sets' unrolled tile loop they spill and lost (16 x 1k causal 427.7 -> 241.1, 4 x 4k causal
+    # 589.7 -> 551.5; non-causal 16 x 1k 592.4 -> 588.9)
+    # Host tile lists with the overlapped loop instead: causal launches beyond 4k keys, non-causal ones of 1k-8k
+    # keys (kernel time: 2 x 8k causal 617.7 -> 643.1; non-causal 16 x 1k 595.5 -> 616.5, 4 x 4k 687.7 -> 707.2,
+    # 2 x 8k 707.9 -> 713.7; 4 x 4k causal lost, 587.5 -> 569.6).
+    fa3_loop = dict(overlap=True, split_release=True) if headdim == 128 else {}
+    if headdim == 128 and (seqlen_k > LPT_OVERLAP_CAUSAL_MIN_KEYS if causal
+                           else LPT_OVERLAP_MIN_KEYS <= seqlen_k <= PERSISTENT_MID_MAX_KEYS):
+        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt", **fa3_loop)
+    if persistent:
+        return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=True, q_buffers=2,
+                              tile_order="pairs" if causal else "round_robin")
+    # (causal launches get here only with seqlen_k unknown (0): the overlapped causal loop spills one CTA per tile)
+    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, **({} if causal else fa3_loop))
 
 
 def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
@@ -359,7 +378,7 @@ class _GluonPlan:
                           OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                           CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
                           TILE_ORDER=TILE_ORDERS[cfg.tile_order], EXP2_EMU_COLS=cfg.exp2_emu_cols,
-                          EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
+                          EXP2_EMU_DEGREE=cfg.exp2_emu_degree, SPLIT_KV_RELEASE=cfg.split_release)
         # the ones this plan's kernel takes (e4m3: no exp2 emulation; lpt: Q_BUFFERS and TILE_ORDER fixed too)
         params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt"))
         self.constexprs = {name: value for name, value in constexprs.items() if name in params}

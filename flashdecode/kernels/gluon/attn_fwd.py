@@ -13,17 +13,24 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   into one multiply-add, then async wgmma O += P V with P as a register operand (it never touches shared memory).
   Two warpgroups per CTA already interleave on their own: while one runs its softmax the other's wgmma keeps the
   tensor cores busy.
-- Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``OVERLAP`` (FA3's intra-warpgroup
-  overlap: QK^T of block j+1 and PV of block j issued together, softmax of j+1 under PV of j) was 2-13% slower
-  than the plain loop with two consumers on 7 of 8 shapes (it keeps P and two wgmma groups live; inside the tile
-  loop it spills); ``PINGPONG`` (the warpgroups take turns issuing wgmma through a pair of mbarriers, like FA3's
-  named barriers) gave -7% to +2%. Both stay selectable for the probe. Three consumer warpgroups (192-row tiles,
+- ``OVERLAP`` with ``SPLIT_KV_RELEASE`` (hd128's resolved loop; ops/gluon_attention.py resolve_gluon_config):
+  FA3's intra-warpgroup overlap - QK^T of block j and PV of block j-1 issued together, block j's softmax under
+  that PV - with a slot's K released once its scores are in registers (``k_empty``) and its V after PV
+  (``kv_empty``), as FA3's two pipelines do. The overlapped loop holds a V slot one block longer; with one release
+  per slot the producer's next K load into it waited for that PV (our reading of why OVERLAP alone measured 2-13%
+  slower than the plain loop earlier). H100 kernel time, hd128 16k: plain 648.5, overlap + split release 713.1
+  TFLOP/s; split release alone 615.6 (docs/decisions.md).
+- Options measured as ablations (H100, bf16; benchmarks/probes/gluon_fwd.py): ``PINGPONG`` (the warpgroups take
+  turns issuing wgmma through a pair of mbarriers, like FA3's named barriers) gave -7% to +2% on the plain loop
+  and lost on the overlapped one (648.3 vs 705.7 at hd128 16k); it stays selectable for the probe. Three consumer
+  warpgroups (192-row tiles,
   FA3's hd64 shape; 160 registers each) are hd64's tile from 16k keys (ops/gluon_attention.py
   resolve_gluon_config). ``EXP2_EMU_COLS`` (off: slower at every shape timed, docs/decisions.md): the first
   columns of each score block take their exp2 as a polynomial on the FMA pipe (_exp2_fma, FlashAttention-4's
   trick), the rest on the MUFU unit. ``TILE_ORDER`` (two Q buffer sets): round robin, a boustrophedon order of
   persistent tiles (zigzag, off, not timed), pairs of a head's heavy and light causal tiles (_pair_tiles), or
-  per-CTA lists made on the host (attn_fwd_ws_lpt_kernel, _lpt_row; off, not timed).
+  per-CTA lists made on the host (attn_fwd_ws_lpt_kernel, _lpt_row; hd128 causal launches beyond 4k keys and
+  non-causal ones of 1k-8k keys).
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
@@ -123,9 +130,10 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
 
 @gluon.jit
 def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                  q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
+                  q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr):
+                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
+                  SPLIT_KV_RELEASE: gl.constexpr):
     """The producer's work for one tile: its Q rows into Q buffer set BUF (once the consumers have released that
     set's previous tile; ``uses`` = tiles the set held before, its barrier phase), then every visited K/V block
     into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter). Returns the new counter."""
@@ -144,10 +152,16 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
     kv_col = (head // GROUP) * HEAD_DIM
     for i in range(n_end // BLOCK_N):
         slot = (blocks_done + i) % NUM_STAGES
-        mbarrier.wait(kv_empty.index(slot), (((blocks_done + i) // NUM_STAGES) & 1) ^ 1)
+        empty_phase = (((blocks_done + i) // NUM_STAGES) & 1) ^ 1
+        if SPLIT_KV_RELEASE:  # K and V slots are released apart: K's as soon as its scores are in registers
+            mbarrier.wait(k_empty.index(slot), empty_phase)
+        else:
+            mbarrier.wait(kv_empty.index(slot), empty_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
                                         k_smem.index(slot))
+        if SPLIT_KV_RELEASE:
+            mbarrier.wait(kv_empty.index(slot), empty_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if V_T:
             tma.async_copy_global_to_shared(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
@@ -232,10 +246,11 @@ def _pair_tiles(pair, seqlen_q, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
               num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr):
+              V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr,
+              SPLIT_KV_RELEASE: gl.constexpr):
     """One warp: for each of the CTA's tiles, TMA loads of its Q rows and of every visited K/V block into the slot
     ring (_produce_tile). The ring runs on across tiles: its slot and phase come from a block counter over the
     whole CTA, so the next tile's first K/V blocks load while the consumers still finish the current one.
@@ -251,8 +266,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
-                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
             uses += 1
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
@@ -260,13 +275,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k, NUM_HEADS,
-                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T)
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
-                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
                                             seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                            CAUSAL, V_T)
+                                            CAUSAL, V_T, SPLIT_KV_RELEASE)
                 uses_second += 1
             uses += 1
 
@@ -419,10 +434,10 @@ def _pingpong_leave(turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, m_i, l_i,
+def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, g, n_start, rows, acc, m_i, l_i,
                           seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                          PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                          PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
     O = alpha O + P V, release the slot."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
@@ -437,6 +452,8 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
                       use_acc=False, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
+    if SPLIT_KV_RELEASE:
+        mbarrier.arrive(k_empty.index(slot), count=1)
     scale = qk_scale_log2
     if MASKED:
         s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
@@ -452,10 +469,10 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g
 
 
 @gluon.jit
-def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, g, n_start, rows, acc, p, m_i,
+def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, g, n_start, rows, acc, p, m_i,
                             l_i, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                            PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                            PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """The CTA's g-th key block with FA3's intra-warpgroup overlap; p holds block g-1's probabilities.
 
     Issue S_g = Q K_g^T and O += P_{g-1} V_{g-1} back to back (both async), wait for S_g only, run block g's softmax
@@ -475,24 +492,28 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
     acc = warpgroup_mma(p, _pv_operand(v_smem.index(prev)), acc, is_async=True)
     _pingpong_leave(turn, CONSUMER, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
+    if SPLIT_KV_RELEASE:
+        mbarrier.arrive(k_empty.index(slot), count=1)
     scale = qk_scale_log2
     if MASKED:
         s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
         s = _masked_scores(s, n_start, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
     p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, _p_log2_scale(q.dtype), EMU_COLS,
                                            EMU_DEGREE)
-    p_new = _p_operand(p_new.to(q.dtype), p_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     mbarrier.arrive(kv_empty.index(prev), count=1)
+    # P_g rounded only once PV_{g-1} has retired (as FA3 does): its 16-bit registers then replace P_{g-1}'s
+    # instead of living beside them, which kept the causal loop spilling
+    p_new = _p_operand(p_new.to(q.dtype), p_layout)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return acc, p_new, m_i, l_i
 
 
 @gluon.jit
-def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks, rows,
+def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done, n_full, n_blocks, rows,
                          seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                         EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q.dtype))
@@ -501,23 +522,23 @@ def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, bl
     l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
     for i in range(0, n_full):
-        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done + i,
                                               i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
                                               CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG,
-                                              EMU_COLS, EMU_DEGREE)
+                                              EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     for i in range(n_full, n_blocks):
-        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done + i,
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done + i,
                                               i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
                                               CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG,
-                                              EMU_COLS, EMU_DEGREE)
+                                              EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done, n_full, n_blocks,
+def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done, n_full, n_blocks,
                            rows, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                           EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                           EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """All key blocks of one tile with intra-warpgroup overlap: block 0's scores and softmax alone, then the
     overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
@@ -537,6 +558,8 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
                           use_acc=False, is_async=True)
         _pingpong_leave(turn, CONSUMER, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
+        if SPLIT_KV_RELEASE:
+            mbarrier.arrive(k_empty.index(first), count=1)
         scale = qk_scale_log2
         if n_full == 0:
             s, scale = _scale_before_mask(s, qk_scale_log2, _p_log2_scale(q.dtype))
@@ -545,15 +568,15 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
                                             EMU_DEGREE)
         p = _p_operand(p0.to(q.dtype), p_layout)
     for i in range(1, n_full):
-        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
                                                    seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, False,
-                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE)
+                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     for i in range(gl.maximum(n_full, 1), n_blocks):
-        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+        acc, p, m_i, l_i = _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
                                                    blocks_done + i, i * BLOCK_N, rows, acc, p, m_i, l_i, seqlen_q,
                                                    seqlen_k, qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, True,
-                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE)
+                                                   CAUSAL, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     if n_blocks > 0:
         g_last = blocks_done + n_blocks - 1
         last = g_last % NUM_STAGES
@@ -566,11 +589,11 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
 
 @gluon.jit
 def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem,
-                  q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                  q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                   v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                   CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr):
+                  EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """One warpgroup's rows [CONSUMER * 64, CONSUMER * 64 + 64) of one tile, its Q in buffer set BUF (``uses`` =
     tiles the set held before): all visited key blocks, then the output and lse. Returns the new block counter."""
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
@@ -592,15 +615,15 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
     mbarrier.wait(q_ready.index(BUF * NUM_CONSUMERS + CONSUMER), uses & 1)
     n_blocks = n_end // BLOCK_N
     if OVERLAP:
-        acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+        acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done,
                                                n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
                                                scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                                               EMU_COLS, EMU_DEGREE)
+                                               EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     else:
-        acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, blocks_done,
+        acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done,
                                              n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
                                              scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                                             EMU_COLS, EMU_DEGREE)
+                                             EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
     mbarrier.arrive(q_empty.index(BUF * NUM_CONSUMERS + CONSUMER), count=1)
     _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale, P_LOG2_SCALE)
@@ -608,11 +631,12 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
 
 
 @gluon.jit
-def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
               out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k, qk_scale_log2,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr,
+              SPLIT_KV_RELEASE: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
@@ -622,10 +646,10 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
                                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
-                                        EMU_COLS, EMU_DEGREE)
+                                        EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             uses += 1
     else:
         uses_second = 0
@@ -633,16 +657,16 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                        q_empty, k_ready, v_ready, kv_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
                                         v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
                                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
-                                        EMU_COLS, EMU_DEGREE)
+                                        EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                                             lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
                                             qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                            CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE)
+                                            CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
                 uses_second += 1
             uses += 1
 
@@ -680,7 +704,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
                        EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5,
-                       TILE_ORDER: gl.constexpr = 0):
+                       TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
@@ -691,7 +715,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, None, seqlen_q, seqlen_k,
                  qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
-                 CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER)
+                 CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)
 
 
 @gluon.jit
@@ -699,14 +723,14 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
                            sched_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                            OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr):
+                           PRODUCER_REGS: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr = False):
     """attn_fwd_ws_kernel (fp16/bf16) with persistent CTAs that walk host-made tile lists (TILE_ORDER_LPT, two Q
     buffer sets): sched_ptr int32, [S, then per CTA: count, tiles, padding] (_lpt_row; ops/gluon_attention.py
     lpt_schedule); a grid of as many CTAs as the lists. A kernel of its own so that the others keep their
     parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                  qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
-                 CONSUMER_REGS, PRODUCER_REGS, False, 2, 0, 5, TILE_ORDER_LPT)
+                 CONSUMER_REGS, PRODUCER_REGS, False, 2, 0, 5, TILE_ORDER_LPT, SPLIT_KV_RELEASE)
 
 
 @gluon.jit
@@ -715,7 +739,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                            CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                           TILE_ORDER: gl.constexpr = 0):
+                           TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
 
     q_desc, k_desc as there (blocks [64, HEAD_DIM], [BLOCK_N, HEAD_DIM]); vt_desc views V^T as the 2-D
@@ -726,7 +750,7 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, None,
                  seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                 OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER)
+                 OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER, SPLIT_KV_RELEASE)
 
 
 @gluon.jit
@@ -735,7 +759,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr):
+                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
     Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
     _exp2_mixed (0: every exp2 on the MUFU unit). TILE_ORDER: see _units."""
@@ -750,6 +774,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(Q_BUFFERS * NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
@@ -758,48 +783,49 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(k_empty.index(s), count=NUM_CONSUMERS)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
-            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, out_ptr,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
                          lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER)),
+                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [1], [PRODUCER_REGS])
