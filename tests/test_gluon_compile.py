@@ -62,6 +62,9 @@ ablations = [(128, "bf16", True, GluonFwdConfig(num_consumers=nc, overlap=ov, pi
                                                 num_stages=st, block_n=bn))
              for nc, ov, pp, ps, st, bn in [(1, True, False, False, 2, 128), (2, True, True, False, 2, 128),
                                             (2, False, True, True, 2, 128), (2, False, False, False, 3, 64)]]
+# K and V released apart on the plain loop, and the overlapped one with the ping-pong (probe variants)
+ablations += [(128, "bf16", False, GluonFwdConfig(split_release=True)),
+              (128, "bf16", False, GluonFwdConfig(overlap=True, split_release=True, pingpong=True))]
 # two Q buffer sets for persistent CTAs (non-causal and causal: the loop unrolled by two)
 ablations += [(d, "bf16", causal, GluonFwdConfig(persistent=True, q_buffers=2, num_stages=2 if d > 64 else 3))
               for d, causal in [(128, False), (64, False), (128, True)]]

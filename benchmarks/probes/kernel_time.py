@@ -4,7 +4,8 @@ of the figure, and the implementations are timed in rotated rounds (each round a
 median reported. Our forward (flash_attn, the dispatch) beside cuDNN (SDPA) and FlashAttention-3 (FlashInfer's fa3
 backend, when importable), bf16, and our FP8 forward (e4m3 q, k, v; the V transpose it needs counted in).
 --modes fwd+bwd: forward and backward (torch.autograd.grad of q, k, v; every kernel of the step counted), for the
-implementations that have a backward (ours, cuDNN).
+implementations that have a backward (ours, cuDNN). --impls gluon:<variant> adds our Gluon forward with one of
+benchmarks/probes/gluon_fwd.py's VARIANTS (e.g. gluon:no-overlap, gluon:lpt+overlap) beside them.
 
     PYTHONPATH=. python benchmarks/probes/kernel_time.py [--shapes 1x16384x16] [--headdims 128,64] [--rounds 5]
         [--modes fwd,fwd+bwd]
@@ -39,9 +40,27 @@ def kernel_us_per_call(fn, args, calls: int) -> float:
     return total / calls
 
 
+def _gluon_variant(name: str):
+    """Builder of "gluon:<variant>": our Gluon forward with one of benchmarks/probes/gluon_fwd.py's VARIANTS (its
+    overrides on top of the resolved config of each shape), forward only."""
+    import dataclasses
+
+    from flashdecode.ops import gluon_attention as ga
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gluon_fwd import VARIANTS
+
+    overrides = VARIANTS[name.split(":", 1)[1]]
+
+    def build(q, k, v, causal):
+        cfg = dataclasses.replace(ga.resolve_gluon_config(q.shape[-1], causal, k.shape[1]), **overrides)
+        return (lambda a, b, c: ga.gluon_attention_forward(a, b, c, causal=causal, config=cfg)[0]), (q, k, v)
+    return build
+
+
 def _step(name: str, mode: str, q, k, v, causal):
     """(fn, args) of one call of implementation ``name``: its forward, or forward + torch.autograd.grad."""
-    fn, inputs = BUILDERS[name](q, k, v, causal)
+    fn, inputs = (_gluon_variant(name) if name.startswith("gluon:") else BUILDERS[name])(q, k, v, causal)
     if mode == "fwd":
         return fn, inputs
     inputs = tuple(x.detach().requires_grad_() for x in inputs)
@@ -55,7 +74,7 @@ def time_point(args, mode: str, d: int, b: int, s: int, h: int, hkv: int, causal
     q, k, v = (torch.randn(b, s, n, d, generator=gen).to("cuda", torch.bfloat16) for n in (h, hkv, hkv))
     calls = {}
     for name in args.impls.split(","):
-        if mode != "fwd" and name in FORWARD_ONLY:
+        if mode != "fwd" and (name in FORWARD_ONLY or name.startswith("gluon:")):
             continue
         try:
             fn, inputs = _step(name, mode, q, k, v, causal)
@@ -80,7 +99,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x16384x16", help="BxSxH[/HKV],...")
     ap.add_argument("--headdims", default="128,64")
-    ap.add_argument("--impls", default="ours,cuDNN,FA3,fp8", help="names of flashdecode.bench.prefill BUILDERS")
+    ap.add_argument("--impls", default="ours,cuDNN,FA3,fp8", help="names of flashdecode.bench.prefill BUILDERS, or gluon:<name of gluon_fwd.py's VARIANTS>")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--modes", default="fwd", help="fwd and / or fwd+bwd")
