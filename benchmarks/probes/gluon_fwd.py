@@ -89,6 +89,9 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     # the overlapped loop where launches up to 8k keys resolve to persistent CTAs: host tile lists, or one CTA a tile
     "lpt+overlap": dict(persistent=True, q_buffers=2, tile_order="lpt", overlap=True, split_release=True),
     "cta+overlap": dict(persistent=False, q_buffers=1, tile_order="round_robin", overlap=True, split_release=True),
+    # hd64 from 16k keys: two consumer warpgroups with the overlapped loop instead of three plain ones (sm_90
+    # compile: no spills, where three with the overlap spill 80 bytes non-causal, 496 causal)
+    "2wg+overlap": dict(num_consumers=2, consumer_regs=240, overlap=True, split_release=True),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
     "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
