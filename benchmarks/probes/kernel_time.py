@@ -99,7 +99,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x16384x16", help="BxSxH[/HKV],...")
     ap.add_argument("--headdims", default="128,64")
-    ap.add_argument("--impls", default="ours,cuDNN,FA3,fp8", help="names of flashdecode.bench.prefill BUILDERS, or gluon:<name of gluon_fwd.py's VARIANTS>")
+    ap.add_argument("--impls", default="ours,cuDNN,FA3,fp8",
+                    help="names of flashdecode.bench.prefill BUILDERS, or gluon:<name of gluon_fwd.py's VARIANTS>")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--modes", default="fwd", help="fwd and / or fwd+bwd")

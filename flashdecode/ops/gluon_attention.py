@@ -106,8 +106,9 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
     memory; hd64 tiles are half the size, so three stages fit with room to spare.
 
-    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64; causal hd128 beyond that
-    takes the host-made longest-first tile lists of tile_order="lpt"): there each tile is a few
+    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64; hd128 causal launches beyond
+    4k and non-causal ones of 1k-8k keys take the host-made longest-first tile lists of tile_order="lpt" with the
+    overlapped loop, see below): there each tile is a few
     blocks, and a CTA that stays resident loads the next tile's first K/V blocks under the current tile's last ones
     and its epilogue (H100, 16 x 1k: +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128,
     and at 4k-8k non-causal hd128 2-6% slower. A causal persistent CTA takes its tiles in
@@ -137,19 +138,21 @@ def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) 
     # on it): H100 kernel time, 1 x 16k x 16 heads, 652.2 -> 705.7 TFLOP/s, causal 628.8 -> 690.9 (cuDNN 647.9 /
     # 634.6, FA3 707.5 / 715.6 in the same run; docs/decisions.md). Not on the short persistent launches: with the
     # two Q buffer sets' unrolled tile loop they spill and lost (16 x 1k causal 427.7 -> 241.1, 4 x 4k causal
-    # 589.7 -> 551.5; non-causal 16 x 1k 592.4 -> 588.9)
+    # 589.7 -> 551.5; non-causal 16 x 1k 592.4 -> 588.9).
     # Host tile lists with the overlapped loop instead: causal launches beyond 4k keys, non-causal ones of 1k-8k
     # keys (kernel time: 2 x 8k causal 617.7 -> 643.1; non-causal 16 x 1k 595.5 -> 616.5, 4 x 4k 687.7 -> 707.2,
     # 2 x 8k 707.9 -> 713.7; 4 x 4k causal lost, 587.5 -> 569.6).
-    fa3_loop = dict(overlap=True, split_release=True) if headdim == 128 else {}
     if headdim == 128 and (seqlen_k > LPT_OVERLAP_CAUSAL_MIN_KEYS if causal
                            else LPT_OVERLAP_MIN_KEYS <= seqlen_k <= PERSISTENT_MID_MAX_KEYS):
-        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt", **fa3_loop)
+        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt", overlap=True,
+                              split_release=True)
+    stages = 2 if headdim > 64 else 3
     if persistent:
-        return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, persistent=True, q_buffers=2,
+        return GluonFwdConfig(num_stages=stages, persistent=True, q_buffers=2,
                               tile_order="pairs" if causal else "round_robin")
-    # (causal launches get here only with seqlen_k unknown (0): the overlapped causal loop spills one CTA per tile)
-    return GluonFwdConfig(num_stages=2 if headdim > 64 else 3, **({} if causal else fa3_loop))
+    # causal launches get here only with seqlen_k unknown (0): the overlapped causal loop spills one CTA per tile
+    fa3_loop = headdim == 128 and not causal
+    return GluonFwdConfig(num_stages=stages, overlap=fa3_loop, split_release=fa3_loop)
 
 
 def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:

@@ -104,9 +104,11 @@ class Attention(nn.Module):
         # otherwise rotary, then write_kv's quantising append_kv)
         quant = isinstance(k_cache, QuantPages)
         if use_fused and self.fused_rope and rotary.has_table and (not quant or fused.QUANT_ROPE_STORE):
-            k_pages, v_pages, scales = (k_cache.data, v_cache.data, dict(k_scale=k_cache.scale,
-                                                                         v_scale=v_cache.scale)) if quant \
-                else (k_cache, v_cache, {})
+            if quant:
+                k_pages, v_pages, scales = k_cache.data, v_cache.data, dict(k_scale=k_cache.scale,
+                                                                            v_scale=v_cache.scale)
+            else:
+                k_pages, v_pages, scales = k_cache, v_cache, {}
             q, k, v = fused.rope_and_store(qkv, positions, rotary.cos_table, rotary.sin_table, meta.slot_mapping,
                                            k_pages, v_pages, self.nheads, self.nheads_kv, self.head_dim,
                                            pdl=self.use_pdl, **scales)

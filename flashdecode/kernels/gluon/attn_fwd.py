@@ -266,8 +266,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS,
-                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
+                                        NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
+                                        SPLIT_KV_RELEASE)
             uses += 1
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
@@ -275,13 +276,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS,
-                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
+                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
+                                        NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
+                                        SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
-                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
-                                            seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                            CAUSAL, V_T, SPLIT_KV_RELEASE)
+                                            q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                            k_empty, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                                            NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
                 uses_second += 1
             uses += 1
 
@@ -437,7 +439,8 @@ def _pingpong_leave(turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
 def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, g, n_start, rows, acc, m_i, l_i,
                           seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                          PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
+                          PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
+                          SPLIT_KV_RELEASE: gl.constexpr):
     """One key block (the CTA's g-th, keys from n_start) without cross-block overlap: S = Q K^T, softmax,
     O = alpha O + P V, release the slot."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
@@ -472,7 +475,8 @@ def _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty
 def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, g, n_start, rows, acc, p, m_i,
                             l_i, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                            PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
+                            PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
+                            SPLIT_KV_RELEASE: gl.constexpr):
     """The CTA's g-th key block with FA3's intra-warpgroup overlap; p holds block g-1's probabilities.
 
     Issue S_g = Q K_g^T and O += P_{g-1} V_{g-1} back to back (both async), wait for S_g only, run block g's softmax
@@ -510,8 +514,8 @@ def _consumer_block_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_emp
 
 
 @gluon.jit
-def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done, n_full, n_blocks, rows,
-                         seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done, n_full, n_blocks,
+                         rows, seqlen_q, seqlen_k, qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """All key blocks of one tile for one warpgroup, unmasked blocks first. Returns (acc, m_i, l_i)."""
@@ -522,14 +526,14 @@ def _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
     l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
     for i in range(0, n_full):
-        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done + i,
-                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
-                                              CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG,
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                              blocks_done + i, i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k,
+                                              qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG,
                                               EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     for i in range(n_full, n_blocks):
-        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done + i,
-                                              i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k, qk_scale_log2,
-                                              CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG,
+        acc, m_i, l_i = _consumer_block_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                              blocks_done + i, i * BLOCK_N, rows, acc, m_i, l_i, seqlen_q, seqlen_k,
+                                              qk_scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG,
                                               EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     return acc, m_i, l_i
 
@@ -615,8 +619,8 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
     mbarrier.wait(q_ready.index(BUF * NUM_CONSUMERS + CONSUMER), uses & 1)
     n_blocks = n_end // BLOCK_N
     if OVERLAP:
-        acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done,
-                                               n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+        acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                               blocks_done, n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
                                                scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
                                                EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     else:
@@ -631,12 +635,12 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
 
 
 @gluon.jit
-def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
-              out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k, qk_scale_log2,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr,
-              SPLIT_KV_RELEASE: gl.constexpr):
+def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
+              turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+              qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
+              TILE_ORDER: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """One warpgroup: for each of the CTA's tiles (in the producer's order and Q buffer sets), rows
     [CONSUMER * 64, CONSUMER * 64 + 64) against all visited key blocks, then the normalised output (masked pointer
     store) and the natural-log lse (_consume_tile). e4m3 inputs: the tile's q_descale * k_descale joins the logit
@@ -646,9 +650,9 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
-                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
-                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr,
+                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             uses += 1
     else:
@@ -657,14 +661,14 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
             blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
-                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
-                                        v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP,
-                                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                                        q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr,
+                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS,
+                                        GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                                            lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
+                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                                            out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
                                             qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
                 uses_second += 1
@@ -715,7 +719,8 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, None, seqlen_q, seqlen_k,
                  qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
-                 CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)
+                 CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER,
+                 SPLIT_KV_RELEASE)
 
 
 @gluon.jit
@@ -759,7 +764,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
+                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr,
+                 SPLIT_KV_RELEASE: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
     Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
     _exp2_mixed (0: every exp2 on the MUFU unit). TILE_ORDER: see _units."""
@@ -789,43 +795,43 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
     # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr,
-                         lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
+                         out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
                          qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [1], [PRODUCER_REGS])
