@@ -1,7 +1,7 @@
 """Probe: the warp-specialised Gluon attention backward on Hopper - correctness, then forward+backward speed.
 
     PYTHONPATH=. python benchmarks/probes/gluon_bwd.py [--quick] [--check/--no-check] [--bwd-only] [--ablation]
-        [--headdim 64|128]
+        [--headdim 64|128] [--config block_m=128,num_stages=2]
 
 1. Correctness (a few shapes: odd lengths, GQA, causal, hd 64/128, bf16/fp16, deterministic and atomic dQ): dq, dk,
    dv of the Gluon kernel against the float64 reference with the FlashAttention rule for gradients (error <= 3x a
@@ -15,6 +15,8 @@
    own rate (fwd+bwd time minus fwd time, 2.5x the forward's flops). --bwd-only also times the Gluon backward
    by itself: dQ by TMA reduce-add (the default) and by the consumers' atomics (dq_tma=False), deterministic or
    not; --ablation times only those (three of them), at hd128 unless --headdim says otherwise.
+--config overrides fields of the resolved GluonBwdConfig for the whole run (correctness pass, flash_attn's
+dispatch, the ablation): an A/B of a tile shape is two runs, with and without it.
 Writes gluon_bwd.json to $OUT (or the current directory) and prints a table last.
 """
 
@@ -49,13 +51,29 @@ def _grads(q, k, v, dout, causal, dtype):
     return [x.grad for x in leaves]
 
 
-def check_correctness() -> list[dict]:
+def _override_bwd_config(overrides: dict) -> None:
+    """Every backward of this process (the dispatch's and the probe's own) resolves to the config with overrides."""
+    resolve = ga.resolve_gluon_bwd_config
+    ga.resolve_gluon_bwd_config = lambda headdim: dataclasses.replace(resolve(headdim), **overrides)
+
+
+def _parse_overrides(text: str) -> dict:
+    """"block_m=128,num_stages=2" -> {"block_m": 128, "num_stages": 2} (ints and true / false)."""
+    def value(text):
+        return int(text) if text.isdigit() else {"true": True, "false": False}[text.lower()]
+
+    return {key: value(v) for key, v in (item.split("=", 1) for item in text.split(",") if item)}
+
+
+def check_correctness(headdims=(128, 64)) -> list[dict]:
     cases = [(2, 128, 128, 4, 4, 128, torch.bfloat16), (1, 333, 517, 4, 2, 128, torch.float16),
              (2, 517, 333, 8, 2, 64, torch.bfloat16), (3, 1, 300, 4, 1, 64, torch.float16),
              (1, 1000, 999, 2, 2, 128, torch.bfloat16), (1, 300, 100, 2, 2, 128, torch.bfloat16),
              (1, 4096, 4096, 8, 2, 128, torch.bfloat16)]
     rows = []
     for b, sq, sk, h, hkv, d, dtype in cases:
+        if d not in headdims:
+            continue
         for causal in (False, True):
             q, k, v, dout = _inputs(b, sq, sk, h, hkv, d, dtype, seed=sq + sk)
             ref = _grads(q, k, v, dout, causal, torch.float64)
@@ -189,16 +207,20 @@ def main():
                     help="only the Gluon backward alone: default, non-deterministic, atomic dQ (no correctness pass)")
     ap.add_argument("--headdim", type=int, choices=(64, 128), default=None,
                     help="one head dim (default: 128 with --quick / --ablation, else both)")
+    ap.add_argument("--config", default="", help="GluonBwdConfig overrides for the run, e.g. block_m=128,num_stages=2")
     args = ap.parse_args()
+    if args.config:
+        _override_bwd_config(_parse_overrides(args.config))
     headdims = (args.headdim, ) if args.headdim else (128, ) if args.quick or args.ablation else (128, 64)
     if args.quick:
         os.environ[AUTOTUNE_ENV] = "0"  # the Triton backward's first (default) tile config, no autotuning
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}"
           + ("; Triton backward not autotuned" if args.quick else ""), flush=True)
-    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, quick=args.quick)
+    result = dict(device=dev, torch=torch.__version__, triton=triton.__version__, quick=args.quick,
+                  config=args.config)
     if args.check if args.check is not None else not (args.quick or args.ablation):
-        result["correctness"] = check_correctness()
+        result["correctness"] = check_correctness(headdims)
         bad = [r for r in result["correctness"] if not r["ok"]]
         for r in result["correctness"]:
             mark = "ok " if r["ok"] else "BAD"

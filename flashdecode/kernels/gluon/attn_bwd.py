@@ -240,13 +240,14 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
         for c in gl.static_range(2):
             _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
                             dq_aux.index(c))
+        tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
+        # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
+        # L2 as long as a step) then overlaps their next step instead of delaying it.
+        mbarrier.arrive(dq_empty.index(0), count=1)
         if DETERMINISTIC:
             _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
             gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
             gl.atomic_add(sem, 1, sem="release", scope="gpu")
-        else:
-            tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
-        mbarrier.arrive(dq_empty.index(0), count=1)
 
 
 @gluon.jit
