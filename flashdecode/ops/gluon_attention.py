@@ -601,13 +601,16 @@ class GluonBwdConfig:
     """One launch of attn_bwd_ws_kernel: a CTA holds block_n = 128 keys (two consumer warpgroups of 64) and walks
     query blocks of block_m rows through a ring of num_stages Q / dO slots; dq_tma = dQ added by a writer warp's
     TMA reduce-adds from a staging buffer (else by the consumers' 16-byte atomics); consumer_regs / producer_regs
-    as GluonFwdConfig's."""
+    as GluonFwdConfig's. tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) launches its key
+    blocks heaviest first instead of last (kernels/gluon/attn_bwd.py _key_block), so that the grid does not end
+    on its heaviest blocks; built and compiled for sm_90, not yet timed, hence off."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_tma: bool = True
     consumer_regs: int = 240
     producer_regs: int = 24
+    tail_heavy_first: bool = False
 
     @property
     def block_n(self) -> int:
@@ -681,7 +684,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                  scale, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
                                  DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
-                                 PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+                                 PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first,
+                                 num_warps=4)
     return dq_acc.to(q.dtype), dk, dv
 
 

@@ -85,21 +85,29 @@ def _atomic_layout(cols):
 
 @gluon.jit
 def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               DETERMINISTIC: gl.constexpr):
-    """This CTA's key block and the query blocks it visits.
+               DETERMINISTIC: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
+    """This CTA's key block and its walk over the query blocks.
 
-    Returns (batch, head_kv, pid_n, n_start, m_lo, m_full, num_m): query blocks [m_lo, m_full) need the mask (the
-    causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the query
-    blocks that see none of the keys (causal).
+    Returns (batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down): query blocks [m_lo, m_full) need the
+    mask (the causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the
+    query blocks that see none of the keys (causal). For each query head of the group, step i visits query block
+    _step_block(i, ...): m_lo + i, or where walk_down num_m - 1 - i.
     The grid runs a head's key blocks first to last - causal, the heaviest first (each sees the most query rows)
     - except causal DETERMINISTIC, which runs them last to first: there block j waits for the later blocks'
     additions (_turn), and a CTA must only ever wait for CTAs launched before it (a head's blocks can outnumber
-    the SMs: waiting for one not yet resident could deadlock)."""
+    the SMs: waiting for one not yet resident could deadlock). That puts the grid's heaviest blocks last, where
+    nothing is left to fill the SMs beside them; TAIL_HEAVY_FIRST (walk_down) turns the grid's last (batch, kv
+    head) around: its blocks launch heaviest first and walk their query blocks last to first, all through the
+    masked step, and the earlier key block adds first - so block j waits only for blocks launched before it,
+    which start at the same last query block and lead it by one addition."""
     pid_n = gl.program_id(0)
-    if CAUSAL and DETERMINISTIC:
-        pid_n = gl.num_programs(0) - 1 - pid_n
     head_kv = gl.program_id(1)
     batch = gl.program_id(2)
+    walk_down = False  # (a constant unless TAIL_HEAVY_FIRST: the selects below fold away)
+    if CAUSAL and DETERMINISTIC:
+        if TAIL_HEAVY_FIRST:
+            walk_down = (head_kv == gl.num_programs(1) - 1) & (batch == gl.num_programs(2) - 1)
+        pid_n = gl.where(walk_down, pid_n, gl.num_programs(0) - 1 - pid_n)
     n_start = pid_n * BLOCK_N
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     m_lo = 0
@@ -110,7 +118,13 @@ def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         m_full = gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag, 0), BLOCK_M), num_m)
     if n_start + BLOCK_N > seqlen_k:
         m_full = num_m
-    return batch, head_kv, pid_n, n_start, m_lo, m_full, num_m
+    return batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down
+
+
+@gluon.jit
+def _step_block(i, m_lo, num_m, walk_down):
+    """The query block of a CTA's step i within one query head (see _key_block)."""
+    return gl.where(walk_down, num_m - 1 - i, m_lo + i)
 
 
 @gluon.jit
@@ -118,14 +132,14 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
                   delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
                   NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                  DQ_TMA: gl.constexpr):
+                  DQ_TMA: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
     """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
     dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
     order."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = HEAD_DIM // 2
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                     DETERMINISTIC)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
+        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
     kv_row = batch * seqlen_k + n_start
     kv_col = head_kv * HEAD_DIM
     if DQ_TMA:
@@ -140,7 +154,7 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
-        m = m_lo + it % n_iter
+        m = _step_block(it % n_iter, m_lo, num_m, walk_down)
         q_row = batch * seqlen_q + m * BLOCK_M
         row_tile = (batch * NUM_HEADS + head) * num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
         slot = it % NUM_STAGES
@@ -155,19 +169,20 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
 
 
 @gluon.jit
-def _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          CAUSAL: gl.constexpr):
     """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
 
     The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
     all of m's rows, and causal hides later blocks first). Non-causal: ascending. Causal: descending - block j
     starts at its diagonal, where no later block has work, so with every block running at the same pace none
     waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
-    head would end with the longest)."""
+    head would end with the longest) - except where the blocks walk down from the last query block (walk_down,
+    see _key_block): there ascending."""
+    turn = pid_n
     if CAUSAL:
         visiting = gl.minimum(gl.cdiv((m + 1) * BLOCK_M + seqlen_k - seqlen_q, BLOCK_N), gl.cdiv(seqlen_k, BLOCK_N))
-        turn = visiting - 1 - pid_n
-    else:
-        turn = pid_n
+        turn = gl.where(walk_down, pid_n, visiting - 1 - pid_n)
     return turn
 
 
@@ -182,7 +197,7 @@ def _wait_turn(sem, ticket):
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER: gl.constexpr,
+def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, walk_down, CONSUMER: gl.constexpr,
             NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
             DETERMINISTIC: gl.constexpr):
     """Add this warpgroup's dQ columns dq (BLOCK_M, HEAD_DIM // 2) fp32 of query block m into dq_acc (rows past
@@ -200,7 +215,7 @@ def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_
     mask = gl.expand_dims(rows < seqlen_q, 1)
     if DETERMINISTIC:
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
-        _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+        _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
         gl.thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -219,24 +234,25 @@ def _bulk_wait_done(x):
 @gluon.jit
 def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
                GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-               DQ_TMA: gl.constexpr):
+               DQ_TMA: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
-    reduce-adds, wait until they are done (the buffer is then free, and the sums written), and release the buffer.
-    DETERMINISTIC: waits for its turn first (key-block order) and passes it on after. Rows past seqlen_q add
-    exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops them)."""
+    reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
+    order), and after the release waits for the sums to be written before passing the turn on. Rows past
+    seqlen_q add exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops
+    them)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                     DETERMINISTIC)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
+        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter if DQ_TMA else 0):
         head = head_kv * GROUP + it // n_iter
-        m = m_lo + it % n_iter
+        m = _step_block(it % n_iter, m_lo, num_m, walk_down)
         mbarrier.wait(dq_full.index(0), it & 1)
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
         if DETERMINISTIC:
-            _wait_turn(sem, _turn(pid_n, m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+            _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         for c in gl.static_range(2):
             _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
                             dq_aux.index(c))
@@ -253,7 +269,7 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 @gluon.jit
 def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
               q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
-              seqlen_k, num_m, pid_n, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
+              seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
               CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
@@ -317,8 +333,8 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
         fence_async_shared()  # the writer's TMA (async proxy) reads what these generic stores wrote
         mbarrier.arrive(dq_full.index(0), count=1)
     else:
-        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, CONSUMER, NUM_HEADS, BLOCK_M,
-                BLOCK_N, CAUSAL, DETERMINISTIC)
+        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, walk_down, CONSUMER,
+                NUM_HEADS, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC)
     return dk, dv
 
 
@@ -340,13 +356,14 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
                   kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                   sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
+                  CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr,
+                  TAIL_HEAVY_FIRST: gl.constexpr):
     """One warpgroup: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's block against every visited query
-    block of the group's heads (masked ones first), then its dK (times sm_scale) and dV rows."""
+    block of the group's heads (the masked steps first), then its dK (times sm_scale) and dV rows."""
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m = _key_block(seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                     DETERMINISTIC)
+    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
+        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
     key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
@@ -360,18 +377,35 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
     n_iter = num_m - m_lo
     for g in range(GROUP):
         head = head_kv * GROUP + g
-        for m in range(m_lo, m_full):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, True,
-                               CAUSAL, DETERMINISTIC, DQ_TMA)
-        for m in range(m_full, num_m):
-            dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                               do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-                               dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                               qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, False,
-                               CAUSAL, DETERMINISTIC, DQ_TMA)
+        if TAIL_HEAVY_FIRST:
+            # in _step_block's order, the masked steps first (walk_down: every step). The loops of the default
+            # below stay over m, as they were timed: spelled over i they spill at hd128 causal.
+            n_masked = gl.where(walk_down, n_iter, m_full - m_lo)
+            for i in range(0, n_masked):
+                dk, dv = _bwd_step(g * n_iter + i, _step_block(i, m_lo, num_m, walk_down), head, batch, dk, dv,
+                                   k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_ready,
+                                   do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr,
+                                   seqlen_q, seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER,
+                                   NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, True, CAUSAL, DETERMINISTIC, DQ_TMA)
+            for i in range(n_masked, n_iter):
+                dk, dv = _bwd_step(g * n_iter + i, _step_block(i, m_lo, num_m, walk_down), head, batch, dk, dv,
+                                   k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_ready,
+                                   do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr,
+                                   seqlen_q, seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER,
+                                   NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, False, CAUSAL, DETERMINISTIC, DQ_TMA)
+        else:
+            for m in range(m_lo, m_full):
+                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
+                                   do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                                   dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                                   walk_down, qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                   NUM_STAGES, True, CAUSAL, DETERMINISTIC, DQ_TMA)
+            for m in range(m_full, num_m):
+                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
+                                   do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+                                   dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
+                                   walk_down, qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                   NUM_STAGES, False, CAUSAL, DETERMINISTIC, DQ_TMA)
     rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
     _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
@@ -382,14 +416,15 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
                        dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), num_warps=4 (the default partition is consumer 0).
     BLOCK_N must be 128 (two warpgroups of 64 keys); BLOCK_M (query rows per step) is q_desc's block rows.
     qk_scale_log2 = softmax_scale * log2(e); sm_scale = softmax_scale. GROUP = nheads // nheads_kv (GQA).
     DQ_TMA: dQ goes through a staging buffer and a writer warp's TMA reduce-adds (dq_desc: dq_acc's rows view
     (batch * seqlen_q, nheads * HEAD_DIM) fp32, block [BLOCK_M, HEAD_DIM // 2]; kh_desc unused); else the consumers
     add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
-    Tensors as the module docstring says."""
+    TAIL_HEAVY_FIRST (causal DETERMINISTIC only): the grid's last (batch, kv head) runs its key blocks heaviest
+    first (see _key_block). Tensors as the module docstring says."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is two warpgroups' 64 keys")
@@ -427,17 +462,17 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
         (_bwd_consumer, (0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
                          kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                          sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
         (_bwd_consumer, (1, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
                          kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
                          sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA)),
+                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
         (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem,
                          lse_smem, delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty,
                          seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA)),
+                         DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
         (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
-                      CAUSAL, DETERMINISTIC, DQ_TMA)),
+                      CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
