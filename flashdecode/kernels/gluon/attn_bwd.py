@@ -21,8 +21,9 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
   consumers neither hold addresses nor wait for the additions); otherwise the consumers add their halves with
   16-byte vector atomics (and read K's column halves from a copy of their own). DETERMINISTIC orders those
   additions: per (batch, head, query block[, column half]) a semaphore counts the key blocks that have added;
-  each key block waits for its turn (_turn: ascending block order, descending for causal) before adding, so the
-  fp32 sums happen in one fixed order and the result is bitwise reproducible.
+  each key block waits for its turn (_turn: ascending block order, descending for causal - ascending again for the
+  grid's last head under TAIL_HEAVY_FIRST, see _key_block) before adding, so the fp32 sums happen in one fixed
+  order and the result is bitwise reproducible.
 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
 row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
