@@ -151,7 +151,8 @@ kernels = [
 quant_pages = {"*fp8e4nv": 448.0, "*i8": 127.0}
 kernels += [(f"rope_and_store into {t[1:]} pages", fused._rope_store_kernel,
              dict(NHEADS=32, NHEADS_KV=8, HALF=64, BLOCK_H=32, BLOCK_HK=8, QUANT=True, QMAX=qmax),
-             dict(types=dict(K_CACHE=t, V_CACHE=t, K_SCALE="*fp32", V_SCALE="*fp32"))) for t, qmax in quant_pages.items()]
+             dict(types=dict(K_CACHE=t, V_CACHE=t, K_SCALE="*fp32", V_SCALE="*fp32")))
+            for t, qmax in quant_pages.items()]
 for name, fn, consts, opts in kernels:
     types = {n: t for n, t in pointers.items() if n in fn.arg_names}
     opts = dict(opts)

@@ -59,8 +59,8 @@ def _override_bwd_config(overrides: dict) -> None:
 
 def _parse_overrides(text: str) -> dict:
     """"block_m=128,num_stages=2" -> {"block_m": 128, "num_stages": 2} (ints and true / false)."""
-    def value(text):
-        return int(text) if text.isdigit() else {"true": True, "false": False}[text.lower()]
+    def value(word):
+        return int(word) if word.isdigit() else {"true": True, "false": False}[word.lower()]
 
     return {key: value(v) for key, v in (item.split("=", 1) for item in text.split(",") if item)}
 

@@ -270,9 +270,9 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
 @gluon.jit
 def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
               q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
-              seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr, NUM_HEADS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
-              CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
+              seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr,
+              NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
     """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
     updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on (DQ_TMA: staged in dq_aux for
     the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
