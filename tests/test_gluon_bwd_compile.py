@@ -1,9 +1,8 @@
 """The Gluon attention backward compiles for sm_90 on the CPU (Triton's bundled ptxas, no GPU): every variant the
-dispatch launches (head dim 64 / 128, causal or not, deterministic or not, bf16 and fp16; the tail_heavy_first
-option) is built on TMA loads,
-wgmma and mbarriers with per-partition register budgets, fits the H100's 227 KiB of shared memory, adds dQ with
-16-byte vector atomics and holds its state in registers. Its preprocess is plain Triton and runs in the
-interpreter: checked here against torch."""
+dispatch launches (head dim 64 / 128, causal or not, deterministic or not, bf16 and fp16; tail_heavy_first on, as
+resolved, and off) is built on TMA loads, wgmma and mbarriers with per-partition register budgets, fits the H100's
+227 KiB of shared memory, adds dQ with 16-byte vector atomics and holds its state in registers. Its preprocess is
+plain Triton and runs in the interpreter: checked here against torch."""
 
 import math
 
@@ -38,7 +37,7 @@ def compile_variant(d, dtype, causal, deterministic, cfg):
     fn = attn_bwd_ws_kernel
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
                   DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
-                  PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first)
+                  PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first_for(causal, deterministic))
     row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
                  delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
@@ -58,8 +57,8 @@ variants = [(d, "bf16", causal, True, resolve_gluon_bwd_config(d)) for d in (64,
 variants += [(d, "bf16", True, False, resolve_gluon_bwd_config(d)) for d in (64, 128)]
 variants.append((128, "fp16", True, True, resolve_gluon_bwd_config(128)))
 variants.append((128, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)))
-# the grid's last head walking down (causal deterministic), both head dims
-variants += [(d, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_config(d), tail_heavy_first=True))
+# tail_heavy_first off (every head's key blocks launch lightest first; causal deterministic), both head dims
+variants += [(d, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_config(d), tail_heavy_first=False))
              for d in (64, 128)]
 for d, dtype, causal, det, cfg in variants:
     kernel = compile_variant(d, dtype, causal, det, cfg)

@@ -603,18 +603,24 @@ class GluonBwdConfig:
     TMA reduce-adds from a staging buffer (else by the consumers' 16-byte atomics); consumer_regs / producer_regs
     as GluonFwdConfig's. tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) launches its key
     blocks heaviest first instead of last (kernels/gluon/attn_bwd.py _key_block), so that the grid does not end
-    on its heaviest blocks; built and compiled for sm_90, not yet timed, hence off."""
+    on its heaviest blocks (the deterministic causal backward alone on the H200, 16k: hd128 496.4 -> 525.5
+    TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for)."""
 
     block_m: int = 64
     num_stages: int = 2
     dq_tma: bool = True
     consumer_regs: int = 240
     producer_regs: int = 24
-    tail_heavy_first: bool = False
+    tail_heavy_first: bool = True
 
     @property
     def block_n(self) -> int:
         return 128
+
+    def tail_heavy_first_for(self, causal: bool, deterministic: bool) -> bool:
+        """The kernel's TAIL_HEAVY_FIRST for a launch: only causal deterministic launches change their order; the
+        others keep the kernels they were timed as (the option's loops would compile differently there)."""
+        return self.tail_heavy_first and causal and deterministic
 
 
 def resolve_gluon_bwd_config(headdim: int) -> GluonBwdConfig:
@@ -684,7 +690,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                  scale, NUM_HEADS=nheads, GROUP=nheads // nheads_kv, BLOCK_N=cfg.block_n,
                                  NUM_STAGES=cfg.num_stages, CAUSAL=causal, DETERMINISTIC=deterministic,
                                  DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
-                                 PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first,
+                                 PRODUCER_REGS=cfg.producer_regs,
+                                 TAIL_HEAVY_FIRST=cfg.tail_heavy_first_for(causal, deterministic),
                                  num_warps=4)
     return dq_acc.to(q.dtype), dk, dv
 
