@@ -71,6 +71,12 @@ DECODE_QUANT_MAX_SPLITS = 128
 # (V), and (GPU) K converted before its layout change like V, which keeps q_k's mma fragments ldmatrix-loaded
 # (docs/decisions.md, "8-bit cache tiles"); False: the conversion instructions, K converted after (the A/B baseline).
 DECODE_QUANT_BIT_CONVERT = True
+# 8-bit caches keep the softmax row sums per key column and sum them once after the KV loop (DecodeConfig
+# softmax_sum_tile: no cross-warp sum per block, 8 -> 5 barriers in the contiguous loop): the latency-bound 8-bit
+# loop gained on both Hopper parts (e4m3, per-token scales, `fp8_decode --sweep`: H200 b1 16/2 128k 28.6 -> 27.0 us,
+# 32k 13.2 -> 13.1, Llama-3-8B b16 8k 96.2 -> 93.6; H100 33.1 -> 32.9, 13.4 -> 13.1; docs/decisions.md). Batch-
+# invariant decode keeps its per-block sums (its 8-warp tiles were not timed with it).
+DECODE_QUANT_SUM_TILE = True
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -399,7 +405,8 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
         persistent_programs=(choice.persistent_programs or dev.num_sms) * _program_waves(p.elem_bytes, dev),
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
-        device_split_slots=slots, **decode_quant_convert(dev))
+        device_split_slots=slots, softmax_sum_tile=DECODE_QUANT_SUM_TILE and p.elem_bytes == 1,
+        **decode_quant_convert(dev))
     return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
                                                          may_reduce and choice.device_splits and not persistent))
 

@@ -243,12 +243,14 @@ def test_eight_bit_caches_take_16_kib_tiles_on_4_warps():
             assert config.block_n * p.block_d <= hx.DECODE_QUANT_TILE_BYTES
             bf16 = hx.resolve_decode_config(dataclasses.replace(p, elem_bytes=2), _HOPPER)
             assert bf16.num_warps == 4
+            # the 8-bit loop keeps its row sums per key column (no cross-warp sum per block); 16-bit caches do not
+            assert config.softmax_sum_tile and not bf16.softmax_sum_tile
     # the tiny tile of short gathered splits (8 KiB): 4 warps
     assert hx.decode_quant_tile(_problem(elem_bytes=1), 64) == (64, 4)
     # batch-invariant decode follows the same rule (head dim and dtype only)
     # batch-invariant decode keeps its 8 warps at hd128 (DECODE_QUANT_FIXED_SPLIT_ELEMS_PER_WARP)
     config = hx.batch_invariant_config(_problem(elem_bytes=1, batch=3), _HOPPER)
-    assert (config.block_n, config.num_warps) == (128, 8)
+    assert (config.block_n, config.num_warps) == (128, 8) and not config.softmax_sum_tile
 
 
 def test_eight_bit_caches_get_twice_the_programs_on_the_gpu():
