@@ -24,16 +24,24 @@ from flashdecode.bench import report  # noqa: E402
 
 INTRO = """# Benchmarks
 
-Measured on one H100 80GB HBM3 (SXM) with every peer in the same run. Decode: CUDA-graph replays of 32+ calls with
-the K/V sets rotated beyond L2, median of 20 replays; the floor is the K/V bytes over the copy bandwidth measured
-in the same run. Prefill: `triton.testing.do_bench` median, TFLOP/s = 4 b h s^2 d (halved when causal, x3.5 for
+Measured on one H100 80GB HBM3 (SXM), or an H200 where a section or line says so, with every peer in the same
+run. Decode: CUDA-graph replays of 32+ calls with the K/V sets rotated beyond L2, median of 20 replays; the floor is
+the K/V bytes over the copy bandwidth measured in the same run. Prefill: `triton.testing.do_bench` median, or the
+kernels' own time from the CUDA trace where a section says so, TFLOP/s = 4 b h s^2 d (halved when causal, x3.5 for
 forward + backward). E2E: the engine's CUDA-graphed decode step, tokens/s against the roofline (weights + KV bytes
-per token over the copy bandwidth). Each section names its record in `benchmarks/results/latest/` (JSON with every
-row, the git commit and the command); `python scripts/write_benchmarks_md.py` regenerates this page and the figures.
+per token over the copy bandwidth). Each section names its record in `benchmarks/results/latest/` or
+`benchmarks/results/` (JSON with every row, and for `flashdecode bench` the git commit and the command);
+`python scripts/write_benchmarks_md.py` regenerates this page and the figures.
 """
 # The targets of the open work, one line each with the measured value and its record: written by hand (the numbers
 # come from several records and probes), placed after the introduction.
 TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "targets.md"
+# The Gluon Hopper prefill kernels against their peers by kernel time (benchmarks/probes/kernel_time.py records, in
+# benchmarks/results/): the newest run of each shape group, on the machine lent last. The prefill section below is
+# `bench prefill`'s record, which predates these kernels.
+KERNEL_TIME_RECORDS = ["kernel_time_nvidia-h200_2026-11-28T0932.json",
+                       "kernel_time_16x1k_nvidia-h200_2026-11-28T1104.json",
+                       "kernel_time_fwdbwd_nvidia-h200_2026-11-28T1125.json"]
 
 
 def _fmt_tokens(n: int) -> str:
@@ -110,12 +118,48 @@ def _prefill_section(record: dict) -> list[str]:
                      + f" | {_num(speed, '.2f')} | {_num(r.get('ours_%peak'), '.0f')} |")
     long = [r for r in record["rows"] if r["seqlen"] >= 8192 and r.get("ours/FA2")]
     short = [r for r in record["rows"] if r["seqlen"] < 8192 and r.get("ours/FA2")]
-    text = (f"TFLOP/s ({record['rows'][0]['dtype']}, {record['rows'][0]['nheads']} heads). At long sequences ours is "
+    text = (f"TFLOP/s ({record['rows'][0]['dtype']}, {record['rows'][0]['nheads']} heads). This record predates the "
+            f"Gluon Hopper kernels (see the kernel-time section above for those). At long sequences ours is "
             f"{min(r['ours/FA2'] for r in long):.2f}-{max(r['ours/FA2'] for r in long):.2f}x FlashAttention-2 "
             f"(forward and forward + backward); cuDNN stays ahead on every row. Short sequences (16 x 1k) are "
             f"host-bound and noisy ({min(r['ours/FA2'] for r in short):.2f}-{max(r['ours/FA2'] for r in short):.2f}x "
             f"FA2; docs/performance_notes.md).") if long and short else ""
     return [text, ""] + lines
+
+
+def _kernel_time_section(results: Path) -> str:
+    """One table of KERNEL_TIME_RECORDS: TFLOP/s of ours and each peer per (mode, head dim, shape, mask), the
+    forward rows of a fwd+bwd record's run left to the forward record."""
+    rows, devices, names = [], set(), []
+    for name in KERNEL_TIME_RECORDS:
+        path = results / name
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        devices.add(f"{record['device']}, torch {record['torch']}")
+        names.append(name)
+        rows += record["rows"]
+    if not rows:
+        return ""
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "ours"))
+    cells = {}
+    for r in rows:
+        key = (r["mode"], r["d"], r["b"], r["s"], r["causal"])
+        cells.setdefault(key, {})[r["impl"]] = r["tflops"]
+    lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(impls) + " | ours / best |",
+             "|" + "---|" * (6 + len(impls))]
+    for (mode, d, b, seqlen, causal), v in cells.items():
+        best = max((v[i] for i in impls if v.get(i)), default=None)
+        ratio = v["ours"] / best if best and v.get("ours") else None
+        lines.append(f"| {mode} | {d} | {b}x{_fmt_tokens(seqlen)} | {'yes' if causal else 'no'} | "
+                     f"{_num(v.get('ours'), '.1f')} | " + " | ".join(_num(v.get(i), ".1f") for i in impls)
+                     + f" | {_num(ratio, '.2f')} |")
+    links = ", ".join(f"[`{n}`](../benchmarks/results/{n})" for n in names)
+    return "\n".join(["## Prefill kernel time (Gluon Hopper kernels)", "",
+                      f"`python benchmarks/probes/kernel_time.py` - {'; '.join(sorted(devices))}; records {links}.",
+                      "", "TFLOP/s (bf16, 16 heads) from the CUDA trace: each kernel's own time, median of 3 rotated "
+                      "rounds of 10 calls, peers (cuDNN through SDPA, FA3 through FlashInfer's fa3 backend) in the "
+                      "same run; the backward deterministic.", ""] + lines) + "\n"
 
 
 def _e2e_section(record: dict) -> list[str]:
@@ -267,6 +311,9 @@ def main() -> int:
     out = [INTRO]
     if TARGETS.exists():
         out.append(TARGETS.read_text().rstrip() + "\n")
+    kernel_time = _kernel_time_section(TARGETS.parent)
+    if kernel_time:
+        out.append(kernel_time)
     for path, record in ordered:
         png = report.plot_record(record, path.with_suffix(".png"))
         if png is None and path.with_suffix(".png").exists():  # a figure its benchmark drew itself (serve)

@@ -122,3 +122,24 @@ def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
             for c in (4096, 32768, 131072)] + [{"shape": "llama3-8b", "batch": 16, "context": 8192}]
     path = report.plot_record({"kind": "fp8_decode", "rows": rows}, tmp_path / "fp8.png")
     assert path is not None and path.stat().st_size > 0
+
+
+def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
+    """The kernel-time section: one row per (mode, head dim, shape, mask) over the named records, ours against the
+    best peer present in that row ("-" where a peer did not run)."""
+    md = _load_script("write_benchmarks_md")
+    shape = dict(d=128, b=1, s=16384, h=16, hkv=16, causal=True)
+    fwd = {"device": "GPU", "torch": "t", "rounds": 3, "calls": 10,
+           "rows": [dict(shape, mode="fwd", impl=impl, tflops=t) for impl, t in (("ours", 690.0), ("cuDNN", 600.0),
+                                                                                   ("FA3", 720.0))]}
+    both = dict(fwd, rows=[dict(shape, mode="fwd+bwd", impl="ours", tflops=550.0),
+                           dict(shape, mode="fwd+bwd", impl="cuDNN", tflops=500.0)])
+    (tmp_path / "a.json").write_text(json.dumps(fwd))
+    (tmp_path / "b.json").write_text(json.dumps(both))
+    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", ["a.json", "b.json", "missing.json"])
+    text = md._kernel_time_section(tmp_path)
+    assert "| fwd | 128 | 1x16k | yes | 690.0 | 600.0 | 720.0 | 0.96 |" in text
+    assert "| fwd+bwd | 128 | 1x16k | yes | 550.0 | 500.0 | - | 1.10 |" in text
+    assert "GPU, torch t" in text and "missing.json" not in text
+    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", [])
+    assert md._kernel_time_section(tmp_path) == ""
