@@ -1,0 +1,212 @@
+"""Probe: an e4m3 decode stage 1 whose warps split the keys and keep their own softmax state (issue 23's latency
+question), timed against our resolved stage 1 on the same caches.
+
+Why: the resolved 8-bit loop (4 warps, 128-key tiles, `softmax_sum_tile`) is latency-bound - on the H200 it reads
+its bytes at 46-64% of a bare read's rate (docs/decisions.md, "8-bit cache tiles") - and its warps split one tile's
+keys for QK^T, then meet in shared memory for the row max and for P, which the PV dot needs in another layout: 5 CTA
+barriers per block (sm_90 SASS). Here each of the W warps owns KW keys of every W * KW-key block with its own running
+max, sum and (BLOCK_M, head dim) accumulator: tiles are 3-D (W, ...), the dots batched over W, which Triton lays out
+with the warps on that dim, so the row max and sum stay inside a warp and P stays in registers between the two dots.
+The warps' states are merged once after the loop. Cost: each warp keeps a whole accumulator (64 fp32 registers a
+thread at hd128 instead of 16) and a copy of q's operand. sm_90 compile (Triton 3.6, bf16 q, e4m3 K/V, per-token
+scales, K converted late and V first as the resolved kernel does): W=4, KW=32, 3 stages: 2 barriers and 1098 SASS
+instructions per 128-key block against the resolved stage 1's 5 and 989, 183 registers, but 114 KiB of shared
+memory (one program per SM); 2 stages: 81 KiB, 255 registers (two per SM); W=4, KW=16: 64-key blocks, 697
+instructions and 2 barriers each, 199 registers, 65 KiB.
+
+Run on a GPU (b1, 16 / 2 heads, hd128, contiguous cache, per-token-head scales; each variant's stage-1 kernel time
+from the CUDA trace beside the resolved stage 1 - `decode_split_kernel` - and the whole resolved call, K/V sets
+rotated beyond L2; the prototype's output checked against the resolved call's):
+
+    PYTHONPATH=. python -m benchmarks.probes.decode_warp_split [--contexts 32768,131072] [--variants 4x32x3,4x32x2]
+
+A variant is WxKWxSTAGES. Writes decode_warp_split.json to $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, keys_operand, keys_tile, to_dot_dtype
+
+
+@triton.jit
+def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, stride_kh, stride_st, stride_sh,
+                      split_keys, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEADDIM: tl.constexpr,
+                      W: tl.constexpr, KW: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0,
+                      V_FIRST: tl.constexpr = False):
+    """Grid (num_splits, nheads_kv), num_warps=W. Q (nheads, HEADDIM) fp16 / bf16; K, V (seqlen, nheads_kv,
+    HEADDIM) float8_e4m3fn; KS, VS (seqlen, nheads_kv) float32 per-token-head scales (strides stride_st /
+    stride_sh); score_scale: softmax scale * log2(e). Split s holds keys [s * split_keys, min(.., seqlen)),
+    split_keys a multiple of W * KW. Writes O (num_splits, nheads, HEADDIM) float32, each split's normalised
+    output, and LSE (num_splits, nheads) float32 log2-sum-exp (-inf for an empty split). QUANT_CONVERT / V_FIRST:
+    kernels/kv_quant.py's e4m3 conversions (V_FIRST: GPU only, inline asm)."""
+    split = tl.program_id(0)
+    hk = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, HEADDIM)
+    q = tl.load(Q + (hk * GROUP + rows)[:, None] * HEADDIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q_k, q_unscale = keys_operand(q, QUANT_CONVERT)
+    # every warp's copy of the QK^T operand: the batched dot's (W, BLOCK_M, HEADDIM) A operand
+    q3 = tl.broadcast_to(q_k[None, :, :], (W, BLOCK_M, HEADDIM))
+    lo = split * split_keys
+    hi = tl.minimum(lo + split_keys, seqlen)
+    w_keys = tl.arange(0, W)[:, None] * KW + tl.arange(0, KW)[None, :]  # (W, KW): warp w's keys of a block
+    m_i = tl.full((W, BLOCK_M), float("-inf"), tl.float32)
+    l_i = tl.zeros((W, BLOCK_M), tl.float32)
+    acc = tl.zeros((W, BLOCK_M, HEADDIM), tl.float32)
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_kh
+    for start in range(lo, hi, W * KW):
+        keys = start + w_keys
+        ok = keys < hi
+        kv_off = keys[:, :, None].to(tl.int64) * stride_kt + offs_d[None, None, :]
+        k = keys_tile(tl.load(k_base + kv_off, mask=ok[:, :, None], other=0.0), q_k.dtype, QUANT_CONVERT)
+        ks = tl.load(KS + keys * stride_st + hk * stride_sh, mask=ok, other=0.0)
+        vs = tl.load(VS + keys * stride_st + hk * stride_sh, mask=ok, other=0.0)
+        qk = tl.dot(q3, tl.permute(k, (0, 2, 1)))  # (W, BLOCK_M, KW)
+        s = tl.where(ok[:, None, :], qk * (ks * (score_scale * q_unscale))[:, None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet: alpha and p stay 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        m_i = m_new
+        v = to_dot_dtype(tl.load(v_base + kv_off, mask=ok[:, :, None], other=0.0), q.dtype, V_FIRST, QUANT_CONVERT)
+        acc = acc * alpha[:, :, None] + tl.dot((p * vs[:, None, :]).to(q.dtype), v)
+    # the warps' states merged once: weights 2^(m_w - m) (0 for a warp that saw no key)
+    m = tl.max(m_i, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp2(m_i - m_safe[None, :])
+    l = tl.sum(l_i * weight, 0)
+    o = tl.sum(acc * weight[:, :, None], 0) / tl.where(l > 0, l, 1.0)[:, None]
+    lse2 = tl.where(l > 0, m_safe + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    heads = split * tl.num_programs(1) * GROUP + hk * GROUP + rows
+    tl.store(O + heads[:, None] * HEADDIM + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(LSE + heads, lse2, mask=row_ok)
+
+
+def warp_split_decode(q, k, v, k_scale, v_scale, scale, num_splits, warps=4, keys_per_warp=32, num_stages=3,
+                      quant_convert=0, v_first=False, merge=True):
+    """Attention of one new token per head over a batch-1 e4m3 cache on warp_split_stage1. q (nheads, headdim)
+    fp16 / bf16; k, v (seqlen, nheads_kv, headdim) float8_e4m3fn; k_scale, v_scale (seqlen, nheads_kv) float32.
+    Returns (nheads, headdim) float32 (merged in torch: a probe's check, not timed), or with merge=False the
+    split states (o (num_splits, nheads, headdim), lse2 (num_splits, nheads)) after one stage-1 launch."""
+    seqlen, nheads_kv, headdim = k.shape
+    group = q.shape[0] // nheads_kv
+    block = warps * keys_per_warp
+    split_keys = triton.cdiv(triton.cdiv(seqlen, num_splits), block) * block
+    o = torch.empty(num_splits, q.shape[0], headdim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_splits, q.shape[0], dtype=torch.float32, device=q.device)
+    warp_split_stage1[(num_splits, nheads_kv)](
+        q, k, v, k_scale, v_scale, o, lse, seqlen, scale * 1.4426950408889634, k.stride(0), k.stride(1),
+        k_scale.stride(0), k_scale.stride(1), split_keys, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        HEADDIM=headdim, W=warps, KW=keys_per_warp, QUANT_CONVERT=quant_convert, V_FIRST=v_first, num_warps=warps,
+        num_stages=num_stages)
+    if not merge:
+        return o, lse
+    weight = torch.exp2(lse - lse.max(0).values)
+    return (o * weight[..., None]).sum(0) / weight.sum(0)[:, None]
+
+
+def _kernel_times_us(fn, calls: int) -> dict:
+    """Device time per call of each kernel name fn() launches (CUDA trace), over `calls` calls after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def _cache_sets(context, nheads, nheads_kv, headdim, count, gen):
+    """`count` independent b1 e4m3 caches (per-token-head scales) with their queries, so rotating through them
+    keeps L2 from holding a set."""
+    sets = []
+    for _ in range(count):
+        q = torch.randn(nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        s = {"q": q}
+        for name in ("k", "v"):
+            x = torch.randn(context, nheads_kv, headdim, device="cuda", generator=gen)
+            sc = (x.abs().amax(-1) / 448.0).clamp_min(1e-12)
+            s[name] = (x / sc[..., None]).to(torch.float8_e4m3fn)
+            s[name + "_scale"] = sc
+        sets.append(s)
+    return sets
+
+
+def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, calls=40) -> list[dict]:
+    """Rows of one context: the resolved call (stage 1 and all kernels) and each prototype variant's stage 1."""
+    import flashdecode
+    from flashdecode.ops.decode import decode_config
+
+    l2_sets = max(2, int(4 * 60e6 // (2 * context * nheads_kv * headdim)) + 1)
+    sets = _cache_sets(context, nheads, nheads_kv, headdim, l2_sets, gen)
+    lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    scale = headdim ** -0.5
+    cfg = decode_config(sets[0]["q"][None], sets[0]["k"][None], sets[0]["v"][None], lens,
+                        k_scale=sets[0]["k_scale"][None], v_scale=sets[0]["v_scale"][None])
+    it = iter(range(10**9))
+
+    def resolved():
+        s = sets[next(it) % len(sets)]
+        return flashdecode.flash_decode(s["q"][None], s["k"][None], s["v"][None], lens, k_scale=s["k_scale"][None],
+                                        v_scale=s["v_scale"][None])
+    times = _kernel_times_us(resolved, calls)
+    stage1 = sum(t for name, t in times.items() if "decode_split" in name or "decode_persistent" in name)
+    rows = [dict(context=context, variant="resolved", splits=cfg.num_splits, stage1_us=stage1,
+                 all_kernels_us=sum(times.values()), kernels=sorted(times))]
+    s0 = sets[0]
+    ref = flashdecode.flash_decode(s0["q"][None], s0["k"][None], s0["v"][None], lens, k_scale=s0["k_scale"][None],
+                                   v_scale=s0["v_scale"][None])[0].float()
+    for name in variants:
+        w, kw, st = (int(x) for x in name.split("x"))
+        check = warp_split_decode(s0["q"], s0["k"], s0["v"], s0["k_scale"], s0["v_scale"], scale, cfg.num_splits, w,
+                                  kw, st, CONVERT_BITS_ASM, True)
+
+        def proto(w=w, kw=kw, st=st):
+            s = sets[next(it) % len(sets)]
+            return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, cfg.num_splits, w, kw,
+                                     st, CONVERT_BITS_ASM, True, merge=False)
+        t = _kernel_times_us(proto, calls)
+        rows.append(dict(context=context, variant=name, splits=cfg.num_splits,
+                         stage1_us=sum(v for k, v in t.items() if "warp_split" in k), all_kernels_us=sum(t.values()),
+                         max_diff_vs_resolved=(check - ref).abs().max().item()))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--variants", default="4x32x3,4x32x2,4x16x3,8x16x2")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_warp_split needs a CUDA GPU")
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for c in args.contexts.split(","):
+        for r in time_point(int(c), [v for v in args.variants.split(",") if v], gen):
+            rows.append(r)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                              if k != "kernels"}), flush=True)
+    path = os.path.join(args.out, "decode_warp_split.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
