@@ -129,15 +129,15 @@ def _kernel_times_us(fn, calls: int) -> dict:
     return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def _cache_sets(context, nheads, nheads_kv, headdim, count, gen):
-    """`count` independent b1 e4m3 caches (per-token-head scales) with their queries, so rotating through them
-    keeps L2 from holding a set."""
+def _cache_sets(context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfloat16):
+    """`count` independent b1 e4m3 caches (per-token-head scales) with their queries (on gen's device), so rotating
+    through them keeps L2 from holding a set."""
     sets = []
     for _ in range(count):
-        q = torch.randn(nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(nheads, headdim, device=gen.device, dtype=torch.float32, generator=gen).to(dtype)
         s = {"q": q}
         for name in ("k", "v"):
-            x = torch.randn(context, nheads_kv, headdim, device="cuda", generator=gen)
+            x = torch.randn(context, nheads_kv, headdim, device=gen.device, generator=gen)
             sc = (x.abs().amax(-1) / 448.0).clamp_min(1e-12)
             s[name] = (x / sc[..., None]).to(torch.float8_e4m3fn)
             s[name + "_scale"] = sc
@@ -145,14 +145,16 @@ def _cache_sets(context, nheads, nheads_kv, headdim, count, gen):
     return sets
 
 
-def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, calls=40) -> list[dict]:
-    """Rows of one context: the resolved call (stage 1 and all kernels) and each prototype variant's stage 1."""
+def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, calls=40, dtype=torch.bfloat16,
+               quant_convert=CONVERT_BITS_ASM, v_first=True) -> list[dict]:
+    """Rows of one context: the resolved call (stage 1 and all kernels) and each prototype variant's stage 1 (its
+    e4m3 conversions: quant_convert / v_first, kernels/kv_quant.py). The caches live on gen's device."""
     import flashdecode
     from flashdecode.ops.decode import decode_config
 
     l2_sets = max(2, int(4 * 60e6 // (2 * context * nheads_kv * headdim)) + 1)
-    sets = _cache_sets(context, nheads, nheads_kv, headdim, l2_sets, gen)
-    lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    sets = _cache_sets(context, nheads, nheads_kv, headdim, l2_sets, gen, dtype)
+    lens = torch.full((1,), context, dtype=torch.int32, device=gen.device)
     scale = headdim ** -0.5
     cfg = decode_config(sets[0]["q"][None], sets[0]["k"][None], sets[0]["v"][None], lens,
                         k_scale=sets[0]["k_scale"][None], v_scale=sets[0]["v_scale"][None])
@@ -172,12 +174,12 @@ def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, call
     for name in variants:
         w, kw, st = (int(x) for x in name.split("x"))
         check = warp_split_decode(s0["q"], s0["k"], s0["v"], s0["k_scale"], s0["v_scale"], scale, cfg.num_splits, w,
-                                  kw, st, CONVERT_BITS_ASM, True)
+                                  kw, st, quant_convert, v_first)
 
         def proto(w=w, kw=kw, st=st):
             s = sets[next(it) % len(sets)]
             return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, cfg.num_splits, w, kw,
-                                     st, CONVERT_BITS_ASM, True, merge=False)
+                                     st, quant_convert, v_first, merge=False)
         t = _kernel_times_us(proto, calls)
         rows.append(dict(context=context, variant=name, splits=cfg.num_splits,
                          stage1_us=sum(v for k, v in t.items() if "warp_split" in k), all_kernels_us=sum(t.values()),

@@ -66,3 +66,20 @@ print("compiled")
 
 def test_warp_split_stage1_compiles_for_hopper_with_two_barriers_per_block():
     run_sm90_compile_script(_COMPILE_SCRIPT)
+
+
+def test_time_point_rows(gen, monkeypatch):
+    """The probe's GPU loop on the CPU (the CUDA trace replaced by one call per function): a row for the resolved
+    call naming its stage-1 kernel and one per variant, whose output matches the resolved call's."""
+    import benchmarks.probes.decode_warp_split as probe
+
+    def one_call(fn, calls):
+        fn()
+        return {"decode_split_kernel": 2.0, "merge_many_kernel": 1.0, "warp_split_stage1": 1.5}
+    monkeypatch.setattr(probe, "_kernel_times_us", one_call)
+    cpu = torch.Generator(device=DEVICE).manual_seed(1)
+    rows = probe.time_point(300, ["4x16x1"], cpu, nheads=16, nheads_kv=2, headdim=32, calls=1, dtype=torch.float16,
+                            quant_convert=1, v_first=False)
+    assert [r["variant"] for r in rows] == ["resolved", "4x16x1"]
+    assert rows[0]["stage1_us"] == 2.0 and rows[0]["all_kernels_us"] == 4.5
+    assert rows[1]["stage1_us"] == 1.5 and rows[1]["max_diff_vs_resolved"] < 2e-3
