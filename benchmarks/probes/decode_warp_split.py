@@ -7,20 +7,23 @@ keys for QK^T, then meet in shared memory for the row max and for P, which the P
 barriers per block (sm_90 SASS). Here each of the W warps owns KW keys of every W * KW-key block with its own running
 max, sum and (BLOCK_M, head dim) accumulator: tiles are 3-D (W, ...), the dots batched over W, which Triton lays out
 with the warps on that dim, so the row max and sum stay inside a warp and P stays in registers between the two dots.
-The warps' states are merged once after the loop. Cost: each warp keeps a whole accumulator (64 fp32 registers a
-thread at hd128 instead of 16) and a copy of q's operand. sm_90 compile (Triton 3.6, bf16 q, e4m3 K/V, per-token
-scales, K converted late and V first as the resolved kernel does): W=4, KW=32, 3 stages: 2 barriers and 1098 SASS
-instructions per 128-key block against the resolved stage 1's 5 and 989, 183 registers, but 114 KiB of shared
-memory (one program per SM); 2 stages: 81 KiB, 255 registers (two per SM); W=4, KW=16: 64-key blocks, 697
-instructions and 2 barriers each, 199 registers, 65 KiB.
+The warps' states are merged once after the loop; whole blocks run unmasked, a split's last partial block masked.
+Cost: each warp keeps a whole accumulator (64 fp32 registers a thread at hd128 instead of 16) and a copy of q's
+operand. sm_90 compile (Triton 3.6, bf16 q, e4m3 K/V, per-token scales, K converted late and V first as the resolved
+kernel does), per 128 keys: W=4, KW=32, 3 stages, row sums per key column: 2 CTA barriers and 893 SASS instructions
+a thread (the resolved stage 1: 5 and 989), 242 registers, 98 KiB of shared memory, no spills - two programs per
+SM as resolved; W=4, KW=16: 64-key blocks of 522 instructions and 2 barriers, 191 registers, 49 KiB; W=2, KW=32:
+64-key blocks of 893, 49 KiB, four 2-warp programs per SM (which wants twice the splits to fill them).
 
 Run on a GPU (b1, 16 / 2 heads, hd128, contiguous cache, per-token-head scales; each variant's stage-1 kernel time
 from the CUDA trace beside the resolved stage 1 - `decode_split_kernel` - and the whole resolved call, K/V sets
 rotated beyond L2; the prototype's output checked against the resolved call's):
 
-    PYTHONPATH=. python -m benchmarks.probes.decode_warp_split [--contexts 32768,131072] [--variants 4x32x3,4x32x2]
+    PYTHONPATH=. python -m benchmarks.probes.decode_warp_split [--contexts 32768,131072] [--variants 4x32x3s,2x32x3s*2]
 
-A variant is WxKWxSTAGES. Writes decode_warp_split.json to $OUT (or the current directory).
+A variant is WxKWxSTAGES, then s for the row sums kept per key column (SUM_TILE), then *N for N times the resolved
+call's splits (the prototype's stage 1 alone is timed: more splits would also cost the merge more). Writes
+decode_warp_split.json to $OUT (or the current directory).
 """
 
 from __future__ import annotations
@@ -37,16 +40,61 @@ from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, keys_operand, keys_ti
 
 
 @triton.jit
+def _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_keys, offs_d, score_scale, hk,
+           stride_kt, stride_st, stride_sh, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr, SUM_TILE: tl.constexpr,
+           QUANT_CONVERT: tl.constexpr, V_FIRST: tl.constexpr):
+    """One W * KW-key block from ``start``: each warp's keys against q (q3: its QK^T operand per warp), its running
+    max m_i (W, BLOCK_M), sums l_i ((W, BLOCK_M), or SUM_TILE (W, BLOCK_M, KW) per key column) and accumulator acc
+    (W, BLOCK_M, HEADDIM); the PV dot in DOT_DTYPE (q's). MASKED: keys from ``hi`` on are left out (a warp may then
+    see none: its state stays empty)."""
+    keys = start + w_keys
+    kv_off = keys[:, :, None].to(tl.int64) * stride_kt + offs_d[None, None, :]
+    s_off = keys * stride_st + hk * stride_sh
+    if MASKED:
+        ok = keys < hi
+        k8 = tl.load(k_base + kv_off, mask=ok[:, :, None], other=0.0)
+        ks = tl.load(KS + s_off, mask=ok, other=0.0)
+        vs = tl.load(VS + s_off, mask=ok, other=0.0)
+    else:
+        k8 = tl.load(k_base + kv_off)
+        ks = tl.load(KS + s_off)
+        vs = tl.load(VS + s_off)
+    k = keys_tile(k8, q3.dtype, QUANT_CONVERT)
+    s = tl.dot(q3, tl.permute(k, (0, 2, 1))) * (ks * (score_scale * q_unscale))[:, None, :]  # (W, BLOCK_M, KW)
+    if MASKED:
+        s = tl.where(ok[:, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    m_use = m_new
+    if MASKED:  # a warp with no key yet: alpha and p stay 0
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, :, None])
+    if SUM_TILE:
+        l_i = l_i * alpha[:, :, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 2)
+    if MASKED:
+        v8 = tl.load(v_base + kv_off, mask=ok[:, :, None], other=0.0)
+    else:
+        v8 = tl.load(v_base + kv_off)
+    v = to_dot_dtype(v8, DOT_DTYPE, V_FIRST, QUANT_CONVERT)
+    acc = acc * alpha[:, :, None] + tl.dot((p * vs[:, None, :]).to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, stride_kh, stride_st, stride_sh,
                       split_keys, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEADDIM: tl.constexpr,
                       W: tl.constexpr, KW: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0,
-                      V_FIRST: tl.constexpr = False):
+                      V_FIRST: tl.constexpr = False, SUM_TILE: tl.constexpr = False):
     """Grid (num_splits, nheads_kv), num_warps=W. Q (nheads, HEADDIM) fp16 / bf16; K, V (seqlen, nheads_kv,
     HEADDIM) float8_e4m3fn; KS, VS (seqlen, nheads_kv) float32 per-token-head scales (strides stride_st /
     stride_sh); score_scale: softmax scale * log2(e). Split s holds keys [s * split_keys, min(.., seqlen)),
     split_keys a multiple of W * KW. Writes O (num_splits, nheads, HEADDIM) float32, each split's normalised
     output, and LSE (num_splits, nheads) float32 log2-sum-exp (-inf for an empty split). QUANT_CONVERT / V_FIRST:
-    kernels/kv_quant.py's e4m3 conversions (V_FIRST: GPU only, inline asm)."""
+    kernels/kv_quant.py's e4m3 conversions (V_FIRST: GPU only, inline asm); SUM_TILE: the row sums kept per key
+    column (no reduction over a warp's keys per block). Whole blocks run unmasked, the split's last partial block
+    masked."""
     split = tl.program_id(0)
     hk = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -57,30 +105,27 @@ def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, s
     # every warp's copy of the QK^T operand: the batched dot's (W, BLOCK_M, HEADDIM) A operand
     q3 = tl.broadcast_to(q_k[None, :, :], (W, BLOCK_M, HEADDIM))
     lo = split * split_keys
-    hi = tl.minimum(lo + split_keys, seqlen)
+    hi = tl.maximum(tl.minimum(lo + split_keys, seqlen), lo)  # an empty split (lo past the end): no block
     w_keys = tl.arange(0, W)[:, None] * KW + tl.arange(0, KW)[None, :]  # (W, KW): warp w's keys of a block
     m_i = tl.full((W, BLOCK_M), float("-inf"), tl.float32)
-    l_i = tl.zeros((W, BLOCK_M), tl.float32)
+    if SUM_TILE:
+        l_i = tl.zeros((W, BLOCK_M, KW), tl.float32)
+    else:
+        l_i = tl.zeros((W, BLOCK_M), tl.float32)
     acc = tl.zeros((W, BLOCK_M, HEADDIM), tl.float32)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_kh
-    for start in range(lo, hi, W * KW):
-        keys = start + w_keys
-        ok = keys < hi
-        kv_off = keys[:, :, None].to(tl.int64) * stride_kt + offs_d[None, None, :]
-        k = keys_tile(tl.load(k_base + kv_off, mask=ok[:, :, None], other=0.0), q_k.dtype, QUANT_CONVERT)
-        ks = tl.load(KS + keys * stride_st + hk * stride_sh, mask=ok, other=0.0)
-        vs = tl.load(VS + keys * stride_st + hk * stride_sh, mask=ok, other=0.0)
-        qk = tl.dot(q3, tl.permute(k, (0, 2, 1)))  # (W, BLOCK_M, KW)
-        s = tl.where(ok[:, None, :], qk * (ks * (score_scale * q_unscale))[:, None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet: alpha and p stay 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
-        m_i = m_new
-        v = to_dot_dtype(tl.load(v_base + kv_off, mask=ok[:, :, None], other=0.0), q.dtype, V_FIRST, QUANT_CONVERT)
-        acc = acc * alpha[:, :, None] + tl.dot((p * vs[:, None, :]).to(q.dtype), v)
+    full_end = lo + (hi - lo) // (W * KW) * (W * KW)
+    for start in range(lo, full_end, W * KW):
+        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_keys, offs_d,
+                               score_scale, hk, stride_kt, stride_st, stride_sh, q.dtype, False, SUM_TILE,
+                               QUANT_CONVERT, V_FIRST)
+    if full_end < hi:
+        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, full_end, hi, w_keys, offs_d,
+                               score_scale, hk, stride_kt, stride_st, stride_sh, q.dtype, True, SUM_TILE,
+                               QUANT_CONVERT, V_FIRST)
+    if SUM_TILE:
+        l_i = tl.sum(l_i, 2)
     # the warps' states merged once: weights 2^(m_w - m) (0 for a warp that saw no key)
     m = tl.max(m_i, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -94,7 +139,7 @@ def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, s
 
 
 def warp_split_decode(q, k, v, k_scale, v_scale, scale, num_splits, warps=4, keys_per_warp=32, num_stages=3,
-                      quant_convert=0, v_first=False, merge=True):
+                      quant_convert=0, v_first=False, merge=True, sum_tile=False):
     """Attention of one new token per head over a batch-1 e4m3 cache on warp_split_stage1. q (nheads, headdim)
     fp16 / bf16; k, v (seqlen, nheads_kv, headdim) float8_e4m3fn; k_scale, v_scale (seqlen, nheads_kv) float32.
     Returns (nheads, headdim) float32 (merged in torch: a probe's check, not timed), or with merge=False the
@@ -108,8 +153,8 @@ def warp_split_decode(q, k, v, k_scale, v_scale, scale, num_splits, warps=4, key
     warp_split_stage1[(num_splits, nheads_kv)](
         q, k, v, k_scale, v_scale, o, lse, seqlen, scale * 1.4426950408889634, k.stride(0), k.stride(1),
         k_scale.stride(0), k_scale.stride(1), split_keys, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        HEADDIM=headdim, W=warps, KW=keys_per_warp, QUANT_CONVERT=quant_convert, V_FIRST=v_first, num_warps=warps,
-        num_stages=num_stages)
+        HEADDIM=headdim, W=warps, KW=keys_per_warp, QUANT_CONVERT=quant_convert, V_FIRST=v_first, SUM_TILE=sum_tile,
+        num_warps=warps, num_stages=num_stages)
     if not merge:
         return o, lse
     weight = torch.exp2(lse - lse.max(0).values)
@@ -172,16 +217,19 @@ def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, call
     ref = flashdecode.flash_decode(s0["q"][None], s0["k"][None], s0["v"][None], lens, k_scale=s0["k_scale"][None],
                                    v_scale=s0["v_scale"][None])[0].float()
     for name in variants:
-        w, kw, st = (int(x) for x in name.split("x"))
-        check = warp_split_decode(s0["q"], s0["k"], s0["v"], s0["k_scale"], s0["v_scale"], scale, cfg.num_splits, w,
-                                  kw, st, quant_convert, v_first)
+        shape, _, factor = name.partition("*")
+        w, kw, st = (int(x) for x in shape.rstrip("s").split("x"))
+        sum_tile = shape.endswith("s")
+        splits = cfg.num_splits * int(factor or 1)
+        check = warp_split_decode(s0["q"], s0["k"], s0["v"], s0["k_scale"], s0["v_scale"], scale, splits, w, kw, st,
+                                  quant_convert, v_first, sum_tile=sum_tile)
 
-        def proto(w=w, kw=kw, st=st):
+        def proto(w=w, kw=kw, st=st, sum_tile=sum_tile, splits=splits):
             s = sets[next(it) % len(sets)]
-            return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, cfg.num_splits, w, kw,
-                                     st, quant_convert, v_first, merge=False)
+            return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, splits, w, kw, st,
+                                     quant_convert, v_first, merge=False, sum_tile=sum_tile)
         t = _kernel_times_us(proto, calls)
-        rows.append(dict(context=context, variant=name, splits=cfg.num_splits,
+        rows.append(dict(context=context, variant=name, splits=splits,
                          stage1_us=sum(v for k, v in t.items() if "warp_split" in k), all_kernels_us=sum(t.values()),
                          max_diff_vs_resolved=(check - ref).abs().max().item()))
     return rows
@@ -190,7 +238,7 @@ def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, call
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--variants", default="4x32x3,4x32x2,4x16x3,8x16x2")
+    ap.add_argument("--variants", default="4x32x3,4x32x3s,4x32x2s,4x16x3s,2x32x3s,2x32x3s*2")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -25,17 +25,19 @@ def _cache(gen, seqlen, nheads_kv, headdim):
     return out
 
 
-@pytest.mark.parametrize("seqlen,group,splits,warps,keys_per_warp", [
-    (300, 8, 3, 4, 32),   # ragged last block and split
-    (77, 5, 4, 4, 16),    # a group padded to 16 rows, the last split empty
-    (256, 1, 1, 2, 16),   # one split, whole blocks
+@pytest.mark.parametrize("seqlen,group,splits,warps,keys_per_warp,sum_tile", [
+    (300, 8, 3, 4, 32, False),   # ragged last block and split
+    (300, 8, 3, 4, 32, True),
+    (77, 5, 4, 4, 16, True),     # a group padded to 16 rows, the last split empty
+    (50, 2, 2, 4, 16, False),    # splits shorter than a block: masked blocks only, warps without keys
+    (256, 1, 1, 2, 16, False),   # one split, whole blocks
 ])
-def test_warp_split_stage1_matches_the_reference(gen, seqlen, group, splits, warps, keys_per_warp):
+def test_warp_split_stage1_matches_the_reference(gen, seqlen, group, splits, warps, keys_per_warp, sum_tile):
     nheads_kv, headdim = 2, 32
     k8, ks, k64, v8, vs, v64 = _cache(gen, seqlen, nheads_kv, headdim)
     q = randn(nheads_kv * group, headdim, gen=gen, dtype=torch.float16)
     scale = headdim ** -0.5
-    out = warp_split_decode(q, k8, v8, ks, vs, scale, splits, warps, keys_per_warp, 1)
+    out = warp_split_decode(q, k8, v8, ks, vs, scale, splits, warps, keys_per_warp, 1, sum_tile=sum_tile)
     lens = torch.tensor([seqlen], dtype=torch.int32, device=DEVICE)
     o64, _ = ref.decode_ref(q.double()[None], k64[None], v64[None], lens, softmax_scale=scale)
     o16, _ = ref.decode_ref(q[None], k64.half()[None], v64.half()[None], lens, softmax_scale=scale)
@@ -50,16 +52,18 @@ sys.path.insert(0, "tests")
 from helpers import _cuobjdump, compile_for_sm90, spilled_bytes
 
 types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", KS="*fp32", VS="*fp32", O="*fp32", LSE="*fp32", score_scale="fp32")
-consts = dict(GROUP=8, BLOCK_M=16, HEADDIM=128, W=4, KW=32, QUANT_CONVERT=2, V_FIRST=True)
-kernel = compile_for_sm90(warp_split_stage1, types, consts, 3, 4)
-code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))]
-loops = [(int(m.group(1), 16), a) for a, t in code for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
-         if m and int(m.group(1), 16) < a]
-assert len(loops) == 1, loops
-barriers = sum("BAR.SYNC" in t for a, t in code if loops[0][0] <= a <= loops[0][1])
-assert barriers <= 2, barriers
-assert spilled_bytes(kernel) == 0, spilled_bytes(kernel)
-assert "mma.sync" in kernel.asm["ptx"]
+for sum_tile in (False, True):
+    consts = dict(GROUP=8, BLOCK_M=16, HEADDIM=128, W=4, KW=32, QUANT_CONVERT=2, V_FIRST=True, SUM_TILE=sum_tile)
+    kernel = compile_for_sm90(warp_split_stage1, types, consts, 3, 4)
+    sass = _cuobjdump(kernel, "-sass")
+    code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in code for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a]
+    assert len(loops) == 1, loops  # the unmasked loop over whole blocks (the masked block follows it)
+    barriers = sum("BAR.SYNC" in t for a, t in code if loops[0][0] <= a <= loops[0][1])
+    assert barriers <= 2, barriers
+    assert spilled_bytes(kernel) == 0, spilled_bytes(kernel)
+    assert "mma.sync" in kernel.asm["ptx"]
 print("compiled")
 '''
 
@@ -78,8 +82,9 @@ def test_time_point_rows(gen, monkeypatch):
         return {"decode_split_kernel": 2.0, "merge_many_kernel": 1.0, "warp_split_stage1": 1.5}
     monkeypatch.setattr(probe, "_kernel_times_us", one_call)
     cpu = torch.Generator(device=DEVICE).manual_seed(1)
-    rows = probe.time_point(300, ["4x16x1"], cpu, nheads=16, nheads_kv=2, headdim=32, calls=1, dtype=torch.float16,
+    rows = probe.time_point(300, ["4x16x1s*2"], cpu, nheads=16, nheads_kv=2, headdim=32, calls=1, dtype=torch.float16,
                             quant_convert=1, v_first=False)
-    assert [r["variant"] for r in rows] == ["resolved", "4x16x1"]
+    assert [r["variant"] for r in rows] == ["resolved", "4x16x1s*2"]
     assert rows[0]["stage1_us"] == 2.0 and rows[0]["all_kernels_us"] == 4.5
     assert rows[1]["stage1_us"] == 1.5 and rows[1]["max_diff_vs_resolved"] < 2e-3
+    assert rows[1]["splits"] == 2 * rows[0]["splits"]
