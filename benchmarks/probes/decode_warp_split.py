@@ -10,20 +10,22 @@ with the warps on that dim, so the row max and sum stay inside a warp and P stay
 The warps' states are merged once after the loop; whole blocks run unmasked, a split's last partial block masked.
 Cost: each warp keeps a whole accumulator (64 fp32 registers a thread at hd128 instead of 16) and a copy of q's
 operand. sm_90 compile (Triton 3.6, bf16 q, e4m3 K/V, per-token scales, K converted late and V first as the resolved
-kernel does), per 128 keys: W=4, KW=32, 3 stages, row sums per key column: 2 CTA barriers and 893 SASS instructions
-a thread (the resolved stage 1: 5 and 989), 242 registers, 98 KiB of shared memory, no spills - two programs per
-SM as resolved; W=4, KW=16: 64-key blocks of 522 instructions and 2 barriers, 191 registers, 49 KiB; W=2, KW=32:
-64-key blocks of 893, 49 KiB, four 2-warp programs per SM (which wants twice the splits to fill them).
+kernel does), per 128 keys: W=4, KW=32, 3 stages, row sums per key column: 2 CTA barriers and 893-898 SASS
+instructions a thread (the resolved stage 1: 5 and 989), 236-242 registers, 98 KiB of shared memory, no spills -
+two programs per SM, as resolved; W=4, KW=16: 64-key blocks of 520-522 instructions and 2 barriers, 191-212
+registers, 49 KiB; W=2, KW=32: 64-key blocks of 893-898, 49 KiB, four 2-warp programs per SM (which wants twice the
+splits to fill them).
 
-Run on a GPU (b1, 16 / 2 heads, hd128, contiguous cache, per-token-head scales; each variant's stage-1 kernel time
-from the CUDA trace beside the resolved stage 1 - `decode_split_kernel` - and the whole resolved call, K/V sets
+Run on a GPU (contiguous caches of equal lengths, per-token-head scales, hd128; b1 16 / 2 heads at --contexts and
+the Llama-3-8B shape, 32 / 8 heads, at --batched; each variant's stage-1 kernel time from the CUDA trace beside the
+resolved stage 1 - `decode_split_kernel` or `decode_persistent_kernel` - and the whole resolved call, K/V sets
 rotated beyond L2; the prototype's output checked against the resolved call's):
 
-    PYTHONPATH=. python -m benchmarks.probes.decode_warp_split [--contexts 32768,131072] [--variants 4x32x3s,2x32x3s*2]
+    PYTHONPATH=. python -m benchmarks.probes.decode_warp_split [--contexts 32768,131072] [--batched 16]
 
 A variant is WxKWxSTAGES, then s for the row sums kept per key column (SUM_TILE), then *N for N times the resolved
-call's splits (the prototype's stage 1 alone is timed: more splits would also cost the merge more). Writes
-decode_warp_split.json to $OUT (or the current directory).
+call's splits or @S for S splits a sequence (the prototype's stage 1 alone is timed: more splits would also cost
+the merge more). Writes decode_warp_split.json to $OUT (or the current directory).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, keys_operand, keys_ti
 
 
 @triton.jit
-def _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_keys, offs_d, score_scale, hk,
-           stride_kt, stride_st, stride_sh, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr, SUM_TILE: tl.constexpr,
+def _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, start, hi, w_keys, offs_d, score_scale,
+           stride_kt, stride_st, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr, SUM_TILE: tl.constexpr,
            QUANT_CONVERT: tl.constexpr, V_FIRST: tl.constexpr):
     """One W * KW-key block from ``start``: each warp's keys against q (q3: its QK^T operand per warp), its running
     max m_i (W, BLOCK_M), sums l_i ((W, BLOCK_M), or SUM_TILE (W, BLOCK_M, KW) per key column) and accumulator acc
@@ -49,16 +51,16 @@ def _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_ke
     see none: its state stays empty)."""
     keys = start + w_keys
     kv_off = keys[:, :, None].to(tl.int64) * stride_kt + offs_d[None, None, :]
-    s_off = keys * stride_st + hk * stride_sh
+    s_off = keys * stride_st
     if MASKED:
         ok = keys < hi
         k8 = tl.load(k_base + kv_off, mask=ok[:, :, None], other=0.0)
-        ks = tl.load(KS + s_off, mask=ok, other=0.0)
-        vs = tl.load(VS + s_off, mask=ok, other=0.0)
+        ks = tl.load(ks_base + s_off, mask=ok, other=0.0)
+        vs = tl.load(vs_base + s_off, mask=ok, other=0.0)
     else:
         k8 = tl.load(k_base + kv_off)
-        ks = tl.load(KS + s_off)
-        vs = tl.load(VS + s_off)
+        ks = tl.load(ks_base + s_off)
+        vs = tl.load(vs_base + s_off)
     k = keys_tile(k8, q3.dtype, QUANT_CONVERT)
     s = tl.dot(q3, tl.permute(k, (0, 2, 1))) * (ks * (score_scale * q_unscale))[:, None, :]  # (W, BLOCK_M, KW)
     if MASKED:
@@ -83,24 +85,28 @@ def _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_ke
 
 
 @triton.jit
-def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, stride_kh, stride_st, stride_sh,
-                      split_keys, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEADDIM: tl.constexpr,
-                      W: tl.constexpr, KW: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0,
+def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kb, stride_kt, stride_kh, stride_sb,
+                      stride_st, stride_sh, split_keys, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HEADDIM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, QUANT_CONVERT: tl.constexpr = 0,
                       V_FIRST: tl.constexpr = False, SUM_TILE: tl.constexpr = False):
-    """Grid (num_splits, nheads_kv), num_warps=W. Q (nheads, HEADDIM) fp16 / bf16; K, V (seqlen, nheads_kv,
-    HEADDIM) float8_e4m3fn; KS, VS (seqlen, nheads_kv) float32 per-token-head scales (strides stride_st /
-    stride_sh); score_scale: softmax scale * log2(e). Split s holds keys [s * split_keys, min(.., seqlen)),
-    split_keys a multiple of W * KW. Writes O (num_splits, nheads, HEADDIM) float32, each split's normalised
-    output, and LSE (num_splits, nheads) float32 log2-sum-exp (-inf for an empty split). QUANT_CONVERT / V_FIRST:
+    """Grid (num_splits, nheads_kv, batch), num_warps=W. Q (batch, nheads, HEADDIM) fp16 / bf16, contiguous; K, V
+    (batch, seqlen, nheads_kv, HEADDIM) float8_e4m3fn (strides stride_kb / kt / kh, head dim contiguous); KS, VS
+    (batch, seqlen, nheads_kv) float32 per-token-head scales (strides stride_sb / st / sh); every sequence holds
+    seqlen keys; score_scale: softmax scale * log2(e). Split s holds keys [s * split_keys, min(.., seqlen)),
+    split_keys a multiple of W * KW. Writes O (num_splits, batch, nheads, HEADDIM) float32, each split's normalised
+    output, and LSE (num_splits, batch, nheads) float32 log2-sum-exp (-inf for an empty split). QUANT_CONVERT / V_FIRST:
     kernels/kv_quant.py's e4m3 conversions (V_FIRST: GPU only, inline asm); SUM_TILE: the row sums kept per key
     column (no reduction over a warp's keys per block). Whole blocks run unmasked, the split's last partial block
     masked."""
     split = tl.program_id(0)
     hk = tl.program_id(1)
+    b = tl.program_id(2)
+    nheads = tl.num_programs(1) * GROUP
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, HEADDIM)
-    q = tl.load(Q + (hk * GROUP + rows)[:, None] * HEADDIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    heads = b * nheads + hk * GROUP + rows  # (batch, head) row of Q
+    q = tl.load(Q + heads[:, None] * HEADDIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     q_k, q_unscale = keys_operand(q, QUANT_CONVERT)
     # every warp's copy of the QK^T operand: the batched dot's (W, BLOCK_M, HEADDIM) A operand
     q3 = tl.broadcast_to(q_k[None, :, :], (W, BLOCK_M, HEADDIM))
@@ -113,16 +119,18 @@ def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, s
     else:
         l_i = tl.zeros((W, BLOCK_M), tl.float32)
     acc = tl.zeros((W, BLOCK_M, HEADDIM), tl.float32)
-    k_base = K + hk * stride_kh
-    v_base = V + hk * stride_kh
+    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    v_base = V + b.to(tl.int64) * stride_kb + hk * stride_kh
+    ks_base = KS + b.to(tl.int64) * stride_sb + hk * stride_sh
+    vs_base = VS + b.to(tl.int64) * stride_sb + hk * stride_sh
     full_end = lo + (hi - lo) // (W * KW) * (W * KW)
     for start in range(lo, full_end, W * KW):
-        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, start, hi, w_keys, offs_d,
-                               score_scale, hk, stride_kt, stride_st, stride_sh, q.dtype, False, SUM_TILE,
-                               QUANT_CONVERT, V_FIRST)
+        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, start, hi, w_keys,
+                               offs_d, score_scale, stride_kt, stride_st, q.dtype, False, SUM_TILE, QUANT_CONVERT,
+                               V_FIRST)
     if full_end < hi:
-        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, KS, VS, full_end, hi, w_keys, offs_d,
-                               score_scale, hk, stride_kt, stride_st, stride_sh, q.dtype, True, SUM_TILE,
+        m_i, l_i, acc = _block(q3, q_unscale, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, full_end, hi,
+                               w_keys, offs_d, score_scale, stride_kt, stride_st, q.dtype, True, SUM_TILE,
                                QUANT_CONVERT, V_FIRST)
     if SUM_TILE:
         l_i = tl.sum(l_i, 2)
@@ -133,32 +141,33 @@ def warp_split_stage1(Q, K, V, KS, VS, O, LSE, seqlen, score_scale, stride_kt, s
     l = tl.sum(l_i * weight, 0)
     o = tl.sum(acc * weight[:, :, None], 0) / tl.where(l > 0, l, 1.0)[:, None]
     lse2 = tl.where(l > 0, m_safe + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-    heads = split * tl.num_programs(1) * GROUP + hk * GROUP + rows
-    tl.store(O + heads[:, None] * HEADDIM + offs_d[None, :], o, mask=row_ok[:, None])
-    tl.store(LSE + heads, lse2, mask=row_ok)
+    out_rows = split * tl.num_programs(2) * nheads + heads
+    tl.store(O + out_rows[:, None] * HEADDIM + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(LSE + out_rows, lse2, mask=row_ok)
 
 
 def warp_split_decode(q, k, v, k_scale, v_scale, scale, num_splits, warps=4, keys_per_warp=32, num_stages=3,
                       quant_convert=0, v_first=False, merge=True, sum_tile=False):
-    """Attention of one new token per head over a batch-1 e4m3 cache on warp_split_stage1. q (nheads, headdim)
-    fp16 / bf16; k, v (seqlen, nheads_kv, headdim) float8_e4m3fn; k_scale, v_scale (seqlen, nheads_kv) float32.
-    Returns (nheads, headdim) float32 (merged in torch: a probe's check, not timed), or with merge=False the
-    split states (o (num_splits, nheads, headdim), lse2 (num_splits, nheads)) after one stage-1 launch."""
-    seqlen, nheads_kv, headdim = k.shape
-    group = q.shape[0] // nheads_kv
+    """Attention of one new token per head over e4m3 caches of equal lengths on warp_split_stage1. q (batch, nheads,
+    headdim) fp16 / bf16, contiguous; k, v (batch, seqlen, nheads_kv, headdim) float8_e4m3fn; k_scale, v_scale
+    (batch, seqlen, nheads_kv) float32. Returns (batch, nheads, headdim) float32 (merged in torch: a probe's check,
+    not timed), or with merge=False the split states (o (num_splits, batch, nheads, headdim), lse2 (num_splits,
+    batch, nheads)) after one stage-1 launch."""
+    batch, seqlen, nheads_kv, headdim = k.shape
+    group = q.shape[1] // nheads_kv
     block = warps * keys_per_warp
     split_keys = triton.cdiv(triton.cdiv(seqlen, num_splits), block) * block
-    o = torch.empty(num_splits, q.shape[0], headdim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_splits, q.shape[0], dtype=torch.float32, device=q.device)
-    warp_split_stage1[(num_splits, nheads_kv)](
-        q, k, v, k_scale, v_scale, o, lse, seqlen, scale * 1.4426950408889634, k.stride(0), k.stride(1),
-        k_scale.stride(0), k_scale.stride(1), split_keys, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+    o = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_splits, *q.shape[:2], dtype=torch.float32, device=q.device)
+    warp_split_stage1[(num_splits, nheads_kv, batch)](
+        q, k, v, k_scale, v_scale, o, lse, seqlen, scale * 1.4426950408889634, *k.stride()[:3], *k_scale.stride(),
+        split_keys, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
         HEADDIM=headdim, W=warps, KW=keys_per_warp, QUANT_CONVERT=quant_convert, V_FIRST=v_first, SUM_TILE=sum_tile,
         num_warps=warps, num_stages=num_stages)
     if not merge:
         return o, lse
     weight = torch.exp2(lse - lse.max(0).values)
-    return (o * weight[..., None]).sum(0) / weight.sum(0)[:, None]
+    return (o * weight[..., None]).sum(0) / weight.sum(0)[..., None]
 
 
 def _kernel_times_us(fn, calls: int) -> dict:
@@ -174,15 +183,15 @@ def _kernel_times_us(fn, calls: int) -> dict:
     return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def _cache_sets(context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfloat16):
-    """`count` independent b1 e4m3 caches (per-token-head scales) with their queries (on gen's device), so rotating
+def _cache_sets(batch, context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfloat16):
+    """`count` independent e4m3 caches (per-token-head scales) with their queries (on gen's device), so rotating
     through them keeps L2 from holding a set."""
     sets = []
     for _ in range(count):
-        q = torch.randn(nheads, headdim, device=gen.device, dtype=torch.float32, generator=gen).to(dtype)
+        q = torch.randn(batch, nheads, headdim, device=gen.device, dtype=torch.float32, generator=gen).to(dtype)
         s = {"q": q}
         for name in ("k", "v"):
-            x = torch.randn(context, nheads_kv, headdim, device=gen.device, generator=gen)
+            x = torch.randn(batch, context, nheads_kv, headdim, device=gen.device, generator=gen)
             sc = (x.abs().amax(-1) / 448.0).clamp_min(1e-12)
             s[name] = (x / sc[..., None]).to(torch.float8_e4m3fn)
             s[name + "_scale"] = sc
@@ -190,37 +199,38 @@ def _cache_sets(context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfl
     return sets
 
 
-def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, calls=40, dtype=torch.bfloat16,
+def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=128, calls=40, dtype=torch.bfloat16,
                quant_convert=CONVERT_BITS_ASM, v_first=True) -> list[dict]:
-    """Rows of one context: the resolved call (stage 1 and all kernels) and each prototype variant's stage 1 (its
-    e4m3 conversions: quant_convert / v_first, kernels/kv_quant.py). The caches live on gen's device."""
+    """Rows of one shape: the resolved call (stage 1 and all kernels) and each prototype variant's stage 1 (its
+    e4m3 conversions: quant_convert / v_first, kernels/kv_quant.py). The caches live on gen's device. A variant
+    name: see the module doc (WxKWxSTAGES[s][*N | @S])."""
     import flashdecode
     from flashdecode.ops.decode import decode_config
 
-    l2_sets = max(2, int(4 * 60e6 // (2 * context * nheads_kv * headdim)) + 1)
-    sets = _cache_sets(context, nheads, nheads_kv, headdim, l2_sets, gen, dtype)
-    lens = torch.full((1,), context, dtype=torch.int32, device=gen.device)
+    l2_sets = max(2, int(4 * 60e6 // (2 * batch * context * nheads_kv * headdim)) + 1)
+    sets = _cache_sets(batch, context, nheads, nheads_kv, headdim, l2_sets, gen, dtype)
+    lens = torch.full((batch, ), context, dtype=torch.int32, device=gen.device)
     scale = headdim ** -0.5
-    cfg = decode_config(sets[0]["q"][None], sets[0]["k"][None], sets[0]["v"][None], lens,
-                        k_scale=sets[0]["k_scale"][None], v_scale=sets[0]["v_scale"][None])
+    s0 = sets[0]
+    cfg = decode_config(s0["q"], s0["k"], s0["v"], lens, k_scale=s0["k_scale"], v_scale=s0["v_scale"])
     it = iter(range(10**9))
 
     def resolved():
         s = sets[next(it) % len(sets)]
-        return flashdecode.flash_decode(s["q"][None], s["k"][None], s["v"][None], lens, k_scale=s["k_scale"][None],
-                                        v_scale=s["v_scale"][None])
+        return flashdecode.flash_decode(s["q"], s["k"], s["v"], lens, k_scale=s["k_scale"], v_scale=s["v_scale"])
     times = _kernel_times_us(resolved, calls)
     stage1 = sum(t for name, t in times.items() if "decode_split" in name or "decode_persistent" in name)
-    rows = [dict(context=context, variant="resolved", splits=cfg.num_splits, stage1_us=stage1,
+    point = dict(batch=batch, context=context, heads=f"{nheads}/{nheads_kv}")
+    rows = [dict(point, variant="resolved", path=cfg.path.name, splits=cfg.num_splits, stage1_us=stage1,
                  all_kernels_us=sum(times.values()), kernels=sorted(times))]
-    s0 = sets[0]
-    ref = flashdecode.flash_decode(s0["q"][None], s0["k"][None], s0["v"][None], lens, k_scale=s0["k_scale"][None],
-                                   v_scale=s0["v_scale"][None])[0].float()
+    ref = flashdecode.flash_decode(s0["q"], s0["k"], s0["v"], lens, k_scale=s0["k_scale"],
+                                   v_scale=s0["v_scale"]).float()
     for name in variants:
-        shape, _, factor = name.partition("*")
+        shape, fixed = name.split("@") if "@" in name else (name, None)
+        shape, _, factor = shape.partition("*")
         w, kw, st = (int(x) for x in shape.rstrip("s").split("x"))
         sum_tile = shape.endswith("s")
-        splits = cfg.num_splits * int(factor or 1)
+        splits = int(fixed) if fixed else cfg.num_splits * int(factor or 1)
         check = warp_split_decode(s0["q"], s0["k"], s0["v"], s0["k_scale"], s0["v_scale"], scale, splits, w, kw, st,
                                   quant_convert, v_first, sum_tile=sum_tile)
 
@@ -229,7 +239,7 @@ def time_point(context, variants, gen, nheads=16, nheads_kv=2, headdim=128, call
             return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, splits, w, kw, st,
                                      quant_convert, v_first, merge=False, sum_tile=sum_tile)
         t = _kernel_times_us(proto, calls)
-        rows.append(dict(context=context, variant=name, splits=splits,
+        rows.append(dict(point, variant=name, splits=splits,
                          stage1_us=sum(v for k, v in t.items() if "warp_split" in k), all_kernels_us=sum(t.values()),
                          max_diff_vs_resolved=(check - ref).abs().max().item()))
     return rows
@@ -239,15 +249,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--variants", default="4x32x3,4x32x3s,4x32x2s,4x16x3s,2x32x3s,2x32x3s*2")
+    ap.add_argument("--batched", default="16", help="Llama-3-8B shape (32 / 8 heads) batches at --batched-context")
+    ap.add_argument("--batched-context", type=int, default=8192)
+    ap.add_argument("--batched-variants", default="4x32x3s@2,4x32x3s@4,4x16x3s@4,2x32x3s@4,2x32x3s@8",
+                    help="the variants of the batched points (@S: S splits a sequence)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_warp_split needs a CUDA GPU")
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
+    points = [(dict(batch=1), int(c), args.variants) for c in args.contexts.split(",") if c]
+    points += [(dict(batch=int(b), nheads=32, nheads_kv=8), args.batched_context, args.batched_variants)
+               for b in args.batched.split(",") if b]
     rows = []
-    for c in args.contexts.split(","):
-        for r in time_point(int(c), [v for v in args.variants.split(",") if v], gen):
+    for shape, context, variants in points:
+        for r in time_point(context, [v for v in variants.split(",") if v], gen, **shape):
             rows.append(r)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
                               if k != "kernels"}), flush=True)
