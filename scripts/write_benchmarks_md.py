@@ -138,28 +138,32 @@ def _kernel_time_section(results: Path) -> str:
         record = json.loads(path.read_text())
         devices.add(f"{record['device']}, torch {record['torch']}")
         names.append(name)
-        rows += record["rows"]
+        rows += record["rows"]  # (records from before the matmul rate was measured have no pct_matmul)
     if not rows:
         return ""
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "ours"))
-    cells = {}
+    cells, shares = {}, {}
     for r in rows:
         key = (r["mode"], r["d"], r["b"], r["s"], r["causal"])
         cells.setdefault(key, {})[r["impl"]] = r["tflops"]
-    lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(impls) + " | ours / best |",
-             "|" + "---|" * (6 + len(impls))]
-    for (mode, d, b, seqlen, causal), v in cells.items():
+        if r["impl"] == "ours":
+            shares[key] = r.get("pct_matmul")
+    lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(impls)
+             + " | ours / best | ours % of matmul |", "|" + "---|" * (7 + len(impls))]
+    for key, v in cells.items():
+        mode, d, b, seqlen, causal = key
         best = max((v[i] for i in impls if v.get(i)), default=None)
         ratio = v["ours"] / best if best and v.get("ours") else None
         lines.append(f"| {mode} | {d} | {b}x{_fmt_tokens(seqlen)} | {'yes' if causal else 'no'} | "
                      f"{_num(v.get('ours'), '.1f')} | " + " | ".join(_num(v.get(i), ".1f") for i in impls)
-                     + f" | {_num(ratio, '.2f')} |")
+                     + f" | {_num(ratio, '.2f')} | {_num(shares.get(key), '.0f')} |")
     links = ", ".join(f"[`{n}`](../benchmarks/results/{n})" for n in names)
     return "\n".join(["## Prefill kernel time (Gluon Hopper kernels)", "",
                       f"`python benchmarks/probes/kernel_time.py` - {'; '.join(sorted(devices))}; records {links}.",
                       "", "TFLOP/s (bf16, 16 heads) from the CUDA trace: each kernel's own time, median of 3 rotated "
                       "rounds of 10 calls, peers (cuDNN through SDPA, FA3 through FlashInfer's fa3 backend) in the "
-                      "same run; the backward deterministic.", ""] + lines) + "\n"
+                      "same run; the backward deterministic. % of matmul: ours against the bf16 matmul (cuBLAS, "
+                      "8192^3) timed the same way in the same run, where the record has it.", ""] + lines) + "\n"
 
 
 def _e2e_section(record: dict) -> list[str]:

@@ -132,14 +132,15 @@ def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
     fwd = {"device": "GPU", "torch": "t", "rounds": 3, "calls": 10,
            "rows": [dict(shape, mode="fwd", impl=impl, tflops=t) for impl, t in (("ours", 690.0), ("cuDNN", 600.0),
                                                                                    ("FA3", 720.0))]}
-    both = dict(fwd, rows=[dict(shape, mode="fwd+bwd", impl="ours", tflops=550.0),
-                           dict(shape, mode="fwd+bwd", impl="cuDNN", tflops=500.0)])
+    both = dict(fwd, bf16_matmul_tflops=800.0,
+                rows=[dict(shape, mode="fwd+bwd", impl="ours", tflops=550.0, pct_matmul=68.75),
+                      dict(shape, mode="fwd+bwd", impl="cuDNN", tflops=500.0, pct_matmul=62.5)])
     (tmp_path / "a.json").write_text(json.dumps(fwd))
     (tmp_path / "b.json").write_text(json.dumps(both))
     monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", ["a.json", "b.json", "missing.json"])
     text = md._kernel_time_section(tmp_path)
-    assert "| fwd | 128 | 1x16k | yes | 690.0 | 600.0 | 720.0 | 0.96 |" in text
-    assert "| fwd+bwd | 128 | 1x16k | yes | 550.0 | 500.0 | - | 1.10 |" in text
+    assert "| fwd | 128 | 1x16k | yes | 690.0 | 600.0 | 720.0 | 0.96 | - |" in text  # (no matmul in the record)
+    assert "| fwd+bwd | 128 | 1x16k | yes | 550.0 | 500.0 | - | 1.10 | 69 |" in text
     assert "GPU, torch t" in text and "missing.json" not in text
     monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", [])
     assert md._kernel_time_section(tmp_path) == ""

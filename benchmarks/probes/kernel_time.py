@@ -11,7 +11,8 @@ benchmarks/probes/gluon_fwd.py's VARIANTS (e.g. gluon:no-overlap, gluon:lpt+over
         [--modes fwd,fwd+bwd]
 
 Writes kernel_time.json to $OUT (or the current directory) and prints TFLOP/s (4 b h s^2 d, halved for causal,
-x2.5 more for forward + backward, flashdecode.bench.prefill.tflops).
+x2.5 more for forward + backward, flashdecode.bench.prefill.tflops), and each row's share of the bf16 matmul rate
+measured the same way in the same run (cuBLAS, 8192^3, kernel time: the record's bf16_matmul_tflops).
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def kernel_us_per_call(fn, args, calls: int) -> float:
         torch.cuda.synchronize()
     total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
     return total / calls
+
+
+def matmul_tflops(n: int = 8192, rounds: int = 3, calls: int = 10) -> float:
+    """The bf16 matmul rate (cuBLAS, n x n x n) by the same kernel-time method as the attention rows: TFLOP/s of
+    the median of `rounds` rounds."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    us = statistics.median(kernel_us_per_call(torch.matmul, (a, b), calls) for _ in range(rounds))
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def with_matmul_share(rows: list[dict], peak_tflops: float) -> list[dict]:
+    """rows with pct_matmul: each row's TFLOP/s as a percentage of the matmul rate peak_tflops."""
+    return [dict(r, pct_matmul=100.0 * r["tflops"] / peak_tflops) for r in rows]
 
 
 def _gluon_variant(name: str):
@@ -114,8 +128,9 @@ def main() -> int:
                 hkv = int(hkv) if hkv else h
                 for causal in (False, True):
                     rows += time_point(args, mode, d, b, s, h, hkv, causal)
+    peak = matmul_tflops(rounds=args.rounds, calls=args.calls)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rounds=args.rounds,
-                  calls=args.calls, rows=rows)
+                  calls=args.calls, bf16_matmul_tflops=peak, rows=with_matmul_share(rows, peak))
     with open(os.path.join(os.environ.get("OUT", "."), "kernel_time.json"), "w") as f:
         json.dump(result, f, indent=1)
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -127,7 +142,7 @@ def main() -> int:
         cells = {r["impl"]: r["tflops"] for r in rows if tuple(r[f] for f in fields) == key}
         label = f"{key[0]} d{key[1]} {key[2]}x{key[3]} h{key[4]}/{key[5]} {'causal' if key[6] else 'full'}"
         print(f"{label:<30}" + "".join(f"{cells[n]:>10.1f}" if n in cells else f"{'-':>10}" for n in impls))
-    print("(TFLOP/s)")
+    print(f"(TFLOP/s; the bf16 matmul, 8192^3, {peak:.1f} TFLOP/s by the same method)")
     return 0
 
 

@@ -26,3 +26,12 @@ def test_steps_run_the_forward_and_the_backward(monkeypatch):
     (dq, dk, dv), = grads
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in (dq, dk, dv))
+
+
+def test_rows_get_their_share_of_the_matmul_rate():
+    from benchmarks.probes.kernel_time import with_matmul_share
+
+    rows = [dict(impl="ours", tflops=600.0), dict(impl="cuDNN", tflops=450.0)]
+    shared = with_matmul_share(rows, 750.0)
+    assert [r["pct_matmul"] for r in shared] == [80.0, 60.0]
+    assert "pct_matmul" not in rows[0]  # the input rows stay as they were
