@@ -31,6 +31,7 @@ the merge more). Writes decode_warp_split.json to $OUT (or the current directory
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -186,17 +187,12 @@ def _kernel_times_us(fn, calls: int) -> dict:
 def _cache_sets(batch, context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfloat16):
     """`count` independent e4m3 caches (per-token-head scales) with their queries (on gen's device), so rotating
     through them keeps L2 from holding a set."""
-    sets = []
-    for _ in range(count):
-        q = torch.randn(batch, nheads, headdim, device=gen.device, dtype=torch.float32, generator=gen).to(dtype)
-        s = {"q": q}
-        for name in ("k", "v"):
-            x = torch.randn(batch, context, nheads_kv, headdim, device=gen.device, generator=gen)
-            sc = (x.abs().amax(-1) / 448.0).clamp_min(1e-12)
-            s[name] = (x / sc[..., None]).to(torch.float8_e4m3fn)
-            s[name + "_scale"] = sc
-        sets.append(s)
-    return sets
+    from benchmarks.probes.fp8_decode import _quant_set
+
+    def randn(*shape):
+        return torch.randn(*shape, device=gen.device, generator=gen)
+    return [_quant_set(dict(q=randn(batch, nheads, headdim).to(dtype), k=randn(batch, context, nheads_kv, headdim),
+                            v=randn(batch, context, nheads_kv, headdim)), per_token=True) for _ in range(count)]
 
 
 def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=128, calls=40, dtype=torch.bfloat16,
@@ -213,10 +209,10 @@ def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=
     scale = headdim ** -0.5
     s0 = sets[0]
     cfg = decode_config(s0["q"], s0["k"], s0["v"], lens, k_scale=s0["k_scale"], v_scale=s0["v_scale"])
-    it = iter(range(10**9))
+    rotation = itertools.cycle(sets)
 
     def resolved():
-        s = sets[next(it) % len(sets)]
+        s = next(rotation)
         return flashdecode.flash_decode(s["q"], s["k"], s["v"], lens, k_scale=s["k_scale"], v_scale=s["v_scale"])
     times = _kernel_times_us(resolved, calls)
     stage1 = sum(t for name, t in times.items() if "decode_split" in name or "decode_persistent" in name)
@@ -235,7 +231,7 @@ def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=
                                   quant_convert, v_first, sum_tile=sum_tile)
 
         def proto(w=w, kw=kw, st=st, sum_tile=sum_tile, splits=splits):
-            s = sets[next(it) % len(sets)]
+            s = next(rotation)
             return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, splits, w, kw, st,
                                      quant_convert, v_first, merge=False, sum_tile=sum_tile)
         t = _kernel_times_us(proto, calls)
