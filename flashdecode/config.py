@@ -69,6 +69,9 @@ class DecodeConfig:
     quant_k_convert_first: bool = False  # 8-bit caches: K converted before its layout change too (GPU)
     softmax_sum_tile: bool = False   # the KV loop's softmax row sums kept per key column, summed once after it (no
     #                                  cross-warp sum per block; kernels/softmax_state.py online_softmax_step_sum_tile)
+    quant_warp_split: bool = False   # 8-bit caches: each warp owns block_n / num_warps keys of every block with its
+    #                                  own softmax state, folded once after the loop (kernels/decode.py
+    #                                  _attend_blocks_warps)
     max_registers: int = 0           # stage 1's registers per thread, a cap for ptxas (maxnreg; 0: its choice, GPU):
     #                                  <= 65536 / (2 * 32 * num_warps) lets two programs share an SM
 
@@ -79,7 +82,7 @@ _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "prel
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
                  "quant_convert", "max_registers")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile")
+          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile", "quant_warp_split")
 _MAX_SPLITS = 1024
 # what ptxas accepts as a per-thread register cap (sm_90: 24 .. 255)
 _MIN_REGISTERS, _MAX_REGISTERS = 24, 255
@@ -123,6 +126,9 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
     if config.split_keys % config.block_n:
         raise ValueError(f"{name}.split_keys must be a multiple of block_n ({config.block_n}), got "
                          f"{config.split_keys}")
+    if config.quant_warp_split and config.block_n < 16 * config.num_warps:
+        raise ValueError(f"{name}.quant_warp_split needs block_n >= 16 * num_warps (16 keys per warp, the dot's "
+                         f"minimum), got block_n {config.block_n} with {config.num_warps} warps")
     if config.quant_convert > 2:
         raise ValueError(f"{name}.quant_convert must be 0, 1 or 2, got {config.quant_convert}")
     if config.max_registers and not _MIN_REGISTERS <= config.max_registers <= _MAX_REGISTERS:

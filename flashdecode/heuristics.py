@@ -77,6 +77,18 @@ DECODE_QUANT_BIT_CONVERT = True
 # 32k 13.2 -> 13.1, Llama-3-8B b16 8k 96.2 -> 93.6; H100 33.1 -> 32.9, 13.4 -> 13.1; docs/decisions.md). Batch-
 # invariant decode keeps its per-block sums (its 8-warp tiles were not timed with it).
 DECODE_QUANT_SUM_TILE = True
+# 8-bit caches whose splits hold at least this many keys split each block's keys across the warps, each warp with
+# its own softmax state (DecodeConfig quant_warp_split; kernels/decode.py _attend_blocks_warps: 2 CTA barriers per
+# block instead of 5). H200, e4m3, per-token scales, `fp8_decode --sweep` (docs/decisions.md, "8-bit cache tiles"):
+# on the device-split grid (below) Llama-3-8B 8k b16 (splits of 4096 keys) 86.4 -> 83.7 us, b32 / b64 (8192)
+# 165.9 -> 149.3 / 322.1 -> 300.3, b8 (2048) 48.8 -> 50.8; b1 16/2 in 128 splits of 256 / 512 / 1024 keys (32k /
+# 64k / 128k) 13.0 -> 19.7, 18.1 -> 23.9, 27.7 -> 32.1.
+DECODE_QUANT_WARP_SPLIT_MIN_KEYS = 4096
+# Batches of an 8-bit cache that the persistent kernel would serve take the device-split grid instead (split
+# counts still chosen on the device from the live lengths, one program per work item, the merge kernel after), its
+# items sharing DECODE_QUANT_WAVES programs per SM: H200, Llama-3-8B 8k, resolved persistent -> this grid (with
+# quant_warp_split where it applies) b8 51.9 -> 48.8 us, b16 94.5 -> 83.7, b32 163.6 -> 149.3, b64 323.7 -> 300.3.
+DECODE_QUANT_DEVICE_SPLIT_GRID = True
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -304,6 +316,15 @@ def decode_quant_convert(dev: DecodeDevice) -> dict:
                 quant_k_convert_first=False)
 
 
+def decode_quant_warp_split(p: DecodeProblem, dev: DecodeDevice, block_n: int, num_warps: int,
+                            split_keys: int) -> bool:
+    """DecodeConfig.quant_warp_split: an 8-bit cache on a Hopper GPU (where it was timed) whose splits hold at least
+    DECODE_QUANT_WARP_SPLIT_MIN_KEYS keys (``split_keys``: the live keys over the splits), where each warp's 16 or
+    more keys of a block fit the dot. Off in the interpreter, whose 3-D bf16 dots are not exact."""
+    return (p.elem_bytes == 1 and dev.hopper and not dev.interpret and split_keys >= DECODE_QUANT_WARP_SPLIT_MIN_KEYS
+            and block_n >= 16 * num_warps)
+
+
 def decode_quant_tile(p: DecodeProblem, block_n: int,
                       elems_per_warp: int = DECODE_QUANT_ELEMS_PER_WARP) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of an 8-bit cache (p.elem_bytes 1) where the 16-bit rules chose ``block_n`` (computed
@@ -380,6 +401,10 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     choice = _stage1_choice(p, dev, cdiv(live, splits))
     slots = DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms
     persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
+    quant_grid = bool(DECODE_QUANT_DEVICE_SPLIT_GRID and persistent and may_reduce and p.batch > 1
+                      and p.elem_bytes == 1)
+    if quant_grid:
+        slots *= _program_waves(p.elem_bytes, dev)
     if p.retile_for_device_splits and may_reduce and choice.device_splits and not persistent and p.batch > 1:
         choice = _stage1_choice(p, dev, cdiv(live, decode_device_uniform_splits(p, splits, slots)))
         persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
@@ -407,8 +432,13 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
         device_split_slots=slots, softmax_sum_tile=DECODE_QUANT_SUM_TILE and p.elem_bytes == 1,
         **decode_quant_convert(dev))
-    return dataclasses.replace(config, path=_decode_path(p, config, splits, persistent, dynamic,
-                                                         may_reduce and choice.device_splits and not persistent))
+    # (the device-split grid needs a preload that holds a whole sequence's ids where the kernel relies on it)
+    quant_grid = quant_grid and decode_persistent_preload(p, config)[1] == 0
+    split_keys = cdiv(live, decode_device_uniform_splits(p, splits, slots) if quant_grid else splits)
+    path = _decode_path(p, config, splits, persistent and not quant_grid, dynamic,
+                        quant_grid or (may_reduce and choice.device_splits and not persistent))
+    return dataclasses.replace(config, path=path, quant_warp_split=decode_quant_warp_split(
+        p, dev, choice.block_n, choice.num_warps, split_keys))
 
 
 def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:

@@ -89,7 +89,7 @@ DECODE_TUPLES = dict(stride_q=("i32",) * 4, stride_k=("i32",) * 3, stride_o=("i3
 # their bodies use, with the defaults a flat name takes when a script leaves it out
 _DECODE_GROUPS = dict(
     ROWS=("Rows", ("SEQLEN_Q", "GROUP", "NUM_M_BLOCKS")),
-    TILE=("Tile", ("BLOCK_M", "BLOCK_N", "BLOCK_D", "SUM_TILE")),
+    TILE=("Tile", ("BLOCK_M", "BLOCK_N", "BLOCK_D", "SUM_TILE", "TILE_WARPS")),
     SPLITS=("Splits", ("NUM_SPLITS", "MIN_CHUNK", "MERGE_SPLITS", "SPLIT_KEYS")),
     PAGES=("Pages", ("PAGE_SIZE", "PRELOAD_PAGES")),
     PDL=("Pdl", ("USE_PDL", "PDL_WAIT")),
@@ -102,7 +102,8 @@ _DECODE_GROUPS = dict(
 )
 _DECODE_DEFAULTS = dict(SPLIT_KEYS=0, PREFETCH_KEYS=0, LINE_ELEMS=64, NUM_LINES=2, BATCH_PAD=1, MAX_SPLIT_KEYS=0, DYNAMIC=False,
                         SLOTS_PER_PROGRAM=1, QUEUE_SPLITS=0, QUEUE_FULL_FRACTION=0.5, QUEUE_SPLIT_COST=0.03,
-                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False, SUM_TILE=False)
+                        V_CONVERT_FIRST=False, QUANT_CONVERT=0, K_CONVERT_FIRST=False, SUM_TILE=False,
+                        TILE_WARPS=0)
 
 
 def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:

@@ -200,6 +200,64 @@ def test_zero_scales_and_saturation(gen):
         _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
+def _warp_split(config, block_n=32, num_warps=2):
+    """config with the keys of each block split across the warps (quant_warp_split; the interpreter's resolved
+    config leaves it off): block_n // num_warps keys a warp."""
+    return dataclasses.replace(config, quant_warp_split=True, block_n=block_n, num_warps=num_warps)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 64])
+@pytest.mark.parametrize("dtype,granularity", [(FP8, "token"), (INT8, "token-strided"), (FP8, "head"),
+                                               (INT8, "scalar")])
+@pytest.mark.parametrize("tweak", [lambda c: c, _persistent])
+def test_warp_split_loop_matches_reference(gen, page_size, dtype, granularity, tweak):
+    """quant_warp_split (kernels/decode.py _attend_blocks_warps) on every page layout and scale granularity: pages
+    of 64 hold whole blocks, of 16 are gathered from the split's preload, of 1 and 3 read in the loop; a sequence
+    of 0 keys, splits that end mid-block and a group padded to 16 rows."""
+    lens = [70, 0, 33]
+    q = _q(gen, len(lens), 10, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, 32, dtype, granularity, lens)
+    kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
+    config = _warp_split(tweak(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw)))
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_warp_split_loop_with_every_score_option(gen, page_size):
+    """quant_warp_split with 3 new tokens per sequence (causal among them), softcap, a window and ALiBi slopes,
+    4 warps of 16 keys, one split and three."""
+    lens = [90, 3, 41]
+    q = _q(gen, len(lens), 4, 32, seqlen_q=3)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 96, 2, 32, FP8, "token", lens)
+    kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    slopes = _alibi_slopes(gen, len(lens), 4)
+    score = dict(softcap=4.0, window_size=(37, 0), alibi_slopes=slopes)
+    kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
+    for splits in (1, 3):
+        config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=splits, **kw), 64, 4)
+        out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw, **score)
+        _check(out, lse, q, kc, ks, vc, vs, _lens(lens), **score)
+
+
+def test_warp_split_is_refused_where_it_cannot_run(gen):
+    """quant_warp_split on a 16-bit cache, or with fewer than 16 keys a warp: ValueError naming the field."""
+    lens = _lens([20])
+    q = _q(gen, 1, 2, 32)
+    k = randn(1, 32, 2, 32, gen=gen, dtype=torch.float16)
+    with pytest.raises(ValueError, match="quant_warp_split"):
+        flashdecode.flash_decode(q, k, k, lens, config=_warp_split(decode_config(q, k, k, lens)))
+    kc, ks, vc, vs = _quant_cache(gen, 1, 32, 2, 32, FP8, "token")
+    config = decode_config(q, kc, vc, lens, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="quant_warp_split"):
+        flashdecode.flash_decode(q, kc, vc, lens, k_scale=ks, v_scale=vs, config=_warp_split(config, 32, 4))
+
+
 def test_float_cache_path_unchanged(gen):
     """A fp16 cache without scales gives exactly what it gave before (the KV_QUANT=0 kernels)."""
     q = _q(gen, 2, 4, 32)
@@ -899,3 +957,64 @@ def test_register_cap_and_sum_tile_compile_for_hopper():
     barriers per block (sm_90, Triton 3.6: 8 -> 5) and no spills. (GPU timing: fp8_decode --sweep, rows r128 and
     sumtile.)"""
     run_sm90_compile_script(_REGISTER_CAP_SCRIPT)
+
+
+_WARP_SPLIT_SCRIPT = r'''
+import re
+import sys
+from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
+sys.path.insert(0, "tests")
+from helpers import _cuobjdump, compile_for_sm90, spilled_bytes
+
+
+def first_loop(kernel):
+    """The SASS lines of the kernel's first loop (the first backward branch's range: the unmasked KV loop)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))
+    code = [(int(a, 16), text) for a, text in lines]
+    lo, hi = next((int(m.group(1), 16), a) for a, text in code for m in [re.search(r"BRA (0x[0-9a-f]+)", text)]
+                  if m and int(m.group(1), 16) < a)
+    return [text for a, text in code if lo <= a <= hi]
+
+
+# the persistent kernel as the Llama-3-8B shape resolves on an e4m3 cache with per-token scales (32 / 8 heads,
+# hd128, 128-key tiles, 4 warps, 3 stages, row sums per key column), shared loop vs keys split across the warps
+types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", SEQLENS="*i32", BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32",
+             O_FINAL="*bf16", LSE_FINAL="*fp32", TICKETS="*i32", QUEUE="*i32", score_scale="fp32",
+             softcap_out="fp32", K_SCALE="*fp32", V_SCALE="*fp32")
+consts = dict(SEQLEN_Q=1, GROUP=4, NUM_M_BLOCKS=1, HEADDIM=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128,
+              MIN_CHUNK=128, SOFTCAP=False, WINDOW=False, DOT_PRECISION="tf32", USE_TMA=False, USE_PDL=False,
+              PDL_WAIT=False, OFFS_32=True, V_CONVERT_FIRST=True, QUANT_CONVERT=2, K_CONVERT_FIRST=False,
+              NHEADS_KV=8, NUM_SPLITS=16, PAGE_SIZE=0, PRELOAD_PAGES=0, BATCH_PAD=16, MERGE_M=4, MERGE_SPLITS=16,
+              MERGE_BLOCK_S=4, KV_QUANT=3, MAX_SPLIT_KEYS=0, DYNAMIC=False, SUM_TILE=True)
+for page, preload in [(0, 0), (128, 0), (128, 64), (16, 64)]:
+    shared = compile_for_sm90(decode_persistent_kernel, types, dict(consts, PAGE_SIZE=page, PRELOAD_PAGES=preload),
+                              3, 4)
+    split = compile_for_sm90(decode_persistent_kernel, types, dict(consts, PAGE_SIZE=page, PRELOAD_PAGES=preload,
+                                                                   TILE_WARPS=4), 3, 4)
+    barriers = [sum("BAR.SYNC" in t for t in first_loop(k)) for k in (shared, split)]
+    assert barriers[1] < barriers[0], (page, "barriers per block, shared / split", barriers)
+    assert "async_copy_global_to_local" in split.asm["ttgir"], (page, "warp-split 8-bit loads not pipelined")
+    if page == 0:  # (paged, ptxas keeps a few values of the 255-register loop in local memory: 6-7 per block)
+        assert not any(re.search(r"\b(LDL|STL)", t) for t in first_loop(split)), "spills in the loop"
+    assert 2 * split.metadata.shared <= 227 * 1024, (page, "two programs an SM", split.metadata.shared)
+    print(page, "barriers", barriers, "spilled", spilled_bytes(split), "shared", split.metadata.shared)
+# stage 1 of the split grid with every score option on pages of 16 (gathered ids) compiles too
+types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", K_RAW="*fp8e4nv", V_RAW="*fp8e4nv", SEQLENS="*i32",
+             BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32", K_SCALE="*fp32",
+             V_SCALE="*fp32", ALIBI_SLOPES="*fp32")
+consts = dict(consts, SEQLEN_Q=2, SOFTCAP=True, WINDOW=True, ALIBI=True, PAGE_SIZE=16, PRELOAD_PAGES=64,
+              FINAL=False, PREFETCH_KEYS=0, DEVICE_SPLITS=False, KV_PROGRAMS=1, SPEC_PAGES=False, TILE_WARPS=4)
+kernel = compile_for_sm90(decode_split_kernel, types, consts, 3, 4)
+assert "async_copy_global_to_local" in kernel.asm["ttgir"], "warp-split stage 1 with score options not pipelined"
+print("compiled")
+'''
+
+
+def test_warp_split_compiles_for_hopper_with_fewer_barriers():
+    """quant_warp_split compiles for sm_90 (Triton 3.6's ptxas) at the tiles the Llama-3-8B shape resolves on an
+    e4m3 cache (the persistent kernel, 128-key blocks, 4 warps, 3 stages; contiguous, pages of 128 with and without
+    their ids preloaded, pages of 16): fewer CTA barriers per block than the shared loop (contiguous 5 -> 2), K/V
+    loads still pipelined, no spills in the contiguous loop, two programs' shared memory within an SM; stage 1 with
+    softcap, window and ALiBi compiles too. (GPU timing: fp8_decode --sweep; docs/decisions.md, "8-bit cache
+    tiles".)"""
+    run_sm90_compile_script(_WARP_SPLIT_SCRIPT)

@@ -265,3 +265,26 @@ def test_eight_bit_caches_get_twice_the_programs_on_the_gpu():
         dataclasses.replace(long, elem_bytes=2), interp).num_splits
     batched = _problem(elem_bytes=1, batch=16, nheads_kv=8, group=4, live_keys=8192)
     assert hx.resolve_decode_config(batched, _HOPPER).persistent_programs == 2 * _HOPPER.num_sms
+
+
+def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
+    """An 8-bit cache at the Llama-3-8B shape (8 kv heads, group 4) on Hopper: from the batches the persistent
+    kernel would serve, the device-split grid with DECODE_QUANT_WAVES programs' worth of items per SM, the keys of
+    each block split across the warps where the device's equal splits hold >= DECODE_QUANT_WARP_SPLIT_MIN_KEYS keys
+    (b16 8k: 2 splits of 4096); b1 keeps the split grid and the shared loop (128 splits of 1024 keys at 128k); a
+    bf16 cache keeps its paths; the interpreter never splits the keys across warps."""
+    def config(batch, live, elem_bytes=1, dev=_HOPPER, **kw):
+        p = _problem(elem_bytes=elem_bytes, batch=batch, nheads_kv=8, group=4, live_keys=live,
+                     total_keys=batch * live, **kw)
+        return hx.resolve_decode_config(p, dev)
+    b16 = config(16, 8192)
+    assert b16.path is DecodePath.DEVICE_SPLIT_GRID and b16.quant_warp_split
+    assert b16.device_split_slots == hx.DECODE_QUANT_WAVES * 132
+    assert hx.decode_device_uniform_splits(_problem(batch=16, nheads_kv=8), b16.num_splits, 264) == 2
+    assert config(16, 8192, page_size=128).quant_warp_split
+    assert not config(16, 2048).quant_warp_split  # 2 splits of 1024 keys
+    b1 = hx.resolve_decode_config(_problem(elem_bytes=1, nheads_kv=2, group=8, live_keys=131072), _HOPPER)
+    assert b1.path is DecodePath.SPLIT_GRID and not b1.quant_warp_split
+    assert config(16, 8192, elem_bytes=2).path is not DecodePath.DEVICE_SPLIT_GRID
+    interp = hx.DecodeDevice(num_sms=132, interpret=True, hopper=False, pdl=False)
+    assert not config(16, 8192, dev=interp).quant_warp_split

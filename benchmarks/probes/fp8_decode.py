@@ -27,7 +27,8 @@ exact; bits-w4 reduces in another order).
 ``--sweep``: the e4m3 decode (contiguous, per-token-head scales) over a small grid of DecodeConfig changes around the
 resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 4 pipeline stages, a 128-register cap that lets
 two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the split grid as
-the persistent kernel, the softmax row sums summed once after the KV loop), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
+the persistent kernel, the softmax row sums summed once after the KV loop, the keys split across the warps or
+not), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
 config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of the 8-bit floor, our bf16 cache
 / it, max |difference| from the resolved config's output), the fastest per point marked *. About three minutes on an
 H100 (mostly compiles; --sweep-configs runs fewer).
@@ -287,6 +288,18 @@ def _grid_splits(splits, **fields):
     return changes
 
 
+def _on_device_split_grid(**fields):
+    """The persistent configs as the device-split grid (split counts chosen on the device, one CTA per work item,
+    merge kernel), its work items as many as the persistent kernel's programs; None where not persistent."""
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):
+            return None
+        return dict(path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=c.persistent_programs, **fields)
+    return changes
+
+
 def _on_persistent(factor=1, **fields):
     """The split grid's configs on the persistent kernel (its device split counts, the merge in the last split's
     program: no merge launch), with ``factor`` times the splits; None where already (or where splits are empty)."""
@@ -332,6 +345,15 @@ _SWEEP = {
     "r128 p264": _persistent_programs(2, max_registers=128),
     "st2 r128 p264": _persistent_programs(2, num_stages=2, max_registers=128),
     "sum r128 p264": _persistent_programs(2, softmax_sum_tile=True, max_registers=128),
+    "shared": _with(quant_warp_split=False),
+    "warps": _with(quant_warp_split=True),
+    "warps x2": _then(_splits_by(2), quant_warp_split=True),
+    "grid x2": _grid_splits(2),
+    "warps grid x2": _grid_splits(2, quant_warp_split=True),
+    "warps grid x4": _grid_splits(4, quant_warp_split=True),
+    "warps grid x1": _grid_splits(1, quant_warp_split=True),
+    "dgrid": _on_device_split_grid(),
+    "warps dgrid": _on_device_split_grid(quant_warp_split=True),
     "grid x1": _grid_splits(1),
     "r128 grid x2": _grid_splits(2, max_registers=128),
     "st2 r80 grid x3": _grid_splits(3, num_stages=2, max_registers=80),

@@ -133,6 +133,111 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
 
 
 @triton.jit
+def _warp_kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages, first_page,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+                  OFFS_32: tl.constexpr):
+    """decode_gather.kv_rows for the (WARPS, BLOCK_N // WARPS) keys ``offs_n`` of a warp-split block: element
+    offsets and key_ok of the same shape. Pages smaller than a block read their keys' ids from the block table in
+    the loop even where the split preloaded them: picking them from the preload is a gather along the whole block,
+    which in the warps' 2-D layout compiled (sm_90) to thousands of spilling instructions per block."""
+    preload: tl.constexpr = PRELOAD_PAGES if PAGE_SIZE % BLOCK_N == 0 else 0
+    return kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages, first_page,
+                   PAGE_SIZE, BLOCK_N, MASKED, preload, OFFS_32)
+
+
+@triton.jit
+def _load_warp_tile(ptr_base, rows, key_ok, offs_n, end, offs_d, HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASKED: tl.constexpr, PAGED: tl.constexpr):
+    """(WARPS, KW, BLOCK_D) 8-bit K or V tile of a warp-split block (rows, key_ok, offs_n: (WARPS, KW)); keys past
+    ``end`` (MASKED), keys of absent pages (PAGED) and padded head-dim columns load as 0."""
+    ptrs = ptr_base + rows[:, :, None] + offs_d[None, None, :]
+    ok = offs_d[None, None, :] < HEADDIM
+    if PAGED:
+        ok = ok & key_ok[:, :, None]
+    if MASKED:
+        ok = ok & (offs_n < end)[:, :, None]
+    if PAGED or MASKED or BLOCK_D != HEADDIM:
+        return tl.load(ptrs, mask=ok, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, qpos, window_left, score_scale,
+                         softcap_out, num_pages, stride_page, stride_tok, split_pages, first_page, kv_quant,
+                         dot_dtype: tl.constexpr, HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, WARPS: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr, alibi_log2, ALIBI: tl.constexpr,
+                         KV_QUANT: tl.constexpr, QUANT_TILES: tl.constexpr, SUM_TILE: tl.constexpr):
+    """_attend_blocks for an 8-bit cache with the keys of each block split across the WARPS warps (TILE.warps):
+    warp w owns keys [w * KW, (w + 1) * KW) of every BLOCK_N-key block (KW = BLOCK_N // WARPS) and keeps its own
+    softmax state: m_i (WARPS, BLOCK_M), l_i (WARPS, BLOCK_M) or with SUM_TILE (WARPS, BLOCK_M, KW), acc (WARPS,
+    BLOCK_M, BLOCK_D) fp32. The dots are batched over the warps (q3: q's QK^T operand, (WARPS, BLOCK_M, BLOCK_D);
+    Triton lays the batch dim out across the warps), so the row max and sum never leave a warp and P stays in
+    registers between the two dots: 2 CTA barriers per block where the shared loop takes 5 (sm_90 SASS; the cost is
+    a whole accumulator per warp). _merge_warp_states folds the warps' states after the last loop. Arguments
+    otherwise as _attend_blocks (dot_dtype: q's, the PV dot's); the pointer path only (no TMA)."""
+    k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale = kv_quant
+    KW: tl.constexpr = BLOCK_N // WARPS
+    w_keys = tl.arange(0, WARPS)[:, None] * KW + tl.arange(0, KW)[None, :]
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + w_keys  # (WARPS, KW)
+        rows, key_ok = _warp_kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
+                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+        k = _load_warp_tile(k_src, rows, key_ok, offs_n, end, offs_d, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
+        srows = rows
+        if KV_QUANT == 2:
+            srows, _ = _warp_kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
+                                     split_pages, first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
+        elif KV_QUANT == 3:
+            srows = rows // HEADDIM
+        ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
+        k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
+        qk = tl.dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION) * ks[:, None, :] * q_unscale
+        if SOFTCAP:  # as _attend_blocks: no NaN for any logit
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
+        else:
+            s = qk * score_scale
+        keys3 = offs_n[:, None, :]
+        if ALIBI:
+            s -= alibi_log2[None, :, None] * tl.abs(qpos[None, :, None] - keys3).to(tl.float32)
+        if MASKED:
+            visible = (keys3 <= qpos[None, :, None]) & (keys3 < end)
+            if WINDOW:
+                visible = visible & (keys3 >= qpos[None, :, None] - window_left)
+            s = tl.where(visible, s, float("-inf"))
+        if PAGE_SIZE > 0:  # absent pages: their keys' NaN k scale made NaN scores (key_scales)
+            s = tl.where(key_ok[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        shift = safe_max(m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, :, None])
+        if SUM_TILE:
+            l_i = l_i * alpha[:, :, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 2)
+        m_i = m_new
+        v = _load_warp_tile(v_src, rows, key_ok, offs_n, end, offs_d, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
+        v = to_dot_dtype(v, dot_dtype, QUANT_TILES.v_first, QUANT_TILES.convert)
+        p = p * vs[:, None, :]
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _merge_warp_states(acc, m_i, l_i, SUM_TILE: tl.constexpr):
+    """The warps' running states of _attend_blocks_warps folded into one normalised state (o (BLOCK_M, BLOCK_D)
+    fp32, lse2 (BLOCK_M,) log2; (0, -inf) for a row no warp saw a key of): weights 2^(m_w - m), 0 for an empty
+    warp."""
+    if SUM_TILE:
+        l_i = tl.sum(l_i, 2)
+    m = tl.max(m_i, 0)
+    weight = tl.exp2(m_i - safe_max(m)[None, :])
+    return normalize_state(tl.sum(acc * weight[:, :, None], 0), m, tl.sum(l_i * weight, 0))
+
+
+@triton.jit
 def _group_rows(m_block, hk, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
                 SEQLEN_Q: tl.constexpr):
     """The first ROWS query rows of row block ``m_block`` of kv head ``hk``: (t, head, ok), each (ROWS,).
@@ -462,18 +567,44 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
         if k_dtype == tl.float8e4nv or (k_dtype == tl.int8 and QUANT_TILES.convert == CONVERT_BITS_ASM):
             q_k, q_unscale = keys_operand(q, QUANT_TILES.convert, k_dtype)
         quant = (k_scale, v_scale, stride_sb, stride_st, q_k, q_unscale)
+    # Keys below seqlen - SEQLEN_Q + 1 are visible to every row (causal bound of row 0): no masks there.
+    full_hi = start
+    if not WINDOW:
+        full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
+    WARPS: tl.constexpr = TILE.warps
+    if WARPS > 0:  # an 8-bit cache's keys split across the warps, each with its own state (_attend_blocks_warps)
+        o, lse2 = _attend_split_warps(q, quant, k_src, v_src, bt_row, start, full_hi, end, qpos, window_left,
+                                      score_scale, softcap_out, num_pages, stride_kb, stride_kt, split_pages,
+                                      first_page, HEADDIM, TILE, PAGE_SIZE, SOFTCAP, WINDOW, DOT_PRECISION,
+                                      PRELOAD_PAGES, OFFS_32, alibi_log2, ALIBI, KV_QUANT, QUANT_TILES)
+    else:
+        o, lse2 = _attend_split_shared(q, quant, k_src, v_src, bt_row, start, full_hi, end, qpos, window_left,
+                                       score_scale, softcap_out, num_pages, stride_kb, stride_kt, tma_row_base,
+                                       tma_col, split_pages, first_page, HEADDIM, TILE, PAGE_SIZE, SOFTCAP, WINDOW,
+                                       DOT_PRECISION, USE_TMA, PRELOAD_PAGES, OFFS_32, alibi_log2, ALIBI, KV_QUANT,
+                                       QUANT_TILES)
+    return o, lse2
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+@triton.jit
+def _attend_split_shared(q, quant, k_src, v_src, bt_row, start, full_hi, end, qpos, window_left, score_scale,
+                         softcap_out, num_pages, stride_kb, stride_kt, tma_row_base, tma_col, split_pages,
+                         first_page, HEADDIM: tl.constexpr, TILE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         USE_TMA: tl.constexpr, PRELOAD_PAGES: tl.constexpr, OFFS_32: tl.constexpr, alibi_log2,
+                         ALIBI: tl.constexpr, KV_QUANT: tl.constexpr, QUANT_TILES: tl.constexpr):
+    """_attend_split's KV loops with the program's warps sharing each block (_attend_blocks): the unmasked blocks
+    [start, full_hi), then the masked ones up to ``end``; returns the normalised state (o, lse2)."""
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_N: tl.constexpr = TILE.block_n
+    BLOCK_D: tl.constexpr = TILE.block_d
     SUM_TILE: tl.constexpr = TILE.sum_tile
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     if SUM_TILE:  # the row sums per key column, summed once after the loops (softmax_state)
         l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys below seqlen - SEQLEN_Q + 1 are visible to every row (causal bound of row 0): no masks there.
-    full_hi = start
-    if not WINDOW:
-        full_hi = start + tl.maximum(tl.minimum(end, seqlen - SEQLEN_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, start, full_hi, end, qpos,
                                    window_left, score_scale, softcap_out, num_pages, stride_kb, stride_kt,
                                    tma_row_base,
@@ -489,6 +620,40 @@ def _attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, sc
     if SUM_TILE:
         l_i = tl.sum(l_i, 1)
     return normalize_state(acc, m_i, l_i)
+
+
+@triton.jit
+def _attend_split_warps(q, quant, k_src, v_src, bt_row, start, full_hi, end, qpos, window_left, score_scale,
+                        softcap_out, num_pages, stride_page, stride_tok, split_pages, first_page,
+                        HEADDIM: tl.constexpr, TILE: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+                        WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PRELOAD_PAGES: tl.constexpr,
+                        OFFS_32: tl.constexpr, alibi_log2, ALIBI: tl.constexpr, KV_QUANT: tl.constexpr,
+                        QUANT_TILES: tl.constexpr):
+    """_attend_split's KV loops with the keys split across TILE.warps warps (_attend_blocks_warps): the unmasked
+    blocks [start, full_hi), then the masked ones up to ``end``; returns the merged normalised state (o, lse2)."""
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_D: tl.constexpr = TILE.block_d
+    WARPS: tl.constexpr = TILE.warps
+    KW: tl.constexpr = TILE.block_n // WARPS
+    q_k = quant[4]
+    q3 = tl.broadcast_to(q_k[None, :, :], (WARPS, BLOCK_M, BLOCK_D))  # each warp's copy of the QK^T operand
+    m_i = tl.full([WARPS, BLOCK_M], float("-inf"), tl.float32)
+    if TILE.sum_tile:
+        l_i = tl.zeros([WARPS, BLOCK_M, KW], tl.float32)
+    else:
+        l_i = tl.zeros([WARPS, BLOCK_M], tl.float32)
+    acc = tl.zeros([WARPS, BLOCK_M, BLOCK_D], tl.float32)
+    acc, m_i, l_i = _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, start, full_hi, end, qpos,
+                                         window_left, score_scale, softcap_out, num_pages, stride_page, stride_tok,
+                                         split_pages, first_page, quant, q.dtype, HEADDIM, TILE.block_n, BLOCK_D,
+                                         WARPS, PAGE_SIZE, False, SOFTCAP, WINDOW, DOT_PRECISION, PRELOAD_PAGES,
+                                         OFFS_32, alibi_log2, ALIBI, KV_QUANT, QUANT_TILES, TILE.sum_tile)
+    acc, m_i, l_i = _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, full_hi, end, end, qpos,
+                                         window_left, score_scale, softcap_out, num_pages, stride_page, stride_tok,
+                                         split_pages, first_page, quant, q.dtype, HEADDIM, TILE.block_n, BLOCK_D,
+                                         WARPS, PAGE_SIZE, True, SOFTCAP, WINDOW, DOT_PRECISION, PRELOAD_PAGES,
+                                         OFFS_32, alibi_log2, ALIBI, KV_QUANT, QUANT_TILES, TILE.sum_tile)
+    return _merge_warp_states(acc, m_i, l_i, TILE.sum_tile)
 
 
 @triton.jit

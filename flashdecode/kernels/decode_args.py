@@ -24,12 +24,15 @@ class Rows(NamedTuple):
 class Tile(NamedTuple):
     """TILE: query rows per program (padded to the MMA minimum of 16), keys per KV step, head-dim columns (the head
     dim padded to a power of two), and whether the KV loop keeps its softmax row sums as a (block_m, block_n) tile
-    summed once after the loop (sum_tile; kernels/decode.py _attend_split) instead of one sum per block."""
+    summed once after the loop (sum_tile; kernels/decode.py _attend_split) instead of one sum per block; warps: 0,
+    or (an 8-bit cache) the program's warps, each owning block_n // warps keys of every block with its own softmax
+    state (kernels/decode.py _attend_blocks_warps)."""
 
     block_m: int
     block_n: int
     block_d: int
     sum_tile: bool = False
+    warps: int = 0
 
 
 class Splits(NamedTuple):

@@ -231,7 +231,7 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
         HEADDIM=shape.headdim,
         TILE=Tile(block_m=shape.block_m, block_n=config.block_n, block_d=shape.block_d,
-                  sum_tile=config.softmax_sum_tile),
+                  sum_tile=config.softmax_sum_tile, warps=config.num_warps if config.quant_warp_split else 0),
         SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
                       merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),

@@ -155,6 +155,9 @@ def check_config_fits(config: DecodeConfig, problem: heuristics.DecodeProblem,
     if config.use_tma and not heuristics.decode_tma_fits(problem, config.block_n):
         raise ValueError("config.use_tma: this cache cannot be read through tensor descriptors (it needs a dense, "
                          "16-byte aligned cache, a power-of-two head dim and pages that are multiples of block_n)")
+    if config.quant_warp_split and problem.elem_bytes != 1:
+        raise ValueError("config.quant_warp_split: only an 8-bit (float8_e4m3fn / int8) cache splits its keys "
+                         "across the warps")
     if config.offs_32 and not problem.cache_offsets_fit_int32:
         raise ValueError("config.offs_32: this cache has element offsets of 2**31 or more")
     for field in ("use_pdl", "pdl_wait", "merge_early_trigger", "prefetch_blocks"):
