@@ -89,6 +89,10 @@ DECODE_QUANT_WARP_SPLIT_MIN_KEYS = 4096
 # items sharing DECODE_QUANT_WAVES programs per SM: H200, Llama-3-8B 8k, resolved persistent -> this grid (with
 # quant_warp_split where it applies) b8 51.9 -> 48.8 us, b16 94.5 -> 83.7, b32 163.6 -> 149.3, b64 323.7 -> 300.3.
 DECODE_QUANT_DEVICE_SPLIT_GRID = True
+# Both only on contiguous caches and pages smaller than a block (pages of 16, b16 8k: 113.2 -> 99.7 us). Pages that
+# are block multiples keep the persistent kernel's shared loop: the engine (pages of 128) lost with them, Llama-3-8B
+# random weights, e4m3 pages, b64 4k 6139.7 -> 5447.8 tok/s, b16 8k 2142.5 -> 2067.1 (b16 4k 2540.1 -> 2581.9),
+# and the warp-split loop spills 6-7 values a block there (sm_90 compile).
 # Most splits per sequence (the partial buffers' size) and fewest KV blocks a non-empty split holds.
 DECODE_MAX_SPLITS = 64
 DECODE_MIN_BLOCKS_PER_SPLIT = 1
@@ -320,9 +324,15 @@ def decode_quant_warp_split(p: DecodeProblem, dev: DecodeDevice, block_n: int, n
                             split_keys: int) -> bool:
     """DecodeConfig.quant_warp_split: an 8-bit cache on a Hopper GPU (where it was timed) whose splits hold at least
     DECODE_QUANT_WARP_SPLIT_MIN_KEYS keys (``split_keys``: the live keys over the splits), where each warp's 16 or
-    more keys of a block fit the dot. Off in the interpreter, whose 3-D bf16 dots are not exact."""
+    more keys of a block fit the dot, contiguous or in pages smaller than a block
+    (DECODE_QUANT_DEVICE_SPLIT_GRID's note). Off in the interpreter, whose 3-D bf16 dots are not exact."""
     return (p.elem_bytes == 1 and dev.hopper and not dev.interpret and split_keys >= DECODE_QUANT_WARP_SPLIT_MIN_KEYS
-            and block_n >= 16 * num_warps)
+            and block_n >= 16 * num_warps and not _block_multiple_pages(p, block_n))
+
+
+def _block_multiple_pages(p: DecodeProblem, block_n: int) -> bool:
+    """A paged cache whose pages hold whole blocks of block_n keys."""
+    return p.page_size > 0 and p.page_size % block_n == 0
 
 
 def decode_quant_tile(p: DecodeProblem, block_n: int,
@@ -402,7 +412,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     slots = DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms
     persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
     quant_grid = bool(DECODE_QUANT_DEVICE_SPLIT_GRID and persistent and may_reduce and p.batch > 1
-                      and p.elem_bytes == 1)
+                      and p.elem_bytes == 1 and not _block_multiple_pages(p, choice.block_n))
     if quant_grid:
         slots *= _program_waves(p.elem_bytes, dev)
     if p.retile_for_device_splits and may_reduce and choice.device_splits and not persistent and p.batch > 1:

@@ -39,8 +39,7 @@ TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "targ
 # The Gluon Hopper prefill kernels against their peers by kernel time (benchmarks/probes/kernel_time.py records, in
 # benchmarks/results/): the newest run of each shape group, on the machine lent last. The prefill section below is
 # `bench prefill`'s record, which predates these kernels.
-KERNEL_TIME_RECORDS = ["kernel_time_nvidia-h200_2026-11-28T0932.json",
-                       "kernel_time_16x1k_nvidia-h200_2026-11-28T1104.json",
+KERNEL_TIME_RECORDS = ["kernel_time_matmul_nvidia-h200_2026-11-28T1236.json",
                        "kernel_time_fwdbwd_nvidia-h200_2026-11-28T1125.json"]
 
 

@@ -271,8 +271,9 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     """An 8-bit cache at the Llama-3-8B shape (8 kv heads, group 4) on Hopper: from the batches the persistent
     kernel would serve, the device-split grid with DECODE_QUANT_WAVES programs' worth of items per SM, the keys of
     each block split across the warps where the device's equal splits hold >= DECODE_QUANT_WARP_SPLIT_MIN_KEYS keys
-    (b16 8k: 2 splits of 4096); b1 keeps the split grid and the shared loop (128 splits of 1024 keys at 128k); a
-    bf16 cache keeps its paths; the interpreter never splits the keys across warps."""
+    (b16 8k: 2 splits of 4096), contiguous and in pages smaller than a block; b1 keeps the split grid and the
+    shared loop (128 splits of 1024 keys at 128k), pages of 128 the persistent kernel; a bf16 cache keeps its
+    paths; the interpreter never splits the keys across warps."""
     def config(batch, live, elem_bytes=1, dev=_HOPPER, **kw):
         p = _problem(elem_bytes=elem_bytes, batch=batch, nheads_kv=8, group=4, live_keys=live,
                      total_keys=batch * live, **kw)
@@ -281,7 +282,9 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     assert b16.path is DecodePath.DEVICE_SPLIT_GRID and b16.quant_warp_split
     assert b16.device_split_slots == hx.DECODE_QUANT_WAVES * 132
     assert hx.decode_device_uniform_splits(_problem(batch=16, nheads_kv=8), b16.num_splits, 264) == 2
-    assert config(16, 8192, page_size=128).quant_warp_split
+    assert config(16, 8192, page_size=16).quant_warp_split
+    paged = config(16, 8192, page_size=128)  # block-multiple pages keep the persistent kernel's shared loop
+    assert paged.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) and not paged.quant_warp_split
     assert not config(16, 2048).quant_warp_split  # 2 splits of 1024 keys
     b1 = hx.resolve_decode_config(_problem(elem_bytes=1, nheads_kv=2, group=8, live_keys=131072), _HOPPER)
     assert b1.path is DecodePath.SPLIT_GRID and not b1.quant_warp_split
