@@ -245,6 +245,24 @@ def test_warp_split_loop_with_every_score_option(gen, page_size):
         _check(out, lse, q, kc, ks, vc, vs, _lens(lens), **score)
 
 
+@pytest.mark.parametrize("headdim,q_dtype,seqlen_q,group", [(40, torch.float16, 1, 8), (32, torch.float32, 4, 8),
+                                                        (48, torch.float16, 2, 3)])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_warp_split_loop_odd_head_dims_and_row_blocks(gen, headdim, q_dtype, seqlen_q, group, page_size):
+    """quant_warp_split with head dims padded to a power of two (40, 48), fp32 q, and 32 query rows a kv head
+    (4 new tokens x a group of 8)."""
+    lens = [70, 0, 33]
+    q = _q(gen, len(lens), 2 * group, headdim, seqlen_q, dtype=q_dtype)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, headdim, FP8, "token", lens)
+    kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
+    if page_size:
+        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
+    config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw))
+    out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw)
+    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+
+
 def test_warp_split_is_refused_where_it_cannot_run(gen):
     """quant_warp_split on a 16-bit cache, or with fewer than 16 keys a warp: ValueError naming the field."""
     lens = _lens([20])
