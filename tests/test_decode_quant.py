@@ -263,6 +263,32 @@ def test_warp_split_loop_odd_head_dims_and_row_blocks(gen, headdim, q_dtype, seq
     _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
+@pytest.mark.parametrize("page_size", [3, 16, 32])
+def test_warp_split_loop_reads_bad_page_ids_as_absent_keys(gen, page_size, device_resident):
+    """Ids -1, num_pages and 2**30 in a device-resident block table of an e4m3 cache under quant_warp_split (ids
+    read in the loop, and one per block): no read outside the cache, and the result is the reference over the
+    present keys only (packed to the front: one new token, no window, so their order does not matter)."""
+    from test_decode import _corrupt_table
+
+    lens = [70, 40, 57]
+    q = _q(gen, len(lens), 8, 32)
+    kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, 32, FP8, "token", lens)
+    kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    bad, present = _corrupt_table(table, kp.shape[0], lens, page_size)
+    kw = dict(block_table=bad, k_scale=ksp, v_scale=vsp)
+    config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw))
+    out = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, **kw)
+    k, v = _dequant(kc, ks), _dequant(vc, vs)
+    kk, vv, packed = torch.zeros_like(k), torch.zeros_like(v), []
+    for b, n in enumerate(lens):
+        idx = present[b, :n].nonzero().squeeze(1).to(k.device)
+        kk[b, :idx.numel()], vv[b, :idx.numel()] = k[b, idx], v[b, idx]
+        packed.append(idx.numel())
+    o64 = ref.decode_ref(q.double(), kk.double(), vv.double(), _lens(packed))[0]
+    o_same = ref.decode_ref(q, kk.to(q.dtype), vv.to(q.dtype), _lens(packed))[0]
+    assert_fa_close(out, o64, o_same, factor=3.0, atol=2e-3)
+
+
 def test_warp_split_is_refused_where_it_cannot_run(gen):
     """quant_warp_split on a 16-bit cache, or with fewer than 16 keys a warp: ValueError naming the field."""
     lens = _lens([20])
