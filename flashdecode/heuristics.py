@@ -413,8 +413,6 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
     quant_grid = bool(DECODE_QUANT_DEVICE_SPLIT_GRID and persistent and may_reduce and p.batch > 1
                       and p.elem_bytes == 1 and not _block_multiple_pages(p, choice.block_n))
-    if quant_grid:
-        slots *= _program_waves(p.elem_bytes, dev)
     if p.retile_for_device_splits and may_reduce and choice.device_splits and not persistent and p.batch > 1:
         choice = _stage1_choice(p, dev, cdiv(live, decode_device_uniform_splits(p, splits, slots)))
         persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
@@ -444,10 +442,13 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
         **decode_quant_convert(dev))
     # (the device-split grid needs a preload that holds a whole sequence's ids where the kernel relies on it)
     quant_grid = quant_grid and decode_persistent_preload(p, config)[1] == 0
-    split_keys = cdiv(live, decode_device_uniform_splits(p, splits, slots) if quant_grid else splits)
+    split_keys = cdiv(live, splits)
+    if quant_grid:  # its items share the 8-bit loop's programs per SM
+        slots *= _program_waves(p.elem_bytes, dev)
+        split_keys = cdiv(live, decode_device_uniform_splits(p, splits, slots))
     path = _decode_path(p, config, splits, persistent and not quant_grid, dynamic,
                         quant_grid or (may_reduce and choice.device_splits and not persistent))
-    return dataclasses.replace(config, path=path, quant_warp_split=decode_quant_warp_split(
+    return dataclasses.replace(config, path=path, device_split_slots=slots, quant_warp_split=decode_quant_warp_split(
         p, dev, choice.block_n, choice.num_warps, split_keys))
 
 

@@ -36,6 +36,16 @@ from flashdecode.kernels.softmax_state import (LN2, LOG2E, normalize_state, onli
 
 
 @triton.jit
+def _logits_log2(qk, score_scale, softcap_out, SOFTCAP: tl.constexpr):
+    """Scores of q.k in log2 units (any shape): qk * score_scale, or with SOFTCAP softcap * tanh(qk * scale /
+    softcap) * log2(e) (score_scale: tanh's argument scale, softcap_out: the softcap in log2 units)."""
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
+        return (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
+    return qk * score_scale
+
+
+@triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, window_left,
                    score_scale, softcap_out, num_pages, stride_page, stride_tok, tma_row_base, tma_col, split_pages,
                    first_page,
@@ -95,11 +105,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             qk = tl.dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:
-            # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
-            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
-        else:
-            s = qk * score_scale
+        s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         if ALIBI:
             s -= alibi_log2[:, None] * tl.abs(qpos[:, None] - offs_n[None, :]).to(tl.float32)
         if MASKED:
@@ -195,10 +201,7 @@ def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, q
         ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
         k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
         qk = tl.dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION) * ks[:, None, :] * q_unscale
-        if SOFTCAP:  # as _attend_blocks: no NaN for any logit
-            s = (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
-        else:
-            s = qk * score_scale
+        s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         keys3 = offs_n[:, None, :]
         if ALIBI:
             s -= alibi_log2[None, :, None] * tl.abs(qpos[None, :, None] - keys3).to(tl.float32)
