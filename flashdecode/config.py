@@ -72,6 +72,12 @@ class DecodeConfig:
     quant_warp_split: bool = False   # 8-bit caches: each warp owns block_n / num_warps keys of every block with its
     #                                  own softmax state, folded once after the loop (kernels/decode.py
     #                                  _attend_blocks_warps)
+    merge_live_only: bool = False    # the merge reads a state's partial output only where its lse is live: one more
+    #                                  L2 round trip, and no reads of the empty slots (DEVICE_SPLIT_GRID: most of
+    #                                  its num_splits slots per row are empty)
+    merge_in_kernel: bool = False    # DEVICE_SPLIT_GRID: no merge kernel - a sequence given one split writes its
+    #                                  result directly, the last split of a longer one to finish merges its splits
+    #                                  (tickets, as the persistent kernel does)
     max_registers: int = 0           # stage 1's registers per thread, a cap for ptxas (maxnreg; 0: its choice, GPU):
     #                                  <= 65536 / (2 * 32 * num_warps) lets two programs share an SM
 
@@ -82,7 +88,8 @@ _NON_NEGATIVE = ("table_read_extra_stages", "table_read_min_split_blocks", "prel
                  "persistent_slots", "queue_splits", "device_split_slots", "split_keys", "merge_block_s",
                  "quant_convert", "max_registers")
 _FLAGS = ("preload_key_ids", "use_tma", "use_pdl", "pdl_wait", "merge_early_trigger", "offs_32", "spec_pages",
-          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile", "quant_warp_split")
+          "quant_v_convert_first", "quant_k_convert_first", "softmax_sum_tile", "quant_warp_split",
+          "merge_live_only", "merge_in_kernel")
 _MAX_SPLITS = 1024
 # what ptxas accepts as a per-thread register cap (sm_90: 24 .. 255)
 _MIN_REGISTERS, _MAX_REGISTERS = 24, 255
@@ -140,6 +147,8 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
         raise ValueError(f"{name}.persistent_programs must be >= 1 on the {config.path.name} path")
     if config.path is DecodePath.PERSISTENT_QUEUE and config.persistent_slots < 1:
         raise ValueError(f"{name}.persistent_slots must be >= 1 on the PERSISTENT_QUEUE path")
+    if config.merge_in_kernel and config.path is not DecodePath.DEVICE_SPLIT_GRID:
+        raise ValueError(f"{name}.merge_in_kernel goes with path DEVICE_SPLIT_GRID only, got {config.path.name}")
     if config.path is DecodePath.DEVICE_SPLIT_GRID and config.device_split_slots < 1:
         raise ValueError(f"{name}.device_split_slots must be >= 1 on the DEVICE_SPLIT_GRID path")
     return config

@@ -7,6 +7,8 @@ forward outputs, 3 for gradients and decode.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -115,11 +117,24 @@ def _decode_kernel_args(fn, types: dict, consts: dict) -> tuple[dict, dict]:
 
     flat = dict(_DECODE_DEFAULTS, **consts)
     grouped = {n: v for n, v in consts.items() if n in fn.arg_names}
+    # stage 1's optional groups: DEVICE_SPLITS with a flat DEVICE_SPLITS=True, its in-kernel MERGE (and the final
+    # outputs it writes) with IN_KERNEL_MERGE=True; None otherwise
+    optional = {"DEVICE_SPLITS": flat.get("DEVICE_SPLITS")}
+    if "DEVICE_SPLITS" in fn.arg_names:
+        optional["MERGE"] = flat.get("IN_KERNEL_MERGE")
     for name, (cls, fields) in _DECODE_GROUPS.items():
-        if name in fn.arg_names and not (name == "DEVICE_SPLITS" and not flat.get("DEVICE_SPLITS")):
+        if name in fn.arg_names and optional.get(name, True):
             grouped[name] = getattr(decode_args, cls)(*(flat[f] for f in fields))
-    if not flat.get("DEVICE_SPLITS") and "DEVICE_SPLITS" in fn.arg_names:
-        grouped["DEVICE_SPLITS"] = None
+    for name, on in optional.items():
+        if name in fn.arg_names and not on:
+            grouped[name] = None
+    if "kv_raw" in fn.arg_names:  # the L2 prefetch's cache tensors and their batch / page stride
+        types = dict(types, kv_raw=(types.get("K_RAW", "*bf16"), types.get("V_RAW", "*bf16"), "i32"))
+    if "final" in fn.arg_names:
+        if flat.get("IN_KERNEL_MERGE"):
+            types = dict(types, final=(types.get("O_FINAL", "*bf16"), "*fp32", "*i32", DECODE_TUPLES["stride_final"]))
+        else:
+            grouped["final"] = None
     scale_types = (types.get("K_SCALE", "*fp32"), types.get("V_SCALE", "*fp32"), ("i32",) * 3)
     alibi_types = (types.get("ALIBI_SLOPES", "*fp32"), ("i32", "i32"))
     types = {n: t for n, t in types.items() if n in fn.arg_names}
@@ -156,6 +171,9 @@ def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_war
 
     if "ROWS" in fn.arg_names:
         types, consts = _decode_kernel_args(fn, types, consts)
+    # constexpr parameters a script leaves out take their defaults, as at a launch
+    consts = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **consts)
     sig = {n: "constexpr" if n in consts else types.get(n, DECODE_TUPLES.get(n, "i32")) for n in fn.arg_names}
     attrs = {}
     for i, n in enumerate(fn.arg_names):

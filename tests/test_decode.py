@@ -826,14 +826,20 @@ def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
     assert _device_splits([8192] * 17, 0) == [1] * 17
 
 
-@pytest.fixture(params=[3, 40], ids=["3slots", "40slots"])
+@pytest.fixture(params=[(3, False), (40, False), (3, True), (40, True)],
+                ids=["3slots", "40slots", "3slots-in-kernel-merge", "40slots-in-kernel-merge"])
 def device_splits(request):
     """A config tweak onto the DEVICE_SPLIT_GRID path with 3 work-item slots (short sequences share them: one split
-    each) or 40 (a long sequence takes many splits). One split stays UNSPLIT."""
+    each) or 40 (a long sequence takes many splits); the merge kernel reading live slots only, as resolved, or no
+    merge kernel (merge_in_kernel: one-split sequences write their results, the last split merges). One split stays
+    UNSPLIT."""
+    slots, in_kernel = request.param
+
     def tweak(config):
         if config.num_splits == 1:
             return config
-        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=request.param)
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=slots,
+                                   merge_live_only=True, merge_in_kernel=in_kernel)
     return tweak
 
 
@@ -877,6 +883,10 @@ def test_device_split_grid_only_for_a_policy_count_at_batch():
         return hx.resolve_decode_config(p, dev).path
 
     assert path(4) is DecodePath.DEVICE_SPLIT_GRID  # 32 pairs, the policy's count
+    p4 = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=4, nheads_kv=8, headdim=128, elem_bytes=2,
+                          page_size=0, capacity=12000, window_left=-1, live_keys=12000)
+    assert hx.resolve_decode_config(p4, dev).merge_live_only  # its merge skips the empty slots' outputs
+    assert not hx.resolve_decode_config(dataclasses.replace(p4, batch=1, grid_batch=1), dev).merge_live_only
     assert path(4, num_splits=7) is DecodePath.SPLIT_GRID
     assert path(4, num_splits=7, device_may_reduce_splits=True) is DecodePath.DEVICE_SPLIT_GRID  # a plan's policy
     assert path(1) is DecodePath.SPLIT_GRID

@@ -155,7 +155,12 @@ def _device_splits(config):
     return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID)
 
 
-@pytest.mark.parametrize("tweak", [_persistent, _queue, _device_splits])
+def _device_splits_in_kernel_merge(config):
+    """The 8-bit batches' resolved launch: the device-split grid without a merge kernel."""
+    return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, merge_in_kernel=True)
+
+
+@pytest.mark.parametrize("tweak", [_persistent, _queue, _device_splits, _device_splits_in_kernel_merge])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_every_path(gen, tweak, page_size):
     """The persistent kernel (static shares, work queue) and the device-split grid on the 8-bit cache."""
@@ -209,7 +214,7 @@ def _warp_split(config, block_n=32, num_warps=2):
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 64])
 @pytest.mark.parametrize("dtype,granularity", [(FP8, "token"), (INT8, "token-strided"), (FP8, "head"),
                                                (INT8, "scalar")])
-@pytest.mark.parametrize("tweak", [lambda c: c, _persistent])
+@pytest.mark.parametrize("tweak", [lambda c: c, _persistent, _device_splits_in_kernel_merge])
 def test_warp_split_loop_matches_reference(gen, page_size, dtype, granularity, tweak):
     """quant_warp_split (kernels/decode.py _attend_blocks_warps) on every page layout and scale granularity: pages
     of 64 hold whole blocks, of 16 are gathered from the split's preload, of 1 and 3 read in the loop; a sequence
@@ -1042,10 +1047,27 @@ for page, preload in [(0, 0), (128, 0), (128, 64), (16, 64)]:
         assert not any(re.search(r"\b(LDL|STL)", t) for t in first_loop(split)), "spills in the loop"
     assert 2 * split.metadata.shared <= 227 * 1024, (page, "two programs an SM", split.metadata.shared)
     print(page, "barriers", barriers, "spilled", spilled_bytes(split), "shared", split.metadata.shared)
-# stage 1 of the split grid with every score option on pages of 16 (gathered ids) compiles too
+# stage 1 as 8-bit batches resolve it: the device-split grid (two programs an SM's worth of items) with the keys
+# split across the warps and no merge kernel (one-split sequences write their results, the last split merges)
 types = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", K_RAW="*fp8e4nv", V_RAW="*fp8e4nv", SEQLENS="*i32",
              BLOCK_TABLE="*i32", O="*fp32", LSE="*fp32", score_scale="fp32", softcap_out="fp32", K_SCALE="*fp32",
              V_SCALE="*fp32", ALIBI_SLOPES="*fp32")
+grid = dict(consts, FINAL=False, PREFETCH_KEYS=0, DEVICE_SPLITS=True, SPLIT_SLOTS=264, BATCH_PAD=16,
+            KV_PROGRAMS=8, NUM_SPLITS=33, MERGE_SPLITS=64, MERGE_BLOCK_S=4, SPEC_PAGES=False, TILE_WARPS=4,
+            ALIBI=False)
+loops = []
+for in_kernel in (False, True):
+    kernel = compile_for_sm90(decode_split_kernel, types, dict(grid, IN_KERNEL_MERGE=in_kernel), 3, 4)
+    assert "async_copy_global_to_local" in kernel.asm["ttgir"], "device-split warp-split stage 1 not pipelined"
+    assert 2 * kernel.metadata.shared <= 227 * 1024, ("two programs an SM", kernel.metadata.shared)
+    assert ("atom" in kernel.asm["ptx"]) == in_kernel, "only the in-kernel merge draws tickets"
+    loop = first_loop(kernel)
+    loops.append((len(loop), sum(bool(re.search(r"\b(LDL|STL)", t)) for t in loop)))
+    print("device grid, in-kernel merge", in_kernel, "loop, spill ops", loops[-1], "spilled", spilled_bytes(kernel))
+# the merge epilogue leaves the KV loop as it was (ptxas keeps 3 values of its 255-register loop in local memory
+# either way)
+assert loops[1][0] <= 1.02 * loops[0][0] and loops[1][1] <= max(loops[0][1], 4), loops
+# stage 1 of the split grid with every score option on pages of 16 (gathered ids) compiles too
 consts = dict(consts, SEQLEN_Q=2, SOFTCAP=True, WINDOW=True, ALIBI=True, PAGE_SIZE=16, PRELOAD_PAGES=64,
               FINAL=False, PREFETCH_KEYS=0, DEVICE_SPLITS=False, KV_PROGRAMS=1, SPEC_PAGES=False, TILE_WARPS=4)
 kernel = compile_for_sm90(decode_split_kernel, types, consts, 3, 4)
@@ -1058,7 +1080,8 @@ def test_warp_split_compiles_for_hopper_with_fewer_barriers():
     """quant_warp_split compiles for sm_90 (Triton 3.6's ptxas) at the tiles the Llama-3-8B shape resolves on an
     e4m3 cache (the persistent kernel, 128-key blocks, 4 warps, 3 stages; contiguous, pages of 128 with and without
     their ids preloaded, pages of 16): fewer CTA barriers per block than the shared loop (contiguous 5 -> 2), K/V
-    loads still pipelined, no spills in the contiguous loop, two programs' shared memory within an SM; stage 1 with
-    softcap, window and ALiBi compiles too. (GPU timing: fp8_decode --sweep; docs/decisions.md, "8-bit cache
+    loads still pipelined, no spills in the contiguous loop, two programs' shared memory within an SM; stage 1 on
+    the device-split grid as 8-bit batches resolve it, with and without the in-kernel merge (the same KV loop);
+    stage 1 with softcap, window and ALiBi compiles too. (GPU timing: fp8_decode --sweep; docs/decisions.md, "8-bit cache
     tiles".)"""
     run_sm90_compile_script(_WARP_SPLIT_SCRIPT)

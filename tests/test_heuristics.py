@@ -280,6 +280,7 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
         return hx.resolve_decode_config(p, dev)
     b16 = config(16, 8192)
     assert b16.path is DecodePath.DEVICE_SPLIT_GRID and b16.quant_warp_split
+    assert b16.merge_in_kernel  # no merge kernel: one-split sequences write their results, the last split merges
     assert b16.device_split_slots == hx.DECODE_QUANT_WAVES * 132
     assert hx.decode_device_uniform_splits(_problem(batch=16, nheads_kv=8), b16.num_splits, 264) == 2
     assert config(16, 8192, page_size=16).quant_warp_split
@@ -289,5 +290,6 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     b1 = hx.resolve_decode_config(_problem(elem_bytes=1, nheads_kv=2, group=8, live_keys=131072), _HOPPER)
     assert b1.path is DecodePath.SPLIT_GRID and not b1.quant_warp_split
     assert config(16, 8192, elem_bytes=2).path is not DecodePath.DEVICE_SPLIT_GRID
+    assert not config(16, 8192, elem_bytes=2).merge_in_kernel
     interp = hx.DecodeDevice(num_sms=132, interpret=True, hopper=False, pdl=False)
     assert not config(16, 8192, dev=interp).quant_warp_split

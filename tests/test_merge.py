@@ -140,6 +140,48 @@ def test_merge_many_in_head_dim_chunks(gen, d_chunks, headdim, max_rows):
         launch_merge_many(outs, lses, o, lse, states_dim=0, lse_log2=False, max_rows=3)
 
 
+@pytest.mark.parametrize("d_chunks,max_rows,block_s", [(1, 0, 0), (2, 1, 0), (1, 0, 4)])
+@pytest.mark.parametrize("lse_log2", [False, True])
+def test_merge_many_live_only(gen, d_chunks, max_rows, block_s, lse_log2):
+    """live_only (the device-split grid's merge: most slots empty) reads every lse first, then the live states
+    below its rows' last live slot only: empty slots' o NaN (never written, never read), live slots scattered
+    (not only a prefix), a row with no live state (0, -inf), a row with one state, a NaN lse (a NaN row, never a
+    valid-looking one); against the float64 merge and the merge that reads every slot."""
+    from flashdecode.ops.merge import launch_merge_many
+
+    outs, lses = _states(gen, 33, (3,), 4, 64, torch.float32)
+    empty = (torch.rand(lses.shape, generator=gen) < 0.8).to(lses.device)
+    empty[:, 2, 3] = True  # a row without any live state
+    empty[:, 1, 0] = True
+    empty[7, 1, 0] = False  # one live state, in the middle of the slots
+    empty[32, 0, 1] = False  # the last slot live
+    lses[empty] = -INF
+    outs[empty] = float("nan")
+    lses[0, 2, 1] = float("nan")
+    results = []
+    for live_only in (False, True):
+        o = torch.full((3, 4, 64), 7.0, device=DEVICE)
+        lse = torch.full((3, 4), 7.0, device=DEVICE)
+        lse_in = lses / math.log(2) if lse_log2 else lses
+        launch_merge_many(outs, lse_in, o, lse, states_dim=0, lse_log2=lse_log2, d_chunks=d_chunks,
+                          max_rows=max_rows, block_s=block_s, live_only=live_only)
+        results.append((o, lse))
+    (o_all, lse_all), (o_live, lse_live) = results
+    assert o_live[2, 1].isnan().all() and lse_live[2, 1].isnan()
+    o_live[2, 1], lse_live[2, 1], o_all[2, 1], lse_all[2, 1] = 0.0, 0.0, 0.0, 0.0
+    assert not o_live.isnan().any() and not lse_live.isnan().any()
+    assert lse_live[2, 3] == -INF and (o_live[2, 3] == 0).all()
+    torch.testing.assert_close(o_live, o_all, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_live, lse_all, rtol=1e-5, atol=1e-6)
+    lses[0, 2, 1] = -INF
+    o64, lse64 = ref.merge_states_many_ref(outs.double().nan_to_num(), lses.double())
+    o_same, lse_same = ref.merge_states_many_ref(outs.nan_to_num(), lses)
+    live = lse64 > -INF
+    live[2, 1] = False
+    assert_fa_close(o_live[live], o64[live], o_same[live], factor=3.0, atol=1e-5)
+    assert_fa_close(lse_live[live], lse64[live], lse_same[live], factor=3.0, atol=1e-5, name="lse")
+
+
 def _layout(x, kind):
     """The same values as x in another memory layout: a permuted dense copy, or a strided (sliced) view."""
     if kind == "permuted":  # dense, but the leading dims swapped in memory (e.g. an HF-style transpose)

@@ -318,15 +318,15 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, K_RAW, V_RAW,
-    scales, window_left, capacity, num_pages, stride_rb, batch,
+    Q, K, V, SEQLENS, BLOCK_TABLE, O, LSE, kv_raw,
+    scales, window_left, capacity, num_pages, batch,
     stride_q, stride_k, stride_btb, stride_o, stride_l,
     ROWS: tl.constexpr, HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, PAGES: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = PREFETCH_OFF,
     DEVICE_SPLITS: tl.constexpr = None, OFFS_32: tl.constexpr = False, SPEC_PAGES: tl.constexpr = False,
     alibi=None, ALIBI: tl.constexpr = False, kv_scales=None, KV_QUANT: tl.constexpr = 0,
-    QUANT_TILES: tl.constexpr = QUANT_TILES_OFF,
+    QUANT_TILES: tl.constexpr = QUANT_TILES_OFF, final=None, MERGE: tl.constexpr = None,
 ):
     """Stage 1 (see module doc).
 
@@ -351,9 +351,9 @@ def decode_split_kernel(
     fp32 natural log. Otherwise O (batch, SEQLEN_Q, nheads, NUM_SPLITS, HEADDIM) fp32 and LSE (..., NUM_SPLITS) log2
     (MERGE_SPLITS: NUM_SPLITS padded to a power of two).
     PREFETCH_KEYS (0 = off; a power of two): L2 prefetch of the split's first keys before anything else (before
-    gdc_wait), from K_RAW / V_RAW (the cache tensors themselves, also on the TMA path; stride_rb their batch or page
-    stride, num_pages their page count when paged), LINE_ELEMS elements per 128-byte line, NUM_LINES lines (a power
-    of two) per head-dim row. Only a hint: the data is read again after the wait.
+    gdc_wait), from kv_raw = (K_RAW, V_RAW, stride_rb): the cache tensors themselves, also on the TMA path, and
+    their batch or page stride (num_pages their page count when paged); LINE_ELEMS elements per 128-byte line,
+    NUM_LINES lines (a power of two) per head-dim row. Only a hint: the data is read again after the wait.
     OFFS_32: every element offset into K / V (pointer path) is < 2**31, so the gathers' address math stays 32-bit.
     SPEC_PAGES (paged with PRELOAD_PAGES, not DEVICE_SPLITS; pays with PDL_WAIT): the split's page ids are read
     beside its length instead of after it, for the range the length read before gdc_wait gives; kept when the
@@ -369,6 +369,11 @@ def decode_split_kernel(
     stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (_alibi_log2).
     KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (_attend_split);
     QUANT_TILES: _attend_blocks'.
+    MERGE (with DEVICE_SPLITS; kernels/decode_args.MergeTile): no merge kernel follows. final = (O_FINAL, LSE_FINAL,
+    TICKETS, (stride_f, stride_fl)) as the persistent kernel takes them: a sequence the device gave one split writes
+    its result there directly (an empty sequence (0, -inf)); the splits of a longer one store their partials, draw
+    a ticket of their (sequence, kv head, row block) and the last of them merges (_merge_if_last_ticket); no split
+    returns early, and no slot past a sequence's splits is read, so none is marked.
     """
     SEQLEN_Q: tl.constexpr = ROWS.seqlen_q
     GROUP: tl.constexpr = ROWS.group
@@ -386,6 +391,7 @@ def decode_split_kernel(
     PDL_WAIT: tl.constexpr = PDL.wait
     PREFETCH_KEYS: tl.constexpr = PREFETCH.keys
     DEVICE: tl.constexpr = DEVICE_SPLITS is not None  # split counts chosen on the device, one program per item
+    IN_KERNEL_MERGE: tl.constexpr = DEVICE and MERGE is not None
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kt, stride_kh = stride_k
     stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
@@ -414,6 +420,7 @@ def decode_split_kernel(
             stale_start, stale_end = stale_split_range(SEQLENS, b, split, num_splits, capacity, window_left,
                                                         SEQLEN_Q, BLOCK_N, MIN_CHUNK, WINDOW, SPLIT_KEYS)
     if PREFETCH_KEYS > 0:
+        K_RAW, V_RAW, stride_rb = kv_raw
         prefetch_split_head(K_RAW, V_RAW, BLOCK_TABLE + b.to(tl.int64) * stride_btb, b, pid_hm // NUM_M_BLOCKS,
                              stale_start, stale_end, num_pages, stride_rb, stride_kt, stride_kh, PAGE_SIZE,
                              HEADDIM, PREFETCH_KEYS, PREFETCH.line_elems, PREFETCH.num_lines)
@@ -446,13 +453,13 @@ def decode_split_kernel(
     o_rows = b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
     lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
     lse_ptrs = lse_rows + split * stride_ls
-    if DEVICE:
+    if DEVICE and not IN_KERNEL_MERGE:
         if split == 0:  # the slots this sequence does not use must read as empty states in the merge
             unused = tl.arange(0, MERGE_SPLITS)
             tl.store(lse_rows[:, None] + unused[None, :] * stride_ls, tl.full([BLOCK_M, MERGE_SPLITS],
                      float("-inf"), tl.float32),
                      mask=row_ok[:, None] & ((unused >= num_splits) & (unused < NUM_SPLITS))[None, :])
-    if not FINAL:
+    if not FINAL and not IN_KERNEL_MERGE:
         if start >= end:  # an empty split: the merge must see (-, -inf); its partial output is never read
             tl.store(lse_ptrs, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
@@ -467,9 +474,41 @@ def decode_split_kernel(
     if FINAL:
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2 * LN2, mask=row_ok)
+    elif IN_KERNEL_MERGE:
+        _finish_device_item(O, LSE, final, o, lse2, o_ptrs, lse_ptrs, b, hk, m_block, pid_hm, t, head, row_ok,
+                            offs_d, d_ok, num_splits, stride_o, stride_l, GROUP, SEQLEN_Q, HEADDIM, TILE, SPLITS,
+                            MERGE, DEVICE_SPLITS.kv_programs)
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
+
+
+@triton.jit
+def _finish_device_item(O, LSE, final, o, lse2, o_ptrs, lse_ptrs, b, hk, m_block, pid_hm, t, head, row_ok, offs_d,
+                        d_ok, num_splits, stride_o, stride_l, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
+                        HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
+                        KV_PROGRAMS: tl.constexpr):
+    """decode_split_kernel's end of a device-split work item with MERGE (no merge kernel): a one-split sequence's
+    state (o (BLOCK_M, BLOCK_D) fp32, lse2 log2) is its result, written to final's O_FINAL / LSE_FINAL; a split of
+    a longer one stores its partial at o_ptrs / lse_ptrs and draws its ticket, the last split merging them all."""
+    O_FINAL, LSE_FINAL, TICKETS, stride_final = final
+    stride_f, stride_fl = stride_final
+    stride_fb, stride_ft, stride_fh, stride_fd = stride_f
+    stride_flb, stride_flt, stride_flh = stride_fl
+    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
+    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
+    if num_splits == 1:
+        _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
+                     stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
+    else:
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse2, mask=row_ok)
+        _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KV_PROGRAMS + pid_hm, num_splits, b, hk,
+                              m_block, stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+                              stride_lb, stride_lt, stride_lh, stride_ls,
+                              stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
+                              GROUP, SEQLEN_Q, HEADDIM, TILE.block_m, TILE.block_d, SPLITS.num_splits,
+                              MERGE.rows, SPLITS.merge_splits, MERGE.block_s)
 
 
 @triton.jit

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashdecode.kernels.softmax_state import LN2, LOG2E, merge_many_step, merge_two_states, normalize_state
+from flashdecode.kernels.softmax_state import (LN2, LOG2E, merge_many_step, merge_two_states, normalize_state,
+                                               safe_max)
 
 
 @triton.jit
@@ -22,7 +23,7 @@ def merge_many_kernel(
     stride_loo, stride_loi,
     HEADDIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     LSE_LOG2: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
-    SKIP_EMPTY: tl.constexpr = False,
+    SKIP_EMPTY: tl.constexpr = False, LIVE_ONLY: tl.constexpr = False, STATES_PAD: tl.constexpr = 1,
 ):
     """Merge ``num_states`` states per row. Grid (num_outer, cdiv(num_inner, BLOCK_R), head-dim chunks): program
     (., ., c) merges head-dim columns [c * BLOCK_D, (c + 1) * BLOCK_D) (one chunk when BLOCK_D covers HEADDIM; more
@@ -41,6 +42,12 @@ def merge_many_kernel(
     turns -0.0 into +0.0 and trusts exp2(0) to be exactly 1), so trailing empty states - however many the launch
     has - change no bit of the result; with BLOCK_S fixed by the caller the states are folded in the same steps
     in the same order whatever num_states is.
+    LIVE_ONLY (STATES_PAD: num_states padded to a power of two): for launches whose states are mostly empty slots
+    (the device-split grid's NUM_SPLITS slots a row, of which a sequence uses its device-chosen few, slots 0 ..
+    count - 1). Every state's lse is read in one round trip first; they fix each row's shift and normaliser, and
+    the program's live count (its rows' last live slot + 1); then only slots below the count are folded, BLOCK_S
+    at a time, and o is read only where its lse is live. So a program's cost follows the live states, not the
+    slots, and its tile holds BLOCK_S states, not all of them: more rows a program (_fold_live_states).
     """
     if USE_PDL:
         if EARLY_TRIGGER:
@@ -62,29 +69,64 @@ def merge_many_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for n0 in range(0, num_states, BLOCK_S):
-        n = n0 + offs_s
-        lse_ok = r_ok[:, None] & (n < num_states)[None, :]
-        lse = tl.load(lse_base + n[None, :] * stride_lin, mask=lse_ok, other=float("-inf")).to(tl.float32)
-        if not LSE_LOG2:
-            lse = lse * LOG2E
-        # o is loaded beside lse (not behind it: one memory round trip, not two); empty states' o may be
-        # garbage (never written), so it is zeroed after the load.
-        o = tl.load(o_base + n[None, :, None] * stride_in, mask=lse_ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        o = tl.where((lse > float("-inf"))[:, :, None], o.to(tl.float32), 0.0)
-        if SKIP_EMPTY:
-            acc_n, m_n, l_n = merge_many_step(acc, m_i, l_i, o, lse)
-            live = tl.max(tl.max(lse, 1), 0) > float("-inf")
-            acc = tl.where(live, acc_n, acc)
-            m_i = tl.where(live, m_n, m_i)
-            l_i = tl.where(live, l_n, l_i)
-        else:
-            acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
+    if LIVE_ONLY:
+        acc, m_i, l_i = _fold_live_states(o_base, lse_base, r_ok, d_ok, num_states, stride_in, stride_lin,
+                                          BLOCK_R, BLOCK_S, BLOCK_D, STATES_PAD, LSE_LOG2)
+    else:
+        for n0 in range(0, num_states, BLOCK_S):
+            n = n0 + offs_s
+            lse_ok = r_ok[:, None] & (n < num_states)[None, :]
+            lse = tl.load(lse_base + n[None, :] * stride_lin, mask=lse_ok, other=float("-inf")).to(tl.float32)
+            if not LSE_LOG2:
+                lse = lse * LOG2E
+            # o is loaded beside lse (not behind it: one memory round trip, not two); empty states' o may be
+            # garbage (never written), so it is zeroed after the load.
+            o = tl.load(o_base + n[None, :, None] * stride_in, mask=lse_ok[:, :, None] & d_ok[None, None, :],
+                        other=0.0)
+            o = tl.where((lse > float("-inf"))[:, :, None], o.to(tl.float32), 0.0)
+            if SKIP_EMPTY:
+                acc_n, m_n, l_n = merge_many_step(acc, m_i, l_i, o, lse)
+                live = tl.max(tl.max(lse, 1), 0) > float("-inf")
+                acc = tl.where(live, acc_n, acc)
+                m_i = tl.where(live, m_n, m_i)
+                l_i = tl.where(live, l_n, l_i)
+            else:
+                acc, m_i, l_i = merge_many_step(acc, m_i, l_i, o, lse)
     # Each state is already normalised, so (acc, m, l) is exactly a running state over the union of their keys.
     o, lse2 = normalize_state(acc, m_i, l_i)
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok & (d_chunk == 0))
+
+
+@triton.jit
+def _fold_live_states(o_base, lse_base, r_ok, d_ok, num_states, stride_in, stride_lin, BLOCK_R: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STATES_PAD: tl.constexpr, LSE_LOG2: tl.constexpr):
+    """merge_many_kernel's LIVE_ONLY fold of the rows r_ok (BLOCK_R,): returns (acc (BLOCK_R, BLOCK_D), shift
+    (BLOCK_R,), l (BLOCK_R,)) for normalize_state - the shift each row's largest lse (-inf for a row without a live
+    state, whose l is then 0), l the sum of exp2(lse - shift) over all its states, acc the same weights times o over
+    the live ones. A NaN lse makes its row's l NaN (so its result is NaN, never a valid-looking value)."""
+    n_all = tl.arange(0, STATES_PAD).to(tl.int64)
+    lse_all = tl.load(lse_base + n_all[None, :] * stride_lin, mask=r_ok[:, None] & (n_all < num_states)[None, :],
+                      other=float("-inf")).to(tl.float32)
+    if not LSE_LOG2:
+        lse_all = lse_all * LOG2E
+    m = tl.max(lse_all, 1)
+    shift = safe_max(m)
+    l_i = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
+    count = tl.max(tl.max(tl.where(lse_all > float("-inf"), n_all[None, :] + 1, 0), 1), 0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    for n0 in range(0, count, BLOCK_S):
+        n = n0 + offs_s
+        lse = tl.load(lse_base + n[None, :] * stride_lin, mask=r_ok[:, None] & (n < count)[None, :],
+                      other=float("-inf")).to(tl.float32)
+        if not LSE_LOG2:
+            lse = lse * LOG2E
+        live = lse > float("-inf")  # an empty state's o was never written: never read
+        o = tl.load(o_base + n[None, :, None] * stride_in, mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o.to(tl.float32), 1)
+    return acc, m, l_i
 
 
 @triton.jit

@@ -187,8 +187,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     pool = workspace(q.device)
     splits = launch.grid_splits
     partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
-    persistent = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
-    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if persistent else 0
+    tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
+    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
     if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
         partial_o, partial_lse, tickets = pool.take(partial_shape, n_tickets)
     else:
@@ -284,8 +284,8 @@ class DecodePlan:
         splits = self.num_splits if self.num_splits > 1 or split_keys else 0
         self._partial_o = torch.empty(rows * splits * headdim, **f32)
         self._partial_lse = torch.empty(rows * splits, **f32)
-        # the persistent kernel's ticket counters and work queue (zeros; every launch leaves them zero again). Row
-        # blocks per kv head never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
+        # the in-kernel merges' ticket counters and the persistent queue (zeros; every launch leaves them zero
+        # again). Row blocks per kv head never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
         self._tickets = torch.zeros(num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)
 

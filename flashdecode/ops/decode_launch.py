@@ -105,13 +105,16 @@ def run_decode(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cach
     """Decode into out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log, on
     launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) / partial_lse (..., splits)
     fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero again): the persistent
-    paths' merge counters and work queue."""
+    paths' and config.merge_in_kernel's merge counters, and the persistent queue."""
     path = launch.config.path
     if path is DecodePath.UNSPLIT:  # no partials, no second kernel
         _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, final=True)
     elif path in _PERSISTENT_PATHS:  # one launch: the kernel merges the sequences that split
         _launch_persistent(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o,
                            partial_lse, tickets)
+    elif launch.config.merge_in_kernel:  # one launch: one-split sequences write out4, the last split merges
+        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
+                       final=False, merged=(out4, lse3, tickets))
     else:
         _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
                        final=False)
@@ -126,7 +129,7 @@ def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out4, lse
         _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
         early_trigger=config.merge_early_trigger and config.pdl_wait, d_chunks=config.merge_d_chunks,
         max_rows=config.merge_max_rows, block_s=config.merge_block_s,
-        skip_empty=config.path is DecodePath.FIXED_SPLIT)
+        skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only)
 
 
 def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
@@ -146,11 +149,13 @@ def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
 
 
 def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, o4,
-                   lse3, final: bool):
+                   lse3, final: bool, merged=None):
     """decode_split_kernel. o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32
     partials). On DEVICE_SPLIT_GRID the split counts are chosen on the device (<= num_splits per sequence), one
     program per work item. FIXED_SPLIT: the grid's splits follow from the cache, while the kernel's NUM_SPLITS (unused
-    there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant."""
+    there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant.
+    merged (DEVICE_SPLIT_GRID with config.merge_in_kernel): (out4, lse3, tickets), where the kernel writes the
+    results itself (kernels/decode.py MERGE)."""
     config = launch.config
     num_splits = 1 if final else launch.grid_splits
     q4 = shape.q4
@@ -162,21 +167,26 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     grid = (num_splits, kv_programs, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
     device_splits = None
+    merge_args = {}
     if config.path is DecodePath.DEVICE_SPLIT_GRID:
         grid = (launch.programs, 1, 1)
         device_splits = DeviceSplits(slots=config.device_split_slots, batch_pad=launch.batch_pad,
                                      max_split_keys=launch.max_split_keys, kv_programs=kv_programs)
+        if merged is not None:
+            out4, lse_final, tickets = merged
+            merge_args = dict(final=(out4, lse_final, tickets, _final_strides(out4, lse_final)),
+                              MERGE=_merge_tile(shape, config.num_splits))
     run = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, k_cache, v_cache,
+        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, (k_cache, v_cache, k_cache.stride(0)),
         (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
-        k_cache.stride(0), shape.batch,
+        shape.batch,
         tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0,
         (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
         (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
         FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
         PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
-        **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
+        **merge_args, **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
         num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
         **({"launch_pdl": True} if config.pdl_wait else {}),
     )

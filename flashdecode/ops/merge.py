@@ -15,6 +15,11 @@ __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
 
 _DTYPES = checks.FLOAT_DTYPES
 _TILE_ELEMS = 8192  # fp32 elements of the (rows, states, headdim) tile one merge program holds: 64 splits x hd128
+# live_only merges (kernels/merge.py LIVE_ONLY): states folded per step, and the most lse values / (rows, states,
+# headdim) elements one program holds. The device-split grid gives a sequence 1-2 of its slots at batch 16-64.
+_LIVE_BLOCK_S = 2
+_LIVE_LSE_ELEMS = 2048
+_LIVE_TILE_ELEMS = 4096
 # Widest head dim the merge tiles take: one program holds a (rows, states, headdim) tile of _TILE_ELEMS values,
 # so this bounds its registers (MLA-style 512-wide states fit with room to spare).
 MAX_MERGE_HEAD_DIM = 1024
@@ -59,7 +64,7 @@ def _rows3(x, headdim_last: bool):
 
 def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
                       early_trigger: bool = False, d_chunks: int = 1, max_rows: int = 0, block_s: int = 0,
-                      skip_empty: bool = False):
+                      skip_empty: bool = False, live_only: bool = False):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
@@ -70,7 +75,9 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     _TILE_ELEMS values holds; 1 with d_chunks spreads a merge of few rows over rows x d_chunks programs).
     block_s: states folded per step (a power of two; 0: up to the state count, as the tile allows). skip_empty
     (with a fixed block_s): steps whose states are all empty leave the result's bits alone (kernels/merge.py
-    SKIP_EMPTY), so appending empty states changes nothing - batch-invariant decode's merge."""
+    SKIP_EMPTY), so appending empty states changes nothing - batch-invariant decode's merge. live_only: all lse
+    first, then the live states only (kernels/merge.py LIVE_ONLY; for launches whose states are mostly empty
+    slots; block_s then counts live states a step)."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -85,9 +92,14 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
     if block_s < 0 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be 0 or a power of two, got {block_s}")
-    if not block_s:
-        block_s = min(heuristics.next_power_of_2(max(num_states, 1)), max(1, _TILE_ELEMS // block_d))
-    block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
+    states_pad = heuristics.next_power_of_2(max(num_states, 1))
+    if live_only:  # every lse of its rows at once, then BLOCK_S live states a step: a small tile, more rows
+        block_s = block_s or _LIVE_BLOCK_S
+        block_r = max(1, min(heuristics.next_power_of_2(inner), _LIVE_LSE_ELEMS // states_pad,
+                             _LIVE_TILE_ELEMS // (block_s * block_d)))
+    else:
+        block_s = block_s or min(states_pad, max(1, _TILE_ELEMS // block_d))
+        block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
     if max_rows:
         block_r = min(block_r, max_rows)
     grid = (outer, triton.cdiv(inner, block_r), triton.cdiv(headdim, block_d))
@@ -95,7 +107,8 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
         *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
         HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
-        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only), STATES_PAD=states_pad if live_only else 1,
+        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
