@@ -241,6 +241,10 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
 # instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
 # (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
 # under r128 its KV loops stay free of spills (its work loop spills a few values per item), under r80 they do not.
+# "x0.5": half the splits; "pfN": the pre-wait L2 prefetch of a split's first N blocks (DecodeConfig.prefetch_blocks;
+# resolved: 1 block where few (batch, kv head) pairs leave the SMs to the splits); "all reads": the merge reads every
+# slot's partial output, live or not (DecodeConfig.merge_live_only off), with the merge kernel; "merge kernel" /
+# "in-kernel merge": the device-split grid with / without a merge kernel (DecodeConfig.merge_in_kernel).
 # "sum": the softmax row sums kept per key column and summed after the KV loop (DecodeConfig.softmax_sum_tile): the
 # 8-warp e4m3 loop without its cross-warp sum per block, 8 -> 5 barriers and 639 -> 614 instructions per block.
 def _splits_by(factor, block_n=None):
@@ -250,8 +254,8 @@ def _splits_by(factor, block_n=None):
         if c.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):  # its device splits follow its programs
             return None if factor > 1 else ({} if block_n is None else dict(block_n=block_n))
         bn = block_n or c.block_n
-        splits = c.num_splits * factor
-        if splits * bn > context or splits > 1024:  # empty splits: nothing new
+        splits = int(c.num_splits * factor)
+        if splits * bn > context or splits > 1024 or splits < 2:  # empty splits, or no split: nothing new
             return None
         return dict(num_splits=splits, **({} if block_n is None else dict(block_n=block_n)))
     return changes
@@ -269,12 +273,13 @@ def _then(first, **fields):
 
 
 def _on_split_grid(c, context):
-    """The persistent configs as a split grid (one CTA per split and kv head, merge kernel); None where already."""
+    """The persistent and device-split configs as a split grid (one CTA per split and kv head, merge kernel); None
+    where already."""
     from flashdecode.config import DecodePath
 
-    if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):
+    if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE, DecodePath.DEVICE_SPLIT_GRID):
         return None
-    return dict(path=DecodePath.SPLIT_GRID)
+    return dict(path=DecodePath.SPLIT_GRID, merge_in_kernel=False)
 
 
 def _grid_splits(splits, **fields):
@@ -297,6 +302,18 @@ def _on_device_split_grid(**fields):
         if c.path not in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE):
             return None
         return dict(path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=c.persistent_programs, **fields)
+    return changes
+
+
+def _on_device_grid(first=None, **fields):
+    """``fields`` (after ``first``'s changes) where the config runs the device-split grid; None elsewhere."""
+    def changes(c, context):
+        from flashdecode.config import DecodePath
+
+        base = {} if first is None else first(c, context)
+        if c.path is not DecodePath.DEVICE_SPLIT_GRID or base is None:
+            return None
+        return dict(base, **fields)
     return changes
 
 
@@ -357,14 +374,26 @@ _SWEEP = {
     "grid x1": _grid_splits(1),
     "r128 grid x2": _grid_splits(2, max_registers=128),
     "st2 r80 grid x3": _grid_splits(3, num_stages=2, max_registers=80),
+    "x0.5": _splits_by(0.5),
+    "pf2": _with(prefetch_blocks=2),
+    "pf4": _with(prefetch_blocks=4),
+    "pf8": _with(prefetch_blocks=8),
+    "x0.5 pf4": _then(_splits_by(0.5), prefetch_blocks=4),
+    "all reads": _on_device_grid(merge_live_only=False, merge_in_kernel=False),
+    "merge kernel": _on_device_grid(merge_in_kernel=False),
+    "in-kernel merge": _on_device_grid(merge_in_kernel=True),
+    "x0.5 in-kernel merge": _on_device_grid(_splits_by(0.5), merge_in_kernel=True),
 }
 SWEEP_POINTS = (("b1 16/2", 1, 4096, 16, 2), ("b1 16/2", 1, 32768, 16, 2), ("b1 16/2", 1, 131072, 16, 2),
                 ("llama3-8b", 16, 8192, 32, 8))
 
 
-def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen, names) -> list[dict]:
+def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwidth, gen, names,
+                kernel_times=False) -> list[dict]:
     """--sweep rows of one shape: our e4m3 cache (contiguous, per-token-head scales) under each sweep entry that
-    applies (_SWEEP), our bf16 cache's resolved config, a bare read of the 8-bit bytes and the 8-bit floor."""
+    applies (_SWEEP), our bf16 cache's resolved config, a bare read of the 8-bit bytes and the 8-bit floor.
+    kernel_times: each row also gets "kernels", the device time per call of every kernel a call launches (CUDA
+    trace, eager calls over the rotated sets; a PDL-launched kernel's time includes its wait for the one before)."""
     import dataclasses
 
     from flashdecode.bench.decode import _make_set
@@ -400,6 +429,8 @@ def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
             fns, _ = _ours(sets, changes)
             row["max|diff|"] = (fns[0]().float() - reference).abs().max().item()
             row["us"] = cuda_graph_time_us(fns, reps=reps)
+            if kernel_times:
+                row["kernels"] = _kernel_times(fns)
             row["%bare"] = 100.0 * bare / row["us"] if bare else None
             row["%floor"] = 100.0 * floor / row["us"]
             row["bf16/fp8"] = bf16_us / row["us"]
@@ -413,6 +444,16 @@ def sweep_point(label, batch, context, nheads, nheads_kv, headdim, reps, bandwid
         for r in rows:
             r["best"] = "*" if r is best else ""
     return rows
+
+
+def _kernel_times(fns) -> dict:
+    """Device us per call of each kernel the calls launch (CUDA trace), three calls per rotated set."""
+    import itertools
+
+    from benchmarks.probes.decode_warp_split import _kernel_times_us
+
+    rotation = itertools.cycle(fns)
+    return {name: round(us, 2) for name, us in _kernel_times_us(lambda: next(rotation)(), 3 * len(fns)).items()}
 
 
 SWEEP_COLUMNS = ["shape", "batch", "context", "config", "path", "splits", "block_n", "warps", "stages", "us", "best",
@@ -454,7 +495,8 @@ def sweep(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for shape, batch, context, nheads, nheads_kv in points:
-        point_rows = sweep_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen, names)
+        point_rows = sweep_point(shape, batch, context, nheads, nheads_kv, 128, args.reps, bandwidth, gen, names,
+                                 kernel_times=args.kernel_times)
         rows += point_rows
         for r in point_rows:  # each row as it is measured (a run cut short keeps what it had)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
@@ -501,6 +543,8 @@ def main() -> int:
                         help="time the e4m3 decode over DecodeConfig changes around the resolved config (b1 16/2 "
                              "4k / 32k / 128k and the Llama-3-8B shape b16 8k unless --contexts / --batched say)")
     parser.add_argument("--sweep-configs", default="", help="--sweep: which of " + ", ".join(_SWEEP))
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="--sweep: also each kernel's device time per call (CUDA trace)")
     parser.add_argument("--convert-ab", action="store_true",
                         help="time the e4m3 -> 16-bit conversions against each other (contexts default 4k..128k, "
                              "--batched default 16)")
