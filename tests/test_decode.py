@@ -870,6 +870,34 @@ def test_device_splits_with_new_tokens_window_and_softcap(gen, device_splits):
     _check(q, k, v, lens, window_size=(150, -1), tweak=device_splits)
 
 
+def test_device_splits_in_kernel_merge_with_row_blocks(gen):
+    """merge_in_kernel with several row blocks per kv head (32 query heads a kv head x 3 new tokens = 96 rows: blocks
+    of 64 and 32): each (sequence, kv head, row block) draws its own tickets, and a plan run twice (the tickets left
+    at zero by the first) still matches the reference; contiguous and pages of 8."""
+    from flashdecode import heuristics as hx
+
+    assert hx.decode_block_m(32 * 3) < 32 * 3
+    q, k, v = _make(gen, 3, 200, 64, 2, 32, torch.float32, seqlen_q=3)
+
+    def tweak(config):
+        if config.num_splits == 1:
+            return config
+        return dataclasses.replace(config, path=DecodePath.DEVICE_SPLIT_GRID, device_split_slots=24,
+                                   merge_live_only=True, merge_in_kernel=True)
+    for page_size in (None, 8):
+        kc, vc, table = (k, v, None) if page_size is None else ref.paged_from_contiguous(k, v, page_size,
+                                                                                          generator=gen)
+        plan = _plan(q, kc, vc, _lens([200] * 3), 3, 64, 2, 32, table=table, tweak=tweak, max_seqlen_k=200,
+                     dtype=torch.float32, device=DEVICE, max_seqlen_q=3)
+        config = plan.config_for(q, kc, vc, _lens([200] * 3), block_table=table)
+        assert config.merge_in_kernel and config.path is DecodePath.DEVICE_SPLIT_GRID
+        for lengths in ([200, 0, 77], [150, 200, 5]):
+            lens = _lens(lengths)
+            out, lse = plan.run(q, kc, vc, lens, block_table=table, return_lse=True)
+            _assert_matches_reference(out, lse, q, k, v, lens)
+            assert torch.all(plan._tickets == 0), "tickets must be left at zero"
+
+
 def test_device_split_grid_only_for_a_policy_count_at_batch():
     """The resolver takes the device-split grid (where its tile rule allows it: few pairs, contiguous here) only
     for the policy's split count at batch > 1: a caller's count, or one sequence, runs the plain split grid."""
