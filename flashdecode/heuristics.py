@@ -93,9 +93,11 @@ DECODE_QUANT_DEVICE_SPLIT_GRID = True
 # are block multiples keep the persistent kernel's shared loop: the engine (pages of 128) lost with them, Llama-3-8B
 # random weights, e4m3 pages, b64 4k 6139.7 -> 5447.8 tok/s, b16 8k 2142.5 -> 2067.1 (b16 4k 2540.1 -> 2581.9),
 # and the warp-split loop spills 6-7 values a block there (sm_90 compile).
-# The device-split grid's merge reads every lse of a row first, then only its live slots (DecodeConfig.
-# merge_live_only): a row has num_splits slots (33 at the Llama-3-8B shape) and uses the few the device gave it.
-# H200, Llama-3-8B 8k e4m3, CUDA-graph us, reading every slot / live only: b32 151.4 / 148.2, b64 306.3 / 295.5.
+# The 8-bit grid's merge kernel, where one runs (merge_in_kernel off by config=), reads every lse of a row first,
+# then only its live slots (DecodeConfig.merge_live_only): a row has num_splits slots (33 at the Llama-3-8B shape)
+# and uses the 1-2 the device gave it. H200, Llama-3-8B 8k e4m3, CUDA-graph us, reading every slot / live only: b32
+# 151.4 / 148.2, b64 306.3 / 295.5. The bf16 device-split grid keeps the one-step merge: its sequences may hold many
+# live slots, which the live-only fold takes 2 a step (not timed there).
 DECODE_MERGE_LIVE_ONLY = True
 # 8-bit batches on that grid launch no merge kernel (DecodeConfig.merge_in_kernel): a sequence given one split
 # writes its result, the last split of a longer one to finish merges. H200, same shape, merge kernel / in-kernel:
@@ -458,7 +460,7 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
                         quant_grid or (may_reduce and choice.device_splits and not persistent))
     return dataclasses.replace(config, path=path, device_split_slots=slots, quant_warp_split=decode_quant_warp_split(
         p, dev, choice.block_n, choice.num_warps, split_keys),
-        merge_live_only=DECODE_MERGE_LIVE_ONLY and path is DecodePath.DEVICE_SPLIT_GRID,
+        merge_live_only=DECODE_MERGE_LIVE_ONLY and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID,
         merge_in_kernel=DECODE_QUANT_MERGE_IN_KERNEL and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID)
 
 

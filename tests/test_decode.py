@@ -913,8 +913,7 @@ def test_device_split_grid_only_for_a_policy_count_at_batch():
     assert path(4) is DecodePath.DEVICE_SPLIT_GRID  # 32 pairs, the policy's count
     p4 = hx.DecodeProblem(batch=4, grid_batch=4, seqlen_q=1, group=4, nheads_kv=8, headdim=128, elem_bytes=2,
                           page_size=0, capacity=12000, window_left=-1, live_keys=12000)
-    assert hx.resolve_decode_config(p4, dev).merge_live_only  # its merge skips the empty slots' outputs
-    assert not hx.resolve_decode_config(dataclasses.replace(p4, batch=1, grid_batch=1), dev).merge_live_only
+    assert not hx.resolve_decode_config(p4, dev).merge_live_only  # (the 8-bit grid's merge only)
     assert path(4, num_splits=7) is DecodePath.SPLIT_GRID
     assert path(4, num_splits=7, device_may_reduce_splits=True) is DecodePath.DEVICE_SPLIT_GRID  # a plan's policy
     assert path(1) is DecodePath.SPLIT_GRID

@@ -281,6 +281,7 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     b16 = config(16, 8192)
     assert b16.path is DecodePath.DEVICE_SPLIT_GRID and b16.quant_warp_split
     assert b16.merge_in_kernel  # no merge kernel: one-split sequences write their results, the last split merges
+    assert b16.merge_live_only  # (where config= brings the merge kernel back, it reads the live slots only)
     assert b16.device_split_slots == hx.DECODE_QUANT_WAVES * 132
     assert hx.decode_device_uniform_splits(_problem(batch=16, nheads_kv=8), b16.num_splits, 264) == 2
     assert config(16, 8192, page_size=16).quant_warp_split
