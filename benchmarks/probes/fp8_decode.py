@@ -305,7 +305,7 @@ def _on_device_split_grid(**fields):
     return changes
 
 
-def _on_device_grid(first=None, **fields):
+def _where_device_grid(first=None, **fields):
     """``fields`` (after ``first``'s changes) where the config runs the device-split grid; None elsewhere."""
     def changes(c, context):
         from flashdecode.config import DecodePath
@@ -379,10 +379,10 @@ _SWEEP = {
     "pf4": _with(prefetch_blocks=4),
     "pf8": _with(prefetch_blocks=8),
     "x0.5 pf4": _then(_splits_by(0.5), prefetch_blocks=4),
-    "all reads": _on_device_grid(merge_live_only=False, merge_in_kernel=False),
-    "merge kernel": _on_device_grid(merge_in_kernel=False),
-    "in-kernel merge": _on_device_grid(merge_in_kernel=True),
-    "x0.5 in-kernel merge": _on_device_grid(_splits_by(0.5), merge_in_kernel=True),
+    "all reads": _where_device_grid(merge_live_only=False, merge_in_kernel=False),
+    "merge kernel": _where_device_grid(merge_in_kernel=False),
+    "in-kernel merge": _where_device_grid(merge_in_kernel=True),
+    "x0.5 in-kernel merge": _where_device_grid(_splits_by(0.5), merge_in_kernel=True),
 }
 SWEEP_POINTS = (("b1 16/2", 1, 4096, 16, 2), ("b1 16/2", 1, 32768, 16, 2), ("b1 16/2", 1, 131072, 16, 2),
                 ("llama3-8b", 16, 8192, 32, 8))

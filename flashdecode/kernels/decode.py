@@ -269,8 +269,9 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
                           GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEADDIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           MERGE_M: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr):
-    """The persistent kernel's merge epilogue, run by every split of a sequence after it stored its partial (o, lse2)
-    rows: the split that draws the last ticket merges (no merge kernel follows).
+    """The in-kernel merge's epilogue (the persistent kernel; decode_split_kernel with MERGE, via _finish_split), run
+    by every split of a sequence after it stored its partial (o, lse2) rows: the split that draws the last ticket
+    merges (no merge kernel follows).
 
     ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch; ``count``: the splits
     that draw a ticket and whose states are merged (slots 0 .. count - 1, count <= NUM_SPLITS). The merging program
@@ -475,23 +476,23 @@ def decode_split_kernel(
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2 * LN2, mask=row_ok)
     elif IN_KERNEL_MERGE:
-        _finish_device_item(O, LSE, final, o, lse2, o_ptrs, lse_ptrs, b, hk, m_block, pid_hm, t, head, row_ok,
-                            offs_d, d_ok, num_splits, stride_o, stride_l, GROUP, SEQLEN_Q, HEADDIM, TILE, SPLITS,
-                            MERGE, DEVICE_SPLITS.kv_programs)
+        O_FINAL, LSE_FINAL, TICKETS, stride_final = final
+        _finish_split(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * DEVICE_SPLITS.kv_programs + pid_hm, o, lse2, b,
+                      hk, m_block, split, t, head, row_ok, offs_d, d_ok, num_splits, stride_o, stride_l,
+                      stride_final, GROUP, SEQLEN_Q, HEADDIM, TILE, SPLITS, MERGE)
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
 
 
 @triton.jit
-def _finish_device_item(O, LSE, final, o, lse2, o_ptrs, lse_ptrs, b, hk, m_block, pid_hm, t, head, row_ok, offs_d,
-                        d_ok, num_splits, stride_o, stride_l, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
-                        HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
-                        KV_PROGRAMS: tl.constexpr):
-    """decode_split_kernel's end of a device-split work item with MERGE (no merge kernel): a one-split sequence's
-    state (o (BLOCK_M, BLOCK_D) fp32, lse2 log2) is its result, written to final's O_FINAL / LSE_FINAL; a split of
-    a longer one stores its partial at o_ptrs / lse_ptrs and draws its ticket, the last split merging them all."""
-    O_FINAL, LSE_FINAL, TICKETS, stride_final = final
+def _finish_split(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, o, lse2, b, hk, m_block, split, t, head, row_ok, offs_d,
+                  d_ok, num_splits, stride_o, stride_l, stride_final, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
+                  HEADDIM: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr):
+    """The end of a work item of a launch that merges in-kernel (the persistent kernel; decode_split_kernel with
+    MERGE): a sequence with one split writes its state (o (BLOCK_M, BLOCK_D) fp32, lse2 log2) as its result to
+    O_FINAL / LSE_FINAL; split ``split`` of a longer one stores its partial in O / LSE and draws a ticket at
+    ticket_ptr (its (sequence, kv head, row block)'s counter), the last split merging them all."""
     stride_f, stride_fl = stride_final
     stride_fb, stride_ft, stride_fh, stride_fd = stride_f
     stride_flb, stride_flt, stride_flh = stride_fl
@@ -501,10 +502,12 @@ def _finish_device_item(O, LSE, final, o, lse2, o_ptrs, lse_ptrs, b, hk, m_block
         _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                      stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
     else:
-        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptrs, lse2, mask=row_ok)
-        _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KV_PROGRAMS + pid_hm, num_splits, b, hk,
-                              m_block, stride_ob, stride_ot, stride_oh, stride_os, stride_od,
+        o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=row_ok[:, None] & d_ok[None, :])
+        lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
+        tl.store(lse_rows + split * stride_ls, lse2, mask=row_ok)
+        _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, num_splits, b, hk, m_block,
+                              stride_ob, stride_ot, stride_oh, stride_os, stride_od,
                               stride_lb, stride_lt, stride_lh, stride_ls,
                               stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
                               GROUP, SEQLEN_Q, HEADDIM, TILE.block_m, TILE.block_d, SPLITS.num_splits,
@@ -742,12 +745,7 @@ def decode_persistent_kernel(
     on 132 programs) still ends together. The last program to finish (QUEUE[1]) resets both.
     """
     DYNAMIC: tl.constexpr = SCHEDULE.dynamic
-    stride_f, stride_fl = stride_final
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
-    stride_ob, stride_ot, stride_oh, stride_os, stride_od = stride_o
-    stride_lb, stride_lt, stride_lh, stride_ls = stride_l
-    stride_fb, stride_ft, stride_fh, stride_fd = stride_f
-    stride_flb, stride_flt, stride_flh = stride_fl
     if PDL.wait:
         gdc_wait()
     if PDL.launch_dependents:
@@ -787,20 +785,9 @@ def decode_persistent_kernel(
                                 stride_k, HEADDIM, TILE, PAGES, ROWS.seqlen_q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
                                 OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT,
                                 QUANT_TILES)
-        if num_splits == 1:
-            _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
-                         stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)
-        else:
-            o_rows = O + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + split * stride_os
-            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, o, mask=row_ok[:, None] & d_ok[None, :])
-            lse_rows = LSE + b.to(tl.int64) * stride_lb + t * stride_lt + head * stride_lh
-            tl.store(lse_rows + split * stride_ls, lse2, mask=row_ok)
-            _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KVP + pid_hm, num_splits, b, hk,
-                                  m_block, stride_ob, stride_ot, stride_oh, stride_os, stride_od,
-                                  stride_lb, stride_lt, stride_lh, stride_ls,
-                                  stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh,
-                                  ROWS.group, ROWS.seqlen_q, HEADDIM, TILE.block_m, TILE.block_d, SPLITS.num_splits,
-                                  MERGE.rows, SPLITS.merge_splits, MERGE.block_s)
+        _finish_split(O, LSE, O_FINAL, LSE_FINAL, TICKETS + b * KVP + pid_hm, o, lse2, b, hk, m_block, split, t,
+                      head, row_ok, offs_d, d_ok, num_splits, stride_o, stride_l, stride_final, ROWS.group,
+                      ROWS.seqlen_q, HEADDIM, TILE, SPLITS, MERGE)
         if DYNAMIC:
             w = tl.atomic_add(QUEUE, 1, sem="relaxed", scope="gpu")
         else:
