@@ -68,12 +68,18 @@ def test_bf16_logits_match_transformers(llama8b_2l, backend):
 
 
 def test_paged_vs_contiguous_and_graphs_vs_eager_identical(llama8b_2l, monkeypatch):
-    """Bit-identical tokens need the same decode tiles for both page sizes: short splits of gathered pages (page 16)
-    would take 32-key tiles at batch 1-8 (heuristics.DECODE_TINY_TILE_MAX_SPLIT_KEYS) where page 512 takes 64, and
-    a different summation order may flip a near-tie of the greedy pick; so that rule is off here."""
+    """Bit-identical tokens need the same decode tiles and splits for both page sizes, or a different summation
+    order may flip a near-tie of the greedy pick: short splits of gathered pages (page 16) would take 32-key tiles
+    at batch 1-8 (heuristics.DECODE_TINY_TILE_MAX_SPLIT_KEYS) where page 512 takes 64, and tile-multiple pages (512)
+    take the device-split grid from 32 (batch, kv head) pairs (DECODE_DEVICE_SPLITS: split counts chosen per
+    sequence on the device) and the persistent kernel at the padded batch of 8 (DECODE_PERSISTENT_AT_BATCH) where
+    page 16 keeps the host's split grid; those rules are off here (test_heuristics.
+    test_engine_page_identity_premise checks that the two page sizes then resolve the same splits and tiles)."""
     from flashdecode import heuristics
 
     monkeypatch.setattr(heuristics, "DECODE_TINY_TILE_MAX_SPLIT_KEYS", 0)
+    monkeypatch.setattr(heuristics, "DECODE_DEVICE_SPLITS", False)
+    monkeypatch.setattr(heuristics, "DECODE_PERSISTENT_AT_BATCH", False)
     ours = llama8b_2l[0]
     prompts = _prompts((7, 300, 45, 129, 1), seed=1)
     sp = SamplingParams(max_new_tokens=24)

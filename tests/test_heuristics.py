@@ -294,3 +294,24 @@ def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     assert not config(16, 8192, elem_bytes=2).merge_in_kernel
     interp = hx.DecodeDevice(num_sms=132, interpret=True, hopper=False, pdl=False)
     assert not config(16, 8192, dev=interp).quant_warp_split
+
+
+def test_engine_page_identity_premise(monkeypatch):
+    """test_engine_gpu's paged-vs-contiguous identity (greedy tokens on pages of 16 and of 512 bit for bit) holds
+    only where both page sizes resolve the same splits and tiles: with the rules it turns off, every decode batch
+    bucket of its engine (Llama-3-8B heads, max_model_len 512, buckets 1-8) takes the host's split grid with equal
+    configs but for the TMA loads of the 512-key pages."""
+    monkeypatch.setattr(hx, "DECODE_TINY_TILE_MAX_SPLIT_KEYS", 0)
+    monkeypatch.setattr(hx, "DECODE_DEVICE_SPLITS", False)
+    monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
+    for batch in (1, 2, 4, 8):
+        splits = hx.decode_plan_splits(batch, 8, 4, 1, 128, 2, 512, _HOPPER, False)
+        configs = []
+        for page_size in (16, 512):
+            p = _problem(batch=batch, page_size=page_size, nheads_kv=8, group=4, live_keys=512, num_splits=splits,
+                         device_may_reduce_splits=True, retile_for_device_splits=True, cache_tma_ok=True,
+                         cache_offsets_fit_int32=True)
+            configs.append(hx.resolve_decode_config(dataclasses.replace(p, capacity=512), _HOPPER))
+        paged, whole = configs
+        assert paged.path in (DecodePath.SPLIT_GRID, DecodePath.UNSPLIT), (batch, paged.path)
+        assert dataclasses.replace(whole, use_tma=paged.use_tma, queue_splits=paged.queue_splits) == paged, batch
