@@ -19,6 +19,8 @@ from flashdecode.kernels.kv_quant import e4m3_bits, keys_operand, keys_tile, to_
 from flashdecode.ops.decode import decode_config
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, assert_fa_close, randn, run_sm90_compile_script
+from quant_helpers import (check_on_dequantised, dequant, heads_major, paged_quant_cache, quantize_float_cache,
+                           quant_step, to_8bit)
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
@@ -27,86 +29,20 @@ def _lens(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def _to_8bit(x, scale, dtype):
-    """x float (..., d) / scale (broadcast to x.shape[:-1]) -> saturated 8-bit, as append_kv writes it."""
-    s = scale.expand(x.shape[:-1])[..., None]
-    y = torch.where(s > 0, x.float() / s, torch.zeros_like(x.float())).clamp(-QMAX[dtype], QMAX[dtype])
-    return (y.round() if dtype == INT8 else y).to(dtype)
-
-
-def _quantize(x, dtype, granularity):
-    """A float cache (B, S, H, D) -> (8-bit cache, float32 scale): per token and head ("token"), per kv head
-    ("head") or one scale ("scalar"), each absmax / QMAX over what it covers."""
-    amax = x.float().abs().amax(-1)
-    if granularity == "head":
-        amax = amax.amax((0, 1))
-    elif granularity == "scalar":
-        amax = amax.amax()
-    scale = (amax / QMAX[dtype]).contiguous()
-    return _to_8bit(x, scale, dtype), scale
-
-
-def _heads_major(scale):
-    """The same per-token scales stored heads-major ((nheads_kv, B, S) permuted back): strides that are not the
-    cache's divided by the head dim, so the kernels take their general per-token path (KV_QUANT 2)."""
-    return scale.permute(2, 0, 1).contiguous().permute(1, 2, 0)
-
-
 def _quant_cache(gen, batch, max_seqlen, nheads_kv, headdim, dtype, granularity, lens=None):
     """K and V 8-bit caches with their scales; per-token scales past each sequence's length are NaN (never read).
     granularity "token-strided": per-token scales in a heads-major layout (_heads_major)."""
     out = []
     for _ in range(2):
         x = randn(batch, max_seqlen, nheads_kv, headdim, gen=gen) * 2.0
-        cache, scale = _quantize(x, dtype, granularity.split("-")[0])
+        cache, scale = quantize_float_cache(x, dtype, granularity.split("-")[0])
         if granularity.startswith("token") and lens is not None:
             for b, n in enumerate(lens):
                 scale[b, n:] = float("nan")
         if granularity == "token-strided":
-            scale = _heads_major(scale)
+            scale = heads_major(scale)
         out += [cache, scale]
     return out
-
-
-def _dequant(cache, scale):
-    return torch.nan_to_num(dequantize_cache(cache, scale), nan=0.0)
-
-
-def _page(x, table, page_size, num_pages, fill):
-    """Scatter a contiguous (B, S, ...) tensor into (num_pages, page_size, ...) pages per ``table``; other slots
-    hold ``fill``."""
-    b, pages_per_seq = table.shape
-    padded = torch.full((b, pages_per_seq * page_size, *x.shape[2:]), fill, dtype=torch.float32, device=x.device)
-    padded[:, :x.shape[1]] = x.float()
-    pages = torch.full((num_pages, page_size, *x.shape[2:]), fill, dtype=torch.float32, device=x.device)
-    pages[table.long().flatten()] = padded.view(b * pages_per_seq, page_size, *x.shape[2:])
-    return pages.to(x.dtype)
-
-
-def _paged(gen, kc, ks, vc, vs, page_size, extra_pages=2):
-    """The 8-bit caches (and per-token scales) in randomly permuted pages, unused pages holding 3 (data) and NaN
-    (scales)."""
-    b, s = kc.shape[:2]
-    pages_per_seq = -(-s // page_size)
-    num_pages = b * pages_per_seq + extra_pages
-    table = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq].view(b, pages_per_seq)
-    table = table.to(torch.int32).to(DEVICE)
-    kp, vp = (_page(c, table, page_size, num_pages, 3.0) for c in (kc, vc))
-    if ks.dim() == 3:
-        strided = ks.stride(-1) != 1
-        ks, vs = (_page(x, table, page_size, num_pages, float("nan")) for x in (ks, vs))
-        if strided:
-            ks, vs = _heads_major(ks), _heads_major(vs)
-    return kp, ks, vp, vs, table
-
-
-def _check(out, lse, q, kc, ks, vc, vs, lens, **kw):
-    """out / lse vs decode_ref on the dequantised contiguous cache (float64, and q's dtype as the baseline)."""
-    k, v = _dequant(kc, ks), _dequant(vc, vs)
-    o64, lse64 = ref.decode_ref(q.double(), k.double(), v.double(), lens, **kw)
-    o_same, lse_same = ref.decode_ref(q, k.to(q.dtype), v.to(q.dtype), lens, **kw)
-    assert_fa_close(out, o64, o_same, factor=3.0, atol=2e-3)
-    assert_fa_close(lse, lse64, lse_same, factor=3.0, atol=2e-3, name="lse")
 
 
 def _q(gen, batch, nheads, headdim, seqlen_q=1, dtype=torch.float16):
@@ -124,7 +60,7 @@ def test_contiguous_matches_reference_on_the_dequantised_cache(gen, dtype, granu
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 52, 2, 32, dtype, granularity, lens)
     out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, num_splits=num_splits,
                                         return_lse=True)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
@@ -134,10 +70,10 @@ def test_paged_matches_reference(gen, page_size, dtype, granularity):
     lens = [40, 0, 23]
     q = _q(gen, len(lens), 5, 32)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 40, 1, 32, dtype, granularity, lens)
-    kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, k_scale=ksp, v_scale=vsp,
                                         num_splits=2, return_lse=True)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 def _persistent(config):
@@ -170,14 +106,14 @@ def test_every_path(gen, tweak, page_size):
     kw = dict(k_scale=ks, v_scale=vs)
     table = None
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
         kw = dict(k_scale=ksp, v_scale=vsp)
     else:
         kp, vp = kc, vc
     config = tweak(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=3, **kw))
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, config=config, return_lse=True,
                                         **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 def test_plan_with_softcap_window_and_seqlen_q(gen):
@@ -189,7 +125,7 @@ def test_plan_with_softcap_window_and_seqlen_q(gen):
                                   kv_dtype=INT8, num_splits=2)
     kw = dict(softcap=5.0, window_size=(11, 0))
     out, lse = plan.run(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, return_lse=True, **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens), **kw)
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens), **kw)
 
 
 def test_zero_scales_and_saturation(gen):
@@ -202,7 +138,7 @@ def test_zero_scales_and_saturation(gen):
         vs[:, 1::4] = 0.0
         kc[:, 5], vc[:, 6] = QMAX[dtype], -QMAX[dtype]
         out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), k_scale=ks, v_scale=vs, return_lse=True)
-        _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+        check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 def _warp_split(config, block_n=32, num_warps=2):
@@ -224,11 +160,11 @@ def test_warp_split_loop_matches_reference(gen, page_size, dtype, granularity, t
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, 32, dtype, granularity, lens)
     kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
     config = _warp_split(tweak(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw)))
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
@@ -240,14 +176,14 @@ def test_warp_split_loop_with_every_score_option(gen, page_size):
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 96, 2, 32, FP8, "token", lens)
     kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     slopes = _alibi_slopes(gen, len(lens), 4)
     score = dict(softcap=4.0, window_size=(37, 0), alibi_slopes=slopes)
     kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
     for splits in (1, 3):
         config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=splits, **kw), 64, 4)
         out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw, **score)
-        _check(out, lse, q, kc, ks, vc, vs, _lens(lens), **score)
+        check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens), **score)
 
 
 @pytest.mark.parametrize("headdim,q_dtype,seqlen_q,group", [(40, torch.float16, 1, 8), (32, torch.float32, 4, 8),
@@ -261,11 +197,11 @@ def test_warp_split_loop_odd_head_dims_and_row_blocks(gen, headdim, q_dtype, seq
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, headdim, FP8, "token", lens)
     kp, ksp, vp, vsp, table = kc, ks, vc, vs, None
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     kw = dict(block_table=table, k_scale=ksp, v_scale=vsp)
     config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw))
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, return_lse=True, **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 @pytest.mark.parametrize("page_size", [3, 16, 32])
@@ -278,12 +214,12 @@ def test_warp_split_loop_reads_bad_page_ids_as_absent_keys(gen, page_size, devic
     lens = [70, 40, 57]
     q = _q(gen, len(lens), 8, 32)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, 32, FP8, "token", lens)
-    kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+    kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     bad, present = _corrupt_table(table, kp.shape[0], lens, page_size)
     kw = dict(block_table=bad, k_scale=ksp, v_scale=vsp)
     config = _warp_split(decode_config(q, kp, vp, _lens(lens), num_splits=2, **kw))
     out = flashdecode.flash_decode(q, kp, vp, _lens(lens), config=config, **kw)
-    k, v = _dequant(kc, ks), _dequant(vc, vs)
+    k, v = dequant(kc, ks), dequant(vc, vs)
     kk, vv, packed = torch.zeros_like(k), torch.zeros_like(v), []
     for b, n in enumerate(lens):
         idx = present[b, :n].nonzero().squeeze(1).to(k.device)
@@ -335,10 +271,10 @@ def test_alibi_and_batch_invariant_on_an_8bit_cache(gen, page_size):
     table = None
     kp, ksp, vp, vsp = kc, ks, vc, vs
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
     kw = dict(block_table=table, k_scale=ksp, v_scale=vsp, softcap=4.0, return_lse=True)
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), alibi_slopes=slopes, batch_invariant=True, **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens), alibi_slopes=slopes, softcap=4.0)
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens), alibi_slopes=slopes, softcap=4.0)
     alone_kw = dict(kw, block_table=None if table is None else table[:1])
     if page_size is None:  # contiguous: the first sequence's cache rows and scales alone
         alone_kw.update(k_scale=ksp[:1], v_scale=vsp[:1])
@@ -358,7 +294,7 @@ def test_sinks_reach_the_8bit_cache(gen):
     q = _q(gen, len(lens), 4, 32)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 40, 2, 32, INT8, "token", lens)
     sinks = torch.randn(4, generator=gen).to(DEVICE)
-    k, v = _dequant(kc, ks), _dequant(vc, vs)
+    k, v = dequant(kc, ks), dequant(vc, vs)
     expected = []
     for dtype in (torch.float64, q.dtype):
         o, l_ = ref.decode_ref(q.to(dtype), k.to(dtype), v.to(dtype), _lens(lens))
@@ -418,15 +354,6 @@ def test_scale_on_a_float_cache_is_refused(gen):
 # append_kv into an 8-bit cache
 # ----------------------------------------------------------------------------------------------------------------
 
-def _step(dtype, scale):
-    """The format's worst-case rounding error of a value x quantised with ``scale`` (e4m3: 3 mantissa bits, half a
-    step relative, and the subnormal step (2**-9; the interpreter flushes subnormals, so 2**-6) absolute; int8:
-    half a unit)."""
-    if dtype == INT8:
-        return lambda x: 0.5 * scale + 1e-6
-    return lambda x: x.abs() * 2.0**-4 + scale * 2.0**-6 + 1e-6
-
-
 @pytest.mark.parametrize("dtype", [FP8, INT8])
 @pytest.mark.parametrize("page_size", [None, 3])
 def test_append_kv_per_token_round_trip(gen, dtype, page_size):
@@ -457,7 +384,7 @@ def test_append_kv_per_token_round_trip(gen, dtype, page_size):
             torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
             deq = dequantize_cache(cache[bi, n:n + 5], got_scale)
             err = (deq - x[bi].float()).abs()
-            assert (err <= _step(dtype, got_scale[..., None])(x[bi].float())).all()
+            assert (err <= quant_step(dtype, got_scale[..., None])(x[bi].float())).all()
             assert (scale[bi, :n] == -1).all() and (scale[bi, n + 5:] == -1).all()
             assert (cache[bi, :n].float() == 7).all() and (cache[bi, n + 5:].float() == 7).all()
     assert ks[1, 9, 0] == 0 and (kc[1, 9, 0].float() == 0).all()  # the all-zero token
@@ -479,7 +406,7 @@ def test_append_kv_with_given_scales_saturates(gen, dtype):
         assert torch.equal(scale, given)
         s = scale.expand(2)
         assert kc[0, 1, 1, 3].float() == QMAX[dtype] and kc[0, 2, 0, 2].float() == -QMAX[dtype]
-        expect = _to_8bit(new[0], s, dtype).float()
+        expect = to_8bit(new[0], s, dtype).float()
         got = kc[0, 1:7].float()
         assert ((got - expect).abs() <= (1 if dtype == INT8 else expect.abs() * 2.0**-3 + 2.0**-6)).all()
         assert (kc[0, 0].float() == 0).all() and (kc[0, 7].float() == 0).all()
@@ -527,7 +454,7 @@ def test_append_then_decode_int8_paged(gen):
                                         return_lse=True)
     kcc, vcc = ref.contiguous_from_paged(kc, vc, table)
     ksc, vsc = (ref.contiguous_from_paged(x[..., None], x[..., None], table)[0][..., 0] for x in (ks, vs))
-    _check(out, lse, q, kcc, ksc, vcc, vsc, lens)
+    check_on_dequantised(out, lse, q, kcc, ksc, vcc, vsc, lens)
 
 
 def test_append_kv_bad_scales(gen):
@@ -684,7 +611,7 @@ def test_decode_on_every_code_with_either_conversion(gen, page_size):
     vc, vs = _all_codes_cache(gen, len(lens), 72, 2, 32)
     kw, table, kp, vp = dict(k_scale=ks, v_scale=vs), None, kc, vc
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
         kw = dict(k_scale=ksp, v_scale=vsp)
     config = decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=2, **kw)
     compiled = DEVICE.type == "cuda"
@@ -693,7 +620,7 @@ def test_decode_on_every_code_with_either_conversion(gen, page_size):
     for convert in (0, 1, 2) if compiled else (0, 1):
         out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True,
                                             config=dataclasses.replace(config, quant_convert=convert), **kw)
-        _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+        check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
         results.append((out, lse))
     for out, lse in results[1:]:
         assert torch.equal(results[0][0], out) and torch.equal(results[0][1], lse)
@@ -745,12 +672,12 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
     table = None
     kp, vp = kc, vc
     if page_size:
-        kp, ksp, vp, vsp, table = _paged(gen, kc, ks, vc, vs, page_size)
+        kp, ksp, vp, vsp, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
         kw = dict(k_scale=ksp, v_scale=vsp)
     config = decode_config(q, kp, vp, _lens(lens), block_table=table, **kw)
     assert config.quant_v_convert_first and config.block_n * 128 <= 16384 and config.quant_convert == 2
     out, lse = flashdecode.flash_decode(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
     # the conversion instructions (0) and the Triton bit operations (1) with K converted after its layout change,
     # as the resolved packed PTX (2): e4m3 gives the same bits (the same fp16 QK^T operands up to powers of two).
     # K converted first (an option: on the H100 its outputs were not bitwise equal to these) and int8 (K goes to
@@ -763,11 +690,11 @@ def test_gpu_8bit_cache_production_tiles(gen, dtype, page_size, granularity, seq
         if dtype == FP8 and not k_first:
             assert torch.equal(out_c, out) and torch.equal(lse_c, lse), (convert, k_first)
         else:
-            _check(out_c, lse_c, q, kc, ks, vc, vs, _lens(lens))
+            check_on_dequantised(out_c, lse_c, q, kc, ks, vc, vs, _lens(lens))
     plan = flashdecode.DecodePlan(len(lens), 16, 2, 128, max_seqlen_k=max(lens), max_seqlen_q=seqlen_q,
                                   dtype=torch.bfloat16, device=q.device, kv_dtype=dtype)
     out_p, lse_p = plan.run(q, kp, vp, _lens(lens), block_table=table, return_lse=True, **kw)
-    _check(out_p, lse_p, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out_p, lse_p, q, kc, ks, vc, vs, _lens(lens))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -881,7 +808,7 @@ def test_scale_layouts_pick_the_kernel_mode():
 
     cache = torch.zeros(3, 8, 2, 16, dtype=FP8)
     dense = torch.ones(3, 8, 2)
-    for scale, mode in ((dense, 3), (_heads_major(dense), 2), (torch.ones(3, 1, 2), 2), (torch.ones(2), 1),
+    for scale, mode in ((dense, 3), (heads_major(dense), 2), (torch.ones(3, 1, 2), 2), (torch.ones(2), 1),
                         (torch.ones(()), 1)):
         quant = resolve_kv_quant(torch.float16, cache, cache, scale, scale)
         assert kv_quant_kernel_args(quant, cache)["KV_QUANT"] == mode, (tuple(scale.shape), scale.stride())
@@ -906,7 +833,7 @@ def test_register_cap_reaches_the_launch_and_keeps_the_result(gen, path):
     assert _register_cap(capped) == {"maxnreg": 128}
     out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), config=capped, return_lse=True, k_scale=ks,
                                         v_scale=vs)
-    _check(out, lse, q, kc, ks, vc, vs, _lens(lens))
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens))
 
 
 @pytest.mark.parametrize("value,err", [(8, ValueError), (256, ValueError), (-1, ValueError), (True, TypeError),
@@ -930,7 +857,7 @@ def test_softmax_sum_tile_keeps_the_result(gen, path, cache):
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 64, 2, 32, FP8, "token", lens)
     kw = dict(softcap=5.0, window_size=(19, 0))
     if cache == "fp16":
-        kc, vc = _dequant(kc, ks).half(), _dequant(vc, vs).half()
+        kc, vc = dequant(kc, ks).half(), dequant(vc, vs).half()
         ks = vs = torch.ones(kc.shape[:-1], device=DEVICE)  # the float reference below: the same cache
         scales = {}
     else:
@@ -939,8 +866,9 @@ def test_softmax_sum_tile_keeps_the_result(gen, path, cache):
     config = decode_config(q, kc, vc, _lens(lens), num_splits=splits, window_size=kw["window_size"], **scales)
     config = dataclasses.replace(config, path=path, softmax_sum_tile=True)
     out, lse = flashdecode.flash_decode(q, kc, vc, _lens(lens), config=config, return_lse=True, **kw, **scales)
-    _check(out, lse, q, kc.float() if cache == "fp16" else kc, ks, vc.float() if cache == "fp16" else vc, vs,
-           _lens(lens), **kw)
+    if cache == "fp16":
+        kc, vc = kc.float(), vc.float()
+    check_on_dequantised(out, lse, q, kc, ks, vc, vs, _lens(lens), **kw)
 
 
 _REGISTER_CAP_SCRIPT = r'''

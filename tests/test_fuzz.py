@@ -4,7 +4,9 @@ Each test draws a whole case - shapes, dtypes, memory layouts (permuted dense co
 with randomly permuted block tables, ragged lengths including 0, forced split counts, GQA ratios, windows, softcap,
 softmax_scale, seqlen_q 1..4 - plus a seed for the tensor values, and checks the FlashAttention rule: the error
 against float64 is at most 2x (3x for decode and merges) that of the same-dtype PyTorch reference, never NaN.
-append_kv is checked bit-exactly, the whole cache included.
+append_kv is checked bit-exactly, the whole cache included. 8-bit caches (e4m3, int8; a scale per token and kv head,
+per kv head or one) are fuzzed too: decode against the float64 reference on the dequantised cache, append_kv's
+quantising writes within the format's step, the rest of the cache (codes and scales) untouched.
 
 Profiles (registered in conftest.py): "ci" (the default) runs a fixed, derandomized handful of small cases per op
 so the CPU suite stays deterministic and fast; ``--hypothesis-profile=long`` runs many more, and on a CUDA machine
@@ -22,7 +24,9 @@ import flashdecode
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks
+from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, HAS_CUDA, assert_fa_close
+from quant_helpers import check_on_dequantised, paged_quant_cache, quant_step, quantize_float_cache
 
 # Larger shapes only where they are cheap: the long profile on a GPU (the CPU interpreter stays small).
 BIG = HAS_CUDA and settings.default.max_examples >= 100
@@ -53,10 +57,12 @@ def _values(seed: int, shape, dtype, scale: float = 1.0) -> torch.Tensor:
 LAYOUTS = st.sampled_from(["contiguous", "permuted", "strided"])
 
 
-def _in_layout(x: torch.Tensor, layout: str, perm_seed: int, keep_last: bool) -> torch.Tensor:
+def _in_layout(x: torch.Tensor, layout: str, perm_seed: int, keep_last: bool, fill: float = float("nan")
+               ) -> torch.Tensor:
     """x's values in another memory layout. permuted: a dense tensor whose dims lie in memory in a random order
     (e.g. an HF (b, h, s, d) tensor transposed to (b, s, h, d)); strided: a view that takes every other element of
-    a wider tensor along one dim. keep_last keeps unit stride on the last dim (caches, k_new)."""
+    a wider tensor along one dim, ``fill`` in between (NaN, so that a misread shows). keep_last keeps unit stride on
+    the last dim (caches, k_new)."""
     nd = x.dim()
     movable = nd - 1 if keep_last else nd
     if layout == "contiguous" or movable < 1:
@@ -69,7 +75,7 @@ def _in_layout(x: torch.Tensor, layout: str, perm_seed: int, keep_last: bool) ->
     dim = int(torch.randint(movable, (1,), generator=gen))
     wide_shape = list(x.shape)
     wide_shape[dim] *= 2
-    wide = torch.full(wide_shape, float("nan"), dtype=x.dtype, device=x.device)  # NaN between: a misread shows
+    wide = torch.full(wide_shape, fill, dtype=x.dtype, device=x.device)
     index = [slice(None)] * nd
     index[dim] = slice(0, None, 2)
     wide[tuple(index)] = x
@@ -191,6 +197,77 @@ def test_decode_plan_fuzz(case, spare_batch, spare_q, balance_mixed):
         _check_decode(out, lse, q, k, v, lengths, case)
 
 
+@st.composite
+def quant_cases(draw):
+    """An 8-bit cache on top of a decode case: its dtype, the scale granularity (one per token and kv head, per kv
+    head, one for all), the per-token scales' memory layout, and every k-th token all zeros (scale 0) or none."""
+    return dict(kv_dtype=draw(st.sampled_from([torch.float8_e4m3fn, torch.int8])),
+                granularity=draw(st.sampled_from(["token", "head", "scalar"])),
+                scale_layout=(draw(LAYOUTS), draw(st.integers(0, 2**16))),
+                zero_every=draw(st.sampled_from([0, 2, 5])), use_plan=draw(st.booleans()))
+
+
+def _quant_inputs(case, quant):
+    """q (in its layout), the contiguous 8-bit caches and scales (for the reference; per-token scales past each
+    length NaN: never read) and what the op reads: the caches contiguous with extra rows or paged with a permuted
+    table, in the case's layout, the per-token scales in theirs."""
+    b, sq, h, hk, d, dtype = (case[n] for n in ("batch", "seqlen_q", "nheads", "nheads_kv", "headdim", "dtype"))
+    seed, kv_dtype = case["seed"], quant["kv_dtype"]
+    q = _values(seed, (b, sq, h, d), dtype)
+    if case["squeeze_q"]:
+        q = q[:, 0]
+    q = _in_layout(q, *case["q_layout"], keep_last=False)
+    caches = []
+    for i in (1, 2):
+        x = _values(seed + i, (b + case["extra_batch"], case["cap"], hk, d), torch.float32, scale=2.0)
+        if quant["zero_every"]:
+            x[:, :: quant["zero_every"]] = 0.0
+        cache, scale = quantize_float_cache(x, kv_dtype, quant["granularity"])
+        if scale.dim() == 3:  # (the plan also runs the lengths reversed)
+            for row, (n, m) in enumerate(zip(case["lens"], reversed(case["lens"]))):
+                scale[row, max(n, m):] = float("nan")
+        caches += [cache, scale]
+    kc, ks, vc, vs = caches
+    table = None
+    if case["page_size"] is None:
+        kc_op, ks_op, vc_op, vs_op = kc, ks, vc, vs
+    else:
+        kc_op, ks_op, vc_op, vs_op, table = paged_quant_cache(torch.Generator().manual_seed(seed + 3), kc[:b],
+                                                              ks[:b] if ks.dim() == 3 else ks, vc[:b],
+                                                              vs[:b] if vs.dim() == 3 else vs, case["page_size"])
+    fill = float("nan") if kv_dtype == torch.float8_e4m3fn else -128
+    kc_op, vc_op = (_in_layout(c, *case["cache_layout"], keep_last=True, fill=fill) for c in (kc_op, vc_op))
+    if ks_op.dim() == 3:
+        ks_op, vs_op = (_in_layout(x, *quant["scale_layout"], keep_last=False) for x in (ks_op, vs_op))
+    lens = torch.tensor(case["lens"], dtype=torch.int32, device=DEVICE)
+    return q, (kc[:b], ks[:b] if ks.dim() == 3 else ks, vc[:b], vs[:b] if vs.dim() == 3 else vs), \
+        (kc_op, ks_op, vc_op, vs_op), table, lens
+
+
+@given(decode_cases(), quant_cases())
+def test_flash_decode_8bit_cache_fuzz(case, quant):
+    """flash_decode, or a plan run twice with the lengths reversed, on an e4m3 / int8 cache against the float64
+    reference on the dequantised cache (FlashAttention rule, 3x; the same-dtype baseline reads the dequantised
+    cache in q's dtype)."""
+    q, (kc, ks, vc, vs), (kc_op, ks_op, vc_op, vs_op), table, lens = _quant_inputs(case, quant)
+    scale, softcap, window = case["options"]
+    kw = dict(block_table=table, softmax_scale=scale, softcap=softcap, window_size=window, k_scale=ks_op,
+              v_scale=vs_op, return_lse=True)
+    if quant["use_plan"]:
+        plan = flashdecode.DecodePlan(case["batch"], case["nheads"], case["nheads_kv"], case["headdim"],
+                                      max_seqlen_k=case["cap"], dtype=case["dtype"], device=DEVICE,
+                                      max_seqlen_q=case["seqlen_q"], num_splits=case["num_splits"],
+                                      kv_dtype=quant["kv_dtype"])
+        for lengths in (lens, lens.flip(0)):  # (checked before the next run reuses the plan's buffers)
+            out, lse = plan.run(q, kc_op, vc_op, lengths, **kw)
+            check_on_dequantised(out, lse, q, kc, ks, vc, vs, lengths, softmax_scale=scale, softcap=softcap,
+                                 window_size=window)
+    else:
+        out, lse = flashdecode.flash_decode(q, kc_op, vc_op, lens, num_splits=case["num_splits"], **kw)
+        check_on_dequantised(out, lse, q, kc, ks, vc, vs, lens, softmax_scale=scale, softcap=softcap,
+                             window_size=window)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # flash_attn and flash_attn_varlen
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,9 +338,9 @@ def test_flash_attn_varlen_fuzz(data):
 # append_kv (bit-exact, whole cache)
 # ----------------------------------------------------------------------------------------------------------------
 
-@given(st.data())
-def test_append_kv_fuzz(data):
-    draw = data.draw
+def _append_case(draw):
+    """An append's shape: (batch, nheads_kv, headdim, capacity, dtype, seed, varlen, page_size (None: contiguous),
+    the lengths before, the new tokens per sequence (all equal unless varlen))."""
     batch, hk, d = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.sampled_from(HEADDIMS))
     cap, dtype, seed = draw(st.integers(1, 40 * SIZE)), draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**31 - 1))
     varlen, page_size = draw(st.booleans()), draw(st.sampled_from(PAGE_SIZES))
@@ -272,6 +349,13 @@ def test_append_kv_fuzz(data):
         news = [draw(st.integers(0, cap - n)) for n in before]
     else:
         news = [draw(st.integers(0, cap - max(before)))] * batch
+    return batch, hk, d, cap, dtype, seed, varlen, page_size, before, news
+
+
+@given(st.data())
+def test_append_kv_fuzz(data):
+    draw = data.draw
+    batch, hk, d, cap, dtype, seed, varlen, page_size, before, news = _append_case(draw)
     k = _values(seed, (batch, cap, hk, d), dtype)
     v = _values(seed + 1, (batch, cap, hk, d), dtype)
     rows_k = [_values(seed + 2 + b, (n, hk, d), dtype) for b, n in enumerate(news)]
@@ -304,6 +388,74 @@ def test_append_kv_fuzz(data):
     flashdecode.append_kv(kc, vc, k_new, v_new, lens, table, **kw)
     assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
     assert lens.tolist() == before  # not modified
+
+
+@given(st.data())
+def test_append_kv_8bit_fuzz(data):
+    """append_kv quantising into an e4m3 / int8 cache (contiguous or paged, dense or varlen new tokens in any
+    layout, some all zero): per-token-head scales are written (absmax / QMAX) and the written tokens read back
+    within the format's step; a per-kv-head or scalar scale is read, never written, and the tokens saturate at
+    +-QMAX; every other code and scale of the cache keeps its value."""
+    draw = data.draw
+    batch, hk, d, cap, dtype, seed, varlen, page_size, before, news = _append_case(draw)
+    kv_dtype = draw(st.sampled_from([torch.float8_e4m3fn, torch.int8]))
+    granularity = draw(st.sampled_from(["token", "head", "scalar"]))
+    zero_every = draw(st.sampled_from([0, 3]))
+    rows = []
+    for i, n in enumerate(news):
+        pair = [_values(seed + 2 * i + j, (n, hk, d), dtype, scale=4.0) for j in (0, 1)]
+        if zero_every:
+            pair[0][::zero_every] = 0.0
+        rows.append(pair)
+    if varlen:
+        k_new, v_new = (torch.cat([r[j] for r in rows]) for j in (0, 1))
+        cu = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        kw = dict(cu_seqlens_new=cu)
+    else:
+        k_new, v_new = (torch.stack([r[j] for r in rows]) for j in (0, 1))
+        kw = {}
+    k_new, v_new = _laid_out(draw, k_new, keep_last=True), _laid_out(draw, v_new, keep_last=True)
+    table = None
+    if page_size is None:
+        shape = (batch, cap, hk, d)
+    else:
+        pages_per_seq = -(-cap // page_size)
+        num_pages = batch * pages_per_seq + 2
+        table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * pages_per_seq]
+        table = table.view(batch, pages_per_seq).to(torch.int32).to(DEVICE)
+        shape = (num_pages, page_size, hk, d)
+    caches = [torch.full(shape, 7.0, device=DEVICE).to(kv_dtype) for _ in range(2)]
+    if granularity == "token":
+        scales = [torch.full(shape[:-1], -1.0, device=DEVICE) for _ in range(2)]
+    else:
+        scales = [(torch.rand(hk if granularity == "head" else (), generator=torch.Generator().manual_seed(seed + j))
+                   * 0.05 + 0.005).to(DEVICE) for j in (0, 1)]
+    given_scales = [x.clone() for x in scales]
+    lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
+    flashdecode.append_kv(*caches, k_new, v_new, lens, table, k_scale=scales[0], v_scale=scales[1], **kw)
+    written = torch.zeros(shape[:2], dtype=torch.bool, device=DEVICE)
+    want = [torch.zeros(shape, device=DEVICE) for _ in range(2)]
+    for b, n in enumerate(news):
+        for i in range(n):
+            pos = before[b] + i
+            slot = (b, pos) if table is None else (int(table[b, pos // page_size]), pos % page_size)
+            written[slot] = True
+            for j in (0, 1):
+                want[j][slot] = rows[b][j][i].float()
+    for cache, scale, given, x in zip(caches, scales, given_scales, want):
+        assert (cache[~written].float() == 7).all()
+        x = x[written]
+        if granularity == "token":
+            assert (scale[~written] == -1).all()
+            got_scale = scale[written]
+            torch.testing.assert_close(got_scale, x.abs().amax(-1) / QMAX[kv_dtype], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(scale, given)
+            got_scale = scale.expand(x.shape[:-1])
+            x = (x / got_scale[..., None]).clamp(-QMAX[kv_dtype], QMAX[kv_dtype]) * got_scale[..., None]
+        err = (dequantize_cache(cache[written], got_scale) - x).abs()
+        assert (err <= quant_step(kv_dtype, got_scale[..., None])(x)).all()
+    assert lens.tolist() == before
 
 
 # ----------------------------------------------------------------------------------------------------------------
