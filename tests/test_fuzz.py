@@ -26,7 +26,8 @@ from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, HAS_CUDA, assert_fa_close
-from quant_helpers import check_on_dequantised, paged_quant_cache, quant_step, quantize_float_cache
+from quant_helpers import (check_fp8, check_on_dequantised, fp8_inputs, paged_quant_cache, quant_step,
+                           quantize_float_cache)
 
 # Larger shapes only where they are cheap: the long profile on a GPU (the CPU interpreter stays small).
 BIG = HAS_CUDA and settings.default.max_examples >= 100
@@ -299,6 +300,22 @@ def test_flash_attn_fuzz(data):
         return
     out, lse = flashdecode.flash_attn(q, k, v, return_lse=True, **kw)
     _check_against(ref.attention_ref, out, lse, (q, k, v), factor=2.0, **kw)
+
+
+@given(st.data())
+def test_flash_attn_fp8_fuzz(data):
+    """flash_attn on e4m3 q / k / v with FA3's descales (per kv head, or q's per query head), each input in a drawn
+    layout, every score option: the rule of tests/test_fp8_prefill.py (2x the error of the same rounding in
+    PyTorch, reference.attention_fp8_ref, against float64 on the dequantised inputs; lse to fp32 accuracy)."""
+    draw = data.draw
+    h, hk, d = draw(attention_heads())
+    b, sq, sk = draw(st.integers(1, 2)), draw(st.integers(1, 40 * SIZE)), draw(st.integers(1, 40 * SIZE))
+    seed, causal = draw(st.integers(0, 2**31 - 1)), draw(st.booleans())
+    scale, softcap, window = _options(draw, causal_window=True)
+    inputs = fp8_inputs(torch.Generator().manual_seed(seed), b, sq, sk, h, hk, d, q_per_head=draw(st.booleans()),
+                        scale=draw(st.sampled_from([0.1, 1.0, 30.0])))
+    q8, k8, v8 = (_laid_out(draw, x) for x in inputs[:3])
+    check_fp8(q8, k8, v8, *inputs[3:], causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
 
 
 def _check_gradients(run, reference, inputs, seed):
