@@ -14,7 +14,8 @@ import torch
 
 from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
 
-# The Triton interpreter computes bf16 tl.dot wrong (it rounds like no GPU does): CPU kernel tests use fp16/fp32.
+# The Triton interpreter computes bf16 tl.dot wrong (it rounds like no GPU does) and casts fp32 to bf16 toward zero (a
+# GPU rounds to nearest): CPU kernel tests use fp16/fp32 (the FP8 forward's bf16 output: quant_helpers.check_fp8).
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
 
 
