@@ -302,6 +302,7 @@ def test_flash_attn_fuzz(data):
     _check_against(ref.attention_ref, out, lse, (q, k, v), factor=2.0, **kw)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the softcap's saturating tanh
 @given(st.data())
 def test_flash_attn_fp8_fuzz(data):
     """flash_attn on e4m3 q / k / v with FA3's descales (per kv head, or q's per query head), each input in a drawn
