@@ -137,23 +137,14 @@ def merge(o, lse):
     return (o * w[..., None]).sum(1)
 
 
-def reference(q, k, v, ks, vs):
-    """float64 decode on the dequantised cache: (nheads, D)."""
-    kd = k.double() * ks.double()[..., None]
-    vd = v.double() * vs.double()[..., None]
-    group = q.shape[0] // k.shape[1]
-    kd = kd.repeat_interleave(group, 1)
-    vd = vd.repeat_interleave(group, 1)
-    s = torch.einsum("hd,shd->hs", q.double(), kd) * q.shape[1] ** -0.5
-    return torch.einsum("hs,shd->hd", torch.softmax(s, -1), vd)
+def reference(q, k, v, ks, vs, dtype=torch.float64):
+    """reference.decode_ref on the dequantised cache in ``dtype`` (float64: the reference; q's dtype: the
+    FlashAttention rule's same-dtype yardstick): (nheads, D)."""
+    from flashdecode.reference import decode_ref
 
-
-def _torch_decode(q, k, v, ks, vs):
-    """The same decode in q's dtype with torch (SDPA on the dequantised cache): the FlashAttention rule's yardstick."""
-    group = q.shape[0] // k.shape[1]
-    kd = (k.float() * ks[..., None]).to(q.dtype).repeat_interleave(group, 1).transpose(0, 1)
-    vd = (v.float() * vs[..., None]).to(q.dtype).repeat_interleave(group, 1).transpose(0, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q[:, None, None], kd[:, None], vd[:, None])[:, 0, 0]
+    kd, vd = ((x.double() * s.double()[..., None]).to(dtype)[None] for x, s in ((k, ks), (v, vs)))
+    lens = torch.tensor([k.shape[0]], dtype=torch.int32, device=q.device)
+    return decode_ref(q.to(dtype)[None], kd, vd, lens)[0][0]
 
 
 def make_inputs(seqlen, nheads, nheads_kv, d, device, gen):
@@ -178,7 +169,7 @@ def main() -> int:
     for ctx in [int(c) for c in args.contexts.split(",")]:
         q, k, v, ks, vs = make_inputs(ctx, nheads, nheads_kv, d, dev, gen)
         ref = reference(q, k, v, ks, vs)
-        bf16_err = (_torch_decode(q, k, v, ks, vs).double() - ref).abs().max().item()
+        bf16_err = (reference(q, k, v, ks, vs, q.dtype).double() - ref).abs().max().item()
         for splits in [int(s) for s in args.splits.split(",")]:
             for v8 in (0, 1):
                 err = (merge(*stage1(q, k, v, ks, vs, splits, v8)).double() - ref).abs().max().item()
