@@ -228,21 +228,20 @@ def _quant_inputs(case, quant):
             for row, (n, m) in enumerate(zip(case["lens"], reversed(case["lens"]))):
                 scale[row, max(n, m):] = float("nan")
         caches += [cache, scale]
-    kc, ks, vc, vs = caches
+    # the batch's rows of the caches and scales (a scalar / per-head scale is the same for every row)
+    batch_rows = [x[:b] if x.dim() >= 3 else x for x in caches]
     table = None
     if case["page_size"] is None:
-        kc_op, ks_op, vc_op, vs_op = kc, ks, vc, vs
+        kc_op, ks_op, vc_op, vs_op = caches
     else:
-        kc_op, ks_op, vc_op, vs_op, table = paged_quant_cache(torch.Generator().manual_seed(seed + 3), kc[:b],
-                                                              ks[:b] if ks.dim() == 3 else ks, vc[:b],
-                                                              vs[:b] if vs.dim() == 3 else vs, case["page_size"])
+        kc_op, ks_op, vc_op, vs_op, table = paged_quant_cache(torch.Generator().manual_seed(seed + 3), *batch_rows,
+                                                              case["page_size"])
     fill = float("nan") if kv_dtype == torch.float8_e4m3fn else -128
     kc_op, vc_op = (_in_layout(c, *case["cache_layout"], keep_last=True, fill=fill) for c in (kc_op, vc_op))
     if ks_op.dim() == 3:
         ks_op, vs_op = (_in_layout(x, *quant["scale_layout"], keep_last=False) for x in (ks_op, vs_op))
     lens = torch.tensor(case["lens"], dtype=torch.int32, device=DEVICE)
-    return q, (kc[:b], ks[:b] if ks.dim() == 3 else ks, vc[:b], vs[:b] if vs.dim() == 3 else vs), \
-        (kc_op, ks_op, vc_op, vs_op), table, lens
+    return q, batch_rows, (kc_op, ks_op, vc_op, vs_op), table, lens
 
 
 @given(decode_cases(), quant_cases())

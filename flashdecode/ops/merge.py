@@ -107,7 +107,8 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
         *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
         HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
-        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only), STATES_PAD=states_pad if live_only else 1,
+        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
+        STATES_PAD=states_pad if live_only else 1,
         num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
 
