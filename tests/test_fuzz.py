@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flashdecode
@@ -26,7 +26,7 @@ from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks
 from flashdecode.ops.kv_quant import QMAX, dequantize_cache
 from helpers import DEVICE, HAS_CUDA, assert_fa_close
-from quant_helpers import (check_fp8, check_on_dequantised, fp8_inputs, paged_quant_cache, quant_step,
+from quant_helpers import (check_fp8, check_on_dequantised, dequantise, fp8_inputs, paged_quant_cache, quant_step,
                            quantize_float_cache)
 
 # Larger shapes only where they are cheap: the long profile on a GPU (the CPU interpreter stays small).
@@ -301,6 +301,17 @@ def test_flash_attn_fuzz(data):
     _check_against(ref.attention_ref, out, lse, (q, k, v), factor=2.0, **kw)
 
 
+FP8_GPU_MAX_LOGIT = 64.0  # test_flash_attn_fp8_fuzz's logit range on the GPU
+
+
+def _max_abs_logit(q8, k8, qd, kd, softmax_scale) -> float:
+    """The largest |q . k| * softmax_scale of the dequantised e4m3 inputs (before any softcap), every head pair."""
+    q, k = dequantise(q8.cpu(), qd.cpu()), dequantise(k8.cpu(), kd.cpu())
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return (torch.einsum("bqhd,bkhd->bhqk", q, k).abs().amax().item() * scale) if q.numel() and k.numel() else 0.0
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the softcap's saturating tanh
 @given(st.data())
 def test_flash_attn_fp8_fuzz(data):
@@ -314,6 +325,11 @@ def test_flash_attn_fp8_fuzz(data):
     scale, softcap, window = _options(draw, causal_window=True)
     inputs = fp8_inputs(torch.Generator().manual_seed(seed), b, sq, sk, h, hk, d, q_per_head=draw(st.booleans()),
                         scale=draw(st.sampled_from([0.1, 1.0, 30.0])))
+    if inputs[0].is_cuda:
+        # Hopper's e4m3 MMAs add their products with ~14 mantissa bits, so a logit of magnitude L is off by up to
+        # ~L * 2**-13, an absolute error the fp32-logit yardstick does not make; beyond FP8_GPU_MAX_LOGIT the rule
+        # measures that hardware limit, not the kernel (docs/decisions.md, "FP8 forward: logit range on the GPU")
+        assume(_max_abs_logit(*inputs[:2], inputs[3], inputs[4], scale) <= FP8_GPU_MAX_LOGIT)
     q8, k8, v8 = (_laid_out(draw, x) for x in inputs[:3])
     check_fp8(q8, k8, v8, *inputs[3:], causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
 
