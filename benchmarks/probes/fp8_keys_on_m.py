@@ -157,6 +157,16 @@ def make_inputs(seqlen, nheads, nheads_kv, d, device, gen):
     return q, x8[:, 0].contiguous(), x8[:, 1].contiguous(), scale[:, 0].contiguous(), scale[:, 1].contiguous()
 
 
+def b1_points(contexts: str, dev: str):
+    """Per context of the comma list: (context, make_inputs' b1 16/2 hd128 tensors, the float64 reference, a bf16
+    PyTorch decode's max error against it), all from one seeded generator."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for ctx in [int(c) for c in contexts.split(",")]:
+        inputs = make_inputs(ctx, 16, 2, 128, dev, gen)
+        ref = reference(*inputs)
+        yield ctx, inputs, ref, (reference(*inputs, dtype=inputs[0].dtype).double() - ref).abs().max().item()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="32768,65536,131072")
@@ -164,12 +174,7 @@ def main() -> int:
     ap.add_argument("--check-only", action="store_true")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    nheads, nheads_kv, d = 16, 2, 128
-    for ctx in [int(c) for c in args.contexts.split(",")]:
-        q, k, v, ks, vs = make_inputs(ctx, nheads, nheads_kv, d, dev, gen)
-        ref = reference(q, k, v, ks, vs)
-        bf16_err = (reference(q, k, v, ks, vs, q.dtype).double() - ref).abs().max().item()
+    for ctx, (q, k, v, ks, vs), ref, bf16_err in b1_points(args.contexts, dev):
         for splits in [int(s) for s in args.splits.split(",")]:
             for v8 in (0, 1):
                 err = (merge(*stage1(q, k, v, ks, vs, splits, v8)).double() - ref).abs().max().item()
