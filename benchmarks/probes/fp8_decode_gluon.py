@@ -235,7 +235,7 @@ def _descriptor(cache: torch.Tensor, head_major: bool = False):
                             gl.NVMMASharedLayout.get_default_for(block, gl.int16))
 
 
-def stage1(q, k, v, ks, vs, num_splits, out=None, stages=3, descs=None, ablate=0, head_major=False):
+def stage1(q, k, v, ks, vs, num_splits, out=None, stages=3, descs=None, ablate=0, head_major=False, maxnreg=None):
     """q (nheads, D) bf16; k, v (seqlen, nheads_kv, D) e4m3 ((nheads_kv, seqlen, D) if head_major); ks, vs
     (seqlen, nheads_kv) fp32. Returns (o, lse2): (nheads, num_splits, D) fp32 and (nheads, num_splits) in log2
     units."""
@@ -250,11 +250,11 @@ def stage1(q, k, v, ks, vs, num_splits, out=None, stages=3, descs=None, ablate=0
         q, k_desc, v_desc, ks, vs, o, lse, seqlen, d ** -0.5 * LOG2E, q.stride(0), ks.stride(0), o.stride(0),
         o.stride(1), seqlen if head_major else 0, 0 if head_major else d // 2, GROUP=nheads // nheads_kv, D=d,
         NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, STAGES=stages, W=WARPS,
-        ABLATE=ablate, num_warps=WARPS)
+        ABLATE=ablate, num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
     return o, lse
 
 
-def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0) -> dict:
+def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0, maxnreg: int | None = None) -> dict:
     """sm_90 compile on the CPU (Triton's ptxas): registers, spills, shared memory and the KV loop's opcodes."""
     import os
     import subprocess
@@ -273,7 +273,8 @@ def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0) -> dict:
                BLOCK_N="constexpr", STAGES="constexpr", W="constexpr", ABLATE="constexpr")
     consts = dict(GROUP=group, D=128, NUM_SPLITS=128, BLOCK_N=BLOCK_N, STAGES=stages, W=WARPS, ABLATE=ablate)
     compiled = triton.compile(GluonASTSource(e4m3_stage1_kernel, sig, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=WARPS))
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -307,24 +308,28 @@ def main() -> int:
     ap.add_argument("--head-major", action="store_true",
                     help="also a head-major copy of the cache (nheads_kv, seqlen, D): contiguous TMA boxes")
     ap.add_argument("--block-n", type=int, default=BLOCK_N, help="keys a pipeline stage holds (64: 16 a warp)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="a register cap (168: three CTAs an SM at 2 stages)")
     ap.add_argument("--sass", action="store_true")
     args = ap.parse_args()
     globals()["BLOCK_N"] = args.block_n  # the probe's one tile knob, read by stage1 and _descriptor
     if args.sass:
         for ablate in [0] + [int(a) for a in args.ablate.split(",") if a]:
-            print(dict(ablate=ablate, **sass_loop_opcodes(ablate=ablate)), flush=True)
+            print(dict(ablate=ablate, **sass_loop_opcodes(stages=int(args.stages.split(",")[0]), ablate=ablate,
+                                                          maxnreg=args.maxnreg or None)), flush=True)
         return 0
     for ctx, (q, k, v, ks, vs), ref, bf16_err in b1_points(args.contexts, "cuda"):
         for splits in [int(s) for s in args.splits.split(",")]:
             for stages in [int(s) for s in args.stages.split(",")]:
-                err = (merge(*stage1(q, k, v, ks, vs, splits, stages=stages)).double() - ref).abs().max().item()
+                out = stage1(q, k, v, ks, vs, splits, stages=stages, maxnreg=args.maxnreg)
+                err = (merge(*out).double() - ref).abs().max().item()
                 row = dict(context=ctx, splits=splits, stages=stages, max_err=err, bf16_torch_err=bf16_err)
                 if not args.check_only:
-                    row["us"] = _time_stage1(q, k, v, ks, vs, splits, stages)
+                    row["us"] = _time_stage1(q, k, v, ks, vs, splits, stages, maxnreg=args.maxnreg)
                 print(row, flush=True)
                 for ablate in [int(a) for a in args.ablate.split(",") if a]:
                     print(dict(context=ctx, splits=splits, stages=stages, ablate=ablate,
-                               us=_time_stage1(q, k, v, ks, vs, splits, stages, ablate)), flush=True)
+                               us=_time_stage1(q, k, v, ks, vs, splits, stages, ablate, maxnreg=args.maxnreg)),
+                          flush=True)
                 if args.head_major:
                     kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
                     err = (merge(*stage1(q, kh, vh, ks, vs, splits, stages=stages, head_major=True)).double()
@@ -338,13 +343,13 @@ def main() -> int:
     return 0
 
 
-def _time_stage1(q, k, v, ks, vs, splits, stages, ablate=0, head_major=False):
+def _time_stage1(q, k, v, ks, vs, splits, stages, ablate=0, head_major=False, maxnreg=0):
     """CUDA-graph us per stage-1 call over copies of the cache rotated beyond L2."""
     from flashdecode.timing import cuda_graph_time_us, rotation_count
 
     sets = [(q, k.clone(), v.clone(), ks.clone(), vs.clone()) for _ in range(rotation_count(2 * k.numel()))]
     descs = [(_descriptor(s[1], head_major), _descriptor(s[2], head_major)) for s in sets]
-    kw = dict(stages=stages, ablate=ablate, head_major=head_major)
+    kw = dict(stages=stages, ablate=ablate, head_major=head_major, maxnreg=maxnreg)
     outs = [stage1(*s, splits, descs=dd, **kw) for s, dd in zip(sets, descs)]
     return cuda_graph_time_us([lambda s=s, o=o, dd=dd: stage1(*s, splits, out=o, descs=dd, **kw)
                                for s, o, dd in zip(sets, outs, descs)])
