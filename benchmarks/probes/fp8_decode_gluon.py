@@ -82,7 +82,8 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
     (head_rows seqlen, head_cols 0), [BLOCK_N, D / 2] blocks; ks_ptr / vs_ptr: (seqlen, nheads_kv) fp32
     per-token-head scales.
     ABLATE (timing only, wrong results): bit 1 no e4m3 conversion (the pairs' bits taken as fp16), bit 2 no output
-    rescale, bit 4 no PV product (V not read from shared memory)."""
+    rescale, bit 4 no PV product (V not read from shared memory), bit 8 no q load (ones), bit 16 no merge of the
+    warps (each stores its own state)."""
     split = gl.program_id(0)
     kvh = gl.program_id(1)
     N: gl.constexpr = BLOCK_N // W  # keys a warp owns in each block
@@ -121,9 +122,15 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
     pq = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(1, blk)))
     q_off = (kvh * GROUP + mq[None, :, None]) * stride_qh + 2 * pq[None, None, :] + 0 * wq[:, None, None]
     q_ok = (mq[None, :, None] < GROUP) & (pq[None, None, :] < P) & (wq[:, None, None] < W)
-    q_e = gl.load(q_ptr + q_off, mask=q_ok, other=0.0).to(gl.float32)
-    q_o = gl.load(q_ptr + q_off + 1, mask=q_ok, other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.max(gl.max(gl.max(gl.abs(q_e), 2), 1), 0), gl.max(gl.max(gl.max(gl.abs(q_o), 2), 1), 0))
+    if ABLATE & 8:
+        q_e = gl.full([W, M, P], 1.0, gl.float32, layout=blk)
+        q_o = q_e
+        amax = 1.0
+    else:
+        q_e = gl.load(q_ptr + q_off, mask=q_ok, other=0.0).to(gl.float32)
+        q_o = gl.load(q_ptr + q_off + 1, mask=q_ok, other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.max(gl.max(gl.max(gl.abs(q_e), 2), 1), 0),
+                          gl.max(gl.max(gl.max(gl.abs(q_o), 2), 1), 0))
     sh = gl.maximum(_pow2_exponent(amax) - 14, -126)
     down = _pow2(-sh)
     # scores: q_k . k_bits = (q * 2**-sh) . (k * 2**-8)
@@ -200,6 +207,16 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
         ks = ks_n
         vs = vs_n
 
+    if ABLATE & 16:  # every warp stores its own unmerged state over the same rows (timing only)
+        wo = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        mo3 = gl.arange(0, M, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        po3 = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+        off3 = (kvh * GROUP + mo3[None, :, None]) * stride_oh + split * stride_os + 2 * po3[None, None, :] \
+            + 0 * wo[:, None, None]
+        ok3 = (mo3[None, :, None] < GROUP) & (po3[None, None, :] < P) & (wo[:, None, None] < W)
+        gl.store(o_ptr + off3, acc_e, mask=ok3)
+        gl.store(o_ptr + off3 + 1, acc_o, mask=ok3)
+        return
     # the warps' states -> one (row) state; the V codes' 2**-8 and each warp's f_cur come back here
     m_row = gl.max(m_i, 0)
     m_row_use = gl.where(m_row == float("-inf"), 0.0, m_row)
