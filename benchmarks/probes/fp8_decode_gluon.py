@@ -20,9 +20,10 @@ A bare stage 1 (b1, contiguous cache, per-token-head scales, seqlen_q 1, group <
 past the length are masked) to learn whether the loop pays before it is built into the decode path. It checks
 against the float64 reference (the FlashAttention rule's yardstick beside it) and times stage 1 against the
 resolved flash_decode on the same caches (graphs, and its kernels by CUDA trace): fp8_keys_on_m's harness.
-Result (H200, docs/decisions.md "8-bit cache tiles"): 10x more accurate than the resolved kernel and level with it
-(128k 27.5 vs 26.1-26.7 us, 32k 12.0 vs 12.2-12.4); with the conversion, PV and rescale all removed (--ablate 7)
-still 23.4 / 10.5 us, above the bare 8-bit read's 17.5 / 6.0: at b1 the split kernel's shape binds, not the loop.
+Result (H200, docs/decisions.md "8-bit cache tiles"; --two-d, e4m3_stage1_2d_kernel, is no better): 10x more
+accurate than the resolved kernel and level with it (128k 27.5 vs 26.1-26.7 us, 32k 12.0 vs 12.2-12.4); with the
+conversion, PV and rescale all removed (--ablate 7) still 23.4 / 10.5 us, above the bare 8-bit read's 17.5 / 6.0:
+at b1 the split kernel's shape binds, not the loop.
 
     PYTHONPATH=. python -m benchmarks.probes.fp8_decode_gluon [--contexts 32768,65536,131072] [--splits 64,128]
     PYTHONPATH=. python -m benchmarks.probes.fp8_decode_gluon --sass   # sm_90 compile on the CPU: loop opcodes
@@ -42,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 128  # keys a stage holds (--block-n)
+TWO_D = False  # e4m3_stage1_2d_kernel instead of the 3-D one (--two-d)
 WARPS = 4
 
 
@@ -67,6 +69,71 @@ def _pow2_exponent(x):
 def _pow2(e):
     """2.0 ** e for int32 e in [-126, 127], as fp32 bits."""
     return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, AXIS: gl.constexpr):
+    """(new row max, alpha = exp2(old - new), p = exp2(s - new)) of one online-softmax step over AXIS of the log2
+    scores s; a row with no live key yet keeps max -inf and takes 0 as its shift (no NaN)."""
+    m_new = gl.maximum(m_i, gl.max(s, AXIS))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, gl.exp2(m_i - m_use), gl.exp2(s - gl.expand_dims(m_use, AXIS))
+
+
+@gluon.jit
+def _key_scales(ks_ptr, vs_ptr, key, seqlen, stride_sk, kvh):
+    """(k scales, v scales) fp32 of the keys ``key`` (any layout) of kv head kvh; 0 past the length."""
+    ok = key < seqlen
+    return (gl.load(ks_ptr + key * stride_sk + kvh, mask=ok, other=0.0),
+            gl.load(vs_ptr + key * stride_sk + kvh, mask=ok, other=0.0))
+
+
+@gluon.jit
+def _load_kv_block(k_desc, v_desc, k_smem, v_smem, ready, j, row0, col0, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """TMA block j of the split (K and V, [BLOCK_N, D / 2] int16 each) into ring slot j % STAGES."""
+    sj = j % STAGES
+    mbarrier.expect(ready.index(sj), 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col0], ready.index(sj), k_smem.index(sj))
+    tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col0], ready.index(sj), v_smem.index(sj))
+
+
+@gluon.jit
+def _start_kv_ring(k_desc, v_desc, split, kvh, seqlen, head_rows, head_cols, NUM_SPLITS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The split's blocks and its K / V ring: (first block, block count, TMA row and column of its first key, the K
+    and V slots, their barriers), the first STAGES - 1 blocks already on their way."""
+    P: gl.constexpr = k_desc.block_type.shape[1]
+    n_total = gl.cdiv(seqlen, BLOCK_N)
+    per_split = gl.cdiv(n_total, NUM_SPLITS)
+    b_lo = split * per_split
+    row0 = kvh * head_rows + b_lo * BLOCK_N
+    col0 = kvh * head_cols
+    n_blk = gl.maximum(gl.minimum(per_split, n_total - b_lo), 0)
+    k_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, P], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, P], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+    for st in gl.static_range(STAGES - 1):
+        if st < n_blk:
+            _load_kv_block(k_desc, v_desc, k_smem, v_smem, ready, st, row0, col0, BLOCK_N, STAGES)
+    return b_lo, n_blk, row0, col0, k_smem, v_smem, ready
+
+
+@gluon.jit
+def _enter_block(k_desc, v_desc, k_smem, v_smem, ready, i, n_blk, row0, col0, ks_ptr, vs_ptr, key_next, seqlen,
+                 stride_sk, kvh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Block i of the loop: once every warp has read block i - 1's slot, refill it with block i + STAGES - 1; load
+    the next block's scales (keys ``key_next``: a block ahead of their use); wait for block i. Returns (block i's
+    slot, the next block's k scales, its v scales)."""
+    gl.thread_barrier()
+    if i + STAGES - 1 < n_blk:
+        _load_kv_block(k_desc, v_desc, k_smem, v_smem, ready, i + STAGES - 1, row0, col0, BLOCK_N, STAGES)
+    ks_n, vs_n = _key_scales(ks_ptr, vs_ptr, key_next, seqlen, stride_sk, kvh)
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    return slot, ks_n, vs_n
 
 
 @gluon.jit
@@ -97,24 +164,8 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
     warp_l: gl.constexpr = gl.SliceLayout(1, rows_l)                  # [W]
     blk: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [W, 1, 1], [2, 1, 0])
 
-    # the split's blocks
-    n_total = gl.cdiv(seqlen, BLOCK_N)
-    per_split = gl.cdiv(n_total, NUM_SPLITS)
-    b_lo = split * per_split
-    row0 = kvh * head_rows + b_lo * BLOCK_N
-    col0 = kvh * head_cols
-    n_blk = gl.maximum(gl.minimum(per_split, n_total - b_lo), 0)
-
-    k_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, P], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, P], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-    for st in gl.static_range(STAGES - 1):
-        if st < n_blk:
-            mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + st * BLOCK_N, col0], ready.index(st), k_smem.index(st))
-            tma.async_copy_global_to_shared(v_desc, [row0 + st * BLOCK_N, col0], ready.index(st), v_smem.index(st))
+    b_lo, n_blk, row0, col0, k_smem, v_smem, ready = _start_kv_ring(
+        k_desc, v_desc, split, kvh, seqlen, head_rows, head_cols, NUM_SPLITS, BLOCK_N, STAGES)
 
     # q: the kv head's GROUP rows (zeros below), scaled by a power of two into fp16's top binade, even / odd dims
     wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, blk)))
@@ -148,23 +199,10 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
     nk = gl.arange(0, N, layout=gl.SliceLayout(0, keys_l))
     key_in_blk = wk[:, None] * N + nk[None, :]
     key0 = b_lo * BLOCK_N + key_in_blk
-    ks = gl.load(ks_ptr + key0 * stride_sk + kvh, mask=key0 < seqlen, other=0.0)
-    vs = gl.load(vs_ptr + key0 * stride_sk + kvh, mask=key0 < seqlen, other=0.0)
+    ks, vs = _key_scales(ks_ptr, vs_ptr, key0, seqlen, stride_sk, kvh)
     for i in range(n_blk):
-        # the slot of block i - 1 is free once every warp has read it: refill it with block i + STAGES - 1
-        gl.thread_barrier()
-        j = i + STAGES - 1
-        if j < n_blk:
-            sj = j % STAGES
-            mbarrier.expect(ready.index(sj), 2 * k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col0], ready.index(sj), k_smem.index(sj))
-            tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col0], ready.index(sj), v_smem.index(sj))
-        # the next block's scales, loaded a block ahead
-        key_n = key0 + (i + 1) * BLOCK_N
-        ks_n = gl.load(ks_ptr + key_n * stride_sk + kvh, mask=key_n < seqlen, other=0.0)
-        vs_n = gl.load(vs_ptr + key_n * stride_sk + kvh, mask=key_n < seqlen, other=0.0)
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        slot, ks_n, vs_n = _enter_block(k_desc, v_desc, k_smem, v_smem, ready, i, n_blk, row0, col0, ks_ptr, vs_ptr,
+                                        key0 + (i + 1) * BLOCK_N, seqlen, stride_sk, kvh, BLOCK_N, STAGES)
 
         k_pairs = k_smem.index(slot).reshape([W, N, P]).permute([0, 2, 1]).load(op_b)
         if ABLATE & 1:
@@ -177,10 +215,7 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
         key = key0 + i * BLOCK_N
         s = gl.where(gl.expand_dims(key < seqlen, 1), s * gl.expand_dims(ks * s_scale, 1), float("-inf"))
 
-        m_new = gl.maximum(m_i, gl.max(s, 2))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 2))
+        m_new, alpha, p = _softmax_step(s, m_i, 2)
         l_i = l_i * alpha + gl.sum(p, 2)
         m_i = m_new
 
@@ -239,6 +274,85 @@ def e4m3_stage1_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, se
     gl.store(lse_ptr + (kvh * GROUP + mo) * NUM_SPLITS + split, lse, mask=mo < GROUP)
 
 
+@gluon.jit
+def e4m3_stage1_2d_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, o_ptr, lse_ptr, seqlen, score_scale_log2,
+                          stride_qh, stride_sk, stride_oh, stride_os, head_rows, head_cols,
+                          GROUP: gl.constexpr, D: gl.constexpr, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, W: gl.constexpr):
+    """e4m3_stage1_kernel's loop with 2-D tiles: the warps split the keys for QK^T and the head dims for PV (as the
+    resolved Triton kernel does), so the row max and P cross the warps each block (Gluon's reductions and layout
+    change) but the output needs no merge of the warps at the end. Same arguments and results."""
+    split = gl.program_id(0)
+    kvh = gl.program_id(1)
+    P: gl.constexpr = D // 2
+    M: gl.constexpr = 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
+    op_a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    op_b: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    keys_l: gl.constexpr = gl.SliceLayout(0, mma)
+    blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, W], [1, 0])
+
+    b_lo, n_blk, row0, col0, k_smem, v_smem, ready = _start_kv_ring(
+        k_desc, v_desc, split, kvh, seqlen, head_rows, head_cols, NUM_SPLITS, BLOCK_N, STAGES)
+
+    mq = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
+    pq = gl.arange(0, P, layout=gl.SliceLayout(0, blk))
+    q_off = (kvh * GROUP + mq[:, None]) * stride_qh + 2 * pq[None, :]
+    q_ok = (mq[:, None] < GROUP) & (pq[None, :] < P)
+    q_e = gl.load(q_ptr + q_off, mask=q_ok, other=0.0).to(gl.float32)
+    q_o = gl.load(q_ptr + q_off + 1, mask=q_ok, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.max(gl.abs(q_e), 1), 0), gl.max(gl.max(gl.abs(q_o), 1), 0))
+    sh = gl.maximum(_pow2_exponent(amax) - 14, -126)
+    s_scale = score_scale_log2 * _pow2(sh) * 256.0
+    q_e = gl.convert_layout((q_e * _pow2(-sh)).to(gl.float16), op_a)
+    q_o = gl.convert_layout((q_o * _pow2(-sh)).to(gl.float16), op_a)
+
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=rows_l)
+    l_t = gl.zeros([M, BLOCK_N], gl.float32, layout=mma)  # row sums kept per key column: no cross-warp sum a block
+    acc_e = gl.zeros([M, P], gl.float32, layout=mma)
+    acc_o = gl.zeros([M, P], gl.float32, layout=mma)
+    key0 = b_lo * BLOCK_N + gl.arange(0, BLOCK_N, layout=keys_l)
+    # one power of two for the split's P * v_scale (|P'| < 2**15): the largest v scale of its keys, found up front
+    vmax_t = gl.zeros([BLOCK_N], gl.float32, layout=keys_l)
+    for i in range(n_blk):
+        key_v = key0 + i * BLOCK_N
+        vmax_t = gl.maximum(vmax_t, gl.abs(gl.load(vs_ptr + key_v * stride_sk + kvh, mask=key_v < seqlen, other=0.0)))
+    f_cur = _pow2(14 - gl.maximum(_pow2_exponent(gl.max(vmax_t, 0)), -100))
+    ks, vs = _key_scales(ks_ptr, vs_ptr, key0, seqlen, stride_sk, kvh)
+    for i in range(n_blk):
+        slot, ks_n, vs_n = _enter_block(k_desc, v_desc, k_smem, v_smem, ready, i, n_blk, row0, col0, ks_ptr, vs_ptr,
+                                        key0 + (i + 1) * BLOCK_N, seqlen, stride_sk, kvh, BLOCK_N, STAGES)
+
+        k_e, k_o = _e4m3_pairs_to_fp16(k_smem.index(slot).permute([1, 0]).load(op_b))
+        s = mma_v2(q_e, k_e, gl.zeros([M, BLOCK_N], gl.float32, layout=mma))
+        s = mma_v2(q_o, k_o, s)
+        key = key0 + i * BLOCK_N
+        s = gl.where(gl.expand_dims(key < seqlen, 0), s * gl.expand_dims(ks * s_scale, 0), float("-inf"))
+        m_new, alpha, p = _softmax_step(s, m_i, 1)
+        l_t = l_t * gl.expand_dims(alpha, 1) + p
+        m_i = m_new
+        rescale = gl.expand_dims(alpha, 1)
+        pv = gl.convert_layout((p * gl.expand_dims(vs * f_cur, 0)).to(gl.float16), op_a)
+        v_e, v_o = _e4m3_pairs_to_fp16(v_smem.index(slot).load(op_b))
+        acc_e = mma_v2(pv, v_e, acc_e * rescale)
+        acc_o = mma_v2(pv, v_o, acc_o * rescale)
+        ks = ks_n
+        vs = vs_n
+
+    l_i = gl.sum(l_t, 1)
+    inv = gl.where(l_i > 0, 256.0 / (f_cur * l_i), 0.0)
+    mo = gl.arange(0, M, layout=rows_l)
+    po = gl.arange(0, P, layout=keys_l)
+    o_off = (kvh * GROUP + mo[:, None]) * stride_oh + split * stride_os + 2 * po[None, :]
+    o_ok = (mo[:, None] < GROUP) & (po[None, :] < P)
+    gl.store(o_ptr + o_off, acc_e * gl.expand_dims(inv, 1), mask=o_ok)
+    gl.store(o_ptr + o_off + 1, acc_o * gl.expand_dims(inv, 1), mask=o_ok)
+    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = gl.where(l_i > 0, m_use + gl.log2(l_i), float("-inf"))
+    gl.store(lse_ptr + (kvh * GROUP + mo) * NUM_SPLITS + split, lse, mask=mo < GROUP)
+
+
 def _descriptor(cache: torch.Tensor, head_major: bool = False):
     """TMA descriptor of an e4m3 cache (seqlen, nheads_kv, D) read as (seqlen, nheads_kv * D / 2) int16 rows, or of
     a head-major one (nheads_kv, seqlen, D) as (nheads_kv * seqlen, D / 2) rows."""
@@ -263,11 +377,12 @@ def stage1(q, k, v, ks, vs, num_splits, out=None, stages=3, descs=None, ablate=0
                torch.empty(nheads, num_splits, device=q.device, dtype=torch.float32))
     o, lse = out
     k_desc, v_desc = descs or (_descriptor(k, head_major), _descriptor(v, head_major))
-    e4m3_stage1_kernel[(num_splits, nheads_kv)](
+    kernel, extra = (e4m3_stage1_2d_kernel, {}) if TWO_D else (e4m3_stage1_kernel, dict(ABLATE=ablate))
+    kernel[(num_splits, nheads_kv)](
         q, k_desc, v_desc, ks, vs, o, lse, seqlen, d ** -0.5 * LOG2E, q.stride(0), ks.stride(0), o.stride(0),
         o.stride(1), seqlen if head_major else 0, 0 if head_major else d // 2, GROUP=nheads // nheads_kv, D=d,
-        NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, STAGES=stages, W=WARPS,
-        ABLATE=ablate, num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {}))
+        NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, STAGES=stages, W=WARPS, num_warps=WARPS, **extra,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return o, lse
 
 
@@ -289,7 +404,11 @@ def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0, maxnreg:
                D="constexpr", NUM_SPLITS="constexpr",
                BLOCK_N="constexpr", STAGES="constexpr", W="constexpr", ABLATE="constexpr")
     consts = dict(GROUP=group, D=128, NUM_SPLITS=128, BLOCK_N=BLOCK_N, STAGES=stages, W=WARPS, ABLATE=ablate)
-    compiled = triton.compile(GluonASTSource(e4m3_stage1_kernel, sig, constexprs=consts),
+    if TWO_D:
+        sig.pop("ABLATE")
+        consts.pop("ABLATE")
+    compiled = triton.compile(GluonASTSource(e4m3_stage1_2d_kernel if TWO_D else e4m3_stage1_kernel, sig,
+                                             constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -325,10 +444,12 @@ def main() -> int:
     ap.add_argument("--head-major", action="store_true",
                     help="also a head-major copy of the cache (nheads_kv, seqlen, D): contiguous TMA boxes")
     ap.add_argument("--block-n", type=int, default=BLOCK_N, help="keys a pipeline stage holds (64: 16 a warp)")
+    ap.add_argument("--two-d", action="store_true", help="e4m3_stage1_2d_kernel (no merge of the warps)")
     ap.add_argument("--maxnreg", type=int, default=0, help="a register cap (168: three CTAs an SM at 2 stages)")
     ap.add_argument("--sass", action="store_true")
     args = ap.parse_args()
-    globals()["BLOCK_N"] = args.block_n  # the probe's one tile knob, read by stage1 and _descriptor
+    # the probe's two module knobs, read by stage1, _descriptor and sass_loop_opcodes
+    globals().update(BLOCK_N=args.block_n, TWO_D=args.two_d)
     if args.sass:
         for ablate in [0] + [int(a) for a in args.ablate.split(",") if a]:
             print(dict(ablate=ablate, **sass_loop_opcodes(stages=int(args.stages.split(",")[0]), ablate=ablate,
