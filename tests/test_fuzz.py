@@ -385,6 +385,20 @@ def _append_case(draw):
     return batch, hk, d, cap, dtype, seed, varlen, page_size, before, news
 
 
+def _new_tokens(rows_k, rows_v, news, varlen):
+    """(k_new, v_new, append_kv's varlen keywords): each sequence's new rows (n, nheads_kv, headdim) packed
+    (varlen, with cu_seqlens_new) or stacked (batch, n, ...)."""
+    if not varlen:
+        return torch.stack(rows_k), torch.stack(rows_v), {}
+    cu = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return torch.cat(rows_k), torch.cat(rows_v), dict(cu_seqlens_new=cu)
+
+
+def _cache_slot(b, pos, table, page_size):
+    """The (row, position) index of sequence b's token pos in a contiguous cache (table None) or a paged one."""
+    return (b, pos) if table is None else (int(table[b, pos // page_size]), pos % page_size)
+
+
 @given(st.data())
 def test_append_kv_fuzz(data):
     draw = data.draw
@@ -393,12 +407,9 @@ def test_append_kv_fuzz(data):
     v = _values(seed + 1, (batch, cap, hk, d), dtype)
     rows_k = [_values(seed + 2 + b, (n, hk, d), dtype) for b, n in enumerate(news)]
     rows_v = [_values(seed + 100 + b, (n, hk, d), dtype) for b, n in enumerate(news)]
+    k_new, v_new, kw = _new_tokens(rows_k, rows_v, news, varlen)
     if varlen:
-        k_new, v_new = torch.cat(rows_k), torch.cat(rows_v)
-        cu = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-        kw = dict(cu_seqlens_new=cu, max_seqlen_new=draw(st.sampled_from([None, max(news)])))
-    else:
-        k_new, v_new, kw = torch.stack(rows_k), torch.stack(rows_v), {}
+        kw["max_seqlen_new"] = draw(st.sampled_from([None, max(news)]))
     k_new = _laid_out(draw, k_new, keep_last=True)
     v_new = _laid_out(draw, v_new, keep_last=True)
     table = None
@@ -410,13 +421,8 @@ def test_append_kv_fuzz(data):
     expected_k, expected_v = kc.clone(), vc.clone()
     for b, n in enumerate(news):
         for i in range(n):
-            pos = before[b] + i
-            if table is None:
-                expected_k[b, pos], expected_v[b, pos] = rows_k[b][i], rows_v[b][i]
-            else:
-                page = int(table[b, pos // page_size])
-                expected_k[page, pos % page_size] = rows_k[b][i]
-                expected_v[page, pos % page_size] = rows_v[b][i]
+            slot = _cache_slot(b, before[b] + i, table, page_size)
+            expected_k[slot], expected_v[slot] = rows_k[b][i], rows_v[b][i]
     lens = torch.tensor(before, dtype=torch.int32, device=DEVICE)
     flashdecode.append_kv(kc, vc, k_new, v_new, lens, table, **kw)
     assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
@@ -434,29 +440,21 @@ def test_append_kv_8bit_fuzz(data):
     kv_dtype = draw(st.sampled_from([torch.float8_e4m3fn, torch.int8]))
     granularity = draw(st.sampled_from(["token", "head", "scalar"]))
     zero_every = draw(st.sampled_from([0, 3]))
-    rows = []
-    for i, n in enumerate(news):
-        pair = [_values(seed + 2 * i + j, (n, hk, d), dtype, scale=4.0) for j in (0, 1)]
-        if zero_every:
-            pair[0][::zero_every] = 0.0
-        rows.append(pair)
-    if varlen:
-        k_new, v_new = (torch.cat([r[j] for r in rows]) for j in (0, 1))
-        cu = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-        kw = dict(cu_seqlens_new=cu)
-    else:
-        k_new, v_new = (torch.stack([r[j] for r in rows]) for j in (0, 1))
-        kw = {}
+    rows_k = [_values(seed + 2 * i, (n, hk, d), dtype, scale=4.0) for i, n in enumerate(news)]
+    rows_v = [_values(seed + 2 * i + 1, (n, hk, d), dtype, scale=4.0) for i, n in enumerate(news)]
+    if zero_every:
+        for r in rows_k:
+            r[::zero_every] = 0.0
+    k_new, v_new, kw = _new_tokens(rows_k, rows_v, news, varlen)
     k_new, v_new = _laid_out(draw, k_new, keep_last=True), _laid_out(draw, v_new, keep_last=True)
     table = None
     if page_size is None:
         shape = (batch, cap, hk, d)
-    else:
-        pages_per_seq = -(-cap // page_size)
-        num_pages = batch * pages_per_seq + 2
-        table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * pages_per_seq]
-        table = table.view(batch, pages_per_seq).to(torch.int32).to(DEVICE)
-        shape = (num_pages, page_size, hk, d)
+    else:  # the block table only: every cache slot starts at code 7 below
+        slots = torch.zeros(batch, cap, 1, 1, device=DEVICE)
+        pages, _, table = ref.paged_from_contiguous(slots, slots, page_size, extra_pages=2,
+                                                    generator=torch.Generator().manual_seed(seed))
+        shape = (pages.shape[0], page_size, hk, d)
     caches = [torch.full(shape, 7.0, device=DEVICE).to(kv_dtype) for _ in range(2)]
     if granularity == "token":
         scales = [torch.full(shape[:-1], -1.0, device=DEVICE) for _ in range(2)]
@@ -470,11 +468,9 @@ def test_append_kv_8bit_fuzz(data):
     want = [torch.zeros(shape, device=DEVICE) for _ in range(2)]
     for b, n in enumerate(news):
         for i in range(n):
-            pos = before[b] + i
-            slot = (b, pos) if table is None else (int(table[b, pos // page_size]), pos % page_size)
+            slot = _cache_slot(b, before[b] + i, table, page_size)
             written[slot] = True
-            for j in (0, 1):
-                want[j][slot] = rows[b][j][i].float()
+            want[0][slot], want[1][slot] = rows_k[b][i].float(), rows_v[b][i].float()
     for cache, scale, given, x in zip(caches, scales, given_scales, want):
         assert (cache[~written].float() == 7).all()
         x = x[written]

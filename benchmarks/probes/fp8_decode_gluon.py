@@ -388,14 +388,11 @@ def stage1(q, k, v, ks, vs, num_splits, out=None, stages=3, descs=None, ablate=0
 
 def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0, maxnreg: int | None = None) -> dict:
     """sm_90 compile on the CPU (Triton's ptxas): registers, spills, shared memory and the KV loop's opcodes."""
-    import os
-    import subprocess
-    import tempfile
-
     import triton
-    import triton.backends.nvidia as nv
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from benchmarks.probes.kernel_codegen import _cuobjdump, _resources, _sass_opcode
 
     desc = "tensordesc<i16[128, 64]," + repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.int16)) + ">"
     sig = dict(q_ptr="*bf16", k_desc=desc, v_desc=desc, ks_ptr="*fp32", vs_ptr="*fp32", o_ptr="*fp32",
@@ -411,25 +408,18 @@ def sass_loop_opcodes(group: int = 8, stages: int = 3, ablate: int = 0, maxnreg:
                                              constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=WARPS, **({"maxnreg": maxnreg} if maxnreg else {})))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        if os.environ.get("SASS_OUT"):
-            open(os.environ["SASS_OUT"], "w").write(sass)
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    cubin = compiled.asm["cubin"]
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(cubin, "-sass"))
     addr = {int(a, 16): n for n, (a, _) in enumerate(ins)}
-    loops = []
+    loops = []  # the opcodes between each backward branch and its target
     for n, (a, text) in enumerate(ins):
         m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) <= int(a, 16):
-            body = ins[addr[int(m.group(1), 16)]:n + 1]
-            loops.append(collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body))
+            loops.append(collections.Counter(_sass_opcode(t) for _, t in ins[addr[int(m.group(1), 16)]:n + 1]))
     loop = max(loops, key=lambda c: c["HMMA.16816.F32"]) if loops else collections.Counter()
-    return dict(resources=re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", res), loop_instructions=sum(loop.values()),
-                loop=dict(loop.most_common()))
+    res = _resources(cubin)
+    return dict(resources=[f"REG:{res['REG']} STACK:{res['STACK']} SHARED:{res['SHARED']}"],
+                loop_instructions=sum(loop.values()), loop=dict(loop.most_common()))
 
 
 def main() -> int:
