@@ -1158,6 +1158,11 @@ compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=
 ptx = compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=1, BLOCK_S=64, BLOCK_D=128,
                                                      LSE_LOG2=True, USE_PDL=True, EARLY_TRIGGER=True), 1).asm["ptx"]
 assert 0 <= ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait"), "early trigger"
+# LIVE_ONLY (softmax_state.fold_live_states) compiles with its state strides widened to 64 bits, also where one is
+# specialised to the constant 1
+for one in ({}, dict(stride_lin=1)):
+    compile_for_sm90(merge_many_kernel, types, dict(HEADDIM=128, BLOCK_R=4, BLOCK_S=4, BLOCK_D=128, LSE_LOG2=True,
+                                                   USE_PDL=True, LIVE_ONLY=True, STATES_PAD=64, **one), 1)
 print("compiled")
 '''
 

@@ -31,7 +31,7 @@ from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
-from flashdecode.kernels.softmax_state import (LN2, LOG2E, normalize_state, online_softmax_step,
+from flashdecode.kernels.softmax_state import (LN2, LOG2E, fold_live_states, normalize_state, online_softmax_step,
                                                online_softmax_step_sum_tile, safe_max)
 
 
@@ -275,13 +275,10 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
 
     ticket_ptr: this (batch, kv head, row block)'s int32 counter, 0 on entry of the launch; ``count``: the splits
     that draw a ticket and whose states are merged (slots 0 .. count - 1, count <= NUM_SPLITS). The merging program
-    works on the MERGE_M (the real rows, padded to a power of two, <= BLOCK_M) rows only, not on the MMA padding.
-    Latency, not bandwidth, is its cost (one program reads all partials of its rows from L2), so it takes one
-    round trip for every split's lse (MERGE_SPLITS = NUM_SPLITS padded to a power of two) to fix the max and the
-    normaliser first; the partial outputs are then folded MERGE_BLOCK_S splits per step (one round trip per step:
-    a step's loads do not depend on each other). The loop is not unrolled, so its registers stay bounded by one
-    step's tile (an unrolled loop over 1-split steps hoisted nothing and ran 64 round trips in a row: 28.9 us for
-    4k keys in 64 splits on the H100).
+    works on the MERGE_M (the real rows, padded to a power of two, <= BLOCK_M) rows only, not on the MMA padding,
+    and folds the splits' states with softmax_state.fold_live_states (MERGE_SPLITS = NUM_SPLITS padded to a power
+    of two, MERGE_BLOCK_S splits a step; an unrolled loop over 1-split steps ran 64 round trips in a row: 28.9 us
+    for 4k keys in 64 splits on the H100).
     """
     # All threads' partial stores must precede the release: the barrier orders them before the one thread that
     # performs the atomic, whose acq_rel (release, cumulative) then publishes them at GPU scope.
@@ -294,23 +291,9 @@ def _merge_if_last_ticket(O, LSE, O_FINAL, LSE_FINAL, ticket_ptr, count, b, hk, 
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEADDIM
         # .cg: read other programs' partials from L2, never from a (non-coherent) L1 line
-        n_all = tl.arange(0, MERGE_SPLITS)
-        lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls,
-                          mask=row_ok[:, None] & (n_all < count)[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-        shift = safe_max(tl.max(lse_all, 1))  # empty splits (-inf) weigh exactly 0 below
-        total = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
-        acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
-        offs_s = tl.arange(0, MERGE_BLOCK_S)
-        for s0 in range(0, count, MERGE_BLOCK_S):
-            n = s0 + offs_s
-            ok = row_ok[:, None] & (n < count)[None, :]
-            lse = tl.load(lse_rows[:, None] + n[None, :] * stride_ls, mask=ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            o = tl.load(o_rows[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od,
-                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)  # empty splits' o was never written
-            acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o, 1)
+        acc, shift, total = fold_live_states(o_rows, lse_rows, offs_d, d_ok, row_ok, count, stride_os, stride_od,
+                                             stride_ls, MERGE_M, MERGE_BLOCK_S, BLOCK_D, MERGE_SPLITS, True, ".cg",
+                                             False)
         o, lse2 = normalize_state(acc, shift, total)
         _store_final(O_FINAL, LSE_FINAL, o, lse2, b, t, head, row_ok, offs_d, d_ok,
                      stride_fb, stride_ft, stride_fh, stride_fd, stride_flb, stride_flt, stride_flh)

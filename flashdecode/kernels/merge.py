@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashdecode.kernels.softmax_state import (LN2, LOG2E, merge_many_step, merge_two_states, normalize_state,
-                                               safe_max)
+from flashdecode.kernels.softmax_state import (LN2, LOG2E, fold_live_states, merge_many_step, merge_two_states,
+                                               normalize_state)
 
 
 @triton.jit
@@ -30,7 +30,8 @@ def merge_many_kernel(
     chunks spread a small merge over more SMs); chunk 0 writes the lse.
 
     O_IN[r_o, r_i, n, :] (any float dtype), LSE_IN[r_o, r_i, n] fp32; -inf marks an empty state whose O_IN may be
-    garbage (it weighs exactly 0). The states are folded BLOCK_S at a time with the online rescaling of ``merge_many_step``.
+    garbage (it weighs exactly 0). The states are folded BLOCK_S at a time with the online rescaling of
+    ``merge_many_step``.
     USE_PDL: launched as a programmatic dependent launch; wait for the producer's writes (inline asm, GPU only),
     then let the next kernel (e.g. the next decode call's stage 1, itself a dependent launch that waits for this
     one to finish) be scheduled early.
@@ -47,7 +48,7 @@ def merge_many_kernel(
     count - 1). Every state's lse is read in one round trip first; they fix each row's shift and normaliser, and
     the program's live count (its rows' last live slot + 1); then only slots below the count are folded, BLOCK_S
     at a time, and o is read only where its lse is live. So a program's cost follows the live states, not the
-    slots, and its tile holds BLOCK_S states, not all of them: more rows a program (_fold_live_states).
+    slots, and its tile holds BLOCK_S states, not all of them: more rows a program (softmax_state.fold_live_states).
     """
     if USE_PDL:
         if EARLY_TRIGGER:
@@ -70,8 +71,12 @@ def merge_many_kernel(
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     if LIVE_ONLY:
-        acc, m_i, l_i = _fold_live_states(o_base, lse_base, r_ok, d_ok, num_states, stride_in, stride_lin,
-                                          BLOCK_R, BLOCK_S, BLOCK_D, STATES_PAD, LSE_LOG2)
+        # the fold's state indices are 32-bit: 64-bit strides keep index x stride exact
+        o_rows = O_IN + r_outer * stride_io + r_inner * stride_ii
+        lse_rows = LSE_IN + r_outer * stride_lio + r_inner * stride_lii
+        acc, m_i, l_i = fold_live_states(o_rows, lse_rows, offs_d, d_ok, r_ok, num_states,
+                                         tl.cast(stride_in, tl.int64), stride_id, tl.cast(stride_lin, tl.int64),
+                                         BLOCK_R, BLOCK_S, BLOCK_D, STATES_PAD, LSE_LOG2, "", True)
     else:
         for n0 in range(0, num_states, BLOCK_S):
             n = n0 + offs_s
@@ -97,36 +102,6 @@ def merge_many_kernel(
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok & (d_chunk == 0))
-
-
-@triton.jit
-def _fold_live_states(o_base, lse_base, r_ok, d_ok, num_states, stride_in, stride_lin, BLOCK_R: tl.constexpr,
-                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STATES_PAD: tl.constexpr, LSE_LOG2: tl.constexpr):
-    """merge_many_kernel's LIVE_ONLY fold of the rows r_ok (BLOCK_R,): returns (acc (BLOCK_R, BLOCK_D), shift
-    (BLOCK_R,), l (BLOCK_R,)) for normalize_state - the shift each row's largest lse (-inf for a row without a live
-    state, whose l is then 0), l the sum of exp2(lse - shift) over all its states, acc the same weights times o over
-    the live ones. A NaN lse makes its row's l NaN (so its result is NaN, never a valid-looking value)."""
-    n_all = tl.arange(0, STATES_PAD).to(tl.int64)
-    lse_all = tl.load(lse_base + n_all[None, :] * stride_lin, mask=r_ok[:, None] & (n_all < num_states)[None, :],
-                      other=float("-inf")).to(tl.float32)
-    if not LSE_LOG2:
-        lse_all = lse_all * LOG2E
-    m = tl.max(lse_all, 1)
-    shift = safe_max(m)
-    l_i = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
-    count = tl.max(tl.max(tl.where(lse_all > float("-inf"), n_all[None, :] + 1, 0), 1), 0)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
-    for n0 in range(0, count, BLOCK_S):
-        n = n0 + offs_s
-        lse = tl.load(lse_base + n[None, :] * stride_lin, mask=r_ok[:, None] & (n < count)[None, :],
-                      other=float("-inf")).to(tl.float32)
-        if not LSE_LOG2:
-            lse = lse * LOG2E
-        live = lse > float("-inf")  # an empty state's o was never written: never read
-        o = tl.load(o_base + n[None, :, None] * stride_in, mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
-        acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o.to(tl.float32), 1)
-    return acc, m, l_i
 
 
 @triton.jit

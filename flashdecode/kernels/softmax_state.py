@@ -90,3 +90,53 @@ def merge_many_step(acc, m_i, l_i, o_chunk, lse_chunk):
     acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_chunk, 1)
     l_new = l_i * alpha + tl.sum(w, 1)
     return acc, m_new, l_new
+
+
+@triton.jit
+def fold_live_states(o_rows, lse_rows, offs_d, d_ok, row_ok, num_states, stride_os, stride_od, stride_ls,
+                     ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STATES_PAD: tl.constexpr,
+                     LSE_LOG2: tl.constexpr, CACHE: tl.constexpr, TRIM: tl.constexpr):
+    """Fold the normalised states 0 .. num_states - 1 of ROWS rows into one running state, for launches whose
+    states are partly empty slots (the merge kernel's LIVE_ONLY, the split kernels' in-kernel merge).
+
+    o_rows: (ROWS,) pointers to each row's state-0 output (any float dtype), stride_os between states, offs_d
+    (BLOCK_D,) its head-dim columns (stride_od), d_ok (BLOCK_D,) their mask; lse_rows: (ROWS,) pointers to each
+    row's state-0 lse (log2 if LSE_LOG2 else natural log; -inf = empty), stride_ls between states; row_ok (ROWS,)
+    the rows' mask; STATES_PAD >= num_states, a power of two. CACHE: the loads' cache modifier (".cg" where other
+    programs of the same launch wrote the states). TRIM: fold only up to the rows' last live slot (for slots that
+    are mostly empty; the in-kernel merge's num_states is exact). Returns (acc (ROWS, BLOCK_D) fp32, shift (ROWS,),
+    l (ROWS,)) for normalize_state.
+
+    Latency, not bandwidth, is the cost (one program reads its rows' states), so every state's lse is read in one
+    round trip first: it fixes each row's shift (its largest lse; 0 for a row without a live state, whose l is then
+    0), the normaliser l = sum exp2(lse - shift), and with TRIM the live count. Then only the slots below the count
+    are folded, BLOCK_S a step (one round trip a step), and an output is read only where its lse is live - an empty
+    state's output may never have been written. The loop is not unrolled, so registers stay bounded by one step's
+    tile. A NaN lse makes its row's l NaN (its result NaN, never a valid-looking value).
+    State indices are 32-bit, so pass int64 strides wherever index x stride may pass 2**31: the persistent decode
+    kernel inlines this at its register cap, and 64-bit indices (or TRIM) make it spill more (sm_90 compile,
+    tests/test_decode.py).
+    """
+    n_all = tl.arange(0, STATES_PAD)
+    lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls, mask=row_ok[:, None] & (n_all < num_states)[None, :],
+                      other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+    if not LSE_LOG2:
+        lse_all = lse_all * LOG2E
+    shift = safe_max(tl.max(lse_all, 1))
+    l_i = tl.sum(tl.exp2(lse_all - shift[:, None]), 1)
+    count = num_states
+    if TRIM:
+        count = tl.max(tl.max(tl.where(lse_all > float("-inf"), n_all[None, :] + 1, 0), 1), 0)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    for n0 in range(0, count, BLOCK_S):
+        n = n0 + offs_s
+        lse = tl.load(lse_rows[:, None] + n[None, :] * stride_ls, mask=row_ok[:, None] & (n < count)[None, :],
+                      other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+        if not LSE_LOG2:
+            lse = lse * LOG2E
+        live = lse > float("-inf")
+        o_ptrs = o_rows[:, None, None] + n[None, :, None] * stride_os + offs_d[None, None, :] * stride_od
+        o = tl.load(o_ptrs, mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=CACHE)
+        acc += tl.sum(tl.exp2(lse - shift[:, None])[:, :, None] * o.to(tl.float32), 1)
+    return acc, shift, l_i
