@@ -84,6 +84,11 @@ DECODE_QUANT_SUM_TILE = True
 # 165.9 -> 149.3 / 322.1 -> 300.3, b8 (2048) 48.8 -> 50.8; b1 16/2 in 128 splits of 256 / 512 / 1024 keys (32k /
 # 64k / 128k) 13.0 -> 19.7, 18.1 -> 23.9, 27.7 -> 32.1.
 DECODE_QUANT_WARP_SPLIT_MIN_KEYS = 4096
+# 8-bit split grids whose programs fit in one wave of one program per SM (short contexts at small batches: a
+# split is one or two blocks) run 2 pipeline stages instead of 3. H200, e4m3, per-token scales, b1 16/2,
+# contiguous, `fp8_decode --sweep` (docs/decisions.md, "8-bit cache tiles"), us 3 -> 2 stages: 512 5.1 -> 4.5, 1k
+# 5.5 -> 4.8, 2k 5.7 -> 5.1, 4k 6.2 -> 5.7, 8k (128 programs) 7.6 -> 7.1; 16k (256 programs, two an SM) 9.7 -> 10.1.
+DECODE_QUANT_ONE_WAVE_STAGES = 2
 # Batches of an 8-bit cache that the persistent kernel would serve take the device-split grid instead (split
 # counts still chosen on the device from the live lengths, one program per work item, the merge kernel after), its
 # items sharing DECODE_QUANT_WAVES programs per SM: H200, Llama-3-8B 8k, resolved persistent -> this grid (with
@@ -460,8 +465,18 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
                         quant_grid or (may_reduce and choice.device_splits and not persistent))
     return dataclasses.replace(config, path=path, device_split_slots=slots, quant_warp_split=decode_quant_warp_split(
         p, dev, choice.block_n, choice.num_warps, split_keys),
+        num_stages=_quant_one_wave_stages(p, dev, path, splits) or config.num_stages,
         merge_live_only=DECODE_MERGE_LIVE_ONLY and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID,
         merge_in_kernel=DECODE_QUANT_MERGE_IN_KERNEL and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID)
+
+
+def _quant_one_wave_stages(p: DecodeProblem, dev: DecodeDevice, path: DecodePath, splits: int) -> int | None:
+    """DECODE_QUANT_ONE_WAVE_STAGES for an 8-bit split grid on the GPU whose programs (splits x (batch, kv head)
+    pairs) fit in one per SM, else None (the rules' stages stand)."""
+    one_wave = splits * p.grid_batch * p.kv_programs <= dev.num_sms
+    if p.elem_bytes == 1 and not dev.interpret and path is DecodePath.SPLIT_GRID and one_wave:
+        return DECODE_QUANT_ONE_WAVE_STAGES
+    return None
 
 
 def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:

@@ -267,6 +267,23 @@ def test_eight_bit_caches_get_twice_the_programs_on_the_gpu():
     assert hx.resolve_decode_config(batched, _HOPPER).persistent_programs == 2 * _HOPPER.num_sms
 
 
+def test_8bit_split_grids_of_one_wave_take_two_stages():
+    """An 8-bit split grid whose programs fit in one per SM (b1 16/2 up to 8k: splits x 2 kv heads <= 132) runs
+    DECODE_QUANT_ONE_WAVE_STAGES pipeline stages; more programs (16k: 256), 16-bit caches and the interpreter keep
+    the rules' 3."""
+    def config(live, elem_bytes=1, dev=_HOPPER, batch=1):
+        p = _problem(elem_bytes=elem_bytes, batch=batch, nheads_kv=2, group=8, live_keys=live, total_keys=live * batch)
+        return hx.resolve_decode_config(p, dev)
+    for live in (512, 4096, 8192):
+        short = config(live)
+        assert short.path is DecodePath.SPLIT_GRID and short.num_splits * 2 <= 132, (live, short)
+        assert short.num_stages == hx.DECODE_QUANT_ONE_WAVE_STAGES == 2
+        assert config(live, elem_bytes=2).num_stages == 3
+    wide = config(16384)
+    assert wide.num_splits * 2 > 132 and wide.num_stages == 3
+    assert config(4096, dev=dataclasses.replace(_HOPPER, interpret=True)).num_stages != 2
+
+
 def test_8bit_batches_take_the_device_split_grid_with_warp_split_keys():
     """An 8-bit cache at the Llama-3-8B shape (8 kv heads, group 4) on Hopper: from the batches the persistent
     kernel would serve, the device-split grid with DECODE_QUANT_WAVES programs' worth of items per SM, the keys of

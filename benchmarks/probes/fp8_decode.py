@@ -25,10 +25,10 @@ exact; bits-w4 reduces in another order).
     PYTHONPATH=. python3 -m benchmarks.probes.fp8_decode --convert-ab [--contexts 4096,...] [--batched 16]
 
 ``--sweep``: the e4m3 decode (contiguous, per-token-head scales) over a small grid of DecodeConfig changes around the
-resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 4 pipeline stages, a 128-register cap that lets
-two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the split grid as
-the persistent kernel, the softmax row sums summed once after the KV loop, the keys split across the warps or
-not), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
+resolved config (_SWEEP: twice the splits, 4 warps, 64-key tiles, 2 / 3 / 4 pipeline stages, a 128-register cap
+that lets two 8-warp programs share an SM, the persistent kernel at two programs per SM or as a split grid, the
+split grid as the persistent kernel, the softmax row sums summed once after the KV loop, the keys split across the
+warps or not), at b1 16/2 hd128 4k / 32k / 128k and the Llama-3-8B shape b16 8k; one row per point and
 config (splits, tile, warps, stages, us, % of a bare read of the 8-bit bytes and of the 8-bit floor, our bf16 cache
 / it, max |difference| from the resolved config's output), the fastest per point marked *. About three minutes on an
 H100 (mostly compiles; --sweep-configs runs fewer).
@@ -234,12 +234,13 @@ def bench_convert_point(label, batch, context, nheads, nheads_kv, headdim, reps,
 # Each entry maps (the resolved config, the point's context) to its changes, or None where it would repeat another
 # entry or leave splits empty (a split holds at least block_n keys). "x2" / "x3": twice / three times the splits
 # (half / a third of the keys per split; more CTAs; the split grid only: the persistent kernel's device split counts
-# follow its programs); "w4": 4 warps; "st2" / "st4": pipeline stages; "p264": the persistent kernel's grid at two
-# programs per SM; "grid": the split grid instead of the persistent kernel; "persist": the persistent kernel instead
-# of the split grid (no merge launch); "rN": stage 1 under an N-register cap (DecodeConfig.max_registers). Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178
-# registers and 106 KiB of shared memory a program at 3 stages (one program per SM); r128: no spills, +3% loop
-# instructions (two per SM); 2 stages: 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6%
-# (three per SM: "st2 r80 x3", 384 programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
+# follow its programs); "w4": 4 warps; "st2" / "st3" / "st4": pipeline stages; "p264": the persistent kernel's grid
+# at two programs per SM; "grid": the split grid instead of the persistent kernel; "persist": the persistent kernel
+# instead of the split grid (no merge launch); "rN": stage 1 under an N-register cap (DecodeConfig.max_registers).
+# Occupancy (sm_90 compile on the CPU, b1 16/2 e4m3 split grid, 8 warps): 178 registers and 106 KiB of shared
+# memory a program at 3 stages (one program per SM); r128: no spills, +3% loop instructions (two per SM); 2 stages:
+# 128 registers, 73 KiB (two per SM), with r80 no spills in the KV loops, +6% (three per SM: "st2 r80 x3", 384
+# programs at b1). The persistent kernel takes 250 registers (192 at 2 stages);
 # under r128 its KV loops stay free of spills (its work loop spills a few values per item), under r80 they do not.
 # "x0.5": half the splits; "pfN": the pre-wait L2 prefetch of a split's first N blocks (DecodeConfig.prefetch_blocks;
 # resolved: 1 block where few (batch, kv head) pairs leave the SMs to the splits); "all reads": the merge reads every
@@ -347,6 +348,7 @@ _SWEEP = {
     "bn64w4": _with(block_n=64, num_warps=4),
     "bn64w4 x2": _then(_splits_by(2, 64), num_warps=4),
     "st2": _with(num_stages=2),
+    "st3": _with(num_stages=3),
     "st4": _with(num_stages=4),
     "r128 x2": _then(_splits_by(2), max_registers=128),
     "st2 x2": _then(_splits_by(2), num_stages=2),
