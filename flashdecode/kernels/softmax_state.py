@@ -118,8 +118,9 @@ def fold_live_states(o_rows, lse_rows, offs_d, d_ok, row_ok, num_states, stride_
     tests/test_decode.py).
     """
     n_all = tl.arange(0, STATES_PAD)
-    lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls, mask=row_ok[:, None] & (n_all < num_states)[None, :],
-                      other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+    all_ok = row_ok[:, None] & (n_all < num_states)[None, :]
+    lse_all = tl.load(lse_rows[:, None] + n_all[None, :] * stride_ls, mask=all_ok, other=float("-inf"),
+                      cache_modifier=CACHE).to(tl.float32)
     if not LSE_LOG2:
         lse_all = lse_all * LOG2E
     shift = safe_max(tl.max(lse_all, 1))
