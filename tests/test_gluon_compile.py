@@ -11,7 +11,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from flashdecode.kernels.gluon.attn_fwd import attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel, attn_fwd_ws_lpt_kernel
+from flashdecode.kernels.gluon.attn_fwd import (attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel, attn_fwd_ws_lpt_kernel,
+                                                attn_fwd_ws_varlen_kernel)
 from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, TILE_ORDERS, GluonFwdConfig, resolve_gluon_config,
                                              resolve_gluon_fp8_config)
 sys.path.insert(0, "tests")
@@ -26,11 +27,13 @@ def desc(dtype, rows, d):
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
-def compile_variant(d, dtype, causal, cfg):
-    """fp16/bf16 on attn_fwd_ws_kernel; fp8e4nv on attn_fwd_fp8_ws_kernel (V^T blocks [d, block_n], bf16 out)."""
+def compile_variant(d, dtype, causal, cfg, varlen=False):
+    """fp16/bf16 on attn_fwd_ws_kernel (varlen: attn_fwd_ws_varlen_kernel); fp8e4nv on attn_fwd_fp8_ws_kernel (V^T
+    blocks [d, block_n], bf16 out)."""
     fp8 = dtype == "fp8e4nv"
     lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
-    fn = attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_kernel
+    fn = (attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_varlen_kernel if varlen
+          else attn_fwd_ws_kernel)
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
                   PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
@@ -38,12 +41,12 @@ def compile_variant(d, dtype, causal, cfg):
                   SPLIT_KV_RELEASE=cfg.split_release)
     if not lpt:
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
-    if not fp8 and not lpt:
+    if not fp8 and not lpt and not varlen:
         consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
-                 qk_scale_log2="fp32", sched_ptr="*i32")
+                 qk_scale_log2="fp32", sched_ptr="*i32", cu_q_ptr="*i32", cu_k_ptr="*i32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help="comma list of our extra variants timed as peers: nd (deterministic=False), bwdtma / "
                              "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd")
+    parser.add_argument("--ragged", action="store_true",
+                        help="the ragged (varlen) rows instead: random lengths, 16 x 1k, 64 x 256, 2 x 8k vs FA3 "
+                             "and FlashInfer's FA2 (flashdecode/bench/prefill_ragged.py); --modes fwd,fwd+bwd")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                         help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
 
@@ -315,6 +318,10 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill needs a CUDA GPU")
         return 1
+    if args.ragged:
+        from flashdecode.bench.prefill_ragged import run_ragged
+
+        return run_ragged(args)
     base = QUICK if args.quick else FULL
     dtypes = _list(args.dtypes, base["dtypes"])
     headdims = _list(args.headdims, base["headdims"], int)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -245,6 +246,7 @@ def _supported_fp8_problem(q, k, v) -> bool:
 _RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
 _LPT_EXTRA_ARGS = 1  # attn_fwd_ws_lpt_kernel's sched_ptr after qk_scale_log2
 _FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
+_RAGGED_EXTRA_ARGS = 2  # attn_fwd_ws_varlen_kernel's cu_seqlens pointers after qk_scale_log2
 _PLAN_CACHE_SIZE = 4096  # launch keys kept (a dict cleared when full: a plan is cheap to rebuild)
 _NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (None means "not seen yet")
 _PLANS: dict = {}
@@ -265,8 +267,11 @@ def _vt_view(v: torch.Tensor) -> tuple[list, list]:
 
 
 def _rows_view(x: torch.Tensor) -> tuple[list, list]:
-    """(shape, strides) of x (batch, seqlen, heads, headdim) read as the 2-D (batch * seqlen, heads * headdim) rows
-    view the kernel's TMA descriptors take."""
+    """(shape, strides) of x (batch, seqlen, heads, headdim) - or a ragged batch's (total, heads, headdim) - read
+    as the 2-D (batch * seqlen, heads * headdim) rows view the kernel's TMA descriptors take."""
+    if x.dim() == 3:
+        t, h, d = x.shape
+        return [t, h * d], [x.stride(0), 1]
     b, s, h, d = x.shape
     return [b * s, h * d], [x.stride(1), 1]
 
@@ -288,24 +293,28 @@ def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int, block
     return TensorDescriptor(rows, shape, strides, block, layout)
 
 
-def _kernel(fp8: bool = False, lpt: bool = False):
-    """The Gluon forward kernel: fp16/bf16, e4m3 (which takes V^T and two descale pointers more), or fp16/bf16 on
-    host-made tile lists (tile_order "lpt": the sched pointer after qk_scale_log2)."""
+def _kernel(fp8: bool = False, lpt: bool = False, ragged: bool = False):
+    """The Gluon forward kernel: fp16/bf16, e4m3 (which takes V^T and two descale pointers more), fp16/bf16 on
+    host-made tile lists (tile_order "lpt": the sched pointer after qk_scale_log2) or over a ragged batch (the
+    cu_seqlens pointers after qk_scale_log2)."""
     from flashdecode.kernels.gluon import attn_fwd
 
     if lpt:
         return attn_fwd.attn_fwd_ws_lpt_kernel
+    if ragged:
+        return attn_fwd.attn_fwd_ws_varlen_kernel
     return attn_fwd.attn_fwd_fp8_ws_kernel if fp8 else attn_fwd.attn_fwd_ws_kernel
 
 
-def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False, lpt: bool = False):
+def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False, lpt: bool = False,
+                ragged: bool = False):
     """One launch through Triton's JIT (binds, specialises, compiles on a miss); returns the compiled kernel."""
-    compiled = _kernel(fp8, lpt)[grid](*args, **constexprs, num_warps=4)
+    compiled = _kernel(fp8, lpt, ragged)[grid](*args, **constexprs, num_warps=4)
     return compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compilation
 
 
-def _kernel_arg_names(fp8: bool = False, lpt: bool = False) -> list:
-    return _kernel(fp8, lpt).arg_names
+def _kernel_arg_names(fp8: bool = False, lpt: bool = False, ragged: bool = False) -> list:
+    return _kernel(fp8, lpt, ragged).arg_names
 
 
 _current_stream = direct_launch.current_stream
@@ -356,34 +365,44 @@ class _GluonPlan:
     descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "sched", "sched_ptr",
+                 "sched", "sched_ptr", "ragged",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
                  "discard_lse", "q_contiguous", "lse_template", "fp8")
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig):
-        batch, seqlen_q, nheads, _ = q.shape
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig,
+                 ragged: Optional[tuple] = None):
+        """ragged: None for q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k, nheads_kv, headdim); or
+        (batch, max_seqlen_q) for a ragged batch packed along the tokens: q (total_q, nheads, headdim), k / v
+        (total_k, nheads_kv, headdim), each launch given the int32 cu_seqlens (attn_fwd_ws_varlen_kernel)."""
         self.cfg = cfg
         self.fp8 = q.dtype == FP8_DTYPE
         self.device, self.index = q.device, q.device.index
         self.q_contiguous = q.is_contiguous()
-        self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
+        self.ragged = ragged is not None
+        if self.ragged:  # the tiles are numbered by the longest sequence; lse (nheads, total_q), its head stride
+            (batch, seqlen_q), nheads = ragged, q.shape[1]
+            self.seqlen_q, self.seqlen_k = seqlen_q, q.shape[0]
+            self.lse_shape = (nheads, q.shape[0])
+        else:
+            batch, seqlen_q, nheads, _ = q.shape
+            self.seqlen_q, self.seqlen_k = seqlen_q, k.shape[1]
+            self.lse_shape = (batch, nheads, seqlen_q)
         num_m = _cdiv(seqlen_q, cfg.block_m)
         self.num_tiles = num_m * batch * nheads
         self.shapes = (self.num_tiles, seqlen_q, self.seqlen_k)  # the kernel's runtime arguments after lse_ptr
         units = _cdiv(num_m, 2) * batch * nheads if cfg.tile_order == "pairs" else self.num_tiles
         # the compiled kernel's launcher reads three grid entries
         self.grid = (min(units, _num_sms(q.device)) if cfg.persistent else units, 1, 1)
-        self.lse_shape = (batch, nheads, seqlen_q)
         self.lse_template = direct_launch.empty_template(self.lse_shape, torch.float32, q.device)
         self.views = (_rows_view(q), _rows_view(k), _vt_view(v) if self.fp8 else _rows_view(v))
-        constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[2], BLOCK_N=cfg.block_n,
+        constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[-2], BLOCK_N=cfg.block_n,
                           NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                           OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                           CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
                           TILE_ORDER=TILE_ORDERS[cfg.tile_order], EXP2_EMU_COLS=cfg.exp2_emu_cols,
                           EXP2_EMU_DEGREE=cfg.exp2_emu_degree, SPLIT_KV_RELEASE=cfg.split_release)
         # the ones this plan's kernel takes (e4m3: no exp2 emulation; lpt: Q_BUFFERS and TILE_ORDER fixed too)
-        params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt"))
+        params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt", self.ragged))
         self.constexprs = {name: value for name, value in constexprs.items() if name in params}
         # tile_order "lpt": the host's tile lists, an argument after qk_scale_log2 (attn_fwd_ws_lpt_kernel)
         self.sched = ()
@@ -395,37 +414,41 @@ class _GluonPlan:
         self.direct_launches = 0  # calls that skipped the JIT (the host-overhead test reads it)
 
     def launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple] = None,
-               descales: tuple = ()) -> None:
+               descales: tuple = (), cu_seqlens: tuple = ()) -> None:
         """One forward of q, k, v (this plan's launch key, 16-byte aligned) into out (batch, seqlen_q, nheads,
         headdim) contiguous and lse (batch, nheads, seqlen_q) float32 contiguous: tensors, or (after the first
         launch) their data_ptr() ints, which the C launcher takes as they are. ptrs: (q, k, v).data_ptr() where
         the caller has them. descales: () for fp16/bf16; (qk_descale (batch, nheads), v_descale (batch,
-        nheads_kv)) float32 contiguous for e4m3 (v is then V^T, see _vt_view)."""
+        nheads_kv)) float32 contiguous for e4m3 (v is then V^T, see _vt_view). cu_seqlens: () for fixed-length
+        batches; a ragged plan's (cu_seqlens_q, cu_seqlens_k) int32 (batch + 1,) contiguous (tensors, or their
+        data_ptr() ints after the first launch)."""
         if self.index == _current_device():
-            self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales)
+            self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales, cu_seqlens)
         else:
             with torch.cuda.device(self.device):
-                self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales)
+                self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales, cu_seqlens)
 
-    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple], descales: tuple) -> None:
+    def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple], descales: tuple,
+                cu_seqlens: tuple) -> None:
         if self.compiled is None:
             v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n,)
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
                      _descriptor(v, self.views[2], *v_block))
             # (the bf16 call as it always was: tests stub it)
-            kernel = dict(fp8=True) if self.fp8 else dict(lpt=True) if self.sched else {}
+            kernel = (dict(fp8=True) if self.fp8 else dict(lpt=True) if self.sched
+                      else dict(ragged=True) if self.ragged else {})
             self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes
-                                     + (qk_scale_log2, ) + self.sched, self.constexprs, **kernel))
+                                     + (qk_scale_log2, ) + self.sched + cu_seqlens, self.constexprs, **kernel))
             return
         stream = _current_stream(self.index)
         enter, exit_ = direct_launch.launch_hooks()
         if enter is None and self.direct is not None:
             self.direct(stream, (q, k, v), (out, lse) + descales + (*self.shapes, qk_scale_log2, *self.sched_ptr,
-                                                                    *self.tail), ptrs)
+                                                                    *cu_seqlens, *self.tail), ptrs)
         else:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
-                    + self.shapes + (qk_scale_log2, ) + self.sched_ptr + self.tail)
+                    + self.shapes + (qk_scale_log2, ) + self.sched_ptr + cu_seqlens + self.tail)
             meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
             self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
                      exit_, *args)
@@ -435,7 +458,7 @@ class _GluonPlan:
         """Where a call that wants no lse lets the kernel write it: a data_ptr() int into
         direct_launch.discard_buffer (shared, never read), or None where it is too large (allocate it)."""
         if self.discard_lse is None:
-            nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
+            nbytes = math.prod(self.lse_shape) * 4
             buffer = direct_launch.discard_buffer(self.device, nbytes)
             self.discard_lse = False if buffer is None else buffer.data_ptr()
         return self.discard_lse or None
@@ -444,8 +467,9 @@ class _GluonPlan:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
         if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return
-        extra = _FP8_EXTRA_ARGS if self.fp8 else _LPT_EXTRA_ARGS if self.sched else 0
-        names = _kernel_arg_names(self.fp8, bool(self.sched))[_RUNTIME_ARGS + extra:]
+        extra = (_FP8_EXTRA_ARGS if self.fp8 else _LPT_EXTRA_ARGS if self.sched
+                 else _RAGGED_EXTRA_ARGS if self.ragged else 0)
+        names = _kernel_arg_names(self.fp8, bool(self.sched), self.ragged)[_RUNTIME_ARGS + extra:]
         if any(n not in self.constexprs for n in names):
             return
         self.tail = tuple(self.constexprs[n] for n in names)
@@ -559,6 +583,85 @@ def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left
     if plan is _NOT_APPLICABLE or not _aligned16(q, k, v):
         return None
     return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ragged (varlen) batches: flash_attn_varlen's forward on the same kernel, sequences read from cu_seqlens on the device
+# ----------------------------------------------------------------------------------------------------------------
+
+def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> GluonFwdConfig:
+    """The launch of a ragged batch whose sequences hold mean_keys keys on average (total_k / batch: the lengths
+    themselves sit on the device). resolve_gluon_config's rule at that length, except that host-made tile lists
+    (tile_order "lpt") would need the lengths on the host: those launches take one CTA per tile instead (the
+    hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop where it holds
+    its state in registers (non-causal; the causal one spills one CTA per tile)."""
+    cfg = resolve_gluon_config(headdim, causal, mean_keys)
+    if cfg.tile_order != "lpt":
+        return cfg
+    return GluonFwdConfig(num_stages=cfg.num_stages, overlap=not causal, split_release=not causal)
+
+
+def _ragged_layout_ok(x: torch.Tensor) -> bool:
+    """x (total, heads, headdim) can be read as the 2-D (total, heads * headdim) TMA rows view: unit dim stride,
+    heads packed, 16-byte row stride."""
+    t, h, d = x.shape
+    st = x.stride()
+    return st[2] == 1 and st[1] == d and (st[0] * x.element_size()) % 16 == 0
+
+
+def _ragged_plan_for(q, k, v, batch: int, max_seqlen_q: int, causal: bool, config: Optional[GluonFwdConfig]):
+    """The ragged plan of this launch key (_plan_for's, with the batch and the longest query count, which number
+    the tiles), or _NOT_APPLICABLE."""
+    key = ("ragged", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, causal, config, batch, max_seqlen_q)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _NOT_APPLICABLE
+        mean_keys = -(-k.shape[0] // batch)
+        if (q.dtype in GLUON_DTYPES and q.dtype == k.dtype == v.dtype and _is_hopper(q.device)
+                and q.device == k.device == v.device and q.shape[-1] in GLUON_HEAD_DIMS
+                and k.shape[-1] == q.shape[-1] and v.shape == k.shape and q.shape[1] % k.shape[1] == 0
+                and all(_ragged_layout_ok(t) for t in (q, k, v))
+                and (config is not None or gluon_pays(q.shape[-1], mean_keys))):
+            cfg = config or resolve_gluon_varlen_config(q.shape[-1], causal, mean_keys)
+            if cfg.tile_order != "lpt":
+                plan = _GluonPlan(q, k, v, causal, cfg, ragged=(batch, max_seqlen_q))
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                              lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                              max_seqlen_q: int, softmax_scale: float, window_left: int = -1,
+                              window_right: int = -1, softcap: float = 0.0,
+                              config: Optional[GluonFwdConfig] = None) -> bool:
+    """flash_attn_varlen's forward on the Gluon kernel where it applies and pays (config given: where it
+    applies): writes out and lse and returns True; else returns False having touched nothing (take the Triton
+    path). For flashdecode.ops.attention's forward, after its argument checks.
+
+    q (total_q, nheads, headdim), k / v (total_k, nheads_kv, headdim) fp16/bf16 on sm_90, packed along the tokens;
+    cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) contiguous on q's device (read there: no host sync);
+    max_seqlen_q >= every sequence's query count (it numbers the tiles); out (total_q, nheads, headdim)
+    contiguous in q's dtype; lse (nheads, total_q) float32 contiguous (natural log; -inf and out 0 on rows that see
+    no key). Options as in gluon_forward_if_supported: causal (bottom-right aligned per sequence) or none."""
+    if softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
+        return False
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not _is_hopper(q.device) or max_seqlen_q <= 0:
+        return False
+    if not (out.is_contiguous() and lse.is_contiguous() and cu_seqlens_q.is_contiguous()
+            and cu_seqlens_k.is_contiguous() and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32):
+        return False
+    plan = _ragged_plan_for(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, window_right == 0, config)
+    if plan is _NOT_APPLICABLE or not _aligned16(q, k, v):
+        return False
+    if plan.compiled is None:  # the first (JIT) launch takes tensors, later ones their addresses
+        plan.launch(q, k, v, out, lse, softmax_scale * LOG2E, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    else:
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), softmax_scale * LOG2E,
+                    cu_seqlens=(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------

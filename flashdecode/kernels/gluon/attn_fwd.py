@@ -100,15 +100,21 @@ def _store_layout(head_dim):
 
 
 @gluon.jit
-def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+def _tile_coords(tile, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Which rows tile ``tile`` owns and which key blocks it visits.
 
     Tiles are numbered head-major (all query blocks of one (batch, head) are consecutive, so CTAs that run at the
     same time share that head's K/V in L2); causal heads visit their query blocks heaviest (last rows) first, so
     the light tiles fill the tail of a persistent schedule.
-    Returns (batch, head, m_start, n_full_end, n_end): keys [0, n_full_end) need no mask for any of the tile's rows,
-    keys [n_full_end, n_end) are the masked blocks (diagonal and/or the ragged end); both multiples of BLOCK_N."""
+    Fixed-length batches (cu_q_ptr None): sequence ``batch`` holds rows [batch * seqlen_q, ...) of q and
+    [batch * seqlen_k, ...) of k / v. Ragged batches: its rows start at cu_q_ptr[batch] / cu_k_ptr[batch] (int32
+    cumulative lengths, read here on the device) and seqlen_q is the longest sequence's query count, which numbers
+    the tiles; a tile past its own sequence's rows is empty (``live`` 0, else 1: no loads, no store, no key block).
+    Returns (batch, head, m_start, n_full_end, n_end, q_base, kv_base, len_q, len_k, live): keys [0, n_full_end)
+    need no mask for any of the tile's rows, keys [n_full_end, n_end) are the masked blocks (diagonal and/or the
+    ragged end), both multiples of BLOCK_N; q_base / kv_base the sequence's first rows, len_q / len_k its
+    lengths."""
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     bh = tile // num_m
     pid_m = tile % num_m
@@ -117,38 +123,56 @@ def _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, BLOCK_M: gl.
     batch = bh // NUM_HEADS
     head = bh % NUM_HEADS
     m_start = pid_m * BLOCK_M
-    n_end = seqlen_k
-    full_keys = seqlen_k
+    if cu_q_ptr is None:
+        q_base = batch * seqlen_q
+        kv_base = batch * seqlen_k
+        len_q = seqlen_q
+        len_k = seqlen_k
+    else:
+        q_base = gl.load(cu_q_ptr + batch)
+        len_q = gl.load(cu_q_ptr + batch + 1) - q_base
+        kv_base = gl.load(cu_k_ptr + batch)
+        len_k = gl.load(cu_k_ptr + batch + 1) - kv_base
+    n_end = len_k
+    full_keys = len_k
     if CAUSAL:
-        shift = seqlen_k - seqlen_q
-        n_end = gl.minimum(seqlen_k, gl.maximum(m_start + BLOCK_M + shift, 0))
-        full_keys = gl.minimum(seqlen_k, gl.maximum(m_start + shift + 1, 0))
+        shift = len_k - len_q
+        n_end = gl.minimum(len_k, gl.maximum(m_start + BLOCK_M + shift, 0))
+        full_keys = gl.minimum(len_k, gl.maximum(m_start + shift + 1, 0))
     n_end = gl.cdiv(n_end, BLOCK_N) * BLOCK_N
     n_full_end = (full_keys // BLOCK_N) * BLOCK_N
-    return batch, head, m_start, n_full_end, n_end
+    if cu_q_ptr is None:
+        live = 1  # every tile of a fixed-length batch has rows (the producer's 24 registers hold no more)
+    else:
+        live = (m_start < len_q).to(gl.int32)
+        n_end = n_end * live
+        n_full_end = n_full_end * live
+    return batch, head, m_start, n_full_end, n_end, q_base, kv_base, len_q, len_k, live
 
 
 @gluon.jit
 def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                  q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
+                  q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                  NUM_HEADS: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
                   SPLIT_KV_RELEASE: gl.constexpr):
     """The producer's work for one tile: its Q rows into Q buffer set BUF (once the consumers have released that
     set's previous tile; ``uses`` = tiles the set held before, its barrier phase), then every visited K/V block
-    into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter). Returns the new counter."""
+    into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter); an empty tile (ragged
+    batches, see _tile_coords) loads nothing. Returns the new (block counter, uses)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
-    batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                                           CAUSAL)
-    q_row = batch * seqlen_q + m_start
-    for c in gl.static_range(NUM_CONSUMERS):
-        # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
-        mbarrier.wait(q_empty.index(BUF * NUM_CONSUMERS + c), (uses & 1) ^ 1)
-        mbarrier.expect(q_ready.index(BUF * NUM_CONSUMERS + c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * HEAD_DIM],
-                                        q_ready.index(BUF * NUM_CONSUMERS + c), q_smem.index(BUF * NUM_CONSUMERS + c))
-    kv_row = batch * seqlen_k
+    batch, head, m_start, n_full_end, n_end, q_base, kv_row, len_q, len_k, live = _tile_coords(
+        tile, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, BLOCK_M, BLOCK_N, CAUSAL)
+    if live != 0:
+        for c in gl.static_range(NUM_CONSUMERS):
+            # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
+            mbarrier.wait(q_empty.index(BUF * NUM_CONSUMERS + c), (uses & 1) ^ 1)
+            mbarrier.expect(q_ready.index(BUF * NUM_CONSUMERS + c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_base + m_start + c * 64, head * HEAD_DIM],
+                                            q_ready.index(BUF * NUM_CONSUMERS + c),
+                                            q_smem.index(BUF * NUM_CONSUMERS + c))
     kv_col = (head // GROUP) * HEAD_DIM
     for i in range(n_end // BLOCK_N):
         slot = (blocks_done + i) % NUM_STAGES
@@ -169,7 +193,7 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
         else:
             tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
                                             v_smem.index(slot))
-    return blocks_done + n_end // BLOCK_N
+    return blocks_done + n_end // BLOCK_N, uses + live
 
 
 @gluon.jit
@@ -247,7 +271,8 @@ def _pair_tiles(pair, seqlen_q, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
-              num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+              num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS: gl.constexpr,
+              GROUP: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, TILE_ORDER: gl.constexpr,
               SPLIT_KV_RELEASE: gl.constexpr):
@@ -265,27 +290,28 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     uses = 0
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
+                                        cu_q_ptr, cu_k_ptr,
                                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
                                         SPLIT_KV_RELEASE)
-            uses += 1
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
         start, stop, step = _units(num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
-            blocks_done = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                         q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
+                                        cu_q_ptr, cu_k_ptr,
                                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
                                         SPLIT_KV_RELEASE)
             if second < num_tiles:
-                blocks_done = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
+                blocks_done, uses_second = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
                                             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                                            k_empty, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                                            k_empty, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
+                                            NUM_STAGES,
                                             NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
-                uses_second += 1
-            uses += 1
+
 
 
 @gluon.jit
@@ -594,17 +620,40 @@ def _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empt
 @gluon.jit
 def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem,
                   q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
-                  v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  v_descale_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
                   EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """One warpgroup's rows [CONSUMER * 64, CONSUMER * 64 + 64) of one tile, its Q in buffer set BUF (``uses`` =
-    tiles the set held before): all visited key blocks, then the output and lse. Returns the new block counter."""
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    tiles the set held before): all visited key blocks, then the output and lse (_consume_rows); an empty tile
+    (ragged batches, see _tile_coords) does nothing. Returns the new (block counter, uses)."""
+    batch, head, m_start, n_full_end, n_end, q_base, kv_base, len_q, len_k, live = _tile_coords(
+        tile, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, NUM_CONSUMERS * 64, BLOCK_N, CAUSAL)
+    if cu_q_ptr is None:  # every tile is live: no branch around the loop (it cost the hd128 loop a spill)
+        _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head,
+                      m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS, GROUP,
+                      BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
+                      SPLIT_KV_RELEASE)
+    elif live != 0:
+        _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head,
+                      m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS, GROUP,
+                      BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
+                      SPLIT_KV_RELEASE)
+    return blocks_done + n_end // BLOCK_N, uses + live
+
+
+@gluon.jit
+def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready,
+                  q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
+                  v_descale_ptr, batch, head, m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k,
+                  cu_q_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
+    """_consume_tile's work on a live tile (coordinates from _tile_coords)."""
     P_LOG2_SCALE: gl.constexpr = _p_log2_scale(q_smem.dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q_smem.dtype))
-    batch, head, m_start, n_full_end, n_end = _tile_coords(tile, seqlen_q, seqlen_k, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                                           CAUSAL)
     rows = m_start + CONSUMER * 64 + gl.arange(0, 64, layout=row_layout)
     if P_LOG2_SCALE != 0.0:
         scale_log2 = qk_scale_log2 * gl.load(qk_descale_ptr + batch * NUM_HEADS + head)
@@ -620,24 +669,30 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
     n_blocks = n_end // BLOCK_N
     if OVERLAP:
         acc, m_i, l_i = _consumer_tile_overlap(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                               blocks_done, n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                               blocks_done, n_full_end // BLOCK_N, n_blocks, rows, len_q, len_k,
                                                scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
                                                EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     else:
         acc, m_i, l_i = _consumer_tile_plain(q, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, blocks_done,
-                                             n_full_end // BLOCK_N, n_blocks, rows, seqlen_q, seqlen_k,
+                                             n_full_end // BLOCK_N, n_blocks, rows, len_q, len_k,
                                              scale_log2, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
                                              EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
     # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
     mbarrier.arrive(q_empty.index(BUF * NUM_CONSUMERS + CONSUMER), count=1)
-    _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS, out_scale, P_LOG2_SCALE)
-    return blocks_done + n_blocks
+    # lse: (batch, NUM_HEADS, seqlen_q) for fixed-length batches, (NUM_HEADS, total_q = seqlen_k) for ragged ones;
+    # its offset taken after the loop (a 64-bit pointer live across the loop cost the hd128 loop a spill)
+    if cu_q_ptr is None:
+        lse_row0 = (batch * NUM_HEADS + head).to(gl.int64) * seqlen_q
+    else:
+        lse_row0 = head.to(gl.int64) * seqlen_k + q_base
+    _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr + lse_row0, q_base, head, len_q, NUM_HEADS, out_scale,
+                P_LOG2_SCALE)
 
 
 @gluon.jit
 def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
-              turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-              qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+              turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr,
+              cu_k_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
               TILE_ORDER: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
@@ -649,37 +704,39 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
     uses = 0
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+            blocks_done, uses = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr,
-                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS,
+                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                                        qk_scale_log2, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
-            uses += 1
     else:
         uses_second = 0
         start, stop, step = _units(num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
-            blocks_done = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
+            blocks_done, uses = _consume_tile(tile, uses, blocks_done, 0, CONSUMER, q_smem, k_smem, v_smem, q_ready,
                                         q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr,
-                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS,
+                                        qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr,
+                                        qk_scale_log2, NUM_HEADS,
                                         GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                                         EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             if second < num_tiles:
-                blocks_done = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
+                blocks_done, uses_second = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
                                             v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                                             out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
-                                            qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                                            cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                                             CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
-                uses_second += 1
-            uses += 1
+
 
 
 @gluon.jit
-def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NUM_HEADS: gl.constexpr, out_scale,
+def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, q_base, head, len_q, NUM_HEADS: gl.constexpr, out_scale,
                 P_LOG2_SCALE: gl.constexpr):
     """out = acc * out_scale / l (0 on rows without a visible key) and lse = (m + log2 l - P_LOG2_SCALE) * ln 2
-    (-inf there). out_scale and P_LOG2_SCALE (see _p_log2_scale) only for e4m3 inputs: 1.0 and 0 otherwise."""
+    (-inf there). out_scale and P_LOG2_SCALE (see _p_log2_scale) only for e4m3 inputs: 1.0 and 0 otherwise.
+    The sequence's rows [0, len_q) are out's rows q_base + row (out: (rows, NUM_HEADS, HEAD_DIM) contiguous) and
+    lse_ptr[row] (lse_ptr at this (sequence, head)'s first row)."""
     HEAD_DIM: gl.constexpr = acc.type.shape[1]
     o_layout: gl.constexpr = acc.type.layout
     st_layout: gl.constexpr = _store_layout(HEAD_DIM)
@@ -692,13 +749,12 @@ def _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr, batch, head, seqlen_q, NU
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), st_layout)
     o_rows = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-    # out is (batch, seqlen_q, NUM_HEADS, HEAD_DIM) contiguous; int64 row index: batch * seqlen_q * rows can be big.
-    row_off = ((batch * seqlen_q + o_rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
+    # int64 row index: q_base + rows times the row size can pass 2**31
+    row_off = ((q_base + o_rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
     ptrs = out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, out, mask=gl.expand_dims(o_rows < seqlen_q, 1))
+    gl.store(ptrs, out, mask=gl.expand_dims(o_rows < len_q, 1))
     lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(safe_l)) * LN2)
-    lse_off = (batch * NUM_HEADS + head).to(gl.int64) * seqlen_q + rows
-    gl.store(lse_ptr + lse_off, lse, mask=rows < seqlen_q)
+    gl.store(lse_ptr + rows, lse, mask=rows < len_q)
 
 
 @gluon.jit
@@ -717,8 +773,8 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
     block's BLOCK_N columns take their exp2 on the FMA pipe, a degree-EXP2_EMU_DEGREE polynomial (_exp2_mixed).
     TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles (TILE_ORDER_ROUND_ROBIN, _ZIGZAG, _PAIRS above;
     TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's)."""
-    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, None, seqlen_q, seqlen_k,
-                 qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, None, seqlen_q, seqlen_k, None,
+                 None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                  CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, EXP2_EMU_COLS, EXP2_EMU_DEGREE, TILE_ORDER,
                  SPLIT_KV_RELEASE)
 
@@ -734,8 +790,29 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
     lpt_schedule); a grid of as many CTAs as the lists. A kernel of its own so that the others keep their
     parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                 qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+                 None, None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                  CONSUMER_REGS, PRODUCER_REGS, False, 2, 0, 5, TILE_ORDER_LPT, SPLIT_KV_RELEASE)
+
+
+@gluon.jit
+def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k,
+                              qk_scale_log2, cu_q_ptr, cu_k_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
+                              TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
+    """attn_fwd_ws_kernel (fp16/bf16) over a ragged batch packed along the tokens (flash_attn_varlen's layout).
+
+    q_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc: (total_k, nheads_kv * HEAD_DIM) rows; out (total_q,
+    nheads, HEAD_DIM) contiguous; lse (nheads, total_q) float32 contiguous. cu_q_ptr / cu_k_ptr: int32 (batch + 1,)
+    cumulative lengths, read on the device (no host sync). seqlen_q = the longest sequence's query count (the
+    tile numbering's rows per (sequence, head); num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
+    NUM_HEADS), seqlen_k = total_q (lse's head stride). Tiles past a sequence's rows are empty (_tile_coords). A
+    kernel of its own so that the others keep their parameter lists."""
+    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, None, seqlen_q, seqlen_k,
+                 cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                 OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, False, Q_BUFFERS, 0, 5, TILE_ORDER,
+                 SPLIT_KV_RELEASE)
 
 
 @gluon.jit
@@ -754,13 +831,13 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     qk_descale_ptr: float32 (batch, nheads) contiguous, q_descale * k_descale of each query head, folded into the
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
     _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, None,
-                 seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                 seqlen_q, seqlen_k, None, None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
                  OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER, SPLIT_KV_RELEASE)
 
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr,
-                 seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                 seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
@@ -797,41 +874,41 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
                          NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
                          NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
                          False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
+                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
                          NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [1], [PRODUCER_REGS])
