@@ -825,11 +825,6 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             return grads
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-        # scale > 0: the Gluon kernel masks scores before it scales them (see the dense call above)
-        if (not fp8 and alibi_slopes is None and config_id == _RESOLVE_CONFIG and scale > 0
-                and gluon_attention.gluon_varlen_forward_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sq,
-                                                              scale, left, right, softcap)):
-            return out, lse  # the Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
     lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)
     strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
     do_strides = _strides(dout, varlen)
