@@ -181,6 +181,9 @@ class AttentionProblem:
     autotune: bool  # FLASHDECODE_AUTOTUNE (default on): time the candidates on the GPU
 
 
+PREFILL_BACKENDS = ("gluon", "triton")  # AttentionConfig.backend
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Every launch decision of one flash_attn / flash_attn_varlen call, forward and backward.
@@ -190,6 +193,11 @@ class AttentionConfig:
     tensor's layout does not allow descriptors. Tiles are tried in order: the first one when autotuning is off,
     every one (timed once per shape bucket) when it is on. The backward takes bwd_atomic_tiles when
     deterministic=False, bwd_fused_tiles when bwd_fused, else bwd_dkdv_tiles and bwd_dq_tiles.
+    ``backend`` names the kernel family: "gluon" (resolved on sm_90) runs the warp-specialised Gluon kernels
+    wherever the default dispatch would (ops/gluon_attention.py: dense, ragged, FP8 forwards and the dense
+    backward; the calls they do not take - softcap, windows, ALiBi, other head dims - run the Triton kernels, as a
+    call without config= does), "triton" pins every launch to the Triton kernels and the tiles above. So a
+    ``dataclasses.replace`` of a resolved config runs the kernel the call would run without it.
     """
 
     fwd_tma: bool  # forward through tensor descriptors (TMA)
@@ -202,12 +210,15 @@ class AttentionConfig:
     bwd_atomic_tiles: tuple[Tile, ...]  # (BLOCK_N, BLOCK_M, warps, stages)
     bwd_fused_tiles: tuple[FusedTile, ...]
     bwd_autotune: bool
+    backend: str = "triton"  # PREFILL_BACKENDS; resolve_attention_config gives "gluon" on sm_90
 
     def check(self) -> "AttentionConfig":
         """ValueError/TypeError naming ``config`` for a field of the wrong type or a malformed tile list."""
         for name in ("fwd_tma", "fwd_autotune", "bwd_tma", "bwd_fused", "bwd_autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.backend not in PREFILL_BACKENDS:
+            raise ValueError(f"config.backend must be one of {PREFILL_BACKENDS}, got {self.backend!r}")
         for name, length in (("fwd_tiles", 4), ("bwd_dkdv_tiles", 4), ("bwd_dq_tiles", 4),
                              ("bwd_atomic_tiles", 4), ("bwd_fused_tiles", 7)):
             tiles = getattr(self, name)

@@ -765,6 +765,8 @@ def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
             bwd_dkdv_tiles=(tile,), bwd_dq_tiles=(tile,), bwd_atomic_tiles=(tile,),
             bwd_fused_tiles=((bn, bm, bm, bn, False, 4, 1),), bwd_autotune=False)
     fwd_long = use_fwd_long_config(problem.max_seqlen_k, problem.head_dim_pad, problem.elem_bytes, fwd_tma)
+    # sm_90: the Gluon kernels wherever the dispatch takes them (docs/architecture.md, "Prefill dispatch")
+    backend = "gluon" if problem.capability_major == 9 else "triton"
     fused = prefill_candidates("bwd_fused", PREFILL_BWD_FUSED_CANDIDATES, problem.head_dim_pad, problem.elem_bytes)
     return AttentionConfig(
         fwd_tma=fwd_tma,
@@ -779,4 +781,4 @@ def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
         bwd_atomic_tiles=_prefill_tiles("bwd_atomic", PREFILL_BWD_ATOMIC_CANDIDATES, problem),
         bwd_fused_tiles=tuple(prefill_bwd_fused_configs_that_fit(fused, problem.head_dim_pad, problem.elem_bytes,
                                                                  problem.smem_limit)),
-        bwd_autotune=problem.autotune)
+        bwd_autotune=problem.autotune, backend=backend)

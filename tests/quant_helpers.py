@@ -133,7 +133,8 @@ def check_fp8(q8, k8, v8, qd, kd, vd, config_changes=None, **opts):
     lse)."""
     config = None
     if config_changes:
-        config = dataclasses.replace(attn_ops.resolve_config(q8, k8, v8), fwd_autotune=False, **config_changes)
+        config = dataclasses.replace(attn_ops.resolve_config(q8, k8, v8), fwd_autotune=False, backend="triton",
+                                     **config_changes)
     out, lse = flashdecode.flash_attn(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True,
                                       config=config, **opts)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape and lse.dtype == torch.float32

@@ -36,6 +36,15 @@ def test_hopper_defaults():
     assert config.bwd_atomic_tiles[0] == hx.PREFILL_BWD_ATOMIC_CANDIDATES[0]
 
 
+def test_resolved_config_names_the_backend():
+    """sm_90 resolves the Gluon family (so config=resolve_config(...) runs what the default call runs), other GPUs
+    and the interpreter the Triton kernels; a hand-built config pins Triton."""
+    assert hx.resolve_attention_config(_problem()).backend == "gluon"
+    assert hx.resolve_attention_config(_problem(capability_major=8)).backend == "triton"
+    assert hx.resolve_attention_config(_problem(capability_major=0, interpret=True)).backend == "triton"
+    assert dataclasses.replace(hx.resolve_attention_config(_problem()), backend="triton").check().backend == "triton"
+
+
 def test_long_sequences_take_the_fixed_tile_and_descriptor_backward():
     config = hx.resolve_attention_config(_problem(max_seqlen_k=hx.PREFILL_FWD_LONG_MIN_KEYS))
     assert config.fwd_tiles[0] == (128, 128, 8, 3) and not config.fwd_autotune
@@ -105,6 +114,8 @@ def test_config_override_is_validated():
         flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, bwd_fused_tiles=((64, 64, 4, 2),)))
     with pytest.raises(TypeError, match="config.bwd_tma"):
         flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, bwd_tma="yes"))
+    with pytest.raises(ValueError, match="config.backend"):
+        flashdecode.flash_attn(q, k, v, config=dataclasses.replace(good, backend="cuda"))
     cu = torch.tensor([0, 8], dtype=torch.int32, device=q.device)
     with pytest.raises(TypeError, match="config must be"):
         flashdecode.flash_attn_varlen(q[0], k[0], v[0], cu, cu, 8, 8, config=1)

@@ -144,8 +144,8 @@ def _stop_at_triton(*args, **kwargs):
 @needs_hopper
 def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     """flash_attn's autograd backward takes the Gluon kernel on a supported call, deterministic or not (an expanded
-    dout, stride 0, is made contiguous first), and its gradients match the reference; a call with an explicit
-    config= stays on the Triton kernels (as the forward's dispatch)."""
+    dout, stride 0, is made contiguous first), and its gradients match the reference; a config= pinned to backend
+    "triton" stays on the Triton kernels (as the forward's dispatch)."""
     calls = []
     real = ga.gluon_attention_backward
     monkeypatch.setattr(ga, "gluon_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -161,13 +161,15 @@ def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     assert calls
     _assert_grads([x.grad for x in leaves], q, k, v, torch.ones_like(dout), True, "flash_attn sum()")
     calls.clear()
-    # an explicit config keeps the Triton kernels: the backward goes past the Gluon dispatch to the Triton path's
+    # a config pinned to backend "triton" keeps the Triton kernels: the backward goes past the Gluon dispatch to the
+    # Triton path's
     # preprocess (stopped there, so that no Triton kernel compiles in this file)
     monkeypatch.setattr(attention, "_bwd_delta", _stop_at_triton)
     out, lse = _forward(q, k, v, True)
     with pytest.raises(_ReachedTriton):
         attention._bwd_impl(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 128 ** -0.5, -1, 0, 0.0,
-                            True, attention._config_id(resolve_config(q, k, v)))
+                            True, attention._config_id(dataclasses.replace(resolve_config(q, k, v),
+                                                                           backend="triton")))
     assert not calls
 
 

@@ -118,3 +118,25 @@ def test_flash_attn_varlen_gluon_backward_matches_reference():
         grads.append(torch.autograd.grad(ref, leaves, dout.to(dtype)))
     for name, got, want, same in zip(("dq", "dk", "dv"), (dq, dk, dv), *grads):
         assert_fa_close(got, want, same, factor=3.0, atol=1e-4, name=name)
+
+
+@needs_hopper
+def test_resolved_config_runs_the_default_kernel():
+    """config=resolve_config(...) (and a replace of it) runs the kernel the call runs without config= - the Gluon
+    forward on sm_90 - while backend="triton" pins the Triton kernel; both match the reference."""
+    import dataclasses
+
+    from flashdecode.ops import attention as attn_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (8, 2, 2))
+    resolved = attn_ops.resolve_config(q, k, v)
+    assert resolved.backend == "gluon"
+    ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=True)
+    same, _ = attention_ref(q, k, v, causal=True)
+    for config, gluon in ((None, True), (resolved, True), (dataclasses.replace(resolved, fwd_autotune=False), True),
+                          (dataclasses.replace(resolved, backend="triton"), False)):
+        out = flashdecode.flash_attn(q, k, v, causal=True, config=config)
+        call = attn_ops._dense_call(q, k, v, -1, 0, 0.0, attn_ops._config_id(config))
+        assert (call.gluon is not None) == gluon, config
+        assert_fa_close(out, ref, same, name="out")

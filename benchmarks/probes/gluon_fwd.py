@@ -306,7 +306,7 @@ def check_fp8(names) -> list[dict]:
                             [:, None, :, None])
         ref, _ = attention_ref(deq(q8, qd), deq(k8, kd), deq(v8, vd), causal=causal)
         tri = flash_attn(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                         config=resolve_config(q8, k8, v8))
+                         config=dataclasses.replace(resolve_config(q8, k8, v8), backend="triton"))
         tri_err = (tri.double() - ref).abs().max().item()
         for name in names:
             cfg = _fp8_config(name, d, causal, sk)
@@ -343,7 +343,7 @@ def time_fp8(names, quick: bool, headdims=(128, 64, 256)) -> list[dict]:
                 cfg = _fp8_config(n, d, causal, s)
                 if cfg is not None:
                     fns[f"fp8 gluon:{n}"] = _fp8_kernel_call(q8, k8, v8, qd, kd, vd, causal, cfg)
-            tri_cfg = resolve_config(q8, k8, v8)
+            tri_cfg = dataclasses.replace(resolve_config(q8, k8, v8), backend="triton")
             fns["fp8 triton"] = lambda: flash_attn(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                                    v_descale=vd, config=tri_cfg)
             if d != 256:  # bf16 Gluon takes hd 64 / 128

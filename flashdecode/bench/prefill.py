@@ -109,7 +109,7 @@ def _ours_with(**changes):
         import flashdecode
         from flashdecode.ops.attention import resolve_config
 
-        config = dataclasses.replace(resolve_config(q, k, v), **changes)
+        config = dataclasses.replace(resolve_config(q, k, v), backend="triton", **changes)
         return (lambda a, b, c: flashdecode.flash_attn(a, b, c, causal=causal, config=config)), (q, k, v)
     return build
 

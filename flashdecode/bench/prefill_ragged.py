@@ -13,6 +13,7 @@ total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional
 
@@ -54,7 +55,9 @@ def _ours(pin_triton: bool):
         import flashdecode
         from flashdecode.ops.attention import resolve_config
 
-        config = resolve_config(q[None], k[None], v[None]) if pin_triton else None
+        config = None
+        if pin_triton:
+            config = dataclasses.replace(resolve_config(q[None], k[None], v[None]), backend="triton")
         return lambda: flashdecode.flash_attn_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal,
                                                      config=config)
     return build

@@ -560,6 +560,12 @@ def _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     return varlen, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
 
 
+def _gluon_allowed(config_id: int) -> bool:
+    """Whether the dispatch may take the Gluon kernels: without config=, or with a config whose backend is
+    "gluon" (the resolved one on sm_90); backend "triton" pins the Triton kernels."""
+    return config_id == _RESOLVE_CONFIG or _GIVEN_CONFIGS[config_id].backend == "gluon"
+
+
 def _bounded_put(cache: dict, key, value):
     if len(cache) >= _LAUNCH_CACHE_SIZE:
         cache.clear()
@@ -682,7 +688,7 @@ class _DenseCall:
         self.device = q.device
         self.default_scale = q.shape[3] ** -0.5  # softmax_scale None
         self.gluon = self.bound = self.discard_lse = None
-        if config_id == _RESOLVE_CONFIG and not self.empty:
+        if _gluon_allowed(config_id) and not self.empty:
             self.gluon = gluon_attention.dispatch_plan(q, k, v, left, right, softcap)
         self.calls = 0  # forwards run through this entry (the host-path tests read it)
         if self.gluon is not None or self.empty:
@@ -769,14 +775,14 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         # scale > 0: the Gluon kernel masks scores before it scales them (see the dense call above)
-        if (not fp8 and alibi_slopes is None and config_id == _RESOLVE_CONFIG and scale > 0
+        if (not fp8 and alibi_slopes is None and _gluon_allowed(config_id) and scale > 0
                 and gluon_attention.gluon_varlen_forward_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sq,
                                                               scale, left, right, softcap)):
             return out, lse  # the Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
     v_layout, v_kernel, alibi_stride = None, v, 0
     if fp8:
         v_descale = v_descale.contiguous()
-        if (not varlen and alibi_slopes is None and config_id == _RESOLVE_CONFIG
+        if (not varlen and alibi_slopes is None and _gluon_allowed(config_id)
                 and gluon_attention.gluon_fp8_forward_into(q, k, v, out, lse, qk_descale, v_descale, scale, left,
                                                            right, softcap)):
             return out, lse  # the e4m3 Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
@@ -818,7 +824,7 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    if not varlen and alibi_slopes is None and config_id == _RESOLVE_CONFIG:  # sm_90: the Gluon backward
+    if not varlen and alibi_slopes is None and _gluon_allowed(config_id):  # sm_90: the Gluon backward
         grads = gluon_attention.gluon_backward_if_supported(dout, q, k, v, out, lse, scale, left, right, softcap,
                                                            deterministic)
         if grads is not None:
