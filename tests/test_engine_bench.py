@@ -178,5 +178,7 @@ def test_hf_plan_parses_and_rejects():
         assert e2e._hf_plan(args)[0] == ["sdpa", "eager"]
         assert e2e._hf_plan(argparse.Namespace(hf="auto", quick=False, batch="16"))[0] == []
     assert e2e._hf_plan(argparse.Namespace(hf="none", quick=False, batch="1")) == ([], "hf peer: not run (--hf none)")
+    if e2e.hf_unavailable_reason() is None:
+        assert e2e._hf_plan(argparse.Namespace(hf="sdpa", quick=False, batch="1"), "gemma3_text")[0] == []
     with pytest.raises(ValueError, match="--hf"):
         e2e._hf_plan(argparse.Namespace(hf="flash", quick=False, batch="1"))

@@ -325,6 +325,18 @@ NAMED_CONFIGS = {
                           max_position_embeddings=16384,
                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, eos_token_id=2,
                           bos_token_id=1),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, max_position_embeddings=40960,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, eos_token_id=151645,
+                     bos_token_id=151643),
+    # Gemma-3-12B's language model (the text_config of google/gemma-3-12b-it), 4.x spelling as on the hub
+    "gemma3-12b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                       query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+                       rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                       rope_local_base_freq=10000.0, max_position_embeddings=131072, eos_token_id=1,
+                       bos_token_id=2),
 }
 
 
