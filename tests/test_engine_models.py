@@ -82,6 +82,32 @@ def test_gemma3_sliding_window_changes_the_answer(ckpts, tmp_path):
     assert rel_err(ours, c["logits"]) > 1e-3
 
 
+def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (model_type gemma3, the published 4B/12B/27B form): its text_config and the
+    language_model.* tensors load; the vision tower is skipped; text prompts give transformers' logits. (Without
+    final_logit_softcapping, null in the published configs: transformers' image+text class does not apply it.)"""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_config("gemma3", final_logit_softcapping=None).to_dict(),
+                          vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=157, eoi_token_index=158, image_token_index=159)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "mm")
+    assert load_config(tmp_path / "mm").model_type == "gemma3_text"
+    ids = random_prompts([13], seed=5)[0]
+    llm = LLM(tmp_path / "mm", device="cpu", dtype="float32", max_model_len=32, use_tqdm=False)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    assert rel_err(llm.prompt_logits(ids), ref) < 1e-5
+
+
 def test_gemma3_transformers_4x_config_spelling(ckpts, tmp_path):
     """Hub configs of Gemma 3 spell the rotary as rope_theta + rope_scaling + rope_local_base_freq and the layer
     pattern as sliding_window_pattern, and leave out what equals the class default."""
@@ -190,8 +216,7 @@ def _config(kind: str, **changes) -> dict:
 
 @pytest.mark.parametrize("raw, match", [
     (dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), r"unsupported model_type 'gpt_neox'.*qwen3"),
-    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], text_config={}),
-     r"Gemma3ForConditionalGeneration.*supported: .*gemma3_text"),
+    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), r"'gemma3' needs a 'text_config'"),
     (_config("qwen3", use_sliding_window=True), r"use_sliding_window=true; supported"),
     (_config("gemma3", attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0; supported: null"),
     (_config("gemma3", hidden_activation="silu"), r"hidden_act 'silu' for gemma3_text; supported: 'gelu_pytorch"),

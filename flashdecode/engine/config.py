@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2 / Qwen2.5 (qkv bias, tied embeddings)",
     "qwen3": "Qwen3 dense (q/k RMSNorm per head)",
     "gemma3_text": "Gemma 3 text (Gemma3ForCausalLM; interleaved sliding-window / global layers)",
+    "gemma3": "Gemma 3 image+text (Gemma3ForConditionalGeneration): its language model, text prompts only",
 }
 # HF config-class defaults a checkpoint's config.json may rely on (transformers' Qwen3Config / Gemma3TextConfig)
 ARCHITECTURE_DEFAULTS = {
@@ -187,8 +188,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None, source: s
     _refuse_quantized(raw, source)
     model_type = raw.get("model_type")
     if model_type == "gemma3":
-        raise ValueError(f"{source}: Gemma3ForConditionalGeneration (model_type 'gemma3', image + text) is not "
-                         f"supported; supported: its text-only form, model_type 'gemma3_text' (Gemma3ForCausalLM)")
+        raw = _gemma3_language_model(raw, source)
+        model_type = "gemma3_text"
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = "; ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
         raise ValueError(f"unsupported model_type {model_type!r} (architectures {raw.get('architectures')}); "
@@ -256,6 +257,17 @@ def _refuse_quantized(raw: dict, source: str) -> None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise ValueError(f"{source}: quantized checkpoints are not supported (quantization_config, quant_method "
                          f"{method!r}); supported: {UNQUANTIZED_ONLY}")
+
+
+def _gemma3_language_model(raw: dict, source: str) -> dict:
+    """The text_config of an image+text Gemma 3 config (Gemma3ForConditionalGeneration), with the top-level keys
+    it inherits (EOS / BOS ids, tied embeddings, dtype) where it does not give them."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: model_type 'gemma3' needs a 'text_config' object (its language model)")
+    inherited = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype")
+                 if k in raw and k not in text}
+    return {**text, **inherited, "model_type": "gemma3_text"}
 
 
 def _gemma3_fields(config: ModelConfig, raw: dict, source: str) -> ModelConfig:

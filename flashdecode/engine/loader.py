@@ -76,9 +76,20 @@ def iter_safetensors(files: list[Path], device="cpu") -> Iterator[tuple[str, tor
                 yield name, handle.get_tensor(name)
 
 
+def _renamed(model: torch.nn.Module, hf_name: str) -> str | None:
+    """The model's name for a checkpoint tensor, by the model's ``WEIGHT_RENAMES`` ((checkpoint prefix, our
+    prefix or None = not loaded), first match wins: Gemma 3's image+text checkpoints keep the language model under
+    language_model.*); None: not loaded."""
+    for prefix, ours in getattr(model, "WEIGHT_RENAMES", ()):
+        if hf_name.startswith(prefix):
+            return None if ours is None else ours + hf_name[len(prefix):]
+    return hf_name
+
+
 def _target(model: torch.nn.Module, hf_name: str):
     """HF tensor name -> (module, param name, shard or None) in our model, or None if ignored."""
-    if hf_name.endswith(_IGNORED_SUFFIXES):
+    hf_name = _renamed(model, hf_name)
+    if hf_name is None or hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     if hf_name == "lm_head.weight" and getattr(model, "lm_head", None) is None:
         return None  # tied embeddings: some checkpoints still store the copy

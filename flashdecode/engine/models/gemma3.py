@@ -1,4 +1,5 @@
-"""Gemma 3, text only (HF Gemma3ForCausalLM, model_type gemma3_text), for the engine.
+"""Gemma 3 for the engine: HF Gemma3ForCausalLM (model_type gemma3_text), and the language model of the image+text
+Gemma3ForConditionalGeneration checkpoints (model_type gemma3; text prompts only, the vision tower is not loaded).
 
 What differs from Llama (each as transformers computes it):
 - layers interleave sliding-window and global attention (ModelConfig.layer_types); a sliding layer attends its
@@ -72,6 +73,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls, norm_cls = Gemma3DecoderLayer, GemmaRMSNorm
+    # image+text checkpoints (Gemma3ForConditionalGeneration): the language model's tensors under language_model.*
+    # (model.language_model.* in transformers' in-memory names); the vision tower and projector are not loaded
+    WEIGHT_RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                      ("model.language_model.", "model."), ("vision_tower.", None), ("multi_modal_projector.", None),
+                      ("model.vision_tower.", None), ("model.multi_modal_projector.", None))
 
     def __init__(self, cfg: ModelConfig, dtype, device, max_positions: int, parallel=None):
         if cfg.layer_types is None or cfg.local_rope is None or cfg.query_pre_attn_scalar is None:
