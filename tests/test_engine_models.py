@@ -140,12 +140,13 @@ def test_flashdecode_backend_matches_transformers(ckpts, kind, dtype):
 @needs_triton
 def test_fused_kernels_match_transformers(ckpts):
     """The CUDA default path on Gemma 3: fused norms in Gemma's (1 + w) float32 form, the one-launch q/k norm
-    with the softmax scale, rope + store (Qwen3's q/k norm form: the kernel test below)."""
+    with the softmax scale, rope + store, and one-token decode steps through the GEMVs (Qwen3's q/k norm form:
+    the kernel test below)."""
     c = ckpts["gemma3"]
     device = "cuda" if HAS_CUDA else "cpu"
     llm = LLM(c["path"], device=device, dtype="float32", attn_backend="torch" if not HAS_CUDA else "sdpa",
               max_model_len=48, enforce_eager=True, use_tqdm=False)
-    llm.model.use_fused = True
+    llm.model.use_fused = llm.model.use_gemv = True
     assert rel_err(llm.prompt_logits(c["prompts"][0]), c["logits"]) < 1e-5
     out = llm.generate(c["prompts"][1:2], SamplingParams(max_new_tokens=4), use_tqdm=False)[0]
     assert out.token_ids == c["greedy"][1][:4]

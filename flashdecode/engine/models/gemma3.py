@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdecode.engine.config import ModelConfig
+from flashdecode.engine.layers import gemv
 from flashdecode.engine.layers.norm import GemmaRMSNorm
 from flashdecode.engine.layers.rotary import RotaryEmbedding
 from flashdecode.engine.models.llama import MLP, LlamaForCausalLM
@@ -70,6 +71,26 @@ class Gemma3DecoderLayer(nn.Module):
         h, residual = self.pre_feedforward_layernorm(h, residual, use_fused=use_fused)
         return self.post_feedforward_layernorm(self.mlp(h, use_fused), use_fused=use_fused), residual
 
+    use_pdl = False  # forward_one_token's GEMVs launched as programmatic dependents
+
+    def forward_one_token(self, x, residual, positions, rotary, meta, kv_cache, backend):
+        """forward() for a single token with every projection a Triton GEMV (as llama.DecoderLayer's; without its
+        fused prologues, which compute Llama's norm and silu: Gemma's norms stay the fused norm kernels).
+        x, residual (1, hidden)."""
+        attn, mlp, pdl = self.self_attn, self.mlp, self.use_pdl
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, use_fused=True)
+        else:
+            h, residual = self.input_layernorm(x, residual, use_fused=True)
+        qkv = gemv.gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, pdl=pdl)
+        h = attn.attend(qkv, positions, rotary, meta, kv_cache, backend, use_fused=True, use_gemv=True)
+        h = self.post_attention_layernorm(h, use_fused=True)
+        h, residual = self.pre_feedforward_layernorm(h, residual, use_fused=True)
+        gate, up = gemv.gemv(h, mlp.gate_up_proj.weight, pdl=pdl).split(mlp.intermediate_size, dim=-1)
+        act = F.gelu(gate, approximate="tanh") * up
+        h = mlp.down_proj.finish(gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.local_bias, pdl=pdl))
+        return self.post_feedforward_layernorm(h, use_fused=True), residual
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls, norm_cls = Gemma3DecoderLayer, GemmaRMSNorm
@@ -95,12 +116,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         (len(last_rows), hidden) with last_rows. Each layer gets its rotary and its window's backend."""
         cfg = self.config
         x, residual = self.model.embed_tokens(input_ids) * self.embed_scale, None
+        one_token = self.use_gemv and input_ids.shape[0] == 1 and self.use_fused
         last_layer = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             rotary = self.local_rotary if cfg.layer_types[i] == "sliding_attention" else self.rotary
-            x, residual = layer(x, residual, positions, rotary, meta, kv_cache,
-                                backend.with_window(cfg.layer_window_left(i)), self.use_fused,
-                                last_rows if i == last_layer else None)
+            layer_backend = backend.with_window(cfg.layer_window_left(i))
+            if one_token:
+                x, residual = layer.forward_one_token(x, residual, positions, rotary, meta, kv_cache, layer_backend)
+            else:
+                x, residual = layer(x, residual, positions, rotary, meta, kv_cache, layer_backend, self.use_fused,
+                                    last_rows if i == last_layer else None)
+        if one_token and last_rows is not None:
+            x, residual = x[last_rows], residual[last_rows]
         return self.model.norm(x, residual, use_fused=self.use_fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
