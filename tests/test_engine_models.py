@@ -69,6 +69,18 @@ def test_prompt_logits_and_greedy_batch_match_transformers(ckpts, kind):
     assert [o.token_ids for o in outs] == c["greedy"]
 
 
+def test_backend_window_twins_are_made_once_and_share_the_decode_plans():
+    from flashdecode.engine.attention import make_backend
+
+    base = make_backend("torch", "cpu")
+    twin = base.with_window(7)
+    assert twin.window_size == (7, 0) and base.window_size == (-1, 0)
+    assert base.with_window(7) is twin and twin.with_window(-1) is base and base.with_window(-1) is base
+    if TRITON_RUNS:
+        fd = make_backend("flashdecode", "cuda" if HAS_CUDA else "cpu")
+        assert fd.with_window(3).plans is fd.plans
+
+
 def test_gemma3_sliding_window_changes_the_answer(ckpts, tmp_path):
     """The 21-token prompt reaches past the window: a copy whose window covers it gives other logits (so the
     match above depends on the window being applied), and those too equal transformers'."""
