@@ -29,15 +29,29 @@ def tiny_config(kind: str, rope_scaling=None, **overrides):
         from transformers import MistralConfig
 
         return MistralConfig(**common)
+    if kind == "qwen3":  # head_dim unlike hidden / heads, tied embeddings
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**{"head_dim": 32, "tie_word_embeddings": True, **common})
+    if kind == "gemma3":  # 5 layers: sliding, sliding, global, sliding, sliding; window 8; every knob off default
+        from transformers import Gemma3TextConfig
+
+        gemma = dict(num_hidden_layers=5, head_dim=32, sliding_window=8, sliding_window_pattern=3,
+                     query_pre_attn_scalar=24, rope_local_base_freq=100.0, final_logit_softcapping=5.0,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=None)
+        gemma.update(overrides)
+        return Gemma3TextConfig(**{**common, **gemma})
     raise ValueError(kind)
 
 
 def save_tiny(path: Path, kind: str, seed: int = 0, shard: str | None = None, **kw) -> Path:
     """Random tiny model saved with save_pretrained (safetensors); biases made non-zero so they are tested."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers import (Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[kind]
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+           "qwen3": Qwen3ForCausalLM, "gemma3": Gemma3ForCausalLM}[kind]
     model = cls(tiny_config(kind, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -206,6 +206,11 @@ def test_named_configs_parameter_counts():
     assert abs(named_config("llama3-8b").num_parameters() - 8.03e9) < 0.01e9
     assert abs(named_config("qwen2.5-1.5b").num_parameters() - 1.54e9) < 0.01e9
     assert named_config("llama3-8b", num_layers=2).num_hidden_layers == 2
+    assert abs(named_config("qwen3-8b").num_parameters() - 8.19e9) < 0.01e9
+    gemma = named_config("gemma3-12b")  # the language model of Gemma-3-12B (12.19B with its vision tower)
+    assert abs(gemma.num_parameters() - 11.77e9) < 0.01e9
+    assert gemma.layer_types.count("full_attention") == 8 and gemma.layer_window_left(0) == 1023
+    assert gemma.kv_tokens_read(4096) == 8 * 4096 + 40 * 1024
 
 
 def test_flashdecode_backend_prefills_one_prompt_through_the_dense_call():

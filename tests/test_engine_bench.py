@@ -101,6 +101,25 @@ def test_roofline_matches_hand_computed_llama3_8b():
     assert round(e2e.roofline_tokens_per_s(cfg, 65536, 1, 3.02e12)) in (122, 123)
 
 
+def test_roofline_reads_a_sliding_layers_window_only():
+    """Gemma-3-12B: 40 of 48 layers read at most their 1024-key window, so at 64k its KV bytes are 8/48 + 40/48 *
+    1024/65536 of a cache whose every layer reads all keys."""
+    cfg = named_config("gemma3-12b")
+    kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    weights = cfg.num_parameters() * 2
+    expected = 3e12 / (weights + kv_per_token * (8 * 65536 + 40 * 1024))
+    assert e2e.roofline_tokens_per_s(cfg, 65536, 1, 3e12) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen3", dict(head_dim=32)),
+                                              ("gemma3_text", dict(head_dim=32, sliding_window=8,
+                                                                   sliding_window_pattern=2))])
+def test_decode_measurement_runs_the_new_architectures(model_type, extra):
+    """bench e2e's decode loop (random pages instead of a prefill, the engine's step) on Qwen3 / Gemma 3 shapes."""
+    model = _tiny_model(model_type, **extra)
+    assert e2e.decode_tokens_per_s(model, "torch", context=40, batch=2, steps=3, repeats=1, page_size=16) > 0
+
+
 def _tiny_model(model_type: str, **extra):
     raw = dict(model_type=model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **extra)
@@ -178,5 +197,7 @@ def test_hf_plan_parses_and_rejects():
         assert e2e._hf_plan(args)[0] == ["sdpa", "eager"]
         assert e2e._hf_plan(argparse.Namespace(hf="auto", quick=False, batch="16"))[0] == []
     assert e2e._hf_plan(argparse.Namespace(hf="none", quick=False, batch="1")) == ([], "hf peer: not run (--hf none)")
+    if e2e.hf_unavailable_reason() is None:
+        assert e2e._hf_plan(argparse.Namespace(hf="sdpa", quick=False, batch="1"), "gemma3_text")[0] == []
     with pytest.raises(ValueError, match="--hf"):
         e2e._hf_plan(argparse.Namespace(hf="flash", quick=False, batch="1"))

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="HF checkpoint directory")
     src.add_argument("--random-weights", metavar="CONFIG_NAME", default=None,
                      help="named shape with random weights (llama3-8b [default], llama3.2-1b, qwen2.5-1.5b, "
-                          "codellama-34b)")
+                          "codellama-34b, qwen3-8b, gemma3-12b)")
     parser.add_argument("--layers", type=int, default=None, help="keep only N layers (quick runs; roofline follows)")
     parser.add_argument("--contexts", default="512,4096,16384,65536,131072")
     parser.add_argument("--backends", default=DEFAULT_BACKENDS)
@@ -446,7 +446,8 @@ def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float, kv_ca
     weight_bytes = cfg.num_parameters() * 2
     # bytes per K/V element: bf16, or 8 bits plus a float32 scale per head_dim elements
     elem = 2.0 if kv_cache_dtype == "auto" else 1.0 + 4.0 / cfg.head_dim
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem * context
+    # a sliding-window layer (Gemma 3) reads its window only
+    kv_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * elem * cfg.kv_tokens_read(context)
     return batch * bandwidth / (weight_bytes + batch * kv_bytes)
 
 
@@ -515,7 +516,7 @@ def run(args) -> int:
             rows.append(dict(kind="prefill", backend=backend, context=args.prefill, batch=1, seconds=secs,
                              tokens_per_s=args.prefill / secs))
             print(f"prefill {args.prefill} tokens, {backend}: {secs:.2f} s")
-    impls, hf_note = _hf_plan(args)
+    impls, hf_note = _hf_plan(args, cfg.model_type)
     print(hf_note)
     if impls:  # weights shared with our model: no second copy; each point frees its cache
         hf_rows = hf_peer_rows(model, impls, contexts, args.steps, args.repeats, args.prefill)
@@ -555,7 +556,11 @@ def point_pdl(label: str, pdl: str):
     return {"auto": "auto", "on": True, "off": False, "both": False}[pdl]
 
 
-def _hf_plan(args) -> tuple[list[str], str]:
+# the architectures whose transformers peer hf_config / build_hf_peer make (sharing our tensors)
+HF_PEER_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _hf_plan(args, model_type: str = "llama") -> tuple[list[str], str]:
     """(attn_implementations of the transformers peer to run, a line saying what is run or why not)."""
     text = (args.hf or "none").strip()
     if text == "auto":
@@ -571,6 +576,8 @@ def _hf_plan(args) -> tuple[list[str], str]:
         return [], f"hf peer: skipped, {reason}"
     if 1 not in _ints(args.batch):
         return [], "hf peer: skipped, it runs at batch 1 only (--batch has no 1)"
+    if model_type not in HF_PEER_TYPES:
+        return [], f"hf peer: skipped, built for {' / '.join(HF_PEER_TYPES)} only (not {model_type})"
     import transformers
 
     return impls, (f"hf peer: transformers {transformers.__version__} {', '.join('hf-' + i for i in impls)} "

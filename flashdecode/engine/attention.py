@@ -23,6 +23,7 @@ merges the context-parallel group's (out, lse) partial states (flashdecode.distr
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 
 import torch
@@ -62,6 +63,19 @@ class AttentionBackend(abc.ABC):
 
     def __init__(self, window_left: int = -1):
         self.window_size = (window_left, 0)  # causal, optionally a sliding window of window_left + 1 keys
+
+    def with_window(self, window_left: int) -> "AttentionBackend":
+        """This backend with another sliding window, for models whose layers differ (Gemma 3's sliding layers). A
+        shallow copy made once per window (so every call for a window returns the same object, and a flashdecode
+        twin shares its decode plans: the window is an argument of each run)."""
+        if window_left == self.window_size[0]:
+            return self
+        twins = self.__dict__.setdefault("_window_twins", {})
+        if window_left not in twins:
+            twin = copy.copy(self)
+            twin.window_size, twin._window_twins = (window_left, 0), {self.window_size[0]: self}
+            twins[window_left] = twin
+        return twins[window_left]
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         if isinstance(k_cache, QuantPages):  # 8-bit pages: quantised by append_kv (engine/kv_quant.py)
@@ -318,6 +332,11 @@ class ContextParallelBackend(AttentionBackend):
         self.inner, self.group, self.max_rows = inner, group, max_rows
         self.name, self.supports_cuda_graphs = inner.name, inner.supports_cuda_graphs
         self.exchanges: dict[tuple, object] = {}
+
+    def with_window(self, window_left: int) -> AttentionBackend:
+        if window_left >= 0:
+            raise ValueError("context_parallel_size > 1 does not support sliding windows")
+        return self
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
         self.inner.write_kv(k_cache, v_cache, k, v, meta)

@@ -28,7 +28,8 @@ ON_OFF = {"auto": "auto", "on": True, "off": False}  # the engine options' auto 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: int, required: bool = True) -> None:
     src = parser.add_mutually_exclusive_group(required=required)
-    src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors [+ tokenizer files])")
+    src.add_argument("--model", help="HF checkpoint directory (config.json + safetensors [+ tokenizer files]) or hub "
+                                     "id (e.g. Qwen/Qwen3-8B, from the local HF cache)")
     src.add_argument("--random-weights", metavar="CONFIG_NAME", choices=sorted(NAMED_CONFIGS),
                      help="a named shape with random weights (no tokenizer: token-id prompts only)")
     parser.add_argument("--layers", type=int, default=None, help="with --random-weights: keep only N layers")

@@ -25,7 +25,7 @@ from flashdecode.engine.config import ModelConfig, load_config
 from flashdecode.engine.kv_cache import bytes_per_page, make_block_manager
 from flashdecode.engine.kv_quant import QUANT_BACKENDS, resolve_kv_cache_dtype, scale_bytes_per_page
 from flashdecode.engine.layers import pdl as pdl_setting
-from flashdecode.engine.loader import load_checkpoint
+from flashdecode.engine.loader import load_checkpoint, resolve_model_dir
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner, PendingTokens
 from flashdecode.engine.sampling import SamplingParams, draw_tokens, prompt_logprobs, sample
@@ -106,7 +106,8 @@ class LLM:
     """An engine instance: model weights, page pool, scheduler and runner.
 
     Args:
-        model: HF checkpoint directory (config.json + safetensors), a ModelConfig (random weights), or an already
+        model: HF checkpoint directory (config.json + safetensors), a hub id ("Qwen/Qwen3-8B": its snapshot in the
+            local HF cache, else downloaded unless HF_HUB_OFFLINE=1), a ModelConfig (random weights), or an already
             built engine model (e.g. another LLM's ``.model``: engines then share the weights).
         dtype: "bfloat16"/"float16"/"float32" (default bf16 on CUDA, fp32 on CPU).
         device: "cuda" / "cpu" (default cuda when available).
@@ -189,7 +190,7 @@ class LLM:
         elif isinstance(model, ModelConfig):
             self.config, self.model_dir = model, None
         elif isinstance(model, (str, Path)):
-            self.model_dir = Path(model)
+            self.model_dir = resolve_model_dir(model)
             self.config = load_config(self.model_dir)
         else:
             raise TypeError(f"model must be a checkpoint directory, a ModelConfig or an engine model, "
@@ -203,7 +204,7 @@ class LLM:
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 8192))
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.backend = make_backend(attn_backend, self.device, (cfg.sliding_window - 1) if cfg.sliding_window else -1)
+        self.backend = make_backend(attn_backend, self.device, cfg.base_window_left)
         if self.backend.name.startswith("flashdecode") and not kernels_run_on(self.device):
             raise ValueError(f"attn_backend={self.backend.name!r} runs Triton kernels, which need a CUDA device "
                              f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "

@@ -30,8 +30,10 @@ QUANT_ROPE_STORE = True
 
 @triton.jit
 def _add_rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, HIDDEN, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """One row: (residual += x; x = residual) then out = w * (x * rsqrt(mean(x^2) + eps)) in HF's roundings."""
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                         ROUND_NORMED: tl.constexpr = True):
+    """One row: (residual += x; x = residual) then out = w * (x * rsqrt(mean(x^2) + eps)) in HF's roundings
+    (ROUND_NORMED: Llama's cast of the normalised x before the weight; off: Gemma's float32 product)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < HIDDEN
@@ -43,22 +45,69 @@ def _add_rms_norm_kernel(X, RES, W, OUT, stride_x, stride_r, stride_o, HIDDEN, e
         tl.store(RES + row * stride_r + offs, x, mask=ok)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / HIDDEN
-    normed = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+    normed = xf * tl.math.rsqrt(var + eps)
+    if ROUND_NORMED:
+        normed = normed.to(X.dtype.element_ty)
     w = tl.load(W + offs, mask=ok, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty)
     tl.store(OUT + row * stride_o + offs, out, mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, round_normed: bool = True):
     """x (tokens, hidden). With ``residual`` (same shape, contiguous, updated IN PLACE to residual + x) the norm
-    is of the sum. Returns the normalised (tokens, hidden) tensor in x's dtype. pdl: see the module doc."""
+    is of the sum. Returns the normalised (tokens, hidden) tensor in x's dtype. pdl: see the module doc.
+    round_normed False: Gemma's form (weight (hidden,) float32 = 1 + w, no cast before it multiplies)."""
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(tokens,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
                                     HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden),
-                                    USE_PDL=pdl, **launch_options(pdl))
+                                    USE_PDL=pdl, ROUND_NORMED=round_normed, **launch_options(pdl))
+    return out
+
+
+@triton.jit
+def _qk_rms_norm_kernel(QKV, OUT, QW, KW, stride_t, stride_o, NHEADS, NHEADS_KV, eps, q_scale,
+                        D: tl.constexpr, ROUND_NORMED: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (token, head) over the NHEADS q heads, the NHEADS_KV k heads and the v heads: RMSNorm of a q or k
+    head's D values with q's or k's weight (q also times q_scale), in the order and roundings of the unfused
+    norm (RMSNorm._norm); a v head is copied."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, D)
+    wait_for_previous_kernel(USE_PDL)
+    x = tl.load(QKV + t * stride_t + h * D + offs)
+    xf = x.to(tl.float32)
+    normed = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    is_q = h < NHEADS
+    is_k = (h >= NHEADS) & (h < NHEADS + NHEADS_KV)
+    w = (tl.load(QW + offs, mask=(offs < D) & is_q, other=0.0).to(tl.float32)
+         + tl.load(KW + offs, mask=(offs < D) & is_k, other=0.0).to(tl.float32))
+    scale = tl.where(is_q, q_scale, 1.0)
+    if ROUND_NORMED:  # Llama form: cast, weight, cast, then the scale
+        out = (w * normed.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32) * scale
+    else:  # Gemma form: float32 throughout
+        out = normed * w * scale
+    out = tl.where(is_q | is_k, out, xf)
+    tl.store(OUT + t * stride_o + h * D + offs, out.to(OUT.dtype.element_ty))
+
+
+def qk_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, nheads: int, nheads_kv: int,
+                head_dim: int, eps: float, q_scale: float = 1.0, round_normed: bool = True,
+                pdl: bool = False) -> torch.Tensor:
+    """qkv (tokens, (nheads + 2 nheads_kv) * head_dim) -> a new tensor like it whose q heads are
+    RMSNorm(q_weight) * q_scale, k heads RMSNorm(k_weight), v heads copied, in one launch (Qwen3 / Gemma 3 q/k
+    norms; weights (head_dim,) in the norms' dtypes; round_normed as in add_rms_norm). head_dim a power of two."""
+    tokens = qkv.shape[0]
+    if head_dim & (head_dim - 1) or qkv.stride(-1) != 1:
+        raise ValueError(f"qk_rms_norm needs a power-of-two head_dim and unit-stride rows, got head_dim={head_dim}, "
+                         f"strides {qkv.stride()}")
+    out = torch.empty_like(qkv)
+    if tokens:
+        _qk_rms_norm_kernel[(tokens, nheads + 2 * nheads_kv)](
+            qkv, out, q_weight, k_weight, qkv.stride(0), out.stride(0), nheads, nheads_kv, eps, q_scale, D=head_dim,
+            ROUND_NORMED=round_normed, USE_PDL=pdl, **launch_options(pdl))
     return out
 
 

@@ -146,10 +146,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls = Attention  # Qwen3 adds q/k norms to it
+
     def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, parallel)
+        self.self_attn = self.attention_cls(cfg, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device, parallel)
 
@@ -199,14 +201,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState):
+    def __init__(self, cfg: ModelConfig, dtype, device, parallel: ParallelState, layer_cls=DecoderLayer,
+                 norm_cls=RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                                              device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, parallel) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(layer_cls(cfg, dtype, device, parallel) for _ in range(cfg.num_hidden_layers))
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -214,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
     ``parallel`` (default: one rank) says which heads / MLP columns this rank holds."""
 
     PACKED_MODULES = PACKED_MODULES
+    layer_cls, norm_cls = DecoderLayer, RMSNorm  # the block and the final norm (other families swap them)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int,
                  parallel: ParallelState | None = None):
@@ -222,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel or ParallelState.single()
         self.parallel.config.check_model(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
                                          cfg.sliding_window)
-        self.model = LlamaModel(cfg, dtype, device, self.parallel)
+        self.model = LlamaModel(cfg, dtype, device, self.parallel, self.layer_cls, self.norm_cls)
         # fused Triton elementwise kernels (norm+residual, rope+KV write, silu*mul): on CUDA by default
         self.use_fused = torch.device(device).type == "cuda"
         # single-token steps (batch-1 decode) through the Triton GEMV with fused norm/silu prologues
