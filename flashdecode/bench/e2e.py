@@ -3,8 +3,10 @@
 Decode: for each backend and context, a fresh engine (same random weights) gets ``batch`` sequences whose KV cache
 is filled with random values instead of running the prefill (decode speed does not depend on the cache content; a
 64k prefill per backend would cost minutes), then the normal engine loop (CUDA-graphed decode step, greedy sampling,
-scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (weight bytes + KV bytes read per
-token), weight bytes counting every parameter (embedding included). Prefill: one prompt of
+scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = batch x bandwidth / the bytes a step must read (every
+weight matrix once, the lm_head, one embedding row per sequence, each sequence's K/V and 8-bit scales;
+flashdecode.bench.roofline), at the copy bandwidth ("% roofline", the targets' measure) and, beside it, at the
+read-stream bandwidth ("% read roofline"), both measured in the same run. Prefill: one prompt of
 ``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
@@ -33,6 +35,7 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
+from flashdecode.bench.roofline import roofline_tokens_per_s
 from flashdecode.engine.cli import ON_OFF
 
 DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
@@ -442,12 +445,19 @@ def hf_peer_rows(model, impls: list[str], contexts: list[int], steps: int, repea
     return rows
 
 
-def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float, kv_cache_dtype: str = "auto") -> float:
-    weight_bytes = cfg.num_parameters() * 2
-    # bytes per K/V element: bf16, or 8 bits plus a float32 scale per head_dim elements
-    elem = 2.0 if kv_cache_dtype == "auto" else 1.0 + 4.0 / cfg.head_dim
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem * context
-    return batch * bandwidth / (weight_bytes + batch * kv_bytes)
+def roofline_shares(rate: float | None, cfg, context: int, batch: int, bandwidths: dict[str, float],
+                    kv_cache_dtype: str = "auto") -> dict:
+    """A decode row's rooflines and shares: for each bandwidth ``name`` in ``bandwidths`` ("copy", "read"),
+    ``<name>_roofline_tokens_per_s`` and ``pct_<name>_roofline`` (None without a rate); the copy ones also under
+    the older keys ``roofline_tokens_per_s`` / ``pct_roofline``."""
+    out = {}
+    for name, bandwidth in bandwidths.items():
+        roof = roofline_tokens_per_s(cfg, context, batch, bandwidth, kv_cache_dtype)
+        out[f"{name}_roofline_tokens_per_s"] = roof
+        out[f"pct_{name}_roofline"] = None if rate is None else 100 * rate / roof
+    if "copy" in bandwidths:
+        out["roofline_tokens_per_s"], out["pct_roofline"] = out["copy_roofline_tokens_per_s"], out["pct_copy_roofline"]
+    return out
 
 
 def run(args) -> int:
@@ -466,6 +476,8 @@ def run(args) -> int:
     batched = _ints(args.batched) if args.batched else []
     env = timing.env_info()
     bandwidth = timing.copy_bandwidth_bytes_per_s()
+    readers = timing.read_stream_rates()
+    bandwidths = {"copy": bandwidth, "read": max(readers.values())}
     max_ctx = max(contexts + [args.batched_context if batched else 0, args.prefill])
     model = _build_model(args, max_positions=max_ctx + 4 * args.steps + 64)
     cfg = model.config
@@ -475,7 +487,8 @@ def run(args) -> int:
     what += (f"; engine: whole decode step CUDA-graphed, fused qkv/gate_up, "
              f"{'fused Triton norm/rope/silu kernels' if model.use_fused else 'PyTorch elementwise ops'}")
     print(f"bench e2e on {env['device']} (torch {env['torch']}, triton {env['triton']}): {what}; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; KV caches filled with random values instead of a prefill; "
+          f"{bandwidth / 1e12:.2f} TB/s, read stream {_readers_text(readers)}; KV caches filled with random values "
+          f"instead of a prefill; "
           f"{args.steps} timed decode steps x {args.repeats} (median), page size {args.page_size}")
 
     if args.profile or args.profile_only:
@@ -496,7 +509,6 @@ def run(args) -> int:
     points, columns = with_pdl_twins(points, columns, args.pdl)
     rows = []
     for (backend, kv, label), ctx, bs in tqdm(points, desc="e2e decode"):
-        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
                                        False if "+cublas" in label else "auto", point_pdl(label, args.pdl),
@@ -506,8 +518,7 @@ def run(args) -> int:
             rate, err = None, f"OOM: {str(e)[:80]}"
             _release()
         rows.append(dict(kind="decode", backend=label, kv_cache_dtype=kv, context=ctx, batch=bs, tokens_per_s=rate,
-                         roofline_tokens_per_s=roof, pct_roofline=None if rate is None else 100 * rate / roof,
-                         error=err))
+                         **roofline_shares(rate, cfg, ctx, bs, bandwidths, kv), error=err))
     backends = list(dict.fromkeys(backends + [label for _, _, label in columns]))
     if args.prefill:
         for backend in [b for b in ("flashdecode", "sdpa") if b in backends]:
@@ -521,13 +532,24 @@ def run(args) -> int:
         hf_rows = hf_peer_rows(model, impls, contexts, args.steps, args.repeats, args.prefill)
         for r in hf_rows:
             if r["kind"] == "decode":
-                r["roofline_tokens_per_s"] = roofline_tokens_per_s(cfg, r["context"], 1, bandwidth)
-                r["pct_roofline"] = None if r["tokens_per_s"] is None else 100 * r["tokens_per_s"] / r[
-                    "roofline_tokens_per_s"]
+                r.update(roofline_shares(r["tokens_per_s"], cfg, r["context"], 1, bandwidths))
         rows += hf_rows
         backends = backends + [f"hf-{i}" for i in impls]
     args.hf_note = hf_note
-    return _write(args, env, rows, cfg, name, what, bandwidth, backends)
+    return _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth=bandwidths["read"],
+                  readers=readers)
+
+
+ROOFLINE_NOTE = ("roofline: the bytes a decode step must read (every weight matrix once, the lm_head, one "
+                 "embedding row per sequence, each sequence's K/V and 8-bit scales; flashdecode.bench.roofline) over "
+                 "the copy bandwidth ('% roofline') or the read-stream bandwidth ('% read roofline') measured in "
+                 "the run")
+
+
+def _readers_text(readers: dict[str, float]) -> str:
+    """'3.10 TB/s (best of torch_sum 2.95, triton_block_sum 3.10)'."""
+    return (f"{max(readers.values()) / 1e12:.2f} TB/s (best of "
+            + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in readers.items()) + ")")
 
 
 PDL_SUFFIX = "+pdl"
@@ -585,10 +607,10 @@ def _rate(rows, backend, ctx, bs):
     return None
 
 
-def _pct(rows, backend, ctx, bs):
+def _pct(rows, backend, ctx, bs, key="pct_roofline"):
     for r in rows:
         if r["kind"] == "decode" and r["backend"] == backend and r["context"] == ctx and r["batch"] == bs:
-            return r.get("pct_roofline")
+            return r.get(key)
     return None
 
 
@@ -612,17 +634,26 @@ def _quant_columns(row: dict, rows: list, quant_labels: list, ctx: int, bs: int,
     model-dtype pages (``ours``), added to the table ``row``; returns summary notes."""
     notes = []
     for b in quant_labels:
-        rate, pct = _rate(rows, b, ctx, bs), _pct(rows, b, ctx, bs)
+        rate, pct, read = _rate(rows, b, ctx, bs), _pct(rows, b, ctx, bs), _pct(rows, b, ctx, bs, "pct_read_roofline")
         if pct is not None:
             row[f"{b} % roofline"] = pct
+        if read is not None:
+            row[f"{b} % read roofline"] = read
         if rate and ours:
             row[f"{b} vs model-dtype pages"] = rate / ours
-            notes.append(f"{b} {rate:.0f} tok/s ({pct:.1f}% of its roofline, {rate / ours:.2f}x the model-dtype "
-                         f"pages)")
+            notes.append(f"{b} {rate:.0f} tok/s ({pct:.1f}% of its roofline{_read_text(read)}, {rate / ours:.2f}x "
+                         f"the model-dtype pages)")
     return notes
 
 
-def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
+def _read_text(pct: float | None) -> str:
+    return "" if pct is None else f", {pct:.1f}% of its read-stream roofline"
+
+
+def _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth: float | None = None,
+           readers: dict[str, float] | None = None) -> int:
+    """Print and record the run. ``bandwidth``: the copy bandwidth (bytes/s) the roofline divides by;
+    ``read_bandwidth``: the read stream's, whose roofline share is given beside it (``readers``: each reader's)."""
     table_rows, summary = [], []
     quant = {r["backend"] for r in rows if r["kind"] == "decode" and r.get("kv_cache_dtype", "auto") != "auto"}
     for bs, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows if r["kind"] == "decode"):
@@ -632,6 +663,11 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         for b in backends:
             row[f"{b} tok/s"] = _rate(rows, b, ctx, bs)
         row["flashdecode % roofline"] = None if ours is None else 100 * ours / roof
+        read = None
+        if read_bandwidth:
+            read_roof = roofline_tokens_per_s(cfg, ctx, bs, read_bandwidth)
+            row["read roofline tok/s"] = read_roof
+            read = row["flashdecode % read roofline"] = None if ours is None else 100 * ours / read_roof
         peers = [b for b in backends if b != "flashdecode" and not b.endswith(PDL_SUFFIX) and b not in quant]
         for b in peers:
             other = _rate(rows, b, ctx, bs)
@@ -643,8 +679,8 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         table_rows.append(row)
         if ours:
             vs = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in peers if row.get(f"{b} tok/s"))
-            summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
-                           + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
+            summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.1f}% roofline"
+                           f"{_read_text(read)})" + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
     prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
@@ -660,7 +696,9 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         md += "\n\n" + report.markdown_table(prefill_rows, ["backend", "context", "seconds", "tokens_per_s"],
                                              {"seconds": ".2f", "tokens_per_s": ".0f"})
     header = (f"# e2e decode, {what}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
-              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; KV caches filled with random values (no prefill) for "
+              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+              + (f", read stream {_readers_text(readers)}" if readers else "")
+              + f"; KV caches filled with random values (no prefill) for "
               f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
               f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
               f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')} "
@@ -673,10 +711,10 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     stem = report.result_stem("e2e", env)
     path = report.write_json(out / f"{stem}.json", "e2e", env, rows,
                              {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
-                              "table": table_rows, "notes": "decode KV filled with random values instead of a "
-                                                            "prefill; roofline counts all weights (embedding "
-                                                            "included); " + getattr(args, "hf_note",
-                                                                                    "hf peer: not run")})
+                              "read_bandwidth_bytes_per_s": read_bandwidth, "read_stream_rates": readers,
+                              "table": table_rows, "notes": f"decode KV filled with random values instead of a "
+                                                            f"prefill; {ROOFLINE_NOTE}; "
+                                                            + getattr(args, "hf_note", "hf peer: not run")})
     print(f"wrote {path}")
     return 0
 
