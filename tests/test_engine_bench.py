@@ -261,3 +261,61 @@ def test_read_stream_rates_on_the_gpu():
     rates = timing.read_stream_rates(256 * 2**20)
     assert set(rates) == {"torch_sum", "triton_block_sum"} and all(r > 1e11 for r in rates.values())
     assert timing.read_bandwidth_bytes_per_s(256 * 2**20) == max(rates.values())
+
+
+def test_step_breakdown_families_gaps_and_overlap():
+    """A step's kernels (name, start us, end us): families by name, kernel time as the union of the intervals (an
+    overlap under PDL counts once), gaps = span - kernel time, shares of the summed kernel time."""
+    from flashdecode.bench import step_profile as sp
+
+    assert sp.kernel_family("_gemv_kernel") == sp.kernel_family("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "linear"
+    assert sp.kernel_family("decode_split_kernel") == sp.kernel_family("merge_many_kernel") == "attention"
+    assert sp.kernel_family("_add_rms_norm_kernel") == "norm" and sp.kernel_family("_rope_store_kernel") == \
+        "rope + kv store"
+    assert sp.kernel_family("_silu_mul_kernel") == "activation" and sp.kernel_family("Memset (Device)") == \
+        "copy / fill"
+    assert sp.kernel_family("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+                            "at::native::ArgMaxOps<float>") == "sampling"
+    assert sp.kernel_family("mystery") == "other"
+    step = [("_add_rms_norm_kernel", 0.0, 2.0), ("_gemv_kernel", 3.0, 13.0), ("decode_split_kernel", 12.0, 20.0),
+            ("merge_many_kernel", 25.0, 27.0)]
+    s = sp.step_summary(step)
+    assert s["span_us"] == 27.0 and s["kernel_us"] == 2.0 + 10.0 + 7.0 + 2.0 and s["gap_us"] == 1.0 + 5.0
+    assert s["families_us"] == {"linear": 10.0, "attention": 10.0, "norm": 2.0}
+    assert sum(s["family_share"].values()) == pytest.approx(1.0) and s["family_share"]["norm"] == pytest.approx(2 / 22)
+    assert [g["us"] for g in s["largest_gaps"]] == [5.0, 1.0] and s["largest_gaps"][0]["before"] == "merge_many_kernel"
+    steps = sp.split_steps(step + [(n, a + 100, b + 100) for n, a, b in step], 2)
+    assert [len(x) for x in steps] == [4, 4] and steps[1][0][1] == 100.0
+    with pytest.raises(ValueError, match="identical steps"):
+        sp.split_steps(step[:3], 2)
+    assert sp.median_step([dict(span_us=3), dict(span_us=1), dict(span_us=2)])["span_us"] == 2
+    assert sp.top_kernel_times(step + step, top=1) == [dict(name="_gemv_kernel", us=20.0, count=2, family="linear")]
+
+
+def test_step_breakdown_record_and_figure(tmp_path):
+    """The e2e_step record's figure: one stacked bar per batch (families, gaps, host) with the floor marked."""
+    pytest.importorskip("matplotlib")
+    from flashdecode.bench import report
+
+    row = dict(batch=1, context=4096, kv_cache_dtype="auto", families_us={"linear": 5000.0, "attention": 300.0},
+               gap_us=150.0, host_ms=0.05, floors={"copy": {"step_us": 5100.0}, "read": {"step_us": 4900.0}})
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    path = report.write_json(tmp_path / "e2e_step_cpu_2026-01-01T0000.json", "e2e_step", env, [row, dict(row, batch=16)])
+    record = json.loads(path.read_text())
+    assert record["plots"] == ["e2e_step_cpu_2026-01-01T0000.png"]
+    assert (tmp_path / record["plots"][0]).stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_decode_step_breakdown_on_the_gpu():
+    """One CUDA-graphed step of a small random Llama traced by CUPTI: linear layers and attention present, the
+    step's span split into kernels and gaps, the graph replay within the engine step."""
+    from flashdecode.bench import step_profile as sp
+
+    cfg = named_config("llama3.2-1b", 2)
+    model = model_class(cfg)(cfg, torch.bfloat16, torch.device("cuda"), 2048)
+    model.init_random_(0)
+    r = sp.decode_step_breakdown(model, 4, 1000, 16, {"copy": 3e12, "read": 3.2e12}, steps=5)
+    assert {"linear", "attention"} <= set(r["families_us"])
+    assert r["span_us"] == pytest.approx(r["kernel_us"] + r["gap_us"]) and r["gap_us"] >= 0
+    assert 0 < r["replay_ms"] <= r["engine_step_ms"] * 1.05 and r["floors"]["read"]["step_us"] > 0
