@@ -18,7 +18,7 @@ printed, when transformers cannot be imported.
     flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
         --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
 
-``--step-breakdown`` first records each kernel family's share of one CUDA-graphed decode step and the gaps between
+``--step-breakdown`` then records each kernel family's share of one CUDA-graphed decode step and the gaps between
 its kernels at batch 1 and 16 (flashdecode.bench.step_profile); ``--profile`` says where a batch-1 step's time goes:
 engine step vs graph replay, the eager step's kernels, per weight shape cuBLAS vs the GEMV configs vs the floor,
 and the kernels of one long prefill (the first call of a new prefill length also autotunes the attention: read its
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "floors (cuBLAS vs the Triton GEMV configs); results go to <out>/e2e_profile.json")
     parser.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     parser.add_argument("--step-breakdown", action="store_true",
-                        help="before the benchmark: each kernel family's share of one CUDA-graphed decode step and "
+                        help="after the benchmark: each kernel family's share of one CUDA-graphed decode step and "
                              "the gaps between kernels (CUPTI via torch.profiler) at --step-batches x "
                              "--batched-context tokens; a record e2e_step_<device>_<date>.json (+ .png)")
     parser.add_argument("--step-batches", default="1,16", help="batch sizes of --step-breakdown")
@@ -499,14 +499,10 @@ def run(args) -> int:
           f"instead of a prefill; "
           f"{args.steps} timed decode steps x {args.repeats} (median), page size {args.page_size}")
 
-    if args.profile or args.profile_only or args.step_breakdown:
+    if args.profile or args.profile_only:
         from flashdecode.bench import step_profile
 
-        if args.step_breakdown:
-            args.step_context = args.batched_context
-            step_profile.step_breakdown(model, args, bandwidths, readers, env)
-        if args.profile or args.profile_only:
-            step_profile.profile(model, args, bandwidth)
+        step_profile.profile(model, args, bandwidth)
         if args.profile_only:
             return 0
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
@@ -550,8 +546,14 @@ def run(args) -> int:
         rows += hf_rows
         backends = backends + [f"hf-{i}" for i in impls]
     args.hf_note = hf_note
-    return _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth=bandwidths["read"],
-                  readers=readers)
+    status = _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth=bandwidths["read"],
+                    readers=readers)
+    if args.step_breakdown:  # after the benchmark's record is written
+        from flashdecode.bench import step_profile
+
+        args.step_context = args.batched_context
+        step_profile.step_breakdown(model, args, bandwidths, readers, env)
+    return status
 
 
 ROOFLINE_NOTE = ("roofline: the bytes a decode step must read (every weight matrix once, the lm_head, one "

@@ -54,11 +54,20 @@ def device_events(prof) -> list[tuple[str, float, float]]:
 
 
 def split_steps(events: list, steps: int) -> list[list]:
-    """``events`` of ``steps`` identical graph replays (same kernels each) -> one list per replay."""
-    if steps < 1 or not events or len(events) % steps:
-        raise ValueError(f"{len(events)} device events do not divide into {steps} identical steps")
-    per = len(events) // steps
-    return [events[i * per:(i + 1) * per] for i in range(steps)]
+    """``events`` (start order) of ``steps`` graph replays, each after a host sync -> one list per replay: by count
+    when every replay traced the same number of events, else at the ``steps - 1`` longest idle gaps (a host sync
+    and a graph launch lie between two replays)."""
+    if steps < 1 or len(events) < steps:
+        raise ValueError(f"{len(events)} device events cannot hold {steps} steps (were the graph's kernels traced?)")
+    if len(events) % steps == 0:
+        per = len(events) // steps
+        return [events[i * per:(i + 1) * per] for i in range(steps)]
+    idle, last_end = [], events[0][2]
+    for i in range(1, len(events)):  # idle time before event i: its start - the latest end before it
+        idle.append((events[i][1] - last_end, i))
+        last_end = max(last_end, events[i][2])
+    cuts = sorted(i for _, i in sorted(idle)[len(idle) - (steps - 1):]) if steps > 1 else []
+    return [events[a:b] for a, b in zip([0] + cuts, cuts + [len(events)])]
 
 
 def step_summary(events: list[tuple[str, float, float]], top: int = 8) -> dict:
@@ -143,12 +152,14 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
         graph = llm.runner.graphs[bucket]
         replay_ms = _replay_ms(graph, steps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
+            for _ in range(steps):  # a sync after each: replays apart, so a step's span holds only its own gaps
                 graph.replay()
-            _sync(llm.device)
+                _sync(llm.device)
         events = device_events(prof)
         per_step = split_steps(events, steps)
-        step = median_step([step_summary(e) for e in per_step])
+        summaries = [step_summary(e) for e in per_step]
+        step = median_step(summaries)
+        step_events = per_step[summaries.index(step)]
         dtype = model.lm_head_weight.dtype
         nbytes = decode_step_bytes(cfg, context, batch, dtype, kv_cache_dtype)
         weights, kv = weight_bytes_per_step(cfg, batch, dtype), batch * context * kv_bytes_per_token(
@@ -160,7 +171,7 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
                     floors=floors, tokens_per_s=batch * 1e3 / step_ms,
                     pct_roofline=100 * batch * 1e3 / step_ms / roofline_tokens_per_s(
                         cfg, context, batch, bandwidths["copy"], kv_cache_dtype, dtype),
-                    **step, top_kernels=top_kernel_times(per_step[0]))
+                    **step, top_kernels=top_kernel_times(step_events))
     finally:
         del llm
         _release()
@@ -186,11 +197,17 @@ def _print_breakdown(r: dict) -> None:
 def step_breakdown(model, args, bandwidths: dict[str, float], readers: dict[str, float], env: dict) -> dict:
     """--step-breakdown: decode_step_breakdown at each of --step-batches (and --step-kv-cache-dtype), printed and
     recorded as e2e_step_<device>_<date>.json."""
-    rows = []
+    rows, errors = [], []
     for kv in [k.strip() for k in args.step_kv_cache_dtype.split(",") if k.strip()]:
         for batch in [int(b) for b in args.step_batches.split(",") if b.strip()]:
-            r = decode_step_breakdown(model, batch, args.step_context, args.page_size, bandwidths,
-                                      kv_cache_dtype=kv)
+            try:
+                r = decode_step_breakdown(model, batch, args.step_context, args.page_size, bandwidths,
+                                          kv_cache_dtype=kv)
+            except (RuntimeError, ValueError) as e:  # OOM, or a trace without the graph's kernels: say so, go on
+                errors.append(f"b{batch} {kv}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"decode step breakdown {errors[-1]}")
+                _release()
+                continue
             _print_breakdown(r)
             rows.append(r)
     summary = [f"b{r['batch']} ctx{r['context']} {r['kv_cache_dtype']}: step {r['engine_step_ms']:.3f} ms "
@@ -199,7 +216,7 @@ def step_breakdown(model, args, bandwidths: dict[str, float], readers: dict[str,
                for r in rows]
     path = report.write_json(report.results_dir(args.out) / f"{report.result_stem('e2e_step', env)}.json",
                              "e2e_step", env, rows,
-                             {"summary": summary, "copy_bandwidth_bytes_per_s": bandwidths["copy"],
+                             {"summary": summary, "errors": errors, "copy_bandwidth_bytes_per_s": bandwidths["copy"],
                               "read_bandwidth_bytes_per_s": bandwidths["read"], "read_stream_rates": readers,
                               "notes": "one CUDA-graphed decode step replayed under torch.profiler (CUPTI kernel "
                                        "times), median step by span; family shares of the summed kernel time; "
