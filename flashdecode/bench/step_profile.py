@@ -24,7 +24,8 @@ import torch
 from flashdecode import timing
 from flashdecode.bench import report
 from flashdecode.bench.e2e import _fill_pool_randomly, _fill_running, _page_bytes, _release, _sync
-from flashdecode.bench.roofline import decode_step_bytes, kv_bytes_per_token, roofline_tokens_per_s, weight_bytes_per_step
+from flashdecode.bench.roofline import (decode_step_bytes, kv_bytes_per_token, roofline_tokens_per_s,
+                                        weight_bytes_per_step)
 
 # (family, pattern on the lower-cased kernel name), first match wins: the engine's Triton kernels by name, cuBLAS's
 # and PyTorch's by their library names
@@ -191,7 +192,8 @@ def _print_breakdown(r: dict) -> None:
         elif family == "attention":
             extra = "  (K/V's floor " + ", ".join(f"{k} {v['kv_us']:.0f}" for k, v in floor.items()) + " us)"
         print(f"    {family:16s} {r['families_us'][family]:9.1f} us {100 * share:5.1f}%{extra}")
-    print("    largest gaps: " + ", ".join(f"{g['us']:.1f} us before {g['before'][:40]}" for g in r["largest_gaps"][:5]))
+    gaps = r["largest_gaps"][:5]
+    print("    largest gaps: " + ", ".join(f"{g['us']:.1f} us before {g['before'][:40]}" for g in gaps))
 
 
 def step_breakdown(model, args, bandwidths: dict[str, float], readers: dict[str, float], env: dict) -> dict:
