@@ -302,7 +302,8 @@ def test_step_breakdown_record_and_figure(tmp_path):
     row = dict(batch=1, context=4096, kv_cache_dtype="auto", families_us={"linear": 5000.0, "attention": 300.0},
                gap_us=150.0, host_ms=0.05, floors={"copy": {"step_us": 5100.0}, "read": {"step_us": 4900.0}})
     env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
-    path = report.write_json(tmp_path / "e2e_step_cpu_2026-01-01T0000.json", "e2e_step", env, [row, dict(row, batch=16)])
+    path = report.write_json(tmp_path / "e2e_step_cpu_2026-01-01T0000.json", "e2e_step", env,
+                             [row, dict(row, batch=16)])
     record = json.loads(path.read_text())
     assert record["plots"] == ["e2e_step_cpu_2026-01-01T0000.png"]
     assert (tmp_path / record["plots"][0]).stat().st_size > 0
