@@ -134,7 +134,8 @@ def test_roofline_weight_bytes_are_the_models_tensors_less_the_embedding_table(m
     if not model.config.tie_word_embeddings:
         elements += batch * table.shape[1] - table.numel()
     assert roofline.weight_bytes_per_step(model.config, batch, torch.float32) == 4 * elements
-    assert roofline.kv_bytes_per_token(model.config, torch.float32) == 2 * 2 * 2 * 16 * 4  # layers, K/V, heads, d
+    assert roofline.kv_bytes_per_layer_token(model.config, torch.float32) == 2 * 2 * 16 * 4  # K/V, heads, d, fp32
+    assert roofline.kv_bytes_per_step(model.config, 70, batch, torch.float32) == batch * 70 * 2 * (2 * 2 * 16 * 4)
 
 
 def test_roofline_shares_give_the_copy_and_read_stream_rooflines(tmp_path):

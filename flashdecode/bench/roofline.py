@@ -25,17 +25,28 @@ def weight_bytes_per_step(cfg, batch: int, dtype: torch.dtype = torch.bfloat16) 
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes_per_token(cfg, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> int:
-    """K/V bytes of one cached token across all layers (8-bit pages: + their float32 scales)."""
+def kv_bytes_per_layer_token(cfg, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> int:
+    """K/V bytes of one cached token in one layer (8-bit pages: + their float32 scales)."""
     kv = resolve_kv_cache_dtype(kv_cache_dtype)
-    page = bytes_per_page(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, kv or dtype)
-    return page + (scale_bytes_per_page(cfg.num_hidden_layers, 1, cfg.num_key_value_heads) if kv else 0)
+    page = bytes_per_page(1, 1, cfg.num_key_value_heads, cfg.head_dim, kv or dtype)
+    return page + (scale_bytes_per_page(1, 1, cfg.num_key_value_heads) if kv else 0)
+
+
+def kv_tokens_read(cfg, context: int) -> int:
+    """Cached tokens one decode step of one sequence reads over all layers (every layer reads all ``context``)."""
+    return cfg.num_hidden_layers * context
+
+
+def kv_bytes_per_step(cfg, context: int, batch: int, dtype: torch.dtype = torch.bfloat16,
+                      kv_cache_dtype: str = "auto") -> int:
+    """K/V bytes one decode step of ``batch`` sequences of ``context`` live tokens each reads."""
+    return batch * kv_tokens_read(cfg, context) * kv_bytes_per_layer_token(cfg, dtype, kv_cache_dtype)
 
 
 def decode_step_bytes(cfg, context: int, batch: int, dtype: torch.dtype = torch.bfloat16,
                       kv_cache_dtype: str = "auto") -> int:
     """Bytes one decode step of ``batch`` sequences of ``context`` live tokens each must read."""
-    return weight_bytes_per_step(cfg, batch, dtype) + batch * context * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
+    return weight_bytes_per_step(cfg, batch, dtype) + kv_bytes_per_step(cfg, context, batch, dtype, kv_cache_dtype)
 
 
 def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float, kv_cache_dtype: str = "auto",

@@ -24,7 +24,7 @@ import torch
 from flashdecode import timing
 from flashdecode.bench import report
 from flashdecode.bench.e2e import _fill_pool_randomly, _fill_running, _page_bytes, _release, _sync
-from flashdecode.bench.roofline import (decode_step_bytes, kv_bytes_per_token, roofline_tokens_per_s,
+from flashdecode.bench.roofline import (decode_step_bytes, kv_bytes_per_step, roofline_tokens_per_s,
                                         weight_bytes_per_step)
 
 # (family, pattern on the lower-cased kernel name), first match wins: the engine's Triton kernels by name, cuBLAS's
@@ -163,8 +163,8 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
         step_events = per_step[summaries.index(step)]
         dtype = model.lm_head_weight.dtype
         nbytes = decode_step_bytes(cfg, context, batch, dtype, kv_cache_dtype)
-        weights, kv = weight_bytes_per_step(cfg, batch, dtype), batch * context * kv_bytes_per_token(
-            cfg, dtype, kv_cache_dtype)
+        weights, kv = weight_bytes_per_step(cfg, batch, dtype), kv_bytes_per_step(cfg, context, batch, dtype,
+                                                                                   kv_cache_dtype)
         floors = {name: {"step_us": nbytes / bw * 1e6, "weights_us": weights / bw * 1e6, "kv_us": kv / bw * 1e6}
                   for name, bw in bandwidths.items()}
         return dict(batch=batch, context=context, kv_cache_dtype=kv_cache_dtype, graph_bucket=bucket,
