@@ -1,5 +1,5 @@
 """GPU timing for every benchmark: CUDA-graph replays for microsecond kernels, inputs rotated beyond L2, medians,
-and the two ceilings (copy bandwidth, matmul rate) measured on the same GPU in the same run."""
+and the ceilings (copy bandwidth, read-stream bandwidth, matmul rate) measured on the same GPU in the same run."""
 
 from __future__ import annotations
 
@@ -94,6 +94,42 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 2 * 2**30) -> float:
     ms = do_bench_ms(lambda: dst.copy_(src), warmup_ms=20, rep_ms=200)
     del src, dst
     return 2 * nbytes / (ms * 1e-3)
+
+
+READ_BLOCK = 8192  # elements a read_sum_kernel program sums (16 KiB of bf16, as a copy kernel's block)
+
+
+def read_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sums of ``x``'s READ_BLOCK-element blocks into ``out`` (float32, >= numel / READ_BLOCK): a read-only stream
+    over x (contiguous, numel a multiple of READ_BLOCK)."""
+    from flashdecode.kernels.stream import read_sum_kernel
+
+    if not x.is_contiguous() or x.numel() % READ_BLOCK:
+        raise ValueError(f"x must be contiguous with a multiple of {READ_BLOCK} elements, got {tuple(x.shape)}")
+    blocks = x.numel() // READ_BLOCK
+    if out.dtype != torch.float32 or out.numel() < blocks:
+        raise ValueError(f"out must be float32 with >= {blocks} elements, got {out.dtype} {out.numel()}")
+    read_sum_kernel[(blocks,)](x, out, BLOCK=READ_BLOCK, num_warps=8)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def read_stream_rates(nbytes: int = 2 * 2**30) -> dict[str, float]:
+    """Bytes read per second by two read-only streams over one ``nbytes`` bf16 buffer (40x an H100's L2, and
+    do_bench flushes L2 between calls, so every byte comes from memory): torch.sum (float32 accumulation) and a flat
+    Triton block sum (flashdecode.kernels.stream). Keys "torch_sum", "triton_block_sum"."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    partial = torch.empty(src.numel() // READ_BLOCK, dtype=torch.float32, device="cuda")
+    readers = {"torch_sum": lambda: src.sum(dtype=torch.float32), "triton_block_sum": lambda: read_sum(src, partial)}
+    rates = {name: nbytes / (do_bench_ms(fn, warmup_ms=20, rep_ms=200) * 1e-3) for name, fn in readers.items()}
+    del src, partial
+    return rates
+
+
+def read_bandwidth_bytes_per_s(nbytes: int = 2 * 2**30) -> float:
+    """The faster of the read streams of read_stream_rates: the read-stream roofline's denominator (a ceiling, so the
+    best reader sets it)."""
+    return max(read_stream_rates(nbytes).values())
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,8 +28,10 @@ Measured on one H100 80GB HBM3 (SXM), or an H200 where a section or line says so
 run. Decode: CUDA-graph replays of 32+ calls with the K/V sets rotated beyond L2, median of 20 replays; the floor is
 the K/V bytes over the copy bandwidth measured in the same run. Prefill: `triton.testing.do_bench` median, or the
 kernels' own time from the CUDA trace where a section says so, TFLOP/s = 4 b h s^2 d (halved when causal, x3.5 for
-forward + backward). E2E: the engine's CUDA-graphed decode step, tokens/s against the roofline (weights + KV bytes
-per token over the copy bandwidth). Each section names its record in `benchmarks/results/latest/` or
+forward + backward). E2E: the engine's CUDA-graphed decode step, tokens/s against the roofline: the bytes a step must
+read (every weight matrix once, the lm_head, one embedding row per token, the K/V and 8-bit scales;
+flashdecode/bench/roofline.py) over the copy bandwidth, and beside it over the read-stream bandwidth, both measured in
+the same run. Each section names its record in `benchmarks/results/latest/` or
 `benchmarks/results/` (JSON with every row, and for `flashdecode bench` the git commit and the command);
 `python scripts/write_benchmarks_md.py` regenerates this page and the figures.
 """
@@ -167,23 +169,69 @@ def _kernel_time_section(results: Path) -> str:
                       "", method, ""] + lines) + "\n"
 
 
+def _corrected_e2e_table(record: dict) -> list[dict]:
+    """The table of an e2e record made before the roofline counted the bytes a step reads (it counted every
+    parameter, the input-embedding table included), its roofline and flashdecode share recomputed from the record's
+    own tokens/s and copy bandwidth with flashdecode.bench.roofline (random-weight named shapes only)."""
+    from flashdecode.bench.roofline import roofline_tokens_per_s
+    from flashdecode.engine.config import named_config
+
+    name, _, rest = str(record.get("model", "")).partition(":")
+    layers = int(rest.split(" layers")[0]) if " layers" in rest else None
+    cfg, bandwidth = named_config(name.strip(), layers), record["copy_bandwidth_bytes_per_s"]
+    table = []
+    for t in record.get("table", []):
+        roof = roofline_tokens_per_s(cfg, t["context"], t["batch"], bandwidth)
+        ours = t.get("flashdecode tok/s")
+        table.append(dict(t, **{"roofline tok/s": roof, "flashdecode % roofline": ours and 100 * ours / roof}))
+    return table
+
+
 def _e2e_section(record: dict) -> list[str]:
-    table = record.get("table", [])
-    backends = [k[: -len(" tok/s")] for k in (table[0] if table else {}) if k.endswith(" tok/s") and k != "roofline tok/s"]
+    recomputed = record.get("read_bandwidth_bytes_per_s") is None
+    table = _corrected_e2e_table(record) if recomputed else record.get("table", [])
+    backends = [k[: -len(" tok/s")] for k in (table[0] if table else {})
+                if k.endswith(" tok/s") and "roofline" not in k]
+    read = not recomputed and any(t.get("flashdecode % read roofline") for t in table)
     lines = ["| batch | context | roofline tok/s | " + " | ".join(f"{b} tok/s" for b in backends)
-             + " | flashdecode % of roofline |", "|" + "---|" * (4 + len(backends))]
+             + " | flashdecode % of roofline |" + (" % of read-stream roofline |" if read else ""),
+             "|" + "---|" * (4 + len(backends) + read)]
     for t in table:
         lines.append(f"| {t['batch']} | {_fmt_tokens(t['context'])} | {t['roofline tok/s']:.0f} | "
                      + " | ".join(_num(t.get(f"{b} tok/s"), ".0f") for b in backends)
-                     + f" | {_num(t.get('flashdecode % roofline'), '.0f')} |")
+                     + f" | {_num(t.get('flashdecode % roofline'), '.0f')} |"
+                     + (f" {_num(t.get('flashdecode % read roofline'), '.0f')} |" if read else ""))
     prefill = [r for r in record["rows"] if r.get("kind") == "prefill"]
     if prefill:
         lines += ["", "| prefill | tokens | seconds |", "|---|---|---|"]
         lines += [f"| {r['backend']} | {_fmt_tokens(r['context'])} | {r['seconds']:.2f} |" for r in prefill]
     pct = [t["flashdecode % roofline"] for t in table if t.get("flashdecode % roofline")]
-    text = (f"{record.get('model', '')}. Decode reaches {min(pct):.0f}-{max(pct):.0f}% of the bandwidth roofline; "
-            f"`sdpa` is the same engine with PyTorch's attention, `hf-sdpa` transformers' own model on the same "
-            f"weights. Decode KV caches are filled with random values (decode speed does not depend on them).")
+    text = (f"{record.get('model', '')}. Decode reaches {min(pct):.0f}-{max(pct):.0f}% of the bandwidth roofline"
+            + (" (recomputed here with the roofline that counts the bytes a step reads from the record's tokens/s "
+               "and copy bandwidth: the record counted every parameter, the input-embedding table included)"
+               if recomputed else "")
+            + "; `sdpa` is the same engine with PyTorch's attention over a dense copy of the pages gathered every "
+              "step (a reference, not a peer), `hf-sdpa` transformers' own model on the same weights. Decode KV "
+              "caches are filled with random values (decode speed does not depend on them).")
+    return [text, ""] + lines
+
+
+def _e2e_step_section(record: dict) -> list[str]:
+    rows = record["rows"]
+    families = list(dict.fromkeys(f for r in rows for f in r["families_us"]))
+    lines = ["| batch | context | KV pages | engine step ms | graph replay ms | host ms | gaps in the graph us | "
+             + " | ".join(f"{f} %" for f in families) + " | floor ms (read stream) |",
+             "|" + "---|" * (8 + len(families))]
+    for r in rows:
+        floor = r["floors"].get("read", r["floors"].get("copy"))["step_us"] / 1e3
+        lines.append(f"| {r['batch']} | {_fmt_tokens(r['context'])} | {r['kv_cache_dtype']} | "
+                     f"{r['engine_step_ms']:.3f} | {r['replay_ms']:.3f} | {r['host_ms']:.3f} | {r['gap_us']:.0f} | "
+                     + " | ".join(_num(100 * r["family_share"].get(f, 0.0), ".1f") for f in families)
+                     + f" | {floor:.3f} |")
+    text = ("One CUDA-graphed decode step replayed under torch.profiler (CUPTI kernel times; the median step by "
+            "span): each kernel family's share of the summed kernel time, the device's idle time between kernels "
+            "inside the graph, and the host's share (engine step wall time - graph replay). The floor: the bytes "
+            "the step must read over the read-stream bandwidth measured in the run.")
     return [text, ""] + lines
 
 
@@ -262,9 +310,11 @@ SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": (
             "fp8_decode": ("Decode on 8-bit KV caches", _fp8_decode_section),
             "fp8_rmse": ("FP8 attention accuracy", _fp8_rmse_section),
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
+            "e2e_step": ("Decode-step breakdown (engine, Llama-3-8B)", _e2e_step_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section),
             "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section)}
-ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "fp8_rmse", "e2e", "flat_gemm", "serve"]
+ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "fp8_rmse", "e2e", "e2e_step", "flat_gemm",
+         "serve"]
 
 
 def section(path: Path, record: dict, png: Path | None) -> str:

@@ -5,6 +5,7 @@ import flashdecode.kernels.
 """
 
 import os
+import random
 
 import pytest
 import torch
@@ -16,14 +17,46 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
-# Hypothesis (tests/test_fuzz.py, tests/test_bad_inputs.py): "ci", the default, is a fixed, derandomized handful
-# of cases per test (deterministic, CPU-interpreter fast); `pytest --hypothesis-profile=long` (the GPU machine's
-# gpu-check) runs many more, at larger sizes on a GPU. No deadline: interpreter and first-compile times vary.
-settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True, print_blob=True,
+# Hypothesis (tests/test_fuzz.py): "ci", the default, draws CI_EXAMPLES fresh cases per property each run (the
+# properties with cheap cases draw more: test_fuzz.ci_examples), as many as the CPU suite's time allows;
+# `pytest --hypothesis-profile=long` (the GPU machine's gpu-check) runs many more, at larger sizes on a GPU. No
+# deadline: interpreter and first-compile times vary. Every run draws from one seed, printed in the pytest header
+# and after a failure; `--hypothesis-seed=N` or FLASHDECODE_HYPOTHESIS_SEED=N repeats a run's cases.
+CI_EXAMPLES = 10
+HYPOTHESIS_SEED_ENV = "FLASHDECODE_HYPOTHESIS_SEED"
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("long", max_examples=100, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("ci")  # `--hypothesis-profile` (applied after this file loads) overrides it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """One Hypothesis seed for the whole run (pytest-xdist workers too): --hypothesis-seed if given, else
+    $FLASHDECODE_HYPOTHESIS_SEED, else a fresh one, put in the environment before the workers start so they inherit
+    it. Runs before Hypothesis' own plugin configures, which then forces that seed on every property."""
+    seed = config.getoption("hypothesis_seed", None) or os.environ.get(HYPOTHESIS_SEED_ENV)
+    if seed is None:
+        seed = str(random.SystemRandom().randrange(2**32))
+    os.environ[HYPOTHESIS_SEED_ENV] = str(seed)
+    config.option.hypothesis_seed = str(seed)
+
+
+def _seed_line() -> str:
+    seed = os.environ[HYPOTHESIS_SEED_ENV]
+    return (f"hypothesis seed {seed}, profile {settings.get_current_profile_name()!r} (repeat this run's cases: "
+            f"--hypothesis-seed={seed} or {HYPOTHESIS_SEED_ENV}={seed})")
+
+
+def pytest_report_header(config):
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed again after a failed run (-q hides the header)."""
+    if exitstatus != 0:
+        terminalreporter.write_line(_seed_line())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flashdecode.bench import e2e
+from flashdecode.bench import e2e, roofline
 from flashdecode.engine.config import config_from_dict, named_config
 from flashdecode.engine.models import model_class
 
@@ -94,11 +94,70 @@ def test_8bit_page_columns_report_their_own_roofline_and_the_ratio_to_model_dtyp
 
 
 def test_roofline_matches_hand_computed_llama3_8b():
-    """Llama-3-8B at 3.02 TB/s: 16.06 GB of bf16 weights plus 128 KiB of K/V per cached token (32 layers x 8 kv
-    heads x 128 x 2 tensors x 2 bytes) read per token: 187 tok/s at 512 tokens, 122.5 at 64k."""
+    """Llama-3-8B's decode-step bytes from its architecture alone (4096 hidden, 14336 ffn, 32 layers, 32 / 8 heads
+    of 128, vocab 128256, untied), not from the code's formula: every weight matrix and norm once, the lm_head, one
+    embedding row per sequence (never the 1.05 GB input table), each sequence's K/V (+ float32 scales on 8-bit
+    pages)."""
+    hidden, ffn, layers, heads, kv_heads, hd, vocab = 4096, 14336, 32, 32, 8, 128, 128256
+    per_layer = (hidden * heads * hd + 2 * hidden * kv_heads * hd  # q, k, v
+                 + heads * hd * hidden  # o
+                 + 3 * hidden * ffn  # gate, up, down
+                 + 2 * hidden)  # input and post-attention norms
+    assert per_layer == 218_112_000
+    lm_head, final_norm = vocab * hidden, hidden
+
+    def weight_bytes(batch):
+        return 2 * (layers * per_layer + lm_head + final_norm + batch * hidden)
+
+    kv_token = layers * kv_heads * hd * 2 * 2  # K and V, bf16: 128 KiB a token
+    kv8_token = layers * kv_heads * hd * 2 * 1 + layers * kv_heads * 2 * 4  # e4m3 codes + a float32 scale each
+    assert weight_bytes(1) == 15_009_857_536  # 15.0 GB, not 16.06 (num_parameters() * 2)
     cfg = named_config("llama3-8b")
-    assert round(e2e.roofline_tokens_per_s(cfg, 512, 1, 3.02e12)) == 187
-    assert round(e2e.roofline_tokens_per_s(cfg, 65536, 1, 3.02e12)) in (122, 123)
+    for ctx, bs in ((512, 1), (4096, 1), (16384, 1), (65536, 1), (4096, 16), (4096, 64)):
+        want = weight_bytes(bs) + bs * ctx * kv_token
+        assert roofline.decode_step_bytes(cfg, ctx, bs) == want
+        assert roofline.decode_step_bytes(cfg, ctx, bs, kv_cache_dtype="fp8") == weight_bytes(bs) + bs * ctx * kv8_token
+        assert e2e.roofline_tokens_per_s(cfg, ctx, bs, 3.02e12) == pytest.approx(bs * 3.02e12 / want, rel=1e-12)
+    # the figures the records quote: 200.3 tok/s at 512 tokens, 128.0 at 64k (3.02 TB/s)
+    assert round(e2e.roofline_tokens_per_s(cfg, 512, 1, 3.02e12), 1) == 200.3
+    assert round(e2e.roofline_tokens_per_s(cfg, 65536, 1, 3.02e12), 1) == 128.0
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen2", dict(tie_word_embeddings=True))])
+def test_roofline_weight_bytes_are_the_models_tensors_less_the_embedding_table(model_type, extra):
+    """Against the built model's own tensors: every parameter once, except that an untied input-embedding table is
+    gathered one row per sequence (a tied one is the lm_head, read whole)."""
+    model = _tiny_model(model_type, **extra)
+    batch = 3
+    elements = sum(p.numel() for p in model.parameters())
+    table = model.model.embed_tokens.weight
+    if not model.config.tie_word_embeddings:
+        elements += batch * table.shape[1] - table.numel()
+    assert roofline.weight_bytes_per_step(model.config, batch, torch.float32) == 4 * elements
+    assert roofline.kv_bytes_per_layer_token(model.config, torch.float32) == 2 * 2 * 16 * 4  # K/V, heads, d, fp32
+    assert roofline.kv_bytes_per_step(model.config, 70, batch, torch.float32) == batch * 70 * 2 * (2 * 2 * 16 * 4)
+
+
+def test_roofline_shares_give_the_copy_and_read_stream_rooflines(tmp_path):
+    """bench e2e records both shares: of the copy-bandwidth roofline (the targets' measure) and, beside it, of the
+    read-stream roofline (a read stream outruns a copy, so its share is the smaller)."""
+    cfg = named_config("llama3-8b")
+    shares = e2e.roofline_shares(150.0, cfg, 4096, 1, {"copy": 3.0e12, "read": 3.2e12})
+    assert shares["pct_roofline"] == shares["pct_copy_roofline"] == pytest.approx(
+        100 * 150.0 / e2e.roofline_tokens_per_s(cfg, 4096, 1, 3.0e12))
+    assert shares["pct_read_roofline"] == pytest.approx(shares["pct_copy_roofline"] * 3.0 / 3.2)
+    rows = [dict(kind="decode", backend="flashdecode", kv_cache_dtype="auto", context=4096, batch=1,
+                 tokens_per_s=150.0, **shares)]
+    args = argparse.Namespace(quick=False, contexts="4096", batch="1", page_size=128, out=str(tmp_path))
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    e2e._write(args, env, rows, cfg, "llama3-8b", "llama3-8b", 3.0e12, ["flashdecode"], read_bandwidth=3.2e12,
+               readers={"torch_sum": 3.1e12, "triton_block_sum": 3.2e12})
+    record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    table, = record["table"]
+    assert table["flashdecode % read roofline"] == pytest.approx(shares["pct_read_roofline"])
+    assert record["read_bandwidth_bytes_per_s"] == 3.2e12 and record["read_stream_rates"]["torch_sum"] == 3.1e12
+    pct, read = shares["pct_copy_roofline"], shares["pct_read_roofline"]
+    assert f"({pct:.1f}% roofline, {read:.1f}% of its read-stream roofline)" in record["summary"][0]
 
 
 def test_roofline_reads_a_sliding_layers_window_only():
@@ -106,7 +165,7 @@ def test_roofline_reads_a_sliding_layers_window_only():
     1024/65536 of a cache whose every layer reads all keys."""
     cfg = named_config("gemma3-12b")
     kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-    weights = cfg.num_parameters() * 2
+    weights = roofline.weight_bytes_per_step(cfg, 1)
     expected = 3e12 / (weights + kv_per_token * (8 * 65536 + 40 * 1024))
     assert e2e.roofline_tokens_per_s(cfg, 65536, 1, 3e12) == pytest.approx(expected)
 
@@ -201,3 +260,87 @@ def test_hf_plan_parses_and_rejects():
         assert e2e._hf_plan(argparse.Namespace(hf="sdpa", quick=False, batch="1"), "gemma3_text")[0] == []
     with pytest.raises(ValueError, match="--hf"):
         e2e._hf_plan(argparse.Namespace(hf="flash", quick=False, batch="1"))
+
+
+def test_read_stream_kernel_sums_every_block_and_rejects_bad_buffers():
+    """The read-stream reader of flashdecode.timing reads every element (its block sums are the tensor's)."""
+    from flashdecode import timing
+
+    x = torch.randn(3 * timing.READ_BLOCK, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    out = torch.full((4,), float("nan"))
+    timing.read_sum(x, out)
+    torch.testing.assert_close(out[:3], x.float().view(3, -1).sum(1), rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="x must"):
+        timing.read_sum(x[:-1], out)
+    with pytest.raises(ValueError, match="out must"):
+        timing.read_sum(x, out[:2])
+
+
+@pytest.mark.gpu
+def test_read_stream_rates_on_the_gpu():
+    from flashdecode import timing
+
+    rates = timing.read_stream_rates(256 * 2**20)
+    assert set(rates) == {"torch_sum", "triton_block_sum"} and all(r > 1e11 for r in rates.values())
+    assert timing.read_bandwidth_bytes_per_s(256 * 2**20) == max(rates.values())
+
+
+def test_step_breakdown_families_gaps_and_overlap():
+    """A step's kernels (name, start us, end us): families by name, kernel time as the union of the intervals (an
+    overlap under PDL counts once), gaps = span - kernel time, shares of the summed kernel time."""
+    from flashdecode.bench import step_profile as sp
+
+    assert sp.kernel_family("_gemv_kernel") == sp.kernel_family("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "linear"
+    assert sp.kernel_family("decode_split_kernel") == sp.kernel_family("merge_many_kernel") == "attention"
+    assert sp.kernel_family("_add_rms_norm_kernel") == "norm" and sp.kernel_family("_rope_store_kernel") == \
+        "rope + kv store"
+    assert sp.kernel_family("_silu_mul_kernel") == "activation" and sp.kernel_family("Memset (Device)") == \
+        "copy / fill"
+    assert sp.kernel_family("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+                            "at::native::ArgMaxOps<float>") == "sampling"
+    assert sp.kernel_family("mystery") == "other"
+    step = [("_add_rms_norm_kernel", 0.0, 2.0), ("_gemv_kernel", 3.0, 13.0), ("decode_split_kernel", 12.0, 20.0),
+            ("merge_many_kernel", 25.0, 27.0)]
+    s = sp.step_summary(step)
+    assert s["span_us"] == 27.0 and s["kernel_us"] == 2.0 + 10.0 + 7.0 + 2.0 and s["gap_us"] == 1.0 + 5.0
+    assert s["families_us"] == {"linear": 10.0, "attention": 10.0, "norm": 2.0}
+    assert sum(s["family_share"].values()) == pytest.approx(1.0) and s["family_share"]["norm"] == pytest.approx(2 / 22)
+    assert [g["us"] for g in s["largest_gaps"]] == [5.0, 1.0] and s["largest_gaps"][0]["before"] == "merge_many_kernel"
+    steps = sp.split_steps(step + [(n, a + 100, b + 100) for n, a, b in step], 2)
+    assert [len(x) for x in steps] == [4, 4] and steps[1][0][1] == 100.0
+    uneven = step + [(n, a + 100, b + 100) for n, a, b in step[1:]]  # a replay traced one event fewer: cut at
+    assert [len(x) for x in sp.split_steps(uneven, 2)] == [4, 3]  # the longest idle gap (76 us) instead
+    with pytest.raises(ValueError, match="cannot hold"):
+        sp.split_steps(step[:1], 2)
+    assert sp.median_step([dict(span_us=3), dict(span_us=1), dict(span_us=2)])["span_us"] == 2
+    assert sp.top_kernel_times(step + step, top=1) == [dict(name="_gemv_kernel", us=20.0, count=2, family="linear")]
+
+
+def test_step_breakdown_record_and_figure(tmp_path):
+    """The e2e_step record's figure: one stacked bar per batch (families, gaps, host) with the floor marked."""
+    pytest.importorskip("matplotlib")
+    from flashdecode.bench import report
+
+    row = dict(batch=1, context=4096, kv_cache_dtype="auto", families_us={"linear": 5000.0, "attention": 300.0},
+               gap_us=150.0, host_ms=0.05, floors={"copy": {"step_us": 5100.0}, "read": {"step_us": 4900.0}})
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    path = report.write_json(tmp_path / "e2e_step_cpu_2026-01-01T0000.json", "e2e_step", env,
+                             [row, dict(row, batch=16)])
+    record = json.loads(path.read_text())
+    assert record["plots"] == ["e2e_step_cpu_2026-01-01T0000.png"]
+    assert (tmp_path / record["plots"][0]).stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_decode_step_breakdown_on_the_gpu():
+    """One CUDA-graphed step of a small random Llama traced by CUPTI: linear layers and attention present, the
+    step's span split into kernels and gaps, the graph replay within the engine step."""
+    from flashdecode.bench import step_profile as sp
+
+    cfg = named_config("llama3.2-1b", 2)
+    model = model_class(cfg)(cfg, torch.bfloat16, torch.device("cuda"), 2048)
+    model.init_random_(0)
+    r = sp.decode_step_breakdown(model, 4, 1000, 16, {"copy": 3e12, "read": 3.2e12}, steps=5)
+    assert {"linear", "attention"} <= set(r["families_us"])
+    assert r["span_us"] == pytest.approx(r["kernel_us"] + r["gap_us"]) and r["gap_us"] >= 0
+    assert 0 < r["replay_ms"] <= r["engine_step_ms"] * 1.05 and r["floors"]["read"]["step_us"] > 0

@@ -8,9 +8,10 @@ append_kv is checked bit-exactly, the whole cache included. 8-bit caches (e4m3, 
 per kv head or one) are fuzzed too: decode against the float64 reference on the dequantised cache, append_kv's
 quantising writes within the format's step, the rest of the cache (codes and scales) untouched.
 
-Profiles (registered in conftest.py): "ci" (the default) runs a fixed, derandomized handful of small cases per op
-so the CPU suite stays deterministic and fast; ``--hypothesis-profile=long`` runs many more, and on a CUDA machine
-at larger sizes and in bf16.
+Profiles (registered in conftest.py): "ci" (the default) draws conftest.CI_EXAMPLES fresh small cases per op each
+run, from one seed printed in the pytest header (and after a failure; `--hypothesis-seed=N` or
+FLASHDECODE_HYPOTHESIS_SEED=N repeats a run's cases); ``--hypothesis-profile=long`` runs many more, and on a CUDA
+machine at larger sizes and in bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ SIZE = 8 if BIG else 1
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] if HAS_CUDA else [torch.float16, torch.float32]
 HEADDIMS = [16, 32, 40, 64, 80, 128] if BIG else [16, 32, 40, 64]
 PAGE_SIZES = [None, 1, 2, 3, 4, 8, 16, 64] if BIG else [None, 1, 3, 4, 8, 16]
+
+
+def ci_examples(n: int):
+    """Under the "ci" profile (the CPU interpreter), draw ``n`` cases of this property instead of the profile's
+    count: the properties whose cases cost well under a second in the interpreter draw more (20 or 30), the two
+    whose cases can cost tens of seconds (flash_attn with gradients, the 8-bit decode cache) keep the profile's 10.
+    Other profiles keep their own count."""
+    if settings.get_current_profile_name() != "ci":
+        return lambda test: test
+    return settings(max_examples=n)
+
+
+MEDIUM, CHEAP = 20, 30  # ci_examples of the decode / varlen / fp8 properties and of append_kv / merge_states
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -172,6 +186,7 @@ def _check_decode(out, lse, q, k, v, lens, case):
                    softcap=softcap, window_size=window)
 
 
+@ci_examples(MEDIUM)
 @given(decode_cases())
 def test_flash_decode_fuzz(case):
     q, k, v, kc, vc, table, lens = _decode_inputs(case)
@@ -181,6 +196,7 @@ def test_flash_decode_fuzz(case):
     _check_decode(out, lse, q, k, v, lens, case)
 
 
+@ci_examples(MEDIUM)
 @given(decode_cases(), st.integers(0, 2), st.integers(0, 3), st.booleans())
 def test_decode_plan_fuzz(case, spare_batch, spare_q, balance_mixed):
     """A plan sized at or above the call (max_batch, max_seqlen_q), its split count forced or its own; run twice
@@ -313,6 +329,7 @@ def _max_abs_logit(q8, k8, qd, kd, softmax_scale) -> float:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the softcap's saturating tanh
+@ci_examples(MEDIUM)
 @given(st.data())
 def test_flash_attn_fp8_fuzz(data):
     """flash_attn on e4m3 q / k / v with FA3's descales (per kv head, or q's per query head), each input in a drawn
@@ -351,6 +368,7 @@ def _check_gradients(run, reference, inputs, seed):
         assert_fa_close(a.grad, b_.grad, c.grad, factor=3.0, atol=1e-4, name=name)
 
 
+@ci_examples(MEDIUM)
 @given(st.data())
 def test_flash_attn_varlen_fuzz(data):
     draw = data.draw
@@ -399,6 +417,7 @@ def _cache_slot(b, pos, table, page_size):
     return (b, pos) if table is None else (int(table[b, pos // page_size]), pos % page_size)
 
 
+@ci_examples(CHEAP)
 @given(st.data())
 def test_append_kv_fuzz(data):
     draw = data.draw
@@ -429,6 +448,7 @@ def test_append_kv_fuzz(data):
     assert lens.tolist() == before  # not modified
 
 
+@ci_examples(CHEAP)
 @given(st.data())
 def test_append_kv_8bit_fuzz(data):
     """append_kv quantising into an e4m3 / int8 cache (contiguous or paged, dense or varlen new tokens in any
@@ -491,6 +511,7 @@ def test_append_kv_8bit_fuzz(data):
 # merge_states / merge_states_many
 # ----------------------------------------------------------------------------------------------------------------
 
+@ci_examples(CHEAP)
 @given(st.data())
 def test_merge_states_fuzz(data):
     draw = data.draw
@@ -515,6 +536,7 @@ def test_merge_states_fuzz(data):
         _check_against(ref.merge_states_ref, o2, lse2, (clean[0], lses[0], clean[1], lses[1]), factor=3.0)
 
 
+@ci_examples(CHEAP)
 @given(st.data())
 def test_append_kv_device_metadata_fuzz(data):
     """Device-resident metadata is not validated (no sync), so the kernel alone must keep every access inside the
@@ -566,6 +588,7 @@ def _decode_ref_with_absent_keys(q, k, v, lens, present, **kw):
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
 
 
+@ci_examples(MEDIUM)
 @given(decode_cases(), st.data())
 def test_flash_decode_device_page_ids_fuzz(case, data):
     """Device-resident block tables are not validated (no sync): ids outside [0, num_pages) must read as absent

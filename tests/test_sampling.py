@@ -70,22 +70,43 @@ def test_tiny_temperature_is_greedy_not_token_zero(llm, prompts, greedy):
     assert [o.token_ids for o in outs] == greedy
 
 
+def _draws(logits: torch.Tensor, params: SamplingParams, rows: int) -> torch.Tensor:
+    """Picks of ``rows`` rows of the same float32 ``logits`` (vocab,), each row drawing with its own generator."""
+    seqs = [types.SimpleNamespace(params=params, generator=torch.Generator().manual_seed(i), token_ids=[0],
+                                  num_prompt_tokens=1, num_generated=0, min_tokens_stop_ids=frozenset())
+            for i in range(rows)]
+    return torch.as_tensor(sample(logits.expand(rows, -1).clone(), seqs).tokens)
+
+
 def test_sampler_draws_from_the_filtered_distribution():
     """Many rows of one distribution: frequencies of the picks match softmax(logits / T) restricted by top-k."""
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     rows = 4000
-    params = SamplingParams(temperature=0.5, top_k=3)
-    seqs = []
-    for i in range(rows):
-        g = torch.Generator().manual_seed(i)
-        seqs.append(types.SimpleNamespace(params=params, generator=g, token_ids=[0], num_prompt_tokens=1,
-                                          num_generated=0, min_tokens_stop_ids=frozenset()))
-    picks = torch.tensor(sample(logits.expand(rows, 4).clone(), seqs).tokens)
+    picks = _draws(logits, SamplingParams(temperature=0.5, top_k=3), rows)
     want = torch.softmax(logits[:3] / 0.5, -1)
     freq = torch.bincount(picks, minlength=4).double() / rows
     assert freq[3] == 0
     assert (freq[:3] - want).abs().max() < 4 * math.sqrt(0.25 / rows)
+
+
+@pytest.mark.parametrize("temperature,min_p,kept", [(1.0, 0.3, 3), (0.5, 0.3, 2), (1.0, 0.0, 5)])
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability(temperature, min_p, kept):
+    """vLLM's min_p: after the temperature, a token is dropped when its probability is below min_p x the top one's;
+    the rest keep their renormalised probabilities. p = [0.4, 0.25, 0.15, 0.1, 0.1]: min_p 0.3 keeps the three
+    >= 0.12 at T = 1, and at T = 0.5 (p^2 renormalised: 0.60, 0.24, 0.08, 0.04, 0.04; floor 0.18) the first two;
+    min_p 0 keeps all five."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.1])
+    logits = torch.log(probs)
+    rows = 3000
+    picks = _draws(logits, SamplingParams(temperature=temperature, min_p=min_p), rows)
+    freq = torch.bincount(picks, minlength=5).double() / rows
+    want = torch.softmax(logits / temperature, -1).double()
+    want = torch.where(want >= min_p * want.max(), want, torch.zeros_like(want))
+    want /= want.sum()
+    assert int((want > 0).sum()) == kept
+    assert (freq[want == 0] == 0).all()  # never a dropped token
+    assert (freq - want).abs().max() < 4 * math.sqrt(0.25 / rows)
 
 
 def test_filter_logits_min_p_and_top_p():

@@ -3,8 +3,10 @@
 Decode: for each backend and context, a fresh engine (same random weights) gets ``batch`` sequences whose KV cache
 is filled with random values instead of running the prefill (decode speed does not depend on the cache content; a
 64k prefill per backend would cost minutes), then the normal engine loop (CUDA-graphed decode step, greedy sampling,
-scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = copy bandwidth / (weight bytes + KV bytes read per
-token), weight bytes counting every parameter (embedding included). Prefill: one prompt of
+scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = batch x bandwidth / the bytes a step must read (every
+weight matrix once, the lm_head, one embedding row per sequence, each sequence's K/V and 8-bit scales;
+flashdecode.bench.roofline), at the copy bandwidth ("% roofline", the targets' measure) and, beside it, at the
+read-stream bandwidth ("% read roofline"), both measured in the same run. Prefill: one prompt of
 ``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
@@ -16,10 +18,11 @@ printed, when transformers cannot be imported.
     flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
         --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
 
-``--profile`` first says where a batch-1 step's time goes, in one run: engine step vs graph replay (the host's
-share), the eager step's kernels by device time, both with the Triton GEMV path and with cuBLAS projections;
-per weight shape, cuBLAS at 1/16/64 tokens vs the GEMV configs vs the copy-bandwidth floor; and the kernels of
-one long prefill (the first call of a new prefill length also autotunes the attention: read its totals with care).
+``--step-breakdown`` then records each kernel family's share of one CUDA-graphed decode step and the gaps between
+its kernels at batch 1 and 16 (flashdecode.bench.step_profile); ``--profile`` says where a batch-1 step's time goes:
+engine step vs graph replay, the eager step's kernels, per weight shape cuBLAS vs the GEMV configs vs the floor,
+and the kernels of one long prefill (the first call of a new prefill length also autotunes the attention: read its
+totals with care).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
+from flashdecode.bench.roofline import roofline_tokens_per_s
 from flashdecode.engine.cli import ON_OFF
 
 DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
@@ -82,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine step vs graph replay, top kernels of the eager step, per-weight-shape matmul "
                              "floors (cuBLAS vs the Triton GEMV configs); results go to <out>/e2e_profile.json")
     parser.add_argument("--profile-only", action="store_true", help="--profile, then stop")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="after the benchmark: each kernel family's share of one CUDA-graphed decode step and "
+                             "the gaps between kernels (CUPTI via torch.profiler) at --step-batches x "
+                             "--batched-context tokens; a record e2e_step_<device>_<date>.json (+ .png)")
+    parser.add_argument("--step-batches", default="1,16", help="batch sizes of --step-breakdown")
+    parser.add_argument("--step-kv-cache-dtype", default="auto", help="KV page dtypes of --step-breakdown (comma "
+                                                                      "list: auto, fp8, int8)")
     parser.add_argument("--no-sweep", action="store_true", help="--profile without the per-shape matmul sweep")
     parser.add_argument("--out", default=None)
 
@@ -442,13 +453,19 @@ def hf_peer_rows(model, impls: list[str], contexts: list[int], steps: int, repea
     return rows
 
 
-def roofline_tokens_per_s(cfg, context: int, batch: int, bandwidth: float, kv_cache_dtype: str = "auto") -> float:
-    weight_bytes = cfg.num_parameters() * 2
-    # bytes per K/V element: bf16, or 8 bits plus a float32 scale per head_dim elements
-    elem = 2.0 if kv_cache_dtype == "auto" else 1.0 + 4.0 / cfg.head_dim
-    # a sliding-window layer (Gemma 3) reads its window only
-    kv_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * elem * cfg.kv_tokens_read(context)
-    return batch * bandwidth / (weight_bytes + batch * kv_bytes)
+def roofline_shares(rate: float | None, cfg, context: int, batch: int, bandwidths: dict[str, float],
+                    kv_cache_dtype: str = "auto") -> dict:
+    """A decode row's rooflines and shares: for each bandwidth ``name`` in ``bandwidths`` ("copy", "read"),
+    ``<name>_roofline_tokens_per_s`` and ``pct_<name>_roofline`` (None without a rate); the copy ones also under
+    the older keys ``roofline_tokens_per_s`` / ``pct_roofline``."""
+    out = {}
+    for name, bandwidth in bandwidths.items():
+        roof = roofline_tokens_per_s(cfg, context, batch, bandwidth, kv_cache_dtype)
+        out[f"{name}_roofline_tokens_per_s"] = roof
+        out[f"pct_{name}_roofline"] = None if rate is None else 100 * rate / roof
+    if "copy" in bandwidths:
+        out["roofline_tokens_per_s"], out["pct_roofline"] = out["copy_roofline_tokens_per_s"], out["pct_copy_roofline"]
+    return out
 
 
 def run(args) -> int:
@@ -467,6 +484,8 @@ def run(args) -> int:
     batched = _ints(args.batched) if args.batched else []
     env = timing.env_info()
     bandwidth = timing.copy_bandwidth_bytes_per_s()
+    readers = timing.read_stream_rates()
+    bandwidths = {"copy": bandwidth, "read": max(readers.values())}
     max_ctx = max(contexts + [args.batched_context if batched else 0, args.prefill])
     model = _build_model(args, max_positions=max_ctx + 4 * args.steps + 64)
     cfg = model.config
@@ -476,11 +495,14 @@ def run(args) -> int:
     what += (f"; engine: whole decode step CUDA-graphed, fused qkv/gate_up, "
              f"{'fused Triton norm/rope/silu kernels' if model.use_fused else 'PyTorch elementwise ops'}")
     print(f"bench e2e on {env['device']} (torch {env['torch']}, triton {env['triton']}): {what}; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; KV caches filled with random values instead of a prefill; "
+          f"{bandwidth / 1e12:.2f} TB/s, read stream {_readers_text(readers)}; KV caches filled with random values "
+          f"instead of a prefill; "
           f"{args.steps} timed decode steps x {args.repeats} (median), page size {args.page_size}")
 
     if args.profile or args.profile_only:
-        profile(model, args, bandwidth)
+        from flashdecode.bench import step_profile
+
+        step_profile.profile(model, args, bandwidth)
         if args.profile_only:
             return 0
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
@@ -497,7 +519,6 @@ def run(args) -> int:
     points, columns = with_pdl_twins(points, columns, args.pdl)
     rows = []
     for (backend, kv, label), ctx, bs in tqdm(points, desc="e2e decode"):
-        roof = roofline_tokens_per_s(cfg, ctx, bs, bandwidth, kv)
         try:
             rate = decode_tokens_per_s(model, backend, ctx, bs, args.steps, args.repeats, args.page_size, kv,
                                        False if "+cublas" in label else "auto", point_pdl(label, args.pdl),
@@ -507,8 +528,7 @@ def run(args) -> int:
             rate, err = None, f"OOM: {str(e)[:80]}"
             _release()
         rows.append(dict(kind="decode", backend=label, kv_cache_dtype=kv, context=ctx, batch=bs, tokens_per_s=rate,
-                         roofline_tokens_per_s=roof, pct_roofline=None if rate is None else 100 * rate / roof,
-                         error=err))
+                         **roofline_shares(rate, cfg, ctx, bs, bandwidths, kv), error=err))
     backends = list(dict.fromkeys(backends + [label for _, _, label in columns]))
     if args.prefill:
         for backend in [b for b in ("flashdecode", "sdpa") if b in backends]:
@@ -522,13 +542,30 @@ def run(args) -> int:
         hf_rows = hf_peer_rows(model, impls, contexts, args.steps, args.repeats, args.prefill)
         for r in hf_rows:
             if r["kind"] == "decode":
-                r["roofline_tokens_per_s"] = roofline_tokens_per_s(cfg, r["context"], 1, bandwidth)
-                r["pct_roofline"] = None if r["tokens_per_s"] is None else 100 * r["tokens_per_s"] / r[
-                    "roofline_tokens_per_s"]
+                r.update(roofline_shares(r["tokens_per_s"], cfg, r["context"], 1, bandwidths))
         rows += hf_rows
         backends = backends + [f"hf-{i}" for i in impls]
     args.hf_note = hf_note
-    return _write(args, env, rows, cfg, name, what, bandwidth, backends)
+    status = _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth=bandwidths["read"],
+                    readers=readers)
+    if args.step_breakdown:  # after the benchmark's record is written
+        from flashdecode.bench import step_profile
+
+        args.step_context = args.batched_context
+        step_profile.step_breakdown(model, args, bandwidths, readers, env)
+    return status
+
+
+ROOFLINE_NOTE = ("roofline: the bytes a decode step must read (every weight matrix once, the lm_head, one "
+                 "embedding row per sequence, each sequence's K/V and 8-bit scales; flashdecode.bench.roofline) over "
+                 "the copy bandwidth ('% roofline') or the read-stream bandwidth ('% read roofline') measured in "
+                 "the run")
+
+
+def _readers_text(readers: dict[str, float]) -> str:
+    """'3.10 TB/s (best of torch_sum 2.95, triton_block_sum 3.10)'."""
+    return (f"{max(readers.values()) / 1e12:.2f} TB/s (best of "
+            + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in readers.items()) + ")")
 
 
 PDL_SUFFIX = "+pdl"
@@ -592,10 +629,10 @@ def _rate(rows, backend, ctx, bs):
     return None
 
 
-def _pct(rows, backend, ctx, bs):
+def _pct(rows, backend, ctx, bs, key="pct_roofline"):
     for r in rows:
         if r["kind"] == "decode" and r["backend"] == backend and r["context"] == ctx and r["batch"] == bs:
-            return r.get("pct_roofline")
+            return r.get(key)
     return None
 
 
@@ -619,17 +656,26 @@ def _quant_columns(row: dict, rows: list, quant_labels: list, ctx: int, bs: int,
     model-dtype pages (``ours``), added to the table ``row``; returns summary notes."""
     notes = []
     for b in quant_labels:
-        rate, pct = _rate(rows, b, ctx, bs), _pct(rows, b, ctx, bs)
+        rate, pct, read = _rate(rows, b, ctx, bs), _pct(rows, b, ctx, bs), _pct(rows, b, ctx, bs, "pct_read_roofline")
         if pct is not None:
             row[f"{b} % roofline"] = pct
+        if read is not None:
+            row[f"{b} % read roofline"] = read
         if rate and ours:
             row[f"{b} vs model-dtype pages"] = rate / ours
-            notes.append(f"{b} {rate:.0f} tok/s ({pct:.1f}% of its roofline, {rate / ours:.2f}x the model-dtype "
-                         f"pages)")
+            notes.append(f"{b} {rate:.0f} tok/s ({pct:.1f}% of its roofline{_read_text(read)}, {rate / ours:.2f}x "
+                         f"the model-dtype pages)")
     return notes
 
 
-def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
+def _read_text(pct: float | None) -> str:
+    return "" if pct is None else f", {pct:.1f}% of its read-stream roofline"
+
+
+def _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth: float | None = None,
+           readers: dict[str, float] | None = None) -> int:
+    """Print and record the run. ``bandwidth``: the copy bandwidth (bytes/s) the roofline divides by;
+    ``read_bandwidth``: the read stream's, whose roofline share is given beside it (``readers``: each reader's)."""
     table_rows, summary = [], []
     quant = {r["backend"] for r in rows if r["kind"] == "decode" and r.get("kv_cache_dtype", "auto") != "auto"}
     for bs, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows if r["kind"] == "decode"):
@@ -639,6 +685,11 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         for b in backends:
             row[f"{b} tok/s"] = _rate(rows, b, ctx, bs)
         row["flashdecode % roofline"] = None if ours is None else 100 * ours / roof
+        read = None
+        if read_bandwidth:
+            read_roof = roofline_tokens_per_s(cfg, ctx, bs, read_bandwidth)
+            row["read roofline tok/s"] = read_roof
+            read = row["flashdecode % read roofline"] = None if ours is None else 100 * ours / read_roof
         peers = [b for b in backends if b != "flashdecode" and not b.endswith(PDL_SUFFIX) and b not in quant]
         for b in peers:
             other = _rate(rows, b, ctx, bs)
@@ -650,8 +701,8 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         table_rows.append(row)
         if ours:
             vs = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in peers if row.get(f"{b} tok/s"))
-            summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.0f}% roofline)"
-                           + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
+            summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.1f}% roofline"
+                           f"{_read_text(read)})" + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
     prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
@@ -667,7 +718,9 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
         md += "\n\n" + report.markdown_table(prefill_rows, ["backend", "context", "seconds", "tokens_per_s"],
                                              {"seconds": ".2f", "tokens_per_s": ".0f"})
     header = (f"# e2e decode, {what}\n{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
-              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; KV caches filled with random values (no prefill) for "
+              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+              + (f", read stream {_readers_text(readers)}" if readers else "")
+              + f"; KV caches filled with random values (no prefill) for "
               f"the decode points; command: flashdecode bench e2e {'--quick ' if args.quick else ''}"
               f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
               f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')} "
@@ -680,186 +733,9 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends) -> int:
     stem = report.result_stem("e2e", env)
     path = report.write_json(out / f"{stem}.json", "e2e", env, rows,
                              {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
-                              "table": table_rows, "notes": "decode KV filled with random values instead of a "
-                                                            "prefill; roofline counts all weights (embedding "
-                                                            "included); " + getattr(args, "hf_note",
-                                                                                    "hf peer: not run")})
+                              "read_bandwidth_bytes_per_s": read_bandwidth, "read_stream_rates": readers,
+                              "table": table_rows, "notes": f"decode KV filled with random values instead of a "
+                                                            f"prefill; {ROOFLINE_NOTE}; "
+                                                            + getattr(args, "hf_note", "hf peer: not run")})
     print(f"wrote {path}")
     return 0
-
-
-# ------------------------------------------------------------------------------------------------------ profile
-GEMV_SWEEP = ((8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8), (16, 1024, 8), (64, 128, 4))
-
-
-def _top_kernels(prof, steps: int, top: int = 18) -> dict:
-    """Kernels (and copies) of a torch.profiler run, by device time per step."""
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = e.self_cuda_time_total
-        if t > 0:
-            rows.append((t / steps, e.count / steps, e.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    launches = sum(r[1] for r in rows)
-    print(f"  kernel time {total / 1e3:.3f} ms/step over {launches:.0f} kernels/step; top:")
-    for t, n, name in rows[:top]:
-        print(f"    {t:9.1f} us {n:6.1f}x  {name[:110]}")
-    return {"kernel_ms_per_step": total / 1e3, "kernels_per_step": launches,
-            "top": [dict(us=t, count=n, name=name[:200]) for t, n, name in rows[:top]]}
-
-
-def _decode_profile(model, backend: str, context: int, use_gemv: bool, bandwidth: float, page_size: int) -> dict:
-    """One engine at batch 1: step wall time vs graph replay vs the eager step's kernels."""
-    from flashdecode.engine import LLM
-
-    model.use_gemv = use_gemv
-    llm = LLM(model, attn_backend=backend, max_model_len=context + 200, max_num_seqs=1, page_size=page_size)
-    try:
-        llm.runner.pool.normal_()
-        _fill_running(llm, 1, context, 150)
-        for _ in range(3):
-            llm.step()
-        _sync(llm.device)
-        n = 30
-        t0 = time.perf_counter()
-        for _ in range(n):
-            llm.step()
-        _sync(llm.device)
-        step_ms = (time.perf_counter() - t0) * 1e3 / n
-        graph = llm.runner.graphs[1]
-        t0 = time.perf_counter()
-        for _ in range(n):
-            graph.replay()
-        _sync(llm.device)
-        replay_ms = (time.perf_counter() - t0) * 1e3 / n
-        with torch.inference_mode():
-            for _ in range(2):
-                llm.runner._decode_forward(1)
-            _sync(llm.device)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                llm.runner._decode_forward(1)
-            _sync(llm.device)
-            eager_ms = (time.perf_counter() - t0) * 1e3 / 5
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    llm.runner._decode_forward(1)
-                _sync(llm.device)
-        roof = roofline_tokens_per_s(model.config, context, 1, bandwidth)
-        print(f"decode b1 ctx{context} {backend} gemv={use_gemv}: engine step {step_ms:.3f} ms "
-              f"({1e3 / step_ms:.1f} tok/s, {100 * 1e3 / step_ms / roof:.0f}% of roofline {roof:.1f}), graph replay "
-              f"{replay_ms:.3f} ms (host share {step_ms - replay_ms:.3f} ms), eager step {eager_ms:.3f} ms")
-        kern = _top_kernels(prof, 3)
-        return dict(backend=backend, context=context, use_gemv=use_gemv, step_ms=step_ms, replay_ms=replay_ms,
-                    eager_ms=eager_ms, roofline_tok_s=roof, **kern)
-    finally:
-        del llm
-        _release()
-
-
-def _weight_shapes(model) -> dict[str, list[torch.Tensor]]:
-    layers = model.model.layers
-    return {"qkv": [l.self_attn.qkv_proj.weight for l in layers], "o": [l.self_attn.o_proj.weight for l in layers],
-            "gate_up": [l.mlp.gate_up_proj.weight for l in layers], "down": [l.mlp.down_proj.weight for l in layers],
-            "lm_head": [model.lm_head_weight]}
-
-
-def _matmul_floors(model, bandwidth: float) -> dict:
-    """us per call of each weight shape (cycling over all layers' weights, so L2 holds none) with cuBLAS
-    (F.linear) at 1/16/64 tokens and with the Triton GEMV configs at 1 token; bandwidth and the per-step sums."""
-    import torch.nn.functional as F
-
-    from flashdecode.engine.layers import gemv
-
-    out, per_step = {}, {}
-    for name, ws in _weight_shapes(model).items():
-        n, k = ws[0].shape
-        nbytes = ws[0].numel() * ws[0].element_size()
-        calls = len(ws)
-        res = {"shape": [n, k], "mb": nbytes / 1e6}
-        for m in (1, 16, 64):
-            x = torch.randn(m, k, device="cuda", dtype=ws[0].dtype)
-            us = timing.cuda_graph_time_us([lambda w=w: F.linear(x, w) for w in ws], reps=10,
-                                           calls_per_graph=max(4, calls))
-            res[f"cublas_m{m}_us"] = us
-            res[f"cublas_m{m}_tbs"] = nbytes / us / 1e6
-        x = torch.randn(1, k, device="cuda", dtype=ws[0].dtype)
-        best = None
-        for cfg in GEMV_SWEEP:
-            try:
-                us = timing.cuda_graph_time_us([lambda w=w: gemv.gemv(x, w, config=cfg) for w in ws], reps=10,
-                                               calls_per_graph=max(4, calls))
-            except Exception as e:  # a config the GPU refuses (resources): skip it, say so
-                print(f"  gemv {name} {cfg}: {type(e).__name__}: {str(e)[:100]}")
-                continue
-            res[f"gemv_{cfg[0]}x{cfg[1]}w{cfg[2]}_us"] = us
-            if best is None or us < best[1]:
-                best = (cfg, us)
-        res["gemv_best"] = list(best[0])
-        res["gemv_best_us"] = best[1]
-        res["gemv_best_tbs"] = nbytes / best[1] / 1e6
-        res["floor_us"] = nbytes / bandwidth * 1e6
-        out[name] = res
-        for key in ("cublas_m1_us", "gemv_best_us", "floor_us", "cublas_m16_us", "cublas_m64_us"):
-            per_step[key] = per_step.get(key, 0.0) + res[key] * len(ws)
-        print(f"  {name:8s} ({n}x{k}, {res['mb']:.0f} MB): cuBLAS m1 {res['cublas_m1_us']:.1f} us "
-              f"({res['cublas_m1_tbs']:.2f} TB/s), m16 {res['cublas_m16_us']:.1f}, m64 {res['cublas_m64_us']:.1f}; "
-              f"Triton GEMV best {best[0]} {best[1]:.1f} us ({res['gemv_best_tbs']:.2f} TB/s); "
-              f"copy-bandwidth floor {res['floor_us']:.1f} us")
-    print("  per decode step (all layers + lm_head), ms: " + ", ".join(f"{k[:-3]} {v / 1e3:.3f}"
-                                                                        for k, v in per_step.items()))
-    out["per_step_us"] = per_step
-    return out
-
-
-def _prefill_profile(model, length: int, page_size: int, backend: str = "flashdecode") -> dict:
-    """Kernels of one ``length``-token prefill through the eager engine, after a warm-up prefill of the same length
-    (so the attention autotune of that length's bucket is not in the profile)."""
-    from flashdecode.engine import LLM
-    from flashdecode.engine.kv_cache import bytes_per_page
-    from flashdecode.engine.sampling import SamplingParams
-
-    cfg = model.config
-    budget = (-(-(length + 2) // page_size)) * bytes_per_page(cfg.num_hidden_layers, page_size,
-                                                              cfg.num_key_value_heads, cfg.head_dim,
-                                                              model.lm_head_weight.dtype)
-    llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=1,
-              max_model_len=length + 2, enforce_eager=True)
-    try:
-        ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
-        llm.generate([ids], SamplingParams(max_new_tokens=1))
-        llm.add_request(ids, SamplingParams(max_new_tokens=1))
-        _sync(llm.device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            llm.step()
-            _sync(llm.device)
-            wall = time.perf_counter() - t0
-        print(f"prefill {length} tokens ({backend} backend, under the profiler): wall {wall:.3f} s")
-        return dict(length=length, backend=backend, wall_s=wall, **_top_kernels(prof, 1, top=14))
-    finally:
-        del llm
-        _release()
-
-
-def profile(model, args, bandwidth: float) -> dict:
-    """Where the time goes (printed, and <out>/e2e_profile.json)."""
-    import json
-
-    print("== profile: batch-1 decode ==")
-    result = {"decode": []}
-    for use_gemv in (False, True):  # cuBLAS projections + separate norm/silu kernels vs the fused Triton GEMV
-        result["decode"].append(_decode_profile(model, "flashdecode", 512, use_gemv, bandwidth, args.page_size))
-    model.use_gemv = True
-    if not args.no_sweep:
-        print("== profile: matmul floors per weight shape ==")
-        result["matmul"] = _matmul_floors(model, bandwidth)
-    if args.prefill:
-        print("== profile: prefill ==")
-        result["prefill"] = [_prefill_profile(model, args.prefill, args.page_size, b) for b in ("flashdecode", "sdpa")]
-    path = report.results_dir(args.out) / "e2e_profile.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
-    return result

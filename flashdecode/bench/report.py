@@ -405,8 +405,41 @@ def plot_fp8_rmse(record: dict, path: Path) -> Path | None:
     return path
 
 
+def plot_e2e_step(record: dict, path: Path) -> Path | None:
+    """Decode-step breakdown: one stacked bar per (batch, KV dtype), microseconds of each kernel family, the gaps
+    between kernels and the host's share, with the step's floor at the read-stream bandwidth marked."""
+    plt = _pyplot()
+    rows = record.get("rows", [])
+    if plt is None or not rows:
+        return None
+    families = list(dict.fromkeys(f for r in rows for f in r["families_us"]))
+    parts = families + ["gaps in the graph", "host"]
+    labels = [f"batch {r['batch']}, {_fmt_tokens(r['context'])}\n{r['kv_cache_dtype']} pages" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    bottom = [0.0] * len(rows)
+    cmap = plt.get_cmap("tab10")
+    for j, part in enumerate(parts):
+        vals = [r["families_us"].get(part, 0.0) if part in families else
+                (r["gap_us"] if part == "gaps in the graph" else max(0.0, 1e3 * r["host_ms"])) for r in rows]
+        ax.bar(range(len(rows)), vals, 0.6, bottom=bottom, label=part,
+               color="0.8" if part == "host" else "0.55" if part.startswith("gaps") else cmap(j % 10))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        floor = r["floors"].get("read", r["floors"].get("copy"))["step_us"]
+        ax.plot([i - 0.35, i + 0.35], [floor, floor], color="k", linestyle="--", linewidth=1.2,
+                label="floor (read stream)" if i == 0 else None)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("us per decode step")
+    ax.set_title(f"Decode step breakdown - {record['env'].get('device')}", fontsize=11)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 PLOTTERS = {"decode": plot_decode, "prefill": plot_prefill, "e2e": plot_e2e, "fp8_decode": plot_fp8_decode,
-            "fp8_rmse": plot_fp8_rmse}
+            "fp8_rmse": plot_fp8_rmse, "e2e_step": plot_e2e_step}
 
 
 def plot_record(record: dict, path: Path) -> Path | None:

@@ -8,7 +8,9 @@
 Backends ("flashdecode" is the default on CUDA, "torch" on the CPU):
   flashdecode          flash_attn_varlen for prefill, flash_decode (split-KV, heuristic split count) for decode
   flashdecode-nosplit  the same with num_splits=1 (the no-split ablation; the seeds' FA2-style decode column)
-  sdpa                 torch scaled_dot_product_attention (prefill per sequence; decode on gathered pages + mask)
+  sdpa                 torch scaled_dot_product_attention (prefill per sequence); a REFERENCE for decode, not a
+                       paged-attention peer: SDPA reads dense K/V, so every decode step first copies every page
+                       of the block table into a dense tensor (CUDA-graph shapes: the table's full width)
   eager                matmul - softmax - matmul in PyTorch (HF's "eager"; the seeds' PyTorch column)
   torch                flashdecode.reference (attention_varlen_ref / decode_ref): the spec, CPU only (host syncs)
 
@@ -176,7 +178,12 @@ def _expand_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
 
 
 class SdpaBackend(AttentionBackend):
-    """torch SDPA: causal per sequence in prefill; masked SDPA over gathered pages in decode."""
+    """torch SDPA: causal per sequence in prefill; masked SDPA over gathered pages in decode.
+
+    Decode is a reference, not a serving kernel: SDPA takes dense K/V, so each step gathers every page of the block
+    table (its full width, fixed for CUDA graphs, not only the live pages) into a dense copy - the context is read,
+    written and read again every step. GQA costs no further copy: a kv head's query heads are its query rows.
+    """
 
     name = "sdpa"
 
@@ -198,9 +205,13 @@ class SdpaBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, meta):
         k, v, mask = _gathered_decode_inputs(q, k_cache, v_cache, meta, self.window_size[0])
-        k, v = _expand_heads(k.transpose(1, 2), q.shape[1]), _expand_heads(v.transpose(1, 2), q.shape[1])
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask)  # (b, h, 1, d)
-        return o[:, :, 0, :]
+        batch, nheads, headdim = q.shape
+        hk = k.shape[2]
+        # query head h uses kv head h // group: (b, h, d) -> (b, hk, group, d), the group's heads as query rows of
+        # their kv head, so K/V are read once per kv head (no repeat to every query head); mask (b, 1, 1, keys)
+        rows = q.reshape(batch, hk, nheads // hk, headdim)
+        o = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        return o.reshape(batch, nheads, headdim)
 
 
 class EagerBackend(AttentionBackend):
