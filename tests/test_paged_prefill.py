@@ -16,7 +16,7 @@ from flashdecode import flash_attn_interface as fai
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks
-from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn
+from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 CASE_DTYPES = [torch.bfloat16] if HAS_CUDA else KERNEL_DTYPES
 
@@ -317,6 +317,38 @@ def test_unchecked_bad_pages_are_absent_keys(gen, device_metadata):
         o64, lse64 = ref.attention_ref(q[None, rows].double(), keys[b:b + 1, idx], values[b:b + 1, idx])
         torch.testing.assert_close(out[rows].double(), o64[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse[:, rows].double(), lse64[0], atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sm_90 compile on the CPU (Triton's ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+_PAGED_COMPILE_SCRIPT = '''
+import sys
+from flashdecode.kernels.fwd import attn_fwd_kernel  # before helpers (its conftest sets TRITON_INTERPRET)
+sys.path.insert(0, "tests")
+from helpers import compile_for_sm90, spilled_bytes
+S4 = ("i32",) * 4
+types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", q_strides=S4,
+             k_strides=S4, v_strides=S4, o_strides=S4, lse_strides=("i32", "i32"), qk_scale="fp32",
+             softcap_log2="fp32", kv_pages=("*i32", "*i32", ("i32", "i32"), "i32", "i32"))
+for page in (16, 128):  # one page id per key / per 128-key block
+    consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
+                  DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, USE_TMA=True, PAGE_SIZE=page, cu_seqlens_k=None,
+                  QKDescale=None, VDescale=None, AlibiSlopes=None)
+    kernel = compile_for_sm90(attn_fwd_kernel, types, consts, num_stages=3, num_warps=8)
+    assert "wgmma" in kernel.asm["ptx"], f"paged forward (pages of {page}) not on wgmma"
+    assert kernel.metadata.shared <= 227 * 1024
+    if page == 128:
+        assert spilled_bytes(kernel) == 0, "paged forward spills"
+print("compiled")
+'''
+
+
+def test_paged_forward_compiles_for_hopper_without_a_gpu():
+    """The paged forward (pages smaller than a KV block, and pages of whole blocks) compiles for sm_90 with its dots
+    on wgmma and within shared memory; whole-block pages without spills."""
+    run_sm90_compile_script(_PAGED_COMPILE_SCRIPT)
 
 
 # ----------------------------------------------------------------------------------------------------------------
