@@ -374,6 +374,12 @@ def test_device_metadata_is_not_read_unless_validate(gen, device_metadata):
     with pytest.raises(ValueError, match="max_seqlen_k"):
         flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 3, 8, validate=True, **call)
     assert device_metadata == [3]  # one copy of cu_seqlens_q, seqused_k and block_table together
+    bad = table.clone()
+    bad[1, 2] = kp.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]"):
+        flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 3, 9, validate=True, block_table=bad, seqused_k=used)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        flashdecode.flash_attn_varlen(q, kp, vp, _int32([0, 6, 5]), None, 3, 9, validate=True, **call)
 
 
 def test_unchecked_bad_pages_are_absent_keys(gen, device_metadata):
