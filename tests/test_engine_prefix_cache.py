@@ -1,0 +1,178 @@
+"""Prefix caching and chunked prefill in the engine (tiny checkpoint, CPU): the same greedy tokens and logprobs as
+without them, whatever was cached, shared, evicted, preempted or chunked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import random_prompts, save_tiny
+from flashdecode.engine import LLM, SamplingParams
+
+PAGE = 4
+LOGPROB_TOL = 1e-4  # fp32: the cached prefix's K/V attended from the pages instead of the step's own copy
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("prefix") / "llama", "llama")
+
+
+def make(ckpt, **kw):
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("max_model_len", 96)
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(ckpt, device="cpu", dtype=kw.pop("dtype", "float32"), use_tqdm=False, **kw)
+
+
+def greedy(n, logprobs=True, **kw):
+    return SamplingParams(max_new_tokens=n, logprobs=1 if logprobs else None, ignore_eos=True, **kw)
+
+
+def run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def assert_same(got, want, tol=LOGPROB_TOL):
+    """Tokens equal; each step's logprob of the chosen token within ``tol``."""
+    for g_req, w_req in zip(got, want, strict=True):
+        for (g_ids, g_lp), (w_ids, w_lp) in zip(g_req, w_req, strict=True):
+            assert g_ids == w_ids
+            if w_lp is not None:
+                for tok, g, w in zip(g_ids, g_lp, w_lp, strict=True):
+                    assert abs(g[tok] - w[tok]) <= tol, (tok, g[tok], w[tok])
+
+
+def shared_prefix_prompts(system_len=13, tails=(3, 6, 1, 9), seed=0):
+    system = random_prompts([system_len], seed=seed)[0]
+    return [system + t for t in random_prompts(tails, seed=seed + 1)]
+
+
+def test_shared_system_prompt_reuses_pages_and_matches_caching_off(ckpt):
+    prompts = shared_prefix_prompts()
+    want = run(make(ckpt, enable_prefix_caching=False), prompts, greedy(6))
+    llm = make(ckpt, enable_prefix_caching=True, max_num_seqs=1)  # one at a time: each later one finds the prefix
+    assert_same(run(llm, prompts, greedy(6)), want)
+    stats = llm.prefix_cache_stats
+    assert stats.queries == sum(len(p) for p in prompts)
+    assert stats.hits == 3 * (13 // PAGE) * PAGE  # the 3 pages of the 13-token system prompt, for the 3 later ones
+    # run again: whole prompts (and the generated pages) are cached now, the last token is still computed
+    assert_same(run(llm, prompts, greedy(6)), want)
+    assert stats.hits > 3 * 12 + sum((len(p) - 1) // PAGE * PAGE for p in prompts) - 1
+
+
+def test_multi_turn_resend_matches_caching_off(ckpt):
+    """Each turn resends the conversation so far (prompt + reply + a new user message): the earlier turns'
+    pages, decoded ones included, are found in the cache."""
+    turns = random_prompts([7, 5, 6], seed=3)
+
+    def converse(llm):
+        history, replies = [], []
+        for user in turns:
+            history = history + user
+            out = llm.generate([history], greedy(5), use_tqdm=False)[0]
+            replies.append([(out.token_ids, out.outputs[0].logprobs)])
+            history = history + out.token_ids
+        return replies
+
+    want = converse(make(ckpt, enable_prefix_caching=False))
+    llm = make(ckpt)  # on by default here
+    assert llm.enable_prefix_caching
+    assert_same(converse(llm), want)
+    assert llm.prefix_cache_stats.hits >= (7 + 5) // PAGE * PAGE + (7 + 5 + 5 + 5) // PAGE * PAGE - PAGE
+
+
+def test_n_completions_share_the_prompt_and_match(ckpt):
+    prompts = shared_prefix_prompts(tails=(5, 2))
+    params = SamplingParams(max_new_tokens=6, n=3, temperature=0.8, seed=7, logprobs=1)
+    want = run(make(ckpt, enable_prefix_caching=False), prompts, params)
+    assert_same(run(make(ckpt, enable_prefix_caching=True), prompts, params), want)
+
+
+def test_preemption_with_a_tiny_pool_matches_caching_off(ckpt):
+    """Pages run out while decoding: sequences are preempted, recomputed (partly from their own cached pages) and
+    cached pages are evicted; the outputs do not change."""
+    prompts = shared_prefix_prompts(system_len=9, tails=(2, 4, 3, 5, 1))
+    kw = dict(kv_cache_memory=None, max_num_seqs=4)
+    want = run(make(ckpt, enable_prefix_caching=False, **kw), prompts, greedy(14))
+    llm = make(ckpt, enable_prefix_caching=True, **kw)
+    small = make(ckpt, enable_prefix_caching=True, max_num_seqs=4, kv_cache_memory=_pages_bytes(llm, 12))
+    outs = small.generate(prompts, greedy(14), use_tqdm=False)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert_same([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], want)
+    bm = small.block_manager
+    assert bm.num_free == bm.num_pages and not bm.tables  # every page back: free or evictable
+
+
+def _pages_bytes(llm, pages: int) -> int:
+    from flashdecode.engine.kv_cache import bytes_per_page
+
+    cfg = llm.config
+    return pages * bytes_per_page(cfg.num_hidden_layers, PAGE, cfg.num_key_value_heads, cfg.head_dim, llm.dtype)
+
+
+def test_fp16_prefix_caching_matches(ckpt):
+    prompts = shared_prefix_prompts(tails=(4, 7))
+    want = run(make(ckpt, dtype="float16", enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(5))
+    got = run(make(ckpt, dtype="float16", enable_prefix_caching=True, max_num_seqs=1), prompts, greedy(5))
+    assert_same(got, want, tol=2e-2)
+
+
+def test_8bit_pages_share_pages_with_their_scales(ckpt):
+    """8-bit pages: off by default; on, a hit reuses the pages and their scales (the cached prefix is then read
+    8-bit, so logprobs differ a little from off)."""
+    assert not make(ckpt, kv_cache_dtype="int8").enable_prefix_caching
+    prompts = shared_prefix_prompts(tails=(4, 7))
+    want = run(make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(5))
+    llm = make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=True, max_num_seqs=1)
+    assert_same(run(llm, prompts, greedy(5)), want, tol=5e-2)
+    assert llm.prefix_cache_stats.hits == 12
+
+
+def test_refusals(ckpt):
+    llm = make(ckpt, enable_prefix_caching=True, kv_cache_memory=_pages_bytes(make(ckpt), 4))
+    llm.generate([[1] * 9], greedy(3), use_tqdm=False)  # 3 pages: fits, and its first 2 pages stay cached
+    with pytest.raises(ValueError, match="KV pages"):  # cached pages do not make room: 5 pages never fit in 4
+        llm.generate([[1] * 10], greedy(10), use_tqdm=False)
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        make(ckpt, enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=4, max_num_seqs=8)
+
+
+# ---------------------------------------------------------------------------------------------- chunked prefill
+@pytest.mark.parametrize("caching", [False, True])
+def test_chunked_prefill_long_prompt_arrives_while_others_decode(ckpt, caching):
+    """Short requests decode; a long prompt arrives and is prefilled in chunks of at most 8 tokens less the
+    decodes, while the others keep getting a token every step. Same greedy tokens (and logprobs) as unchunked."""
+    short = random_prompts([5, 3, 6], seed=11)
+    long = random_prompts([45], seed=12)[0]
+
+    def serve(llm):
+        seqs = [llm.add_request(p, greedy(12))[0] for p in short]
+        for _ in range(3):
+            llm.step()
+        seqs += llm.add_request(long, greedy(8))
+        stalls = 0
+        while llm.scheduler.has_work():
+            before = [len(s) for s in seqs[:3] if not s.finished]
+            llm.step()
+            stalls += any(len(s) == n for s, n in zip([s for s in seqs[:3] if not s.finished], before))
+        return [[(s.output_token_ids, s.logprobs)] for s in seqs], stalls
+
+    want, _ = serve(make(ckpt, enable_prefix_caching=False))
+    llm = make(ckpt, enable_prefix_caching=caching, enable_chunked_prefill=True, max_num_batched_tokens=8,
+               max_num_seqs=4)
+    got, stalls = serve(llm)
+    assert_same(got, want)
+    assert stalls == 0  # no decode step was skipped for the long prompt
+
+
+def test_chunked_prefill_many_prompts_and_preemption(ckpt):
+    prompts = random_prompts([30, 3, 17, 9, 22], seed=13)
+    want = run(make(ckpt, enable_prefix_caching=False), prompts, greedy(10))
+    llm = make(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=7, max_num_seqs=3,
+               kv_cache_memory=_pages_bytes(make(ckpt), 16))
+    outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+    assert_same([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], want)
