@@ -54,12 +54,12 @@ def test_shared_system_prompt_reuses_pages_and_matches_caching_off(ckpt):
     want = run(make(ckpt, enable_prefix_caching=False), prompts, greedy(6))
     llm = make(ckpt, enable_prefix_caching=True, max_num_seqs=1)  # one at a time: each later one finds the prefix
     assert_same(run(llm, prompts, greedy(6)), want)
-    stats = llm.prefix_cache_stats
-    assert stats.queries == sum(len(p) for p in prompts)
-    assert stats.hits == 3 * (13 // PAGE) * PAGE  # the 3 pages of the 13-token system prompt, for the 3 later ones
+    stats = llm.stats
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert stats.prefix_cache_hits == 3 * (13 // PAGE) * PAGE  # the 3 pages of the 13-token system prompt, for the 3 later ones
     # run again: whole prompts (and the generated pages) are cached now, the last token is still computed
     assert_same(run(llm, prompts, greedy(6)), want)
-    assert stats.hits > 3 * 12 + sum((len(p) - 1) // PAGE * PAGE for p in prompts) - 1
+    assert stats.prefix_cache_hits > 3 * 12 + sum((len(p) - 1) // PAGE * PAGE for p in prompts) - 1
 
 
 def test_multi_turn_resend_matches_caching_off(ckpt):
@@ -80,7 +80,7 @@ def test_multi_turn_resend_matches_caching_off(ckpt):
     llm = make(ckpt)  # on by default here
     assert llm.enable_prefix_caching
     assert_same(converse(llm), want)
-    assert llm.prefix_cache_stats.hits >= (7 + 5) // PAGE * PAGE + (7 + 5 + 5 + 5) // PAGE * PAGE - PAGE
+    assert llm.stats.prefix_cache_hits >= (7 + 5) // PAGE * PAGE + (7 + 5 + 5 + 5) // PAGE * PAGE - PAGE
 
 
 def test_n_completions_share_the_prompt_and_match(ckpt):
@@ -127,7 +127,7 @@ def test_8bit_pages_share_pages_with_their_scales(ckpt):
     want = run(make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(5))
     llm = make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=True, max_num_seqs=1)
     assert_same(run(llm, prompts, greedy(5)), want, tol=5e-2)
-    assert llm.prefix_cache_stats.hits == 12
+    assert llm.stats.prefix_cache_hits == 12
 
 
 def test_refusals(ckpt):
@@ -176,3 +176,30 @@ def test_chunked_prefill_many_prompts_and_preemption(ckpt):
                kv_cache_memory=_pages_bytes(make(ckpt), 16))
     outs = llm.generate(prompts, greedy(10), use_tqdm=False)
     assert_same([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], want)
+
+
+def test_bench_serve_workload_plans():
+    """The bench serve workloads' requests: a shared system prompt, conversations of turns, streams + one long
+    prompt; warm-up prompts share nothing with them."""
+    import argparse
+
+    from flashdecode.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    base = ["--num-requests", "3", "--prompt-len", "5", "--output-len", "4"]
+    args = parser.parse_args(base + ["--workload", "shared-prefix", "--prefix-len", "11"])
+    prompts, workload, warm = serve.workload_plan(args, 160, "m")
+    assert workload is None and [len(p) for p in prompts] == [16] * 3 and len({tuple(p[:11]) for p in prompts}) == 1
+    assert len({tuple(p[11:]) for p in prompts}) == 3 and not {tuple(w[:11]) for w in warm} & {tuple(prompts[0][:11])}
+    assert serve.workload_max_model_len(args) == 11 + 5 + 4 + 8
+    args = parser.parse_args(base + ["--workload", "multi-turn", "--turns", "4"])
+    _, (name, turns, common), _ = serve.workload_plan(args, 160, "m")
+    assert name == "multi-turn" and len(turns) == 3 and all(len(t) == 4 and len(t[0]) == 5 for t in turns)
+    assert common["max_tokens"] == 4 and serve.workload_max_model_len(args) == 4 * 9 + 4 + 8
+    args = parser.parse_args(base + ["--workload", "chunked-prefill", "--long-prompt-len", "50", "--long-after", "2"])
+    _, (name, streams, long, after), _ = serve.workload_plan(args, 160, "m")
+    assert name == "chunked-prefill" and len(streams) == 3 and len(long["prompt"]) == 50 and after == 2
+    records = [{"times": [0.0, 1.0, 1.5, 4.0]}, {"times": [0.5, 2.5]}]
+    assert serve.inter_token_gaps(records) == [1.0, 0.5, 2.5, 2.0]
+    assert serve.inter_token_gaps(records, 1.2, 3.0) == [0.5, 2.0]

@@ -58,20 +58,6 @@ class PageKey:
         return True
 
 
-@dataclasses.dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters in tokens (vLLM v1's prefix_cache_queries / prefix_cache_hits): ``queries`` prompt
-    tokens looked up when sequences were admitted (recomputed preempted sequences included), ``hits`` of them
-    found in cached pages. Monotonic; the server exports them."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefixMatch:
     """The longest cached prefix of a token list: its pages' keys and ids (in order) and the tokens they hold."""
@@ -114,7 +100,6 @@ class BlockManager:
         self.cached: dict[PageKey, int] = {}  # key -> the page registered under it
         self.page_keys: dict[int, PageKey] = {}  # registered page -> its key
         self.seq_keys: dict[int, list[PageKey]] = {}  # a sequence's full, written pages' keys, in order
-        self.stats = PrefixCacheStats()
 
     @property
     def num_free(self) -> int:

@@ -157,7 +157,7 @@ class LLM:
             everything before them, and a request starting with cached pages shares them and prefills only the
             rest (engine/kv_cache.py). None (default) = on, except for 8-bit pages (off: a cached prefix is read
             8-bit, a fresh one is not) and where it cannot run (context parallelism, dynamic rope: ValueError
-            when True). ``prefix_cache_stats`` counts queried / hit prompt tokens.
+            when True). ``stats`` counts the prompt tokens looked up and found cached.
         enable_chunked_prefill: each step runs every running decode (the CUDA-graph step) and then, in a second
             forward, up to max_num_batched_tokens minus the decodes of prompt tokens (chunks of long prompts,
             attending their earlier chunks in the pages): a long prompt no longer stalls the running streams.
@@ -305,9 +305,10 @@ class LLM:
         return enable
 
     @property
-    def prefix_cache_stats(self):
-        """PrefixCacheStats (queries, hits: prompt tokens looked up / found cached; hit_rate), monotonic."""
-        return self.block_manager.stats
+    def stats(self):
+        """The engine's counters (scheduler.EngineStats: prefix_cache_queries / prefix_cache_hits in prompt
+        tokens, ...), monotonic."""
+        return self.scheduler.stats
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page no sequence uses (benchmarks: a cold cache). Returns how many pages."""

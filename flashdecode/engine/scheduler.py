@@ -27,6 +27,16 @@ from flashdecode.engine.kv_cache import BlockManager
 from flashdecode.engine.sampling import SamplingParams
 
 
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started, read by the server's metrics: the prompt tokens the prefix cache looked
+    up when it admitted a sequence (``prefix_cache_queries``; a recomputed preempted one counts again) and those it
+    found cached (``prefix_cache_hits``)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -118,6 +128,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: collections.deque[Sequence] = collections.deque()
         self.num_preemptions = 0
+        self.stats = EngineStats()
 
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if a request could never run (longer than max_model_len or the whole page pool; cached
@@ -178,8 +189,9 @@ class Scheduler:
             if not self.blocks.can_allocate(cached + todo, prefix):
                 break
             self.blocks.allocate(seq.seq_id, cached + todo, prefix)
-            self.blocks.stats.queries += len(seq)
-            self.blocks.stats.hits += cached
+            if self.blocks.enable_prefix_caching:
+                self.stats.prefix_cache_queries += len(seq)
+                self.stats.prefix_cache_hits += cached
             self.waiting.popleft()
             seq.status, seq.prefilling = Status.RUNNING, True
             seq.num_computed_tokens = seq.num_cached_tokens = cached
