@@ -21,15 +21,19 @@ Differences from flash-attn 2.x (everything else is the same):
     those accept ``alibi_slopes``, and raise ValueError naming it where they do not.
   - return_attn_probs=True returns (out, softmax_lse, S_dmask) with S_dmask an empty tensor of shape (0,) - what
     flash-attn itself returns when dropout_p == 0; the attention probabilities are never materialised.
-  - flash_attn_varlen_func's block_table (paged K/V for varlen prefill) raises ValueError: not supported.
+  - flash_attn_varlen_func's block_table (paged K/V, cu_seqlens_k giving each sequence's keys) is forward only
+    (ValueError when an input requires grad), as is every paged call.
   - Also accepted where flash-attn refuses: float32 inputs (IEEE-precision dots), any head dim 1..256, any strides
     of q/k/v in the prefill functions (no copies, no unit head-dim stride needed), any page size >= 1 for
     flash_attn_with_kvcache's block_table (flash-attn: a multiple of 256), any even rotary dim (flash-attn: a
     multiple of 16), rotary_cos/rotary_sin in any float dtype (the rotation is computed in float32).
   - flash_attn_with_kvcache:
-      * seqlen_q > 1 with causal=False is supported for full attention and for window_size right bounds that do
-        not cut any row (right = -1 or >= seqlen_q - 1, left = -1); other non-causal windows with seqlen_q > 1
-        raise ValueError (the decode kernels mask keys after each row's position only).
+      * with block_table, chunks of heuristics.KVCACHE_PREFILL_MIN_QUERIES new tokens or more (and shorter ones
+        whose mask the decode kernels cannot express) run the paged prefill kernel (ops/paged_prefill.py): every
+        window, softcap and ALiBi.
+      * without block_table, seqlen_q > 1 with causal=False is supported for full attention and for window_size
+        right bounds that do not cut any row (right = -1 or >= seqlen_q - 1, left = -1); other non-causal windows
+        with seqlen_q > 1 raise ValueError (the decode kernels mask keys after each row's position only).
       * cache_seqlens=None means every sequence holds the cache's full capacity; it cannot be combined with k/v.
       * block_table with cache_batch_idx or cache_leftpad raises ValueError (flash-attn refuses them too);
         cache_leftpad needs a contiguous cache whose batch stride is seqlen_cache x its row stride (it is read as
@@ -52,8 +56,10 @@ from typing import Optional, Union
 
 import torch
 
+from flashdecode import heuristics
 from flashdecode.ops import checks
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
+from flashdecode.ops.paged_prefill import paged_prefill
 from flashdecode.ops.decode import append_kv, flash_decode
 from flashdecode.ops.decode_policy import check_alibi_slopes
 
@@ -167,16 +173,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths; max_seqlen_q/k: ints >= the longest.
-        block_table: must be None (paged varlen K/V is not supported). Other options as flash_attn_func.
+        block_table: None, or int32 (batch, max_blocks): k, v are then paged caches (num_blocks, block_size,
+            nheads_k, headdim) and sequence b attends to its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cached
+            keys (forward only). Other options as flash_attn_func.
     Returns:
         out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) float32, S_dmask (empty)].
     """
     _check_unsupported(dropout_p, alibi_slopes, flash_attn_varlen)
-    if block_table is not None:
-        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; use "
-                         "flash_attn_with_kvcache or flashdecode.flash_decode for paged caches")
     out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
-                                 **_options(softmax_scale, causal, window_size, softcap, deterministic,
+                                 block_table=block_table, **_options(softmax_scale, causal, window_size, softcap, deterministic,
                                             alibi_slopes))
     return _result(out, lse, return_attn_probs)
 
@@ -267,10 +272,10 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
 def _mask_plan(seqlen_q: int, causal: bool, window_size):
     """How the decode kernels express flash-attn's (causal, window) for seqlen_q new query rows.
 
-    Returns (fold_rows_into_heads, left): the kernels always mask keys after a row's position (bottom-right
-    aligned) and take a left window. seqlen_q == 1 or a causal right bound (0) map directly. Full attention of
-    several rows (non-causal, no window that cuts a row) folds the rows into the head dim: each folded row then
-    sees every key. Other non-causal windows with several rows raise."""
+    Returns (fold_rows_into_heads, left), or None where they cannot: the kernels always mask keys after a row's
+    position (bottom-right aligned) and take a left window. seqlen_q == 1 or a causal right bound (0) map directly.
+    Full attention of several rows (non-causal, no window that cuts a row) folds the rows into the head dim: each
+    folded row then sees every key. Other non-causal windows with several rows give None."""
     checks.check_bool("causal", causal)
     left, right = checks.check_window(tuple(window_size) if isinstance(window_size, list) else window_size)
     if causal:
@@ -279,8 +284,31 @@ def _mask_plan(seqlen_q: int, causal: bool, window_size):
         return False, left
     if left == -1 and (right == -1 or right >= seqlen_q - 1):
         return True, -1
-    raise ValueError(f"window_size={tuple(window_size)} with causal=False and seqlen_q={seqlen_q} > 1 is not "
-                     "supported by flash_attn_with_kvcache (only causal masks, or non-causal full attention)")
+    return None
+
+
+def _check_decode_masks(mask, seqlen_q: int, window_size, alibi_slopes):
+    """ValueError where the decode kernels cannot run a call (mask: _mask_plan's answer) and no paged prefill
+    takes it instead."""
+    if mask is None:
+        raise ValueError(f"window_size={tuple(window_size)} with causal=False and seqlen_q={seqlen_q} > 1 is not "
+                         "supported by flash_attn_with_kvcache without block_table (only causal masks, or "
+                         "non-causal full attention; a paged cache takes any window)")
+    if mask[0] and alibi_slopes is not None:
+        raise ValueError("alibi_slopes with causal=False and seqlen_q > 1 is not supported by "
+                         "flash_attn_with_kvcache without block_table (keys after a row's position would need their "
+                         "own bias; a paged cache takes it)")
+
+
+def _paged_prefill_with_kvcache(q, k_cache, v_cache, lengths, block_table, max_seqlen_k: int, **options):
+    """Attention of q (batch, seqlen_q, nheads, headdim) against a paged cache whose lengths (int32 (batch,)) already
+    count the new tokens: the paged prefill kernel over q packed as a varlen batch of seqlen_q rows per sequence.
+    Returns (out like q, lse (batch, nheads, seqlen_q) float32)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    out, lse = paged_prefill(q.reshape(batch * seqlen_q, nheads, headdim), k_cache, v_cache, cu_seqlens_q, lengths,
+                             block_table, seqlen_q, max_seqlen_k, return_lse=True, **options)
+    return out.view(batch, seqlen_q, nheads, headdim), lse.view(nheads, batch, seqlen_q).transpose(0, 1)
 
 
 def _check_rotary(rotary_cos, rotary_sin, q, k, capacity: int):
@@ -409,11 +437,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checks.check_bool("return_softmax_lse", return_softmax_lse)
     num_splits = checks.check_int("num_splits", num_splits, minimum=0)
     _check_cache_and_new(q, k_cache, v_cache, k, v)
-    fold, left = _mask_plan(seqlen_q, causal, window_size)
+    mask = _mask_plan(seqlen_q, causal, window_size)
     check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
-    if fold and alibi_slopes is not None:
-        raise ValueError("alibi_slopes with causal=False and seqlen_q > 1 is not supported by "
-                         "flash_attn_with_kvcache (keys after a row's position would need their own bias)")
+    decode_can_mask = mask is not None and not (mask[0] and alibi_slopes is not None)
+    prefill = block_table is not None and heuristics.kvcache_uses_prefill(seqlen_q, decode_can_mask)
+    if not prefill:
+        _check_decode_masks(mask, seqlen_q, window_size, alibi_slopes)
     if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
         raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
     lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
@@ -456,6 +485,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=q.device)
         kv_k, kv_v, table, lengths = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, lengths)
 
+    if prefill:
+        out, lse = _paged_prefill_with_kvcache(
+            q, kv_k, kv_v, lengths, table, _host_length_bound(q, host_bound, seqlen_new, capacity) or capacity,
+            causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
+            alibi_slopes=alibi_slopes)
+        return (out, lse.contiguous()) if return_softmax_lse else out
+    fold, left = mask
     decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
                      num_splits=num_splits or None, return_lse=True, alibi_slopes=alibi_slopes,
                      max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))

@@ -672,6 +672,19 @@ PREFILL_INTERPRET_BLOCKS = (32, 32)
 _PREFILL_TILES_HELD_STREAMED = {"fwd": (1, 2), "bwd_dkdv": (2, 2), "bwd_dq": (2, 2), "bwd_atomic": (4, 2)}
 
 
+# flash_attn_with_kvcache over a paged cache sends this many new query tokens per sequence (and more) to the paged
+# prefill kernel (one program per 128 query rows of a head, no KV split); fewer stay on the split-KV decode kernels,
+# which pack a kv group's rows into one tile. Not yet timed (docs/decisions.md, "Paged prefill").
+KVCACHE_PREFILL_MIN_QUERIES = 64
+
+
+def kvcache_uses_prefill(seqlen_q: int, decode_can_mask: bool) -> bool:
+    """Whether flash_attn_with_kvcache's paged call of ``seqlen_q`` new tokens per sequence runs the paged prefill
+    kernel: long chunks, or masks the decode kernels cannot express (decode_can_mask False: non-causal windows
+    that cut rows, ALiBi on non-causal rows)."""
+    return seqlen_q >= KVCACHE_PREFILL_MIN_QUERIES or (seqlen_q > 1 and not decode_can_mask)
+
+
 def use_bwd_tma(max_seqlen_k: int, deterministic: bool) -> bool:
     """Default for the tensor-descriptor backward (the caller still checks the GPU and the layout): long sequences,
     deterministic mode only (the atomic mode with descriptors was never timed)."""

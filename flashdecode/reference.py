@@ -28,6 +28,7 @@ __all__ = [
     "attention_fp8_ref",
     "attention_blockwise_ref",
     "attention_varlen_ref",
+    "paged_prefill_ref",
     "decode_ref",
     "decode_split_ref",
     "merge_states_ref",
@@ -222,6 +223,21 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, soft
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, -1)
+
+
+def paged_prefill_ref(q, k_pages, v_pages, cu_seqlens_q, seqused_k, block_table, causal=False, softmax_scale=None,
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Prefill over a paged KV cache: q (total_q, nheads, headdim) packed by int32 cu_seqlens_q (batch + 1,);
+    k_pages, v_pages (num_pages, page_size, nheads_kv, headdim); block_table int32 (batch, max_pages); seqused_k
+    int (batch,): sequence b's keys are the first seqused_k[b] positions of its pages, its query rows the last
+    positions (bottom-right aligned). Returns out (total_q, nheads, headdim), lse (nheads, total_q)."""
+    lens = [int(n) for n in seqused_k.tolist()]
+    keys, values = contiguous_from_paged(k_pages, v_pages, block_table)
+    k = torch.cat([keys[i, :n] for i, n in enumerate(lens)], 0)  # packed as a varlen batch
+    v = torch.cat([values[i, :n] for i, n in enumerate(lens)], 0)
+    cu_seqlens_k = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_size, softcap,
+                                alibi_slopes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

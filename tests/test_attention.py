@@ -492,9 +492,9 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
         best_config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
 
     kernel._record(Tuned(), Compiled(), nargs)
-    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False, False, False, False)
+    assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False, False, False, False, 0)
     assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA", "IS_FP8",
-                                                                          "HAS_ALIBI", "FP8_SOFT_ROUND"]
+                                                                          "HAS_ALIBI", "FP8_SOFT_ROUND", "PAGE_SIZE"]
     monkeypatch.setattr(attn_ops, "_current_stream", lambda index: 7)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     args = tuple(range(nargs))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashdecode.kernels.decode_gather import kv_rows
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # FP8 forward: P (in [0, 1]) is multiplied by 2**8 before rounding to e4m3, so that probabilities down to 2**-17
@@ -128,6 +130,13 @@ def load_rows(ptrs, row_idx, nrows, d_mask, CHECK_ROWS: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
+def load_page_rows(base, rows, offs_d, key_ok, d_mask):
+    """(BLOCK_N, HEAD_DIM_PAD) tile of a paged cache (unit head-dim stride) at element offsets ``rows`` from base;
+    keys that are not key_ok and padded head-dim columns read as 0 (their addresses are never dereferenced)."""
+    return tl.load(base + rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def sequence_bounds(batch, cu_seqlens, seqlen_dense, total, IS_VARLEN: tl.constexpr):
     """(start, length) of sequence ``batch``: from int32 cu_seqlens (packed varlen, clamped into the ``total``
     packed rows: cu_seqlens the host never checked may give wrong rows, never rows outside the tensor) or the
@@ -165,7 +174,8 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, IS_FP8: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
-                   FP8_SOFT_ROUND: tl.constexpr = False, V_TMA: tl.constexpr = False):
+                   FP8_SOFT_ROUND: tl.constexpr = False, V_TMA: tl.constexpr = False, pages=None,
+                   PAGE_SIZE: tl.constexpr = 0):
     """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
 
     acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
@@ -177,11 +187,27 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
     v_desc, if V_TMA, covers (HEAD_DIM, seqlen_k)), and P, computed as P * 2**FP8_P_LOG2_SCALE (so is l_i), is
     rounded to e4m3 for the fp8 PV dot (the factor cancels in acc / l_i; the epilogue takes it out of the lse).
     HAS_ALIBI: alibi_slope (log2 units) times -|q_pos - k_pos| is added to the logits after the softcap.
+    PAGE_SIZE > 0 (paged cache, pointer path, unit head-dim stride): k_base / v_base point at the kv head's first
+    element of page 0; pages = (bt_row, num_pages, stride_page): the sequence's block-table row, the cache's page
+    count and page stride (shared by K and V, whose token stride is stride_kn). Each block's keys find their page
+    ids in the table (kernels.decode_gather.kv_rows: one id per block where pages hold whole blocks, one per key
+    otherwise); keys whose id lies outside [0, num_pages) load nothing and score -inf, in every block.
     """
+    PAGED: tl.constexpr = PAGE_SIZE > 0
+    # blocks that may hold keys with no score (masked, or on an absent page) guard rows that have seen none yet
+    GUARD: tl.constexpr = MASKED or PAGED
+    if PAGED:
+        bt_row, num_pages, stride_page = pages
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     for start_n in tl.range(start, end, BLOCK_N):
-        if USE_TMA:
+        if PAGED:
+            rows, key_ok = kv_rows(bt_row, start_n, start_n + offs_n, seqlen_k, num_pages, stride_page, stride_kn,
+                                   0, 0, PAGE_SIZE, BLOCK_N, MASKED, 0, False)
+            if MASKED:  # (kv_rows reads the table only below seqlen_k there; keys past it may name page 0)
+                key_ok = key_ok & (start_n + offs_n < seqlen_k)
+            k = load_page_rows(k_base, rows, offs_d, key_ok, d_mask)
+        elif USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
@@ -193,8 +219,10 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
             vis = visible(q_pos[:, None], (start_n + offs_n)[None, :], seqlen_k, window_left, window_right,
                           HAS_LEFT, HAS_RIGHT)
             s = tl.where(vis, s, float("-inf"))
+        if PAGED:  # keys of absent pages (a block table the host never checked): no score, by their ids
+            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
+        if GUARD:
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
@@ -204,7 +232,9 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         else:
             p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_TMA:
+        if PAGED:
+            v = load_page_rows(v_base, rows, offs_d, key_ok, d_mask)
+        elif V_TMA:
             if IS_FP8:  # V^T tile (HEAD_DIM_PAD, BLOCK_N): K-major for the fp8 wgmma
                 v = tl.trans(v_desc.load([0, start_n]))
             else:
@@ -244,11 +274,11 @@ def attn_fwd_kernel(
     q_strides, k_strides, v_strides, o_strides, lse_strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
     qk_scale, softcap_log2, window_left, window_right, alibi_batch_stride,
-    bucket_q, bucket_k,
+    bucket_q, bucket_k, kv_pages,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, IS_FP8: tl.constexpr = False,
-    HAS_ALIBI: tl.constexpr = False, FP8_SOFT_ROUND: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False, FP8_SOFT_ROUND: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 0,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
@@ -269,13 +299,28 @@ def attn_fwd_kernel(
     HAS_ALIBI: AlibiSlopes fp32, slope of (batch, head) at batch * alibi_batch_stride + head (batch stride 0 for
     one slope per head); the bias -slope * |i + seqlen_k - seqlen_q - j| joins the
     logits after the softcap (flash-attn's order).
+
+    PAGE_SIZE > 0 (paged prefill; IS_VARLEN, forward only, not FP8): K and V are caches (num_pages, PAGE_SIZE,
+    nheads_kv, HEAD_DIM) with one set of strides (k_strides = (page, token, head, dim), unit dim stride; v_strides
+    equal) read through pointers; kv_pages = (BlockTable, SeqUsedK, bt_strides, max_pages, num_pages): int32
+    BlockTable (batch, max_pages) with (batch, page) strides bt_strides, int32 SeqUsedK (batch,) the keys of each
+    sequence (clamped into [0, max_pages * PAGE_SIZE]: no key past the table), num_pages the cache's page count
+    (ids outside [0, num_pages) are absent keys); cu_seqlens_k and total_k are unused. kv_pages is None otherwise.
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
+    PAGED: tl.constexpr = PAGE_SIZE > 0
+    if PAGED:
+        block_table, seqused_k, bt_strides, max_pages, num_pages = kv_pages
+        k_start = seqlen_q * 0
+        seqlen_k = tl.minimum(tl.maximum(tl.load(seqused_k + batch), 0), max_pages * PAGE_SIZE)
+        pages = (block_table + batch.to(tl.int64) * bt_strides[0], num_pages, k_strides[0])
+    else:
+        k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
+        pages = None
     if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
         pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
@@ -289,18 +334,25 @@ def attn_fwd_kernel(
     d_mask = offs_d < HEAD_DIM
 
     q_base = head_base(Q, q_strides, batch, q_start, head)
-    k_base = head_base(K, k_strides, batch, k_start, head_kv)
-    v_base = head_base(V, v_strides, batch, k_start, head_kv)
+    if PAGED:  # the kv head's column of page 0: blocks add their page and token offsets
+        k_base = K + head_kv.to(tl.int64) * k_strides[2]
+        v_base = V + head_kv.to(tl.int64) * v_strides[2]
+    else:
+        k_base = head_base(K, k_strides, batch, k_start, head_kv)
+        v_base = head_base(V, v_strides, batch, k_start, head_kv)
+    # K/V descriptors cover one sequence of a contiguous tensor: a paged cache reads K/V through pointers (Q and
+    # Out keep their descriptors)
+    KV_TMA: tl.constexpr = USE_TMA and not PAGED
     # FP8 varlen: V^T columns of a sequence start at any packed row, which a descriptor cannot address (its
     # column offsets must be 16-byte aligned), so V goes through pointers there (Q, K, Out keep descriptors)
-    V_TMA: tl.constexpr = USE_TMA and not (IS_FP8 and IS_VARLEN)
+    V_TMA: tl.constexpr = KV_TMA and not (IS_FP8 and IS_VARLEN)
     if IS_FP8:  # descales: q * k of (sequence, head) into the logit scale, v of (sequence, kv head) at the end
         qk_scale = qk_scale * tl.load(QKDescale + batch * tl.num_programs(1) + head)
         v_descale = tl.load(VDescale + batch * (tl.num_programs(1) // group_size) + head_kv)
     alibi_slope = qk_scale * 0.0
     if HAS_ALIBI:
         alibi_slope = tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
-    if USE_TMA:
+    if KV_TMA:
         k_desc = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         if not V_TMA:
             v_desc = v_base
@@ -309,10 +361,12 @@ def attn_fwd_kernel(
                                                block_shape=[HEAD_DIM_PAD, BLOCK_N])
         else:
             v_desc = sequence_descriptor(v_base, seqlen_k, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        q = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
     else:
         k_desc = k_base
         v_desc = v_base
+    if USE_TMA:
+        q = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD).load([m_start, 0])
+    else:
         q = load_rows(q_base + offs_m[:, None] * q_strides[1] + offs_d[None, :] * q_strides[3], offs_m, seqlen_q,
                       d_mask, True, EVEN_D)
 
@@ -327,19 +381,20 @@ def attn_fwd_kernel(
                                        v_strides[1], v_strides[3], lo, full_lo, q_pos, offs_n, offs_d, d_mask,
                                        seqlen_k, window_left, window_right, qk_scale, softcap_log2,
                                        alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
-                                       BLOCK_N, USE_TMA, IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
+                                       BLOCK_N, KV_TMA, IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages,
+                                       PAGE_SIZE)
     # the bulk: blocks every row sees completely
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
                                    seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
-                                   False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
-                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
+                                   False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, KV_TMA,
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE)
     # diagonal / right window edge / ragged tail: masked
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask,
                                    seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
-                                   True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, USE_TMA,
-                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA)
+                                   True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, KV_TMA,
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE)
 
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0

@@ -360,7 +360,7 @@ def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 _AUTOTUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI"]
+                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE"]
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
 _DKDV_TILE = ("BLOCK_N", "BLOCK_M")
@@ -710,7 +710,7 @@ class _DenseCall:
                 return out, lse.fill_(float("-inf"))
             qk_scale, softcap_log2 = _scale_args(scale, softcap)
             args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
-                    + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets)
+                    + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets + (None,))
             self.kernel(self.grid, args, q.device)
             self._bind()
             return out, lse
@@ -732,7 +732,7 @@ class _DenseCall:
         (around the pointers and the per-call scalars), for the direct launches of later calls."""
         kernel = self.kernel
         if kernel.compiled is not None:
-            self.bound = (self.grid(kernel.meta), (None,) * 5 + self.fixed, (0, *self.buckets, *kernel.tail))
+            self.bound = (self.grid(kernel.meta), (None,) * 5 + self.fixed, (0, *self.buckets, None, *kernel.tail))
 
     def _lse_discard(self):
         """As _GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
@@ -788,7 +788,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
             alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
             nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
-            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets)
+            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets, None)
     plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
@@ -1150,13 +1150,16 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
-                      softmax_scale: Optional[float] = None, window_size=_NO_WINDOW, softcap: float = 0.0,
-                      return_lse: bool = False, deterministic: bool = True, check_seqlens: bool = True,
-                      config: Optional[AttentionConfig] = None, q_descale: Optional[torch.Tensor] = None,
-                      k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
-                      alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
-    """flash_attn over a packed ragged batch (prefill of several prompts in one launch).
+                      cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, *,
+                      causal: bool = False, softmax_scale: Optional[float] = None, window_size=_NO_WINDOW,
+                      softcap: float = 0.0, return_lse: bool = False, deterministic: bool = True,
+                      check_seqlens: bool = True, config: Optional[AttentionConfig] = None,
+                      q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+                      v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                      seqused_k: Optional[torch.Tensor] = None, validate: bool = False):
+    """flash_attn over a packed ragged batch (prefill of several prompts in one launch), or (block_table given)
+    over a paged KV cache.
 
     Args:
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); dtypes and rules as flash_attn.
@@ -1164,6 +1167,14 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             owns rows cu_seqlens[b]:cu_seqlens[b + 1]. Causal/window masks are bottom-right aligned per sequence. The same
             tensor may be passed as both (self-attention; also under torch.compile).
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence (they size the grid).
+        block_table, seqused_k: paged KV (FlashAttention-3's form; forward only, ops/paged_prefill.py): k, v are
+            caches (num_pages, page_size, nheads_kv, headdim) (any page size, unit head-dim stride, one set of
+            strides), block_table int32 (batch, max_pages) their page ids per sequence, seqused_k int32 (batch,)
+            each sequence's keys (new tokens included, already written to the cache). cu_seqlens_k may be None
+            (with seqused_k given; else seqused_k is taken from its differences). Values are checked where they
+            live on the host (unless check_seqlens=False), on the device only with validate=True (one sync).
+            Inputs that require grad, q/k/v_descale and deterministic=False's atomics do not apply (ValueError
+            for the first two).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
         check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
             e.g. a serving engine's prefill step or a CUDA graph. Wrong values then give wrong results, never
@@ -1179,6 +1190,16 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     Returns:
         out (total_q, nheads, headdim) [, lse (nheads, total_q) float32 natural log].
     """
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                             seqused_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, return_lse=return_lse, check_seqlens=check_seqlens, config=config,
+                             alibi_slopes=alibi_slopes, sinks=sinks, validate=validate,
+                             descales=(q_descale, k_descale, v_descale))
+    if seqused_k is not None:
+        raise ValueError("seqused_k is only supported with block_table (paged K/V); for a packed k/v give the "
+                         "lengths through cu_seqlens_k")
+    checks.check_bool("validate", validate)
     _check_tensors_once(q, k, v, 3, "(total, nheads, headdim)")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)
     batch = _check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q", q.device)
@@ -1199,10 +1220,29 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if alibi_slopes is not None:
         alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     config_id = _config_id(config)
-    if check_seqlens:
+    if check_seqlens or validate:
         _check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
                                   ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
     scale, left, right, cap = _normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, cap,
                           deterministic, config_id, descales, alibi_slopes)
     return (out, lse) if return_lse else out
+
+
+def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                  seqused_k, *, descales, **options):
+    """flash_attn_varlen's paged form (block_table given): ops/paged_prefill.py, with seqused_k from cu_seqlens_k's
+    differences where only those are given (a device op, no sync)."""
+    from flashdecode.ops.paged_prefill import paged_prefill
+
+    if any(d is not None for d in descales):
+        raise ValueError("q_descale / k_descale / v_descale are not supported with block_table (paged K/V)")
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("block_table needs seqused_k (int32 (batch,): the keys of each sequence in the cache) "
+                             "or cu_seqlens_k")
+        _check_cu_seqlens_layout("cu_seqlens_k", cu_seqlens_k, cu_seqlens_k.numel() - 1, max_seqlen_k,
+                                 "max_seqlen_k", q.device if isinstance(q, torch.Tensor) else cu_seqlens_k.device)
+        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    return paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                         **options)

@@ -21,13 +21,15 @@ def _check_cache_pair(k_cache, v_cache, dtype, device):
                          f"{k_cache.stride()} and {tuple(v_cache.shape)} / {v_cache.stride()}")
 
 
-def _check_lengths_and_table(cache_seqlens, block_table, batch, device):
-    _check_tensor("cache_seqlens", cache_seqlens, (1,))
+def _check_lengths_and_table(cache_seqlens, block_table, batch, device, name="cache_seqlens"):
+    """int32 (batch,) lengths (called ``name``) and an optional int32 (batch, max_pages_per_seq) block table with a
+    unit last stride, both on ``device``."""
+    _check_tensor(name, cache_seqlens, (1,))
     if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        raise TypeError(f"{name} must be int32, got {cache_seqlens.dtype}")
     if cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
-    _check_device("cache_seqlens", cache_seqlens, device)
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    _check_device(name, cache_seqlens, device)
     if block_table is not None:
         _check_tensor("block_table", block_table, (2,))
         if block_table.dtype != torch.int32:

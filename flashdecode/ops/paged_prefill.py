@@ -1,0 +1,202 @@
+"""Prefill over a paged KV cache: a ragged batch of new query tokens attends to keys already in cache pages.
+
+    flash_attn_varlen(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
+                      block_table=block_table, seqused_k=seqused_k, ...)        (FlashAttention-3's form)
+
+q (total_q, nheads, headdim) packed by int32 cu_seqlens_q (batch + 1,); k_cache, v_cache (num_pages, page_size,
+nheads_kv, headdim) ("NHD" pages, any page size >= 1, unit head-dim stride, one set of strides for both); int32
+block_table (batch, max_pages) lists each sequence's pages in key order; int32 seqused_k (batch,) its key count
+(the new tokens included: they are appended to the cache first, e.g. by append_kv). Masks are bottom-right aligned
+per sequence: query row i of a sequence with Lq new tokens and Lk keys sits at key position i + Lk - Lq.
+
+Forward only (as in FlashAttention-3: no gradient flows into a cache). The Triton forward (kernels/fwd.py,
+PAGE_SIZE > 0) finds each key block's pages in the table; keys on an id outside the cache are absent (masked,
+never read). Metadata values (cu_seqlens_q, seqused_k, block_table ids, max_seqlen_q/k bounds) are checked on the
+host where they live there; device-resident metadata only with ``validate=True`` (one copy to the host, one sync).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashdecode import heuristics
+from flashdecode.ops import attention as attn
+from flashdecode.ops import checks
+from flashdecode.ops.decode_checks import _check_cache_pair, _check_lengths_and_table
+from flashdecode.ops.sinks import apply_sinks, check_sinks
+from flashdecode.kernels import fwd as fwd_kernels
+
+__all__ = ["paged_prefill"]
+
+cdiv = heuristics.cdiv
+
+
+def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k) -> int:
+    """Types, shapes, dtypes and devices (no values, no sync); returns the batch size."""
+    checks.check_tensor("q", q, (3,), checks.FLOAT_DTYPES)
+    checks.check_kernel_device("q", q)
+    _check_cache_pair(k_cache, v_cache, q.dtype, q.device)
+    nheads, headdim = q.shape[1], q.shape[2]
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache head dim ({k_cache.shape[3]}) must equal q's ({headdim})")
+    if not 1 <= headdim <= checks.MAX_HEAD_DIM:
+        raise ValueError(f"q head dim must be in 1..{checks.MAX_HEAD_DIM}, got {headdim}")
+    nheads_kv = k_cache.shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of the cache's nheads_kv ({nheads_kv})")
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache must have a page size >= 1, got shape {tuple(k_cache.shape)}")
+    batch = attn._check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q",
+                                          q.device)
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+        raise TypeError(f"max_seqlen_k must be an int >= 0, got {max_seqlen_k!r}")
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be an int32 torch.Tensor, got {type(block_table).__name__}")
+    _check_lengths_and_table(seqused_k, block_table, batch, q.device, name="seqused_k")
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.requires_grad:
+                raise ValueError(f"{name} requires grad, but attention over a paged KV cache (block_table=) is "
+                                 "forward only (as in FlashAttention-3); detach the inputs or use torch.no_grad()")
+    return batch
+
+
+def _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate):
+    """Values of the metadata, where they live on the host or with validate=True (one copy to the host): cu_seqlens_q
+    from 0, non-decreasing, ending at q's rows; seqused_k in [0, the pages the table gives]; block-table ids of the
+    pages that hold keys inside the cache; max_seqlen_q / max_seqlen_k >= the longest sequence. ValueError names
+    the argument and the first bad sequence."""
+    if not (checks.check_bool("validate", validate) or checks.host_resident(seqused_k)):
+        return
+    if torch.cuda.is_available() and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # no host copy inside a CUDA graph capture: the kernels clamp and mask bad values
+    cu, lens, table = checks.to_host_once(cu_seqlens_q, seqused_k, block_table)
+    checks.check_host_cu_seqlens("cu_seqlens_q", cu, q.shape[0], "q")
+    if int(cu[-1]) != q.shape[0]:  # fewer: rows outside every sequence would be left unwritten
+        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} must equal the {q.shape[0]} packed rows of q")
+    lens_q = (cu[1:] - cu[:-1]).long()
+    if lens_q.numel() and int(lens_q.max()) > max_seqlen_q:
+        b = int(lens_q.argmax())
+        raise ValueError(f"max_seqlen_q = {max_seqlen_q} is smaller than sequence {b}'s {int(lens_q[b])} query "
+                         "rows in cu_seqlens_q")
+    page_size = k_cache.shape[1]
+    checks.check_host_lengths("seqused_k", lens, block_table.shape[1] * page_size)
+    lens = lens.long()
+    if lens.numel() and int(lens.max()) > max_seqlen_k:
+        b = int(lens.argmax())
+        raise ValueError(f"max_seqlen_k = {max_seqlen_k} is smaller than sequence {b}'s {int(lens[b])} keys in "
+                         "seqused_k")
+    checks.check_host_block_table(table, torch.zeros_like(lens), lens, page_size, k_cache.shape[0])
+
+
+class _PagedPlan:
+    """The paged forward of one launch key: its configuration and kernel (the Triton forward with PAGE_SIZE)."""
+
+    __slots__ = ("kernel", "buckets")
+
+    def __init__(self, q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id,
+                 has_alibi):
+        self.buckets = attn._buckets(max_seqlen_q, max_seqlen_k)
+        config = attn._config_for(config_id, q, k_cache, v_cache, max_seqlen_k, True)
+        constexprs = attn._common_constexprs(q.shape[-1], True, left, right, softcap, q.dtype, has_alibi)
+        # descriptors for Q and Out only (the kernel reads K/V pages through pointers)
+        constexprs["USE_TMA"] = config.fwd_tma and attn._tma_layout_ok(q, out)
+        constexprs["PAGE_SIZE"] = k_cache.shape[1]
+        self.kernel = attn._Kernel("fwd_paged", fwd_kernels.attn_fwd_kernel, config.fwd_tiles, attn._FWD_TILE,
+                                   config.fwd_autotune, constexprs)
+
+
+_PLANS: dict = {}
+
+
+def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left, right,
+          softcap, config_id, alibi_slopes, alibi_stride) -> _PagedPlan:
+    """The plan of this launch key (built on its first call): everything Triton specialises on or the configuration
+    reads (shapes but the packed length, strides, dtype, device, pointer alignment, page size, mask flags, shape
+    buckets, the configuration and the autotune switch)."""
+    key = (q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), block_table.stride(), q.dtype, q.device,
+           attn._aligned(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes),
+           left >= 0, right >= 0, softcap > 0.0, config_id, attn._autotune_enabled(),
+           heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
+           heuristics.prefill_length_class(max_seqlen_k), alibi_slopes is not None, alibi_stride)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = attn._bounded_put(_PLANS, key, _PagedPlan(q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left,
+                                                         right, softcap, config_id, alibi_slopes is not None))
+    return plan
+
+
+def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, left,
+             right, softcap, config_id, alibi_slopes):
+    """(out like q, lse (nheads, total_q) float32) of checked inputs."""
+    total_q, nheads, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cu_seqlens_q, seqused_k = cu_seqlens_q.contiguous(), seqused_k.contiguous()  # read with a unit stride
+    alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+    plan = _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left,
+                 right, softcap, config_id, alibi_slopes, alibi_stride)
+    qk_scale, softcap_log2 = attn._scale_args(scale, softcap)
+    kv_pages = (block_table, seqused_k, block_table.stride(), block_table.shape[1], k_cache.shape[0])
+    args = (q, k_cache, v_cache, out, lse, cu_seqlens_q, None, None, None, alibi_slopes,
+            (0,) + q.stride(), k_cache.stride(), v_cache.stride(), (0,) + out.stride(), (0, total_q),
+            nheads // k_cache.shape[2], max_seqlen_q, max_seqlen_k, total_q, 0,
+            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets, kv_pages)
+    plan.kernel(lambda meta: (cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch), args, q.device)
+    return out, lse
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seqused_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                  causal: bool = False, softmax_scale: Optional[float] = None, window_size=(-1, -1),
+                  softcap: float = 0.0, return_lse: bool = False, alibi_slopes: Optional[torch.Tensor] = None,
+                  sinks: Optional[torch.Tensor] = None, check_seqlens: bool = True, validate: bool = False,
+                  config=None):
+    """Attention of a ragged batch of query tokens against a paged KV cache (forward only).
+
+    Args:
+        q: (total_q, nheads, headdim) float16 / bfloat16 / float32.
+        k_cache, v_cache: (num_pages, page_size, nheads_kv, headdim), q's dtype and device, one shape and one set
+            of strides, unit head-dim stride; nheads % nheads_kv == 0 (GQA: query head h reads kv head
+            h // (nheads // nheads_kv)).
+        cu_seqlens_q: int32 (batch + 1,), from 0, non-decreasing, ending at total_q.
+        seqused_k: int32 (batch,): keys of each sequence, at most max_pages * page_size (its query rows are its
+            last positions, bottom-right aligned).
+        block_table: int32 (batch, max_pages), unit last stride: page ids of each sequence's keys in order.
+        max_seqlen_q, max_seqlen_k: ints >= the longest query run / key count (they size the grid and the
+            launch buckets).
+        causal, softmax_scale, window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads) float32), sinks
+            ((nheads,) sink logits): as flash_attn_varlen.
+        check_seqlens: False skips the value checks of host-resident metadata too. validate: True copies
+            device-resident metadata to the host once (one sync) and checks it (not while a CUDA graph is being
+            captured). Unchecked bad values never move a read or write outside the tensors: rows and keys are
+            clamped into q and the table, ids outside the cache are absent keys; query rows past max_seqlen_q and
+            rows no sequence covers are left unwritten.
+        config: an AttentionConfig (its fwd_tiles / fwd_autotune / fwd_tma) or None.
+    Returns:
+        out (total_q, nheads, headdim) like q [, lse (nheads, total_q) float32, natural log]; a row that sees no key
+        gives out 0 and lse -inf.
+    """
+    _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    attn._check_options(causal, softmax_scale, window_size, softcap)
+    checks.check_bool("return_lse", return_lse)
+    checks.check_bool("check_seqlens", check_seqlens)
+    batch = cu_seqlens_q.numel() - 1
+    if alibi_slopes is not None:
+        alibi_slopes = attn._check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
+    config_id = attn._config_id(config)
+    if check_seqlens or validate:
+        _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
+    scale, left, right, cap = attn._normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
+    out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                        scale, left, right, cap, config_id, alibi_slopes)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, "varlen")
+    return (out, lse) if return_lse else out
