@@ -281,3 +281,15 @@ def test_prefill_paged_reads_8bit_pages_with_their_scales(gen):
     want = expected_paged(q.double(), *(p.dequantize(torch.float64) for p in pages), meta, tables)
     got = make_backend("torch", "cpu").prefill_paged(q, *pages, meta)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_flashdecode_backend_prefix_caching_and_chunks_match_the_reference_backend(ckpt):
+    """The Triton paged prefill in the engine (the interpreter on the CPU): a shared prefix, then a prompt in
+    chunks; greedy tokens equal to the torch reference backend with both features off."""
+    prompts = shared_prefix_prompts(system_len=9, tails=(3, 11))
+    want = run(make(ckpt, enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(3, logprobs=False))
+    llm = make(ckpt, attn_backend="flashdecode", enable_prefix_caching=True, enable_chunked_prefill=True,
+               max_num_batched_tokens=6, max_num_seqs=1)
+    assert llm.backend.paged_varlen
+    assert_same(run(llm, prompts, greedy(3, logprobs=False)), want)
+    assert llm.stats.prefix_cache_hits == 8
