@@ -56,10 +56,10 @@ def test_shared_system_prompt_reuses_pages_and_matches_caching_off(ckpt):
     assert_same(run(llm, prompts, greedy(6)), want)
     stats = llm.stats
     assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
-    assert stats.prefix_cache_hits == 3 * (13 // PAGE) * PAGE  # the 3 pages of the 13-token system prompt, for the 3 later ones
-    # run again: whole prompts (and the generated pages) are cached now, the last token is still computed
+    assert stats.prefix_cache_hits == 3 * 12  # the 3 full pages of the 13-token system prompt, for the 3 later ones
+    # run again: whole prompts are cached now (up to their last token, which is always computed)
     assert_same(run(llm, prompts, greedy(6)), want)
-    assert stats.prefix_cache_hits > 3 * 12 + sum((len(p) - 1) // PAGE * PAGE for p in prompts) - 1
+    assert stats.prefix_cache_hits == 3 * 12 + sum((len(p) - 1) // PAGE * PAGE for p in prompts)
 
 
 def test_multi_turn_resend_matches_caching_off(ckpt):
@@ -80,7 +80,8 @@ def test_multi_turn_resend_matches_caching_off(ckpt):
     llm = make(ckpt)  # on by default here
     assert llm.enable_prefix_caching
     assert_same(converse(llm), want)
-    assert llm.stats.prefix_cache_hits >= (7 + 5) // PAGE * PAGE + (7 + 5 + 5 + 5) // PAGE * PAGE - PAGE
+    # turn 2 finds turn 1's 2 full pages (11 tokens computed), turn 3 turn 2's 5 (21 computed, decoded ones too)
+    assert llm.stats.prefix_cache_hits == 8 + 20
 
 
 def test_n_completions_share_the_prompt_and_match(ckpt):
@@ -94,10 +95,9 @@ def test_preemption_with_a_tiny_pool_matches_caching_off(ckpt):
     """Pages run out while decoding: sequences are preempted, recomputed (partly from their own cached pages) and
     cached pages are evicted; the outputs do not change."""
     prompts = shared_prefix_prompts(system_len=9, tails=(2, 4, 3, 5, 1))
-    kw = dict(kv_cache_memory=None, max_num_seqs=4)
-    want = run(make(ckpt, enable_prefix_caching=False, **kw), prompts, greedy(14))
-    llm = make(ckpt, enable_prefix_caching=True, **kw)
-    small = make(ckpt, enable_prefix_caching=True, max_num_seqs=4, kv_cache_memory=_pages_bytes(llm, 12))
+    off = make(ckpt, enable_prefix_caching=False)
+    want = run(off, prompts, greedy(14))
+    small = make(ckpt, enable_prefix_caching=True, kv_cache_memory=_pages_bytes(off, 12))
     outs = small.generate(prompts, greedy(14), use_tqdm=False)
     assert sum(o.num_preemptions for o in outs) > 0
     assert_same([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], want)
@@ -124,9 +124,9 @@ def test_8bit_pages_share_pages_with_their_scales(ckpt):
     8-bit, so logprobs differ a little from off)."""
     assert not make(ckpt, kv_cache_dtype="int8").enable_prefix_caching
     prompts = shared_prefix_prompts(tails=(4, 7))
-    want = run(make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(5))
+    want = run(make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=False, max_num_seqs=1), prompts, greedy(2))
     llm = make(ckpt, kv_cache_dtype="int8", enable_prefix_caching=True, max_num_seqs=1)
-    assert_same(run(llm, prompts, greedy(5)), want, tol=5e-2)
+    assert_same(run(llm, prompts, greedy(2)), want, tol=5e-2)
     assert llm.stats.prefix_cache_hits == 12
 
 
@@ -175,6 +175,7 @@ def test_chunked_prefill_many_prompts_and_preemption(ckpt):
     llm = make(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=7, max_num_seqs=3,
                kv_cache_memory=_pages_bytes(make(ckpt), 16))
     outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+    assert sum(o.num_preemptions for o in outs) > 0
     assert_same([[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], want)
 
 
@@ -293,3 +294,28 @@ def test_flashdecode_backend_prefix_caching_and_chunks_match_the_reference_backe
     assert llm.backend.paged_varlen
     assert_same(run(llm, prompts, greedy(3, logprobs=False)), want)
     assert llm.stats.prefix_cache_hits == 8
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_caching_and_chunked_prefill_with_cuda_graphs():
+    """On the GPU (flashdecode backend, CUDA graphs, async scheduling, pages of 128), a 2-layer Llama-3-8B-shaped
+    model in bf16: a shared 300-token prefix and a 1500-token prompt chunked by 256 tokens give the greedy tokens of
+    the engine with both features off (bf16 rounding differs between a paged and a fresh prefill, so a near tie of
+    a random model may part one request: 3 of 4 must be identical), and the hits are counted."""
+    from flashdecode.engine.config import named_config
+
+    cfg = named_config("llama3-8b", num_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(0, cfg.vocab_size, (300,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (40, 7, 90)]
+    prompts.append(torch.randint(0, cfg.vocab_size, (1500,), generator=gen).tolist())
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = LLM(cfg, device="cuda", max_model_len=2048, max_num_seqs=4, enable_prefix_caching=False, use_tqdm=False)
+    want = [o.token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(base.model, max_model_len=2048, max_num_seqs=4, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=256, use_tqdm=False)
+    assert llm.backend.paged_varlen and llm.runner.graphs
+    first = llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids
+    got = [first] + [o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]
+    assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
+    assert llm.stats.prefix_cache_hits >= 2 * 256  # the 2 full 128-token pages of the system prompt, twice

@@ -513,8 +513,8 @@ class LLM:
         for a step whose inputs the host has, 1 for the step after the one in flight (whose token is still on
         the device). Rows whose token the device draws alone (greedy, or sampled from the row's generator; no
         penalties, logprobs or pending min_tokens mask, which need the host's token lists), no request waiting to
-        join or prompt chunk pending (it would be prefilled first), and for ahead = 1 no row ending by length at the step in flight (its
-        next row would need a position past its limit)."""
+        join nor prompt chunk pending (they would be prefilled first), and for ahead = 1 no row ending by length at
+        the step in flight (its next row would need a position past its limit)."""
         if not self.async_scheduling or self.scheduler.has_pending_prefill():
             return False
         for s in seqs:
