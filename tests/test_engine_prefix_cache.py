@@ -320,3 +320,20 @@ def test_gpu_prefix_caching_and_chunked_prefill_with_cuda_graphs():
     got = [first] + [o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]
     assert sum(g == w for g, w in zip(got, want)) >= 3, (got, want)
     assert llm.stats.prefix_cache_hits >= 2 * 256  # the 2 full 128-token pages of the system prompt, twice
+
+
+def test_async_scheduling_with_chunks_and_cached_prefixes(ckpt):
+    """Async scheduling (decode steps launched ahead) never runs ahead of a pending prompt chunk, and aborting a
+    request mid-prompt frees its pages; tokens equal the synchronous engine without the features."""
+    prompts = shared_prefix_prompts(system_len=10, tails=(2, 14, 5))
+    want = run(make(ckpt, enable_prefix_caching=False), prompts, greedy(9, logprobs=False))
+    llm = make(ckpt, async_scheduling=True, enable_chunked_prefill=True, max_num_batched_tokens=5)
+    seqs = [llm.add_request(p, greedy(9, logprobs=False))[0] for p in prompts]
+    victim = llm.add_request(random_prompts([40], seed=5)[0], greedy(9, logprobs=False))[0]
+    while llm.scheduler.has_work():
+        llm.step()
+        if victim.prefilling and victim.num_computed_tokens >= 10:
+            llm.abort([victim])  # mid-prompt
+    assert victim.finish_reason == "abort" and victim.num_generated == 0
+    assert [[(s.output_token_ids, None)] for s in seqs] == [[(t, None) for t, _ in r] for r in want]
+    assert not llm.block_manager.tables and llm.block_manager.num_free == llm.block_manager.num_pages
