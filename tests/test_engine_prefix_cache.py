@@ -143,10 +143,11 @@ def test_refusals(ckpt):
 
 
 # ---------------------------------------------------------------------------------------------- chunked prefill
-@pytest.mark.parametrize("caching", [False, True])
-def test_chunked_prefill_long_prompt_arrives_while_others_decode(ckpt, caching):
+@pytest.mark.parametrize("caching, single", [(False, False), (True, False), (True, True)])
+def test_chunked_prefill_long_prompt_arrives_while_others_decode(ckpt, caching, single):
     """Short requests decode; a long prompt arrives and is prefilled in chunks of at most 8 tokens less the
-    decodes, while the others keep getting a token every step. Same greedy tokens (and logprobs) as unchunked."""
+    decodes, while the others keep getting a token every step (single: decode rows and chunks in one forward).
+    Same greedy tokens (and logprobs) as unchunked."""
     short = random_prompts([5, 3, 6], seed=11)
     long = random_prompts([45], seed=12)[0]
 
@@ -164,7 +165,7 @@ def test_chunked_prefill_long_prompt_arrives_while_others_decode(ckpt, caching):
 
     want, _ = serve(make(ckpt, enable_prefix_caching=False))
     llm = make(ckpt, enable_prefix_caching=caching, enable_chunked_prefill=True, max_num_batched_tokens=8,
-               max_num_seqs=4)
+               max_num_seqs=4, chunked_prefill_single_forward=single)
     got, stalls = serve(llm)
     assert_same(got, want)
     assert stalls == 0  # no decode step was skipped for the long prompt

@@ -64,6 +64,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--enable-chunked-prefill", action="store_true",
                         help="run long prompts in chunks beside the running decodes (budget: "
                              "--max-num-batched-tokens)")
+    parser.add_argument("--chunked-prefill-single-forward", action="store_true",
+                        help="with chunked prefill: the decodes and the chunks of a step in one eager forward (the "
+                             "weights read once) instead of the decode CUDA graph + a chunk forward")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step: a prefill batch's prompt tokens, or with chunked prefill the decodes "
                              "plus the prompt chunks (default 2048 then)")
@@ -91,7 +94,8 @@ def build_llm(args, max_model_len: int | None = None):
                kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
                async_scheduling=ON_OFF[args.async_scheduling],
                enable_prefix_caching=args.enable_prefix_caching,
-               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens)
+               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+               chunked_prefill_single_forward=args.chunked_prefill_single_forward)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -162,6 +162,9 @@ class LLM:
             forward, up to max_num_batched_tokens minus the decodes of prompt tokens (chunks of long prompts,
             attending their earlier chunks in the pages): a long prompt no longer stalls the running streams.
             Same greedy tokens as off. Default off; not with context parallelism.
+        chunked_prefill_single_forward: with chunked prefill, a step with decodes and chunks runs them as one
+            eager forward (each decode row a one-token chunk attending its pages: the weights read once) instead
+            of the decode CUDA graph and a second forward.
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -182,7 +185,8 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm="auto",
                  tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
                  kv_cache_dtype: str = "auto", pdl="auto", async_scheduling="auto",
-                 enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool = False):
+                 enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool = False,
+                 chunked_prefill_single_forward: bool = False):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -254,6 +258,9 @@ class LLM:
             page_bytes += scale_bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads)
         self.enable_prefix_caching = self._resolve_prefix_caching(enable_prefix_caching)
         self.enable_chunked_prefill = self._resolve_chunked_prefill(enable_chunked_prefill)
+        if not isinstance(chunked_prefill_single_forward, bool):
+            raise TypeError(f"chunked_prefill_single_forward must be a bool, got {chunked_prefill_single_forward!r}")
+        self.chunked_prefill_single_forward = chunked_prefill_single_forward
         default_tokens = max(2048, max_num_seqs) if self.enable_chunked_prefill else max(self.max_model_len, 2048)
         self.scheduler_tokens = max_num_batched_tokens or default_tokens
         num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
@@ -471,15 +478,19 @@ class LLM:
         if not step.prefill and self._runs_ahead(step.decode, ahead=0):
             self._in_flight = self._launch_decode(step.decode, self._tables(step.decode), ahead=False)
             return self._read_in_flight()
-        seqs, tokens = [], []
-        if step.decode:  # a CUDA-graph decode step, then (chunked prefill) the prompts' chunks in a second forward
+        seqs, tokens, rows = [], [], step.prefill
+        if step.decode and step.prefill and self.chunked_prefill_single_forward:
+            for s in step.decode:  # one-token chunks after their pages, in the chunks' forward
+                s.num_computed_tokens, s.num_scheduled_tokens = len(s) - 1, 1
+            rows = step.decode + step.prefill
+        elif step.decode:  # a CUDA-graph decode step, then (chunked prefill) the prompts' chunks in a second forward
             logits, greedy = self.runner.decode(step.decode, self._tables(step.decode))
             seqs, tokens = list(step.decode), self._sample(logits, step.decode, greedy)
-        if step.prefill:
-            logits = self.runner.prefill(step.prefill, self._tables(step.prefill))
-            last = [s.num_computed_tokens + s.num_scheduled_tokens == len(s) for s in step.prefill]
-            self.scheduler.advance([s for s, done in zip(step.prefill, last) if not done])  # chunks mid-prompt
-            done = [s for s, d in zip(step.prefill, last) if d]
+        if rows:
+            logits = self.runner.prefill(rows, self._tables(rows))
+            last = [s.num_computed_tokens + s.num_scheduled_tokens == len(s) for s in rows]
+            self.scheduler.advance([s for s, done in zip(rows, last) if not done])  # chunks mid-prompt
+            done = [s for s, d in zip(rows, last) if d]
             if done:
                 rows = [i for i, d in enumerate(last) if d]
                 seqs += done
