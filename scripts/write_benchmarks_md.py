@@ -126,6 +126,18 @@ def _prefill_section(record: dict) -> list[str]:
     return [text, ""] + lines
 
 
+def _paged_prefill_section(record: dict) -> list[str]:
+    from flashdecode.bench import paged_prefill
+
+    r0 = record["rows"][0]
+    text = (f"TFLOP/s of a causal chunk of new tokens per sequence over cached pages ({r0['dtype']}, {r0['batch']} "
+            f"sequences, {r0['nheads']} / {r0['nheads_kv']} heads, hd{r0['headdim']}, randomly permuted pages): ours "
+            f"(`flash_attn_varlen(block_table=, seqused_k=)`) against the same problem on a contiguous cache and "
+            f"FlashInfer's paged prefill (`FI_backend`).")
+    return [text, "", report.markdown_table(record["rows"], paged_prefill.TABLE_COLUMNS,
+                                            paged_prefill.TABLE_FORMATS)]
+
+
 def _kernel_time_section(results: Path) -> str:
     """One table of KERNEL_TIME_RECORDS: TFLOP/s of ours and each peer per (mode, head dim, shape, mask), ours
     against the best peer of its row and, where the record has it, against the run's bf16 matmul rate."""
@@ -259,12 +271,14 @@ def _flat_gemm_section(record: dict) -> list[str]:
 
 SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": ("Prefill (FlashAttention)",
                                                                              _prefill_section),
+            "paged_prefill": ("Prefill over a paged KV cache", _paged_prefill_section),
             "fp8_decode": ("Decode on 8-bit KV caches", _fp8_decode_section),
             "fp8_rmse": ("FP8 attention accuracy", _fp8_rmse_section),
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section),
             "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section)}
-ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "fp8_rmse", "e2e", "flat_gemm", "serve"]
+ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "paged_prefill", "fp8_rmse", "e2e", "flat_gemm",
+         "serve"]
 
 
 def section(path: Path, record: dict, png: Path | None) -> str:

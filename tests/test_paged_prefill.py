@@ -8,6 +8,8 @@ larger shapes, pages of 16/64/256, bf16 too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ from flashdecode import flash_attn_interface as fai
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks
-from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn
+from flashdecode.ops import paged_prefill as paged_ops
+from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 CASE_DTYPES = [torch.bfloat16] if HAS_CUDA else KERNEL_DTYPES
 
@@ -91,6 +94,81 @@ def test_ragged_pages_gqa(gen, page_size, causal):
 ], ids=["causal-window", "window", "softcap", "scale"])
 def test_windows_softcap_scale(gen, opts):
     check_paged(gen, CASE_DTYPES[0], [6, 1, 19], [30, 4, 45], 4, 1, 32, 16, **opts)
+
+
+def _descriptor_config(q, k_pages, max_seqlen_k):
+    """The resolved configuration with descriptors allowed (the interpreter runs them; off the GPU the resolver
+    leaves them off)."""
+    return dataclasses.replace(attn_ops.resolve_config(q, k_pages, k_pages, max_seqlen_k), fwd_tma=True)
+
+
+@pytest.mark.parametrize("page_size", [32, 64, 3])
+def test_descriptor_path(gen, page_size, monkeypatch):
+    """Q / Out through descriptors; K / V too where pages hold whole KV blocks (32 and 64 with the interpreter's
+    32-key blocks), through pointers otherwise (3); a block table the host never checked still masks absent pages
+    by their ids (non-causal: the reference drops those keys)."""
+    lens_q, lens_k = [5, 0, 33], [40, 7, 70]
+    q, kp, vp, table, cu_q, used = paged_inputs(gen, CASE_DTYPES[0], lens_q, lens_k, 2, 1, 32, page_size)
+    config = _descriptor_config(q, kp, 70)
+    plans = len(paged_ops._PLANS)
+    out, lse = flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 33, 70, block_table=table, seqused_k=used,
+                                             causal=True, config=config, return_lse=True)
+    (plan,) = list(paged_ops._PLANS.values())[plans:]
+    # the cache's layout allows descriptors; the kernel takes them where PAGE_SIZE % BLOCK_N == 0
+    assert plan.kernel.constexprs["USE_TMA"] and plan.kernel.constexprs["PAGED_KV_TMA"]
+    o64, lse64 = ref.paged_prefill_ref(q.double(), kp.double(), vp.double(), cu_q, used, table, causal=True)
+    o_same, lse_same = ref.paged_prefill_ref(q, kp, vp, cu_q, used, table, causal=True)
+    assert_fa_close(out, o64, o_same, name="out")
+    assert_fa_close(lse, lse64, lse_same, name="lse")
+
+    monkeypatch.setattr(checks, "host_resident", lambda x: False)  # as if on the device: not checked
+    bad = table.clone()
+    bad[2, 0] = kp.shape[0] + 1  # sequence 2 loses its first page's keys
+    out = flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 33, 70, block_table=bad, seqused_k=used,
+                                        config=config)
+    keys, values = ref.contiguous_from_paged(kp.double(), vp.double(), table)
+    rows, kept = slice(5, 38), slice(page_size, 70)
+    o64, _ = ref.attention_ref(q[None, rows].double(), keys[2:3, kept], values[2:3, kept])
+    o_same, _ = ref.attention_ref(q[None, rows], keys[2:3, kept].to(q.dtype), values[2:3, kept].to(q.dtype))
+    assert_fa_close(out[rows], o64[0], o_same[0], name="out without the absent page")
+
+
+@pytest.mark.parametrize("dtype8, granularity, page_size", [
+    (torch.float8_e4m3fn, "token", 16), (torch.int8, "token", 3), (torch.float8_e4m3fn, "head", 64),
+    (torch.int8, "scalar", 16)])
+def test_8bit_cache(gen, dtype8, granularity, page_size):
+    """An 8-bit cache with its scales (as append_kv writes it): against the reference on the dequantised cache."""
+    from quant_helpers import dequant, paged_quant_cache, quantize_float_cache
+
+    lens_q, lens_k, dtype = [4, 1, 19], [30, 9, 45], CASE_DTYPES[0]
+    batch, cap = len(lens_q), max(lens_k)
+    kc, ks = quantize_float_cache(randn(batch, cap, 2, 32, gen=gen), dtype8, granularity)
+    vc, vs = quantize_float_cache(randn(batch, cap, 2, 32, gen=gen), dtype8, granularity)
+    kp, ks, vp, vs, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
+    q = randn(sum(lens_q), 4, 32, gen=gen, dtype=dtype)
+    cu_q, used = _cu(lens_q), _int32(lens_k)
+    out, lse = flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, max(lens_q), max(lens_k), block_table=table,
+                                             seqused_k=used, k_scale=ks, v_scale=vs, causal=True, return_lse=True)
+    k_deq, v_deq = dequant(kp, ks), dequant(vp, vs)
+    o64, lse64 = ref.paged_prefill_ref(q.double(), k_deq.double(), v_deq.double(), cu_q, used, table, causal=True)
+    o_same, lse_same = ref.paged_prefill_ref(q, k_deq.to(dtype), v_deq.to(dtype), cu_q, used, table, causal=True)
+    assert_fa_close(out, o64, o_same, name="out")
+    assert_fa_close(lse, lse64, lse_same, name="lse")
+
+
+def test_8bit_cache_needs_its_scales(gen):
+    from quant_helpers import quantize_float_cache
+
+    q, kp, vp, table, cu_q, used = paged_inputs(gen, torch.float16, [3], [6], 2, 1, 16, 4)
+    k8, scale = quantize_float_cache(kp, torch.float8_e4m3fn, "head")
+    call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=None, max_seqlen_q=3, max_seqlen_k=6, block_table=table,
+                seqused_k=used)
+    with pytest.raises(ValueError, match="k_scale"):
+        flashdecode.flash_attn_varlen(q, k8, k8, **call)
+    with pytest.raises(ValueError, match="k_scale"):
+        flashdecode.flash_attn_varlen(q, kp, vp, **call, k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match="k_scale"):
+        flashdecode.flash_attn_varlen(q, k8, k8, **call, k_scale=torch.ones(3, device=DEVICE), v_scale=scale)
 
 
 def test_fp32_odd_head_dim_mha(gen):
@@ -320,6 +398,41 @@ def test_unchecked_bad_pages_are_absent_keys(gen, device_metadata):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# sm_90 compile on the CPU (Triton's ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+_PAGED_COMPILE_SCRIPT = '''
+import sys
+from flashdecode.kernels.fwd import attn_fwd_kernel  # before helpers (its conftest sets TRITON_INTERPRET)
+sys.path.insert(0, "tests")
+from helpers import compile_for_sm90, spilled_bytes
+S4 = ("i32",) * 4
+types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", q_strides=S4,
+             k_strides=S4, v_strides=S4, o_strides=S4, lse_strides=("i32", "i32"), qk_scale="fp32",
+             softcap_log2="fp32", kv_pages=("*i32", "*i32", ("i32", "i32"), "i32", "i32"))
+bulk = {}
+for page in (16, 128):  # K/V by pointers, one page id per key / by descriptors, one page id per 128-key block
+    consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
+                  DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, USE_TMA=True, PAGE_SIZE=page, cu_seqlens_k=None,
+                  QKDescale=None, VDescale=None, AlibiSlopes=None, PAGED_KV_TMA=True)
+    kernel = compile_for_sm90(attn_fwd_kernel, types, consts, num_stages=3, num_warps=8)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma" in ptx, f"paged forward (pages of {page}) not on wgmma"
+    assert kernel.metadata.shared <= 227 * 1024
+    bulk[page] = ptx.count("cp.async.bulk.tensor")
+assert spilled_bytes(kernel) == 0, "paged forward with descriptors spills"
+assert bulk[128] > bulk[16], "K/V of whole-block pages not through descriptors"
+print("compiled")
+'''
+
+
+def test_paged_forward_compiles_for_hopper_without_a_gpu():
+    """The paged forward (pages smaller than a KV block: pointers; pages of whole blocks: descriptors) compiles for
+    sm_90 with its dots on wgmma and within shared memory; whole-block pages without spills."""
+    run_sm90_compile_script(_PAGED_COMPILE_SCRIPT)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: larger shapes, bf16, pages of 16 / 64 / 256
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -363,3 +476,25 @@ def test_gpu_with_kvcache_chunk_and_repeated_calls(gen):
                                    values[b:b + 1, :n + sq].double(), causal=True)
         o_same, _ = ref.attention_ref(q[b:b + 1], keys[b:b + 1, :n + sq], values[b:b + 1, :n + sq], causal=True)
         assert_fa_close(out[b:b + 1], o64, o_same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype8", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_gpu_8bit_cache(gen, dtype8, page_size):
+    from quant_helpers import dequant, paged_quant_cache, quantize_float_cache
+
+    lens_q, lens_k = [512, 1, 700], [3000, 1, 700]
+    batch, cap = len(lens_q), max(lens_k)
+    kc, ks = quantize_float_cache(randn(batch, cap, 8, 128, gen=gen), dtype8, "token")
+    vc, vs = quantize_float_cache(randn(batch, cap, 8, 128, gen=gen), dtype8, "token")
+    kp, ks, vp, vs, table = paged_quant_cache(gen, kc, ks, vc, vs, page_size)
+    q = randn(sum(lens_q), 32, 128, gen=gen, dtype=torch.bfloat16)
+    cu_q, used = _cu(lens_q), _int32(lens_k)
+    out, lse = flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, max(lens_q), max(lens_k), block_table=table,
+                                             seqused_k=used, k_scale=ks, v_scale=vs, causal=True, return_lse=True)
+    k_deq, v_deq = dequant(kp, ks), dequant(vp, vs)
+    o64, lse64 = ref.paged_prefill_ref(q.double(), k_deq.double(), v_deq.double(), cu_q, used, table, causal=True)
+    o_same, lse_same = ref.paged_prefill_ref(q, k_deq.to(q.dtype), v_deq.to(q.dtype), cu_q, used, table, causal=True)
+    assert_fa_close(out, o64, o_same, name="out")
+    assert_fa_close(lse, lse64, lse_same, name="lse")

@@ -109,6 +109,26 @@ def test_benchmarks_page_renders_the_8bit_decode_and_serving_records(tmp_path, m
     assert text.index("8-bit KV caches") < text.index("Serving")
 
 
+def test_benchmarks_page_renders_the_paged_prefill_record(tmp_path, monkeypatch):
+    from flashdecode.bench import paged_prefill
+
+    md = _load_script("write_benchmarks_md")
+    row = dict(mode="paged fwd", dtype="bf16", headdim=128, nheads=32, nheads_kv=8, batch=4, page_size=16, chunk=512,
+               cached=32768, causal=True, paged=300.0, contig=320.0, FI=280.0, FI_backend="fa3")
+    row.update({"paged/contig": 300.0 / 320.0, "paged/FI": 300.0 / 280.0})
+    record = {"kind": "paged_prefill", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"},
+              "git_commit": "abc", "command": "python -m flashdecode bench prefill --paged --no-grid", "rows": [row]}
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    (latest / "paged_prefill_a.json").write_text(json.dumps(record))
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page)])
+    assert md.main() == 0
+    assert "| 16 | 512 | 32768 | 4 | 300 | 320 | 280 | fa3 | 0.94 | 1.07 |" in page.read_text()
+    assert paged_prefill.summary_line(row) == ("paged fwd page16 chunk512 +32768 cached: ours 300 TFLOP/s, contig 320 "
+                                               "(0.94x), FI(fa3) 280 (1.07x)")
+
+
 def test_prune_keeps_runs_cited_by_stamp_in_any_spelling():
     prune = _load_script("prune_results")
     text = "`decodetune T1207`, `..._T0741.json` (`old`), `decodetune_x_2026-11-22T0739.json`, version T10000"

@@ -16,8 +16,12 @@ quantisation itself is outside the timed call (a model would keep its K/V in fp8
 ``FA3fp8``, FlashAttention-3's FP8 forward through FlashInfer where its wheel plans it.
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
+``--paged`` adds the paged-KV prefill rows (bench/paged_prefill.py: chunks of new tokens over cached pages, ours
+vs the same problem on a contiguous cache vs FlashInfer's paged prefill), written to a record of their own
+(paged_prefill_<device>_<date>.json); ``--no-grid`` skips the dense grid.
 
     python -m flashdecode bench prefill --quick --out DIR
+    python -m flashdecode bench prefill --paged --no-grid --out DIR
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=False,
                         help="also time the engine's 64k causal prefill (32/8 heads, hd128): varlen vs dense vs peers")
+    parser.add_argument("--paged", action=argparse.BooleanOptionalAction, default=False,
+                        help="also time prefill over a paged KV cache (pages of 16 / 128, chunks of 512 / 2048 over "
+                             "0 / 8k / 32k cached tokens) vs a contiguous cache and FlashInfer (own record)")
+    parser.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                        help="the dense grid of --dtypes x --headdims x --seqlens ... (--no-grid: only --long / "
+                             "--paged)")
 
 
 def _list(value: Optional[str], default, cast=str):
@@ -339,7 +349,7 @@ def run(args) -> int:
     print(f"# prefill attention on {env['device']} (torch {env['torch']}, triton {env['triton']}, {env['date']}); "
           f"bf16 matmul {peak:.0f} TFLOP/s; peers: {', '.join(peers)}")
     rows = []
-    for mode in modes:
+    for mode in modes if args.grid else []:
         for dtype_name in dtypes:
             for nheads in nheads_list:
                 for headdim in headdims:
@@ -360,6 +370,9 @@ def run(args) -> int:
         peers = peers + ["varlen"]
 
     out_dir = results_dir(args.out)
+    failed_paged = _run_paged(args, env, out_dir, use_fa3) if args.paged else False
+    if not rows:
+        return 1 if failed_paged else 0
     stem = result_stem("prefill", env)
     summary = summary_lines(rows, peers)
     ratios = ["ours/FA2"] + (["fp8/ours", "fp8/cuDNN"] if "fp8" in peers else [])
@@ -374,4 +387,21 @@ def run(args) -> int:
     print(table)
     print(f"\nwrote {path}" + "".join(f", {p}" for p in pngs))
     failed = [r for r in rows if r.get("ours") is None]
-    return 1 if failed or any(math.isnan(r["ours"]) for r in rows if r.get("ours")) else 0
+    return 1 if failed or failed_paged or any(math.isnan(r["ours"]) for r in rows if r.get("ours")) else 0
+
+
+def _run_paged(args, env: dict, out_dir, with_flashinfer: bool) -> bool:
+    """The paged-KV prefill rows into their own record; True if ours failed on any row."""
+    from flashdecode.bench import paged_prefill
+    from flashdecode.bench.report import markdown_table, result_stem, write_json
+
+    print("# paged-KV prefill (bf16, 32/8 heads, hd128, causal): ours paged vs contiguous vs FlashInfer paged")
+    rows = paged_prefill.bench_rows(args.rep_ms, with_flashinfer)
+    table = markdown_table(rows, paged_prefill.TABLE_COLUMNS, paged_prefill.TABLE_FORMATS)
+    path = write_json(out_dir / f"{result_stem('paged_prefill', env)}.json", "paged_prefill", env, rows,
+                      {"summary": [paged_prefill.summary_line(r) for r in rows], "table": table,
+                       "flops": "4*d*h*(chunk*cached + chunk*(chunk+1)/2) per sequence"})
+    print()
+    print(table)
+    print(f"\nwrote {path}")
+    return any(r.get("paged") is None for r in rows)

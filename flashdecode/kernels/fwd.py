@@ -137,6 +137,29 @@ def load_page_rows(base, rows, offs_d, key_ok, d_mask):
 
 
 @triton.jit
+def page_key_scales(kv_quant, bt_row, start_n, keys, seqlen_k, num_pages, key_ok, PAGE_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """(ks, vs): (BLOCK_N,) float32 k and v scales of an 8-bit paged cache's block (kv_quant as attn_fwd_inner's);
+    keys that are not key_ok get 0 (their scores are masked by their ids, their values weigh nothing)."""
+    k_scale, v_scale, stride_spage, stride_stok = kv_quant
+    srows, _ = kv_rows(bt_row, start_n, keys, seqlen_k, num_pages, stride_spage, stride_stok, 0, 0, PAGE_SIZE, BLOCK_N,
+                       MASKED, 0, False)
+    return tl.load(k_scale + srows, mask=key_ok, other=0.0), tl.load(v_scale + srows, mask=key_ok, other=0.0)
+
+
+@triton.jit
+def paged_block_row(bt_row, start_n, num_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row, key_ok) of the block at key start_n in a cache viewed as (num_pages * PAGE_SIZE) rows, for pages that
+    hold whole blocks: the row where its page's keys start, and (BLOCK_N,) whether the page id is a page of the
+    cache. An absent page's block starts at row num_pages * PAGE_SIZE, past the view: a descriptor reads zeros
+    there, so a wrong id never becomes an address."""
+    page = tl.load(bt_row + start_n // PAGE_SIZE)
+    page_ok = (page >= 0) & (page < num_pages)
+    row = tl.where(page_ok, page * PAGE_SIZE + start_n % PAGE_SIZE, num_pages * PAGE_SIZE)
+    return row, (tl.arange(0, BLOCK_N) >= 0) & page_ok
+
+
+@triton.jit
 def sequence_bounds(batch, cu_seqlens, seqlen_dense, total, IS_VARLEN: tl.constexpr):
     """(start, length) of sequence ``batch``: from int32 cu_seqlens (packed varlen, clamped into the ``total``
     packed rows: cu_seqlens the host never checked may give wrong rows, never rows outside the tensor) or the
@@ -175,7 +198,7 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, IS_FP8: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
                    FP8_SOFT_ROUND: tl.constexpr = False, V_TMA: tl.constexpr = False, pages=None,
-                   PAGE_SIZE: tl.constexpr = 0):
+                   PAGE_SIZE: tl.constexpr = 0, kv_quant=None, KV_QUANT: tl.constexpr = False):
     """Stream KV blocks [start, end) (start a multiple of BLOCK_N) into the state.
 
     acc: (BLOCK_M, HEAD_DIM_PAD) fp32 unnormalised output; m_i, l_i: (BLOCK_M,) fp32 running max (log2 units) and
@@ -187,11 +210,19 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
     v_desc, if V_TMA, covers (HEAD_DIM, seqlen_k)), and P, computed as P * 2**FP8_P_LOG2_SCALE (so is l_i), is
     rounded to e4m3 for the fp8 PV dot (the factor cancels in acc / l_i; the epilogue takes it out of the lse).
     HAS_ALIBI: alibi_slope (log2 units) times -|q_pos - k_pos| is added to the logits after the softcap.
-    PAGE_SIZE > 0 (paged cache, pointer path, unit head-dim stride): k_base / v_base point at the kv head's first
-    element of page 0; pages = (bt_row, num_pages, stride_page): the sequence's block-table row, the cache's page
-    count and page stride (shared by K and V, whose token stride is stride_kn). Each block's keys find their page
-    ids in the table (kernels.decode_gather.kv_rows: one id per block where pages hold whole blocks, one per key
-    otherwise); keys whose id lies outside [0, num_pages) load nothing and score -inf, in every block.
+    PAGE_SIZE > 0 (paged cache, unit head-dim stride): pages = (bt_row, num_pages, stride_page): the sequence's
+    block-table row, the cache's page count and page stride (shared by K and V, whose token stride is stride_kn).
+    Pointer path: k_base / v_base point at the kv head's first element of page 0, and each block's keys find their
+    page ids in the table (kernels.decode_gather.kv_rows: one id per block where pages hold whole blocks, one per
+    key otherwise). USE_TMA (pages that hold whole blocks): k_desc / v_desc cover the kv head's column of the
+    whole cache as (num_pages * PAGE_SIZE, HEAD_DIM) rows, and a block reads its page's rows (an absent page reads
+    the zero-filled rows past the end). Keys whose id lies outside [0, num_pages) score -inf and add no value, in
+    every block.
+    KV_QUANT (paged, pointer path): the cache is 8-bit (float8_e4m3fn or int8); kv_quant = (k_scale, v_scale,
+    stride_spage, stride_stok): this kv head's float32 scale pointers and their page / token strides (0 along
+    broadcast dims). Tiles are converted to q's dtype for the dots (exact: 8-bit values are a subset of fp16 /
+    bf16), the scores multiplied by each key's k scale and the probabilities by its v scale before the PV dot
+    (the row sum takes them unscaled).
     """
     PAGED: tl.constexpr = PAGE_SIZE > 0
     # blocks that may hold keys with no score (masked, or on an absent page) guard rows that have seen none yet
@@ -201,17 +232,28 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
     k_ptrs = k_base + start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     for start_n in tl.range(start, end, BLOCK_N):
-        if PAGED:
+        if PAGED and USE_TMA:
+            row0, key_ok = paged_block_row(bt_row, start_n, num_pages, PAGE_SIZE, BLOCK_N)
+            if MASKED:
+                key_ok = key_ok & (start_n + offs_n < seqlen_k)
+            k = k_desc.load([row0, 0])
+        elif PAGED:
             rows, key_ok = kv_rows(bt_row, start_n, start_n + offs_n, seqlen_k, num_pages, stride_page, stride_kn,
                                    0, 0, PAGE_SIZE, BLOCK_N, MASKED, 0, False)
             if MASKED:  # (kv_rows reads the table only below seqlen_k there; keys past it may name page 0)
                 key_ok = key_ok & (start_n + offs_n < seqlen_k)
             k = load_page_rows(k_base, rows, offs_d, key_ok, d_mask)
+            if KV_QUANT:
+                ks, vs = page_key_scales(kv_quant, bt_row, start_n, start_n + offs_n, seqlen_k, num_pages, key_ok,
+                                         PAGE_SIZE, BLOCK_N, MASKED)
+                k = k.to(q.dtype)
         elif USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_QUANT:
+            qk = qk * ks[None, :]
         s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
         if HAS_ALIBI:
             s = s + alibi_bias_log2(q_pos[:, None], (start_n + offs_n)[None, :], alibi_slope)
@@ -232,8 +274,15 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         else:
             p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if PAGED:
+        if PAGED and USE_TMA:
+            v = v_desc.load([row0, 0])
+            if MASKED:  # a page's rows past the sequence may hold anything, and 0 * NaN = NaN
+                v = tl.where(key_ok[:, None], v, 0.0)
+        elif PAGED:
             v = load_page_rows(v_base, rows, offs_d, key_ok, d_mask)
+            if KV_QUANT:  # sum_j p_j * v_scale_j * v_j: the scale goes on the probabilities
+                v = v.to(q.dtype)
+                p = p * vs[None, :]
         elif V_TMA:
             if IS_FP8:  # V^T tile (HEAD_DIM_PAD, BLOCK_N): K-major for the fp8 wgmma
                 v = tl.trans(v_desc.load([0, start_n]))
@@ -279,6 +328,7 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, IS_FP8: tl.constexpr = False,
     HAS_ALIBI: tl.constexpr = False, FP8_SOFT_ROUND: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 0,
+    PAGED_KV_TMA: tl.constexpr = False, KV_QUANT: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
@@ -306,6 +356,12 @@ def attn_fwd_kernel(
     BlockTable (batch, max_pages) with (batch, page) strides bt_strides, int32 SeqUsedK (batch,) the keys of each
     sequence (clamped into [0, max_pages * PAGE_SIZE]: no key past the table), num_pages the cache's page count
     (ids outside [0, num_pages) are absent keys); cu_seqlens_k and total_k are unused. kv_pages is None otherwise.
+    PAGED_KV_TMA (with USE_TMA): K/V through descriptors over the cache where PAGE_SIZE is a multiple of BLOCK_N
+    (the launcher's promise: page stride = PAGE_SIZE * token stride, 16-byte aligned bases and strides, fewer than
+    2**31 cache rows), else through pointers.
+    KV_QUANT (paged, pointers): K and V are 8-bit (float8_e4m3fn or int8) and kv_pages has a sixth entry, kv_scales
+    = (KScale, VScale, s_strides): float32 scales of (page, token, kv head) at strides s_strides (0 along broadcast
+    dims); the attended key is K * KScale (kernels/kv_quant.py's convention), the value V * VScale.
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -314,13 +370,21 @@ def attn_fwd_kernel(
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
     PAGED: tl.constexpr = PAGE_SIZE > 0
     if PAGED:
-        block_table, seqused_k, bt_strides, max_pages, num_pages = kv_pages
+        if KV_QUANT:
+            block_table, seqused_k, bt_strides, max_pages, num_pages, kv_scales = kv_pages
+            k_scale, v_scale, s_strides = kv_scales
+            kv_quant = (k_scale + head_kv.to(tl.int64) * s_strides[2], v_scale + head_kv.to(tl.int64) * s_strides[2],
+                        s_strides[0], s_strides[1])
+        else:
+            block_table, seqused_k, bt_strides, max_pages, num_pages = kv_pages
+            kv_quant = None
         k_start = seqlen_q * 0
         seqlen_k = tl.minimum(tl.maximum(tl.load(seqused_k + batch), 0), max_pages * PAGE_SIZE)
         pages = (block_table + batch.to(tl.int64) * bt_strides[0], num_pages, k_strides[0])
     else:
         k_start, seqlen_k = sequence_bounds(batch, cu_seqlens_k, seqlen_k, total_k, IS_VARLEN)
         pages = None
+        kv_quant = None
     if HAS_RIGHT:  # causal-like: the last Q blocks have the most keys; start them first (load balance)
         pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
@@ -340,9 +404,10 @@ def attn_fwd_kernel(
     else:
         k_base = head_base(K, k_strides, batch, k_start, head_kv)
         v_base = head_base(V, v_strides, batch, k_start, head_kv)
-    # K/V descriptors cover one sequence of a contiguous tensor: a paged cache reads K/V through pointers (Q and
-    # Out keep their descriptors)
-    KV_TMA: tl.constexpr = USE_TMA and not PAGED
+    # K/V descriptors cover one sequence of a contiguous tensor, or the kv head's column of a paged cache whose pages
+    # hold whole blocks (PAGED_KV_TMA: the launcher found the cache's layout fit); other caches take pointers (Q
+    # and Out keep their descriptors)
+    KV_TMA: tl.constexpr = USE_TMA and (not PAGED or (PAGED_KV_TMA and PAGE_SIZE % BLOCK_N == 0))
     # FP8 varlen: V^T columns of a sequence start at any packed row, which a descriptor cannot address (its
     # column offsets must be 16-byte aligned), so V goes through pointers there (Q, K, Out keep descriptors)
     V_TMA: tl.constexpr = KV_TMA and not (IS_FP8 and IS_VARLEN)
@@ -352,7 +417,10 @@ def attn_fwd_kernel(
     alibi_slope = qk_scale * 0.0
     if HAS_ALIBI:
         alibi_slope = tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
-    if KV_TMA:
+    if KV_TMA and PAGED:  # (num_pages * PAGE_SIZE, HEAD_DIM) rows of this kv head
+        k_desc = sequence_descriptor(k_base, num_pages * PAGE_SIZE, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = sequence_descriptor(v_base, num_pages * PAGE_SIZE, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    elif KV_TMA:
         k_desc = sequence_descriptor(k_base, seqlen_k, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         if not V_TMA:
             v_desc = v_base
@@ -382,19 +450,21 @@ def attn_fwd_kernel(
                                        seqlen_k, window_left, window_right, qk_scale, softcap_log2,
                                        alibi_slope, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION,
                                        BLOCK_N, KV_TMA, IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages,
-                                       PAGE_SIZE)
+                                       PAGE_SIZE, kv_quant, KV_QUANT)
     # the bulk: blocks every row sees completely
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_lo, full_hi, q_pos, offs_n, offs_d, d_mask,
                                    seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
                                    False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, KV_TMA,
-                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE)
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE, kv_quant,
+                                   KV_QUANT)
     # diagonal / right window edge / ragged tail: masked
     acc, m_i, l_i = attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_strides[1], k_strides[3],
                                    v_strides[1], v_strides[3], full_hi, hi, q_pos, offs_n, offs_d, d_mask,
                                    seqlen_k, window_left, window_right, qk_scale, softcap_log2, alibi_slope,
                                    True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, DOT_PRECISION, BLOCK_N, KV_TMA,
-                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE)
+                                   IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE, kv_quant,
+                                   KV_QUANT)
 
     # epilogue: one division; rows that saw no key give out 0 and lse -inf
     has_keys = l_i > 0.0

@@ -360,7 +360,7 @@ def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 _AUTOTUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE"]
+                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE", "PAGED_KV_TMA"]
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
 _DKDV_TILE = ("BLOCK_N", "BLOCK_M")
@@ -1157,7 +1157,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
                       v_descale: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                       sinks: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
-                      seqused_k: Optional[torch.Tensor] = None, validate: bool = False):
+                      seqused_k: Optional[torch.Tensor] = None, validate: bool = False,
+                      k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
     """flash_attn over a packed ragged batch (prefill of several prompts in one launch), or (block_table given)
     over a paged KV cache.
 
@@ -1175,6 +1176,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             live on the host (unless check_seqlens=False), on the device only with validate=True (one sync).
             Inputs that require grad, q/k/v_descale and deterministic=False's atomics do not apply (ValueError
             for the first two).
+        k_scale, v_scale: with block_table, an 8-bit (float8_e4m3fn / int8) cache's float32 scales, as
+            flash_decode takes them ((), (nheads_kv,) or (num_pages, page_size, nheads_kv)).
         The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
         check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
             e.g. a serving engine's prefill step or a CUDA graph. Wrong values then give wrong results, never
@@ -1195,10 +1198,10 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                              seqused_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, return_lse=return_lse, check_seqlens=check_seqlens, config=config,
                              alibi_slopes=alibi_slopes, sinks=sinks, validate=validate,
-                             descales=(q_descale, k_descale, v_descale))
-    if seqused_k is not None:
-        raise ValueError("seqused_k is only supported with block_table (paged K/V); for a packed k/v give the "
-                         "lengths through cu_seqlens_k")
+                             descales=(q_descale, k_descale, v_descale), k_scale=k_scale, v_scale=v_scale)
+    for name, value in (("seqused_k", seqused_k), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is not None:
+            raise ValueError(f"{name} is only supported with block_table (paged K/V)")
     checks.check_bool("validate", validate)
     _check_tensors_once(q, k, v, 3, "(total, nheads, headdim)")
     _check_options(causal, softmax_scale, window_size, softcap, deterministic)

@@ -4,7 +4,8 @@
                       block_table=block_table, seqused_k=seqused_k, ...)        (FlashAttention-3's form)
 
 q (total_q, nheads, headdim) packed by int32 cu_seqlens_q (batch + 1,); k_cache, v_cache (num_pages, page_size,
-nheads_kv, headdim) ("NHD" pages, any page size >= 1, unit head-dim stride, one set of strides for both); int32
+nheads_kv, headdim) ("NHD" pages, any page size >= 1, unit head-dim stride, one set of strides for both; q's dtype,
+or 8-bit with float32 k_scale / v_scale as flash_decode takes them); int32
 block_table (batch, max_pages) lists each sequence's pages in key order; int32 seqused_k (batch,) its key count
 (the new tokens included: they are appended to the cache first, e.g. by append_kv). Masks are bottom-right aligned
 per sequence: query row i of a sequence with Lq new tokens and Lk keys sits at key position i + Lk - Lq.
@@ -25,6 +26,7 @@ from flashdecode import heuristics
 from flashdecode.ops import attention as attn
 from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import _check_cache_pair, _check_lengths_and_table
+from flashdecode.ops.kv_quant import resolve_kv_quant
 from flashdecode.ops.sinks import apply_sinks, check_sinks
 from flashdecode.kernels import fwd as fwd_kernels
 
@@ -33,11 +35,14 @@ __all__ = ["paged_prefill"]
 cdiv = heuristics.cdiv
 
 
-def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k) -> int:
-    """Types, shapes, dtypes and devices (no values, no sync); returns the batch size."""
+def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, k_scale,
+                  v_scale):
+    """Types, shapes, dtypes and devices (no values, no sync); returns (batch size, the 8-bit cache's checked scales
+    or None)."""
     checks.check_tensor("q", q, (3,), checks.FLOAT_DTYPES)
     checks.check_kernel_device("q", q)
-    _check_cache_pair(k_cache, v_cache, q.dtype, q.device)
+    quant = resolve_kv_quant(q.dtype, k_cache, v_cache, k_scale, v_scale)
+    _check_cache_pair(k_cache, v_cache, q.dtype if quant is None else quant.dtype, q.device)
     nheads, headdim = q.shape[1], q.shape[2]
     if k_cache.shape[3] != headdim:
         raise ValueError(f"k_cache head dim ({k_cache.shape[3]}) must equal q's ({headdim})")
@@ -60,7 +65,7 @@ def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max
             if x.requires_grad:
                 raise ValueError(f"{name} requires grad, but attention over a paged KV cache (block_table=) is "
                                  "forward only (as in FlashAttention-3); detach the inputs or use torch.no_grad()")
-    return batch
+    return batch, quant
 
 
 def _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate):
@@ -91,19 +96,33 @@ def _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen
     checks.check_host_block_table(table, torch.zeros_like(lens), lens, page_size, k_cache.shape[0])
 
 
+def _cache_tma_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether descriptors may read the caches as (num_pages * page_size) rows per kv head: pages back to back
+    (page stride = page_size * token stride), 16-byte aligned bases, token and head strides, rows of >= 16 bytes,
+    and row indices below 2**31."""
+    num_pages, page_size, _, headdim = k_cache.shape
+    elem = k_cache.element_size()
+    return (k_cache.stride(0) == page_size * k_cache.stride(1) and num_pages * page_size < 2**31
+            and headdim * elem >= 16 and all((st * elem) % 16 == 0 for st in k_cache.stride()[1:3])
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
+
+
 class _PagedPlan:
     """The paged forward of one launch key: its configuration and kernel (the Triton forward with PAGE_SIZE)."""
 
     __slots__ = ("kernel", "buckets")
 
     def __init__(self, q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id,
-                 has_alibi):
+                 has_alibi, kv_quant):
         self.buckets = attn._buckets(max_seqlen_q, max_seqlen_k)
         config = attn._config_for(config_id, q, k_cache, v_cache, max_seqlen_k, True)
         constexprs = attn._common_constexprs(q.shape[-1], True, left, right, softcap, q.dtype, has_alibi)
-        # descriptors for Q and Out only (the kernel reads K/V pages through pointers)
-        constexprs["USE_TMA"] = config.fwd_tma and attn._tma_layout_ok(q, out)
+        constexprs["USE_TMA"] = use_tma = config.fwd_tma and attn._tma_layout_ok(q, out)
         constexprs["PAGE_SIZE"] = k_cache.shape[1]
+        if kv_quant:  # 8-bit K/V through pointers, converted to q's dtype
+            constexprs["KV_QUANT"] = True
+        elif use_tma and _cache_tma_layout_ok(k_cache, v_cache):  # K/V too where pages hold whole KV blocks
+            constexprs["PAGED_KV_TMA"] = True
         self.kernel = attn._Kernel("fwd_paged", fwd_kernels.attn_fwd_kernel, config.fwd_tiles, attn._FWD_TILE,
                                    config.fwd_autotune, constexprs)
 
@@ -112,24 +131,27 @@ _PLANS: dict = {}
 
 
 def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left, right,
-          softcap, config_id, alibi_slopes, alibi_stride) -> _PagedPlan:
+          softcap, config_id, alibi_slopes, alibi_stride, quant) -> _PagedPlan:
     """The plan of this launch key (built on its first call): everything Triton specialises on or the configuration
-    reads (shapes but the packed length, strides, dtype, device, pointer alignment, page size, mask flags, shape
-    buckets, the configuration and the autotune switch)."""
-    key = (q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), block_table.stride(), q.dtype, q.device,
+    reads (shapes but the packed length, strides, dtypes, device, pointer alignment, page size, mask flags, shape
+    buckets, the configuration and the autotune switch; an 8-bit cache's scale strides)."""
+    scales = None if quant is None else (quant.strides, attn._aligned(quant.k_scale, quant.v_scale))
+    key = (q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), block_table.stride(), q.dtype,
+           k_cache.dtype, q.device,
            attn._aligned(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes),
            left >= 0, right >= 0, softcap > 0.0, config_id, attn._autotune_enabled(),
            heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
-           heuristics.prefill_length_class(max_seqlen_k), alibi_slopes is not None, alibi_stride)
+           heuristics.prefill_length_class(max_seqlen_k), alibi_slopes is not None, alibi_stride, scales)
     plan = _PLANS.get(key)
     if plan is None:
         plan = attn._bounded_put(_PLANS, key, _PagedPlan(q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left,
-                                                         right, softcap, config_id, alibi_slopes is not None))
+                                                         right, softcap, config_id, alibi_slopes is not None,
+                                                         quant is not None))
     return plan
 
 
 def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, left,
-             right, softcap, config_id, alibi_slopes):
+             right, softcap, config_id, alibi_slopes, quant=None):
     """(out like q, lse (nheads, total_q) float32) of checked inputs."""
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -140,9 +162,11 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
     cu_seqlens_q, seqused_k = cu_seqlens_q.contiguous(), seqused_k.contiguous()  # read with a unit stride
     alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     plan = _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left,
-                 right, softcap, config_id, alibi_slopes, alibi_stride)
+                 right, softcap, config_id, alibi_slopes, alibi_stride, quant)
     qk_scale, softcap_log2 = attn._scale_args(scale, softcap)
     kv_pages = (block_table, seqused_k, block_table.stride(), block_table.shape[1], k_cache.shape[0])
+    if quant is not None:
+        kv_pages += ((quant.k_scale, quant.v_scale, quant.strides),)
     args = (q, k_cache, v_cache, out, lse, cu_seqlens_q, None, None, None, alibi_slopes,
             (0,) + q.stride(), k_cache.stride(), v_cache.stride(), (0,) + out.stride(), (0, total_q),
             nheads // k_cache.shape[2], max_seqlen_q, max_seqlen_k, total_q, 0,
@@ -156,7 +180,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   causal: bool = False, softmax_scale: Optional[float] = None, window_size=(-1, -1),
                   softcap: float = 0.0, return_lse: bool = False, alibi_slopes: Optional[torch.Tensor] = None,
                   sinks: Optional[torch.Tensor] = None, check_seqlens: bool = True, validate: bool = False,
-                  config=None):
+                  config=None, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
     """Attention of a ragged batch of query tokens against a paged KV cache (forward only).
 
     Args:
@@ -178,11 +202,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             clamped into q and the table, ids outside the cache are absent keys; query rows past max_seqlen_q and
             rows no sequence covers are left unwritten.
         config: an AttentionConfig (its fwd_tiles / fwd_autotune / fwd_tma) or None.
+        k_scale, v_scale: with an 8-bit cache (float8_e4m3fn or int8, as flash_decode and append_kv take it):
+            float32 scales broadcastable to (num_pages, page_size, nheads_kv): (), (nheads_kv,) or one per token
+            and kv head; the attended keys are k_cache.float() * k_scale[..., None] (values likewise).
     Returns:
         out (total_q, nheads, headdim) like q [, lse (nheads, total_q) float32, natural log]; a row that sees no key
         gives out 0 and lse -inf.
     """
-    _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    _, quant = _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                             k_scale, v_scale)
     attn._check_options(causal, softmax_scale, window_size, softcap)
     checks.check_bool("return_lse", return_lse)
     checks.check_bool("check_seqlens", check_seqlens)
@@ -196,7 +224,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
     scale, left, right, cap = attn._normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
     out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                        scale, left, right, cap, config_id, alibi_slopes)
+                        scale, left, right, cap, config_id, alibi_slopes, quant)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks, "varlen")
     return (out, lse) if return_lse else out
