@@ -20,7 +20,8 @@ page that no sequence owns.
 
 A paged prefill writes the chunk's K/V into the pages first, then attends the pages (meta.block_tables, meta.seqlens_k
 keys each), causal bottom-right. The flashdecode backend reads the pages in the kernel where flash_attn_varlen takes
-a block table; the others (and 8-bit pages) gather the pages into contiguous K/V first (correct, a copy per step).
+a block table (8-bit pages with their scales); the others gather the pages into contiguous K/V first (correct, a copy
+per step).
 
 ContextParallelBackend wraps flashdecode or torch for context parallelism: decode attends this rank's pages and
 merges the context-parallel group's (out, lse) partial states (flashdecode.distributed.StateExchange).
@@ -323,8 +324,10 @@ class FlashDecodeBackend(AttentionBackend):
                                f"this build does not export; use attn_backend='torch' or 'sdpa'")
         self._varlen = flashdecode.flash_attn_varlen
         params = inspect.signature(self._varlen).parameters
-        # the kernel reads pages through a block table where flash_attn_varlen takes one (else: gathered pages)
+        # the kernel reads pages through a block table where flash_attn_varlen takes one (else: gathered pages),
+        # 8-bit pages with their scales where it takes those too
         self.paged_varlen = "block_table" in params and "seqused_k" in params
+        self.paged_varlen_quant = self.paged_varlen and "k_scale" in params
         self._dense = flashdecode.flash_attn
         self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
@@ -345,12 +348,17 @@ class FlashDecodeBackend(AttentionBackend):
                             window_size=self.window_size, check_seqlens=False)
 
     def prefill_paged(self, q, k_cache, v_cache, meta, last_only: bool = False):
-        if not self.paged_varlen or isinstance(k_cache, QuantPages):  # 8-bit pages: gathered and dequantised
+        quant = isinstance(k_cache, QuantPages)
+        if not (self.paged_varlen_quant if quant else self.paged_varlen):  # gathered (and dequantised) pages
             return super().prefill_paged(q, k_cache, v_cache, meta, last_only)
+        scales = {}
+        if quant:  # 8-bit pages read with their scales
+            scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
+            k_cache, v_cache = k_cache.data, v_cache.data
         cu_q, max_q, _ = _paged_queries(q, meta, last_only)
         return self._varlen(q, k_cache, v_cache, cu_q, None, max_q, meta.max_seqlen_k, causal=True,
                             window_size=self.window_size, block_table=meta.block_tables,
-                            seqused_k=meta.context_lens, check_seqlens=False)
+                            seqused_k=meta.context_lens, check_seqlens=False, **scales)
 
     def attend_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_lens, k_lens):
         return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
