@@ -844,7 +844,7 @@ from flashdecode.kernels.fwd import attn_fwd_kernel
 
 MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
              DOT_PRECISION="tf32")
-SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", scales=("fp32", "fp32", "fp32"))
+SCALARS = dict(logit_scales=("fp32", "fp32"), scales=("fp32", "fp32", "fp32"))
 
 
 def stride_types(path, name, constexprs, attrs):
@@ -930,8 +930,7 @@ kernel = compile_for_sm90(attn_bwd_dkdv_kernel, bf16 | fp32 | ints | dict(DQ="*b
                                FUSED_DQ=True, USE_TMA=True), warps, stages)
 assert split and "wgmma" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024, "fused hd256 backward"
 # FP8 forward: both QK^T and PV on e4m3 wgmma (V pre-transposed, so K-major), with descriptors and with pointers
-fp8 = dict.fromkeys(["Q", "K", "V"], "*fp8e4nv") | dict(Out="*bf16", Lse="*fp32", QKDescale="*fp32",
-                                                         VDescale="*fp32")
+fp8 = dict.fromkeys(["Q", "K", "V"], "*fp8e4nv") | dict(Out="*bf16", Lse="*fp32", fp8_descales=("*fp32", "*fp32"))
 for tma in (True, False):
     kernel = compile_for_sm90(attn_fwd_kernel, fp8 | ints, dict(MASKS, BLOCK_M=128, BLOCK_N=128, USE_TMA=tma,
                                                                 IS_FP8=True), 8, 3)

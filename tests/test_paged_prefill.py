@@ -114,8 +114,8 @@ def test_descriptor_path(gen, page_size, monkeypatch):
     out, lse = flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 33, 70, block_table=table, seqused_k=used,
                                              causal=True, config=config, return_lse=True)
     (plan,) = list(paged_ops._PLANS.values())[plans:]
-    # the cache's layout allows descriptors; the kernel takes them where PAGE_SIZE % BLOCK_N == 0
-    assert plan.kernel.constexprs["USE_TMA"] and plan.kernel.constexprs["PAGED_KV_TMA"]
+    # the cache's layout allows descriptors; the kernel takes them for K/V where PAGE_SIZE % BLOCK_N == 0
+    assert plan.kernel.constexprs["USE_TMA"]
     o64, lse64 = ref.paged_prefill_ref(q.double(), kp.double(), vp.double(), cu_q, used, table, causal=True)
     o_same, lse_same = ref.paged_prefill_ref(q, kp, vp, cu_q, used, table, causal=True)
     assert_fa_close(out, o64, o_same, name="out")
@@ -374,6 +374,12 @@ def test_device_metadata_is_not_read_unless_validate(gen, device_metadata):
     with pytest.raises(ValueError, match="max_seqlen_k"):
         flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 3, 8, validate=True, **call)
     assert device_metadata == [3]  # one copy of cu_seqlens_q, seqused_k and block_table together
+    bad = table.clone()
+    bad[1, 2] = kp.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]"):
+        flashdecode.flash_attn_varlen(q, kp, vp, cu_q, None, 3, 9, validate=True, block_table=bad, seqused_k=used)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        flashdecode.flash_attn_varlen(q, kp, vp, _int32([0, 6, 5]), None, 3, 9, validate=True, **call)
 
 
 def test_unchecked_bad_pages_are_absent_keys(gen, device_metadata):
@@ -408,13 +414,13 @@ sys.path.insert(0, "tests")
 from helpers import compile_for_sm90, spilled_bytes
 S4 = ("i32",) * 4
 types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", q_strides=S4,
-             k_strides=S4, v_strides=S4, o_strides=S4, lse_strides=("i32", "i32"), qk_scale="fp32",
-             softcap_log2="fp32", kv_pages=("*i32", "*i32", ("i32", "i32"), "i32", "i32"))
+             k_strides=S4, v_strides=S4, o_strides=S4, lse_strides=("i32", "i32"),
+             logit_scales=("fp32", "fp32"), kv_pages=("*i32", "*i32", ("i32", "i32"), "i32", "i32"))
 bulk = {}
 for page in (16, 128):  # K/V by pointers, one page id per key / by descriptors, one page id per 128-key block
     consts = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
                   DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, USE_TMA=True, PAGE_SIZE=page, cu_seqlens_k=None,
-                  QKDescale=None, VDescale=None, AlibiSlopes=None, PAGED_KV_TMA=True)
+                  fp8_descales=None, AlibiSlopes=None)
     kernel = compile_for_sm90(attn_fwd_kernel, types, consts, num_stages=3, num_warps=8)
     ptx = kernel.asm["ptx"]
     assert "wgmma" in ptx, f"paged forward (pages of {page}) not on wgmma"

@@ -319,16 +319,15 @@ def sequence_descriptor(base, nrows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_R
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, QKDescale, VDescale, AlibiSlopes,
+    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, fp8_descales, AlibiSlopes,
     q_strides, k_strides, v_strides, o_strides, lse_strides,
     group_size, seqlen_q, seqlen_k, total_q, total_k,
-    qk_scale, softcap_log2, window_left, window_right, alibi_batch_stride,
+    logit_scales, window_left, window_right, alibi_batch_stride,
     bucket_q, bucket_k, kv_pages,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, IS_FP8: tl.constexpr = False,
     HAS_ALIBI: tl.constexpr = False, FP8_SOFT_ROUND: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 0,
-    PAGED_KV_TMA: tl.constexpr = False, KV_QUANT: tl.constexpr = False,
 ):
     """Grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch) (3-D: batch * nheads may exceed the 65535 limit of
     grid dims 1 and 2).
@@ -342,7 +341,9 @@ def attn_fwd_kernel(
     lengths). USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride,
     16-byte aligned rows and a triton allocator).
 
-    IS_FP8 (forward only): Q, K, V float8_e4m3fn, Out bfloat16; QKDescale contiguous fp32 (batch, nheads):
+    logit_scales: (qk_scale, softcap_log2) as logits_log2 takes them.
+    IS_FP8 (forward only): Q, K, V float8_e4m3fn, Out bfloat16; fp8_descales = (QKDescale, VDescale) (None
+    otherwise): QKDescale contiguous fp32 (batch, nheads):
     q_descale * k_descale of (sequence, head), folded into qk_scale; VDescale contiguous fp32 (batch, nheads_kv),
     applied to the output. V is stored transposed: v_strides' seq stride is 1 (the launcher's padded copy).
     FP8_SOFT_ROUND (the CPU interpreter only): P rounded by round_to_e4m3 before its cast.
@@ -356,19 +357,22 @@ def attn_fwd_kernel(
     BlockTable (batch, max_pages) with (batch, page) strides bt_strides, int32 SeqUsedK (batch,) the keys of each
     sequence (clamped into [0, max_pages * PAGE_SIZE]: no key past the table), num_pages the cache's page count
     (ids outside [0, num_pages) are absent keys); cu_seqlens_k and total_k are unused. kv_pages is None otherwise.
-    PAGED_KV_TMA (with USE_TMA): K/V through descriptors over the cache where PAGE_SIZE is a multiple of BLOCK_N
-    (the launcher's promise: page stride = PAGE_SIZE * token stride, 16-byte aligned bases and strides, fewer than
-    2**31 cache rows), else through pointers.
-    KV_QUANT (paged, pointers): K and V are 8-bit (float8_e4m3fn or int8) and kv_pages has a sixth entry, kv_scales
-    = (KScale, VScale, s_strides): float32 scales of (page, token, kv head) at strides s_strides (0 along broadcast
-    dims); the attended key is K * KScale (kernels/kv_quant.py's convention), the value V * VScale.
+    USE_TMA with PAGE_SIZE: Q and Out through descriptors, and K/V too where PAGE_SIZE is a multiple of BLOCK_N (the
+    launcher sets USE_TMA only for a cache whose layout allows that: page stride = PAGE_SIZE * token stride, 16-byte
+    aligned bases and strides, fewer than 2**31 cache rows), else through pointers.
+    8-bit cache (K's element type differs from Q's; paged, pointers): K and V float8_e4m3fn or int8, and kv_pages
+    has a sixth entry, kv_scales = (KScale, VScale, s_strides): float32 scales of (page, token, kv head) at strides
+    s_strides (0 along broadcast dims); the attended key is K * KScale (kernels/kv_quant.py's convention), the value
+    V * VScale.
     """
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group_size
     q_start, seqlen_q = sequence_bounds(batch, cu_seqlens_q, seqlen_q, total_q, IS_VARLEN)
+    qk_scale, softcap_log2 = logit_scales
     PAGED: tl.constexpr = PAGE_SIZE > 0
+    KV_QUANT: tl.constexpr = PAGED and K.dtype.element_ty != Q.dtype.element_ty  # an 8-bit cache
     if PAGED:
         if KV_QUANT:
             block_table, seqused_k, bt_strides, max_pages, num_pages, kv_scales = kv_pages
@@ -405,13 +409,14 @@ def attn_fwd_kernel(
         k_base = head_base(K, k_strides, batch, k_start, head_kv)
         v_base = head_base(V, v_strides, batch, k_start, head_kv)
     # K/V descriptors cover one sequence of a contiguous tensor, or the kv head's column of a paged cache whose pages
-    # hold whole blocks (PAGED_KV_TMA: the launcher found the cache's layout fit); other caches take pointers (Q
+    # hold whole blocks (the launcher found the cache's layout fit); other pages and 8-bit caches take pointers (Q
     # and Out keep their descriptors)
-    KV_TMA: tl.constexpr = USE_TMA and (not PAGED or (PAGED_KV_TMA and PAGE_SIZE % BLOCK_N == 0))
+    KV_TMA: tl.constexpr = USE_TMA and (not PAGED or (PAGE_SIZE % BLOCK_N == 0 and not KV_QUANT))
     # FP8 varlen: V^T columns of a sequence start at any packed row, which a descriptor cannot address (its
     # column offsets must be 16-byte aligned), so V goes through pointers there (Q, K, Out keep descriptors)
     V_TMA: tl.constexpr = KV_TMA and not (IS_FP8 and IS_VARLEN)
     if IS_FP8:  # descales: q * k of (sequence, head) into the logit scale, v of (sequence, kv head) at the end
+        QKDescale, VDescale = fp8_descales
         qk_scale = qk_scale * tl.load(QKDescale + batch * tl.num_programs(1) + head)
         v_descale = tl.load(VDescale + batch * (tl.num_programs(1) // group_size) + head_kv)
     alibi_slope = qk_scale * 0.0

@@ -360,7 +360,7 @@ def _tma_layout_ok(*tensors: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 _AUTOTUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
-                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE", "PAGED_KV_TMA"]
+                 "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE"]
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
 _DKDV_TILE = ("BLOCK_N", "BLOCK_M")
@@ -709,8 +709,8 @@ class _DenseCall:
             if self.empty:
                 return out, lse.fill_(float("-inf"))
             qk_scale, softcap_log2 = _scale_args(scale, softcap)
-            args = ((q, k, v, out, lse, None, None, None, None, None) + self.fixed
-                    + (qk_scale, softcap_log2, max(left, 0), max(right, 0), 0) + self.buckets + (None,))
+            args = ((q, k, v, out, lse, None, None, None, None) + self.fixed
+                    + ((qk_scale, softcap_log2), max(left, 0), max(right, 0), 0) + self.buckets + (None,))
             self.kernel(self.grid, args, q.device)
             self._bind()
             return out, lse
@@ -723,7 +723,7 @@ class _DenseCall:
         grid, middle, end = bound
         if ptrs is None:
             ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        self.kernel.launch(grid, (*ptrs, out.data_ptr(), lse_ptr, *middle, qk_scale, softcap_log2, max(left, 0),
+        self.kernel.launch(grid, (*ptrs, out.data_ptr(), lse_ptr, *middle, (qk_scale, softcap_log2), max(left, 0),
                                   max(right, 0), *end), self.device)
         return out, lse
 
@@ -732,7 +732,7 @@ class _DenseCall:
         (around the pointers and the per-call scalars), for the direct launches of later calls."""
         kernel = self.kernel
         if kernel.compiled is not None:
-            self.bound = (self.grid(kernel.meta), (None,) * 5 + self.fixed, (0, *self.buckets, None, *kernel.tail))
+            self.bound = (self.grid(kernel.meta), (None,) * 4 + self.fixed, (0, *self.buckets, None, *kernel.tail))
 
     def _lse_discard(self):
         """As _GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
@@ -785,10 +785,11 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     plan = _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap,
                      config_id, alibi_slopes, alibi_stride, v_descale, v_layout)
     qk_scale, softcap_log2 = _scale_args(scale, softcap)
-    args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, qk_descale, v_descale,
+    fp8_descales = None if qk_descale is None else (qk_descale, v_descale)
+    args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, fp8_descales,
             alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
             nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0],
-            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets, None)
+            (qk_scale, softcap_log2), max(left, 0), max(right, 0), alibi_stride, *plan.buckets, None)
     plan.kernel(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 

@@ -117,12 +117,11 @@ class _PagedPlan:
         self.buckets = attn._buckets(max_seqlen_q, max_seqlen_k)
         config = attn._config_for(config_id, q, k_cache, v_cache, max_seqlen_k, True)
         constexprs = attn._common_constexprs(q.shape[-1], True, left, right, softcap, q.dtype, has_alibi)
-        constexprs["USE_TMA"] = use_tma = config.fwd_tma and attn._tma_layout_ok(q, out)
+        # descriptors for Q and Out, and K/V where pages hold whole KV blocks (not 8-bit caches: pointers): only
+        # where the cache's layout allows them
+        constexprs["USE_TMA"] = (config.fwd_tma and attn._tma_layout_ok(q, out)
+                                 and (kv_quant or _cache_tma_layout_ok(k_cache, v_cache)))
         constexprs["PAGE_SIZE"] = k_cache.shape[1]
-        if kv_quant:  # 8-bit K/V through pointers, converted to q's dtype
-            constexprs["KV_QUANT"] = True
-        elif use_tma and _cache_tma_layout_ok(k_cache, v_cache):  # K/V too where pages hold whole KV blocks
-            constexprs["PAGED_KV_TMA"] = True
         self.kernel = attn._Kernel("fwd_paged", fwd_kernels.attn_fwd_kernel, config.fwd_tiles, attn._FWD_TILE,
                                    config.fwd_autotune, constexprs)
 
@@ -167,10 +166,10 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
     kv_pages = (block_table, seqused_k, block_table.stride(), block_table.shape[1], k_cache.shape[0])
     if quant is not None:
         kv_pages += ((quant.k_scale, quant.v_scale, quant.strides),)
-    args = (q, k_cache, v_cache, out, lse, cu_seqlens_q, None, None, None, alibi_slopes,
+    args = (q, k_cache, v_cache, out, lse, cu_seqlens_q, None, None, alibi_slopes,
             (0,) + q.stride(), k_cache.stride(), v_cache.stride(), (0,) + out.stride(), (0, total_q),
             nheads // k_cache.shape[2], max_seqlen_q, max_seqlen_k, total_q, 0,
-            qk_scale, softcap_log2, max(left, 0), max(right, 0), alibi_stride, *plan.buckets, kv_pages)
+            (qk_scale, softcap_log2), max(left, 0), max(right, 0), alibi_stride, *plan.buckets, kv_pages)
     plan.kernel(lambda meta: (cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
