@@ -184,7 +184,7 @@ def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: in
     budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
               max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, enable_prefix_caching=False)  # decode of random pages
     try:
         _fill_pool_randomly(llm.runner)
         _fill_running(llm, batch, context, total_steps)
@@ -214,7 +214,7 @@ def prefill_seconds(model, backend: str, length: int, page_size: int) -> float:
     budget = (-(-(length + 2) // page_size)) * bytes_per_page(cfg.num_hidden_layers, page_size,
                                                               cfg.num_key_value_heads, cfg.head_dim, model.lm_head_weight.dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=1,
-              max_model_len=length + 2, enforce_eager=True)
+              max_model_len=length + 2, enforce_eager=True, enable_prefix_caching=False)  # the prompt repeats
     try:
         gen = torch.Generator().manual_seed(length)
         ids = torch.randint(0, cfg.vocab_size, (length,), generator=gen).tolist()

@@ -142,7 +142,7 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
     pages = batch * -(-max_len // page_size)
     llm = LLM(model, attn_backend="flashdecode", page_size=page_size, max_num_seqs=batch, max_model_len=max_len,
               kv_cache_memory=pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype),
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # decode of random pages
     try:
         _fill_pool_randomly(llm.runner)
         _fill_running(llm, batch, context, total)
@@ -255,7 +255,8 @@ def _decode_profile(model, backend: str, context: int, use_gemv: bool, bandwidth
     from flashdecode.engine import LLM
 
     model.use_gemv = use_gemv
-    llm = LLM(model, attn_backend=backend, max_model_len=context + 200, max_num_seqs=1, page_size=page_size)
+    llm = LLM(model, attn_backend=backend, max_model_len=context + 200, max_num_seqs=1, page_size=page_size,
+              enable_prefix_caching=False)
     try:
         llm.runner.pool.normal_()
         _fill_running(llm, 1, context, 150)
@@ -366,7 +367,7 @@ def _prefill_profile(model, length: int, page_size: int, backend: str = "flashde
                                                               cfg.num_key_value_heads, cfg.head_dim,
                                                               model.lm_head_weight.dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=1,
-              max_model_len=length + 2, enforce_eager=True)
+              max_model_len=length + 2, enforce_eager=True, enable_prefix_caching=False)  # the prompt repeats
     try:
         ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
         llm.generate([ids], SamplingParams(max_new_tokens=1))

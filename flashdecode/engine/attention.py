@@ -2,6 +2,8 @@
 
     prefill(q, k, v, meta) -> out    q (tokens, nheads, d), k/v (tokens, nheads_kv, d), causal per sequence
     prefill_last(q, k, v, meta) -> out    q (batch, nheads, d): each sequence's last query only, against all its keys
+    prefill_paged(q, k_cache, v_cache, meta) -> out    a prefill chunk after a prefix already in the pages (prefix
+                                          caching, chunked prefill): q (tokens, nheads, d) against the pages
     decode(q, k_cache, v_cache, meta) -> out    q (batch, nheads, d), paged cache (num_pages, page_size, hk, d)
     write_kv(k_cache, v_cache, k, v, meta)      k/v (tokens, hk, d) into the page slots meta.slot_mapping
 
@@ -18,6 +20,11 @@ The K/V write is a plain index_copy_ into the flattened page pool (slot = page *
 backend: one kernel, no host sync, so it sits inside the decode CUDA graph; padded graph rows write to a scratch
 page that no sequence owns.
 
+A paged prefill writes the chunk's K/V into the pages first, then attends the pages (meta.block_tables, meta.seqlens_k
+keys each), causal bottom-right. The flashdecode backend reads the pages in the kernel where flash_attn_varlen takes
+a block table (8-bit pages with their scales); the others gather the pages into contiguous K/V first (correct, a copy
+per step).
+
 ContextParallelBackend wraps flashdecode or torch for context parallelism: decode attends this rank's pages and
 merges the context-parallel group's (out, lse) partial states (flashdecode.distributed.StateExchange).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +52,9 @@ class AttentionMetadata:
     slot_mapping: int64 (tokens,) flat page slot of each new token.
     Prefill: cu_seqlens int32 (batch + 1,), max_seqlen, seqlens (host list).
     Decode: block_tables int32 (batch, max_pages), context_lens int32 (batch,) = live tokens incl. the new one.
+    Paged prefill (a chunk after a prefix already in the pages): cu_seqlens / max_seqlen / seqlens of the chunk's
+    queries, block_tables and context_lens as in decode (keys per sequence = prefix + chunk), seqlens_k the host
+    list of those key counts and max_seqlen_k their maximum.
     rope_lens: int64 (tokens,), the sequence length each token's rotary uses (only dynamic rope reads it).
     """
 
@@ -55,6 +66,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     rope_lens: torch.Tensor | None = None
+    seqlens_k: list[int] | None = None
+    max_seqlen_k: int = 0
+
+    @property
+    def reads_pages(self) -> bool:
+        """A prefill whose queries attend K/V in the pages (a cached prefix or earlier chunks)."""
+        return self.is_prefill and self.block_tables is not None
 
 
 class AttentionBackend(abc.ABC):
@@ -110,6 +128,31 @@ class AttentionBackend(abc.ABC):
         """q (b, h, sq, d), k/v (b, h, sk, d), bool mask broadcastable to (b, h, sq, sk)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
+    def prefill_paged(self, q, k_cache, v_cache, meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
+        """q (tokens, nheads, headdim): each sequence's newest tokens (packed by meta.cu_seqlens; last_only: one
+        row per sequence, its last token), whose K/V are already written, against the first meta.seqlens_k[b]
+        keys of its pages (meta.block_tables), causal bottom-right (within the window) -> out like q.
+        Generic version: the pages gathered into contiguous K/V, then attend_varlen."""
+        k, v, cu_k = gather_pages(k_cache, v_cache, meta, q.dtype)
+        cu_q, max_q, q_lens = _paged_queries(q, meta, last_only)
+        return self.attend_varlen(q, k, v, cu_q, cu_k, max_q, meta.max_seqlen_k, q_lens, meta.seqlens_k)
+
+    def attend_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                      q_lens: list[int], k_lens: list[int]) -> torch.Tensor:
+        """q (total_q, nheads, d), k/v (total_k, nheads_kv, d) packed by the int32 cu_seqlens (host lengths q_lens,
+        k_lens): causal bottom-right within the window -> out like q. Generic version: one masked attention per
+        sequence (_masked_attention)."""
+        out = torch.empty_like(q)
+        q0 = k0 = 0
+        for nq, nk in zip(q_lens, k_lens):
+            qs = q[q0:q0 + nq].transpose(0, 1)[None]
+            ks, vs = (_expand_heads(x[k0:k0 + nk].transpose(0, 1)[None], q.shape[1]) for x in (k, v))
+            query_pos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+            mask = _visible(nq, torch.arange(nk, device=q.device)[None, :], query_pos, self.window_size[0])
+            out[q0:q0 + nq] = self._masked_attention(qs, ks, vs, mask)[0].transpose(0, 1)
+            q0, k0 = q0 + nq, k0 + nk
+        return out
+
     @abc.abstractmethod
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q (batch, nheads, headdim) against the paged cache (meta.block_tables, meta.context_lens) -> like q."""
@@ -131,6 +174,11 @@ class TorchBackend(AttentionBackend):
                                                 window_size=self.window_size)
         return out
 
+    def attend_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_lens, k_lens):
+        out, _ = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True,
+                                                window_size=self.window_size)
+        return out
+
     def decode(self, q, k_cache, v_cache, meta):
         return self.decode_with_lse(q, k_cache, v_cache, meta)[0]
 
@@ -142,6 +190,35 @@ class TorchBackend(AttentionBackend):
         o, lse = reference.decode_ref(q, k_cache, v_cache, meta.context_lens, block_table=meta.block_tables,
                                       window_size=self.window_size)
         return (o if out is None else out.copy_(o)), lse.float()
+
+
+def gather_pages(k_cache, v_cache, meta: AttentionMetadata, dtype: torch.dtype):
+    """Each sequence's first meta.seqlens_k[b] keys copied out of its pages (meta.block_tables), 8-bit pages
+    dequantised to ``dtype``. Returns k, v (sum(seqlens_k), nheads_kv, d) and int32 cu_seqlens_k (batch + 1,)."""
+    page_size = k_cache.shape[1]
+    offsets = torch.arange(page_size, device=meta.block_tables.device)
+    slots = []
+    for b, n in enumerate(meta.seqlens_k):
+        pages = meta.block_tables[b, :-(-n // page_size)].long()
+        slots.append((pages[:, None] * page_size + offsets).flatten()[:n])
+    slots = torch.cat(slots)
+
+    def take(cache):
+        if isinstance(cache, QuantPages):
+            data = cache.data.view(-1, *cache.data.shape[2:])[slots]
+            return QuantPages(data, cache.scale.view(-1, cache.scale.shape[-1])[slots]).dequantize(dtype)
+        return cache.view(-1, *cache.shape[2:])[slots]
+
+    lens = torch.tensor([0] + list(meta.seqlens_k), dtype=torch.int64)
+    cu_k = torch.cumsum(lens, 0).to(torch.int32).to(slots.device)
+    return take(k_cache), take(v_cache), cu_k
+
+
+def _paged_queries(q: torch.Tensor, meta: AttentionMetadata, last_only: bool):
+    """(cu_seqlens_q, max_seqlen_q, host lengths) of a paged prefill's queries: the chunks, or one row each."""
+    if last_only:
+        return _one_query_each(q), 1, [1] * q.shape[0]
+    return meta.cu_seqlens, meta.max_seqlen, meta.seqlens
 
 
 def _one_query_each(q: torch.Tensor) -> torch.Tensor:
@@ -271,6 +348,11 @@ class FlashDecodeBackend(AttentionBackend):
             raise RuntimeError(f"attention backend {self.name!r} needs flashdecode.{', '.join(missing)}, which "
                                f"this build does not export; use attn_backend='torch' or 'sdpa'")
         self._varlen = flashdecode.flash_attn_varlen
+        params = inspect.signature(self._varlen).parameters
+        # the kernel reads pages through a block table where flash_attn_varlen takes one (else: gathered pages),
+        # 8-bit pages with their scales where it takes those too
+        self.paged_varlen = "block_table" in params and "seqused_k" in params
+        self.paged_varlen_quant = self.paged_varlen and "k_scale" in params
         self._dense = flashdecode.flash_attn
         self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
@@ -288,6 +370,23 @@ class FlashDecodeBackend(AttentionBackend):
 
     def prefill_last(self, q, k, v, meta):
         return self._varlen(q, k, v, _one_query_each(q), meta.cu_seqlens, 1, meta.max_seqlen, causal=True,
+                            window_size=self.window_size, check_seqlens=False)
+
+    def prefill_paged(self, q, k_cache, v_cache, meta, last_only: bool = False):
+        quant = isinstance(k_cache, QuantPages)
+        if not (self.paged_varlen_quant if quant else self.paged_varlen):  # gathered (and dequantised) pages
+            return super().prefill_paged(q, k_cache, v_cache, meta, last_only)
+        scales = {}
+        if quant:  # 8-bit pages read with their scales
+            scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
+            k_cache, v_cache = k_cache.data, v_cache.data
+        cu_q, max_q, _ = _paged_queries(q, meta, last_only)
+        return self._varlen(q, k_cache, v_cache, cu_q, None, max_q, meta.max_seqlen_k, causal=True,
+                            window_size=self.window_size, block_table=meta.block_tables,
+                            seqused_k=meta.context_lens, check_seqlens=False, **scales)
+
+    def attend_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_lens, k_lens):
+        return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
                             window_size=self.window_size, check_seqlens=False)
 
     def _plan(self, q, k_cache, block_tables):
@@ -357,6 +456,10 @@ class ContextParallelBackend(AttentionBackend):
 
     def prefill_last(self, q, k, v, meta):
         return self.inner.prefill_last(q, k, v, meta)
+
+    def prefill_paged(self, q, k_cache, v_cache, meta, last_only: bool = False):
+        raise RuntimeError("a paged prefill (prefix caching, chunked prefill) does not support context parallelism: "
+                           "each rank holds only its own pages")
 
     def _exchange(self, q):
         from flashdecode.distributed.exchange import StateExchange

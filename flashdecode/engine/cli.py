@@ -59,6 +59,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                         help="launch each decode step before the host reads the one in flight (vLLM's async "
                              "scheduling): auto = on for a single-GPU engine on CUDA, on, off")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV pages of cached prompt prefixes (vLLM's automatic prefix caching); "
+                             "default: on except for 8-bit pages, context parallelism and dynamic rope")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="run long prompts in chunks beside the running decodes (budget: "
+                             "--max-num-batched-tokens)")
+    parser.add_argument("--chunked-prefill-single-forward", action="store_true",
+                        help="with chunked prefill: the decodes and the chunks of a step in one eager forward (the "
+                             "weights read once) instead of the decode CUDA graph + a chunk forward")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step: a prefill batch's prompt tokens, or with chunked prefill the decodes "
+                             "plus the prompt chunks (default 2048 then)")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
@@ -67,7 +79,7 @@ def build_llm(args, max_model_len: int | None = None):
     from flashdecode.engine import LLM
     from flashdecode.engine.config import named_config
 
-    for name in ("layers", "page_size", "max_model_len", "max_num_seqs"):
+    for name in ("layers", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -81,7 +93,10 @@ def build_llm(args, max_model_len: int | None = None):
                enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=ON_OFF[args.flat_gemm],
                tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
                kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
-               async_scheduling=ON_OFF[args.async_scheduling])
+               async_scheduling=ON_OFF[args.async_scheduling],
+               enable_prefix_caching=args.enable_prefix_caching,
+               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+               chunked_prefill_single_forward=args.chunked_prefill_single_forward)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

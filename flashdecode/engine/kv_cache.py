@@ -9,6 +9,7 @@ A token at position p of a sequence lives in page block_table[p // page_size], s
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 
@@ -28,42 +29,169 @@ def allocate_pool(num_layers: int, num_pages: int, page_size: int, nheads_kv: in
     return torch.zeros((2, num_layers, num_pages + 1, page_size, nheads_kv, head_dim), dtype=dtype, device=device)
 
 
+def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """The hash of a full page: its token ids chained with the hash of everything before it (its parent page's)."""
+    return hash((parent_hash, tokens))
+
+
+class PageKey:
+    """What a full cached page holds: its token ids after the prefix ``parent`` (the key of the page before it,
+    None for a sequence's first page). Hashed by ``chain_hash``; two keys are equal only when their token ids and
+    every token id before them compare equal (the parent chains are walked, stopping early at a shared parent),
+    so a hash collision can never make a page stand for another prefix."""
+
+    __slots__ = ("parent", "tokens", "hash")
+
+    def __init__(self, parent: "PageKey | None", tokens: tuple[int, ...]):
+        self.parent, self.tokens = parent, tokens
+        self.hash = chain_hash(None if parent is None else parent.hash, tokens)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        a, b = self, other
+        while a is not b:  # iterative: chains are as long as a sequence's pages (no recursion limit)
+            if a is None or b is None or a.hash != b.hash or a.tokens != b.tokens:
+                return False
+            a, b = a.parent, b.parent
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a token list: its pages' keys and ids (in order) and the tokens they hold."""
+
+    keys: tuple[PageKey, ...] = ()
+    pages: tuple[int, ...] = ()
+
+    def num_tokens(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+
 class BlockManager:
     """Free list of page ids and a block table (list of page ids) per sequence id.
 
     A sequence of n tokens owns ceil(n / page_size) pages. ``allocate`` gives a new sequence its pages,
     ``ensure`` grows a running sequence to hold n tokens, ``free`` returns all of a sequence's pages.
+
+    Prefix caching (``enable_prefix_caching``, vLLM's automatic prefix caching): once a page is full and its K/V
+    written (``cache_full_pages``), it is registered under a PageKey (its token ids chained with everything before
+    it). ``match_prefix`` finds the longest run of registered pages a new token list starts with; ``allocate``
+    then shares them (reference counts) and takes fresh pages only for the rest. A freed page whose count drops to
+    0 stays registered but evictable; evictable pages are handed out again (least recently used first, a
+    sequence's last page before its first) only once the free list is empty, and an evicted page loses its key at
+    once, so it is never matched again. Shared pages are full and never written: a sequence writes only its own
+    pages past the shared prefix.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.free_pages = collections.deque(range(num_pages))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_pages = collections.deque(range(num_pages))  # unreferenced and unregistered
         self.tables: dict[int, list[int]] = {}
+        self.ref_counts = [0] * num_pages
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # registered, count 0, LRU first
+        self.cached: dict[PageKey, int] = {}  # key -> the page registered under it
+        self.page_keys: dict[int, PageKey] = {}  # registered page -> its key
+        self.seq_keys: dict[int, list[PageKey]] = {}  # a sequence's full, written pages' keys, in order
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        """Pages a sequence can take: the free list plus the evictable cached pages."""
+        return len(self.free_pages) + len(self.evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.page_keys)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= self.num_free
+    # ------------------------------------------------------------------------------------------ prefix caching
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """The longest cached prefix of ``token_ids``, at most (len - 1) // page_size pages: the last token is
+        always left to compute (its logits give the next token). Nothing changes (see ``allocate``)."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        ps, keys, pages, parent = self.page_size, [], [], None
+        for j in range((len(token_ids) - 1) // ps):
+            key = PageKey(parent, tuple(token_ids[j * ps:(j + 1) * ps]))
+            page = self.cached.get(key)
+            if page is None:
+                break
+            parent = self.page_keys[page]  # the registered key object: later keys chain onto it (cheap equality)
+            keys.append(parent)
+            pages.append(page)
+        return PrefixMatch(tuple(keys), tuple(pages))
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Pages for a new sequence of ``num_tokens`` tokens. RuntimeError if it has pages or they are lacking."""
+    def cache_full_pages(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register ``seq_id``'s pages that are full and written: those within its first ``num_computed`` tokens
+        (token_ids is the sequence's token list). A page whose content another page already holds stays private
+        (freed normally); the chain continues through the registered key."""
+        if not self.enable_prefix_caching:
+            return
+        keys, table, ps = self.seq_keys[seq_id], self.tables[seq_id], self.page_size
+        for j in range(len(keys), min(num_computed // ps, len(table))):
+            key = PageKey(keys[-1] if keys else None, tuple(token_ids[j * ps:(j + 1) * ps]))
+            holder = self.cached.get(key)
+            if holder is None:
+                self.cached[key], self.page_keys[table[j]] = table[j], key
+            else:
+                key = self.page_keys[holder]
+            keys.append(key)
+
+    def _evict(self) -> int:
+        """The least recently used evictable page, unregistered (it is never matched again)."""
+        page, _ = self.evictable.popitem(last=False)
+        key = self.page_keys.pop(page)
+        del self.cached[key]
+        return page
+
+    def _take_page(self) -> int:
+        page = self.free_pages.popleft() if self.free_pages else self._evict()
+        self.ref_counts[page] = 1
+        return page
+
+    def reset_prefix_cache(self) -> int:
+        """Unregister every evictable page (to the free list); pages in use keep their keys. Returns how many."""
+        n = len(self.evictable)
+        while self.evictable:
+            self.free_pages.append(self._evict())
+        return n
+
+    # ------------------------------------------------------------------------------------------ allocation
+    def _idle(self, prefix: PrefixMatch | None) -> int:
+        """Pages of ``prefix`` that sit evictable now (sharing them takes them off the evictable list)."""
+        return 0 if prefix is None else sum(1 for p in prefix.pages if self.ref_counts[p] == 0)
+
+    def can_allocate(self, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        shared = 0 if prefix is None else len(prefix.pages)
+        return self.pages_for(num_tokens) - shared + self._idle(prefix) <= self.num_free
+
+    def allocate(self, seq_id: int, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int]:
+        """Pages for a new sequence of ``num_tokens`` tokens: ``prefix``'s pages shared (from match_prefix, just
+        before), fresh ones for the rest. RuntimeError if it has pages or they are lacking (nothing taken then)."""
         if seq_id in self.tables:
             raise RuntimeError(f"sequence {seq_id} already has pages")
-        need = self.pages_for(num_tokens)
-        if need > self.num_free:
-            raise RuntimeError(f"out of pages: sequence {seq_id} needs {need}, {self.num_free} free")
-        self.tables[seq_id] = [self.free_pages.popleft() for _ in range(need)]
-        return self.tables[seq_id]
+        if not self.can_allocate(num_tokens, prefix):
+            raise RuntimeError(f"out of pages: sequence {seq_id} needs {self.pages_for(num_tokens)}, "
+                               f"{self.num_free} free")
+        shared = () if prefix is None else prefix.pages
+        for page in shared:
+            if self.ref_counts[page] == 0:
+                del self.evictable[page]
+            self.ref_counts[page] += 1
+        table = list(shared)
+        table.extend(self._take_page() for _ in range(self.pages_for(num_tokens) - len(shared)))
+        self.tables[seq_id] = table
+        self.seq_keys[seq_id] = [] if prefix is None else list(prefix.keys)
+        return table
 
     def pages_missing(self, seq_id: int, num_tokens: int) -> int:
         return max(0, self.pages_for(num_tokens) - len(self.tables[seq_id]))
@@ -77,13 +205,21 @@ class BlockManager:
         if missing > self.num_free:
             raise RuntimeError(f"out of pages: sequence {seq_id} needs {missing} more, {self.num_free} free")
         table = self.tables[seq_id]
-        table.extend(self.free_pages.popleft() for _ in range(missing))
+        table.extend(self._take_page() for _ in range(missing))
         return table
 
     def free(self, seq_id: int) -> None:
-        """Return every page of ``seq_id`` (no-op for a sequence without pages)."""
-        for page in self.tables.pop(seq_id, []):
-            self.free_pages.append(page)
+        """Release every page of ``seq_id`` (no-op for a sequence without pages). A page no sequence uses any more
+        goes to the free list, or, when registered, to the evictable list: last page first, so a sequence's
+        tail is evicted before the prefix other requests are likelier to share."""
+        self.seq_keys.pop(seq_id, None)
+        for page in reversed(self.tables.pop(seq_id, [])):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                if page in self.page_keys:
+                    self.evictable[page] = None
+                else:
+                    self.free_pages.append(page)
 
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
@@ -171,8 +307,12 @@ class ContextParallelBlockManager(BlockManager):
         return self.tables[seq_id][self.cp_rank::self.cp_size]
 
 
-def make_block_manager(num_pages: int, page_size: int, cp_size: int = 1, cp_rank: int = 0) -> BlockManager:
-    """The block manager for ``num_pages`` pages per rank: plain, or dealt over a context-parallel group."""
+def make_block_manager(num_pages: int, page_size: int, cp_size: int = 1, cp_rank: int = 0,
+                       enable_prefix_caching: bool = False) -> BlockManager:
+    """The block manager for ``num_pages`` pages per rank: plain, or dealt over a context-parallel group (which
+    has no prefix caching: ValueError)."""
     if cp_size == 1:
-        return BlockManager(num_pages, page_size)
+        return BlockManager(num_pages, page_size, enable_prefix_caching)
+    if enable_prefix_caching:
+        raise ValueError("prefix caching does not support context parallelism (context_parallel_size > 1)")
     return ContextParallelBlockManager(num_pages, page_size, cp_size, cp_rank)

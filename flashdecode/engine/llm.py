@@ -121,7 +121,9 @@ class LLM:
             of free memory (CUDA) or 1 GiB (CPU).
         max_num_seqs: most sequences decoded together (CUDA graphs are captured for 1, 2, 4, ... up to it).
         max_model_len: longest sequence (prompt + output); default min(max_position_embeddings, 8192).
-        max_num_batched_tokens: prompt tokens per prefill step (a longer single prompt still runs alone).
+        max_num_batched_tokens: tokens computed per step. Without chunked prefill: prompt tokens per prefill step
+            (a longer single prompt still runs alone; default max(max_model_len, 2048)). With it: the running
+            decodes plus the prompt chunks of a step (default max(2048, max_num_seqs); >= max_num_seqs).
         enforce_eager: no CUDA graphs.
         seed: seed of the random weights when ``model`` is a ModelConfig.
         use_tqdm: a progress bar while the weights load.
@@ -152,6 +154,18 @@ class LLM:
             step in flight, so the host's bookkeeping overlaps the GPU's work (vLLM's async scheduling). Same
             tokens as off; a sequence that stops costs one discarded row, and a step that cannot run ahead (new
             requests waiting, a length limit, a full page pool, those sampling options) waits as before.
+        enable_prefix_caching: vLLM's automatic prefix caching: full KV pages are kept, keyed by their tokens and
+            everything before them, and a request starting with cached pages shares them and prefills only the
+            rest (engine/kv_cache.py). None (default) = on, except for 8-bit pages (off: a cached prefix is read
+            8-bit, a fresh one is not) and where it cannot run (context parallelism, dynamic rope: ValueError
+            when True). ``stats`` counts the prompt tokens looked up and found cached.
+        enable_chunked_prefill: each step runs every running decode (the CUDA-graph step) and then, in a second
+            forward, up to max_num_batched_tokens minus the decodes of prompt tokens (chunks of long prompts,
+            attending their earlier chunks in the pages): a long prompt no longer stalls the running streams.
+            Same greedy tokens as off. Default off; not with context parallelism.
+        chunked_prefill_single_forward: with chunked prefill, a step with decodes and chunks runs them as one
+            eager forward (each decode row a one-token chunk attending its pages: the weights read once) instead
+            of the decode CUDA graph and a second forward.
     """
 
     def _set_batch_invariant(self, batch_invariant) -> None:
@@ -171,7 +185,9 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, use_tqdm: bool = True, flat_gemm="auto",
                  tensor_parallel_size: int = 1, context_parallel_size: int = 1, batch_invariant: bool = False,
-                 kv_cache_dtype: str = "auto", pdl="auto", async_scheduling="auto"):
+                 kv_cache_dtype: str = "auto", pdl="auto", async_scheduling="auto",
+                 enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool = False,
+                 chunked_prefill_single_forward: bool = False):
         prebuilt = model if isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                              ModelConfig) else None
         if prebuilt is not None:  # share one set of weights between engines (benchmarks)
@@ -241,11 +257,19 @@ class LLM:
                                     self.kv_cache_dtype or self.dtype)
         if self.kv_cache_dtype is not None:
             page_bytes += scale_bytes_per_page(cfg.num_hidden_layers, page_size, self.model.cache_kv_heads)
-        self.scheduler_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.enable_prefix_caching = self._resolve_prefix_caching(enable_prefix_caching)
+        self.enable_chunked_prefill = self._resolve_chunked_prefill(enable_chunked_prefill)
+        if not isinstance(chunked_prefill_single_forward, bool):
+            raise TypeError(f"chunked_prefill_single_forward must be a bool, got {chunked_prefill_single_forward!r}")
+        self.chunked_prefill_single_forward = chunked_prefill_single_forward
+        default_tokens = max(2048, max_num_seqs) if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+        self.scheduler_tokens = max_num_batched_tokens or default_tokens
         num_pages = self.parallel.min_over_world(self._num_pages(kv_cache_memory, page_bytes, page_size,
                                                                   max_num_seqs))
-        self.block_manager = make_block_manager(num_pages, page_size, self.parallel.cp_size, self.parallel.cp_rank)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.scheduler_tokens, self.max_model_len)
+        self.block_manager = make_block_manager(num_pages, page_size, self.parallel.cp_size, self.parallel.cp_rank,
+                                                self.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.scheduler_tokens, self.max_model_len,
+                                   chunked_prefill=self.enable_chunked_prefill)
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.supports_cuda_graphs
         self.runner = ModelRunner(self.model, self.backend, num_pages=num_pages, page_size=page_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, device=self.device,
@@ -257,6 +281,46 @@ class LLM:
                     "CUDA graphs %s, PDL %s", time.perf_counter() - t_start, cfg.model_type, cfg.num_hidden_layers,
                     str(self.dtype).replace("torch.", ""), self.device, self.backend.name, num_pages, page_size,
                     "on" if self.runner.graphs else "off", "on" if self.pdl else "off")
+
+    def _prefix_caching_unsafe(self) -> str | None:
+        """Why prefix caching cannot run here (None: it can)."""
+        if self.parallel.cp_size > 1:
+            return "context parallelism (each rank holds only its own pages)"
+        if self.config.rope.rope_type == "dynamic":
+            return "dynamic rope scaling (a token's K depends on the length of the prompt it was computed in)"
+        return None
+
+    def _resolve_prefix_caching(self, enable) -> bool:
+        """None (default): on where it is safe and exact - off under context parallelism and dynamic rope (it
+        cannot run there: ValueError when asked for) and for 8-bit pages (a cached prefix is then read 8-bit where
+        a fresh prefill attends its own unquantised K/V, so results would depend on what ran before; True turns
+        it on)."""
+        if enable is not None and not isinstance(enable, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool or None, got {enable!r}")
+        unsafe = self._prefix_caching_unsafe()
+        if enable and unsafe:
+            raise ValueError(f"enable_prefix_caching=True does not support {unsafe}")
+        if enable is None:
+            return unsafe is None and self.kv_cache_dtype is None
+        return enable
+
+    def _resolve_chunked_prefill(self, enable) -> bool:
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable_chunked_prefill must be a bool, got {enable!r}")
+        if enable and self.parallel.cp_size > 1:
+            raise ValueError("enable_chunked_prefill=True does not support context parallelism (each rank holds "
+                             "only its own pages)")
+        return enable
+
+    @property
+    def stats(self):
+        """The engine's counters (scheduler.EngineStats: prefix_cache_queries / prefix_cache_hits in prompt
+        tokens, ...), monotonic."""
+        return self.scheduler.stats
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page no sequence uses (benchmarks: a cold cache). Returns how many pages."""
+        return self.block_manager.reset_prefix_cache()
 
     def _resolve_async_scheduling(self, async_scheduling) -> bool:
         if isinstance(async_scheduling, str):
@@ -409,24 +473,43 @@ class LLM:
                 return self._read_in_flight()
             self._in_flight.tokens.wait()  # every row was aborted meanwhile: nothing to report
             self._in_flight = None
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        step = self.scheduler.schedule_step()
+        if not step:
             return [], []
-        tables = [self.block_manager.table(s.seq_id) for s in seqs]
-        if is_prefill:
-            logits, greedy = self.runner.prefill(seqs, tables), None
-        elif self._runs_ahead(seqs, ahead=0):
-            self._in_flight = self._launch_decode(seqs, tables, ahead=False)
+        if not step.prefill and self._runs_ahead(step.decode, ahead=0):
+            self._in_flight = self._launch_decode(step.decode, self._tables(step.decode), ahead=False)
             return self._read_in_flight()
-        else:
-            logits, greedy = self.runner.decode(seqs, tables)
+        seqs, tokens, rows = [], [], step.prefill
+        if step.decode and step.prefill and self.chunked_prefill_single_forward:
+            for s in step.decode:  # one-token chunks after their pages, in the chunks' forward
+                s.num_computed_tokens, s.num_scheduled_tokens = len(s) - 1, 1
+            rows = step.decode + step.prefill
+        elif step.decode:  # a CUDA-graph decode step, then (chunked prefill) the prompts' chunks in a second forward
+            logits, greedy = self.runner.decode(step.decode, self._tables(step.decode))
+            seqs, tokens = list(step.decode), self._sample(logits, step.decode, greedy)
+        if rows:
+            logits = self.runner.prefill(rows, self._tables(rows))
+            last = [s.num_computed_tokens + s.num_scheduled_tokens == len(s) for s in rows]
+            self.scheduler.advance([s for s, done in zip(rows, last) if not done])  # chunks mid-prompt
+            done = [s for s, d in zip(rows, last) if d]
+            if done:
+                rows = [i for i, d in enumerate(last) if d]
+                seqs += done
+                tokens += self._sample(logits[rows] if len(rows) < len(last) else logits, done, None)
+        # parallel ranks continue with rank 0's draws (its logprobs above are of its own draw)
+        return seqs, self._finish_step(seqs, self.parallel.agree_tokens(tokens))
+
+    def _tables(self, seqs: list[Sequence]) -> list[list[int]]:
+        return [self.block_manager.table(s.seq_id) for s in seqs]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None) -> list[int]:
+        """The next token of each row (and its logprobs, when asked for)."""
         result = sample(logits, seqs, greedy)
         for seq, lp, tok in zip(seqs, result.logprobs, result.tokens):
             if lp is not None:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp[tok]
-        # parallel ranks continue with rank 0's draws (its logprobs above are of its own draw)
-        return seqs, self._finish_step(seqs, self.parallel.agree_tokens(result.tokens))
+        return list(result.tokens)
 
     def _finish_step(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append the step's tokens; the sequences that finished (stop token, length, stop string)."""
@@ -442,9 +525,9 @@ class LLM:
         for a step whose inputs the host has, 1 for the step after the one in flight (whose token is still on
         the device). Rows whose token the device draws alone (greedy, or sampled from the row's generator; no
         penalties, logprobs or pending min_tokens mask, which need the host's token lists), no request waiting to
-        join (it would be prefilled first), and for ahead = 1 no row ending by length at the step in flight (its
-        next row would need a position past its limit)."""
-        if not self.async_scheduling or self.scheduler.waiting:
+        join nor prompt chunk pending (they would be prefilled first), and for ahead = 1 no row ending by length at
+        the step in flight (its next row would need a position past its limit)."""
+        if not self.async_scheduling or self.scheduler.has_pending_prefill():
             return False
         for s in seqs:
             p, generated = s.params, s.num_generated + ahead

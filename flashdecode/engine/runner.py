@@ -270,11 +270,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
-        """Run every token of each sequence, write their K/V into its pages. Returns float32 logits of the last
-        token of each sequence, (len(seqs), vocab)."""
-        ids, pos, meta, last = self._prefill_inputs([s.token_ids for s in seqs], tables)
+        """Run each sequence's scheduled chunk (seq.num_scheduled_tokens tokens from seq.num_computed_tokens on;
+        the whole prompt when nothing is cached) and write its K/V into the pages. Returns float32 logits of each
+        chunk's last token, (len(seqs), vocab). A chunk after K/V already in the pages (a cached prefix, earlier
+        chunks) attends those pages (a paged prefill)."""
+        chunks = [(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
+        if all(start == 0 and end == len(s) for s, (start, end) in zip(seqs, chunks)):
+            ids, pos, meta, last = self._prefill_inputs([s.token_ids for s in seqs], tables)
+        else:
+            ids, pos, meta, last = self._paged_prefill_inputs(seqs, tables, chunks)
         hidden = self.model(ids, pos, meta, self.kv_caches, self.backend, last_rows=last)  # (len(seqs), hidden)
         return self.model.compute_logits(hidden)
+
+    def _paged_prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]], chunks: list[tuple[int, int]]):
+        """Packed inputs of chunks [start, end) of the sequences' tokens after K/V already in their pages: the
+        chunks' tokens at their absolute positions, their page slots, and a block table + key counts (end) for the
+        attention over the pages. Dynamic rope sees each sequence's whole length, as an unchunked prefill does."""
+        if self.cp_size > 1:
+            raise RuntimeError("a paged prefill does not support context parallelism")
+        lens = torch.tensor([end - start for start, end in chunks], dtype=torch.int64)
+        cu = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        starts = torch.tensor([start for start, _ in chunks], dtype=torch.int64)
+        positions = torch.arange(int(cu[-1]), dtype=torch.int64) - torch.repeat_interleave(cu[:-1] - starts, lens)
+        slots = self._prefill_slots(tables, lens, positions)
+        ends = [end for _, end in chunks]
+        width = max(-(-end // self.page_size) for end in ends)
+        block_tables = torch.full((len(seqs), width), self.scratch_page, dtype=torch.int32)
+        for i, (table, end) in enumerate(zip(tables, ends)):
+            n = -(-end // self.page_size)
+            block_tables[i, :n] = torch.tensor(table[:n], dtype=torch.int32)
+        dev = self.device
+        full_lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=slots.to(dev), cu_seqlens=cu.to(torch.int32).to(dev),
+            max_seqlen=int(lens.max()), seqlens=lens.tolist(), block_tables=block_tables.to(dev),
+            context_lens=torch.tensor(ends, dtype=torch.int32).to(dev), seqlens_k=ends, max_seqlen_k=max(ends),
+            rope_lens=torch.repeat_interleave(full_lens, lens).to(dev) if self.dynamic_rope else None)
+        ids = torch.tensor([t for s, (start, end) in zip(seqs, chunks) for t in s.token_ids[start:end]],
+                           dtype=torch.int64).to(dev)
+        return ids, positions.to(dev), meta, (cu[1:] - 1).to(dev)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -77,7 +77,9 @@ class Attention(nn.Module):
         tokens = qkv.shape[0]
         q, k, v = self._rotate_and_store(qkv, positions, rotary, meta, kv_cache, backend, use_fused)
         k_cache, v_cache = kv_cache
-        if meta.is_prefill:
+        if meta.reads_pages:  # a chunk after K/V already in the pages: its own K/V are written there too
+            o = backend.prefill_paged(q, k_cache, v_cache, meta)
+        elif meta.is_prefill:
             o = backend.prefill(q, k, v, meta)
         else:
             o = backend.decode(q, k_cache, v_cache, meta)
@@ -92,7 +94,10 @@ class Attention(nn.Module):
         downstream: K/V of every token are still rotated and written to the cache, but only those rows attend
         (to all keys of their sequence) and go through o_proj. x (tokens, hidden) -> (n, hidden)."""
         q, k, v = self._rotate_and_store(self.qkv_proj(x), positions, rotary, meta, kv_cache, backend, use_fused)
-        o = backend.prefill_last(q[last_rows], k, v, meta)
+        if meta.reads_pages:
+            o = backend.prefill_paged(q[last_rows], *kv_cache, meta, last_only=True)
+        else:
+            o = backend.prefill_last(q[last_rows], k, v, meta)
         return self.o_proj(o.reshape(last_rows.shape[0], self.nheads * self.head_dim))
 
     def _rotate_and_store(self, qkv, positions, rotary, meta: AttentionMetadata, kv_cache, backend, use_fused):
