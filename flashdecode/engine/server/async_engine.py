@@ -14,6 +14,8 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
+from typing import Callable
 
 from flashdecode.engine.llm import LLM
 from flashdecode.engine.sampling import SamplingParams
@@ -55,6 +57,8 @@ class RequestStream:
         self.prompt_logprobs = None
         self.remaining = params.n
         self.closed = False
+        self.arrival = time.monotonic()
+        self.token_times: dict[int, float] = {}  # choice index -> when its latest token was read (metrics)
 
     def __aiter__(self):
         return self
@@ -67,8 +71,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        self.remaining -= sum(d.finish_reason is not None for d in item)
-        return item
+        deltas, when = item
+        if self.engine.request_observer is not None:
+            self.engine.request_observer(self, deltas, when)
+        self.remaining -= sum(d.finish_reason is not None for d in deltas)
+        return deltas
 
     def close(self) -> None:
         """Release the request: aborts what is still running (a client that left), frees its seats."""
@@ -103,12 +110,20 @@ class AsyncEngine:
         self._stopping = False
         self._sent: dict[int, _Sent] = {}  # seq_id -> delivery state (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # called on the event loop as (stream, deltas, monotonic time the step's tokens were read) (/metrics)
+        self.request_observer: Callable[[RequestStream, list[Delta], float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="flashdecode-engine", daemon=True)
 
     @property
     def num_open(self) -> int:
         """Sequences submitted and not yet finished or aborted (queued ones included)."""
         return self._open
+
+    @property
+    def num_unadmitted(self) -> int:
+        """Sequences submitted that the engine thread has not yet handed to the scheduler."""
+        with self._lock:
+            return sum(s.params.n for s in self._new)
 
     # ------------------------------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -184,6 +199,7 @@ class AsyncEngine:
         return delta
 
     def _publish(self, seqs: list[Sequence]) -> None:
+        now = time.monotonic()
         by_stream: dict[int, tuple[RequestStream, list[Delta]]] = {}
         for seq in seqs:
             sent = self._sent.get(seq.seq_id)
@@ -193,7 +209,7 @@ class AsyncEngine:
             if seq.finished:
                 self._forget(seq.seq_id)
         for stream, deltas in by_stream.values():
-            self._deliver(stream, deltas)
+            self._deliver(stream, (deltas, now))
 
     def _fail_all(self, error: BaseException) -> None:
         streams = {id(s.stream): s.stream for s in self._sent.values()}

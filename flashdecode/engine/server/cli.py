@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # third-party packages of the server (pyproject's "serve" extra); the CLI itself runs without them
-_SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "pydantic")
+_SERVER_PACKAGES = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
 
 
 def run(args) -> int:
