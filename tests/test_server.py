@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from engine_helpers import SPECIAL_TOKENS, add_tokenizer, random_prompts, save_tiny, word, words
+from engine_helpers import SPECIAL_TOKENS, add_tokenizer, random_prompts, save_tiny, start_serve, word, words
 from flashdecode.engine import LLM, SamplingParams
 from flashdecode.engine.server.launch import ServerThread
 
@@ -640,3 +640,62 @@ def test_metrics_count_what_was_served(server, ref, monkeypatch):
     aborted = scrape(server)  # an aborted stream is no success
     assert sum(v for k, v in aborted.items() if k.startswith("vllm:request_success_total")) == \
         sum(v for k, v in after.items() if k.startswith("vllm:request_success_total"))
+
+
+# ------------------------------------------------------------------------------------------ serve --tp 2
+
+def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
+    """`flashdecode serve --tp 2` as a user starts it: two gloo ranks, rank 0 serving HTTP, rank 1 following its
+    engine steps. Greedy completions, chat, seeded n = 2 sampling and concurrent streams equal the one-process
+    engine; a stream the client drops is aborted on both ranks (the next requests still agree); /metrics answers;
+    SIGTERM to the launcher stops every rank."""
+    import os
+    import signal
+
+    proc, url = start_serve(["--model", str(ckpt), "--served-model-name", MODEL, "--tp", "2", "--device", "cpu",
+                             "--dtype", "float32", "--page-size", "4", "--max-model-len", str(MAX_LEN),
+                             "--max-num-seqs", "8"], timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = random_prompts([5, 9, 3], seed=42)
+        want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)]
+
+        def greedy(ids):
+            got = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+            return got.choices[0].model_extra["token_ids"]
+
+        assert greedy(prompts[0]) == want[0]
+        # a dropped stream: rank 1 must abort it too, or the next steps' batches differ between the ranks
+        body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + CMPL, json=body, timeout=60) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 2:
+                    break
+
+        async def together():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+                outs = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+                                              for p in prompts))
+            return [o.choices[0].model_extra["token_ids"] for o in outs]
+
+        assert asyncio.run(together()) == want
+        chat_want = ref.chat(MSGS, SamplingParams(max_tokens=5), use_tqdm=False)[0].token_ids
+        chat = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0)
+        assert chat.choices[0].model_extra["token_ids"] == chat_want
+        sampled = ref.generate(prompts[2], SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=4),
+                               use_tqdm=False)[0]
+        got = client.completions.create(model=MODEL, prompt=prompts[2], n=2, max_tokens=5, temperature=1.0, seed=4)
+        assert sorted((c.index, c.model_extra["token_ids"]) for c in got.choices) == \
+            [(i, c.token_ids) for i, c in enumerate(sampled.outputs)]
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0' in metrics
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
