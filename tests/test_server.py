@@ -656,7 +656,7 @@ def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
                              "--dtype", "float32", "--page-size", "4", "--max-model-len", str(MAX_LEN),
                              "--max-num-seqs", "8"], timeout_s=180)
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         prompts = random_prompts([5, 9, 3], seed=42)
         want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)]
 
@@ -675,7 +675,7 @@ def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
                     break
 
         async def together():
-            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
                 outs = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
                                               for p in prompts))
             return [o.choices[0].model_extra["token_ids"] for o in outs]
