@@ -124,7 +124,8 @@ def join_ranks(command, args) -> int | None:
     if threading.current_thread() is threading.main_thread():
         # a plain `kill` of the launcher ends the ranks too (spawn's cleanup runs on SystemExit, not on SIGTERM)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    return main_on_ranks(command, args, args.tp * args.cp)
+    backend = "gloo" if args.device == "cpu" else None  # CPU ranks on a GPU machine too (NCCL needs GPUs)
+    return main_on_ranks(command, args, args.tp * args.cp, backend=backend)
 
 
 def parse_prompt(text: str, has_tokenizer: bool) -> str | list[int]:
