@@ -644,6 +644,16 @@ def test_metrics_count_what_was_served(server, ref, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ serve --tp 2
 
+def greedy_together(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The token ids of concurrent greedy completions, one request per prompt, from the server at ``url``."""
+    async def main():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+            return await asyncio.gather(*(c.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens,
+                                                               temperature=0) for p in prompts))
+
+    return [o.choices[0].model_extra["token_ids"] for o in asyncio.run(main())]
+
+
 def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
     """`flashdecode serve --tp 2` as a user starts it: two gloo ranks, rank 0 serving HTTP, rank 1 following its
     engine steps. Greedy completions, chat, seeded n = 2 sampling and concurrent streams equal the one-process
@@ -674,13 +684,7 @@ def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
                 if events == 2:
                     break
 
-        async def together():
-            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-                outs = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
-                                              for p in prompts))
-            return [o.choices[0].model_extra["token_ids"] for o in outs]
-
-        assert asyncio.run(together()) == want
+        assert greedy_together(url, prompts, 6) == want
         chat_want = ref.chat(MSGS, SamplingParams(max_tokens=5), use_tqdm=False)[0].token_ids
         chat = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0)
         assert chat.choices[0].model_extra["token_ids"] == chat_want
@@ -695,6 +699,36 @@ def test_serve_tp2_on_cpu_ranks_matches_one_process(ckpt, ref):
         proc.wait(timeout=60)
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.gpu
+def test_serve_tp2_on_two_gpus(ckpt):
+    """`serve --tp 2` over NCCL on two GPUs (float32): concurrent greedy completions equal the one-GPU engine's,
+    /metrics counts their tokens, SIGTERM stops both ranks."""
+    import os
+    import signal
+
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    one = LLM(ckpt, dtype="float32", max_num_seqs=8, max_model_len=MAX_LEN, use_tqdm=False)
+    prompts = random_prompts([5, 9, 3, 17], seed=43)
+    want = [o.token_ids for o in one.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)]
+    del one
+    torch.cuda.empty_cache()
+    proc, url = start_serve(["--model", str(ckpt), "--served-model-name", MODEL, "--tp", "2", "--dtype", "float32",
+                             "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8"], timeout_s=300)
+    try:
+        assert greedy_together(url, prompts, 8) == want
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} {8.0 * len(prompts)}' in metrics
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
