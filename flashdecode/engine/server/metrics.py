@@ -9,9 +9,9 @@ counts n, as vLLM v1 fans it out), ``vllm:kv_cache_usage_perc`` (used KV pages /
 cache; 0 while the engine has none).
 
 Observed per request as its tokens reach the HTTP side (timestamps taken on the engine thread when the step's
-tokens were read): ``vllm:time_to_first_token_seconds`` (from the request's arrival), ``vllm:inter_token_latency_seconds``
-(between a choice's successive tokens), ``vllm:e2e_request_latency_seconds`` and ``vllm:request_success_total``
-by ``finished_reason`` (stop / length; aborted requests are not successes).
+tokens were read): ``vllm:time_to_first_token_seconds`` (from the request's arrival),
+``vllm:inter_token_latency_seconds`` (between a choice's successive tokens), ``vllm:e2e_request_latency_seconds``
+and ``vllm:request_success_total`` by ``finished_reason`` (stop / length; aborted requests are not successes).
 """
 
 from __future__ import annotations
