@@ -54,7 +54,8 @@ peer-wheels:
 SERVE_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
 	annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 click==8.5.1 h11==0.16.0 \
 	anyio==4.16.0 sniffio==1.3.1 idna==3.20 certifi openai==3.57.0 jiter==0.19.0 httpx==0.28.1 httpcore==1.0.9 \
-	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0
+	httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0 \
+	prometheus_client==0.26.0
 serve-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -134,3 +134,37 @@ def add_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE, eos: bo
 
 def words(ids) -> str:
     return " ".join(word(i) for i in ids if i not in SPECIAL_TOKENS.values())
+
+
+def start_serve(argv: list[str], timeout_s: float = 90):
+    """`python -m flashdecode serve ARGV --port P` as a user starts it, in its own process group (so that a test can
+    end every process it spawned with os.killpg), on a free loopback port; returns (process, base url) once /health
+    answers 200. AssertionError with the server's output if it exits or does not come up within ``timeout_s``."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "flashdecode", "--log-level", "WARNING", "serve", *argv, "--port",
+                             str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, 9)
+            raise AssertionError(f"the server did not come up in {timeout_s} s")
+        time.sleep(0.2)

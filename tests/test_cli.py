@@ -124,33 +124,12 @@ def test_broken_config_errors_name_the_file_and_key(ckpt, tmp_path, change, need
 
 def test_serve_subprocess_answers_on_loopback(ckpt):
     """`flashdecode serve` as a user starts it (own process, CPU picked by itself): /health, then a completion."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "flashdecode", "--log-level", "WARNING", "serve", "--model",
-                             str(ckpt), "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "64"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    from engine_helpers import start_serve
+
+    proc, url = start_serve(["--model", str(ckpt), "--served-model-name", "tiny", "--max-model-len", "64"])
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 3,
                                                       "temperature": 0}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3

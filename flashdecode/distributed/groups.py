@@ -80,6 +80,11 @@ class ParallelState:
     def world_size(self) -> int:
         return self.config.world_size
 
+    @property
+    def rank(self) -> int:
+        """This rank in the default process group (0 without parallelism)."""
+        return self.cp_rank * self.tp_size + self.tp_rank
+
     @classmethod
     def single(cls) -> "ParallelState":
         return cls(ParallelConfig())
@@ -134,6 +139,14 @@ class ParallelState:
         t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         dist.broadcast(t, 0)
         return t.tolist()
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's picklable ``obj`` on every rank (the others pass None)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
 
     def min_over_world(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. KV pages that fit: the ranks' schedulers must agree)."""

@@ -132,15 +132,16 @@ def _cli_rank(rank, fn, args):
     return fn(args)
 
 
-def main_on_ranks(fn, args, world_size: int, timeout_s: float | None = None):
+def main_on_ranks(fn, args, world_size: int, timeout_s: float | None = None, backend: str | None = None):
     """Run a command ``fn(args) -> exit code`` on ``world_size`` ranks, printing from rank 0 only.
 
     Already a rank (torchrun, or a process group exists): silences this process's stdout unless it is rank 0 and
-    returns None - the caller goes on with the command. Otherwise spawns the ranks, each running ``fn(args)``
-    (``fn`` importable, e.g. a CLI module's run), and returns rank 0's exit code."""
+    returns None - the caller goes on with the command. Otherwise spawns the ranks (process group ``backend``,
+    default_backend() by default), each running ``fn(args)`` (``fn`` importable, e.g. a CLI module's run), and
+    returns rank 0's exit code."""
     if dist.is_initialized() or launched_by_torchrun():
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
         if rank != 0:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return None
-    return spawn(_cli_rank, world_size, (fn, args), timeout_s=timeout_s)[0]
+    return spawn(_cli_rank, world_size, (fn, args), timeout_s=timeout_s, backend=backend)[0]

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
+import sys
+import threading
 import time
 
 import torch
@@ -117,8 +120,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (and of --prompt-len's prompt)")
     parser.add_argument("--ignore-eos", action="store_true")
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (heads / MLP columns sharded)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks (KV pages of each sequence spread)")
+
+
+def join_ranks(command, args) -> int | None:
+    """With --tp x --cp > 1 ranks: spawn them, each running ``command(args)``, and return rank 0's exit code; as
+    one of the ranks (spawned, or under torchrun) return None: the caller goes on with the command. A single rank:
+    None."""
+    if args.tp * args.cp <= 1:
+        return None
+    from flashdecode.distributed.launch import main_on_ranks
+
+    if threading.current_thread() is threading.main_thread():
+        # a plain `kill` of the launcher ends the ranks too (spawn's cleanup runs on SystemExit, not on SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    backend = "gloo" if args.device == "cpu" else None  # CPU ranks on a GPU machine too (NCCL needs GPUs)
+    return main_on_ranks(command, args, args.tp * args.cp, backend=backend)
 
 
 def parse_prompt(text: str, has_tokenizer: bool) -> str | list[int]:
@@ -150,12 +172,9 @@ def _prompt(args, llm) -> str | list[int]:
 def run(args) -> int:
     from flashdecode.engine import SamplingParams
 
-    if args.tp * args.cp > 1:  # spawn the ranks (each runs this command), or go on as one of them (torchrun)
-        from flashdecode.distributed.launch import main_on_ranks
-
-        code = main_on_ranks(run, args, args.tp * args.cp)
-        if code is not None:
-            return code
+    code = join_ranks(run, args)
+    if code is not None:
+        return code
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt")
     if args.prompt is not None and not args.chat:

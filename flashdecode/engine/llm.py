@@ -29,7 +29,7 @@ from flashdecode.engine.loader import load_checkpoint, resolve_model_dir
 from flashdecode.engine.models import model_class
 from flashdecode.engine.runner import ModelRunner, PendingTokens
 from flashdecode.engine.sampling import SamplingParams, draw_tokens, prompt_logprobs, sample
-from flashdecode.engine.scheduler import Scheduler, Sequence
+from flashdecode.engine.scheduler import RequestError, Scheduler, Sequence
 from flashdecode.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashdecode.ops.checks import kernels_run_on
 
@@ -426,11 +426,13 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """ValueError if a request could never run (the scheduler's admission rules, without queueing it)."""
+        """RequestError (a ValueError naming the field) if a request could never run: the scheduler's admission
+        rules (prompt + max_tokens within max_model_len, pages within the pool), without queueing it."""
         self.scheduler.check(len(prompt_token_ids), params.max_tokens)
         bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
+            raise RequestError(f"stop_token_ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}",
+                               "stop_token_ids")
 
     # ---------------------------------------------------------------------------------------------- API
     def add_request(self, prompt, params: SamplingParams | None = None) -> list[Sequence]:
@@ -615,7 +617,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (str or list of token ids); results in prompt order. A progress bar shows
-        finished sequences (``use_tqdm=False`` hides it)."""
+        finished sequences (``use_tqdm=False`` hides it). ValueError, before anything runs, if a prompt with its
+        max_tokens does not fit max_model_len (never cut short silently) or the page pool."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]

@@ -27,12 +27,23 @@ from flashdecode.engine.kv_cache import BlockManager
 from flashdecode.engine.sampling import SamplingParams
 
 
+class RequestError(ValueError):
+    """A request that can never run, with the request field to change (``param``: "prompt", "max_tokens", ...) and,
+    for one that does not fit the context, ``code`` "context_length_exceeded" (the server answers 400 with both)."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since the engine started, read by the server's metrics: the prompt tokens the prefix cache looked
-    up when it admitted a sequence (``prefix_cache_queries``; a recomputed preempted one counts again) and those it
-    found cached (``prefix_cache_hits``)."""
+    """Counters since the engine started, read by the server's /metrics (vLLM's names). The scheduler counts
+    tokens; a prefix cache adds the prompt tokens it looked up (``prefix_cache_queries``) and those it found cached
+    (``prefix_cache_hits``) when it admits a request."""
 
+    prompt_tokens: int = 0  # of each sequence, counted when its first token is sampled
+    generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
@@ -131,17 +142,24 @@ class Scheduler:
         self.stats = EngineStats()
 
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError if a request could never run (longer than max_model_len or the whole page pool; cached
+        """RequestError (a ValueError) if a request could never run: an empty prompt, a prompt + max_tokens longer
+        than max_model_len (refused, as vLLM does, rather than cut short), more pages than the whole pool (cached
         prefix pages do not count against it: unused ones are evicted on demand)."""
         if num_prompt_tokens < 1:
-            raise ValueError("a prompt needs at least one token")
+            raise RequestError("a prompt needs at least one token", "prompt")
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit max_model_len={self.max_model_len} "
-                             f"(it needs room for at least one new token)")
-        worst = min(num_prompt_tokens + max_tokens, self.max_model_len)
+            raise RequestError(f"prompt of {num_prompt_tokens} tokens does not fit max_model_len="
+                               f"{self.max_model_len} (it needs room for at least one new token)", "prompt",
+                               "context_length_exceeded")
+        worst = num_prompt_tokens + max_tokens
+        if worst > self.max_model_len:
+            raise RequestError(f"this model's maximum context length (max_model_len) is {self.max_model_len} "
+                               f"tokens, but {worst} were requested ({num_prompt_tokens} in the prompt, "
+                               f"max_tokens={max_tokens} in the completion); shorten the prompt or lower max_tokens",
+                               "max_tokens", "context_length_exceeded")
         if self.blocks.pages_for(worst) > self.blocks.num_pages:
-            raise ValueError(f"request needs up to {self.blocks.pages_for(worst)} KV pages but the pool has "
-                             f"{self.blocks.num_pages}; raise kv_cache_memory or lower max_tokens")
+            raise RequestError(f"request needs up to {self.blocks.pages_for(worst)} KV pages but the pool has "
+                               f"{self.blocks.num_pages}; raise kv_cache_memory or lower max_tokens", "max_tokens")
 
     def add(self, seq: Sequence) -> None:
         """Queue a request. ValueError if it could never run (see ``check``)."""
@@ -253,8 +271,11 @@ class Scheduler:
         hit a stop condition. A prefill row gets a token only from its last chunk."""
         self.advance(seqs)
         finished = []
+        self.stats.generation_tokens += len(tokens)
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
+            if seq.num_generated == 1:
+                self.stats.prompt_tokens += seq.num_prompt_tokens
             if tok in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
                 self.finish(seq, "stop", None if tok not in seq.params.stop_token_ids else tok)
             elif seq.num_generated >= seq.params.max_tokens or len(seq) >= self.max_model_len:

@@ -1,7 +1,10 @@
-"""The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/models[/{id}], /v1/completions, /v1/chat/completions, /health,
+/metrics (Prometheus, server/metrics.py).
 
-Every request is validated here (types by pydantic, values by SamplingParams, the prompt against the context and
-the page pool) and answered 400 with an OpenAI error body when bad; 429 when the engine's queue is full. Streams
+Every request is validated here (types and unknown or unsupported fields by pydantic and protocol.py, values by
+SamplingParams, prompt + max_tokens against the context and the page pool by the engine's own admission check) and
+answered 400 with an OpenAI error body naming the field when bad; 404 model_not_found for another model's name;
+429 when the engine's queue is full. Streams
 are server-sent events of OpenAI chunks ending in ``data: [DONE]``. A client that disconnects (mid-stream, or
 while waiting for a non-streamed answer) has its sequences aborted: their pages return to the pool at once.
 Choices carry the generated ``token_ids`` too (as vLLM's return_token_ids does), so a model without a tokenizer can
@@ -20,10 +23,13 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flashdecode.engine.scheduler import RequestError
 from flashdecode.engine.server.async_engine import AsyncEngine, Delta, QueueFull, RequestStream
+from flashdecode.engine.server.metrics import ServerMetrics
 from flashdecode.engine.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 DISCONNECT_POLL_S = 0.1
@@ -40,6 +46,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return OpenAIError(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
                            code="invalid_json")
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's answer to a field it does not define
+        name = ".".join(str(p) for p in unknown[0]["loc"] if p != "body")
+        return OpenAIError(f"Unrecognized request argument supplied: {name}", param=name)
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors[:4])
     return OpenAIError(message or "invalid request", param=loc[0] if loc else None)
 
@@ -91,26 +101,31 @@ class Server:
         self.created = int(time.time())
 
     # -------------------------------------------------------------------------------------------- helpers
+    def _model_not_found(self, name: str) -> OpenAIError:
+        return OpenAIError(f"The model {name!r} does not exist; this server serves {self.model_name!r}",
+                           status=404, param="model", code="model_not_found")
+
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise OpenAIError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+            raise self._model_not_found(name)
 
-    def _max_tokens(self, given: int | None, prompt_len: int) -> int:
-        room = self.llm.max_model_len - prompt_len
+    def _max_tokens(self, given: int | None, prompt_len: int, field: str = "max_tokens") -> int:
+        """The request's max_tokens; when not given (chat), the room the prompt leaves in the context."""
         if given is None:
-            return max(room, 1)
+            return max(self.llm.max_model_len - prompt_len, 1)
         if given < 1:
-            raise OpenAIError(f"max_tokens must be >= 1, got {given}", param="max_tokens")
+            raise OpenAIError(f"{field} must be >= 1, got {given}", param=field)
         return given
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise OpenAIError("the prompt is empty", param="prompt")
-        if len(ids) >= self.llm.max_model_len:
-            raise OpenAIError(f"the prompt has {len(ids)} tokens; this model's context is {self.llm.max_model_len} "
-                              f"tokens (prompt + at least one new token)", param="prompt",
-                              code="context_length_exceeded")
+    def _check_requests(self, prompts: list[list[int]], params, names: dict[str, str]) -> None:
+        """The engine's admission rules for every prompt before any is queued (a batch is refused whole): a
+        prompt + max_tokens beyond the context is 400 context_length_exceeded, never cut short. ``names`` maps the
+        engine's field names to this endpoint's (chat: "prompt" -> "messages")."""
+        for ids in prompts:
+            try:
+                self.llm.check_request(ids, params)
+            except RequestError as e:
+                raise OpenAIError(str(e), param=names.get(e.param, e.param), code=e.code) from None
 
     def _submit(self, ids: list[int], params) -> RequestStream:
         try:
@@ -211,19 +226,24 @@ class Server:
             stream.close()
 
     # -------------------------------------------------------------------------------------------- endpoints
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "flashdecode",
+                "max_model_len": self.llm.max_model_len}
+
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "flashdecode", "max_model_len": self.llm.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self.model_card()
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
-        if body.echo or body.suffix is not None:
-            raise OpenAIError("echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        body.check_supported()
         prompts = [self._encode(p) for p in _prompt_list(body.prompt)]
-        for ids in prompts:
-            self._check_prompt(ids)
         longest = max(prompts, key=len)
         params = self._params(body, self._max_tokens(body.max_tokens, len(longest)), body.logprobs)
+        self._check_requests(prompts, params, {})
         stream = self._submit_all(prompts, params)
         prompt_len, n = sum(len(ids) for ids in prompts), params.n * len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -253,16 +273,18 @@ class Server:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        body.check_supported()
         if self.llm.tokenizer is None or not self.llm.tokenizer.has_chat_template:
             raise OpenAIError("this model has no chat template; use /v1/completions", param="messages")
         try:
             ids = self.llm.render_chat([m.as_template_input() for m in body.messages], body.add_generation_prompt)
         except Exception as e:  # a template that fails on these messages (e.g. an unknown role it rejects)
             raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
-        self._check_prompt(ids)
         top = body.top_logprobs or 0
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, self._max_tokens(max_tokens, len(ids)), top if body.logprobs else None)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = self._params(body, self._max_tokens(getattr(body, field), len(ids), field),
+                              top if body.logprobs else None)
+        self._check_requests([ids], params, {"prompt": "messages", "max_tokens": field})
         stream = self._submit(ids, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_name}
@@ -329,6 +351,8 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="flashdecode", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
+    metrics = ServerMetrics(engine, model_name)
+    engine.request_observer = metrics.observe
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, exc: OpenAIError):
@@ -351,9 +375,17 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return server.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return server.model(model_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

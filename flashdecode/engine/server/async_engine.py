@@ -5,6 +5,8 @@ batch or one decode step over every running sequence: continuous batching across
 sequence's new tokens / text / log-probabilities to its request's asyncio queue with ``call_soon_threadsafe``. The
 event loop never runs model code, and the model loop never waits on HTTP: a slow client only fills its own queue.
 An abort (a client that went away) is taken before the next step; ``Scheduler.finish`` frees its pages at once.
+On several ranks (serve --tp / --cp) this loop runs on rank 0 and sends each iteration's requests and aborts to the
+other ranks before applying them (server/ranks.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
+from typing import Callable
 
 from flashdecode.engine.llm import LLM
 from flashdecode.engine.sampling import SamplingParams
 from flashdecode.engine.scheduler import Sequence
+from flashdecode.engine.server.ranks import HEARTBEAT_S, Leader
 
 logger = logging.getLogger(__name__)
 # The engine thread and the HTTP event loop share the GIL. When a step's GPU work ends, the engine thread asks for
@@ -55,6 +60,9 @@ class RequestStream:
         self.prompt_logprobs = None
         self.remaining = params.n
         self.closed = False
+        self.arrival = time.monotonic()
+        self.ordinal: int | None = None  # its number on every rank when serving on several (server/ranks.py)
+        self.token_times: dict[int, float] = {}  # choice index -> when its latest token was read (metrics)
 
     def __aiter__(self):
         return self
@@ -67,8 +75,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        self.remaining -= sum(d.finish_reason is not None for d in item)
-        return item
+        deltas, when = item
+        if self.engine.request_observer is not None:
+            self.engine.request_observer(self, deltas, when)
+        self.remaining -= sum(d.finish_reason is not None for d in deltas)
+        return deltas
 
     def close(self) -> None:
         """Release the request: aborts what is still running (a client that left), frees its seats."""
@@ -94,6 +105,8 @@ class AsyncEngine:
 
     def __init__(self, llm: LLM, max_queue: int = 256):
         self.llm = llm
+        # several ranks (serve --tp / --cp): every loop iteration's requests and aborts go to the other ranks first
+        self.leader = Leader(llm) if llm.parallel.world_size > 1 else None
         self.capacity = llm.scheduler.max_num_seqs + max_queue
         self._open = 0  # sequences submitted and not finished or aborted yet (under _lock)
         self._lock = threading.Lock()
@@ -103,12 +116,20 @@ class AsyncEngine:
         self._stopping = False
         self._sent: dict[int, _Sent] = {}  # seq_id -> delivery state (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # called on the event loop as (stream, deltas, monotonic time the step's tokens were read) (/metrics)
+        self.request_observer: Callable[[RequestStream, list[Delta], float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="flashdecode-engine", daemon=True)
 
     @property
     def num_open(self) -> int:
         """Sequences submitted and not yet finished or aborted (queued ones included)."""
         return self._open
+
+    @property
+    def num_unadmitted(self) -> int:
+        """Sequences submitted that the engine thread has not yet handed to the scheduler."""
+        with self._lock:
+            return sum(s.params.n for s in self._new)
 
     # ------------------------------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -150,6 +171,8 @@ class AsyncEngine:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+        if self.leader is not None:
+            self.leader.send(new, aborts)
         for stream in new:
             try:
                 stream.seqs = self.llm.add_request(stream.prompt_token_ids, stream.params)
@@ -184,6 +207,7 @@ class AsyncEngine:
         return delta
 
     def _publish(self, seqs: list[Sequence]) -> None:
+        now = time.monotonic()
         by_stream: dict[int, tuple[RequestStream, list[Delta]]] = {}
         for seq in seqs:
             sent = self._sent.get(seq.seq_id)
@@ -193,10 +217,12 @@ class AsyncEngine:
             if seq.finished:
                 self._forget(seq.seq_id)
         for stream, deltas in by_stream.values():
-            self._deliver(stream, deltas)
+            self._deliver(stream, (deltas, now))
 
     def _fail_all(self, error: BaseException) -> None:
         streams = {id(s.stream): s.stream for s in self._sent.values()}
+        if self.leader is not None:
+            self.leader.send([], list(streams.values()))
         for stream in streams.values():
             self.llm.abort([s for s in stream.seqs if not s.finished])
             for seq in stream.seqs:
@@ -208,7 +234,7 @@ class AsyncEngine:
             try:
                 self._admit()
                 if not self.llm.scheduler.has_work():
-                    self._wake.wait()
+                    self._wake.wait(HEARTBEAT_S if self.leader is not None else None)
                     self._wake.clear()
                     continue
                 stepped, _ = self.llm.step_sequences()
@@ -216,3 +242,5 @@ class AsyncEngine:
             except Exception as e:  # the model failed: fail every open request, keep serving new ones
                 logger.exception("engine step failed; failing %d open sequences", len(self._sent))
                 self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+        if self.leader is not None:  # the other ranks leave their loops too
+            self.leader.send([], [], stop=True)
