@@ -86,9 +86,12 @@ def test_gluon_varlen_every_config_family(config, causal):
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attn_varlen_dispatches_to_gluon(causal):
-    """The public call takes the ragged Gluon plan on sm_90 (hd128) and matches the reference; a softcap (which
-    the kernel does not take) stays on the Triton path and still matches."""
+def test_flash_attn_varlen_dispatches_to_gluon(causal, monkeypatch):
+    """With the dispatch switch on (heuristics.PREFILL_RAGGED_GLUON), the public call takes the ragged Gluon plan
+    on sm_90 (hd128) and matches the reference, and its repeated (direct) launch gives the same bits."""
+    from flashdecode import heuristics
+
+    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON", True)
     lens = [100, 4000, 1, 2500]
     q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, 128, torch.bfloat16, seed=5)
     before = {key for key in gluon_attention._PLANS if key[0] == "ragged"}
@@ -102,8 +105,11 @@ def test_flash_attn_varlen_dispatches_to_gluon(causal):
 
 
 @needs_hopper
-def test_flash_attn_varlen_gluon_backward_matches_reference():
+def test_flash_attn_varlen_gluon_backward_matches_reference(monkeypatch):
     """Training through the ragged Gluon forward: the backward reads its out and lse (nheads, total_q)."""
+    from flashdecode import heuristics
+
+    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON", True)
     lens = [300, 17, 1000]
     q, k, v, cu_q, cu_k = _ragged(lens, lens, 4, 2, 128, torch.bfloat16, seed=9)
     q, k, v = (x.requires_grad_() for x in (q, k, v))

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from flashdecode import heuristics
 from flashdecode.ops import direct_launch
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.checks import LOG2E, check_bool, check_tensor, interpreting, resolve_scale
@@ -638,8 +639,9 @@ def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               window_right: int = -1, softcap: float = 0.0,
                               config: Optional[GluonFwdConfig] = None) -> bool:
     """flash_attn_varlen's forward on the Gluon kernel where it applies and pays (config given: where it
-    applies): writes out and lse and returns True; else returns False having touched nothing (take the Triton
-    path). For flashdecode.ops.attention's forward, after its argument checks.
+    applies; config None: only while heuristics.PREFILL_RAGGED_GLUON is on): writes out and lse and returns True;
+    else returns False having touched nothing (take the Triton path). For flashdecode.ops.attention's forward,
+    after its argument checks.
 
     q (total_q, nheads, headdim), k / v (total_k, nheads_kv, headdim) fp16/bf16 on sm_90, packed along the tokens;
     cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) contiguous on q's device (read there: no host sync);
@@ -647,6 +649,8 @@ def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     contiguous in q's dtype; lse (nheads, total_q) float32 contiguous (natural log; -inf and out 0 on rows that see
     no key). Options as in gluon_forward_if_supported: causal (bottom-right aligned per sequence) or none."""
     if softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
+        return False
+    if config is None and not heuristics.PREFILL_RAGGED_GLUON:
         return False
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not _is_hopper(q.device) or max_seqlen_q <= 0:
         return False
