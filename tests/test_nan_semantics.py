@@ -238,10 +238,10 @@ QUANT_CASES = {
     "contiguous-warp-split": (None, 3, _fields(quant_warp_split=True, block_n=32, num_warps=2)),
     "page3-warp-split": (3, 1, _fields(quant_warp_split=True, block_n=32, num_warps=2)),
 }
-# e4m3 tiles to 16 bits by bit operations (quant_convert 1, the interpreter's default) or conversion instructions
-# (0; the interpreter's own e4m3 conversion reads the NaN codes as +-480 - the GPU's reads NaN - so there NaN codes
-# are checked on the GPU only); int8 tiles take the conversion either way
-CACHES = [(FP8, 1), (FP8, 0), (INT8, 1)]
+# e4m3 tiles to 16 bits by bit operations (quant_convert 1, the interpreter's default; 2, packed PTX: the GPU's) or
+# conversion instructions (0; the interpreter's own e4m3 conversion reads the NaN codes as +-480 - the GPU's reads
+# NaN - so there NaN codes are checked on the GPU only); int8 tiles take the conversion either way
+CACHES = [(FP8, 1), (FP8, 0), pytest.param(FP8, 2, marks=pytest.mark.gpu), (INT8, 1)]
 
 
 @pytest.mark.parametrize("case", list(QUANT_CASES))
