@@ -218,6 +218,10 @@ VARIANTS = {
     "split_page16_ids_in_loop": lambda: _decode(page=16, path="SPLIT_GRID", preload_gather_max=0),
     "split_fp8_page16_ids_in_loop": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", path="SPLIT_GRID",
                                                     preload_gather_max=0),
+    "split_page128_pointer_ids_in_loop": lambda: _decode(page=128, path="SPLIT_GRID", use_tma=False,
+                                                         preload_pages_max=0),
+    "split_fp8_page128_ids_in_loop": lambda: _decode(page=128, kv_dtype="float8_e4m3fn", path="SPLIT_GRID",
+                                                     preload_pages_max=0),
     # backward: deterministic (as resolved) at hd64 / hd128, the other deterministic form, the atomic-dQ form,
     # varlen with a window and ALiBi
     "bwd_hd64": lambda: _backward(headdim=64),

@@ -117,7 +117,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             score_ok = key_ok
             if PRELOAD_PAGES == 0:  # ids read in the loop: the mask's own read of them (ids_in_loop_ok)
                 score_ok = ids_in_loop_ok(bt_row, start_n, offs_n, end, num_pages, PAGE_SIZE, BLOCK_N, MASKED)
-            if USE_TMA and PAGE_SIZE % BLOCK_N == 0:  # one flag for the block's page
+            if USE_TMA or (PRELOAD_PAGES == 0 and PAGE_SIZE % BLOCK_N == 0):  # one flag for the block's page
                 s = tl.where(score_ok, s, float("-inf"))
             else:
                 s = tl.where(score_ok[None, :], s, float("-inf"))
