@@ -177,6 +177,16 @@ def test_nan_reaches_exactly_its_rows(gen, case, device_resident):
     _assert_nan_where_the_reference_has_it(out, lse, _reference(q, k, v, LENS, present), FLOAT_NAN_ROWS)
 
 
+def test_fixed_splits_merge_step_of_nan_states(gen):
+    """Batch-invariant merge (SKIP_EMPTY): a step whose states are NaN or empty in every row of its program (q NaN
+    in every head of a one-split sequence) is live: the rows read NaN, not (0, -inf)."""
+    q = randn(len(LENS), NHEADS, HEADDIM, gen=gen, dtype=torch.float16)
+    k, v = (randn(len(LENS), max(LENS), NHEADS_KV, HEADDIM, gen=gen, dtype=torch.float16) for _ in range(2))
+    q[1, :, 0] = NAN  # sequence 1 (20 keys): one 32-key split
+    out, lse = _decode(q, k, v, LENS, None, 1, _fixed_splits)
+    _assert_nan_where_the_reference_has_it(out, lse, _reference(q, k, v, LENS), {(1, h) for h in range(NHEADS)})
+
+
 @pytest.mark.parametrize("page_size,tweak", [(16, None), (16, _fields(use_tma=True, block_n=16)),
                                              (16, _fields(**IDS_IN_LOOP)), (3, None)])
 def test_bad_ids_past_the_length_change_nothing(gen, page_size, tweak, device_resident):
