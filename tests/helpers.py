@@ -19,6 +19,19 @@ from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
 
 
+def pack_present_keys(k, v, lens, present):
+    """Caches holding only the present keys of each sequence, packed to the front (for a reference of one new token
+    without a window, where the order of keys does not matter): (k, v, packed lengths as a list). k, v (batch,
+    max_len, nheads_kv, headdim); present (batch, >= max(lens)) bool; slots past a packed length hold 0."""
+    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
+    packed = []
+    for b, n in enumerate(lens):
+        keep = present[b, :n].nonzero().squeeze(1).to(k.device)
+        kp[b, :keep.numel()], vp[b, :keep.numel()] = k[b, keep], v[b, keep]
+        packed.append(keep.numel())
+    return kp, vp, packed
+
+
 def randn(*shape, gen, dtype=torch.float32, device=DEVICE, scale=1.0):
     """Standard-normal tensor drawn on the CPU from ``gen`` (reproducible), then moved."""
     return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)

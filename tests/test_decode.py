@@ -16,7 +16,7 @@ from flashdecode import DecodePath
 from flashdecode import reference as ref
 from flashdecode.ops.decode import decode_config
 from flashdecode.kernels.decode_schedule import device_split_counts, split_range
-from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
+from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, pack_present_keys, randn, run_sm90_compile_script
 
 
 def _lens(values):
@@ -249,12 +249,7 @@ def _corrupt_table(table, num_pages, lens, page_size):
 def _reference_without(q, k, v, lens, present):
     """decode_ref over only the present keys (one new token, no window: the order of keys does not matter, so the
     present ones are packed to the front). Returns (out float64, out in q's dtype)."""
-    kp, vp = torch.zeros_like(k), torch.zeros_like(v)
-    packed = []
-    for b, n in enumerate(lens):
-        keep = present[b, :n].nonzero().squeeze(1).to(k.device)
-        kp[b, :keep.numel()], vp[b, :keep.numel()] = k[b, keep], v[b, keep]
-        packed.append(keep.numel())
+    kp, vp, packed = pack_present_keys(k, v, lens, present)
     plens = _lens(packed)
     return ref.decode_ref(q.double(), kp.double(), vp.double(), plens)[0], ref.decode_ref(q, kp, vp, plens)[0]
 

@@ -207,6 +207,21 @@ VARIANTS = {
                                             kv_dtype="float8_e4m3fn"),
     "persistent_fp8_page128": lambda: _decode(batch=8, live=8192, page=128, kv_dtype="float8_e4m3fn",
                                               path="PERSISTENT", persistent_programs=132),
+    # page ids read in the KV loop (absent pages masked by their ids) and paged TMA, as resolved: the Llama-3-8B
+    # shape at b16 (pages of 16 at 8k and 32k, pages of 128 at 32k), b1 pages of 128 and 3, e4m3 pages of 16
+    # without the preload
+    "llama_b16_page16": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=8192, page=16),
+    "llama_b16_page16_32k": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=32768, page=16),
+    "llama_b16_page128_32k": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=32768, page=128),
+    "split_page128": lambda: _decode(page=128),
+    "split_page3": lambda: _decode(page=3, path="SPLIT_GRID"),
+    "split_page16_ids_in_loop": lambda: _decode(page=16, path="SPLIT_GRID", preload_gather_max=0),
+    "split_fp8_page16_ids_in_loop": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", path="SPLIT_GRID",
+                                                    preload_gather_max=0),
+    "split_page128_pointer_ids_in_loop": lambda: _decode(page=128, path="SPLIT_GRID", use_tma=False,
+                                                         preload_pages_max=0),
+    "split_fp8_page128_ids_in_loop": lambda: _decode(page=128, kv_dtype="float8_e4m3fn", path="SPLIT_GRID",
+                                                     preload_pages_max=0),
     # backward: deterministic (as resolved) at hd64 / hd128, the other deterministic form, the atomic-dQ form,
     # varlen with a window and ALiBi
     "bwd_hd64": lambda: _backward(headdim=64),

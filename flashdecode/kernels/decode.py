@@ -26,8 +26,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashdecode.kernels.decode_args import PREFETCH_OFF, QUANT_TILES_OFF
-from flashdecode.kernels.decode_gather import (block_page, block_token_pages, kv_rows, load_kv_tile,  # noqa: F401
-                                               prefetch_l2, prefetch_split_head, split_page_ids, tma_row)
+from flashdecode.kernels.decode_gather import (block_page, block_token_pages, ids_in_loop_ok, kv_rows,  # noqa: F401
+                                               load_kv_tile, prefetch_l2, prefetch_split_head, split_page_ids,
+                                               tma_row)
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
@@ -80,20 +81,17 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
     if KV_QUANT > 0:
         k_scale, v_scale, stride_spage, stride_stok, q_k, q_unscale = kv_quant
     offs_d = tl.arange(0, BLOCK_D)
-    # page ids read from the block table inside the loop (not preloaded into registers)
-    IDS_IN_LOOP: tl.constexpr = PAGE_SIZE > 0 and PRELOAD_PAGES == 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            row0 = tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
-                            PRELOAD_PAGES)
+            row0, key_ok = tma_row(bt_row, start_n, tma_row_base, split_pages, first_page, num_pages, PAGE_SIZE,
+                                    PRELOAD_PAGES)  # (key_ok: one flag for the block's page)
             k = k_src.load([row0, tma_col])
         else:
             rows, key_ok = kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, split_pages,
                                     first_page, PAGE_SIZE, BLOCK_N, MASKED, PRELOAD_PAGES, OFFS_32)
-            k = load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0,
-                              IDS_IN_LOOP and KV_QUANT == 0)
-        if KV_QUANT > 0:  # (absent keys of an 8-bit cache: a NaN k scale instead of NaN keys, key_scales)
+            k = load_kv_tile(k_src, rows, offs_d, offs_n, end, key_ok, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
+        if KV_QUANT > 0:
             srows = rows
             if KV_QUANT == 2:
                 srows, _ = kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_spage, stride_stok,
@@ -114,13 +112,15 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
         if PAGE_SIZE > 0:
-            if USE_TMA or IDS_IN_LOOP:
-                # absent pages loaded NaN keys (TMA: rows past the view's end, which the K descriptor pads with
-                # NaN; ids read in the loop: the masked load), so their scores are NaN here. (A mask fed by ids
-                # loaded in the loop made Triton's pipeliner quadruple-buffer K / V at 5 stages on sm_90.)
-                s = tl.where(s == s, s, float("-inf"))
-            else:  # ids from registers (the split's preload): mask directly, the loads zero-fill
-                s = tl.where(key_ok[None, :], s, float("-inf"))
+            # keys of absent pages (ids outside [0, num_pages); their loads zero-filled) masked by the ids, never
+            # by testing the scores for NaN: a NaN in q, a live key or a scale must reach the rows that read it
+            score_ok = key_ok
+            if PRELOAD_PAGES == 0:  # ids read in the loop: the mask's own read of them (ids_in_loop_ok)
+                score_ok = ids_in_loop_ok(bt_row, start_n, offs_n, end, num_pages, PAGE_SIZE, BLOCK_N, MASKED)
+            if USE_TMA or (PRELOAD_PAGES == 0 and PAGE_SIZE % BLOCK_N == 0):  # one flag for the block's page
+                s = tl.where(score_ok, s, float("-inf"))
+            else:
+                s = tl.where(score_ok[None, :], s, float("-inf"))
         if SUM_TILE:
             p, alpha, m_i, l_i = online_softmax_step_sum_tile(m_i, l_i, s)
         else:
@@ -210,7 +210,7 @@ def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, q
             if WINDOW:
                 visible = visible & (keys3 >= qpos[None, :, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
-        if PAGE_SIZE > 0:  # absent pages: their keys' NaN k scale made NaN scores (key_scales)
+        if PAGE_SIZE > 0:  # absent pages, masked by their ids (as _attend_blocks)
             s = tl.where(key_ok[:, None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 2))
         shift = safe_max(m_new)

@@ -45,19 +45,21 @@ def key_scales(k_scale, v_scale, rows, key_ok, offs_n, end, MASKED: tl.constexpr
                KV_QUANT: tl.constexpr):
     """(ks, vs): (BLOCK_N,) fp32 per-key scales of a block. KV_QUANT 2: k_scale / v_scale are the scale pointers
     of this sequence (contiguous) or kv head (paged) and ``rows`` the keys' offsets into them (decode_gather.kv_rows
-    with the scale strides); KV_QUANT 1: k_scale / v_scale are this kv head's scalars. Keys of absent pages (PAGED,
-    key_ok false) get a NaN k scale, so their scores come out NaN, which the KV loop turns into -inf (an int8 K tile
-    has no NaN to load for them); masked keys' scales are never read (0, or NaN when paged)."""
+    with the scale strides); KV_QUANT 1: k_scale / v_scale are this kv head's scalars. Masked keys and keys of
+    absent pages (PAGED, key_ok false) are never read: scale 0 (the KV loop masks their scores).
+    A non-finite k scale reads as NaN (docs/kv_quant.md): the key it stands for, codes * ks, meets q in a dot of
+    +-inf and NaN terms, while the loop's (q . codes) * ks alone would give +-inf by the sign of q . codes and drop
+    the key (-inf) for some heads. A v scale stays as it is: p * vs * codes is the documented value's own product."""
     ok = key_ok
     if MASKED:
         ok = ok & (offs_n < end)
     if KV_QUANT >= 2:
-        ks = tl.load(k_scale + rows, mask=ok, other=float("nan") if PAGED else 0.0)
+        ks = tl.load(k_scale + rows, mask=ok, other=0.0)
         vs = tl.load(v_scale + rows, mask=ok, other=0.0)
     else:
-        ks = tl.where(ok, k_scale, float("nan") if PAGED else 0.0)
+        ks = tl.where(ok, k_scale, 0.0)
         vs = tl.where(ok, v_scale, 0.0)
-    return ks, vs
+    return ks + ks * 0.0, vs  # (inf * 0 = NaN: a non-finite scale becomes NaN, a finite one stays exact)
 
 
 @triton.jit
@@ -73,7 +75,9 @@ def keys_operand(q, QUANT_CONVERT: tl.constexpr = 0, K_DTYPE: tl.constexpr = tl.
     q_k = q
     unscale = 1.0
     if q.dtype == tl.bfloat16:
-        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        # the largest finite magnitude: a NaN or inf in one row must not rescale (flush) the other rows' values
+        aq = tl.abs(q.to(tl.float32))
+        amax = tl.max(tl.max(tl.where(aq < float("inf"), aq, 0.0), 1), 0)
         # unbiased exponent of amax minus 14, as f32 exponent bits (an all-zero q: the smallest normal scale)
         sh = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -126)
         down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
@@ -103,26 +107,39 @@ def e4m3_bits(x, dtype, ASM: tl.constexpr):
     lands in the low bits of the 16-bit exponent and the top of its mantissa (fp16: << 7; bf16: << 4), and masked
     to the sign and those seven bits. The exponent bias grows from 7 to 15 (fp16) / 127 (bf16) while the field
     keeps its value, hence the factor; e4m3 subnormals (exponent 0) land on fp16 / bf16 subnormals with the same
-    factor, so every finite code is exact. The NaN codes (0x7F, 0xFF: never written by append_kv, which saturates)
-    read as +-480 times the factor. ASM (GPU): packed PTX, four codes per 32-bit register - prmt's sign-replicating
-    byte select builds two sign-extended 16-bit lanes at once, then one shift and one and per two values."""
+    factor, so every finite code is exact. The NaN codes (0x7F, 0xFF; torch's cast of a NaN writes 0x7F) read as
+    NaN: their seven bits are all ones, so adding one at the lowest of them carries into the bit above, which
+    (fp16: bit 14; bf16: bit 11, spread to 14..11) completes an all-ones exponent over a nonzero mantissa; no finite
+    code carries that far, and the add never crosses a 16-bit lane (or, fp16 on the GPU, a byte). ASM (GPU): packed
+    PTX, four codes per 32-bit register - prmt's sign-replicating byte select builds two sign-extended 16-bit lanes
+    at once, then one shift and one and per two values; the NaN codes cost an and, an add and an and-or per four
+    codes (fp16: the flag enters as bit 7 of the bytes prmt selects) or an add, an and and a multiply-add per two
+    (bf16)."""
     if ASM:
         if dtype == tl.float16:
+            # y: the four codes with bit 7 replaced by their NaN flag (the seven low bits + 1 carry into it, no
+            # carry across bytes); each 16-bit lane takes y's byte low and the code's sign-replicated byte high, so
+            # after the shift bit 15 is the sign, bit 14 the flag, bits 13..7 the code's seven bits
             y = tl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 7; "
-                "shl.b32 hi, hi, 7; and.b32 $0, lo, 0xBF80BF80; and.b32 $1, hi, 0xBF80BF80; }",
+                "{ .reg .b32 a, t, lo, hi; and.b32 a, $2, 0x7F7F7F7F; add.u32 t, a, 0x01010101; "
+                "and.b32 t, t, 0x80808080; or.b32 a, a, t; prmt.b32 lo, a, $2, 0xD1C0; prmt.b32 hi, a, $2, 0xF3E2; "
+                "shl.b32 lo, lo, 7; shl.b32 hi, hi, 7; and.b32 $0, lo, 0xFF80FF80; and.b32 $1, hi, 0xFF80FF80; }",
                 "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
         else:
             y = tl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 4; "
-                "shl.b32 hi, hi, 4; and.b32 $0, lo, 0x87F087F0; and.b32 $1, hi, 0x87F087F0; }",
+                "{ .reg .b32 lo, hi, c; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 4; "
+                "shl.b32 hi, hi, 4; and.b32 lo, lo, 0x87F087F0; and.b32 hi, hi, 0x87F087F0; "
+                "add.u32 c, lo, 0x00100010; and.b32 c, c, 0x08000800; mad.lo.u32 $0, c, 15, lo; "
+                "add.u32 c, hi, 0x00100010; and.b32 c, c, 0x08000800; mad.lo.u32 $1, c, 15, hi; }",
                 "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         w = x.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: s in bits 15..7, eeee.mmm in 6..0
         if dtype == tl.float16:
-            y = ((w << 7) & -16512).to(tl.float16, bitcast=True)  # mask 0xBF80: bit 15 and bits 13..7
+            y = (w << 7) & -16512  # mask 0xBF80: bit 15 and bits 13..7
+            y = (y | ((y + 0x80) & 0x4000)).to(tl.float16, bitcast=True)
         else:
-            y = ((w << 4) & -30736).to(tl.bfloat16, bitcast=True)  # mask 0x87F0: bit 15 and bits 10..4
+            y = (w << 4) & -30736  # mask 0x87F0: bit 15 and bits 10..4
+            y = (y | ((y + 0x10) & 0x0800) * 15).to(tl.bfloat16, bitcast=True)
     return y
 
 

@@ -91,7 +91,8 @@ def merge_many_kernel(
             o = tl.where((lse > float("-inf"))[:, :, None], o.to(tl.float32), 0.0)
             if SKIP_EMPTY:
                 acc_n, m_n, l_n = merge_many_step(acc, m_i, l_i, o, lse)
-                live = tl.max(tl.max(lse, 1), 0) > float("-inf")
+                # a step is empty when every lse is -inf; a NaN lse is live (max may skip NaN on the GPU)
+                live = tl.max(tl.max((lse != float("-inf")).to(tl.int32), 1), 0) > 0
                 acc = tl.where(live, acc_n, acc)
                 m_i = tl.where(live, m_n, m_i)
                 l_i = tl.where(live, l_n, l_i)

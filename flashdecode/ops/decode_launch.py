@@ -132,9 +132,10 @@ def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out4, lse
         skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only)
 
 
-def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
-    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim). Paged: K
-    reads rows past the end as NaN, which the kernel turns into absent keys (page ids outside the pool)."""
+def _kv_sources(config: DecodeConfig, k_cache, v_cache):
+    """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim), which
+    read rows past the end as zeros (paged: the blocks of page ids outside the pool, whose scores the kernel masks
+    by the ids)."""
     if not config.use_tma:
         return k_cache, v_cache, k_cache.stride(0)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -142,8 +143,7 @@ def _kv_sources(config: DecodeConfig, k_cache, v_cache, block_table):
     rows = k_cache.shape[0] * k_cache.shape[1]
     width = k_cache.shape[2] * k_cache.shape[3]
     box = [config.block_n, k_cache.shape[3]]
-    paged = block_table is not None
-    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box, padding="nan" if paged else "zero")
+    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box)
     v_desc = TensorDescriptor(v_cache, [rows, width], [width, 1], box)
     return k_desc, v_desc, k_cache.shape[1]
 
@@ -165,7 +165,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     stride_ls = 0 if final else lse3.stride(3)
     kv_programs = shape.nheads_kv * shape.num_m_blocks
     grid = (num_splits, kv_programs, shape.batch)
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
     device_splits = None
     merge_args = {}
     if config.path is DecodePath.DEVICE_SPLIT_GRID:
@@ -204,7 +204,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     q4 = shape.q4
     queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
     bt = block_table if block_table is not None else cache_seqlens
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, block_table)
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
     dynamic = config.path is DecodePath.PERSISTENT_QUEUE
     schedule = WorkSchedule(
         nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys, dynamic=dynamic,
