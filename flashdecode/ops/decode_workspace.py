@@ -1,5 +1,8 @@
-"""A per-device pool of decode workspace (split partials, merge tickets) for flash_decode calls under CUDA-graph
-capture, which must not allocate: eager calls size it (reserve), captured calls take views of it (take)."""
+"""Pools of decode workspace (split partials, merge tickets, an lse nobody asked for): one per device for
+flash_decode calls under CUDA-graph capture, which must not allocate (eager calls size it, reserve; captured calls
+take views of it, take), and one per (device, stream) for eager calls, which take views of it instead of allocating
+per call (the launches of one stream run in order, so one call's workspace is free when the next call's kernels
+start; a stream of its own never shares it with another stream's kernels)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ class _Workspace:
         self.o = torch.empty(0, dtype=torch.float32, device=device)
         self.lse = torch.empty(0, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(0, dtype=torch.int32, device=device)
+        self.lse_out = torch.empty(0, dtype=torch.float32, device=device)
 
     def reserve(self, partial_shape, n_tickets: int) -> None:
         """Grow the buffers for partials of ``partial_shape`` (batch, seqlen_q, nheads, splits, headdim) (None:
@@ -43,6 +47,23 @@ class _Workspace:
         if n_tickets:
             tickets = self.tickets[:n_tickets]
         return partial_o, partial_lse, tickets
+
+
+    def take_lse(self, shape: tuple):
+        """A float32 ``shape`` view for an lse the caller did not ask for (written, never read)."""
+        n = math.prod(shape)
+        if n > self.lse_out.numel():
+            self.lse_out = torch.empty(max(n, 2 * self.lse_out.numel()), dtype=torch.float32, device=self.device)
+        return self.lse_out[:n].view(shape)
+
+
+def stream_workspace(device: torch.device, stream) -> _Workspace:
+    """The pool of eager calls on ``stream`` (a raw stream handle; any hashable on CPU) of ``device``."""
+    key = (device, stream)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = _Workspace(device)
+    return pool
 
 
 def workspace(device: torch.device) -> _Workspace:
