@@ -153,3 +153,18 @@ def test_import_loads_neither_dynamo_nor_the_engine():
             "any(m.startswith('flashdecode.engine') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_warmup_runs_each_variant_and_reads_a_model_shape(tmp_path):
+    import json
+
+    from flashdecode import warm
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(num_attention_heads=4, num_key_value_heads=2,
+                                                          hidden_size=64, torch_dtype="float16")))
+    shape = warm.model_shape(tmp_path)
+    assert shape == dict(nheads=4, nheads_kv=2, headdim=16, dtype=torch.float16)
+    times = flashdecode.warmup(**shape, device=DEVICE, batches=(1, 2), capacities=(16,), prefill_seqlens=(16,),
+                               workers=2)
+    assert sorted(times) == ["decode b1 cap16 page0", "decode b2 cap16 page0", "prefill 16"]
+    assert all(t > 0 for t in times.values())
