@@ -10,7 +10,8 @@ forward + backward <= 40 us.
 
 Generate: a Llama-3-8B-shaped model of ``layers`` layers and random bf16 weights, greedy, 64 new tokens after a
 warm-up generate of the same length; eager DynamicCache, and StaticCache with torch.compile (fullgraph,
-mode="reduce-overhead"); tokens per second of ours and of "sdpa", and their ratio.
+mode="reduce-overhead"); tokens per second of ours and of "sdpa" (one model, its attention switched), and their
+ratio.
 
     python -m flashdecode bench decode --host --generate --out DIR    (or python -m flashdecode.bench.host)
 """
@@ -24,7 +25,8 @@ import torch
 
 LENGTHS = (8000, 17, 3000, 8192)
 HEADS, HEADS_KV, HEADDIM = 32, 8, 128
-GENERATE_POINTS = ((1, 512), (1, 4096), (1, 32768), (8, 2048))  # (batch, context)
+GENERATE_POINTS = ((1, 512), (1, 4096), (1, 32768), (8, 2048))  # (batch, context), eager DynamicCache
+COMPILED_POINTS = ((1, 4096),)  # StaticCache + torch.compile (each compiles and captures: about a minute)
 
 
 def time_calls(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> tuple[float, float]:
@@ -128,45 +130,56 @@ def first_call_ms() -> dict:
     return out
 
 
-def _llama(layers: int, attn: str, device):
+def _llama(layers: int, device):
+    """A Llama-3-8B-shaped model of ``layers`` layers, random bf16 weights, built on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=HEADS,
                          num_key_value_heads=HEADS_KV, num_hidden_layers=layers, vocab_size=32000,
-                         max_position_embeddings=65536 + 128, rope_theta=500000.0, attn_implementation=attn)
+                         max_position_embeddings=65536 + 128, rope_theta=500000.0)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def generate_rows(layers: int = 8, new_tokens: int = 64, points=GENERATE_POINTS, compiled: bool = True) -> list[dict]:
-    """Tokens per second of transformers generate, our backend vs "sdpa" (module doc)."""
+def _tokens_per_s(model, attn: str, batch: int, context: int, new_tokens: int, compiled: bool) -> float:
+    model.set_attn_implementation(attn)
+    ids = torch.randint(0, 32000, (batch, context), device=model.device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    forward = model.forward
+    if compiled:
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        with torch.inference_mode():
+            model.generate(ids, **kw)  # warm-up (compiles, captures)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+        return batch * new_tokens / (time.perf_counter() - start)
+    finally:
+        model.forward = forward
+
+
+def generate_rows(layers: int = 8, new_tokens: int = 64, points=GENERATE_POINTS,
+                  compiled_points=COMPILED_POINTS) -> list[dict]:
+    """Tokens per second of transformers generate, our backend vs "sdpa" (module doc): eager DynamicCache at
+    ``points``, StaticCache + torch.compile at ``compiled_points``."""
     from flashdecode.integrations.transformers import register
 
-    device = torch.device("cuda")
     ours = register()
+    model = _llama(layers, "cuda")
     rows = []
-    for cache in ("dynamic", "static+compile") if compiled else ("dynamic",):
-        for batch, context in points:
+    for cache, where in (("dynamic", points), ("static+compile", compiled_points)):
+        for batch, context in where:
             row = {"cache": cache, "batch": batch, "context": context}
             for name, attn in (("ours", ours), ("sdpa", "sdpa")):
-                model = _llama(layers, attn, device)
-                ids = torch.randint(0, 32000, (batch, context), device=device)
-                kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-                if cache == "static+compile":
-                    kw["cache_implementation"] = "static"
-                    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
                 try:
-                    with torch.inference_mode():
-                        model.generate(ids, **kw)  # warm-up (compiles)
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        model.generate(ids, **kw)
-                        torch.cuda.synchronize()
-                    row[name] = batch * new_tokens / (time.perf_counter() - start)
+                    row[name] = _tokens_per_s(model, attn, batch, context, new_tokens, cache != "dynamic")
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the others still run
                     row[name] = None
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                del model
                 torch.cuda.empty_cache()
             if row.get("ours") and row.get("sdpa"):
                 row["ours_vs_sdpa"] = row["ours"] / row["sdpa"]
@@ -187,6 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="store_true", help="also the transformers generate comparison")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="generate: eager DynamicCache only")
+    parser.add_argument("--long", action="store_true", help="generate: also StaticCache + compile at batch 1, 64k")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the host table needs a CUDA GPU")
@@ -196,7 +210,8 @@ def main(argv=None) -> int:
     result["decode"] = host_rows("decode", args.calls)
     result["prefill"] = host_rows("prefill", args.calls)
     if args.generate:
-        result["generate"] = generate_rows(args.layers, compiled=not args.no_compile)
+        compiled = () if args.no_compile else COMPILED_POINTS + (((1, 65536),) if args.long else ())
+        result["generate"] = generate_rows(args.layers, compiled_points=compiled)
     if args.out:
         path = pathlib.Path(args.out) / "host_time.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -203,13 +203,16 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
     n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
     if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
-        pool = workspace(q.device)
         lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
+        partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)
     else:  # the eager pool of this stream: nothing allocated but the results
+        if found is None:  # a new call shape sizes the device's pool for captures of it (they cannot allocate)
+            workspace(q.device).reserve(partial_shape, n_tickets)
         pool = stream_workspace(q.device, direct_launch.current_stream(q.device.index) if q.is_cuda else None)
-        lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device) if return_lse \
-            else pool.take_lse((b, sq, h))
-    partial_o, partial_lse, tickets = pool.take(partial_shape, n_tickets)
+        partial_o, partial_lse, tickets, lse3 = pool.take_eager(partial_shape, n_tickets,
+                                                                None if return_lse else (b, sq, h))
+        if return_lse:
+            lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
     run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                tickets)
     return (out, _lse_view(lse3, q)) if return_lse else out

@@ -23,6 +23,7 @@ class _Workspace:
         self.lse = torch.empty(0, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(0, dtype=torch.int32, device=device)
         self.lse_out = torch.empty(0, dtype=torch.float32, device=device)
+        self._views: dict = {}  # take_eager's views per request
 
     def reserve(self, partial_shape, n_tickets: int) -> None:
         """Grow the buffers for partials of ``partial_shape`` (batch, seqlen_q, nheads, splits, headdim) (None:
@@ -48,13 +49,26 @@ class _Workspace:
             tickets = self.tickets[:n_tickets]
         return partial_o, partial_lse, tickets
 
-
-    def take_lse(self, shape: tuple):
-        """A float32 ``shape`` view for an lse the caller did not ask for (written, never read)."""
-        n = math.prod(shape)
-        if n > self.lse_out.numel():
-            self.lse_out = torch.empty(max(n, 2 * self.lse_out.numel()), dtype=torch.float32, device=self.device)
-        return self.lse_out[:n].view(shape)
+    def take_eager(self, partial_shape, n_tickets: int, lse_shape) -> tuple:
+        """take()'s views and, where ``lse_shape`` is not None, a float32 view of that shape for an lse the caller
+        did not ask for (written, never read); the views of each request are kept until a buffer grows (an eager
+        call of a stream's pool then slices nothing)."""
+        key = (partial_shape, n_tickets, lse_shape)
+        found = self._views.get(key)
+        if found is None:
+            buffers = (self.o, self.lse, self.tickets)
+            views = self.take(partial_shape, n_tickets)
+            lse = None
+            if lse_shape is not None:
+                n = math.prod(lse_shape)
+                if n > self.lse_out.numel():
+                    self.lse_out = torch.empty(n, dtype=torch.float32, device=self.device)
+                    self._views.clear()
+                lse = self.lse_out[:n].view(lse_shape)
+            if buffers != (self.o, self.lse, self.tickets):  # grown: older views point at the old buffers
+                self._views.clear()
+            found = self._views[key] = views + (lse,)
+        return found
 
 
 def stream_workspace(device: torch.device, stream) -> _Workspace:
