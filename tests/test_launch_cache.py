@@ -168,3 +168,22 @@ def test_warmup_runs_each_variant_and_reads_a_model_shape(tmp_path):
                                workers=2)
     assert sorted(times) == ["decode b1 cap16 page0", "decode b2 cap16 page0", "prefill 16"]
     assert all(t > 0 for t in times.values())
+
+
+def test_append_kv_reuses_shapes_with_other_layouts(gen, device_resident):
+    batch, hk, d, cap = 2, 2, 16, 16
+    lens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    for dtype, page_size, layout in CASES[:5] * 2:
+        k, v, table = _cache(gen, batch, cap, hk, d, dtype, page_size, layout)
+        new_k, new_v = randn(batch, 2, hk, d, gen=gen, dtype=dtype), randn(batch, 2, hk, d, gen=gen, dtype=dtype)
+        flashdecode.append_kv(k, v, new_k, new_v, lens, table)
+        for b in range(batch):
+            for t in range(2):
+                pos = int(lens[b]) + t
+                if table is None:
+                    row_k, row_v = k[b, pos], v[b, pos]
+                else:
+                    page = int(table[b, pos // page_size])
+                    row_k, row_v = k[page, pos % page_size], v[page, pos % page_size]
+                torch.testing.assert_close(row_k, new_k[b, t], atol=0, rtol=0)
+                torch.testing.assert_close(row_v, new_v[b, t], atol=0, rtol=0)

@@ -8,7 +8,7 @@ from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import _cache_capacity, _check_cache_pair, _check_lengths_and_table
-from flashdecode.ops.decode_host import call_key
+from flashdecode.ops import decode_host
 from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
 from flashdecode.ops.launch_cache import LaunchSite
 
@@ -52,9 +52,9 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
     if not validate and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens) \
             and (cu_seqlens_new is None or not checks.host_resident(cu_seqlens_new)):  # no value is checked
-        key = call_key("append_kv", (k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new),
-                       (max_seqlen_new,))
-        launch = _LAUNCHES.get(key)
+        key = decode_host.call_key("append_kv", (k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                                 cu_seqlens_new), (max_seqlen_new,))
+        launch = decode_host.kept(key)
         if launch is not None:
             launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
             return
@@ -106,10 +106,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
                                 added=0 if varlen else k_new.shape[1], cu_seqlens_new=cu_seqlens_new,
                                 new_rows=k_new.shape[0], max_new=max_new)
     launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales)
-    if key is not None:
-        if len(_LAUNCHES) >= 1024:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = launch
+    decode_host.keep(key, launch)
     launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
 
 
@@ -147,7 +144,6 @@ class _AppendLaunch:
             n: x for n, x in self.constexprs.items() if n not in _RUNTIME_QUANT_ARGS}, k_new.device)
 
 
-_LAUNCHES: dict = {}  # call key (ops/decode_host.call_key) -> _AppendLaunch
 _SITE = LaunchSite(append_kv_kernel, "append_kv_kernel")
 _RUNTIME_QUANT_ARGS = ("K_SCALE", "V_SCALE", "stride_sb", "stride_st", "stride_sh")
 

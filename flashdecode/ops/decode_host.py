@@ -16,7 +16,7 @@ import itertools
 
 from flashdecode.ops.launch_cache import tensor_key
 
-__all__ = ["call_key", "remember", "recall"]
+__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -39,6 +39,19 @@ def call_key(tag, tensors: tuple, options: tuple):
     except (AttributeError, TypeError, RuntimeError):
         return None
     return key
+
+
+def keep(key, value) -> None:
+    """Keep another op's per-key host state (append_kv's launch) beside the decode calls' (cleared with them)."""
+    if key is not None:
+        if len(_CALLS) >= _MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = value
+
+
+def kept(key):
+    """What ``keep`` kept under ``key`` (None: nothing, or key None)."""
+    return None if key is None else _CALLS.get(key)
 
 
 class _Entry:
