@@ -187,3 +187,16 @@ def test_append_kv_reuses_shapes_with_other_layouts(gen, device_resident):
                     row_k, row_v = k[page, pos % page_size], v[page, pos % page_size]
                 torch.testing.assert_close(row_k, new_k[b, t], atol=0, rtol=0)
                 torch.testing.assert_close(row_v, new_v[b, t], atol=0, rtol=0)
+
+
+def test_eager_pool_views_follow_the_buffers_as_they_grow():
+    from flashdecode.ops.decode_workspace import _Workspace
+
+    pool = _Workspace(torch.device("cpu"))
+    small = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
+    assert pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2)) is small  # kept: nothing sliced again
+    big = pool.take_eager((2, 1, 4, 8, 16), 40, (2, 1, 4))
+    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4)]
+    again = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
+    assert again is not small and again[0].data_ptr() == pool.o.data_ptr()  # views of the grown buffers
+    assert again[2].data_ptr() == pool.tickets.data_ptr() and torch.all(pool.tickets == 0)

@@ -65,7 +65,8 @@ class _Workspace:
                     self.lse_out = torch.empty(n, dtype=torch.float32, device=self.device)
                     self._views.clear()
                 lse = self.lse_out[:n].view(lse_shape)
-            if buffers != (self.o, self.lse, self.tickets):  # grown: older views point at the old buffers
+            grown = any(a is not b for a, b in zip(buffers, (self.o, self.lse, self.tickets)))
+            if grown:  # the views kept so far point at the old buffers
                 self._views.clear()
             found = self._views[key] = views + (lse,)
         return found
