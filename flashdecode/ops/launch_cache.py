@@ -5,9 +5,10 @@ A ``LaunchSite`` wraps one @triton.jit kernel. A caller hands it, per launch, a 
 (non-constexpr) parameters as a tuple in signature order (``site.runtime_names``) and a function that builds the
 constexprs and launch options (num_warps, num_stages, launch_pdl, ...). The first launch of a key goes through
 Triton's JIT, which compiles the variant and binds the arguments; the site then records the compiled kernel's C
-launcher (direct_launch.PlainLauncher) and the full argument template (constexprs and defaults in place), so later
-launches of the key skip the constexpr building, Triton's binder, its cache-key hashing and the launch-metadata
-record: a list fill and one C call.
+launcher (direct_launch.PlainLauncher; for launchers it does not know, e.g. with TMA descriptor arguments, Triton's
+own CudaLauncher) and the full argument template (constexprs and defaults in place), so later launches of the key
+skip the constexpr building, Triton's binder, its cache-key hashing and the launch-metadata record: a list fill
+and one call of the launcher.
 
 The key must fix everything the compiled kernel or its launch depends on besides the runtime values Triton does
 not specialise on: dtypes, the device, every constexpr and option, and Triton's specialisation of each runtime
@@ -101,6 +102,20 @@ class _Record:
         return full
 
 
+class _TritonLauncher:
+    """A compiled kernel's own launcher (Triton's CudaLauncher: it expands host tensor descriptors and allocates
+    the scratch), called as Triton's JIT calls it but without the binder, the cache-key hashing and the launch
+    metadata: for kernels whose launcher PlainLauncher does not know (e.g. TMA descriptor arguments)."""
+
+    __slots__ = ("run", "function", "packed")
+
+    def __init__(self, compiled):
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+
+    def __call__(self, grid: tuple, stream, device: torch.device, args: list):
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, None, None, None, *args)
+
+
 class LaunchSite:
     """The launches of one @triton.jit kernel, recorded per key (module doc)."""
 
@@ -157,7 +172,7 @@ class LaunchSite:
         direct = None
         if compiled is not None and not checks.interpreting() and all(
                 hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            direct = direct_launch.PlainLauncher.of(compiled)
+            direct = direct_launch.PlainLauncher.of(compiled) or _TritonLauncher(compiled)
         template = []
         for name, default in zip(self.param_names, self.defaults):
             if name in constexprs:
