@@ -124,6 +124,8 @@ def test_remembered_calls_still_raise(gen, device_resident):
     flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16)
     with pytest.raises(TypeError, match="max_seqlen_k"):  # 16.0 == 16 as a dict key, not as an argument
         flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16.0)
+    with pytest.raises(TypeError, match="validate"):  # 0 == False as a flag, not as an argument
+        flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16, validate=0)
     with pytest.raises(TypeError, match="q"):
         flashdecode.flash_decode(q.float(), k, v, lens, max_seqlen_k=16)
     with pytest.raises(ValueError, match="out"):

@@ -49,7 +49,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         per-kv-head (nheads_kv,) scale is read and used: x / scale, saturated to the format's range.
     """
     key = None
-    if not validate and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+    if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens) \
             and (cu_seqlens_new is None or not checks.host_resident(cu_seqlens_new)):  # no value is checked
         key = decode_host.call_key("append_kv", (k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,

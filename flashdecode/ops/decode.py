@@ -180,7 +180,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     checks.check_bool("return_lse", return_lse)
     in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
     key = None
-    if not validate and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+    if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
         key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
                                                     alibi_slopes), (softmax_scale, num_splits, softcap,
@@ -373,7 +373,7 @@ class DecodePlan:
                                            validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale,
                                            v_scale=v_scale)
         key = None
-        if not validate and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+        if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
                 and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
             key = decode_host.call_key(self._key_tag, (q, k_cache, v_cache, cache_seqlens, block_table, out,
                                                        alibi_slopes), (softmax_scale, softcap, window_size))
