@@ -304,6 +304,7 @@ class DecodePlan:
                 max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
                 torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
+        self._views: dict = {}  # (q shape, id of a launch in _launches) -> views of the buffers (_buffer_views)
         self._key_tag = ("DecodePlan", next(_PLAN_IDS))  # the host path's key of its runs (ops/decode_host.py)
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -353,6 +354,17 @@ class DecodePlan:
                              f"{self.nheads_kv}, headdim {self.headdim}, {self.dtype} on {self.device})")
         return shape
 
+    def _buffer_views(self, q_shape, q4_shape, launch: DecodeLaunch) -> tuple:
+        """(out like q, lse3, partial_o, partial_lse) views of the plan's buffers for a run of this shape (the
+        buffers never change, so each run shape's views are made once)."""
+        b, sq, h, d = q4_shape
+        rows = b * sq * h
+        s = launch.grid_splits
+        split = launch.config.path is not DecodePath.UNSPLIT
+        return (self._out[: rows * d].view(q_shape), self._lse[:rows].view(b, sq, h),
+                self._partial_o[: rows * s * d].view(b, sq, h, s, d) if split else None,
+                self._partial_lse[: rows * s].view(b, sq, h, s) if split else None)
+
     def config_for(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
                    v_scale=None) -> DecodeConfig:
         """The DecodeConfig ``run`` uses for tensors of these shapes (resolved once per run shape)."""
@@ -388,16 +400,14 @@ class DecodePlan:
             decode_host.remember(key, shape, launch.config, launch)
         else:
             shape, _, launch = found
-        b, sq, h, d = shape.q4.shape
-        rows = b * sq * h
+        # (id: hashing the launch's config per run would cost more than the views; the plan keeps its launches)
+        views = self._views.get((q.shape, id(launch)))
+        if views is None:
+            views = self._views[(q.shape, id(launch))] = self._buffer_views(q.shape, shape.q4.shape, launch)
+        plan_out, lse3, partial_o, partial_lse = views
         if out is None:
-            out = self._out[: rows * d].view(q.shape)
+            out = plan_out
         out4 = out.unsqueeze(1) if q.dim() == 3 else out
-        lse3 = self._lse[:rows].view(b, sq, h)
-        s = launch.grid_splits
-        split = launch.config.path is not DecodePath.UNSPLIT
-        partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if split else None
-        partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if split else None
         run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                    self._tickets)
         return (out, _lse_view(lse3, q)) if return_lse else out
