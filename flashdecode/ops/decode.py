@@ -84,8 +84,8 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
 
 def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None, window_size=(-1, -1),
                   max_seqlen_k=None, batch_invariant: bool = False, k_scale=None, v_scale=None) -> DecodeConfig:
-    """The DecodeConfig flash_decode resolves for these arguments (same host sync where it would sync), e.g. to
-    pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
+    """The DecodeConfig flash_decode resolves for these arguments (the same policy: device-resident lengths are
+    not read), e.g. to pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, None)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, None, 0.0, window_size, k_scale=k_scale,
                          v_scale=v_scale)
