@@ -13,6 +13,14 @@ from flashdecode.ops.sinks import apply_sinks  # noqa: F401
 
 __version__ = "0.1.0"
 
+
+def warmup(*args, **kwargs):
+    """Compile the kernel variants a model shape needs before the first request (flashdecode/warm.py)."""
+    from flashdecode.warm import warmup as _warmup
+
+    return _warmup(*args, **kwargs)
+
+
 __all__ = ["reference", "flash_decode", "DecodePlan", "DecodeConfig", "DecodePath", "append_kv", "merge_states",
            "merge_states_many", "flash_attn", "flash_attn_varlen", "AttentionConfig", "apply_sinks", "quantize_fp8",
-           "dequantize_fp8", "hadamard_rotate", "__version__"]
+           "dequantize_fp8", "hadamard_rotate", "warmup", "__version__"]

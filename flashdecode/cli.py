@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         if mod is not None:
             _add_module(bench_sub, name, mod)
 
+    from flashdecode import warm as warmup_mod
+
+    _add_module(sub, "warmup", warmup_mod, "compile the kernel variants a model's shape needs")
     gen_mod = _optional_module(_GENERATE)
     if gen_mod is not None:
         _add_module(sub, "generate", gen_mod, "generate text with the inference engine")

@@ -362,13 +362,10 @@ def _rotary_positions(start, seqlen: int, consecutive: bool, seqlen_ro: int):
 
 
 def _host_length_bound(q, host_bound, seqlen_new: int, capacity: int):
-    """A host-side bound on the attended lengths for the split heuristic (None: let flash_decode read them): the
-    int cache_seqlens + seqlen_new, else the capacity while a CUDA graph is being captured (reading device lengths
-    on the host is impossible there; the kernels still stop at each sequence's live length)."""
+    """A host-side bound on the attended lengths for the split heuristic: the int cache_seqlens + seqlen_new, else
+    None (flash_decode then sizes the splits as it does for any device-resident lengths, capture or not)."""
     if host_bound is not None:
         return host_bound + seqlen_new
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return capacity
     return None
 
 
@@ -492,17 +489,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             alibi_slopes=alibi_slopes)
         return (out, lse.contiguous()) if return_softmax_lse else out
     fold, left = mask
+    # flash_decode's own split policy (no host bound unless the lengths are host ints): the same path and config
+    # as a flash_decode call on these tensors, and no lse written where none is returned
     decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
-                     num_splits=num_splits or None, return_lse=True, alibi_slopes=alibi_slopes,
+                     num_splits=num_splits or None, return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes,
                      max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
     if fold:
         # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
         # h // group, so the fold keeps the GQA mapping
         q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim)
-        out, lse = flash_decode(q_rows, kv_k, kv_v, lengths, **decode_kw)
-        out = out.view(batch, nheads, seqlen_q, headdim).transpose(1, 2).contiguous()
-        lse = lse.view(batch, nheads, seqlen_q)
+        res = flash_decode(q_rows, kv_k, kv_v, lengths, **decode_kw)
+        out = (res[0] if return_softmax_lse else res).view(batch, nheads, seqlen_q, headdim).transpose(1, 2)
+        out = out.contiguous()
+        lse = res[1].view(batch, nheads, seqlen_q) if return_softmax_lse else None
     else:
-        out, lse = flash_decode(q, kv_k, kv_v, lengths, **decode_kw)
-        lse = lse.transpose(1, 2)
+        res = flash_decode(q, kv_k, kv_v, lengths, **decode_kw)
+        out, lse = res if return_softmax_lse else (res, None)
+        lse = None if lse is None else lse.transpose(1, 2)
     return (out, lse.contiguous()) if return_softmax_lse else out

@@ -77,6 +77,19 @@ def _release_cached_gpu_memory():
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_host_caches():
+    """Each test resolves its decode calls anew: a test that patches the launch policy (a heuristics constant, the
+    capture check) must not meet a config or launch that another test's call left in the per-key caches."""
+    yield
+    import sys
+
+    for name in ("flashdecode.ops.decode_host", "flashdecode.ops.launch_cache"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.clear()
+
+
 @pytest.fixture
 def device():
     return DEVICE

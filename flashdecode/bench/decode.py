@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="contexts 512..128k at b1 (contiguous + page 16), batch 16/64 at 32/8 (<= 3 min)")
     parser.add_argument("--out", default=None, help="result folder (default $OUT or benchmarks/results)")
+    parser.add_argument("--host", action="store_true",
+                        help="also the host table: CPU and wall time per eager call of each public decode op "
+                             "beside SDPA's (flashdecode/bench/host.py)")
     parser.add_argument("--contexts", default=None, help="comma list for the batch-1 sweep, e.g. 4096,65536")
     parser.add_argument("--batches", default=None, help="comma list for the Llama-shape batch sweep")
     parser.add_argument("--layouts", default=None, help="comma list of page sizes, 0 = contiguous (both sweeps)")
@@ -332,6 +335,11 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench decode needs a CUDA GPU")
         return 1
+    if args.host:
+        from flashdecode.bench.host import host_rows
+
+        print("# host time per eager call (loop of 200 after 10 warm-ups)")
+        host_rows("decode")
     base = QUICK if args.quick else FULL
     use_flex = (not args.quick) if args.flex is None else args.flex
     fi = _flashinfer_available()

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="bf16, hd128/64, seqlen 16k/1k, 16 heads, peers FA2 + cuDNN (<= 3 min on an H100)")
     parser.add_argument("--out", default=None, help="result folder (default $OUT or benchmarks/results)")
+    parser.add_argument("--host", action="store_true",
+                        help="also the host table: CPU and wall time per eager call of each public prefill op "
+                             "beside SDPA's (flashdecode/bench/host.py)")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per problem (batch = tokens // seqlen)")
     parser.add_argument("--dtypes", default=None, help="comma list of bf16,fp16")
     parser.add_argument("--headdims", default=None, help="comma list, e.g. 64,128,256")
@@ -332,6 +335,11 @@ def run(args) -> int:
         from flashdecode.bench.prefill_ragged import run_ragged
 
         return run_ragged(args)
+    if args.host:
+        from flashdecode.bench.host import host_rows
+
+        print("# host time per eager call (loop of 200 after 10 warm-ups)")
+        host_rows("prefill")
     base = QUICK if args.quick else FULL
     dtypes = _list(args.dtypes, base["dtypes"])
     headdims = _list(args.headdims, base["headdims"], int)

@@ -92,7 +92,13 @@ def _decode(q, key, value, mask, scale, window, softcap, sinks):
         k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)  # (b, s, hk, d) views
         if k_cache.stride() != v_cache.stride():
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-        lens = torch.full((b,), s, dtype=torch.int32, device=q.device)
+        # every layer of a step reads the same lengths, and flash_decode keeps its checks and config per metadata
+        # (ops/decode_host.py): the step's first layer builds both, the others only launch
+        lens = _full_lengths(b, s, q.device)
+        if sinks is None:  # no lse to hand back
+            out = flash_decode(q[:, 0], k_cache, v_cache, lens, max_seqlen_k=s, softmax_scale=scale, softcap=softcap,
+                               window_size=window)
+            return out.unsqueeze(1)
         out, lse = flash_decode(q[:, 0], k_cache, v_cache, lens, max_seqlen_k=s, **kw)
     else:
         # each (sequence, kv head) is its own sequence of one-token pages: page (i * hk + j) * s + t holds token t
@@ -110,6 +116,24 @@ def _decode(q, key, value, mask, scale, window, softcap, sinks):
     if sinks is not None:
         out, _ = apply_sinks(out, lse, sinks, "decode")
     return out.unsqueeze(1)
+
+
+_LENGTHS: dict = {}  # (device, batch, length) -> int32 (batch,) filled with length; never written after
+
+
+def _full_lengths(batch: int, length: int, device) -> torch.Tensor:
+    """An int32 (batch,) tensor of ``length`` on ``device``, made once per (batch, length) and shared by the layers
+    of a step (made anew while a CUDA graph is captured: a tensor of the graph's pool is not kept)."""
+    key = (device, batch, length)
+    lens = _LENGTHS.get(key)
+    if lens is None:
+        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return lens
+        if len(_LENGTHS) >= 64:
+            _LENGTHS.clear()
+        _LENGTHS[key] = lens
+    return lens
 
 
 def _unpad(x, mask):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from flashdecode import heuristics
 from flashdecode.kernels.append_kv import append_kv_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import _cache_capacity, _check_cache_pair, _check_lengths_and_table
+from flashdecode.ops import decode_host
 from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
+from flashdecode.ops.launch_cache import LaunchSite
 
 __all__ = ["append_kv"]
 
@@ -47,6 +48,16 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         holding NaN / inf gets a non-finite scale and reads back as NaN, touching no other token). A scalar () or
         per-kv-head (nheads_kv,) scale is read and used: x / scale, saturated to the format's range.
     """
+    key = None
+    if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+            and not checks.host_resident(cache_seqlens) \
+            and (cu_seqlens_new is None or not checks.host_resident(cu_seqlens_new)):  # no value is checked
+        key = decode_host.call_key("append_kv", (k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                                 cu_seqlens_new), (max_seqlen_new,))
+        launch = decode_host.kept(key)
+        if launch is not None:
+            launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
+            return
     _check_tensor("k_new", k_new, (3, 4), _DTYPES)
     checks.check_kernel_device("k_new", k_new)
     device = k_new.device
@@ -94,24 +105,47 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
                                 num_pages=k_cache.shape[0], validate=validate, appending=True,
                                 added=0 if varlen else k_new.shape[1], cu_seqlens_new=cu_seqlens_new,
                                 new_rows=k_new.shape[0], max_new=max_new)
-    if batch == 0 or max_new == 0:
-        return
-    page_size = k_cache.shape[1] if block_table is not None else 0
-    headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
-    block_t = 16 if _interpreting(device) else 32
-    bt = block_table if block_table is not None else cache_seqlens
-    cu = cu_seqlens_new if varlen else cache_seqlens
-    kb = (0, k_new.stride(0), k_new.stride(1)) if varlen else (k_new.stride(0), k_new.stride(1), k_new.stride(2))
-    vb = (0, v_new.stride(0), v_new.stride(1)) if varlen else (v_new.stride(0), v_new.stride(1), v_new.stride(2))
-    grid = (batch, triton.cdiv(max_new, block_t), nheads_kv)
-    append_kv_kernel[grid](
-        k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, capacity, 0 if varlen else k_new.shape[1],
-        k_new.shape[0], k_cache.shape[0],
-        *kb, *vb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        bt.stride(0) if block_table is not None else 0,
-        HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
-        PAGE_SIZE=page_size, VARLEN=varlen, num_warps=4, **_quant_args(quant, write_scales),
-    )
+    launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales)
+    decode_host.keep(key, launch)
+    launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
+
+
+class _AppendLaunch:
+    """What a checked append_kv call's metadata fixes: the grid, the constexprs and the launch-cache key (None: a
+    call whose checks read values, launched without recording)."""
+
+    __slots__ = ("key", "grid", "ints", "constexprs", "varlen")
+
+    def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales):
+        headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
+        block_t = 16 if _interpreting(k_new.device) else 32
+        self.key, self.varlen = key, varlen
+        self.grid = None if batch == 0 or max_new == 0 else (batch, heuristics.cdiv(max_new, block_t), nheads_kv)
+        capacity = _cache_capacity(k_cache, block_table, batch)
+        self.ints = (capacity, 0 if varlen else k_new.shape[1], k_new.shape[0], k_cache.shape[0])
+        self.constexprs = dict(
+            HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
+            PAGE_SIZE=k_cache.shape[1] if block_table is not None else 0, VARLEN=varlen, num_warps=4,
+            **_quant_args(quant, write_scales))
+
+    def run(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new):
+        if self.grid is None:
+            return
+        bt = block_table if block_table is not None else cache_seqlens
+        cu = cu_seqlens_new if self.varlen else cache_seqlens
+        kb = (0, k_new.stride(0), k_new.stride(1)) if self.varlen else k_new.stride()[:3]
+        vb = (0, v_new.stride(0), v_new.stride(1)) if self.varlen else v_new.stride()[:3]
+        scales = self.constexprs.get("K_SCALE"), self.constexprs.get("V_SCALE")
+        runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, *self.ints, *kb, *vb,
+                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   bt.stride(0) if block_table is not None else 0, *scales,
+                   *(self.constexprs.get(n, 0) for n in ("stride_sb", "stride_st", "stride_sh")))
+        _SITE.launch(self.key, self.grid, runtime, lambda: {
+            n: x for n, x in self.constexprs.items() if n not in _RUNTIME_QUANT_ARGS}, k_new.device)
+
+
+_SITE = LaunchSite(append_kv_kernel, "append_kv_kernel")
+_RUNTIME_QUANT_ARGS = ("K_SCALE", "V_SCALE", "stride_sb", "stride_st", "stride_sh")
 
 
 def _quant_args(quant, write_scales: bool) -> dict:

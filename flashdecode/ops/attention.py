@@ -285,9 +285,13 @@ def _config_id(config) -> int:
     return _intern_config(config)
 
 
-@torch._dynamo.assume_constant_result
 def _config_id_of_fields(fields: tuple) -> int:
     return _intern_config(AttentionConfig(*fields))
+
+
+# torch._dynamo.assume_constant_result's whole effect (torch 2.4-2.13), without importing torch._dynamo: `import
+# flashdecode` must not pay for Dynamo (about a second) where nothing is compiled
+_config_id_of_fields._dynamo_marked_constant = True
 
 
 def _intern_config(config: AttentionConfig) -> int:

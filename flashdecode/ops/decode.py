@@ -1,9 +1,11 @@
 """flash_decode, DecodePlan and append_kv (ops/append_kv.py): the public decode API.
 
 Two ways to call decode attention:
-  - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it reads cache_seqlens once on
-    the host to choose the split count from the live lengths (one device->host sync; under CUDA-graph capture it
-    sizes the splits from the cache capacity instead and lets the device reduce them), and allocates its outputs.
+  - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it sizes the splits from the
+    cache capacity and lets the device give each sequence the splits its live length needs (lengths on the host
+    choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
+    call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
+    kernels directly (ops/launch_cache.py).
   - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
     split count from a host-side length hint and owns every buffer; lengths and block tables are read on the
     device, no host sync, no allocation. Capture once, change the contents of cache_seqlens / block_table, replay.
@@ -14,6 +16,8 @@ heuristics.resolve_decode_config; ``config=`` overrides it (docs/architecture.md
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from flashdecode import heuristics
@@ -22,12 +26,14 @@ from flashdecode.ops import checks
 from flashdecode.ops.append_kv import append_kv
 from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch, run_decode
 from flashdecode.ops.decode_policy import _DecodeShape, capturing, check_config_fits, choose_live_keys, decode_device
-from flashdecode.ops.decode_workspace import workspace
+from flashdecode.ops import decode_host, direct_launch
+from flashdecode.ops.decode_workspace import stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
 
 __all__ = ["flash_decode", "decode_config", "DecodePlan", "append_kv"]
 
 _DTYPES = checks.FLOAT_DTYPES
+_PLAN_IDS = itertools.count()  # a key per DecodePlan that no later plan reuses (id() may be)
 
 
 def _lse_view(lse3, q):
@@ -78,8 +84,8 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
 
 def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None, window_size=(-1, -1),
                   max_seqlen_k=None, batch_invariant: bool = False, k_scale=None, v_scale=None) -> DecodeConfig:
-    """The DecodeConfig flash_decode resolves for these arguments (same host sync where it would sync), e.g. to
-    pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
+    """The DecodeConfig flash_decode resolves for these arguments (the same policy: device-resident lengths are
+    not read), e.g. to pass ``flash_decode(..., config=dataclasses.replace(decode_config(...), block_n=64))``."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, None)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, None, 0.0, window_size, k_scale=k_scale,
                          v_scale=v_scale)
@@ -111,7 +117,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         window_size: (left, right); left >= 0 restricts row i to keys >= its position - left. right is moot:
             decode rows see no keys after their own position.
         num_splits: KV splits per sequence; None = heuristic from the live lengths, 1 = one kernel, no merge.
-        max_seqlen_k: optional host-side bound on cache_seqlens for the heuristic (avoids its one host sync).
+        max_seqlen_k: optional host-side bound on cache_seqlens for the split policy (default: the cache capacity,
+            or the longest host-resident length; device-resident lengths are never read on the host).
         plan: a DecodePlan; the call then runs plan.run(...) (capturable, buffers owned by the plan).
         out: optional output tensor like q; with seqlen_q > 1 and splits its (batch, seqlen_q) dims must collapse
             into one (e.g. contiguous). Without it the output is a new contiguous tensor, whatever q's layout.
@@ -171,37 +178,57 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
                         validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     checks.check_bool("return_lse", return_lse)
+    in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
+    key = None
+    if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+            and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
+        key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
+                                                    alibi_slopes), (softmax_scale, num_splits, softcap,
+                                                                    window_size, max_seqlen_k, config, batch_invariant,
+                                                                    in_capture))
+    found = decode_host.recall(key, q, alibi_slopes)
+    if found is None:
+        shape, config, launch = _checked_call(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                                              num_splits, softcap, window_size, out, max_seqlen_k, config, validate,
+                                              batch_invariant, alibi_slopes, k_scale, v_scale, in_capture)
+        decode_host.remember(key, shape, config, launch)
+    else:
+        shape, config, launch = found
+    b, sq, h, d = shape.q4.shape
+    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out4 = out.unsqueeze(1) if q.dim() == 3 else out
+    splits = launch.grid_splits
+    partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
+    tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
+    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
+    if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
+        lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
+        partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)
+    else:  # the eager pool of this stream: nothing allocated but the results
+        if found is None:  # a new call shape sizes the device's pool for captures of it (they cannot allocate)
+            workspace(q.device).reserve(partial_shape, n_tickets)
+        pool = stream_workspace(q.device, direct_launch.current_stream(q.device.index) if q.is_cuda else None)
+        partial_o, partial_lse, tickets, lse3 = pool.take_eager(partial_shape, n_tickets,
+                                                                None if return_lse else (b, sq, h))
+        if return_lse:
+            lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
+    run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
+               tickets)
+    return (out, _lse_view(lse3, q)) if return_lse else out
+
+
+def _checked_call(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, softcap, window_size,
+                  out, max_seqlen_k, config, validate, batch_invariant, alibi_slopes, k_scale, v_scale, in_capture):
+    """Every check of a flash_decode call and its (shape, config, launch geometry)."""
     max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
                          k_scale=k_scale, v_scale=v_scale)
     shape.with_alibi(alibi_slopes)
     shape.check_out(out, q)
     _check_metadata(shape, cache_seqlens, block_table, validate)
-    in_capture = capturing(q.device)
     config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture, batch_invariant)
-    b, sq, h, d = shape.q4.shape
-    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    out4 = out.unsqueeze(1) if q.dim() == 3 else out
-    lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
-    pool = workspace(q.device)
-    splits = launch.grid_splits
-    partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
-    tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
-    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
-    if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
-        partial_o, partial_lse, tickets = pool.take(partial_shape, n_tickets)
-    else:
-        partial_o = partial_lse = tickets = None
-        if partial_shape is not None:
-            partial_o = torch.empty((b, sq, h, splits, d), dtype=torch.float32, device=q.device)
-            partial_lse = torch.empty((b, sq, h, splits), dtype=torch.float32, device=q.device)
-        if n_tickets:
-            tickets = torch.zeros(n_tickets, dtype=torch.int32, device=q.device)
-        pool.reserve(partial_shape, n_tickets)
-    run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-               tickets)
-    return (out, _lse_view(lse3, q)) if return_lse else out
+    return shape, config, launch
 
 
 class DecodePlan:
@@ -277,6 +304,8 @@ class DecodePlan:
                 max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
                 torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
+        self._views: dict = {}  # (q shape, id of a launch in _launches) -> views of the buffers (_buffer_views)
+        self._key_tag = ("DecodePlan", next(_PLAN_IDS))  # the host path's key of its runs (ops/decode_host.py)
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
         self._out = torch.empty(rows * headdim, dtype=dtype, device=self.device)
@@ -325,6 +354,17 @@ class DecodePlan:
                              f"{self.nheads_kv}, headdim {self.headdim}, {self.dtype} on {self.device})")
         return shape
 
+    def _buffer_views(self, q_shape, q4_shape, launch: DecodeLaunch) -> tuple:
+        """(out like q, lse3, partial_o, partial_lse) views of the plan's buffers for a run of this shape (the
+        buffers never change, so each run shape's views are made once)."""
+        b, sq, h, d = q4_shape
+        rows = b * sq * h
+        s = launch.grid_splits
+        split = launch.config.path is not DecodePath.UNSPLIT
+        return (self._out[: rows * d].view(q_shape), self._lse[:rows].view(b, sq, h),
+                self._partial_o[: rows * s * d].view(b, sq, h, s, d) if split else None,
+                self._partial_lse[: rows * s].view(b, sq, h, s) if split else None)
+
     def config_for(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
                    v_scale=None) -> DecodeConfig:
         """The DecodeConfig ``run`` uses for tensors of these shapes (resolved once per run shape)."""
@@ -344,22 +384,30 @@ class DecodePlan:
                                            window_size=window_size, return_lse=return_lse, out=out,
                                            validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale,
                                            v_scale=v_scale)
-        shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
-                            k_scale, v_scale)
-        shape.with_alibi(alibi_slopes)
-        shape.check_out(out, q)
-        _check_metadata(shape, cache_seqlens, block_table, validate)
-        launch = self._launch_for(shape)
-        b, sq, h, d = shape.q4.shape
-        rows = b * sq * h
+        key = None
+        if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
+                and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
+            key = decode_host.call_key(self._key_tag, (q, k_cache, v_cache, cache_seqlens, block_table, out,
+                                                       alibi_slopes), (softmax_scale, softcap, window_size))
+        found = decode_host.recall(key, q, alibi_slopes)
+        if found is None:
+            shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap,
+                                window_size, k_scale, v_scale)
+            shape.with_alibi(alibi_slopes)
+            shape.check_out(out, q)
+            _check_metadata(shape, cache_seqlens, block_table, validate)
+            launch = self._launch_for(shape)
+            decode_host.remember(key, shape, launch.config, launch)
+        else:
+            shape, _, launch = found
+        # (id: hashing the launch's config per run would cost more than the views; the plan keeps its launches)
+        views = self._views.get((q.shape, id(launch)))
+        if views is None:
+            views = self._views[(q.shape, id(launch))] = self._buffer_views(q.shape, shape.q4.shape, launch)
+        plan_out, lse3, partial_o, partial_lse = views
         if out is None:
-            out = self._out[: rows * d].view(q.shape)
+            out = plan_out
         out4 = out.unsqueeze(1) if q.dim() == 3 else out
-        lse3 = self._lse[:rows].view(b, sq, h)
-        s = launch.grid_splits
-        split = launch.config.path is not DecodePath.UNSPLIT
-        partial_o = self._partial_o[: rows * s * d].view(b, sq, h, s, d) if split else None
-        partial_lse = self._partial_lse[: rows * s].view(b, sq, h, s) if split else None
         run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                    self._tickets)
         return (out, _lse_view(lse3, q)) if return_lse else out

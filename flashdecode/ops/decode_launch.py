@@ -15,6 +15,7 @@ from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_ke
 from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, QuantTiles, Rows, Splits,
                                              Tile, WorkSchedule)
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
+from flashdecode.ops.launch_cache import LaunchSite
 from flashdecode.ops.merge import launch_merge_many
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out4, lse
         _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
         early_trigger=config.merge_early_trigger and config.pdl_wait, d_chunks=config.merge_d_chunks,
         max_rows=config.merge_max_rows, block_s=config.merge_block_s,
-        skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only)
+        skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only,
+        key=_site_key(shape, ("merge",)))
 
 
 def _kv_sources(config: DecodeConfig, k_cache, v_cache):
@@ -155,7 +157,8 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     program per work item. FIXED_SPLIT: the grid's splits follow from the cache, while the kernel's NUM_SPLITS (unused
     there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant.
     merged (DEVICE_SPLIT_GRID with config.merge_in_kernel): (out4, lse3, tickets), where the kernel writes the
-    results itself (kernels/decode.py MERGE)."""
+    results itself (kernels/decode.py MERGE). Launched through the launch cache under shape.launch_key (the call's
+    metadata), the launch geometry and the outputs' layout."""
     config = launch.config
     num_splits = 1 if final else launch.grid_splits
     q4 = shape.q4
@@ -166,32 +169,40 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
     kv_programs = shape.nheads_kv * shape.num_m_blocks
     grid = (num_splits, kv_programs, shape.batch)
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
-    device_splits = None
-    merge_args = {}
+    final_args = None
     if config.path is DecodePath.DEVICE_SPLIT_GRID:
         grid = (launch.programs, 1, 1)
-        device_splits = DeviceSplits(slots=config.device_split_slots, batch_pad=launch.batch_pad,
-                                     max_split_keys=launch.max_split_keys, kv_programs=kv_programs)
         if merged is not None:
             out4, lse_final, tickets = merged
-            merge_args = dict(final=(out4, lse_final, tickets, _final_strides(out4, lse_final)),
-                              MERGE=_merge_tile(shape, config.num_splits))
-    run = lambda num_stages: decode_split_kernel[grid](  # noqa: E731
+            final_args = (out4, lse_final, tickets, _final_strides(out4, lse_final))
+    runtime = (
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, (k_cache, v_cache, k_cache.stride(0)),
         (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
-        shape.batch,
-        tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
+        shape.batch, tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0,
         (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
-        (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls),
-        FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
-        PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
-        **merge_args, **_shared_args(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
-        num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
-        **({"launch_pdl": True} if config.pdl_wait else {}),
-    )
-    _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
-                                                         config.use_tma))
+        (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls), _alibi_arg(shape),
+        _kv_scales_arg(shape, k_cache), final_args)
+
+    def constexprs(num_stages):
+        device_splits = merge = None
+        if config.path is DecodePath.DEVICE_SPLIT_GRID:
+            device_splits = DeviceSplits(slots=config.device_split_slots, batch_pad=launch.batch_pad,
+                                         max_split_keys=launch.max_split_keys, kv_programs=kv_programs)
+            merge = _merge_tile(shape, config.num_splits) if merged is not None else None
+        return dict(
+            FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
+            PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
+            **({"MERGE": merge} if merge is not None else {}),
+            **_shared_constexprs(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
+            num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
+            **({"launch_pdl": True} if config.pdl_wait else {}))
+
+    key = _site_key(shape, ("stage1", final, merged is not None))
+    _launch_within_shared_memory(
+        lambda num_stages: _STAGE1.launch(key and key + (num_stages,), grid, runtime,
+                                          lambda: constexprs(num_stages), shape.device),
+        launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype, config.use_tma))
 
 
 def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table,
@@ -205,26 +216,43 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
     bt = block_table if block_table is not None else cache_seqlens
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
-    dynamic = config.path is DecodePath.PERSISTENT_QUEUE
-    schedule = WorkSchedule(
-        nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys, dynamic=dynamic,
-        slots_per_program=config.persistent_slots if dynamic else 1,
-        queue_splits=config.queue_splits if dynamic else 0,
-        queue_full_fraction=heuristics.DECODE_QUEUE_FULL_FRACTION, queue_split_cost=heuristics.DECODE_QUEUE_SPLIT_COST)
-    run = lambda num_stages: decode_persistent_kernel[(launch.programs,)](  # noqa: E731
+    runtime = (
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
         shape.batch, (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity,
         tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0, tuple(o5.stride()), tuple(lse4.stride()),
-        _final_strides(out4, lse3),
-        PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
-        MERGE=_merge_tile(shape, config.num_splits), num_pages=k_cache.shape[0],
-        **_shared_args(shape, launch, config.num_splits, k_cache),
-        num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
-        **({"launch_pdl": True} if config.pdl_wait else {}),
-    )
-    _launch_within_shared_memory(run, launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype,
-                                                         config.use_tma, "persistent"))
+        _final_strides(out4, lse3), k_cache.shape[0], _alibi_arg(shape), _kv_scales_arg(shape, k_cache))
+
+    def constexprs(num_stages):
+        dynamic = config.path is DecodePath.PERSISTENT_QUEUE
+        schedule = WorkSchedule(
+            nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys,
+            dynamic=dynamic, slots_per_program=config.persistent_slots if dynamic else 1,
+            queue_splits=config.queue_splits if dynamic else 0,
+            queue_full_fraction=heuristics.DECODE_QUEUE_FULL_FRACTION,
+            queue_split_cost=heuristics.DECODE_QUEUE_SPLIT_COST)
+        return dict(
+            PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
+            MERGE=_merge_tile(shape, config.num_splits),
+            **_shared_constexprs(shape, launch, config.num_splits, k_cache),
+            num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
+            **({"launch_pdl": True} if config.pdl_wait else {}))
+
+    key = _site_key(shape, ("persistent",))
+    _launch_within_shared_memory(
+        lambda num_stages: _PERSISTENT.launch(key and key + (num_stages,), (launch.programs, 1, 1), runtime,
+                                              lambda: constexprs(num_stages), shape.device),
+        launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype, config.use_tma, "persistent"))
+
+
+_STAGE1 = LaunchSite(decode_split_kernel, "decode_split_kernel")
+_PERSISTENT = LaunchSite(decode_persistent_kernel, "decode_persistent_kernel")
+
+
+def _site_key(shape, tag: tuple):
+    """The launch-cache key of one decode launch: the call's launch id (ops/decode_host.py; None: launch without
+    recording), which fixes every argument's layout, and which of its launches this is."""
+    return None if shape.launch_key is None else (shape.launch_key,) + tag
 
 
 def _register_cap(config) -> dict:
@@ -233,9 +261,9 @@ def _register_cap(config) -> dict:
     return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
-def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
-    """The arguments both decode kernels take alike, by keyword: the query rows, tiles, splits and pages
-    (kernels/decode_args.py), the score options, the K/V read path, ALiBi and an 8-bit cache's scales."""
+def _shared_constexprs(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
+    """The constexprs both decode kernels take alike, by keyword: the query rows, tiles, splits and pages
+    (kernels/decode_args.py), the score options, the K/V read path, ALiBi and an 8-bit cache's mode."""
     config = launch.config
     return dict(
         ROWS=Rows(seqlen_q=shape.seqlen_q, group=shape.group, num_m_blocks=shape.num_m_blocks),
@@ -247,19 +275,26 @@ def _shared_args(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
         SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
-        OFFS_32=config.offs_32, **_alibi_args(shape),
-        **kv_quant_kernel_args(shape.kv_quant, k_cache, QuantTiles(
-            config.quant_v_convert_first, config.quant_convert, config.quant_k_convert_first)))
+        OFFS_32=config.offs_32, ALIBI=shape.alibi_slopes is not None,
+        **{name: value for name, value in kv_quant_kernel_args(shape.kv_quant, k_cache, QuantTiles(
+            config.quant_v_convert_first, config.quant_convert, config.quant_k_convert_first)).items()
+           if name != "kv_scales"})
 
 
-def _alibi_args(shape) -> dict:
-    """The kernels' ALiBi arguments: alibi = (fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -,
-    their strides), or, without ALiBi, q as an unread placeholder."""
+def _kv_scales_arg(shape, k_cache):
+    """The kernels' kv_scales argument: an 8-bit cache's (k_scale, v_scale, strides); None for a float cache."""
+    if shape.kv_quant is None:
+        return None
+    return kv_quant_kernel_args(shape.kv_quant, k_cache)["kv_scales"]
+
+
+def _alibi_arg(shape):
+    """The kernels' alibi argument: (fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -, their
+    strides), or, without ALiBi, q as an unread placeholder."""
     slopes = shape.alibi_slopes
     if slopes is None:
-        return {"alibi": (shape.q4, (0, 0)), "ALIBI": False}
-    strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    return {"alibi": (slopes, strides), "ALIBI": True}
+        return (shape.q4, (0, 0))
+    return (slopes, (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride()))
 
 
 def _final_strides(out4, lse3) -> tuple:

@@ -8,7 +8,7 @@ import torch
 
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
-from flashdecode.ops import checks
+from flashdecode.ops import checks, direct_launch
 from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
                                            _check_lengths_and_table, check_out)
 from flashdecode.ops.kv_quant import resolve_kv_quant
@@ -78,6 +78,7 @@ class _DecodeShape:
         self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache) and (self.kv_quant is None
                                                                         or self.kv_quant.offsets_fit_int32())
         self.alibi_slopes = None  # with_alibi
+        self.launch_key = None  # the launch cache's key of this call (ops/decode_host.py); None: not recorded
 
     def with_alibi(self, alibi_slopes) -> "_DecodeShape":
         """Attach the call's ALiBi slopes: None, or fp32 (nheads,) / (batch, nheads) on q's device (checked)."""
@@ -127,13 +128,14 @@ def _tma_layout(k_cache) -> bool:
 
 def choose_live_keys(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, in_capture: bool):
     """(live keys bound, total keys or None) for a call's split policy and tiles: max_seqlen_k if given; with
-    neither it nor num_splits, one read of cache_seqlens on the host (the one sync of the convenience path), or
-    the cache capacity ``in_capture`` (CUDA-graph capture allows no sync; the device reduces the splits); else the
-    cache capacity."""
+    neither it nor num_splits, the lengths of host-resident cache_seqlens, or the cache capacity where they live on
+    the device (no call reads device lengths on the host: that sync would stall the host behind the GPU on every
+    eager call; the device-split paths then give each sequence the splits its live length needs) or ``in_capture``;
+    else the cache capacity."""
     if max_seqlen_k is not None:
         max_seqlen_k = checks.check_int("max_seqlen_k", max_seqlen_k, minimum=0)
         return min(max_seqlen_k, shape.capacity), None
-    if num_splits is not None or in_capture:
+    if num_splits is not None or in_capture or not checks.host_resident(cache_seqlens):
         return shape.capacity, None
     lengths = cache_seqlens.to("cpu", torch.int64)
     longest, total = (int(lengths.max()), int(lengths.sum())) if lengths.numel() else (0, 0)
@@ -144,7 +146,7 @@ def choose_live_keys(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_
 
 def capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph (no host sync allowed then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and direct_launch.capturing()
 
 
 def check_config_fits(config: DecodeConfig, problem: heuristics.DecodeProblem,

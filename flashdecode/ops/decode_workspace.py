@@ -1,5 +1,8 @@
-"""A per-device pool of decode workspace (split partials, merge tickets) for flash_decode calls under CUDA-graph
-capture, which must not allocate: eager calls size it (reserve), captured calls take views of it (take)."""
+"""Pools of decode workspace (split partials, merge tickets, an lse nobody asked for): one per device for
+flash_decode calls under CUDA-graph capture, which must not allocate (eager calls size it, reserve; captured calls
+take views of it, take), and one per (device, stream) for eager calls, which take views of it instead of allocating
+per call (the launches of one stream run in order, so one call's workspace is free when the next call's kernels
+start; a stream of its own never shares it with another stream's kernels)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ class _Workspace:
         self.o = torch.empty(0, dtype=torch.float32, device=device)
         self.lse = torch.empty(0, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(0, dtype=torch.int32, device=device)
+        self.lse_out = torch.empty(0, dtype=torch.float32, device=device)
+        self._views: dict = {}  # take_eager's views per request
 
     def reserve(self, partial_shape, n_tickets: int) -> None:
         """Grow the buffers for partials of ``partial_shape`` (batch, seqlen_q, nheads, splits, headdim) (None:
@@ -43,6 +48,37 @@ class _Workspace:
         if n_tickets:
             tickets = self.tickets[:n_tickets]
         return partial_o, partial_lse, tickets
+
+    def take_eager(self, partial_shape, n_tickets: int, lse_shape) -> tuple:
+        """take()'s views and, where ``lse_shape`` is not None, a float32 view of that shape for an lse the caller
+        did not ask for (written, never read); the views of each request are kept until a buffer grows (an eager
+        call of a stream's pool then slices nothing)."""
+        key = (partial_shape, n_tickets, lse_shape)
+        found = self._views.get(key)
+        if found is None:
+            buffers = (self.o, self.lse, self.tickets)
+            views = self.take(partial_shape, n_tickets)
+            lse = None
+            if lse_shape is not None:
+                n = math.prod(lse_shape)
+                if n > self.lse_out.numel():
+                    self.lse_out = torch.empty(n, dtype=torch.float32, device=self.device)
+                    self._views.clear()
+                lse = self.lse_out[:n].view(lse_shape)
+            grown = any(a is not b for a, b in zip(buffers, (self.o, self.lse, self.tickets)))
+            if grown:  # the views kept so far point at the old buffers
+                self._views.clear()
+            found = self._views[key] = views + (lse,)
+        return found
+
+
+def stream_workspace(device: torch.device, stream) -> _Workspace:
+    """The pool of eager calls on ``stream`` (a raw stream handle; any hashable on CPU) of ``device``."""
+    key = (device, stream)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = _Workspace(device)
+    return pool
 
 
 def workspace(device: torch.device) -> _Workspace:

@@ -239,20 +239,22 @@ class PlainLauncher:
     allocator of the calling thread for the global scratch). The global scratch (grid size * num_ctas *
     global_scratch_size bytes) comes from SCRATCH. Pointer arguments may be ints (data_ptr()): the C launcher then
     skips its data_ptr() call and cuPointerGetAttribute for them. Built by ``of`` only where the compiled kernel's
-    launcher has exactly this layout and needs no profile scratch and no programmatic dependent launch; callers
-    keep Triton's path otherwise, and while a launch hook is registered."""
+    launcher has exactly this layout and needs no profile scratch, and no global scratch where it is a programmatic
+    dependent launch (the scratch of one stream is shared by launches that must not overlap); callers keep Triton's
+    path otherwise, and while a launch hook is registered."""
 
-    __slots__ = ("launch", "function", "packed", "coop", "scratch_bytes", "scratch_align", "launches")
+    __slots__ = ("launch", "function", "packed", "coop", "pdl", "scratch_bytes", "scratch_align", "launches")
 
-    def __init__(self, launch, function, packed, coop: bool, scratch_bytes: int, scratch_align: int):
-        self.launch, self.function, self.packed, self.coop = launch, function, packed, coop
+    def __init__(self, launch, function, packed, coop: bool, scratch_bytes: int, scratch_align: int,
+                 pdl: bool = False):
+        self.launch, self.function, self.packed, self.coop, self.pdl = launch, function, packed, coop, pdl
         self.scratch_bytes, self.scratch_align = scratch_bytes, scratch_align  # per program
         self.launches = 0  # direct launches (the launch-cache tests read it)
 
     @classmethod
     def of(cls, compiled):
         """For ``compiled`` (a CompiledKernel), or None where its launcher is not Triton 3.6's CudaLauncher over the
-        bare C function, or needs profile scratch or programmatic dependent launch."""
+        bare C function, or needs profile scratch, or global scratch with programmatic dependent launch."""
         run = getattr(compiled, "run", None)
         launch = getattr(run, "launch", None)
         # Triton wraps the C function in a Python closure where host tensor descriptors are to be expanded
@@ -261,9 +263,10 @@ class PlainLauncher:
         sizes = [getattr(run, a, None) for a in ("global_scratch_size", "global_scratch_align", "profile_scratch_size",
                                                  "num_ctas")]
         coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
-        if not all(type(x) is int for x in sizes) or sizes[2] != 0 or not isinstance(coop, bool) or pdl is not False:
+        if not all(type(x) is int for x in sizes) or sizes[2] != 0 or not isinstance(coop, bool) \
+                or not isinstance(pdl, bool) or (pdl and sizes[0]):
             return None
-        return cls(launch, compiled.function, compiled.packed_metadata, coop, sizes[0] * sizes[3], sizes[1])
+        return cls(launch, compiled.function, compiled.packed_metadata, coop, sizes[0] * sizes[3], sizes[1], pdl)
 
     def __call__(self, grid: tuple, stream, device: torch.device, args: tuple):
         """Launch on ``grid`` (3 entries) on ``stream`` (current on ``device``, the current device) with the
@@ -275,7 +278,7 @@ class PlainLauncher:
             buffer = SCRATCH.get(nbytes + self.scratch_align, device, stream)
             scratch = buffer.data_ptr()
             scratch += -scratch % self.scratch_align
-        self.launch(grid[0], grid[1], grid[2], stream, self.function, self.coop, False, scratch, None, self.packed,
+        self.launch(grid[0], grid[1], grid[2], stream, self.function, self.coop, self.pdl, scratch, None, self.packed,
                     None, None, None, *args)
         del buffer
         self.launches += 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 
 import torch
-import triton
 
 from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 from flashdecode.ops import checks
+from flashdecode.ops.launch_cache import LaunchSite, tensor_key
 
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
 
@@ -64,7 +64,7 @@ def _rows3(x, headdim_last: bool):
 
 def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2: bool, use_pdl: bool = False,
                       early_trigger: bool = False, d_chunks: int = 1, max_rows: int = 0, block_s: int = 0,
-                      skip_empty: bool = False, live_only: bool = False):
+                      skip_empty: bool = False, live_only: bool = False, key=None):
     """Merge along the states dim. o_in (outer, inner, N, d) if states_dim == 2 else (N, outer, inner, d);
     lse_in likewise without d; o_out (outer, inner, d); lse_out (outer, inner) fp32 natural log. Any strides.
     use_pdl: launch as a programmatic dependent of the previous kernel (Hopper; it waits on the device for that
@@ -77,7 +77,8 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     (with a fixed block_s): steps whose states are all empty leave the result's bits alone (kernels/merge.py
     SKIP_EMPTY), so appending empty states changes nothing - batch-invariant decode's merge. live_only: all lse
     first, then the live states only (kernels/merge.py LIVE_ONLY; for launches whose states are mostly empty
-    slots; block_s then counts live states a step)."""
+    slots; block_s then counts live states a step). key: the launch-cache key of a caller whose key fixes every
+    tensor's layout and these options (default: one built from the tensors and options)."""
     if states_dim == 2:
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
@@ -102,15 +103,21 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
     if max_rows:
         block_r = min(block_r, max_rows)
-    grid = (outer, triton.cdiv(inner, block_r), triton.cdiv(headdim, block_d))
-    merge_many_kernel[grid](
-        o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
-        *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride(),
+    grid = (outer, heuristics.cdiv(inner, block_r), heuristics.cdiv(headdim, block_d))
+    if key is None:
+        key = (tensor_key(o_in_s), tensor_key(lse_in_s), tensor_key(o_out), tensor_key(lse_out), lse_log2, use_pdl,
+               early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only)
+    runtime = (o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
+               *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride())
+    _MERGE_MANY.launch(key, grid, runtime, lambda: dict(
         HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
         EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
         STATES_PAD=states_pad if live_only else 1,
-        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-    )
+        num_warps=4, **({"launch_pdl": True} if use_pdl else {})), o_out.device)
+
+
+_MERGE_MANY = LaunchSite(merge_many_kernel, "merge_many_kernel")
+_MERGE_TWO = LaunchSite(merge_two_kernel, "merge_two_kernel")
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
@@ -142,11 +149,11 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     outer, inner, headdim = a.shape
     block_d = heuristics.next_power_of_2(max(16, headdim))
     block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
-    merge_two_kernel[(outer, triton.cdiv(inner, block_r))](
-        a, la, b_, lb, o3, l2, inner,
-        *a.stride(), *la.stride(), *b_.stride(), *lb.stride(), *o3.stride(), *l2.stride(),
-        HEADDIM=headdim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-    )
+    runtime = (a, la, b_, lb, o3, l2, inner,
+               *a.stride(), *la.stride(), *b_.stride(), *lb.stride(), *o3.stride(), *l2.stride())
+    key = (tensor_key(a), tensor_key(la), tensor_key(b_), tensor_key(lb), o3.shape, l2.shape)
+    _MERGE_TWO.launch(key, (outer, heuristics.cdiv(inner, block_r), 1), runtime,
+                      lambda: dict(HEADDIM=headdim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4), o_a.device)
     return out, lse
 
 

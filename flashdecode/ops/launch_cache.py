@@ -1,0 +1,186 @@
+"""One launch cache for the Triton kernels the ops launch themselves: record a launch once per key, then launch
+the compiled kernel directly.
+
+A ``LaunchSite`` wraps one @triton.jit kernel. A caller hands it, per launch, a key, the grid, the kernel's runtime
+(non-constexpr) parameters as a tuple in signature order (``site.runtime_names``) and a function that builds the
+constexprs and launch options (num_warps, num_stages, launch_pdl, ...). The first launch of a key goes through
+Triton's JIT, which compiles the variant and binds the arguments; the site then records the compiled kernel's C
+launcher (direct_launch.PlainLauncher; for launchers it does not know, e.g. with TMA descriptor arguments, Triton's
+own CudaLauncher) and the full argument template (constexprs and defaults in place), so later launches of the key
+skip the constexpr building, Triton's binder, its cache-key hashing and the launch-metadata record: a list fill
+and one call of the launcher.
+
+The key must fix everything the compiled kernel or its launch depends on besides the runtime values Triton does
+not specialise on: dtypes, the device, every constexpr and option, and Triton's specialisation of each runtime
+argument (pointer alignment to 16 bytes; integers equal to 1, divisible by 16, or beyond int32; None). Callers put
+the shapes and strides their integer arguments come from, their tensors' alignment and their option values in it.
+``check_keys(True)`` (or FLASHDECODE_CHECK_LAUNCH_KEYS=1) makes every launch compare Triton's specialisation of its
+runtime arguments with the one recorded for the key and raise RuntimeError on a difference: a key that misses a
+fact is then found by any test that varies it, on the GPU or in the CPU interpreter.
+
+Under TRITON_INTERPRET=1 (no compiled kernel) every launch is Triton's normal call; keys are still recorded and
+checked. While a launch hook is registered (Triton's profiler) launches go through Triton too, which hands the
+hooks their metadata.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from flashdecode.ops import checks, direct_launch
+
+__all__ = ["LaunchSite", "check_keys", "clear", "sites", "tensor_key"]
+
+_MAX_KEYS = 1024  # recorded keys per site (cleared when full: a workload of ever new shapes recompiles nothing)
+_SITES: list = []
+_CHECK = [checks.env_value("FLASHDECODE_CHECK_LAUNCH_KEYS", "0") == "1"]
+
+
+def check_keys(on: bool) -> bool:
+    """Turn the key check on or off (see the module doc); returns the previous setting."""
+    before, _CHECK[0] = _CHECK[0], bool(on)
+    return before
+
+
+def clear() -> None:
+    """Forget every recorded launch of every site (tests that patch the launch policy call it)."""
+    for site in _SITES:
+        site.records.clear()
+
+
+def sites() -> list:
+    """The launch sites made so far (tests and the warm-up read their counters)."""
+    return list(_SITES)
+
+
+def tensor_key(x):
+    """What a launch key holds of a tensor argument (None passes): shape, strides, dtype, device and whether its
+    data pointer is 16-byte aligned (Triton specialises pointers on it)."""
+    if x is None:
+        return None
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
+
+
+def specialization(args: tuple) -> tuple:
+    """Triton's specialisation of runtime arguments (its binder's (type, attribute) per argument, tuples nested):
+    what two launches under one key must agree on."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    return "constexpr" in str(param.annotation)
+
+
+class _Record:
+    """One key's launch: the compiled kernel's launcher, the full argument list with the constexprs in place, and
+    where the runtime arguments go in it."""
+
+    __slots__ = ("direct", "template", "slots", "spec", "launches")
+
+    def __init__(self, direct, template: list, slots: tuple, spec):
+        self.direct, self.template, self.slots, self.spec = direct, template, slots, spec
+        self.launches = 0  # direct launches (tests read it)
+
+    def check(self, key, name: str, runtime: tuple) -> None:
+        spec = specialization(runtime)
+        if self.spec is None:  # recorded while the check was off
+            self.spec = spec
+        elif spec != self.spec:
+            raise RuntimeError(f"launch cache of {name}: key {key!r} was recorded for arguments specialised as "
+                               f"{self.spec}, now {spec}: the key misses a fact")
+
+    def arguments(self, runtime: tuple) -> list:
+        full = self.template.copy()
+        for i, x in zip(self.slots, runtime):
+            full[i] = x
+        return full
+
+
+class _TritonLauncher:
+    """A compiled kernel's own launcher (Triton's CudaLauncher: it expands host tensor descriptors and allocates
+    the scratch), called as Triton's JIT calls it but without the binder, the cache-key hashing and the launch
+    metadata: for kernels whose launcher PlainLauncher does not know (e.g. TMA descriptor arguments)."""
+
+    __slots__ = ("run", "function", "packed")
+
+    def __init__(self, compiled):
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+
+    def __call__(self, grid: tuple, stream, device: torch.device, args: list):
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, None, None, None, *args)
+
+
+class LaunchSite:
+    """The launches of one @triton.jit kernel, recorded per key (module doc)."""
+
+    def __init__(self, fn, name: str = ""):
+        self.fn, self.name = fn, name or getattr(fn, "__name__", "kernel")
+        params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
+        self.param_names = tuple(p.name for p in params)
+        self.defaults = tuple(p.default for p in params)
+        self.runtime_names = tuple(p.name for p in params if not _is_constexpr(p))
+        self.slots = tuple(i for i, p in enumerate(params) if not _is_constexpr(p))
+        self.records: dict = {}
+        self.jit_launches = 0  # launches through Triton's JIT (first of a key, interpreter, hooks)
+        _SITES.append(self)
+
+    def launch(self, key, grid: tuple, runtime: tuple, constexprs: Callable[[], dict], device: torch.device):
+        """Launch on ``grid`` (3 entries) with ``runtime`` (the runtime parameters in signature order: tensors,
+        ints, floats, tuples of them, None) and, on a key's first launch, ``constexprs()`` (constexpr parameters
+        by name plus Triton's launch options). key None: Triton's launch, nothing recorded."""
+        record = None if key is None else self.records.get(key)
+        if record is not None:
+            if _CHECK[0]:
+                record.check(key, self.name, runtime)
+            if record.direct is not None:
+                enter, _ = direct_launch.launch_hooks()
+                if enter is None:
+                    if device.index == direct_launch.current_device():
+                        record.direct(grid, direct_launch.current_stream(device.index), device,
+                                      record.arguments(runtime))
+                    else:
+                        with torch.cuda.device(device):
+                            record.direct(grid, direct_launch.current_stream(device.index), device,
+                                          record.arguments(runtime))
+                    record.launches += 1
+                    return
+        self._jit_launch(key, grid, runtime, constexprs(), device, record)
+
+    def _jit_launch(self, key, grid, runtime, constexprs: dict, device, record):
+        self.jit_launches += 1
+        kwargs = dict(zip(self.runtime_names, runtime))
+        kwargs.update(constexprs)
+        if device.type != "cuda" or device.index == direct_launch.current_device():
+            compiled = self.fn[grid](**kwargs)
+        else:
+            with torch.cuda.device(device):
+                compiled = self.fn[grid](**kwargs)
+        if record is None and key is not None:
+            self._record(key, runtime, constexprs, compiled)
+
+    def _record(self, key, runtime, constexprs: dict, compiled):
+        """Keep what a direct launch needs (nothing but the key check where the kernel was interpreted or its
+        launcher is not the layout PlainLauncher knows)."""
+        if hasattr(compiled, "result"):  # asynchronous compilation
+            compiled = compiled.result()
+        direct = None
+        if compiled is not None and not checks.interpreting() and all(
+                hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            direct = direct_launch.PlainLauncher.of(compiled) or _TritonLauncher(compiled)
+        template = []
+        for name, default in zip(self.param_names, self.defaults):
+            if name in constexprs:
+                template.append(constexprs[name])
+            elif default is not inspect.Parameter.empty:
+                template.append(default)
+            else:
+                template.append(None)  # a runtime slot
+        if len(self.records) >= _MAX_KEYS:
+            self.records.clear()
+        self.records[key] = _Record(direct, template, self.slots, specialization(runtime) if _CHECK[0] else None)

@@ -1,0 +1,204 @@
+"""The launch cache (ops/launch_cache.py) and the decode host path (ops/decode_host.py): a key is recorded once
+and never serves a launch whose arguments Triton would specialise differently; a repeated decode call re-checks
+nothing it need not, yet every check still raises; the CPU interpreter falls back to Triton's own launch; `import
+flashdecode` loads neither torch._dynamo nor the engine."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import flashdecode
+from flashdecode import reference
+from flashdecode.ops import decode_host, launch_cache
+
+from helpers import DEVICE, randn
+
+
+@pytest.fixture(autouse=True)
+def _checked_keys():
+    before = launch_cache.check_keys(True)
+    launch_cache.clear()
+    decode_host.clear()
+    yield
+    launch_cache.check_keys(before)
+
+
+@triton.jit
+def _scale_kernel(X, Y, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n) * factor, mask=offs < n)
+
+
+_SITE = launch_cache.LaunchSite(_scale_kernel, "scale")
+
+
+def test_site_records_once_and_falls_back_to_the_jit_in_the_interpreter(gen):
+    x = randn(40, gen=gen)
+    for factor in (2.0, 3.0):
+        y = torch.empty_like(x)
+        _SITE.launch(("k", 40), (3, 1, 1), (x, y, 40, factor), lambda: dict(BLOCK=16), x.device)
+        torch.testing.assert_close(y, x * factor)
+    assert _SITE.runtime_names == ("X", "Y", "n", "factor")
+    assert list(_SITE.records) == [("k", 40)]
+    record = _SITE.records[("k", 40)]
+    if not torch.cuda.is_available():  # the interpreter has no compiled kernel: Triton's launch every time
+        assert record.direct is None and _SITE.jit_launches == 2
+    else:
+        assert record.direct is not None and record.launches == 1
+
+
+@pytest.mark.parametrize("n, other", [(40, 1), (32, 40), (40, 2**33)])
+def test_a_key_that_misses_a_specialisation_is_caught(gen, n, other):
+    """n == 1, n % 16 == 0 and n beyond int32 compile different kernels: one key for both raises."""
+    x = randn(64, gen=gen)
+    y = torch.empty_like(x)
+    _SITE.launch("same", (1, 1, 1), (x, y, n, 1.0), lambda: dict(BLOCK=64), x.device)
+    with pytest.raises(RuntimeError, match="misses a fact"):
+        _SITE.launch("same", (1, 1, 1), (x, y, other, 1.0), lambda: dict(BLOCK=64), x.device)
+    with pytest.raises(RuntimeError, match="misses a fact"):  # a pointer off 16-byte alignment
+        _SITE.launch("same", (1, 1, 1), (x[1:], y, n, 1.0), lambda: dict(BLOCK=64), x.device)
+
+
+def _cache(gen, batch, cap, hk, d, dtype, page_size=0, layout="contiguous"):
+    if page_size:
+        pages = batch * (cap // page_size)
+        k = randn(pages, page_size, hk, d, gen=gen, dtype=dtype)
+        v = randn(pages, page_size, hk, d, gen=gen, dtype=dtype)
+        table = torch.randperm(pages, generator=gen).view(batch, -1).to(torch.int32).to(DEVICE)
+        return k, v, table
+    if layout == "strided":  # the cache's heads interleaved with unused ones: other strides, same shape
+        k = randn(batch, cap, 2 * hk, d, gen=gen, dtype=dtype)[:, :, ::2]
+        v = randn(batch, cap, 2 * hk, d, gen=gen, dtype=dtype)[:, :, ::2]
+        return k, v, None
+    return randn(batch, cap, hk, d, gen=gen, dtype=dtype), randn(batch, cap, hk, d, gen=gen, dtype=dtype), None
+
+
+CASES = [  # (dtype, page_size, layout): one shape, reused with other layouts, dtypes and page sizes
+    (torch.float16, 0, "contiguous"), (torch.float16, 0, "strided"), (torch.float32, 0, "contiguous"),
+    (torch.float16, 16, "contiguous"), (torch.float16, 8, "contiguous"), (torch.float16, 0, "contiguous"),
+]
+
+
+def test_decode_reuses_shapes_with_other_layouts_and_matches_the_reference(gen, device_resident):
+    batch, h, hk, d, cap = 3, 4, 2, 16, 32
+    lens = torch.tensor([32, 5, 17], dtype=torch.int32, device=DEVICE)
+    hits = 0
+    for dtype, page_size, layout in CASES * 2:
+        k, v, table = _cache(gen, batch, cap, hk, d, dtype, page_size, layout)
+        q = randn(batch, h, d, gen=gen, dtype=dtype)
+        for use_out in (False, True):
+            out = torch.empty(batch, h, 2 * d, dtype=dtype, device=DEVICE)[..., ::2] if use_out else None
+            known = len(decode_host._CALLS)
+            got, lse = flashdecode.flash_decode(q, k, v, lens, block_table=table, out=out, return_lse=True)
+            hits += len(decode_host._CALLS) == known
+            ref, ref_lse = reference.decode_ref(q.double(), k.double(), v.double(), lens, block_table=table)
+            torch.testing.assert_close(got.double(), ref, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-3, rtol=2e-3)
+            if use_out:
+                assert got is out
+    assert hits >= len(CASES)  # the second round found its calls remembered
+
+
+def test_plan_runs_reuse_shapes_with_other_page_sizes(gen, device_resident):
+    batch, h, hk, d, cap = 2, 4, 1, 16, 32
+    plan = flashdecode.DecodePlan(batch, h, hk, d, max_seqlen_k=cap, dtype=torch.float16, device=DEVICE)
+    lens = torch.tensor([30, 9], dtype=torch.int32, device=DEVICE)
+    for page_size in (0, 16, 4, 0, 16):
+        k, v, table = _cache(gen, batch, cap, hk, d, torch.float16, page_size)
+        q = randn(batch, h, d, gen=gen, dtype=torch.float16)
+        got = plan.run(q, k, v, lens, block_table=table)
+        ref, _ = reference.decode_ref(q.double(), k.double(), v.double(), lens, block_table=table)
+        torch.testing.assert_close(got.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_remembered_calls_still_raise(gen, device_resident):
+    batch, h, hk, d, cap = 2, 4, 2, 16, 16
+    k, v, _ = _cache(gen, batch, cap, hk, d, torch.float16)
+    q = randn(batch, h, d, gen=gen, dtype=torch.float16)
+    lens = torch.tensor([16, 3], dtype=torch.int32, device=DEVICE)
+    flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16)
+    flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16)
+    with pytest.raises(TypeError, match="max_seqlen_k"):  # 16.0 == 16 as a dict key, not as an argument
+        flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16.0)
+    with pytest.raises(TypeError, match="validate"):  # 0 == False as a flag, not as an argument
+        flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16, validate=0)
+    with pytest.raises(TypeError, match="q"):
+        flashdecode.flash_decode(q.float(), k, v, lens, max_seqlen_k=16)
+    with pytest.raises(ValueError, match="out"):
+        flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=16, out=torch.empty(batch, h, d + 1, device=DEVICE,
+                                                                                 dtype=torch.float16))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        flashdecode.flash_decode(q, k, v, lens.long(), max_seqlen_k=16)
+    with pytest.raises(TypeError):
+        flashdecode.flash_decode(q, k, v, [16, 3])
+
+
+def test_merge_states_reuses_shapes_with_other_layouts(gen):
+    for transpose in (False, True, False):
+        o_a, o_b = randn(3, 4, 16, gen=gen), randn(3, 4, 16, gen=gen)
+        l_a, l_b = randn(3, 4, gen=gen), randn(3, 4, gen=gen)
+        if transpose:
+            o_a = randn(4, 3, 16, gen=gen).transpose(0, 1)
+        o, lse = flashdecode.merge_states(o_a, l_a, o_b, l_b)
+        ref_lse = torch.logaddexp(l_a, l_b)
+        ref = (torch.exp(l_a - ref_lse)[..., None] * o_a + torch.exp(l_b - ref_lse)[..., None] * o_b)
+        torch.testing.assert_close(lse, ref_lse)
+        torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_import_loads_neither_dynamo_nor_the_engine():
+    code = ("import sys, flashdecode; print('torch._dynamo' in sys.modules, "
+            "any(m.startswith('flashdecode.engine') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_warmup_runs_each_variant_and_reads_a_model_shape(tmp_path):
+    import json
+
+    from flashdecode import warm
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(num_attention_heads=4, num_key_value_heads=2,
+                                                          hidden_size=64, torch_dtype="float16")))
+    shape = warm.model_shape(tmp_path)
+    assert shape == dict(nheads=4, nheads_kv=2, headdim=16, dtype=torch.float16)
+    times = flashdecode.warmup(**shape, device=DEVICE, batches=(1, 2), capacities=(16,), prefill_seqlens=(16,),
+                               workers=2)
+    assert sorted(times) == ["decode b1 cap16 page0", "decode b2 cap16 page0", "prefill 16"]
+    assert all(t > 0 for t in times.values())
+
+
+def test_append_kv_reuses_shapes_with_other_layouts(gen, device_resident):
+    batch, hk, d, cap = 2, 2, 16, 16
+    lens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    for dtype, page_size, layout in CASES[:5] * 2:
+        k, v, table = _cache(gen, batch, cap, hk, d, dtype, page_size, layout)
+        new_k, new_v = randn(batch, 2, hk, d, gen=gen, dtype=dtype), randn(batch, 2, hk, d, gen=gen, dtype=dtype)
+        flashdecode.append_kv(k, v, new_k, new_v, lens, table)
+        for b in range(batch):
+            for t in range(2):
+                pos = int(lens[b]) + t
+                if table is None:
+                    row_k, row_v = k[b, pos], v[b, pos]
+                else:
+                    page = int(table[b, pos // page_size])
+                    row_k, row_v = k[page, pos % page_size], v[page, pos % page_size]
+                torch.testing.assert_close(row_k, new_k[b, t], atol=0, rtol=0)
+                torch.testing.assert_close(row_v, new_v[b, t], atol=0, rtol=0)
+
+
+def test_eager_pool_views_follow_the_buffers_as_they_grow():
+    from flashdecode.ops.decode_workspace import _Workspace
+
+    pool = _Workspace(torch.device("cpu"))
+    small = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
+    assert pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2)) is small  # kept: nothing sliced again
+    big = pool.take_eager((2, 1, 4, 8, 16), 40, (2, 1, 4))
+    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4)]
+    again = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
+    assert again is not small and again[0].data_ptr() == pool.o.data_ptr()  # views of the grown buffers
+    assert again[2].data_ptr() == pool.tickets.data_ptr() and torch.all(pool.tickets == 0)
