@@ -640,11 +640,10 @@ PREFILL_BWD_TMA_MIN_KEYS = 8192
 # Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M a multiple of 64 and 4k warps for wgmma.
 PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3))
 # Long 16-bit hd128 sequences on the descriptor path: the first of these that fits, never autotuned.
-# flash_attn_varlen on the ragged Gluon kernel (ops/gluon_attention.py gluon_varlen_forward_into) without config=:
-# off until its GPU tests (tests/test_gluon_varlen_gpu.py) and `bench prefill --ragged` have run on an sm_90 GPU;
-# the kernel compiles for sm_90 without spills (tests/test_gluon_compile.py) and an explicit GluonFwdConfig runs
-# it (docs/decisions.md, "Ragged prefill on the Gluon kernel").
-PREFILL_RAGGED_GLUON = False
+# flash_attn_varlen takes the ragged Gluon kernel on sm_90 (ops/gluon_attention.py gluon_varlen_forward_into):
+# 1.30-1.97x the Triton kernel on every ragged row of `bench prefill --ragged` (H100), its GPU tests pass
+# (docs/decisions.md, "Ragged prefill on the Gluon kernel"). False sends every ragged call to the Triton kernel.
+PREFILL_RAGGED_GLUON = True
 PREFILL_FWD_LONG_MIN_KEYS = 16384
 PREFILL_FWD_LONG_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2))
 # Deterministic backward, two launches: dK/dV (BLOCK_N held, BLOCK_M streamed, warps, stages) and dQ (BLOCK_M held,

@@ -140,6 +140,17 @@ def _paged_prefill_section(record: dict) -> list[str]:
                                             paged_prefill.TABLE_FORMATS)]
 
 
+def _prefill_ragged_section(record: dict) -> list[str]:
+    r0 = record["rows"][0]
+    text = (f"TFLOP/s per call (do_bench median) of ragged (varlen) batches packed along the tokens, bf16, "
+            f"{r0['nheads']} / {r0['nheads_kv']} heads: ours (`flash_attn_varlen` as called; the Gluon kernel on "
+            f"sm_90), triton (the same call pinned to the Triton kernel, `config=` with backend \"triton\"), FA3 and "
+            f"fa2 (FlashInfer's `BatchPrefillWithRaggedKVCacheWrapper`, planned outside the timed call). FLOPs per "
+            f"sequence, halved for causal.")
+    notes = [record["note"]] if record.get("note") else []
+    return [text, ""] + notes + ([""] if notes else []) + [record["table"]]
+
+
 def _kernel_time_section(results: Path) -> str:
     """One table of KERNEL_TIME_RECORDS: TFLOP/s of ours and each peer per (mode, head dim, shape, mask), ours
     against the best peer of its row and, where the record has it, against the run's bf16 matmul rate."""
@@ -320,13 +331,14 @@ def _flat_gemm_section(record: dict) -> list[str]:
 SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": ("Prefill (FlashAttention)",
                                                                              _prefill_section),
             "paged_prefill": ("Prefill over a paged KV cache", _paged_prefill_section),
+            "prefill_ragged": ("Ragged (varlen) prefill", _prefill_ragged_section),
             "fp8_decode": ("Decode on 8-bit KV caches", _fp8_decode_section),
             "fp8_rmse": ("FP8 attention accuracy", _fp8_rmse_section),
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
             "e2e_step": ("Decode-step breakdown (engine, Llama-3-8B)", _e2e_step_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section),
             "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section)}
-ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "paged_prefill", "fp8_rmse", "e2e", "e2e_step",
+ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "prefill_ragged", "paged_prefill", "fp8_rmse", "e2e", "e2e_step",
          "flat_gemm",
          "serve"]
 

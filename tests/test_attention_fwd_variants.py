@@ -165,3 +165,21 @@ def test_autotune_switch_is_read_when_resolving(monkeypatch):
     assert attn_ops.attention_problem(q, q, q, 8).autotune
     with pytest.raises(ValueError, match="max_seqlen_k"):
         attn_ops.resolve_config(q[0], q[0], q[0])
+
+
+def test_ragged_gluon_launch_rule():
+    """resolve_gluon_varlen_config: the dense rule at the mean key count, except one CTA per tile where the dense
+    rule takes host tile lists (they need the lengths on the host) and for causal hd128 batches averaging more
+    than RAGGED_PAIRS_MAX_KEYS keys (ragged heads do not pair into equal units); hd64 keeps the dense rule."""
+    from flashdecode.ops import gluon_attention as ga
+
+    for causal in (False, True):
+        for mean_keys in (256, 1024, 2048, 4096, 8192, 16384):
+            cfg = ga.resolve_gluon_varlen_config(128, causal, mean_keys)
+            assert cfg.tile_order != "lpt"
+            if causal and mean_keys > ga.RAGGED_PAIRS_MAX_KEYS:
+                assert not cfg.persistent and not cfg.overlap
+            assert cfg == ga.resolve_gluon_varlen_config(128, causal, mean_keys)  # pure
+    assert ga.resolve_gluon_varlen_config(128, True, 256).tile_order == "pairs"
+    assert ga.resolve_gluon_varlen_config(128, False, 4096).overlap  # the non-causal lpt range: one CTA per tile
+    assert ga.resolve_gluon_varlen_config(64, True, 2048) == ga.resolve_gluon_config(64, True, 2048)

@@ -590,16 +590,24 @@ def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left
 # Ragged (varlen) batches: flash_attn_varlen's forward on the same kernel, sequences read from cu_seqlens on the device
 # ----------------------------------------------------------------------------------------------------------------
 
+RAGGED_PAIRS_MAX_KEYS = 1024  # causal ragged batches: persistent tile pairs up to this mean length (below)
+
+
 def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> GluonFwdConfig:
     """The launch of a ragged batch whose sequences hold mean_keys keys on average (total_k / batch: the lengths
-    themselves sit on the device). resolve_gluon_config's rule at that length, except that host-made tile lists
-    (tile_order "lpt") would need the lengths on the host: those launches take one CTA per tile instead (the
-    hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop where it holds
-    its state in registers (non-causal; the causal one spills one CTA per tile)."""
+    themselves sit on the device). resolve_gluon_config's rule at that length, except:
+    - host-made tile lists (tile_order "lpt") would need the lengths on the host: those launches take one CTA per
+      tile instead (the hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop
+      where it holds its state in registers (non-causal; the causal one spills one CTA per tile);
+    - causal hd128 batches averaging more than RAGGED_PAIRS_MAX_KEYS keys take one CTA per tile too (hd64 was not
+      measured ragged and keeps resolve_gluon_config's rule): a head's heavy and
+      light tiles pair up into equal units only when its sequences are equal, and ragged ones are not (H100, 32 / 8
+      heads hd128, kernel time: random lengths 100..4000 one CTA per tile 497.7 vs pairs 447.2 TFLOP/s; 64 x 256
+      pairs 203.1 vs 162.7; docs/decisions.md, "Ragged prefill on the Gluon kernel")."""
     cfg = resolve_gluon_config(headdim, causal, mean_keys)
-    if cfg.tile_order != "lpt":
-        return cfg
-    return GluonFwdConfig(num_stages=cfg.num_stages, overlap=not causal, split_release=not causal)
+    if cfg.tile_order == "lpt" or (causal and headdim == 128 and mean_keys > RAGGED_PAIRS_MAX_KEYS):
+        return GluonFwdConfig(num_stages=cfg.num_stages, overlap=not causal, split_release=not causal)
+    return cfg
 
 
 def _ragged_layout_ok(x: torch.Tensor) -> bool:
