@@ -171,6 +171,26 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
                         validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     checks.check_bool("return_lse", return_lse)
+    launch = prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                  softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
+                                  window_size=window_size, out=out, max_seqlen_k=max_seqlen_k, config=config,
+                                  validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
+                                  k_scale=k_scale, v_scale=v_scale)
+    out, lse = launch()
+    return (out, lse) if return_lse else out
+
+
+def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                         num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                         config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
+                         alibi_slopes=None, k_scale=None, v_scale=None):
+    """Every check and launch decision of flash_decode(...) (same arguments, no sinks / plan), and nothing written:
+    returns a function that launches the call and returns (out, lse). A caller that writes the cache first (append
+    then attend, flash_attn_with_kvcache) checks the whole call here before its write, so a call that raises has
+    changed nothing. The tensors must not change shape or move before the launch; cache_seqlens is read on the
+    host here (for the split heuristic) exactly as flash_decode reads it, so its values must be the ones the launch
+    sees."""
+    batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
     max_seqlen_k = checks.check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
                          k_scale=k_scale, v_scale=v_scale)
@@ -179,6 +199,17 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     _check_metadata(shape, cache_seqlens, block_table, validate)
     in_capture = capturing(q.device)
     config, launch = _resolve(shape, cache_seqlens, num_splits, max_seqlen_k, config, in_capture, batch_invariant)
+
+    def run():
+        return _launch_decode(shape, config, launch, q, k_cache, v_cache, cache_seqlens, block_table, out,
+                              in_capture)
+    return run
+
+
+def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaunch, q, k_cache, v_cache,
+                   cache_seqlens, block_table, out, in_capture: bool):
+    """flash_decode's launch of a checked, resolved call: its outputs (new, or ``out``) and the split workspace,
+    then the kernels. Returns (out like q, lse float32 (batch, [seqlen_q,] nheads))."""
     b, sq, h, d = shape.q4.shape
     # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -201,7 +232,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         pool.reserve(partial_shape, n_tickets)
     run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                tickets)
-    return (out, _lse_view(lse3, q)) if return_lse else out
+    return out, _lse_view(lse3, q)
 
 
 class DecodePlan:
