@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashdecode.kernels.dot import dot
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # FP8 forward: P (in [0, 1]) is multiplied by 2**8 before rounding to e4m3, so that probabilities down to 2**-17
@@ -185,7 +187,7 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
         if HAS_ALIBI:
             s = s + alibi_bias_log2(q_pos[:, None], (start_n + offs_n)[None, :], alibi_slope)
@@ -214,11 +216,11 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         acc = acc * alpha[:, None]
         if IS_FP8:
             if FP8_SOFT_ROUND:
-                acc = tl.dot(round_to_e4m3(p).to(v.dtype), v, acc)
+                acc = dot(round_to_e4m3(p).to(v.dtype), v, acc)
             else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+                acc = dot(p.to(v.dtype), v, acc)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            acc = dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
