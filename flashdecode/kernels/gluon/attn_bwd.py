@@ -54,7 +54,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
+from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout, tma_load
 
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
@@ -148,10 +148,10 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
     else:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
         for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
+            tma_load(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
                                             dq_aux.index(h))
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
+    tma_load(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
+    tma_load(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
@@ -162,11 +162,11 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
         # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
+        tma_load(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
+        tma_load(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
         mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
-        tma.async_copy_global_to_shared(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
+        tma_load(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
