@@ -849,13 +849,13 @@ MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HA
 SCALARS = dict(qk_scale="fp32", softcap_log2="fp32", scales=("fp32", "fp32", "fp32"))
 
 
-def stride_types(path, name, constexprs, attrs):
-    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple), other strides
-    # divisible by 16
+def stride_types(path, name, constexprs, attrs, unit=3):
+    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple; the FP8 forward's
+    # V^T has its unit stride along the keys, index 1), other strides divisible by 16
     width = 2 if name in ("lse_strides", "delta_strides") else 4
     types = []
     for j in range(width):
-        if width == 4 and j == 3:
+        if width == 4 and j == unit:
             types.append("constexpr")
             constexprs[path + (j,)] = 1
         else:
@@ -879,7 +879,8 @@ def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
             sig[n] = "constexpr"
             constexprs[(i,)] = consts[n]
         elif n.endswith("_strides"):
-            sig[n] = stride_types((i,), n, constexprs, attrs)
+            unit = 1 if n == "v_strides" and consts.get("IS_FP8") else 3  # ops/fp8_v_transpose.py's strides
+            sig[n] = stride_types((i,), n, constexprs, attrs, unit)
         elif n == "strides":
             sig[n] = tuple(stride_types((i, j), name, constexprs, attrs) for j, name in enumerate(DKDV_STRIDES))
         elif n == "cu_seqlens":  # (cu_seqlens_q, cu_seqlens_k)

@@ -54,7 +54,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout, tma_load
+from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
+from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
 
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
@@ -194,7 +195,7 @@ def _wait_turn(sem, ticket):
     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
     while seen < ticket:
         seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.jit
@@ -218,7 +219,7 @@ def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
         _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
-        gl.thread_barrier()  # every thread's additions before the release below
+        thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
     else:
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
@@ -247,24 +248,27 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
         seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
     n_iter = num_m - m_lo
-    for it in range(GROUP * n_iter if DQ_TMA else 0):
-        head = head_kv * GROUP + it // n_iter
-        m = _step_block(it % n_iter, m_lo, num_m, walk_down)
-        mbarrier.wait(dq_full.index(0), it & 1)
-        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
-        if DETERMINISTIC:
-            _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
-        for c in gl.static_range(2):
-            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
-                            dq_aux.index(c))
-        tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
-        # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
-        # L2 as long as a step) then overlaps their next step instead of delaying it.
-        mbarrier.arrive(dq_empty.index(0), count=1)
-        if DETERMINISTIC:
-            _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
-            gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
-            gl.atomic_add(sem, 1, sem="release", scope="gpu")
+    # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
+    # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
+    if DQ_TMA:
+        for it in range(GROUP * n_iter):
+            head = head_kv * GROUP + it // n_iter
+            m = _step_block(it % n_iter, m_lo, num_m, walk_down)
+            mbarrier.wait(dq_full.index(0), it & 1)
+            sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
+            if DETERMINISTIC:
+                _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+            for c in gl.static_range(2):
+                _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                                dq_aux.index(c))
+            tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
+            # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
+            # L2 as long as a step) then overlaps their next step instead of delaying it.
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            if DETERMINISTIC:
+                _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
+                thread_barrier()  # (the lane that issued the reduces has waited before the release below)
+                gl.atomic_add(sem, 1, sem="release", scope="gpu")
 
 
 @gluon.jit

@@ -56,9 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# The TMA load (descriptor, coordinates, barrier, destination[, pred]): Triton 3.9 renamed it tma.async_load; 3.6 has
-# only tma.async_copy_global_to_shared (3.9 keeps that name as a stub that raises).
-tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+from flashdecode.kernels.gluon.compat import tma_load
 
 
 
