@@ -56,6 +56,7 @@ CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
         "test_prompt_ids_without_tokenizer_and_text_prompt",  # `flashdecode generate` picks CUDA by itself
         "test_serve_subprocess_answers_on_loopback",  # `flashdecode serve` picks CUDA by itself
     ),
+    "tests/test_checks_before_write.py": (),  # the engine on device="cpu"
     "tests/test_distributed_cp.py": ("test_plan_captures_in_a_cuda_graph",),  # one NCCL rank
     "tests/test_distributed_engine.py": (),
     "tests/test_distributed_units.py": (),
@@ -63,11 +64,12 @@ CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
     "tests/test_engine_bench.py": (),
     "tests/test_engine_prefill_last.py": ("test_gpu_last_rows_prefill_matches_full_forward",),
     "tests/test_gluon_compile.py": (),
-    "tests/test_gpu_check.py": (),
     "tests/test_gluon_launch_cache.py": (),
+    "tests/test_gpu_check.py": (),
     "tests/test_heuristics.py": (),
     "tests/test_kv_cache.py": (),
     "tests/test_layers.py": (),
+    "tests/test_packaging.py": (),
     "tests/test_reference.py": (),
     "tests/test_report.py": (),
     "tests/test_sampling.py": (),
