@@ -1,6 +1,7 @@
 # flashdecode: every target sets up what it needs on a fresh machine.
 #   make test       CPU suite (Triton kernels in the interpreter) in .venv
 #   make demo       the same set-up, then `flashdecode demo`
+#   make test-compat  the kernels' interpreter tests and sm_90 compile checks under Triton 3.9 in .venv-compat
 #   make gpu-check  on the GPU machine: GPU tests, fuzz, memcheck + quick benchmarks, JSON/PNG to $OUT (never
 #                   reinstalls torch); one part per command fits 10 minutes: GPU_CHECK_ARGS="--only tests-kernels"
 #   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
@@ -24,7 +25,17 @@ RUN       := TRITON_INTERPRET=1 $(PY)
 SETUP     := $(STAMP)
 endif
 
-.PHONY: test demo gpu-check peer-wheels serve-wheels clean
+# Triton 3.9 (what the newest torch pins) in a second venv: the interpreter tests of every kernel family and the sm_90
+# compile checks (about 10 minutes on 2 cores; not part of `make test` / CI).
+COMPAT_VENV  ?= .venv-compat
+COMPAT_PINS  := torch==2.13.0 triton==3.9.0 "numpy<2.3"
+COMPAT_TESTS := tests/test_merge.py tests/test_append_kv.py tests/test_flash_attn_interface.py tests/test_bf16.py \
+	tests/test_sinks.py tests/test_bad_inputs.py tests/test_kernel_args.py tests/test_alibi.py \
+	tests/test_decode.py::test_kernels_compile_for_hopper_without_a_gpu \
+	tests/test_attention.py::test_kernels_compile_for_hopper_without_a_gpu tests/test_gluon_compile.py \
+	tests/test_gluon_bwd_compile.py
+
+.PHONY: test test-compat demo gpu-check peer-wheels serve-wheels clean
 
 # -qq: pip's errors only (its warnings about configured index folders a machine lacks would fill the screen)
 $(STAMP): pyproject.toml
@@ -35,6 +46,15 @@ $(STAMP): pyproject.toml
 
 test: $(SETUP)
 	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -qq $(COMPAT_PINS)
+	$(COMPAT_VENV)/bin/python -m pip install -qq -e ".[dev]"
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed
+	TRITON_INTERPRET=1 $(COMPAT_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(COMPAT_TESTS)
 
 demo: $(SETUP)
 	$(RUN) -m flashdecode demo
@@ -62,4 +82,4 @@ serve-wheels:
 		--platform any -d .whl $(SERVE_WHEELS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) *.egg-info .pytest_cache

@@ -59,8 +59,8 @@ import torch
 from flashdecode import heuristics
 from flashdecode.ops import checks
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
+from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
 from flashdecode.ops.paged_prefill import paged_prefill
-from flashdecode.ops.decode import append_kv, flash_decode
 from flashdecode.ops.decode_policy import check_alibi_slopes
 
 __all__ = [
@@ -236,8 +236,8 @@ def _check_cache_and_new(q, k_cache, v_cache, k, v):
         checks.check_tensor(name, x, (4,), (q.dtype,))
         checks.check_device(name, x, q.device)
         if x.shape[3] != headdim or x.stride(-1) != 1:
-            raise ValueError(f"{name} must be (..., nheads_k, {headdim}) with unit stride on its last dim, got "
-                             f"shape {tuple(x.shape)}, strides {x.stride()}")
+            raise ValueError(f"{name} must be (..., nheads_k, {headdim}) (q's head dim) with unit stride on its "
+                             f"last dim, got shape {tuple(x.shape)}, strides {x.stride()}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
     nheads_k = k_cache.shape[2]
@@ -412,7 +412,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens: int or int32 (batch,): cached tokens per sequence BEFORE the append (None: the cache is
             full). The attention sees cache_seqlens + seqlen_new keys.
         cache_batch_idx: int32 (batch,): cache row of each sequence (default 0..batch-1); contiguous cache only.
-        cache_leftpad: int32 (batch,): each sequence's keys start at this cache position (default 0).
+        cache_leftpad: int32 (batch,): each sequence's keys start at this cache position (default 0), at most
+            seqlen_cache (a wholly padded row: no cached key; out 0 and lse -inf unless it has keys after it).
         block_table: int32 (batch, max_blocks_per_seq) page ids of a paged cache.
         softmax_scale, causal, window_size, softcap: as flash_attn_func (bottom-right aligned).
         alibi_slopes: optional (nheads,) or (batch, nheads) float32 ALiBi slopes (not with causal=False and
@@ -444,7 +445,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
     lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
     cache_batch_idx = _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, q.device, k_cache.shape[0])
-    cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1])
+    # leftpad == seqlen_cache is a wholly padded row: it sees no cached key (flash-attn accepts it too)
+    cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1] + 1)
     if cache_leftpad is not None:
         _check_one_token_pages(k_cache, v_cache)
     if block_table is not None:
@@ -475,35 +477,39 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           rotary_interleaved)
     if k is not None:
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-        append_kv(k_cache, v_cache, k, v, lengths, table)
-        lengths = lengths + seqlen_new
+    seen = lengths + seqlen_new  # keys the attention sees (append_kv leaves ``lengths`` as it is)
     kv_k, kv_v = k_cache, v_cache
     if cache_leftpad is not None:
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=q.device)
-        kv_k, kv_v, table, lengths = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, lengths)
+        kv_k, kv_v, table_read, seen = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, seen)
+    else:
+        table_read = table
 
-    if prefill:
+    if prefill:  # a chunk of new tokens over the pages: the paged prefill kernel reads what append_kv wrote
+        if k is not None:
+            append_kv(k_cache, v_cache, k, v, lengths, table)
         out, lse = _paged_prefill_with_kvcache(
-            q, kv_k, kv_v, lengths, table, _host_length_bound(q, host_bound, seqlen_new, capacity) or capacity,
+            q, kv_k, kv_v, seen, table_read, _host_length_bound(q, host_bound, seqlen_new, capacity) or capacity,
             causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
             alibi_slopes=alibi_slopes)
         return (out, lse.contiguous()) if return_softmax_lse else out
     fold, left = mask
     # flash_decode's own split policy (no host bound unless the lengths are host ints): the same path and config
     # as a flash_decode call on these tensors, and no lse written where none is returned
-    decode_kw = dict(block_table=table, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
+    decode_kw = dict(block_table=table_read, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
                      num_splits=num_splits or None, return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes,
                      max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
+    # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
+    # h // group, so the fold keeps the GQA mapping
+    q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim) if fold else q
+    # every check of the attention runs before the append writes the cache: a call that raises changed nothing
+    attend = prepare_flash_decode(q_rows, kv_k, kv_v, seen, **decode_kw)
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, lengths, table)
+    out, lse = attend()
     if fold:
-        # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
-        # h // group, so the fold keeps the GQA mapping
-        q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim)
-        res = flash_decode(q_rows, kv_k, kv_v, lengths, **decode_kw)
-        out = (res[0] if return_softmax_lse else res).view(batch, nheads, seqlen_q, headdim).transpose(1, 2)
-        out = out.contiguous()
-        lse = res[1].view(batch, nheads, seqlen_q) if return_softmax_lse else None
-    else:
-        res = flash_decode(q, kv_k, kv_v, lengths, **decode_kw)
-        out, lse = res if return_softmax_lse else (res, None)
-        lse = None if lse is None else lse.transpose(1, 2)
+        out = out.view(batch, nheads, seqlen_q, headdim).transpose(1, 2).contiguous()
+        lse = None if lse is None else lse.view(batch, nheads, seqlen_q)
+    elif lse is not None:
+        lse = lse.transpose(1, 2)
     return (out, lse.contiguous()) if return_softmax_lse else out

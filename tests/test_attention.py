@@ -338,14 +338,16 @@ def test_nondeterministic_varlen_backward(gen):
 
 def test_nondeterministic_mode_skips_the_dq_pass(gen, monkeypatch):
     """deterministic=False launches the atomic dK/dV kernel and no dQ kernel; its gradients equal the
-    deterministic ones up to fp32 summation order."""
+    deterministic ones up to fp32 summation order. The Triton kernels' property: an explicit config= keeps them on
+    every GPU (without one, sm_90 dispatches this head dim to the Gluon forward and backward)."""
     launched = record_launches(monkeypatch)
     q, k, v = _inputs(gen, KERNEL_DTYPES[0], (1, 40, 2, 64), (1, 40, 1, 64))
     dout = randn(1, 40, 2, 64, gen=gen, dtype=q.dtype)
-    det = _grads(q, k, v, dout, causal=True)
+    det = _grads(q, k, v, dout, causal=True, config=fixed_config(q, k, v))
     assert launched == ["fwd", "bwd_dkdv", "bwd_dq"]
     launched.clear()
-    nondet = _grads(q, k, v, dout, causal=True, deterministic=False)
+    nondet = _grads(q, k, v, dout, causal=True, deterministic=False,
+                    config=fixed_config(q, k, v, deterministic=False))
     assert launched == ["fwd", "bwd_atomic"]
     for a, b in zip(det, nondet):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
@@ -849,13 +851,13 @@ MASKS = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HA
 SCALARS = dict(logit_scales=("fp32", "fp32"), scales=("fp32", "fp32", "fp32"))
 
 
-def stride_types(path, name, constexprs, attrs):
-    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple), other strides
-    # divisible by 16
+def stride_types(path, name, constexprs, attrs, unit=3):
+    # what the launcher specializes: unit head-dim strides (the last of each 4-stride tuple; the FP8 forward's
+    # V^T has its unit stride along the keys, index 1), other strides divisible by 16
     width = 2 if name in ("lse_strides", "delta_strides") else 4
     types = []
     for j in range(width):
-        if width == 4 and j == 3:
+        if width == 4 and j == unit:
             types.append("constexpr")
             constexprs[path + (j,)] = 1
         else:
@@ -879,7 +881,8 @@ def compile_for_sm90(fn, pointers, consts, num_warps, num_stages):
             sig[n] = "constexpr"
             constexprs[(i,)] = consts[n]
         elif n.endswith("_strides"):
-            sig[n] = stride_types((i,), n, constexprs, attrs)
+            unit = 1 if n == "v_strides" and consts.get("IS_FP8") else 3  # ops/fp8_v_transpose.py's strides
+            sig[n] = stride_types((i,), n, constexprs, attrs, unit)
         elif n == "strides":
             sig[n] = tuple(stride_types((i, j), name, constexprs, attrs) for j, name in enumerate(DKDV_STRIDES))
         elif n == "cu_seqlens":  # (cu_seqlens_q, cu_seqlens_k)

@@ -13,6 +13,7 @@ from engine_helpers import add_tokenizer, rewrite_config, save_tiny, words
 from flashdecode import __version__
 from flashdecode.cli import build_parser, main
 from flashdecode.engine import LLM
+from helpers import SUBPROCESS_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_cli_works_without_the_server_packages(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
     run = lambda *argv: subprocess.run([sys.executable, "-m", "flashdecode", *argv], env=env, text=True,  # noqa
-                                       capture_output=True, timeout=120)
+                                       capture_output=True, timeout=SUBPROCESS_TIMEOUT_S)
     helped = run("bench", "decode", "--help")
     assert helped.returncode == 0 and "--contexts" in helped.stdout, helped.stderr
     served = run("serve", "--random-weights", "llama3.2-1b", "--device", "cpu")

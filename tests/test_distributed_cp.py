@@ -12,9 +12,9 @@ import flashdecode
 from flashdecode import reference as ref
 from flashdecode.distributed import context_parallel_decode
 from flashdecode.distributed.launch import spawn
+from helpers import SUBPROCESS_TIMEOUT_S
 
 WORLD = 2
-TIMEOUT_S = 120
 CPU_RANKS = dict(backend="gloo", env={"TRITON_INTERPRET": "1"})  # CPU tensors, Triton's interpreter, GPU or not
 
 
@@ -152,7 +152,7 @@ def _worker(rank):
 
 
 def test_context_parallel_decode_matches_single_device():
-    results = spawn(_worker, WORLD, timeout_s=TIMEOUT_S, **CPU_RANKS)
+    results = spawn(_worker, WORLD, timeout_s=SUBPROCESS_TIMEOUT_S, **CPU_RANKS)
     expected = (["exchange-all_gather", "exchange-head_scatter"] + [c[0] for c in CASES]
                 + ["head-scatter-fp16", "plan-paged-fp16", "plan-head-scatter-fp32"])
     assert results == [expected] * WORLD
@@ -192,5 +192,5 @@ def _graph_worker(rank):
 
 @pytest.mark.gpu
 def test_plan_captures_in_a_cuda_graph():
-    err = spawn(_graph_worker, 1, backend="nccl", timeout_s=TIMEOUT_S)[0]
+    err = spawn(_graph_worker, 1, backend="nccl", timeout_s=SUBPROCESS_TIMEOUT_S)[0]
     assert err < 2e-2, err

@@ -14,8 +14,8 @@ import torch
 from engine_helpers import random_prompts, save_tiny
 from flashdecode.distributed.launch import spawn
 from flashdecode.engine import LLM, SamplingParams
+from helpers import SUBPROCESS_TIMEOUT_S
 
-TIMEOUT_S = 150
 CPU_RANKS = dict(backend="gloo", env={"TRITON_INTERPRET": "1"})  # CPU tensors, Triton's interpreter, GPU or not
 NEW_TOKENS = 6
 PROMPT_LENS = [13, 2, 27]  # ragged; with 4-token pages the cp ranks hold different shares, rank 1 none of "2"
@@ -93,7 +93,7 @@ def test_tp_and_cp_engines_match_single_process(checkpoints):
     cli_prompt = [5, 6, 7, 8, 9, 10, 11]
     cli_argv = ["--model", str(checkpoints["llama"]), "--prompt", ",".join(map(str, cli_prompt)), "--max-new-tokens",
                 "4", "--device", "cpu", "--dtype", "float32", "--page-size", "4", "--max-model-len", "32", "--tp", "2"]
-    per_rank = spawn(_worker, 2, (jobs, cli_argv), timeout_s=TIMEOUT_S, **CPU_RANKS)
+    per_rank = spawn(_worker, 2, (jobs, cli_argv), timeout_s=SUBPROCESS_TIMEOUT_S, **CPU_RANKS)
     want = {"llama": _expected(checkpoints["llama"]), "qwen2-mqa": _expected(checkpoints["qwen2-mqa"])}
     cli_tokens = _engine(checkpoints["llama"]).generate([cli_prompt], SamplingParams(max_new_tokens=4))[0].token_ids
     assert per_rank[0]["cli"] == (0, per_rank[0]["cli"][1]) and f"token ids: {cli_tokens}" in per_rank[0]["cli"][1]
@@ -112,7 +112,7 @@ def test_tp_and_cp_engines_match_single_process(checkpoints):
 def test_tp_cp_together_match_single_process(checkpoints):
     """tp=2 x cp=2 on 4 ranks: heads sharded within each cp rank, pages dealt across them."""
     jobs = [("tp2cp2", checkpoints["llama"], 2, 2, None, SamplingParams(max_new_tokens=NEW_TOKENS))]
-    per_rank = spawn(_worker, 4, (jobs,), timeout_s=TIMEOUT_S, **CPU_RANKS)
+    per_rank = spawn(_worker, 4, (jobs,), timeout_s=SUBPROCESS_TIMEOUT_S, **CPU_RANKS)
     want = _expected(checkpoints["llama"])
     for rank, results in enumerate(per_rank):
         _assert_same(results["tp2cp2"], want, f"tp2cp2 rank {rank}")

@@ -11,7 +11,7 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
-from helpers import HAS_CUDA, KERNEL_DTYPES, randn
+from helpers import HAS_CUDA, KERNEL_DTYPES, SUBPROCESS_TIMEOUT_S, randn
 
 SHAPE_Q, SHAPE_KV = (1, 19, 4, 32), (1, 23, 2, 32)
 
@@ -431,7 +431,7 @@ def test_direct_launches_through_tritons_real_c_launchers():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.join("benchmarks", "probes", "c_launcher_cpu.py"), "--check"],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=root)
+                          capture_output=True, text=True, env=env, timeout=SUBPROCESS_TIMEOUT_S, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("intact"), proc.stdout[-2000:] + proc.stderr[-3000:]
 
 

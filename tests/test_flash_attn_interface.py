@@ -320,6 +320,7 @@ def _kvcache_inputs(gen):
     (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), "cache_leftpad"),
     (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32), batch_strided=True), "batch stride"),
     (dict(num_splits=-1), "num_splits"),
+    (dict(num_splits=1025), "num_splits"),  # flash_decode's bound, checked before the append
     (dict(causal=False, window_size=(2, 1), q_len=3), "window_size"),
     (dict(k_only=True), "k and v"),
     (dict(softcap=-1.0), "softcap"),
@@ -365,6 +366,41 @@ def test_kvcache_host_index_values_are_checked(gen, monkeypatch):
         fai.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3,
                                     cache_leftpad=torch.tensor([0, 9], dtype=torch.int32))
     assert torch.equal(k_cache, before)
+
+
+def test_kvcache_bad_page_in_the_read_range_raises_before_the_append(gen, monkeypatch):
+    """The appended token's page is valid, an earlier page the attention reads is not: ValueError naming
+    block_table, and the cache as it was (the append used to land first, so a retry appended twice)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k_cache, v_cache, k_new = (x.cpu() for x in _kvcache_inputs(gen))  # two pages of 8 tokens
+    table = torch.tensor([[5, 0], [0, 1]], dtype=torch.int32)  # row 0 writes position 9 (page 0), reads page 5
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="block_table"):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=9, block_table=table)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("new", [0, 2])
+def test_kvcache_wholly_left_padded_row_sees_no_cached_key(gen, new):
+    """cache_leftpad == seqlen_cache (an empty row, as flash-attn accepts): that row attends to no cached key
+    (out 0, lse -inf; the keys it appends sit before its padding, so it sees none of them either); the other
+    rows match the reference over keys [leftpad, cache_seqlens + new)."""
+    b, cap, h, hk, d = 3, 9, 4, 2, 16
+    q = randn(b, 1, h, d, gen=gen, dtype=DTYPE)
+    k_cache, v_cache = (randn(b, cap, hk, d, gen=gen, dtype=DTYPE) for _ in range(2))
+    k_new, v_new = ((randn(b, new, hk, d, gen=gen, dtype=DTYPE) for _ in range(2)) if new else (None, None))
+    lens, leftpad = [cap - new, 4, cap - new], [cap, 1, 0]
+    out, lse = fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                           cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                           cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE),
+                                           causal=True, return_softmax_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    for i in range(1, b):
+        keys, vals = k_cache[i:i + 1, leftpad[i]:lens[i] + new], v_cache[i:i + 1, leftpad[i]:lens[i] + new]
+        o64, l64 = ref.attention_ref(q[i:i + 1].double(), keys.double(), vals.double(), True)
+        o_same, l_same = ref.attention_ref(q[i:i + 1], keys, vals, True)
+        assert_fa_close(out[i:i + 1], o64, o_same, factor=3.0, atol=1e-4)
+        assert_fa_close(lse[i:i + 1], l64, l_same, factor=3.0, atol=1e-4, name="lse")
 
 
 @pytest.mark.parametrize("fn", ["func", "varlen"])

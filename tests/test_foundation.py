@@ -7,6 +7,7 @@ import torch
 
 from flashdecode import heuristics
 from conftest import DEVICE
+from helpers import SUBPROCESS_TIMEOUT_S
 from flashdecode.cli import build_parser, demo_rows
 
 
@@ -35,7 +36,8 @@ def test_demo_rows_are_exact_or_within_the_flash_attention_rule():
 
 
 def test_cli_demo_prints_table():
-    proc = subprocess.run([sys.executable, "-m", "flashdecode", "demo"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "flashdecode", "demo"], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
     assert "blockwise online softmax" in proc.stdout and "max|out err|" in proc.stdout
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
 from flashdecode.bench.e2e import hf_cache_kwarg  # noqa: E402
-from helpers import DEVICE, max_err  # noqa: E402
+from helpers import DEVICE, SUBPROCESS_TIMEOUT_S, max_err  # noqa: E402
 
 
 def _config(family: str, **overrides):
@@ -288,5 +288,6 @@ def test_core_imports_neither_the_integration_nor_transformers():
 
     code = ("import sys, flashdecode, flashdecode.flash_attn_interface; "
             "print(any(m.startswith('flashdecode.integrations') or m == 'transformers' for m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]

@@ -437,11 +437,19 @@ class LLM:
     # ---------------------------------------------------------------------------------------------- API
     def add_request(self, prompt, params: SamplingParams | None = None) -> list[Sequence]:
         """Queue one prompt; returns its ``params.n`` sequences (one per completion)."""
+        return self._queue(*self._checked(prompt, params))
+
+    def _checked(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """(token ids, params) of a request that can run; ValueError / TypeError otherwise. Runs nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
         self.check_request(ids, params)
+        return ids, params
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Queue a checked request (its prompt logprobs computed first, if asked for)."""
         prompt_lp = None
         if params.prompt_logprobs is not None:
             prompt_lp = prompt_logprobs(self.runner.prompt_logits(ids), ids, params.prompt_logprobs)
@@ -630,10 +638,12 @@ class LLM:
         return self._generate(prompts, params, use_tqdm, "generate")
 
     def _generate(self, prompts, params: list[SamplingParams], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+        # every request is checked before any runs (prompt logprobs run a forward): a bad one changes nothing
+        checked = [self._checked(p, sp) for p, sp in zip(prompts, params)]
         requests = []
         try:
-            for p, sp in zip(prompts, params):
-                requests.append((p, self.add_request(p, sp)))
+            for p, request in zip(prompts, checked):
+                requests.append((p, self._queue(*request)))
         except Exception:
             self.abort([s for _, seqs in requests for s in seqs])
             raise

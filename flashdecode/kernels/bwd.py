@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashdecode.kernels.dot import dot
 from flashdecode.kernels.fwd import (alibi_bias_log2, clamp_segments, head_base, kv_segments, load_rows, logits_log2,
                                      lse_row_base, sequence_bounds, sequence_descriptor, visible)
 
@@ -150,7 +151,7 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
         else:
             q = load_rows(q_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
         lse2 = load_lse_log2(lse_base + rows, rows, seqlen_q, MASKED)  # unmasked: rows < seqlen_q
-        s_t = logits_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
+        s_t = logits_log2(dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         if HAS_ALIBI:
             p_t = tl.exp2(s_t + alibi_bias_log2((rows + diag)[None, :], k_pos[:, None], alibi_slope) - lse2[None, :])
         else:
@@ -164,17 +165,17 @@ def attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_
         else:
             do = load_rows(do_ptrs, rows, seqlen_q, d_mask, MASKED, EVEN_D)
         if PART != 2:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dv = dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         if PART != 1:
             if MASKED:
                 delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
             else:
                 delta = tl.load(delta_base + rows)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dp_t = dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = softcap_grad(p_t * (dp_t - delta[None, :]), s_t, softcap_log2, SOFTCAP).to(q.dtype)
-            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            dk = dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
+            dq = dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
             if USE_TMA:  # rows past the sequence and padded columns fall outside the descriptor: dropped
                 dq_desc.atomic_add([start_m, 0], dq)
             elif MASKED:
@@ -370,7 +371,7 @@ def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, st
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
-        s = logits_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
+        s = logits_log2(dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap_log2, SOFTCAP)
         if HAS_ALIBI:
             p = tl.exp2(s + alibi_bias_log2(q_pos[:, None], cols[None, :], alibi_slope) - lse2[:, None])
         else:
@@ -382,9 +383,9 @@ def attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, st
             v = v_desc.load([start_n, 0])
         else:
             v = load_rows(v_ptrs, cols, seqlen_k, d_mask, MASKED, EVEN_D)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = softcap_grad(p * (dp - delta[:, None]), s, softcap_log2, SOFTCAP)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
     return dq

@@ -31,6 +31,7 @@ from flashdecode.kernels.decode_gather import (block_page, block_token_pages, id
                                                tma_row)
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before,  # noqa: F401
                                                  planned_item, queue_split_ways, split_range, stale_split_range)
+from flashdecode.kernels.dot import dot
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
 from flashdecode.kernels.softmax_state import (LN2, LOG2E, fold_live_states, normalize_state, online_softmax_step,
                                                online_softmax_step_sum_tile, safe_max)
@@ -100,9 +101,9 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
                 srows = rows // HEADDIM
             ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
             k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
-            qk = tl.dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
+            qk = dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
         else:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            qk = dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         if ALIBI:
             s -= alibi_log2[:, None] * tl.abs(qpos[:, None] - offs_n[None, :]).to(tl.float32)
@@ -134,7 +135,7 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
         if KV_QUANT > 0:
             p = p * vs[None, :]
             v = to_dot_dtype(v, q.dtype, QUANT_TILES.v_first, QUANT_TILES.convert)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -200,7 +201,7 @@ def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, q
             srows = rows // HEADDIM
         ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
         k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
-        qk = tl.dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION) * ks[:, None, :] * q_unscale
+        qk = dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION) * ks[:, None, :] * q_unscale
         s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         keys3 = offs_n[:, None, :]
         if ALIBI:
@@ -224,7 +225,7 @@ def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, q
         v = _load_warp_tile(v_src, rows, key_ok, offs_n, end, offs_d, HEADDIM, BLOCK_D, MASKED, PAGE_SIZE > 0)
         v = to_dot_dtype(v, dot_dtype, QUANT_TILES.v_first, QUANT_TILES.convert)
         p = p * vs[:, None, :]
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, :, None] + dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from flashdecode.kernels.decode_gather import kv_rows
+from flashdecode.kernels.dot import dot
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -251,7 +252,7 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
             k = k_desc.load([start_n, 0])
         else:
             k = load_rows(k_ptrs, start_n + offs_n, seqlen_k, d_mask, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if KV_QUANT:
             qk = qk * ks[None, :]
         s = logits_log2(qk, qk_scale, softcap_log2, SOFTCAP)
@@ -293,11 +294,11 @@ def attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, 
         acc = acc * alpha[:, None]
         if IS_FP8:
             if FP8_SOFT_ROUND:
-                acc = tl.dot(round_to_e4m3(p).to(v.dtype), v, acc)
+                acc = dot(round_to_e4m3(p).to(v.dtype), v, acc)
             else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+                acc = dot(p.to(v.dtype), v, acc)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            acc = dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn

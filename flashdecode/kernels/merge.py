@@ -102,7 +102,8 @@ def merge_many_kernel(
     o, lse2 = normalize_state(acc, m_i, l_i)
     out_ptrs = O_OUT + r_outer * stride_oo + r_inner[:, None] * stride_oi + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(O_OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok & (d_chunk == 0))
+    if d_chunk == 0:  # (a branch, not a mask: Triton 3.9's interpreter refuses a mask of int1 scalar & vector)
+        tl.store(LSE_OUT + r_outer * stride_loo + r_inner * stride_loi, lse2 * LN2, mask=r_ok)
 
 
 @triton.jit

@@ -178,6 +178,27 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
                         validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     checks.check_bool("return_lse", return_lse)
+    attend = prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                  softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
+                                  window_size=window_size, out=out, max_seqlen_k=max_seqlen_k, config=config,
+                                  validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
+                                  k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+    out, lse = attend()
+    return (out, lse) if return_lse else out
+
+
+def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                         num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                         config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
+                         alibi_slopes=None, k_scale=None, v_scale=None, return_lse: bool = True):
+    """Every check and launch decision of flash_decode(...) (same arguments, no sinks / plan), and nothing written:
+    returns a function that launches the call and returns (out, lse; None unless return_lse). A caller that writes
+    the cache first (append then attend, flash_attn_with_kvcache) checks the whole call here before its write, so
+    a call that raises has changed nothing. The tensors must not change shape or move before the launch;
+    cache_seqlens is read on the host here (host-resident lengths, for the split heuristic) exactly as flash_decode
+    reads it, so its values must be the ones the launch sees. A repeated call key whose checks read no value
+    (device lengths, validate=False, no 8-bit scales) skips the checks and the resolution (ops/decode_host.py)."""
+    batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
     in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
     key = None
     if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
@@ -194,6 +215,19 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         decode_host.remember(key, shape, config, launch)
     else:
         shape, config, launch = found
+
+    def run():
+        return _launch_decode(shape, config, launch, q, k_cache, v_cache, cache_seqlens, block_table, out,
+                              in_capture, found is None, return_lse)
+    return run
+
+
+def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaunch, q, k_cache, v_cache,
+                   cache_seqlens, block_table, out, in_capture: bool, new_key: bool, return_lse: bool):
+    """flash_decode's launch of a checked, resolved call: its outputs (new, or ``out``) and the split workspace
+    (the pool's: nothing allocated but the results), then the kernels. new_key: the first call of this call shape,
+    which sizes the device's pool for captures of it (they cannot allocate). Returns (out like q, lse float32
+    (batch, [seqlen_q,] nheads) or None unless return_lse)."""
     b, sq, h, d = shape.q4.shape
     # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -206,7 +240,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
         partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)
     else:  # the eager pool of this stream: nothing allocated but the results
-        if found is None:  # a new call shape sizes the device's pool for captures of it (they cannot allocate)
+        if new_key:
             workspace(q.device).reserve(partial_shape, n_tickets)
         pool = stream_workspace(q.device, direct_launch.current_stream(q.device.index) if q.is_cuda else None)
         partial_o, partial_lse, tickets, lse3 = pool.take_eager(partial_shape, n_tickets,
@@ -215,7 +249,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
     run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                tickets)
-    return (out, _lse_view(lse3, q)) if return_lse else out
+    return out, (_lse_view(lse3, q) if return_lse else None)
 
 
 def _checked_call(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, softcap, window_size,

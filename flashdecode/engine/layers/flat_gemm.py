@@ -47,6 +47,7 @@ from triton.runtime.errors import OutOfResources
 from flashdecode.engine.layers.pdl import (linear_launch_args, prefetch_weight_rows,
                                           wait_for_previous_kernel)
 from flashdecode.engine.layers.gemv import ADD_NORM, PLAIN, RMSNORM, SILU_MUL
+from flashdecode.kernels.dot import dot
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,9 @@ def _flat_gemm_kernel(X, RES, NORM_W, W, BIAS, OUT, RES_OUT, M, N, K, strides_x,
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if EPILOGUE == 1:  # both halves' tiles in flight before the dots; x is loaded (and prologued) once
             wu = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+        acc += dot(x.to(w.dtype), tl.trans(w), input_precision=PRECISION)
         if EPILOGUE == 1:
-            acc_up += tl.dot(x.to(wu.dtype), tl.trans(wu), input_precision=PRECISION)
+            acc_up += dot(x.to(wu.dtype), tl.trans(wu), input_precision=PRECISION)
     if HAS_BIAS:  # HF rounds the product before adding the bias
         acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + \
             tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
+from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
 
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
@@ -148,10 +149,10 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
     else:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
         for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
+            tma_load(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
                                             dq_aux.index(h))
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
+    tma_load(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
+    tma_load(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
     n_iter = num_m - m_lo
     for it in range(GROUP * n_iter):
         head = head_kv * GROUP + it // n_iter
@@ -162,11 +163,11 @@ def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc
         # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
+        tma_load(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
+        tma_load(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
         mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
-        tma.async_copy_global_to_shared(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
+        tma_load(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
@@ -194,7 +195,7 @@ def _wait_turn(sem, ticket):
     seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
     while seen < ticket:
         seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.jit
@@ -218,7 +219,7 @@ def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_
         sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
         _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
-        gl.thread_barrier()  # every thread's additions before the release below
+        thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
     else:
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
@@ -247,24 +248,27 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
         seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
     n_iter = num_m - m_lo
-    for it in range(GROUP * n_iter if DQ_TMA else 0):
-        head = head_kv * GROUP + it // n_iter
-        m = _step_block(it % n_iter, m_lo, num_m, walk_down)
-        mbarrier.wait(dq_full.index(0), it & 1)
-        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
-        if DETERMINISTIC:
-            _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
-        for c in gl.static_range(2):
-            _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
-                            dq_aux.index(c))
-        tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
-        # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
-        # L2 as long as a step) then overlaps their next step instead of delaying it.
-        mbarrier.arrive(dq_empty.index(0), count=1)
-        if DETERMINISTIC:
-            _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
-            gl.thread_barrier()  # (the lane that issued the reduces has waited before the release below)
-            gl.atomic_add(sem, 1, sem="release", scope="gpu")
+    # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
+    # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
+    if DQ_TMA:
+        for it in range(GROUP * n_iter):
+            head = head_kv * GROUP + it // n_iter
+            m = _step_block(it % n_iter, m_lo, num_m, walk_down)
+            mbarrier.wait(dq_full.index(0), it & 1)
+            sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
+            if DETERMINISTIC:
+                _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+            for c in gl.static_range(2):
+                _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                                dq_aux.index(c))
+            tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
+            # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
+            # L2 as long as a step) then overlaps their next step instead of delaying it.
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            if DETERMINISTIC:
+                _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
+                thread_barrier()  # (the lane that issued the reduces has waited before the release below)
+                gl.atomic_add(sem, 1, sem="release", scope="gpu")
 
 
 @gluon.jit

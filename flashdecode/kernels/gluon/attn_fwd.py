@@ -56,6 +56,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from flashdecode.kernels.gluon.compat import tma_load
+
 
 
 LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
@@ -170,9 +172,9 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
             # A buffer's first use waits on the parity before the barrier's initial phase, which passes at once.
             mbarrier.wait(q_empty.index(BUF * NUM_CONSUMERS + c), (uses & 1) ^ 1)
             mbarrier.expect(q_ready.index(BUF * NUM_CONSUMERS + c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_base + m_start + c * 64, head * HEAD_DIM],
-                                            q_ready.index(BUF * NUM_CONSUMERS + c),
-                                            q_smem.index(BUF * NUM_CONSUMERS + c))
+            tma_load(q_desc, [q_base + m_start + c * 64, head * HEAD_DIM],
+                     q_ready.index(BUF * NUM_CONSUMERS + c),
+                     q_smem.index(BUF * NUM_CONSUMERS + c))
     kv_col = (head // GROUP) * HEAD_DIM
     for i in range(n_end // BLOCK_N):
         slot = (blocks_done + i) % NUM_STAGES
@@ -182,16 +184,16 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, q_desc, k_desc, v_
         else:
             mbarrier.wait(kv_empty.index(slot), empty_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
+        tma_load(k_desc, [kv_row + i * BLOCK_N, kv_col], k_ready.index(slot),
                                         k_smem.index(slot))
         if SPLIT_KV_RELEASE:
             mbarrier.wait(kv_empty.index(slot), empty_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if V_T:
-            tma.async_copy_global_to_shared(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
+            tma_load(v_desc, [(batch * (NUM_HEADS // GROUP) + head // GROUP) * HEAD_DIM,
                                                      i * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
         else:
-            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
+            tma_load(v_desc, [kv_row + i * BLOCK_N, kv_col], v_ready.index(slot),
                                             v_smem.index(slot))
     return blocks_done + n_end // BLOCK_N, uses + live
 

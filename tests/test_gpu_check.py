@@ -1,0 +1,42 @@
+"""scripts/gpu_check.py's bookkeeping, on the CPU: a test part's tests that ran out of GPU memory beside other xdist
+workers are found in pytest's junit report (and run again alone), other failures are not mistaken for them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_decode" name="test_long[bf16-131072]" time="1.0">
+  <failure message="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB">trace</failure>
+</testcase>
+<testcase classname="tests.probes.test_fp8_rmse" name="test_rows" time="1.0">
+  <error message="setup">torch.OutOfMemoryError: CUDA out of memory.</error>
+</testcase>
+<testcase classname="tests.test_attention.TestCase" name="test_wrong" time="1.0">
+  <failure message="AssertionError: error 3e-2 &gt; 2 x 1e-3">trace</failure>
+</testcase>
+<testcase classname="tests.test_attention" name="test_ok" time="1.0"/>
+<testcase classname="tests.test_attention" name="test_skipped" time="0.0"><skipped message="needs a GPU"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_out_of_memory_failures_are_told_apart(tmp_path):
+    gc = _gpu_check()
+    report = tmp_path / "r.xml"
+    report.write_text(REPORT)
+    failed, oom = gc.junit_failures(report)
+    assert failed == ["tests/test_decode.py::test_long[bf16-131072]", "tests/probes/test_fp8_rmse.py::test_rows",
+                      "tests/test_attention.py::TestCase::test_wrong"]
+    assert oom == failed[:2]
+    assert gc.junit_failures(tmp_path / "absent.xml") == ([], [])
