@@ -170,3 +170,24 @@ print("compiled")
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
     run_sm90_compile_script(_sharded(_GLUON_CANDIDATES_SCRIPT, shard))
+
+
+# The ragged (varlen) kernel in the launch families its resolver returns: tile pairs (short causal), one CTA per
+# tile with FA3's overlapped loop (non-causal) and persistent round robin (hd64): TMA + wgmma, no spills.
+_GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
+from flashdecode.ops.gluon_attention import resolve_gluon_varlen_config
+
+for d, causal, mean_keys in [(128, True, 256), (128, False, 2048), (64, False, 1024)]:
+    cfg = resolve_gluon_varlen_config(d, causal, mean_keys)
+    kernel = compile_variant(d, "bf16", causal, cfg, varlen=True)
+    ptx = kernel.asm["ptx"]
+    what = f"varlen d{d} causal={causal} {cfg}"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    assert spilled_bytes(kernel) == 0 or not SPILLS_CHECKED, what + ": spills"
+print("compiled")
+'''
+
+
+def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu():
+    run_sm90_compile_script(_GLUON_VARLEN_SCRIPT)
