@@ -181,8 +181,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _check_unsupported(dropout_p, alibi_slopes, flash_attn_varlen)
     out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
-                                 block_table=block_table, **_options(softmax_scale, causal, window_size, softcap, deterministic,
-                                            alibi_slopes))
+                                 block_table=block_table,
+                                 **_options(softmax_scale, causal, window_size, softcap, deterministic, alibi_slopes))
     return _result(out, lse, return_attn_probs)
 
 

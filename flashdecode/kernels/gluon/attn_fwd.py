@@ -292,21 +292,19 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     uses = 0
     if Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
-                                        cu_q_ptr, cu_k_ptr,
-                                        NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
-                                        SPLIT_KV_RELEASE)
+            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem,
+                                              v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q,
+                                              seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                                              NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
         start, stop, step = _units(num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
         for unit in range(start, stop, step):
             tile, second = _unit_tiles(unit, num_tiles, seqlen_q, sched_ptr, NUM_CONSUMERS * 64, TILE_ORDER)
-            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                                        q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q, seqlen_k,
-                                        cu_q_ptr, cu_k_ptr,
-                                        NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T,
-                                        SPLIT_KV_RELEASE)
+            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, q_desc, k_desc, v_desc, q_smem, k_smem,
+                                              v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, seqlen_q,
+                                              seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES,
+                                              NUM_CONSUMERS, CAUSAL, V_T, SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done, uses_second = _produce_tile(second, uses_second, blocks_done, 1, q_desc, k_desc, v_desc,
                                             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
@@ -633,26 +631,27 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
         tile, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, NUM_CONSUMERS * 64, BLOCK_N, CAUSAL)
     if cu_q_ptr is None:  # every tile is live: no branch around the loop (it cost the hd128 loop a spill)
         _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head,
-                      m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS, GROUP,
-                      BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
+                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head, m_start,
+                      n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
+                      GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
                       SPLIT_KV_RELEASE)
     elif live != 0:
         _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head,
-                      m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS, GROUP,
-                      BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
+                      kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head, m_start,
+                      n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
+                      GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
                       SPLIT_KV_RELEASE)
     return blocks_done + n_end // BLOCK_N, uses + live
 
 
 @gluon.jit
 def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready,
-                  q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr,
-                  v_descale_ptr, batch, head, m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k,
-                  cu_q_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-                  EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
+                  q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr,
+                  batch, head, m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr,
+                  qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+                  PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
+                  SPLIT_KV_RELEASE: gl.constexpr):
     """_consume_tile's work on a live tile (coordinates from _tile_coords)."""
     P_LOG2_SCALE: gl.constexpr = _p_log2_scale(q_smem.dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, q_smem.dtype))
@@ -725,10 +724,11 @@ def _consumer(CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                         EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
             if second < num_tiles:
                 blocks_done, uses_second = _consume_tile(second, uses_second, blocks_done, 1, CONSUMER, q_smem, k_smem,
-                                            v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
-                                            out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, seqlen_q, seqlen_k,
-                                            cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                            CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
+                                                         v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty,
+                                                         turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr,
+                                                         seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, qk_scale_log2,
+                                                         NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                                                         OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE, SPLIT_KV_RELEASE)
 
 
 
@@ -791,8 +791,8 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
     buffer sets): sched_ptr int32, [S, then per CTA: count, tiles, padding] (_lpt_row; ops/gluon_attention.py
     lpt_schedule); a grid of as many CTAs as the lists. A kernel of its own so that the others keep their
     parameter lists."""
-    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                 None, None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
+    _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, None, None, num_tiles, sched_ptr, seqlen_q, seqlen_k, None,
+                 None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG,
                  CONSUMER_REGS, PRODUCER_REGS, False, 2, 0, 5, TILE_ORDER_LPT, SPLIT_KV_RELEASE)
 
 
@@ -832,19 +832,18 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     renumbers P's columns, zeros past seqlen_k (ops/fp8_v_transpose.py, key_order="wgmma").
     qk_descale_ptr: float32 (batch, nheads) contiguous, q_descale * k_descale of each query head, folded into the
     logit scale; v_descale_ptr: float32 (batch, nheads_kv) contiguous, applied to the output. out bfloat16."""
-    _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, None,
-                 seqlen_q, seqlen_k, None, None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+    _attn_fwd_ws(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, None, seqlen_q,
+                 seqlen_k, None, None, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
                  OVERLAP, PINGPONG, CONSUMER_REGS, PRODUCER_REGS, True, Q_BUFFERS, 0, 5, TILE_ORDER, SPLIT_KV_RELEASE)
 
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr,
-                 seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                 seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr,
-                 SPLIT_KV_RELEASE: gl.constexpr):
+                 PRODUCER_REGS: gl.constexpr, V_T: gl.constexpr, Q_BUFFERS: gl.constexpr, EMU_COLS: gl.constexpr,
+                 EMU_DEGREE: gl.constexpr, TILE_ORDER: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr):
     """Both kernels' body: shared memory, barriers, and the partitions. V_T: v_desc's blocks are V^T tiles.
     Q_BUFFERS: Q buffer sets (1, or 2 for persistent CTAs: see _producer). EMU_COLS / EMU_DEGREE: see
     _exp2_mixed (0: every exp2 on the MUFU unit). TILE_ORDER: see _units."""
@@ -876,41 +875,41 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, out_ptr, lse_ptr, qk_descale_ptr, v_des
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, PINGPONG, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, k_empty, turn,
                          out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles, sched_ptr, seqlen_q, seqlen_k,
-                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP,
-                         False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
+                         cu_q_ptr, cu_k_ptr, qk_scale_log2, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, OVERLAP, False, Q_BUFFERS, EMU_COLS, EMU_DEGREE, TILE_ORDER, SPLIT_KV_RELEASE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         k_empty, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, NUM_HEADS, GROUP,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, V_T, Q_BUFFERS, TILE_ORDER, SPLIT_KV_RELEASE)),
         ], [1], [PRODUCER_REGS])
