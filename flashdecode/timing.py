@@ -10,6 +10,8 @@ import statistics
 from typing import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 
 def env_info() -> dict:
@@ -99,11 +101,19 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 2 * 2**30) -> float:
 READ_BLOCK = 8192  # elements a read_sum_kernel program sums (16 KiB of bf16, as a copy kernel's block)
 
 
+@triton.jit
+def read_sum_kernel(X, OUT, BLOCK: tl.constexpr):
+    """A read-only stream (the read-stream bandwidth, the denominator of bench e2e's read-stream roofline):
+    program p sums elements [p * BLOCK, (p + 1) * BLOCK) of the flat X (unmasked: the launcher passes whole
+    blocks) into OUT[p] (float32), so the loads cannot be optimised away; a flat sweep by as many small programs as
+    a copy kernel launches. A measurement kernel, so it lives with the timing code rather than in kernels/."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + tl.program_id(0), tl.sum(tl.load(X + offs).to(tl.float32), 0))
+
+
 def read_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Sums of ``x``'s READ_BLOCK-element blocks into ``out`` (float32, >= numel / READ_BLOCK): a read-only stream
     over x (contiguous, numel a multiple of READ_BLOCK)."""
-    from flashdecode.kernels.stream import read_sum_kernel
-
     if not x.is_contiguous() or x.numel() % READ_BLOCK:
         raise ValueError(f"x must be contiguous with a multiple of {READ_BLOCK} elements, got {tuple(x.shape)}")
     blocks = x.numel() // READ_BLOCK
@@ -117,7 +127,7 @@ def read_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def read_stream_rates(nbytes: int = 2 * 2**30) -> dict[str, float]:
     """Bytes read per second by two read-only streams over one ``nbytes`` bf16 buffer (40x an H100's L2, and
     do_bench flushes L2 between calls, so every byte comes from memory): torch.sum (float32 accumulation) and a flat
-    Triton block sum (flashdecode.kernels.stream). Keys "torch_sum", "triton_block_sum"."""
+    Triton block sum (read_sum_kernel). Keys "torch_sum", "triton_block_sum"."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
     partial = torch.empty(src.numel() // READ_BLOCK, dtype=torch.float32, device="cuda")
     readers = {"torch_sum": lambda: src.sum(dtype=torch.float32), "triton_block_sum": lambda: read_sum(src, partial)}

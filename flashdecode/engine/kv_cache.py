@@ -241,6 +241,12 @@ def cp_local_length(num_tokens: int, page_size: int, cp_size: int, cp_rank: int)
     return full_here * page_size + (rem if full % cp_size == cp_rank else 0)
 
 
+def _no_shared_pages(prefix: PrefixMatch | None) -> None:
+    """Context-parallel pools keep no prefix cache (its match is always empty): a non-empty one is a caller's bug."""
+    if prefix is not None and prefix.pages:
+        raise RuntimeError("a context-parallel block manager cannot share cached prefix pages")
+
+
 class ContextParallelBlockManager(BlockManager):
     """Block manager of a context-parallel group: logical page j of a sequence lives on rank j % cp_size, in that
     rank's pool of ``num_pages`` pages. Every rank keeps the whole group's bookkeeping (it is cheap, and identical
@@ -280,10 +286,12 @@ class ContextParallelBlockManager(BlockManager):
         table.extend(self.free_lists[j % self.cp_size].popleft() for j in range(len(table), want))
         return table
 
-    def can_allocate(self, num_tokens: int) -> bool:
+    def can_allocate(self, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        _no_shared_pages(prefix)
         return self._fits(0, self.pages_for(num_tokens))
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+    def allocate(self, seq_id: int, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int]:
+        _no_shared_pages(prefix)
         if seq_id in self.tables:
             raise RuntimeError(f"sequence {seq_id} already has pages")
         self.tables[seq_id] = self._grow(seq_id, [], self.pages_for(num_tokens))

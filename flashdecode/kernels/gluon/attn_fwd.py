@@ -632,13 +632,13 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
     if cu_q_ptr is None:  # every tile is live: no branch around the loop (it cost the hd128 loop a spill)
         _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head, m_start,
-                      n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
+                      n_full_end, n_end, q_base, len_q, len_k, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
                       GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
                       SPLIT_KV_RELEASE)
     elif live != 0:
         _consume_rows(uses, blocks_done, BUF, CONSUMER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, batch, head, m_start,
-                      n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
+                      n_full_end, n_end, q_base, len_q, len_k, seqlen_k, cu_q_ptr, qk_scale_log2, NUM_HEADS,
                       GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, PINGPONG, EMU_COLS, EMU_DEGREE,
                       SPLIT_KV_RELEASE)
     return blocks_done + n_end // BLOCK_N, uses + live
@@ -647,7 +647,7 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
 @gluon.jit
 def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, q_smem, k_smem, v_smem, q_ready,
                   q_empty, k_ready, v_ready, kv_empty, k_empty, turn, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr,
-                  batch, head, m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_q, seqlen_k, cu_q_ptr,
+                  batch, head, m_start, n_full_end, n_end, q_base, len_q, len_k, seqlen_k, cu_q_ptr,
                   qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                   PINGPONG: gl.constexpr, EMU_COLS: gl.constexpr, EMU_DEGREE: gl.constexpr,
@@ -683,7 +683,7 @@ def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, 
     # lse: (batch, NUM_HEADS, seqlen_q) for fixed-length batches, (NUM_HEADS, total_q = seqlen_k) for ragged ones;
     # its offset taken after the loop (a 64-bit pointer live across the loop cost the hd128 loop a spill)
     if cu_q_ptr is None:
-        lse_row0 = (batch * NUM_HEADS + head).to(gl.int64) * seqlen_q
+        lse_row0 = (batch * NUM_HEADS + head).to(gl.int64) * len_q  # (len_q = seqlen_q here)
     else:
         lse_row0 = head.to(gl.int64) * seqlen_k + q_base
     _store_tile(acc, m_i, l_i, rows, out_ptr, lse_ptr + lse_row0, q_base, head, len_q, NUM_HEADS, out_scale,
