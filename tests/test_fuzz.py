@@ -41,7 +41,7 @@ PAGE_SIZES = [None, 1, 2, 3, 4, 8, 16, 64] if BIG else [None, 1, 3, 4, 8, 16]
 
 def ci_examples(n: int):
     """Under the "ci" profile (the CPU interpreter), draw ``n`` cases of this property instead of the profile's
-    count: the properties whose cases cost well under a second in the interpreter draw more (20 or 30), the two
+    count: the properties whose cases cost well under a second in the interpreter draw more (12 or 20), the two
     whose cases can cost tens of seconds (flash_attn with gradients, the 8-bit decode cache) keep the profile's 10.
     Other profiles keep their own count."""
     if settings.get_current_profile_name() != "ci":
@@ -49,7 +49,7 @@ def ci_examples(n: int):
     return settings(max_examples=n)
 
 
-MEDIUM, CHEAP = 20, 30  # ci_examples of the decode / varlen / fp8 properties and of append_kv / merge_states
+MEDIUM, CHEAP = 12, 20  # ci_examples of the decode / varlen / fp8 properties and of append_kv / merge_states
 
 
 @pytest.fixture(autouse=True, scope="module")
