@@ -485,11 +485,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         table_read = table
 
+    bound = _host_length_bound(q, host_bound, seqlen_new, capacity)
     if prefill:  # a chunk of new tokens over the pages: the paged prefill kernel reads what append_kv wrote
         if k is not None:
             append_kv(k_cache, v_cache, k, v, lengths, table)
         out, lse = _paged_prefill_with_kvcache(
-            q, kv_k, kv_v, seen, table_read, _host_length_bound(q, host_bound, seqlen_new, capacity) or capacity,
+            q, kv_k, kv_v, seen, table_read, bound or capacity,
             causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
             alibi_slopes=alibi_slopes)
         return (out, lse.contiguous()) if return_softmax_lse else out
@@ -498,7 +499,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # as a flash_decode call on these tensors, and no lse written where none is returned
     decode_kw = dict(block_table=table_read, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
                      num_splits=num_splits or None, return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes,
-                     max_seqlen_k=None if num_splits else _host_length_bound(q, host_bound, seqlen_new, capacity))
+                     max_seqlen_k=None if num_splits else bound)
     # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
     # h // group, so the fold keeps the GQA mapping
     q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim) if fold else q

@@ -485,14 +485,22 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     devices, causal, config; the pointers' 16-byte alignment is the one per-call fact, the caller checks it."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
            k.device, v.device, causal, config)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _NOT_APPLICABLE
+
+    def build():
         fp8 = q.dtype == FP8_DTYPE
         supported = _supported_fp8_problem(q, k, v) if fp8 else _supported_problem(q, k, v)
         if supported and (config is not None or gluon_pays(q.shape[-1], k.shape[1])):
             resolve = resolve_gluon_fp8_config if fp8 else resolve_gluon_config
-            plan = _GluonPlan(q, k, v, causal, config or resolve(q.shape[-1], causal, k.shape[1]))
+            return _GluonPlan(q, k, v, causal, config or resolve(q.shape[-1], causal, k.shape[1]))
+        return _NOT_APPLICABLE
+    return _cached_plan(key, build)
+
+
+def _cached_plan(key: tuple, build):
+    """The plan cached under ``key``, else ``build()``'s (a _GluonPlan or _NOT_APPLICABLE), kept for next time."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build()
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -610,35 +618,22 @@ def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> G
     return cfg
 
 
-def _ragged_layout_ok(x: torch.Tensor) -> bool:
-    """x (total, heads, headdim) can be read as the 2-D (total, heads * headdim) TMA rows view: unit dim stride,
-    heads packed, 16-byte row stride."""
-    t, h, d = x.shape
-    st = x.stride()
-    return st[2] == 1 and st[1] == d and (st[0] * x.element_size()) % 16 == 0
-
-
 def _ragged_plan_for(q, k, v, batch: int, max_seqlen_q: int, causal: bool, config: Optional[GluonFwdConfig]):
     """The ragged plan of this launch key (_plan_for's, with the batch and the longest query count, which number
     the tiles), or _NOT_APPLICABLE."""
     key = ("ragged", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device, k.device, v.device, causal, config, batch, max_seqlen_q)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _NOT_APPLICABLE
+
+    def build():
         mean_keys = -(-k.shape[0] // batch)
-        if (q.dtype in GLUON_DTYPES and q.dtype == k.dtype == v.dtype and _is_hopper(q.device)
-                and q.device == k.device == v.device and q.shape[-1] in GLUON_HEAD_DIMS
-                and k.shape[-1] == q.shape[-1] and v.shape == k.shape and q.shape[1] % k.shape[1] == 0
-                and all(_ragged_layout_ok(t) for t in (q, k, v))
+        # the packed tensors as one sequence of total rows: _supported_problem's checks of a fixed-length batch
+        if (_supported_problem(q[None], k[None], v[None])
                 and (config is not None or gluon_pays(q.shape[-1], mean_keys))):
             cfg = config or resolve_gluon_varlen_config(q.shape[-1], causal, mean_keys)
             if cfg.tile_order != "lpt":
-                plan = _GluonPlan(q, k, v, causal, cfg, ragged=(batch, max_seqlen_q))
-        if len(_PLANS) >= _PLAN_CACHE_SIZE:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+                return _GluonPlan(q, k, v, causal, cfg, ragged=(batch, max_seqlen_q))
+        return _NOT_APPLICABLE
+    return _cached_plan(key, build)
 
 
 def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
