@@ -894,7 +894,6 @@ def gluon_pays(headdim: int, seqlen_k: int) -> bool:
     return headdim == 128 or seqlen_k >= GLUON_HD64_MIN_KEYS
 
 
-
 RAGGED_PAIRS_MAX_KEYS = 1024  # causal ragged batches: persistent tile pairs up to this mean length (below)
 
 

@@ -67,7 +67,6 @@ def _check_sinks_alone(config, q, q_descale, alibi_slopes):
         raise ValueError("sinks cannot be combined with config=, FP8 inputs (q_descale ...) or alibi_slopes")
 
 
-
 def _plain_dense_call(q, k, v, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
     """flash_attn's result for an eager dense call with plain options (bools, softmax_scale None or a finite
     float, the default window, softcap 0.0; no config, FP8, ALiBi or sinks) through the dense call cache, or None

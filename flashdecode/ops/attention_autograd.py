@@ -167,7 +167,6 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
                 config_id, None, None, alibi_slopes)
 
 
-
 class _SinkAttentionFunction(torch.autograd.Function):
     """_FlashAttnFunction followed by the sinks step: the kernels' (o, lse), then ops/sinks.apply_sinks; backward =
     the FlashAttention backward on (out, lse') (exact, see ops/sinks.py) plus the sinks' gradient. Dense

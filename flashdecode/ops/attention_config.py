@@ -63,7 +63,6 @@ def head_dim_pad(headdim: int, dtype: Optional[torch.dtype] = None) -> int:
     return max(32 if dtype == FP8_DTYPE else 16, heuristics.next_power_of_2(headdim))
 
 
-
 _resolve_cached = functools.lru_cache(maxsize=1024)(heuristics.resolve_attention_config)
 
 
@@ -93,7 +92,6 @@ def config_for(config_id: int, q, k, v, max_seqlen_k: int, deterministic: bool) 
     if config_id >= 0:
         return _GIVEN_CONFIGS[config_id]
     return resolve_config(q, k, v, max_seqlen_k, deterministic)
-
 
 
 def gluon_allowed(config_id: int) -> bool:

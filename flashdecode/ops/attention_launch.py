@@ -126,4 +126,3 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                v_strides, do_strides, dq_strides) + row_strides + tail
     plan.dq(lambda meta: (cdiv(sq, meta["BLOCK_M"]), nheads, batch), dq_args, q.device)
     return dq, dk, dv
-

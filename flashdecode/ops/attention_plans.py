@@ -43,8 +43,6 @@ def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple:
     return lse.shape[1] * lse.shape[2], lse.shape[2]
 
 
-
-
 def _launch_key(q, k, v, strides, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, left, right, softcap,
                 config_id, alibi_slopes=None, alibi_stride=0, v_descale=None):
     """What the configuration, the kernel choice and Triton's specialisation of a call depend on: shapes, strides
@@ -77,14 +75,11 @@ def _common_constexprs(headdim, varlen, left, right, softcap, dtype, has_alibi=F
     return constexprs
 
 
-
-
 def _shape_info(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     varlen = cu_seqlens_q is not None
     if varlen:
         return varlen, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1]
     return varlen, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-
 
 
 class _FwdPlan:
@@ -160,7 +155,6 @@ def _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, s
         plan = _FWD_PLANS.put(key, _FwdPlan(q, k, v, out, cu_seqlens_q, sq, sk, left, right, softcap,
                                                       config_id, alibi_slopes is not None, v_layout))
     return plan
-
 
 
 def _bwd_plan(q, k, v, dout, strides, do_strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap,

@@ -84,7 +84,6 @@ def _plan_for(q, k, v, causal: bool, config: Optional[GluonFwdConfig]):
     return PLANS.get_or_build(key, build)
 
 
-
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: Optional[float] = None,
                             config: Optional[GluonFwdConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,5 +226,3 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E,
                 descales=(qk_descale.contiguous(), v_descale.contiguous()))
     return True
-
-

@@ -267,5 +267,3 @@ def run_plan(plan: GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptrs
         return out, lse if need_lse else None
     plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E, ptrs)
     return out, None
-
-

@@ -37,7 +37,6 @@ from flashdecode.kernels import fwd as fwd_kernels
 __all__ = ["paged_prefill"]
 
 
-
 def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, k_scale,
                   v_scale):
     """Types, shapes, dtypes and devices (no values, no sync); returns (batch size, the 8-bit cache's checked scales
