@@ -2,7 +2,7 @@
 launch variant, to show that a change of the kernels' argument lists (or of their launchers) leaves the machine
 code alone.
 
-Each variant runs the package's own launch code (ops/decode_launch.py's run_decode, ops/attention.py's backward)
+Each variant runs the package's own launch code (ops/decode_launch.py's run_decode, ops/attention_launch.py's backward)
 on CPU tensors with Triton's JIT launch replaced by a compile for sm_90: Triton's own binder, so pointers, strides
 and tuple elements are specialised (divisible by 16, equal to 1) exactly as a GPU launch would, then Triton's
 compiler and bundled ptxas. Per kernel it records registers, stack (spill) bytes and shared memory (cuobjdump's

@@ -19,13 +19,13 @@ torch.compile traces them without a graph break; _FlashAttnFunction ties them to
 Every launch decision lives in one flashdecode.AttentionConfig, resolved by heuristics.resolve_attention_config
 from the problem and the device (or given with ``config=``). The host path is cached per launch key (shapes,
 strides, dtype, alignment, mask flags, configuration): a repeated call checks its options, allocates its outputs
-and launches the compiled kernel it used last time directly (_Kernel), skipping the autotuner's and the JIT's
-per-call argument binding. Dense forwards go through one cache from the call's key to its ready forward (the
-Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call with plain
-options builds that key, allocates out (and lse only where it is wanted: return_lse or autograd; otherwise the
-kernel writes it to a per-device buffer nobody reads, ops/direct_launch.py) and calls the compiled kernel's C
-launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0 (read when a
-configuration is resolved) turns autotuning off: the first candidate tile that fits shared memory runs.
+and launches the compiled kernel it used last time directly (launch_cache.TunedKernel), skipping the autotuner's
+and the JIT's per-call argument binding. Dense forwards go through one cache from the call's key to its ready
+forward (the Gluon plan or the Triton kernel with its fixed arguments, _DenseCall): a repeated eager flash_attn call
+with plain options builds that key, allocates out (and lse only where it is wanted: return_lse or autograd;
+otherwise the kernel writes it to a per-device buffer nobody reads, ops/direct_launch.py) and calls the compiled
+kernel's C launcher with the pointers as ints (docs/decisions.md, "Dense call cache"). FLASHDECODE_AUTOTUNE=0
+(read when a configuration is resolved) turns autotuning off: the first candidate tile that fits shared memory runs.
 
 This module holds the API and its argument checks' order; the rest of the path lives beside it: the checks in
 ops/checks.py, the configuration in ops/attention_config.py, the plans in ops/attention_plans.py (launched through

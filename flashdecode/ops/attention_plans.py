@@ -263,7 +263,7 @@ class _DenseCall:
             self.bound = (self.grid(kernel.meta), (None,) * 4 + self.fixed, (0, *self.buckets, None, *kernel.tail))
 
     def _lse_discard(self):
-        """As _GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
+        """As GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
         if self.discard_lse is None:
             nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
             buffer = direct_launch.discard_buffer(self.device, nbytes)

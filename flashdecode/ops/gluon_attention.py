@@ -127,8 +127,8 @@ def dispatch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left
     """The plan of a dense forward that the dispatch sends to the Gluon kernel (see gluon_forward_if_supported,
     whose arguments these are; e4m3 q, k, v: see gluon_fp8_forward_into), else None. The answer holds
     for every call that shares the launch key (shapes, strides, dtypes, devices, mask flags) and the pointers'
-    16-byte alignment and the interpreter switch: a caller that keys on those may keep it (ops/attention.py's dense
-    call cache). config: the launch to use (and no gluon_pays rule), as in gluon_attention_forward."""
+    16-byte alignment and the interpreter switch: a caller that keys on those may keep it (the dense call cache,
+    ops/attention_plans.py). config: the launch to use (and no gluon_pays rule), as in gluon_attention_forward."""
     if softcap != 0.0 or window_left != -1 or window_right not in (-1, 0) or interpreting():
         return None
     if not isinstance(q, torch.Tensor) or not is_hopper(q.device):
