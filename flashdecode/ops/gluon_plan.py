@@ -16,7 +16,7 @@ from flashdecode.config import TILE_ORDERS, GluonFwdConfig
 from flashdecode.heuristics import LPT_TILE_OVERHEAD_BLOCKS
 from flashdecode.ops import direct_launch
 from flashdecode.ops.checks import FP8_DTYPE, LOG2E
-from flashdecode.ops.launch_cache import PlanCache
+from flashdecode.ops.launch_cache import PlanCache, launch_through_triton, recordable
 from flashdecode.ops.util import cdiv, num_sms
 
 __all__ = ["GluonPlan", "PLANS", "NOT_APPLICABLE", "run_plan", "tile_key_blocks", "lpt_schedule", "rows_view"]
@@ -220,9 +220,7 @@ class GluonPlan:
             qv, kv, vv = self.views
             args = ((_HostDescriptor(q, qv), _HostDescriptor(k, kv), _HostDescriptor(v, vv), out, lse) + descales
                     + self.shapes + (qk_scale_log2, ) + self.sched_ptr + cu_seqlens + self.tail)
-            meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
-            self.run(self.grid[0], self.grid[1], self.grid[2], stream, self.function, self.packed, meta, enter,
-                     exit_, *args)
+            launch_through_triton(self, self.grid, stream, args, enter, exit_)
         self.direct_launches += 1
 
     def lse_discard(self):
@@ -236,7 +234,7 @@ class GluonPlan:
 
     def _record(self, compiled) -> None:
         """Keep what a direct launch needs; anything unexpected leaves the key on the JIT's path."""
-        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+        if not recordable(compiled):
             return
         extra = (_FP8_EXTRA_ARGS if self.fp8 else _LPT_EXTRA_ARGS if self.sched
                  else _RAGGED_EXTRA_ARGS if self.ragged else 0)

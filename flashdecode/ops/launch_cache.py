@@ -44,7 +44,7 @@ from flashdecode.ops import checks, direct_launch
 from flashdecode.ops.util import interpreting_now
 
 __all__ = ["LaunchSite", "TunedKernel", "PlanCache", "check_keys", "clear", "sites", "tensor_key",
-           "ensure_triton_allocator"]
+           "ensure_triton_allocator", "recordable", "launch_through_triton"]
 
 _MAX_KEYS = 1024  # recorded keys per site (cleared when full: a workload of ever new shapes recompiles nothing)
 
@@ -91,6 +91,21 @@ def clear() -> None:
 def sites() -> list:
     """The launch sites made so far (tests and the warm-up read their counters)."""
     return list(_SITES)
+
+
+def recordable(compiled) -> bool:
+    """Whether ``compiled`` (Triton's CompiledKernel) has what a recorded launch calls later: its launcher (run),
+    function handle, packed metadata and launch-metadata builder (anything else stays on Triton's JIT path)."""
+    return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+
+
+def launch_through_triton(recorded, grid: tuple, stream, args: tuple, enter, exit_) -> None:
+    """A recorded launch (TunedKernel, gluon_plan.GluonPlan: .compiled, .run, .function, .packed) through the
+    compiled kernel's own launcher, as Triton's JIT calls it: the launch metadata and the hook chains where a hook
+    is registered (enter not None), else neither. The path of keys whose launcher no direct launcher knows, and of
+    every launch while a hook (e.g. Triton's profiler) is registered."""
+    meta = None if enter is None else recorded.compiled.launch_metadata(grid, stream, *args)
+    recorded.run(grid[0], grid[1], grid[2], stream, recorded.function, recorded.packed, meta, enter, exit_, *args)
 
 
 def tensor_key(x):
@@ -304,16 +319,14 @@ class TunedKernel:
             return
         if self.use_tma:
             ensure_triton_allocator()
-        meta = None if enter is None else self.compiled.launch_metadata(grid, stream, *full)
-        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, meta, enter, exit_, *full)
+        launch_through_triton(self, grid, stream, full, enter, exit_)
 
     def _record(self, autotuned, compiled, nargs: int):
         """Keep what a direct launch needs; anything unexpected leaves the key on the autotuner's path."""
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
         best = getattr(autotuned, "best_config", None)
-        if best is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
-                                                                   "launch_metadata")):
+        if best is None or not recordable(compiled):
             return
         values = {**self.constexprs, **best.kwargs}
         tail = []
