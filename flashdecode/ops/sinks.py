@@ -12,7 +12,7 @@ no value (dP_sink = 0), enters only through D_i = rowsum(dO_i * out_i): dS = P (
     d s_h = -sum_{rows i of head h} exp(s_h - lse'_i) * D_i.
 
 A step the ops apply after their kernels (flash_attn / flash_attn_varlen / paged prefill / flash_decode take
-``sinks=``; ops/attention_autograd.py adds the backward): this module calls no op and imports none.
+``sinks=``; ops/attention_autograd.py adds the backward): this module calls no op (it imports only ops/checks.py).
   apply_sinks(out, lse, sinks, layout)      -> (out', lse') for results already computed (no gradient)
   sinks_grad(dout, out, lse', sinks, layout) -> d sinks, for the ops' backward
 """
