@@ -35,6 +35,7 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
+from flashdecode.bench.engine_state import fill_pool_randomly, fill_running, page_bytes
 from flashdecode.bench.gpu import release, sync
 from flashdecode.bench.hf_peer import (HF_IMPLEMENTATIONS, HF_KV_NOTE, HF_PEER_TYPES, hf_peer_rows,
                                       hf_unavailable_reason)
@@ -105,8 +106,7 @@ def _ints(text: str) -> list[int]:
 
 def _build_model(args, max_positions: int):
     from flashdecode.engine.config import load_config, named_config
-    from flashdecode.engine.loader import load_checkpoint
-    from flashdecode.engine.models import model_class
+    from flashdecode.engine.models import build_model
 
     if args.model:
         cfg = load_config(args.model)
@@ -114,49 +114,8 @@ def _build_model(args, max_positions: int):
             raise ValueError("--layers only applies to --random-weights")
     else:
         cfg = named_config(args.random_weights or "llama3-8b", args.layers)
-    model = model_class(cfg)(cfg, torch.bfloat16, torch.device("cuda"), max_positions=max_positions)
-    if args.model:
-        load_checkpoint(model, args.model)
-    else:
-        model.init_random_(0)
-    return model
-
-
-def _fill_running(llm, batch: int, context: int, steps: int) -> None:
-    """``batch`` running sequences of ``context`` tokens whose pages already hold (random) K/V."""
-    from flashdecode.engine.sampling import SamplingParams
-    from flashdecode.engine.scheduler import Sequence, Status
-
-    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
-    gen = torch.Generator().manual_seed(context + batch)
-    for _ in range(batch):
-        ids = torch.randint(0, llm.config.vocab_size, (context,), generator=gen).tolist()
-        seq = Sequence(ids, params)
-        llm.scheduler.add(seq)
-        llm.scheduler.waiting.remove(seq)
-        llm.block_manager.allocate(seq.seq_id, context)
-        seq.status = Status.RUNNING
-        llm.scheduler.running.append(seq)
-
-
-def _page_bytes(cfg, page_size: int, dtype, kv_cache_dtype: str) -> int:
-    """Bytes of one KV page (all layers) with K/V pages of ``kv_cache_dtype`` (8-bit: + float32 scales)."""
-    from flashdecode.engine.kv_cache import bytes_per_page
-    from flashdecode.engine.kv_quant import resolve_kv_cache_dtype, scale_bytes_per_page
-
-    kv = resolve_kv_cache_dtype(kv_cache_dtype)
-    page = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim, kv or dtype)
-    return page + (scale_bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads) if kv else 0)
-
-
-def _fill_pool_randomly(runner) -> None:
-    """Random K/V instead of a prefill: normal values, or for 8-bit pages codes 0..126 (never an e4m3 NaN) with
-    scales 1/448."""
-    if runner.pool.element_size() > 1:
-        runner.pool.normal_()
-        return
-    runner.pool.view(torch.uint8).random_(0, 127)
-    runner.pool_scales.fill_(1.0 / 448)
+    return build_model(cfg, args.model or None, torch.bfloat16, torch.device("cuda"), max_model_len=max_positions,
+                       parallel=None, seed=0, use_tqdm=False)
 
 
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
@@ -172,13 +131,13 @@ def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: in
     total_steps = warm + repeats * steps + 1
     max_len = context + total_steps + 1
     pages = batch * -(-max_len // page_size)
-    budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
+    budget = pages * page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
               max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl,
               async_scheduling=async_scheduling, enable_prefix_caching=False)  # decode of random pages
     try:
-        _fill_pool_randomly(llm.runner)
-        _fill_running(llm, batch, context, total_steps)
+        fill_pool_randomly(llm.runner)
+        fill_running(llm, batch, context, total_steps)
         for _ in range(warm):
             llm.step()
         sync(llm.device)

@@ -23,7 +23,7 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
-from flashdecode.bench.e2e import _fill_pool_randomly, _fill_running, _page_bytes
+from flashdecode.bench.engine_state import fill_pool_randomly, fill_running, page_bytes
 from flashdecode.bench.gpu import release, sync
 from flashdecode.bench.roofline import (decode_step_bytes, kv_bytes_per_step, roofline_tokens_per_s,
                                         weight_bytes_per_step)
@@ -142,11 +142,11 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
     max_len = context + total + 1
     pages = batch * -(-max_len // page_size)
     llm = LLM(model, attn_backend="flashdecode", page_size=page_size, max_num_seqs=batch, max_model_len=max_len,
-              kv_cache_memory=pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype),
+              kv_cache_memory=pages * page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype),
               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # decode of random pages
     try:
-        _fill_pool_randomly(llm.runner)
-        _fill_running(llm, batch, context, total)
+        fill_pool_randomly(llm.runner)
+        fill_running(llm, batch, context, total)
         for _ in range(3):
             llm.step()
         step_ms = _step_wall_ms(llm, steps)
@@ -260,7 +260,7 @@ def _decode_profile(model, backend: str, context: int, use_gemv: bool, bandwidth
               enable_prefix_caching=False)
     try:
         llm.runner.pool.normal_()
-        _fill_running(llm, 1, context, 150)
+        fill_running(llm, 1, context, 150)
         for _ in range(3):
             llm.step()
         sync(llm.device)
