@@ -31,9 +31,70 @@ DEFAULT_MAX_MODEL_LEN = 8192  # cap of the default max_model_len (a model's max_
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """An engine's options (LLM's docstring says what each does). ``model``: an HF checkpoint directory or hub id,
-    a ModelConfig (random weights), or an already built engine model (engines then share the weights).
-    None on an option = its default for the device / model, resolved when the engine starts."""
+    """An engine's options; None on an option = its default for the device / model, resolved when the engine starts.
+
+    Args:
+        model: HF checkpoint directory (config.json + safetensors), a hub id ("Qwen/Qwen3-8B": its snapshot in the
+            local HF cache, else downloaded unless HF_HUB_OFFLINE=1), a ModelConfig (random weights), or an already
+            built engine model (e.g. another LLM's ``.model``: engines then share the weights).
+        dtype: "bfloat16"/"float16"/"float32" (default bf16 on CUDA, fp32 on CPU).
+        device: "cuda" / "cpu" (default cuda when available).
+        attn_backend: flashdecode | flashdecode-nosplit | sdpa | eager | torch (default flashdecode on CUDA,
+            torch on the CPU).
+        page_size: tokens per KV page; default 128 on CUDA (a multiple of flash_decode's 128-key block, so its
+            stage 1 reads pages through TMA like a contiguous cache: page 16 measured +8..+50% decode time on the
+            H100, bench decode), 16 elsewhere.
+        kv_cache_memory: KV pool size, int bytes or a float in (0, 1] = fraction of the free GPU memory after the
+            weights are loaded; default: what max_num_seqs sequences of max_model_len tokens need, capped at 90%
+            of free memory (CUDA) or 1 GiB (CPU).
+        max_num_seqs: most sequences decoded together (CUDA graphs are captured for 1, 2, 4, ... up to it).
+        max_model_len: longest sequence (prompt + output); default min(max_position_embeddings, 8192).
+        max_num_batched_tokens: tokens computed per step. Without chunked prefill: prompt tokens per prefill step
+            (a longer single prompt still runs alone; default max(max_model_len, 2048)). With it: the running
+            decodes plus the prompt chunks of a step (default max(2048, max_num_seqs); >= max_num_seqs).
+        enforce_eager: no CUDA graphs.
+        seed: seed of the random weights when ``model`` is a ModelConfig.
+        use_tqdm: a progress bar while the weights load.
+        flat_gemm: "auto" (default) = on CUDA with max_num_seqs >= 2, the flat GEMM for the decode linears of
+            small batches where it beats cuBLAS (models whose weights stream from HBM: fg.worth_measuring), from a
+            per-(M, N, K) table measured once per GPU model and then read from the cache
+            (flashdecode.engine.layers.flat_gemm.cached_table_for_model; a first start on a new GPU measures for
+            some seconds); True = measure now (CUDA only); False = cuBLAS everywhere; or a ready ChoiceTable.
+        tensor_parallel_size, context_parallel_size: ranks that share the model's heads / MLP columns, and ranks
+            that share every sequence's KV pages (docs/distributed.md). Above 1, every rank runs this same program
+            (torchrun, or flashdecode.distributed.launch.spawn) and gets the same outputs.
+        batch_invariant: decode attention whose result for a sequence does not depend on the batch it runs in
+            or the other sequences' lengths (flash_decode(batch_invariant=True); flashdecode backends only).
+            The linear layers stay the library's (cuBLAS may pick other kernels per batch size), so bitwise
+            equal logits across batches also need batch-invariant GEMMs; attention is what this flag fixes.
+        kv_cache_dtype: "auto" (the model's dtype), "fp8" (float8_e4m3fn) or "int8": 8-bit K/V pages with a float32
+            scale per token and kv head (~1.94x the tokens in the same memory at head dim 128; flashdecode
+            backends, or torch on the CPU; engine/kv_quant.py).
+        pdl: programmatic dependent launch of the decode step's Triton kernels (fused norm / rope / silu*mul, the
+            GEMV and the flat GEMM): each may start while the kernel before it finishes, prefetching its weights
+            (flashdecode.engine.layers.pdl). "auto" (default) = pdl.AUTO_ON on a GPU of compute capability >= 9.0
+            (off: measured neutral end to end on the H100, docs/decisions.md), True = on (ValueError elsewhere:
+            CPU, interpreter, older GPUs), False = off. Decode attention keeps its own PDL policy (DecodePlan: on
+            for Hopper) either way.
+        async_scheduling: "auto" (default) = on for a single-GPU engine on CUDA, True = on (any device), False =
+            off. On, a decode step whose tokens the device draws alone (greedy or seeded / unseeded sampling; no
+            penalties, logprobs or pending min_tokens) is launched before the host has read the tokens of the
+            step in flight, so the host's bookkeeping overlaps the GPU's work (vLLM's async scheduling). Same
+            tokens as off; a sequence that stops costs one discarded row, and a step that cannot run ahead (new
+            requests waiting, a length limit, a full page pool, those sampling options) waits as before.
+        enable_prefix_caching: vLLM's automatic prefix caching: full KV pages are kept, keyed by their tokens and
+            everything before them, and a request starting with cached pages shares them and prefills only the
+            rest (engine/kv_cache.py). None (default) = on, except for 8-bit pages (off: a cached prefix is read
+            8-bit, a fresh one is not) and where it cannot run (context parallelism, dynamic rope: ValueError
+            when True). ``stats`` counts the prompt tokens looked up and found cached.
+        enable_chunked_prefill: each step runs every running decode (the CUDA-graph step) and then, in a second
+            forward, up to max_num_batched_tokens minus the decodes of prompt tokens (chunks of long prompts,
+            attending their earlier chunks in the pages): a long prompt no longer stalls the running streams.
+            Same greedy tokens as off. Default off; not with context parallelism.
+        chunked_prefill_single_forward: with chunked prefill, a step with decodes and chunks runs them as one
+            eager forward (each decode row a one-token chunk attending its pages: the weights read once) instead
+            of the decode CUDA graph and a second forward.
+    """
 
     model: str | Path | ModelConfig | torch.nn.Module
     dtype: str | torch.dtype | None = None
