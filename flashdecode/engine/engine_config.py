@@ -22,6 +22,7 @@ import torch
 from flashdecode.engine.attention import BACKENDS
 from flashdecode.engine.config import ModelConfig
 from flashdecode.engine.kv_quant import resolve_kv_cache_dtype
+from flashdecode.engine.layers.flat_gemm import ChoiceTable
 from flashdecode.ops.checks import check_int
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -108,7 +109,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     use_tqdm: bool = True
-    flat_gemm: object = "auto"  # "auto" | bool | None (= False) | flat_gemm.ChoiceTable
+    flat_gemm: str | bool | ChoiceTable | None = "auto"  # None = False
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     batch_invariant: bool = False
@@ -197,8 +198,6 @@ def _check_flat_gemm(value) -> None:
         if value != "auto":
             raise ValueError(f"flat_gemm must be 'auto', a bool or a ChoiceTable, got {value!r}")
         return
-    from flashdecode.engine.layers.flat_gemm import ChoiceTable
-
     if not isinstance(value, ChoiceTable):
         raise TypeError(f"flat_gemm must be a bool or a ChoiceTable, got {type(value).__name__}")
 
