@@ -38,11 +38,9 @@ the same run. Each section names its record in `benchmarks/results/latest/` or
 # The targets of the open work, one line each with the measured value and its record: written by hand (the numbers
 # come from several records and probes), placed after the introduction.
 TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "targets.md"
-# The Gluon Hopper prefill kernels against their peers by kernel time (benchmarks/probes/kernel_time.py records, in
-# benchmarks/results/): the newest run of each shape group, on the machine lent last. The prefill section below is
-# `bench prefill`'s record, which predates these kernels.
-KERNEL_TIME_RECORDS = ["kernel_time_matmul_nvidia-h200_2026-11-28T1236.json",
-                       "kernel_time_fwdbwd_nvidia-h200_2026-11-28T1125.json"]
+# The Gluon Hopper prefill kernels against their peers by kernel time: the kernel_time records in latest/
+# (benchmarks/probes/kernel_time.py; one per mode set, fwd and fwd+bwd), drawn as one table before the sections.
+KERNEL_TIME = "kernel_time"
 
 
 def _fmt_tokens(n: int) -> str:
@@ -59,6 +57,8 @@ def benchmark_key(record: dict) -> str:
         rows = [r for r in record["rows"] if r.get("sweep") == "ctx"] or record["rows"]
         layouts = sorted({r["layout"] for r in rows}, key=lambda x: (x != "contig", len(x), x))
         return "decode:" + ",".join(layouts)
+    if record.get("kind") == KERNEL_TIME:
+        return f"{KERNEL_TIME}:" + ",".join(sorted({r["mode"] for r in record["rows"]}))
     return str(record.get("kind"))
 
 
@@ -151,15 +151,12 @@ def _prefill_ragged_section(record: dict) -> list[str]:
     return [text, ""] + notes + ([""] if notes else []) + [record["table"]]
 
 
-def _kernel_time_section(results: Path) -> str:
-    """One table of KERNEL_TIME_RECORDS: TFLOP/s of ours and each peer per (mode, head dim, shape, mask), ours
-    against the best peer of its row and, where the record has it, against the run's bf16 matmul rate."""
+def _kernel_time_section(records: dict[str, dict]) -> str:
+    """One table of the kernel_time records (file name -> record, in latest/): TFLOP/s of ours and each peer per
+    (mode, head dim, shape, mask), ours against the best peer of its row and, where the record has it, against the
+    run's bf16 matmul rate."""
     rows, devices, names, timing = [], set(), [], set()
-    for name in KERNEL_TIME_RECORDS:
-        path = results / name
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
+    for name, record in records.items():
         devices.add(f"{record['device']}, torch {record['torch']}")
         timing.add(f"median of {record['rounds']} rotated rounds of {record['calls']} calls")
         names.append(name)
@@ -182,13 +179,15 @@ def _kernel_time_section(results: Path) -> str:
         lines.append(f"| {mode} | {d} | {b}x{_fmt_tokens(seqlen)} | {'yes' if causal else 'no'} | "
                      f"{_num(v.get('ours'), '.1f')} | " + " | ".join(_num(v.get(i), ".1f") for i in impls)
                      + f" | {_num(ratio, '.2f')} | {_num(shares.get(key), '.0f')} |")
-    links = ", ".join(f"[`{n}`](../benchmarks/results/{n})" for n in names)
+    links = ", ".join(f"[`{n}`](../benchmarks/results/latest/{n})" for n in names)
+    commands = "; ".join(f"`{r['command']}`" for r in records.values() if r.get("command"))
     method = (f"TFLOP/s (bf16, 16 heads) from the CUDA trace: each kernel's own time, {'; '.join(sorted(timing))}, "
               "peers (cuDNN through SDPA, FA3 through FlashInfer's fa3 backend) in the same run; the backward "
               "deterministic. % of matmul: ours against the bf16 matmul (cuBLAS, 8192^3) timed the same way in the "
               "same run, where the record has it.")
     return "\n".join(["## Prefill kernel time (Gluon Hopper kernels)", "",
-                      f"`python benchmarks/probes/kernel_time.py` - {'; '.join(sorted(devices))}; records {links}.",
+                      f"{commands or '`python -m benchmarks.probes.kernel_time`'} - {'; '.join(sorted(devices))}; "
+                      f"records {links}.",
                       "", method, ""] + lines) + "\n"
 
 
@@ -382,19 +381,20 @@ def main() -> int:
     latest = Path(args.latest)
     latest.mkdir(parents=True, exist_ok=True)
     add([Path(p) for p in args.add], latest, args.commit)
-    records = {}
+    records, kernel_time = {}, {}
     for path in sorted(latest.glob("*.json")):
         record = json.loads(path.read_text())
         if record.get("kind") in SECTIONS:
             records[path] = record
+        elif record.get("kind") == KERNEL_TIME:
+            kernel_time[path.name] = record
     ordered = sorted(records.items(), key=lambda pr: next((i for i, k in enumerate(ORDER)
                                                           if benchmark_key(pr[1]).startswith(k)), len(ORDER)))
     out = [INTRO]
     if TARGETS.exists():
         out.append(TARGETS.read_text().rstrip() + "\n")
-    kernel_time = _kernel_time_section(TARGETS.parent)
     if kernel_time:
-        out.append(kernel_time)
+        out.append(_kernel_time_section(kernel_time))
     for path, record in ordered:
         png = report.plot_record(record, path.with_suffix(".png"))
         if png is None and path.with_suffix(".png").exists():  # a figure its benchmark drew itself (serve)
@@ -404,7 +404,7 @@ def main() -> int:
             path.write_text(json.dumps(record, indent=1))
         out.append(section(path, record, png))
     Path(args.out).write_text("\n".join(out))
-    print(f"wrote {args.out} from {len(records)} records in {latest}")
+    print(f"wrote {args.out} from {len(records) + len(kernel_time)} records in {latest}")
     return 0
 
 

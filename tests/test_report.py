@@ -145,8 +145,8 @@ def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
 
 
 def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
-    """The kernel-time section: one row per (mode, head dim, shape, mask) over the named records, ours against the
-    best peer present in that row ("-" where a peer did not run)."""
+    """The kernel-time section: one row per (mode, head dim, shape, mask) over the kernel_time records of latest/,
+    ours against the best peer present in that row ("-" where a peer did not run)."""
     md = _load_script("write_benchmarks_md")
     shape = dict(d=128, b=1, s=16384, h=16, hkv=16, causal=True)
     fwd = {"device": "GPU", "torch": "t", "rounds": 3, "calls": 10,
@@ -155,12 +155,20 @@ def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
     both = dict(fwd, bf16_matmul_tflops=800.0,
                 rows=[dict(shape, mode="fwd+bwd", impl="ours", tflops=550.0, pct_matmul=68.75),
                       dict(shape, mode="fwd+bwd", impl="cuDNN", tflops=500.0, pct_matmul=62.5)])
-    (tmp_path / "a.json").write_text(json.dumps(fwd))
-    (tmp_path / "b.json").write_text(json.dumps(both))
-    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", ["a.json", "b.json", "missing.json"])
-    text = md._kernel_time_section(tmp_path)
+    text = md._kernel_time_section({"a.json": fwd, "b.json": both})
     assert "| fwd | 128 | 1x16k | yes | 690.0 | 600.0 | 720.0 | 0.96 | - |" in text  # (no matmul in the record)
     assert "| fwd+bwd | 128 | 1x16k | yes | 550.0 | 500.0 | - | 1.10 | 69 |" in text
-    assert "GPU, torch t" in text and "missing.json" not in text
-    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", [])
-    assert md._kernel_time_section(tmp_path) == ""
+    assert "GPU, torch t" in text and "latest/a.json" in text
+    assert md._kernel_time_section({}) == ""
+    # in latest/, by kind: drawn before the other sections; --add replaces the record of the same modes only
+    latest, page = tmp_path / "latest", tmp_path / "benchmarks.md"
+    latest.mkdir()
+    for name, record in (("kernel_time_a.json", fwd), ("kernel_time_b.json", both)):
+        (latest / name).write_text(json.dumps(dict(record, kind="kernel_time")))
+    newer = tmp_path / "kernel_time_c.json"
+    newer.write_text(json.dumps(dict(fwd, kind="kernel_time", command="python -m benchmarks.probes.kernel_time")))
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page), "--add", str(newer),
+                                      "--commit", "abc1234"])
+    assert md.main() == 0
+    assert sorted(p.name for p in latest.glob("*.json")) == ["kernel_time_b.json", "kernel_time_c.json"]
+    assert "`python -m benchmarks.probes.kernel_time` - GPU, torch t" in page.read_text()
