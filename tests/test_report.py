@@ -129,10 +129,14 @@ def test_benchmarks_page_renders_the_paged_prefill_record(tmp_path, monkeypatch)
                                                "(0.94x), FI(fa3) 280 (1.07x)")
 
 
-def test_prune_keeps_runs_cited_by_stamp_in_any_spelling():
+def test_prune_keeps_only_results_named_in_full(tmp_path):
     prune = _load_script("prune_results")
-    text = "`decodetune T1207`, `..._T0741.json` (`old`), `decodetune_x_2026-11-22T0739.json`, version T10000"
-    assert set(prune.RUN.findall(text)) == {"1207", "0741", "0739"}
+    text = "`decodetune_x_2026-11-22T0739.json`, `decodetune_x_2026-11-22T0741_b16.json`, `..._T1207.json`"
+    named = [tmp_path / n for n in ("decodetune_x_2026-11-22T0739.json", "decodetune_x_2026-11-22T0741_b16.json")]
+    others = [tmp_path / n for n in ("decodetune_x_2026-11-22T0741_b64.json", "decodetune_x_2026-11-22T1207.json",
+                                     "decodetune_x_2026-11-22T0739_b1.json")]
+    assert all(prune.cited(p, text) for p in named)
+    assert not any(prune.cited(p, text) for p in others)  # a sibling of a named run, a stamp alone, a longer name
 
 
 def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
@@ -172,3 +176,18 @@ def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
     assert md.main() == 0
     assert sorted(p.name for p in latest.glob("*.json")) == ["kernel_time_b.json", "kernel_time_c.json"]
     assert "`python -m benchmarks.probes.kernel_time` - GPU, torch t" in page.read_text()
+
+
+def test_every_result_the_docs_name_is_in_the_repository():
+    """README, docs/ and the targets table name result records by file name; each must exist under
+    benchmarks/results/ (a record kept only in git history is cited as `git show <commit>:<path>`)."""
+    import re
+
+    results = report.REPO_ROOT / "benchmarks" / "results"
+    have = {p.name for p in results.rglob("*") if p.is_file()}
+    record = re.compile(r"[A-Za-z0-9][\w.-]*_20\d\d-\d\d-\d\d(?:T\d{4})?[\w.-]*?\.(?:json|md|png|log|txt|csv)")
+    pages = [report.REPO_ROOT / "README.md", results / "targets.md", *sorted((report.REPO_ROOT / "docs").glob("*.md"))]
+    missing = [(page.name, name) for page in pages
+               for name in record.findall(re.sub(r"git show \S+", "", page.read_text()))
+               if name not in have]
+    assert not missing
