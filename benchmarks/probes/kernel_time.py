@@ -133,7 +133,7 @@ def main() -> int:
                     rows += time_point(args, mode, d, b, s, h, hkv, causal)
     peak = matmul_tflops(rounds=args.rounds, calls=args.calls)
     env = env_info()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rounds=args.rounds,
+    result = dict(device=env["device"], torch=env["torch"], rounds=args.rounds,
                   calls=args.calls, bf16_matmul_tflops=peak)
     path = report.results_dir(args.out) / f"{report.result_stem('kernel_time', env)}.json"
     report.write_json(path, "kernel_time", env, with_matmul_share(rows, peak), result)
