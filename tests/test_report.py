@@ -191,3 +191,19 @@ def test_every_result_the_docs_name_is_in_the_repository():
                for name in record.findall(re.sub(r"git show \S+", "", page.read_text()))
                if name not in have]
     assert not missing
+
+
+def test_readme_headlines_are_written_from_the_records_in_latest(tmp_path):
+    """README's speed block is what scripts/write_benchmarks_md.py writes from benchmarks/results/latest/ (rerun it
+    after adding records), and rewriting the block leaves the rest of the file as it was."""
+    md = _load_script("write_benchmarks_md")
+    block = md.speed_block(*md.load_latest(report.REPO_ROOT / report.LATEST))
+    assert block in (report.REPO_ROOT / "README.md").read_text()
+    assert block.count("\n- **") >= 5 and block.count("(benchmarks/results/latest/") >= 6
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{md.SPEED_BEGIN}\n- stale\n{md.SPEED_END}\n\n## More\n")
+    assert md.write_speed_block(readme, block)
+    assert readme.read_text() == f"# x\n\n{block}\n\n## More\n"
+    unmarked = tmp_path / "other.md"
+    unmarked.write_text("no block here\n")
+    assert not md.write_speed_block(unmarked, block) and unmarked.read_text() == "no block here\n"
