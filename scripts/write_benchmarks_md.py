@@ -156,6 +156,14 @@ def _prefill_ragged_section(record: dict) -> list[str]:
     return [text, ""] + notes + ([""] if notes else []) + [record["table"]]
 
 
+def _kernel_time_cells(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """TFLOP/s per implementation, keyed by (mode, head dim, batch, seqlen, causal), in the rows' order."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["mode"], r["d"], r["b"], r["s"], r["causal"]), {})[r["impl"]] = r["tflops"]
+    return cells
+
+
 def _kernel_time_section(records: dict[str, dict]) -> str:
     """One table of the kernel_time records (file name -> record, in latest/): TFLOP/s of ours and each peer per
     (mode, head dim, shape, mask), ours against the best peer of its row and, where the record has it, against the
@@ -169,12 +177,9 @@ def _kernel_time_section(records: dict[str, dict]) -> str:
     if not rows:
         return ""
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "ours"))
-    cells, shares = {}, {}
-    for r in rows:
-        key = (r["mode"], r["d"], r["b"], r["s"], r["causal"])
-        cells.setdefault(key, {})[r["impl"]] = r["tflops"]
-        if r["impl"] == "ours":
-            shares[key] = r.get("pct_matmul")
+    cells = _kernel_time_cells(rows)
+    shares = {(r["mode"], r["d"], r["b"], r["s"], r["causal"]): r.get("pct_matmul")
+              for r in rows if r["impl"] == "ours"}
     lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(impls)
              + " | ours / best | ours % of matmul |", "|" + "---|" * (7 + len(impls))]
     for key, v in cells.items():
@@ -385,10 +390,7 @@ def _fp8_decode_headline(name: str, record: dict) -> str:
 
 
 def _kernel_time_headline(records: dict[str, dict]) -> str:
-    cells = {}
-    for record in records.values():
-        for r in record["rows"]:
-            cells.setdefault((r["mode"], r["d"], r["b"], r["s"], r["causal"]), {})[r["impl"]] = r["tflops"]
+    cells = _kernel_time_cells([r for record in records.values() for r in record["rows"]])
 
     def pair(mode, d, peer=None):
         got = [cells.get((mode, d, 1, 16384, causal), {}) for causal in (False, True)]
