@@ -194,6 +194,99 @@ def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
     torch.testing.assert_close(logits[3], logits[1], atol=1e-6, rtol=1e-6)
 
 
+def _count_calls(monkeypatch, module, fn: str, record=lambda *a, **k: True) -> list:
+    """Patch ``module.fn`` to append record(*args, **kwargs) to the returned list on each call."""
+    calls, original = [], getattr(module, fn)
+
+    def counted(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, fn, counted)
+    return calls
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_static_cache_generate_compiles_one_fullgraph_for_every_step(gen, name, padding, monkeypatch):
+    """generate with a StaticCache and a compiled decode step (CompileConfig fullgraph=True; a counting backend
+    that runs the traced graph eagerly): one graph for all steps (the step table's shape does not grow), unpadded
+    steps read the cache contiguously (no block table), and the greedy tokens and every step's logits follow the
+    float64 SDPA model (FlashAttention rule against fp32 SDPA)."""
+    config = _config("llama")
+    lengths = [7, 7] if padding == "none" else [7, 3]
+    ids, mask = _padded_batch(gen, lengths, 7, True, config.vocab_size)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compile_config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles generate's decode step on GPUs only
+    new = 4
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+              cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    contiguous = _count_calls(monkeypatch, fd_transformers, "flash_decode",
+                              lambda *a, **k: k.get("block_table") is None)
+    with torch.no_grad():
+        ours = _model(config, name).generate(compile_config=compile_config, **kw)
+        peer = _model(config, "sdpa").generate(disable_compile=True, **kw)
+        ref = _model(config, "sdpa", torch.float64).generate(disable_compile=True, **kw)
+    assert len(graphs) == 1
+    assert len(contiguous) == config.num_hidden_layers * (new - 1)
+    assert all(contiguous) == (padding == "none") and any(contiguous) == (padding == "none")
+    assert torch.equal(ours.sequences, peer.sequences) and torch.equal(ours.sequences, ref.sequences)
+    for step, (a, b, r) in enumerate(zip(ours.logits, peer.logits, ref.logits)):
+        err, base = max_err(a, r), max_err(b, r)
+        assert err <= 2 * base + 1e-5, f"step {step}: logits error {err:.3e} > 2 x SDPA's {base:.3e}"
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_metadata_is_built_once_per_step_not_per_layer(gen, name, padding, monkeypatch):
+    """Eager generate (DynamicCache), 3 layers: a left-padded prefill reads its mask's host facts once (not per
+    layer) and each decode step builds one positions table for all layers; without padding nothing is built (the
+    mask function returns None, the decode reads the cache contiguously). The tokens are SDPA's."""
+    config = _config("llama", num_hidden_layers=3)
+    ids, mask = _padded_batch(gen, [8, 3, 6] if padding == "left" else [8, 8, 8], 8, True, config.vocab_size)
+    new = 4
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    rows = _count_calls(monkeypatch, fd_transformers, "_PrefillRows")
+    tables = _count_calls(monkeypatch, fd_transformers, "_positions_table")
+    contiguous = _count_calls(monkeypatch, fd_transformers, "flash_decode",
+                              lambda *a, **k: k.get("block_table") is None)
+    with torch.no_grad():
+        tokens = _model(config, name).generate(**kw)
+    steps = new - 1
+    assert len(contiguous) == config.num_hidden_layers * steps
+    if padding == "left":
+        assert (len(rows), len(tables), any(contiguous)) == (1, steps, False)
+    else:
+        assert (len(rows), len(tables), all(contiguous)) == (0, 0, True)
+    with torch.no_grad():
+        assert torch.equal(tokens, _model(config, "sdpa").generate(**kw))
+
+
+def test_step_tables_stand_for_their_masks():
+    """padding_mask's decode step tables against the masks they come from: lengths for prefix rows (None when all
+    valid), positions otherwise, and each converts back to its mask (the prefill path's reading)."""
+    config = _config("llama")
+    prefix = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
+    table = fd_transformers.padding_mask(2, 1, 4, attention_mask=prefix, config=config)
+    assert table.dtype == torch.int32 and table.shape == (1, 1, 1, 2) and table.flatten().tolist() == [3, 1]
+    assert fd_transformers.padding_mask(2, 1, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
+    for mask in (prefix, left):
+        table = fd_transformers.padding_mask(2, 1, 4, attention_mask=mask, config=config)
+        hk = 1 if table.shape[-1] == 2 else config.num_key_value_heads
+        assert torch.equal(fd_transformers._step_table_as_mask(table, 2, hk, 4), mask)
+    # a StaticCache (q_offset a tensor) without a mask: the tokens seen, on the device, no host read
+    table = fd_transformers.padding_mask(3, 1, 16, q_offset=torch.tensor(5), attention_mask=None)
+    assert table.flatten().tolist() == [6, 6, 6]
+    # a short mask (a StaticCache's tokens seen) is padded to the cache length
+    table = fd_transformers.padding_mask(1, 1, 6, attention_mask=torch.ones(1, 4, dtype=torch.bool), config=config)
+    assert table.flatten().tolist() == [4]
+    with pytest.raises(ValueError, match="step table"):
+        fd_transformers._read_step_table(torch.zeros(1, 1, 1, 5, dtype=torch.int32), 2, 2, 4)
+
+
 def _gpt_oss(attn, dtype=torch.float32):
     """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
     (window 4) and a full one, GQA; sinks drawn large enough to matter."""
