@@ -375,6 +375,49 @@ def test_llama3_8b_shape_tokens_per_second_vs_sdpa(name):
     assert errors[name] <= 2 * errors["sdpa"] + 1e-3
 
 
+def _agreeing_steps_close(ours, peer, ref, rule: float) -> int:
+    """Each generate step's logits (ours, peer: same dtype, ref: float32) while all three have generated the same
+    tokens so far: ours within ``rule`` x the peer's error against ref. Returns the steps compared."""
+    compared = 0
+    for step, (a, b, r) in enumerate(zip(ours.logits, peer.logits, ref.logits)):
+        err, base = max_err(a, r), max_err(b, r)
+        assert err <= rule * base + 1e-3, f"step {step}: logits error {err:.3e} > {rule} x SDPA's {base:.3e}"
+        compared += 1
+        if not (torch.equal(a.argmax(-1), b.argmax(-1)) and torch.equal(a.argmax(-1), r.argmax(-1))):
+            break
+    return compared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_static_cache_reduce_overhead_generate_on_the_gpu(name, padding, monkeypatch):
+    """GPU: generate with a StaticCache and its compiled decode step (CompileConfig fullgraph=True,
+    mode="reduce-overhead": inductor and CUDA graphs) on a float16 Llama of head dim 128: every step's logits within
+    the FlashAttention rule of the float32 SDPA model while the tokens agree; on sm_90 the unpadded prefill runs the
+    Gluon kernel (one launch per layer)."""
+    from flashdecode.ops import gluon_attention
+
+    config = _config("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                     max_position_embeddings=1024)
+    config.head_dim = 128
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = _padded_batch(gen, [300, 300] if padding == "none" else [300, 170], 300, True, config.vocab_size)
+    gluon = _count_calls(monkeypatch, gluon_attention, "run_plan")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    compiled = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        ref = _model(config, "sdpa").generate(cache_implementation="static", disable_compile=True, **kw)
+        peer = _model(config, "sdpa", torch.float16).generate(cache_implementation="static", disable_compile=True,
+                                                              **kw)
+        ours = _model(config, name, torch.float16)
+        ours.generate(cache_implementation="static", compile_config=compiled, **kw)  # compiles, captures
+        ours = ours.generate(cache_implementation="static", compile_config=compiled, **kw)
+    assert _agreeing_steps_close(ours, peer, ref, 2) >= 1
+    if padding == "none" and torch.cuda.get_device_capability()[0] == 9:
+        assert len(gluon) >= config.num_hidden_layers
+
+
 def test_core_imports_neither_the_integration_nor_transformers():
     import subprocess
     import sys
