@@ -300,7 +300,7 @@ def _dense_layout(q, k, v, causal: bool, window, softcap: float):
         from flashdecode.ops import gluon_attention
 
         left, right = window[0], (0 if causal else window[1])
-        probes = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
+        probes = [_contiguous_probe(x) for x in (q, k, v)]
         copy = (gluon_attention.dispatch_plan(*probes, left, right, softcap) is not None
                 and gluon_attention.dispatch_plan(q, k, v, left, right, softcap) is None)
         if len(_GLUON_COPY) >= 256:
@@ -309,6 +309,15 @@ def _dense_layout(q, k, v, causal: bool, window, softcap: float):
     if not copy:
         return q, k, v
     return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _contiguous_probe(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of x's shape, dtype and device with contiguous strides, for asking the dispatch about that layout
+    (never read): x's own storage read as contiguous where it is large enough, else a new one."""
+    strides = torch.empty(x.shape, device="meta").stride()
+    if x.storage_offset() + x.numel() <= x.untyped_storage().nbytes() // x.element_size():
+        return x.as_strided(x.shape, strides)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _prefill(q, key, value, mask, causal, scale, window, softcap, sinks):
