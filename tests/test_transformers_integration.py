@@ -417,6 +417,28 @@ def test_static_cache_reduce_overhead_generate_on_the_gpu(name, padding, monkeyp
         assert len(gluon) >= config.num_hidden_layers
 
 
+@pytest.mark.gpu
+def test_unpadded_decode_steps_never_sync_the_host(name):
+    """GPU: a decode step without padding (DynamicCache, and a StaticCache without attention_mask, whose step table
+    is built on the device) runs every layer without a host sync (torch.cuda.set_sync_debug_mode("error"))."""
+    config = _config("llama")
+    model = _model(config, name, torch.float16)
+    ids = torch.randint(1, config.vocab_size, (2, 20), device=DEVICE)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), device=DEVICE)
+    for cache in (None, transformers.StaticCache(config=config, max_cache_len=64)):
+        with torch.no_grad():
+            kw = {} if cache is None else {_CACHE_KWARG: cache}
+            past = model(input_ids=ids, use_cache=True, **kw).past_key_values
+            model(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: past})  # first step: kernels compile
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                logits = model(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: past}).logits
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert torch.isfinite(logits).all()
+
+
 def test_core_imports_neither_the_integration_nor_transformers():
     import subprocess
     import sys
