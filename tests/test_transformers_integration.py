@@ -208,9 +208,10 @@ def _count_calls(monkeypatch, module, fn: str, record=lambda *a, **k: True) -> l
 @pytest.mark.parametrize("padding", ["none", "left"])
 def test_static_cache_generate_compiles_one_fullgraph_for_every_step(gen, name, padding, monkeypatch):
     """generate with a StaticCache and a compiled decode step (CompileConfig fullgraph=True; AOTAutograd with a
-    counting compiler that runs the traced graph eagerly - inductor's CUDA graphs are the GPU test's): one graph for all steps (the step table's shape does not grow), unpadded
-    steps read the cache contiguously (no block table), and the greedy tokens and every step's logits follow the
-    float64 SDPA model (FlashAttention rule against fp32 SDPA)."""
+    counting compiler that runs the traced graph eagerly - inductor's CUDA graphs are the GPU test's): one graph for
+    all steps (the step table's shape does not grow), unpadded steps read the cache contiguously (no block table),
+    and the greedy tokens and every step's logits follow the float64 SDPA model (FlashAttention rule against fp32
+    SDPA)."""
     config = _config("llama")
     lengths = [7, 7] if padding == "none" else [7, 3]
     ids, mask = _padded_batch(gen, lengths, 7, True, config.vocab_size)

@@ -204,8 +204,9 @@ def _measure(model, attn: str, cache_kind: str, batch: int, context: int, new_to
             "e2e_tok_s": batch * new_tokens / full}
 
 
-def generate_rows(layers: int = 8, rows=None, new_tokens: int = NEW_TOKENS) -> list[dict]:
-    """Rows of transformers generate, our backend vs "sdpa" (module doc); rows: [(cache, batch, context)]."""
+def generate_rows(layers: int = 8, rows=None, new_tokens: int = NEW_TOKENS, on_row=None) -> list[dict]:
+    """Rows of transformers generate, our backend vs "sdpa" (module doc); rows: [(cache, batch, context)].
+    on_row(rows so far) after each row (the caller writes its record then: a run cut short keeps its rows)."""
     from flashdecode.integrations.transformers import register
 
     ours = register()
@@ -231,6 +232,8 @@ def generate_rows(layers: int = 8, rows=None, new_tokens: int = NEW_TOKENS) -> l
             row["ours_vs_sdpa_e2e"] = row["ours_e2e_tok_s"] / row["sdpa_e2e_tok_s"]
         print(f"  {row}", flush=True)
         out.append(row)
+        if on_row is not None:
+            on_row(out)
     return out
 
 
@@ -267,10 +270,9 @@ def main(argv=None) -> int:
         print(f"wrote {path}", flush=True)
     if args.generate:
         print(f"# transformers generate, {args.layers} layers, rows {args.rows} on {env['device']}", flush=True)
-        generated = generate_rows(args.layers, rows)
-        path = write_json(pathlib.Path(out_dir) / f"{result_stem('hf_generate', env)}.json", "hf_generate", env,
-                          generated)
-        print(f"wrote {path}", flush=True)
+        path = pathlib.Path(out_dir) / f"{result_stem('hf_generate', env)}.json"
+        generate_rows(args.layers, rows, on_row=lambda done: print(
+            f"wrote {write_json(path, 'hf_generate', env, done)} ({len(done)} of {len(rows)} rows)", flush=True))
     return 0
 
 
