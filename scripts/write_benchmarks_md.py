@@ -64,6 +64,8 @@ def benchmark_key(record: dict) -> str:
         return "decode:" + ",".join(layouts)
     if record.get("kind") == KERNEL_TIME:
         return f"{KERNEL_TIME}:" + ",".join(sorted({r["mode"] for r in record["rows"]}))
+    if record.get("kind") == "hf_generate":  # eager and compiled rows may come from separate runs
+        return "hf_generate:" + ",".join(sorted({r["cache"] for r in record["rows"]}))
     return str(record.get("kind"))
 
 
@@ -312,6 +314,26 @@ def _serve_section(record: dict) -> list[str]:
     return [text, ""] + lines
 
 
+def _hf_generate_section(record: dict) -> list[str]:
+    rows = record["rows"]
+    lines = ["| cache | batch | context | decode tok/s ours | SDPA | ours / SDPA | end to end ours / SDPA | "
+             "prefill s ours / SDPA |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['cache']} | {r['batch']} | {_fmt_tokens(r['context'])} | "
+                     f"{_num(r.get('ours_decode_tok_s'))} | {_num(r.get('sdpa_decode_tok_s'))} | "
+                     f"{_num(r.get('ours_vs_sdpa'), '.2f')}x | {_num(r.get('ours_vs_sdpa_e2e'), '.2f')}x | "
+                     f"{_num(r.get('ours_prefill_s'), '.3f')} / {_num(r.get('sdpa_prefill_s'), '.3f')} |")
+    errors = [f"{r['cache']} {r['batch']}x{r['context']} {k[:-6]}: {r[k]}" for r in rows for k in r
+              if k.endswith("_error")]
+    text = (f"transformers `generate` with `attn_implementation=register()` (flashdecode.integrations.transformers) "
+            f"against \"sdpa\" on one Llama-3-8B-shaped model ({rows[0]['layers']} layers, random bf16 weights), "
+            f"greedy, {rows[0]['new_tokens']} new tokens; dynamic: eager DynamicCache; static: StaticCache with "
+            "generate's compiled decode step (fullgraph, mode=\"reduce-overhead\"). Decode tokens/s = batch x "
+            "(new tokens - 1) / (time of generate - time of a 1-token generate); end to end includes the prefill."
+            + (" Failed: " + "; ".join(errors) if errors else ""))
+    return [text, ""] + lines
+
+
 def _fp8_rmse_section(record: dict) -> list[str]:
     args = record.get("args", {})
     lines = ["| scheme | RMSE (emulated) | RMSE (kernel) |", "|---|---|---|"]
@@ -503,9 +525,10 @@ SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": (
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
             "e2e_step": ("Decode-step breakdown (engine, Llama-3-8B)", _e2e_step_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section),
-            "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section)}
+            "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section),
+            "hf_generate": ("transformers generate with our attention backend", _hf_generate_section)}
 ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "prefill_ragged", "paged_prefill", "fp8_rmse", "e2e", "e2e_step",
-         "flat_gemm",
+         "flat_gemm", "hf_generate",
          "serve"]
 
 

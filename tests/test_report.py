@@ -207,3 +207,31 @@ def test_readme_headlines_are_written_from_the_records_in_latest(tmp_path):
     unmarked = tmp_path / "other.md"
     unmarked.write_text("no block here\n")
     assert not md.write_speed_block(unmarked, block) and unmarked.read_text() == "no block here\n"
+
+
+def test_benchmarks_page_renders_the_hf_generate_records_eager_and_compiled_apart(tmp_path, monkeypatch):
+    """bench.host --generate's records: eager and compiled rows may come from separate runs, each its own section;
+    a backend that failed is named. Its --rows entries parse, a bad one names itself."""
+    from flashdecode.bench import host
+
+    assert host.parse_rows("dynamic:1x512, static:1x65536") == [("dynamic", 1, 512), ("static", 1, 65536)]
+    with pytest.raises(ValueError, match="eager:1x512"):
+        host.parse_rows("eager:1x512")
+    md = _load_script("write_benchmarks_md")
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    base = dict(batch=1, context=4096, layers=8, new_tokens=64)
+    for cache, row in (("dynamic", dict(ours_decode_tok_s=120.0, sdpa_decode_tok_s=100.0, ours_vs_sdpa=1.2,
+                                        ours_vs_sdpa_e2e=1.1, ours_prefill_s=0.05, sdpa_prefill_s=0.06)),
+                       ("static", dict(ours_decode_tok_s=300.0, sdpa_error="RuntimeError: boom"))):
+        record = {"kind": "hf_generate", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"},
+                  "git_commit": "abc", "command": "python -m flashdecode.bench.host --generate --no-host",
+                  "rows": [dict(base, cache=cache, **row)]}
+        (latest / f"hf_generate_{cache}.json").write_text(json.dumps(record))
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page)])
+    assert md.main() == 0
+    text = page.read_text()
+    assert "| dynamic | 1 | 4k | 120.0 | 100.0 | 1.20x | 1.10x | 0.050 / 0.060 |" in text
+    assert "| static | 1 | 4k | 300.0 | - |" in text and "static 1x4096 sdpa: RuntimeError: boom" in text
+    assert text.count("## transformers generate with our attention backend") == 2
