@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
-from flashdecode.bench.e2e import hf_cache_kwarg  # noqa: E402
+from flashdecode.bench.hf_peer import hf_cache_kwarg  # noqa: E402
 from helpers import DEVICE, SUBPROCESS_TIMEOUT_S, max_err  # noqa: E402
 
 

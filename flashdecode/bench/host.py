@@ -168,7 +168,7 @@ def _generate_seconds(model, ids, new_tokens: int, cache) -> float:
     generate's compiled decode step (fullgraph, CUDA graphs)."""
     from transformers import CompileConfig
 
-    from flashdecode.bench.e2e import hf_cache_kwarg
+    from flashdecode.bench.hf_peer import hf_cache_kwarg
 
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if cache is not None:
