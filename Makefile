@@ -44,8 +44,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -qq -e ".[dev]"
 	touch $(STAMP)
 
+# One screen of output: nothing per passed or skipped test (--compact, tests/conftest.py), warnings counted in the
+# last line, each failure's short traceback and a one-line list of failures and errors (-rfE, pyproject.toml).
+PYTEST_COMPACT := -q --compact --tb=short --disable-warnings
+
 test: $(SETUP)
-	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests
+	$(RUN) -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 $(COMPAT_VENV)/.installed: pyproject.toml
 	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
@@ -54,7 +58,8 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-compat: $(COMPAT_VENV)/.installed
-	TRITON_INTERPRET=1 $(COMPAT_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(COMPAT_TESTS)
+	TRITON_INTERPRET=1 $(COMPAT_VENV)/bin/python -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist loadgroup \
+		$(COMPAT_TESTS)
 
 demo: $(SETUP)
 	$(RUN) -m flashdecode demo

@@ -4,7 +4,8 @@
     python scripts/write_benchmarks_md.py --add $OUT/decode_*.json [--commit HASH]
 
 latest/ holds one record per benchmark (decode at contiguous + 16-token pages, decode at other page sizes, prefill,
-e2e), each written by `flashdecode bench ...` (flashdecode/bench/report.py: env, git commit, command, rows). --add
+e2e), each written by `flashdecode bench ...` (flashdecode/bench/report.py: env, git commit, command, rows). The
+README's headline numbers (the block between SPEED_BEGIN and SPEED_END) are written from the same records. --add
 copies new records in, replacing the older record of the same benchmark (git history keeps it); --commit sets the
 git commit the runs are of (the GPU machine's copy of .git can be older than the tree it ran), else a record
 without one gets this checkout's HEAD.
@@ -38,11 +39,13 @@ the same run. Each section names its record in `benchmarks/results/latest/` or
 # The targets of the open work, one line each with the measured value and its record: written by hand (the numbers
 # come from several records and probes), placed after the introduction.
 TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "targets.md"
-# The Gluon Hopper prefill kernels against their peers by kernel time (benchmarks/probes/kernel_time.py records, in
-# benchmarks/results/): the newest run of each shape group, on the machine lent last. The prefill section below is
-# `bench prefill`'s record, which predates these kernels.
-KERNEL_TIME_RECORDS = ["kernel_time_matmul_nvidia-h200_2026-11-28T1236.json",
-                       "kernel_time_fwdbwd_nvidia-h200_2026-11-28T1125.json"]
+# The Gluon Hopper prefill kernels against their peers by kernel time: the kernel_time records in latest/
+# (benchmarks/probes/kernel_time.py; one per mode set, fwd and fwd+bwd), drawn as one table before the sections.
+KERNEL_TIME = "kernel_time"
+# README.md's "Speed" list: every line drawn from a record of latest/ (speed_block), never typed by hand.
+README = Path(__file__).resolve().parents[1] / "README.md"
+SPEED_BEGIN = "<!-- speed: written by scripts/write_benchmarks_md.py from benchmarks/results/latest/ -->"
+SPEED_END = "<!-- /speed -->"
 
 
 def _fmt_tokens(n: int) -> str:
@@ -59,6 +62,10 @@ def benchmark_key(record: dict) -> str:
         rows = [r for r in record["rows"] if r.get("sweep") == "ctx"] or record["rows"]
         layouts = sorted({r["layout"] for r in rows}, key=lambda x: (x != "contig", len(x), x))
         return "decode:" + ",".join(layouts)
+    if record.get("kind") == KERNEL_TIME:
+        return f"{KERNEL_TIME}:" + ",".join(sorted({r["mode"] for r in record["rows"]}))
+    if record.get("kind") == "hf_generate":  # eager and compiled rows may come from separate runs
+        return "hf_generate:" + ",".join(sorted({r["cache"] for r in record["rows"]}))
     return str(record.get("kind"))
 
 
@@ -151,15 +158,20 @@ def _prefill_ragged_section(record: dict) -> list[str]:
     return [text, ""] + notes + ([""] if notes else []) + [record["table"]]
 
 
-def _kernel_time_section(results: Path) -> str:
-    """One table of KERNEL_TIME_RECORDS: TFLOP/s of ours and each peer per (mode, head dim, shape, mask), ours
-    against the best peer of its row and, where the record has it, against the run's bf16 matmul rate."""
+def _kernel_time_cells(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """TFLOP/s per implementation, keyed by (mode, head dim, batch, seqlen, causal), in the rows' order."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["mode"], r["d"], r["b"], r["s"], r["causal"]), {})[r["impl"]] = r["tflops"]
+    return cells
+
+
+def _kernel_time_section(records: dict[str, dict]) -> str:
+    """One table of the kernel_time records (file name -> record, in latest/): TFLOP/s of ours and each peer per
+    (mode, head dim, shape, mask), ours against the best peer of its row and, where the record has it, against the
+    run's bf16 matmul rate."""
     rows, devices, names, timing = [], set(), [], set()
-    for name in KERNEL_TIME_RECORDS:
-        path = results / name
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
+    for name, record in records.items():
         devices.add(f"{record['device']}, torch {record['torch']}")
         timing.add(f"median of {record['rounds']} rotated rounds of {record['calls']} calls")
         names.append(name)
@@ -167,12 +179,9 @@ def _kernel_time_section(results: Path) -> str:
     if not rows:
         return ""
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "ours"))
-    cells, shares = {}, {}
-    for r in rows:
-        key = (r["mode"], r["d"], r["b"], r["s"], r["causal"])
-        cells.setdefault(key, {})[r["impl"]] = r["tflops"]
-        if r["impl"] == "ours":
-            shares[key] = r.get("pct_matmul")
+    cells = _kernel_time_cells(rows)
+    shares = {(r["mode"], r["d"], r["b"], r["s"], r["causal"]): r.get("pct_matmul")
+              for r in rows if r["impl"] == "ours"}
     lines = ["| mode | head dim | batch x seqlen | causal | ours | " + " | ".join(impls)
              + " | ours / best | ours % of matmul |", "|" + "---|" * (7 + len(impls))]
     for key, v in cells.items():
@@ -182,13 +191,15 @@ def _kernel_time_section(results: Path) -> str:
         lines.append(f"| {mode} | {d} | {b}x{_fmt_tokens(seqlen)} | {'yes' if causal else 'no'} | "
                      f"{_num(v.get('ours'), '.1f')} | " + " | ".join(_num(v.get(i), ".1f") for i in impls)
                      + f" | {_num(ratio, '.2f')} | {_num(shares.get(key), '.0f')} |")
-    links = ", ".join(f"[`{n}`](../benchmarks/results/{n})" for n in names)
+    links = ", ".join(f"[`{n}`](../benchmarks/results/latest/{n})" for n in names)
+    commands = "; ".join(f"`{r['command']}`" for r in records.values() if r.get("command"))
     method = (f"TFLOP/s (bf16, 16 heads) from the CUDA trace: each kernel's own time, {'; '.join(sorted(timing))}, "
               "peers (cuDNN through SDPA, FA3 through FlashInfer's fa3 backend) in the same run; the backward "
               "deterministic. % of matmul: ours against the bf16 matmul (cuBLAS, 8192^3) timed the same way in the "
               "same run, where the record has it.")
     return "\n".join(["## Prefill kernel time (Gluon Hopper kernels)", "",
-                      f"`python benchmarks/probes/kernel_time.py` - {'; '.join(sorted(devices))}; records {links}.",
+                      f"{commands or '`python -m benchmarks.probes.kernel_time`'} - {'; '.join(sorted(devices))}; "
+                      f"records {links}.",
                       "", method, ""] + lines) + "\n"
 
 
@@ -303,6 +314,26 @@ def _serve_section(record: dict) -> list[str]:
     return [text, ""] + lines
 
 
+def _hf_generate_section(record: dict) -> list[str]:
+    rows = record["rows"]
+    lines = ["| cache | batch | context | decode tok/s ours | SDPA | ours / SDPA | end to end ours / SDPA | "
+             "prefill s ours / SDPA |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['cache']} | {r['batch']} | {_fmt_tokens(r['context'])} | "
+                     f"{_num(r.get('ours_decode_tok_s'))} | {_num(r.get('sdpa_decode_tok_s'))} | "
+                     f"{_num(r.get('ours_vs_sdpa'), '.2f')}x | {_num(r.get('ours_vs_sdpa_e2e'), '.2f')}x | "
+                     f"{_num(r.get('ours_prefill_s'), '.3f')} / {_num(r.get('sdpa_prefill_s'), '.3f')} |")
+    errors = [f"{r['cache']} {r['batch']}x{r['context']} {k[:-6]}: {r[k]}" for r in rows for k in r
+              if k.endswith("_error")]
+    text = (f"transformers `generate` with `attn_implementation=register()` (flashdecode.integrations.transformers) "
+            f"against \"sdpa\" on one Llama-3-8B-shaped model ({rows[0]['layers']} layers, random bf16 weights), "
+            f"greedy, {rows[0]['new_tokens']} new tokens; dynamic: eager DynamicCache; static: StaticCache with "
+            "generate's compiled decode step (fullgraph, mode=\"reduce-overhead\"). Decode tokens/s = batch x "
+            "(new tokens - 1) / (time of generate - time of a 1-token generate); end to end includes the prefill."
+            + (" Failed: " + "; ".join(errors) if errors else ""))
+    return [text, ""] + lines
+
+
 def _fp8_rmse_section(record: dict) -> list[str]:
     args = record.get("args", {})
     lines = ["| scheme | RMSE (emulated) | RMSE (kernel) |", "|---|---|---|"]
@@ -328,6 +359,163 @@ def _flat_gemm_section(record: dict) -> list[str]:
     return [text, "", report.markdown_table(record["rows"], cols, fmt)]
 
 
+def _card(record: dict) -> str:
+    device = str(record.get("env", {}).get("device") or record.get("device", ""))
+    return next((c for c in ("H100", "H200") if c in device), device)
+
+
+def _ratio_range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}x"
+
+
+def _link(name: str) -> str:
+    return f"([record](benchmarks/results/latest/{name}))"
+
+
+def _decode_headline(name: str, record: dict) -> str:
+    peers = report.external_peers(record)
+
+    def ctx(layout):
+        return [r for r in record["rows"] if r["sweep"] == "ctx" and r["layout"] == layout and r.get("ours")]
+
+    def vs_best(rows):
+        return [report.best_peer(r, peers, True)[1] / r["ours"] for r in rows if report.best_peer(r, peers, True)[1]]
+
+    contig, paged = ctx("contig"), ctx("page16")
+    r0 = contig[0]
+    times = ", ".join(f"{r['ours']:.1f} us at {_fmt_tokens(r['context'])}" for r in contig
+                      if r["context"] in (512, 4096, 32768, 131072))
+    batch = [r for r in record["rows"] if r["sweep"] == "batch" and r["batch"] >= 16 and r.get("ours")]
+    return (f"- **Decode** ({_card(record)}, bf16, batch 1, {r0['nheads']} q / {r0['nheads_kv']} kv heads, head dim "
+            f"{r0['headdim']}): {times}; {_ratio_range(vs_best(contig))} the fastest of {', '.join(peers)}"
+            + (f"; 16-token pages {_ratio_range(vs_best(paged))} the best peer" if paged and vs_best(paged) else "")
+            + (f"; batch 16-64 (Llama-3-8B heads, 8k tokens) {_ratio_range(vs_best(batch))} the best peer"
+               if batch and vs_best(batch) else "")
+            + f" {_link(name)}, commit `{record.get('git_commit')}`.")
+
+
+def _fp8_decode_headline(name: str, record: dict) -> str:
+    b1 = [r for r in record["rows"] if r["batch"] == 1 and r.get("ours fp8-token contig")]
+    big = [r for r in record["rows"] if r["batch"] > 1]
+    vs_fi = "ours fp8 vs FlashInfer fp8 (page16)"
+    last = b1[-1]
+    text = (f"- **Decode on 8-bit KV caches** ({_card(record)}, e4m3, per-token scales): "
+            f"{last['ours fp8-token contig']:.1f} us at {_fmt_tokens(last['context'])} against "
+            f"{last['ours bf16 contig']:.1f} for bf16 ({last['speedup fp8-token vs bf16 contig']:.2f}x)")
+    if any(r.get(vs_fi) for r in b1):
+        text += (f"; {_ratio_range([r[vs_fi] for r in b1 if r.get(vs_fi)])} FlashInfer's FP8 paged decode from "
+                 f"{_fmt_tokens(b1[0]['context'])} to {_fmt_tokens(last['context'])} tokens")
+    if any(r.get(vs_fi) for r in big):
+        text += f", {_ratio_range([r[vs_fi] for r in big if r.get(vs_fi)])} at {big[0]['shape']} batch " \
+                f"{big[0]['batch']}-{big[-1]['batch']}"
+    return text + f" {_link(name)}."
+
+
+def _kernel_time_headline(records: dict[str, dict]) -> str:
+    cells = _kernel_time_cells([r for record in records.values() for r in record["rows"]])
+
+    def pair(mode, d, peer=None):
+        got = [cells.get((mode, d, 1, 16384, causal), {}) for causal in (False, True)]
+        if not all(g.get("ours") and (peer is None or g.get(peer)) for g in got):
+            return None
+        if peer is None:
+            return " / ".join(f"{g['ours']:.0f}" for g in got)
+        return " / ".join(f"{g['ours'] / g[peer]:.2f}" for g in got) + f"x {peer}"
+
+    parts = []
+    if pair("fwd", 128):
+        parts.append(f"forward {pair('fwd', 128)} TFLOP/s ("
+                     + ", ".join(x for x in (pair("fwd", 128, "cuDNN"), pair("fwd", 128, "FA3")) if x) + ")")
+    if pair("fwd+bwd", 128):
+        parts.append(f"forward + backward {pair('fwd+bwd', 128)}"
+                     + (f" ({pair('fwd+bwd', 128, 'cuDNN')})" if pair("fwd+bwd", 128, "cuDNN") else ""))
+    if pair("fwd", 64, "cuDNN"):
+        parts.append(f"head dim 64 forward {pair('fwd', 64, 'cuDNN')}")
+    if not parts:
+        return ""
+    links = ", ".join(f"[record](benchmarks/results/latest/{n})" for n in records)
+    return (f"- **Prefill** ({_card(next(iter(records.values())))}, kernel time, 16k tokens, head dim 128, "
+            f"non-causal / causal): {'; '.join(parts)} ({links}).")
+
+
+def _ragged_headline(name: str, record: dict) -> str:
+    rows, r0 = record["rows"], record["rows"][0]
+
+    def fa3(causal):
+        return _ratio_range([r["ours/FA3"] for r in rows if r["causal"] == causal and r.get("ours/FA3")])
+
+    return (f"- **Ragged (varlen) prefill** ({_card(record)}, {r0['nheads']} / {r0['nheads_kv']} heads, head dim "
+            f"{r0['headdim']}, {_fmt_tokens(r0['tokens'])} tokens a call): "
+            f"{_ratio_range([r['ours/triton'] for r in rows])} our Triton kernel; {fa3(False)} FlashAttention-3 "
+            f"non-causal, {fa3(True)} causal {_link(name)}.")
+
+
+def _e2e_headline(name: str, record: dict) -> str:
+    table = _corrected_e2e_table(record) if record.get("read_bandwidth_bytes_per_s") is None else record["table"]
+    rows = [t for t in table if t.get("flashdecode tok/s")]
+    tokens = ", ".join(f"{t['flashdecode tok/s']:.0f} tokens/s at batch {t['batch']} and {_fmt_tokens(t['context'])}"
+                       for t in rows)
+    shares = " / ".join(f"{t['flashdecode % roofline']:.0f}%" for t in rows)
+    text = (f"- **Engine** ({_card(record)}, {str(record.get('model', '')).split(':')[0]} shape, random weights): "
+            f"{tokens} ({shares} of the roofline of the bytes a step reads)")
+    fp8 = [t for t in rows if t.get("flashdecode+fp8 vs model-dtype pages")]
+    if fp8:
+        text += (f"; fp8 KV pages " + " / ".join(f"{t['flashdecode+fp8 vs model-dtype pages']:.2f}x" for t in fp8)
+                 + " bf16 pages there")
+    prefill = {r["backend"]: r for r in record["rows"] if r.get("kind") == "prefill"}
+    if "flashdecode" in prefill and "sdpa" in prefill:
+        ours, sdpa = prefill["flashdecode"], prefill["sdpa"]
+        text += (f"; the {_fmt_tokens(ours['context'])}-token prefill {ours['seconds']:.2f} s against "
+                 f"{sdpa['seconds']:.2f} s on its SDPA (cuDNN) backend")
+    return text + f" {_link(name)}."
+
+
+def _serve_headline(name: str, record: dict) -> str:
+    r = record["rows"][0]
+    return (f"- **Serving** ({_card(record)}, {r['concurrency']} streams of {r['prompt_len']}-token prompts and "
+            f"{r['output_len']} new tokens): {r['output_tokens_per_s']:.0f} output tokens/s, "
+            f"{r['serve_vs_generate']:.2f}x `LLM.generate` on the same batch, {r['failed']} failed, TTFT p50 "
+            f"{r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms {_link(name)}.")
+
+
+HEADLINES = {"decode:contig,page16": _decode_headline, "fp8_decode": _fp8_decode_headline,
+             "prefill_ragged": _ragged_headline, "e2e": _e2e_headline, "serve": _serve_headline}
+
+
+def speed_block(records: dict[Path, dict], kernel_time: dict[str, dict]) -> str:
+    """README's headline list, one line per benchmark, each from its record in latest/ (and its link)."""
+    by_key = {benchmark_key(record): (path.name, record) for path, record in records.items()}
+    lines = []
+    for key, headline in HEADLINES.items():
+        if key in by_key:
+            lines.append(headline(*by_key[key]))
+        if key == "fp8_decode" and kernel_time:
+            lines.append(_kernel_time_headline(kernel_time))
+    return "\n".join([SPEED_BEGIN] + [line for line in lines if line] + [SPEED_END])
+
+
+def write_speed_block(readme: Path, block: str) -> bool:
+    """Replace the README's block between SPEED_BEGIN and SPEED_END; False (nothing written) if it has none."""
+    text = readme.read_text()
+    begin, end = text.find(SPEED_BEGIN), text.find(SPEED_END)
+    if begin < 0 or end < begin:
+        return False
+    readme.write_text(text[:begin] + block + text[end + len(SPEED_END):])
+    return True
+
+
+def load_latest(latest: Path) -> tuple[dict[Path, dict], dict[str, dict]]:
+    """The records of latest/ that have a section, and the kernel_time records (by file name)."""
+    records, kernel_time = {}, {}
+    for path in sorted(latest.glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("kind") in SECTIONS:
+            records[path] = record
+        elif record.get("kind") == KERNEL_TIME:
+            kernel_time[path.name] = record
+    return records, kernel_time
+
+
 SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": ("Prefill (FlashAttention)",
                                                                              _prefill_section),
             "paged_prefill": ("Prefill over a paged KV cache", _paged_prefill_section),
@@ -337,9 +525,10 @@ SECTIONS = {"decode": ("Decode (Flash-Decoding)", _decode_section), "prefill": (
             "e2e": ("End to end (engine, Llama-3-8B)", _e2e_section),
             "e2e_step": ("Decode-step breakdown (engine, Llama-3-8B)", _e2e_step_section),
             "serve": ("Serving (OpenAI-compatible server)", _serve_section),
-            "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section)}
+            "flat_gemm": ("Flat GEMM vs cuBLAS (batched-decode linears)", _flat_gemm_section),
+            "hf_generate": ("transformers generate with our attention backend", _hf_generate_section)}
 ORDER = ["decode:contig,page16", "decode", "fp8_decode", "prefill", "prefill_ragged", "paged_prefill", "fp8_rmse", "e2e", "e2e_step",
-         "flat_gemm",
+         "flat_gemm", "hf_generate",
          "serve"]
 
 
@@ -378,23 +567,20 @@ def main() -> int:
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--add", nargs="*", default=[], help="result JSON files to put into latest/")
     ap.add_argument("--commit", help="git commit the --add runs are of (replaces theirs; default: theirs, else this checkout's HEAD)")
+    ap.add_argument("--readme", default=None,
+                    help="README whose speed block to rewrite (default: README.md when --out is docs/benchmarks.md)")
     args = ap.parse_args()
     latest = Path(args.latest)
     latest.mkdir(parents=True, exist_ok=True)
     add([Path(p) for p in args.add], latest, args.commit)
-    records = {}
-    for path in sorted(latest.glob("*.json")):
-        record = json.loads(path.read_text())
-        if record.get("kind") in SECTIONS:
-            records[path] = record
+    records, kernel_time = load_latest(latest)
     ordered = sorted(records.items(), key=lambda pr: next((i for i, k in enumerate(ORDER)
                                                           if benchmark_key(pr[1]).startswith(k)), len(ORDER)))
     out = [INTRO]
     if TARGETS.exists():
         out.append(TARGETS.read_text().rstrip() + "\n")
-    kernel_time = _kernel_time_section(TARGETS.parent)
     if kernel_time:
-        out.append(kernel_time)
+        out.append(_kernel_time_section(kernel_time))
     for path, record in ordered:
         png = report.plot_record(record, path.with_suffix(".png"))
         if png is None and path.with_suffix(".png").exists():  # a figure its benchmark drew itself (serve)
@@ -404,7 +590,10 @@ def main() -> int:
             path.write_text(json.dumps(record, indent=1))
         out.append(section(path, record, png))
     Path(args.out).write_text("\n".join(out))
-    print(f"wrote {args.out} from {len(records)} records in {latest}")
+    print(f"wrote {args.out} from {len(records) + len(kernel_time)} records in {latest}")
+    readme = Path(args.readme) if args.readme else (README if args.out == ap.get_default("out") else None)
+    if readme and write_speed_block(readme, speed_block(records, kernel_time)):
+        print(f"wrote the speed block of {readme}")
     return 0
 
 

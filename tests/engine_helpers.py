@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flashdecode.bench.e2e import hf_cache_kwarg
+from flashdecode.bench.hf_peer import hf_cache_kwarg
 
 VOCAB = 160
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

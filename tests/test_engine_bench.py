@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flashdecode.bench import e2e, roofline
+from flashdecode.bench import e2e, hf_peer, roofline
 from flashdecode.engine.config import config_from_dict, named_config
 from flashdecode.engine.models import model_class
 
@@ -205,19 +205,19 @@ def test_hf_peer_shares_our_weights_and_matches_our_model(model_type, extra):
     ours_logits = llm.prompt_logits(ids)
     ours_tokens = llm.generate([ids], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
     ours_ptrs = {p.data_ptr() for p in model.parameters()}
-    for impl in e2e.HF_IMPLEMENTATIONS:
-        hf = e2e.build_hf_peer(model, impl)
+    for impl in hf_peer.HF_IMPLEMENTATIONS:
+        hf = hf_peer.build_hf_peer(model, impl)
         assert hf.config._attn_implementation == impl
         for name, p in hf.named_parameters():  # views of our storage (fused qkv / gate_up rows): no second copy
             assert p.untyped_storage().data_ptr() in ours_ptrs, name
         with torch.inference_mode():
             theirs_logits = hf(torch.tensor([ids])).logits[0].float()
-            cache = e2e.hf_prefilled_cache(hf, 0)
-            out = hf(torch.tensor([ids]), use_cache=True, **{e2e.hf_cache_kwarg(hf): cache})
+            cache = hf_peer.hf_prefilled_cache(hf, 0)
+            out = hf(torch.tensor([ids]), use_cache=True, **{hf_peer.hf_cache_kwarg(hf): cache})
             first = out.logits[:, -1].argmax(-1, keepdim=True)
             rest = [first]
             for _ in range(11):  # the bench's own decode loop, one step at a time
-                rest.append(e2e.hf_greedy_steps(hf, cache, rest[-1], 1))
+                rest.append(hf_peer.hf_greedy_steps(hf, cache, rest[-1], 1))
         torch.testing.assert_close(theirs_logits, ours_logits, atol=1e-4, rtol=1e-4)
         assert [t.item() for t in rest] == ours_tokens, impl
 
@@ -225,10 +225,10 @@ def test_hf_peer_shares_our_weights_and_matches_our_model(model_type, extra):
 def test_hf_peer_measurements_and_report(tmp_path):
     pytest.importorskip("transformers")
     model = _tiny_model("llama", rope_parameters=LLAMA3_ROPE)
-    hf = e2e.build_hf_peer(model, "sdpa")
-    cache = e2e.hf_prefilled_cache(hf, 70)
+    hf = hf_peer.build_hf_peer(model, "sdpa")
+    cache = hf_peer.hf_prefilled_cache(hf, 70)
     assert cache.get_seq_length() == 70
-    rows = e2e.hf_peer_rows(model, ["sdpa", "eager"], [70], steps=3, repeats=1, prefill=200)
+    rows = hf_peer.hf_peer_rows(model, ["sdpa", "eager"], [70], steps=3, repeats=1, prefill=200)
     decode = {r["backend"]: r for r in rows if r["kind"] == "decode"}
     assert set(decode) == {"hf-sdpa", "hf-eager"} and all(r["tokens_per_s"] > 0 for r in decode.values())
     prefill = [r for r in rows if r["kind"] == "prefill"]
@@ -250,13 +250,13 @@ def test_hf_peer_measurements_and_report(tmp_path):
 def test_hf_plan_parses_and_rejects():
     args = argparse.Namespace(hf="auto", quick=True, batch="1")
     impls, note = e2e._hf_plan(args)
-    if e2e.hf_unavailable_reason() is None:
+    if hf_peer.hf_unavailable_reason() is None:
         assert impls == ["sdpa"]
         args.quick = False
         assert e2e._hf_plan(args)[0] == ["sdpa", "eager"]
         assert e2e._hf_plan(argparse.Namespace(hf="auto", quick=False, batch="16"))[0] == []
     assert e2e._hf_plan(argparse.Namespace(hf="none", quick=False, batch="1")) == ([], "hf peer: not run (--hf none)")
-    if e2e.hf_unavailable_reason() is None:
+    if hf_peer.hf_unavailable_reason() is None:
         assert e2e._hf_plan(argparse.Namespace(hf="sdpa", quick=False, batch="1"), "gemma3_text")[0] == []
     with pytest.raises(ValueError, match="--hf"):
         e2e._hf_plan(argparse.Namespace(hf="flash", quick=False, batch="1"))

@@ -129,10 +129,14 @@ def test_benchmarks_page_renders_the_paged_prefill_record(tmp_path, monkeypatch)
                                                "(0.94x), FI(fa3) 280 (1.07x)")
 
 
-def test_prune_keeps_runs_cited_by_stamp_in_any_spelling():
+def test_prune_keeps_only_results_named_in_full(tmp_path):
     prune = _load_script("prune_results")
-    text = "`decodetune T1207`, `..._T0741.json` (`old`), `decodetune_x_2026-11-22T0739.json`, version T10000"
-    assert set(prune.RUN.findall(text)) == {"1207", "0741", "0739"}
+    text = "`decodetune_x_2026-11-22T0739.json`, `decodetune_x_2026-11-22T0741_b16.json`, `..._T1207.json`"
+    named = [tmp_path / n for n in ("decodetune_x_2026-11-22T0739.json", "decodetune_x_2026-11-22T0741_b16.json")]
+    others = [tmp_path / n for n in ("decodetune_x_2026-11-22T0741_b64.json", "decodetune_x_2026-11-22T1207.json",
+                                     "decodetune_x_2026-11-22T0739_b1.json")]
+    assert all(prune.cited(p, text) for p in named)
+    assert not any(prune.cited(p, text) for p in others)  # a sibling of a named run, a stamp alone, a longer name
 
 
 def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
@@ -145,8 +149,8 @@ def test_fp8_decode_figure_is_drawn_from_the_record(tmp_path):
 
 
 def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
-    """The kernel-time section: one row per (mode, head dim, shape, mask) over the named records, ours against the
-    best peer present in that row ("-" where a peer did not run)."""
+    """The kernel-time section: one row per (mode, head dim, shape, mask) over the kernel_time records of latest/,
+    ours against the best peer present in that row ("-" where a peer did not run)."""
     md = _load_script("write_benchmarks_md")
     shape = dict(d=128, b=1, s=16384, h=16, hkv=16, causal=True)
     fwd = {"device": "GPU", "torch": "t", "rounds": 3, "calls": 10,
@@ -155,12 +159,79 @@ def test_benchmarks_page_renders_kernel_time_records(tmp_path, monkeypatch):
     both = dict(fwd, bf16_matmul_tflops=800.0,
                 rows=[dict(shape, mode="fwd+bwd", impl="ours", tflops=550.0, pct_matmul=68.75),
                       dict(shape, mode="fwd+bwd", impl="cuDNN", tflops=500.0, pct_matmul=62.5)])
-    (tmp_path / "a.json").write_text(json.dumps(fwd))
-    (tmp_path / "b.json").write_text(json.dumps(both))
-    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", ["a.json", "b.json", "missing.json"])
-    text = md._kernel_time_section(tmp_path)
+    text = md._kernel_time_section({"a.json": fwd, "b.json": both})
     assert "| fwd | 128 | 1x16k | yes | 690.0 | 600.0 | 720.0 | 0.96 | - |" in text  # (no matmul in the record)
     assert "| fwd+bwd | 128 | 1x16k | yes | 550.0 | 500.0 | - | 1.10 | 69 |" in text
-    assert "GPU, torch t" in text and "missing.json" not in text
-    monkeypatch.setattr(md, "KERNEL_TIME_RECORDS", [])
-    assert md._kernel_time_section(tmp_path) == ""
+    assert "GPU, torch t" in text and "latest/a.json" in text
+    assert md._kernel_time_section({}) == ""
+    # in latest/, by kind: drawn before the other sections; --add replaces the record of the same modes only
+    latest, page = tmp_path / "latest", tmp_path / "benchmarks.md"
+    latest.mkdir()
+    for name, record in (("kernel_time_a.json", fwd), ("kernel_time_b.json", both)):
+        (latest / name).write_text(json.dumps(dict(record, kind="kernel_time")))
+    newer = tmp_path / "kernel_time_c.json"
+    newer.write_text(json.dumps(dict(fwd, kind="kernel_time", command="python -m benchmarks.probes.kernel_time")))
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page), "--add", str(newer),
+                                      "--commit", "abc1234"])
+    assert md.main() == 0
+    assert sorted(p.name for p in latest.glob("*.json")) == ["kernel_time_b.json", "kernel_time_c.json"]
+    assert "`python -m benchmarks.probes.kernel_time` - GPU, torch t" in page.read_text()
+
+
+def test_every_result_the_docs_name_is_in_the_repository():
+    """README, docs/ and the targets table name result records by file name; each must exist under
+    benchmarks/results/ (a record kept only in git history is cited as `git show <commit>:<path>`)."""
+    import re
+
+    results = report.REPO_ROOT / "benchmarks" / "results"
+    have = {p.name for p in results.rglob("*") if p.is_file()}
+    record = re.compile(r"[A-Za-z0-9][\w.-]*_20\d\d-\d\d-\d\d(?:T\d{4})?[\w.-]*?\.(?:json|md|png|log|txt|csv)")
+    pages = [report.REPO_ROOT / "README.md", results / "targets.md", *sorted((report.REPO_ROOT / "docs").glob("*.md"))]
+    missing = [(page.name, name) for page in pages
+               for name in record.findall(re.sub(r"git show \S+", "", page.read_text()))
+               if name not in have]
+    assert not missing
+
+
+def test_readme_headlines_are_written_from_the_records_in_latest(tmp_path):
+    """README's speed block is what scripts/write_benchmarks_md.py writes from benchmarks/results/latest/ (rerun it
+    after adding records), and rewriting the block leaves the rest of the file as it was."""
+    md = _load_script("write_benchmarks_md")
+    block = md.speed_block(*md.load_latest(report.REPO_ROOT / report.LATEST))
+    assert block in (report.REPO_ROOT / "README.md").read_text()
+    assert block.count("\n- **") >= 5 and block.count("(benchmarks/results/latest/") >= 6
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{md.SPEED_BEGIN}\n- stale\n{md.SPEED_END}\n\n## More\n")
+    assert md.write_speed_block(readme, block)
+    assert readme.read_text() == f"# x\n\n{block}\n\n## More\n"
+    unmarked = tmp_path / "other.md"
+    unmarked.write_text("no block here\n")
+    assert not md.write_speed_block(unmarked, block) and unmarked.read_text() == "no block here\n"
+
+
+def test_benchmarks_page_renders_the_hf_generate_records_eager_and_compiled_apart(tmp_path, monkeypatch):
+    """bench.host --generate's records: eager and compiled rows may come from separate runs, each its own section;
+    a backend that failed is named. Its --rows entries parse, a bad one names itself."""
+    from flashdecode.bench import host
+
+    assert host.parse_rows("dynamic:1x512, static:1x65536") == [("dynamic", 1, 512), ("static", 1, 65536)]
+    with pytest.raises(ValueError, match="eager:1x512"):
+        host.parse_rows("eager:1x512")
+    md = _load_script("write_benchmarks_md")
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    base = dict(batch=1, context=4096, layers=8, new_tokens=64)
+    for cache, row in (("dynamic", dict(ours_decode_tok_s=120.0, sdpa_decode_tok_s=100.0, ours_vs_sdpa=1.2,
+                                        ours_vs_sdpa_e2e=1.1, ours_prefill_s=0.05, sdpa_prefill_s=0.06)),
+                       ("static", dict(ours_decode_tok_s=300.0, sdpa_error="RuntimeError: boom"))):
+        record = {"kind": "hf_generate", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"},
+                  "git_commit": "abc", "command": "python -m flashdecode.bench.host --generate --no-host",
+                  "rows": [dict(base, cache=cache, **row)]}
+        (latest / f"hf_generate_{cache}.json").write_text(json.dumps(record))
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page)])
+    assert md.main() == 0
+    text = page.read_text()
+    assert "| dynamic | 1 | 4k | 120.0 | 100.0 | 1.20x | 1.10x | 0.050 / 0.060 |" in text
+    assert "| static | 1 | 4k | 300.0 | - |" in text and "static 1x4096 sdpa: RuntimeError: boom" in text
+    assert text.count("## transformers generate with our attention backend") == 2

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
-from flashdecode.bench.e2e import hf_cache_kwarg  # noqa: E402
+from flashdecode.bench.hf_peer import hf_cache_kwarg  # noqa: E402
 from helpers import DEVICE, SUBPROCESS_TIMEOUT_S, max_err  # noqa: E402
 
 
@@ -194,6 +194,99 @@ def test_static_cache_decode_step_compiles_without_graph_breaks(gen, name):
     torch.testing.assert_close(logits[3], logits[1], atol=1e-6, rtol=1e-6)
 
 
+def _count_calls(monkeypatch, module, fn: str, record=lambda *a, **k: True) -> list:
+    """Patch ``module.fn`` to append record(*args, **kwargs) to the returned list on each call."""
+    calls, original = [], getattr(module, fn)
+
+    def counted(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, fn, counted)
+    return calls
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_static_cache_generate_compiles_one_fullgraph_for_every_step(gen, name, padding, monkeypatch):
+    """generate with a StaticCache and a compiled decode step (CompileConfig fullgraph=True; AOTAutograd with a
+    counting compiler that runs the traced graph eagerly - inductor's CUDA graphs are the GPU test's): one graph for
+    all steps (the step table's shape does not grow), unpadded steps read the cache contiguously (no block table),
+    and the greedy tokens and every step's logits follow the float64 SDPA model (FlashAttention rule against fp32
+    SDPA)."""
+    config = _config("llama")
+    lengths = [7, 7] if padding == "none" else [7, 3]
+    ids, mask = _padded_batch(gen, lengths, 7, True, config.vocab_size)
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []  # AOTAutograd's forward graphs (the op's fake implementation traced), run eagerly
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: graphs.append(gm) or gm.forward)
+    compile_config = transformers.CompileConfig(fullgraph=True, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles generate's decode step on GPUs only
+    new = 4
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+              cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    contiguous = _count_calls(monkeypatch, fd_transformers, "flash_decode",
+                              lambda *a, **k: k.get("block_table") is None)
+    with torch.no_grad():
+        ours = _model(config, name).generate(compile_config=compile_config, **kw)
+        peer = _model(config, "sdpa").generate(disable_compile=True, **kw)
+        ref = _model(config, "sdpa", torch.float64).generate(disable_compile=True, **kw)
+    assert len(graphs) == 1
+    assert len(contiguous) == config.num_hidden_layers * (new - 1)
+    assert all(contiguous) == (padding == "none") and any(contiguous) == (padding == "none")
+    assert torch.equal(ours.sequences, peer.sequences) and torch.equal(ours.sequences, ref.sequences)
+    for step, (a, b, r) in enumerate(zip(ours.logits, peer.logits, ref.logits)):
+        err, base = max_err(a, r), max_err(b, r)
+        assert err <= 2 * base + 1e-5, f"step {step}: logits error {err:.3e} > 2 x SDPA's {base:.3e}"
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_metadata_is_built_once_per_step_not_per_layer(gen, name, padding, monkeypatch):
+    """Eager generate (DynamicCache), 3 layers: a left-padded prefill reads its mask's host facts once (not per
+    layer) and each decode step builds one positions table for all layers; without padding nothing is built (the
+    mask function returns None, the decode reads the cache contiguously). The tokens are SDPA's."""
+    config = _config("llama", num_hidden_layers=3)
+    ids, mask = _padded_batch(gen, [8, 3, 6] if padding == "left" else [8, 8, 8], 8, True, config.vocab_size)
+    new = 4
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    rows = _count_calls(monkeypatch, fd_transformers, "_PrefillRows")
+    tables = _count_calls(monkeypatch, fd_transformers, "_positions_table")
+    contiguous = _count_calls(monkeypatch, fd_transformers, "flash_decode",
+                              lambda *a, **k: k.get("block_table") is None)
+    with torch.no_grad():
+        tokens = _model(config, name).generate(**kw)
+    steps = new - 1
+    assert len(contiguous) == config.num_hidden_layers * steps
+    if padding == "left":
+        assert (len(rows), len(tables), any(contiguous)) == (1, steps, False)
+    else:
+        assert (len(rows), len(tables), all(contiguous)) == (0, 0, True)
+    with torch.no_grad():
+        assert torch.equal(tokens, _model(config, "sdpa").generate(**kw))
+
+
+def test_step_tables_stand_for_their_masks():
+    """padding_mask's decode step tables against the masks they come from: lengths for prefix rows (None when all
+    valid), positions otherwise, and each converts back to its mask (the prefill path's reading)."""
+    config = _config("llama")
+    prefix = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)
+    table = fd_transformers.padding_mask(2, 1, 4, attention_mask=prefix, config=config)
+    assert table.dtype == torch.int32 and table.shape == (1, 1, 1, 2) and table.flatten().tolist() == [3, 1]
+    assert fd_transformers.padding_mask(2, 1, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
+    for mask in (prefix, left):
+        table = fd_transformers.padding_mask(2, 1, 4, attention_mask=mask, config=config)
+        hk = 1 if table.shape[-1] == 2 else config.num_key_value_heads
+        assert torch.equal(fd_transformers._step_table_as_mask(table, 2, hk, 4), mask)
+    # a StaticCache (q_offset a tensor) without a mask: the tokens seen, on the device, no host read
+    table = fd_transformers.padding_mask(3, 1, 16, q_offset=torch.tensor(5), attention_mask=None)
+    assert table.flatten().tolist() == [6, 6, 6]
+    # a short mask (a StaticCache's tokens seen) is padded to the cache length
+    table = fd_transformers.padding_mask(1, 1, 6, attention_mask=torch.ones(1, 4, dtype=torch.bool), config=config)
+    assert table.flatten().tolist() == [4]
+    with pytest.raises(ValueError, match="step table"):
+        fd_transformers._read_step_table(torch.zeros(1, 1, 1, 5, dtype=torch.int32), 2, 2, 4)
+
+
 def _gpt_oss(attn, dtype=torch.float32):
     """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
     (window 4) and a full one, GQA; sinks drawn large enough to matter."""
@@ -280,6 +373,71 @@ def test_llama3_8b_shape_tokens_per_second_vs_sdpa(name):
           f"sdpa {speed['sdpa']:.1f} tok/s, {name} {speed[name]:.1f} tok/s; last-logit error vs fp32: "
           f"sdpa {errors['sdpa']:.3e}, {name} {errors[name]:.3e}")
     assert errors[name] <= 2 * errors["sdpa"] + 1e-3
+
+
+def _agreeing_steps_close(ours, peer, ref, rule: float) -> int:
+    """Each generate step's logits (ours, peer: same dtype, ref: float32) while all three have generated the same
+    tokens so far: ours within ``rule`` x the peer's error against ref. Returns the steps compared."""
+    compared = 0
+    for step, (a, b, r) in enumerate(zip(ours.logits, peer.logits, ref.logits)):
+        err, base = max_err(a, r), max_err(b, r)
+        assert err <= rule * base + 1e-3, f"step {step}: logits error {err:.3e} > {rule} x SDPA's {base:.3e}"
+        compared += 1
+        if not (torch.equal(a.argmax(-1), b.argmax(-1)) and torch.equal(a.argmax(-1), r.argmax(-1))):
+            break
+    return compared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_static_cache_reduce_overhead_generate_on_the_gpu(name, padding, monkeypatch):
+    """GPU: generate with a StaticCache and its compiled decode step (CompileConfig fullgraph=True,
+    mode="reduce-overhead": inductor and CUDA graphs) on a float16 Llama of head dim 128: every step's logits within
+    the FlashAttention rule of the float32 SDPA model while the tokens agree; on sm_90 the unpadded prefill runs the
+    Gluon kernel (one launch per layer)."""
+    from flashdecode.ops import gluon_attention
+
+    config = _config("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                     max_position_embeddings=1024)
+    config.head_dim = 128
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = _padded_batch(gen, [300, 300] if padding == "none" else [300, 170], 300, True, config.vocab_size)
+    gluon = _count_calls(monkeypatch, gluon_attention, "run_plan")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    compiled = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        ref = _model(config, "sdpa").generate(cache_implementation="static", disable_compile=True, **kw)
+        peer = _model(config, "sdpa", torch.float16).generate(cache_implementation="static", disable_compile=True,
+                                                              **kw)
+        ours = _model(config, name, torch.float16)
+        ours.generate(cache_implementation="static", compile_config=compiled, **kw)  # compiles, captures
+        ours = ours.generate(cache_implementation="static", compile_config=compiled, **kw)
+    assert _agreeing_steps_close(ours, peer, ref, 2) >= 1
+    if padding == "none" and torch.cuda.get_device_capability()[0] == 9:
+        assert len(gluon) >= config.num_hidden_layers
+
+
+@pytest.mark.gpu
+def test_unpadded_decode_steps_never_sync_the_host(name):
+    """GPU: a decode step without padding (DynamicCache, and a StaticCache without attention_mask, whose step table
+    is built on the device) runs every layer without a host sync (torch.cuda.set_sync_debug_mode("error"))."""
+    config = _config("llama")
+    model = _model(config, name, torch.float16)
+    ids = torch.randint(1, config.vocab_size, (2, 20), device=DEVICE)
+    nxt = torch.randint(1, config.vocab_size, (2, 1), device=DEVICE)
+    for cache in (None, transformers.StaticCache(config=config, max_cache_len=64)):
+        with torch.no_grad():
+            kw = {} if cache is None else {_CACHE_KWARG: cache}
+            past = model(input_ids=ids, use_cache=True, **kw).past_key_values
+            model(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: past})  # first step: kernels compile
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                logits = model(input_ids=nxt, use_cache=True, **{_CACHE_KWARG: past}).logits
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert torch.isfinite(logits).all()
 
 
 def test_core_imports_neither_the_integration_nor_transformers():

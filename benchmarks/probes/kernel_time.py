@@ -10,7 +10,8 @@ benchmarks/probes/gluon_fwd.py's VARIANTS (e.g. gluon:no-overlap, gluon:lpt+over
     PYTHONPATH=. python benchmarks/probes/kernel_time.py [--shapes 1x16384x16] [--headdims 128,64] [--rounds 5]
         [--modes fwd,fwd+bwd]
 
-Writes kernel_time.json to $OUT (or the current directory) and prints TFLOP/s (4 b h s^2 d, halved for causal,
+Writes the record kernel_time_<device>_<date>.json (flashdecode/bench/report.py: kind, env, git commit, command,
+rows) to --out, $OUT or benchmarks/results/latest, and prints TFLOP/s (4 b h s^2 d, halved for causal,
 x2.5 more for forward + backward, flashdecode.bench.prefill.tflops), and each row's share of the bf16 matmul rate
 measured the same way in the same run (cuBLAS, 8192^3, kernel time: the record's bf16_matmul_tflops).
 """
@@ -18,7 +19,6 @@ measured the same way in the same run (cuBLAS, 8192^3, kernel time: the record's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +26,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashdecode.bench import report
 from flashdecode.bench.prefill import BUILDERS, FORWARD_ONLY, _with_backward, tflops
+from flashdecode.timing import env_info
 
 
 def kernel_us_per_call(fn, args, calls: int) -> float:
@@ -118,6 +120,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--modes", default="fwd", help="fwd and / or fwd+bwd")
+    ap.add_argument("--out", default=None, help="result folder (default $OUT, else benchmarks/results/latest)")
     args = ap.parse_args()
     rows = []
     for mode in args.modes.split(","):
@@ -129,10 +132,12 @@ def main() -> int:
                 for causal in (False, True):
                     rows += time_point(args, mode, d, b, s, h, hkv, causal)
     peak = matmul_tflops(rounds=args.rounds, calls=args.calls)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rounds=args.rounds,
-                  calls=args.calls, bf16_matmul_tflops=peak, rows=with_matmul_share(rows, peak))
-    with open(os.path.join(os.environ.get("OUT", "."), "kernel_time.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    env = env_info()
+    result = dict(device=env["device"], torch=env["torch"], rounds=args.rounds,
+                  calls=args.calls, bf16_matmul_tflops=peak)
+    path = report.results_dir(args.out) / f"{report.result_stem('kernel_time', env)}.json"
+    report.write_json(path, "kernel_time", env, with_matmul_share(rows, peak), result)
+    print(f"wrote {path}")
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     print(f"{result['device']}, torch {result['torch']}; kernel time from the CUDA trace, median of {args.rounds} "
           f"rotated rounds of {args.calls} calls")

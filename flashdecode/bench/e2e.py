@@ -13,7 +13,7 @@ Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are vi
 random weights, no second 16 GB copy): batch-1 greedy decode as users run it (``model(next_token,
 cache)`` in a Python loop, CUDA-event timed) with a DynamicCache pre-filled with random K/V of each
 context, and an hf-sdpa forward over the ``--prefill`` prompt (last-position logits). Skipped, with the reason
-printed, when transformers cannot be imported.
+printed, when transformers cannot be imported (flashdecode.bench.hf_peer).
 
     flashdecode bench e2e --random-weights llama3-8b --contexts 512,4096,16384,65536,131072 \\
         --backends flashdecode,flashdecode-nosplit,sdpa,eager --batch 1
@@ -28,7 +28,6 @@ totals with care).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -36,6 +35,10 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
+from flashdecode.bench.engine_state import fill_pool_randomly, fill_running, page_bytes
+from flashdecode.bench.gpu import release, sync
+from flashdecode.bench.hf_peer import (HF_IMPLEMENTATIONS, HF_KV_NOTE, HF_PEER_TYPES, hf_peer_rows,
+                                      hf_unavailable_reason)
 from flashdecode.bench.roofline import roofline_tokens_per_s
 from flashdecode.engine.cli import ON_OFF
 
@@ -103,8 +106,7 @@ def _ints(text: str) -> list[int]:
 
 def _build_model(args, max_positions: int):
     from flashdecode.engine.config import load_config, named_config
-    from flashdecode.engine.loader import load_checkpoint
-    from flashdecode.engine.models import model_class
+    from flashdecode.engine.models import build_model
 
     if args.model:
         cfg = load_config(args.model)
@@ -112,60 +114,8 @@ def _build_model(args, max_positions: int):
             raise ValueError("--layers only applies to --random-weights")
     else:
         cfg = named_config(args.random_weights or "llama3-8b", args.layers)
-    model = model_class(cfg)(cfg, torch.bfloat16, torch.device("cuda"), max_positions=max_positions)
-    if args.model:
-        load_checkpoint(model, args.model)
-    else:
-        model.init_random_(0)
-    return model
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _fill_running(llm, batch: int, context: int, steps: int) -> None:
-    """``batch`` running sequences of ``context`` tokens whose pages already hold (random) K/V."""
-    from flashdecode.engine.sampling import SamplingParams
-    from flashdecode.engine.scheduler import Sequence, Status
-
-    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
-    gen = torch.Generator().manual_seed(context + batch)
-    for _ in range(batch):
-        ids = torch.randint(0, llm.config.vocab_size, (context,), generator=gen).tolist()
-        seq = Sequence(ids, params)
-        llm.scheduler.add(seq)
-        llm.scheduler.waiting.remove(seq)
-        llm.block_manager.allocate(seq.seq_id, context)
-        seq.status = Status.RUNNING
-        llm.scheduler.running.append(seq)
-
-
-def _page_bytes(cfg, page_size: int, dtype, kv_cache_dtype: str) -> int:
-    """Bytes of one KV page (all layers) with K/V pages of ``kv_cache_dtype`` (8-bit: + float32 scales)."""
-    from flashdecode.engine.kv_cache import bytes_per_page
-    from flashdecode.engine.kv_quant import resolve_kv_cache_dtype, scale_bytes_per_page
-
-    kv = resolve_kv_cache_dtype(kv_cache_dtype)
-    page = bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads, cfg.head_dim, kv or dtype)
-    return page + (scale_bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads) if kv else 0)
-
-
-def _fill_pool_randomly(runner) -> None:
-    """Random K/V instead of a prefill: normal values, or for 8-bit pages codes 0..126 (never an e4m3 NaN) with
-    scales 1/448."""
-    if runner.pool.element_size() > 1:
-        runner.pool.normal_()
-        return
-    runner.pool.view(torch.uint8).random_(0, 127)
-    runner.pool_scales.fill_(1.0 / 448)
+    return build_model(cfg, args.model or None, torch.bfloat16, torch.device("cuda"), max_model_len=max_positions,
+                       parallel=None, seed=0, use_tqdm=False)
 
 
 def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: int, repeats: int,
@@ -181,27 +131,27 @@ def decode_tokens_per_s(model, backend: str, context: int, batch: int, steps: in
     total_steps = warm + repeats * steps + 1
     max_len = context + total_steps + 1
     pages = batch * -(-max_len // page_size)
-    budget = pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
+    budget = pages * page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype)
     llm = LLM(model, attn_backend=backend, page_size=page_size, kv_cache_memory=budget, max_num_seqs=batch,
               max_model_len=max_len, kv_cache_dtype=kv_cache_dtype, flat_gemm=flat_gemm, pdl=pdl,
               async_scheduling=async_scheduling, enable_prefix_caching=False)  # decode of random pages
     try:
-        _fill_pool_randomly(llm.runner)
-        _fill_running(llm, batch, context, total_steps)
+        fill_pool_randomly(llm.runner)
+        fill_running(llm, batch, context, total_steps)
         for _ in range(warm):
             llm.step()
-        _sync(llm.device)
+        sync(llm.device)
         rates = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(steps):
                 llm.step()
-            _sync(llm.device)
+            sync(llm.device)
             rates.append(batch * steps / (time.perf_counter() - t0))
         return statistics.median(rates)
     finally:
         del llm
-        _release()
+        release()
 
 
 def prefill_seconds(model, backend: str, length: int, page_size: int) -> float:
@@ -222,235 +172,15 @@ def prefill_seconds(model, backend: str, length: int, page_size: int) -> float:
         times = []
         for _ in range(2):
             llm.add_request(ids, SamplingParams(max_new_tokens=1))
-            _sync(llm.device)
+            sync(llm.device)
             t0 = time.perf_counter()
             llm.step()
-            _sync(llm.device)
+            sync(llm.device)
             times.append(time.perf_counter() - t0)
         return min(times)
     finally:
         del llm
-        _release()
-
-
-# ------------------------------------------------------------------------------------------------------ HF peer
-HF_IMPLEMENTATIONS = ("sdpa", "eager")
-HF_KV_NOTE = "hf decode: DynamicCache pre-filled with random K/V (no prefill), eager PyTorch loop, batch 1"
-
-
-def hf_unavailable_reason() -> str | None:
-    """Why the transformers peer cannot run here (None when it can)."""
-    try:
-        import transformers  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install: the peer is optional, say why it is skipped
-        return f"transformers not importable ({type(e).__name__}: {str(e)[:80]})"
-    return None
-
-
-def hf_config(cfg, attn_implementation: str):
-    """Our ModelConfig -> the transformers config of the same architecture and shape (4.x rope spelling, which 5.x
-    converts to ``rope_parameters``)."""
-    import transformers
-
-    if attn_implementation not in HF_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {HF_IMPLEMENTATIONS}, got {attn_implementation!r}")
-    rope = cfg.rope
-    scaling = None
-    if rope.rope_type != "default":
-        scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
-        if rope.rope_type == "llama3":
-            scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
-        if rope.original_max_position_embeddings is not None:
-            scaling["original_max_position_embeddings"] = rope.original_max_position_embeddings
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                  max_position_embeddings=cfg.max_position_embeddings, rope_theta=rope.theta, rope_scaling=scaling,
-                  tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=None, bos_token_id=None,
-                  attn_implementation=attn_implementation)
-    if cfg.model_type == "qwen2":
-        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    if cfg.model_type == "mistral":
-        return (transformers.MistralConfig(sliding_window=cfg.sliding_window, **common),
-                transformers.MistralForCausalLM)
-    return (transformers.LlamaConfig(attention_bias=cfg.qkv_bias or cfg.o_bias, **common),
-            transformers.LlamaForCausalLM)
-
-
-def _our_tensor(model, hf_name: str) -> torch.Tensor:
-    """The tensor of our model that holds HF parameter ``hf_name``: a row slice (a view) of a fused projection,
-    the same tensor otherwise."""
-    if hf_name == "lm_head.weight":
-        return model.lm_head_weight
-    module_path, _, param = hf_name.rpartition(".")
-    parent, _, leaf = module_path.rpartition(".")
-    if leaf in model.PACKED_MODULES:
-        fused_name, shard = model.PACKED_MODULES[leaf]
-        fused_module = model.get_submodule(f"{parent}.{fused_name}")
-        start, end = fused_module.shard_rows[shard]
-        return getattr(fused_module, param)[start:end]
-    return getattr(model.get_submodule(module_path), param)
-
-
-def build_hf_peer(model, attn_implementation: str):
-    """transformers' *ForCausalLM of ``model``'s shape whose parameters ARE ``model``'s tensors (views into the
-    fused qkv / gate_up weights): the same weights, no second copy in memory. eval mode, no grad.
-
-    Only the rotary inv_freq buffers are new (recomputed by transformers from the config on ``model``'s device).
-    """
-    from torch import nn
-
-    cfg, cls = hf_config(model.config, attn_implementation)
-    weight = model.lm_head_weight
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        cfg.dtype = weight.dtype
-    else:
-        cfg.torch_dtype = weight.dtype
-    with torch.device("meta"):
-        hf = cls(cfg)
-    for name, _ in list(hf.named_parameters(remove_duplicate=False)):
-        module_path, _, param = name.rpartition(".")
-        ours = _our_tensor(model, name)
-        target = hf.get_submodule(module_path)
-        if tuple(getattr(target, param).shape) != tuple(ours.shape):
-            raise ValueError(f"HF peer {name}: shape {tuple(getattr(target, param).shape)} vs ours {tuple(ours.shape)}")
-        target._parameters[param] = nn.Parameter(ours, requires_grad=False)
-    for module_name, module in list(hf.named_modules()):
-        if module_name.endswith("rotary_emb"):  # built on meta: rebuild it (transformers computes it on the CPU)
-            parent, _, leaf = module_name.rpartition(".")
-            rebuilt = type(module)(config=cfg).to(weight.device)
-            setattr(hf.get_submodule(parent) if parent else hf, leaf, rebuilt)
-    leftover = [n for n, b in hf.named_buffers() if b.is_meta] + [n for n, p in hf.named_parameters() if p.is_meta]
-    if leftover:
-        raise ValueError(f"HF peer: tensors left on the meta device: {leftover[:6]}")
-    return hf.eval()
-
-
-def _timed(device: torch.device, fn):
-    """(seconds, result) of ``fn()``: CUDA events around it on CUDA (no host sync inside), wall time on the CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, result
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
-
-
-def hf_prefilled_cache(hf, context: int, seed: int = 0):
-    """A DynamicCache holding ``context`` positions of random K/V per layer, (1, kv_heads, context, head_dim) in the
-    model dtype (decode speed does not depend on the cache content; a real 128k prefill would cost minutes)."""
-    from transformers import DynamicCache
-
-    cfg = hf.config
-    weight = hf.get_output_embeddings().weight
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    gen = torch.Generator(device=weight.device).manual_seed(seed)
-    cache = DynamicCache()
-    shape = (1, cfg.num_key_value_heads, context, head_dim)
-    for layer in range(cfg.num_hidden_layers):
-        k = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
-        v = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
-        cache.update(k, v, layer)
-        del k, v
-    return cache
-
-
-def hf_cache_kwarg(model) -> str:
-    """The keyword under which this transformers version's forward takes the KV cache: "cache" (newer releases,
-    which deprecate the old name) or "past_key_values"."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-@torch.inference_mode()
-def hf_greedy_steps(hf, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
-    """``steps`` greedy decode steps as users run them: model(next_token, cache) in a Python loop.
-    token int64 (1, 1) on the model's device -> the last generated token (1, 1); no host sync in the loop."""
-    kw = {hf_cache_kwarg(hf): cache}
-    for _ in range(steps):
-        logits = hf(input_ids=token, use_cache=True, **kw).logits
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)
-    return token
-
-
-def hf_decode_tokens_per_s(hf, context: int, steps: int, repeats: int) -> float:
-    """Batch-1 tokens/s of transformers' greedy decode with ``context`` cached positions (median of ``repeats``)."""
-    device = hf.get_output_embeddings().weight.device
-    cache = hf_prefilled_cache(hf, context, seed=context)
-    try:
-        token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        token = hf_greedy_steps(hf, cache, token, 3)  # warm-up
-        _sync(device)
-        rates = []
-        for _ in range(repeats):
-            secs, token = _timed(device, lambda: hf_greedy_steps(hf, cache, token, steps))
-            rates.append(steps / secs)
-        return statistics.median(rates)
-    finally:
-        del cache
-        _release()
-
-
-def _logits_to_keep_kwarg(hf) -> dict:
-    import inspect
-
-    params = inspect.signature(hf.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):  # transformers >= 4.50 / 4.45-4.49
-        if name in params:
-            return {name: 1}
-    return {}
-
-
-def hf_prefill_seconds(hf, length: int, seed: int = 0) -> float:
-    """Seconds of transformers' forward over one ``length``-token prompt (no KV cache kept, logits of the last
-    position only where the API allows); best of 2 after a 1024-token warm-up."""
-    device = hf.get_output_embeddings().weight.device
-    gen = torch.Generator().manual_seed(length + seed)
-    ids = torch.randint(0, hf.config.vocab_size, (1, length), generator=gen).to(device)
-    extra = _logits_to_keep_kwarg(hf)
-    with torch.inference_mode():
-        hf(input_ids=ids[:, :1024], use_cache=False, **extra)
-        _sync(device)
-        times = [_timed(device, lambda: hf(input_ids=ids, use_cache=False, **extra))[0] for _ in range(2)]
-    _release()
-    return min(times)
-
-
-def hf_peer_rows(model, impls: list[str], contexts: list[int], steps: int, repeats: int, prefill: int) -> list:
-    """Decode rows (backend ``hf-<impl>``, batch 1) per context and a ``hf-sdpa`` prefill row, measured on a
-    transformers model sharing ``model``'s weights. An OOM point becomes a row with its error."""
-    from tqdm import tqdm
-
-    rows = []
-    for impl in impls:
-        hf = build_hf_peer(model, impl)
-        for ctx in tqdm(contexts, desc=f"hf-{impl} decode"):
-            try:
-                rate, err = hf_decode_tokens_per_s(hf, ctx, steps, repeats), None
-            except torch.cuda.OutOfMemoryError as e:
-                rate, err = None, f"OOM: {str(e)[:80]}"
-                _release()
-            rows.append(dict(kind="decode", backend=f"hf-{impl}", context=ctx, batch=1, tokens_per_s=rate,
-                             roofline_tokens_per_s=None, pct_roofline=None, error=err, kv=HF_KV_NOTE))
-        if prefill and impl == "sdpa":  # eager materialises (heads, n, n) scores: 256 GB at 64k, not run
-            try:
-                secs = hf_prefill_seconds(hf, prefill)
-                rows.append(dict(kind="prefill", backend="hf-sdpa", context=prefill, batch=1, seconds=secs,
-                                 tokens_per_s=prefill / secs))
-                print(f"prefill {prefill} tokens, hf-sdpa: {secs:.2f} s")
-            except torch.cuda.OutOfMemoryError as e:
-                print(f"prefill {prefill} tokens, hf-sdpa: OOM ({str(e)[:80]})")
-                _release()
-        del hf
-        _release()
-    return rows
+        release()
 
 
 def roofline_shares(rate: float | None, cfg, context: int, batch: int, bandwidths: dict[str, float],
@@ -526,7 +256,7 @@ def run(args) -> int:
             err = None
         except torch.cuda.OutOfMemoryError as e:
             rate, err = None, f"OOM: {str(e)[:80]}"
-            _release()
+            release()
         rows.append(dict(kind="decode", backend=label, kv_cache_dtype=kv, context=ctx, batch=bs, tokens_per_s=rate,
                          **roofline_shares(rate, cfg, ctx, bs, bandwidths, kv), error=err))
     backends = list(dict.fromkeys(backends + [label for _, _, label in columns]))
@@ -591,10 +321,6 @@ def point_pdl(label: str, pdl: str):
     if label.endswith(PDL_SUFFIX):
         return True
     return {"auto": "auto", "on": True, "off": False, "both": False}[pdl]
-
-
-# the architectures whose transformers peer hf_config / build_hf_peer make (sharing our tensors)
-HF_PEER_TYPES = ("llama", "qwen2", "mistral")
 
 
 def _hf_plan(args, model_type: str = "llama") -> tuple[list[str], str]:

@@ -8,12 +8,17 @@ batch 4, cache lengths 8000 / 17 / 3000 / 8192 (contiguous cache of 8192 rows); 
 SDPA's per-call time is the eager reference. Target (H100): each host call <= 20 us, flash_attn forward <= 15 us,
 forward + backward <= 40 us.
 
-Generate: a Llama-3-8B-shaped model of ``layers`` layers and random bf16 weights, greedy, 64 new tokens after a
-warm-up generate of the same length; eager DynamicCache, and StaticCache with torch.compile (fullgraph,
-mode="reduce-overhead"); tokens per second of ours and of "sdpa" (one model, its attention switched), and their
-ratio.
+Generate (``--generate``): a Llama-3-8B-shaped model of ``--layers`` layers (default 8), random bf16 weights (vocab
+32000), greedy, 64 new tokens, our attention backend against "sdpa" on one model (its attention switched). Rows
+(``--rows``, default all): eager DynamicCache at batch 1 x 512 / 4k / 32k and batch 8 x 2k ("dynamic:BxCTX"), and
+StaticCache with generate's compiled decode step (CompileConfig fullgraph=True, mode="reduce-overhead": CUDA graphs)
+at batch 1 x 4k and 64k ("static:BxCTX"). Per backend: a warm-up generate (compiles, captures), then the wall time
+of generate with 1 new token (the prefill) and with 64; decode tokens/s = batch x 63 / (t64 - t1), end-to-end
+tokens/s = batch x 64 / t64. Targets (H100, decode tokens/s vs SDPA): eager >= 1.0x at batch 1 (512, 4k) and batch
+8 (2k), >= 1.05x at batch 1, 32k; compiled >= 1.0x at 4k and >= 1.1x at batch 1, 64k. The record is
+``hf_generate_<device>_<date>.json`` (flashdecode/bench/report.py's format; scripts/write_benchmarks_md.py --add).
 
-    python -m flashdecode bench decode --host --generate --out DIR    (or python -m flashdecode.bench.host)
+    python -m flashdecode.bench.host --generate --no-host [--rows dynamic:1x512,static:1x65536] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import torch
 
 LENGTHS = (8000, 17, 3000, 8192)
 HEADS, HEADS_KV, HEADDIM = 32, 8, 128
-GENERATE_POINTS = ((1, 512), (1, 4096), (1, 32768), (8, 2048))  # (batch, context), eager DynamicCache
-COMPILED_POINTS = ((1, 4096),)  # StaticCache + torch.compile (each compiles and captures: about a minute)
+GENERATE_ROWS = ("dynamic:1x512", "dynamic:1x4096", "dynamic:1x32768", "dynamic:8x2048", "static:1x4096",
+                 "static:1x65536")  # cache:batchxcontext (module doc)
+NEW_TOKENS = 64
+VOCAB = 32000
 
 
 def time_calls(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> tuple[float, float]:
@@ -130,93 +137,142 @@ def first_call_ms() -> dict:
     return out
 
 
-def _llama(layers: int, device):
+def _llama(layers: int, max_positions: int, device):
     """A Llama-3-8B-shaped model of ``layers`` layers, random bf16 weights, built on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=HEADS,
-                         num_key_value_heads=HEADS_KV, num_hidden_layers=layers, vocab_size=32000,
-                         max_position_embeddings=65536 + 128, rope_theta=500000.0)
+                         num_key_value_heads=HEADS_KV, num_hidden_layers=layers, vocab_size=VOCAB,
+                         max_position_embeddings=max_positions, rope_theta=500000.0, pad_token_id=0,
+                         eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def _tokens_per_s(model, attn: str, batch: int, context: int, new_tokens: int, compiled: bool) -> float:
+def parse_rows(spec: str) -> list[tuple[str, int, int]]:
+    """"dynamic:1x512,static:1x65536" -> [(cache, batch, context), ...] (ValueError naming a bad entry)."""
+    rows = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        cache, _, size = item.partition(":")
+        batch, _, context = size.partition("x")
+        if cache not in ("dynamic", "static") or not (batch.isdigit() and context.isdigit()):
+            raise ValueError(f"--rows entry {item!r} is not dynamic:BxCTX or static:BxCTX")
+        rows.append((cache, int(batch), int(context)))
+    return rows
+
+
+def _generate_seconds(model, ids, new_tokens: int, cache) -> float:
+    """Wall seconds of one greedy generate of ``new_tokens``: with ``cache`` None a DynamicCache, eager; else that
+    StaticCache (emptied first; one cache per row, so every generate of the row replays one captured step) and
+    generate's compiled decode step (fullgraph, CUDA graphs)."""
+    from transformers import CompileConfig
+
+    from flashdecode.bench.hf_peer import hf_cache_kwarg
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if cache is not None:
+        kw.update({hf_cache_kwarg(model): cache}, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    else:
+        kw["disable_compile"] = True
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if cache is not None:
+            cache.reset()  # (its tensors are inference tensors: written in inference mode only)
+        model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _measure(model, attn: str, cache_kind: str, batch: int, context: int, new_tokens: int) -> dict:
+    """{prefill_s, decode_tok_s, e2e_tok_s} of one backend on one row (module doc)."""
+    from transformers import StaticCache
+
     model.set_attn_implementation(attn)
-    ids = torch.randint(0, 32000, (batch, context), device=model.device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    forward = model.forward
-    if compiled:
-        kw["cache_implementation"] = "static"
-        model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
-    try:
-        with torch.inference_mode():
-            model.generate(ids, **kw)  # warm-up (compiles, captures)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model.generate(ids, **kw)
-            torch.cuda.synchronize()
-        return batch * new_tokens / (time.perf_counter() - start)
-    finally:
-        model.forward = forward
+    cache = None
+    if cache_kind == "static":  # a fresh compile per (backend, row): generate keeps its compiled call on the model
+        torch._dynamo.reset()
+        if hasattr(model, "_compiled_call"):
+            del model._compiled_call
+        cache = StaticCache(config=model.config, max_cache_len=context + new_tokens)
+    ids = torch.randint(1, VOCAB, (batch, context), device=model.device)
+    _generate_seconds(model, ids, new_tokens, cache)  # warm-up: kernels compile, the decode step is captured
+    first = _generate_seconds(model, ids, 1, cache)
+    full = _generate_seconds(model, ids, new_tokens, cache)
+    return {"prefill_s": first, "decode_tok_s": batch * (new_tokens - 1) / max(full - first, 1e-9),
+            "e2e_tok_s": batch * new_tokens / full}
 
 
-def generate_rows(layers: int = 8, new_tokens: int = 64, points=GENERATE_POINTS,
-                  compiled_points=COMPILED_POINTS) -> list[dict]:
-    """Tokens per second of transformers generate, our backend vs "sdpa" (module doc): eager DynamicCache at
-    ``points``, StaticCache + torch.compile at ``compiled_points``."""
+def generate_rows(layers: int = 8, rows=None, new_tokens: int = NEW_TOKENS, on_row=None) -> list[dict]:
+    """Rows of transformers generate, our backend vs "sdpa" (module doc); rows: [(cache, batch, context)].
+    on_row(rows so far) after each row (the caller writes its record then: a run cut short keeps its rows)."""
     from flashdecode.integrations.transformers import register
 
     ours = register()
-    model = _llama(layers, "cuda")
-    rows = []
-    for cache, where in (("dynamic", points), ("static+compile", compiled_points)):
-        for batch, context in where:
-            row = {"cache": cache, "batch": batch, "context": context}
-            for name, attn in (("ours", ours), ("sdpa", "sdpa")):
-                try:
-                    row[name] = _tokens_per_s(model, attn, batch, context, new_tokens, cache != "dynamic")
-                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the others still run
-                    row[name] = None
-                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                torch.cuda.empty_cache()
-            if row.get("ours") and row.get("sdpa"):
-                row["ours_vs_sdpa"] = row["ours"] / row["sdpa"]
-            print(f"  {row}", flush=True)
-            rows.append(row)
-    return rows
+    rows = parse_rows(",".join(GENERATE_ROWS)) if rows is None else rows
+    longest = max(context for _, _, context in rows) + new_tokens
+    model = _llama(layers, max(8192, longest), "cuda")
+    out = []
+    for cache, batch, context in rows:
+        row = {"cache": cache, "batch": batch, "context": context, "layers": layers, "new_tokens": new_tokens}
+        for name, attn in (("ours", ours), ("sdpa", "sdpa")):
+            start = time.perf_counter()
+            try:
+                for key, value in _measure(model, attn, cache, batch, context, new_tokens).items():
+                    row[f"{name}_{key}"] = value
+            except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the others still run
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"  [{time.strftime('%H:%M:%S')}] {cache} {batch}x{context} {name}: "
+                  f"{row.get(f'{name}_decode_tok_s', float('nan')):.1f} decode tok/s "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            torch.cuda.empty_cache()
+        if row.get("ours_decode_tok_s") and row.get("sdpa_decode_tok_s"):
+            row["ours_vs_sdpa"] = row["ours_decode_tok_s"] / row["sdpa_decode_tok_s"]
+            row["ours_vs_sdpa_e2e"] = row["ours_e2e_tok_s"] / row["sdpa_e2e_tok_s"]
+        print(f"  {row}", flush=True)
+        out.append(row)
+        if on_row is not None:
+            on_row(out)
+    return out
 
 
 def main(argv=None) -> int:
     import argparse
     import json
-    import os
     import pathlib
 
+    from flashdecode.bench.report import result_stem, results_dir, write_json
+    from flashdecode.timing import env_info
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--out", default=None, help="folder for the records (default $OUT, else the latest folder)")
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--generate", action="store_true", help="also the transformers generate comparison")
+    parser.add_argument("--no-host", action="store_true", help="skip the host tables and first-call latency")
+    parser.add_argument("--generate", action="store_true", help="the transformers generate comparison")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--no-compile", action="store_true", help="generate: eager DynamicCache only")
-    parser.add_argument("--long", action="store_true", help="generate: also StaticCache + compile at batch 1, 64k")
+    parser.add_argument("--rows", default=",".join(GENERATE_ROWS),
+                        help="generate rows, cache:BATCHxCONTEXT comma-separated (cache dynamic or static)")
     args = parser.parse_args(argv)
+    rows = parse_rows(args.rows)
     if not torch.cuda.is_available():
         print("the host table needs a CUDA GPU")
         return 1
-    result = {"device": torch.cuda.get_device_name(), "first_call": first_call_ms()}
-    print(result["first_call"], flush=True)
-    result["decode"] = host_rows("decode", args.calls)
-    result["prefill"] = host_rows("prefill", args.calls)
-    if args.generate:
-        compiled = () if args.no_compile else COMPILED_POINTS + (((1, 65536),) if args.long else ())
-        result["generate"] = generate_rows(args.layers, compiled_points=compiled)
-    if args.out:
-        path = pathlib.Path(args.out) / "host_time.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = results_dir(args.out)
+    env = env_info()
+    if not args.no_host:
+        result = {"device": torch.cuda.get_device_name(), "first_call": first_call_ms()}
+        print(result["first_call"], flush=True)
+        result["decode"] = host_rows("decode", args.calls)
+        result["prefill"] = host_rows("prefill", args.calls)
+        path = pathlib.Path(out_dir) / "host_time.json"
         path.write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {path}")
+        print(f"wrote {path}", flush=True)
+    if args.generate:
+        print(f"# transformers generate, {args.layers} layers, rows {args.rows} on {env['device']}", flush=True)
+        path = pathlib.Path(out_dir) / f"{result_stem('hf_generate', env)}.json"
+        generate_rows(args.layers, rows, on_row=lambda done: print(
+            f"wrote {write_json(path, 'hf_generate', env, done)} ({len(done)} of {len(rows)} rows)", flush=True))
     return 0
 
 

@@ -23,7 +23,8 @@ import torch
 
 from flashdecode import timing
 from flashdecode.bench import report
-from flashdecode.bench.e2e import _fill_pool_randomly, _fill_running, _page_bytes, _release, _sync
+from flashdecode.bench.engine_state import fill_pool_randomly, fill_running, page_bytes
+from flashdecode.bench.gpu import release, sync
 from flashdecode.bench.roofline import (decode_step_bytes, kv_bytes_per_step, roofline_tokens_per_s,
                                         weight_bytes_per_step)
 
@@ -111,11 +112,11 @@ def top_kernel_times(events: list[tuple[str, float, float]], top: int = 12) -> l
 
 
 def _step_wall_ms(llm, steps: int) -> float:
-    _sync(llm.device)
+    sync(llm.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         llm.step()
-    _sync(llm.device)
+    sync(llm.device)
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
@@ -141,11 +142,11 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
     max_len = context + total + 1
     pages = batch * -(-max_len // page_size)
     llm = LLM(model, attn_backend="flashdecode", page_size=page_size, max_num_seqs=batch, max_model_len=max_len,
-              kv_cache_memory=pages * _page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype),
+              kv_cache_memory=pages * page_bytes(cfg, page_size, model.lm_head_weight.dtype, kv_cache_dtype),
               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # decode of random pages
     try:
-        _fill_pool_randomly(llm.runner)
-        _fill_running(llm, batch, context, total)
+        fill_pool_randomly(llm.runner)
+        fill_running(llm, batch, context, total)
         for _ in range(3):
             llm.step()
         step_ms = _step_wall_ms(llm, steps)
@@ -155,7 +156,7 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):  # a sync after each: replays apart, so a step's span holds only its own gaps
                 graph.replay()
-                _sync(llm.device)
+                sync(llm.device)
         events = device_events(prof)
         per_step = split_steps(events, steps)
         summaries = [step_summary(e) for e in per_step]
@@ -175,7 +176,7 @@ def decode_step_breakdown(model, batch: int, context: int, page_size: int, bandw
                     **step, top_kernels=top_kernel_times(step_events))
     finally:
         del llm
-        _release()
+        release()
 
 
 def _print_breakdown(r: dict) -> None:
@@ -208,7 +209,7 @@ def step_breakdown(model, args, bandwidths: dict[str, float], readers: dict[str,
             except (RuntimeError, ValueError) as e:  # OOM, or a trace without the graph's kernels: say so, go on
                 errors.append(f"b{batch} {kv}: {type(e).__name__}: {str(e)[:200]}")
                 print(f"decode step breakdown {errors[-1]}")
-                _release()
+                release()
                 continue
             _print_breakdown(r)
             rows.append(r)
@@ -259,35 +260,35 @@ def _decode_profile(model, backend: str, context: int, use_gemv: bool, bandwidth
               enable_prefix_caching=False)
     try:
         llm.runner.pool.normal_()
-        _fill_running(llm, 1, context, 150)
+        fill_running(llm, 1, context, 150)
         for _ in range(3):
             llm.step()
-        _sync(llm.device)
+        sync(llm.device)
         n = 30
         t0 = time.perf_counter()
         for _ in range(n):
             llm.step()
-        _sync(llm.device)
+        sync(llm.device)
         step_ms = (time.perf_counter() - t0) * 1e3 / n
         graph = llm.runner.graphs[1]
         t0 = time.perf_counter()
         for _ in range(n):
             graph.replay()
-        _sync(llm.device)
+        sync(llm.device)
         replay_ms = (time.perf_counter() - t0) * 1e3 / n
         with torch.inference_mode():
             for _ in range(2):
                 llm.runner._decode_forward(1)
-            _sync(llm.device)
+            sync(llm.device)
             t0 = time.perf_counter()
             for _ in range(5):
                 llm.runner._decode_forward(1)
-            _sync(llm.device)
+            sync(llm.device)
             eager_ms = (time.perf_counter() - t0) * 1e3 / 5
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     llm.runner._decode_forward(1)
-                _sync(llm.device)
+                sync(llm.device)
         roof = roofline_tokens_per_s(model.config, context, 1, bandwidth)
         print(f"decode b1 ctx{context} {backend} gemv={use_gemv}: engine step {step_ms:.3f} ms "
               f"({1e3 / step_ms:.1f} tok/s, {100 * 1e3 / step_ms / roof:.0f}% of roofline {roof:.1f}), graph replay "
@@ -297,7 +298,7 @@ def _decode_profile(model, backend: str, context: int, use_gemv: bool, bandwidth
                     eager_ms=eager_ms, roofline_tok_s=roof, **kern)
     finally:
         del llm
-        _release()
+        release()
 
 
 def _weight_shapes(model) -> dict[str, list[torch.Tensor]]:
@@ -372,17 +373,17 @@ def _prefill_profile(model, length: int, page_size: int, backend: str = "flashde
         ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
         llm.generate([ids], SamplingParams(max_new_tokens=1))
         llm.add_request(ids, SamplingParams(max_new_tokens=1))
-        _sync(llm.device)
+        sync(llm.device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             llm.step()
-            _sync(llm.device)
+            sync(llm.device)
             wall = time.perf_counter() - t0
         print(f"prefill {length} tokens ({backend} backend, under the profiler): wall {wall:.3f} s")
         return dict(length=length, backend=backend, wall_s=wall, **_top_kernels(prof, 1, top=14))
     finally:
         del llm
-        _release()
+        release()
 
 
 def profile(model, args, bandwidth: float) -> dict:

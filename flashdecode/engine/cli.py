@@ -5,7 +5,8 @@
     flashdecode generate --random-weights llama3-8b --layers 4 --prompt-len 512 --max-tokens 64
     flashdecode generate --model DIR --prompt "Hello" --tp 2 --cp 2     # 4 local ranks (or under torchrun)
 
-The engine options (add_engine_arguments / build_llm) are shared with `flashdecode serve`.
+The engine options (add_engine_arguments -> engine_config -> one EngineConfig, build_llm) are shared with
+`flashdecode serve` and `flashdecode bench serve`.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
-def build_llm(args, max_model_len: int | None = None):
-    """The LLM the engine options describe."""
-    from flashdecode.engine import LLM
+def engine_config(args, max_model_len: int | None = None):
+    """The EngineConfig the engine options describe (``max_model_len``: the default when --max-model-len is not
+    given). ValueError naming the flag for a bad value."""
     from flashdecode.engine.config import named_config
+    from flashdecode.engine.engine_config import EngineConfig
 
     for name in ("layers", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
@@ -90,16 +92,24 @@ def build_llm(args, max_model_len: int | None = None):
     memory = args.kv_cache_memory
     if memory is not None:
         memory = int(memory) if memory > 1 else float(memory)
-    return LLM(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
-               page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
-               enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=ON_OFF[args.flat_gemm],
-               tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
-               kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
-               async_scheduling=ON_OFF[args.async_scheduling],
-               enable_prefix_caching=args.enable_prefix_caching,
-               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-               chunked_prefill_single_forward=args.chunked_prefill_single_forward)
+    return EngineConfig(model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
+                        page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len or max_model_len, kv_cache_memory=memory,
+                        enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=ON_OFF[args.flat_gemm],
+                        tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
+                        kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
+                        async_scheduling=ON_OFF[args.async_scheduling],
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        enable_chunked_prefill=args.enable_chunked_prefill,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        chunked_prefill_single_forward=args.chunked_prefill_single_forward)
+
+
+def build_llm(args, max_model_len: int | None = None):
+    """The LLM the engine options describe (engine_config)."""
+    from flashdecode.engine import LLM
+
+    return LLM(config=engine_config(args, max_model_len))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from flashdecode.engine.kv_quant import scale_bytes_per_page
+
 
 def bytes_per_page(num_layers: int, page_size: int, nheads_kv: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one page across all layers."""
@@ -22,6 +24,52 @@ def bytes_per_page(num_layers: int, page_size: int, nheads_kv: int, head_dim: in
 def num_pages_for_budget(budget_bytes: int, page_bytes: int) -> int:
     return int(budget_bytes // page_bytes)
 
+
+
+def engine_page_bytes(model_config, page_size: int, cache_kv_heads: int, dtype: torch.dtype,
+                      kv_cache_dtype: torch.dtype | None) -> int:
+    """Bytes of one page across all layers as an engine stores it: K/V in ``kv_cache_dtype`` (None: ``dtype``),
+    plus the float32 scales of 8-bit pages. ``cache_kv_heads``: the kv heads this rank keeps."""
+    layers = model_config.num_hidden_layers
+    total = bytes_per_page(layers, page_size, cache_kv_heads, model_config.head_dim, kv_cache_dtype or dtype)
+    if kv_cache_dtype is not None:
+        total += scale_bytes_per_page(layers, page_size, cache_kv_heads)
+    return total
+
+
+def activation_reserve(model_config, max_num_batched_tokens: int, dtype: torch.dtype) -> int:
+    """Rough bytes a full prefill batch needs beside the pool (gate/up, qkv, hidden states), + 1 GiB slack."""
+    cfg = model_config
+    width = 3 * cfg.intermediate_size + 6 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size
+    return max_num_batched_tokens * width * torch.empty((), dtype=dtype).element_size() + 2**30
+
+
+def pool_pages(kv_cache_memory: int | float | None, page_bytes: int, wanted_pages: int, device: torch.device,
+               reserve: int) -> int:
+    """Pages of the KV pool. ``kv_cache_memory``: int bytes, a float in (0, 1] = that fraction of the free GPU memory,
+    or None = ``wanted_pages`` (what max_num_seqs sequences of max_model_len need) capped at 90% of the free GPU
+    memory less ``reserve`` bytes for activations (CUDA) or 1 GiB (CPU). MemoryError when the default finds no
+    room, ValueError when the given budget holds no page."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        cap = int(0.9 * free) - reserve
+    else:
+        free, cap = None, 2**30
+    if kv_cache_memory is None:
+        budget = min(wanted_pages * page_bytes, cap)
+    elif isinstance(kv_cache_memory, float):
+        if free is None:
+            raise ValueError("kv_cache_memory as a fraction of free GPU memory needs a CUDA device; give bytes")
+        budget = int(kv_cache_memory * free)
+    else:
+        budget = kv_cache_memory
+    pages = num_pages_for_budget(budget, page_bytes)
+    if pages < 1 and kv_cache_memory is None:
+        raise MemoryError(f"no GPU memory left for the KV cache: {free} bytes free on {device}, of which ~{reserve} "
+                          f"are kept for activations; pass kv_cache_memory=<bytes> or free GPU memory")
+    if pages < 1:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds no page of {page_bytes} bytes")
+    return pages
 
 def allocate_pool(num_layers: int, num_pages: int, page_size: int, nheads_kv: int, head_dim: int,
                   dtype: torch.dtype, device) -> torch.Tensor:

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -396,6 +397,33 @@ def install(model: torch.nn.Module, table: "ChoiceTable | None") -> None:
     if hasattr(model, "flat_table"):
         model.flat_table = table
 
+
+
+def install_for_engine(model: torch.nn.Module, flat_gemm, max_num_seqs: int, dtype: torch.dtype, device) -> None:
+    """The engine's ``flat_gemm`` option (checked by EngineConfig) put in place on ``model``: "auto" = on CUDA with
+    max_num_seqs >= 2 for a model worth it (worth_measuring), the table measured once per GPU model then read from
+    the cache; True = measure now (CUDA only: ValueError elsewhere); False / None = cuBLAS everywhere (a shared
+    model may hold another engine's table: cleared); or a ready ChoiceTable."""
+    device = torch.device(device)
+    if flat_gemm is False or flat_gemm is None:
+        install(model, None)
+        return
+    if flat_gemm == "auto":
+        if device.type != "cuda" or max_num_seqs < 2 or not worth_measuring(model):
+            return
+        t0 = time.perf_counter()
+        flat_gemm = cached_table_for_model(model, dtype, device)
+        logger.info("flat GEMM table ready in %.1f s (measured once per GPU model, then read from %s; "
+                    "flat_gemm=False skips it)", time.perf_counter() - t0, cache_dir())
+    elif flat_gemm is True:
+        if device.type != "cuda":
+            raise ValueError("flat_gemm=True measures kernels on the GPU; it needs a CUDA device")
+        t0 = time.perf_counter()
+        flat_gemm = measure_for_model(model, max_num_seqs, dtype, device)
+        wins = [r for r in flat_gemm.rows() if r["kernel"] == "flat"]
+        logger.info("flat GEMM measured in %.1f s: chosen for %d of %d (M, N, K) shapes", time.perf_counter() - t0,
+                    len(wins), len(flat_gemm.rows()))
+    install(model, flat_gemm)
 
 # The flat GEMM's gain is in streaming a weight from HBM (cuBLAS pads M and may leave SMs idle): for a model whose
 # largest linear weight is smaller than this, launch overheads decide and cuBLAS stays (nothing is measured).
