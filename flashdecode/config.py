@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["DecodePath", "DecodeConfig", "check_decode_config", "AttentionProblem", "AttentionConfig"]
+__all__ = ["DecodePath", "DecodeConfig", "check_decode_config", "AttentionProblem", "AttentionConfig", "GluonFwdConfig",
+           "GluonBwdConfig"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,3 +241,148 @@ def _is_tile(tile, length: int) -> bool:
         return False
     ints = [x for i, x in enumerate(tile) if not (split and i == 4)]
     return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Gluon kernels (sm_90): one launch of the warp-specialised forward or backward (ops/gluon_attention.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+TILE_ORDERS = {"round_robin": 0, "zigzag": 1, "pairs": 2, "lpt": 3}  # kernels/gluon/attn_fwd.py TILE_ORDER_*
+EXP2_EMU_DEGREES = (3, 4, 5)  # the exp2 polynomials the kernel has (kernels/gluon/attn_fwd.py EXP2_POLY)
+SM_REGISTERS = 65536  # an H100 SM's register file, shared by every partition's warpgroup (setmaxnreg)
+
+
+def _check_registers(config, name: str) -> None:
+    """consumer_regs / producer_regs: per-thread budgets setmaxnreg takes."""
+    for field in ("consumer_regs", "producer_regs"):
+        regs = getattr(config, field)
+        if isinstance(regs, bool) or not (isinstance(regs, int) and 24 <= regs <= 256 and regs % 8 == 0):
+            raise ValueError(f"{name}.{field}: setmaxnreg takes a multiple of 8 in [24, 256], got {regs!r}")
+
+
+def _check_register_budget(config, name: str, consumers: int) -> None:
+    """The budgets of ``consumers`` consumer warpgroups and a producer fit the SM's register file together."""
+    _check_registers(config, name)
+    if 128 * (consumers * config.consumer_regs + config.producer_regs) > SM_REGISTERS:
+        raise ValueError(f"{name}.consumer_regs: {consumers} consumer warpgroups of {config.consumer_regs} and a "
+                         f"producer of {config.producer_regs} registers per thread exceed {SM_REGISTERS} per SM")
+
+
+def _check_bools(config, name: str, fields: tuple) -> None:
+    for field in fields:
+        if not isinstance(getattr(config, field), bool):
+            raise TypeError(f"{name}.{field} must be a bool, got {getattr(config, field)!r}")
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """One launch of attn_fwd_ws_kernel: a tile is num_consumers * 64 query rows; key blocks of block_n rows flow
+    through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
+    pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
+    (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
+    consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
+    per-thread register budgets of the worker partitions (setmaxnreg; the default partition, consumer 0, gets what
+    is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
+    take consumer_regs <= 160, FA3's hd64 budget); exp2_emu_cols = columns of each key block whose exp2 runs as a
+    degree-exp2_emu_degree polynomial on the FMA pipe instead of the MUFU unit (0 = none; a multiple of 8 up to
+    block_n; kernels/gluon/attn_fwd.py _exp2_mixed; fp16/bf16 only); tile_order = how CTAs with two Q buffer sets
+    take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "zigzag"
+    (persistent: round j of num_programs tiles, CTA c takes the c-th on even j, the c-th from the end on odd j;
+    _second_tile), "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
+    blocks: with causal tiles every unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA
+    walks a list made on the host by handing the tiles, in the order the grid would run them, to whichever CTA
+    is free first by a cost model - what the hardware's block dispatch does for one CTA per tile, with the
+    next tile's loads under the current tile's end; lpt_schedule); split_release = the consumers release a
+    slot's K as soon as their scores are in registers and its V after PV (FA3's two pipelines), so the producer
+    can load the next K into it during the softmax and PV (else one release after PV frees both)."""
+
+    num_consumers: int = 2
+    block_n: int = 128
+    num_stages: int = 2
+    overlap: bool = False
+    pingpong: bool = False
+    persistent: bool = False
+    q_buffers: int = 1
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    exp2_emu_cols: int = 0
+    exp2_emu_degree: int = 5
+    tile_order: str = "round_robin"
+    split_release: bool = False
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self, name: str = "config") -> "GluonFwdConfig":
+        """ValueError/TypeError naming ``config``'s field for a launch the kernel cannot take (run at construction)."""
+        if self.num_consumers not in (1, 2, 3):
+            raise ValueError(f"{name}.num_consumers: 1, 2 or 3 warpgroups, got {self.num_consumers!r}")
+        for field in ("block_n", "num_stages", "q_buffers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+        _check_bools(self, name, ("overlap", "pingpong", "persistent", "split_release"))
+        _check_register_budget(self, name, self.num_consumers)
+        if not (isinstance(self.exp2_emu_cols, int) and 0 <= self.exp2_emu_cols <= self.block_n
+                and self.exp2_emu_cols % 8 == 0):
+            raise ValueError(f"{name}.exp2_emu_cols: a multiple of 8 in [0, block_n={self.block_n}], got "
+                             f"{self.exp2_emu_cols}")
+        if self.exp2_emu_degree not in EXP2_EMU_DEGREES:
+            raise ValueError(f"{name}.exp2_emu_degree: one of {EXP2_EMU_DEGREES}, got {self.exp2_emu_degree}")
+        if self.tile_order not in TILE_ORDERS:
+            raise ValueError(f"{name}.tile_order: one of {tuple(TILE_ORDERS)}, got {self.tile_order!r}")
+        if self.tile_order != "round_robin" and self.q_buffers != 2:
+            raise ValueError(f"{name}.tile_order: {self.tile_order!r} orders the tile pairs of CTAs with two Q "
+                             f"buffer sets (q_buffers=2)")
+        if self.tile_order in ("zigzag", "lpt") and not self.persistent:
+            raise ValueError(f"{name}.tile_order: {self.tile_order!r} orders a persistent CTA's tiles "
+                             f"(persistent=True)")
+        if self.tile_order == "lpt" and self.exp2_emu_cols:
+            raise ValueError(f"{name}.tile_order: the 'lpt' kernel has no exp2 emulation (exp2_emu_cols=0)")
+        return self
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.num_consumers
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """One launch of attn_bwd_ws_kernel: a CTA holds block_n = 128 keys (two consumer warpgroups of 64) and walks
+    query blocks of block_m rows through a ring of num_stages Q / dO slots; dq_tma = dQ added by a writer warp's
+    TMA reduce-adds from a staging buffer (else by the consumers' 16-byte atomics); consumer_regs / producer_regs
+    as GluonFwdConfig's. tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) launches its key
+    blocks heaviest first instead of last (kernels/gluon/attn_bwd.py _key_block), so that the grid does not end
+    on its heaviest blocks (the deterministic causal backward alone on the H200, 16k: hd128 496.4 -> 525.5
+    TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for)."""
+
+    block_m: int = 64
+    num_stages: int = 2
+    dq_tma: bool = True
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    tail_heavy_first: bool = True
+
+    @property
+    def block_n(self) -> int:
+        return 128
+
+    def tail_heavy_first_for(self, causal: bool, deterministic: bool) -> bool:
+        """The kernel's TAIL_HEAVY_FIRST for a launch: only causal deterministic launches change their order; the
+        others keep the kernels they were timed as (the option's loops would compile differently there)."""
+        return self.tail_heavy_first and causal and deterministic
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self, name: str = "config") -> "GluonBwdConfig":
+        """ValueError/TypeError naming ``config``'s field for a launch the kernel cannot take (run at construction)."""
+        for field in ("block_m", "num_stages"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+        if self.block_m % 64:
+            raise ValueError(f"{name}.block_m: whole warpgroup tiles of 64 rows, got {self.block_m}")
+        _check_bools(self, name, ("dq_tma", "tail_heavy_first"))
+        _check_registers(self, name)
+        return self

@@ -61,7 +61,7 @@ from flashdecode.ops import checks
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
 from flashdecode.ops.paged_prefill import paged_prefill
-from flashdecode.ops.decode_policy import check_alibi_slopes
+from flashdecode.ops.checks import check_alibi_slopes
 
 __all__ = [
     "flash_attn_func",

@@ -8,7 +8,8 @@ import bisect
 import dataclasses
 import functools
 
-from flashdecode.config import AttentionConfig, AttentionProblem, DecodeConfig, DecodePath
+from flashdecode.config import (AttentionConfig, AttentionProblem, DecodeConfig, DecodePath, GluonBwdConfig,
+                                GluonFwdConfig)
 
 # The SM count we assume when there is no GPU (CPU interpreter runs): the H100 we target, so the CPU makes the
 # same policy decisions the GPU would.
@@ -617,13 +618,6 @@ def decode_prefetch_shape(p: DecodeProblem, config: DecodeConfig, num_splits: in
     return keys, line_elems, next_power_of_2(cdiv(p.headdim, line_elems))
 
 
-@functools.lru_cache(maxsize=None)
-def _is_hopper_or_newer() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
 def decode_block_m(group_rows: int) -> int:
     """Query rows (GQA group x new tokens) per stage-1 program: padded to the MMA minimum of 16, at most 64
     (bigger groups are split over more programs, each reading K/V again)."""
@@ -799,3 +793,134 @@ def resolve_attention_config(problem: AttentionProblem) -> AttentionConfig:
         bwd_fused_tiles=tuple(prefill_bwd_fused_configs_that_fit(fused, problem.head_dim_pad, problem.elem_bytes,
                                                                  problem.smem_limit)),
         bwd_autotune=problem.autotune, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Gluon kernels (sm_90, ops/gluon_attention.py): when they take a call, and the launch of each. Each rule's
+# evidence: docs/decisions.md ("Gluon")
+# ----------------------------------------------------------------------------------------------------------------
+
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_HD64_MIN_KEYS = 1024  # gluon_pays: hd64 calls take the Gluon kernel from this many keys
+FP8_HEAD_DIMS = (64, 128, 256)  # the e4m3 kernel's head dims (no register spills at any, 2 stages fit hd256)
+LPT_TILE_OVERHEAD_BLOCKS = 2.0  # lpt_schedule's cost of a tile beyond its key blocks (Q load, epilogue), in blocks
+THREE_CONSUMERS_MIN_KEYS = 16384  # hd64: three consumer warpgroups from here (resolve_gluon_config)
+PERSISTENT_MAX_KEYS = 2048  # persistent CTAs (one per SM) up to this many keys (resolve_gluon_config)
+PERSISTENT_MID_MAX_KEYS = 8192  # ... and up to this many for causal launches and hd64 (resolve_gluon_config)
+LPT_OVERLAP_CAUSAL_MIN_KEYS = 4096  # hd128 causal: host tile lists + the overlapped loop beyond this many keys
+LPT_OVERLAP_MIN_KEYS = 1024  # hd128 non-causal: ... from this many keys up to PERSISTENT_MID_MAX_KEYS
+FP8_BN256_MIN_KEYS = 16384  # e4m3 hd128: 256-key blocks from here (resolve_gluon_fp8_config)
+
+
+def resolve_gluon_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
+    """hd128: two stages of 128-key K/V (64 KiB each) beside a 128-row Q tile fill most of the 227 KiB of shared
+    memory; hd64 tiles are half the size, so three stages fit with room to spare.
+
+    Persistent CTAs only for short keys (to 2k; to 8k for causal launches and hd64; hd128 causal launches beyond
+    4k and non-causal ones of 1k-8k keys take the host-made longest-first tile lists of tile_order="lpt" with the
+    overlapped loop, see below): there each tile is a few
+    blocks, and a CTA that stays resident loads the next tile's first K/V blocks under the current tile's last ones
+    and its epilogue (H100, 16 x 1k: +10-11% hd128, +6-12% hd64); at 16k keys it measured 1-7% slower at hd128,
+    and at 4k-8k non-causal hd128 2-6% slower. A causal persistent CTA takes its tiles in
+    pairs of one head's k-th heaviest and k-th lightest (tile_order="pairs"): a static round robin over single
+    tiles gave some CTAs far more work than others (16k causal hd128: ~400 vs 580-630 TFLOP/s). Long causal
+    launches at hd128 take tile_order="lpt" instead (each persistent CTA gets a host-made list of tiles, heaviest
+    first, greedily balanced by key blocks: H100 kernel time, 1 x 16k causal 611.2 -> 618.5 TFLOP/s, the engine's
+    64k x 32 / 8 heads 566.2 -> 575.1; docs/decisions.md); hd64 (unmeasured there) stays one CTA per tile.
+
+    hd64 from THREE_CONSUMERS_MIN_KEYS keys: three consumer warpgroups (192-row tiles, 160 registers each), FA3's
+    hd64 tile - at hd64 a block's softmax costs as much as its two GEMMs, and a third warpgroup keeps the tensor
+    cores fed while two run softmax (H100, 16k keys: 538.8 vs 452.3 TFLOP/s, causal 483.9 vs 464.6; cuDNN 497.6 /
+    452.2 in the same run). At 16 x 1k it lost (412 vs 418; causal 168 vs 238: few blocks per tile), and lengths
+    between were not measured."""
+    persistent = 0 < seqlen_k <= PERSISTENT_MAX_KEYS or (
+        0 < seqlen_k <= PERSISTENT_MID_MAX_KEYS and (causal or headdim == 64))
+    if headdim == 64 and seqlen_k >= THREE_CONSUMERS_MIN_KEYS:
+        return GluonFwdConfig(num_consumers=3, consumer_regs=160, num_stages=3)
+    # two Q buffer sets where CTAs are persistent: 16 x 1k non-causal 1.056x (hd128) / 1.074x (hd64) on the H100;
+    # one set elsewhere (16k keys: 0.97x; forced-persistent causal 0.985x) - docs/decisions.md. Causal persistent
+    # CTAs take pairs of one head's heavy and light tiles (equal work per unit, so the round robin balances):
+    # 16 x 1k causal 352 -> 408 TFLOP/s at hd128, 235 -> 277 at hd64, 4 x 4k 517 -> 564 / 374 -> 398, 2 x 8k
+    # 573 -> 586 / 418 -> 422; at 16k keys pairs gave nothing. hd64 non-causal persistent to 8k: 4 x 4k 424 -> 462,
+    # 2 x 8k 438 -> 477 (hd128 lost there: 607 -> 595, 617 -> 581).
+    # hd128: FA3's intra-warpgroup overlap (block j's softmax under PV of block j - 1) with K and V slots released
+    # apart (the overlapped loop holds a V slot a block longer, so with one release per slot the next K load waited
+    # on it): H100 kernel time, 1 x 16k x 16 heads, 652.2 -> 705.7 TFLOP/s, causal 628.8 -> 690.9 (cuDNN 647.9 /
+    # 634.6, FA3 707.5 / 715.6 in the same run; docs/decisions.md). Not on the short persistent launches: with the
+    # two Q buffer sets' unrolled tile loop they spill and lost (16 x 1k causal 427.7 -> 241.1, 4 x 4k causal
+    # 589.7 -> 551.5; non-causal 16 x 1k 592.4 -> 588.9).
+    # Host tile lists with the overlapped loop instead: causal launches beyond 4k keys, non-causal ones of 1k-8k
+    # keys (kernel time: 2 x 8k causal 617.7 -> 643.1; non-causal 16 x 1k 595.5 -> 616.5, 4 x 4k 687.7 -> 707.2,
+    # 2 x 8k 707.9 -> 713.7; 4 x 4k causal lost, 587.5 -> 569.6).
+    if headdim == 128 and (seqlen_k > LPT_OVERLAP_CAUSAL_MIN_KEYS if causal
+                           else LPT_OVERLAP_MIN_KEYS <= seqlen_k <= PERSISTENT_MID_MAX_KEYS):
+        return GluonFwdConfig(num_stages=2, persistent=True, q_buffers=2, tile_order="lpt", overlap=True,
+                              split_release=True)
+    stages = 2 if headdim > 64 else 3
+    if persistent:
+        return GluonFwdConfig(num_stages=stages, persistent=True, q_buffers=2,
+                              tile_order="pairs" if causal else "round_robin")
+    # causal launches get here only with seqlen_k unknown (0): the overlapped causal loop spills one CTA per tile
+    fa3_loop = headdim == 128 and not causal
+    return GluonFwdConfig(num_stages=stages, overlap=fa3_loop, split_release=fa3_loop)
+
+
+def resolve_gluon_fp8_config(headdim: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig:
+    """The e4m3 kernel's launch: K and V^T slots are half the bf16 size, so the ring gets more stages in the same
+    shared memory (hd64: 4, hd128: 3, hd256: 2 - 196 KiB with the 64 KiB Q tile); persistent CTAs for non-causal
+    launches to 2k keys (tile pairs are not timed for e4m3). hd128 from FP8_BN256_MIN_KEYS keys: 256-key blocks in
+    two stages (the per-block rescale and bookkeeping amortised over twice the keys; H100, 16k keys: 906.0 vs 830.5
+    TFLOP/s, causal 957.4 vs 837.9, docs/decisions.md; shorter keys not timed), non-causal ones on persistent CTAs
+    with two Q buffer sets (each tile's first loads under the previous tile's last blocks and store: 986.4 vs 891.9
+    TFLOP/s; causal ones spill there and lose, 634.3 vs 925.5). No OVERLAP: its P (e4m3) would be a dependency of a
+    wgmma wait, which Triton 3.6 cannot lower for 8-bit values."""
+    persistent = not causal and 0 < seqlen_k <= PERSISTENT_MAX_KEYS
+    if headdim == 128 and seqlen_k >= FP8_BN256_MIN_KEYS:
+        if causal:
+            return GluonFwdConfig(num_stages=2, block_n=256)
+        return GluonFwdConfig(num_stages=2, block_n=256, persistent=True, q_buffers=2)
+    return GluonFwdConfig(num_stages={64: 4, 128: 3}.get(headdim, 2), persistent=persistent)
+
+
+def gluon_pays(headdim: int, seqlen_k: int) -> bool:
+    """The dispatch rule: whether the Gluon kernel is the faster forward (vs the Triton path) of a supported call.
+
+    Measured per call with do_bench (H100, bf16, benchmarks/probes/gluon_dispatch.py, docs/decisions.md; its L2
+    flush between calls hides host work shorter than itself, so short shapes compare kernel times, and the Gluon
+    host path measured no slower than the Triton one, benchmarks/probes/gluon_host_overhead.py):
+    hd128 faster on every shape timed (1.08-2.25x: 128 to 16k tokens, GQA, a 512-row chunk against 4k keys, 64
+    queries against 2k keys, causal or not); hd64 faster from 1024 keys (1.08-1.21x) and slower below (0.30-0.77x
+    at 128 and 512 keys)."""
+    return headdim == 128 or seqlen_k >= GLUON_HD64_MIN_KEYS
+
+
+RAGGED_PAIRS_MAX_KEYS = 1024  # causal ragged batches: persistent tile pairs up to this mean length (below)
+
+
+def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> GluonFwdConfig:
+    """The launch of a ragged batch whose sequences hold mean_keys keys on average (total_k / batch: the lengths
+    themselves sit on the device). resolve_gluon_config's rule at that length, except:
+    - host-made tile lists (tile_order "lpt") would need the lengths on the host: those launches take one CTA per
+      tile instead (the hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop
+      where it holds its state in registers (non-causal; the causal one spills one CTA per tile);
+    - causal hd128 batches averaging more than RAGGED_PAIRS_MAX_KEYS keys take one CTA per tile too (hd64 was not
+      measured ragged and keeps resolve_gluon_config's rule): a head's heavy and
+      light tiles pair up into equal units only when its sequences are equal, and ragged ones are not (H100, 32 / 8
+      heads hd128, kernel time: random lengths 100..4000 one CTA per tile 497.7 vs pairs 447.2 TFLOP/s; 64 x 256
+      pairs 203.1 vs 162.7; docs/decisions.md, "Ragged prefill on the Gluon kernel")."""
+    cfg = resolve_gluon_config(headdim, causal, mean_keys)
+    if cfg.tile_order == "lpt" or (causal and headdim == 128 and mean_keys > RAGGED_PAIRS_MAX_KEYS):
+        return GluonFwdConfig(num_stages=cfg.num_stages, overlap=not causal, split_release=not causal)
+    return cfg
+
+
+def resolve_gluon_bwd_config(headdim: int) -> GluonBwdConfig:
+    """hd128: two 64-row Q / dO stages beside K, V, the double dS buffer and the dQ staging tile use ~208 KiB of
+    shared memory. hd64: 128-row query blocks in two stages (~210 KiB): a step of half the head dim has half the
+    wgmma work per barrier, dS exchange and dQ reduce-add, so doubling its rows halves those per flop (the S^T /
+    dP^T accumulators grow to 64 registers each, which the half-size dK / dV accumulators leave room for).
+    Measured on the H200, 16k tokens, deterministic backward alone: 453.6 / 428.9 TFLOP/s non-causal / causal
+    against 368.5 / 377.9 with 64-row blocks in three stages (docs/decisions.md)."""
+    if headdim > 64:
+        return GluonBwdConfig(num_stages=2)
+    return GluonBwdConfig(block_m=128, num_stages=2)

@@ -26,7 +26,7 @@ __all__ = ["warmup", "model_shape"]
 
 
 def _decode_variant(batch, nheads, nheads_kv, headdim, dtype, device, capacity, page_size):
-    import flashdecode
+    from flashdecode.ops.decode import append_kv, flash_decode
 
     q = torch.zeros(batch, nheads, headdim, dtype=dtype, device=device)
     if page_size:
@@ -37,17 +37,17 @@ def _decode_variant(batch, nheads, nheads_kv, headdim, dtype, device, capacity, 
         k, table = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device), None
     lens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
     new = torch.zeros(batch, 1, nheads_kv, headdim, dtype=dtype, device=device)
-    flashdecode.append_kv(k, k, new, new, lens - 1, table)
-    flashdecode.flash_decode(q, k, k, lens, block_table=table)
+    append_kv(k, k, new, new, lens - 1, table)
+    flash_decode(q, k, k, lens, block_table=table)
 
 
 def _prefill_variant(nheads, nheads_kv, headdim, dtype, device, seqlen, backward):
-    import flashdecode
+    from flashdecode.ops.attention import flash_attn
 
     q = torch.zeros(1, seqlen, nheads, headdim, dtype=dtype, device=device, requires_grad=backward)
     k = torch.zeros(1, seqlen, nheads_kv, headdim, dtype=dtype, device=device, requires_grad=backward)
     v = torch.zeros_like(k, requires_grad=backward)
-    out = flashdecode.flash_attn(q, k, v, causal=True)
+    out = flash_attn(q, k, v, causal=True)
     if backward:
         out.backward(torch.zeros_like(out))
 

@@ -46,8 +46,7 @@ import time
 import torch
 
 import flashdecode
-from flashdecode.ops import attention as attn_ops
-from flashdecode.ops import direct_launch
+from flashdecode.ops import attention_config, attention_plans, direct_launch, gluon_backward, gluon_plan, launch_cache, util
 from flashdecode.ops import gluon_attention as ga
 
 # (batch, tokens, head dim, causal), 16 heads: the issue's 16 x 1k calls, and one call short enough that the host
@@ -58,7 +57,7 @@ GRADS = ("no_grad", "lse", "grad")  # the inputs column: no grad (out only), no 
 
 
 def _clear_caches():
-    for cache in (ga._PLANS, attn_ops._FWD_PLANS, getattr(attn_ops, "_DENSE_CALLS", {})):
+    for cache in (gluon_plan.PLANS, attention_plans._FWD_PLANS, attention_plans._DENSE_CALLS):
         cache.clear()
 
 
@@ -164,10 +163,10 @@ class _LaunchSpy:
 def _direct_launchers():
     """(owner, attribute) of every launcher a direct launch calls in the caches: a Gluon plan's or a Triton
     kernel's C launcher (``direct``) or else Triton's launcher (``run``)."""
-    for plan in ga._PLANS.values():
+    for plan in gluon_plan.PLANS.values():
         if plan and plan.compiled is not None:
             yield plan, "direct" if plan.direct is not None else "run"
-    for plan in attn_ops._FWD_PLANS.values():
+    for plan in attention_plans._FWD_PLANS.values():
         if plan.kernel.compiled is not None:
             yield plan.kernel, "direct" if plan.kernel.direct is not None else "run"
 
@@ -260,7 +259,7 @@ def _per_launch_reads(calls: int):
     reads = {
         "direct_launch.current_device()": direct_launch.current_device,
         "direct_launch.current_stream(index)": lambda: direct_launch.current_stream(index),
-        "direct_launch.capturing()": direct_launch.capturing,
+        "util.capturing()": util.capturing,
         "direct_launch.launch_hooks()": direct_launch.launch_hooks,
         "direct_launch.SCRATCH.get(64 KiB)": lambda: direct_launch.SCRATCH.get(65536, device, stream),
     }
@@ -282,7 +281,7 @@ def _print_breakdown(rows: list):
 
 def run_gpu(calls: int, autotune: bool):
     if not autotune:  # the first tile that fits: one compile per Triton row instead of a tuning sweep
-        os.environ[attn_ops.AUTOTUNE_ENV] = "0"
+        os.environ[util.AUTOTUNE_ENV] = "0"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 x 1024 tokens, 16 heads, bf16, "
           f"{calls} calls per loop, Triton autotuning {'on' if autotune else 'off'}")
     print("| path | batch x tokens | head dim | causal | inputs | host us/call | loop us/call | kernel us/call | "
@@ -390,17 +389,19 @@ class _FakeTuned:
 def _fake_device():
     """Patches (for the rest of the process) that make CPU tensors take the GPU's host path."""
     os.environ["TRITON_INTERPRET"] = "1"  # the argument checks take CPU tensors
-    attn_ops._interpreting = lambda: False  # the dispatch and launches do not interpret
-    ga.interpreting = lambda device=None: False
-    ga._is_hopper = lambda device: True
-    ga._num_sms = lambda device: 132
-    ga._jit_launch = lambda grid, args, constexprs: _fake_gluon_compiled()
-    ga._current_stream = lambda index: 0
-    attn_ops._current_stream = lambda index: 0
-    attn_ops._tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
-    attn_ops._device_facts = lambda device: (227 * 1024, 9)
-    ga._current_device = attn_ops._current_device = lambda: None  # a CPU tensor's device index
-    attn_ops._ensure_triton_allocator()  # Triton's launcher asks for the fake kernel's global scratch
+    for module in (attention_config, attention_plans, launch_cache):
+        module.interpreting_now = lambda: False  # the dispatch and launches do not interpret
+    for module in (ga, gluon_backward):
+        module.interpreting = lambda device=None: False
+        module.is_hopper = lambda device: True
+    gluon_plan.num_sms = lambda device: 132
+    gluon_plan._jit_launch = lambda grid, args, constexprs: _fake_gluon_compiled()
+    launch_cache.tuned = lambda fn, tiles, names, autotune, reset_dq: _FakeTuned(fn, tiles, names)
+    attention_config.device_facts = lambda device: (227 * 1024, 9)
+    for module in (gluon_plan, launch_cache):
+        module._current_stream = lambda index: 0
+        module._current_device = lambda: None  # a CPU tensor's device index
+    launch_cache.ensure_triton_allocator()  # Triton's launcher asks for the fake kernel's global scratch
 
 
 def run_cpu(calls: int):

@@ -15,6 +15,7 @@ import torch
 import flashdecode
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import attention_plans, checks, launch_cache
 from helpers import DEVICE, HAS_CUDA, KERNEL_DTYPES, assert_fa_close, randn, run_sm90_compile_script
 
 
@@ -42,13 +43,13 @@ def record_launches(monkeypatch) -> list:
     """Spy: the names of the attention kernels launched (fwd, bwd_dkdv, bwd_dq, bwd_fused, bwd_atomic; the
     backward preprocess bwd_delta left out), in order."""
     launched = []
-    call = attn_ops._Kernel.__call__
+    call = launch_cache.TunedKernel.__call__
 
     def spy(self, *args, **kwargs):
         if self.name != "bwd_delta":
             launched.append(self.name)
         return call(self, *args, **kwargs)
-    monkeypatch.setattr(attn_ops._Kernel, "__call__", spy)
+    monkeypatch.setattr(launch_cache.TunedKernel, "__call__", spy)
     return launched
 
 
@@ -175,17 +176,17 @@ def test_descriptor_allocator_is_set_in_every_thread():
 
     from triton.runtime import _allocation
 
-    attn_ops._ensure_triton_allocator()
+    launch_cache.ensure_triton_allocator()
     seen = []
 
     def in_new_thread():
-        attn_ops._ensure_triton_allocator()
+        launch_cache.ensure_triton_allocator()
         seen.append(_allocation._allocator.get())
 
     worker = threading.Thread(target=in_new_thread)
     worker.start()
     worker.join()
-    assert seen == [attn_ops._scratch_allocator]
+    assert seen == [launch_cache._scratch_allocator]
 
 
 def test_varlen_tensor_descriptor_path(gen):
@@ -443,17 +444,17 @@ def test_repeated_calls_reuse_the_launch_plan(gen, monkeypatch):
     q, k, v = _inputs(gen, torch.float16, (1, 23, 2, 64), (1, 23, 1, 64))
     first = flashdecode.flash_attn(q, k, v, causal=True)
     work = []
-    for name in ("_check_tensor_args", "_config_for"):
-        real = getattr(attn_ops, name)
-        monkeypatch.setattr(attn_ops, name, lambda *a, _real=real, _name=name, **kw: (work.append(_name),
-                                                                                     _real(*a, **kw))[1])
+    for owner, name in ((checks, "check_attention_tensors"), (attention_plans, "config_for")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **kw: (work.append(_name),
+                                                                                  _real(*a, **kw))[1])
     q2 = q + 1
     again = flashdecode.flash_attn(q2, k, v, causal=True)
     assert work == []
     assert torch.equal(again, flashdecode.flash_attn(q2.contiguous(), k, v, causal=True))
     strided = torch.cat([q2, q2], dim=-1)[..., :64]  # same shape, new strides: a new key
     assert torch.equal(flashdecode.flash_attn(strided, k, v, causal=True), again)
-    assert work == ["_config_for"]  # same shapes: the tensor checks stay skipped
+    assert work == ["config_for"]  # same shapes: the tensor checks stay skipped
     ref64 = ref.attention_ref(q.double(), k.double(), v.double(), causal=True)[0]
     assert (first.double() - ref64).abs().max() < 1e-2
 
@@ -480,7 +481,7 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
     nargs = next(i for i, p in enumerate(fn.params) if p.is_constexpr)
     constexprs = dict(HEAD_DIM=80, HEAD_DIM_PAD=128, IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False,
                       DOT_PRECISION="tf32", USE_TMA=False)
-    kernel = attn_ops._Kernel("fwd", fn, ((128, 64, 8, 3),), attn_ops._FWD_TILE, False, constexprs)
+    kernel = launch_cache.TunedKernel("fwd", fn, ((128, 64, 8, 3),), attention_plans._FWD_TILE, False, constexprs)
     calls = []
 
     class Compiled:
@@ -499,7 +500,7 @@ def test_direct_launch_passes_the_recorded_argument_tail(monkeypatch):
     assert kernel.tail == (80, 128, False, False, True, False, "tf32", 128, 64, False, False, False, False, 0)
     assert [p.name for p in fn.params[nargs:]] == list(constexprs)[:-1] + ["BLOCK_M", "BLOCK_N", "USE_TMA", "IS_FP8",
                                                                           "HAS_ALIBI", "FP8_SOFT_ROUND", "PAGE_SIZE"]
-    monkeypatch.setattr(attn_ops, "_current_stream", lambda index: 7)
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda index: 7)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     args = tuple(range(nargs))
     kernel(lambda meta: (meta["BLOCK_M"], 2, 3), args, torch.device("cuda", 0))
@@ -532,7 +533,7 @@ def test_gpu_direct_launch_matches_the_first_launch(gen, deterministic, fused):
     for _ in range(3):
         grads = _grads(q, k, v, dout, causal=True, deterministic=deterministic, config=config)
         results.append((flashdecode.flash_attn(q, k, v, causal=True, config=config), *grads))
-    plans = [p for p in attn_ops._FWD_PLANS.values() if p.config == config]
+    plans = [p for p in attention_plans._FWD_PLANS.values() if p.config == config]
     assert plans and all(p.kernel.compiled is not None for p in plans)
     for a, b in zip(results[1], results[2]):
         assert torch.equal(a, b) or not deterministic
@@ -629,9 +630,9 @@ def _varlen_call(cu_q, cu_k, max_q=8, max_k=8):
 
 def test_varlen_without_the_seqlens_check_is_exact_and_never_reads_them_on_the_host(gen, monkeypatch):
     """check_seqlens=False (the engine's prefill): no value check, so no host sync; same results."""
-    def no_check(checks):
+    def no_check(cu_checks):
         raise AssertionError("check_seqlens=False must skip the cu_seqlens value check")
-    monkeypatch.setattr(attn_ops, "_check_cu_seqlens_values", no_check)
+    monkeypatch.setattr(checks, "check_cu_seqlens_values", no_check)
     check_varlen(gen, torch.float16, [5, 17], [5, 17], 4, 2, 64, causal=True, kernel_opts={"check_seqlens": False})
     with pytest.raises(TypeError, match="check_seqlens must be a bool"):
         good = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashdecode.kernels.gluon.attn_fwd import EXP2_CLAMP, EXP2_POLY, ROUND_MAGIC
-from flashdecode.ops.gluon_attention import EXP2_EMU_DEGREES, GluonFwdConfig
+from flashdecode.config import EXP2_EMU_DEGREES, GluonFwdConfig
 
 # Max relative error on x >= -126 per degree: the polynomial's fit (1.0e-4, 2.8e-6, 9e-8) plus float32 rounding.
 REL_BOUND = {3: 1.05e-4, 4: 3.5e-6, 5: 3.5e-7}

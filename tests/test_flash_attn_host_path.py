@@ -11,6 +11,7 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
+from flashdecode.ops import attention_autograd, attention_config, attention_launch, attention_plans, checks, launch_cache
 from helpers import HAS_CUDA, KERNEL_DTYPES, SUBPROCESS_TIMEOUT_S, randn
 
 SHAPE_Q, SHAPE_KV = (1, 19, 4, 32), (1, 23, 2, 32)
@@ -27,13 +28,15 @@ def spied(monkeypatch):
     """Records the general path's work: the tensor checks, the dense entry's construction, the launch-plan and
     configuration lookups, the autograd Functions and the forward op's implementation."""
     work = []
-    for owner, name in ((attn_ops, "_check_tensor_args"), (attn_ops, "_check_tensors_once"),
-                        (attn_ops, "_config_for"), (attn_ops, "_fwd_plan"), (attn_ops, "_fwd_impl"),
-                        (attn_ops._DenseCall, "__init__")):
+    for owner, name in ((checks, "check_attention_tensors"), (checks, "check_attention_tensors_once"),
+                        (attention_plans, "config_for"), (attention_plans, "_fwd_plan"),
+                        (attention_launch, "_fwd_plan"), (attention_autograd, "_fwd_impl"),
+                        (attention_plans._DenseCall, "__init__")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **kw: (work.append(_name),
                                                                                  _real(*a, **kw))[1])
-    monkeypatch.setattr(attn_ops._FlashAttnFunction, "apply", lambda *a, _apply=attn_ops._FlashAttnFunction.apply:
+    monkeypatch.setattr(attention_autograd._FlashAttnFunction, "apply", lambda *a,
+                        _apply=attention_autograd._FlashAttnFunction.apply:
                         (work.append("_FlashAttnFunction"), _apply(*a))[1])
     # the dense call cache's autograd: _DenseCallFunction through its C apply (_dense_autograd)
     monkeypatch.setattr(attn_ops, "_dense_autograd", lambda *a, _apply=attn_ops._dense_autograd:
@@ -55,7 +58,7 @@ def test_repeated_call_goes_straight_to_its_ready_forward(spied, causal):
     # the general path (a window given as a list is checked and normalised there) computes the same
     general, general_lse = flashdecode.flash_attn(q2, k2, v2, causal=causal, softmax_scale=0.2, return_lse=True,
                                                   window_size=[-1, -1])
-    assert "_check_tensors_once" in spied
+    assert "check_attention_tensors_once" in spied
     assert torch.equal(out, general) and torch.equal(lse, general_lse)
     assert torch.equal(first, flashdecode.flash_attn(q, k, v, causal=causal))
 
@@ -178,7 +181,7 @@ def hopper(monkeypatch):
     from test_gluon_launch_cache import _FakeTmaDriver, _triton_launcher
     from triton.runtime.jit import JITFunction
 
-    from flashdecode.ops import direct_launch
+    from flashdecode.ops import direct_launch, gluon_backward, gluon_plan
     from flashdecode.ops import gluon_attention as ga
 
     state = SimpleNamespace(stream=7, c_calls=_RecordingLaunch(), jit=[], tuned=[])
@@ -195,26 +198,27 @@ def hopper(monkeypatch):
         state.tuned.append(fn)
         return _FakeTuned(state.triton_compiled, tiles, names)
 
-    monkeypatch.setattr(attn_ops, "_interpreting", lambda: False)
-    monkeypatch.setattr(ga, "interpreting", lambda device=None: False)
-    monkeypatch.setattr(ga, "_is_hopper", lambda device: True)
-    monkeypatch.setattr(ga, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(ga, "_jit_launch", gluon_compiled)
-    monkeypatch.setattr(attn_ops, "_tuned", tuned)
+    for module in (attention_config, attention_plans, launch_cache):
+        monkeypatch.setattr(module, "interpreting_now", lambda: False)
+    for module in (ga, gluon_backward):
+        monkeypatch.setattr(module, "interpreting", lambda device=None: False)
+        monkeypatch.setattr(module, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gluon_plan, "_jit_launch", gluon_compiled)
+    monkeypatch.setattr(launch_cache, "tuned", tuned)
     kernel = attn_ops.fwd_kernels.attn_fwd_kernel  # the GPU's form (the interpreter wraps it differently)
     if not isinstance(kernel, JITFunction):
         monkeypatch.setattr(attn_ops.fwd_kernels, "attn_fwd_kernel", JITFunction(kernel.fn))
-    monkeypatch.setattr(attn_ops, "_device_facts", lambda device: (227 * 1024, 9))
-    monkeypatch.setattr(ga, "_current_stream", lambda index: state.stream)
-    monkeypatch.setattr(attn_ops, "_current_stream", lambda index: state.stream)
-    monkeypatch.setattr(ga, "_current_device", lambda: None)  # CPU tensors' device index
-    monkeypatch.setattr(attn_ops, "_current_device", lambda: None)
+    monkeypatch.setattr(attention_config, "device_facts", lambda device: (227 * 1024, 9))
+    for module in (gluon_plan, launch_cache):
+        monkeypatch.setattr(module, "_current_stream", lambda index: state.stream)
+        monkeypatch.setattr(module, "_current_device", lambda: None)  # CPU tensors' device index
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the argument checks take CPU tensors (also on a GPU machine)
     monkeypatch.setattr(direct_launch, "SCRATCH", direct_launch.StreamScratch())
-    for cache in (ga._PLANS, attn_ops._FWD_PLANS, attn_ops._DENSE_CALLS):
+    for cache in (gluon_plan.PLANS, attention_plans._FWD_PLANS, attention_plans._DENSE_CALLS):
         cache.clear()
     yield state
-    for cache in (ga._PLANS, attn_ops._FWD_PLANS, attn_ops._DENSE_CALLS):
+    for cache in (gluon_plan.PLANS, attention_plans._FWD_PLANS, attention_plans._DENSE_CALLS):
         cache.clear()  # no fake kernel outlives the test
 
 
@@ -362,7 +366,7 @@ def test_plain_launcher_hands_the_c_launcher_what_tritons_wrapper_does(monkeypat
         args = (1 << 20, 2 << 20, (4, 1, 8, 16), 0.5, 3, "CONSTEXPR")
         compiled.run(5, 2, 3, 11, compiled.function, compiled.packed_metadata, None, None, None, *args)
     finally:
-        triton.set_allocator(attn_ops._scratch_allocator)
+        triton.set_allocator(launch_cache._scratch_allocator)
     plain((5, 2, 3), 11, torch.device("cpu"), args)
     tritons, ours = c_calls.calls
     assert asked == [(5 * 2 * 3 * 2 * 256, 128, 11)]
@@ -384,14 +388,14 @@ def test_dense_autograd_is_the_functions_c_apply_unless_functorch_is_active(monk
     options = (0.3, -1, True, None)
     fast, fast_lse = attn_ops._dense_autograd(q, k, v, call, options)
     assert type(fast.grad_fn).__name__ == "_DenseCallFunctionBackward" and not fast_lse.requires_grad
-    slow, _ = attn_ops._DenseCallFunction.apply(q, k, v, call, options)
+    slow, _ = attention_autograd._DenseCallFunction.apply(q, k, v, call, options)
     dout = torch.randn_like(fast)
     for a, b in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(slow, (q, k, v), dout)):
         assert torch.equal(a, b)
     assert torch.equal(fast, slow)
     applied = []
-    real_apply = attn_ops._DenseCallFunction.apply
-    monkeypatch.setattr(attn_ops._DenseCallFunction, "apply", lambda *a: (applied.append(1), real_apply(*a))[1])
+    real_apply = attention_autograd._DenseCallFunction.apply
+    monkeypatch.setattr(attention_autograd._DenseCallFunction, "apply", lambda *a: (applied.append(1), real_apply(*a))[1])
     attn_ops._dense_autograd(q, k, v, call, options)
     assert applied == []
     monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)

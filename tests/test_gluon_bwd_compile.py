@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
-from flashdecode.ops.gluon_attention import resolve_gluon_bwd_config
+from flashdecode.heuristics import resolve_gluon_bwd_config
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
 

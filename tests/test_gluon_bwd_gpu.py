@@ -14,10 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-import flashdecode.ops.attention as attention
-import flashdecode.ops.gluon_attention as ga
+import flashdecode.ops.attention_launch as attention_launch
+import flashdecode.ops.gluon_backward as gb
+from flashdecode.heuristics import resolve_gluon_bwd_config
 from flashdecode.ops.attention import flash_attn, resolve_config
-from flashdecode.ops.gluon_attention import gluon_attention_backward, gluon_bwd_supported, resolve_gluon_bwd_config
+from flashdecode.ops.attention_config import config_id_of
+from flashdecode.ops.gluon_backward import gluon_attention_backward, gluon_bwd_supported
 from flashdecode.reference import attention_ref
 from helpers import HAS_CUDA, assert_fa_close, randn
 
@@ -147,8 +149,8 @@ def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     dout, stride 0, is made contiguous first), and its gradients match the reference; a config= pinned to backend
     "triton" stays on the Triton kernels (as the forward's dispatch)."""
     calls = []
-    real = ga.gluon_attention_backward
-    monkeypatch.setattr(ga, "gluon_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = gb.gluon_attention_backward
+    monkeypatch.setattr(gb, "gluon_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout = _inputs(2, 517, 333, 128, torch.bfloat16, seed=1)
     for deterministic in (True, False):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -164,12 +166,12 @@ def test_flash_attn_backward_dispatches_to_gluon(monkeypatch):
     # a config pinned to backend "triton" keeps the Triton kernels: the backward goes past the Gluon dispatch to the
     # Triton path's
     # preprocess (stopped there, so that no Triton kernel compiles in this file)
-    monkeypatch.setattr(attention, "_bwd_delta", _stop_at_triton)
+    monkeypatch.setattr(attention_launch, "_bwd_delta", _stop_at_triton)
     out, lse = _forward(q, k, v, True)
     with pytest.raises(_ReachedTriton):
-        attention._bwd_impl(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 128 ** -0.5, -1, 0, 0.0,
-                            True, attention._config_id(dataclasses.replace(resolve_config(q, k, v),
-                                                                           backend="triton")))
+        attention_launch._bwd_impl(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 128 ** -0.5, -1, 0,
+                                   0.0, True, config_id_of(dataclasses.replace(resolve_config(q, k, v),
+                                                                               backend="triton")))
     assert not calls
 
 
@@ -184,7 +186,7 @@ def test_gluon_backward_refuses_what_it_cannot_take():
     q96 = torch.zeros(1, 8, 2, 96, dtype=torch.bfloat16, device=dev)
     assert not gluon_bwd_supported(q96, q96, q96, q96, -1, -1, 0.0, 0.1)
     assert not gluon_bwd_supported(q, q, q, q, 16, 0, 0.0, 0.1)
-    assert ga.gluon_backward_if_supported(q, q, q, q, q, None, 0.1, 16, 0) is None
+    assert gb.gluon_backward_if_supported(q, q, q, q, q, None, 0.1, 16, 0) is None
     assert not gluon_bwd_supported(q, q, q, q, -1, -1, 30.0, 0.1)
     assert not gluon_bwd_supported(q, q, q, q, -1, -1, 0.0, 0.0)
     assert not gluon_bwd_supported(q, q, q, q.half(), -1, -1, 0.0, 0.1)

@@ -19,8 +19,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashdecode.kernels.gluon.attn_fwd import (attn_fwd_fp8_ws_kernel, attn_fwd_ws_kernel, attn_fwd_ws_lpt_kernel,
                                                 attn_fwd_ws_varlen_kernel)
-from flashdecode.ops.gluon_attention import (FP8_HEAD_DIMS, TILE_ORDERS, GluonFwdConfig, resolve_gluon_config,
-                                             resolve_gluon_fp8_config)
+from flashdecode.config import TILE_ORDERS, GluonFwdConfig
+from flashdecode.heuristics import FP8_HEAD_DIMS, resolve_gluon_config, resolve_gluon_fp8_config
 sys.path.insert(0, "tests")
 from helpers import spilled_bytes
 
@@ -175,7 +175,7 @@ def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
 # The ragged (varlen) kernel in the launch families its resolver returns: tile pairs (short causal), one CTA per
 # tile with FA3's overlapped loop (non-causal) and persistent round robin (hd64): TMA + wgmma, no spills.
 _GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
-from flashdecode.ops.gluon_attention import resolve_gluon_varlen_config
+from flashdecode.heuristics import resolve_gluon_varlen_config
 
 for d, causal, mean_keys in [(128, True, 256), (128, False, 2048), (64, False, 1024)]:
     cfg = resolve_gluon_varlen_config(d, causal, mean_keys)

@@ -169,7 +169,7 @@ def test_gluon_supported_refuses_what_it_cannot_take():
 def test_gluon_repeated_calls_launch_directly(causal):
     """After a launch key's first (JIT) call, calls with new tensors of the same key go to the compiled kernel's
     launcher directly (host descriptors from cached views); they compute the same as the JIT launch."""
-    from flashdecode.ops import gluon_attention as ga
+    from flashdecode.ops import gluon_plan
 
     q, k, v = _qkv(2, 333, 517, 4, 2, 128, torch.bfloat16, seed=21)
     first, first_lse = gluon_attention_forward(q, k, v, causal=causal)
@@ -178,7 +178,7 @@ def test_gluon_repeated_calls_launch_directly(causal):
         _check(q2, k2, v2, causal)
     again, again_lse = gluon_attention_forward(q.clone(), k.clone(), v.clone(), causal=causal)
     assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
-    plans = [p for key, p in ga._PLANS.items() if key[0] == q.shape and key[-2] == causal and p]
+    plans = [p for key, p in gluon_plan.PLANS.items() if key[0] == q.shape and key[-2] == causal and p]
     assert plans and all(p.direct_launches >= 3 for p in plans)
 
 
@@ -230,9 +230,9 @@ def test_gluon_dispatch_entry_matches_the_triton_forward(causal):
 
 def _fp8_plans():
     """The e4m3 launch plans built so far (flash_attn's FP8 forwards that took the Gluon kernel)."""
-    from flashdecode.ops import gluon_attention as ga
+    from flashdecode.ops import gluon_plan
 
-    return [p for p in ga._PLANS.values() if p and p.fp8]
+    return [p for p in gluon_plan.PLANS.values() if p and p.fp8]
 
 
 def _check_fp8_gluon(inputs, causal, config=None):

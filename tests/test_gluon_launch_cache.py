@@ -8,6 +8,7 @@ import torch
 
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 from flashdecode.ops import gluon_attention as ga
+from flashdecode.ops import gluon_plan
 
 
 class _FakeCompiled:
@@ -32,13 +33,14 @@ def stubbed(monkeypatch):
         jit_calls.append((grid, args, constexprs))
         return compiled
 
-    monkeypatch.setattr(ga, "_is_hopper", lambda device: True)
-    monkeypatch.setattr(ga, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(ga, "_jit_launch", fake_jit)
-    monkeypatch.setattr(ga, "_current_stream", lambda index: 7)
-    monkeypatch.setattr(ga, "_current_device", lambda: None)  # CPU tensors' device index
-    monkeypatch.setattr(ga, "_PLANS", {})
-    return jit_calls, compiled
+    monkeypatch.setattr(ga, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gluon_plan, "_jit_launch", fake_jit)
+    monkeypatch.setattr(gluon_plan, "_current_stream", lambda index: 7)
+    monkeypatch.setattr(gluon_plan, "_current_device", lambda: None)  # CPU tensors' device index
+    gluon_plan.PLANS.clear()
+    yield jit_calls, compiled
+    gluon_plan.PLANS.clear()  # no fake kernel outlives the test
 
 
 def _qkv(sq=300, sk=200, h=4, hkv=2, d=128):
@@ -58,8 +60,8 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
     for _ in range(3):  # new tensors, same launch key
         q, k, v = _qkv()
         out, lse = ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.5)
-    assert len(jit_calls) == 1 and len(compiled.launches) == 3 and len(ga._PLANS) == 1
-    plan, = ga._PLANS.values()
+    assert len(jit_calls) == 1 and len(compiled.launches) == 3 and len(gluon_plan.PLANS) == 1
+    plan, = gluon_plan.PLANS.values()
     assert plan.direct_launches == 3
     launch = compiled.launches[-1]
     g0, g1, g2, stream, function, packed = launch[:6]
@@ -91,13 +93,13 @@ def test_each_launch_key_gets_its_own_plan(stubbed):
     ga.gluon_attention_forward(q[:, :100].contiguous(), k, v)  # another seqlen_q
     qkv = torch.stack(_qkv(sq=200, hkv=4), dim=2)  # packed (batch, seqlen, 3, heads, dim): other strides
     ga.gluon_attention_forward(*qkv.unbind(2))
-    assert len(jit_calls) == len(ga._PLANS) == 4 and not compiled.launches
+    assert len(jit_calls) == len(gluon_plan.PLANS) == 4 and not compiled.launches
     persistent_grid = jit_calls[0][0]  # non-causal short keys: persistent, at most one CTA per SM
     assert persistent_grid == (min(-(-300 // 128) * 8, 132), 1, 1)
 
 
 def test_cpu_tensors_never_take_the_gluon_path():
-    assert not ga._is_hopper(torch.device("cpu"))
+    assert not ga.is_hopper(torch.device("cpu"))
     q, k, v = _qkv()
     assert ga.dispatch_plan(q, k, v) is None
 
@@ -110,13 +112,13 @@ def test_dispatch_entry_refuses_what_the_gluon_kernel_does_not_take(stubbed, mon
     for kwargs in (dict(window_left=8, window_right=0), dict(window_right=4), dict(softcap=30.0),
                    dict(varlen=True)):
         assert ga.gluon_forward_if_supported(q, k, v, 0.1, **kwargs) is None, kwargs
-    assert not ga._supported_problem(q.float(), k.float(), v.float())
-    assert not ga._supported_problem(q[..., :96], k[..., :96], v[..., :96])
-    assert not ga._supported_problem(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    assert not ga._supported_problem(q[:, :0], k, v)
-    assert not ga._supported_problem(q[:, :100], k, v)  # batch rows do not follow each other's seq rows
+    assert not ga.supported_problem(q.float(), k.float(), v.float())
+    assert not ga.supported_problem(q[..., :96], k[..., :96], v[..., :96])
+    assert not ga.supported_problem(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert not ga.supported_problem(q[:, :0], k, v)
+    assert not ga.supported_problem(q[:, :100], k, v)  # batch rows do not follow each other's seq rows
     misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
-    assert ga._supported_problem(misaligned, k, v) and not ga.gluon_supported(misaligned, k, v)
+    assert ga.supported_problem(misaligned, k, v) and not ga.gluon_supported(misaligned, k, v)
 
 
 def test_dispatch_rule_decides_once_per_launch_key(stubbed):
@@ -125,11 +127,11 @@ def test_dispatch_rule_decides_once_per_launch_key(stubbed):
     assert ga.gluon_pays(128, 128) and ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS)
     assert not ga.gluon_pays(64, ga.GLUON_HD64_MIN_KEYS - 1)
     short64 = _qkv(sq=128, sk=512, d=64)
-    assert ga._plan_for(*short64, True, None) is ga._NOT_APPLICABLE
-    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=1024, d=64), True, None), ga._GluonPlan)
-    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=128), False, None), ga._GluonPlan)
-    assert isinstance(ga._plan_for(*short64, True, ga.resolve_gluon_config(64, True, 512)), ga._GluonPlan)
-    assert len(ga._PLANS) == 4
+    assert ga._plan_for(*short64, True, None) is ga.NOT_APPLICABLE
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=1024, d=64), True, None), ga.GluonPlan)
+    assert isinstance(ga._plan_for(*_qkv(sq=128, sk=128), False, None), ga.GluonPlan)
+    assert isinstance(ga._plan_for(*short64, True, ga.resolve_gluon_config(64, True, 512)), ga.GluonPlan)
+    assert len(gluon_plan.PLANS) == 4
 
 
 class _FakeTmaDriver:
@@ -174,11 +176,11 @@ def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, mo
     c_calls = []
     compiled = _FakeCompiled()
     compiled.run = _triton_launcher(c_calls)
-    monkeypatch.setattr(ga, "_jit_launch", lambda grid, args, constexprs: compiled)
+    monkeypatch.setattr(gluon_plan, "_jit_launch", lambda grid, args, constexprs: compiled)
     q, k, v = _qkv()
     ga.gluon_attention_forward(q, k, v, causal=True)  # the key's JIT launch (stubbed)
-    plan, = ga._PLANS.values()
-    assert isinstance(plan.direct, ga.direct_launch.TensormapLauncher)
+    plan, = gluon_plan.PLANS.values()
+    assert isinstance(plan.direct, gluon_plan.direct_launch.TensormapLauncher)
     ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.25)
     ga.gluon_attention_forward(q, k, v, causal=True, softmax_scale=0.25)
     assert len(c_calls) == 2 and len(fake.fills) == 3 and plan.direct.fills == 3  # one fill per operand address
@@ -278,13 +280,13 @@ def test_lpt_plans_launch_their_own_kernel_with_the_tile_lists(stubbed, monkeypa
         lpt_calls.append((grid, args, constexprs, kernel))
         return compiled
 
-    monkeypatch.setattr(ga, "_jit_launch", fake_jit)
+    monkeypatch.setattr(gluon_plan, "_jit_launch", fake_jit)
     cfg = ga.GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt")
     q, k, v = _qkv(sq=1000, sk=1000)
     for _ in range(2):
         ga.gluon_attention_forward(q, k, v, causal=True, config=cfg)
     (grid, args, constexprs, kernel), = lpt_calls
-    plan, = ga._PLANS.values()
+    plan, = gluon_plan.PLANS.values()
     num_tiles = -(-1000 // 128) * 2 * 4
     assert kernel == dict(lpt=True) and grid == (min(num_tiles, 132), 1, 1) == plan.grid
     assert args[9] is plan.sched[0] and plan.sched[0].dtype == torch.int32

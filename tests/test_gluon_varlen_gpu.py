@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashdecode
-from flashdecode.ops import gluon_attention
+from flashdecode.ops import gluon_attention, gluon_plan
 from flashdecode.ops.gluon_attention import GluonFwdConfig, gluon_varlen_forward_into, resolve_gluon_varlen_config
 from flashdecode.reference import attention_ref
 from helpers import HAS_CUDA, assert_fa_close, max_err
@@ -93,10 +93,10 @@ def test_flash_attn_varlen_dispatches_to_gluon(causal, monkeypatch):
     monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON", True)
     lens = [100, 4000, 1, 2500]
     q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, 128, torch.bfloat16, seed=5)
-    before = {key for key in gluon_attention._PLANS if key[0] == "ragged"}
+    before = {key for key in gluon_plan.PLANS if key[0] == "ragged"}
     out = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
-    new = [key for key in gluon_attention._PLANS if key[0] == "ragged" and key not in before]
-    assert new and gluon_attention._PLANS[new[0]] is not gluon_attention._NOT_APPLICABLE
+    new = [key for key in gluon_plan.PLANS if key[0] == "ragged" and key not in before]
+    assert new and gluon_plan.PLANS[new[0]] is not gluon_plan.NOT_APPLICABLE
     ref, _, same = _reference(q, k, v, lens, lens, causal)
     assert_fa_close(out, ref, same, name="out")
     out2 = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
@@ -132,6 +132,7 @@ def test_resolved_config_runs_the_default_kernel():
     import dataclasses
 
     from flashdecode.ops import attention as attn_ops
+    from flashdecode.ops import attention_config, attention_plans
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (8, 2, 2))
@@ -142,6 +143,6 @@ def test_resolved_config_runs_the_default_kernel():
     for config, gluon in ((None, True), (resolved, True), (dataclasses.replace(resolved, fwd_autotune=False), True),
                           (dataclasses.replace(resolved, backend="triton"), False)):
         out = flashdecode.flash_attn(q, k, v, causal=True, config=config)
-        call = attn_ops._dense_call(q, k, v, -1, 0, 0.0, attn_ops._config_id(config))
+        call = attention_plans._dense_call(q, k, v, -1, 0, 0.0, attention_config.config_id_of(config))
         assert (call.gluon is not None) == gluon, config
         assert_fa_close(out, ref, same, name="out")

@@ -13,8 +13,9 @@ import torch
 import flashdecode
 from flashdecode import reference as ref
 from flashdecode.ops import attention as attn_ops
-from flashdecode.ops.sinks import (apply_sinks, flash_attn_varlen_with_sinks, flash_attn_with_sinks,
-                                   flash_decode_with_sinks)
+from flashdecode.ops.attention import flash_attn_varlen_with_sinks, flash_attn_with_sinks
+from flashdecode.ops.decode import flash_decode_with_sinks
+from flashdecode.ops.sinks import apply_sinks
 from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, randn
 
 

@@ -115,8 +115,7 @@ def _gluon_check(stub, workdir: str):
     from triton.runtime.build import compile_module_from_src
 
     import flashdecode
-    from flashdecode.ops import attention as attn_ops
-    from flashdecode.ops import gluon_attention as ga
+    from flashdecode.ops import attention_plans, gluon_plan
 
     with open(os.path.join(os.path.dirname(nv.__file__), "driver.c")) as f:
         utils = compile_module_from_src(src=f.read(), name="cuda_utils", library_dirs=[workdir],
@@ -129,7 +128,7 @@ def _gluon_check(stub, workdir: str):
     q, k, v = (torch.randn(2, 16, 16, 128, dtype=torch.bfloat16) for _ in range(3))
     flashdecode.flash_attn(q, k, v)  # the key's first (JIT, faked) launch
     triton.runtime.driver.set_active(Driver())
-    plan, = [p for p in ga._PLANS.values() if p]
+    plan, = [p for p in gluon_plan.PLANS.values() if p]
     direct = plan.direct
     metas = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=[rows, 128], fp4_padded=False)
              for rows in (64, plan.cfg.block_n, plan.cfg.block_n)]
@@ -143,7 +142,7 @@ def _gluon_check(stub, workdir: str):
     ctypes.c_int.in_dll(stub, "stub_nparams").value = 3 * 5 + 6 + 2
     out = flashdecode.flash_attn(q, k, v)
     got = list((ctypes.c_uint64 * 256).in_dll(stub, "stub_params"))
-    call, = [c for c in attn_ops._DENSE_CALLS.values() if c.gluon is plan]
+    call, = [c for c in attention_plans._DENSE_CALLS.values() if c.gluon is plan]
     assert [got[0], got[5], got[10]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()], "CUtensorMap addresses"
     assert [x & 0xFFFFFFFF for x in got[1:3]] == [2 * 16, 16 * 128] and got[3:5] == [16 * 128, 1], got[1:5]
     assert got[15:17] == [out.data_ptr(), plan.lse_discard()], "out, lse"
@@ -159,12 +158,11 @@ def _triton_check(stub, workdir: str):
     """The Triton forward's direct launch (PlainLauncher) through the real C launcher. Returns what the timings
     need: the C launcher module, the launch's arguments (launch fields, kernel parameters), their types, q."""
     import flashdecode
-    from flashdecode.ops import attention as attn_ops
-    from flashdecode.ops import direct_launch
+    from flashdecode.ops import attention_plans, direct_launch
 
     q, k, v = (torch.randn(2, 16, 16, 96, dtype=torch.bfloat16) for _ in range(3))  # head dim 96: Triton's
     flashdecode.flash_attn(q, k, v)
-    call, = attn_ops._DENSE_CALLS.values()
+    call, = attention_plans._DENSE_CALLS.values()
     kernel = call.kernel
     seen = []
     kernel.direct.launch = lambda *args: seen.append(args)

@@ -32,6 +32,7 @@ import torch
 import triton
 
 import flashdecode.ops.gluon_attention as ga
+import flashdecode.ops.gluon_backward as gb
 from flashdecode.ops.attention import AUTOTUNE_ENV, flash_attn
 from flashdecode.reference import attention_ref
 
@@ -53,8 +54,8 @@ def _grads(q, k, v, dout, causal, dtype):
 
 def _override_bwd_config(overrides: dict) -> None:
     """Every backward of this process (the dispatch's and the probe's own) resolves to the config with overrides."""
-    resolve = ga.resolve_gluon_bwd_config
-    ga.resolve_gluon_bwd_config = lambda headdim: dataclasses.replace(resolve(headdim), **overrides)
+    resolve = gb.resolve_gluon_bwd_config
+    gb.resolve_gluon_bwd_config = lambda headdim: dataclasses.replace(resolve(headdim), **overrides)
 
 
 def _parse_overrides(text: str) -> dict:
@@ -81,8 +82,8 @@ def check_correctness(headdims=(128, 64)) -> list[dict]:
             out, lse = ga.gluon_attention_forward(q, k, v, causal=causal)
             scale = d ** -0.5
             for det, dq_tma in ((True, True), (False, True), (True, False), (False, False)):
-                cfg = dataclasses.replace(ga.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
-                grads = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
+                cfg = dataclasses.replace(gb.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
+                grads = gb.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
                 torch.cuda.synchronize()
                 row = dict(case=f"b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} {str(dtype)[6:]} causal={causal}",
                            deterministic=det, dq_tma=dq_tma, ok=True)
@@ -92,7 +93,7 @@ def check_correctness(headdims=(128, 64)) -> list[dict]:
                     row[name] = [err, base]
                     row["ok"] &= bool(not torch.isnan(g).any().item() and err <= 3 * base + 1e-4)
                 if det:
-                    again = ga.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
+                    again = gb.gluon_attention_backward(dout, q, k, v, out, lse, scale, causal, det, cfg)
                     row["reproducible"] = all(torch.equal(a, b_) for a, b_ in zip(grads, again))
                     row["ok"] &= row["reproducible"]
                 rows.append(row)
@@ -103,11 +104,11 @@ class _TritonBackward:
     """Context: the dense backward's Gluon dispatch switched off (the Triton kernels run)."""
 
     def __enter__(self):
-        self.saved = ga.gluon_backward_if_supported
-        ga.gluon_backward_if_supported = lambda *a, **kw: None
+        self.saved = gb.gluon_backward_if_supported
+        gb.gluon_backward_if_supported = lambda *a, **kw: None
 
     def __exit__(self, *exc):
-        ga.gluon_backward_if_supported = self.saved
+        gb.gluon_backward_if_supported = self.saved
 
 
 def _fwd_bwd(fn, inputs, dout, triton_bwd=False):
@@ -176,8 +177,8 @@ def time_all(quick: bool, bwd_only: bool, headdims=(128, 64), ablation: bool = F
                 names = list(BWD_VARIANTS)[:3] if ablation else list(BWD_VARIANTS)
                 for name in names:
                     det_mode, dq_tma = BWD_VARIANTS[name]
-                    cfg = dataclasses.replace(ga.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
-                    fns[name] = (lambda m, c: lambda: ga.gluon_attention_backward(
+                    cfg = dataclasses.replace(gb.resolve_gluon_bwd_config(d), dq_tma=dq_tma)
+                    fns[name] = (lambda m, c: lambda: gb.gluon_attention_backward(
                         dout, q.detach(), k.detach(), v.detach(), out, lse, d ** -0.5, causal, m, c))(det_mode, cfg)
             for name, fn in fns.items():
                 flops = fwd_flops * {"bwd": 2.5, "fwd": 1.0}.get(name.split(":")[0], BWD_FACTOR)

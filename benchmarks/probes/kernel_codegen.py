@@ -2,7 +2,7 @@
 launch variant, to show that a change of the kernels' argument lists (or of their launchers) leaves the machine
 code alone.
 
-Each variant runs the package's own launch code (ops/decode_launch.py's run_decode, ops/attention.py's backward)
+Each variant runs the package's own launch code (ops/decode_launch.py's run_decode, ops/attention_launch.py's backward)
 on CPU tensors with Triton's JIT launch replaced by a compile for sm_90: Triton's own binder, so pointers, strides
 and tuple elements are specialised (divisible by 16, equal to 1) exactly as a GPU launch would, then Triton's
 compiler and bundled ptxas. Per kernel it records registers, stack (spill) bytes and shared memory (cuobjdump's
@@ -65,7 +65,7 @@ def _install_compile_only():
     device handling; CPU tensors pass the device checks."""
     from triton.runtime.jit import JITFunction
 
-    from flashdecode.ops import attention, checks
+    from flashdecode.ops import checks, launch_cache
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = _compile_for_sm90(self, args, kwargs)
@@ -73,11 +73,11 @@ def _install_compile_only():
         return kernel
 
     def kernel_call(self, grid_fn, args, device):
-        tuned = attention._tuned(self.fn, self.tiles, self.names, False, self.reset_dq)
+        tuned = launch_cache.tuned(self.fn, self.tiles, self.names, False, self.reset_dq)
         tuned[grid_fn](*args, **self.constexprs)
 
     JITFunction.run = run
-    attention._Kernel.__call__ = kernel_call
+    launch_cache.TunedKernel.__call__ = kernel_call
     checks.check_kernel_device = lambda name, x: None
 
 
@@ -145,7 +145,7 @@ def _backward(*, headdim=128, deterministic=True, varlen=False, window=-1, causa
 
     from flashdecode import heuristics
     from flashdecode.config import AttentionProblem
-    from flashdecode.ops import attention
+    from flashdecode.ops import attention_config, attention_launch, util
 
     gen = torch.Generator().manual_seed(0)
     batch, nheads, nheads_kv = 2, 16, 4
@@ -159,8 +159,8 @@ def _backward(*, headdim=128, deterministic=True, varlen=False, window=-1, causa
                               for h in (nheads, nheads_kv, nheads_kv, nheads, nheads))
         lse = torch.zeros(batch, nheads, seqlen)
         cu = None
-    problem = AttentionProblem(head_dim_pad=attention._head_dim_pad(headdim), elem_bytes=2, max_seqlen_k=seqlen,
-                               deterministic=deterministic, tma_layout=attention._tma_layout_ok(q, k, v),
+    problem = AttentionProblem(head_dim_pad=attention_config.head_dim_pad(headdim), elem_bytes=2, max_seqlen_k=seqlen,
+                               deterministic=deterministic, tma_layout=util.tma_layout_ok(q, k, v),
                                capability_major=9, smem_limit=227 * 1024, interpret=False, autotune=False)
     config = heuristics.resolve_attention_config(problem)
     if fused is not None:
@@ -170,8 +170,9 @@ def _backward(*, headdim=128, deterministic=True, varlen=False, window=-1, causa
     config = dataclasses.replace(config, **{name: getattr(config, name)[tile:tile + 1] for name in (
         "bwd_dkdv_tiles", "bwd_dq_tiles", "bwd_atomic_tiles", "bwd_fused_tiles")})
     slopes = torch.full((nheads,), 0.25) if alibi else None
-    attention._bwd_impl(dout, q, k, v, out, lse, cu, cu, seqlen, seqlen, headdim ** -0.5, window,
-                        0 if causal else -1, 0.0, deterministic, attention._intern_config(config), slopes)
+    attention_launch._bwd_impl(dout, q, k, v, out, lse, cu, cu, seqlen, seqlen, headdim ** -0.5, window,
+                               0 if causal else -1, 0.0, deterministic, attention_config.config_id_of(config),
+                               slopes)
     return config
 
 

@@ -45,9 +45,9 @@ from typing import Optional
 
 import torch
 
-from flashdecode.ops.attention import flash_attn, flash_attn_varlen
+from flashdecode.ops.attention import flash_attn, flash_attn_varlen, flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from flashdecode.ops.decode import flash_decode
-from flashdecode.ops.sinks import apply_sinks, flash_attn_varlen_with_sinks, flash_attn_with_sinks
+from flashdecode.ops.sinks import apply_sinks
 
 __all__ = ["NAME", "register", "attention_forward", "padding_mask"]
 

@@ -18,7 +18,10 @@ __all__ = [
     "check_kernel_device", "check_bool", "check_int", "check_softmax_scale", "check_softcap", "check_window",
     "resolve_scale", "host_resident", "MAX_NUM_SPLITS", "check_optional_int", "check_num_splits", "check_dtype",
     "check_device_arg", "check_host_lengths", "check_host_cu_seqlens", "first_bad_page", "check_host_block_table",
-    "to_host_once", "check_cache_metadata",
+    "to_host_once", "check_cache_metadata", "FP8_DTYPE", "NO_WINDOW", "DENSE_LAYOUT", "check_attention_tensors",
+    "check_attention_tensors_once", "check_attention_options", "checked_descales", "check_cu_seqlens_layout",
+    "check_cu_seqlens_values", "normalise_attention_options", "check_batch", "is_default_window",
+    "check_alibi_slopes",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): kernels use exp2 with the scale folded in; natural-log lse * LOG2E = log2 lse
@@ -291,3 +294,201 @@ def check_cache_metadata(cache_seqlens, block_table, *, capacity: int, page_size
         lens = lens.long()
         start, end = (lens, lens + added) if appending else (torch.zeros_like(lens), lens)
         check_host_block_table(table, start, end, page_size, num_pages)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flash_attn / flash_attn_varlen (prefill and training)
+# ----------------------------------------------------------------------------------------------------------------
+
+FP8_DTYPE = torch.float8_e4m3fn  # prefill forward only, with q/k/v descales (FA3's FP8 API); output bfloat16
+NO_WINDOW = (-1, -1)  # the default window_size: the options' fast checks pass it by identity
+DENSE_LAYOUT = "(batch, seqlen, nheads, headdim)"
+_INT32_MAX = 2 ** 31 - 1  # window bounds are clamped to it: a huge window means "unbounded", and stays an i32
+_CHECKED_MAX = 4096  # tensor signatures kept as checked (a set cleared when full: a check is cheap to redo)
+
+
+def check_attention_tensors(q, k, v, ndim: int, layout: str):
+    """q, k, v of flash_attn (ndim 4) or flash_attn_varlen (ndim 3, ``layout`` names the shape for messages): one
+    dtype (fp16 / bf16 / fp32 / e4m3) and device, head dims equal and <= MAX_HEAD_DIM, k and v alike, GQA heads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES and t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float8_e4m3fn (with descales), "
+                            f"got {t.dtype}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k, v must share one dtype "
+                            f"(FP8 attention takes all three in float8_e4m3fn)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type == "cpu" and not interpreting():
+        raise ValueError("q, k, v are CPU tensors: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1); "
+                         "flashdecode.reference.attention_ref is the pure-PyTorch CPU path")
+    headdim = q.shape[-1]
+    if k.shape[-1] != headdim or v.shape[-1] != headdim:
+        raise ValueError(f"k and v head dim must equal q's ({headdim}), got k {k.shape[-1]}, v {v.shape[-1]}")
+    if not 1 <= headdim <= MAX_HEAD_DIM:
+        raise ValueError(f"q head dim must be in 1..{MAX_HEAD_DIM}, got {headdim}")
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != nheads_kv:
+        raise ValueError(f"v must have nheads_kv = {nheads_kv} heads like k, got {v.shape[-2]}")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k/v ({nheads_kv})")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k and v must have the same leading shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+# (shapes, dtypes, devices, interpreter flag) of q, k, v that passed check_attention_tensors: a repeated call skips it
+_CHECKED_TENSORS: set = set()
+
+
+def check_attention_tensors_once(q, k, v, ndim: int, layout: str):
+    """check_attention_tensors, skipped for a (layout, shape, dtype, device) signature that already passed (the checks
+    read nothing else; the layout keeps a varlen call's 3-D shapes from passing for flash_attn)."""
+    try:
+        key = (ndim, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               type(q), type(k), type(v), q.device.type == "cpu" and interpreting())
+    except AttributeError:  # not tensors: the full check names the argument
+        key = None
+    if key is None or key not in _CHECKED_TENSORS:
+        check_attention_tensors(q, k, v, ndim, layout)
+        if key is not None:
+            if len(_CHECKED_TENSORS) >= _CHECKED_MAX:
+                _CHECKED_TENSORS.clear()
+            _CHECKED_TENSORS.add(key)
+
+
+def check_attention_options(causal, softmax_scale, window_size, softcap, deterministic=True):
+    """The shared checks, in this order; the common values (bools, no scale, the default window, softcap 0.0) pass
+    without a call."""
+    if causal is not True and causal is not False:
+        check_bool("causal", causal)
+    if deterministic is not True and deterministic is not False:
+        check_bool("deterministic", deterministic)
+    if softmax_scale is not None:
+        check_softmax_scale(softmax_scale)
+    if window_size is not NO_WINDOW:
+        check_window(window_size)
+    if type(softcap) is not float or softcap != 0.0:
+        check_softcap(softcap)
+
+
+def _check_descales(q, q_descale, k_descale, v_descale, batch: int, nheads_kv: int):
+    """FP8 inputs need all three descales, float32 (batch, nheads_kv) on q's device (FA3's layout; q_descale may
+    also be per query head, (batch, nheads)); other inputs take none. Descales that require grad are refused."""
+    given = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    if q.dtype != FP8_DTYPE:
+        for name, d in given:
+            if d is not None:
+                raise ValueError(f"{name} is only for float8_e4m3fn q, k, v; these are {q.dtype}")
+        return
+    for name, d in given:
+        if d is None:
+            raise ValueError(f"{name} is required with float8_e4m3fn q, k, v: a float32 ({batch}, {nheads_kv}) "
+                             f"tensor (batch, nheads_kv) of dequantisation factors (x = x_fp8 * descale)")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {d.dtype}")
+        nheads = q.shape[-2]
+        if tuple(d.shape) != (batch, nheads_kv) and not (name == "q_descale" and tuple(d.shape) == (batch, nheads)):
+            also = f" or (batch, nheads) = ({batch}, {nheads})" if name == "q_descale" else ""
+            raise ValueError(f"{name} must have shape (batch, nheads_kv) = ({batch}, {nheads_kv}){also}, "
+                             f"got {tuple(d.shape)}")
+        check_device(name, d, q.device)
+    if torch.is_grad_enabled():
+        for name, d in given:
+            if d.requires_grad:
+                raise ValueError(f"{name} requires grad, but FP8 attention is forward only (no gradients)")
+
+
+def checked_descales(q, k, v, q_descale, k_descale, v_descale, batch: int):
+    """(q_descale, k_descale, v_descale) for FP8 inputs (checked; inputs must not require grad), else None (and
+    no descale may be given)."""
+    _check_descales(q, q_descale, k_descale, v_descale, batch, k.shape[-2])
+    if q.dtype != FP8_DTYPE:
+        return None
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad, but FP8 attention (float8_e4m3fn inputs) is forward only")
+    return q_descale, k_descale, v_descale
+
+
+def check_cu_seqlens_layout(name: str, cu, batch: Optional[int], max_seqlen, max_name: str, device) -> int:
+    """Type, shape and device of one cu_seqlens tensor (no host sync); returns its batch size."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} must have length batch + 1 = {batch + 1} (like cu_seqlens_q), got {cu.numel()}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+    return cu.numel() - 1
+
+
+def check_cu_seqlens_values(cu_checks):
+    """cu_checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, ends at the packed tokens,
+    longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces)."""
+    if torch.compiler.is_compiling() or cu_checks[0][1].numel() < 2:
+        return
+    stats = []
+    for _, cu, _, _, _ in cu_checks:
+        lens = cu[1:] - cu[:-1]
+        stats.append(torch.stack([cu[0], cu[-1], lens.min(), lens.max()]))
+    for (name, cu, total, max_seqlen, max_name), (first, last, min_len, max_len) in zip(
+            cu_checks, torch.stack(stats).tolist()):
+        if first != 0 or min_len < 0:
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
+        if last != total:  # fewer: rows outside every sequence would be left unwritten
+            raise ValueError(f"{name}[-1] = {last} must equal the {total} packed tokens")
+        if max_len > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
+                             f"in {name}")
+
+
+def normalise_attention_options(headdim, causal, softmax_scale, window_size, softcap):
+    """(scale, window left, window right (0 when causal), softcap) as the launches take them (checked options)."""
+    scale = headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if window_size is NO_WINDOW:
+        left, right = -1, -1
+    else:
+        left, right = min(int(window_size[0]), _INT32_MAX), min(int(window_size[1]), _INT32_MAX)
+    return scale, left, 0 if causal else right, float(softcap)
+
+
+def check_batch(q, k):
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch ({k.shape[0]}) must equal q's batch ({q.shape[0]})")
+
+
+def is_default_window(window_size) -> bool:
+    """window_size is the default: the default object, or a tuple of the ints -1, -1 (flash_attn_interface passes
+    its own). Types first: comparing other objects could call their __eq__."""
+    return window_size is NO_WINDOW or (type(window_size) is tuple and len(window_size) == 2
+                                         and type(window_size[0]) is int and type(window_size[1]) is int
+                                         and window_size[0] == -1 and window_size[1] == -1)
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, device):
+    """alibi_slopes: None, or a float32 (nheads,) or (batch, nheads) tensor on ``device`` (ValueError / TypeError
+    naming it), one slope per QUERY head (the rows of one kv group get their own); returns it as given."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, "
+                         f"{nheads}), got {tuple(alibi_slopes.shape)}")
+    check_device("alibi_slopes", alibi_slopes, device)
+    return alibi_slopes

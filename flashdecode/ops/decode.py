@@ -25,12 +25,14 @@ from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
 from flashdecode.ops import checks
 from flashdecode.ops.append_kv import append_kv
 from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch, run_decode
-from flashdecode.ops.decode_policy import _DecodeShape, capturing, check_config_fits, choose_live_keys, decode_device
+from flashdecode.ops.decode_policy import _DecodeShape, check_config_fits, choose_live_keys, decode_device
+from flashdecode.ops.util import capturing
 from flashdecode.ops import decode_host, direct_launch
 from flashdecode.ops.decode_workspace import stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
+from flashdecode.ops.sinks import apply_sinks, check_sinks
 
-__all__ = ["flash_decode", "decode_config", "DecodePlan", "append_kv"]
+__all__ = ["flash_decode", "flash_decode_with_sinks", "decode_config", "DecodePlan", "append_kv"]
 
 _DTYPES = checks.FLOAT_DTYPES
 _PLAN_IDS = itertools.count()  # a key per DecodePlan that no later plan reuses (id() may be)
@@ -128,8 +130,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
         config: a DecodeConfig overriding every launch decision (e.g. ``dataclasses.replace`` of
             ``decode_config(...)``); checked against this call (TypeError / ValueError naming ``config``).
         sinks: optional (nheads,) float32 per-head sink logits that join each row's softmax denominator with no
-            value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels (ops/sinks.py), so the
-            call then allocates its result.
+            value (GPT-OSS, StreamingLLM); applied exactly to (out, lse) after the kernels, as a step
+            (ops/sinks.py), so the call then allocates its result.
         batch_invariant: each sequence's out and lse are bitwise identical whatever batch it sits in and whatever
             the other sequences' lengths (and the cache's capacity): every sequence is split at fixed key offsets,
             every heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS (2048) keys from its first live key, each split run
@@ -161,14 +163,6 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     if plan is not None and batch_invariant and not plan.batch_invariant:
         raise ValueError("batch_invariant=True with a plan made without it; make the DecodePlan with "
                          "batch_invariant=True")
-    if sinks is not None:  # (nheads,) sink logits in the softmax denominator: ops/sinks.py
-        from flashdecode.ops.sinks import flash_decode_with_sinks
-        return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, block_table=block_table,
-                                       softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
-                                       window_size=window_size, return_lse=return_lse, out=out,
-                                       max_seqlen_k=max_seqlen_k, plan=plan, config=config,
-                                       validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
-                                       k_scale=k_scale, v_scale=v_scale)
     if plan is not None:
         if num_splits is not None or max_seqlen_k is not None or config is not None:
             raise ValueError("num_splits / max_seqlen_k / config are fixed by the plan; do not pass them with plan=")
@@ -176,15 +170,44 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
             raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
         return plan.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                         softcap=softcap, window_size=window_size, return_lse=return_lse, out=out,
-                        validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
+                        validate=validate, sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     checks.check_bool("return_lse", return_lse)
+    if sinks is not None:
+        _check_sinks_before_kernels(sinks, q)
     attend = prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                   softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                   window_size=window_size, out=out, max_seqlen_k=max_seqlen_k, config=config,
                                   validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
-                                  k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
-    out, lse = attend()
-    return (out, lse) if return_lse else out
+                                  k_scale=k_scale, v_scale=v_scale, return_lse=return_lse or sinks is not None)
+    result, lse = attend()
+    if sinks is not None:
+        return _sinks_step(result, lse, sinks, out, return_lse)
+    return (result, lse) if return_lse else result
+
+
+def flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, *, return_lse=False, **kwargs):
+    """flash_decode(..., sinks=sinks) (with plan=, DecodePlan.run): attention sinks, forward only.
+
+    Args: as flash_decode (q (batch, [seqlen_q,] nheads, headdim), ...), plus sinks (nheads,) float; ``out=``
+        receives the final result (written in place, and returned).
+    Returns: out like q [, lse' (batch, [seqlen_q,] nheads) float32].
+    """
+    return flash_decode(q, k_cache, v_cache, cache_seqlens, sinks=sinks, return_lse=return_lse, **kwargs)
+
+
+def _check_sinks_before_kernels(sinks, q):
+    """sinks: (nheads,) float on q's device (a malformed q is left to the decode checks)."""
+    if isinstance(q, torch.Tensor) and q.dim() in (3, 4):
+        check_sinks(sinks, q.shape[-2], q.device)
+
+
+def _sinks_step(o, lse, sinks, out, return_lse: bool):
+    """The sinks step after the kernels (ops/sinks.py): (out', lse') from the kernels' (o, lse); out' is a new
+    tensor, or ``out`` (the caller's, written in place) where one was given."""
+    result, lse = apply_sinks(o, lse, sinks, "decode")
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
 
 
 def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
@@ -411,13 +434,8 @@ class DecodePlan:
         """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
         syncs, so it is for eager debugging runs, not captured ones)."""
         checks.check_bool("return_lse", return_lse)
-        if sinks is not None:  # ops/sinks.py; the result is a new tensor (or out), not a plan buffer
-            from flashdecode.ops.sinks import flash_decode_with_sinks
-            return flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, plan=self,
-                                           block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
-                                           window_size=window_size, return_lse=return_lse, out=out,
-                                           validate=validate, alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                           v_scale=v_scale)
+        if sinks is not None:
+            _check_sinks_before_kernels(sinks, q)
         key = None
         if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
                 and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
@@ -439,9 +457,10 @@ class DecodePlan:
         if views is None:
             views = self._views[(q.shape, id(launch))] = self._buffer_views(q.shape, shape.q4.shape, launch)
         plan_out, lse3, partial_o, partial_lse = views
-        if out is None:
-            out = plan_out
-        out4 = out.unsqueeze(1) if q.dim() == 3 else out
+        result = plan_out if out is None else out
+        out4 = result.unsqueeze(1) if q.dim() == 3 else result
         run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
                    self._tickets)
-        return (out, _lse_view(lse3, q)) if return_lse else out
+        if sinks is not None:  # the result is then a new tensor (or out), not a plan buffer
+            return _sinks_step(result, _lse_view(lse3, q), sinks, out, return_lse)
+        return (result, _lse_view(lse3, q)) if return_lse else result

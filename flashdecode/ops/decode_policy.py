@@ -8,27 +8,27 @@ import torch
 
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
-from flashdecode.ops import checks, direct_launch
+from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
                                            _check_lengths_and_table, check_out)
 from flashdecode.ops.kv_quant import resolve_kv_quant
+from flashdecode.ops.util import cache_rows_tma_ok, hopper_or_newer, num_sms, score_scale_args
 
 _DTYPES = checks.FLOAT_DTYPES
 _MAX_HEADDIM = checks.MAX_HEAD_DIM
-LOG2E = checks.LOG2E
 _check_tensor, _interpreting = checks.check_tensor, checks.interpreting
 
 
 def _pdl_capable(device: torch.device) -> bool:
     """Programmatic dependent launch needs a Hopper (sm_90) or newer GPU and no interpreter (inline asm)."""
-    return not _interpreting(device) and torch.cuda.get_device_capability(device)[0] >= 9
+    return not _interpreting(device) and hopper_or_newer(device)
 
 
 def decode_device(device: torch.device) -> heuristics.DecodeDevice:
     """The facts of ``device`` the decode policy uses."""
     interpret = _interpreting(device)
-    return heuristics.DecodeDevice(num_sms=heuristics.num_sms(device), interpret=interpret,
-                                   hopper=not interpret and heuristics._is_hopper_or_newer(),
+    return heuristics.DecodeDevice(num_sms=num_sms(device), interpret=interpret,
+                                   hopper=not interpret and hopper_or_newer(device),
                                    pdl=_pdl_capable(device))
 
 
@@ -65,8 +65,7 @@ class _DecodeShape:
         self.window_left = checks.check_window(window_size)[0]
         self.scale = checks.resolve_scale(softmax_scale, self.headdim)
         # stage 1's logit scale (softcap: tanh's argument, else log2 units for exp2) and the softcap in log2 units
-        self.score_scale = self.scale / self.softcap if self.softcap > 0 else self.scale * LOG2E
-        self.softcap_log2 = self.softcap * LOG2E
+        self.score_scale, self.softcap_log2 = score_scale_args(self.scale, self.softcap)
         self.group = self.nheads // self.nheads_kv
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
@@ -74,7 +73,7 @@ class _DecodeShape:
         self.block_d = heuristics.next_power_of_2(max(16, self.headdim))
         self.elem_bytes = k_cache.element_size()
         # 8-bit caches take the pointer path (their scales are read beside each block; kernels/kv_quant.py)
-        self.cache_tma_ok = _tma_layout(k_cache) and self.kv_quant is None
+        self.cache_tma_ok = cache_rows_tma_ok(k_cache) and self.kv_quant is None
         self.cache_offsets_fit_int32 = _offsets_fit_int32(k_cache) and (self.kv_quant is None
                                                                         or self.kv_quant.offsets_fit_int32())
         self.alibi_slopes = None  # with_alibi
@@ -82,7 +81,7 @@ class _DecodeShape:
 
     def with_alibi(self, alibi_slopes) -> "_DecodeShape":
         """Attach the call's ALiBi slopes: None, or fp32 (nheads,) / (batch, nheads) on q's device (checked)."""
-        self.alibi_slopes = check_alibi_slopes(alibi_slopes, self.batch, self.nheads, self.device)
+        self.alibi_slopes = checks.check_alibi_slopes(alibi_slopes, self.batch, self.nheads, self.device)
         return self
 
     def problem(self, live_keys, **kw) -> heuristics.DecodeProblem:
@@ -97,33 +96,11 @@ class _DecodeShape:
         check_out(out, q, self.seqlen_q)
 
 
-def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, device):
-    """alibi_slopes: None, or a float32 (nheads,) or (batch, nheads) tensor on ``device`` (ValueError / TypeError
-    naming it); one slope per QUERY head (the rows of one kv group get their own)."""
-    if alibi_slopes is None:
-        return None
-    _check_tensor("alibi_slopes", alibi_slopes, (1, 2), (torch.float32,))
-    checks.check_device("alibi_slopes", alibi_slopes, device)
-    want = (nheads,) if alibi_slopes.dim() == 1 else (batch, nheads)
-    if tuple(alibi_slopes.shape) != want:
-        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
-                         f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
-    return alibi_slopes
-
-
 def _offsets_fit_int32(k_cache) -> bool:
     """Whether every element offset into the cache (K and V share its shape and strides) is below 2**31, so that
     the kernels may address it with 32-bit offsets from its base pointer."""
     last = sum((n - 1) * st for n, st in zip(k_cache.shape, k_cache.stride()) if n > 0)
     return k_cache.numel() > 0 and last < 2**31
-
-
-def _tma_layout(k_cache) -> bool:
-    """The TMA path views the cache as 2-D (rows, nheads_kv * headdim): rows of one sequence (or page) must be
-    consecutive and 16-byte aligned (heuristics.decode_tma_fits adds the tile conditions)."""
-    _, rows, hk, d = k_cache.shape
-    dense = k_cache.stride(2) == d and k_cache.stride(1) == hk * d and k_cache.stride(0) == rows * hk * d
-    return dense and k_cache.data_ptr() % 16 == 0 and (hk * d * k_cache.element_size()) % 16 == 0
 
 
 def choose_live_keys(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, in_capture: bool):
@@ -142,11 +119,6 @@ def choose_live_keys(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_
     if longest > shape.capacity:
         raise ValueError(f"cache_seqlens asks for {longest} keys but the cache holds {shape.capacity}")
     return longest, total
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream is being captured into a graph (no host sync allowed then)."""
-    return device.type == "cuda" and direct_launch.capturing()
 
 
 def check_config_fits(config: DecodeConfig, problem: heuristics.DecodeProblem,

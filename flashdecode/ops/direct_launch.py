@@ -1,4 +1,4 @@
-"""Direct launches of compiled Triton kernels (ops/attention.py, ops/gluon_attention.py): the current device, stream
+"""Direct launches of compiled Triton kernels (ops/launch_cache.py, ops/gluon_plan.py): the current device, stream
 and launch hooks, each read per launch as cheaply as Triton allows, the C launchers called without Triton's Python
 wrappers, and the device buffers those launches need (global scratch, discarded outputs).
 
@@ -15,6 +15,8 @@ import functools
 from typing import Optional
 
 import torch
+
+from flashdecode.ops.util import capturing
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,14 +39,6 @@ def current_device() -> int:
     """torch.cuda.current_device() without its Python-level lazy-initialisation check (the C call initialises
     CUDA itself where needed)."""
     return torch.cuda.current_device() if _cuda_get_device is None else _cuda_get_device()
-
-
-_cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA_BUILD else None
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a CUDA graph (torch.cuda.is_current_stream_capturing)."""
-    return _cuda_capturing is not None and _cuda_capturing()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,13 @@
-"""One launch cache for the Triton kernels the ops launch themselves: record a launch once per key, then launch
-the compiled kernel directly.
+"""One launch cache for every kernel the ops launch themselves: record a launch once per key, then launch the
+compiled kernel directly. Three recorders share it, one per kind of kernel, each keeping in a ``PlanCache`` (a
+bounded dict: key -> what was recorded) what its first launch of a key learnt:
+- ``LaunchSite``: a @triton.jit kernel with fixed constexprs (decode, append_kv, merge), below;
+- ``TunedKernel``: an autotuned @triton.jit kernel (the Triton prefill forward and backward): the first launch of
+  a key runs the autotuner, the record keeps the winning tile's constexprs;
+- ops/gluon_plan.py's ``GluonPlan``: a Gluon kernel over host tensor descriptors, whose record keeps the
+  CUtensorMaps per address (direct_launch.TensormapLauncher).
+Each launches later calls of a key through the compiled kernel's C launcher (direct_launch.PlainLauncher or
+TensormapLauncher; Triton's own launcher where neither knows it, and while a launch hook is registered).
 
 A ``LaunchSite`` wraps one @triton.jit kernel. A caller hands it, per launch, a key, the grid, the kernel's runtime
 (non-constexpr) parameters as a tuple in signature order (``site.runtime_names``) and a function that builds the
@@ -25,16 +33,45 @@ hooks their metadata.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import threading
 from typing import Callable
 
 import torch
 
 from flashdecode.ops import checks, direct_launch
+from flashdecode.ops.util import interpreting_now
 
-__all__ = ["LaunchSite", "check_keys", "clear", "sites", "tensor_key"]
+__all__ = ["LaunchSite", "TunedKernel", "PlanCache", "check_keys", "clear", "sites", "tensor_key",
+           "ensure_triton_allocator", "recordable", "launch_through_triton"]
 
 _MAX_KEYS = 1024  # recorded keys per site (cleared when full: a workload of ever new shapes recompiles nothing)
+
+
+class PlanCache(dict):
+    """Launch key -> what its first launch recorded (a plan, a site's record), bounded: cleared when full (a record
+    is cheap to rebuild, and a workload of ever new shapes must not grow it without end). Lookups are dict.get."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int = 4096):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value):
+        """Keep ``value`` under ``key`` (clearing the cache first where it is full); returns value."""
+        if len(self) >= self.size:
+            self.clear()
+        self[key] = value
+        return value
+
+    def get_or_build(self, key, build: Callable[[], object]):
+        """The value under ``key``, else ``build()``'s, kept (build must not return None)."""
+        found = self.get(key)
+        if found is None:
+            found = self.put(key, build())
+        return found
 _SITES: list = []
 _CHECK = [checks.env_value("FLASHDECODE_CHECK_LAUNCH_KEYS", "0") == "1"]
 
@@ -54,6 +91,21 @@ def clear() -> None:
 def sites() -> list:
     """The launch sites made so far (tests and the warm-up read their counters)."""
     return list(_SITES)
+
+
+def recordable(compiled) -> bool:
+    """Whether ``compiled`` (Triton's CompiledKernel) has what a recorded launch calls later: its launcher (run),
+    function handle, packed metadata and launch-metadata builder (anything else stays on Triton's JIT path)."""
+    return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+
+
+def launch_through_triton(recorded, grid: tuple, stream, args: tuple, enter, exit_) -> None:
+    """A recorded launch (TunedKernel, gluon_plan.GluonPlan: .compiled, .run, .function, .packed) through the
+    compiled kernel's own launcher, as Triton's JIT calls it: the launch metadata and the hook chains where a hook
+    is registered (enter not None), else neither. The path of keys whose launcher no direct launcher knows, and of
+    every launch while a hook (e.g. Triton's profiler) is registered."""
+    meta = None if enter is None else recorded.compiled.launch_metadata(grid, stream, *args)
+    recorded.run(grid[0], grid[1], grid[2], stream, recorded.function, recorded.packed, meta, enter, exit_, *args)
 
 
 def tensor_key(x):
@@ -126,7 +178,7 @@ class LaunchSite:
         self.defaults = tuple(p.default for p in params)
         self.runtime_names = tuple(p.name for p in params if not _is_constexpr(p))
         self.slots = tuple(i for i, p in enumerate(params) if not _is_constexpr(p))
-        self.records: dict = {}
+        self.records = PlanCache(_MAX_KEYS)
         self.jit_launches = 0  # launches through Triton's JIT (first of a key, interpreter, hooks)
         _SITES.append(self)
 
@@ -181,6 +233,135 @@ class LaunchSite:
                 template.append(default)
             else:
                 template.append(None)  # a runtime slot
-        if len(self.records) >= _MAX_KEYS:
-            self.records.clear()
-        self.records[key] = _Record(direct, template, self.slots, specialization(runtime) if _CHECK[0] else None)
+        self.records.put(key, _Record(direct, template, self.slots, specialization(runtime) if _CHECK[0] else None))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autotuned kernels (the Triton prefill): autotuned on the GPU (one autotuner per tile list, shared by the launch
+# keys that use it), one fixed tile in the interpreter; after its first GPU launch a key calls the compiled kernel
+# directly
+# ----------------------------------------------------------------------------------------------------------------
+
+TUNE_KEY = ["bucket_q", "bucket_k", "HEAD_DIM", "IS_VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "DOT_PRECISION",
+            "USE_TMA", "ATOMIC_DQ", "FUSED_DQ", "HAS_ALIBI", "PAGE_SIZE"]
+
+
+@functools.lru_cache(maxsize=None)
+def tuned(fn, tiles: tuple, names: tuple, autotune: bool, reset_dq: bool):
+    """fn autotuned over ``tiles`` (only the first without autotune), keyed by shape buckets and mask flags.
+    reset_dq: the atomic dQ buffer accumulates across launches, so it is zeroed before every timed candidate."""
+    import triton
+
+    configs = [triton.Config(dict(zip(names, t)), num_warps=t[len(names)], num_stages=t[len(names) + 1])
+               for t in tiles]
+    if not autotune:
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=TUNE_KEY, reset_to_zero=["DQ"] if reset_dq else None)(fn)
+
+
+_current_stream = direct_launch.current_stream
+_current_device = direct_launch.current_device
+
+
+class TunedKernel:
+    """One autotuned kernel with its constexprs under one launch key (everything its compilation depends on is in
+    the key; the caller keeps one per key in a PlanCache, inside its plan).
+
+    The first GPU launch goes through the autotuner and Triton's JIT and records the compiled kernel, the tile it
+    ran and the constexpr tail of its argument list; later launches call the compiled kernel's launcher with the
+    same arguments, skipping the per-call binding (tens of microseconds of host time). Launch arguments: the
+    kernel's runtime parameters in order, as a tuple.
+    """
+
+    __slots__ = ("name", "fn", "tiles", "names", "autotune", "reset_dq", "constexprs", "use_tma", "meta", "tail",
+                 "run", "function", "packed", "compiled", "direct")
+
+    def __init__(self, name: str, fn, tiles: tuple, names: tuple, autotune: bool, constexprs: dict,
+                 reset_dq: bool = False):
+        self.name = name  # fwd, bwd_atomic, bwd_fused, bwd_dkdv or bwd_dq
+        self.fn, self.tiles, self.names, self.autotune, self.reset_dq = fn, tiles, names, autotune, reset_dq
+        self.constexprs = constexprs
+        self.use_tma = bool(constexprs.get("USE_TMA"))  # descriptors need the allocator of the calling thread
+        self.compiled = self.direct = None
+
+    def __call__(self, grid_fn: Callable[[dict], tuple], args: tuple, device: torch.device):
+        if self.compiled is not None:
+            self.launch(grid_fn(self.meta), args + self.tail, device)
+            return
+        if self.use_tma:
+            ensure_triton_allocator()
+        if interpreting_now():
+            meta = dict(zip(self.names, self.tiles[0]))
+            self.fn[grid_fn(meta)](*args, **self.constexprs, **meta)
+            return
+        autotuned = tuned(self.fn, self.tiles, self.names, self.autotune, self.reset_dq)
+        if device.index == _current_device():
+            compiled = autotuned[grid_fn](*args, **self.constexprs)
+        else:
+            with torch.cuda.device(device):
+                compiled = autotuned[grid_fn](*args, **self.constexprs)
+        self._record(autotuned, compiled, len(args))
+
+    def launch(self, grid: tuple, full: tuple, device: torch.device):
+        """A launch of the compiled kernel (after the first) on ``grid`` (3 entries) with every kernel parameter
+        (``full``: the runtime arguments, pointers as tensors or data_ptr() ints, then self.tail)."""
+        if device.index == _current_device():
+            self._launch_compiled(grid, full, device)
+        else:
+            with torch.cuda.device(device):
+                self._launch_compiled(grid, full, device)
+
+    def _launch_compiled(self, grid: tuple, full: tuple, device: torch.device):
+        stream = _current_stream(device.index)
+        enter, exit_ = direct_launch.launch_hooks()
+        if enter is None and self.direct is not None:
+            self.direct(grid, stream, device, full)
+            return
+        if self.use_tma:
+            ensure_triton_allocator()
+        launch_through_triton(self, grid, stream, full, enter, exit_)
+
+    def _record(self, autotuned, compiled, nargs: int):
+        """Keep what a direct launch needs; anything unexpected leaves the key on the autotuner's path."""
+        if hasattr(compiled, "result"):  # asynchronous compilation
+            compiled = compiled.result()
+        best = getattr(autotuned, "best_config", None)
+        if best is None or not recordable(compiled):
+            return
+        values = {**self.constexprs, **best.kwargs}
+        tail = []
+        for param in self.fn.params[nargs:]:
+            if param.name in values:
+                tail.append(values[param.name])
+            elif param.has_default:
+                tail.append(param.default)
+            else:
+                return
+        self.meta, self.tail = dict(best.kwargs), tuple(tail)
+        self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
+        self.direct = direct_launch.PlainLauncher.of(compiled)  # None: Triton's launcher (self.run)
+        self.compiled = compiled
+
+
+_ALLOCATOR_SET = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"  # "cuda": the current device (Triton's convention)
+
+
+def _scratch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device=_scratch_device())
+
+
+def ensure_triton_allocator():
+    """Device-side tensor descriptors live in a small global scratch that Triton asks an allocator for.
+
+    Triton keeps the allocator in a ContextVar, i.e. per thread: autograd runs the backward of CUDA tensors on its
+    own worker thread, which never saw the forward's set_allocator, so the flag is per thread too."""
+    if not getattr(_ALLOCATOR_SET, "done", False):
+        import triton
+
+        triton.set_allocator(_scratch_allocator)
+        _ALLOCATOR_SET.done = True

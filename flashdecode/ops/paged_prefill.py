@@ -23,16 +23,18 @@ from typing import Optional
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import attention as attn
 from flashdecode.ops import checks
+from flashdecode.ops.attention_config import config_for, config_id_of
+from flashdecode.ops.attention_plans import _FWD_TILE, _buckets, _common_constexprs
 from flashdecode.ops.decode_checks import _check_cache_pair, _check_lengths_and_table
 from flashdecode.ops.kv_quant import resolve_kv_quant
+from flashdecode.ops.launch_cache import PlanCache, TunedKernel
 from flashdecode.ops.sinks import apply_sinks, check_sinks
+from flashdecode.ops.util import (aligned_bits, autotune_enabled, capturing, cdiv, constant_slopes, pages_tma_ok,
+                                  score_scale_args, tma_layout_ok)
 from flashdecode.kernels import fwd as fwd_kernels
 
 __all__ = ["paged_prefill"]
-
-cdiv = heuristics.cdiv
 
 
 def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, k_scale,
@@ -53,7 +55,7 @@ def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of the cache's nheads_kv ({nheads_kv})")
     if k_cache.shape[1] < 1:
         raise ValueError(f"k_cache must have a page size >= 1, got shape {tuple(k_cache.shape)}")
-    batch = attn._check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q",
+    batch = checks.check_cu_seqlens_layout("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q, "max_seqlen_q",
                                           q.device)
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
         raise TypeError(f"max_seqlen_k must be an int >= 0, got {max_seqlen_k!r}")
@@ -75,7 +77,7 @@ def _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen
     the argument and the first bad sequence."""
     if not (checks.check_bool("validate", validate) or checks.host_resident(seqused_k)):
         return
-    if torch.cuda.is_available() and q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(q.device):
         return  # no host copy inside a CUDA graph capture: the kernels clamp and mask bad values
     cu, lens, table = checks.to_host_once(cu_seqlens_q, seqused_k, block_table)
     checks.check_host_cu_seqlens("cu_seqlens_q", cu, q.shape[0], "q")
@@ -96,17 +98,6 @@ def _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen
     checks.check_host_block_table(table, torch.zeros_like(lens), lens, page_size, k_cache.shape[0])
 
 
-def _cache_tma_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether descriptors may read the caches as (num_pages * page_size) rows per kv head: pages back to back
-    (page stride = page_size * token stride), 16-byte aligned bases, token and head strides, rows of >= 16 bytes,
-    and row indices below 2**31."""
-    num_pages, page_size, _, headdim = k_cache.shape
-    elem = k_cache.element_size()
-    return (k_cache.stride(0) == page_size * k_cache.stride(1) and num_pages * page_size < 2**31
-            and headdim * elem >= 16 and all((st * elem) % 16 == 0 for st in k_cache.stride()[1:3])
-            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
-
-
 class _PagedPlan:
     """The paged forward of one launch key: its configuration and kernel (the Triton forward with PAGE_SIZE)."""
 
@@ -114,19 +105,19 @@ class _PagedPlan:
 
     def __init__(self, q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left, right, softcap, config_id,
                  has_alibi, kv_quant):
-        self.buckets = attn._buckets(max_seqlen_q, max_seqlen_k)
-        config = attn._config_for(config_id, q, k_cache, v_cache, max_seqlen_k, True)
-        constexprs = attn._common_constexprs(q.shape[-1], True, left, right, softcap, q.dtype, has_alibi)
+        self.buckets = _buckets(max_seqlen_q, max_seqlen_k)
+        config = config_for(config_id, q, k_cache, v_cache, max_seqlen_k, True)
+        constexprs = _common_constexprs(q.shape[-1], True, left, right, softcap, q.dtype, has_alibi)
         # descriptors for Q and Out, and K/V where pages hold whole KV blocks (not 8-bit caches: pointers): only
         # where the cache's layout allows them
-        constexprs["USE_TMA"] = (config.fwd_tma and attn._tma_layout_ok(q, out)
-                                 and (kv_quant or _cache_tma_layout_ok(k_cache, v_cache)))
+        constexprs["USE_TMA"] = (config.fwd_tma and tma_layout_ok(q, out)
+                                 and (kv_quant or pages_tma_ok(k_cache, v_cache)))
         constexprs["PAGE_SIZE"] = k_cache.shape[1]
-        self.kernel = attn._Kernel("fwd_paged", fwd_kernels.attn_fwd_kernel, config.fwd_tiles, attn._FWD_TILE,
+        self.kernel = TunedKernel("fwd_paged", fwd_kernels.attn_fwd_kernel, config.fwd_tiles, _FWD_TILE,
                                    config.fwd_autotune, constexprs)
 
 
-_PLANS: dict = {}
+_PLANS = PlanCache()
 
 
 def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left, right,
@@ -134,18 +125,18 @@ def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_se
     """The plan of this launch key (built on its first call): everything Triton specialises on or the configuration
     reads (shapes but the packed length, strides, dtypes, device, pointer alignment, page size, mask flags, shape
     buckets, the configuration and the autotune switch; an 8-bit cache's scale strides)."""
-    scales = None if quant is None else (quant.strides, attn._aligned(quant.k_scale, quant.v_scale))
+    scales = None if quant is None else (quant.strides, aligned_bits(quant.k_scale, quant.v_scale))
     key = (q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), block_table.stride(), q.dtype,
            k_cache.dtype, q.device,
-           attn._aligned(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes),
-           left >= 0, right >= 0, softcap > 0.0, config_id, attn._autotune_enabled(),
+           aligned_bits(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes),
+           left >= 0, right >= 0, softcap > 0.0, config_id, autotune_enabled(),
            heuristics.seqlen_bucket(max_seqlen_q), heuristics.seqlen_bucket(max_seqlen_k),
            heuristics.prefill_length_class(max_seqlen_k), alibi_slopes is not None, alibi_stride, scales)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = attn._bounded_put(_PLANS, key, _PagedPlan(q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left,
-                                                         right, softcap, config_id, alibi_slopes is not None,
-                                                         quant is not None))
+        plan = _PLANS.put(key, _PagedPlan(q, k_cache, v_cache, out, max_seqlen_q, max_seqlen_k, left,
+                                          right, softcap, config_id, alibi_slopes is not None,
+                                          quant is not None))
     return plan
 
 
@@ -162,7 +153,7 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
     alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     plan = _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left,
                  right, softcap, config_id, alibi_slopes, alibi_stride, quant)
-    qk_scale, softcap_log2 = attn._scale_args(scale, softcap)
+    qk_scale, softcap_log2 = score_scale_args(scale, softcap)
     kv_pages = (block_table, seqused_k, block_table.stride(), block_table.shape[1], k_cache.shape[0])
     if quant is not None:
         kv_pages += ((quant.k_scale, quant.v_scale, quant.strides),)
@@ -210,18 +201,19 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     _, quant = _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                              k_scale, v_scale)
-    attn._check_options(causal, softmax_scale, window_size, softcap)
+    checks.check_attention_options(causal, softmax_scale, window_size, softcap)
     checks.check_bool("return_lse", return_lse)
     checks.check_bool("check_seqlens", check_seqlens)
     batch = cu_seqlens_q.numel() - 1
     if alibi_slopes is not None:
-        alibi_slopes = attn._check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+        alibi_slopes = constant_slopes(checks.check_alibi_slopes(alibi_slopes, batch, q.shape[1], q.device))
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    config_id = attn._config_id(config)
+    config_id = config_id_of(config)
     if check_seqlens or validate:
         _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
-    scale, left, right, cap = attn._normalise_options(q.shape[-1], causal, softmax_scale, window_size, softcap)
+    scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
+                                                                 softcap)
     out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         scale, left, right, cap, config_id, alibi_slopes, quant)
     if sinks is not None:

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from flashdecode.ops import checks
+from flashdecode.ops.util import cdiv
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "hadamard_rotate", "FP8_E4M3_MAX", "GRANULARITIES"]
 
@@ -61,7 +62,7 @@ def _amax(x: torch.Tensor, granularity: str, block_size: int) -> torch.Tensor:
     if granularity == "per_head":  # (batch, nheads): FA3's descale layout
         return a.amax(dim=(1, 3))
     batch, seqlen, nheads, headdim = x.shape
-    nblocks = -(-seqlen // block_size)
+    nblocks = cdiv(seqlen, block_size)
     padded = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, nblocks * block_size - seqlen))
     return padded.view(batch, nblocks, block_size, nheads, headdim).amax(dim=(2, 4)).transpose(1, 2)
 

@@ -11,25 +11,19 @@ P = exp(S - lse'), which already has the sink in its denominator, and the sink c
 no value (dP_sink = 0), enters only through D_i = rowsum(dO_i * out_i): dS = P (dP - D). The sink's own gradient is
     d s_h = -sum_{rows i of head h} exp(s_h - lse'_i) * D_i.
 
-Public functions (sinks: (nheads,) float tensor, fp32 recommended, on q's device):
+A step the ops apply after their kernels (flash_attn / flash_attn_varlen / paged prefill / flash_decode take
+``sinks=``; ops/attention_autograd.py adds the backward): this module calls no op (it imports only ops/checks.py).
   apply_sinks(out, lse, sinks, layout)      -> (out', lse') for results already computed (no gradient)
-  flash_attn_with_sinks(q, k, v, sinks, ...)           flash_attn + sinks, differentiable in q, k, v and sinks
-  flash_attn_varlen_with_sinks(q, k, v, cu_q, cu_k, max_q, max_k, sinks, ...)   the same for packed batches
-  flash_decode_with_sinks(q, k_cache, v_cache, cache_seqlens, sinks, ...)       decode (forward only)
+  sinks_grad(dout, out, lse', sinks, layout) -> d sinks, for the ops' backward
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from flashdecode.ops import attention as attention_ops
 from flashdecode.ops import checks
-from flashdecode.ops.attention import flash_attn, flash_attn_varlen
-from flashdecode.ops.decode import flash_decode
 
-__all__ = ["apply_sinks", "flash_attn_with_sinks", "flash_attn_varlen_with_sinks", "flash_decode_with_sinks"]
+__all__ = ["apply_sinks", "check_sinks", "sinks_grad", "LAYOUTS"]
 
 # Where the head axis of lse sits relative to out, per producer:
 #   "dense":  out (batch, seqlen_q, nheads, headdim),   lse (batch, nheads, seqlen_q)   (flash_attn)
@@ -45,12 +39,6 @@ def check_sinks(sinks, nheads: int, device) -> torch.Tensor:
         raise ValueError(f"sinks must have shape (nheads,) = ({nheads},), got {tuple(sinks.shape)}")
     checks.check_device("sinks", sinks, device)
     return sinks
-
-
-def _check_sinks_early(sinks, q, q_dims: int):
-    """Check sinks against q before any kernel runs (a malformed q is left to the attention op's own checks)."""
-    if isinstance(q, torch.Tensor) and q.dim() == q_dims:
-        check_sinks(sinks, q.shape[-2], q.device)
 
 
 def _rows_view(lse: torch.Tensor, layout: str) -> torch.Tensor:
@@ -105,92 +93,10 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, layou
     return out_new, _from_rows(lse_new, layout)
 
 
-class _SinkAttention(torch.autograd.Function):
-    """flash_attn / flash_attn_varlen followed by apply_sinks; backward = the FlashAttention backward on
-    (out, lse') (exact, see the module docstring) plus the sinks' gradient."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window_size, softcap, deterministic, check_seqlens=True):
-        kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                  return_lse=True, deterministic=deterministic)
-        if cu_seqlens_q is None:
-            layout = "dense"
-            o, lse = flash_attn(q, k, v, **kw)
-        else:
-            layout = "varlen"
-            o, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       check_seqlens=check_seqlens, **kw)
-        out, lse_new = apply_sinks(o, lse, sinks, layout)
-        scale, left, right, cap = attention_ops._normalise_options(q.shape[-1], causal, softmax_scale, window_size,
-                                                                   softcap)
-        ctx.save_for_backward(q, k, v, out, lse_new, sinks, cu_seqlens_q, cu_seqlens_k)
-        ctx.params = (max_seqlen_q, max_seqlen_k, scale, left, right, cap, deterministic)
-        ctx.layout = layout
-        ctx.mark_non_differentiable(lse_new)
-        return out, lse_new
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse_new, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        max_q, max_k, scale, left, right, cap, deterministic = ctx.params
-        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-        dq, dk, dv = attention_ops._bwd(dout, q, k, v, out, lse_new, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                        scale, left, right, cap, deterministic)
-        dsinks = None
-        if ctx.needs_input_grad[3]:
-            delta = (dout.float() * out.float()).sum(-1)  # D_i, (..., nheads) aligned with out
-            p_sink = torch.exp(sinks.float() - _rows_view(lse_new, ctx.layout))
-            dsinks = -(p_sink * delta).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None, None
-
-
-def flash_attn_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, *,
-                          causal: bool = False, softmax_scale: Optional[float] = None, window_size=(-1, -1),
-                          softcap: float = 0.0, return_lse: bool = False, deterministic: bool = True):
-    """flash_attn with attention sinks; differentiable in q, k, v and sinks.
-
-    Args:
-        q, k, v and the options: as flashdecode.flash_attn (q (batch, seqlen_q, nheads, headdim), k/v
-            (batch, seqlen_k, nheads_kv, headdim)).
-        sinks: (nheads,) sink logits (fp32 recommended), in the same units as the scaled logits.
-    Returns:
-        out like q [, lse' (batch, nheads, seqlen_q) float32 = logaddexp(lse, sink)].
-    """
-    _check_sinks_early(sinks, q, 4)
-    out, lse = _SinkAttention.apply(q, k, v, sinks, None, None, 0, 0, causal, softmax_scale, window_size, softcap,
-                                    deterministic)
-    return (out, lse) if return_lse else out
-
-
-def flash_attn_varlen_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                                 sinks: torch.Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                                 window_size=(-1, -1), softcap: float = 0.0, return_lse: bool = False,
-                                 deterministic: bool = True, check_seqlens: bool = True):
-    """flash_attn_varlen with attention sinks; differentiable in q, k, v and sinks.
-
-    Args: as flashdecode.flash_attn_varlen (q (total_q, nheads, headdim), ...), plus sinks (nheads,).
-    Returns: out like q [, lse' (nheads, total_q) float32].
-    """
-    _check_sinks_early(sinks, q, 3)
-    out, lse = _SinkAttention.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                    softmax_scale, window_size, softcap, deterministic, check_seqlens)
-    return (out, lse) if return_lse else out
-
-
-def flash_decode_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cache_seqlens: torch.Tensor, sinks: torch.Tensor, *, return_lse: bool = False, **kwargs):
-    """flash_decode (or, with plan=, DecodePlan.run) followed by apply_sinks (forward only, no gradient).
-
-    Args: as flashdecode.flash_decode (q (batch, [seqlen_q,] nheads, headdim), ...), plus sinks (nheads,);
-        ``out=`` receives the final result (written in place, and returned).
-    Returns: out like q [, lse' (batch, [seqlen_q,] nheads) float32].
-    """
-    if isinstance(q, torch.Tensor) and q.dim() in (3, 4):
-        check_sinks(sinks, q.shape[-2], q.device)
-    o, lse = flash_decode(q, k_cache, v_cache, cache_seqlens, return_lse=True, **kwargs)
-    result, lse = apply_sinks(o, lse, sinks, "decode")
-    if kwargs.get("out") is not None:
-        result = kwargs["out"].copy_(result)
-    return (result, lse) if return_lse else result
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse_new: torch.Tensor, sinks: torch.Tensor,
+               layout: str) -> torch.Tensor:
+    """The sinks' gradient, (nheads,) like sinks: d s_h = -sum over the rows i of head h of exp(s_h - lse'_i) * D_i,
+    D_i = rowsum(dO_i * out_i). dout, out: the step's output layout; lse_new: lse' in the producer's layout."""
+    delta = (dout.float() * out.float()).sum(-1)  # D_i, (..., nheads) aligned with out
+    p_sink = torch.exp(sinks.float() - _rows_view(lse_new, layout))
+    return -(p_sink * delta).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
