@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.probes.cuda_trace import kernel_times_us
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, keys_operand, keys_tile, to_dot_dtype
 
 
@@ -171,19 +172,6 @@ def warp_split_decode(q, k, v, k_scale, v_scale, scale, num_splits, warps=4, key
     return (o * weight[..., None]).sum(0) / weight.sum(0)[..., None]
 
 
-def _kernel_times_us(fn, calls: int) -> dict:
-    """Device time per call of each kernel name fn() launches (CUDA trace), over `calls` calls after a warm-up."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
-
-
 def _cache_sets(batch, context, nheads, nheads_kv, headdim, count, gen, dtype=torch.bfloat16):
     """`count` independent e4m3 caches (per-token-head scales) with their queries (on gen's device), so rotating
     through them keeps L2 from holding a set."""
@@ -214,7 +202,7 @@ def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=
     def resolved():
         s = next(rotation)
         return flashdecode.flash_decode(s["q"], s["k"], s["v"], lens, k_scale=s["k_scale"], v_scale=s["v_scale"])
-    times = _kernel_times_us(resolved, calls)
+    times = kernel_times_us(resolved, calls)
     stage1 = sum(t for name, t in times.items() if "decode_split" in name or "decode_persistent" in name)
     point = dict(batch=batch, context=context, heads=f"{nheads}/{nheads_kv}")
     rows = [dict(point, variant="resolved", path=cfg.path.name, splits=cfg.num_splits, stage1_us=stage1,
@@ -234,7 +222,7 @@ def time_point(context, variants, gen, batch=1, nheads=16, nheads_kv=2, headdim=
             s = next(rotation)
             return warp_split_decode(s["q"], s["k"], s["v"], s["k_scale"], s["v_scale"], scale, splits, w, kw, st,
                                      quant_convert, v_first, merge=False, sum_tile=sum_tile)
-        t = _kernel_times_us(proto, calls)
+        t = kernel_times_us(proto, calls)
         rows.append(dict(point, variant=name, splits=splits,
                          stage1_us=sum(v for k, v in t.items() if "warp_split" in k), all_kernels_us=sum(t.values()),
                          max_diff_vs_resolved=(check - ref).abs().max().item()))

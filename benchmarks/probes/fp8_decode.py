@@ -452,10 +452,10 @@ def _kernel_times(fns) -> dict:
     """Device us per call of each kernel the calls launch (CUDA trace), three calls per rotated set."""
     import itertools
 
-    from benchmarks.probes.decode_warp_split import _kernel_times_us
+    from benchmarks.probes.cuda_trace import kernel_times_us
 
     rotation = itertools.cycle(fns)
-    return {name: round(us, 2) for name, us in _kernel_times_us(lambda: next(rotation)(), 3 * len(fns)).items()}
+    return {name: round(us, 2) for name, us in kernel_times_us(lambda: next(rotation)(), 3 * len(fns)).items()}
 
 
 SWEEP_COLUMNS = ["shape", "batch", "context", "config", "path", "splits", "block_n", "warps", "stages", "us", "best",

@@ -201,7 +201,7 @@ def _time_resolved(q, k, v, ks, vs, ref):
     import itertools
 
     import flashdecode
-    from benchmarks.probes.decode_warp_split import _kernel_times_us
+    from benchmarks.probes.cuda_trace import kernel_times_us
     from flashdecode.timing import cuda_graph_time_us, rotation_count
     n = rotation_count(2 * k.numel())
     seqlen = k.shape[0]
@@ -212,7 +212,7 @@ def _time_resolved(q, k, v, ks, vs, ref):
     fns = [lambda s=s: plan.run(s[0], s[1], s[2], lens, k_scale=s[3], v_scale=s[4]) for s in sets]
     err = (fns[0]().double()[0] - ref).abs().max().item()
     rot = itertools.cycle(fns)
-    kernels = _kernel_times_us(lambda: next(rot)(), 3 * n)
+    kernels = kernel_times_us(lambda: next(rot)(), 3 * n)
     return dict(us=cuda_graph_time_us(fns), max_err=err, kernels={k_: round(t, 2) for k_, t in kernels.items()})
 
 
