@@ -81,7 +81,7 @@ def test_time_point_rows(gen, monkeypatch):
     def one_call(fn, calls):
         fn()
         return {"decode_split_kernel": 2.0, "merge_many_kernel": 1.0, "warp_split_stage1": 1.5}
-    monkeypatch.setattr(probe, "_kernel_times_us", one_call)
+    monkeypatch.setattr(probe, "kernel_times_us", one_call)
     cpu = torch.Generator(device=DEVICE).manual_seed(1)
     rows = probe.time_point(300, ["4x16x1s*2", "2x16x1@3"], cpu, batch=2, nheads=16, nheads_kv=2, headdim=32,
                             calls=1, dtype=torch.float16, quant_convert=1, v_first=False)
