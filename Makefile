@@ -26,8 +26,12 @@ SETUP     := $(STAMP)
 endif
 
 # Triton 3.9 (what the newest torch pins) in a second venv: the interpreter tests of every kernel family and the sm_90
-# compile checks (about 10 minutes on 2 cores; not part of `make test` / CI).
+# compile checks (about 10 minutes on 2 cores; not part of `make test` / CI). A venv that already has Triton 3.9 and
+# the test tools is used as it is (`make test-compat COMPAT_VENV=/path/to/venv`); otherwise the pins and the dev extras
+# are installed into $(COMPAT_VENV). The tests import this source tree (PYTHONPATH), never an installed copy.
 COMPAT_VENV  ?= .venv-compat
+COMPAT_PY    := $(COMPAT_VENV)/bin/python
+COMPAT_READY := import torch, triton, pytest, xdist, hypothesis; assert triton.__version__.startswith("3.9.")
 COMPAT_PINS  := torch==2.13.0 triton==3.9.0 "numpy<2.3"
 COMPAT_TESTS := tests/test_merge.py tests/test_append_kv.py tests/test_flash_attn_interface.py tests/test_bf16.py \
 	tests/test_sinks.py tests/test_bad_inputs.py tests/test_kernel_args.py tests/test_alibi.py \
@@ -48,13 +52,14 @@ test: $(SETUP)
 	$(RUN) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 $(COMPAT_VENV)/.installed: pyproject.toml
-	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install -qq $(COMPAT_PINS)
-	$(COMPAT_VENV)/bin/python -m pip install -qq -e ".[dev]"
+	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -qq $(COMPAT_PINS)
+	$(COMPAT_PY) -m pip install -qq -e ".[dev]"
 	touch $@
 
-test-compat: $(COMPAT_VENV)/.installed
-	TRITON_INTERPRET=1 $(COMPAT_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(COMPAT_TESTS)
+test-compat:
+	$(COMPAT_PY) -c '$(COMPAT_READY)' 2>/dev/null || $(MAKE) $(COMPAT_VENV)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(COMPAT_PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(COMPAT_TESTS)
 
 demo: $(SETUP)
 	$(RUN) -m flashdecode demo
