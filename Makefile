@@ -2,6 +2,7 @@
 #   make test       CPU suite (Triton kernels in the interpreter) in .venv
 #   make demo       the same set-up, then `flashdecode demo`
 #   make test-compat  the kernels' interpreter tests and sm_90 compile checks under Triton 3.9 in .venv-compat
+#                   (or an existing Triton 3.9 venv: COMPAT_VENV=/path/to/venv)
 #   make gpu-check  on the GPU machine: GPU tests, fuzz, memcheck + quick benchmarks, JSON/PNG to $OUT (never
 #                   reinstalls torch); one part per command fits 10 minutes: GPU_CHECK_ARGS="--only tests-kernels"
 #   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
@@ -26,7 +27,8 @@ SETUP     := $(STAMP)
 endif
 
 # Triton 3.9 (what the newest torch pins) in a second venv: the interpreter tests of every kernel family and the sm_90
-# compile checks (about 10 minutes on 2 cores; not part of `make test` / CI). A venv that already has Triton 3.9 and
+# compile checks (not part of `make test` / CI: 38 minutes on one worker of a shared, loaded 2-core
+# machine, most of it the sm_90 compile scripts). A venv that already has Triton 3.9 and
 # the test tools is used as it is (`make test-compat COMPAT_VENV=/path/to/venv`); otherwise the pins and the dev extras
 # are installed into $(COMPAT_VENV). The tests import this source tree (PYTHONPATH), never an installed copy.
 COMPAT_VENV  ?= .venv-compat
