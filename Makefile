@@ -29,8 +29,8 @@ endif
 # Triton 3.9 (what the newest torch pins) in a second venv: the interpreter tests of every kernel family and the sm_90
 # compile checks (not part of `make test` / CI; one worker on a shared 2-core machine: 5 minutes with Triton's compile
 # cache warm, 38 with it cold under load, most of it the sm_90 compile scripts). A venv that already has Triton 3.9
-# and the test tools is used as it is (`make test-compat COMPAT_VENV=/path/to/venv`); otherwise the pins and the dev extras
-# are installed into $(COMPAT_VENV). The tests import this source tree (PYTHONPATH), never an installed copy.
+# and the test tools is used as it is (`make test-compat COMPAT_VENV=/path/to/venv`); otherwise the pins and the dev
+# extras are installed into $(COMPAT_VENV). The tests import this source tree (PYTHONPATH), never an installed copy.
 COMPAT_VENV  ?= .venv-compat
 COMPAT_PY    := $(COMPAT_VENV)/bin/python
 COMPAT_READY := import torch, triton, pytest, xdist, hypothesis; assert triton.__version__.startswith("3.9.")
