@@ -2,6 +2,7 @@
 #   make test       CPU suite (Triton kernels in the interpreter) in .venv
 #   make demo       the same set-up, then `flashdecode demo`
 #   make test-compat  the kernels' interpreter tests and sm_90 compile checks under Triton 3.9 in .venv-compat
+#                   (or an existing Triton 3.9 venv: COMPAT_VENV=/path/to/venv)
 #   make gpu-check  on the GPU machine: GPU tests, fuzz, memcheck + quick benchmarks, JSON/PNG to $OUT (never
 #                   reinstalls torch); one part per command fits 10 minutes: GPU_CHECK_ARGS="--only tests-kernels"
 #   make peer-wheels  here: FlashInfer's wheels into .whl/ (ignored by git); carried to the GPU machine, gpu-check
@@ -26,8 +27,13 @@ SETUP     := $(STAMP)
 endif
 
 # Triton 3.9 (what the newest torch pins) in a second venv: the interpreter tests of every kernel family and the sm_90
-# compile checks (about 10 minutes on 2 cores; not part of `make test` / CI).
+# compile checks (not part of `make test` / CI; one worker on a shared 2-core machine: 5 minutes with Triton's compile
+# cache warm, 38 with it cold under load, most of it the sm_90 compile scripts). A venv that already has Triton 3.9
+# and the test tools is used as it is (`make test-compat COMPAT_VENV=/path/to/venv`); otherwise the pins and the dev
+# extras are installed into $(COMPAT_VENV). The tests import this source tree (PYTHONPATH), never an installed copy.
 COMPAT_VENV  ?= .venv-compat
+COMPAT_PY    := $(COMPAT_VENV)/bin/python
+COMPAT_READY := import torch, triton, pytest, xdist, hypothesis; assert triton.__version__.startswith("3.9.")
 COMPAT_PINS  := torch==2.13.0 triton==3.9.0 "numpy<2.3"
 COMPAT_TESTS := tests/test_merge.py tests/test_append_kv.py tests/test_flash_attn_interface.py tests/test_bf16.py \
 	tests/test_sinks.py tests/test_bad_inputs.py tests/test_kernel_args.py tests/test_alibi.py \
@@ -52,13 +58,14 @@ test: $(SETUP)
 	$(RUN) -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 $(COMPAT_VENV)/.installed: pyproject.toml
-	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install -qq $(COMPAT_PINS)
-	$(COMPAT_VENV)/bin/python -m pip install -qq -e ".[dev]"
+	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -qq $(COMPAT_PINS)
+	$(COMPAT_PY) -m pip install -qq -e ".[dev]"
 	touch $@
 
-test-compat: $(COMPAT_VENV)/.installed
-	TRITON_INTERPRET=1 $(COMPAT_VENV)/bin/python -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist loadgroup \
+test-compat:
+	$(COMPAT_PY) -c '$(COMPAT_READY)' 2>/dev/null || $(MAKE) $(COMPAT_VENV)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(COMPAT_PY) -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist loadgroup \
 		$(COMPAT_TESTS)
 
 demo: $(SETUP)

@@ -60,7 +60,7 @@ from flashdecode import heuristics
 from flashdecode.ops import checks
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
-from flashdecode.ops.paged_prefill import paged_prefill
+from flashdecode.ops.paged_prefill import prepare_paged_prefill
 from flashdecode.ops.checks import check_alibi_slopes
 
 __all__ = [
@@ -300,15 +300,20 @@ def _check_decode_masks(mask, seqlen_q: int, window_size, alibi_slopes):
                          "own bias; a paged cache takes it)")
 
 
-def _paged_prefill_with_kvcache(q, k_cache, v_cache, lengths, block_table, max_seqlen_k: int, **options):
+def _prepare_paged_prefill_with_kvcache(q, k_cache, v_cache, lengths, block_table, max_seqlen_k: int, **options):
     """Attention of q (batch, seqlen_q, nheads, headdim) against a paged cache whose lengths (int32 (batch,)) already
     count the new tokens: the paged prefill kernel over q packed as a varlen batch of seqlen_q rows per sequence.
-    Returns (out like q, lse (batch, nheads, seqlen_q) float32)."""
+    Every check runs here, before the caller appends the new tokens; returns a function that runs the attention
+    and returns (out like q, lse (batch, nheads, seqlen_q) float32)."""
     batch, seqlen_q, nheads, headdim = q.shape
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    out, lse = paged_prefill(q.reshape(batch * seqlen_q, nheads, headdim), k_cache, v_cache, cu_seqlens_q, lengths,
-                             block_table, seqlen_q, max_seqlen_k, return_lse=True, **options)
-    return out.view(batch, seqlen_q, nheads, headdim), lse.view(nheads, batch, seqlen_q).transpose(0, 1)
+    attend = prepare_paged_prefill(q.reshape(batch * seqlen_q, nheads, headdim), k_cache, v_cache, cu_seqlens_q,
+                                   lengths, block_table, seqlen_q, max_seqlen_k, return_lse=True, **options)
+
+    def run():
+        out, lse = attend()
+        return out.view(batch, seqlen_q, nheads, headdim), lse.view(nheads, batch, seqlen_q).transpose(0, 1)
+    return run
 
 
 def _check_rotary(rotary_cos, rotary_sin, q, k, capacity: int):
@@ -433,7 +438,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checks.check_softcap(softcap)
     checks.check_bool("rotary_interleaved", rotary_interleaved)
     checks.check_bool("return_softmax_lse", return_softmax_lse)
-    num_splits = checks.check_int("num_splits", num_splits, minimum=0)
+    # flash_decode's bound on every route (the paged prefill ignores the count but not a count no call can take)
+    num_splits = checks.check_int("num_splits", num_splits, minimum=0, maximum=checks.MAX_NUM_SPLITS)
     _check_cache_and_new(q, k_cache, v_cache, k, v)
     mask = _mask_plan(seqlen_q, causal, window_size)
     check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
@@ -456,8 +462,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         capacity = k_cache.shape[1]
     rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     seqlen_new = 0 if k is None else k.shape[1]
-    if host_bound is not None and host_bound + seqlen_new > capacity:
-        raise ValueError(f"cache_seqlens ({host_bound}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
+    longest = host_bound
+    if longest is None and lengths is not None and checks.host_resident(lengths) and lengths.numel():
+        longest = int(lengths.max())  # host-resident lengths: read without a sync, named as the caller named them
+    if longest is not None and longest + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens ({longest}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
                          f"of {capacity} keys")
     if lengths is None:
         lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
@@ -487,12 +496,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     bound = _host_length_bound(q, host_bound, seqlen_new, capacity)
     if prefill:  # a chunk of new tokens over the pages: the paged prefill kernel reads what append_kv wrote
-        if k is not None:
-            append_kv(k_cache, v_cache, k, v, lengths, table)
-        out, lse = _paged_prefill_with_kvcache(
+        # every check of the attention runs before the append writes the cache: a call that raises changed nothing
+        attend = _prepare_paged_prefill_with_kvcache(
             q, kv_k, kv_v, seen, table_read, bound or capacity,
             causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
             alibi_slopes=alibi_slopes)
+        if k is not None:
+            append_kv(k_cache, v_cache, k, v, lengths, table)
+        out, lse = attend()
         return (out, lse.contiguous()) if return_softmax_lse else out
     fold, left = mask
     # flash_decode's own split policy (no host bound unless the lengths are host ints): the same path and config

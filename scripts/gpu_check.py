@@ -10,14 +10,16 @@ and docs/benchmarks.md).
 
 Parts (default: all, in this order): tests-kernels, tests-bigmem, tests-engine (``tests`` names all three), fuzz,
 sanitize, decode, prefill, e2e. Each part has its own time limit (--tests-timeout, --bench-timeout), so one part per
-invocation fits a command limit of 10 minutes: spread a session's check over several commands, e.g.
-``--only tests-kernels``, then ``--only tests-bigmem,tests-engine``, then ``--only fuzz``, ``--only sanitize``;
-a part that still runs past its limit splits further with ``--shard 1/2`` and ``--shard 2/2`` (its test files).
+invocation fits a command limit of 10 minutes (the re-run of out-of-memory tests included): spread a session's
+check over several commands, one part each: ``--only tests-kernels``, ``--only tests-bigmem``, ``--only
+tests-engine``, ``--only fuzz``, ``--only sanitize``; a part that still runs past its limit splits further with
+``--shard 1/2`` and ``--shard 2/2`` (its test files).
 
-- tests-kernels: every test file that touches CUDA, less the engine's and test_fuzz.py, on 8 pytest-xdist workers;
+- tests-kernels: every test file that touches CUDA, less the engine's and test_fuzz.py, on one pytest-xdist worker per
+  core (at most 16);
   the tests of the ``gpu_bigmem`` xdist group are left to tests-bigmem.
-- tests-bigmem: the ``gpu_bigmem`` group (long caches, > 2**31-element caches) on 4 workers of its own, so that the
-  group no longer runs one test after another on one worker while the rest of the suite has finished.
+- tests-bigmem: the ``gpu_bigmem`` group (long caches, > 2**31-element caches, float64 references of 6-15 GB) on 4
+  workers of its own: 16 kernel workers running several such tests at once ran the card (80 GB) out of memory.
 - tests-engine: the engine tests that touch CUDA (models of the Llama-3-8B shape, KV pools sized from free memory)
   on 2 workers, plus the CUDA tests of files that are otherwise CPU-only (CPU_ONLY_TEST_FILES).
 - fuzz: tests/test_fuzz.py with ``--hypothesis-profile=long`` (tests/conftest.py: many more, larger cases).
@@ -83,6 +85,7 @@ BIGMEM = "xdist_group"  # marker expression of the gpu_bigmem group (the suite's
 # per-part limits: with STOP_GRACE_S and the start-up, one part fits a 10-minute command
 PHASE_TIMEOUT_S = {"tests-kernels": 510, "tests-bigmem": 510, "tests-engine": 420, "fuzz": 510, "sanitize": 510}
 STOP_GRACE_S = 30
+MIN_RERUN_S = 60  # the least time left in a part worth re-running its out-of-memory tests alone
 # Most of a kernel test's time is Triton's compile on the host: one pytest worker per core (at most 16; each holds
 # a CUDA context of ~0.5 GB, far from the card's memory).
 KERNEL_WORKERS = max(2, min(16, os.cpu_count() or 8))
@@ -147,10 +150,14 @@ def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
     rc, log = run_pytest(f"{args} --junitxml={report}", timeout_s)
     failed, oom = junit_failures(report)
     if rc == 1 and failed and failed == oom:
-        left = max(60, timeout_s - round(time.time() - t0))
-        rc, again = run_pytest("-n 0 " + " ".join(shlex.quote(t) for t in oom), left)
-        log += f"\n[gpu-check] {len(oom)} tests out of GPU memory beside other workers, run again alone: " + \
-            ("passed" if rc == 0 else f"rc={rc}") + "\n" + again
+        left = timeout_s - round(time.time() - t0)  # the re-run shares the part's limit (a command's 10 minutes)
+        if left < MIN_RERUN_S:
+            log += (f"\n[gpu-check] {len(oom)} tests out of GPU memory beside other workers; {left} s left of the "
+                    f"part's {timeout_s} s, too few to run them again alone: " + " ".join(oom))
+        else:
+            rc, again = run_pytest("-n 0 " + " ".join(shlex.quote(t) for t in oom), left)
+            log += f"\n[gpu-check] {len(oom)} tests out of GPU memory beside other workers, run again alone: " + \
+                ("passed" if rc == 0 else f"rc={rc}") + "\n" + again
     print("\n".join(log.strip().splitlines()[-15:]))
     (out / f"gpu_{part.replace('-', '_')}.log").write_text(f"$ pytest {args}\n{log}")
     tails = [l.strip("= ") for l in log.splitlines()

@@ -132,6 +132,7 @@ def test_alibi_rejects_slopes_on_another_device():
         flashdecode.flash_attn(q, k, v, alibi_slopes=torch.ones(4))
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # ~6 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_alibi_long(gen, causal):

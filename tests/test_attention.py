@@ -749,6 +749,7 @@ def test_gpu_head_dims_fwd_bwd(gen, dtype, headdim, causal):
     check_dense(gen, dtype, 2, 1025, 1025, 4, 2, headdim, causal=causal, grads=True)
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # ~11 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 2, 5, 8, 16])
 def test_gpu_gqa_ratios_long(gen, ratio):
@@ -763,7 +764,7 @@ def test_gpu_window_softcap(gen, opts):
     check_dense(gen, torch.bfloat16, 2, 2049, 3000, 4, 1, 128, grads=True, **opts)
 
 
-@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
+@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 def test_gpu_seqlen_16k_forward(gen):
     check_dense(gen, torch.bfloat16, 1, 16384, 16384, 2, 1, 128, causal=True)
@@ -798,6 +799,7 @@ def test_gpu_nondeterministic_fwd_bwd(gen, headdim, causal):
                 kernel_opts=dict(deterministic=False))
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # ~11 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 def test_gpu_nondeterministic_gqa_long_and_varlen(gen):
     check_dense(gen, torch.bfloat16, 1, 4097, 4097, 16, 4, 128, causal=True, grads=True,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flashdecode
+from flashdecode import heuristics
 from flashdecode.flash_attn_interface import flash_attn_with_kvcache
 from helpers import DEVICE
 
@@ -82,6 +83,18 @@ def _kvcache_args():
                 return_softmax_lse=True)
 
 
+def _kvcache_prefill_args():
+    """The same call with a chunk of KVCACHE_PREFILL_MIN_QUERIES query tokens: the paged prefill route."""
+    return dict(_kvcache_args(), q=_f(2, heuristics.KVCACHE_PREFILL_MIN_QUERIES, 4, 32))
+
+
+def _append_8bit_args():
+    """append_kv into an int8 cache whose per-token scales it writes."""
+    args = _append_args()
+    return dict(args, k_cache=args["k_cache"].to(torch.int8), v_cache=args["v_cache"].to(torch.int8),
+                k_scale=_f(8, 4, 2, dtype=torch.float32), v_scale=_f(8, 4, 2, dtype=torch.float32))
+
+
 def _merge_args():
     return dict(o_a=_f(3, 4, 32), lse_a=_f(3, 4, dtype=torch.float32), o_b=_f(3, 4, 32),
                 lse_b=_f(3, 4, dtype=torch.float32))
@@ -102,6 +115,10 @@ CALLS = {
     "append_kv": (flashdecode.append_kv, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table"),
                   _append_args),
     "flash_attn_with_kvcache": (flash_attn_with_kvcache, ("q", "k_cache", "v_cache", "k", "v"), _kvcache_args),
+    "flash_attn_with_kvcache_prefill": (flash_attn_with_kvcache, ("q", "k_cache", "v_cache", "k", "v"),
+                                        _kvcache_prefill_args),
+    "append_kv_8bit": (flashdecode.append_kv, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens",
+                                               "block_table"), _append_8bit_args),
     "merge_states": (flashdecode.merge_states, ("o_a", "lse_a", "o_b", "lse_b"), _merge_args),
     "merge_states_many": (flashdecode.merge_states_many, ("outs", "lses"), _merge_many_args),
 }
@@ -134,6 +151,7 @@ SPLITS = COUNT + [("huge", lambda x: 10**9)]
 FLOAT = [("str", lambda x: "0.5"), ("nan", lambda x: NAN), ("inf", lambda x: INF), ("-inf", lambda x: -INF),
          ("bool", lambda x: True), ("complex", lambda x: 1j), ("tensor", lambda x: torch.tensor([0.5, 0.5]))]
 SOFTCAP = FLOAT + [("negative", lambda x: -1.0)]
+SCALE = _NOT_A_TENSOR + _TENSOR_LAYOUT + [("float16", lambda x: x.half()), ("missing", lambda x: None)]
 WINDOW = [("int", lambda x: 3), ("str", lambda x: "ab"), ("short", lambda x: (1,)), ("long", lambda x: (1, 2, 3)),
           ("float_entry", lambda x: (2.5, 0)), ("below_-1", lambda x: (-5, 0)), ("none_entry", lambda x: (None, 0)),
           ("nan_entry", lambda x: (NAN, 0))]
@@ -142,6 +160,7 @@ BOOL = [("str", lambda x: "yes"), ("int", lambda x: 1), ("none", lambda x: None)
 KINDS = {
     **{name: FLOAT_TENSOR for name in ("q", "k", "v", "k_cache", "v_cache", "k_new", "v_new", "out", "o_a", "o_b",
                                        "outs", "lse_a", "lse_b", "lses")},
+    **{name: SCALE for name in ("k_scale", "v_scale")},
     **{name: INT_TENSOR for name in ("cache_seqlens", "block_table", "cu_seqlens_q", "cu_seqlens_k",
                                      "cu_seqlens_new")},
     **{name: COUNT for name in ("max_batch", "nheads", "nheads_kv", "headdim", "max_seqlen_q@DecodePlan")},
@@ -161,6 +180,7 @@ ACCEPTED = {
     ("flash_decode", "q", "missing_dim"), ("DecodePlan.run", "q", "missing_dim"),  # (batch, nheads, headdim) q
     ("merge_states_many", "outs", "last_dim_size"),  # another head dim, lses still match
     ("flash_attn_with_kvcache", "num_splits", "zero"),  # flash-attn's 0 = the heuristic
+    ("flash_attn_with_kvcache_prefill", "num_splits", "zero"),
 }
 
 # Open defects found by this suite (each with a minimal repro in the report), kept out until fixed so that CI stays
@@ -190,14 +210,17 @@ def test_bad_argument_raises_naming_it(call, arg, label):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("num_splits", "max_seqlen_k")}
     kinds = KINDS.get(f"{arg}@{call}", KINDS.get(arg))
     kwargs[arg] = dict(kinds)[label](kwargs.get(arg))
-    args = [kwargs.pop(name) for name in positional]
-    caches = [x for x in args[1:3] if isinstance(x, torch.Tensor) and not x.is_meta] if "k_cache" in positional else []
+    # what a call may write: the caches and, for an 8-bit cache, the scales append_kv writes per token
+    caches = [kwargs[n] for n in ("k_cache", "v_cache", "k_scale", "v_scale")
+              if isinstance(kwargs.get(n), torch.Tensor) and not kwargs[n].is_meta]
     before = [x.clone() for x in caches]
+    args = [kwargs.pop(name) for name in positional]
     with pytest.raises((ValueError, TypeError)) as info:
         fn(*args, **kwargs)
     assert _names_argument(str(info.value), arg), f"message does not name {arg!r}: {info.value}"
     # every check runs before anything is written: a caller that retries does not append twice
-    assert all(torch.equal(x, b) for x, b in zip(caches, before)), "the call wrote the cache before raising"
+    assert all(torch.equal(x.view(torch.uint8), b.view(torch.uint8)) for x, b in zip(caches, before)), \
+        "the call wrote the cache before raising"
 
 
 @pytest.mark.parametrize("call", list(CALLS))

@@ -342,7 +342,7 @@ def test_plan_rejects_mismatched_q(gen):
 # GPU: bf16, long contexts, production tiles, CUDA graphs
 # ----------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
+@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, 1),
                                              (torch.bfloat16, 16), (torch.bfloat16, 64), (torch.bfloat16, 256)])
@@ -1189,7 +1189,7 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
         decode_launch._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
 
 
-@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: one worker runs these one after another
+@pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 def test_gpu_cache_beyond_2_pow_31_elements(gen, paged):

@@ -380,6 +380,39 @@ def test_kvcache_bad_page_in_the_read_range_raises_before_the_append(gen, monkey
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+# A paged call of KVCACHE_PREFILL_MIN_QUERIES query tokens (the paged prefill route) appending 2 keys per sequence
+# into pages of 4 (capacity 12): each bad value that route checks, the message it must name.
+PREFILL_ROUTE_BAD = [
+    ("bad read page", dict(block_table=[[9, 1, 2], [3, 4, 5]]), "block_table"),  # row 0 writes page 1, reads 9
+    ("q requires grad", dict(q_grad=True), "q requires grad"),  # the prefill kernel is forward only
+    ("lengths past capacity", dict(cache_seqlens=[5, 11]), "cache_seqlens"),  # 11 + 2 > 12
+    ("num_splits", dict(num_splits=1025), "num_splits"),  # ignored by the route, still beyond any call's bound
+]
+
+
+@pytest.mark.parametrize("case, change, match", PREFILL_ROUTE_BAD, ids=[c[0] for c in PREFILL_ROUTE_BAD])
+def test_kvcache_prefill_route_checks_everything_before_the_append(gen, monkeypatch, case, change, match):
+    """seqlen_q >= KVCACHE_PREFILL_MIN_QUERIES with k / v on a paged cache: every check of the paged prefill runs
+    before append_kv writes (it used to run after, so a caller that retried appended twice). Host metadata, as on
+    the CPU, so its values are checked also on a GPU machine."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flashdecode import heuristics
+
+    change = dict(change)
+    q = randn(2, heuristics.KVCACHE_PREFILL_MIN_QUERIES, 4, 16, gen=gen, dtype=DTYPE, device="cpu")
+    q.requires_grad_(change.pop("q_grad", False))
+    k_cache, v_cache = (randn(8, 4, 2, 16, gen=gen, dtype=DTYPE, device="cpu") for _ in range(2))
+    k_new, v_new = (randn(2, 2, 2, 16, gen=gen, dtype=DTYPE, device="cpu") for _ in range(2))
+    kwargs = dict(cache_seqlens=[5, 8], block_table=[[0, 1, 2], [3, 4, 5]], causal=True)
+    kwargs.update(change)
+    kwargs = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in kwargs.items()}
+    before = [x.clone().view(torch.uint8) for x in (k_cache, v_cache)]
+    with pytest.raises((ValueError, TypeError), match=match):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    assert all(torch.equal(x.view(torch.uint8), b) for x, b in zip((k_cache, v_cache), before)), \
+        "the cache was written before the call raised"
+
+
 @pytest.mark.parametrize("new", [0, 2])
 def test_kvcache_wholly_left_padded_row_sees_no_cached_key(gen, new):
     """cache_leftpad == seqlen_cache (an empty row, as flash-attn accepts): that row attends to no cached key

@@ -117,6 +117,7 @@ def test_gluon_backward_long_and_bitwise_reproducible(causal):
         assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # ~6 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @needs_hopper
 def test_gluon_backward_tail_heavy_first():
     """tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) walks its query blocks last to

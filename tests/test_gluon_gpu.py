@@ -42,6 +42,7 @@ def test_gluon_forward_matches_reference(b, sq, sk, h, hkv, d, causal, dtype):
     _check(*_qkv(b, sq, sk, h, hkv, d, dtype, seed=sq * 7 + sk + d), causal)
 
 
+@pytest.mark.xdist_group("gpu_bigmem")  # ~8 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @needs_hopper
 def test_gluon_forward_resolved_long_causal_takes_lpt_lists():
     """Causal hd128 beyond PERSISTENT_MID_MAX_KEYS resolves to persistent CTAs with lpt tile lists (the default

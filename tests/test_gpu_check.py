@@ -40,3 +40,31 @@ def test_out_of_memory_failures_are_told_apart(tmp_path):
                       "tests/test_attention.py::TestCase::test_wrong"]
     assert oom == failed[:2]
     assert gc.junit_failures(tmp_path / "absent.xml") == ([], [])
+
+
+OOM_ONLY = REPORT.split("<testcase classname=\"tests.test_attention.TestCase\"")[0] + "</testsuite></testsuites>"
+
+
+def test_out_of_memory_reruns_share_the_parts_limit(tmp_path, monkeypatch):
+    """The tests that ran out of memory beside other workers run again alone within what is left of the part's
+    limit (a part must fit one 10-minute command); with under MIN_RERUN_S left they are named, not run."""
+    gc = _gpu_check()
+    for elapsed, reruns in ((100, True), (gc.PHASE_TIMEOUT_S["tests-kernels"] - 30, False)):
+        calls, clock = [], iter([0.0, float(elapsed), float(elapsed)])
+
+        def fake_pytest(args, timeout_s):
+            calls.append((args, timeout_s))
+            if "--junitxml=" in args:
+                Path(args.split("--junitxml=")[1]).write_text(OOM_ONLY)
+                return 1, "2 failed in 1.0s"
+            return 0, "2 passed in 1.0s"
+        monkeypatch.setattr(gc, "run_pytest", fake_pytest)
+        monkeypatch.setattr(gc.time, "time", lambda: next(clock))
+        result = gc.run_tests("tests-kernels", tmp_path, "-n 2", gc.PHASE_TIMEOUT_S["tests-kernels"])
+        monkeypatch.undo()
+        if reruns:
+            assert calls[1] == ("-n 0 'tests/test_decode.py::test_long[bf16-131072]' "
+                                "tests/probes/test_fp8_rmse.py::test_rows", gc.PHASE_TIMEOUT_S["tests-kernels"] - 100)
+            assert result["status"] == "ok"
+        else:
+            assert len(calls) == 1 and result["status"] == "rc=1" and "too few" in result["summary"]

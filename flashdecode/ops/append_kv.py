@@ -66,6 +66,9 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         raise ValueError("k_new must be (total, nheads_kv, headdim) with cu_seqlens_new, or (batch, seqlen_new, "
                          f"nheads_kv, headdim) without it; got shape {tuple(k_new.shape)} and cu_seqlens_new "
                          f"{'given' if varlen else 'None'}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):  # named before their scales are checked on them
+        _check_tensor(name, x, (4,))
+        _check_device(name, x, device, "k_new")
     quant = resolve_kv_quant(k_new.dtype, k_cache, v_cache, k_scale, v_scale)
     # scales of the cache's shape[:-1] are written per new token; others (one per kv head, or one) are read
     write_scales = quant is not None and tuple(k_scale.shape) == tuple(k_cache.shape[:-1])

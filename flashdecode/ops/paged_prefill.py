@@ -34,7 +34,7 @@ from flashdecode.ops.util import (aligned_bits, autotune_enabled, capturing, cdi
                                   score_scale_args, tma_layout_ok)
 from flashdecode.kernels import fwd as fwd_kernels
 
-__all__ = ["paged_prefill"]
+__all__ = ["paged_prefill", "prepare_paged_prefill"]
 
 
 def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, k_scale,
@@ -199,6 +199,21 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out (total_q, nheads, headdim) like q [, lse (nheads, total_q) float32, natural log]; a row that sees no key
         gives out 0 and lse -inf.
     """
+    return prepare_paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
+                                 max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                 softcap=softcap, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks,
+                                 check_seqlens=check_seqlens, validate=validate, config=config, k_scale=k_scale,
+                                 v_scale=v_scale)()
+
+
+def prepare_paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int,
+                          max_seqlen_k: int, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                          return_lse=False, alibi_slopes=None, sinks=None, check_seqlens=True, validate=False,
+                          config=None, k_scale=None, v_scale=None):
+    """Every check of paged_prefill(...) (same arguments), and nothing launched or written: returns a function that
+    runs the call and returns what paged_prefill returns. A caller that writes the cache first (append then attend,
+    flash_attn_with_kvcache) checks the whole call here before its write, so a call that raises has changed nothing.
+    The tensors and the metadata values must stay as they are until the run (the cache's contents may change)."""
     _, quant = _check_inputs(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                              k_scale, v_scale)
     checks.check_attention_options(causal, softmax_scale, window_size, softcap)
@@ -214,8 +229,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
     scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
                                                                  softcap)
-    out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                        scale, left, right, cap, config_id, alibi_slopes, quant)
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks, "varlen")
-    return (out, lse) if return_lse else out
+
+    def run():
+        out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                            scale, left, right, cap, config_id, alibi_slopes, quant)
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks, "varlen")
+        return (out, lse) if return_lse else out
+    return run
