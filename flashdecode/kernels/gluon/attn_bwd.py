@@ -54,8 +54,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
 from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
+from flashdecode.kernels.gluon.layouts import mma_layout, store_layout
 
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
@@ -282,10 +282,10 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
     the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
     HEAD_DIM: gl.constexpr = dk.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = dk.type.layout
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM // 2)
+    dq_layout: gl.constexpr = mma_layout(HEAD_DIM // 2)
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
     # K and V are one-slot rings indexed by a zero that the compiler cannot see is constant: with a constant
@@ -348,7 +348,7 @@ def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constex
     """Store x (64, HEAD_DIM) fp32 as ptr's dtype at key rows rows of (batch, seqlen_k, NUM_HEADS_KV, HEAD_DIM)
     contiguous, rows past seqlen_k dropped."""
     HEAD_DIM: gl.constexpr = x.type.shape[1]
-    st_layout: gl.constexpr = _store_layout(HEAD_DIM)
+    st_layout: gl.constexpr = store_layout(HEAD_DIM)
     x = gl.convert_layout(x.to(ptr.dtype.element_ty), st_layout)
     r = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
@@ -366,10 +366,10 @@ def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem,
     """One warpgroup: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's block against every visited query
     block of the group's heads (the masked steps first), then its dK (times sm_scale) and dV rows."""
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM)
     batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
         seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
-    key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
+    key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(BLOCK_M)))
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
     first_row = gl.zeros_like(key_rows)
