@@ -368,6 +368,7 @@ def _block_plain(ring, q, g, n_start, mask, acc, m_i, l_i, qk_scale_log2, MASKED
     BLOCK_N: gl.constexpr = ring.k_smem.shape[1]
     s_layout: gl.constexpr = mma_layout(BLOCK_N, q.dtype)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, q.dtype)
+    pv_layout: gl.constexpr = p_layout(o_layout, q.dtype)
     P_LOG2_SCALE: gl.constexpr = p_log2_scale(q.dtype)
     ring.wait_k(g)
     s = warpgroup_mma(q, ring.k_operand(g), gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
@@ -380,7 +381,7 @@ def _block_plain(ring, q, g, n_start, mask, acc, m_i, l_i, qk_scale_log2, MASKED
         s = mask.apply(s, n_start)
     p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, scale, P_LOG2_SCALE)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = p_operand(p.to(q.dtype), p_layout(o_layout, q.dtype))
+    p = p_operand(p.to(q.dtype), pv_layout)
     ring.wait_v(g)
     acc = warpgroup_mma(p, ring.v_operand(g), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -441,6 +442,7 @@ def _block_overlap(ring, q, g, n_start, mask, acc, p, m_i, l_i, qk_scale_log2, M
     BLOCK_N: gl.constexpr = ring.k_smem.shape[1]
     s_layout: gl.constexpr = mma_layout(BLOCK_N, q.dtype)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, q.dtype)
+    pv_layout: gl.constexpr = p_layout(o_layout, q.dtype)
     P_LOG2_SCALE: gl.constexpr = p_log2_scale(q.dtype)
     # (both slots before either wait, spelled out rather than through ring.wait_k / wait_v: the instruction order
     # of the loop as it was timed)
@@ -462,6 +464,6 @@ def _block_overlap(ring, q, g, n_start, mask, acc, p, m_i, l_i, qk_scale_log2, M
     ring.release(g - 1)
     # P_g rounded only once PV_{g-1} has retired (as FA3 does): its 16-bit registers then replace P_{g-1}'s
     # instead of living beside them, which kept the causal loop spilling
-    p_new = p_operand(p_new.to(q.dtype), p_layout(o_layout, q.dtype))
+    p_new = p_operand(p_new.to(q.dtype), pv_layout)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return acc, p_new, m_i, l_i
