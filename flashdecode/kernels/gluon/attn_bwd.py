@@ -46,6 +46,8 @@ Code: the configuration, channels and work decomposition (BwdConfig, BwdInputs, 
 bwd_channels; this module holds the partitions, the entry kernel and the preprocess.
 """
 
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 from triton._C.libtriton import ir
