@@ -152,9 +152,9 @@ def _warp_split(config, block_n=32, num_warps=2):
                                                (INT8, "scalar")])
 @pytest.mark.parametrize("tweak", [lambda c: c, _persistent, _device_splits_in_kernel_merge])
 def test_warp_split_loop_matches_reference(gen, page_size, dtype, granularity, tweak):
-    """quant_warp_split (kernels/decode.py _attend_blocks_warps) on every page layout and scale granularity: pages
-    of 64 hold whole blocks, of 16 are gathered from the split's preload, of 1 and 3 read in the loop; a sequence
-    of 0 keys, splits that end mid-block and a group padded to 16 rows."""
+    """quant_warp_split (kernels/decode_blocks.py _attend_blocks_warps) on every page layout and scale granularity:
+    pages of 64 hold whole blocks, of 16 are gathered from the split's preload, of 1 and 3 read in the loop; a
+    sequence of 0 keys, splits that end mid-block and a group padded to 16 rows."""
     lens = [70, 0, 33]
     q = _q(gen, len(lens), 10, 32)
     kc, ks, vc, vs = _quant_cache(gen, len(lens), 72, 2, 32, dtype, granularity, lens)

@@ -46,46 +46,26 @@ def _inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
 
 VARIANTS = {  # name -> overrides of the resolved config (ablations and candidates)
     "resolved": {},
-    "pingpong": dict(pingpong=True),
     "persistent": dict(persistent=True),
     "persist+qbuf2": dict(persistent=True, q_buffers=2),
     "one-cta-per-tile": dict(persistent=False),
-    "persist+pp": dict(persistent=True, pingpong=True),
-    "overlap+pp": dict(overlap=True, pingpong=True),
     "bn64": dict(block_n=64, num_stages=3),
     "1wg": dict(num_consumers=1),
     # three consumer warpgroups: 192-row tiles (FA3's hd64 tile), consumer registers 160 to fit the SM's 65536
     "3wg": dict(num_consumers=3, consumer_regs=160),
     "3wg+s4": dict(num_consumers=3, consumer_regs=160, num_stages=4),
-    "3wg+emu32": dict(num_consumers=3, consumer_regs=160, exp2_emu_cols=32),
-    # exp2 of the first N of each block's 128 columns on the FMA pipe (degree-5 polynomial; d3/d4: cheaper ones)
-    "emu16": dict(exp2_emu_cols=16),
-    "emu32": dict(exp2_emu_cols=32),
-    "emu64": dict(exp2_emu_cols=64),
-    "emu32d4": dict(exp2_emu_cols=32, exp2_emu_degree=4),
-    "emu32d3": dict(exp2_emu_cols=32, exp2_emu_degree=3),
-    # with FA3's intra-warpgroup overlap (the softmax under the PV wgmma; no spills at hd64, unlike hd128) or the
-    # warpgroups' ping-pong
+    # with FA3's intra-warpgroup overlap (the softmax under the PV wgmma; no spills at hd64, unlike hd128)
     "overlap": dict(overlap=True),
-    "overlap+emu32": dict(overlap=True, exp2_emu_cols=32),
-    "pp+emu32": dict(pingpong=True, exp2_emu_cols=32),
-    # persistent CTAs (two Q buffer sets) taking their tiles in a boustrophedon order: each CTA's pair of causal
-    # tiles (heaviest first) carries about the same work, unlike the round robin's. For short causal calls (each
-    # tile's pipeline fill exposed one CTA per tile): modelled balance (mean / max blocks per CTA) 16 x 1k 0.97 vs
-    # the round robin's 0.73; at 16k (1 x 16 heads) it stays ~0.65, below one CTA per tile's ~0.99
-    "persist+zz": dict(persistent=True, q_buffers=2, tile_order="zigzag"),
-    "3wg+persist+zz": dict(num_consumers=3, consumer_regs=160, persistent=True, q_buffers=2, tile_order="zigzag"),
+    # persistent CTAs (two Q buffer sets) taking a head's heavy and light causal tiles together, or host-made lists
     "pairs": dict(q_buffers=2, persistent=False, tile_order="pairs"),
     "pairs+persist": dict(q_buffers=2, persistent=True, tile_order="pairs"),
     "lpt": dict(q_buffers=2, persistent=True, tile_order="lpt"),
-    # K and V slots released apart (K once its scores are in registers), alone and with the overlap / ping-pong:
+    # K and V slots released apart (K once its scores are in registers), alone and with the overlap:
     # with one release after PV the overlapped loop held K_{j-1}'s slot until PV_{j-1} retired, so with two stages
     # K_{j+1}'s load waited on it
     "split": dict(split_release=True),
     "no-overlap": dict(overlap=False, split_release=False),  # hd128's loop before the overlap was resolved
     "overlap+split": dict(overlap=True, split_release=True),
-    "overlap+split+pp": dict(overlap=True, split_release=True, pingpong=True),
-    "pp+split": dict(pingpong=True, split_release=True),
     # the overlapped loop where launches up to 8k keys resolve to persistent CTAs: host tile lists, or one CTA a tile
     "lpt+overlap": dict(persistent=True, q_buffers=2, tile_order="lpt", overlap=True, split_release=True),
     "cta+overlap": dict(persistent=False, q_buffers=1, tile_order="round_robin", overlap=True, split_release=True),
@@ -94,12 +74,10 @@ VARIANTS = {  # name -> overrides of the resolved config (ablations and candidat
     "2wg+overlap": dict(num_consumers=2, consumer_regs=240, overlap=True, split_release=True),
     # 256-key blocks, two stages (the 64 x 256 scores fit the registers at hd64 only)
     "bn256": dict(block_n=256, num_stages=2),
-    "bn256+emu64": dict(block_n=256, num_stages=2, exp2_emu_cols=64),
 }
 # variants that apply at some head dims only (hd128: three consumers spill at 160 registers and their two-Q-buffer
 # persistent launches overflow shared memory; 64 x 256 scores and a 64 x 128 accumulator exceed the registers)
-VARIANT_HEAD_DIMS = {"3wg": (64, ), "3wg+s4": (64, ), "3wg+emu32": (64, ), "3wg+persist+zz": (64, ), "bn256": (64, ),
-                     "bn256+emu64": (64, )}
+VARIANT_HEAD_DIMS = {"3wg": (64, ), "3wg+s4": (64, ), "bn256": (64, )}
 
 
 def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> GluonFwdConfig | None:
@@ -110,8 +88,8 @@ def config_for(name: str, d: int, causal: bool = False, seqlen_k: int = 0) -> Gl
 
 
 def check_correctness(names) -> list[dict]:
-    """Each case on each config that applies at its head dim (the resolved one and the exp2-emulation variants on
-    all cases, others on the bf16 ones); one row per pair."""
+    """Each case on each config that applies at its head dim (the resolved one on all cases, the others on the bf16
+    ones); one row per pair."""
     cases = [(2, 128, 128, 4, 4, 128, torch.bfloat16, False), (2, 128, 128, 4, 4, 128, torch.bfloat16, True),
              (1, 333, 517, 4, 2, 128, torch.float16, False), (1, 333, 517, 4, 2, 128, torch.float16, True),
              (2, 517, 333, 8, 2, 64, torch.bfloat16, True), (3, 77, 1000, 4, 1, 64, torch.bfloat16, False),
@@ -125,8 +103,8 @@ def check_correctness(names) -> list[dict]:
         base = (same.double() - ref).abs().max().item()
         for name in names:
             cfg = config_for(name, d, causal, sk)
-            # fp16 cases: the resolved config and the variants that change the arithmetic (exp2 emulation)
-            if cfg is None or (dtype != torch.bfloat16 and name != "resolved" and not cfg.exp2_emu_cols):
+            # fp16 cases: the resolved config only (the variants do not change the arithmetic)
+            if cfg is None or (dtype != torch.bfloat16 and name != "resolved"):
                 continue
             try:
                 out, lse = gluon_attention_forward(q, k, v, causal=causal, config=cfg)
@@ -236,7 +214,6 @@ def time_all(names, quick: bool, graph: bool = False, shapes=None, headdims=(128
 
 FP8_VARIANTS = {  # name -> overrides of resolve_gluon_fp8_config
     "resolved": {},
-    "pingpong": dict(pingpong=True),
     "stages2": dict(num_stages=2),
     "stages4": dict(num_stages=4),
     "persistent": dict(persistent=True),
@@ -404,7 +381,7 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="timed shapes BxSxH[/HKV], e.g. 1x65536x32/8")
     ap.add_argument("--headdims", default=None, help="timed head dims (default 128,64; --fp8: 128,64,256)")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernel's checks and timings instead")
-    ap.add_argument("--fp8-variants", default="resolved,pingpong,stages2,stages4,bn256",
+    ap.add_argument("--fp8-variants", default="resolved,stages2,stages4,bn256",
                     help="comma-separated names from FP8_VARIANTS, or 'all'")
     args = ap.parse_args()
     if args.fp8:

@@ -24,9 +24,9 @@ class Rows(NamedTuple):
 class Tile(NamedTuple):
     """TILE: query rows per program (padded to the MMA minimum of 16), keys per KV step, head-dim columns (the head
     dim padded to a power of two), and whether the KV loop keeps its softmax row sums as a (block_m, block_n) tile
-    summed once after the loop (sum_tile; kernels/decode.py _attend_split) instead of one sum per block; warps: 0,
+    summed once after the loop (sum_tile; kernels/decode_blocks.py attend_split) instead of one sum per block; warps: 0,
     or (an 8-bit cache) the program's warps, each owning block_n // warps keys of every block with its own softmax
-    state (kernels/decode.py _attend_blocks_warps)."""
+    state (kernels/decode_blocks.py _attend_blocks_warps)."""
 
     block_m: int
     block_n: int
@@ -38,7 +38,7 @@ class Tile(NamedTuple):
 class Splits(NamedTuple):
     """SPLITS: splits per sequence (the launch's count, or the most the device may choose), the fewest keys of a
     non-empty split, num_splits padded to a power of two (the merges' tiles), and split_keys: 0, or the keys of
-    every split whatever the split count (batch-invariant decode; kernels/decode.py split_range)."""
+    every split whatever the split count (batch-invariant decode; kernels/decode_schedule.py split_range)."""
 
     num_splits: int
     min_chunk: int

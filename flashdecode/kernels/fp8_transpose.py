@@ -8,8 +8,8 @@ contiguous (coalesced; Triton transposes the tile through shared memory). A stri
 byte per 32-byte sector along the key. Columns past the keys are written as zeros, so no padding byte is ever an
 e4m3 NaN.
 
-WGMMA_ORDER renumbers the keys within each 32 the way the Gluon e4m3 kernel renumbers P's columns (see _p_operand
-in kernels/gluon/attn_fwd.py): column 32 ch + 16 jh + 4 c + 2 jl + e holds key 32 ch + 16 jh + 8 jl + 2 c + e.
+WGMMA_ORDER renumbers the keys within each 32 the way the Gluon e4m3 kernel renumbers P's columns (see p_operand
+in kernels/gluon/fwd_softmax.py): column 32 ch + 16 jh + 4 c + 2 jl + e holds key 32 ch + 16 jh + 8 jl + 2 c + e.
 """
 
 from __future__ import annotations

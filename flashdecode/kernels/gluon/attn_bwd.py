@@ -22,7 +22,7 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
   16-byte vector atomics (and read K's column halves from a copy of their own). DETERMINISTIC orders those
   additions: per (batch, head, query block[, column half]) a semaphore counts the key blocks that have added;
   each key block waits for its turn (_turn: ascending block order, descending for causal - ascending again for the
-  grid's last head under TAIL_HEAVY_FIRST, see _key_block) before adding, so the fp32 sums happen in one fixed
+  grid's last head under TAIL_HEAVY_FIRST, see key_block) before adding, so the fp32 sums happen in one fixed
   order and the result is bitwise reproducible.
 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
@@ -41,6 +41,9 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
         (batch * nheads * cdiv(seqlen_q, BLOCK_M), BLOCK_M) through ``lse_desc`` / ``delta_desc`` (block
         [1, BLOCK_M]);
         sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
+
+Code: the configuration, channels and work decomposition (BwdConfig, BwdInputs, DqChannel, key_block) are
+bwd_channels; this module holds the partitions, the entry kernel and the preprocess.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.attn_fwd import _mma_layout, _store_layout
 from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
+from flashdecode.kernels.gluon.bwd_channels import (BwdConfig, BwdGlobals, BwdInputs, DqChannel, WarpgroupKeys,
+                                                   key_block, step_block)
+from flashdecode.kernels.gluon.layouts import mma_layout, store_layout
 
 LOG2E = tl.constexpr(1.4426950408889634)
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
@@ -86,93 +91,45 @@ def _atomic_layout(cols):
 
 
 @gluon.jit
-def _key_block(seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               DETERMINISTIC: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
-    """This CTA's key block and its walk over the query blocks.
-
-    Returns (batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down): query blocks [m_lo, m_full) need the
-    mask (the causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the
-    query blocks that see none of the keys (causal). For each query head of the group, step i visits query block
-    _step_block(i, ...): m_lo + i, or where walk_down num_m - 1 - i.
-    The grid runs a head's key blocks first to last - causal, the heaviest first (each sees the most query rows)
-    - except causal DETERMINISTIC, which runs them last to first: there block j waits for the later blocks'
-    additions (_turn), and a CTA must only ever wait for CTAs launched before it (a head's blocks can outnumber
-    the SMs: waiting for one not yet resident could deadlock). That puts the grid's heaviest blocks last, where
-    nothing is left to fill the SMs beside them; TAIL_HEAVY_FIRST (walk_down) turns the grid's last (batch, kv
-    head) around: its blocks launch heaviest first and walk their query blocks last to first, all through the
-    masked step, and the earlier key block adds first - so block j waits only for blocks launched before it,
-    which start at the same last query block and lead it by one addition."""
-    pid_n = gl.program_id(0)
-    head_kv = gl.program_id(1)
-    batch = gl.program_id(2)
-    walk_down = False  # (a constant unless TAIL_HEAVY_FIRST: the selects below fold away)
-    if CAUSAL and DETERMINISTIC:
-        if TAIL_HEAVY_FIRST:
-            walk_down = (head_kv == gl.num_programs(1) - 1) & (batch == gl.num_programs(2) - 1)
-        pid_n = gl.where(walk_down, pid_n, gl.num_programs(0) - 1 - pid_n)
-    n_start = pid_n * BLOCK_N
-    num_m = gl.cdiv(seqlen_q, BLOCK_M)
-    m_lo = 0
-    m_full = 0
-    if CAUSAL:
-        diag = seqlen_k - seqlen_q
-        m_lo = gl.minimum(gl.maximum(n_start - diag, 0) // BLOCK_M, num_m)
-        m_full = gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag, 0), BLOCK_M), num_m)
-    if n_start + BLOCK_N > seqlen_k:
-        m_full = num_m
-    return batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down
-
-
-@gluon.jit
-def _step_block(i, m_lo, num_m, walk_down):
-    """The query block of a CTA's step i within one query head (see _key_block)."""
-    return gl.where(walk_down, num_m - 1 - i, m_lo + i)
-
-
-@gluon.jit
-def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, lse_smem,
-                  delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
-                  NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                  DQ_TMA: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
+def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, seqlen_q,
+                  seqlen_k):
     """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
     dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
     order."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = HEAD_DIM // 2
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
-        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
-    kv_row = batch * seqlen_k + n_start
-    kv_col = head_kv * HEAD_DIM
-    if DQ_TMA:
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    kb = key_block(cfg, seqlen_q, seqlen_k)
+    kv_ready = inputs.kv_ready
+    kv_row = kb.batch * seqlen_k + kb.n_start
+    kv_col = kb.head_kv * HEAD_DIM
+    if cfg.DQ_TMA:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
     else:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes + 2 * kh_desc.block_type.nbytes)
         for h in gl.static_range(2):
-            tma_load(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0),
-                                            dq_aux.index(h))
-    tma_load(k_desc, [kv_row, kv_col], kv_ready.index(0), k_smem.index(0))
-    tma_load(v_desc, [kv_row, kv_col], kv_ready.index(0), v_smem.index(0))
-    n_iter = num_m - m_lo
-    for it in range(GROUP * n_iter):
-        head = head_kv * GROUP + it // n_iter
-        m = _step_block(it % n_iter, m_lo, num_m, walk_down)
-        q_row = batch * seqlen_q + m * BLOCK_M
-        row_tile = (batch * NUM_HEADS + head) * num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
+            tma_load(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0), dq_aux.index(h))
+    tma_load(k_desc, [kv_row, kv_col], kv_ready.index(0), inputs.k_smem.index(0))
+    tma_load(v_desc, [kv_row, kv_col], kv_ready.index(0), inputs.v_smem.index(0))
+    n_iter = kb.num_m - kb.m_lo
+    for it in range(cfg.GROUP * n_iter):
+        head = kb.head_kv * cfg.GROUP + it // n_iter
+        m = step_block(it % n_iter, kb.m_lo, kb.num_m, kb.walk_down)
+        q_row = kb.batch * seqlen_q + m * cfg.BLOCK_M
+        row_tile = (kb.batch * cfg.NUM_HEADS + head) * kb.num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
         slot = it % NUM_STAGES
         # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
-        mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, head * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
-        tma_load(lse_desc, [row_tile, 0], q_ready.index(slot), lse_smem.index(slot))
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma_load(do_desc, [q_row, head * HEAD_DIM], do_ready.index(slot), do_smem.index(slot))
-        tma_load(delta_desc, [row_tile, 0], do_ready.index(slot), delta_smem.index(slot))
+        mbarrier.wait(inputs.qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(inputs.q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row, head * HEAD_DIM], inputs.q_ready.index(slot), inputs.q_smem.index(slot))
+        tma_load(lse_desc, [row_tile, 0], inputs.q_ready.index(slot), inputs.lse_smem.index(slot))
+        mbarrier.expect(inputs.do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma_load(do_desc, [q_row, head * HEAD_DIM], inputs.do_ready.index(slot), inputs.do_smem.index(slot))
+        tma_load(delta_desc, [row_tile, 0], inputs.do_ready.index(slot), inputs.delta_smem.index(slot))
 
 
 @gluon.jit
-def _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          CAUSAL: gl.constexpr):
+def _turn(kb, m, cfg, seqlen_q, seqlen_k):
     """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
 
     The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
@@ -180,11 +137,12 @@ def _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_
     starts at its diagonal, where no later block has work, so with every block running at the same pace none
     waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
     head would end with the longest) - except where the blocks walk down from the last query block (walk_down,
-    see _key_block): there ascending."""
-    turn = pid_n
-    if CAUSAL:
-        visiting = gl.minimum(gl.cdiv((m + 1) * BLOCK_M + seqlen_k - seqlen_q, BLOCK_N), gl.cdiv(seqlen_k, BLOCK_N))
-        turn = gl.where(walk_down, pid_n, visiting - 1 - pid_n)
+    see key_block): there ascending."""
+    turn = kb.pid_n
+    if cfg.CAUSAL:
+        visiting = gl.minimum(gl.cdiv((m + 1) * cfg.BLOCK_M + seqlen_k - seqlen_q, cfg.BLOCK_N),
+                              gl.cdiv(seqlen_k, cfg.BLOCK_N))
+        turn = gl.where(kb.walk_down, kb.pid_n, visiting - 1 - kb.pid_n)
     return turn
 
 
@@ -199,25 +157,24 @@ def _wait_turn(sem, ticket):
 
 
 @gluon.jit
-def _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, walk_down, CONSUMER: gl.constexpr,
-            NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-            DETERMINISTIC: gl.constexpr):
+def _add_dq(dq, m, head, CONSUMER: gl.constexpr, cfg, glob, kb):
     """Add this warpgroup's dQ columns dq (BLOCK_M, HEAD_DIM // 2) fp32 of query block m into dq_acc (rows past
     seqlen_q dropped); DETERMINISTIC: in key-block order (see the module docstring)."""
+    NUM_HEADS: gl.constexpr = cfg.NUM_HEADS
     HALF: gl.constexpr = dq.type.shape[1]
     HEAD_DIM: gl.constexpr = 2 * HALF
     layout: gl.constexpr = _atomic_layout(HALF)
     # 4 consecutive columns per thread: one 16-byte vector atomic each, and a quarter of the addresses the wgmma
     # layout (2 columns per thread) needs in registers
     dq = gl.convert_layout(dq, layout)
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    row_off = ((batch * seqlen_q + rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
-    ptrs = dq_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-    mask = gl.expand_dims(rows < seqlen_q, 1)
-    if DETERMINISTIC:
-        sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2 + CONSUMER
-        _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+    row_off = ((kb.batch * glob.seqlen_q + rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
+    ptrs = glob.dq_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < glob.seqlen_q, 1)
+    if cfg.DETERMINISTIC:
+        sem = glob.sem_ptr + ((kb.batch * NUM_HEADS + head) * kb.num_m + m) * 2 + CONSUMER
+        _wait_turn(sem, _turn(kb, m, cfg, glob.seqlen_q, glob.seqlen_k))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
         thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -234,9 +191,7 @@ def _bulk_wait_done(x):
 
 
 @gluon.jit
-def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS: gl.constexpr,
-               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-               DQ_TMA: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
+def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
@@ -245,72 +200,74 @@ def _dq_writer(dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, 
     them)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
-        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
-    n_iter = num_m - m_lo
+    kb = key_block(cfg, seqlen_q, seqlen_k)
+    n_iter = kb.num_m - kb.m_lo
     # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
     # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
-    if DQ_TMA:
-        for it in range(GROUP * n_iter):
-            head = head_kv * GROUP + it // n_iter
-            m = _step_block(it % n_iter, m_lo, num_m, walk_down)
-            mbarrier.wait(dq_full.index(0), it & 1)
-            sem = sem_ptr + ((batch * NUM_HEADS + head) * num_m + m) * 2
-            if DETERMINISTIC:
-                _wait_turn(sem, _turn(pid_n, m, walk_down, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL))
+    if cfg.DQ_TMA:
+        for it in range(cfg.GROUP * n_iter):
+            head = kb.head_kv * cfg.GROUP + it // n_iter
+            m = step_block(it % n_iter, kb.m_lo, kb.num_m, kb.walk_down)
+            mbarrier.wait(dqc.dq_full.index(0), it & 1)
+            sem = sem_ptr + ((kb.batch * cfg.NUM_HEADS + head) * kb.num_m + m) * 2
+            if cfg.DETERMINISTIC:
+                _wait_turn(sem, _turn(kb, m, cfg, seqlen_q, seqlen_k))
             for c in gl.static_range(2):
-                _tma_reduce_add(dq_desc, [batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
-                                dq_aux.index(c))
+                _tma_reduce_add(dq_desc, [kb.batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                                dqc.dq_aux.index(c))
             tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
             # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
             # L2 as long as a step) then overlaps their next step instead of delaying it.
-            mbarrier.arrive(dq_empty.index(0), count=1)
-            if DETERMINISTIC:
-                _bulk_wait_done(pid_n)  # our sums are in global memory before the next key block's start
+            mbarrier.arrive(dqc.dq_empty.index(0), count=1)
+            if cfg.DETERMINISTIC:
+                _bulk_wait_done(kb.pid_n)  # our sums are in global memory before the next key block's start
                 thread_barrier()  # (the lane that issued the reduces has waited before the release below)
                 gl.atomic_add(sem, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
-def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
-              q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q,
-              seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER: gl.constexpr,
-              NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASKED: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr):
-    """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys: returns the
-    updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on (DQ_TMA: staged in dq_aux for
-    the writer warp; else added to dq_acc with atomics here, B read from K's column copies in dq_aux)."""
+def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.constexpr):
+    """One query block (the CTA's it-th, block m of query head head) for one warpgroup's 64 keys (keys, a
+    WarpgroupKeys): returns the updated (dk, dv), (64, HEAD_DIM) fp32 each, after handing its dQ columns on
+    (DQ_TMA: staged in dq_aux for the writer warp; else added to dq_acc with atomics here, B read from K's column
+    copies in dq_aux)."""
+    CONSUMER: gl.constexpr = keys.CONSUMER
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    qk_scale_log2 = glob.qk_scale_log2
+    dq_aux = dqc.dq_aux
+    ds_smem = dqc.ds_smem
     HEAD_DIM: gl.constexpr = dk.type.shape[1]
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    dtype: gl.constexpr = inputs.q_smem.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = dk.type.layout
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM // 2)
+    dq_layout: gl.constexpr = mma_layout(HEAD_DIM // 2)
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
     # K and V are one-slot rings indexed by a zero that the compiler cannot see is constant: with a constant
     # index, the wgmma descriptors of every k-step of K and V (64-bit each) are hoisted out of the loop and
     # spilled; indexed per step they are recomputed in uniform registers for free.
     kv_slot = it >> 30
-    k_all = k_smem.index(kv_slot)
+    k_all = inputs.k_smem.index(kv_slot)
     k_c = k_all.slice(CONSUMER * 64, 64)
-    v_c = v_smem.index(kv_slot).slice(CONSUMER * 64, 64)
+    v_c = inputs.v_smem.index(kv_slot).slice(CONSUMER * 64, 64)
     offs = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # the step's query rows
-    q = q_smem.index(slot)
-    do = do_smem.index(slot)
+    q = inputs.q_smem.index(slot)
+    do = inputs.do_smem.index(slot)
     # The accumulators start at -lse2 / scale and -D (rows of the slot's (1, BLOCK_M) tiles, which the producer
     # loaded with Q and dO, broadcast over the keys), so that S^T and dP^T come out already shifted: neither row
     # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
-    mbarrier.wait(q_ready.index(slot), phase)
-    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - lse_smem.index(slot).load(s_layout) / qk_scale_log2
+    mbarrier.wait(inputs.q_ready.index(slot), phase)
+    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.lse_smem.index(slot).load(s_layout) / qk_scale_log2
     s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
-    mbarrier.wait(do_ready.index(slot), phase)
-    dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - delta_smem.index(slot).load(s_layout)
+    mbarrier.wait(inputs.do_ready.index(slot), phase)
+    dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.delta_smem.index(slot).load(s_layout)
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
     p_t = gl.exp2(s_t * qk_scale_log2)
     if MASKED:
-        p_t = gl.where(gl.expand_dims(first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
+        p_t = gl.where(gl.expand_dims(keys.first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -321,25 +278,24 @@ def _bwd_step(it, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem, do_sme
     buf = it % 2
     ds_smem.index(buf).slice(CONSUMER * 64, 64).store(ds_t)
     fence_async_shared()
-    mbarrier.arrive(ds_ready.index(buf), count=1)
-    mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-    if DQ_TMA:
+    mbarrier.arrive(dqc.ds_ready.index(buf), count=1)
+    mbarrier.wait(dqc.ds_ready.index(buf), (it // 2) & 1)
+    if cfg.DQ_TMA:
         k_half = k_all.slice(CONSUMER * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
     else:
         k_half = dq_aux.index(CONSUMER + kv_slot)
     dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
-    mbarrier.arrive(qdo_empty.index(slot), count=1)
-    dq = dq * sm_scale  # (here, rather than one more pass over dq_acc after the kernel)
-    if DQ_TMA:
-        mbarrier.wait(dq_empty.index(0), (it & 1) ^ 1)
+    mbarrier.arrive(inputs.qdo_empty.index(slot), count=1)
+    dq = dq * glob.sm_scale  # (here, rather than one more pass over dq_acc after the kernel)
+    if cfg.DQ_TMA:
+        mbarrier.wait(dqc.dq_empty.index(0), (it & 1) ^ 1)
         dq_aux.index(CONSUMER).store(dq)
         fence_async_shared()  # the writer's TMA (async proxy) reads what these generic stores wrote
-        mbarrier.arrive(dq_full.index(0), count=1)
+        mbarrier.arrive(dqc.dq_full.index(0), count=1)
     else:
-        _add_dq(dq, dq_ptr, sem_ptr, m, head, batch, seqlen_q, seqlen_k, num_m, pid_n, walk_down, CONSUMER,
-                NUM_HEADS, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC)
+        _add_dq(dq, m, head, CONSUMER, cfg, glob, kb)
     return dk, dv
 
 
@@ -348,7 +304,7 @@ def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constex
     """Store x (64, HEAD_DIM) fp32 as ptr's dtype at key rows rows of (batch, seqlen_k, NUM_HEADS_KV, HEAD_DIM)
     contiguous, rows past seqlen_k dropped."""
     HEAD_DIM: gl.constexpr = x.type.shape[1]
-    st_layout: gl.constexpr = _store_layout(HEAD_DIM)
+    st_layout: gl.constexpr = store_layout(HEAD_DIM)
     x = gl.convert_layout(x.to(ptr.dtype.element_ty), st_layout)
     r = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
@@ -357,63 +313,49 @@ def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constex
 
 
 @gluon.jit
-def _bwd_consumer(CONSUMER: gl.constexpr, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
-                  kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
-                  sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
-                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr,
-                  TAIL_HEAVY_FIRST: gl.constexpr):
+def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
     """One warpgroup: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the CTA's block against every visited query
     block of the group's heads (the masked steps first), then its dK (times sm_scale) and dV rows."""
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-    batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down = _key_block(
-        seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC, TAIL_HEAVY_FIRST)
-    key_rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_M)))
+    HEAD_DIM: gl.constexpr = inputs.q_smem.type.shape[2]
+    GROUP: gl.constexpr = cfg.GROUP
+    seqlen_q = glob.seqlen_q
+    seqlen_k = glob.seqlen_k
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    kb = key_block(cfg, seqlen_q, seqlen_k)
+    m_lo = kb.m_lo
+    num_m = kb.num_m
+    key_rows = kb.n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(cfg.BLOCK_M)))
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
     first_row = gl.zeros_like(key_rows)
-    if CAUSAL:
+    if cfg.CAUSAL:
         first_row = key_rows - (seqlen_k - seqlen_q)
     first_row = gl.where(key_rows < seqlen_k, first_row, 1 << 30)
+    keys = WarpgroupKeys(CONSUMER, first_row)
     dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(inputs.kv_ready.index(0), 0)
     n_iter = num_m - m_lo
     for g in range(GROUP):
-        head = head_kv * GROUP + g
-        if TAIL_HEAVY_FIRST:
-            # in _step_block's order, the masked steps first (walk_down: every step). The loops of the default
+        head = kb.head_kv * GROUP + g
+        if cfg.TAIL_HEAVY_FIRST:
+            # in step_block's order, the masked steps first (walk_down: every step). The loops of the default
             # below stay over m, as they were timed: spelled over i they spill at hd128 causal.
-            n_masked = gl.where(walk_down, n_iter, m_full - m_lo)
+            n_masked = gl.where(kb.walk_down, n_iter, kb.m_full - m_lo)
             for i in range(0, n_masked):
-                dk, dv = _bwd_step(g * n_iter + i, _step_block(i, m_lo, num_m, walk_down), head, batch, dk, dv,
-                                   k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_ready,
-                                   do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr,
-                                   seqlen_q, seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER,
-                                   NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, True, CAUSAL, DETERMINISTIC, DQ_TMA)
+                dk, dv = _bwd_step(g * n_iter + i, step_block(i, m_lo, num_m, kb.walk_down), head, dk, dv, cfg,
+                                   inputs, dqc, glob, kb, keys, True)
             for i in range(n_masked, n_iter):
-                dk, dv = _bwd_step(g * n_iter + i, _step_block(i, m_lo, num_m, walk_down), head, batch, dk, dv,
-                                   k_smem, v_smem, dq_aux, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_ready,
-                                   do_ready, qdo_empty, ds_ready, dq_full, dq_empty, first_row, dq_ptr, sem_ptr,
-                                   seqlen_q, seqlen_k, num_m, pid_n, walk_down, qk_scale_log2, sm_scale, CONSUMER,
-                                   NUM_HEADS, BLOCK_M, BLOCK_N, NUM_STAGES, False, CAUSAL, DETERMINISTIC, DQ_TMA)
+                dk, dv = _bwd_step(g * n_iter + i, step_block(i, m_lo, num_m, kb.walk_down), head, dk, dv, cfg,
+                                   inputs, dqc, glob, kb, keys, False)
         else:
-            for m in range(m_lo, m_full):
-                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                                   do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-                                   dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                                   walk_down, qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, True, CAUSAL, DETERMINISTIC, DQ_TMA)
-            for m in range(m_full, num_m):
-                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, batch, dk, dv, k_smem, v_smem, dq_aux, q_smem,
-                                   do_smem, lse_smem, delta_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-                                   dq_full, dq_empty, first_row, dq_ptr, sem_ptr, seqlen_q, seqlen_k, num_m, pid_n,
-                                   walk_down, qk_scale_log2, sm_scale, CONSUMER, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, False, CAUSAL, DETERMINISTIC, DQ_TMA)
-    rows = n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-    _store_rows(dk * sm_scale, rows, dk_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
-    _store_rows(dv, rows, dv_ptr, batch, head_kv, seqlen_k, NUM_HEADS // GROUP)
+            for m in range(m_lo, kb.m_full):
+                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, True)
+            for m in range(kb.m_full, num_m):
+                dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, False)
+    rows = kb.n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    _store_rows(dk * glob.sm_scale, rows, glob.dk_ptr, kb.batch, kb.head_kv, seqlen_k, cfg.NUM_HEADS // GROUP)
+    _store_rows(dv, rows, glob.dv_ptr, kb.batch, kb.head_kv, seqlen_k, cfg.NUM_HEADS // GROUP)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # (one compile for every length: nothing gains from it)
@@ -429,7 +371,7 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
     (batch * seqlen_q, nheads * HEAD_DIM) fp32, block [BLOCK_M, HEAD_DIM // 2]; kh_desc unused); else the consumers
     add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
     TAIL_HEAVY_FIRST (causal DETERMINISTIC only): the grid's last (batch, kv head) runs its key blocks heaviest
-    first (see _key_block). Tensors as the module docstring says."""
+    first (see key_block). Tensors as the module docstring says."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is two warpgroups' 64 keys")
@@ -461,23 +403,17 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
         mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=NUM_CONSUMERS)
-    # Tuple literals for the partitions' arguments (each one spelled out: constexprs must reach them as such).
+    cfg = BwdConfig(NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)
+    inputs = BwdInputs(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_empty)
+    dqc = DqChannel(dq_aux, ds_smem, ds_ready, dq_full, dq_empty)
+    glob = BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale)
     # Without DQ_TMA the writer warp has nothing to do and returns at once.
     gl.warp_specialize([
-        (_bwd_consumer, (0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
-                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
-                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
-        (_bwd_consumer, (1, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, dq_aux, ds_smem,
-                         kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr, dq_ptr,
-                         sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
-        (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, q_smem, do_smem,
-                         lse_smem, delta_smem, k_smem, v_smem, dq_aux, kv_ready, q_ready, do_ready, qdo_empty,
-                         seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
-        (_dq_writer, (dq_desc, dq_aux, dq_full, dq_empty, sem_ptr, seqlen_q, seqlen_k, NUM_HEADS, GROUP, BLOCK_N,
-                      CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)),
+        (_bwd_consumer, (0, cfg, inputs, dqc, glob)),
+        (_bwd_consumer, (1, cfg, inputs, dqc, glob)),
+        (_bwd_producer, (cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux,
+                         seqlen_q, seqlen_k)),
+        (_dq_writer, (cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 

@@ -1,0 +1,192 @@
+"""The Gluon backward's compile-time configuration, its shared-memory channels and runtime values as aggregates
+(built in attn_bwd_ws_kernel, passed to its partitions), and its work decomposition: which key block a CTA owns and
+the order in which it walks the query blocks (key_block, step_block)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from flashdecode.kernels.gluon.layouts import RUNTIME, aggregate, runtime
+
+
+@aggregate
+class BwdConfig:
+    """The launch's compile-time choices (attn_bwd_ws_kernel's constexprs; BLOCK_M = q_desc's block rows)."""
+    NUM_HEADS: gl.constexpr
+    GROUP: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    NUM_STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+    DETERMINISTIC: gl.constexpr
+    DQ_TMA: gl.constexpr
+    TAIL_HEAVY_FIRST: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA,
+                 TAIL_HEAVY_FIRST):
+        self.NUM_HEADS = gl.constexpr(NUM_HEADS)
+        self.GROUP = gl.constexpr(GROUP)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
+        self.DQ_TMA = gl.constexpr(DQ_TMA)
+        self.TAIL_HEAVY_FIRST = gl.constexpr(TAIL_HEAVY_FIRST)
+
+
+@aggregate
+class BwdInputs:
+    """The consumers' shared-memory inputs: K and V of the CTA's key block (one slot, ``kv_ready``), and the ring of
+    NUM_STAGES query-block slots - Q with its lse2 row tile (``q_ready``), dO with its delta row tile
+    (``do_ready``), both released on ``qdo_empty`` by the two consumers."""
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    lse_smem: gl.shared_memory_descriptor
+    delta_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    qdo_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_empty):
+        self.q_smem = q_smem
+        self.do_smem = do_smem
+        self.lse_smem = lse_smem
+        self.delta_smem = delta_smem
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.kv_ready = kv_ready
+        self.q_ready = q_ready
+        self.do_ready = do_ready
+        self.qdo_empty = qdo_empty
+
+
+@aggregate
+class DqChannel:
+    """dQ's shared memory: ``ds_smem`` (2, BLOCK_N, BLOCK_M), the double-buffered dS^T rows both warpgroups write
+    (``ds_ready`` counts their writes), and ``dq_aux``: DQ_TMA, the fp32 dQ column halves staged for the writer
+    warp (``dq_full`` when both are in, ``dq_empty`` once its TMA has read them); else K's column halves."""
+    dq_aux: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
+    dq_full: gl.shared_memory_descriptor
+    dq_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, dq_aux, ds_smem, ds_ready, dq_full, dq_empty):
+        self.dq_aux = dq_aux
+        self.ds_smem = ds_smem
+        self.ds_ready = ds_ready
+        self.dq_full = dq_full
+        self.dq_empty = dq_empty
+
+
+@aggregate
+class BwdGlobals:
+    """The consumers' runtime values: dk, dv, dq_acc and sem pointers (see the module docstring), the lengths, and
+    the scales (qk_scale_log2 = softmax_scale * log2(e), sm_scale = softmax_scale)."""
+    dk_ptr: gl.tensor
+    dv_ptr: gl.tensor
+    dq_ptr: gl.tensor
+    sem_ptr: gl.tensor
+    seqlen_q: RUNTIME
+    seqlen_k: RUNTIME
+    qk_scale_log2: RUNTIME
+    sm_scale: RUNTIME
+
+    @gluon.constexpr_function
+    def __init__(self, dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale):
+        self.dk_ptr = dk_ptr
+        self.dv_ptr = dv_ptr
+        self.dq_ptr = dq_ptr
+        self.sem_ptr = sem_ptr
+        self.seqlen_q = runtime(seqlen_q)
+        self.seqlen_k = runtime(seqlen_k)
+        self.qk_scale_log2 = runtime(qk_scale_log2)
+        self.sm_scale = runtime(sm_scale)
+
+
+@aggregate
+class KeyBlock:
+    """This CTA's key block and its walk over the query blocks (key_block): (batch, head_kv), pid_n (its block
+    number, keys from n_start), query blocks [m_lo, m_full) masked and [m_full, num_m) not, walk_down."""
+    batch: RUNTIME
+    head_kv: RUNTIME
+    pid_n: RUNTIME
+    n_start: RUNTIME
+    m_lo: RUNTIME
+    m_full: RUNTIME
+    num_m: RUNTIME
+    walk_down: RUNTIME
+
+    @gluon.constexpr_function
+    def __init__(self, batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down):
+        self.batch = runtime(batch)
+        self.head_kv = runtime(head_kv)
+        self.pid_n = runtime(pid_n)
+        self.n_start = runtime(n_start)
+        self.m_lo = runtime(m_lo)
+        self.m_full = runtime(m_full)
+        self.num_m = runtime(num_m)
+        self.walk_down = runtime(walk_down)
+
+
+@aggregate
+class WarpgroupKeys:
+    """One consumer warpgroup's 64 keys: CONSUMER (0 or 1: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the block)
+    and first_row (64,) int32, the first query row that sees each key (the masked steps keep P where
+    first_row <= row)."""
+    CONSUMER: gl.constexpr
+    first_row: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, CONSUMER, first_row):
+        self.CONSUMER = gl.constexpr(CONSUMER)
+        self.first_row = first_row
+
+
+@gluon.jit
+def key_block(cfg, seqlen_q, seqlen_k):
+    """This CTA's key block and its walk over the query blocks, a KeyBlock: query blocks [m_lo, m_full) need the
+    mask (the causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the
+    query blocks that see none of the keys (causal). For each query head of the group, step i visits query block
+    step_block(i, ...): m_lo + i, or where walk_down num_m - 1 - i.
+    The grid runs a head's key blocks first to last - causal, the heaviest first (each sees the most query rows)
+    - except causal DETERMINISTIC, which runs them last to first: there block j waits for the later blocks'
+    additions (_turn), and a CTA must only ever wait for CTAs launched before it (a head's blocks can outnumber
+    the SMs: waiting for one not yet resident could deadlock). That puts the grid's heaviest blocks last, where
+    nothing is left to fill the SMs beside them; TAIL_HEAVY_FIRST (walk_down) turns the grid's last (batch, kv
+    head) around: its blocks launch heaviest first and walk their query blocks last to first, all through the
+    masked step, and the earlier key block adds first - so block j waits only for blocks launched before it,
+    which start at the same last query block and lead it by one addition."""
+    pid_n = gl.program_id(0)
+    head_kv = gl.program_id(1)
+    batch = gl.program_id(2)
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    walk_down = False  # (a constant unless TAIL_HEAVY_FIRST: the selects below fold away)
+    if cfg.CAUSAL and cfg.DETERMINISTIC:
+        if cfg.TAIL_HEAVY_FIRST:
+            walk_down = (head_kv == gl.num_programs(1) - 1) & (batch == gl.num_programs(2) - 1)
+        pid_n = gl.where(walk_down, pid_n, gl.num_programs(0) - 1 - pid_n)
+    n_start = pid_n * BLOCK_N
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    m_lo = 0
+    m_full = 0
+    if cfg.CAUSAL:
+        diag = seqlen_k - seqlen_q
+        m_lo = gl.minimum(gl.maximum(n_start - diag, 0) // BLOCK_M, num_m)
+        m_full = gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag, 0), BLOCK_M), num_m)
+    if n_start + BLOCK_N > seqlen_k:
+        m_full = num_m
+    return KeyBlock(batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down)
+
+
+@gluon.jit
+def step_block(i, m_lo, num_m, walk_down):
+    """The query block of a CTA's step i within one query head (see key_block)."""
+    return gl.where(walk_down, num_m - 1 - i, m_lo + i)
