@@ -247,8 +247,7 @@ def _is_tile(tile, length: int) -> bool:
 # The Gluon kernels (sm_90): one launch of the warp-specialised forward or backward (ops/gluon_attention.py)
 # ----------------------------------------------------------------------------------------------------------------
 
-TILE_ORDERS = {"round_robin": 0, "zigzag": 1, "pairs": 2, "lpt": 3}  # kernels/gluon/attn_fwd.py TILE_ORDER_*
-EXP2_EMU_DEGREES = (3, 4, 5)  # the exp2 polynomials the kernel has (kernels/gluon/attn_fwd.py EXP2_POLY)
+TILE_ORDERS = {"round_robin": 0, "pairs": 2, "lpt": 3}  # kernels/gluon/fwd_tiles.py TILE_ORDER_*
 SM_REGISTERS = 65536  # an H100 SM's register file, shared by every partition's warpgroup (setmaxnreg)
 
 
@@ -278,17 +277,13 @@ def _check_bools(config, name: str, fields: tuple) -> None:
 class GluonFwdConfig:
     """One launch of attn_fwd_ws_kernel: a tile is num_consumers * 64 query rows; key blocks of block_n rows flow
     through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
-    pingpong = the two consumer warpgroups take turns issuing wgmma; persistent = one CTA per SM looping over tiles
+    persistent = one CTA per SM looping over tiles
     (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
     consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
     per-thread register budgets of the worker partitions (setmaxnreg; the default partition, consumer 0, gets what
     is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
-    take consumer_regs <= 160, FA3's hd64 budget); exp2_emu_cols = columns of each key block whose exp2 runs as a
-    degree-exp2_emu_degree polynomial on the FMA pipe instead of the MUFU unit (0 = none; a multiple of 8 up to
-    block_n; kernels/gluon/attn_fwd.py _exp2_mixed; fp16/bf16 only); tile_order = how CTAs with two Q buffer sets
-    take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "zigzag"
-    (persistent: round j of num_programs tiles, CTA c takes the c-th on even j, the c-th from the end on odd j;
-    _second_tile), "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
+    take consumer_regs <= 160, FA3's hd64 budget); tile_order = how CTAs with two Q buffer sets
+    take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
     blocks: with causal tiles every unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA
     walks a list made on the host by handing the tiles, in the order the grid would run them, to whichever CTA
     is free first by a cost model - what the hardware's block dispatch does for one CTA per tile, with the
@@ -300,13 +295,10 @@ class GluonFwdConfig:
     block_n: int = 128
     num_stages: int = 2
     overlap: bool = False
-    pingpong: bool = False
     persistent: bool = False
     q_buffers: int = 1
     consumer_regs: int = 240
     producer_regs: int = 24
-    exp2_emu_cols: int = 0
-    exp2_emu_degree: int = 5
     tile_order: str = "round_robin"
     split_release: bool = False
 
@@ -321,24 +313,16 @@ class GluonFwdConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
-        _check_bools(self, name, ("overlap", "pingpong", "persistent", "split_release"))
+        _check_bools(self, name, ("overlap", "persistent", "split_release"))
         _check_register_budget(self, name, self.num_consumers)
-        if not (isinstance(self.exp2_emu_cols, int) and 0 <= self.exp2_emu_cols <= self.block_n
-                and self.exp2_emu_cols % 8 == 0):
-            raise ValueError(f"{name}.exp2_emu_cols: a multiple of 8 in [0, block_n={self.block_n}], got "
-                             f"{self.exp2_emu_cols}")
-        if self.exp2_emu_degree not in EXP2_EMU_DEGREES:
-            raise ValueError(f"{name}.exp2_emu_degree: one of {EXP2_EMU_DEGREES}, got {self.exp2_emu_degree}")
         if self.tile_order not in TILE_ORDERS:
             raise ValueError(f"{name}.tile_order: one of {tuple(TILE_ORDERS)}, got {self.tile_order!r}")
         if self.tile_order != "round_robin" and self.q_buffers != 2:
             raise ValueError(f"{name}.tile_order: {self.tile_order!r} orders the tile pairs of CTAs with two Q "
                              f"buffer sets (q_buffers=2)")
-        if self.tile_order in ("zigzag", "lpt") and not self.persistent:
+        if self.tile_order == "lpt" and not self.persistent:
             raise ValueError(f"{name}.tile_order: {self.tile_order!r} orders a persistent CTA's tiles "
                              f"(persistent=True)")
-        if self.tile_order == "lpt" and self.exp2_emu_cols:
-            raise ValueError(f"{name}.tile_order: the 'lpt' kernel has no exp2 emulation (exp2_emu_cols=0)")
         return self
 
     @property

@@ -47,13 +47,10 @@ def compile_variant(d, dtype, causal, cfg, varlen=False):
           else attn_fwd_ws_kernel)
     consts = dict(NUM_HEADS=16, GROUP=2, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
-                  PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                   SPLIT_KV_RELEASE=cfg.split_release)
     if not lpt:
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
-    if not fp8 and not lpt and not varlen:
-        consts.update(EXP2_EMU_COLS=cfg.exp2_emu_cols, EXP2_EMU_DEGREE=cfg.exp2_emu_degree)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",

@@ -296,4 +296,4 @@ def test_lpt_plans_launch_their_own_kernel_with_the_tile_lists(stubbed, monkeypa
     assert launch[5:10] == (num_tiles, 1000, 1000, q.shape[-1] ** -0.5 * ga.LOG2E, plan.sched_ptr[0])
     assert launch[10:] == tuple(constexprs[n] for n in attn_fwd_ws_lpt_kernel.arg_names[10:])
     with pytest.raises(ValueError, match="tile_order"):
-        ga.GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt", exp2_emu_cols=32)
+        ga.GluonFwdConfig(q_buffers=2, tile_order="lpt")  # lists per persistent CTA

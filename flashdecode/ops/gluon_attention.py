@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from flashdecode import heuristics
-from flashdecode.config import EXP2_EMU_DEGREES, TILE_ORDERS, GluonBwdConfig, GluonFwdConfig  # noqa: F401
+from flashdecode.config import TILE_ORDERS, GluonBwdConfig, GluonFwdConfig  # noqa: F401
 from flashdecode.heuristics import (FP8_BN256_MIN_KEYS, FP8_HEAD_DIMS, GLUON_HD64_MIN_KEYS,  # noqa: F401
                                     GLUON_HEAD_DIMS, LPT_TILE_OVERHEAD_BLOCKS, RAGGED_PAIRS_MAX_KEYS,
                                     THREE_CONSUMERS_MIN_KEYS, gluon_pays, resolve_gluon_bwd_config,
@@ -216,9 +216,9 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     gluon_forward_if_supported; the kernel takes causal or not, without softcap or window, off the interpreter."""
     if config is not None and config.overlap:
         raise ValueError("config: the e4m3 kernel has no OVERLAP (see resolve_gluon_fp8_config)")
-    if config is not None and (config.exp2_emu_cols or config.tile_order == "lpt"):
-        raise ValueError("config: the e4m3 kernel has no exp2 emulation or host-made tile lists (exp2_emu_cols=0, "
-                         "tile_order other than 'lpt')")
+    if config is not None and config.tile_order == "lpt":
+        raise ValueError("config.tile_order: the e4m3 kernel has no host-made tile lists (a tile order other than "
+                         "'lpt')")
     plan = dispatch_plan(q, k, v, window_left, window_right, softcap, config)
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False

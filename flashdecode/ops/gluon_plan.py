@@ -168,11 +168,10 @@ class GluonPlan:
         self.views = (rows_view(q), rows_view(k), _vt_view(v) if self.fp8 else rows_view(v))
         constexprs = dict(NUM_HEADS=nheads, GROUP=nheads // k.shape[-2], BLOCK_N=cfg.block_n,
                           NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
-                          OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong and cfg.num_consumers == 2,
-                          CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
-                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], EXP2_EMU_COLS=cfg.exp2_emu_cols,
-                          EXP2_EMU_DEGREE=cfg.exp2_emu_degree, SPLIT_KV_RELEASE=cfg.split_release)
-        # the ones this plan's kernel takes (e4m3: no exp2 emulation; lpt: Q_BUFFERS and TILE_ORDER fixed too)
+                          OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                          Q_BUFFERS=cfg.q_buffers,
+                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release)
+        # the ones this plan's kernel takes (lpt: Q_BUFFERS and TILE_ORDER fixed)
         params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt", self.ragged))
         self.constexprs = {name: value for name, value in constexprs.items() if name in params}
         # tile_order "lpt": the host's tile lists, an argument after qk_scale_log2 (attn_fwd_ws_lpt_kernel)

@@ -24,9 +24,8 @@ split into partitions (``gl.warp_specialize``), each with its own register budge
   (ops/gluon_attention.py resolve_gluon_config). ``TILE_ORDER`` (two Q buffer sets): round robin, pairs of a
   head's heavy and light causal tiles, or per-CTA lists made on the host (attn_fwd_ws_lpt_kernel; hd128 causal
   launches beyond 4k keys and non-causal ones of 1k-8k keys); see fwd_tiles.
-- Removed after they lost their measurements (docs/decisions.md): the warpgroup ping-pong (``PINGPONG``), exp2 on
-  the FMA pipe (``EXP2_EMU_COLS`` / ``EXP2_EMU_DEGREE``) and the zigzag tile order (``TILE_ORDER`` 1). The entry
-  kernels keep those parameters so that their callers' argument lists stand; they accept only the off values.
+- Removed after they lost their measurements (docs/decisions.md "Removed options"): the warpgroup ping-pong, exp2 on
+  the FMA pipe and the zigzag tile order (``TILE_ORDER`` 1 stays unused).
 
 Masking: key blocks lying entirely inside every row's visible range take the unmasked loop; only the blocks that
 straddle the causal diagonal (bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q) or the end of the
@@ -64,29 +63,26 @@ from flashdecode.kernels.gluon.fwd_tiles import (TILE_ORDER_LPT, TILE_ORDER_PAIR
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                       EXP2_EMU_COLS: gl.constexpr = 0, EXP2_EMU_DEGREE: gl.constexpr = 5,
                        TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles, FA3's hd64 shape; its register
     budgets must fit 65536 per SM: see GluonFwdConfig). TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles
-    (TILE_ORDER_ROUND_ROBIN, TILE_ORDER_PAIRS; TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's). PINGPONG must be False,
-    EXP2_EMU_COLS 0 (removed options; EXP2_EMU_DEGREE is ignored)."""
-    gl.static_assert(EXP2_EMU_COLS == 0, "EXP2_EMU_COLS: exp2 on the FMA pipe was removed (0 only)")
+    (TILE_ORDER_ROUND_ROBIN, TILE_ORDER_PAIRS; TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's)."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, None, None), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False), PINGPONG, CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
 def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k, qk_scale_log2,
                            sched_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                           OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr = False):
     """attn_fwd_ws_kernel (fp16/bf16) with persistent CTAs that walk host-made tile lists (TILE_ORDER_LPT, two Q
     buffer sets): sched_ptr int32, [S, then per CTA: count, tiles, padding] (fwd_tiles._lpt_row;
@@ -95,14 +91,14 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, sched_ptr, seqlen_q, seqlen_k, None, None), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, 2, TILE_ORDER_LPT,
-                           SPLIT_KV_RELEASE, False), PINGPONG, CONSUMER_REGS, PRODUCER_REGS)
+                           SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
 def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k,
                               qk_scale_log2, cu_q_ptr, cu_k_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
                               TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
     """attn_fwd_ws_kernel (fp16/bf16) over a ragged batch packed along the tokens (flash_attn_varlen's layout).
@@ -116,14 +112,14 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False), PINGPONG, CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
 def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr, num_tiles,
                            seqlen_q, seqlen_k, qk_scale_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
                            TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
     """e4m3 (float8e4nv) q, k and V^T, bf16 out; grid and constexprs as attn_fwd_ws_kernel.
@@ -137,15 +133,14 @@ def attn_fwd_fp8_ws_kernel(q_desc, k_desc, vt_desc, out_ptr, lse_ptr, qk_descale
     _attn_fwd_ws(q_desc, k_desc, vt_desc, FwdOutputs(out_ptr, lse_ptr, qk_descale_ptr, v_descale_ptr),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, None, None), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, True), PINGPONG, CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, True), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, outs, tiles, qk_scale_log2, cfg, PINGPONG: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _attn_fwd_ws(q_desc, k_desc, v_desc, outs, tiles, qk_scale_log2, cfg, CONSUMER_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr):
     """Every entry kernel's body: shared memory, barriers, and the partitions (one producer warp and
     NUM_CONSUMERS warpgroups, the first of them the default partition). cfg.V_T: v_desc's blocks are V^T tiles."""
-    gl.static_assert(not PINGPONG, "PINGPONG: the warpgroup ping-pong was removed (False only)")
     gl.static_assert(cfg.TILE_ORDER != 1, "TILE_ORDER: the zigzag order (1) was removed")
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
