@@ -686,10 +686,10 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen):
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
-        preload = hx.decode_preload_pages(problem(page_size), config, splits)
+        preload = hx.decode_preload_pages(problem(page_size), hx.PageIdPreload.of(config), splits)
         assert preload == ids, (page_size, preload)
         assert hx.decode_pipeline_stages(problem(page_size), config, preload, 512 // splits) == config.num_stages
-    assert hx.decode_preload_pages(problem(3), config, 4) == 0
+    assert hx.decode_preload_pages(problem(3), hx.PageIdPreload.of(config), 4) == 0
     long_split, short_split = 8 * config.block_n, 8 * config.block_n - 1
     assert hx.decode_pipeline_stages(problem(3), config, 0, long_split) == config.num_stages + 2
     assert hx.decode_pipeline_stages(problem(3), config, 0, short_split) == config.num_stages
@@ -949,7 +949,7 @@ def test_persistent_key_pages(gen, persistent, page_size, key_ids):
     problem = hx.DecodeProblem(batch=5, grid_batch=5, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
                                page_size=page_size, capacity=table.shape[1] * page_size, window_left=-1,
                                live_keys=150)
-    assert (hx.decode_persistent_preload(problem, config)[0] > 0) == key_ids
+    assert (hx.decode_persistent_preload(problem, hx.PageIdPreload.of(config), config.num_splits)[0] > 0) == key_ids
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4,
            tweak=lambda c: persistent(dataclasses.replace(c, preload_key_ids=key_ids)))
 
@@ -980,11 +980,12 @@ def test_persistent_gathered_pages_bound_their_splits(gen, persistent, tight):
                                page_size=8, capacity=table.shape[1] * 8, window_left=-1, live_keys=200)
     config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=6),
                                             preload_gather_max=256))
-    loose = hx.decode_persistent_preload(problem, config)
+    loose = hx.decode_persistent_preload(problem, hx.PageIdPreload.of(config), config.num_splits)
     assert loose[0] > 0 and loose[1] == 0
     limit = loose[0] // 2 if tight else 256  # too few for a whole sequence, enough for a 6th
     if tight:
-        bounded = hx.decode_persistent_preload(problem, dataclasses.replace(config, preload_gather_max=limit))
+        bounded = hx.decode_persistent_preload(
+            problem, hx.PageIdPreload.of(dataclasses.replace(config, preload_gather_max=limit)), config.num_splits)
         assert bounded[0] > 0 and bounded[1] > 0, bounded
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6,
            tweak=lambda c: persistent(dataclasses.replace(c, preload_gather_max=limit)))

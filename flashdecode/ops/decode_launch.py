@@ -51,18 +51,19 @@ def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> Deco
     """The geometry of running ``config`` on ``problem`` (pure: heuristics' decode geometry functions)."""
     path, splits = config.path, config.num_splits
     programs, max_split_keys = 0, 0
+    ids = heuristics.PageIdPreload.of(config)
     if path in _PERSISTENT_PATHS or path is DecodePath.DEVICE_SPLIT_GRID:
-        preload, max_split_keys = heuristics.decode_persistent_preload(problem, config)
+        preload, max_split_keys = heuristics.decode_persistent_preload(problem, ids, splits)
         split_keys_max = max_split_keys or problem.capacity  # a work item may be a whole sequence
         if path is DecodePath.DEVICE_SPLIT_GRID:
             programs = _device_split_programs(problem, config)
         else:
             programs = config.persistent_programs
     else:
-        preload = heuristics.decode_preload_pages(problem, config, splits)
-        split_keys_max = heuristics.decode_max_split_keys(problem, config, splits)
+        preload = heuristics.decode_preload_pages(problem, ids, splits)
+        split_keys_max = heuristics.decode_max_split_keys(problem, config.block_n, splits, config.split_keys)
     return DecodeLaunch(
-        config=config, min_chunk=heuristics.decode_min_chunk(config), preload_pages=preload,
+        config=config, min_chunk=heuristics.decode_min_chunk(config.block_n), preload_pages=preload,
         grid_splits=fixed_split_grid(problem, config) if path is DecodePath.FIXED_SPLIT else splits,
         max_split_keys=max_split_keys,
         num_stages=heuristics.decode_pipeline_stages(problem, config, preload, split_keys_max),
@@ -229,8 +230,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
             nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys,
             dynamic=dynamic, slots_per_program=config.persistent_slots if dynamic else 1,
             queue_splits=config.queue_splits if dynamic else 0,
-            queue_full_fraction=heuristics.DECODE_QUEUE_FULL_FRACTION,
-            queue_split_cost=heuristics.DECODE_QUEUE_SPLIT_COST)
+            queue_full_fraction=config.queue_full_fraction, queue_split_cost=config.queue_split_cost)
         return dict(
             PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
             MERGE=_merge_tile(shape, config.num_splits),
