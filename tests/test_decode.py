@@ -1171,9 +1171,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
 
 def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
+    """decode_launch's one fallback: a depth whose tiles do not fit in shared memory is retried one stage
+    shallower, down to 1; nothing is remembered between calls (the launch cache's record of a key holds the depth
+    that ran), and a launch that fits nowhere raises."""
     from triton.runtime.errors import OutOfResources
 
-    from flashdecode.ops import decode_launch, decode_policy
+    from flashdecode.ops import decode_launch
 
     tried = []
 
@@ -1181,13 +1184,16 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
         tried.append(stages)
         if stages > 2:
             raise OutOfResources(240000, 232448, "shared memory")
+        return stages
 
-    key = ("test-only tile",)
-    decode_launch._launch_within_shared_memory(launch, 4, key)
-    decode_launch._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
-    assert tried == [4, 3, 2, 2]
+    assert decode_launch._launch_fitting_shared_memory(launch, 4) == 2
+    assert decode_launch._launch_fitting_shared_memory(launch, 4) == 2
+    assert tried == [4, 3, 2, 4, 3, 2]
+    assert decode_launch._launch_fitting_shared_memory(launch, 1) == 1
+    tried.clear()
     with pytest.raises(OutOfResources):
-        decode_launch._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
+        decode_launch._launch_fitting_shared_memory(lambda s: launch(9), 3)
+    assert tried == [9, 9, 9]
 
 
 @pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers
