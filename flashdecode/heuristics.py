@@ -387,21 +387,32 @@ def _split_occupancy(elem_bytes: int, dev: DecodeDevice) -> dict:
     return dict(max_splits=DECODE_MAX_SPLITS)
 
 
-def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
-                       elem_bytes: int, max_seqlen_k: int, dev: DecodeDevice, balance_mixed: bool) -> int:
-    """A DecodePlan's split count from its host-side bounds (the tiles of a contiguous cache at max_batch):
-    equal lengths of max_seqlen_k, or with balance_mixed also the worst mix (one such sequence among empty ones;
-    the device paths then give equal lengths fewer)."""
-    p = DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
-                      nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
-                      capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k)
+def decode_plan_problem(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
+                        elem_bytes: int, max_seqlen_k: int, **kw) -> DecodeProblem:
+    """The problem a DecodePlan is sized for from its host-side bounds: a contiguous cache of max_seqlen_k keys at
+    max_batch (``kw``: further DecodeProblem fields, e.g. batch_invariant)."""
+    return DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
+                         nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
+                         capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k, **kw)
+
+
+def decode_plan_splits(p: DecodeProblem, dev: DecodeDevice, balance_mixed: bool) -> int:
+    """A DecodePlan's split count from its problem (decode_plan_problem: the tiles of a contiguous cache at
+    max_batch): equal lengths of p.live_keys, or with balance_mixed also the worst mix (one such sequence among
+    empty ones; the device paths then give equal lengths fewer)."""
     kw = dict(block_n=_stage1_choice(p, dev, None).block_n, min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT,
-              **_split_occupancy(elem_bytes, dev))
-    splits = decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms, **kw)
+              **_split_occupancy(p.elem_bytes, dev))
+    splits = decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms, **kw)
     if balance_mixed:
-        splits = max(splits, decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms,
-                                               total_seqlen_k=max_seqlen_k, **kw))
+        splits = max(splits, decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms,
+                                               total_seqlen_k=p.live_keys, **kw))
     return splits
+
+
+def decode_fixed_split_partials(max_seqlen_k: int, config: DecodeConfig) -> int:
+    """Splits of a FIXED_SPLIT config (config.split_keys keys each) that a DecodePlan of max_seqlen_k keys holds
+    partials for: those of max_seqlen_k keys, at most config.num_splits."""
+    return min(cdiv(max(max_seqlen_k, 1), config.split_keys), config.num_splits)
 
 
 def decode_device_uniform_splits(p: DecodeProblem, num_splits: int, slots: int) -> int:
