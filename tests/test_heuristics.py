@@ -324,7 +324,7 @@ def test_engine_page_identity_premise(monkeypatch):
     monkeypatch.setattr(hx, "DECODE_DEVICE_SPLITS", False)
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
     for batch in (1, 2, 4, 8):
-        splits = hx.decode_plan_splits(batch, 8, 4, 1, 128, 2, 512, _HOPPER, False)
+        splits = hx.decode_plan_splits(hx.decode_plan_problem(batch, 8, 4, 1, 128, 2, 512), _HOPPER, False)
         configs = []
         for page_size in (16, 512):
             p = _problem(batch=batch, page_size=page_size, nheads_kv=8, group=4, live_keys=512, num_splits=splits,
