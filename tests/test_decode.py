@@ -1196,6 +1196,35 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
     assert tried == [9, 9, 9]
 
 
+@pytest.mark.gpu
+def test_gpu_stage_fallback_is_recorded_per_launch_key(gen, monkeypatch):
+    """A config asking for more pipeline stages than shared memory holds (hd256, 64 query rows, 6 stages of 64-key
+    K / V tiles): the launcher's one fallback launches shallower depths until one fits, the launch cache records
+    that launch under the call's key, and the repeated call launches it directly (no retry, no JIT call)."""
+    from flashdecode.ops import decode_launch
+
+    tried = []
+    fallback = decode_launch._launch_fitting_shared_memory
+
+    def recording(launch, num_stages):
+        return fallback(lambda stages: (tried.append(stages), launch(stages))[1], num_stages)
+
+    monkeypatch.setattr(decode_launch, "_launch_fitting_shared_memory", recording)
+    q, k, v = _make(gen, 2, 3000, 64, 1, 256, torch.bfloat16)
+    lens = _lens([3000, 1777])
+    config = dataclasses.replace(decode_config(q, k, v, lens), num_stages=6)
+    assert config.block_n == 64
+    launches = lambda: decode_launch._STAGE1.jit_launches + decode_launch._PERSISTENT.jit_launches  # noqa: E731
+    out, lse = flashdecode.flash_decode(q, k, v, lens, config=config, return_lse=True)
+    _assert_matches_reference(out, lse, q, k, v, lens)
+    assert tried[0] == 6 and len(tried) > 1 and tried == list(range(6, tried[-1] - 1, -1)), tried
+    first, fitted = launches(), tried[-1]
+    tried.clear()
+    out, lse = flashdecode.flash_decode(q, k, v, lens, config=config, return_lse=True)
+    _assert_matches_reference(out, lse, q, k, v, lens)
+    assert launches() == first and tried == [6], (tried, fitted)
+
+
 @pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
