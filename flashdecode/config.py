@@ -61,6 +61,9 @@ class DecodeConfig:
     persistent_programs: int         # PERSISTENT*: programs of the fixed grid
     persistent_slots: int            # PERSISTENT_QUEUE: split slots per program
     queue_splits: int                # PERSISTENT_QUEUE: equal lengths split up to this many ways (0: off)
+    queue_full_fraction: float       # PERSISTENT_QUEUE: ... where its last round would hold fewer than this
+    #                                  fraction of the programs (kernels/decode_schedule.py queue_split_ways) ...
+    queue_split_cost: float          # ... each further split costing this fraction of a round
     device_split_slots: int          # DEVICE_SPLIT_GRID: work items the split counts share
     split_keys: int = 0              # FIXED_SPLIT: keys per split (a multiple of block_n), whatever the batch
     merge_block_s: int = 0           # states the merge folds per step (0: sized from the launch's split count)
@@ -148,6 +151,12 @@ def check_decode_config(config, name: str = "config") -> DecodeConfig:
         raise ValueError(f"{name}.persistent_programs must be >= 1 on the {config.path.name} path")
     if config.path is DecodePath.PERSISTENT_QUEUE and config.persistent_slots < 1:
         raise ValueError(f"{name}.persistent_slots must be >= 1 on the PERSISTENT_QUEUE path")
+    for field in ("queue_full_fraction", "queue_split_cost"):
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}.{field} must be a float, got {value!r}")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}.{field} must be in [0, 1], got {value}")
     if config.merge_in_kernel and config.path is not DecodePath.DEVICE_SPLIT_GRID:
         raise ValueError(f"{name}.merge_in_kernel goes with path DEVICE_SPLIT_GRID only, got {config.path.name}")
     if config.path is DecodePath.DEVICE_SPLIT_GRID and config.device_split_slots < 1:

@@ -387,21 +387,32 @@ def _split_occupancy(elem_bytes: int, dev: DecodeDevice) -> dict:
     return dict(max_splits=DECODE_MAX_SPLITS)
 
 
-def decode_plan_splits(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
-                       elem_bytes: int, max_seqlen_k: int, dev: DecodeDevice, balance_mixed: bool) -> int:
-    """A DecodePlan's split count from its host-side bounds (the tiles of a contiguous cache at max_batch):
-    equal lengths of max_seqlen_k, or with balance_mixed also the worst mix (one such sequence among empty ones;
-    the device paths then give equal lengths fewer)."""
-    p = DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
-                      nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
-                      capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k)
+def decode_plan_problem(max_batch: int, nheads_kv: int, group: int, max_seqlen_q: int, headdim: int,
+                        elem_bytes: int, max_seqlen_k: int, **kw) -> DecodeProblem:
+    """The problem a DecodePlan is sized for from its host-side bounds: a contiguous cache of max_seqlen_k keys at
+    max_batch (``kw``: further DecodeProblem fields, e.g. batch_invariant)."""
+    return DecodeProblem(batch=max_batch, grid_batch=max_batch, seqlen_q=max_seqlen_q, group=group,
+                         nheads_kv=nheads_kv, headdim=headdim, elem_bytes=elem_bytes, page_size=0,
+                         capacity=max_seqlen_k, window_left=-1, live_keys=max_seqlen_k, **kw)
+
+
+def decode_plan_splits(p: DecodeProblem, dev: DecodeDevice, balance_mixed: bool) -> int:
+    """A DecodePlan's split count from its problem (decode_plan_problem: the tiles of a contiguous cache at
+    max_batch): equal lengths of p.live_keys, or with balance_mixed also the worst mix (one such sequence among
+    empty ones; the device paths then give equal lengths fewer)."""
     kw = dict(block_n=_stage1_choice(p, dev, None).block_n, min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT,
-              **_split_occupancy(elem_bytes, dev))
-    splits = decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms, **kw)
+              **_split_occupancy(p.elem_bytes, dev))
+    splits = decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms, **kw)
     if balance_mixed:
-        splits = max(splits, decode_num_splits(max_batch, p.kv_programs, max_seqlen_k, dev.num_sms,
-                                               total_seqlen_k=max_seqlen_k, **kw))
+        splits = max(splits, decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms,
+                                               total_seqlen_k=p.live_keys, **kw))
     return splits
+
+
+def decode_fixed_split_partials(max_seqlen_k: int, config: DecodeConfig) -> int:
+    """Splits of a FIXED_SPLIT config (config.split_keys keys each) that a DecodePlan of max_seqlen_k keys holds
+    partials for: those of max_seqlen_k keys, at most config.num_splits."""
+    return min(cdiv(max(max_seqlen_k, 1), config.split_keys), config.num_splits)
 
 
 def decode_device_uniform_splits(p: DecodeProblem, num_splits: int, slots: int) -> int:
@@ -415,60 +426,88 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
 
     The split count: p.num_splits, else the policy's for p.live_keys / p.total_keys with the tiles of an unknown
     split length. The tiles are then chosen for the live keys per split; a plan (p.retile_for_device_splits)
-    whose device picks the split counts chooses them for the splits the device gives equal lengths."""
+    whose device picks the split counts chooses them for the splits the device gives equal lengths. Every field
+    is computed first and the config built once."""
     if p.batch_invariant:
         return batch_invariant_config(p, dev)
     if p.num_splits is None:
-        splits = decode_policy_splits(p, dev, _stage1_choice(p, dev, None).block_n)
-        may_reduce = True
+        splits, may_reduce = decode_policy_splits(p, dev, _stage1_choice(p, dev, None).block_n), True
     else:
         splits, may_reduce = p.num_splits, p.device_may_reduce_splits
     live = max(p.live_keys, 1)
-    choice = _stage1_choice(p, dev, cdiv(live, splits))
     slots = DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms
-    persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
-    quant_grid = bool(DECODE_QUANT_DEVICE_SPLIT_GRID and persistent and may_reduce and p.batch > 1
-                      and p.elem_bytes == 1 and not _block_multiple_pages(p, choice.block_n))
+    choice = _stage1_choice(p, dev, cdiv(live, splits))
+    persistent = _persistent_layout(p, choice)
+    quant_grid = _quant_device_split_grid(p, choice, persistent, may_reduce)
     if p.retile_for_device_splits and may_reduce and choice.device_splits and not persistent and p.batch > 1:
+        # (quant_grid is False here: it needs the persistent kernel's layout)
         choice = _stage1_choice(p, dev, cdiv(live, decode_device_uniform_splits(p, splits, slots)))
-        persistent = choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
-    hopper, pdl = choice.use_hopper, choice.use_hopper and dev.pdl
-    use_pdl, pdl_wait = pdl, pdl
-    if p.use_pdl is not None:  # False also keeps stage 1 from waiting on the previous kernel
-        use_pdl = p.use_pdl and dev.pdl
-        pdl_wait = pdl_wait and use_pdl
-    dynamic = choice.persistent_dynamic
-    config = DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=splits, block_n=choice.block_n, num_warps=choice.num_warps,
-        num_stages=choice.num_stages,
-        table_read_extra_stages=0 if dev.interpret else DECODE_TABLE_READ_EXTRA_STAGES,
-        table_read_min_split_blocks=0 if dev.interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
-        preload_pages_max=DECODE_PRELOAD_PAGES_MAX,
-        preload_gather_max=DECODE_PRELOAD_PAGES_MAX if dev.interpret else DECODE_PRELOAD_GATHER_MAX,
-        preload_key_ids=choice.preload_key_ids,
-        use_tma=hopper and decode_tma_fits(p, choice.block_n),
-        use_pdl=use_pdl, pdl_wait=pdl_wait,
-        prefetch_blocks=0 if dev.interpret else choice.prefetch_blocks,
-        merge_early_trigger=choice.merge_early_trigger and pdl_wait,
-        merge_d_chunks=choice.merge_d_chunks, merge_max_rows=choice.merge_max_rows,
-        offs_32=p.cache_offsets_fit_int32, spec_pages=bool(hopper and DECODE_SPEC_PAGES),
-        persistent_programs=(choice.persistent_programs or dev.num_sms) * _program_waves(p.elem_bytes, dev),
-        persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if dynamic else 0,
-        device_split_slots=slots, softmax_sum_tile=DECODE_QUANT_SUM_TILE and p.elem_bytes == 1,
-        **decode_quant_convert(dev))
-    # (the device-split grid needs a preload that holds a whole sequence's ids where the kernel relies on it)
-    quant_grid = quant_grid and decode_persistent_preload(p, config)[1] == 0
+        persistent = _persistent_layout(p, choice)
+    preload = PageIdPreload(block_n=choice.block_n, key_ids=choice.preload_key_ids, **_preload_limits(dev))
+    # the device's split counts need a preload that holds a whole sequence's ids where the kernel relies on it
+    whole_sequence_ids = decode_persistent_preload(p, preload, splits)[1] == 0
+    quant_grid = quant_grid and whole_sequence_ids
     split_keys = cdiv(live, splits)
     if quant_grid:  # its items share the 8-bit loop's programs per SM
         slots *= _program_waves(p.elem_bytes, dev)
         split_keys = cdiv(live, decode_device_uniform_splits(p, splits, slots))
-    path = _decode_path(p, config, splits, persistent and not quant_grid, dynamic,
-                        quant_grid or (may_reduce and choice.device_splits and not persistent))
-    return dataclasses.replace(config, path=path, device_split_slots=slots, quant_warp_split=decode_quant_warp_split(
-        p, dev, choice.block_n, choice.num_warps, split_keys),
-        num_stages=_quant_one_wave_stages(p, dev, path, splits) or config.num_stages,
-        merge_live_only=DECODE_MERGE_LIVE_ONLY and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID,
-        merge_in_kernel=DECODE_QUANT_MERGE_IN_KERNEL and quant_grid and path is DecodePath.DEVICE_SPLIT_GRID)
+    device_splits = quant_grid or (may_reduce and choice.device_splits and not persistent)
+    path = _decode_path(p, splits, persistent and not quant_grid, choice.persistent_dynamic,
+                        device_splits and whole_sequence_ids)
+    use_pdl, pdl_wait = _pdl_flags(p, dev, choice.use_hopper)
+    quant_grid_path = quant_grid and path is DecodePath.DEVICE_SPLIT_GRID
+    return DecodeConfig(
+        path=path, num_splits=splits, block_n=choice.block_n, num_warps=choice.num_warps,
+        num_stages=_quant_one_wave_stages(p, dev, path, splits) or choice.num_stages,
+        **_table_read_stages(dev), preload_pages_max=preload.pages_max, preload_gather_max=preload.gather_max,
+        preload_key_ids=choice.preload_key_ids, use_tma=choice.use_hopper and decode_tma_fits(p, choice.block_n),
+        use_pdl=use_pdl, pdl_wait=pdl_wait, prefetch_blocks=0 if dev.interpret else choice.prefetch_blocks,
+        merge_early_trigger=choice.merge_early_trigger and pdl_wait,
+        merge_d_chunks=choice.merge_d_chunks, merge_max_rows=choice.merge_max_rows,
+        offs_32=p.cache_offsets_fit_int32, spec_pages=bool(choice.use_hopper and DECODE_SPEC_PAGES),
+        persistent_programs=(choice.persistent_programs or dev.num_sms) * _program_waves(p.elem_bytes, dev),
+        persistent_slots=1, queue_splits=DECODE_QUEUE_MAX_SPLITS if choice.persistent_dynamic else 0,
+        queue_full_fraction=DECODE_QUEUE_FULL_FRACTION, queue_split_cost=DECODE_QUEUE_SPLIT_COST,
+        device_split_slots=slots, softmax_sum_tile=DECODE_QUANT_SUM_TILE and p.elem_bytes == 1,
+        quant_warp_split=decode_quant_warp_split(p, dev, choice.block_n, choice.num_warps, split_keys),
+        merge_live_only=DECODE_MERGE_LIVE_ONLY and quant_grid_path,
+        merge_in_kernel=DECODE_QUANT_MERGE_IN_KERNEL and quant_grid_path, **decode_quant_convert(dev))
+
+
+def _persistent_layout(p: DecodeProblem, choice: _Stage1Choice) -> bool:
+    """The tile policy chose the persistent kernel and the cache's pages suit it (block multiples, or gathered
+    pages on its work queue)."""
+    return choice.persistent and (p.page_size % choice.block_n == 0 or choice.persistent_gathered)
+
+
+def _quant_device_split_grid(p: DecodeProblem, choice: _Stage1Choice, persistent: bool, may_reduce: bool) -> bool:
+    """DECODE_QUANT_DEVICE_SPLIT_GRID's rule: an 8-bit batch the persistent kernel would serve, whose split counts
+    the device may choose, contiguous or in pages smaller than a block (the caller adds the preload condition)."""
+    return bool(DECODE_QUANT_DEVICE_SPLIT_GRID and persistent and may_reduce and p.batch > 1
+                and p.elem_bytes == 1 and not _block_multiple_pages(p, choice.block_n))
+
+
+def _pdl_flags(p: DecodeProblem, dev: DecodeDevice, hopper: bool) -> tuple[bool, bool]:
+    """(use_pdl, pdl_wait): programmatic dependent launches on a Hopper GPU that runs them; the caller's
+    p.use_pdl False also keeps stage 1 from waiting on the previous kernel."""
+    pdl = hopper and dev.pdl
+    if p.use_pdl is None:
+        return pdl, pdl
+    use_pdl = p.use_pdl and dev.pdl
+    return use_pdl, pdl and use_pdl
+
+
+def _table_read_stages(dev: DecodeDevice) -> dict:
+    """DecodeConfig's table-read stage fields (DECODE_TABLE_READ_*; none in the interpreter)."""
+    return dict(table_read_extra_stages=0 if dev.interpret else DECODE_TABLE_READ_EXTRA_STAGES,
+                table_read_min_split_blocks=0 if dev.interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS)
+
+
+def _preload_limits(dev: DecodeDevice) -> dict:
+    """The most block-table ids a split holds in registers (PageIdPreload's pages_max / gather_max; the
+    interpreter gathers no more than whole pages' ids)."""
+    return dict(pages_max=DECODE_PRELOAD_PAGES_MAX,
+                gather_max=DECODE_PRELOAD_PAGES_MAX if dev.interpret else DECODE_PRELOAD_GATHER_MAX)
 
 
 def _quant_one_wave_stages(p: DecodeProblem, dev: DecodeDevice, path: DecodePath, splits: int) -> int | None:
@@ -499,43 +538,40 @@ def batch_invariant_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     and the L2 prefetch stay off so that the variant does not follow the cache's alignment or the block table
     either; PDL (the GPU's, not the batch's) only changes when kernels start; the merge runs one row per program
     over head-dim quarters (the shape that serves batch 1's few rows)."""
-    interpret = dev.interpret
+    interpret, unsplit = dev.interpret, p.num_splits == 1
+    block_n = min(128, max(16, (32768 if unsplit else 16384) // (p.block_d * p.elem_bytes)))
     num_warps = 4
-    if p.num_splits == 1:
-        block_n = min(128, max(16, 32768 // (p.block_d * p.elem_bytes)))
-    else:
-        block_n = min(128, max(16, 16384 // (p.block_d * p.elem_bytes)))
     if p.elem_bytes == 1 and not interpret:  # an 8-bit cache: its tile rule (decode_quant_tile), on both paths
         block_n, num_warps = decode_quant_tile(p, block_n, DECODE_QUANT_FIXED_SPLIT_ELEMS_PER_WARP)
-    block_n = 16 if interpret else block_n
-    config = DecodeConfig(
-        path=DecodePath.UNSPLIT, num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=1 if interpret else 3,
-        table_read_extra_stages=0, table_read_min_split_blocks=0, preload_pages_max=0, preload_gather_max=0,
-        preload_key_ids=False, use_tma=False, use_pdl=False, pdl_wait=False, prefetch_blocks=0,
-        merge_early_trigger=False, merge_d_chunks=1, merge_max_rows=0, offs_32=p.cache_offsets_fit_int32,
-        spec_pages=False, persistent_programs=max(dev.num_sms, 1), persistent_slots=1, queue_splits=0,
-        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1),
-        **decode_quant_convert(dev))
-    if p.num_splits == 1:  # one program per row block over all its keys (32 KiB tiles), no page-id preload
-        return config
-    return dataclasses.replace(
-        config, path=DecodePath.FIXED_SPLIT, num_splits=DECODE_BATCH_INVARIANT_MAX_SPLITS,
+    common = dict(
+        block_n=16 if interpret else block_n, num_warps=num_warps, num_stages=1 if interpret else 3,
+        preload_key_ids=False, use_tma=False, prefetch_blocks=0, merge_early_trigger=False,
+        offs_32=p.cache_offsets_fit_int32, spec_pages=False, persistent_programs=max(dev.num_sms, 1),
+        persistent_slots=1, queue_splits=0, queue_full_fraction=DECODE_QUEUE_FULL_FRACTION,
+        queue_split_cost=DECODE_QUEUE_SPLIT_COST,
+        device_split_slots=max(DECODE_DEVICE_SPLIT_SLOTS_PER_SM * dev.num_sms, 1), **decode_quant_convert(dev))
+    if unsplit:  # one program per row block over all its keys (32 KiB tiles), no page-id preload
+        return DecodeConfig(
+            path=DecodePath.UNSPLIT, num_splits=1, table_read_extra_stages=0, table_read_min_split_blocks=0,
+            preload_pages_max=0, preload_gather_max=0, use_pdl=False, pdl_wait=False, merge_d_chunks=1,
+            merge_max_rows=0, **common)
+    limits = _preload_limits(dev)
+    return DecodeConfig(
+        path=DecodePath.FIXED_SPLIT, num_splits=DECODE_BATCH_INVARIANT_MAX_SPLITS,
         split_keys=DECODE_BATCH_INVARIANT_SPLIT_KEYS, merge_block_s=DECODE_BATCH_INVARIANT_MERGE_BLOCK_S,
-        table_read_extra_stages=0 if interpret else DECODE_TABLE_READ_EXTRA_STAGES,
-        table_read_min_split_blocks=0 if interpret else DECODE_TABLE_READ_MIN_SPLIT_BLOCKS,
-        preload_pages_max=DECODE_PRELOAD_PAGES_MAX,
-        preload_gather_max=DECODE_PRELOAD_PAGES_MAX if interpret else DECODE_PRELOAD_GATHER_MAX,
-        use_pdl=dev.pdl, pdl_wait=dev.pdl, merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS, merge_max_rows=1)
+        **_table_read_stages(dev), preload_pages_max=limits["pages_max"], preload_gather_max=limits["gather_max"],
+        use_pdl=dev.pdl, pdl_wait=dev.pdl, merge_d_chunks=DECODE_MERGE_FEW_PAIRS_D_CHUNKS, merge_max_rows=1,
+        **common)
 
 
-def _decode_path(p: DecodeProblem, config: DecodeConfig, splits: int, persistent: bool, dynamic: bool,
-                 device_splits: bool) -> DecodePath:
+def _decode_path(p: DecodeProblem, splits: int, persistent: bool, dynamic: bool, device_splits: bool) -> DecodePath:
+    """The DecodePath of the resolved choices (device_splits: the device may choose the split counts and a
+    preload holds a whole sequence's page ids where the kernel relies on it)."""
     if splits == 1:
         return DecodePath.UNSPLIT
     if persistent:
         return DecodePath.PERSISTENT_QUEUE if dynamic else DecodePath.PERSISTENT
-    # the device's split counts need a preload that holds a whole sequence's ids where the kernel relies on it
-    if device_splits and p.batch > 1 and decode_persistent_preload(p, config)[1] == 0:
+    if device_splits and p.batch > 1:
         return DecodePath.DEVICE_SPLIT_GRID
     return DecodePath.SPLIT_GRID
 
@@ -550,50 +586,69 @@ def decode_tma_fits(p: DecodeProblem, block_n: int) -> bool:
 # Decode geometry: what follows from a DecodeConfig and the shapes (no choices)
 # ----------------------------------------------------------------------------------------------------------------
 
-def decode_min_chunk(config: DecodeConfig) -> int:
-    """Fewest keys a non-empty split holds (the kernels' MIN_CHUNK): with a fixed split count, short sequences use
-    fewer splits instead of many tiny ones."""
-    return config.block_n * DECODE_MIN_BLOCKS_PER_SPLIT
+def decode_min_chunk(block_n: int) -> int:
+    """Fewest keys a non-empty split of block_n-key blocks holds (the kernels' MIN_CHUNK): with a fixed split
+    count, short sequences use fewer splits instead of many tiny ones."""
+    return block_n * DECODE_MIN_BLOCKS_PER_SPLIT
 
 
-def decode_max_split_keys(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> int:
+def decode_max_split_keys(p: DecodeProblem, block_n: int, num_splits: int, split_keys: int = 0) -> int:
     """The most keys one of num_splits splits can hold (kernels/decode.py split_range at the cache capacity; on
-    FIXED_SPLIT the config's split_keys, whatever the capacity)."""
-    if config.split_keys:
-        return config.split_keys
-    return max(cdiv(p.capacity, num_splits * config.block_n) * config.block_n, decode_min_chunk(config))
+    FIXED_SPLIT its split_keys, whatever the capacity)."""
+    if split_keys:
+        return split_keys
+    return max(cdiv(p.capacity, num_splits * block_n) * block_n, decode_min_chunk(block_n))
 
 
-def decode_preload_pages(p: DecodeProblem, config: DecodeConfig, num_splits: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class PageIdPreload:
+    """The fields of a DecodeConfig that bound the block-table ids a split holds in registers (the resolver builds
+    one from the fields it has computed, the launch from the config: PageIdPreload.of)."""
+
+    block_n: int
+    pages_max: int    # DecodeConfig.preload_pages_max
+    gather_max: int   # DecodeConfig.preload_gather_max
+    key_ids: bool     # DecodeConfig.preload_key_ids
+    split_keys: int = 0  # DecodeConfig.split_keys (FIXED_SPLIT)
+
+    @classmethod
+    def of(cls, config: DecodeConfig) -> "PageIdPreload":
+        return cls(block_n=config.block_n, pages_max=config.preload_pages_max,
+                   gather_max=config.preload_gather_max, key_ids=config.preload_key_ids,
+                   split_keys=config.split_keys)
+
+
+def decode_preload_pages(p: DecodeProblem, preload: PageIdPreload, num_splits: int) -> int:
     """Block-table entries one of num_splits splits can span (a power of two), held in registers; 0 when too many
     or the pages neither divide nor are multiples of a block (then the loop reads the block table). The bound
     comes from the capacity, a host-side shape: no sync."""
-    page, block_n = p.page_size, config.block_n
-    if page == 0 or config.preload_pages_max <= 0:
+    page, block_n = p.page_size, preload.block_n
+    if page == 0 or preload.pages_max <= 0:
         return 0
     small_pages = (page < block_n and block_n % page == 0
-                   and (page >= DECODE_MIN_PRELOAD_PAGE or config.preload_key_ids))
+                   and (page >= DECODE_MIN_PRELOAD_PAGE or preload.key_ids))
     if not (small_pages or page % block_n == 0):
         return 0
-    chunk_max = decode_max_split_keys(p, config, num_splits)
+    chunk_max = decode_max_split_keys(p, block_n, num_splits, preload.split_keys)
     # splits start at multiples of BLOCK_N: on a page boundary for pages that divide it, else possibly mid-page
     straddle = 0 if small_pages else 1
     pages = next_power_of_2(max(cdiv(chunk_max, page) + straddle, block_n // page))
-    limit = config.preload_gather_max if small_pages else config.preload_pages_max
+    limit = preload.gather_max if small_pages else preload.pages_max
     return pages if pages <= limit else 0
 
 
-def decode_persistent_preload(p: DecodeProblem, config: DecodeConfig) -> tuple[int, int]:
+def decode_persistent_preload(p: DecodeProblem, preload: PageIdPreload, num_splits: int) -> tuple[int, int]:
     """(PRELOAD_PAGES, MAX_SPLIT_KEYS) where a split may span a whole sequence (the persistent kernel, the device's
-    split counts): pages preload a whole sequence's ids when they fit; otherwise, for pages smaller than a block,
-    a num_splits-th of the capacity, each split bounded to as many keys (num_splits splits always fit); when even
-    that is too many (or for block-multiple pages) the loop reads the ids. MAX_SPLIT_KEYS 0: unbounded."""
-    whole = decode_preload_pages(p, config, 1)
-    small_pages = 0 < p.page_size < config.block_n
+    split counts, at most num_splits per sequence): pages preload a whole sequence's ids when they fit; otherwise,
+    for pages smaller than a block, a num_splits-th of the capacity, each split bounded to as many keys
+    (num_splits splits always fit); when even that is too many (or for block-multiple pages) the loop reads the
+    ids. MAX_SPLIT_KEYS 0: unbounded."""
+    whole = decode_preload_pages(p, preload, 1)
+    small_pages = 0 < p.page_size < preload.block_n
     if p.page_size == 0 or whole > 0 or not small_pages:
         return whole, 0
-    pages = decode_preload_pages(p, config, config.num_splits)
-    return pages, (decode_max_split_keys(p, config, config.num_splits) if pages else 0)
+    pages = decode_preload_pages(p, preload, num_splits)
+    return pages, (decode_max_split_keys(p, preload.block_n, num_splits, preload.split_keys) if pages else 0)
 
 
 def decode_pipeline_stages(p: DecodeProblem, config: DecodeConfig, preload_pages: int, split_keys_max: int) -> int:
@@ -613,7 +668,8 @@ def decode_prefetch_shape(p: DecodeProblem, config: DecodeConfig, num_splits: in
     repeatedly); 128-byte lines of one head-dim row."""
     if config.prefetch_blocks <= 0:
         return 0, 64, 1
-    keys = next_power_of_2(min(config.prefetch_blocks * config.block_n, decode_max_split_keys(p, config, num_splits)))
+    split_max = decode_max_split_keys(p, config.block_n, num_splits, config.split_keys)
+    keys = next_power_of_2(min(config.prefetch_blocks * config.block_n, split_max))
     line_elems = 128 // p.elem_bytes
     return keys, line_elems, next_power_of_2(cdiv(p.headdim, line_elems))
 

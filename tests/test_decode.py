@@ -686,10 +686,10 @@ def test_small_page_ids_preloaded_and_deeper_pipeline_for_table_reads(gen):
 
     # (16-key pages are block multiples here: a split may start mid-page, so 128 keys span 9 pages -> 16)
     for page_size, splits, ids in [(1, 4, 128), (2, 4, 64), (4, 2, 64), (8, 4, 16), (16, 4, 16)]:
-        preload = hx.decode_preload_pages(problem(page_size), config, splits)
+        preload = hx.decode_preload_pages(problem(page_size), hx.PageIdPreload.of(config), splits)
         assert preload == ids, (page_size, preload)
         assert hx.decode_pipeline_stages(problem(page_size), config, preload, 512 // splits) == config.num_stages
-    assert hx.decode_preload_pages(problem(3), config, 4) == 0
+    assert hx.decode_preload_pages(problem(3), hx.PageIdPreload.of(config), 4) == 0
     long_split, short_split = 8 * config.block_n, 8 * config.block_n - 1
     assert hx.decode_pipeline_stages(problem(3), config, 0, long_split) == config.num_stages + 2
     assert hx.decode_pipeline_stages(problem(3), config, 0, short_split) == config.num_stages
@@ -949,7 +949,7 @@ def test_persistent_key_pages(gen, persistent, page_size, key_ids):
     problem = hx.DecodeProblem(batch=5, grid_batch=5, seqlen_q=1, group=2, nheads_kv=2, headdim=64, elem_bytes=2,
                                page_size=page_size, capacity=table.shape[1] * page_size, window_left=-1,
                                live_keys=150)
-    assert (hx.decode_persistent_preload(problem, config)[0] > 0) == key_ids
+    assert (hx.decode_persistent_preload(problem, hx.PageIdPreload.of(config), config.num_splits)[0] > 0) == key_ids
     _check(q, k, v, _lens(lens), page_size=page_size, gen=gen, num_splits=4,
            tweak=lambda c: persistent(dataclasses.replace(c, preload_key_ids=key_ids)))
 
@@ -980,11 +980,12 @@ def test_persistent_gathered_pages_bound_their_splits(gen, persistent, tight):
                                page_size=8, capacity=table.shape[1] * 8, window_left=-1, live_keys=200)
     config = persistent(dataclasses.replace(decode_config(q, kp, vp, _lens(lens), block_table=table, num_splits=6),
                                             preload_gather_max=256))
-    loose = hx.decode_persistent_preload(problem, config)
+    loose = hx.decode_persistent_preload(problem, hx.PageIdPreload.of(config), config.num_splits)
     assert loose[0] > 0 and loose[1] == 0
     limit = loose[0] // 2 if tight else 256  # too few for a whole sequence, enough for a 6th
     if tight:
-        bounded = hx.decode_persistent_preload(problem, dataclasses.replace(config, preload_gather_max=limit))
+        bounded = hx.decode_persistent_preload(
+            problem, hx.PageIdPreload.of(dataclasses.replace(config, preload_gather_max=limit)), config.num_splits)
         assert bounded[0] > 0 and bounded[1] > 0, bounded
     _check(q, k, v, _lens(lens), page_size=8, gen=gen, num_splits=6,
            tweak=lambda c: persistent(dataclasses.replace(c, preload_gather_max=limit)))
@@ -1170,9 +1171,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
 
 def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
+    """decode_launch's one fallback: a depth whose tiles do not fit in shared memory is retried one stage
+    shallower, down to 1; nothing is remembered between calls (the launch cache's record of a key holds the depth
+    that ran), and a launch that fits nowhere raises."""
     from triton.runtime.errors import OutOfResources
 
-    from flashdecode.ops import decode_launch, decode_policy
+    from flashdecode.ops import decode_launch
 
     tried = []
 
@@ -1180,13 +1184,45 @@ def test_stage1_retries_with_fewer_stages_when_shared_memory_runs_out():
         tried.append(stages)
         if stages > 2:
             raise OutOfResources(240000, 232448, "shared memory")
+        return stages
 
-    key = ("test-only tile",)
-    decode_launch._launch_within_shared_memory(launch, 4, key)
-    decode_launch._launch_within_shared_memory(launch, 4, key)  # remembered: no second failure
-    assert tried == [4, 3, 2, 2]
+    assert decode_launch._launch_fitting_shared_memory(launch, 4) == 2
+    assert decode_launch._launch_fitting_shared_memory(launch, 4) == 2
+    assert tried == [4, 3, 2, 4, 3, 2]
+    assert decode_launch._launch_fitting_shared_memory(launch, 1) == 1
+    tried.clear()
     with pytest.raises(OutOfResources):
-        decode_launch._launch_within_shared_memory(lambda s: launch(9), 3, ("never fits",))
+        decode_launch._launch_fitting_shared_memory(lambda s: launch(9), 3)
+    assert tried == [9, 9, 9]
+
+
+@pytest.mark.gpu
+def test_gpu_stage_fallback_is_recorded_per_launch_key(gen, monkeypatch):
+    """A config asking for more pipeline stages than shared memory holds (hd256, 64 query rows, 6 stages of 64-key
+    K / V tiles): the launcher's one fallback launches shallower depths until one fits, the launch cache records
+    that launch under the call's key, and the repeated call launches it directly (no retry, no JIT call)."""
+    from flashdecode.ops import decode_launch
+
+    tried = []
+    fallback = decode_launch._launch_fitting_shared_memory
+
+    def recording(launch, num_stages):
+        return fallback(lambda stages: (tried.append(stages), launch(stages))[1], num_stages)
+
+    monkeypatch.setattr(decode_launch, "_launch_fitting_shared_memory", recording)
+    q, k, v = _make(gen, 2, 3000, 64, 1, 256, torch.bfloat16)
+    lens = _lens([3000, 1777])
+    config = dataclasses.replace(decode_config(q, k, v, lens), num_stages=6)
+    assert config.block_n == 64
+    launches = lambda: decode_launch._STAGE1.jit_launches + decode_launch._PERSISTENT.jit_launches  # noqa: E731
+    out, lse = flashdecode.flash_decode(q, k, v, lens, config=config, return_lse=True)
+    _assert_matches_reference(out, lse, q, k, v, lens)
+    assert tried[0] == 6 and len(tried) > 1 and tried == list(range(6, tried[-1] - 1, -1)), tried
+    first, fitted = launches(), tried[-1]
+    tried.clear()
+    out, lse = flashdecode.flash_decode(q, k, v, lens, config=config, return_lse=True)
+    _assert_matches_reference(out, lse, q, k, v, lens)
+    assert launches() == first and tried == [6], (tried, fitted)
 
 
 @pytest.mark.xdist_group("gpu_bigmem")  # big tensors: gpu_check's bigmem part, 4 workers

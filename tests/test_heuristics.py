@@ -211,11 +211,13 @@ def test_decode_config_override_is_checked_and_names_config():
     with pytest.raises(TypeError, match="config"):
         check_decode_config({"block_n": 64})
     bad = [dict(block_n=48), dict(block_n=0), dict(num_warps=3), dict(num_splits=0), dict(merge_d_chunks=3),
-           dict(path=DecodePath.UNSPLIT), dict(num_splits=1), dict(persistent_programs=-1), dict(num_splits=10**6)]
+           dict(path=DecodePath.UNSPLIT), dict(num_splits=1), dict(persistent_programs=-1), dict(num_splits=10**6),
+           dict(queue_full_fraction=1.5), dict(queue_split_cost=-0.01)]
     for change in bad:
         with pytest.raises(ValueError, match="config"):
             check_decode_config(dataclasses.replace(cfg, **change))
-    for change in (dict(use_tma=1), dict(block_n=64.0), dict(path="split_grid")):
+    for change in (dict(use_tma=1), dict(block_n=64.0), dict(path="split_grid"), dict(queue_full_fraction="0.5"),
+                   dict(queue_split_cost=True)):
         with pytest.raises(TypeError, match="config"):
             check_decode_config(dataclasses.replace(cfg, **change))
 
@@ -322,7 +324,7 @@ def test_engine_page_identity_premise(monkeypatch):
     monkeypatch.setattr(hx, "DECODE_DEVICE_SPLITS", False)
     monkeypatch.setattr(hx, "DECODE_PERSISTENT_AT_BATCH", False)
     for batch in (1, 2, 4, 8):
-        splits = hx.decode_plan_splits(batch, 8, 4, 1, 128, 2, 512, _HOPPER, False)
+        splits = hx.decode_plan_splits(hx.decode_plan_problem(batch, 8, 4, 1, 128, 2, 512), _HOPPER, False)
         configs = []
         for page_size in (16, 512):
             p = _problem(batch=batch, page_size=page_size, nheads_kv=8, group=4, live_keys=512, num_splits=splits,

@@ -350,16 +350,18 @@ class DecodePlan:
             num_splits = config.num_splits
         self._config = config
         self._policy_splits = num_splits is None  # the device may then choose fewer per sequence
-        split_keys = config.split_keys if config is not None else (
-            heuristics.DECODE_BATCH_INVARIANT_SPLIT_KEYS if batch_invariant and num_splits is None else 0)
-        self._fixed_split = bool(split_keys)
-        if split_keys:  # FIXED_SPLIT: partials for the splits of max_seqlen_k keys (runs check their cache fits)
-            most = heuristics.DECODE_BATCH_INVARIANT_MAX_SPLITS if config is None else config.num_splits
-            self.num_splits = min(heuristics.cdiv(max(max_seqlen_k, 1), split_keys), most)
+        problem = heuristics.decode_plan_problem(
+            max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
+            torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k)
+        fixed = config  # a FIXED_SPLIT config (split_keys > 0) sizes the partials from max_seqlen_k
+        if config is None and batch_invariant and num_splits is None:
+            fixed = heuristics.batch_invariant_config(problem, self._dev)  # what every run resolves
+        self._fixed_split = fixed is not None and fixed.split_keys > 0
+        if self._fixed_split:  # partials for the splits of max_seqlen_k keys (runs check their cache fits)
+            self.num_splits = heuristics.decode_fixed_split_partials(max_seqlen_k, fixed)
         else:
             self.num_splits = num_splits if num_splits is not None else heuristics.decode_plan_splits(
-                max_batch, nheads_kv, nheads // nheads_kv, max_seqlen_q, headdim,
-                torch.empty((), dtype=kv_dtype).element_size(), max_seqlen_k, self._dev, balance_mixed)
+                problem, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
         self._views: dict = {}  # (q shape, id of a launch in _launches) -> views of the buffers (_buffer_views)
         self._key_tag = ("DecodePlan", next(_PLAN_IDS))  # the host path's key of its runs (ops/decode_host.py)
@@ -367,7 +369,7 @@ class DecodePlan:
         f32 = dict(dtype=torch.float32, device=self.device)
         self._out = torch.empty(rows * headdim, dtype=dtype, device=self.device)
         self._lse = torch.empty(rows, **f32)
-        splits = self.num_splits if self.num_splits > 1 or split_keys else 0
+        splits = self.num_splits if self.num_splits > 1 or self._fixed_split else 0
         self._partial_o = torch.empty(rows * splits * headdim, **f32)
         self._partial_lse = torch.empty(rows * splits, **f32)
         # the in-kernel merges' ticket counters and the persistent queue (zeros; every launch leaves them zero

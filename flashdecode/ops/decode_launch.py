@@ -1,6 +1,8 @@
 """Decode launches for a resolved DecodeConfig: stage 1 (decode_split_kernel: unsplit, the split grid or the
 device-split grid), the persistent kernel (decode_persistent_kernel) and the merge. ``DecodeLaunch`` holds the
-geometry that follows from a config and the shapes (computed once, by plan_launch); nothing here chooses."""
+geometry that follows from a config and the shapes (computed once, by plan_launch); nothing here chooses,
+except the one named fallback of a pipeline depth that does not fit in shared memory
+(_launch_fitting_shared_memory)."""
 
 from __future__ import annotations
 
@@ -51,18 +53,19 @@ def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> Deco
     """The geometry of running ``config`` on ``problem`` (pure: heuristics' decode geometry functions)."""
     path, splits = config.path, config.num_splits
     programs, max_split_keys = 0, 0
+    ids = heuristics.PageIdPreload.of(config)
     if path in _PERSISTENT_PATHS or path is DecodePath.DEVICE_SPLIT_GRID:
-        preload, max_split_keys = heuristics.decode_persistent_preload(problem, config)
+        preload, max_split_keys = heuristics.decode_persistent_preload(problem, ids, splits)
         split_keys_max = max_split_keys or problem.capacity  # a work item may be a whole sequence
         if path is DecodePath.DEVICE_SPLIT_GRID:
             programs = _device_split_programs(problem, config)
         else:
             programs = config.persistent_programs
     else:
-        preload = heuristics.decode_preload_pages(problem, config, splits)
-        split_keys_max = heuristics.decode_max_split_keys(problem, config, splits)
+        preload = heuristics.decode_preload_pages(problem, ids, splits)
+        split_keys_max = heuristics.decode_max_split_keys(problem, config.block_n, splits, config.split_keys)
     return DecodeLaunch(
-        config=config, min_chunk=heuristics.decode_min_chunk(config), preload_pages=preload,
+        config=config, min_chunk=heuristics.decode_min_chunk(config.block_n), preload_pages=preload,
         grid_splits=fixed_split_grid(problem, config) if path is DecodePath.FIXED_SPLIT else splits,
         max_split_keys=max_split_keys,
         num_stages=heuristics.decode_pipeline_stages(problem, config, preload, split_keys_max),
@@ -199,10 +202,9 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
             **({"launch_pdl": True} if config.pdl_wait else {}))
 
     key = _site_key(shape, ("stage1", final, merged is not None))
-    _launch_within_shared_memory(
-        lambda num_stages: _STAGE1.launch(key and key + (num_stages,), grid, runtime,
-                                          lambda: constexprs(num_stages), shape.device),
-        launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype, config.use_tma))
+    _launch_fitting_shared_memory(
+        lambda num_stages: _STAGE1.launch(key, grid, runtime, lambda: constexprs(num_stages), shape.device),
+        launch.num_stages)
 
 
 def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table,
@@ -229,8 +231,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
             nheads_kv=shape.nheads_kv, batch_pad=launch.batch_pad, max_split_keys=launch.max_split_keys,
             dynamic=dynamic, slots_per_program=config.persistent_slots if dynamic else 1,
             queue_splits=config.queue_splits if dynamic else 0,
-            queue_full_fraction=heuristics.DECODE_QUEUE_FULL_FRACTION,
-            queue_split_cost=heuristics.DECODE_QUEUE_SPLIT_COST)
+            queue_full_fraction=config.queue_full_fraction, queue_split_cost=config.queue_split_cost)
         return dict(
             PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
             MERGE=_merge_tile(shape, config.num_splits),
@@ -239,10 +240,10 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
             **({"launch_pdl": True} if config.pdl_wait else {}))
 
     key = _site_key(shape, ("persistent",))
-    _launch_within_shared_memory(
-        lambda num_stages: _PERSISTENT.launch(key and key + (num_stages,), (launch.programs, 1, 1), runtime,
-                                              lambda: constexprs(num_stages), shape.device),
-        launch.num_stages, (shape.block_m, config.block_n, shape.block_d, q4.dtype, config.use_tma, "persistent"))
+    _launch_fitting_shared_memory(
+        lambda num_stages: _PERSISTENT.launch(key, (launch.programs, 1, 1), runtime, lambda: constexprs(num_stages),
+                                              shape.device),
+        launch.num_stages)
 
 
 _STAGE1 = LaunchSite(decode_split_kernel, "decode_split_kernel")
@@ -313,26 +314,21 @@ def _merge_tile(shape, num_splits) -> MergeTile:
                      block_s=max(1, min(merge_splits, _PERSISTENT_MERGE_TILE_ELEMS // (merge_m * shape.block_d))))
 
 
-# Pipeline depth that fitted in shared memory, per tile shape (only set after an OutOfResources).
-_STAGES_THAT_FIT: dict = {}
-
-
-def _launch_within_shared_memory(launch, num_stages, key):
-    """launch(num_stages); if the tiles do not fit in shared memory (e.g. hd256 with 64 query rows), retry with
-    fewer stages. The failure comes at compile/load time, before anything is enqueued, so this is safe during
-    warm-up; the depth that fitted is remembered, so later (captured) calls launch directly."""
+def _launch_fitting_shared_memory(launch, num_stages: int):
+    """The decode launcher's one fallback from its DecodeLaunch: launch(num_stages), and where the tiles at that
+    pipeline depth do not fit in shared memory (e.g. hd256 with 64 query rows; Triton knows a depth's shared memory
+    only once it has compiled it), launch(num_stages - 1), ... down to 1 stage, then the OutOfResources. The
+    failure comes at compile / load time, before anything is enqueued, so this is safe during warm-up and capture.
+    Nothing is remembered here: the launch site records the launch that ran under its key (which holds no stage
+    count), so a recorded call launches the depth that fitted directly; an unrecorded one (key None) retries."""
     from triton.runtime.errors import OutOfResources
 
-    stages = min(num_stages, _STAGES_THAT_FIT.get(key, num_stages))
-    while True:
+    for stages in range(num_stages, 0, -1):
         try:
-            launch(stages)
-            return
+            return launch(stages)
         except OutOfResources:
-            if stages <= 1:
+            if stages == 1:
                 raise
-            stages -= 1
-            _STAGES_THAT_FIT[key] = stages
 
 
 def _collapse_bt(x4):

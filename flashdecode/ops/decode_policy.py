@@ -139,7 +139,8 @@ def check_config_fits(config: DecodeConfig, problem: heuristics.DecodeProblem,
             raise ValueError(f"config.{field} needs a Hopper (sm_90+) GPU outside the interpreter")
     if config.merge_max_rows & (config.merge_max_rows - 1):
         raise ValueError(f"config.merge_max_rows must be 0 or a power of two, got {config.merge_max_rows}")
-    if config.path is DecodePath.DEVICE_SPLIT_GRID and heuristics.decode_persistent_preload(problem, config)[1]:
+    if config.path is DecodePath.DEVICE_SPLIT_GRID and heuristics.decode_persistent_preload(
+            problem, heuristics.PageIdPreload.of(config), config.num_splits)[1]:
         raise ValueError("config.path DEVICE_SPLIT_GRID: a whole sequence's page ids do not fit the preload "
                          "(config.preload_gather_max) for these pages")
     return config
