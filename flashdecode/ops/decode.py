@@ -5,7 +5,8 @@ Two ways to call decode attention:
     cache capacity and lets the device give each sequence the splits its live length needs (lengths on the host
     choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
     call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
-    kernels directly (ops/launch_cache.py).
+    kernels directly (ops/launch_cache.py); a contiguous cache that grows between calls (a generation's steps) is
+    sized for its capacity bucket (decode_host.capacity_bucket), so its steps share one record per bucket.
   - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
     split count from a host-side length hint and owns every buffer; lengths and block tables are read on the
     device, no host sync, no allocation. Capture once, change the contents of cache_seqlens / block_table, replay.
@@ -241,13 +242,12 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
     if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
         options = (softmax_scale, num_splits, softcap, window_size, config, batch_invariant, in_capture)
-        cache = _growing_cache_key(k_cache, v_cache, block_table, config, batch_invariant)
-        if cache is None:
+        growing = _growing_cache(k_cache, v_cache, block_table, config, batch_invariant)
+        if growing is None:
             key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
                                                         alibi_slopes), options + (max_seqlen_k,))
         else:  # one record per capacity bucket: a growing cache's calls share it (ops/decode_host.py)
-            growing = decode_host.GrowingFacts(k_cache)
-            key = decode_host.call_key(("flash_decode", cache, growing.facts), (q, cache_seqlens, out, alibi_slopes),
+            key = decode_host.call_key(("flash_decode", growing.key), (q, cache_seqlens, out, alibi_slopes),
                                        options + (_length_bound_key(max_seqlen_k),))
     found = decode_host.recall(key, q, alibi_slopes, growing)
     if found is None:
@@ -264,12 +264,12 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
     return run
 
 
-def _growing_cache_key(k_cache, v_cache, block_table, config, batch_invariant):
-    """decode_host.growing_cache_key of a contiguous cache whose config _resolve sizes for its capacity bucket (no
+def _growing_cache(k_cache, v_cache, block_table, config, batch_invariant):
+    """decode_host.growing_cache of a contiguous cache whose config _resolve sizes for its capacity bucket (no
     config= override, not batch-invariant: those are keyed by their exact shapes); None otherwise."""
     if block_table is not None or config is not None or batch_invariant:
         return None
-    return decode_host.growing_cache_key(k_cache, v_cache)
+    return decode_host.growing_cache(k_cache, v_cache)
 
 
 def _length_bound_key(max_seqlen_k):

@@ -11,10 +11,10 @@ caller's out=; the pools' and plans' buffers are views at offset 0 of shapes the
 
 A contiguous cache that grows between calls (a generation: transformers' DynamicCache makes a longer tensor each
 step, a flash-attn loop passes k_cache[:, :L] or a growing max_seqlen_k) keeps one record per capacity bucket
-(``capacity_bucket``): its key (``growing_cache_key``) holds the cache's batch, heads, head dim, token and head-dim
+(``capacity_bucket``): its key (``growing_cache``) holds the cache's batch, heads, head dim, token and head-dim
 strides, dtypes, device and alignment and the bucket of its length, not the length nor the batch and head strides
 that follow it; the config is resolved for the bucket (ops/decode.py sizes every contiguous call's problem so,
-cached or not). Each call then reads what its extent decides (``GrowingFacts``): the facts the config depends on
+cached or not). Each call then reads what its extent decides (``GrowingCache``): the facts the config depends on
 (int32 offsets, the TMA row view; in the call key), the capacity the kernels clamp the lengths to and bound their
 reads by (bound to the recalled shape), and Triton's specialisation of the capacity and the two strides (in the
 launch key).
@@ -28,8 +28,8 @@ from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.launch_cache import tensor_key
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear", "capacity_bucket", "growing_cache_key",
-           "GrowingFacts"]
+__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear", "capacity_bucket", "growing_cache",
+           "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -69,34 +69,44 @@ def _int_class(n: int) -> tuple:
     return n == 1, n % 16 == 0, not -2**31 <= n < 2**31
 
 
-def growing_cache_key(k_cache, v_cache):
-    """What a call key holds of a contiguous (batch_cache, seqlen, nheads_kv, headdim) K/V pair whose seqlen may
-    grow (module doc): everything but seqlen (in its bucket) and the batch and head strides; None where the pair
-    cannot be keyed so (not 4-D tensors of one shape and strides: the full path then names the argument)."""
+class GrowingCache:
+    """A contiguous (batch_cache, seqlen, nheads_kv, headdim) K/V pair whose seqlen may grow, as the host path keys
+    it (module doc): ``key``, what the call key holds of it - everything but seqlen (in its bucket) and the batch and
+    head strides, plus what they decide for the config (element offsets within int32, the TMA row view);
+    ``capacity`` (seqlen); ``spec``, Triton's specialisation of the capacity and the batch and head strides (in the
+    launch key)."""
+
+    __slots__ = ("key", "capacity", "spec")
+
+    def __init__(self, key, capacity: int, spec: tuple):
+        self.key, self.capacity, self.spec = key, capacity, spec
+
+
+_GROWING: dict = {}  # the exact layout of a K/V pair -> its GrowingCache (the layers of a step share one)
+
+
+def growing_cache(k_cache, v_cache) -> GrowingCache | None:
+    """The GrowingCache of a K/V pair; None where it cannot be keyed so (not 4-D tensors of one shape and strides:
+    the full path then names the argument). Kept per exact layout, so a step's layers (same shapes, other tensors)
+    derive it once."""
     try:
         shape, stride = k_cache.shape, k_cache.stride()
-        if k_cache.dim() != 4 or v_cache.shape != shape or v_cache.stride() != stride:
+        if len(shape) != 4 or v_cache.shape != shape or v_cache.stride() != stride:
             return None
-        return (shape[0], shape[2], shape[3], stride[1], stride[3], capacity_bucket(shape[1]), k_cache.dtype,
-                v_cache.dtype, k_cache.device, v_cache.device, k_cache.data_ptr() % 16 == 0,
-                v_cache.data_ptr() % 16 == 0)
+        layout = (shape, stride, k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
+                  k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
     except (AttributeError, TypeError, RuntimeError):
         return None
-
-
-class GrowingFacts:
-    """What a growing cache's extent decides for one call (module doc): its capacity, whether its element offsets
-    fit int32 and whether its rows view densely for TMA (``facts``, which the config assumes: part of the call
-    key), and the specialisation of the capacity and the batch and head strides (``spec``, part of the launch
-    key)."""
-
-    __slots__ = ("capacity", "facts", "spec")
-
-    def __init__(self, k_cache):
-        self.capacity = k_cache.shape[1]
-        self.facts = (_offsets_fit_int32(k_cache), cache_rows_tma_ok(k_cache))
-        stride = k_cache.stride()
-        self.spec = (_int_class(self.capacity), _int_class(stride[0]), _int_class(stride[2]))
+    found = _GROWING.get(layout)
+    if found is None:
+        if len(_GROWING) >= 256:
+            _GROWING.clear()
+        capacity = shape[1]
+        key = (shape[0], shape[2], shape[3], stride[1], stride[3], capacity_bucket(capacity)) + layout[2:] + (
+            _offsets_fit_int32(k_cache), cache_rows_tma_ok(k_cache))
+        found = _GROWING[layout] = GrowingCache(
+            key, capacity, (_int_class(capacity), _int_class(stride[0]), _int_class(stride[2])))
+    return found
 
 
 def keep(key, value) -> None:
@@ -119,9 +129,9 @@ class _Entry:
         self.shape, self.config, self.launch = shape, config, launch
 
 
-def remember(key, shape, config, launch, growing: GrowingFacts | None = None) -> None:
+def remember(key, shape, config, launch, growing: GrowingCache | None = None) -> None:
     """Keep a checked call's shape facts (without its tensors), config and launch geometry under ``key``
-    (``growing``: a growing cache's facts, whose specialisation joins the launch key)."""
+    (``growing``: a growing cache's, whose specialisation joins the launch key)."""
     if key is None:
         return
     launch_id = next(_LAUNCH_IDS)
@@ -134,7 +144,7 @@ def remember(key, shape, config, launch, growing: GrowingFacts | None = None) ->
     _CALLS[key] = _Entry(kept, config, launch)
 
 
-def recall(key, q, alibi_slopes, growing: GrowingFacts | None = None):
+def recall(key, q, alibi_slopes, growing: GrowingCache | None = None):
     """(shape, config, launch) of a call whose key was remembered, the shape bound to this call's q and ALiBi
     slopes (and a growing cache's capacity and launch key); None where it was not."""
     entry = None if key is None else _CALLS.get(key)
@@ -158,3 +168,4 @@ def _copy(shape):
 
 def clear() -> None:
     _CALLS.clear()
+    _GROWING.clear()
