@@ -225,25 +225,28 @@ def _check_decode(got, q, k, v, lens, atol=2e-3):
     torch.testing.assert_close(got.double(), ref, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("form", ["view", "new_tensor", "kvcache_int"])
+@pytest.mark.parametrize("form", ["view", "new_tensor", "dense_new_tensor", "kvcache_int"])
 def test_a_growing_cache_resolves_and_records_once(gen, device_resident, monkeypatch, form):
     """A generation's decode steps (the cache one token longer each step): a view k[:, :L] of one buffer,
-    transformers' DynamicCache (a new (b, hk, L, d) tensor each step, read transposed) or flash_attn_with_kvcache
+    transformers' DynamicCache (a new (b, hk, L, d) tensor each step, read transposed), a new dense (b, L, hk, d)
+    tensor each step, or flash_attn_with_kvcache
     with a growing int cache_seqlens - one resolution and one remembered call for every step of a capacity bucket,
     every step equal to the reference (the launch keys checked against Triton's specialisation: autouse fixture)."""
     from flashdecode import flash_attn_interface as fai
 
     asked = _counted_resolver(monkeypatch)
     batch, h, hk, d, start, steps = 2, 4, 2, 16, 44, 6  # lengths 44..49: one bucket (64), 48 specialises apart
-    buf_k, buf_v = randn(batch, 64, hk, d, gen=gen), randn(batch, 64, hk, d, gen=gen)
+    dtype = torch.float16 if form == "dense_new_tensor" else torch.float32
+    buf_k, buf_v = randn(batch, 64, hk, d, gen=gen, dtype=dtype), randn(batch, 64, hk, d, gen=gen, dtype=dtype)
     for length in range(start, start + steps):
-        q = randn(batch, h, d, gen=gen)
+        q = randn(batch, h, d, gen=gen, dtype=dtype)
         if form == "view":
             k, v = buf_k[:, :length], buf_v[:, :length]
             lens = torch.tensor([length, length - 7], dtype=torch.int32, device=DEVICE)
             got = flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=length)
-        elif form == "new_tensor":
-            k, v = (x[:, :length].transpose(1, 2).contiguous().transpose(1, 2) for x in (buf_k, buf_v))
+        elif form in ("new_tensor", "dense_new_tensor"):  # dense: rows a TMA descriptor reads (on sm_90)
+            k, v = (x[:, :length].contiguous() if form == "dense_new_tensor"
+                    else x[:, :length].transpose(1, 2).contiguous().transpose(1, 2) for x in (buf_k, buf_v))
             lens = torch.full((batch,), length, dtype=torch.int32, device=DEVICE)
             got = flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=length)
         else:  # append this step's token at position length - 1 and attend to [0, length)
