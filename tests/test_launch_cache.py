@@ -202,3 +202,98 @@ def test_eager_pool_views_follow_the_buffers_as_they_grow():
     again = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
     assert again is not small and again[0].data_ptr() == pool.o.data_ptr()  # views of the grown buffers
     assert again[2].data_ptr() == pool.tickets.data_ptr() and torch.all(pool.tickets == 0)
+
+
+def _counted_resolver(monkeypatch) -> list:
+    """The capacities heuristics.resolve_decode_config is asked for, one entry per resolution."""
+    from flashdecode import heuristics
+
+    asked, real = [], heuristics.resolve_decode_config
+
+    def counted(problem, dev):
+        asked.append(problem.capacity)
+        return real(problem, dev)
+
+    monkeypatch.setattr(heuristics, "resolve_decode_config", counted)
+    return asked
+
+
+def _check_decode(got, q, k, v, lens, atol=2e-3):
+    """got vs the float64 reference of q against k/v's keys [0, min(lens, k's length))."""
+    seen = lens.clamp(max=k.shape[1])
+    ref, _ = reference.decode_ref(q.double(), k.double(), v.double(), seen)
+    torch.testing.assert_close(got.double(), ref, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("form", ["view", "new_tensor", "dense_new_tensor", "kvcache_int"])
+def test_a_growing_cache_resolves_and_records_once(gen, device_resident, monkeypatch, form):
+    """A generation's decode steps (the cache one token longer each step): a view k[:, :L] of one buffer,
+    transformers' DynamicCache (a new (b, hk, L, d) tensor each step, read transposed), a new dense (b, L, hk, d)
+    tensor each step, or flash_attn_with_kvcache
+    with a growing int cache_seqlens - one resolution and one remembered call for every step of a capacity bucket,
+    every step equal to the reference (the launch keys checked against Triton's specialisation: autouse fixture)."""
+    from flashdecode import flash_attn_interface as fai
+
+    asked = _counted_resolver(monkeypatch)
+    batch, h, hk, d, start, steps = 2, 4, 2, 16, 44, 6  # lengths 44..49: one bucket (64), 48 specialises apart
+    dtype = torch.float16 if form == "dense_new_tensor" else torch.float32
+    buf_k, buf_v = randn(batch, 64, hk, d, gen=gen, dtype=dtype), randn(batch, 64, hk, d, gen=gen, dtype=dtype)
+    for length in range(start, start + steps):
+        q = randn(batch, h, d, gen=gen, dtype=dtype)
+        if form == "view":
+            k, v = buf_k[:, :length], buf_v[:, :length]
+            lens = torch.tensor([length, length - 7], dtype=torch.int32, device=DEVICE)
+            got = flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=length)
+        elif form in ("new_tensor", "dense_new_tensor"):  # dense: rows a TMA descriptor reads (on sm_90)
+            k, v = (x[:, :length].contiguous() if form == "dense_new_tensor"
+                    else x[:, :length].transpose(1, 2).contiguous().transpose(1, 2) for x in (buf_k, buf_v))
+            lens = torch.full((batch,), length, dtype=torch.int32, device=DEVICE)
+            got = flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=length)
+        else:  # append this step's token at position length - 1 and attend to [0, length)
+            k, v = buf_k, buf_v
+            lens = torch.full((batch,), length, dtype=torch.int32, device=DEVICE)
+            new_k, new_v = randn(batch, 1, hk, d, gen=gen), randn(batch, 1, hk, d, gen=gen)
+            got = fai.flash_attn_with_kvcache(q.unsqueeze(1), buf_k, buf_v, k=new_k, v=new_v,
+                                              cache_seqlens=length - 1)[:, 0]
+            torch.testing.assert_close(buf_k[:, length - 1], new_k[:, 0], atol=0, rtol=0)
+        _check_decode(got, q, k, v, lens)
+    assert len(asked) == 1 and len(decode_host._CALLS) <= 2  # (append_kv keeps its launch beside)
+
+
+def test_a_growing_cache_record_never_serves_a_stale_decision(gen, device_resident, monkeypatch):
+    """Calls that share a growing cache's key except for one fact: a length beyond the record's bucket, the TMA row
+    view (a dense cache after views of a longer buffer), dtype, token stride, kv heads, out=, each re-resolves or
+    misses and matches the reference; lengths past a view's end read only the view (clamped to its length)."""
+    asked = _counted_resolver(monkeypatch)
+    batch, h, d = 2, 4, 16
+    buf = {hk: (randn(batch, 96, hk, d, gen=gen), randn(batch, 96, hk, d, gen=gen)) for hk in (1, 2)}
+
+    def call(length, hk=2, dtype=torch.float32, stride_heads=False, lens=None, out=None):
+        k, v = (x[:, :length].to(dtype) for x in buf[hk])
+        if stride_heads:  # the same shape, another token stride
+            k, v = (torch.cat([x, x], 2)[:, :, ::2] for x in (k, v))
+        q = randn(batch, h, d, gen=gen, dtype=dtype)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=DEVICE) if lens is None else lens
+        got = flashdecode.flash_decode(q, k, v, lens, max_seqlen_k=length, out=out)
+        _check_decode(got, q, k, v, lens)
+        return len(asked)
+
+    assert call(40) == 1
+    assert call(41) == 1
+    # lengths beyond the view (and within the bucket): the kernels clamp them to the view's 42 keys
+    assert call(42, lens=torch.tensor([60, 42], dtype=torch.int32, device=DEVICE)) == 1
+    assert call(70) == 2  # beyond the bucket of 64: resolved for 80
+    dense = [x[:, :50].contiguous() for x in buf[2]]  # the view's key but for the TMA row view's fact
+    before = len(asked)
+    q = randn(batch, h, d, gen=gen)
+    lens = torch.full((batch,), 50, dtype=torch.int32, device=DEVICE)
+    _check_decode(flashdecode.flash_decode(q, *dense, lens, max_seqlen_k=50), q, *dense, lens)
+    assert len(asked) == before + 1
+    assert call(51) == before + 1  # the view again: its own record, kept beside the dense cache's
+    assert call(52, dtype=torch.float16) == before + 2
+    assert call(53, stride_heads=True) == before + 3
+    assert call(54, hk=1) == before + 4
+    out = torch.empty(batch, h, 2 * d, device=DEVICE)[..., ::2]
+    assert call(55, out=out) == before + 5
+    with pytest.raises(ValueError, match="out"):
+        call(56, out=torch.empty(batch, h, d + 1, device=DEVICE))

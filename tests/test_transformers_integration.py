@@ -264,6 +264,27 @@ def test_metadata_is_built_once_per_step_not_per_layer(gen, name, padding, monke
         assert torch.equal(tokens, _model(config, "sdpa").generate(**kw))
 
 
+def test_metadata_of_a_growing_dynamic_cache_is_resolved_once(gen, name, device_resident, monkeypatch):
+    """Eager generate (DynamicCache, a longer cache tensor every step), lengths on the device as on the GPU: every
+    decode call of every step and layer shares one resolved config and one remembered call (the cache's lengths
+    stay in one capacity bucket, ops/decode_host.py). The tokens are SDPA's."""
+    from flashdecode import heuristics
+    from flashdecode.ops import decode_host
+
+    config = _config("llama", num_hidden_layers=3)
+    ids, mask = _padded_batch(gen, [8, 8], 8, True, config.vocab_size)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    decodes = _count_calls(monkeypatch, fd_transformers, "flash_decode")
+    resolved = _count_calls(monkeypatch, heuristics, "resolve_decode_config")
+    decode_host.clear()
+    with torch.no_grad():
+        tokens = _model(config, name).generate(**kw)
+    assert len(decodes) == config.num_hidden_layers * 5 and len(resolved) == 1
+    assert len(decode_host._CALLS) == 1
+    with torch.no_grad():
+        assert torch.equal(tokens, _model(config, "sdpa").generate(**kw))
+
+
 def test_step_tables_stand_for_their_masks():
     """padding_mask's decode step tables against the masks they come from: lengths for prefix rows (None when all
     valid), positions otherwise, and each converts back to its mask (the prefill path's reading)."""

@@ -198,7 +198,8 @@ def _decode(q, key, value, mask, scale, window, softcap, sinks):
     kw = dict(softmax_scale=scale, softcap=softcap, window_size=window)
     if table is None:
         # every layer of a step passes the same lengths, and flash_decode keeps its checks and config per metadata
-        # (ops/decode_host.py): the step's first layer builds both, the others only launch
+        # (ops/decode_host.py), with a DynamicCache's growing length in its capacity bucket: the generation's first
+        # step of a bucket builds both, every other call only launches
         k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)  # (b, s, hk, d) views
         if k_cache.stride() != v_cache.stride():
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()

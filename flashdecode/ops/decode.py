@@ -5,7 +5,8 @@ Two ways to call decode attention:
     cache capacity and lets the device give each sequence the splits its live length needs (lengths on the host
     choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
     call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
-    kernels directly (ops/launch_cache.py).
+    kernels directly (ops/launch_cache.py); a contiguous cache that grows between calls (a generation's steps) is
+    sized for its capacity bucket (decode_host.capacity_bucket), so its steps share one record per bucket.
   - ``DecodePlan(...).run(...)`` (or ``flash_decode(..., plan=plan)``): CUDA-graph capturable. The plan fixes the
     split count from a host-side length hint and owns every buffer; lengths and block tables are read on the
     device, no host sync, no allocation. Capture once, change the contents of cache_seqlens / block_table, replay.
@@ -16,6 +17,7 @@ heuristics.resolve_decode_config; ``config=`` overrides it (docs/architecture.md
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -69,11 +71,14 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
              batch_invariant: bool = False):
     """(config, launch geometry) of a flash_decode call: the override checked against the call, or resolved."""
     num_splits = _check_num_splits(num_splits)
-    if batch_invariant or getattr(config, "path", None) is DecodePath.FIXED_SPLIT:
+    fixed_split = batch_invariant or getattr(config, "path", None) is DecodePath.FIXED_SPLIT
+    if fixed_split:
         live, total = shape.capacity, None  # no length is read: the config does not depend on them
     else:
         live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
     problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant)
+    if not fixed_split and total is None and not shape.paged:
+        problem = _sized_for_bucket(problem)
     dev = decode_device(shape.device)
     if config is None:
         config = heuristics.resolve_decode_config(problem, dev)
@@ -82,6 +87,16 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
         if num_splits is not None and num_splits != config.num_splits:
             raise ValueError(f"num_splits ({num_splits}) disagrees with config.num_splits ({config.num_splits})")
     return config, plan_launch(config, problem)
+
+
+def _sized_for_bucket(problem):
+    """A contiguous cache's problem sized for the bucket of its capacity and length bound
+    (decode_host.capacity_bucket), so that every call of a growing cache within one bucket resolves the same config
+    and shares one record (ops/decode_host.py). Safe for every capacity in the bucket: the kernels take the real
+    capacity at launch (they clamp the lengths to it and bound every read by it); a contiguous cache preloads no
+    page ids and bounds no split by the capacity, so the geometry only sizes the split count and tiles."""
+    return dataclasses.replace(problem, capacity=decode_host.capacity_bucket(problem.capacity),
+                               live_keys=decode_host.capacity_bucket(problem.live_keys))
 
 
 def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None, window_size=(-1, -1),
@@ -223,19 +238,23 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
     (device lengths, validate=False, no 8-bit scales) skips the checks and the resolution (ops/decode_host.py)."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
     in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
-    key = None
+    key = growing = None
     if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
-        key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
-                                                    alibi_slopes), (softmax_scale, num_splits, softcap,
-                                                                    window_size, max_seqlen_k, config, batch_invariant,
-                                                                    in_capture))
-    found = decode_host.recall(key, q, alibi_slopes)
+        options = (softmax_scale, num_splits, softcap, window_size, config, batch_invariant, in_capture)
+        growing = _growing_cache(k_cache, v_cache, block_table, config, batch_invariant)
+        if growing is None:
+            key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
+                                                        alibi_slopes), options + (max_seqlen_k,))
+        else:  # one record per capacity bucket: a growing cache's calls share it (ops/decode_host.py)
+            key = decode_host.call_key(("flash_decode", growing.key), (q, cache_seqlens, out, alibi_slopes),
+                                       options + (_length_bound_key(max_seqlen_k),))
+    found = decode_host.recall(key, q, alibi_slopes, growing)
     if found is None:
         shape, config, launch = _checked_call(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
                                               num_splits, softcap, window_size, out, max_seqlen_k, config, validate,
                                               batch_invariant, alibi_slopes, k_scale, v_scale, in_capture)
-        decode_host.remember(key, shape, config, launch)
+        decode_host.remember(key, shape, config, launch, growing)
     else:
         shape, config, launch = found
 
@@ -243,6 +262,22 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
         return _launch_decode(shape, config, launch, q, k_cache, v_cache, cache_seqlens, block_table, out,
                               in_capture, found is None, return_lse)
     return run
+
+
+def _growing_cache(k_cache, v_cache, block_table, config, batch_invariant):
+    """decode_host.growing_cache of a contiguous cache whose config _resolve sizes for its capacity bucket (no
+    config= override, not batch-invariant: those are keyed by their exact shapes); None otherwise."""
+    if block_table is not None or config is not None or batch_invariant:
+        return None
+    return decode_host.growing_cache(k_cache, v_cache)
+
+
+def _length_bound_key(max_seqlen_k):
+    """max_seqlen_k in a growing cache's call key: its bucket (what _resolve sizes the call for) where it is an
+    int, else itself (with its type: the full path's check then raises)."""
+    if type(max_seqlen_k) is int and max_seqlen_k >= 0:
+        return ("bucket", decode_host.capacity_bucket(max_seqlen_k))
+    return max_seqlen_k
 
 
 def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaunch, q, k_cache, v_cache,

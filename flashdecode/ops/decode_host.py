@@ -8,15 +8,28 @@ host-resident lengths (checked against the capacity, and they choose the splits)
 scales - take the full path every time. Each remembered call gets a launch id (shape.launch_key), which the
 decode launches key the launch cache with: the call key fixes the layout of every tensor they are handed (a
 caller's out=; the pools' and plans' buffers are views at offset 0 of shapes the launch geometry fixes).
+
+A contiguous cache that grows between calls (a generation: transformers' DynamicCache makes a longer tensor each
+step, a flash-attn loop passes k_cache[:, :L] or a growing max_seqlen_k) keeps one record per capacity bucket
+(``capacity_bucket``): its key (``growing_cache``) holds the cache's batch, heads, head dim, token and head-dim
+strides, dtypes, device and alignment and the bucket of its length, not the length nor the batch and head strides
+that follow it; the config is resolved for the bucket (ops/decode.py sizes every contiguous call's problem so,
+cached or not). Each call then reads what its extent decides (``GrowingCache``): the facts the config depends on
+(int32 offsets, the TMA row view; in the call key), the capacity the kernels clamp the lengths to and bound their
+reads by (bound to the recalled shape), and Triton's specialisation of the capacity and the two strides (in the
+launch key).
 """
 
 from __future__ import annotations
 
 import itertools
 
+from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.launch_cache import tensor_key
+from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear"]
+__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear", "capacity_bucket", "growing_cache",
+           "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -41,6 +54,61 @@ def call_key(tag, tensors: tuple, options: tuple):
     return key
 
 
+def capacity_bucket(n: int) -> int:
+    """The capacity (or host length bound) a contiguous cache's call is sized for: ``n`` rounded up to one of 8
+    steps per power of two, at least 64 (at most 1/8 more keys than ``n`` above 64), so a generation's calls share a
+    resolved config and a record until the cache outgrows the bucket. A power of two is its own bucket."""
+    if n <= 64:
+        return 64
+    step = (1 << (n - 1).bit_length()) // 8
+    return -(-n // step) * step
+
+
+def _int_class(n: int) -> tuple:
+    """Triton's specialisation of an int argument: equal to 1, divisible by 16, beyond int32."""
+    return n == 1, n % 16 == 0, not -2**31 <= n < 2**31
+
+
+class GrowingCache:
+    """A contiguous (batch_cache, seqlen, nheads_kv, headdim) K/V pair whose seqlen may grow, as the host path keys
+    it (module doc): ``key``, what the call key holds of it - everything but seqlen (in its bucket) and the batch and
+    head strides, plus what they decide for the config (element offsets within int32, the TMA row view);
+    ``capacity`` (seqlen); ``spec``, Triton's specialisation of the capacity and the batch and head strides (in the
+    launch key)."""
+
+    __slots__ = ("key", "capacity", "spec")
+
+    def __init__(self, key, capacity: int, spec: tuple):
+        self.key, self.capacity, self.spec = key, capacity, spec
+
+
+_GROWING: dict = {}  # the exact layout of a K/V pair -> its GrowingCache (the layers of a step share one)
+
+
+def growing_cache(k_cache, v_cache) -> GrowingCache | None:
+    """The GrowingCache of a K/V pair; None where it cannot be keyed so (not 4-D tensors of one shape and strides:
+    the full path then names the argument). Kept per exact layout, so a step's layers (same shapes, other tensors)
+    derive it once."""
+    try:
+        shape, stride = k_cache.shape, k_cache.stride()
+        if len(shape) != 4 or v_cache.shape != shape or v_cache.stride() != stride:
+            return None
+        layout = (shape, stride, k_cache.dtype, v_cache.dtype, k_cache.device, v_cache.device,
+                  k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    found = _GROWING.get(layout)
+    if found is None:
+        if len(_GROWING) >= 256:
+            _GROWING.clear()
+        capacity = shape[1]
+        key = (shape[0], shape[2], shape[3], stride[1], stride[3], capacity_bucket(capacity)) + layout[2:] + (
+            _offsets_fit_int32(k_cache), cache_rows_tma_ok(k_cache))
+        found = _GROWING[layout] = GrowingCache(
+            key, capacity, (_int_class(capacity), _int_class(stride[0]), _int_class(stride[2])))
+    return found
+
+
 def keep(key, value) -> None:
     """Keep another op's per-key host state (append_kv's launch) beside the decode calls' (cleared with them)."""
     if key is not None:
@@ -61,25 +129,31 @@ class _Entry:
         self.shape, self.config, self.launch = shape, config, launch
 
 
-def remember(key, shape, config, launch) -> None:
-    """Keep a checked call's shape facts (without its tensors), config and launch geometry under ``key``."""
+def remember(key, shape, config, launch, growing: GrowingCache | None = None) -> None:
+    """Keep a checked call's shape facts (without its tensors), config and launch geometry under ``key``
+    (``growing``: a growing cache's, whose specialisation joins the launch key)."""
     if key is None:
         return
-    shape.launch_key = next(_LAUNCH_IDS)
+    launch_id = next(_LAUNCH_IDS)
     kept = _copy(shape)
     kept.q4 = kept.alibi_slopes = None
+    kept.launch_key = launch_id
+    shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
     if len(_CALLS) >= _MAX_CALLS:
         _CALLS.clear()
     _CALLS[key] = _Entry(kept, config, launch)
 
 
-def recall(key, q, alibi_slopes):
+def recall(key, q, alibi_slopes, growing: GrowingCache | None = None):
     """(shape, config, launch) of a call whose key was remembered, the shape bound to this call's q and ALiBi
-    slopes; None where it was not."""
+    slopes (and a growing cache's capacity and launch key); None where it was not."""
     entry = None if key is None else _CALLS.get(key)
     if entry is None:
         return None
     shape = _copy(entry.shape)
+    if growing is not None:
+        shape.capacity = growing.capacity
+        shape.launch_key = (shape.launch_key, growing.spec)
     shape.q4 = q.unsqueeze(1) if q.dim() == 3 else q
     shape.alibi_slopes = alibi_slopes
     return shape, entry.config, entry.launch
@@ -94,3 +168,4 @@ def _copy(shape):
 
 def clear() -> None:
     _CALLS.clear()
+    _GROWING.clear()
