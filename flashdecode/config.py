@@ -286,19 +286,19 @@ def _check_bools(config, name: str, fields: tuple) -> None:
 class GluonFwdConfig:
     """One launch of attn_fwd_ws_kernel: a tile is num_consumers * 64 query rows; key blocks of block_n rows flow
     through a ring of num_stages shared-memory slots; overlap = FA3's intra-warpgroup QK^T / softmax / PV overlap;
-    persistent = one CTA per SM looping over tiles
-    (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent CTA loads its next tile's Q rows while the
-    consumers still read the current tile's; kernels/gluon/attn_fwd.py _producer); consumer_regs / producer_regs =
-    per-thread register budgets of the worker partitions (setmaxnreg; the default partition, consumer 0, gets what
-    is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 * producer_regs must fit, so 3 consumers
-    take consumer_regs <= 160, FA3's hd64 budget); tile_order = how CTAs with two Q buffer sets
-    take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "pairs" (a CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query
-    blocks: with causal tiles every unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA
-    walks a list made on the host by handing the tiles, in the order the grid would run them, to whichever CTA
-    is free first by a cost model - what the hardware's block dispatch does for one CTA per tile, with the
-    next tile's loads under the current tile's end; lpt_schedule); split_release = the consumers release a
-    slot's K as soon as their scores are in registers and its V after PV (FA3's two pipelines), so the producer
-    can load the next K into it during the softmax and PV (else one release after PV frees both)."""
+    persistent = one CTA per SM looping over tiles (else one CTA per tile); q_buffers = Q buffer sets (2: a persistent
+    CTA loads its next tile's Q rows while the consumers still read the current tile's; kernels/gluon/attn_fwd.py
+    _producer); consumer_regs / producer_regs = per-thread register budgets of the worker partitions (setmaxnreg; the
+    default partition, consumer 0, gets what is left of the SM's 65536: num_consumers * 128 * consumer_regs + 128 *
+    producer_regs must fit, so 3 consumers take consumer_regs <= 160, FA3's hd64 budget); tile_order = how CTAs with two
+    Q buffer sets take their tiles (TILE_ORDERS): "round_robin" (program_id, program_id + num_programs, ...), "pairs" (a
+    CTA per unit of two tiles of one head, its k-th heaviest and k-th lightest query blocks: with causal tiles every
+    unit carries about the same work; _pair_tiles) or "lpt" (persistent: each CTA walks a list made on the host by
+    handing the tiles, in the order the grid would run them, to whichever CTA is free first by a cost model - what the
+    hardware's block dispatch does for one CTA per tile, with the next tile's loads under the current tile's end;
+    lpt_schedule); split_release = the consumers release a slot's K as soon as their scores are in registers and its V
+    after PV (FA3's two pipelines), so the producer can load the next K into it during the softmax and PV (else one
+    release after PV frees both)."""
 
     num_consumers: int = 2
     block_n: int = 128
