@@ -57,11 +57,13 @@ from typing import Optional, Union
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks
+from flashdecode.ops import checks, direct_launch
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
 from flashdecode.ops.paged_prefill import prepare_paged_prefill
 from flashdecode.ops.checks import check_alibi_slopes
+from flashdecode.ops.decode_workspace import stream_workspace
+from flashdecode.ops.util import capturing
 
 __all__ = [
     "flash_attn_func",
@@ -266,7 +268,37 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
     if isinstance(cache_seqlens, torch.Tensor):
         return _check_index_tensor("cache_seqlens", cache_seqlens, batch, device), None
     value = checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
-    return torch.full((batch,), value, dtype=torch.int32, device=device), value
+    return _filled_lengths(batch, value, device), value
+
+
+def _eager_lengths(device, batch: int, slot: str):
+    """An int32 (batch,) buffer of the eager workspace pool of ``device``'s current stream, written in place by
+    this call (decode_workspace.lengths_view), or None while a CUDA graph is being captured (the call then
+    allocates from the graph's pool, whose buffers its replays own)."""
+    if capturing(device):
+        return None
+    stream = direct_launch.current_stream(device.index) if device.type == "cuda" else None
+    return stream_workspace(device, stream).lengths_view(slot, batch)
+
+
+def _filled_lengths(batch: int, value: int, device):
+    """int32 (batch,) lengths all ``value`` on ``device`` (an int cache_seqlens, or a full cache's capacity)
+    without an allocation per eager call."""
+    buffer = _eager_lengths(device, batch, "cache_seqlens")
+    if buffer is None:
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    return buffer.fill_(value)
+
+
+def _seen_lengths(lengths, seqlen_new: int):
+    """The keys the attention sees, lengths + seqlen_new (int32 (batch,)): ``lengths`` itself when nothing is
+    appended, else written into the stream's pooled buffer (append_kv leaves ``lengths`` as it is)."""
+    if seqlen_new == 0:
+        return lengths
+    buffer = _eager_lengths(lengths.device, lengths.shape[0], "seen")
+    if buffer is None:
+        return lengths + seqlen_new
+    return torch.add(lengths, seqlen_new, out=buffer)
 
 
 def _mask_plan(seqlen_q: int, causal: bool, window_size):
@@ -469,7 +501,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"cache_seqlens ({longest}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
                          f"of {capacity} keys")
     if lengths is None:
-        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        lengths = _filled_lengths(batch, capacity, q.device)
         host_bound = capacity
 
     # a contiguous cache whose rows are picked by cache_batch_idx is a paged cache of one page per row
@@ -486,7 +518,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           rotary_interleaved)
     if k is not None:
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    seen = lengths + seqlen_new  # keys the attention sees (append_kv leaves ``lengths`` as it is)
+    seen = _seen_lengths(lengths, seqlen_new)  # keys the attention sees
     kv_k, kv_v = k_cache, v_cache
     if cache_leftpad is not None:
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=q.device)
