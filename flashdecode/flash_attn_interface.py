@@ -539,13 +539,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     key = _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        cache_leftpad, block_table, alibi_slopes, (softmax_scale, causal, window_size, softcap,
                                                                   rotary_interleaved, num_splits, return_softmax_lse))
-    checked = decode_host.kept(key)
+    checked = decode_host.kept_checks(key)
     if checked is None:
         checked = _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                         window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                                         return_softmax_lse)
-        decode_host.keep(key, checked)
+        decode_host.keep_checks(key, checked)
     num_splits, mask, prefill, capacity, rotary_dim = checked
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
