@@ -109,12 +109,17 @@ def growing_cache(k_cache, v_cache) -> GrowingCache | None:
     return found
 
 
+def _store(store: dict, key, value) -> None:
+    """store[key] = value (key None: nothing), the store cleared first when full."""
+    if key is not None:
+        if len(store) >= _MAX_CALLS:
+            store.clear()
+        store[key] = value
+
+
 def keep(key, value) -> None:
     """Keep another op's per-key host state (append_kv's launch) beside the decode calls' (cleared with them)."""
-    if key is not None:
-        if len(_CALLS) >= _MAX_CALLS:
-            _CALLS.clear()
-        _CALLS[key] = value
+    _store(_CALLS, key, value)
 
 
 def kept(key):
@@ -129,10 +134,7 @@ def keep_checks(key, value) -> None:
     """Keep what a wrapper's checks decided under ``key``, in a store of their own: a cache that grows between
     calls gives the wrapper a key per length (its checks read the capacity), which must not crowd the decode
     records out of theirs (those share one per capacity bucket)."""
-    if key is not None:
-        if len(_CHECKS) >= _MAX_CALLS:
-            _CHECKS.clear()
-        _CHECKS[key] = value
+    _store(_CHECKS, key, value)
 
 
 def kept_checks(key):
