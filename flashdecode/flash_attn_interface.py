@@ -57,11 +57,13 @@ from typing import Optional, Union
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks
+from flashdecode.ops import checks, decode_host, direct_launch
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
 from flashdecode.ops.paged_prefill import prepare_paged_prefill
 from flashdecode.ops.checks import check_alibi_slopes
+from flashdecode.ops.decode_workspace import stream_workspace
+from flashdecode.ops.util import capturing
 
 __all__ = [
     "flash_attn_func",
@@ -257,16 +259,68 @@ def _check_cache_and_new(q, k_cache, v_cache, k, v):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
 
 
-def _resolve_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
-    """(int32 (batch,) tensor or None, host bound on the lengths or None). An int becomes a tensor."""
+def _check_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
+    """(the int32 (batch,) tensor or None, the int's value or None): the checks of cache_seqlens; an int stays an
+    int (the caller fills its tensor per call, after every check)."""
     if cache_seqlens is None:
         if new_tokens:
             raise ValueError("cache_seqlens is required when k and v are given (it says where they are appended)")
         return None, None
     if isinstance(cache_seqlens, torch.Tensor):
         return _check_index_tensor("cache_seqlens", cache_seqlens, batch, device), None
-    value = checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
-    return torch.full((batch,), value, dtype=torch.int32, device=device), value
+    return None, checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
+
+
+def _read_on_host(x) -> bool:
+    """Whether the checks read the values of index tensor ``x`` (lengths, cache_batch_idx, cache_leftpad): they do
+    where it lives on the host (_check_index_tensor, the capacity check), so such a call is checked every time."""
+    return isinstance(x, torch.Tensor) and (x.device.type == "cpu" or checks.host_resident(x))
+
+
+def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, alibi_slopes, options: tuple):
+    """The key under which a flash_attn_with_kvcache call's checks are kept (decode_host.call_key: every tensor's
+    shape, strides, dtype, device and alignment, every option with its type, an int cache_seqlens by type), or
+    None where the checks read values (host-resident index tensors) or an argument cannot be keyed."""
+    if any(_read_on_host(x) for x in (cache_seqlens, cache_batch_idx, cache_leftpad)):
+        return None
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+               alibi_slopes)
+    if isinstance(cache_seqlens, torch.Tensor):
+        tensors += (cache_seqlens,)
+    else:  # None, or an int whose value the caller checks per call (a generation's steps share the key)
+        options += (cache_seqlens is None, cache_seqlens.__class__)
+    return decode_host.call_key("flash_attn_with_kvcache", tensors, options)
+
+
+def _eager_lengths(device, batch: int, slot: str):
+    """An int32 (batch,) buffer of the eager workspace pool of ``device``'s current stream, written in place by
+    this call (decode_workspace.lengths_view), or None while a CUDA graph is being captured (the call then
+    allocates from the graph's pool, whose buffers its replays own)."""
+    if capturing(device):
+        return None
+    stream = direct_launch.current_stream(device.index) if device.type == "cuda" else None
+    return stream_workspace(device, stream).lengths_view(slot, batch)
+
+
+def _filled_lengths(batch: int, value: int, device):
+    """int32 (batch,) lengths all ``value`` on ``device`` (an int cache_seqlens, or a full cache's capacity)
+    without an allocation per eager call."""
+    buffer = _eager_lengths(device, batch, "cache_seqlens")
+    if buffer is None:
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    return buffer.fill_(value)
+
+
+def _seen_lengths(lengths, seqlen_new: int):
+    """The keys the attention sees, lengths + seqlen_new (int32 (batch,)): ``lengths`` itself when nothing is
+    appended, else written into the stream's pooled buffer (append_kv leaves ``lengths`` as it is)."""
+    if seqlen_new == 0:
+        return lengths
+    buffer = _eager_lengths(lengths.device, lengths.shape[0], "seen")
+    if buffer is None:
+        return lengths + seqlen_new
+    return torch.add(lengths, seqlen_new, out=buffer)
 
 
 def _mask_plan(seqlen_q: int, causal: bool, window_size):
@@ -396,6 +450,61 @@ def _one_token_pages(k_cache, v_cache, rows, leftpad, lengths):
     return pages[0], pages[1], ids.to(torch.int32), (lengths - leftpad).clamp_(min=0)
 
 
+def _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse) -> tuple:
+    """Every check flash_attn_with_kvcache makes before it writes anything (flash_attn_with_kvcache's arguments);
+    returns what they decide: (num_splits int, _mask_plan's answer, whether the paged prefill runs, the cache's
+    capacity in keys, rotary_dim (0 = no rotary)); an int cache_seqlens' value is checked per call."""
+    _check_unsupported(0.0, alibi_slopes, flash_decode)
+    checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
+    batch, seqlen_q, nheads, headdim = q.shape
+    checks.check_kernel_device("q", q)
+    if not (seqlen_q >= 1 and 1 <= headdim <= checks.MAX_HEAD_DIM):
+        raise ValueError(f"q must hold >= 1 token and a head dim in 1..{checks.MAX_HEAD_DIM}, got shape "
+                         f"{tuple(q.shape)}")
+    checks.check_softmax_scale(softmax_scale)
+    checks.check_softcap(softcap)
+    checks.check_bool("rotary_interleaved", rotary_interleaved)
+    checks.check_bool("return_softmax_lse", return_softmax_lse)
+    # flash_decode's bound on every route (the paged prefill ignores the count but not a count no call can take)
+    num_splits = checks.check_int("num_splits", num_splits, minimum=0, maximum=checks.MAX_NUM_SPLITS)
+    _check_cache_and_new(q, k_cache, v_cache, k, v)
+    mask = _mask_plan(seqlen_q, causal, window_size)
+    check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
+    decode_can_mask = mask is not None and not (mask[0] and alibi_slopes is not None)
+    prefill = block_table is not None and heuristics.kvcache_uses_prefill(seqlen_q, decode_can_mask)
+    if not prefill:
+        _check_decode_masks(mask, seqlen_q, window_size, alibi_slopes)
+    if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
+    lengths, host_bound = _check_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
+    cache_batch_idx = _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, q.device, k_cache.shape[0])
+    # leftpad == seqlen_cache is a wholly padded row: it sees no cached key (flash-attn accepts it too)
+    cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1] + 1)
+    if cache_leftpad is not None:
+        _check_one_token_pages(k_cache, v_cache)
+    if block_table is not None:
+        checks.check_tensor("block_table", block_table, (2,))
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
+    seqlen_new = 0 if k is None else k.shape[1]
+    longest = host_bound
+    if longest is None and lengths is not None and checks.host_resident(lengths) and lengths.numel():
+        longest = int(lengths.max())  # host-resident lengths: read without a sync, named as the caller named them
+    _check_fits(longest, seqlen_new, capacity)
+    return num_splits, mask, prefill, capacity, rotary_dim
+
+
+def _check_fits(longest: Optional[int], seqlen_new: int, capacity: int) -> None:
+    """The host-known longest length (None: unknown) plus the appended tokens must fit the cache."""
+    if longest is not None and longest + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens ({longest}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
+                         f"of {capacity} keys")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
                             cache_batch_idx: Optional[torch.Tensor] = None,
@@ -427,49 +536,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns:
         out (batch, seqlen_q, nheads, headdim) [, softmax_lse].
     """
-    _check_unsupported(0.0, alibi_slopes, flash_decode)
-    checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
+    key = _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, block_table, alibi_slopes, (softmax_scale, causal, window_size, softcap,
+                                                                  rotary_interleaved, num_splits, return_softmax_lse))
+    checked = decode_host.kept_checks(key)
+    if checked is None:
+        checked = _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                        return_softmax_lse)
+        decode_host.keep_checks(key, checked)
+    num_splits, mask, prefill, capacity, rotary_dim = checked
     batch, seqlen_q, nheads, headdim = q.shape
-    checks.check_kernel_device("q", q)
-    if not (seqlen_q >= 1 and 1 <= headdim <= checks.MAX_HEAD_DIM):
-        raise ValueError(f"q must hold >= 1 token and a head dim in 1..{checks.MAX_HEAD_DIM}, got shape "
-                         f"{tuple(q.shape)}")
-    checks.check_softmax_scale(softmax_scale)
-    checks.check_softcap(softcap)
-    checks.check_bool("rotary_interleaved", rotary_interleaved)
-    checks.check_bool("return_softmax_lse", return_softmax_lse)
-    # flash_decode's bound on every route (the paged prefill ignores the count but not a count no call can take)
-    num_splits = checks.check_int("num_splits", num_splits, minimum=0, maximum=checks.MAX_NUM_SPLITS)
-    _check_cache_and_new(q, k_cache, v_cache, k, v)
-    mask = _mask_plan(seqlen_q, causal, window_size)
-    check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
-    decode_can_mask = mask is not None and not (mask[0] and alibi_slopes is not None)
-    prefill = block_table is not None and heuristics.kvcache_uses_prefill(seqlen_q, decode_can_mask)
-    if not prefill:
-        _check_decode_masks(mask, seqlen_q, window_size, alibi_slopes)
-    if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
-        raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
-    lengths, host_bound = _resolve_cache_seqlens(cache_seqlens, batch, q.device, k is not None)
-    cache_batch_idx = _check_index_tensor("cache_batch_idx", cache_batch_idx, batch, q.device, k_cache.shape[0])
-    # leftpad == seqlen_cache is a wholly padded row: it sees no cached key (flash-attn accepts it too)
-    cache_leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, batch, q.device, k_cache.shape[1] + 1)
-    if cache_leftpad is not None:
-        _check_one_token_pages(k_cache, v_cache)
-    if block_table is not None:
-        checks.check_tensor("block_table", block_table, (2,))
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
-    rotary_dim = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     seqlen_new = 0 if k is None else k.shape[1]
-    longest = host_bound
-    if longest is None and lengths is not None and checks.host_resident(lengths) and lengths.numel():
-        longest = int(lengths.max())  # host-resident lengths: read without a sync, named as the caller named them
-    if longest is not None and longest + seqlen_new > capacity:
-        raise ValueError(f"cache_seqlens ({longest}) + seqlen_new ({seqlen_new}) exceeds the cache's capacity "
-                         f"of {capacity} keys")
-    if lengths is None:
-        lengths = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    lengths, host_bound = cache_seqlens, None  # checked: an int32 (batch,) tensor, an int or None (a full cache)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):  # its value: not in the key
+        host_bound = checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
+        _check_fits(host_bound, seqlen_new, capacity)
+        lengths = _filled_lengths(batch, host_bound, q.device)
+    elif lengths is None:
+        lengths = _filled_lengths(batch, capacity, q.device)
         host_bound = capacity
 
     # a contiguous cache whose rows are picked by cache_batch_idx is a paged cache of one page per row
@@ -486,7 +572,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           rotary_interleaved)
     if k is not None:
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    seen = lengths + seqlen_new  # keys the attention sees (append_kv leaves ``lengths`` as it is)
+    seen = _seen_lengths(lengths, seqlen_new)  # keys the attention sees
     kv_k, kv_v = k_cache, v_cache
     if cache_leftpad is not None:
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=q.device)

@@ -353,6 +353,34 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+def test_kvcache_kept_checks_never_serve_a_stale_decision(gen, device_resident, monkeypatch):
+    """A repeated call skips the wrapper's checks (kept per key, as for CUDA metadata): the same call gives the same
+    answer, and a change of an int cache_seqlens, a dtype, a layout or an option is checked again."""
+    monkeypatch.setattr(fai, "_read_on_host", lambda x: False)  # CPU index tensors stand for CUDA ones
+    checked, full_path = [], fai._checked_kvcache_call
+    monkeypatch.setattr(fai, "_checked_kvcache_call", lambda *a: checked.append(1) or full_path(*a))
+    q, k_cache, v_cache, k_new = _kvcache_inputs(gen)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+
+    def call(q=q, k=k_new, **kwargs):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        kwargs.setdefault("cache_seqlens", lens)
+        return fai.flash_attn_with_kvcache(q, kc, vc, k, k.clone(), **kwargs), kc
+    (first, kc1), (again, kc2) = call(), call()
+    assert torch.equal(first, again) and torch.equal(kc1, kc2) and len(checked) == 1  # the second call: kept
+    assert torch.equal(call(cache_seqlens=3)[0], call(cache_seqlens=3)[0])
+    with pytest.raises(ValueError, match="capacity"):
+        call(cache_seqlens=8)
+    with pytest.raises(TypeError, match="k must have dtype"):
+        call(k=k_new.float())
+    with pytest.raises(ValueError, match="softcap"):
+        call(softcap=-1.0)
+    strided_q = randn(2, 2, 2, 16, gen=gen, dtype=DTYPE)[:, :1].copy_(q)  # same values, another batch stride
+    assert torch.allclose(call(q=strided_q)[0], first, atol=1e-3)
+    no_append = fai.flash_attn_with_kvcache(q, kc1, kc1.clone(), cache_seqlens=lens + 1)
+    assert torch.equal(no_append, fai.flash_attn_with_kvcache(q, kc1, kc1.clone(), cache_seqlens=lens + 1))
+
+
 def test_kvcache_host_index_values_are_checked(gen, monkeypatch):
     """Index tensors that live on the host are range-checked (device ones cannot be without a sync), before any
     kernel runs: everything on the CPU, with the interpreter's device rule also on a GPU machine."""

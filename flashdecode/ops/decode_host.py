@@ -28,8 +28,8 @@ from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.launch_cache import tensor_key
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "remember", "recall", "keep", "kept", "clear", "capacity_bucket", "growing_cache",
-           "GrowingCache"]
+__all__ = ["call_key", "remember", "recall", "keep", "kept", "keep_checks", "kept_checks", "clear", "capacity_bucket",
+           "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -109,17 +109,37 @@ def growing_cache(k_cache, v_cache) -> GrowingCache | None:
     return found
 
 
+def _store(store: dict, key, value) -> None:
+    """store[key] = value (key None: nothing), the store cleared first when full."""
+    if key is not None:
+        if len(store) >= _MAX_CALLS:
+            store.clear()
+        store[key] = value
+
+
 def keep(key, value) -> None:
     """Keep another op's per-key host state (append_kv's launch) beside the decode calls' (cleared with them)."""
-    if key is not None:
-        if len(_CALLS) >= _MAX_CALLS:
-            _CALLS.clear()
-        _CALLS[key] = value
+    _store(_CALLS, key, value)
 
 
 def kept(key):
     """What ``keep`` kept under ``key`` (None: nothing, or key None)."""
     return None if key is None else _CALLS.get(key)
+
+
+_CHECKS: dict = {}  # wrappers' kept checks (flash_attn_with_kvcache), apart from the decode records (below)
+
+
+def keep_checks(key, value) -> None:
+    """Keep what a wrapper's checks decided under ``key``, in a store of their own: a cache that grows between
+    calls gives the wrapper a key per length (its checks read the capacity), which must not crowd the decode
+    records out of theirs (those share one per capacity bucket)."""
+    _store(_CHECKS, key, value)
+
+
+def kept_checks(key):
+    """What ``keep_checks`` kept under ``key`` (None: nothing, or key None)."""
+    return None if key is None else _CHECKS.get(key)
 
 
 class _Entry:
@@ -168,4 +188,5 @@ def _copy(shape):
 
 def clear() -> None:
     _CALLS.clear()
+    _CHECKS.clear()
     _GROWING.clear()

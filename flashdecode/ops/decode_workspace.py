@@ -24,6 +24,7 @@ class _Workspace:
         self.tickets = torch.zeros(0, dtype=torch.int32, device=device)
         self.lse_out = torch.empty(0, dtype=torch.float32, device=device)
         self._views: dict = {}  # take_eager's views per request
+        self._lengths: dict = {}  # lengths_view's int32 buffers per (slot, batch)
 
     def reserve(self, partial_shape, n_tickets: int) -> None:
         """Grow the buffers for partials of ``partial_shape`` (batch, seqlen_q, nheads, splits, headdim) (None:
@@ -69,6 +70,19 @@ class _Workspace:
             if grown:  # the views kept so far point at the old buffers
                 self._views.clear()
             found = self._views[key] = views + (lse,)
+        return found
+
+
+    def lengths_view(self, slot: str, batch: int) -> torch.Tensor:
+        """An int32 (batch,) buffer for lengths an eager wrapper derives per call and writes in place (e.g.
+        flash_attn_with_kvcache's cache_seqlens + seqlen_new), one per ``slot``: the kernels of the stream's previous
+        call have read it before the next call's write runs (stream order), so no call allocates one."""
+        key = (slot, batch)
+        found = self._lengths.get(key)
+        if found is None:
+            if len(self._lengths) >= 64:  # a handful of batch sizes in practice; bounded all the same
+                self._lengths.clear()
+            found = self._lengths[key] = torch.zeros(batch, dtype=torch.int32, device=self.device)
         return found
 
 
