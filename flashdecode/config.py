@@ -74,7 +74,7 @@ class DecodeConfig:
     softmax_sum_tile: bool = False   # the KV loop's softmax row sums kept per key column, summed once after it (no
     #                                  cross-warp sum per block; kernels/softmax_state.py online_softmax_step_sum_tile)
     quant_warp_split: bool = False   # 8-bit caches: each warp owns block_n / num_warps keys of every block with its
-    #                                  own softmax state, folded once after the loop (kernels/decode.py
+    #                                  own softmax state, folded once after the loop (kernels/decode_blocks.py
     #                                  _attend_blocks_warps)
     merge_live_only: bool = False    # the merge reads a state's partial output only where its lse is live: one more
     #                                  L2 round trip, and no reads of the empty slots (DEVICE_SPLIT_GRID: most of
@@ -345,7 +345,7 @@ class GluonBwdConfig:
     query blocks of block_m rows through a ring of num_stages Q / dO slots; dq_tma = dQ added by a writer warp's
     TMA reduce-adds from a staging buffer (else by the consumers' 16-byte atomics); consumer_regs / producer_regs
     as GluonFwdConfig's. tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) launches its key
-    blocks heaviest first instead of last (kernels/gluon/attn_bwd.py _key_block), so that the grid does not end
+    blocks heaviest first instead of last (kernels/gluon/bwd_channels.py key_block), so that the grid does not end
     on its heaviest blocks (the deterministic causal backward alone on the H200, 16k: hd128 496.4 -> 525.5
     TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for)."""
 

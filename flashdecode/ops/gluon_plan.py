@@ -93,7 +93,7 @@ def _kernel_arg_names(fp8: bool = False, lpt: bool = False, ragged: bool = False
 
 
 def tile_key_blocks(seqlen_q: int, seqlen_k: int, heads: int, cfg: GluonFwdConfig, causal: bool) -> list[int]:
-    """Key blocks each tile visits, in the kernel's tile numbering (kernels/gluon/attn_fwd.py _tile_coords: head
+    """Key blocks each tile visits, in the kernel's tile numbering (kernels/gluon/fwd_tiles.py TileSpace.coords: head
     major; causal heads heaviest query block first) for ``heads`` = batch * nheads."""
     num_m = cdiv(seqlen_q, cfg.block_m)
     per_head = []
