@@ -305,9 +305,9 @@ def _final_strides(out4, lse3) -> tuple:
 
 
 def _merge_tile(shape, num_splits) -> MergeTile:
-    """MERGE of the persistent kernel's in-kernel merge (kernels/decode_epilogue.py _merge_if_last_ticket): the real rows of a
-    row block padded to a power of two, and the splits (padded likewise) folded per step so that one step's tile
-    holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one split."""
+    """MERGE of the persistent kernel's in-kernel merge (kernels/decode_epilogue.py _merge_if_last_ticket): the real
+    rows of a row block padded to a power of two, and the splits (padded likewise) folded per step so that one step's
+    tile holds _PERSISTENT_MERGE_TILE_ELEMS fp32 values, >= one split."""
     merge_m = min(shape.block_m, heuristics.next_power_of_2(shape.group * shape.seqlen_q))
     merge_splits = heuristics.next_power_of_2(num_splits)
     return MergeTile(rows=merge_m,
