@@ -81,9 +81,9 @@ DECODE_QUANT_SUM_TILE = True
 # 8-bit caches whose splits hold at least this many keys split each block's keys across the warps, each warp with
 # its own softmax state (DecodeConfig quant_warp_split; kernels/decode_blocks.py _attend_blocks_warps: 2 CTA
 # barriers per block instead of 5). H200, e4m3, per-token scales, `fp8_decode --sweep` (docs/decisions.md, "8-bit
-# cache tiles"): on the device-split grid (below) Llama-3-8B 8k b16 (splits of 4096 keys) 86.4 -> 83.7 us, b32 / b64 (8192)
-# 165.9 -> 149.3 / 322.1 -> 300.3, b8 (2048) 48.8 -> 50.8; b1 16/2 in 128 splits of 256 / 512 / 1024 keys (32k /
-# 64k / 128k) 13.0 -> 19.7, 18.1 -> 23.9, 27.7 -> 32.1.
+# cache tiles"): on the device-split grid (below) Llama-3-8B 8k b16 (splits of 4096 keys) 86.4 -> 83.7 us, b32 /
+# b64 (8192) 165.9 -> 149.3 / 322.1 -> 300.3, b8 (2048) 48.8 -> 50.8; b1 16/2 in 128 splits of 256 / 512 / 1024
+# keys (32k / 64k / 128k) 13.0 -> 19.7, 18.1 -> 23.9, 27.7 -> 32.1.
 DECODE_QUANT_WARP_SPLIT_MIN_KEYS = 4096
 # 8-bit split grids whose programs fit in one wave of one program per SM (short contexts at small batches: a
 # split is one or two blocks) run 2 pipeline stages instead of 3. H200, e4m3, per-token scales, b1 16/2,
