@@ -101,3 +101,22 @@ def test_cli_options_become_one_engine_config():
     assert config.kv_cache_memory == 0.5 and config.pdl is False and config.async_scheduling == "auto"
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill
     assert config.max_num_batched_tokens == 64 and config.model.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_several_ranks_check_the_options_before_any_rank_starts(command, monkeypatch):
+    """--tp / --cp > 1: a bad engine option is refused by the launcher (ValueError naming the flag), before it spawns
+    ranks that would each fail on their own."""
+    import flashdecode.distributed.launch as launch
+    from flashdecode.engine.cli import join_ranks
+
+    spawned = []
+    monkeypatch.setattr(launch, "main_on_ranks", lambda *a, **k: spawned.append(a) or 0)
+    extra = ["--prompt", "1,2"] if command == "generate" else []
+    bad = build_parser().parse_args([command, "--random-weights", "llama3.2-1b", "--device", "cpu", "--tp", "2",
+                                     "--max-num-seqs", "0", *extra])
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        join_ranks(lambda a: 0, bad)
+    good = build_parser().parse_args([command, "--random-weights", "llama3.2-1b", "--device", "cpu", "--tp", "2",
+                                      *extra])
+    assert join_ranks(lambda a: 0, good) == 0 and len(spawned) == 1

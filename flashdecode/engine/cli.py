@@ -144,6 +144,7 @@ def join_ranks(command, args) -> int | None:
     None."""
     if args.tp * args.cp <= 1:
         return None
+    engine_config(args)  # the options checked once here, before any rank starts (ValueError naming the flag)
     from flashdecode.distributed.launch import main_on_ranks
 
     if threading.current_thread() is threading.main_thread():
