@@ -44,6 +44,11 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
 Rows a TMA tile reads past a sequence's end belong to the next sequence (or are zero past the tensor): the key
 mask hides them and the output store skips them.
 
+Paged KV caches (``attn_fwd_ws_paged_kernel``, prefill over cache pages): the same partitions; the producer maps
+each key block to its page through the block table (fwd_tiles.KVPages) and loads it by TMA from the cache viewed
+as rows, pages holding whole key blocks. It also takes a sliding window and a softcap (fwd_tiles.ScoreOptions,
+fwd_softmax.RowMask): a windowed tile visits only the blocks its rows see, all through the masked path.
+
 Code: the partitions and their channels (FwdConfig, QChannel, KVRing) are fwd_partitions, the per-block math
 fwd_softmax, the tile space (coordinates, ragged rows, tile orders) fwd_tiles; this module holds the entry kernels.
 """
@@ -56,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from flashdecode.kernels.gluon.fwd_partitions import FwdConfig, FwdOutputs, KVRing, QChannel, consumer, producer
 from flashdecode.kernels.gluon.fwd_tiles import (TILE_ORDER_LPT, TILE_ORDER_PAIRS,  # noqa: F401 (re-exported)
-                                                 TILE_ORDER_ROUND_ROBIN, TileSpace)
+                                                 TILE_ORDER_ROUND_ROBIN, KVPages, ScoreOptions, TileSpace)
 
 
 @gluon.jit
@@ -111,6 +116,36 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
     A kernel of its own so that the others keep their parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr), qk_scale_log2,
+                 FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
+                           TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def attn_fwd_ws_paged_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k,
+                             qk_scale_log2, cu_q_ptr, seqused_ptr, block_table_ptr, bt_stride, max_pages, num_pages,
+                             window_left, window_right, softcap_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                             CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
+                             TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False,
+                             WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+    """attn_fwd_ws_varlen_kernel (fp16/bf16, q packed by cu_q_ptr) over a paged KV cache: prefill of new tokens
+    against keys already in cache pages (ops/gluon_attention.py gluon_paged_forward_into).
+
+    k_desc / v_desc view the caches (num_pages, PAGE_SIZE, nheads_kv, HEAD_DIM) as (num_pages * PAGE_SIZE,
+    nheads_kv * HEAD_DIM) rows (pages back to back, heads packed), blocks [BLOCK_N, HEAD_DIM]; PAGE_SIZE a multiple
+    of BLOCK_N, so the producer loads each key block from one page: the block-table entry gives the page, the key's
+    place in it the row (fwd_tiles.KVPages). block_table_ptr int32 (batch, max_pages) with row stride bt_stride;
+    seqused_ptr int32 (batch,) key counts (read on the device; clamped into [0, max_pages * PAGE_SIZE]); num_pages
+    the cache's page count (ids outside [0, num_pages) read zeros, never memory outside the cache). Masks are
+    bottom-right aligned per sequence. WINDOW: keys j of row i visible for -window_left <= j - (i + len_k - len_q)
+    <= window_right (the host gives an unbounded side as 2**30, every length below it; CAUSAL False then, a causal
+    window has window_right 0); SOFTCAP: qk_scale_log2 = softmax_scale / softcap and softcap_log2 = softcap *
+    log2(e). out, lse, seqlen_q, seqlen_k, num_tiles as attn_fwd_ws_varlen_kernel's."""
+    _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
+                 TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, None,
+                           KVPages(block_table_ptr, seqused_ptr, bt_stride, max_pages, num_pages, PAGE_SIZE),
+                           ScoreOptions(window_left, window_right, softcap_log2, WINDOW, SOFTCAP)), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
                            TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
 
