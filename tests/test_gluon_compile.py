@@ -59,6 +59,24 @@ def compile_variant(d, dtype, causal, cfg, varlen=False):
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
 
+
+def compile_paged(d, causal, cfg, page_size, window=False, softcap=False, dtype="bf16"):
+    """attn_fwd_ws_paged_kernel (32 / 8 heads): K/V blocks [block_n, d] from a paged cache's rows view."""
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_paged_kernel as fn
+
+    consts = dict(NUM_HEADS=32, GROUP=4, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                  NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
+                  TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release, PAGE_SIZE=page_size,
+                  WINDOW=window, SOFTCAP=softcap)
+    types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
+                 out_ptr="*" + dtype, lse_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
+                 qk_scale_log2="fp32", cu_q_ptr="*i32", seqused_ptr="*i32", block_table_ptr="*i32", bt_stride="i32",
+                 max_pages="i32", num_pages="i32", window_left="i32", window_right="i32", softcap_log2="fp32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+
 '''
 
 _GLUON_COMPILE_SCRIPT = _COMPILE_PRELUDE + r'''
@@ -165,3 +183,35 @@ print("compiled")
 
 def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu():
     run_sm90_compile_script(_GLUON_VARLEN_SCRIPT)
+
+
+# The paged kernel (prefill over a paged KV cache) in the launches its resolver returns - causal and not, hd128 and
+# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop): TMA + wgmma,
+# per-partition register budgets, no spills (registers, spills and shared memory printed).
+_GLUON_PAGED_SCRIPT = _COMPILE_PRELUDE + r'''
+from flashdecode.heuristics import resolve_gluon_paged_config
+sys.path.insert(0, "tests")
+from helpers import registers
+
+variants = [(128, True, 128, 4096, False, False), (128, False, 128, 4096, False, False),
+            (128, True, 64, 34816, False, False), (128, False, 64, 2048, False, False),
+            (128, False, 256, 2048, True, True),
+            (64, True, 128, 4096, False, False), (64, False, 256, 16384, True, False)]
+for d, causal, page_size, keys, window, softcap in variants[SHARD::SHARDS]:
+    cfg = resolve_gluon_paged_config(d, causal, page_size, keys, window, softcap)
+    kernel = compile_paged(d, causal, cfg, page_size, window, softcap)
+    ptx = kernel.asm["ptx"]
+    what = f"paged d{d} causal={causal} page={page_size} window={window} softcap={softcap} {cfg}"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, what + ": not the warp-specialised pipeline"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    spilled = spilled_bytes(kernel)
+    print(what, "registers", registers(kernel), "spilled", spilled, "shared", kernel.metadata.shared)
+    assert spilled == 0 or not SPILLS_CHECKED, what + ": spills"
+print("compiled")
+'''
+
+
+@pytest.mark.parametrize("shard", range(2))
+def test_gluon_paged_kernel_compiles_for_hopper_without_a_gpu(shard):
+    run_sm90_compile_script(f"SHARD, SHARDS = {shard}, 2\n" + _GLUON_PAGED_SCRIPT)

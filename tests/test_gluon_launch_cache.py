@@ -9,18 +9,7 @@ import torch
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.ops import gluon_plan
-
-
-class _FakeCompiled:
-    """Stands in for Triton's CompiledKernel: records the direct launches."""
-
-    def __init__(self):
-        self.launches = []
-        self.function, self.packed_metadata = "function-handle", "packed"
-        self.run = lambda *a: self.launches.append(a)
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
+from helpers import FakeCompiled as _FakeCompiled
 
 
 @pytest.fixture
