@@ -986,20 +986,21 @@ def gluon_paged_block_n(page_size: int) -> int:
     return next((b for b in GLUON_PAGED_BLOCK_NS if page_size % b == 0), 0)
 
 
-def resolve_gluon_paged_config(headdim: int, causal: bool, page_size: int, max_seqlen_k: int,
-                               window: bool = False, softcap: bool = False) -> Optional[GluonFwdConfig]:
+def resolve_gluon_paged_config(headdim: int, causal: bool, page_size: int,
+                               max_seqlen_k: int) -> Optional[GluonFwdConfig]:
     """The Gluon launch of a paged prefill (q ragged, K/V in pages of page_size keys, max_seqlen_k the longest key
     count: the lengths themselves sit on the device), or None where the dispatch keeps the Triton kernel: head dims
     outside GLUON_HEAD_DIMS, pages that hold no whole key block (gluon_paged_block_n), problems gluon_pays rules
     out. The ragged resolver's launch at max_seqlen_k keys (its sequences are ragged the same way), with key blocks
-    of gluon_paged_block_n(page_size) (half-size blocks in twice the stages: the same bytes in flight), and the
-    plain loop under a window or softcap (the overlapped one was timed without them). Not yet timed over pages
-    (PREFILL_PAGED_GLUON)."""
+    of gluon_paged_block_n(page_size) (half-size blocks in twice the stages: the same bytes in flight), and always
+    the plain loop: the overlapped one spills (16 bytes, sm_90 compile) once it zeroes the last block's V rows past
+    the keys (a page's tail may hold anything), and was timed without windows or softcap. Not yet timed over pages
+    (PREFILL_PAGED_GLUON); windows and softcap take the same launch."""
     block_n = gluon_paged_block_n(page_size)
     if headdim not in GLUON_HEAD_DIMS or block_n == 0 or not gluon_pays(headdim, max_seqlen_k):
         return None
     cfg = resolve_gluon_varlen_config(headdim, causal, max_seqlen_k)
-    if window or softcap:
+    if cfg.overlap or cfg.split_release:
         cfg = dataclasses.replace(cfg, overlap=False, split_release=False)
     if cfg.block_n != block_n:
         cfg = dataclasses.replace(cfg, block_n=block_n, num_stages=cfg.num_stages * cfg.block_n // block_n)

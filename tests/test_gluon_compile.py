@@ -186,8 +186,8 @@ def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu():
 
 
 # The paged kernel (prefill over a paged KV cache) in the launches its resolver returns - causal and not, hd128 and
-# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop): TMA + wgmma,
-# per-partition register budgets, no spills (registers, spills and shared memory printed).
+# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop), and the overlapped loop forced: TMA + wgmma,
+# per-partition register budgets, no spills but the forced one (registers, spills and shared memory printed).
 _GLUON_PAGED_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_paged_config
 sys.path.insert(0, "tests")
@@ -197,8 +197,10 @@ variants = [(128, True, 128, 4096, False, False), (128, False, 128, 4096, False,
             (128, True, 64, 34816, False, False), (128, False, 64, 2048, False, False),
             (128, False, 256, 2048, True, True),
             (64, True, 128, 4096, False, False), (64, False, 256, 16384, True, False)]
-for d, causal, page_size, keys, window, softcap in variants[SHARD::SHARDS]:
-    cfg = resolve_gluon_paged_config(d, causal, page_size, keys, window, softcap)
+# FA3's overlapped loop, forced through config= (the resolver does not take it over pages: it spilled 16 bytes)
+forced = [(128, False, 128, 4096, False, False, GluonFwdConfig(overlap=True, split_release=True))]
+for d, causal, page_size, keys, window, softcap, *given in (variants + forced)[SHARD::SHARDS]:
+    cfg = given[0] if given else resolve_gluon_paged_config(d, causal, page_size, keys)
     kernel = compile_paged(d, causal, cfg, page_size, window, softcap)
     ptx = kernel.asm["ptx"]
     what = f"paged d{d} causal={causal} page={page_size} window={window} softcap={softcap} {cfg}"
@@ -207,7 +209,7 @@ for d, causal, page_size, keys, window, softcap in variants[SHARD::SHARDS]:
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
     spilled = spilled_bytes(kernel)
     print(what, "registers", registers(kernel), "spilled", spilled, "shared", kernel.metadata.shared)
-    assert spilled == 0 or not SPILLS_CHECKED, what + ": spills"
+    assert spilled == 0 or given or not SPILLS_CHECKED, what + ": spills"
 print("compiled")
 '''
 

@@ -83,8 +83,9 @@ def test_block_n_and_resolver():
     assert heuristics.resolve_gluon_paged_config(128, False, 16, 4096) is None  # pages of 16: the Triton kernel
     assert heuristics.resolve_gluon_paged_config(96, False, 128, 4096) is None
     assert heuristics.resolve_gluon_paged_config(64, False, 128, 256) is None  # gluon_pays: hd64 short keys
-    windowed = heuristics.resolve_gluon_paged_config(128, False, 256, 2048, window=True)
-    assert not windowed.overlap and not windowed.split_release
+    plain = heuristics.resolve_gluon_paged_config(128, False, 256, 2048)  # the ragged resolver's overlapped one
+    assert heuristics.resolve_gluon_varlen_config(128, False, 2048).overlap
+    assert not plain.overlap and not plain.split_release and plain.block_n == 128
     assert heuristics.PREFILL_PAGED_GLUON is False  # off until the GPU verifies it
 
 
@@ -148,7 +149,7 @@ def test_launch_hands_the_kernel_its_paged_arguments(fake_hopper, monkeypatch):
         causal, windowed, left, right = ga.paged_window_args(*window)
         assert (constexprs["CAUSAL"], constexprs["WINDOW"], constexprs["SOFTCAP"]) == (causal, windowed,
                                                                                        softcap > 0)
-        cfg = heuristics.resolve_gluon_paged_config(128, causal, 128, 256, windowed, softcap > 0)
+        cfg = heuristics.resolve_gluon_paged_config(128, causal, 128, 256)
         num_tiles = -(-130 // cfg.block_m) * 3 * 8
         scale, cap = (0.1 / softcap, softcap * ga.LOG2E) if softcap else (0.1 * ga.LOG2E, 0.0)
         assert args[5:9] == (num_tiles, 130, q.shape[0], scale)

@@ -305,7 +305,7 @@ def gluon_paged_forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             and seqused_k.is_contiguous() and block_table.stride(-1) == 1):
         return False
     window = paged_window_args(window_left, window_right)
-    cfg = config or _resolve_paged(q.shape[-1], window[0], k_cache.shape[1], max_seqlen_k, window[1], softcap > 0.0)
+    cfg = config or _resolve_paged(q.shape[-1], window[0], k_cache.shape[1], max_seqlen_k)
     if cfg is None:  # the resolver keeps this call on the Triton kernel
         return False
     plan = _paged_plan_for(q, k_cache, v_cache, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_q, window,

@@ -4,11 +4,13 @@ ring) and the launch's compile-time configuration (FwdConfig)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.compat import tma_load
+from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
 from flashdecode.kernels.gluon.fwd_softmax import RowMask, p_operand, pv_operand, softmax_step, store_tile
-from flashdecode.kernels.gluon.layouts import RUNTIME, aggregate, mma_layout, p_layout, p_log2_scale, runtime
+from flashdecode.kernels.gluon.layouts import (RUNTIME, aggregate, mma_layout, p_layout, p_log2_scale, runtime,
+                                               store_layout)
 
 
 @aggregate
@@ -171,6 +173,28 @@ class KVRing:
         return pv_operand(self.v_smem.index(g % self.NUM_STAGES))
 
     @gluon.jit
+    def clear_v_rows(self, g, valid):
+        """Zero block g's V slot from row ``valid`` on (nothing where valid >= BLOCK_N), after its load landed and
+        before the PV wgmma reads it: a paged cache's rows past a sequence's keys may hold anything, and their zero
+        probabilities times NaN would be NaN. ROWS rows at a time through registers; every consumer warpgroup writes
+        the same zeros (so no order among them matters), then fences its generic stores against the wgmma's async
+        reads and syncs its warps."""
+        BLOCK_N: gl.constexpr = self.v_smem.shape[1]
+        HEAD_DIM: gl.constexpr = self.v_smem.shape[2]
+        layout: gl.constexpr = store_layout(HEAD_DIM)
+        ROWS: gl.constexpr = 8  # rows a step: few registers beside a tile's live state
+        if valid < BLOCK_N:
+            slot = self.v_smem.index(g % self.NUM_STAGES)
+            for c in gl.static_range(BLOCK_N // ROWS):
+                if c * ROWS + ROWS > valid:
+                    chunk = slot.slice(c * ROWS, ROWS)
+                    rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                    x = chunk.load(layout)
+                    chunk.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
+            fence_async_shared()
+            thread_barrier()
+
+    @gluon.jit
     def release_k(self, g):
         """Block g's scores are in registers: its K slot may refill (SPLIT_KV_RELEASE; else a no-op)."""
         if self.SPLIT_KV_RELEASE:
@@ -325,7 +349,7 @@ def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, 
     q = q_chan.acquire(q_slot, uses)
     n_blocks = t.num_blocks(BLOCK_N)
     n_full = (n_full_end - t.n_lo) // BLOCK_N
-    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL, tiles.opts)
+    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL, tiles.opts, tiles.pages is not None)
     if cfg.OVERLAP:
         acc, m_i, l_i = _tile_overlap(ring, q, blocks_done, t.n_lo, n_full, n_blocks, mask, scale_log2)
     else:
@@ -382,6 +406,9 @@ def _block_plain(ring, q, g, n_start, mask, acc, m_i, l_i, qk_scale_log2, MASKED
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = p_operand(p.to(q.dtype), pv_layout)
     ring.wait_v(g)
+    if MASKED:
+        if mask.V_TAIL:  # (only a tile's last block holds keys past len_k)
+            ring.clear_v_rows(g, mask.len_k - n_start)
     acc = warpgroup_mma(p, ring.v_operand(g), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     ring.release(g)
@@ -424,6 +451,8 @@ def _tile_overlap(ring, q, blocks_done, n_lo, n_full, n_blocks, mask, qk_scale_l
     if n_blocks > 0:
         g_last = blocks_done + n_blocks - 1
         mbarrier.wait(ring.v_ready.index(g_last % ring.NUM_STAGES), (g_last // ring.NUM_STAGES) & 1)
+        if mask.V_TAIL:  # (only a tile's last block holds keys past len_k)
+            ring.clear_v_rows(g_last, mask.len_k - (n_lo + (n_blocks - 1) * BLOCK_N))
         acc = warpgroup_mma(p, ring.v_operand(g_last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         ring.release(g_last)

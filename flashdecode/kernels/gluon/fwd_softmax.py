@@ -14,20 +14,24 @@ class RowMask:
     """The keys a consumer's 64 query rows see and how their scores are made: rows (64,) int32 (within the
     sequence, in the scores' row layout) of a sequence of len_q queries and len_k keys; keys past len_k are hidden
     and, CAUSAL, keys right of the bottom-right aligned diagonal (row i sees key j <= i + len_k - len_q); opts (a
-    fwd_tiles.ScoreOptions, or None) adds a sliding window around that diagonal and a softcap."""
+    fwd_tiles.ScoreOptions, or None) adds a sliding window around that diagonal and a softcap. V_TAIL: the K / V
+    rows past len_k in a block may hold anything (a paged cache's page tail), so the consumer zeroes them in V
+    before PV (fwd_partitions.KVRing.clear_v_rows); else they are another sequence's keys or TMA's zeros."""
     rows: gl.tensor
     len_q: RUNTIME
     len_k: RUNTIME
     CAUSAL: gl.constexpr
     opts: OPTIONAL
+    V_TAIL: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, rows, len_q, len_k, CAUSAL, opts=None):
+    def __init__(self, rows, len_q, len_k, CAUSAL, opts=None, V_TAIL=False):
         self.rows = rows
         self.len_q = runtime(len_q)
         self.len_k = runtime(len_k)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.opts = optional(opts)
+        self.V_TAIL = gl.constexpr(V_TAIL)
 
     @gluon.jit
     def apply(self, s, n_start):
