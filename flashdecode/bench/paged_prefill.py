@@ -192,7 +192,8 @@ def summary_line(r: dict) -> str:
     head = f"paged fwd page{r['page_size']} chunk{r['chunk']} +{r['cached']} cached"
     if r.get("paged") is None:
         return f"{head}: ours failed ({r.get('paged_skipped', '?')})"
-    s = f"{head}: ours ({r.get('paged_backend')}) {r['paged']:.0f} TFLOP/s"
+    kernel = f" ({r['paged_backend']})" if r.get("paged_backend") else ""  # (records before the Gluon column)
+    s = f"{head}: ours{kernel} {r['paged']:.0f} TFLOP/s"
     for peer in ("contig", "FI"):
         if r.get(peer):
             label = f"FI({r.get('FI_backend')})" if peer == "FI" else peer
