@@ -154,7 +154,8 @@ def test_nan_reaches_exactly_the_rows_that_see_it(page_size):
 def test_dispatch_switch_config_and_direct_launch(monkeypatch):
     """Switch off (the default): the paged call keeps the Triton kernel; on: it takes a paged Gluon plan (pages of
     128) and its repeated (direct) launch gives the same bits; backend="triton" still pins the Triton kernel; pages
-    of 16 stay on the Triton kernel; flash_attn_with_kvcache's long chunks reach the Gluon kernel too."""
+    of 16 stay on the Triton kernel; a forced launch whose blocks the pages cannot hold raises ValueError;
+    flash_attn_with_kvcache's long chunks reach the Gluon kernel too."""
     lens_q, lens_k = [512, 100], [4096, 1000]
     x = _case(lens_q, lens_k, 32, 8, 128, 128, seed=11)
 
@@ -179,6 +180,8 @@ def test_dispatch_switch_config_and_direct_launch(monkeypatch):
     small = _case(lens_q, lens_k, 32, 8, 128, 16, seed=11)
     _run(small, lens_q, lens_k, None, causal=True)
     assert paged_plans() == seen, "pages of 16 hold no whole key block: the Triton kernel"
+    with pytest.raises(ValueError, match="config.block_n"):  # a forced launch never falls back silently
+        _run(_case(lens_q, lens_k, 32, 8, 128, 64, seed=11), lens_q, lens_k, GluonFwdConfig(block_n=128))
     # flash_attn_with_kvcache: a chunk of 128 new tokens per sequence appended to the cache, then attended
     batch, chunk, cached = 2, 128, 1000
     k_pages, v_pages, table = x[1].clone(), x[2].clone(), x[3]
