@@ -273,8 +273,11 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, cfg, q_desc, k_des
     for i in range(t.num_blocks(BLOCK_N)):
         g = blocks_done + i
         key = t.n_lo + i * BLOCK_N
-        row = tiles.kv_row(t, key)  # a packed sequence's rows, or (paged cache) its page's
+        if tiles.pages is not None:  # its page's rows; the table read before the slot wait, its latency under it
+            row = tiles.pages.row(t.kv_base, key)
         ready = ring.await_empty_k(g, k_desc.block_type.nbytes)
+        if tiles.pages is None:  # the packed sequence's rows
+            row = t.kv_base + key
         tma_load(k_desc, [row, kv_col], ready, ring.k_smem.index(g % cfg.NUM_STAGES))
         ready = ring.await_empty_v(g, v_desc.block_type.nbytes)
         if cfg.V_T:

@@ -202,15 +202,6 @@ class TileSpace:
         return Tile(batch, head, m_start, n_full_end, n_end, q_base, kv_base, len_q, len_k, live, n_lo)
 
     @gluon.jit
-    def kv_row(self, t, key):
-        """The row of the K / V view where tile t's key block from ``key`` starts: the sequence's rows of a packed
-        tensor, or its page's rows of a paged cache (KVPages.row)."""
-        if self.pages is None:
-            return t.kv_base + key
-        else:
-            return self.pages.row(t.kv_base, key)
-
-    @gluon.jit
     def units(self, cfg):
         """A two-Q-buffer CTA's work units as its loop's (start, stop, step); a unit is two tiles (unit_tiles):
         TILE_ORDER_PAIRS: ceil(query blocks / 2) units per (batch, head), round robin over the CTAs;
