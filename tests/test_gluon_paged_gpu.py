@@ -54,30 +54,31 @@ def _run(x, lens_q, lens_k, config, **opts):
 
 def _check(lens_q, lens_k, h, hkv, d, page_size, config, dtype=torch.bfloat16, seed=0, **opts):
     """The Gluon paged prefill (config: the GluonFwdConfig that forces it) against the float64 reference
-    (FlashAttention rule for out, 1e-3 for lse, -inf and out 0 on rows without keys) and against the Triton paged
-    prefill of the same call (both within the rule, and within each other's errors)."""
+    (FlashAttention rule for out, 1e-3 for lse, -inf and out 0 on rows without keys), beside the Triton paged
+    prefill of the same call on the same rules (which tells a failure of the Gluon kernel from one of the case)."""
     x = _case(lens_q, lens_k, h, hkv, d, page_size, dtype, seed)
     out, lse = _run(x, lens_q, lens_k, config, **opts)
     q, k_pages, v_pages, table, cu_q, used = x
     want, want_lse = ref.paged_prefill_ref(q.double(), k_pages.double(), v_pages.double(), cu_q, used, table,
                                            **opts)
     same, _ = ref.paged_prefill_ref(q, k_pages, v_pages, cu_q, used, table, **opts)
-    err, _ = assert_fa_close(out, want, same, name="out")
+    assert_fa_close(out, want, same, name="out")
     assert not torch.isnan(lse).any()
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse)), "rows without keys must give lse -inf"
     assert max_err(lse[finite], want_lse[finite]) < 1e-3, "lse"
     assert (out.transpose(0, 1)[~finite] == 0).all(), "rows without keys must give out 0"
     triton = attention_config.resolve_config(q, k_pages, v_pages, max(max(lens_k), 1))
-    out_t, _ = _run(x, lens_q, lens_k, dataclasses.replace(triton, backend="triton"), **opts)
+    out_t, lse_t = _run(x, lens_q, lens_k, dataclasses.replace(triton, backend="triton"), **opts)
     assert_fa_close(out_t, want, same, name="triton out")
-    assert max_err(out, out_t) <= 2 * err + max_err(out_t, want) + 1e-3, "Gluon vs Triton"
+    assert torch.equal(torch.isfinite(lse_t), finite) and max_err(lse_t[finite], want_lse[finite]) < 1e-3
     return out, lse
 
 
-# (query chunk lengths, key counts): chunks over prefix pages, lengths 0 and 1, ragged, more queries than a page
+# (query chunk lengths, key counts): chunks over prefix pages, lengths 0 and 1, ragged, more queries than a page,
+# more queries than keys (causal rows that see no key)
 LENGTHS = [([512, 512], [512, 2048]), ([1, 0, 300, 77], [1, 0, 1000, 77]), ([200, 5, 1000], [3000, 400, 1000]),
-           ([64, 129, 3], [64, 700, 3]), ([0, 0, 50], [10, 0, 50])]
+           ([64, 129, 3], [64, 700, 3]), ([0, 0, 50], [10, 0, 50]), ([300, 20], [100, 20])]
 
 
 @needs_hopper
