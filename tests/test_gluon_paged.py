@@ -172,3 +172,25 @@ def test_forced_config_raises_where_the_gluon_kernel_cannot_run():
     with pytest.raises(ValueError, match="config: a GluonFwdConfig runs the Gluon paged kernel"):
         flashdecode.flash_attn_varlen(q, k_cache, v_cache, cu_q, None, 130, 256, block_table=table,
                                       seqused_k=used, config=GluonFwdConfig())
+
+
+def test_public_call_with_a_gluon_config_reaches_the_kernel(fake_hopper):
+    """flash_attn_varlen(block_table=, config=GluonFwdConfig) on a (fake) sm_90: the call's checks, then one launch
+    of the paged kernel with that config's constexprs, the normalised window as its bounds and the softcap split into
+    tanh's scale and the cap in log2 units; lse (nheads, total_q) comes back as the kernel's output."""
+    calls, _ = fake_hopper
+    q, k_cache, v_cache, cu_q, used, table = _problem()
+    config = GluonFwdConfig(num_stages=3)
+    out, lse = flashdecode.flash_attn_varlen(q, k_cache, v_cache, cu_q, None, 130, 256, block_table=table,
+                                             seqused_k=used, window_size=(16, 4), softcap=30.0, softmax_scale=0.25,
+                                             return_lse=True, config=config)
+    (grid, args, constexprs, kernel), = calls
+    assert kernel == dict(paged=True) and out.shape == q.shape and lse.shape == (8, q.shape[0])
+    assert args[3] is out and args[4] is lse
+    assert constexprs["NUM_STAGES"] == 3 and constexprs["WINDOW"] and constexprs["SOFTCAP"]
+    assert not constexprs["CAUSAL"] and args[8] == 0.25 / 30.0 and args[17] == 30.0 * ga.LOG2E
+    assert args[15:17] == (16, 4)
+    with pytest.raises(ValueError, match="alibi_slopes"):  # what the Gluon kernel does not take: refused up front
+        flashdecode.flash_attn_varlen(q, k_cache, v_cache, cu_q, None, 130, 256, block_table=table, seqused_k=used,
+                                      alibi_slopes=torch.ones(8), config=config)
+    assert len(calls) == 1
