@@ -2,7 +2,8 @@
 semantics, computed by flashdecode.reference, so the engine's FlashInfer backend runs end to end without CUDA.
 
 Each plan checks what the real one needs (int32 offsets; indptr and last_page_len on the host, since FlashInfer
-reads them there; the page indices no longer than a CUDA-graph buffer) and is recorded in ``calls``. In CUDA-graph
+reads them there; the page indices no longer than a CUDA-graph buffer) and is recorded in ``calls`` with the
+wrapper it planned (a wrapper planned twice in one forward would race FlashInfer's asynchronous plan copy). In CUDA-graph
 mode the plan copies its inputs into the wrapper's fixed buffers and run reads only those (as a replayed graph
 does). Paged KV: row b's pages are indices[indptr[b]:indptr[b + 1]], its keys the first (pages - 1) * page_size +
 last_page_len[b] slots of them; causal masks align bottom-right; window_left >= 0 keeps keys pos - window_left ..
@@ -70,6 +71,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         self.plan_args = dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), num_qo_heads=num_qo_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim_qk, causal=causal,
                               window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type)
+        self.plan_args["wrapper"] = self
         self.calls.append(("plan", "ragged", self.plan_args))
 
     def run(self, q, k, v):
@@ -96,6 +98,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                               num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                               page_size=page_size, causal=causal, window_left=window_left, q_data_type=q_data_type,
                               kv_data_type=kv_data_type)
+        self.plan_args["wrapper"] = self
         self.calls.append(("plan", "paged", self.plan_args))
 
     def run(self, q, paged_kv_cache):
@@ -134,6 +137,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                               num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               page_size=page_size, window_left=window_left, q_data_type=q_data_type,
                               kv_data_type=kv_data_type)
+        self.plan_args["wrapper"] = self
         self.calls.append(("plan", "decode", self.plan_args))
 
     def run(self, q, paged_kv_cache):

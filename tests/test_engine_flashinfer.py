@@ -129,6 +129,7 @@ def test_prefill_and_decode_match_torch_one_plan_per_step(fake, ckpt):
     assert len(ragged_plans) == 2  # one prefill forward: the layers' plan, then the last layer's last-row plan
     assert ragged_plans[0]["kv_indptr"].tolist() == [0, 5, 16, 19] and ragged_plans[0]["causal"]
     assert ragged_plans[1]["qo_indptr"].tolist() == [0, 1, 2, 3]
+    assert ragged_plans[0]["wrapper"] is not ragged_plans[1]["wrapper"]  # never planned twice in one forward
     # the first decode step: 3 rows padded to the bucket of 4 (a row of one key on the scratch page)
     step = decode_plans[0]
     scratch = llm.runner.scratch_page
@@ -157,6 +158,9 @@ def test_prefix_cache_hit_and_chunked_prefill_match_torch(fake, ckpt):
     assert llm.stats.prefix_cache_hits == 12  # the 3 full pages of the system prompt, once
     paged = _events(fake, "plan", "paged")
     assert paged and all(p["causal"] and p["page_size"] == PAGE for p in paged)
+    # the chunks' queries and the last layer's last rows plan two wrappers (never one twice in a forward)
+    wrappers = llm.backend._shared.prefill
+    assert wrappers[("paged", False, -1)][0] is not wrappers[("paged", True, -1)][0]
     for p in paged:  # every paged plan describes whole pages of its rows
         lens = (np.diff(p["indptr"].numpy()) - 1).clip(min=0) * PAGE + p["last_page_len"].numpy()
         assert (lens > 0).all() and len(p["indices"]) == int(p["indptr"][-1])

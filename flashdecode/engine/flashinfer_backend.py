@@ -17,11 +17,12 @@ nheads_kv, head_dim) tensors (engine/kv_cache.py), FlashInfer's "NHD" layout, pa
 head_dim) would need a page's K and V side by side, which this pool (all K, then all V) does not have.
 
 Plans: each wrapper is planned from host-side lengths (indptr and last_page_len are host tensors; page indices are
-sent with an asynchronous copy from pageable memory), so planning never waits for the device. A prefill wrapper is
-planned once per forward (on its first layer; the other layers reuse the plan, keyed by the step's metadata
-object). FlashInfer stages each plan through a pinned host buffer of the wrapper: ModelRunner plans a decode step
-before it records the event that the next step's prepare_decode waits on, so a plan never overwrites a buffer whose
-copy has not run.
+sent with an asynchronous copy from pageable memory), so planning never waits for the device. FlashInfer stages
+each plan through a pinned host buffer of the wrapper and an asynchronous copy, so a wrapper must not be planned
+again before the device has run that copy: a prefill wrapper (one per kind, last-rows variant and window) is
+planned once per forward, on its first layer (the others reuse the plan, keyed by the step's metadata object), and
+the engine reads each prefill's logits before the next; ModelRunner plans a decode step before it records the
+event that the next step's prepare_decode waits on.
 
 What FlashInfer cannot do here raises ValueError naming the option (check_engine): a CPU device, float32 (dtype),
 head dims other than 64 / 128 / 256, 8-bit pages (kv_cache_dtype: FlashInfer's fp8 pages take one scale per
@@ -140,9 +141,8 @@ class _Shared:
         # decode: batch -> {window_left: (wrapper, geometry)}; the step's host metadata per batch
         self.decode: dict[int, dict[int, tuple[object, _DecodeGeometry]]] = {}
         self.decode_meta: dict[int, tuple[torch.Tensor, np.ndarray, torch.Tensor]] = {}
-        # prefill: (kind, window_left) -> wrapper, and the (metadata, variant) it is planned for
-        self.prefill: dict[tuple[str, int], object] = {}
-        self.planned: dict[tuple[str, int], tuple[AttentionMetadata, bool]] = {}
+        # prefill: (kind, last_only, window_left) -> (wrapper, the metadata it is planned for)
+        self.prefill: dict[tuple[str, bool, int], tuple[object, AttentionMetadata | None]] = {}
 
 
 class FlashInferBackend(AttentionBackend):
@@ -166,30 +166,26 @@ class FlashInferBackend(AttentionBackend):
             shared.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return shared.workspace
 
-    def _prefill_wrapper(self, kind: str, device):
-        """The ragged ("ragged") or paged ("paged") prefill wrapper of this window, made on first use."""
-        key = (kind, self.window_size[0])
-        wrapper = self._shared.prefill.get(key)
-        if wrapper is None:
+    def _prefill_wrapper(self, kind: str, last_only: bool, meta: AttentionMetadata, device):
+        """(the ragged or paged prefill wrapper of this variant and window, made on first use; whether it still
+        needs a plan for ``meta``). One wrapper per (kind, last_only, window) and plan per forward: a plan stages
+        its schedule through the wrapper's pinned buffer with an asynchronous copy, so planning one wrapper twice
+        in a forward (the layers' queries, then the last layer's last rows) could overwrite the first plan before
+        the device has read it. Between forwards the engine has read the step's logits (a host sync)."""
+        key = (kind, last_only, self.window_size[0])
+        entry = self._shared.prefill.get(key)
+        if entry is None:
             cls = (self._fi.BatchPrefillWithRaggedKVCacheWrapper if kind == "ragged"
                    else self._fi.BatchPrefillWithPagedKVCacheWrapper)
-            wrapper = self._shared.prefill[key] = cls(self._workspace(device), "NHD")
-        return wrapper
-
-    def _planned_for(self, kind: str, meta: AttentionMetadata, variant: bool) -> bool:
-        """Whether the (kind, window) wrapper is already planned for this step's metadata (and variant: last-row
-        queries or not); records that it is from now on."""
-        key = (kind, self.window_size[0])
-        done = self._shared.planned.get(key)
-        if done is not None and done[0] is meta and done[1] == variant:
-            return True
-        self._shared.planned[key] = (meta, variant)
-        return False
+            entry = (cls(self._workspace(device), "NHD"), None)
+        wrapper, planned = entry
+        self._shared.prefill[key] = (wrapper, meta)
+        return wrapper, planned is not meta
 
     # ------------------------------------------------------------------------------------------- prefill
     def _ragged(self, q, k, v, meta: AttentionMetadata, last_only: bool) -> torch.Tensor:
-        wrapper = self._prefill_wrapper("ragged", q.device)
-        if not self._planned_for("ragged", meta, last_only):
+        wrapper, needs_plan = self._prefill_wrapper("ragged", last_only, meta, q.device)
+        if needs_plan:
             kv_indptr = indptr_of(meta.seqlens)
             qo_indptr = torch.arange(len(meta.seqlens) + 1, dtype=torch.int32) if last_only else kv_indptr
             wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], causal=True,
@@ -204,8 +200,8 @@ class FlashInferBackend(AttentionBackend):
 
     def prefill_paged(self, q, k_cache, v_cache, meta, last_only: bool = False):
         _refuse_quant_pages(k_cache)
-        wrapper = self._prefill_wrapper("paged", q.device)
-        if not self._planned_for("paged", meta, last_only):
+        wrapper, needs_plan = self._prefill_wrapper("paged", last_only, meta, q.device)
+        if needs_plan:
             page_size = k_cache.shape[1]
             kv_indptr, last_page_len = paged_kv_lengths(meta.seqlens_k, page_size)
             # the page indices gathered from the block table on the device (no copy back to the host)
