@@ -58,6 +58,41 @@ def _logprob_error(got, ref) -> tuple[float, int]:
     return err, steps
 
 
+@pytest.mark.parametrize("window_left", [-1, 20])
+def test_backend_calls_match_the_reference(window_left):
+    """The backend alone in fp16 (head_dim 128, pages of 16 in shuffled order, a GQA group of 4): paged prefill
+    (chunks after cached keys, and their last rows), ragged prefill and decode against the float64 reference."""
+    from flashdecode import reference
+    from flashdecode.engine.attention import AttentionMetadata, make_backend
+    from test_engine_prefix_cache import expected_paged, paged_case
+
+    gen = torch.Generator().manual_seed(0)
+    tol = dict(atol=2e-3, rtol=2e-3)
+    backend = make_backend("flashinfer", "cuda", window_left)
+    q, k_cache, v_cache, meta, tables = paged_case(gen, "cuda", torch.float16, page_size=16, hk=2, h=8, d=128,
+                                                   chunks=((0, 37), (40, 93), (100, 101)))
+    args = (q.double(), k_cache.double(), v_cache.double(), meta, tables, window_left)
+    torch.testing.assert_close(backend.prefill_paged(q, k_cache, v_cache, meta).double(), expected_paged(*args),
+                               **tol)
+    last = (meta.cu_seqlens[1:] - 1).long()
+    torch.testing.assert_close(backend.prefill_paged(q[last], k_cache, v_cache, meta, last_only=True).double(),
+                               expected_paged(*args, last_only=True), **tol)
+    # ragged: the chunks' queries against their own keys only
+    k, v = (torch.randn(q.shape[0], 2, 128, generator=gen).to("cuda", torch.float16) for _ in range(2))
+    want, _ = reference.attention_varlen_ref(q.double(), k.double(), v.double(), meta.cu_seqlens, meta.cu_seqlens,
+                                             causal=True, window_size=(window_left, 0))
+    torch.testing.assert_close(backend.prefill(q, k, v, meta).double(), want, **tol)
+    # decode: one query per sequence against its first seqlens_k keys in the pages
+    lens = torch.tensor(meta.seqlens_k, dtype=torch.int32)
+    dq = torch.randn(len(lens), 8, 128, generator=gen).to("cuda", torch.float16)
+    dmeta = AttentionMetadata(is_prefill=False, slot_mapping=meta.slot_mapping[:len(lens)],
+                              block_tables=meta.block_tables, context_lens=lens.cuda())
+    backend.plan_decode(len(lens), lens.numpy(), meta.block_tables.cpu().numpy(), 16)
+    want, _ = reference.decode_ref(dq.double(), k_cache.double(), v_cache.double(), lens.cuda(),
+                                   block_table=meta.block_tables, window_size=(window_left, 0))
+    torch.testing.assert_close(backend.decode(dq, k_cache, v_cache, dmeta).double(), want.double(), **tol)
+
+
 def test_prefill_logits_within_the_rule_of_flashdecode(llama):
     ids = _prompts([333], llama.config.vocab_size)[0]
     ref, fd, fi = (_engine(llama, b, max_num_seqs=1).prompt_logits(ids).double()
