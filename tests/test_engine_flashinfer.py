@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine_helpers import random_prompts, save_tiny
+from flashdecode import reference
 from flashdecode.engine import LLM, EngineConfig, SamplingParams
 from flashdecode.engine import flashinfer_backend as fib
 from flashdecode.engine.attention import make_backend
@@ -191,3 +192,29 @@ def test_8bit_pages_and_batch_invariant_are_refused(fake, ckpt):
         make(ckpt, attn_backend="flashinfer", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="batch_invariant"):
         make(ckpt, attn_backend="flashinfer", batch_invariant=True)
+
+
+def test_decode_wrapper_buffers_tensor_cores_and_plan_order(fake):
+    """A GQA group of 4 decodes on tensor cores (SGLang's rule); the CUDA-graph buffers hold the batch's whole
+    block table; a decode before the step's plan is refused."""
+    from flashdecode.engine.attention import AttentionMetadata
+
+    backend = make_backend("flashinfer", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(6, PAGE, 2, 16, generator=gen) for _ in range(2))
+    tables = np.array([[3, 1, 5], [0, 5, 5]], dtype=np.int32)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(2, dtype=torch.int64),
+                             block_tables=torch.from_numpy(tables),
+                             context_lens=torch.tensor([9, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="before plan_decode"):
+        backend.decode(q, k_cache, v_cache, meta)
+    backend.plan_decode(2, np.array([9, 2]), tables, PAGE)
+    out = backend.decode(q, k_cache, v_cache, meta)
+    init, = _events(fake, "init", "decode")
+    assert init["use_cuda_graph"] and init["use_tensor_cores"]
+    wrapper = backend._shared.decode[2][-1][0]
+    assert [len(b) for b in wrapper.buffers] == [3, 2 * 3, 2]
+    want, _ = reference.decode_ref(
+        q.double(), k_cache.double(), v_cache.double(), torch.tensor([9, 2]), block_table=torch.from_numpy(tables))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
