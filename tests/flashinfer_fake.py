@@ -4,10 +4,10 @@ semantics, computed by flashdecode.reference, so the engine's FlashInfer backend
 Each plan checks what the real one needs (int32 offsets; indptr and last_page_len on the host, since FlashInfer
 reads them there; the page indices no longer than a CUDA-graph buffer) and is recorded in ``calls`` with the
 wrapper it planned (a wrapper planned twice in one forward would race FlashInfer's asynchronous plan copy). In
-CUDA-graph mode the plan copies its inputs into the wrapper's fixed buffers and run reads only those (as a replayed graph
-does). Paged KV: row b's pages are indices[indptr[b]:indptr[b + 1]], its keys the first (pages - 1) * page_size +
-last_page_len[b] slots of them; causal masks align bottom-right; window_left >= 0 keeps keys pos - window_left ..
-pos."""
+CUDA-graph mode the plan copies its inputs into the wrapper's fixed buffers and run reads only those (as a
+replayed graph does). Paged KV: row b's pages are indices[indptr[b]:indptr[b + 1]], its keys the first
+(pages - 1) * page_size + last_page_len[b] slots of them; causal masks align bottom-right; window_left >= 0 keeps
+keys pos - window_left .. pos."""
 
 from __future__ import annotations
 
