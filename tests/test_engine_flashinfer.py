@@ -16,7 +16,7 @@ from engine_helpers import random_prompts, save_tiny
 from flashdecode import reference
 from flashdecode.engine import LLM, EngineConfig, SamplingParams
 from flashdecode.engine import flashinfer_backend as fib
-from flashdecode.engine.attention import make_backend
+from flashdecode.engine.backends import make_backend
 from flashinfer_fake import fake_module
 
 PAGE = 4

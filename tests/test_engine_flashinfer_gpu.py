@@ -63,7 +63,8 @@ def test_backend_calls_match_the_reference(window_left):
     """The backend alone in fp16 (head_dim 128, pages of 16 in shuffled order, a GQA group of 4): paged prefill
     (chunks after cached keys, and their last rows), ragged prefill and decode against the float64 reference."""
     from flashdecode import reference
-    from flashdecode.engine.attention import AttentionMetadata, make_backend
+    from flashdecode.engine.attention import AttentionMetadata
+    from flashdecode.engine.backends import make_backend
     from test_engine_prefix_cache import expected_paged, paged_case
 
     gen = torch.Generator().manual_seed(0)

@@ -485,23 +485,3 @@ class ContextParallelBackend(AttentionBackend):
         out, _ = self._exchange(q).merge_local(
             q.shape[0], lambda send: self.inner.decode_with_lse(q, k_cache, v_cache, meta, out=send))
         return out  # a view of the exchange's buffer: consumed by o_proj before the next layer's exchange
-
-
-_CLASSES = {c.name: c for c in (FlashDecodeBackend, FlashDecodeNoSplitBackend, SdpaBackend, EagerBackend,
-                                TorchBackend)}
-
-
-def default_backend(device: torch.device) -> str:
-    return "flashdecode" if torch.device(device).type == "cuda" else "torch"
-
-
-def make_backend(name: str | None, device, window_left: int = -1) -> AttentionBackend:
-    """Backend by name (None = the device's default). ValueError lists the names."""
-    name = name or default_backend(device)
-    if name == "flashinfer":  # imported only when asked for: it imports the flashinfer package
-        from flashdecode.engine.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(window_left)
-    if name not in _CLASSES:
-        raise ValueError(f"attn_backend must be one of {list(BACKENDS)}, got {name!r}")
-    return _CLASSES[name](window_left)

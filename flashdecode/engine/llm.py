@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine import engine_config as ec
-from flashdecode.engine.attention import make_backend
+from flashdecode.engine.backends import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
 from flashdecode.engine.engine_config import EngineConfig, built_model, config_from_kwargs
 from flashdecode.engine.engine_core import EngineCore
