@@ -9,7 +9,8 @@ lse), and the backward gives sequence 0 and 2 the reference's gradients.
 
 Paths: the Triton forward and backward (the CPU interpreter runs them; on a GPU with the ragged Gluon dispatch off)
 and, on sm_90, the ragged Gluon forward in every launch family its resolver returns, the public dispatch to it, and
-the fixed-length Gluon forward over a batch whose keys end inside a block (the same packed rows)."""
+the fixed-length Gluon forward over a batch whose keys end inside a block (the same packed rows); the dense Gluon
+backward is expected to fail (xfail: suspected from its code, not yet run)."""
 
 import pytest
 import torch
@@ -146,11 +147,10 @@ GLUON_LENS = ([200, 77, 1000], [300, 90, 1000])
 def _gluon_varlen_configs():
     from flashdecode.ops.gluon_attention import GluonFwdConfig, resolve_gluon_varlen_config
 
-    resolved = {(d, causal, keys): resolve_gluon_varlen_config(d, causal, keys) for d in (64, 128)
-                for causal in (False, True) for keys in (256, 4096, 16384)}
-    forced = {(128, False, "plain"): GluonFwdConfig(), (128, True, "overlap"): GluonFwdConfig(overlap=True,
-                                                                                           split_release=True)}
-    return [(d, causal, cfg) for (d, causal, _), cfg in {**resolved, **forced}.items()]
+    resolved = [(d, causal, resolve_gluon_varlen_config(d, causal, keys)) for d in (64, 128)
+                for causal in (False, True) for keys in (256, 4096, 16384)]
+    forced = [(128, False, GluonFwdConfig()), (128, True, GluonFwdConfig(overlap=True, split_release=True))]
+    return list(dict.fromkeys(resolved + forced))  # each launch once
 
 
 @pytest.mark.gpu
@@ -181,11 +181,10 @@ def test_flash_attn_varlen_on_gluon_keeps_a_nan_in_its_sequence(monkeypatch, cau
     monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON", True)
     q, k, v, cu_q, cu_k = _packed(*GLUON_LENS, 8, 2, 128, torch.bfloat16, "cuda", seed=4)
     _poison(q, k, v, cu_q, cu_k, "v", NAN)
-    before = set(gluon_plan.PLANS)
     out, lse = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(GLUON_LENS[0]), max(GLUON_LENS[1]),
                                              causal=causal, return_lse=True)
-    assert any(key[0] == "ragged" and gluon_plan.PLANS[key] for key in set(gluon_plan.PLANS) - before), (
-        "the call did not take the ragged Gluon plan")
+    assert any(key[0] == "ragged" and key[1] == q.shape and key[3] == k.shape and key[13] == causal
+               and gluon_plan.PLANS[key] for key in list(gluon_plan.PLANS)), "the call took no ragged Gluon plan"
     _assert_only_its_rows(out, lse, _reference(q, k, v, cu_q, cu_k, causal), cu_q, NAN)
 
 
@@ -210,3 +209,32 @@ def test_gluon_dense_batch_keeps_a_nan_in_its_sequence(d, causal, keys, which):
     for b in (0, 2):
         assert_fa_close(out[b], o64[b], same[b], name=f"out of batch {b}")
         assert (lse[b] - l64[b]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.xfail(strict=False, reason="suspected from the code, not yet run: the dense Gluon backward reads the "
+                   "next batch's Q / dO rows past seqlen_q (P = 0 there, but 0 * NaN in dV += P^T dO and dS = P dP) "
+                   "and its K / V rows past seqlen_k (dS = 0 there, but 0 * NaN in dQ += dS K)")
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_dense_backward_keeps_a_nan_in_its_sequence(which, causal):
+    """The dense Gluon backward over a batch whose query and key counts end inside a block: a NaN in batch 1's
+    third row of q, k, v or dout leaves batches 0 and 2's gradients at the reference's (out and lse as the
+    float64 reference has them)."""
+    from flashdecode.ops.gluon_backward import gluon_attention_backward
+
+    gen = torch.Generator().manual_seed(8)
+    q, dout = (randn(3, 300, 4, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (randn(3, 300, 2, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    {"q": q, "k": k, "v": v, "dout": dout}[which][1, 2, 1, 5] = NAN
+    o64, l64 = attention_ref(q.double(), k.double(), v.double(), causal=causal)
+    grads = gluon_attention_backward(dout, q, k, v, o64.to(q.dtype), l64.float(), 128 ** -0.5, causal=causal)
+    for b in (0, 2):
+        refs = []
+        for dtype in (torch.float64, q.dtype):
+            leaves = [x[b:b + 1].detach().to(dtype).requires_grad_() for x in (q, k, v)]
+            out, _ = attention_ref(*leaves, causal=causal)
+            refs.append(torch.autograd.grad(out, leaves, dout[b:b + 1].to(dtype)))
+        for name, g, want, same in zip(("dq", "dk", "dv"), grads, *refs):
+            assert_fa_close(g[b:b + 1], want, same, factor=3.0, atol=1e-4, name=f"{name} of batch {b}")
