@@ -170,8 +170,8 @@ def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
 # tile with FA3's overlapped loop (non-causal), persistent round robin (hd64) and three warpgroups (hd64 from 16k
 # keys) - and the fixed-length kernel with V_TAIL (a batch whose keys end inside a block): TMA + wgmma. Zeroing
 # the last block's V rows past the keys (V_TAIL: the next sequence's rows) costs the overlapped loop and the
-# three-warpgroup tile 8 bytes of spills (two values stored once at the kernel's entry, sm_90 SASS), the only
-# spills these variants may have; host tile lists keep their allowance above.
+# three-warpgroup tile 8 bytes of spills (sm_90 SASS: at a partition's start and the tile's epilogue, never in
+# the key-block loop), the only spills these variants may have; host tile lists keep their allowance above.
 _GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_varlen_config
 sys.path.insert(0, "tests")
