@@ -959,7 +959,11 @@ def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> G
     themselves sit on the device). resolve_gluon_config's rule at that length, except:
     - host-made tile lists (tile_order "lpt") would need the lengths on the host: those launches take one CTA per
       tile instead (the hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop
-      where it holds its state in registers (non-causal; the causal one spills one CTA per tile);
+      where it holds its state in registers (non-causal; the causal one spills one CTA per tile). Zeroing the last
+      key block's V rows past the keys (the next sequence's rows, kernels/gluon/attn_fwd.py) costs it 8 bytes of
+      spills, as it does the hd64 three-warpgroup tile (sm_90 SASS: stored and reloaded at a partition's start
+      and the tile's epilogue, never in the key-block loop); both kept, not yet timed against the plain loop with
+      the zeroing (benchmarks/probes/gluon_varlen.py);
     - causal hd128 batches averaging more than RAGGED_PAIRS_MAX_KEYS keys take one CTA per tile too (hd64 was not
       measured ragged and keeps resolve_gluon_config's rule): a head's heavy and
       light tiles pair up into equal units only when its sequences are equal, and ragged ones are not (H100, 32 / 8

@@ -38,9 +38,9 @@ def desc(dtype, rows, d):
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
-def compile_variant(d, dtype, causal, cfg, varlen=False):
+def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False):
     """fp16/bf16 on attn_fwd_ws_kernel (varlen: attn_fwd_ws_varlen_kernel); fp8e4nv on attn_fwd_fp8_ws_kernel (V^T
-    blocks [d, block_n], bf16 out)."""
+    blocks [d, block_n], bf16 out). v_tail: the fixed-length kernels' V_TAIL (zero V rows past the keys)."""
     fp8 = dtype == "fp8e4nv"
     lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
     fn = (attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_varlen_kernel if varlen
@@ -51,6 +51,8 @@ def compile_variant(d, dtype, causal, cfg, varlen=False):
                   SPLIT_KV_RELEASE=cfg.split_release)
     if not lpt:
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
+    if "V_TAIL" in fn.arg_names:
+        consts.update(V_TAIL=v_tail)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
@@ -165,24 +167,39 @@ def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
 
 
 # The ragged (varlen) kernel in the launch families its resolver returns: tile pairs (short causal), one CTA per
-# tile with FA3's overlapped loop (non-causal) and persistent round robin (hd64): TMA + wgmma, no spills.
+# tile with FA3's overlapped loop (non-causal), persistent round robin (hd64) and three warpgroups (hd64 from 16k
+# keys) - and the fixed-length kernel with V_TAIL (a batch whose keys end inside a block): TMA + wgmma. Zeroing
+# the last block's V rows past the keys (V_TAIL: the next sequence's rows) costs the overlapped loop and the
+# three-warpgroup tile 8 bytes of spills (sm_90 SASS: at a partition's start and the tile's epilogue, never in
+# the key-block loop), the only spills these variants may have; host tile lists keep their allowance above.
 _GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_varlen_config
+sys.path.insert(0, "tests")
+from helpers import registers
 
-for d, causal, mean_keys in [(128, True, 256), (128, False, 2048), (64, False, 1024)]:
-    cfg = resolve_gluon_varlen_config(d, causal, mean_keys)
-    kernel = compile_variant(d, "bf16", causal, cfg, varlen=True)
+variants = [(d, causal, resolve_gluon_varlen_config(d, causal, keys), True)
+            for d, causal, keys in [(128, True, 256), (128, False, 2048), (64, False, 1024), (64, True, 16384)]]
+variants += [(d, causal, resolve_gluon_config(d, causal, keys), False)
+             for d, causal, keys in [(128, False, 16384), (128, True, 1024)]]
+for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
+    kernel = (compile_variant(d, "bf16", causal, cfg, varlen=True) if varlen
+              else compile_variant(d, "bf16", causal, cfg, v_tail=True))
     ptx = kernel.asm["ptx"]
-    what = f"varlen d{d} causal={causal} {cfg}"
+    what = f"{'varlen' if varlen else 'V_TAIL'} d{d} causal={causal} {cfg}"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert "fence.proxy.async" in ptx, what + ": no V rows zeroed before the PV wgmma"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
-    assert spilled_bytes(kernel) == 0 or not SPILLS_CHECKED, what + ": spills"
+    spilled = spilled_bytes(kernel)
+    print(what, "registers", registers(kernel), "spilled", spilled)
+    allowed = 8 if cfg.overlap or cfg.num_consumers == 3 else 0
+    assert spilled <= allowed or not SPILLS_CHECKED, what + ": spills"
 print("compiled")
 '''
 
 
-def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu():
-    run_sm90_compile_script(_GLUON_VARLEN_SCRIPT)
+@pytest.mark.parametrize("shard", range(2))
+def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu(shard):
+    run_sm90_compile_script(f"SHARD, SHARDS = {shard}, 2\n" + _GLUON_VARLEN_SCRIPT)
 
 
 # The paged kernel (prefill over a paged KV cache) in the launches its resolver returns - causal and not, hd128 and

@@ -133,6 +133,14 @@ def lpt_schedule(tile_blocks: list[int], num_ctas: int, overhead: float = LPT_TI
     return torch.tensor([1 + width] + [x for row in rows for x in row], dtype=torch.int32)
 
 
+def _reads_next_values(batch: int, seqlen_k: int, block_n: int) -> bool:
+    """Whether a fixed-length batch's last key block of a sequence reads the next sequence's values (its keys end
+    inside a block and another sequence follows): the kernel must then zero those V rows (V_TAIL), or a NaN / inf
+    value there would reach this sequence's rows through 0 * NaN in PV. The ragged and paged kernels always zero
+    them (no V_TAIL parameter), the e4m3 kernel's V^T holds zeros there (none either)."""
+    return batch > 1 and seqlen_k % block_n != 0
+
+
 class GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
     (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
@@ -179,7 +187,8 @@ class GluonPlan:
                           NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                           OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                           Q_BUFFERS=cfg.q_buffers,
-                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release)
+                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release,
+                          V_TAIL=not self.ragged and _reads_next_values(batch, self.seqlen_k, cfg.block_n))
         if self.paged:
             constexprs.update(paged, PAGE_SIZE=k.shape[1])
         # the ones this plan's kernel takes (lpt: Q_BUFFERS and TILE_ORDER fixed)

@@ -18,8 +18,10 @@ class FwdConfig:
     """The launch's compile-time choices (the entry kernels' constexprs; ops/gluon_attention.py GluonFwdConfig):
     NUM_HEADS query heads, GROUP = nheads // nheads_kv, BLOCK_N keys a block, NUM_STAGES K/V slots, NUM_CONSUMERS
     warpgroups of 64 rows (BLOCK_M = NUM_CONSUMERS * 64 rows a tile), CAUSAL, OVERLAP (FA3's intra-warpgroup
-    overlap), Q_BUFFERS Q buffer sets, TILE_ORDER (fwd_tiles), SPLIT_KV_RELEASE (K and V slots released apart) and
-    V_T (the V descriptor's blocks are V^T tiles: e4m3)."""
+    overlap), Q_BUFFERS Q buffer sets, TILE_ORDER (fwd_tiles), SPLIT_KV_RELEASE (K and V slots released apart),
+    V_T (the V descriptor's blocks are V^T tiles: e4m3) and V_TAIL (a key block's V rows past the sequence's keys
+    may be non-zero - another sequence's rows of a packed batch, a page's tail - so the consumers zero them before
+    PV: fwd_softmax.RowMask)."""
     NUM_HEADS: gl.constexpr
     GROUP: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -32,10 +34,11 @@ class FwdConfig:
     TILE_ORDER: gl.constexpr
     SPLIT_KV_RELEASE: gl.constexpr
     V_T: gl.constexpr
+    V_TAIL: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS, TILE_ORDER,
-                 SPLIT_KV_RELEASE, V_T):
+                 SPLIT_KV_RELEASE, V_T, V_TAIL=False):
         self.NUM_HEADS = gl.constexpr(NUM_HEADS)
         self.GROUP = gl.constexpr(GROUP)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -48,6 +51,7 @@ class FwdConfig:
         self.TILE_ORDER = gl.constexpr(TILE_ORDER)
         self.SPLIT_KV_RELEASE = gl.constexpr(SPLIT_KV_RELEASE)
         self.V_T = gl.constexpr(V_T)
+        self.V_TAIL = gl.constexpr(V_TAIL)
 
 
 @aggregate
@@ -175,10 +179,10 @@ class KVRing:
     @gluon.jit
     def clear_v_rows(self, g, valid):
         """Zero block g's V slot from row ``valid`` on (nothing where valid >= BLOCK_N), after its load landed and
-        before the PV wgmma reads it: a paged cache's rows past a sequence's keys may hold anything, and their zero
-        probabilities times NaN would be NaN. ROWS rows at a time through registers; every consumer warpgroup writes
-        the same zeros (so no order among them matters), then fences its generic stores against the wgmma's async
-        reads and syncs its warps."""
+        before the PV wgmma reads it: the rows past a sequence's keys may hold anything (the next sequence's values
+        of a packed batch, a paged cache's page tail), and their zero probabilities times NaN or inf would be NaN.
+        ROWS rows at a time through registers; every consumer warpgroup writes the same zeros (so no order among
+        them matters), then fences its generic stores against the wgmma's async reads and syncs its warps."""
         BLOCK_N: gl.constexpr = self.v_smem.shape[1]
         HEAD_DIM: gl.constexpr = self.v_smem.shape[2]
         layout: gl.constexpr = store_layout(HEAD_DIM)
@@ -352,7 +356,7 @@ def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, 
     q = q_chan.acquire(q_slot, uses)
     n_blocks = t.num_blocks(BLOCK_N)
     n_full = (n_full_end - t.n_lo) // BLOCK_N
-    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL, tiles.opts, tiles.pages is not None)
+    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL, tiles.opts, cfg.V_TAIL)
     if cfg.OVERLAP:
         acc, m_i, l_i = _tile_overlap(ring, q, blocks_done, t.n_lo, n_full, n_blocks, mask, scale_log2)
     else:

@@ -15,8 +15,10 @@ class RowMask:
     sequence, in the scores' row layout) of a sequence of len_q queries and len_k keys; keys past len_k are hidden
     and, CAUSAL, keys right of the bottom-right aligned diagonal (row i sees key j <= i + len_k - len_q); opts (a
     fwd_tiles.ScoreOptions, or None) adds a sliding window around that diagonal and a softcap. V_TAIL: the K / V
-    rows past len_k in a block may hold anything (a paged cache's page tail), so the consumer zeroes them in V
-    before PV (fwd_partitions.KVRing.clear_v_rows); else they are another sequence's keys or TMA's zeros."""
+    rows past len_k in a block may hold anything (the next sequence's rows of a packed batch, a paged cache's page
+    tail), so the consumer zeroes them in V before PV (fwd_partitions.KVRing.clear_v_rows): their probabilities
+    are 0, but 0 * NaN (or inf) in the PV wgmma is NaN; the key mask already hides their scores. Else they are
+    TMA's zeros past the tensor."""
     rows: gl.tensor
     len_q: RUNTIME
     len_k: RUNTIME
