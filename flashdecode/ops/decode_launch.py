@@ -143,14 +143,22 @@ def _kv_sources(config: DecodeConfig, k_cache, v_cache):
     by the ids)."""
     if not config.use_tma:
         return k_cache, v_cache, k_cache.stride(0)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     rows = k_cache.shape[0] * k_cache.shape[1]
     width = k_cache.shape[2] * k_cache.shape[3]
     box = [config.block_n, k_cache.shape[3]]
-    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box)
-    v_desc = TensorDescriptor(v_cache, [rows, width], [width, 1], box)
-    return k_desc, v_desc, k_cache.shape[1]
+    return _descriptor(k_cache, rows, width, box), _descriptor(v_cache, rows, width, box), k_cache.shape[1]
+
+
+def _descriptor(base, rows: int, width: int, box: list):
+    """A host TensorDescriptor over base viewed as (rows, width), built without Triton's __post_init__ assertions
+    (per call they cost about as much as the rest of the launch): what they assert - a 16-byte aligned base and
+    row stride, a power-of-two box, a unit last stride - the policy checked before it chose the TMA path
+    (util.cache_rows_tma_ok, heuristics.decode_tma_fits), on the layout the call key fixes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, [rows, width], [width, 1], box, "zero"
+    return desc
 
 
 def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, o4,
