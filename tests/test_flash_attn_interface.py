@@ -445,6 +445,39 @@ def test_kvcache_direct_route_never_serves_a_stale_decision(gen, device_resident
     assert append_ops._SITE.records  # the appends were recorded: their repeated launches go direct
 
 
+def test_kvcache_mixed_batch_takes_flash_decodes_split_policy(gen, device_resident, monkeypatch):
+    """bench decode's "mixed" row (one 131072-token sequence among 15 of 1024, Llama-3-8B heads, bf16, pages of 16),
+    device-resident lengths on a Hopper of 132 SMs: flash_attn_with_kvcache (first and repeated call), flash_decode
+    and a DecodePlan resolve one config, and it splits (the no-split kernel would run the long sequence alone)."""
+    import flashdecode
+    from flashdecode.config import DecodePath
+    from flashdecode.ops import decode as decode_ops
+    from flashdecode.ops import decode_policy
+
+    monkeypatch.setattr(decode_policy, "_interpreting", lambda device=None: False)
+    monkeypatch.setattr(decode_policy, "hopper_or_newer", lambda device: True)
+    monkeypatch.setattr(decode_policy, "num_sms", lambda device: 132)
+    configs = []
+
+    def no_launch(shape, config, launch, q, *args):  # the decisions only: nothing of this size runs here
+        configs.append(config)
+        return torch.zeros_like(q), None
+    monkeypatch.setattr(decode_ops, "_launch_decode", no_launch)
+    lens = [131072] + [1024] * 15
+    b, page = len(lens), 16
+    q = torch.randn(b, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.zeros(512, page, 8, 128, dtype=torch.bfloat16, device=DEVICE)  # a small pool: ids are not read
+    table = torch.randint(0, 512, (b, max(lens) // page), generator=gen, dtype=torch.int32).to(DEVICE)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    flashdecode.flash_decode(q, k, k, lengths, block_table=table)
+    for _ in range(2):
+        fai.flash_attn_with_kvcache(q.unsqueeze(1), k, k, cache_seqlens=lengths, block_table=table, causal=True)
+    plan = flashdecode.DecodePlan(b, 32, 8, 128, max_seqlen_k=max(lens), device=DEVICE)
+    configs.append(plan.config_for(q, k, k, lengths, block_table=table))
+    assert len(configs) == 4 and all(c == configs[0] for c in configs), configs
+    assert configs[0].path is not DecodePath.UNSPLIT and configs[0].num_splits > 1
+
+
 def test_kvcache_host_index_values_are_checked(gen, monkeypatch):
     """Index tensors that live on the host are range-checked (device ones cannot be without a sync), before any
     kernel runs: everything on the CPU, with the interpreter's device rule also on a GPU machine."""

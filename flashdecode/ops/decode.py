@@ -1,9 +1,9 @@
 """flash_decode, DecodePlan and append_kv (ops/append_kv.py): the public decode API.
 
 Two ways to call decode attention:
-  - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it sizes the splits from the
-    cache capacity and lets the device give each sequence the splits its live length needs (lengths on the host
-    choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
+  - ``flash_decode(...)``: convenient. Without ``num_splits`` it sizes the splits for any mix of lengths up to the
+    cache capacity (or ``max_seqlen_k``), as a DecodePlan does, and lets the device give each sequence the splits
+    its live length needs (lengths on the host choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
     call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
     kernels directly (ops/launch_cache.py); a contiguous cache that grows between calls (a generation's steps) is
     sized for its capacity bucket (decode_host.capacity_bucket), so its steps share one record per bucket.
@@ -76,7 +76,10 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
         live, total = shape.capacity, None  # no length is read: the config does not depend on them
     else:
         live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
-    problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant)
+    # lengths the host did not read (device-resident, a capture, a max_seqlen_k bound) may hold any mix: the splits
+    # cover one long sequence among short ones, as a DecodePlan's do (the device paths give short ones fewer)
+    problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant,
+                            balance_mixed=num_splits is None and total is None and not fixed_split)
     if not fixed_split and total is None and not shape.paged:
         problem = _sized_for_bucket(problem)
     dev = decode_device(shape.device)
