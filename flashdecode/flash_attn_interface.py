@@ -581,16 +581,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # the plain decode route: decided once per key (an int cache_seqlens' bound is a per-call value: decided per call)
     fold, left = mask
     q_rows = _fold_rows(q, fold)
-    seen = _seen_buffer(lengths, k)
+    # the append kernel writes the lengths the attention sees, unless the checks read them on the host first
+    fused = not checks.host_resident(lengths)
+    seen = _seen_buffer(lengths, k) if fused else _seen_lengths(lengths, seqlen_new)
     decided = decide_flash_decode(q_rows, k_cache, v_cache, seen, block_table=table, softmax_scale=softmax_scale,
                                   softcap=softcap, window_size=(left, -1), num_splits=num_splits or None,
                                   alibi_slopes=alibi_slopes, max_seqlen_k=None if num_splits else bound)
     append = None if k is None else checked_append(k_cache, v_cache, k, v, lengths, table)
-    # every check has run: now the append writes the cache (and the lengths the attention sees), then it attends
-    if append is not None and not append.run(k_cache, v_cache, k, v, lengths, table, None, seen):
+    # every check has run: now the append writes the cache (and the seen lengths), then the attention runs
+    if append is not None and not append.run(k_cache, v_cache, k, v, lengths, table, None, seen if fused else None) \
+            and fused:
         seen = lengths  # nothing appended (an empty batch)
     out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse))
-    if host_bound is None or cache_seqlens is None:  # the decision read no per-call value: keep it for the key
+    if (host_bound is None or cache_seqlens is None) and (fused or k is None):  # no per-call value decided it
         checked.direct = _DirectKvcache(decided.kept(), append)
     return _decode_result(out, lse, q.shape, fold, return_softmax_lse)
 

@@ -117,29 +117,37 @@ def checked_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=No
                                 num_pages=k_cache.shape[0], validate=validate, appending=True,
                                 added=0 if varlen else k_new.shape[1], cu_seqlens_new=cu_seqlens_new,
                                 new_rows=k_new.shape[0], max_new=max_new)
-    launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales)
+    launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, v_new, quant, write_scales)
     decode_host.keep(key, launch)
     return launch
 
 
 class _AppendLaunch:
-    """What a checked append_kv call's metadata fixes: the grid, the constexprs and the launch-cache key (None: a
+    """What a checked append_kv call's metadata fixes: the grid, the kernel's arguments after its tensors (the
+    integers the shapes and strides give, an 8-bit cache's scales), the constexprs and the launch-cache key (None: a
     call whose checks read values, launched without recording)."""
 
-    __slots__ = ("key", "seen_key", "grid", "ints", "constexprs", "varlen")
+    __slots__ = ("key", "seen_key", "grid", "tail", "constexprs", "varlen", "paged")
 
-    def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales):
+    def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, v_new, quant, write_scales):
         headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
         block_t = 16 if _interpreting(k_new.device) else 32
-        self.key, self.varlen = key, varlen
+        self.key, self.varlen, self.paged = key, varlen, block_table is not None
         self.seen_key = None if key is None else (key, "seen")  # the launch that also writes the seen lengths
         self.grid = None if batch == 0 or max_new == 0 else (batch, heuristics.cdiv(max_new, block_t), nheads_kv)
         capacity = _cache_capacity(k_cache, block_table, batch)
-        self.ints = (capacity, 0 if varlen else k_new.shape[1], k_new.shape[0], k_cache.shape[0])
-        self.constexprs = dict(
+        kb = (0, k_new.stride(0), k_new.stride(1)) if varlen else k_new.stride()[:3]
+        vb = (0, v_new.stride(0), v_new.stride(1)) if varlen else v_new.stride()[:3]
+        quant_args = _quant_args(quant, write_scales)
+        # the key fixes every layout: the arguments after the tensors are the same for each of its calls
+        self.tail = (capacity, 0 if varlen else k_new.shape[1], k_new.shape[0], k_cache.shape[0], *kb, *vb,
+                     *k_cache.stride()[:3], block_table.stride(0) if self.paged else 0,
+                     *(quant_args.get(n, 0 if n.startswith("stride") else None) for n in _RUNTIME_QUANT_ARGS))
+        constexprs = dict(
             HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
-            PAGE_SIZE=k_cache.shape[1] if block_table is not None else 0, VARLEN=varlen, num_warps=4,
-            **_quant_args(quant, write_scales))
+            PAGE_SIZE=k_cache.shape[1] if self.paged else 0, VARLEN=varlen, num_warps=4,
+            **{n: x for n, x in quant_args.items() if n not in _RUNTIME_QUANT_ARGS})
+        self.constexprs = lambda: constexprs
 
     def run(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new, seen=None):
         """The append on these tensors (of the checked layouts); ``seen``: None, or a contiguous int32 (batch,)
@@ -147,17 +155,9 @@ class _AppendLaunch:
         Returns whether a kernel ran (none for no sequence or no new token: ``seen`` is then not written)."""
         if self.grid is None:
             return False
-        bt = block_table if block_table is not None else cache_seqlens
-        cu = cu_seqlens_new if self.varlen else cache_seqlens
-        kb = (0, k_new.stride(0), k_new.stride(1)) if self.varlen else k_new.stride()[:3]
-        vb = (0, v_new.stride(0), v_new.stride(1)) if self.varlen else v_new.stride()[:3]
-        scales = self.constexprs.get("K_SCALE"), self.constexprs.get("V_SCALE")
-        runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, *self.ints, *kb, *vb,
-                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   bt.stride(0) if block_table is not None else 0, *scales,
-                   *(self.constexprs.get(n, 0) for n in ("stride_sb", "stride_st", "stride_sh")), seen)
-        _SITE.launch(self.key if seen is None else self.seen_key, self.grid, runtime, lambda: {
-            n: x for n, x in self.constexprs.items() if n not in _RUNTIME_QUANT_ARGS}, k_new.device)
+        runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu_seqlens_new if self.varlen else cache_seqlens,
+                   block_table if self.paged else cache_seqlens) + self.tail + (seen,)
+        _SITE.launch(self.key if seen is None else self.seen_key, self.grid, runtime, self.constexprs, k_new.device)
         return True
 
 
