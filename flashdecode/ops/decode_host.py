@@ -53,7 +53,7 @@ def options_key(options: tuple) -> tuple:
     (a tuple or list of them, e.g. window_size, element by element)."""
     types = tuple(map(type, options))
     if tuple in types or list in types:
-        return ("nested",) + tuple(map(_option, options))
+        return ("nested",) + tuple([_option(x) if t is tuple or t is list else (t, x) for x, t in zip(options, types)])
     return options, types
 
 

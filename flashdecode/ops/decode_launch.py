@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath
@@ -154,8 +155,6 @@ def _descriptor(base, rows: int, width: int, box: list):
     (per call they cost about as much as the rest of the launch): what they assert - a 16-byte aligned base and
     row stride, a power-of-two box, a unit last stride - the policy checked before it chose the TMA path
     (util.cache_rows_tma_ok, heuristics.decode_tma_fits), on the layout the call key fixes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, [rows, width], [width, 1], box, "zero"
     return desc
