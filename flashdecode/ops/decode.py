@@ -3,7 +3,8 @@
 Two ways to call decode attention:
   - ``flash_decode(...)``: convenient. Without ``num_splits`` it sizes the splits for any mix of lengths up to the
     cache capacity (or ``max_seqlen_k``), as a DecodePlan does, and lets the device give each sequence the splits
-    its live length needs (lengths on the host choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
+    its live length needs (lengths on the host choose them there); it never syncs, allocates only its outputs
+    (workspace from a per-stream pool), and a repeated
     call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
     kernels directly (ops/launch_cache.py); a contiguous cache that grows between calls (a generation's steps) is
     sized for its capacity bucket (decode_host.capacity_bucket), so its steps share one record per bucket.
@@ -337,10 +338,7 @@ def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaun
     # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
-    splits = launch.grid_splits
-    partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
-    tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
-    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
+    partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
     if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
         lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
         partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)

@@ -86,6 +86,7 @@ def clear() -> None:
     """Forget every recorded launch of every site (tests that patch the launch policy call it)."""
     for site in _SITES:
         site.records.clear()
+        site.plans.clear()
 
 
 def sites() -> list:
@@ -192,6 +193,7 @@ class LaunchSite:
         self.slots = tuple(i for i, p in enumerate(params) if not _is_constexpr(p))
         self.runs = _slot_runs(self.slots)
         self.records = PlanCache(_MAX_KEYS)
+        self.plans = PlanCache(_MAX_KEYS)  # what a caller derives per key beside the record (cleared with it)
         self.jit_launches = 0  # launches through Triton's JIT (first of a key, interpreter, hooks)
         _SITES.append(self)
 

@@ -10,7 +10,7 @@ from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.util import interpreting_now
-from flashdecode.ops.launch_cache import LaunchSite, PlanCache, tensor_key
+from flashdecode.ops.launch_cache import LaunchSite, tensor_key
 
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
 
@@ -87,10 +87,10 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     if key is None:
         key = (tensor_key(o_in_s), tensor_key(lse_in_s), tensor_key(o_out), tensor_key(lse_out), lse_log2, use_pdl,
                early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only)
-    plan = _MERGE_PLANS.get(key)
+    plan = _MERGE_MANY.plans.get(key)
     if plan is None:
-        plan = _MERGE_PLANS.put(key, _MergePlan(o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger,
-                                                d_chunks, max_rows, block_s, skip_empty, live_only))
+        plan = _MERGE_MANY.plans.put(key, _MergePlan(o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
+                                                     early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only))
     if plan.grid is not None:
         _MERGE_MANY.launch(key, plan.grid, (o_in_s, lse_in_s, o_out, lse_out) + plan.ints, plan.constexprs,
                            o_out.device)
@@ -98,7 +98,7 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
 
 class _MergePlan:
     """What a launch_merge_many key fixes (the tensors' shapes and strides, the options): the grid (None: nothing to
-    merge), the kernel's integer arguments and its constexprs; made once per key (kept in _MERGE_PLANS)."""
+    merge), the kernel's integer arguments and its constexprs; made once per key (kept beside the site's records)."""
 
     __slots__ = ("grid", "ints", "constexprs")
 
@@ -134,9 +134,6 @@ class _MergePlan:
         self.constexprs = lambda: options
 
 
-_MERGE_PLANS = PlanCache(4096)  # launch_merge_many's key -> _MergePlan
-
-
 _MERGE_MANY = LaunchSite(merge_many_kernel, "merge_many_kernel")
 _MERGE_TWO = LaunchSite(merge_two_kernel, "merge_two_kernel")
 
@@ -157,7 +154,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors).
     """
     key = _merge_two_key(o_a, lse_a, o_b, lse_b)
-    plan = None if key is None else _MERGE_PLANS.get(key)
+    plan = None if key is None else _MERGE_TWO.plans.get(key)
     if plan is None:
         _check_state("o_a", o_a, "lse_a", lse_a)
         _check_state("o_b", o_b, "lse_b", lse_b)
@@ -165,7 +162,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
             raise ValueError(f"o_a and o_b must match in shape, dtype and device; got {tuple(o_a.shape)} "
                              f"{o_a.dtype} and {tuple(o_b.shape)} {o_b.dtype}")
         # (key is not None here: an argument that is not a tensor has failed the checks)
-        plan = _MERGE_PLANS.put(key, _MergeTwoPlan(o_a, lse_a, o_b, lse_b))
+        plan = _MERGE_TWO.plans.put(key, _MergeTwoPlan(o_a, lse_a, o_b, lse_b))
     out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
     if plan.grid is None:
