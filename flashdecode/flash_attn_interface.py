@@ -59,7 +59,9 @@ import torch
 from flashdecode import heuristics
 from flashdecode.ops import checks, decode_host, direct_launch
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
-from flashdecode.ops.decode import append_kv, flash_decode, prepare_flash_decode
+from flashdecode.ops.append_kv import checked_append
+from flashdecode.ops.decode import (append_kv, decide_flash_decode, flash_decode, launch_decided,
+                                    prepare_flash_decode)
 from flashdecode.ops.paged_prefill import prepare_paged_prefill
 from flashdecode.ops.checks import check_alibi_slopes
 from flashdecode.ops.decode_workspace import stream_workspace
@@ -225,7 +227,7 @@ def _check_index_tensor(name: str, x, batch: int, device, upper: Optional[int] =
     if x.shape[0] != batch:
         raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
     checks.check_device(name, x, device)
-    if x.device.type == "cpu" and x.numel() and (int(x.min()) < 0 or (upper is not None and int(x.max()) >= upper)):
+    if checks.host_resident(x) and x.numel() and (int(x.min()) < 0 or (upper is not None and int(x.max()) >= upper)):
         raise ValueError(f"{name} values must be in [0, {upper}), got {x.tolist()}")
     return x
 
@@ -271,22 +273,21 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device, new_tokens: bool):
     return None, checks.check_int("cache_seqlens", cache_seqlens, minimum=0)
 
 
-def _read_on_host(x) -> bool:
-    """Whether the checks read the values of index tensor ``x`` (lengths, cache_batch_idx, cache_leftpad): they do
-    where it lives on the host (_check_index_tensor, the capacity check), so such a call is checked every time."""
-    return isinstance(x, torch.Tensor) and (x.device.type == "cpu" or checks.host_resident(x))
-
-
 def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, alibi_slopes, options: tuple):
     """The key under which a flash_attn_with_kvcache call's checks are kept (decode_host.call_key: every tensor's
     shape, strides, dtype, device and alignment, every option with its type, an int cache_seqlens by type), or
-    None where the checks read values (host-resident index tensors) or an argument cannot be keyed."""
-    if any(_read_on_host(x) for x in (cache_seqlens, cache_batch_idx, cache_leftpad)):
+    None where the checks read values (host-resident index tensors: lengths, cache_batch_idx, cache_leftpad, whose
+    values _check_index_tensor and the capacity check read) or an argument cannot be keyed."""
+    host = checks.host_resident
+    if (isinstance(cache_batch_idx, torch.Tensor) and host(cache_batch_idx)) \
+            or (isinstance(cache_leftpad, torch.Tensor) and host(cache_leftpad)):
         return None
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                alibi_slopes)
     if isinstance(cache_seqlens, torch.Tensor):
+        if host(cache_seqlens):
+            return None
         tensors += (cache_seqlens,)
     else:  # None, or an int whose value the caller checks per call (a generation's steps share the key)
         options += (cache_seqlens is None, cache_seqlens.__class__)
@@ -541,12 +542,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                                   rotary_interleaved, num_splits, return_softmax_lse))
     checked = decode_host.kept_checks(key)
     if checked is None:
-        checked = _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                        return_softmax_lse)
+        checked = _KvcacheChecks(*_checked_kvcache_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse))
         decode_host.keep_checks(key, checked)
-    num_splits, mask, prefill, capacity, rotary_dim = checked
+    elif checked.direct is not None and checked.direct.decided.in_capture == capturing(q.device):
+        return _run_direct(checked, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                           alibi_slopes, return_softmax_lse)
+    num_splits, mask, prefill, capacity, rotary_dim = checked.decided
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
     lengths, host_bound = cache_seqlens, None  # checked: an int32 (batch,) tensor, an int or None (a full cache)
@@ -559,9 +563,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         host_bound = capacity
 
     # a contiguous cache whose rows are picked by cache_batch_idx is a paged cache of one page per row
-    table = block_table
-    if table is None and cache_batch_idx is not None:
-        table = cache_batch_idx.view(batch, 1)
+    table = _cache_table(block_table, cache_batch_idx, batch)
 
     if rotary_dim:
         ro_len = rotary_cos.shape[0]
@@ -570,8 +572,128 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         consecutive = causal or tuple(window_size) != (-1, -1)
         q = _apply_rotary(q, rotary_cos, rotary_sin, _rotary_positions(lengths, seqlen_q, consecutive, ro_len),
                           rotary_interleaved)
+    k, v = _unit_stride_new(k, v)
+    bound = _host_length_bound(q, host_bound, seqlen_new, capacity)
+    if prefill or cache_leftpad is not None or rotary_dim:
+        return _kvcache_general(q, k_cache, v_cache, k, v, lengths, cache_batch_idx, cache_leftpad, table, prefill,
+                                bound, capacity, mask, num_splits, softmax_scale, causal, window_size, softcap,
+                                alibi_slopes, return_softmax_lse)
+    # the plain decode route: decided once per key (an int cache_seqlens' bound is a per-call value: decided per call)
+    fold, left = mask
+    q_rows = _fold_rows(q, fold)
+    # the append kernel writes the lengths the attention sees, unless the checks read them on the host first
+    fused = not checks.host_resident(lengths)
+    seen = _seen_buffer(lengths, k) if fused else _seen_lengths(lengths, seqlen_new)
+    decided = decide_flash_decode(q_rows, k_cache, v_cache, seen, block_table=table, softmax_scale=softmax_scale,
+                                  softcap=softcap, window_size=(left, -1), num_splits=num_splits or None,
+                                  alibi_slopes=alibi_slopes, max_seqlen_k=None if num_splits else bound)
+    append = None if k is None else checked_append(k_cache, v_cache, k, v, lengths, table)
+    # every check has run: now the append writes the cache (and the seen lengths), then the attention runs
+    if append is not None and not append.run(k_cache, v_cache, k, v, lengths, table, None, seen if fused else None) \
+            and fused:
+        seen = lengths  # nothing appended (an empty batch)
+    out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse))
+    if (host_bound is None or cache_seqlens is None) and (fused or k is None):  # no per-call value decided it
+        checked.direct = _DirectKvcache(decided.kept(), append)
+    return _decode_result(out, lse, q.shape, fold, return_softmax_lse)
+
+
+class _KvcacheChecks:
+    """What a flash_attn_with_kvcache call's checks decide (kept per call key, decode_host.keep_checks): ``decided``,
+    _checked_kvcache_call's answer; ``direct``, the plain decode route's kept decisions (_DirectKvcache) once a
+    call whose decisions read no per-call value has made them (None: that route is decided per call)."""
+
+    __slots__ = ("decided", "direct")
+
+    def __init__(self, *decided):
+        self.decided, self.direct = decided, None
+
+
+class _DirectKvcache:
+    """The plain decode route of a flash_attn_with_kvcache key (no rotary, no cache_leftpad, no paged prefill; a
+    tensor cache_seqlens or none): flash_decode's decisions for the attention (ops/decode.py DecidedDecode, kept)
+    and append_kv's checked launch (None without k / v), made by the key's first call after every check of both."""
+
+    __slots__ = ("decided", "append")
+
+    def __init__(self, decided, append):
+        self.decided, self.append = decided, append
+
+
+def _run_direct(checked, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                return_lse):
+    """A repeated key on the plain decode route: the append (which also writes the lengths the attention sees) and
+    the attention, launched from the kept decisions (no check, no resolution)."""
+    direct, batch = checked.direct, q.shape[0]
+    fold = checked.decided[1][0]
+    lengths = cache_seqlens
+    if lengths is None:
+        lengths = _filled_lengths(batch, checked.decided[3], q.device)
+    table = _cache_table(block_table, cache_batch_idx, batch)
+    seen = lengths
     if k is not None:
-        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+        k, v = _unit_stride_new(k, v)
+        seen = _seen_buffer(lengths, k)
+        if not direct.append.run(k_cache, v_cache, k, v, lengths, table, None, seen):
+            seen = lengths
+    q_rows = _fold_rows(q, fold)
+    out, lse = direct.decided.relaunch(q_rows, alibi_slopes, k_cache, v_cache, seen, table, return_lse)
+    return _decode_result(out, lse, q.shape, fold, return_lse)
+
+
+def _fold_rows(q, fold: bool):
+    """q as the decode kernels' query rows: full attention of seqlen_q rows == one row per (head, token) pair (heads
+    h * seqlen_q + i share kv head h // group, so the fold keeps the GQA mapping)."""
+    if not fold:
+        return q
+    batch, seqlen_q, nheads, headdim = q.shape
+    return q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim)
+
+
+def _decode_result(out, lse, q_shape, fold: bool, return_lse: bool):
+    """flash-attn's (out (batch, seqlen_q, nheads, headdim)[, lse (batch, nheads, seqlen_q)]) from the decode
+    route's out and lse (folded rows unfolded)."""
+    if fold:
+        batch, seqlen_q, nheads, headdim = q_shape
+        out = out.view(batch, nheads, seqlen_q, headdim).transpose(1, 2).contiguous()
+        lse = None if lse is None else lse.view(batch, nheads, seqlen_q)
+    elif lse is not None:
+        lse = lse.transpose(1, 2)
+    return (out, lse.contiguous()) if return_lse else out
+
+
+def _cache_table(block_table, cache_batch_idx, batch: int):
+    """The block table the kernels read: block_table, or (a contiguous cache whose rows cache_batch_idx picks is a
+    paged cache of one page per row) cache_batch_idx as (batch, 1), or None."""
+    if block_table is None and cache_batch_idx is not None:
+        return cache_batch_idx.view(batch, 1)
+    return block_table
+
+
+def _unit_stride_new(k, v):
+    """The new keys / values with a unit head-dim stride (the append kernel's layout; copies only where needed)."""
+    if k is None or (k.stride(-1) == 1 and v.stride(-1) == 1):
+        return k, v
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+
+
+def _seen_buffer(lengths, k):
+    """Where the lengths the attention sees (lengths + seqlen_new) go: ``lengths`` itself when nothing is appended,
+    else an int32 (batch,) buffer the append kernel writes (the stream's pooled one, or a new one under capture)."""
+    if k is None or k.shape[1] == 0:
+        return lengths
+    buffer = _eager_lengths(lengths.device, lengths.shape[0], "seen")
+    return torch.empty_like(lengths) if buffer is None else buffer
+
+
+def _kvcache_general(q, k_cache, v_cache, k, v, lengths, cache_batch_idx, cache_leftpad, table, prefill, bound,
+                     capacity, mask, num_splits, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     return_lse):
+    """flash_attn_with_kvcache's routes decided per call: the paged prefill, cache_leftpad's pages of one token and
+    rotary embeddings (q, k already rotated). Every check of the attention runs before the append writes the cache:
+    a call that raises changed nothing."""
+    batch = q.shape[0]
+    seqlen_new = 0 if k is None else k.shape[1]
     seen = _seen_lengths(lengths, seqlen_new)  # keys the attention sees
     kv_k, kv_v = k_cache, v_cache
     if cache_leftpad is not None:
@@ -579,10 +701,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         kv_k, kv_v, table_read, seen = _one_token_pages(k_cache, v_cache, rows, cache_leftpad, seen)
     else:
         table_read = table
-
-    bound = _host_length_bound(q, host_bound, seqlen_new, capacity)
     if prefill:  # a chunk of new tokens over the pages: the paged prefill kernel reads what append_kv wrote
-        # every check of the attention runs before the append writes the cache: a call that raises changed nothing
         attend = _prepare_paged_prefill_with_kvcache(
             q, kv_k, kv_v, seen, table_read, bound or capacity,
             causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
@@ -590,24 +709,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             append_kv(k_cache, v_cache, k, v, lengths, table)
         out, lse = attend()
-        return (out, lse.contiguous()) if return_softmax_lse else out
+        return (out, lse.contiguous()) if return_lse else out
     fold, left = mask
     # flash_decode's own split policy (no host bound unless the lengths are host ints): the same path and config
     # as a flash_decode call on these tensors, and no lse written where none is returned
-    decode_kw = dict(block_table=table_read, softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
-                     num_splits=num_splits or None, return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes,
-                     max_seqlen_k=None if num_splits else bound)
-    # full attention of seqlen_q rows == one row per (head, token) pair: heads h * seqlen_q + i share kv head
-    # h // group, so the fold keeps the GQA mapping
-    q_rows = q.transpose(1, 2).reshape(batch, nheads * seqlen_q, headdim) if fold else q
-    # every check of the attention runs before the append writes the cache: a call that raises changed nothing
-    attend = prepare_flash_decode(q_rows, kv_k, kv_v, seen, **decode_kw)
+    attend = prepare_flash_decode(_fold_rows(q, fold), kv_k, kv_v, seen, block_table=table_read,
+                                  softmax_scale=softmax_scale, softcap=softcap, window_size=(left, -1),
+                                  num_splits=num_splits or None, return_lse=bool(return_lse),
+                                  alibi_slopes=alibi_slopes, max_seqlen_k=None if num_splits else bound)
     if k is not None:
         append_kv(k_cache, v_cache, k, v, lengths, table)
     out, lse = attend()
-    if fold:
-        out = out.view(batch, nheads, seqlen_q, headdim).transpose(1, 2).contiguous()
-        lse = None if lse is None else lse.view(batch, nheads, seqlen_q)
-    elif lse is not None:
-        lse = lse.transpose(1, 2)
-    return (out, lse.contiguous()) if return_softmax_lse else out
+    return _decode_result(out, lse, q.shape, fold, return_lse)

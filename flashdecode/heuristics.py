@@ -233,6 +233,7 @@ class DecodeProblem:
     cache_tma_ok: bool = False      # the cache views densely as (rows, nheads_kv * headdim), 16-byte aligned
     cache_offsets_fit_int32: bool = False  # every element offset into the cache is < 2**31
     batch_invariant: bool = False   # one config whatever the batch and the other lengths (batch_invariant_config)
+    balance_mixed: bool = False     # the host does not know the lengths: the policy's splits also cover the worst mix
 
     @property
     def block_m(self) -> int:
@@ -398,16 +399,22 @@ def decode_plan_problem(max_batch: int, nheads_kv: int, group: int, max_seqlen_q
 
 
 def decode_plan_splits(p: DecodeProblem, dev: DecodeDevice, balance_mixed: bool) -> int:
-    """A DecodePlan's split count from its problem (decode_plan_problem: the tiles of a contiguous cache at
-    max_batch): equal lengths of p.live_keys, or with balance_mixed also the worst mix (one such sequence among
-    empty ones; the device paths then give equal lengths fewer)."""
-    kw = dict(block_n=_stage1_choice(p, dev, None).block_n, min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT,
-              **_split_occupancy(p.elem_bytes, dev))
-    splits = decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms, **kw)
-    if balance_mixed:
-        splits = max(splits, decode_num_splits(p.batch, p.kv_programs, p.live_keys, dev.num_sms,
-                                               total_seqlen_k=p.live_keys, **kw))
-    return splits
+    """The policy's split count where the lengths are bounds: a DecodePlan's (decode_plan_problem: the tiles of a
+    contiguous cache at max_batch) and an eager call's whose lengths the host does not know (p.balance_mixed): the
+    lengths of p.live_keys (p.total_keys their sum where the host knows it), or with balance_mixed also the worst
+    mix (one such sequence among empty ones; the device paths then give equal lengths fewer)."""
+    block_n = _stage1_choice(p, dev, None).block_n
+    splits = decode_policy_splits(p, dev, block_n)
+    return max(splits, _worst_mix_splits(p, dev, block_n)) if balance_mixed else splits
+
+
+def _worst_mix_splits(p: DecodeProblem, dev: DecodeDevice, block_n: int) -> int:
+    """The split count of the worst mix of lengths up to p.live_keys: one such sequence among empty ones (about
+    num_sms / nheads_kv splits; the device paths give shorter sequences fewer)."""
+    live = p.live_keys if p.window_left < 0 else min(p.live_keys, p.window_left + p.seqlen_q)
+    return decode_num_splits(p.batch, p.kv_programs, live, dev.num_sms, block_n=block_n,
+                             min_blocks_per_split=DECODE_MIN_BLOCKS_PER_SPLIT, total_seqlen_k=live,
+                             **_split_occupancy(p.elem_bytes, dev))
 
 
 def decode_fixed_split_partials(max_seqlen_k: int, config: DecodeConfig) -> int:
@@ -431,8 +438,8 @@ def resolve_decode_config(p: DecodeProblem, dev: DecodeDevice) -> DecodeConfig:
     is computed first and the config built once."""
     if p.batch_invariant:
         return batch_invariant_config(p, dev)
-    if p.num_splits is None:
-        splits, may_reduce = decode_policy_splits(p, dev, _stage1_choice(p, dev, None).block_n), True
+    if p.num_splits is None:  # lengths the host does not know size the splits for any mix, as a DecodePlan does
+        splits, may_reduce = decode_plan_splits(p, dev, p.balance_mixed), True
     else:
         splits, may_reduce = p.num_splits, p.device_may_reduce_splits
     live = max(p.live_keys, 1)

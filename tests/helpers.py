@@ -196,6 +196,10 @@ def compile_for_sm90(fn, types: dict, consts: dict, num_stages: int = 3, num_war
     # constexpr parameters a script leaves out take their defaults, as at a launch
     consts = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
                   **consts)
+    # runtime parameters defaulting to None that a script neither types nor sets are None, as at a launch that
+    # leaves them out (Triton specialises a None argument as a constexpr)
+    consts.update({p.name: None for p in fn.params if not p.is_constexpr and p.default is None
+                   and p.name not in types and p.name not in DECODE_TUPLES and p.name not in consts})
     sig = {n: "constexpr" if n in consts else types.get(n, DECODE_TUPLES.get(n, "i32")) for n in fn.arg_names}
     attrs = {}
     for i, n in enumerate(fn.arg_names):

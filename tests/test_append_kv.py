@@ -187,3 +187,29 @@ def test_huge_device_lengths_write_nothing(gen, device_resident):
     k_new = randn(2, 9, 1, 16, gen=gen, dtype=torch.float32)
     flashdecode.append_kv(kc, vc, k_new, k_new.clone(), _lens([2**31 - 5, -20]), _i32([[0, 1], [2, 3]]))
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_launch_also_writes_the_seen_lengths(gen, varlen):
+    """checked_append(...).run(..., seen): the same cache writes as append_kv, and seen = cache_seqlens + each
+    sequence's new tokens (what flash_attn_with_kvcache's attention reads, written in the append's launch)."""
+    from flashdecode.ops.append_kv import checked_append
+
+    batch, cap, hk, d = 3, 24, 2, 16
+    k, v = (randn(batch, cap, hk, d, gen=gen, dtype=torch.float16) for _ in range(2))
+    lens = _lens([0, 9, 20])
+    if varlen:
+        counts = [2, 0, 4]
+        k_new, v_new = (randn(sum(counts), hk, d, gen=gen, dtype=torch.float16) for _ in range(2))
+        extra = dict(cu_seqlens_new=_lens([0, 2, 2, 6]))
+    else:
+        counts = [3] * batch
+        k_new, v_new = (randn(batch, 3, hk, d, gen=gen, dtype=torch.float16) for _ in range(2))
+        extra = {}
+    kc, vc = k.clone(), v.clone()
+    flashdecode.append_kv(kc, vc, k_new, v_new, lens, **extra)
+    seen = torch.full((batch,), -7, dtype=torch.int32, device=DEVICE)
+    launch = checked_append(k, v, k_new, v_new, lens, **extra)
+    assert launch.run(k, v, k_new, v_new, lens, None, extra.get("cu_seqlens_new"), seen)
+    assert torch.equal(k, kc) and torch.equal(v, vc)
+    assert seen.tolist() == [n + c for n, c in zip(lens.tolist(), counts)]

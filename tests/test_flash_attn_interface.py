@@ -356,7 +356,6 @@ def test_kvcache_bad_arguments_raise_before_writing(gen, kwargs, match):
 def test_kvcache_kept_checks_never_serve_a_stale_decision(gen, device_resident, monkeypatch):
     """A repeated call skips the wrapper's checks (kept per key, as for CUDA metadata): the same call gives the same
     answer, and a change of an int cache_seqlens, a dtype, a layout or an option is checked again."""
-    monkeypatch.setattr(fai, "_read_on_host", lambda x: False)  # CPU index tensors stand for CUDA ones
     checked, full_path = [], fai._checked_kvcache_call
     monkeypatch.setattr(fai, "_checked_kvcache_call", lambda *a: checked.append(1) or full_path(*a))
     q, k_cache, v_cache, k_new = _kvcache_inputs(gen)
@@ -379,6 +378,104 @@ def test_kvcache_kept_checks_never_serve_a_stale_decision(gen, device_resident, 
     assert torch.allclose(call(q=strided_q)[0], first, atol=1e-3)
     no_append = fai.flash_attn_with_kvcache(q, kc1, kc1.clone(), cache_seqlens=lens + 1)
     assert torch.equal(no_append, fai.flash_attn_with_kvcache(q, kc1, kc1.clone(), cache_seqlens=lens + 1))
+
+
+def _kvcache_reference(q, k_cache, v_cache, k_new, v_new, lens, causal: bool, dtype):
+    """flash_attn_with_kvcache's out in ``dtype``: the new tokens appended into a copy of the contiguous cache, then
+    each sequence attends to its first lens[b] + seqlen_new keys."""
+    new = 0 if k_new is None else k_new.shape[1]
+    k_ref, v_ref = k_cache.to(dtype), v_cache.to(dtype)
+    outs = []
+    for i, n in enumerate(lens.tolist()):
+        keys, values = k_ref[i:i + 1, :n + new].clone(), v_ref[i:i + 1, :n + new].clone()
+        if new:
+            keys[0, n:], values[0, n:] = k_new[i].to(dtype), v_new[i].to(dtype)
+        outs.append(ref.attention_ref(q[i:i + 1].to(dtype), keys, values, causal)[0][0])
+    return torch.stack(outs)
+
+
+def test_kvcache_direct_route_never_serves_a_stale_decision(gen, device_resident, monkeypatch):
+    """A repeated key of the plain decode route launches its kept decisions (no check, no resolution, the append
+    writing the lengths the attention sees: no launch of its own for them); reusing the shapes with another layout,
+    dtype, page size, head count, fold or without the append decides again, and every call matches the reference."""
+    from flashdecode.ops import append_kv as append_ops
+
+    decided, checked = [], []
+    decide, full_checks = fai.decide_flash_decode, fai._checked_kvcache_call
+    monkeypatch.setattr(fai, "decide_flash_decode", lambda *a, **kw: decided.append(1) or decide(*a, **kw))
+    monkeypatch.setattr(fai, "_checked_kvcache_call", lambda *a: checked.append(1) or full_checks(*a))
+    add = torch.add
+    monkeypatch.setattr(torch, "add", lambda *a, **kw: pytest.fail("a launch for the seen lengths"))
+    b, cap = 2, 24
+    lens = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
+
+    def check(q, k_cache, v_cache, k_new=None, causal=True, page=0, repeats=2, **kw):
+        v_new = None if k_new is None else k_new.flip(-1)
+        results = []
+        for _ in range(repeats):
+            k_in, v_in = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+                          for x in (k_cache, v_cache))  # fresh copies of the same layouts
+            if page:
+                k_in, v_in, kw["block_table"] = ref.paged_from_contiguous(k_in, v_in, page, extra_pages=2,
+                                                                          generator=torch.Generator().manual_seed(7))
+            before = len(decided), len(checked)
+            results.append(fai.flash_attn_with_kvcache(q, k_in, v_in, k_new, v_new, cache_seqlens=lens,
+                                                       causal=causal, **kw))
+            kept = (len(decided), len(checked)) == before
+            assert kept == (len(results) > 1), "the first call of a key decides, a repeated one does not"
+        o64 = _kvcache_reference(q, k_cache, v_cache, k_new, v_new, lens, causal, torch.float64)
+        o_same = _kvcache_reference(q, k_cache, v_cache, k_new, v_new, lens, causal, q.dtype)
+        assert all(torch.equal(results[0], r) for r in results[1:])
+        assert_fa_close(results[0], o64, o_same, factor=3.0, atol=1e-4)
+
+    q = randn(b, 1, 4, 16, gen=gen, dtype=DTYPE)
+    k_cache, v_cache = (randn(b, cap, 2, 16, gen=gen, dtype=DTYPE) for _ in range(2))
+    k_new = randn(b, 1, 2, 16, gen=gen, dtype=DTYPE)
+    check(q, k_cache, v_cache, k_new, repeats=3)
+    check(q, k_cache, v_cache, repeats=3)  # no append: the lengths themselves
+    check(randn(b, 3, 4, 16, gen=gen, dtype=DTYPE)[:, 1:2], k_cache, v_cache, k_new)  # q of another batch stride
+    check(q, *(randn(b, cap, 4, 32, gen=gen, dtype=DTYPE)[:, :, ::2, :16] for _ in range(2)), k_new)  # strided
+    check(q.float(), k_cache.float(), v_cache.float(), k_new.float())  # another dtype, same shapes
+    check(q, k_cache, v_cache, k_new, page=4)
+    check(q, k_cache, v_cache, k_new, page=8)  # another page size
+    check(q, k_cache[:, :, :1].contiguous(), v_cache[:, :, :1].contiguous(), k_new[:, :, :1].contiguous())  # MQA
+    check(randn(b, 3, 4, 16, gen=gen, dtype=DTYPE), k_cache, v_cache, randn(b, 3, 2, 16, gen=gen, dtype=DTYPE),
+          causal=False)  # three rows folded into the heads
+    monkeypatch.setattr(torch, "add", add)
+    assert append_ops._SITE.records  # the appends were recorded: their repeated launches go direct
+
+
+def test_kvcache_mixed_batch_takes_flash_decodes_split_policy(gen, device_resident, monkeypatch):
+    """bench decode's "mixed" row (one 131072-token sequence among 15 of 1024, Llama-3-8B heads, bf16, pages of 16),
+    device-resident lengths on a Hopper of 132 SMs: flash_attn_with_kvcache (first and repeated call), flash_decode
+    and a DecodePlan resolve one config, and it splits (the no-split kernel would run the long sequence alone)."""
+    import flashdecode
+    from flashdecode.config import DecodePath
+    from flashdecode.ops import decode as decode_ops
+    from flashdecode.ops import decode_policy
+
+    monkeypatch.setattr(decode_policy, "_interpreting", lambda device=None: False)
+    monkeypatch.setattr(decode_policy, "hopper_or_newer", lambda device: True)
+    monkeypatch.setattr(decode_policy, "num_sms", lambda device: 132)
+    configs = []
+
+    def no_launch(shape, config, launch, q, *args):  # the decisions only: nothing of this size runs here
+        configs.append(config)
+        return torch.zeros_like(q), None
+    monkeypatch.setattr(decode_ops, "_launch_decode", no_launch)
+    lens = [131072] + [1024] * 15
+    b, page = len(lens), 16
+    q = torch.randn(b, 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.zeros(512, page, 8, 128, dtype=torch.bfloat16, device=DEVICE)  # a small pool: ids are not read
+    table = torch.randint(0, 512, (b, max(lens) // page), generator=gen, dtype=torch.int32).to(DEVICE)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    flashdecode.flash_decode(q, k, k, lengths, block_table=table)
+    for _ in range(2):
+        fai.flash_attn_with_kvcache(q.unsqueeze(1), k, k, cache_seqlens=lengths, block_table=table, causal=True)
+    plan = flashdecode.DecodePlan(b, 32, 8, 128, max_seqlen_k=max(lens), device=DEVICE)
+    configs.append(plan.config_for(q, k, k, lengths, block_table=table))
+    assert len(configs) == 4 and all(c == configs[0] for c in configs), configs
+    assert configs[0].path is not DecodePath.UNSPLIT and configs[0].num_splits > 1
 
 
 def test_kvcache_host_index_values_are_checked(gen, monkeypatch):

@@ -107,3 +107,34 @@ def test_append_and_merge_launch_directly():
     torch.testing.assert_close(out, o)
     torch.testing.assert_close(out_lse, lse + torch.log(torch.tensor(2.0)), atol=1e-5, rtol=1e-5)
     assert _direct_launches() >= before + 4
+
+
+def test_kvcache_append_and_attend_launch_directly_in_and_out_of_a_graph():
+    """A repeated flash_attn_with_kvcache call with k / v: the append (which also writes the lengths the attention
+    sees) and the attention launch directly, with no JIT launch and no check; the same as append_kv then flash_decode;
+    a call captured in a CUDA graph (another capture state: decided again) replays the same, and eager calls after
+    it are right too."""
+    gen = torch.Generator().manual_seed(4)
+    k, v, _ = _cache(gen, torch.bfloat16, 0)
+    lens = torch.tensor([5, 600, 2000, 0], dtype=torch.int32, device="cuda")
+    q = randn(4, 1, 32, 128, gen=gen, dtype=torch.bfloat16)
+    k_new, v_new = (randn(4, 1, 8, 128, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    k_ref, v_ref = k.clone(), v.clone()
+    flashdecode.append_kv(k_ref, v_ref, k_new, v_new, lens)
+    ref = flashdecode.flash_decode(q[:, 0], k_ref, v_ref, lens + 1)
+
+    def call():
+        return fai.flash_attn_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lens)[:, 0]
+    torch.testing.assert_close(call(), ref)  # the key's first call: checked, decided, launched through the JIT
+    jit, direct = sum(site.jit_launches for site in launch_cache.sites()), _direct_launches()
+    for _ in range(3):
+        torch.testing.assert_close(call(), ref)
+    assert sum(site.jit_launches for site in launch_cache.sites()) == jit and _direct_launches() >= direct + 6
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, ref)
+    torch.testing.assert_close(call(), ref)

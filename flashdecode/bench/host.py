@@ -19,6 +19,16 @@ tokens/s = batch x 64 / t64. Targets (H100, decode tokens/s vs SDPA): eager >= 1
 ``hf_generate_<device>_<date>.json`` (flashdecode/bench/report.py's format; scripts/write_benchmarks_md.py --add).
 
     python -m flashdecode.bench.host --generate --no-host [--rows dynamic:1x512,static:1x65536] [--out DIR]
+
+CPU proxy (``--cpu``, no GPU): the decode host table's ops on CPU tensors of the same shapes, the launch policy
+told it runs on a Hopper of 132 SMs with device-resident metadata, every kernel launch stubbed where the compiled
+kernel's C launcher would be called (``stub_launches``): the Python each eager call runs (checks, the host
+records, the launch cache's direct launch, the outputs' CPU allocation), CPU us per call in a loop of ``--calls``
+(cpu_us_per_call), and the ratio of ``flash_attn_with_kvcache`` to ``flash_decode`` on the same inputs (rows
+"uniform", the table's batch, and "mixed", one 128k sequence among 15 short ones in pages of 16). Ratios are the
+claim; absolute numbers are the CPU's.
+
+    python -m flashdecode.bench.host --cpu [--calls 200]
 """
 
 from __future__ import annotations
@@ -50,7 +60,24 @@ def time_calls(fn: Callable[[], object], calls: int = 200, warmup: int = 10) -> 
     return host / calls * 1e6, wall / calls * 1e6
 
 
-def _decode_calls(device) -> dict:
+def cpu_us_per_call(fns: dict, calls: int = 200, rounds: int = 5, warmup: int = 10) -> dict:
+    """{name: CPU us per call} of each function in ``fns``: the best of ``rounds`` loops of ``calls``, the loops of
+    every function taking turns round by round (so a busy machine's drift hits them alike), timed with the
+    process's CPU clock (time spent waiting for a core does not count): the CPU proxy (module doc)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], time.process_time() - start)
+    return {name: t / calls * 1e6 for name, t in best.items()}
+
+
+def _decode_calls(device, reference: bool = True) -> dict:
     import flashdecode
     from flashdecode import flash_attn_interface as fai
 
@@ -66,9 +93,7 @@ def _decode_calls(device) -> dict:
     o = torch.randn(b, HEADS, HEADDIM, dtype=dt, device=device)
     lse = torch.randn(b, HEADS, device=device)
     q_sdpa = q.view(b, HEADS, 1, HEADDIM)
-    k_sdpa = k.transpose(1, 2).repeat_interleave(HEADS // HEADS_KV, 1)  # (b, h, cap, d), the whole cache
-    v_sdpa = v.transpose(1, 2).repeat_interleave(HEADS // HEADS_KV, 1)
-    return {
+    calls = {
         "flash_decode": lambda: flashdecode.flash_decode(q, k, v, lens),
         "DecodePlan.run": lambda: plan.run(q, k, v, lens),
         "flash_attn_with_kvcache": lambda: fai.flash_attn_with_kvcache(q.unsqueeze(1), k, v, cache_seqlens=lens),
@@ -76,8 +101,13 @@ def _decode_calls(device) -> dict:
             q.unsqueeze(1), k, v, k=k_new, v=v_new, cache_seqlens=before),
         "append_kv": lambda: flashdecode.append_kv(k, v, k_new, v_new, before),
         "merge_states": lambda: flashdecode.merge_states(o, lse, o, lse),
-        "SDPA decode (reference)": lambda: torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa),
     }
+    if reference:
+        k_sdpa = k.transpose(1, 2).repeat_interleave(HEADS // HEADS_KV, 1)  # (b, h, cap, d), the whole cache
+        v_sdpa = v.transpose(1, 2).repeat_interleave(HEADS // HEADS_KV, 1)
+        calls["SDPA decode (reference)"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+            q_sdpa, k_sdpa, v_sdpa)
+    return calls
 
 
 def _prefill_calls(device) -> dict:
@@ -112,6 +142,99 @@ def host_rows(which: str = "decode", calls: int = 200) -> list[dict]:
         host, wall = time_calls(fn, calls)
         rows.append({"op": name, "host_us": host, "wall_us": wall})
         print(f"  {name}: host {host:.1f} us, wall {wall:.1f} us per call", flush=True)
+    return rows
+
+
+class _StubRun:
+    """A compiled kernel's launcher (CudaLauncher's attributes as direct_launch.PlainLauncher reads them) whose C
+    launch does nothing."""
+
+    global_scratch_size = profile_scratch_size = 0
+    global_scratch_align, num_ctas = 1, 1
+    launch_cooperative_grid = launch_pdl = False
+
+    @staticmethod
+    def launch(*args):
+        return None
+
+
+class _StubCompiled:
+    """Stands in for Triton's CompiledKernel: what LaunchSite records for a direct launch."""
+
+    function, packed_metadata, run = 0, (4, 1, 0), _StubRun()
+
+
+class _StubJit:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](**kwargs)`` returns the stub compiled kernel."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _StubCompiled()
+
+
+def stub_launches() -> None:
+    """Patches (for the rest of the process) that make CPU tensors take the GPU's eager host path (module doc,
+    ``--cpu``): the kernels run nowhere (TRITON_INTERPRET off, CPU tensors accepted), the decode policy sees a
+    Hopper of 132 SMs, metadata counts as device-resident (never read on the host, as CUDA tensors), and every
+    launch site's first launch of a key records a stub kernel whose C launch does nothing, so later launches take
+    the direct launch (direct_launch.PlainLauncher) as on the GPU."""
+    import os
+
+    from flashdecode.ops import append_kv, checks, decode_policy, direct_launch, launch_cache
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    cpu = torch.device("cpu")
+    checks.interpreting = lambda device=None: False
+    checks.kernels_run_on = lambda device: device.type in ("cpu", "cuda")
+    checks.host_resident = lambda x: False
+    device_arg = checks.check_device_arg
+    checks.check_device_arg = lambda name, value: cpu if str(value) == "cpu" else device_arg(name, value)
+    decode_policy._interpreting = append_kv._interpreting = lambda device=None: False
+    decode_policy.hopper_or_newer = lambda device: True
+    decode_policy.num_sms = lambda device: 132
+    direct_launch.current_device = launch_cache._current_device = lambda: None  # a CPU tensor's device index
+    direct_launch.current_stream = launch_cache._current_stream = lambda index: 0
+    import flashdecode.ops.decode  # noqa: F401 - every decode launch site exists before the patch below
+    import flashdecode.ops.merge  # noqa: F401
+    for site in launch_cache.sites():
+        site.fn = _StubJit()
+
+
+def mixed_calls(device) -> dict:
+    """flash_decode and flash_attn_with_kvcache on bench decode's "mixed" row: one 131072-token sequence among 15
+    of 1024 (Llama-3-8B heads, bf16, pages of 16, a shuffled block table, device-resident lengths)."""
+    import flashdecode
+    from flashdecode.bench.decode import MIXED_LENS
+    from flashdecode.flash_attn_interface import flash_attn_with_kvcache
+
+    dt, b, page = torch.bfloat16, len(MIXED_LENS), 16
+    pages_per_seq = -(-max(MIXED_LENS) // page)
+    q = torch.randn(b, HEADS, HEADDIM, dtype=dt, device=device)
+    k = torch.empty(b * pages_per_seq, page, HEADS_KV, HEADDIM, dtype=dt, device=device)
+    v = torch.empty_like(k)
+    table = torch.randperm(b * pages_per_seq, device=device).view(b, pages_per_seq).to(torch.int32)
+    lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
+    q4 = q.unsqueeze(1)
+    return {"flash_decode": lambda: flashdecode.flash_decode(q, k, v, lens, block_table=table),
+            "flash_attn_with_kvcache": lambda: flash_attn_with_kvcache(q4, k, v, cache_seqlens=lens,
+                                                                       block_table=table, causal=True)}
+
+
+def cpu_host_rows(calls: int = 200) -> list[dict]:
+    """The CPU proxy of the host table (module doc, ``--cpu``): rows {table, op, host_us}, printed with the ratios
+    of flash_attn_with_kvcache (with and without appending) to flash_decode."""
+    stub_launches()
+    device = torch.device("cpu")
+    rows = []
+    for table, fns in (("uniform", _decode_calls(device, reference=False)), ("mixed", mixed_calls(device))):
+        rows += [{"table": table, "op": name, "host_us": us} for name, us in cpu_us_per_call(fns, calls).items()]
+    base = {r["table"]: r["host_us"] for r in rows if r["op"] == "flash_decode"}
+    print(f"CPU proxy: launches stubbed, a faked Hopper of 132 SMs, torch {torch.__version__}; process CPU time, "
+          f"best of 5 loops of {calls} calls")
+    print("| table | op | host us/call | vs flash_decode |")
+    print("|---|---|---|---|")
+    for r in rows:
+        r["vs_flash_decode"] = r["host_us"] / base[r["table"]]
+        print(f"| {r['table']} | {r['op']} | {r['host_us']:.1f} | {r['vs_flash_decode']:.2f}x |", flush=True)
     return rows
 
 
@@ -250,11 +373,16 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--no-host", action="store_true", help="skip the host tables and first-call latency")
     parser.add_argument("--generate", action="store_true", help="the transformers generate comparison")
+    parser.add_argument("--cpu", action="store_true", help="the CPU proxy of the decode host table (launches "
+                        "stubbed; no GPU)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", default=",".join(GENERATE_ROWS),
                         help="generate rows, cache:BATCHxCONTEXT comma-separated (cache dynamic or static)")
     args = parser.parse_args(argv)
     rows = parse_rows(args.rows)
+    if args.cpu:
+        cpu_host_rows(args.calls)
+        return 0
     if not torch.cuda.is_available():
         print("the host table needs a CUDA GPU")
         return 1

@@ -25,7 +25,7 @@ def append_kv_kernel(
     HEADDIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     VARLEN: tl.constexpr,
     K_SCALE=None, V_SCALE=None, stride_sb=0, stride_st=0, stride_sh=0, QUANT: tl.constexpr = 0,
-    QMAX: tl.constexpr = 1.0,
+    QMAX: tl.constexpr = 1.0, SEEN=None,
 ):
     """K_NEW/V_NEW: dense (batch, dense_seqlen_new, nheads_kv, HEADDIM) via (stride_nb, stride_nt, stride_nh), or
     packed (total_new, nheads_kv, HEADDIM) rows (VARLEN; stride_nb unused), unit stride on the head dim.
@@ -35,7 +35,9 @@ def append_kv_kernel(
     capacity = pages_per_seq * PAGE_SIZE (paged).
     QUANT (an 8-bit cache; kernels/kv_quant.py quantize_new_tokens): 2 writes each new token's float32 scales into
     K_SCALE / V_SCALE (sequence or page, token, kv head) at stride_sb / stride_st / stride_sh, 1 quantises with the
-    given per-kv-head scales (stride_sh 0: one scalar); QMAX: the format's largest magnitude."""
+    given per-kv-head scales (stride_sh 0: one scalar); QMAX: the format's largest magnitude.
+    SEEN: None, or int32 (batch,) that receives SEQLENS[b] + the sequence's new tokens (the lengths an attention
+    after the append sees; written by the programs (b, 0, 0), so the attention needs no launch of its own for it)."""
     b = tl.program_id(0)
     t_block = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -53,7 +55,11 @@ def append_kv_kernel(
         src_ok = offs_t >= 0
         k_rows = b.to(tl.int64) * stride_nb + offs_t.to(tl.int64) * stride_nt
         v_rows = b.to(tl.int64) * stride_vnb + offs_t.to(tl.int64) * stride_vnt
-    pos = tl.load(SEQLENS + b).to(tl.int64) + offs_t  # int64: a huge device length must not wrap into range
+    seqlen = tl.load(SEQLENS + b)
+    if SEEN is not None:
+        if (t_block == 0) & (h == 0):
+            tl.store(SEEN + b, seqlen + num_new)
+    pos = seqlen.to(tl.int64) + offs_t  # int64: a huge device length must not wrap into range
     t_ok = (offs_t < num_new) & src_ok & (pos < capacity) & (pos >= 0)
     if PAGE_SIZE == 0:
         dst_rows = b.to(tl.int64) * stride_cb + pos * stride_ct

@@ -12,7 +12,7 @@ from flashdecode.ops import decode_host
 from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
 from flashdecode.ops.launch_cache import LaunchSite
 
-__all__ = ["append_kv"]
+__all__ = ["append_kv", "checked_append"]
 
 _DTYPES = checks.FLOAT_DTYPES
 _check_tensor, _check_device, _interpreting = checks.check_tensor, checks.check_device, checks.interpreting
@@ -48,6 +48,16 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
         holding NaN / inf gets a non-finite scale and reads back as NaN, touching no other token). A scalar () or
         per-kv-head (nheads_kv,) scale is read and used: x / scale, saturated to the format's range.
     """
+    checked_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new, max_seqlen_new,
+                   validate, k_scale, v_scale).run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                                   cu_seqlens_new)
+
+
+def checked_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, cu_seqlens_new=None,
+                   max_seqlen_new=None, validate=False, k_scale=None, v_scale=None) -> "_AppendLaunch":
+    """Every check of append_kv(...) (same arguments) and what they decide, as an _AppendLaunch whose ``run``
+    launches the append on tensors of these layouts (nothing is written here). A repeated key whose checks read no
+    value (device-resident metadata, validate=False, no 8-bit scales) is kept (decode_host.keep): no check runs."""
     key = None
     if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens) \
@@ -56,8 +66,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
                                                  cu_seqlens_new), (max_seqlen_new,))
         launch = decode_host.kept(key)
         if launch is not None:
-            launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
-            return
+            return launch
     _check_tensor("k_new", k_new, (3, 4), _DTYPES)
     checks.check_kernel_device("k_new", k_new)
     device = k_new.device
@@ -108,43 +117,48 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None, *
                                 num_pages=k_cache.shape[0], validate=validate, appending=True,
                                 added=0 if varlen else k_new.shape[1], cu_seqlens_new=cu_seqlens_new,
                                 new_rows=k_new.shape[0], max_new=max_new)
-    launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales)
+    launch = _AppendLaunch(key, batch, max_new, k_cache, block_table, varlen, k_new, v_new, quant, write_scales)
     decode_host.keep(key, launch)
-    launch.run(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new)
+    return launch
 
 
 class _AppendLaunch:
-    """What a checked append_kv call's metadata fixes: the grid, the constexprs and the launch-cache key (None: a
+    """What a checked append_kv call's metadata fixes: the grid, the kernel's arguments after its tensors (the
+    integers the shapes and strides give, an 8-bit cache's scales), the constexprs and the launch-cache key (None: a
     call whose checks read values, launched without recording)."""
 
-    __slots__ = ("key", "grid", "ints", "constexprs", "varlen")
+    __slots__ = ("key", "seen_key", "grid", "tail", "constexprs", "varlen", "paged")
 
-    def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, quant, write_scales):
+    def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, v_new, quant, write_scales):
         headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
         block_t = 16 if _interpreting(k_new.device) else 32
-        self.key, self.varlen = key, varlen
+        self.key, self.varlen, self.paged = key, varlen, block_table is not None
+        self.seen_key = None if key is None else (key, "seen")  # the launch that also writes the seen lengths
         self.grid = None if batch == 0 or max_new == 0 else (batch, heuristics.cdiv(max_new, block_t), nheads_kv)
         capacity = _cache_capacity(k_cache, block_table, batch)
-        self.ints = (capacity, 0 if varlen else k_new.shape[1], k_new.shape[0], k_cache.shape[0])
-        self.constexprs = dict(
+        kb = (0, k_new.stride(0), k_new.stride(1)) if varlen else k_new.stride()[:3]
+        vb = (0, v_new.stride(0), v_new.stride(1)) if varlen else v_new.stride()[:3]
+        quant_args = _quant_args(quant, write_scales)
+        # the key fixes every layout: the arguments after the tensors are the same for each of its calls
+        self.tail = (capacity, 0 if varlen else k_new.shape[1], k_new.shape[0], k_cache.shape[0], *kb, *vb,
+                     *k_cache.stride()[:3], block_table.stride(0) if self.paged else 0,
+                     *(quant_args.get(n, 0 if n.startswith("stride") else None) for n in _RUNTIME_QUANT_ARGS))
+        constexprs = dict(
             HEADDIM=headdim, BLOCK_T=block_t, BLOCK_D=heuristics.next_power_of_2(max(16, headdim)),
-            PAGE_SIZE=k_cache.shape[1] if block_table is not None else 0, VARLEN=varlen, num_warps=4,
-            **_quant_args(quant, write_scales))
+            PAGE_SIZE=k_cache.shape[1] if self.paged else 0, VARLEN=varlen, num_warps=4,
+            **{n: x for n, x in quant_args.items() if n not in _RUNTIME_QUANT_ARGS})
+        self.constexprs = lambda: constexprs
 
-    def run(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new):
+    def run(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new, seen=None):
+        """The append on these tensors (of the checked layouts); ``seen``: None, or a contiguous int32 (batch,)
+        tensor that receives cache_seqlens + each sequence's new tokens in the same launch (the kernel's SEEN).
+        Returns whether a kernel ran (none for no sequence or no new token: ``seen`` is then not written)."""
         if self.grid is None:
-            return
-        bt = block_table if block_table is not None else cache_seqlens
-        cu = cu_seqlens_new if self.varlen else cache_seqlens
-        kb = (0, k_new.stride(0), k_new.stride(1)) if self.varlen else k_new.stride()[:3]
-        vb = (0, v_new.stride(0), v_new.stride(1)) if self.varlen else v_new.stride()[:3]
-        scales = self.constexprs.get("K_SCALE"), self.constexprs.get("V_SCALE")
-        runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu, bt, *self.ints, *kb, *vb,
-                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   bt.stride(0) if block_table is not None else 0, *scales,
-                   *(self.constexprs.get(n, 0) for n in ("stride_sb", "stride_st", "stride_sh")))
-        _SITE.launch(self.key, self.grid, runtime, lambda: {
-            n: x for n, x in self.constexprs.items() if n not in _RUNTIME_QUANT_ARGS}, k_new.device)
+            return False
+        runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu_seqlens_new if self.varlen else cache_seqlens,
+                   block_table if self.paged else cache_seqlens) + self.tail + (seen,)
+        _SITE.launch(self.key if seen is None else self.seen_key, self.grid, runtime, self.constexprs, k_new.device)
+        return True
 
 
 _SITE = LaunchSite(append_kv_kernel, "append_kv_kernel")

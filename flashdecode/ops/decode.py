@@ -1,9 +1,10 @@
 """flash_decode, DecodePlan and append_kv (ops/append_kv.py): the public decode API.
 
 Two ways to call decode attention:
-  - ``flash_decode(...)``: convenient. Without ``num_splits`` or ``max_seqlen_k`` it sizes the splits from the
-    cache capacity and lets the device give each sequence the splits its live length needs (lengths on the host
-    choose them there); it never syncs, allocates only its outputs (workspace from a per-stream pool), and a repeated
+  - ``flash_decode(...)``: convenient. Without ``num_splits`` it sizes the splits for any mix of lengths up to the
+    cache capacity (or ``max_seqlen_k``), as a DecodePlan does, and lets the device give each sequence the splits
+    its live length needs (lengths on the host choose them there); it never syncs, allocates only its outputs
+    (workspace from a per-stream pool), and a repeated
     call of the same metadata re-checks and re-resolves nothing (ops/decode_host.py) and launches the compiled
     kernels directly (ops/launch_cache.py); a contiguous cache that grows between calls (a generation's steps) is
     sized for its capacity bucket (decode_host.capacity_bucket), so its steps share one record per bucket.
@@ -76,7 +77,10 @@ def _resolve(shape: _DecodeShape, cache_seqlens, num_splits, max_seqlen_k, confi
         live, total = shape.capacity, None  # no length is read: the config does not depend on them
     else:
         live, total = choose_live_keys(shape, cache_seqlens, num_splits, max_seqlen_k, in_capture)
-    problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant)
+    # lengths the host did not read (device-resident, a capture, a max_seqlen_k bound) may hold any mix: the splits
+    # cover one long sequence among short ones, as a DecodePlan's do (the device paths give short ones fewer)
+    problem = shape.problem(live, total_keys=total, num_splits=num_splits, batch_invariant=batch_invariant,
+                            balance_mixed=num_splits is None and total is None and not fixed_split)
     if not fixed_split and total is None and not shape.paged:
         problem = _sized_for_bucket(problem)
     dev = decode_device(shape.device)
@@ -189,12 +193,13 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     checks.check_bool("return_lse", return_lse)
     if sinks is not None:
         _check_sinks_before_kernels(sinks, q)
-    attend = prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+    decided = decide_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                   softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
                                   window_size=window_size, out=out, max_seqlen_k=max_seqlen_k, config=config,
                                   validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
-                                  k_scale=k_scale, v_scale=v_scale, return_lse=return_lse or sinks is not None)
-    result, lse = attend()
+                                  k_scale=k_scale, v_scale=v_scale)
+    result, lse = launch_decided(decided, q, k_cache, v_cache, cache_seqlens, block_table, out,
+                                 return_lse or sinks is not None)
     if sinks is not None:
         return _sinks_step(result, lse, sinks, out, return_lse)
     return (result, lse) if return_lse else result
@@ -236,6 +241,46 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
     cache_seqlens is read on the host here (host-resident lengths, for the split heuristic) exactly as flash_decode
     reads it, so its values must be the ones the launch sees. A repeated call key whose checks read no value
     (device lengths, validate=False, no 8-bit scales) skips the checks and the resolution (ops/decode_host.py)."""
+    decided = decide_flash_decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                  softmax_scale=softmax_scale, num_splits=num_splits, softcap=softcap,
+                                  window_size=window_size, out=out, max_seqlen_k=max_seqlen_k, config=config,
+                                  validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
+                                  k_scale=k_scale, v_scale=v_scale)
+
+    def run():
+        return launch_decided(decided, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse)
+    return run
+
+
+class DecidedDecode:
+    """What prepare_flash_decode decides for one call: the checked shape facts (bound to the call's q and ALiBi
+    slopes; shape.launch_key keys its launches), the config and launch geometry, whether the stream was capturing
+    and whether the call key was new (its first call sizes the device pool for captures of it)."""
+
+    __slots__ = ("shape", "config", "launch", "in_capture", "new_key")
+
+    def __init__(self, shape, config, launch, in_capture: bool, new_key: bool):
+        self.shape, self.config, self.launch = shape, config, launch
+        self.in_capture, self.new_key = in_capture, new_key
+
+    def kept(self) -> "DecidedDecode":
+        """A copy to keep beside a caller's own per-key record: its shape without the call's tensors
+        (decode_host.detach), not a new key any more (``relaunch`` binds a later call's tensors)."""
+        return DecidedDecode(decode_host.detach(self.shape), self.config, self.launch, self.in_capture, False)
+
+    def relaunch(self, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, return_lse: bool):
+        """A kept decision launched for a later call on tensors of the layouts it was decided for (no out=; the
+        caller's key fixes every layout and checks that the stream's capture state is the decided one)."""
+        shape = decode_host.bind(self.shape, q, alibi_slopes)
+        return _launch_decode(shape, self.config, self.launch, q, k_cache, v_cache, cache_seqlens, block_table,
+                              None, self.in_capture, False, return_lse)
+
+
+def decide_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                        num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                        config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
+                        alibi_slopes=None, k_scale=None, v_scale=None) -> DecidedDecode:
+    """prepare_flash_decode's checks and decisions (its arguments), as a DecidedDecode; launch_decided runs it."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
     in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
     key = growing = None
@@ -257,11 +302,14 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
         decode_host.remember(key, shape, config, launch, growing)
     else:
         shape, config, launch = found
+    return DecidedDecode(shape, config, launch, in_capture, found is None)
 
-    def run():
-        return _launch_decode(shape, config, launch, q, k_cache, v_cache, cache_seqlens, block_table, out,
-                              in_capture, found is None, return_lse)
-    return run
+
+def launch_decided(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse: bool):
+    """Launch a decided call on tensors of the layouts it was decided for (q bound to decided.shape); returns (out
+    like q, lse float32 (batch, [seqlen_q,] nheads) or None unless return_lse)."""
+    return _launch_decode(decided.shape, decided.config, decided.launch, q, k_cache, v_cache, cache_seqlens,
+                          block_table, out, decided.in_capture, decided.new_key, return_lse)
 
 
 def _growing_cache(k_cache, v_cache, block_table, config, batch_invariant):
@@ -290,10 +338,7 @@ def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaun
     # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
-    splits = launch.grid_splits
-    partial_shape = (b, sq, h, splits, d) if config.path is not DecodePath.UNSPLIT else None
-    tickets_drawn = config.path in (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE) or config.merge_in_kernel
-    n_tickets = num_tickets(b, sq, h, shape.nheads_kv) if tickets_drawn else 0
+    partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
     if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
         lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
         partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)

@@ -23,31 +23,47 @@ launch key).
 from __future__ import annotations
 
 import itertools
+from operator import is_
 
 from flashdecode.ops.decode_policy import _offsets_fit_int32
-from flashdecode.ops.launch_cache import tensor_key
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "remember", "recall", "keep", "kept", "keep_checks", "kept_checks", "clear", "capacity_bucket",
-           "growing_cache", "GrowingCache"]
+__all__ = ["call_key", "options_key", "remember", "recall", "detach", "bind", "keep", "kept", "keep_checks",
+           "kept_checks", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
 _LAUNCH_IDS = itertools.count()
+_NONE = itertools.repeat(None)
 
 
 def _option(x):
     """An option in a key: its value and type (an unhashable value makes the call take the full path)."""
-    if isinstance(x, (tuple, list)):
-        return (x.__class__,) + tuple(_option(v) for v in x)
-    return x.__class__, x
+    cls = x.__class__
+    if cls is tuple or cls is list:
+        types = tuple(map(type, x))
+        if tuple in types or list in types:
+            return (cls,) + tuple(map(_option, x))
+        return cls, tuple(x), types
+    return cls, x
+
+
+def options_key(options: tuple) -> tuple:
+    """Options in a key: their values and types, so that 3.0 never passes where 3 was checked, nor True where 1 was
+    (a tuple or list of them, e.g. window_size, element by element)."""
+    types = tuple(map(type, options))
+    if tuple in types or list in types:
+        return ("nested",) + tuple([_option(x) if t is tuple or t is list else (t, x) for x, t in zip(options, types)])
+    return options, types
 
 
 def call_key(tag, tensors: tuple, options: tuple):
     """The key of a call (``tag``: the op, or a plan), or None where an argument cannot be keyed (not a tensor, an
     unhashable option): that call takes the full path, whose checks then name the argument."""
-    try:
-        key = (tag, tuple(tensor_key(x) for x in tensors), tuple(_option(x) for x in options))
+    try:  # launch_cache.tensor_key of each tensor, inlined (the key is built on every call), and where None passed
+        key = (tag, tuple(map(is_, tensors, _NONE)), tuple([
+            (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in tensors if x is not None]),
+            options_key(options))
         hash(key)
     except (AttributeError, TypeError, RuntimeError):
         return None
@@ -155,8 +171,7 @@ def remember(key, shape, config, launch, growing: GrowingCache | None = None) ->
     if key is None:
         return
     launch_id = next(_LAUNCH_IDS)
-    kept = _copy(shape)
-    kept.q4 = kept.alibi_slopes = None
+    kept = detach(shape)
     kept.launch_key = launch_id
     shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
     if len(_CALLS) >= _MAX_CALLS:
@@ -174,9 +189,27 @@ def recall(key, q, alibi_slopes, growing: GrowingCache | None = None):
     if growing is not None:
         shape.capacity = growing.capacity
         shape.launch_key = (shape.launch_key, growing.spec)
+    return _bind(shape, q, alibi_slopes), entry.config, entry.launch
+
+
+def detach(shape):
+    """A copy of a checked call's _DecodeShape without its tensors (q, the ALiBi slopes), to keep beside a
+    wrapper's own record (``bind`` gives it a later call's tensors)."""
+    kept = _copy(shape)
+    kept.q4 = kept.alibi_slopes = None
+    return kept
+
+
+def bind(kept, q, alibi_slopes):
+    """A copy of a ``detach``-ed shape bound to a later call's q and ALiBi slopes (of the layouts it was checked
+    for)."""
+    return _bind(_copy(kept), q, alibi_slopes)
+
+
+def _bind(shape, q, alibi_slopes):
     shape.q4 = q.unsqueeze(1) if q.dim() == 3 else q
     shape.alibi_slopes = alibi_slopes
-    return shape, entry.config, entry.launch
+    return shape
 
 
 def _copy(shape):

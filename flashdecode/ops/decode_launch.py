@@ -10,6 +10,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath
@@ -47,6 +49,10 @@ class DecodeLaunch:
     batch_pad: int        # BATCH_PAD: the batch padded to a power of two (device-side split counts)
     prefetch: tuple       # (keys, line_elems, num_lines) of kernels/decode_args.Prefetch
     grid_splits: int      # the split grid's splits per sequence (FIXED_SPLIT: from the cache; else num_splits)
+    # what a call of the problem's shape draws from a workspace pool: the partials' (batch, seqlen_q, nheads,
+    # grid_splits, headdim) (None: unsplit) and the merge tickets (0: none drawn)
+    partial_shape: tuple | None = None
+    tickets: int = 0
 
 
 def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> DecodeLaunch:
@@ -64,9 +70,15 @@ def plan_launch(config: DecodeConfig, problem: heuristics.DecodeProblem) -> Deco
     else:
         preload = heuristics.decode_preload_pages(problem, ids, splits)
         split_keys_max = heuristics.decode_max_split_keys(problem, config.block_n, splits, config.split_keys)
+    grid_splits = fixed_split_grid(problem, config) if path is DecodePath.FIXED_SPLIT else splits
+    nheads = problem.group * problem.nheads_kv
+    tickets_drawn = path in _PERSISTENT_PATHS or config.merge_in_kernel
     return DecodeLaunch(
         config=config, min_chunk=heuristics.decode_min_chunk(config.block_n), preload_pages=preload,
-        grid_splits=fixed_split_grid(problem, config) if path is DecodePath.FIXED_SPLIT else splits,
+        grid_splits=grid_splits,
+        partial_shape=None if path is DecodePath.UNSPLIT else (problem.batch, problem.seqlen_q, nheads, grid_splits,
+                                                               problem.headdim),
+        tickets=num_tickets(problem.batch, problem.seqlen_q, nheads, problem.nheads_kv) if tickets_drawn else 0,
         max_split_keys=max_split_keys,
         num_stages=heuristics.decode_pipeline_stages(problem, config, preload, split_keys_max),
         programs=programs, batch_pad=heuristics.next_power_of_2(max(problem.grid_batch, problem.batch)),
@@ -143,14 +155,20 @@ def _kv_sources(config: DecodeConfig, k_cache, v_cache):
     by the ids)."""
     if not config.use_tma:
         return k_cache, v_cache, k_cache.stride(0)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     rows = k_cache.shape[0] * k_cache.shape[1]
     width = k_cache.shape[2] * k_cache.shape[3]
     box = [config.block_n, k_cache.shape[3]]
-    k_desc = TensorDescriptor(k_cache, [rows, width], [width, 1], box)
-    v_desc = TensorDescriptor(v_cache, [rows, width], [width, 1], box)
-    return k_desc, v_desc, k_cache.shape[1]
+    return _descriptor(k_cache, rows, width, box), _descriptor(v_cache, rows, width, box), k_cache.shape[1]
+
+
+def _descriptor(base, rows: int, width: int, box: list):
+    """A host TensorDescriptor over base viewed as (rows, width), built without Triton's __post_init__ assertions
+    (per call they cost about as much as the rest of the launch): what they assert - a 16-byte aligned base and
+    row stride, a power-of-two box, a unit last stride - the policy checked before it chose the TMA path
+    (util.cache_rows_tma_ok, heuristics.decode_tma_fits), on the layout the call key fixes."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, [rows, width], [width, 1], box, "zero"
+    return desc
 
 
 def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, o4,
@@ -321,8 +339,6 @@ def _launch_fitting_shared_memory(launch, num_stages: int):
     failure comes at compile / load time, before anything is enqueued, so this is safe during warm-up and capture.
     Nothing is remembered here: the launch site records the launch that ran under its key (which holds no stage
     count), so a recorded call launches the depth that fitted directly; an unrecorded one (key None) retries."""
-    from triton.runtime.errors import OutOfResources
-
     for stages in range(num_stages, 0, -1):
         try:
             return launch(stages)

@@ -86,6 +86,7 @@ def clear() -> None:
     """Forget every recorded launch of every site (tests that patch the launch policy call it)."""
     for site in _SITES:
         site.records.clear()
+        site.plans.clear()
 
 
 def sites() -> list:
@@ -133,10 +134,10 @@ class _Record:
     """One key's launch: the compiled kernel's launcher, the full argument list with the constexprs in place, and
     where the runtime arguments go in it."""
 
-    __slots__ = ("direct", "template", "slots", "spec", "launches")
+    __slots__ = ("direct", "template", "runs", "spec", "launches")
 
-    def __init__(self, direct, template: list, slots: tuple, spec):
-        self.direct, self.template, self.slots, self.spec = direct, template, slots, spec
+    def __init__(self, direct, template: list, runs: tuple, spec):
+        self.direct, self.template, self.runs, self.spec = direct, template, runs, spec
         self.launches = 0  # direct launches (tests read it)
 
     def check(self, key, name: str, runtime: tuple) -> None:
@@ -149,9 +150,21 @@ class _Record:
 
     def arguments(self, runtime: tuple) -> list:
         full = self.template.copy()
-        for i, x in zip(self.slots, runtime):
-            full[i] = x
+        for start, first, count in self.runs:  # a slice per run of consecutive runtime slots (_slot_runs)
+            full[start:start + count] = runtime[first:first + count]
         return full
+
+
+def _slot_runs(slots: tuple) -> tuple:
+    """The runtime parameters' places in the full argument list as runs (start in the list, first runtime index,
+    count) of consecutive slots: a launch fills each run with one slice assignment."""
+    runs: list = []
+    for index, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, index, 1])
+    return tuple(map(tuple, runs))
 
 
 class _TritonLauncher:
@@ -178,7 +191,9 @@ class LaunchSite:
         self.defaults = tuple(p.default for p in params)
         self.runtime_names = tuple(p.name for p in params if not _is_constexpr(p))
         self.slots = tuple(i for i, p in enumerate(params) if not _is_constexpr(p))
+        self.runs = _slot_runs(self.slots)
         self.records = PlanCache(_MAX_KEYS)
+        self.plans = PlanCache(_MAX_KEYS)  # what a caller derives per key beside the record (cleared with it)
         self.jit_launches = 0  # launches through Triton's JIT (first of a key, interpreter, hooks)
         _SITES.append(self)
 
@@ -233,7 +248,7 @@ class LaunchSite:
                 template.append(default)
             else:
                 template.append(None)  # a runtime slot
-        self.records.put(key, _Record(direct, template, self.slots, specialization(runtime) if _CHECK[0] else None))
+        self.records.put(key, _Record(direct, template, self.runs, specialization(runtime) if _CHECK[0] else None))
 
 
 # ----------------------------------------------------------------------------------------------------------------

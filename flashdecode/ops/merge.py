@@ -9,6 +9,7 @@ import torch
 from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 from flashdecode.ops import checks
+from flashdecode.ops.util import interpreting_now
 from flashdecode.ops.launch_cache import LaunchSite, tensor_key
 
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
@@ -83,37 +84,54 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
         o_in_s, lse_in_s = o_in, lse_in
     else:  # (N, outer, inner, ...) -> (outer, inner, N, ...) as a view
         o_in_s, lse_in_s = o_in.permute(1, 2, 0, 3), lse_in.permute(1, 2, 0)
-    outer, inner, num_states, headdim = o_in_s.shape
-    if outer == 0 or inner == 0:
-        return
-    if d_chunks < 1 or d_chunks & (d_chunks - 1):
-        raise ValueError(f"d_chunks must be a power of two >= 1, got {d_chunks}")
-    if max_rows < 0 or max_rows & (max_rows - 1):
-        raise ValueError(f"max_rows must be 0 or a power of two, got {max_rows}")
-    block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
-    if block_s < 0 or block_s & (block_s - 1):
-        raise ValueError(f"block_s must be 0 or a power of two, got {block_s}")
-    states_pad = heuristics.next_power_of_2(max(num_states, 1))
-    if live_only:  # every lse of its rows at once, then BLOCK_S live states a step: a small tile, more rows
-        block_s = block_s or _LIVE_BLOCK_S
-        block_r = max(1, min(heuristics.next_power_of_2(inner), _LIVE_LSE_ELEMS // states_pad,
-                             _LIVE_TILE_ELEMS // (block_s * block_d)))
-    else:
-        block_s = block_s or min(states_pad, max(1, _TILE_ELEMS // block_d))
-        block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
-    if max_rows:
-        block_r = min(block_r, max_rows)
-    grid = (outer, heuristics.cdiv(inner, block_r), heuristics.cdiv(headdim, block_d))
     if key is None:
         key = (tensor_key(o_in_s), tensor_key(lse_in_s), tensor_key(o_out), tensor_key(lse_out), lse_log2, use_pdl,
                early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only)
-    runtime = (o_in_s, lse_in_s, o_out, lse_out, num_states, inner,
-               *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride())
-    _MERGE_MANY.launch(key, grid, runtime, lambda: dict(
-        HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
-        EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
-        STATES_PAD=states_pad if live_only else 1,
-        num_warps=4, **({"launch_pdl": True} if use_pdl else {})), o_out.device)
+    plan = _MERGE_MANY.plans.get(key)
+    if plan is None:
+        plan = _MERGE_MANY.plans.put(key, _MergePlan(o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
+                                                     early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only))
+    if plan.grid is not None:
+        _MERGE_MANY.launch(key, plan.grid, (o_in_s, lse_in_s, o_out, lse_out) + plan.ints, plan.constexprs,
+                           o_out.device)
+
+
+class _MergePlan:
+    """What a launch_merge_many key fixes (the tensors' shapes and strides, the options): the grid (None: nothing to
+    merge), the kernel's integer arguments and its constexprs; made once per key (kept beside the site's records)."""
+
+    __slots__ = ("grid", "ints", "constexprs")
+
+    def __init__(self, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger, d_chunks, max_rows,
+                 block_s, skip_empty, live_only):
+        outer, inner, num_states, headdim = o_in_s.shape
+        self.grid = self.ints = None
+        if d_chunks < 1 or d_chunks & (d_chunks - 1):
+            raise ValueError(f"d_chunks must be a power of two >= 1, got {d_chunks}")
+        if max_rows < 0 or max_rows & (max_rows - 1):
+            raise ValueError(f"max_rows must be 0 or a power of two, got {max_rows}")
+        if block_s < 0 or block_s & (block_s - 1):
+            raise ValueError(f"block_s must be 0 or a power of two, got {block_s}")
+        if outer == 0 or inner == 0:
+            return
+        block_d = max(16, heuristics.next_power_of_2(max(16, headdim)) // d_chunks)
+        states_pad = heuristics.next_power_of_2(max(num_states, 1))
+        if live_only:  # every lse of its rows at once, then BLOCK_S live states a step: a small tile, more rows
+            block_s = block_s or _LIVE_BLOCK_S
+            block_r = max(1, min(heuristics.next_power_of_2(inner), _LIVE_LSE_ELEMS // states_pad,
+                                 _LIVE_TILE_ELEMS // (block_s * block_d)))
+        else:
+            block_s = block_s or min(states_pad, max(1, _TILE_ELEMS // block_d))
+            block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // (block_s * block_d)))
+        if max_rows:
+            block_r = min(block_r, max_rows)
+        self.grid = (outer, heuristics.cdiv(inner, block_r), heuristics.cdiv(headdim, block_d))
+        self.ints = (num_states, inner, *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride())
+        options = dict(
+            HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
+            EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
+            STATES_PAD=states_pad if live_only else 1, num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
+        self.constexprs = lambda: options
 
 
 _MERGE_MANY = LaunchSite(merge_many_kernel, "merge_many_kernel")
@@ -135,26 +153,57 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     Raises TypeError / ValueError naming the argument for a bad type, dtype, shape or device (the Triton kernels
     need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors).
     """
-    _check_state("o_a", o_a, "lse_a", lse_a)
-    _check_state("o_b", o_b, "lse_b", lse_b)
-    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
-        raise ValueError(f"o_a and o_b must match in shape, dtype and device; got {tuple(o_a.shape)} {o_a.dtype} "
-                         f"and {tuple(o_b.shape)} {o_b.dtype}")
+    key = _merge_two_key(o_a, lse_a, o_b, lse_b)
+    plan = None if key is None else _MERGE_TWO.plans.get(key)
+    if plan is None:
+        _check_state("o_a", o_a, "lse_a", lse_a)
+        _check_state("o_b", o_b, "lse_b", lse_b)
+        if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype or o_a.device != o_b.device:
+            raise ValueError(f"o_a and o_b must match in shape, dtype and device; got {tuple(o_a.shape)} "
+                             f"{o_a.dtype} and {tuple(o_b.shape)} {o_b.dtype}")
+        # (key is not None here: an argument that is not a tensor has failed the checks)
+        plan = _MERGE_TWO.plans.put(key, _MergeTwoPlan(o_a, lse_a, o_b, lse_b))
     out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
-    if out.numel() == 0:
+    if plan.grid is None:
         return out, lse
     a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
-    o3, l2 = out.view(-1, *out.shape[-2:]), lse.view(-1, lse.shape[-1])
-    outer, inner, headdim = a.shape
-    block_d = heuristics.next_power_of_2(max(16, headdim))
-    block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
-    runtime = (a, la, b_, lb, o3, l2, inner,
-               *a.stride(), *la.stride(), *b_.stride(), *lb.stride(), *o3.stride(), *l2.stride())
-    key = (tensor_key(a), tensor_key(la), tensor_key(b_), tensor_key(lb), o3.shape, l2.shape)
-    _MERGE_TWO.launch(key, (outer, heuristics.cdiv(inner, block_r), 1), runtime,
-                      lambda: dict(HEADDIM=headdim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4), o_a.device)
+    o3, l2 = out.view(plan.o3_shape), lse.view(plan.l2_shape)
+    _MERGE_TWO.launch(key, plan.grid, (a, la, b_, lb, o3, l2) + plan.ints, plan.constexprs, o_a.device)
     return out, lse
+
+
+def _merge_two_key(o_a, lse_a, o_b, lse_b):
+    """The key under which merge_states keeps its checks and launch (every tensor's shape, strides, dtype, device
+    and alignment, and the interpreter switch for CPU tensors, which decides whether they are accepted), or None
+    where an argument is not a tensor (the checks then name it)."""
+    if not all(isinstance(x, torch.Tensor) for x in (o_a, lse_a, o_b, lse_b)):
+        return None
+    return ("merge_states", tensor_key(o_a), tensor_key(lse_a), tensor_key(o_b), tensor_key(lse_b),
+            o_a.is_cpu and interpreting_now())
+
+
+class _MergeTwoPlan:
+    """What merge_states' key fixes (checked tensors): the grid (None: an empty result), the result's row views'
+    shapes, the kernel's integer arguments (the row views' strides) and its constexprs."""
+
+    __slots__ = ("grid", "o3_shape", "l2_shape", "ints", "constexprs")
+
+    def __init__(self, o_a, lse_a, o_b, lse_b):
+        self.grid = None
+        if o_a.numel() == 0:
+            return
+        a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
+        outer, inner, headdim = a.shape
+        self.o3_shape, self.l2_shape = (outer, inner, headdim), (outer, inner)
+        block_d = heuristics.next_power_of_2(max(16, headdim))
+        block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
+        self.grid = (outer, heuristics.cdiv(inner, block_r), 1)
+        # the results are new contiguous tensors: their row views' strides follow from the shapes
+        self.ints = (inner, *a.stride(), *la.stride(), *b_.stride(), *lb.stride(), inner * headdim, headdim, 1,
+                     inner, 1)
+        options = dict(HEADDIM=headdim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        self.constexprs = lambda: options
 
 
 def merge_states_many(outs, lses):
