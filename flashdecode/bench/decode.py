@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from flashdecode.bench.host import MIXED_LENS
+
 CTX_SHAPE = dict(nheads=16, nheads_kv=2, headdim=128)
 LLAMA_SHAPE = dict(nheads=32, nheads_kv=8, headdim=128)
 QUICK = dict(contexts=[512, 4096, 32768, 65536, 131072], ctx_layouts=[0, 16], batches=[16, 64],
@@ -323,9 +325,6 @@ def _points(args, base):
     if base["mixed"] and args.contexts is None and args.batches is None:
         yield "mixed", 16, MIXED_LENS, LLAMA_SHAPE, 16
 
-
-# load balance: one 128k sequence among 15 short ones (Llama shape, paged 16 in the peer sweep)
-MIXED_LENS = [131072] + [1024] * 15
 
 
 def run(args) -> int:

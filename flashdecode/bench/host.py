@@ -38,6 +38,9 @@ from typing import Callable
 
 import torch
 
+# bench decode's load-balance row: one 128k sequence among 15 short ones (Llama shape, pages of 16 in the peer sweep)
+MIXED_LENS = [131072] + [1024] * 15
+
 LENGTHS = (8000, 17, 3000, 8192)
 HEADS, HEADS_KV, HEADDIM = 32, 8, 128
 GENERATE_ROWS = ("dynamic:1x512", "dynamic:1x4096", "dynamic:1x32768", "dynamic:8x2048", "static:1x4096",
@@ -203,7 +206,6 @@ def mixed_calls(device) -> dict:
     """flash_decode and flash_attn_with_kvcache on bench decode's "mixed" row: one 131072-token sequence among 15
     of 1024 (Llama-3-8B heads, bf16, pages of 16, a shuffled block table, device-resident lengths)."""
     import flashdecode
-    from flashdecode.bench.decode import MIXED_LENS
     from flashdecode.flash_attn_interface import flash_attn_with_kvcache
 
     dt, b, page = torch.bfloat16, len(MIXED_LENS), 16
