@@ -1,0 +1,207 @@
+"""The ragged (varlen) Gluon backward on the GPU (sm_90): dq, dk, dv of packed batches against the float64 reference
+with the FlashAttention rule for gradients (error <= 3x a same-dtype PyTorch implementation's) and beside the
+Triton ragged backward on the same out / lse - random lengths with empty and one-token sequences, more queries than
+keys, 16 x 1k and 64 x 256, GQA 32 / 8, hd 64 and 128, causal (bottom-right per sequence) or not, deterministic
+(bitwise reproducible) or not, the atomic-dQ ablation; NaN confined to its own sequence's gradients; windows and
+softcap, which the kernel does not take, on the Triton path; flash_attn_varlen's backward reaching the kernel
+with the switch on (heuristics.PREFILL_RAGGED_GLUON_BWD).
+
+The backward's inputs out / lse come from the float64 reference (no forward compile per length class); each
+(head layout, head dim, causal, deterministic) is one compile, the lengths are not specialised on."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import heuristics
+from flashdecode.bench.prefill_ragged import random_lengths
+from flashdecode.heuristics import resolve_gluon_bwd_config
+from flashdecode.ops import attention_launch
+from flashdecode.ops import gluon_backward as gb
+from flashdecode.ops.attention import resolve_config
+from flashdecode.ops.attention_config import config_id_of
+from flashdecode.reference import attention_varlen_ref
+from helpers import HAS_CUDA, assert_fa_close, max_err
+
+pytestmark = pytest.mark.gpu
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 only")
+
+# (lengths_q, lengths_k): equal ragged lengths with empty and one-token sequences; more queries than keys (causal:
+# rows without keys) and fewer; a lone sequence shorter than a block
+LENGTHS = [([1, 17, 200, 0, 1000, 1], [1, 17, 200, 0, 1000, 1]), ([300, 5, 777, 64], [900, 5, 1200, 64]),
+           ([64, 129, 3, 250], [1, 129, 2, 100]), ([0, 0, 50], [10, 0, 50]), ([37], [37])]
+
+
+def _ragged(lens_q, lens_k, h, hkv, d, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, generator=gen)
+    cu = [torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32) for lens in (lens_q, lens_k)]
+    return q, k, v, dout, cu[0], cu[1]
+
+
+def _reference(q, k, v, dout, cu_q, cu_k, causal, dtype, window=(-1, -1), softcap=0.0):
+    """(out, lse, (dq, dk, dv)) of the per-sequence reference in dtype (float64: the oracle; q's dtype: the
+    same-dtype baseline)."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    out, lse = attention_varlen_ref(*leaves, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap)
+    grads = torch.autograd.grad(out, leaves, dout.to(dtype)) if out.numel() else [torch.zeros_like(x)
+                                                                                for x in leaves]
+    return out.detach(), lse.detach(), grads
+
+
+def _triton_grads(dout, q, k, v, out, lse, cu_q, cu_k, lens_q, lens_k, causal, deterministic, window=(-1, -1),
+                  softcap=0.0):
+    """The Triton ragged backward on the same inputs (a config pinned to backend "triton")."""
+    config = dataclasses.replace(resolve_config(q[None], k[None], v[None]), backend="triton")
+    left, right = window if window != (-1, -1) else (-1, 0 if causal else -1)
+    return attention_launch._bwd_impl(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                      q.shape[-1] ** -0.5, left, right, softcap, deterministic, config_id_of(config))
+
+
+def _check(lens_q, lens_k, h, hkv, d, causal, dtype=torch.bfloat16, deterministic=True, config=None, seed=0,
+           against_triton=True):
+    q, k, v, dout, cu_q, cu_k = _ragged(lens_q, lens_k, h, hkv, d, dtype, seed)
+    out64, lse, ref64 = _reference(q, k, v, dout, cu_q, cu_k, causal, torch.float64)
+    _, _, same = _reference(q, k, v, dout, cu_q, cu_k, causal, dtype)
+    out, lse = out64.to(dtype), lse.float()
+    scale = d ** -0.5
+    grads = gb.gluon_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), scale,
+                                     -1, 0 if causal else -1, 0.0, deterministic,
+                                     config or resolve_gluon_bwd_config(d))
+    assert grads is not None, "the ragged Gluon backward did not take a supported call"
+    what = f"{lens_q[:6]} x {lens_k[:6]} h{h}/{hkv} d{d} causal={causal} det={deterministic}"
+    triton = (_triton_grads(dout, q, k, v, out, lse, cu_q, cu_k, lens_q, lens_k, causal, deterministic)
+              if against_triton else None)
+    for i, (name, g, g64, gs, x) in enumerate(zip(("dq", "dk", "dv"), grads, ref64, same, (q, k, v))):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{what} {name}"
+        err, _ = assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"{what} {name}")
+        if triton is not None:  # no worse than the Triton kernel's error on the same out / lse (plus fp noise)
+            terr = max_err(triton[i], g64)
+            assert err <= 1.5 * terr + 1e-3, f"{what} {name}: {err:.3e} vs the Triton backward's {terr:.3e}"
+    return q, k, v, dout, out, lse, cu_q, cu_k, grads
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_ragged_lengths_match_reference(d, causal, deterministic):
+    """Every LENGTHS case (one compile per parameter set), 4 query heads on 2."""
+    for seed, (lens_q, lens_k) in enumerate(LENGTHS):
+        _check(lens_q, lens_k, 4, 2, d, causal, deterministic=deterministic, seed=seed)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_benchmark_rows_gqa_32_8(d, causal):
+    """The ragged benchmark's shapes at GQA 32 / 8: 16 x 1k, 64 x 256, and seeded random lengths (100..2000, ~6k
+    tokens: the float64 reference's memory) with an empty and a one-token sequence spliced in."""
+    lens = random_lengths(seed=d + causal, tokens=6144, lo=100, hi=2000)
+    lens = lens[:2] + [0, 1] + lens[2:]
+    for seed, lengths in enumerate(([1024] * 16, [256] * 64, lens)):
+        _check(lengths, lengths, 32, 8, d, causal, seed=seed)
+
+
+@needs_hopper
+def test_fp16_and_atomic_dq_ablation():
+    _check(*LENGTHS[1], 4, 2, 128, True, dtype=torch.float16)
+    cfg = dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)
+    _check(*LENGTHS[0], 4, 2, 128, True, config=cfg)
+    _check(*LENGTHS[1], 4, 2, 128, True, config=cfg, deterministic=False)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(causal):
+    """The deterministic order holds per sequence (the semaphores count each sequence's key blocks, causal
+    launched last to first, the last sequence heaviest first under tail_heavy_first): repeated runs are bitwise
+    equal, 8 sequences of up to 3k tokens (24 key blocks)."""
+    lens = [3000, 1, 0, 2048, 700, 129, 2500, 64]
+    q, k, v, dout, out, lse, cu_q, cu_k, first = _check(lens, lens, 8, 2, 128, causal, against_triton=False)
+    for _ in range(3):
+        again = gb.gluon_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens), max(lens), 128 ** -0.5,
+                                         -1, 0 if causal else -1, 0.0, True, resolve_gluon_bwd_config(128))
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@needs_hopper
+def test_nan_stays_in_its_sequence():
+    """A NaN in one sequence's q gives NaN gradients there and nowhere else: the tiles that read across into it
+    (the previous sequence's last query block) mask its rows, and its dQ rows are written only by its own blocks."""
+    lens = [100, 70, 130]  # sequence 0's last query block reads sequence 1's first 28 rows (64-row blocks)
+    q, k, v, dout, cu_q, cu_k = _ragged(lens, lens, 4, 2, 128, torch.bfloat16, seed=4)
+    out, lse, _ = _reference(q, k, v, dout, cu_q, cu_k, True, torch.float64)
+    q[100 + 3, 1, 5] = float("nan")  # sequence 1, row 3, head 1
+    dq, dk, dv = gb.gluon_varlen_backward(dout, q, k, v, out.to(q.dtype), lse.float(), cu_q, cu_k, 130, 130,
+                                          128 ** -0.5, -1, 0, 0.0, True, resolve_gluon_bwd_config(128))
+    for name, g, seq_rows in (("dq", dq, (100, 170)), ("dk", dk, (100, 170)), ("dv", dv, (100, 170))):
+        inside = torch.zeros(g.shape[0], dtype=torch.bool, device=g.device)
+        inside[seq_rows[0]:seq_rows[1]] = True
+        assert not g[~inside].isnan().any(), f"{name}: NaN leaked out of its sequence"
+    assert dq[103].isnan().any() and dk[100:170].isnan().any()
+
+
+@needs_hopper
+@pytest.mark.parametrize("option", [dict(window=(64, 0)), dict(window=(32, 32)), dict(softcap=20.0)], ids=str)
+def test_window_and_softcap_take_the_triton_path(option, monkeypatch):
+    """The kernel has no window or softcap (as the dense Gluon backward): gluon_varlen_backward declines them even
+    when forced by config=, and flash_attn_varlen's backward with the switch on gives the reference's gradients
+    through the Triton kernel."""
+    lens = [300, 1, 0, 517]
+    q, k, v, dout, cu_q, cu_k = _ragged(lens, lens, 32, 8, 128, torch.bfloat16, seed=6)
+    window, softcap = option.get("window", (-1, -1)), option.get("softcap", 0.0)
+    lse = torch.zeros(q.shape[1], q.shape[0], device="cuda")
+    assert gb.gluon_varlen_backward(dout, q, k, v, q, lse, cu_q, cu_k, 517, 517, 0.1, *window, softcap, True,
+                                    resolve_gluon_bwd_config(128)) is None
+    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON_BWD", True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), window_size=window,
+                                        softcap=softcap)
+    grads = torch.autograd.grad(out, leaves, dout)
+    _, _, ref64 = _reference(q, k, v, dout, cu_q, cu_k, False, torch.float64, window, softcap)
+    _, _, same = _reference(q, k, v, dout, cu_q, cu_k, False, q.dtype, window, softcap)
+    for name, g, g64, gs in zip(("dq", "dk", "dv"), grads, ref64, same):
+        assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"{option} {name}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_backward_dispatches_to_gluon(causal, monkeypatch):
+    """With the switch on, flash_attn_varlen's autograd backward takes the ragged Gluon kernel (an expanded dout
+    from .sum() included) and matches the reference; a config= pinned to backend "triton" does not take it."""
+    calls = []
+    real = gb._varlen_backward
+    monkeypatch.setattr(gb, "_varlen_backward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON_BWD", True)
+    lens = [100, 1000, 1, 0, 517]
+    q, k, v, dout, cu_q, cu_k = _ragged(lens, lens, 32, 8, 128, torch.bfloat16, seed=8)
+    _, _, ref64 = _reference(q, k, v, dout, cu_q, cu_k, causal, torch.float64)
+    _, _, same = _reference(q, k, v, dout, cu_q, cu_k, causal, q.dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), causal=causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert calls, "the ragged Gluon backward was not taken"
+    for name, g, g64, gs in zip(("dq", "dk", "dv"), grads, ref64, same):
+        assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"flash_attn_varlen {name}")
+    calls.clear()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), causal=causal).sum().backward()
+    assert calls
+    _, _, ref64 = _reference(q, k, v, torch.ones_like(dout), cu_q, cu_k, causal, torch.float64)
+    _, _, same = _reference(q, k, v, torch.ones_like(dout), cu_q, cu_k, causal, q.dtype)
+    for name, g, g64, gs in zip(("dq", "dk", "dv"), [x.grad for x in leaves], ref64, same):
+        assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"flash_attn_varlen sum() {name}")
+    calls.clear()
+    triton = dataclasses.replace(resolve_config(q[None], k[None], v[None]), backend="triton")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), causal=causal,
+                                  config=triton).backward(dout)
+    assert not calls
