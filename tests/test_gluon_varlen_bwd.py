@@ -16,7 +16,7 @@ import flashdecode
 from flashdecode import heuristics
 from flashdecode.config import GluonBwdConfig
 from flashdecode.kernels.gluon import attn_bwd
-from flashdecode.ops import attention_launch, gluon_backward
+from flashdecode.ops import gluon_backward
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.reference import attention_varlen_ref
 

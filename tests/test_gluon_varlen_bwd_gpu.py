@@ -82,9 +82,9 @@ def _check(lens_q, lens_k, h, hkv, d, causal, dtype=torch.bfloat16, deterministi
     for i, (name, g, g64, gs, x) in enumerate(zip(("dq", "dk", "dv"), grads, ref64, same, (q, k, v))):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{what} {name}"
         err, _ = assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"{what} {name}")
-        if triton is not None:  # no worse than the Triton kernel's error on the same out / lse (plus fp noise)
+        if triton is not None:  # within 2x the Triton kernel's error on the same out / lse (+ a small atol)
             terr = max_err(triton[i], g64)
-            assert err <= 1.5 * terr + 1e-3, f"{what} {name}: {err:.3e} vs the Triton backward's {terr:.3e}"
+            assert err <= 2.0 * terr + 1e-3, f"{what} {name}: {err:.3e} vs the Triton backward's {terr:.3e}"
     return q, k, v, dout, out, lse, cu_q, cu_k, grads
 
 
@@ -205,3 +205,14 @@ def test_flash_attn_varlen_backward_dispatches_to_gluon(causal, monkeypatch):
     flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), causal=causal,
                                   config=triton).backward(dout)
     assert not calls
+
+
+@needs_hopper
+def test_bench_times_the_ragged_gluon_backward():
+    """`bench prefill --ragged --modes fwd+bwd`'s row: the gluon_bwd peer (the backward forced onto the ragged
+    kernel) is timed beside ours and the Triton pin, with its ratio to the Triton one."""
+    from flashdecode.bench.prefill_ragged import ragged_point
+
+    row = ragged_point("4x256", [256] * 4, 128, True, "fwd+bwd", ["ours", "triton", "gluon_bwd"], rep_ms=20)
+    assert all(row.get(peer) for peer in ("ours", "triton", "gluon_bwd")), row
+    assert row["gluon_bwd/triton"] == pytest.approx(row["gluon_bwd"] / row["triton"])
