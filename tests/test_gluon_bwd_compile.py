@@ -40,6 +40,8 @@ def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(1
     consts = dict(NUM_HEADS=heads[0], GROUP=heads[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   CAUSAL=causal, DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
                   PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first_for(causal, deterministic))
+    if varlen:
+        consts["SEQ_BOUNDED"] = cfg.seq_bounded
     row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
                  delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
@@ -105,18 +107,21 @@ def test_gluon_backward_compiles_for_hopper_without_a_gpu():
 # not, deterministic or not, the resolved configs - at the GQA layout of the ragged benchmark rows (32 query heads
 # on 8), plus the atomic-dQ ablation: the dense kernel's structure (TMA, wgmma, register budgets, dQ by TMA
 # reduce-add), its shared memory, and registers / spills no worse than the dense kernel's (resolved: none but
-# hd64 causal's 16 bytes, as there); its loads of q, dO, k, v through descriptors made on the device per sequence.
+# hd64 causal's 16 bytes, as there); its loads of q, dO, k, v through descriptors made on the device per sequence
+# (seq_bounded, resolved; off: the host's, compiled too).
 # Measured beside the dense ones (Triton 3.6): registers 168, shared memory and spills equal in every variant.
 _GLUON_BWD_VARLEN_SCRIPT = _BWD_COMPILE_PRELUDE + r'''
 variants = [(d, causal, det, resolve_gluon_bwd_config(d)) for d in (64, 128) for causal in (False, True)
             for det in (False, True)]
 variants.append((128, True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)))
+variants += [(d, True, True, dataclasses.replace(resolve_gluon_bwd_config(d), seq_bounded=False)) for d in (64, 128)]
 for d, causal, det, cfg in variants:
     kernel = compile_variant(d, "bf16", causal, det, cfg, varlen=True, heads=(32, 4))
     what = f"varlen d{d} causal={causal} deterministic={det} {cfg}"
     check_variant(kernel, d, causal, det, cfg, what)
-    # the per-sequence descriptors (rows past the sequence read as zeros) are made on the device
-    assert "tensormap.replace.tile.global_dim" in kernel.asm["ptx"], what + ": no per-sequence descriptors"
+    # seq_bounded: the per-sequence descriptors (rows past the sequence read as zeros) are made on the device
+    made = "tensormap.replace.tile.global_dim" in kernel.asm["ptx"]
+    assert made == cfg.seq_bounded, what + ": per-sequence descriptors"
 print("compiled")
 '''
 

@@ -90,7 +90,8 @@ class _EmulatedVarlenKernel:
     head, whole query tiles of BLOCK_M rows of q / dO (rows past the sequence zeros, as its per-sequence
     descriptors read them) with lse2 / delta from the padded row vectors; dQ added at the padded rows (the
     tile's rows past the sequence into its slack), dK / dV summed over the GQA group and stored at the sequence's
-    key rows only. The packed tensors themselves come as q_ptr, do_ptr, k_ptr, v_ptr."""
+    key rows only. The packed tensors themselves come as q_ptr, do_ptr, k_ptr, v_ptr. SEQ_BOUNDED off: the q / dO
+    rows past the sequence are the next sequence's (zeros past the tensor), as the host descriptors read them."""
 
     def __init__(self):
         self.grids = []
@@ -100,11 +101,13 @@ class _EmulatedVarlenKernel:
         return self.launch
 
     def launch(self, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk, dv, dq_acc, sem,
-               seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q, cu_k, q, do, k, v, NUM_HEADS, GROUP, CAUSAL, **_):
+               seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q, cu_k, q, do, k, v, NUM_HEADS, GROUP, CAUSAL,
+               SEQ_BOUNDED, **_):
         block_m = q_desc.block_shape[0]
         assert all(x.base.data_ptr() == t.data_ptr() for x, t in ((q_desc, q), (do_desc, do), (k_desc, k),
                                                                  (v_desc, v)))
         lse2, delta = lse_desc.base, delta_desc.base
+        x_rows = q.shape[0]
         dk.zero_(), dv.zero_()
         for b in range(cu_q.numel() - 1):
             q_row, len_q = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b])
@@ -116,7 +119,9 @@ class _EmulatedVarlenKernel:
                 visible = torch.arange(len_k)[None, :] <= pos[:, None] + len_k - len_q
             for h in range(NUM_HEADS):
                 hk = h // GROUP
-                qt, dot = (torch.nn.functional.pad(x[q_row:q_row + len_q, h], (0, 0, 0, rows - len_q)).double()
+                # SEQ_BOUNDED: zeros past the sequence; else the packed rows (zeros past the tensor)
+                read = len_q if SEQ_BOUNDED else min(rows, x_rows - q_row)
+                qt, dot = (torch.nn.functional.pad(x[q_row:q_row + read, h], (0, 0, 0, rows - read)).double()
                            for x in (q, do))
                 kt, vt = k[kv_row:kv_row + len_k, hk].double(), v[kv_row:kv_row + len_k, hk].double()
                 s = qt @ kt.T * qk_scale_log2
@@ -127,12 +132,12 @@ class _EmulatedVarlenKernel:
                 dv[kv_row:kv_row + len_k, hk] += (p.T @ dot).to(dv.dtype)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, monkeypatch):
+@pytest.mark.parametrize("causal,seq_bounded", [(False, True), (True, True), (True, False)])
+def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, seq_bounded, monkeypatch):
     """gluon_varlen_backward's launches with the kernel emulated (_EmulatedVarlenKernel) and the preprocess and dQ
     kernels in the interpreter: dq, dk, dv match the float64 reference - the tiles' rows past each sequence
-    contribute exactly nothing through lse2 = +inf, delta = 0 and the slack rows; lengths 0 and 1, more queries
-    than keys, GQA."""
+    (zeros, or with seq_bounded off the next sequence's) contribute exactly nothing through lse2 = +inf, delta = 0
+    and the slack rows; lengths 0 and 1, more queries than keys, GQA."""
     lens_q, lens_k = [3, 0, 1, 70, 40], [3, 5, 1, 90, 20]
     gen = torch.Generator().manual_seed(2)
     heads, heads_kv, d = 4, 2, 64
@@ -146,7 +151,7 @@ def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, mon
     emulated = _EmulatedVarlenKernel()
     monkeypatch.setattr(attn_bwd, "attn_bwd_ws_varlen_kernel", emulated)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    cfg = GluonBwdConfig()
+    cfg = GluonBwdConfig(seq_bounded=seq_bounded)
     dq, dk, dv = gluon_backward._varlen_backward(dout, q, k, v, ref_out.detach().to(q.dtype),
                                                  ref_lse.detach().float(), cu_q, cu_k, max(lens_q), max(lens_k),
                                                  d ** -0.5, causal, True, cfg)

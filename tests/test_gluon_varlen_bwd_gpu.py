@@ -124,8 +124,14 @@ def test_benchmark_rows_gqa_32_8(d, causal):
 
 
 @needs_hopper
-def test_fp16_and_atomic_dq_ablation():
+def test_fp16_and_atomic_dq_ablation_and_unbounded_loads():
+    """fp16; dq_tma=False (the consumers' vector atomics); seq_bounded=False (the host descriptors read the next
+    sequence's rows: exact zeros through lse2 / delta for finite values), both head dims."""
     _check(*LENGTHS[1], 4, 2, 128, True, dtype=torch.float16)
+    for d in (64, 128):
+        cfg = dataclasses.replace(resolve_gluon_bwd_config(d), seq_bounded=False)
+        _check(*LENGTHS[0], 4, 2, d, True, config=cfg)
+        _check(*LENGTHS[2], 4, 2, d, True, config=cfg, seed=2)
     cfg = dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)
     _check(*LENGTHS[0], 4, 2, 128, True, config=cfg)
     _check(*LENGTHS[1], 4, 2, 128, True, config=cfg, deterministic=False)
@@ -222,10 +228,12 @@ def test_flash_attn_varlen_backward_dispatches_to_gluon(causal, monkeypatch):
 
 @needs_hopper
 def test_bench_times_the_ragged_gluon_backward():
-    """`bench prefill --ragged --modes fwd+bwd`'s row: the gluon_bwd peer (the backward forced onto the ragged
-    kernel) is timed beside ours and the Triton pin, with its ratio to the Triton one."""
+    """`bench prefill --ragged --modes fwd+bwd`'s row: the gluon_bwd peers (the backward forced onto the ragged
+    kernel, with and without per-sequence descriptors) are timed beside ours and the Triton pin, with gluon_bwd's
+    ratio to the Triton one."""
     from flashdecode.bench.prefill_ragged import ragged_point
 
-    row = ragged_point("4x256", [256] * 4, 128, True, "fwd+bwd", ["ours", "triton", "gluon_bwd"], rep_ms=20)
-    assert all(row.get(peer) for peer in ("ours", "triton", "gluon_bwd")), row
+    peers = ["ours", "triton", "gluon_bwd", "gluon_bwd_unbounded"]
+    row = ragged_point("4x256", [256] * 4, 128, True, "fwd+bwd", peers, rep_ms=20)
+    assert all(row.get(peer) for peer in peers), row
     assert row["gluon_bwd/triton"] == pytest.approx(row["gluon_bwd"] / row["triton"])

@@ -10,7 +10,8 @@ engine plans once per batch. TFLOP/s count each sequence's own 4 * h * lq * lk *
 Forward + backward (``--modes fwd,fwd+bwd``): ours on the ragged batch beside ours on a dense batch of the same
 total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer has no backward. Beside them:
 gluon_bwd (ours with the backward forced onto the ragged Gluon kernel, ops/gluon_backward.py gluon_varlen_backward
-with the resolved GluonBwdConfig, whatever heuristics.PREFILL_RAGGED_GLUON_BWD says), and FlashAttention's own
+with the resolved GluonBwdConfig, whatever heuristics.PREFILL_RAGGED_GLUON_BWD says; gluon_bwd_unbounded: with
+seq_bounded off, the A/B of the per-sequence descriptors), and FlashAttention's own
 varlen training call where installed: flash_attn3 (flash-attn's Hopper build, ``flash_attn_interface``) and
 flash_attn2 (``flash_attn``), deterministic=False as they default.
 """
@@ -79,34 +80,40 @@ def _flashinfer(backend: str):
 
 
 class _GluonRaggedBackward(torch.autograd.Function):
-    """flash_attn_varlen's forward (its dispatch), then the backward on the ragged Gluon kernel, forced with the
-    resolved GluonBwdConfig (a benchmark peer: the switch heuristics.PREFILL_RAGGED_GLUON_BWD stays as it is)."""
+    """flash_attn_varlen's forward (its dispatch), then the backward on the ragged Gluon kernel, forced with a
+    GluonBwdConfig (a benchmark peer: the switch heuristics.PREFILL_RAGGED_GLUON_BWD stays as it is)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, causal):
+    def forward(ctx, q, k, v, cu, max_len, causal, config):
         import flashdecode
 
         out, lse = flashdecode.flash_attn_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.options = (max_len, causal)
+        ctx.options = (max_len, causal, config)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        from flashdecode.heuristics import resolve_gluon_bwd_config
         from flashdecode.ops.gluon_backward import gluon_varlen_backward
 
         q, k, v, out, lse, cu = ctx.saved_tensors
-        max_len, causal = ctx.options
+        max_len, causal, config = ctx.options
         grads = gluon_varlen_backward(dout, q, k, v, out, lse, cu, cu, max_len, max_len, q.shape[-1] ** -0.5, -1,
-                                      0 if causal else -1, 0.0, True, resolve_gluon_bwd_config(q.shape[-1]))
+                                      0 if causal else -1, 0.0, True, config)
         if grads is None:
             raise RuntimeError("the ragged Gluon backward does not take this call")
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
-def _gluon_bwd(q, k, v, cu, max_len, causal):
-    return lambda: _GluonRaggedBackward.apply(q, k, v, cu, max_len, causal)
+def _gluon_bwd(seq_bounded: bool):
+    """The gluon_bwd peers: the resolved GluonBwdConfig (seq_bounded, per-sequence descriptors) or it with
+    seq_bounded off (the host's descriptors: the A/B of that option)."""
+    def build(q, k, v, cu, max_len, causal):
+        from flashdecode.heuristics import resolve_gluon_bwd_config
+
+        config = dataclasses.replace(resolve_gluon_bwd_config(q.shape[-1]), seq_bounded=seq_bounded)
+        return lambda: _GluonRaggedBackward.apply(q, k, v, cu, max_len, causal, config)
+    return build
 
 
 def _flash_attn(module: str):
@@ -125,9 +132,10 @@ def _flash_attn(module: str):
 
 
 BUILDERS = {"ours": _ours(False), "triton": _ours(True), "FA3": _flashinfer("fa3"), "fa2": _flashinfer("fa2"),
-            "gluon_bwd": _gluon_bwd, "flash_attn3": _flash_attn("flash_attn_interface"),
-            "flash_attn2": _flash_attn("flash_attn")}
-TRAINING_PEERS = ("ours", "triton", "gluon_bwd", "flash_attn3", "flash_attn2")  # the peers with a backward
+            "gluon_bwd": _gluon_bwd(True), "gluon_bwd_unbounded": _gluon_bwd(False),
+            "flash_attn3": _flash_attn("flash_attn_interface"), "flash_attn2": _flash_attn("flash_attn")}
+# the peers with a backward
+TRAINING_PEERS = ("ours", "triton", "gluon_bwd", "gluon_bwd_unbounded", "flash_attn3", "flash_attn2")
 
 
 def _time(step, rep_ms: int) -> tuple[Optional[float], Optional[str]]:
@@ -198,7 +206,7 @@ def peers_available(modes: tuple = ("fwd", )) -> list[str]:
     if importlib.util.find_spec("flashinfer") is not None:
         peers += ["FA3", "fa2"] if hopper else ["fa2"]
     if "fwd+bwd" in modes:
-        peers += ["gluon_bwd"] if hopper else []
+        peers += ["gluon_bwd", "gluon_bwd_unbounded"] if hopper else []
         peers += [name for name in ("flash_attn3", "flash_attn2")
                   if importlib.util.find_spec({"flash_attn3": "flash_attn_interface",
                                                "flash_attn2": "flash_attn"}[name]) is not None]

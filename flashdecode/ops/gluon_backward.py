@@ -238,9 +238,10 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seql
                          _row_vector_descriptor(delta, cfg.block_m))
     grid = (cdiv(max_seqlen_k, cfg.block_n), nheads_kv, batch)
     with torch.cuda.device(q.device):
-        ensure_triton_allocator()  # (the kernel makes its per-sequence descriptors in a global scratch)
+        if cfg.seq_bounded:
+            ensure_triton_allocator()  # (the kernel makes its per-sequence descriptors in a global scratch)
         attn_bwd_ws_varlen_kernel[grid](*descs, dk, dv, dq_acc, sem, max_seqlen_q, max_seqlen_k, scale * LOG2E,
-                                        scale, cu_q, cu_k, q, dout, k, v,
+                                        scale, cu_q, cu_k, q, dout, k, v, SEQ_BOUNDED=cfg.seq_bounded,
                                         **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
     dq = torch.empty((total_q, nheads, headdim), dtype=q.dtype, device=q.device)
     attn_bwd_varlen_dq_kernel[row_grid](dq_acc, dq, cu_q, NUM_HEADS=nheads, HEAD_DIM=headdim, BLOCK_M=cfg.block_m,

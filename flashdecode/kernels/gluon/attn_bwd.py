@@ -412,17 +412,20 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
                               cu_k_ptr, q_ptr, do_ptr, k_ptr, v_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
+                              PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr,
+                              SEQ_BOUNDED: gl.constexpr = True):
     """attn_bwd_ws_kernel over a ragged batch packed along the tokens (flash_attn_varlen's layout): grid
     (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch); each CTA reads its sequence's rows from cu_q_ptr / cu_k_ptr
     (int32 (batch + 1,), on the device: no host sync), and a key block past its sequence's keys loads and adds
     nothing. seqlen_q = the longest sequence's query count (max_seqlen_q: it numbers the semaphores' query blocks);
     seqlen_k unused (any value). Causal is bottom-right aligned per sequence.
 
-    Rows past the sequence: each CTA reads q, dO, k and v through descriptors of its own (made on the device
-    from q_ptr, do_ptr, k_ptr, v_ptr and the host descriptors' strides) that end at its sequence's last row, so
-    TMA fills the rows a tile reads past it with zeros - never the next sequence's values, which could be NaN -
-    and the row vectors give them lse2 = +inf and delta = 0: P = dS = 0 there exactly.
+    Rows past the sequence: the row vectors give them lse2 = +inf and delta = 0, so P = dS = 0 there exactly for
+    finite values. SEQ_BOUNDED (the default): each CTA reads q, dO, k and v through descriptors of its own (made
+    on the device from q_ptr, do_ptr, k_ptr, v_ptr and the host descriptors' strides) that end at its sequence's
+    last row, so TMA fills those rows with zeros - never the next sequence's values, which could be NaN or inf
+    (0 * NaN in a wgmma would carry them into this sequence's gradients). Without it the host descriptors read
+    the next sequence's rows, as the dense kernel reads the next batch's (4 descriptors fewer to make per CTA).
     q_desc / do_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc / kh_desc: (total_k, nheads_kv *
     HEAD_DIM) rows (their types and strides: the loads use the per-sequence copies); dk_ptr / dv_ptr: (total_k,
     nheads_kv, HEAD_DIM) contiguous in q's dtype, stored at the sequence's rows only. dq_acc (dq_ptr / dq_desc's
@@ -432,13 +435,17 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
     rows past the sequence land (zeros); attn_bwd_varlen_prep_kernel fills the row vectors, attn_bwd_varlen_dq_
     kernel takes dQ out. sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC). Other
     arguments as attn_bwd_ws_kernel's; the launch needs Triton's allocator (the descriptors' global scratch)."""
-    seq = gl.program_id(2)
-    q_end = gl.load(cu_q_ptr + seq + 1)
-    kv_end = gl.load(cu_k_ptr + seq + 1)
-    if not DQ_TMA:  # (else unused: no descriptor to make)
-        kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
-    _attn_bwd_ws(_rows_until(q_ptr, q_desc, q_end), _rows_until(do_ptr, do_desc, q_end), lse_desc, delta_desc,
-                 _rows_until(k_ptr, k_desc, kv_end), _rows_until(v_ptr, v_desc, kv_end), kh_desc, dq_desc,
+    if SEQ_BOUNDED:
+        seq = gl.program_id(2)
+        q_end = gl.load(cu_q_ptr + seq + 1)
+        kv_end = gl.load(cu_k_ptr + seq + 1)
+        q_desc = _rows_until(q_ptr, q_desc, q_end)
+        do_desc = _rows_until(do_ptr, do_desc, q_end)
+        k_desc = _rows_until(k_ptr, k_desc, kv_end)
+        v_desc = _rows_until(v_ptr, v_desc, kv_end)
+        if not DQ_TMA:  # (else unused: no descriptor to make)
+            kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
+    _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
                  BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
                             cu_k_ptr),
                  BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
