@@ -34,20 +34,23 @@ def desc(dtype, rows, d):
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
-def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(16, 2)):
-    """attn_bwd_ws_kernel (varlen: attn_bwd_ws_varlen_kernel) for NUM_HEADS, GROUP = heads."""
+def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(16, 2), window=False,
+                    softcap=False):
+    """attn_bwd_ws_kernel (varlen: attn_bwd_ws_varlen_kernel, window / softcap: its WINDOW / SOFTCAP variants) for
+    NUM_HEADS, GROUP = heads."""
     fn = attn_bwd_ws_varlen_kernel if varlen else attn_bwd_ws_kernel
     consts = dict(NUM_HEADS=heads[0], GROUP=heads[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   CAUSAL=causal, DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
                   PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first_for(causal, deterministic))
     if varlen:
-        consts["SEQ_BOUNDED"] = cfg.seq_bounded
+        consts.update(SEQ_BOUNDED=cfg.seq_bounded, WINDOW=window, SOFTCAP=softcap)
     row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
                  delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  kh_desc=desc(dtype, cfg.block_n, d // 2), dq_desc=desc("fp32", cfg.block_m, d // 2),
                  dk_ptr="*" + dtype, dv_ptr="*" + dtype, dq_ptr="*fp32", sem_ptr="*i32", cu_q_ptr="*i32",
                  cu_k_ptr="*i32", q_ptr="*" + dtype, do_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype,
+                 window_left="i32", window_right="i32", softcap_scale="fp32", softcap_log2="fp32",
                  seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     # the launcher specialises 16-byte aligned pointers (torch allocations are): so does this build
@@ -56,9 +59,10 @@ def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(1
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def check_variant(kernel, d, causal, det, cfg, what):
+def check_variant(kernel, d, causal, det, cfg, what, allowed=None):
     """The structure every variant must have (TMA, wgmma, register budgets, the mbarrier pipeline, dQ by TMA
-    reduce-add or 16-byte vector atomics), shared memory within an H100's, and its spills; prints its resources."""
+    reduce-add or 16-byte vector atomics), shared memory within an H100's, and its spills (at most allowed
+    bytes, by default the dense kernel's rule below); prints its resources."""
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
     assert "setmaxnreg" in ptx, what + ": no per-partition register budgets"
@@ -75,7 +79,8 @@ def check_variant(kernel, d, causal, det, cfg, what):
     # the consumers run at the 240-register limit (dK, dV accumulators: 128 registers at hd128); the resolved
     # configs hold everything in registers, except: the atomic ablation may spill a few bytes (its addresses),
     # and hd64's causal 128-row blocks spill 16 bytes (its masked step's row indices), timed faster as they are
-    allowed = 16 if (d == 64 and causal and cfg.block_m == 128) else 0
+    if allowed is None:
+        allowed = 16 if (d == 64 and causal and cfg.block_m == 128) else 0
     # (checked under Triton 3.6, where the budgets were timed; other releases print them: tests/test_gluon_compile.py)
     assert spilled <= allowed or not cfg.dq_tma or not triton.__version__.startswith("3.6."), \
         what + f": spills {spilled} bytes"
@@ -108,17 +113,27 @@ def test_gluon_backward_compiles_for_hopper_without_a_gpu():
 # on 8), plus the atomic-dQ ablation: the dense kernel's structure (TMA, wgmma, register budgets, dQ by TMA
 # reduce-add), its shared memory, and registers / spills no worse than the dense kernel's (resolved: none but
 # hd64 causal's 16 bytes, as there); its loads of q, dO, k, v through descriptors made on the device per sequence
-# (seq_bounded, resolved; off: the host's, compiled too).
+# (seq_bounded, resolved; off: the host's, compiled too); the WINDOW and SOFTCAP variants.
 # Measured beside the dense ones (Triton 3.6): registers 168, shared memory and spills equal in every variant.
 _GLUON_BWD_VARLEN_SCRIPT = _BWD_COMPILE_PRELUDE + r'''
-variants = [(d, causal, det, resolve_gluon_bwd_config(d)) for d in (64, 128) for causal in (False, True)
-            for det in (False, True)]
-variants.append((128, True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False)))
-variants += [(d, True, True, dataclasses.replace(resolve_gluon_bwd_config(d), seq_bounded=False)) for d in (64, 128)]
-for d, causal, det, cfg in variants:
-    kernel = compile_variant(d, "bf16", causal, det, cfg, varlen=True, heads=(32, 4))
-    what = f"varlen d{d} causal={causal} deterministic={det} {cfg}"
-    check_variant(kernel, d, causal, det, cfg, what)
+# (head dim, causal, deterministic, config, WINDOW, SOFTCAP, spill bytes allowed under Triton 3.6: None = the dense
+# kernel's rule; the sliding window's and softcap's variants at hd64 and combined, as measured - they run beside the
+# Triton kernel until timed)
+variants = [(d, causal, det, resolve_gluon_bwd_config(d), False, False, None) for d in (64, 128)
+            for causal in (False, True) for det in (False, True)]
+variants.append((128, True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False), False, False,
+                 None))
+variants += [(d, True, True, dataclasses.replace(resolve_gluon_bwd_config(d), seq_bounded=False), False, False, None)
+             for d in (64, 128)]
+variants += [(64, False, True, resolve_gluon_bwd_config(64), True, False, 24),
+             (128, False, True, resolve_gluon_bwd_config(128), True, False, 0),
+             (64, True, True, resolve_gluon_bwd_config(64), False, True, 56),
+             (128, True, True, resolve_gluon_bwd_config(128), False, True, 0),
+             (128, False, False, resolve_gluon_bwd_config(128), True, True, 40)]
+for d, causal, det, cfg, window, softcap, allowed in variants:
+    kernel = compile_variant(d, "bf16", causal, det, cfg, varlen=True, heads=(32, 4), window=window, softcap=softcap)
+    what = f"varlen d{d} causal={causal} window={window} softcap={softcap} deterministic={det} {cfg}"
+    check_variant(kernel, d, causal, det, cfg, what, allowed)
     # seq_bounded: the per-sequence descriptors (rows past the sequence read as zeros) are made on the device
     made = "tensormap.replace.tile.global_dim" in kernel.asm["ptx"]
     assert made == cfg.seq_bounded, what + ": per-sequence descriptors"

@@ -101,8 +101,8 @@ class _EmulatedVarlenKernel:
         return self.launch
 
     def launch(self, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk, dv, dq_acc, sem,
-               seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q, cu_k, q, do, k, v, NUM_HEADS, GROUP, CAUSAL,
-               SEQ_BOUNDED, **_):
+               seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q, cu_k, q, do, k, v, window_left, window_right,
+               softcap_scale, softcap_log2, NUM_HEADS, GROUP, CAUSAL, SEQ_BOUNDED, WINDOW, SOFTCAP, **_):
         block_m = q_desc.block_shape[0]
         assert all(x.base.data_ptr() == t.data_ptr() for x, t in ((q_desc, q), (do_desc, do), (k_desc, k),
                                                                  (v_desc, v)))
@@ -114,9 +114,14 @@ class _EmulatedVarlenKernel:
             kv_row, len_k = int(cu_k[b]), int(cu_k[b + 1] - cu_k[b])
             acc, rows = q_row + b * block_m, -(-len_q // block_m) * block_m
             pos = torch.arange(rows)
+            keys, diag = torch.arange(len_k)[None, :], pos[:, None] + len_k - len_q
             visible = torch.ones(rows, len_k, dtype=torch.bool)
             if CAUSAL:
-                visible = torch.arange(len_k)[None, :] <= pos[:, None] + len_k - len_q
+                visible = keys <= diag
+            if WINDOW:
+                assert not CAUSAL
+                visible = ((keys >= diag - window_left) | (window_left < 0)) & ((keys <= diag + window_right)
+                                                                                 | (window_right < 0))
             for h in range(NUM_HEADS):
                 hk = h // GROUP
                 # SEQ_BOUNDED: zeros past the sequence; else the packed rows (zeros past the tensor)
@@ -125,19 +130,27 @@ class _EmulatedVarlenKernel:
                            for x in (q, do))
                 kt, vt = k[kv_row:kv_row + len_k, hk].double(), v[kv_row:kv_row + len_k, hk].double()
                 s = qt @ kt.T * qk_scale_log2
+                if SOFTCAP:  # the kernel's form: softcap_log2 * tanh, tanh from exp2 of the doubled argument
+                    tanh = torch.tanh(qt @ kt.T * softcap_scale / (2 * math.log2(math.e)))
+                    s = tanh * softcap_log2
                 p = torch.where(visible, torch.exp2(s - lse2[h, acc:acc + rows, None].double()), 0.0)
                 ds = p * (dot @ vt.T - delta[h, acc:acc + rows, None].double())
+                if SOFTCAP:
+                    ds = ds * (1 - tanh * tanh)
                 dq_acc[acc:acc + rows, h] += (sm_scale * ds @ kt).float()
                 dk[kv_row:kv_row + len_k, hk] += (sm_scale * ds.T @ qt).to(dk.dtype)
                 dv[kv_row:kv_row + len_k, hk] += (p.T @ dot).to(dv.dtype)
 
 
-@pytest.mark.parametrize("causal,seq_bounded", [(False, True), (True, True), (True, False)])
-def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, seq_bounded, monkeypatch):
+@pytest.mark.parametrize("window,softcap,seq_bounded", [((-1, -1), 0.0, True), ((-1, 0), 0.0, True),
+                                                        ((-1, 0), 0.0, False), ((16, 4), 0.0, True),
+                                                        ((-1, 8), 0.0, True), ((-1, 0), 2.0, True)], ids=str)
+def test_host_glue_gives_reference_gradients_through_the_padded_rows(window, softcap, seq_bounded, monkeypatch):
     """gluon_varlen_backward's launches with the kernel emulated (_EmulatedVarlenKernel) and the preprocess and dQ
     kernels in the interpreter: dq, dk, dv match the float64 reference - the tiles' rows past each sequence
     (zeros, or with seq_bounded off the next sequence's) contribute exactly nothing through lse2 = +inf, delta = 0
-    and the slack rows; lengths 0 and 1, more queries than keys, GQA."""
+    and the slack rows; lengths 0 and 1, more queries than keys, GQA; causal as the CAUSAL flag, other windows as
+    WINDOW with their bounds, softcap as SOFTCAP with its two constants."""
     lens_q, lens_k = [3, 0, 1, 70, 40], [3, 5, 1, 90, 20]
     gen = torch.Generator().manual_seed(2)
     heads, heads_kv, d = 4, 2, 64
@@ -146,7 +159,7 @@ def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, seq
     dout = torch.randn_like(q)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = attention_varlen_ref(*leaves, cu_q, cu_k, causal=causal)
+    ref_out, ref_lse = attention_varlen_ref(*leaves, cu_q, cu_k, window_size=window, softcap=softcap)
     want = torch.autograd.grad(ref_out, leaves, dout.double())
     emulated = _EmulatedVarlenKernel()
     monkeypatch.setattr(attn_bwd, "attn_bwd_ws_varlen_kernel", emulated)
@@ -154,7 +167,7 @@ def test_host_glue_gives_reference_gradients_through_the_padded_rows(causal, seq
     cfg = GluonBwdConfig(seq_bounded=seq_bounded)
     dq, dk, dv = gluon_backward._varlen_backward(dout, q, k, v, ref_out.detach().to(q.dtype),
                                                  ref_lse.detach().float(), cu_q, cu_k, max(lens_q), max(lens_k),
-                                                 d ** -0.5, causal, True, cfg)
+                                                 d ** -0.5, window, softcap, True, cfg)
     assert emulated.grids == [(-(-max(lens_k) // 128), heads_kv, len(lens_q))]
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         assert got.dtype == torch.float16 and got.shape == ref.shape, name
@@ -200,19 +213,21 @@ def test_dispatch_is_off_by_default_and_config_forces_it(fake_hopper, monkeypatc
     assert _varlen_backward(*args) is None and not fake_hopper
     forced = GluonBwdConfig(num_stages=3)
     assert _varlen_backward(*args, config=forced) == ("grads", )
-    assert fake_hopper[-1][-1] is forced and fake_hopper[-1][-3] is False  # (cfg; causal False)
+    assert fake_hopper[-1][-1] is forced and fake_hopper[-1][-4] == (-1, -1)  # (cfg; the window: none)
     monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON_BWD", True)
     assert _varlen_backward(*args, window_right=0, deterministic=False) == ("grads", )
-    *_, causal, deterministic, cfg = fake_hopper[-1]
-    assert causal and not deterministic and cfg == heuristics.resolve_gluon_bwd_config(64)
+    *_, window, softcap, deterministic, cfg = fake_hopper[-1]
+    assert window == (-1, 0) and softcap == 0.0 and not deterministic
+    assert cfg == heuristics.resolve_gluon_bwd_config(64)
+    assert _varlen_backward(*args, window_left=32, window_right=0, softcap=30.0) == ("grads", )  # windows, softcap
+    assert fake_hopper[-1][-4:-2] == ((32, 0), 30.0)
 
 
-@pytest.mark.parametrize("change", [dict(window_left=16), dict(window_right=8), dict(softcap=30.0), dict(scale=0.0),
-                                    dict(scale=-0.1), "fp32", "hd80", "cu_int64", "cu_shape", "heads", "dout_shape"],
-                         ids=str)
+@pytest.mark.parametrize("change", [dict(softcap=-1.0), dict(scale=0.0), dict(scale=-0.1), "fp32", "hd80",
+                                    "cu_int64", "cu_shape", "heads", "dout_shape"], ids=str)
 def test_calls_outside_the_kernel_fall_back(fake_hopper, change):
-    """What the ragged kernel does not take returns None (the Triton path), even when forced by config=:
-    windows, softcap, a non-positive scale, fp32, head dims other than 64 / 128, cu_seqlens not int32 or of
+    """What the ragged kernel does not take returns None (the Triton path), even when forced by config=: a
+    negative softcap, a non-positive scale, fp32, head dims other than 64 / 128, cu_seqlens not int32 or of
     different lengths, query heads not a multiple of the kv heads, dout not shaped like q."""
     q, k, v, dout, cu = _packed(LENS, d=80 if change == "hd80" else 64,
                                 dtype=torch.float32 if change == "fp32" else torch.float16)

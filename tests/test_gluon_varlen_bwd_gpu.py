@@ -1,10 +1,10 @@
 """The ragged (varlen) Gluon backward on the GPU (sm_90): dq, dk, dv of packed batches against the float64 reference
 with the FlashAttention rule for gradients (error <= 3x a same-dtype PyTorch implementation's) and beside the
 Triton ragged backward on the same out / lse - random lengths with empty and one-token sequences, more queries than
-keys, 16 x 1k and 64 x 256, GQA 32 / 8, hd 64 and 128, causal (bottom-right per sequence) or not, deterministic
-(bitwise reproducible) or not, the atomic-dQ ablation; NaN confined to its own sequence's gradients; windows and
-softcap, which the kernel does not take, on the Triton path; flash_attn_varlen's backward reaching the kernel
-with the switch on (heuristics.PREFILL_RAGGED_GLUON_BWD).
+keys, 16 x 1k and 64 x 256, GQA 32 / 8, hd 64 and 128, causal (bottom-right per sequence) or not, sliding
+windows (the WINDOW variant), softcap (SOFTCAP), deterministic (bitwise reproducible) or not, the atomic-dQ
+ablation, the host's descriptors instead of the per-sequence ones; NaN confined to its own sequence's gradients;
+flash_attn_varlen's backward reaching the kernel with the switch on (heuristics.PREFILL_RAGGED_GLUON_BWD).
 
 The backward's inputs out / lse come from the float64 reference (no forward compile per length class); each
 (head layout, head dim, causal, deterministic) is one compile, the lengths are not specialised on."""
@@ -78,19 +78,21 @@ def _triton_grads(dout, q, k, v, out, lse, cu_q, cu_k, lens_q, lens_k, causal, d
 
 
 def _check(lens_q, lens_k, h, hkv, d, causal, dtype=torch.bfloat16, deterministic=True, config=None, seed=0,
-           against_triton=True):
+           against_triton=True, window=(-1, -1), softcap=0.0):
+    """window: a sliding window (left, right) instead of causal / none (causal then False); softcap > 0: on."""
     q, k, v, dout, cu_q, cu_k = _ragged(lens_q, lens_k, h, hkv, d, dtype, seed)
-    out64, lse, ref64 = _reference(q, k, v, dout, cu_q, cu_k, causal, torch.float64)
-    _, _, same = _reference(q, k, v, dout, cu_q, cu_k, causal, dtype)
+    out64, lse, ref64 = _reference(q, k, v, dout, cu_q, cu_k, causal, torch.float64, window, softcap)
+    _, _, same = _reference(q, k, v, dout, cu_q, cu_k, causal, dtype, window, softcap)
     out, lse = out64.to(dtype), lse.float()
     scale = d ** -0.5
+    left, right = window if window != (-1, -1) else (-1, 0 if causal else -1)
     grads = gb.gluon_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), scale,
-                                     -1, 0 if causal else -1, 0.0, deterministic,
-                                     config or resolve_gluon_bwd_config(d))
+                                     left, right, softcap, deterministic, config or resolve_gluon_bwd_config(d))
     assert grads is not None, "the ragged Gluon backward did not take a supported call"
-    what = f"{lens_q[:6]} x {lens_k[:6]} h{h}/{hkv} d{d} causal={causal} det={deterministic}"
-    triton = (_triton_grads(dout, q, k, v, out, lse, cu_q, cu_k, lens_q, lens_k, causal, deterministic)
-              if against_triton else None)
+    what = (f"{lens_q[:6]} x {lens_k[:6]} h{h}/{hkv} d{d} causal={causal} window={window} softcap={softcap} "
+            f"det={deterministic}")
+    triton = (_triton_grads(dout, q, k, v, out, lse, cu_q, cu_k, lens_q, lens_k, causal, deterministic, window,
+                            softcap) if against_triton else None)
     for i, (name, g, g64, gs, x) in enumerate(zip(("dq", "dk", "dv"), grads, ref64, same, (q, k, v))):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{what} {name}"
         err, _ = assert_fa_close(g, g64, gs, factor=3.0, atol=1e-4, name=f"{what} {name}")
@@ -168,23 +170,68 @@ def test_nan_stays_in_its_sequence():
     assert dq[103].isnan().any() and dk[100:170].isnan().any()
 
 
+WINDOWS = [(64, 0), (32, 32), (200, -1), (-1, 100), (0, 0), (300, 5)]
+
+
 @needs_hopper
-@pytest.mark.parametrize("option", [dict(window=(64, 0)), dict(window=(32, 32)), dict(softcap=20.0)], ids=str)
-def test_window_and_softcap_take_the_triton_path(option, monkeypatch):
-    """The kernel has no window or softcap (as the dense Gluon backward): gluon_varlen_backward declines them even
-    when forced by config=, and flash_attn_varlen's backward with the switch on gives the reference's gradients
-    through the Triton kernel."""
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_sliding_windows_match_reference(d, deterministic):
+    """The WINDOW variant (one compile per parameter set: the bounds are runtime values): causal sliding windows,
+    two-sided ones, one bound only, the diagonal alone, over the LENGTHS cases (windows narrower than a block,
+    rows that see no key) and GQA 32 / 8; the deterministic order from each query block's first key block."""
+    for i, window in enumerate(WINDOWS):
+        lens_q, lens_k = LENGTHS[i % len(LENGTHS)]
+        _check(lens_q, lens_k, 4, 2, d, False, deterministic=deterministic, seed=i, window=window)
+    lens = [1000, 1, 0, 517, 2048]
+    _check(lens, lens, 32, 8, d, False, deterministic=deterministic, seed=9, window=(256, 0))
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_deterministic_is_bitwise_reproducible(causal):
+    lens = [3000, 1, 0, 2048, 700]
+    window = (512, 0) if causal else (300, 300)
+    q, k, v, dout, out, lse, cu_q, cu_k, first = _check(lens, lens, 8, 2, 128, False, against_triton=False,
+                                                       window=window)
+    for _ in range(3):
+        again = gb.gluon_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens), max(lens), 128 ** -0.5,
+                                         *window, 0.0, True, resolve_gluon_bwd_config(128))
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap_matches_reference(d):
+    """The SOFTCAP variant (scores softcap * tanh(x / softcap), dS times 1 - tanh^2): causal and not, a tight cap
+    (logits well into tanh's flat part) and a loose one, with a sliding window, over ragged lengths with empty and
+    one-token sequences; GQA 32 / 8."""
+    for i, (causal, softcap, window) in enumerate([(True, 30.0, (-1, -1)), (False, 2.0, (-1, -1)),
+                                                    (False, 5.0, (64, 0)), (True, 0.5, (-1, -1))]):
+        lens_q, lens_k = LENGTHS[i % len(LENGTHS)]
+        _check(lens_q, lens_k, 4, 2, d, causal, seed=i, window=window, softcap=softcap)
+    lens = [1000, 1, 0, 517]
+    _check(lens, lens, 32, 8, d, True, seed=7, softcap=20.0, deterministic=False)
+
+
+@needs_hopper
+@pytest.mark.parametrize("option", [dict(softcap=20.0), dict(window=(64, 0), softcap=5.0), dict(window=(32, 32))],
+                         ids=str)
+def test_flash_attn_varlen_takes_the_kernel_with_windows_and_softcap(option, monkeypatch):
+    """With the switch on, flash_attn_varlen's backward of a windowed or soft-capped call (whose forward is the
+    Triton kernel's) takes the ragged Gluon kernel and matches the reference."""
+    calls = []
+    real = gb._varlen_backward
+    monkeypatch.setattr(gb, "_varlen_backward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON_BWD", True)
     lens = [300, 1, 0, 517]
     q, k, v, dout, cu_q, cu_k = _ragged(lens, lens, 32, 8, 128, torch.bfloat16, seed=6)
     window, softcap = option.get("window", (-1, -1)), option.get("softcap", 0.0)
-    lse = torch.zeros(q.shape[1], q.shape[0], device="cuda")
-    assert gb.gluon_varlen_backward(dout, q, k, v, q, lse, cu_q, cu_k, 517, 517, 0.1, *window, softcap, True,
-                                    resolve_gluon_bwd_config(128)) is None
-    monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON_BWD", True)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = flashdecode.flash_attn_varlen(*leaves, cu_q, cu_k, max(lens), max(lens), window_size=window,
                                         softcap=softcap)
     grads = torch.autograd.grad(out, leaves, dout)
+    assert calls, "the ragged Gluon backward was not taken"
     _, _, ref64 = _reference(q, k, v, dout, cu_q, cu_k, False, torch.float64, window, softcap)
     _, _, same = _reference(q, k, v, dout, cu_q, cu_k, False, q.dtype, window, softcap)
     for name, g, g64, gs in zip(("dq", "dk", "dv"), grads, ref64, same):

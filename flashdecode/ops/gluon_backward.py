@@ -1,8 +1,9 @@
 """The Gluon attention backward (flashdecode.kernels.gluon.attn_bwd) on Hopper: which dense calls it takes, and
 its launch (a preprocess of the padded lse / delta rows, then the warp-specialised dK / dV / dQ kernel). The launch
 config is heuristics.resolve_gluon_bwd_config's GluonBwdConfig. The ragged (varlen) form - the same kernel's
-partitions over a batch packed along the tokens, each CTA reading its sequence from cu_seqlens on the device - is
-gluon_varlen_backward, taken by flash_attn_varlen's backward while heuristics.PREFILL_RAGGED_GLUON_BWD is on.
+partitions over a batch packed along the tokens, each CTA reading its sequence from cu_seqlens on the device, with
+sliding windows and softcap besides - is gluon_varlen_backward, taken by flash_attn_varlen's backward while
+heuristics.PREFILL_RAGGED_GLUON_BWD is on.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return _dout_supported(q, dout) and supported_problem(q, k, v) and aligned16(q, k, v)
 
 
-def _options_supported(window_left: int, window_right: int, softcap: float, scale: float) -> bool:
-    """The score options the Gluon backward has: causal or none (no window, no softcap), a positive scale (the
-    kernel divides lse by it), off the CPU interpreter."""
-    return (softcap == 0.0 and window_left == -1 and window_right in (-1, 0) and scale > 0.0
-            and not interpreting())
+def _options_supported(window_left: int, window_right: int, softcap: float, scale: float,
+                       ragged: bool = False) -> bool:
+    """The score options the Gluon backward has: causal or none, no softcap (ragged launches: any sliding window
+    and a positive softcap too), a positive scale (the kernel divides lse by it), off the CPU interpreter."""
+    if not ragged and not (window_left == -1 and window_right in (-1, 0) and softcap == 0.0):
+        return False
+    return softcap >= 0.0 and scale > 0.0 and not interpreting()
 
 
 def _dout_supported(q: torch.Tensor, dout) -> bool:
@@ -164,8 +167,8 @@ def gluon_varlen_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                window_right: int = -1, softcap: float = 0.0, scale: float = 1.0) -> bool:
     """Whether gluon_varlen_backward computes this ragged call: gluon_bwd_supported's conditions on the packed
     tensors (q / dout (total_q, nheads, headdim), k / v (total_k, nheads_kv, headdim), each read as one sequence)
-    and int32 cu_seqlens_q / cu_seqlens_k of one length >= 2 on q's device."""
-    if not _options_supported(window_left, window_right, softcap, scale):
+    and int32 cu_seqlens_q / cu_seqlens_k of one length >= 2 on q's device; sliding windows and softcap too."""
+    if not _options_supported(window_left, window_right, softcap, scale, ragged=True):
         return False
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
         return False
@@ -187,7 +190,8 @@ def gluon_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """flash_attn_varlen's backward on the ragged Gluon kernel where it applies (config given: where it applies;
     config None: only while heuristics.PREFILL_RAGGED_GLUON_BWD is on): (dq, dk, dv); else None having touched
     nothing (take the Triton path). For flashdecode.ops.attention's backward, after its argument checks, with its
-    normalised options (window_right 0 = causal, bottom-right aligned per sequence).
+    normalised options ((-1, 0) = causal, bottom-right aligned per sequence; other windows (left, right), -1
+    unbounded, on the kernel's WINDOW variant; softcap > 0 on its SOFTCAP variant).
 
     q, dout, out: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), fp16/bf16 on sm_90, packed
     along the tokens; lse (nheads, total_q) float32, natural log (the forward's); cu_seqlens_q / cu_seqlens_k
@@ -209,19 +213,23 @@ def gluon_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                                       softcap, scale):
         return None
     return _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                            window_right == 0, deterministic, config or resolve_gluon_bwd_config(q.shape[-1]))
+                            (window_left, window_right), softcap, deterministic,
+                            config or resolve_gluon_bwd_config(q.shape[-1]))
 
 
-def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale, causal, deterministic,
-                     cfg: GluonBwdConfig):
+def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale, window: tuple,
+                     softcap: float, deterministic, cfg: GluonBwdConfig):
     """gluon_varlen_backward's launches: the preprocess into the padded row vectors, the kernel, dQ out of its
-    padded accumulator (attn_bwd_varlen_dq_kernel)."""
+    padded accumulator (attn_bwd_varlen_dq_kernel). window: (left, right), (-1, 0) causal; softcap 0.0: off."""
     from flashdecode.kernels.gluon.attn_bwd import (attn_bwd_varlen_dq_kernel, attn_bwd_varlen_prep_kernel,
                                                     attn_bwd_ws_varlen_kernel)
 
     total_q, nheads, headdim = q.shape
     nheads_kv = k.shape[1]
     batch = cu_q.shape[0] - 1
+    left, right = window
+    sliding = not (left == -1 and right in (-1, 0))  # the kernel's WINDOW (causal = its own flag otherwise)
+    causal = right == 0 and not sliding
     num_m = cdiv(max_seqlen_q, cfg.block_m)
     rows_pad = varlen_rows_pad(total_q, batch, cfg.block_m)
     lse2 = torch.empty((nheads, rows_pad), dtype=torch.float32, device=q.device)
@@ -241,12 +249,22 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seql
         if cfg.seq_bounded:
             ensure_triton_allocator()  # (the kernel makes its per-sequence descriptors in a global scratch)
         attn_bwd_ws_varlen_kernel[grid](*descs, dk, dv, dq_acc, sem, max_seqlen_q, max_seqlen_k, scale * LOG2E,
-                                        scale, cu_q, cu_k, q, dout, k, v, SEQ_BOUNDED=cfg.seq_bounded,
+                                        scale, cu_q, cu_k, q, dout, k, v, left, right,
+                                        *_softcap_args(softcap, scale), SEQ_BOUNDED=cfg.seq_bounded,
+                                        WINDOW=sliding, SOFTCAP=softcap > 0.0,
                                         **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
     dq = torch.empty((total_q, nheads, headdim), dtype=q.dtype, device=q.device)
     attn_bwd_varlen_dq_kernel[row_grid](dq_acc, dq, cu_q, NUM_HEADS=nheads, HEAD_DIM=headdim, BLOCK_M=cfg.block_m,
                                         num_warps=4)
     return dq, dk, dv
+
+
+def _softcap_args(softcap: float, scale: float) -> tuple:
+    """The ragged kernel's softcap_scale, softcap_log2 (tanh's argument doubled for its exp2 form, and the cap in
+    log2 units; zeros when softcap is off)."""
+    if softcap == 0.0:
+        return 0.0, 0.0
+    return 2.0 * scale * LOG2E / softcap, softcap * LOG2E
 
 
 def _row_vector_descriptor(rows: torch.Tensor, block_m: int):

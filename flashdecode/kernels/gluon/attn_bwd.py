@@ -36,7 +36,9 @@ reading its sequence's rows from cu_seqlens on the device (bwd_channels.SeqRows;
 the longest sequence, and a block past its sequence's keys has no query block). Causal is bottom-right per
 sequence. A tile never sees another sequence: q, dO, k and v are read through descriptors made per CTA that end at
 the sequence's last row (TMA zero-fills the rest), the row vectors carry +inf / 0 there, dQ's rows past the
-sequence land in slack rows of its own, and dK / dV are stored at its key rows only.
+sequence land in slack rows of its own, and dK / dV are stored at its key rows only. The ragged entry also has
+sliding windows (WINDOW: each key block's walk cut to the query blocks the window reaches, masked at both edges)
+and softcap (SOFTCAP: P from softcap * tanh of the raw scores, dS times 1 - tanh^2).
 
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q, do: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` / ``do_desc`` (TMA block [64, HEAD_DIM])
@@ -115,14 +117,14 @@ def _load_kv(cfg, k_desc, v_desc, kh_desc, inputs, dq_aux, kv_row, kv_col):
 
 @gluon.jit
 def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, seqlen_q,
-                  seqlen_k, cu_q_ptr, cu_k_ptr):
+                  seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
     """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
     dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
     order. Ragged (cu_q_ptr not None): nothing for a key block past its sequence's keys; the row tiles at the
     sequence's acc_row of the (nheads, rows) row vectors (see SeqRows)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr)
+    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
     kv_row = kb.seq.kv_row + kb.n_start
     kv_col = kb.head_kv * HEAD_DIM
     n_iter = kb.num_m - kb.m_lo
@@ -152,7 +154,7 @@ def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
 
 
 @gluon.jit
-def _turn(kb, m, cfg, seqlen_q, seqlen_k):
+def _turn(kb, m, cfg, seqlen_q, seqlen_k, window_left):
     """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
 
     The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
@@ -160,8 +162,12 @@ def _turn(kb, m, cfg, seqlen_q, seqlen_k):
     starts at its diagonal, where no later block has work, so with every block running at the same pace none
     waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
     head would end with the longest) - except where the blocks walk down from the last query block (walk_down,
-    see key_block): there ascending."""
+    see key_block): there ascending. WINDOW (never CAUSAL): ascending from the first key block the window shows
+    query block m (window_left's bound; blocks before it do not visit m)."""
     turn = kb.pid_n
+    if cfg.WINDOW:
+        first_block = gl.maximum(m * cfg.BLOCK_M + seqlen_k - seqlen_q - window_left, 0) // cfg.BLOCK_N
+        turn = kb.pid_n - gl.where(window_left >= 0, first_block, 0)
     if cfg.CAUSAL:
         visiting = gl.minimum(gl.cdiv((m + 1) * cfg.BLOCK_M + seqlen_k - seqlen_q, cfg.BLOCK_N),
                               gl.cdiv(seqlen_k, cfg.BLOCK_N))
@@ -197,7 +203,7 @@ def _add_dq(dq, m, head, CONSUMER: gl.constexpr, cfg, glob, kb):
     mask = gl.expand_dims(rows < kb.seq.len_q, 1)
     if cfg.DETERMINISTIC:
         sem = glob.sem_ptr + ((kb.batch * NUM_HEADS + head) * kb.seq.m_stride + m) * 2 + CONSUMER
-        _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k))
+        _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k, glob.window_left))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
         thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -214,7 +220,7 @@ def _bulk_wait_done(x):
 
 
 @gluon.jit
-def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr):
+def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
@@ -223,7 +229,7 @@ def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_pt
     them); in a ragged batch, to the sequence's own slack rows (SeqRows)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr)
+    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
     n_iter = kb.num_m - kb.m_lo
     # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
     # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
@@ -234,7 +240,7 @@ def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_pt
             mbarrier.wait(dqc.dq_full.index(0), it & 1)
             sem = sem_ptr + ((kb.batch * cfg.NUM_HEADS + head) * kb.seq.m_stride + m) * 2
             if cfg.DETERMINISTIC:
-                _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k))
+                _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k, window_left))
             for c in gl.static_range(2):
                 _tma_reduce_add(dq_desc, [kb.seq.acc_row + m * BLOCK_M, head * 2 * HALF + c * HALF],
                                 dqc.dq_aux.index(c))
@@ -282,16 +288,30 @@ def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.
     # loaded with Q and dO, broadcast over the keys), so that S^T and dP^T come out already shifted: neither row
     # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
     mbarrier.wait(inputs.q_ready.index(slot), phase)
-    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.lse_smem.index(slot).load(s_layout) / qk_scale_log2
+    if cfg.SOFTCAP:  # (tanh is not linear: the scores come out raw, lse2 applied after it)
+        s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    else:
+        s_init = (gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+                  - inputs.lse_smem.index(slot).load(s_layout) / qk_scale_log2)
     s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
     mbarrier.wait(inputs.do_ready.index(slot), phase)
     dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.delta_smem.index(slot).load(s_layout)
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
-    p_t = gl.exp2(s_t * qk_scale_log2)
+    if cfg.SOFTCAP:
+        # tanh(x) = 1 - 2 / (1 + e^(2x)) (e^(2x) overflowing to inf gives exactly 1: no NaN for any logit)
+        tanh = 1.0 - 2.0 / (1.0 + gl.exp2(s_t * glob.softcap_scale))
+        p_t = gl.exp2(tanh * glob.softcap_log2 - inputs.lse_smem.index(slot).load(s_layout))
+    else:
+        p_t = gl.exp2(s_t * qk_scale_log2)
     if MASKED:
-        p_t = gl.where(gl.expand_dims(keys.first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
+        visible = gl.expand_dims(keys.first_row, 1) <= gl.expand_dims(offs, 0)
+        if cfg.WINDOW:
+            visible = visible & (gl.expand_dims(offs, 0) <= gl.expand_dims(keys.last_row, 1))
+        p_t = gl.where(visible, p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    if cfg.SOFTCAP:  # dS through softcap * tanh: times 1 - tanh^2 (P's fp32 copy is only dS's from here)
+        p_t = p_t * (1.0 - tanh * tanh)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     ds_t = (p_t * dp_t).to(dtype)
@@ -342,7 +362,8 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
     HEAD_DIM: gl.constexpr = inputs.q_smem.type.shape[2]
     GROUP: gl.constexpr = cfg.GROUP
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)
-    kb = key_block(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr)
+    kb = key_block(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, glob.window_left,
+                   glob.window_right)
     seqlen_q = kb.seq.len_q
     seqlen_k = kb.seq.len_k
     m_lo = kb.m_lo
@@ -351,10 +372,14 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
     first_row = gl.zeros_like(key_rows)
+    last_row = first_row  # (unused without WINDOW)
     if cfg.CAUSAL:
         first_row = key_rows - (seqlen_k - seqlen_q)
+    if cfg.WINDOW:  # key j is seen from row j - diag - right to row j - diag + left (-1: unbounded)
+        first_row = gl.where(glob.window_right >= 0, key_rows - (seqlen_k - seqlen_q) - glob.window_right, 0)
+        last_row = gl.where(glob.window_left >= 0, key_rows - (seqlen_k - seqlen_q) + glob.window_left, 1 << 30)
     first_row = gl.where(key_rows < seqlen_k, first_row, 1 << 30)
-    keys = WarpgroupKeys(CONSUMER, first_row)
+    keys = WarpgroupKeys(CONSUMER, first_row, last_row)
     dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     n_iter = num_m - m_lo
@@ -377,8 +402,12 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
         else:
             for m in range(m_lo, kb.m_full):
                 dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, True)
-            for m in range(kb.m_full, num_m):
+            for m in range(kb.m_full, kb.m_end):
                 dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, False)
+            if cfg.WINDOW:  # the window's far side
+                for m in range(kb.m_end, num_m):
+                    dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys,
+                                       True)
     rows = kb.n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     # a ragged batch's key rows read again here: held across the loop, they cost hd64's consumers a spill
     seq = seq_rows(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, kb.batch, kb.n_start)
@@ -406,19 +435,26 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
                            DQ_TMA, TAIL_HEAVY_FIRST), CONSUMER_REGS, PRODUCER_REGS)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
 def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr,
                               dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
-                              cu_k_ptr, q_ptr, do_ptr, k_ptr, v_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                              cu_k_ptr, q_ptr, do_ptr, k_ptr, v_ptr, window_left, window_right, softcap_scale,
+                              softcap_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr,
-                              SEQ_BOUNDED: gl.constexpr = True):
+                              SEQ_BOUNDED: gl.constexpr = True, WINDOW: gl.constexpr = False,
+                              SOFTCAP: gl.constexpr = False):
     """attn_bwd_ws_kernel over a ragged batch packed along the tokens (flash_attn_varlen's layout): grid
     (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch); each CTA reads its sequence's rows from cu_q_ptr / cu_k_ptr
     (int32 (batch + 1,), on the device: no host sync), and a key block past its sequence's keys loads and adds
     nothing. seqlen_q = the longest sequence's query count (max_seqlen_q: it numbers the semaphores' query blocks);
-    seqlen_k unused (any value). Causal is bottom-right aligned per sequence.
+    seqlen_k unused (any value). Causal is bottom-right aligned per sequence. WINDOW (CAUSAL and TAIL_HEAVY_FIRST
+    False): a sliding window, row i of a sequence seeing keys i + diag - window_left .. i + diag + window_right
+    (diag = its key count - query count; -1: unbounded), the key blocks' walks cut to the query blocks it reaches
+    and masked on both of its edges; without WINDOW, window_left / window_right are unused. SOFTCAP: scores
+    softcap * tanh(x / softcap), softcap_scale = 2 * softmax_scale * log2(e) / softcap, softcap_log2 = softcap *
+    log2(e) (unused without it); lse is the capped scores'.
 
     Rows past the sequence: the row vectors give them lse2 = +inf and delta = 0, so P = dS = 0 there exactly for
     finite values. SEQ_BOUNDED (the default): each CTA reads q, dO, k and v through descriptors of its own (made
@@ -447,9 +483,9 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
             kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
     _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
                  BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
-                            cu_k_ptr),
+                            cu_k_ptr, window_left, window_right, softcap_scale, softcap_log2),
                  BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
-                           DQ_TMA, TAIL_HEAVY_FIRST), CONSUMER_REGS, PRODUCER_REGS)
+                           DQ_TMA, TAIL_HEAVY_FIRST, WINDOW, SOFTCAP), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
@@ -471,6 +507,7 @@ def _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc,
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is two warpgroups' 64 keys")
+    gl.static_assert(not (cfg.WINDOW and (cfg.CAUSAL or cfg.TAIL_HEAVY_FIRST)), "WINDOW holds its own bounds")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -506,8 +543,10 @@ def _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc,
         (_bwd_consumer, (0, cfg, inputs, dqc, glob)),
         (_bwd_consumer, (1, cfg, inputs, dqc, glob)),
         (_bwd_producer, (cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux,
-                         glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr)),
-        (_dq_writer, (cfg, dq_desc, dqc, glob.sem_ptr, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr)),
+                         glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, glob.window_left,
+                         glob.window_right)),
+        (_dq_writer, (cfg, dq_desc, dqc, glob.sem_ptr, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr,
+                      glob.window_left, glob.window_right)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 

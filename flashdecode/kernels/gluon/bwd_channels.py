@@ -10,7 +10,10 @@ from flashdecode.kernels.gluon.layouts import RUNTIME, aggregate, runtime
 
 @aggregate
 class BwdConfig:
-    """The launch's compile-time choices (attn_bwd_ws_kernel's constexprs; BLOCK_M = q_desc's block rows)."""
+    """The launch's compile-time choices (attn_bwd_ws_kernel's constexprs; BLOCK_M = q_desc's block rows). WINDOW
+    (ragged launches): a sliding window of runtime bounds (BwdGlobals.window_left / window_right, -1 unbounded),
+    CAUSAL then False (its bounds are the window's). SOFTCAP (ragged launches): scores softcap * tanh(x / softcap)
+    (BwdGlobals.softcap_scale / softcap_log2)."""
     NUM_HEADS: gl.constexpr
     GROUP: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -20,10 +23,12 @@ class BwdConfig:
     DETERMINISTIC: gl.constexpr
     DQ_TMA: gl.constexpr
     TAIL_HEAVY_FIRST: gl.constexpr
+    WINDOW: gl.constexpr
+    SOFTCAP: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA,
-                 TAIL_HEAVY_FIRST):
+                 TAIL_HEAVY_FIRST, WINDOW=False, SOFTCAP=False):
         self.NUM_HEADS = gl.constexpr(NUM_HEADS)
         self.GROUP = gl.constexpr(GROUP)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -33,6 +38,8 @@ class BwdConfig:
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_TMA = gl.constexpr(DQ_TMA)
         self.TAIL_HEAVY_FIRST = gl.constexpr(TAIL_HEAVY_FIRST)
+        self.WINDOW = gl.constexpr(WINDOW)
+        self.SOFTCAP = gl.constexpr(SOFTCAP)
 
 
 @aggregate
@@ -88,8 +95,11 @@ class DqChannel:
 @aggregate
 class BwdGlobals:
     """The consumers' runtime values: dk, dv, dq_acc and sem pointers (see the module docstring), the lengths, the
-    scales (qk_scale_log2 = softmax_scale * log2(e), sm_scale = softmax_scale), and a ragged batch's int32 (batch +
-    1,) cumulative lengths cu_q_ptr / cu_k_ptr (None: fixed-length; key_block reads them)."""
+    scales (qk_scale_log2 = softmax_scale * log2(e), sm_scale = softmax_scale), a ragged batch's int32 (batch +
+    1,) cumulative lengths cu_q_ptr / cu_k_ptr (None: fixed-length; key_block reads them), WINDOW's bounds
+    window_left / window_right (-1: unbounded; -1 constants without WINDOW), and SOFTCAP's softcap_scale = 2 *
+    softmax_scale * log2(e) / softcap (tanh's argument, doubled for its exp2 form) and softcap_log2 = softcap *
+    log2(e) (0.0 constants without SOFTCAP)."""
     dk_ptr: gl.tensor
     dv_ptr: gl.tensor
     dq_ptr: gl.tensor
@@ -100,10 +110,14 @@ class BwdGlobals:
     sm_scale: RUNTIME
     cu_q_ptr: RUNTIME
     cu_k_ptr: RUNTIME
+    window_left: RUNTIME
+    window_right: RUNTIME
+    softcap_scale: RUNTIME
+    softcap_log2: RUNTIME
 
     @gluon.constexpr_function
     def __init__(self, dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
-                 cu_k_ptr):
+                 cu_k_ptr, window_left=-1, window_right=-1, softcap_scale=0.0, softcap_log2=0.0):
         self.dk_ptr = dk_ptr
         self.dv_ptr = dv_ptr
         self.dq_ptr = dq_ptr
@@ -114,6 +128,10 @@ class BwdGlobals:
         self.sm_scale = runtime(sm_scale)
         self.cu_q_ptr = runtime(cu_q_ptr)
         self.cu_k_ptr = runtime(cu_k_ptr)
+        self.window_left = runtime(window_left)
+        self.window_right = runtime(window_right)
+        self.softcap_scale = runtime(softcap_scale)
+        self.softcap_log2 = runtime(softcap_log2)
 
 
 @aggregate
@@ -168,26 +186,29 @@ def seq_rows(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, batch, n_start):
 @aggregate
 class KeyBlock:
     """This CTA's key block and its walk over the query blocks (key_block): (batch, head_kv), pid_n (its block
-    number, keys from n_start), query blocks [m_lo, m_full) masked and [m_full, num_m) not, walk_down; and where its
-    sequence lies (SeqRows)."""
+    number, keys from n_start), query blocks [m_lo, m_full) masked, [m_full, m_end) not and [m_end, num_m) masked
+    (a window's far side; m_end = num_m without WINDOW), walk_down; and where its sequence lies (SeqRows). num_m
+    ends the walk: the sequence's query blocks, or the last a window reaches."""
     batch: RUNTIME
     head_kv: RUNTIME
     pid_n: RUNTIME
     n_start: RUNTIME
     m_lo: RUNTIME
     m_full: RUNTIME
+    m_end: RUNTIME
     num_m: RUNTIME
     walk_down: RUNTIME
     seq: SeqRows
 
     @gluon.constexpr_function
-    def __init__(self, batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down, seq):
+    def __init__(self, batch, head_kv, pid_n, n_start, m_lo, m_full, m_end, num_m, walk_down, seq):
         self.batch = runtime(batch)
         self.head_kv = runtime(head_kv)
         self.pid_n = runtime(pid_n)
         self.n_start = runtime(n_start)
         self.m_lo = runtime(m_lo)
         self.m_full = runtime(m_full)
+        self.m_end = runtime(m_end)
         self.num_m = runtime(num_m)
         self.walk_down = runtime(walk_down)
         self.seq = seq
@@ -195,20 +216,22 @@ class KeyBlock:
 
 @aggregate
 class WarpgroupKeys:
-    """One consumer warpgroup's 64 keys: CONSUMER (0 or 1: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the block)
-    and first_row (64,) int32, the first query row that sees each key (the masked steps keep P where
-    first_row <= row)."""
+    """One consumer warpgroup's 64 keys: CONSUMER (0 or 1: keys [CONSUMER * 64, CONSUMER * 64 + 64) of the block),
+    first_row and last_row (64,) int32, the first and (WINDOW) last query row that sees each key (the masked steps
+    keep P where first_row <= row <= last_row; without WINDOW last_row is unused)."""
     CONSUMER: gl.constexpr
     first_row: gl.tensor
+    last_row: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, CONSUMER, first_row):
+    def __init__(self, CONSUMER, first_row, last_row):
         self.CONSUMER = gl.constexpr(CONSUMER)
         self.first_row = first_row
+        self.last_row = last_row
 
 
 @gluon.jit
-def key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr):
+def key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
     """This CTA's key block and its walk over the query blocks, a KeyBlock: query blocks [m_lo, m_full) need the
     mask (the causal diagonal, or every block when the key block is ragged), [m_full, num_m) none; m_lo skips the
     query blocks that see none of the keys (causal). For each query head of the group, step i visits query block
@@ -222,7 +245,7 @@ def key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr):
     masked step, and the earlier key block adds first - so block j waits only for blocks launched before it,
     which start at the same last query block and lead it by one addition.
     seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr: as seq_rows takes them; a ragged batch's key blocks past their
-    sequence's keys get no query blocks."""
+    sequence's keys get no query blocks. WINDOW: the blocks window_left / window_right reach (_window_blocks)."""
     pid_n = gl.program_id(0)
     head_kv = gl.program_id(1)
     batch = gl.program_id(2)
@@ -240,13 +263,37 @@ def key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr):
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     m_lo = 0
     m_full = 0
+    m_end = num_m
     if cfg.CAUSAL:
         diag = seqlen_k - seqlen_q
         m_lo = gl.minimum(gl.maximum(n_start - diag, 0) // BLOCK_M, num_m)
         m_full = gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag, 0), BLOCK_M), num_m)
-    if n_start + BLOCK_N > seqlen_k:
+    if cfg.WINDOW:
+        m_lo, m_full, m_end, num_m = _window_blocks(n_start, seqlen_k - seqlen_q, num_m, window_left, window_right,
+                                                    BLOCK_M, BLOCK_N)
+        if n_start + BLOCK_N > seqlen_k:  # (a ragged key block: every step masked)
+            m_full = num_m
+            m_end = num_m
+    elif n_start + BLOCK_N > seqlen_k:
         m_full = num_m
-    return KeyBlock(batch, head_kv, pid_n, n_start, m_lo, m_full, num_m, walk_down, seq)
+    return KeyBlock(batch, head_kv, pid_n, n_start, m_lo, m_full, m_end, num_m, walk_down, seq)
+
+
+@gluon.jit
+def _window_blocks(n_start, diag, num_m, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """WINDOW's walk of the key block from n_start (bottom-right aligned: row i sees key j when i + diag - left <=
+    j <= i + diag + right, diag = seqlen_k - seqlen_q, -1 = unbounded): (m_lo, m_full, m_end, m_hi) with query
+    blocks [m_lo, m_hi) seeing some key of the block, [m_full, m_end) all of them for every row, m_lo <= m_full
+    <= m_end <= m_hi. _turn's first_block is the same geometry seen from a query block."""
+    m_lo = gl.where(right >= 0, gl.minimum(gl.maximum(n_start - diag - right, 0) // BLOCK_M, num_m), 0)
+    m_full = gl.where(right >= 0, gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - diag - right, 0), BLOCK_M), 0)
+    m_hi = gl.where(left >= 0, gl.minimum(gl.cdiv(gl.maximum(n_start + BLOCK_N - diag + left, 0), BLOCK_M), num_m),
+                    num_m)
+    m_end = gl.where(left >= 0, gl.maximum(n_start - diag + left + 1, 0) // BLOCK_M, num_m)
+    m_hi = gl.maximum(m_hi, m_lo)
+    m_full = gl.minimum(m_full, m_hi)
+    m_end = gl.minimum(gl.maximum(m_end, m_full), m_hi)
+    return m_lo, m_full, m_end, m_hi
 
 
 @gluon.jit
