@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+from typing import Optional
 
 from flashdecode.config import (AttentionConfig, AttentionProblem, DecodeConfig, DecodePath, GluonBwdConfig,
                                 GluonFwdConfig)
@@ -962,7 +963,11 @@ def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> G
     themselves sit on the device). resolve_gluon_config's rule at that length, except:
     - host-made tile lists (tile_order "lpt") would need the lengths on the host: those launches take one CTA per
       tile instead (the hardware's block dispatch balances tiles of unequal sequences), with FA3's overlapped loop
-      where it holds its state in registers (non-causal; the causal one spills one CTA per tile);
+      where it holds its state in registers (non-causal; the causal one spills one CTA per tile). Zeroing the last
+      key block's V rows past the keys (the next sequence's rows, kernels/gluon/attn_fwd.py) costs it 8 bytes of
+      spills, as it does the hd64 three-warpgroup tile (sm_90 SASS: stored and reloaded at a partition's start
+      and the tile's epilogue, never in the key-block loop); both kept, not yet timed against the plain loop with
+      the zeroing (benchmarks/probes/gluon_varlen.py);
     - causal hd128 batches averaging more than RAGGED_PAIRS_MAX_KEYS keys take one CTA per tile too (hd64 was not
       measured ragged and keeps resolve_gluon_config's rule): a head's heavy and
       light tiles pair up into equal units only when its sequences are equal, and ragged ones are not (H100, 32 / 8
@@ -971,6 +976,42 @@ def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> G
     cfg = resolve_gluon_config(headdim, causal, mean_keys)
     if cfg.tile_order == "lpt" or (causal and headdim == 128 and mean_keys > RAGGED_PAIRS_MAX_KEYS):
         return GluonFwdConfig(num_stages=cfg.num_stages, overlap=not causal, split_release=not causal)
+    return cfg
+
+
+# flash_attn_varlen(block_table=) and flash_attn_with_kvcache's paged prefill take the Gluon kernel
+# (ops/gluon_attention.py gluon_paged_forward_into) where resolve_gluon_paged_config gives a launch. Off until its
+# GPU tests and `bench prefill --paged` rows are in (docs/decisions.md, "Paged prefill on the Gluon kernel"):
+# False sends every paged prefill to the Triton kernel unless config= asks for the Gluon one.
+PREFILL_PAGED_GLUON = False
+GLUON_PAGED_BLOCK_NS = (128, 64)  # key blocks a page must hold whole (the largest that divides the page size)
+
+
+def gluon_paged_block_n(page_size: int) -> int:
+    """The key block of the Gluon paged prefill for pages of page_size keys: the largest of GLUON_PAGED_BLOCK_NS
+    that divides it (a block is one TMA box from one page), or 0 where none does (those pages stay on the Triton
+    kernel, which gathers keys by pointers)."""
+    return next((b for b in GLUON_PAGED_BLOCK_NS if page_size % b == 0), 0)
+
+
+def resolve_gluon_paged_config(headdim: int, causal: bool, page_size: int,
+                               max_seqlen_k: int) -> Optional[GluonFwdConfig]:
+    """The Gluon launch of a paged prefill (q ragged, K/V in pages of page_size keys, max_seqlen_k the longest key
+    count: the lengths themselves sit on the device), or None where the dispatch keeps the Triton kernel: head dims
+    outside GLUON_HEAD_DIMS, pages that hold no whole key block (gluon_paged_block_n), problems gluon_pays rules
+    out. The ragged resolver's launch at max_seqlen_k keys (its sequences are ragged the same way), with key blocks
+    of gluon_paged_block_n(page_size) (half-size blocks in twice the stages: the same bytes in flight), and always
+    the plain loop: the overlapped one spills (16 bytes, sm_90 compile) once it zeroes the last block's V rows past
+    the keys (a page's tail may hold anything), and was timed without windows or softcap. Not yet timed over pages
+    (PREFILL_PAGED_GLUON); windows and softcap take the same launch."""
+    block_n = gluon_paged_block_n(page_size)
+    if headdim not in GLUON_HEAD_DIMS or block_n == 0 or not gluon_pays(headdim, max_seqlen_k):
+        return None
+    cfg = resolve_gluon_varlen_config(headdim, causal, max_seqlen_k)
+    if cfg.overlap or cfg.split_release:
+        cfg = dataclasses.replace(cfg, overlap=False, split_release=False)
+    if cfg.block_n != block_n:
+        cfg = dataclasses.replace(cfg, block_n=block_n, num_stages=cfg.num_stages * cfg.block_n // block_n)
     return cfg
 
 

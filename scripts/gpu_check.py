@@ -65,6 +65,7 @@ CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
     "tests/test_engine.py": (),
     "tests/test_engine_bench.py": (),
     "tests/test_engine_config.py": (),  # EngineConfig checks; the engines it builds pin device="cpu"
+    "tests/test_engine_flashinfer.py": (),  # a stand-in flashinfer on device="cpu" (the GPU one: *_gpu.py)
     "tests/test_engine_prefill_last.py": ("test_gpu_last_rows_prefill_matches_full_forward",),
     "tests/test_gluon_compile.py": (),
     "tests/test_gluon_launch_cache.py": (),

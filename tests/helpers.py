@@ -223,3 +223,15 @@ def run_sm90_compile_script(script: str) -> None:
     if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("Triton's ptxas is not available here")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+class FakeCompiled:
+    """Stands in for Triton's CompiledKernel in the Gluon launchers' CPU tests: records the direct launches."""
+
+    def __init__(self):
+        self.launches = []
+        self.function, self.packed_metadata = "function-handle", "packed"
+        self.run = lambda *a: self.launches.append(a)
+
+    def launch_metadata(self, grid, stream, *args):
+        return None

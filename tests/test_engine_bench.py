@@ -344,3 +344,39 @@ def test_decode_step_breakdown_on_the_gpu():
     assert {"linear", "attention"} <= set(r["families_us"])
     assert r["span_us"] == pytest.approx(r["kernel_us"] + r["gap_us"]) and r["gap_us"] >= 0
     assert 0 < r["replay_ms"] <= r["engine_step_ms"] * 1.05 and r["floors"]["read"]["step_us"] > 0
+
+
+def test_flashinfer_peer_column_and_the_target_line(tmp_path, monkeypatch):
+    """The flashinfer backend as an e2e column: dropped with the reason where its package does not import; its
+    points measured through the same engine loop (a stand-in flashinfer on the CPU); the report's 'x vs
+    flashinfer' per point and the line on the target (flashdecode >= 1.0x at every point)."""
+    import sys
+
+    from flashdecode.engine import flashinfer_backend as fib
+    from flashinfer_fake import fake_module
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    backends, note = e2e.flashinfer_plan(["flashdecode", "flashinfer", "sdpa"])
+    assert backends == ["flashdecode", "sdpa"] and note.startswith("flashinfer peer: skipped")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_module())
+    monkeypatch.setattr(fib.FlashInferBackend, "check_engine", staticmethod(lambda device, dtype, cfg: None))
+    assert e2e.flashinfer_plan(["flashdecode", "flashinfer"])[0] == ["flashdecode", "flashinfer"]
+    cfg = config_from_dict(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    model = model_class(cfg)(cfg, torch.float32, torch.device("cpu"), 512)
+    model.init_random_(0)
+    assert e2e.decode_tokens_per_s(model, "flashinfer", context=70, batch=2, steps=3, repeats=1, page_size=16) > 0
+
+    cfg = named_config("llama3-8b")
+    rows = [dict(kind="decode", backend=b, context=ctx, batch=bs, tokens_per_s=rate)
+            for b, ctx, bs, rate in (("flashdecode", 512, 1, 160.0), ("flashinfer", 512, 1, 150.0),
+                                     ("flashdecode", 4096, 16, 2000.0), ("flashinfer", 4096, 16, 2100.0))]
+    args = argparse.Namespace(quick=False, contexts="512", batch="1", page_size=128, out=str(tmp_path), pdl="auto",
+                              flashinfer_note="flashinfer peer: test")
+    env = {"device": "cpu", "torch": torch.__version__, "triton": "-", "date": "2026-01-01 00:00 UTC"}
+    e2e._write(args, env, rows, cfg, "llama3-8b", "llama3-8b", 3e12, ["flashdecode", "flashinfer"])
+    record = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    assert record["table"][0]["x vs flashinfer"] == pytest.approx(160 / 150)
+    assert record["vs_flashinfer"] == {"b1 ctx512": pytest.approx(160 / 150), "b16 ctx4096": pytest.approx(2000 / 2100)}
+    assert ">= 1.0x at every point: no (lowest b16 ctx4096)" in " ".join(record["summary"])
+    assert "flashinfer peer: test" in record["notes"]

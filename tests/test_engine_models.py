@@ -70,7 +70,7 @@ def test_prompt_logits_and_greedy_batch_match_transformers(ckpts, kind):
 
 
 def test_backend_window_twins_are_made_once_and_share_the_decode_plans():
-    from flashdecode.engine.attention import make_backend
+    from flashdecode.engine.backends import make_backend
 
     base = make_backend("torch", "cpu")
     twin = base.with_window(7)

@@ -258,7 +258,7 @@ def expected_paged(q, k_cache, v_cache, meta, tables, window_left=-1, last_only=
 def test_prefill_paged_backends_match_the_reference(name, window_left, gen, device):
     """Every backend's paged prefill (chunks after K/V in shuffled pages, causal bottom-right, a window) equals the
     float64 reference on the gathered keys; last_only gives each sequence's last row."""
-    from flashdecode.engine.attention import make_backend
+    from flashdecode.engine.backends import make_backend
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     q, k_cache, v_cache, meta, tables = paged_case(gen, device, dtype)
@@ -274,7 +274,7 @@ def test_prefill_paged_backends_match_the_reference(name, window_left, gen, devi
 
 @pytest.mark.parametrize("name", ["torch", "flashdecode"])
 def test_prefill_paged_reads_8bit_pages_with_their_scales(name, gen, device):
-    from flashdecode.engine.attention import make_backend
+    from flashdecode.engine.backends import make_backend
     from flashdecode.engine.kv_quant import QuantPages, quantize_tokens
 
     dtype = torch.float16 if name == "flashdecode" else torch.float32

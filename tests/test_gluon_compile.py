@@ -38,9 +38,9 @@ def desc(dtype, rows, d):
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
-def compile_variant(d, dtype, causal, cfg, varlen=False):
+def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False):
     """fp16/bf16 on attn_fwd_ws_kernel (varlen: attn_fwd_ws_varlen_kernel); fp8e4nv on attn_fwd_fp8_ws_kernel (V^T
-    blocks [d, block_n], bf16 out)."""
+    blocks [d, block_n], bf16 out). v_tail: the fixed-length kernels' V_TAIL (zero V rows past the keys)."""
     fp8 = dtype == "fp8e4nv"
     lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
     fn = (attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_varlen_kernel if varlen
@@ -51,10 +51,30 @@ def compile_variant(d, dtype, causal, cfg, varlen=False):
                   SPLIT_KV_RELEASE=cfg.split_release)
     if not lpt:
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
+    if "V_TAIL" in fn.arg_names:
+        consts.update(V_TAIL=v_tail)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
                  qk_scale_log2="fp32", sched_ptr="*i32", cu_q_ptr="*i32", cu_k_ptr="*i32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+
+
+def compile_paged(d, causal, cfg, page_size, window=False, softcap=False, dtype="bf16"):
+    """attn_fwd_ws_paged_kernel (32 / 8 heads): K/V blocks [block_n, d] from a paged cache's rows view."""
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_paged_kernel as fn
+
+    consts = dict(NUM_HEADS=32, GROUP=4, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                  NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal, OVERLAP=cfg.overlap,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, Q_BUFFERS=cfg.q_buffers,
+                  TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release, PAGE_SIZE=page_size,
+                  WINDOW=window, SOFTCAP=softcap)
+    types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
+                 out_ptr="*" + dtype, lse_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
+                 qk_scale_log2="fp32", cu_q_ptr="*i32", seqused_ptr="*i32", block_table_ptr="*i32", bt_stride="i32",
+                 max_pages="i32", num_pages="i32", window_left="i32", window_right="i32", softcap_log2="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
@@ -147,21 +167,70 @@ def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
 
 
 # The ragged (varlen) kernel in the launch families its resolver returns: tile pairs (short causal), one CTA per
-# tile with FA3's overlapped loop (non-causal) and persistent round robin (hd64): TMA + wgmma, no spills.
+# tile with FA3's overlapped loop (non-causal), persistent round robin (hd64) and three warpgroups (hd64 from 16k
+# keys) - and the fixed-length kernel with V_TAIL (a batch whose keys end inside a block): TMA + wgmma. Zeroing
+# the last block's V rows past the keys (V_TAIL: the next sequence's rows) costs the overlapped loop and the
+# three-warpgroup tile 8 bytes of spills (sm_90 SASS: at a partition's start and the tile's epilogue, never in
+# the key-block loop), the only spills these variants may have; host tile lists keep their allowance above.
 _GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_varlen_config
+sys.path.insert(0, "tests")
+from helpers import registers
 
-for d, causal, mean_keys in [(128, True, 256), (128, False, 2048), (64, False, 1024)]:
-    cfg = resolve_gluon_varlen_config(d, causal, mean_keys)
-    kernel = compile_variant(d, "bf16", causal, cfg, varlen=True)
+variants = [(d, causal, resolve_gluon_varlen_config(d, causal, keys), True)
+            for d, causal, keys in [(128, True, 256), (128, False, 2048), (64, False, 1024), (64, True, 16384)]]
+variants += [(d, causal, resolve_gluon_config(d, causal, keys), False)
+             for d, causal, keys in [(128, False, 16384), (128, True, 1024)]]
+for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
+    kernel = (compile_variant(d, "bf16", causal, cfg, varlen=True) if varlen
+              else compile_variant(d, "bf16", causal, cfg, v_tail=True))
     ptx = kernel.asm["ptx"]
-    what = f"varlen d{d} causal={causal} {cfg}"
+    what = f"{'varlen' if varlen else 'V_TAIL'} d{d} causal={causal} {cfg}"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert "fence.proxy.async" in ptx, what + ": no V rows zeroed before the PV wgmma"
     assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
-    assert spilled_bytes(kernel) == 0 or not SPILLS_CHECKED, what + ": spills"
+    spilled = spilled_bytes(kernel)
+    print(what, "registers", registers(kernel), "spilled", spilled)
+    allowed = 8 if cfg.overlap or cfg.num_consumers == 3 else 0
+    assert spilled <= allowed or not SPILLS_CHECKED, what + ": spills"
 print("compiled")
 '''
 
 
-def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu():
-    run_sm90_compile_script(_GLUON_VARLEN_SCRIPT)
+@pytest.mark.parametrize("shard", range(2))
+def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu(shard):
+    run_sm90_compile_script(f"SHARD, SHARDS = {shard}, 2\n" + _GLUON_VARLEN_SCRIPT)
+
+
+# The paged kernel (prefill over a paged KV cache) in the launches its resolver returns - causal and not, hd128 and
+# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop), and the overlapped loop forced: TMA + wgmma,
+# per-partition register budgets, no spills but the forced one (registers, spills and shared memory printed).
+_GLUON_PAGED_SCRIPT = _COMPILE_PRELUDE + r'''
+from flashdecode.heuristics import resolve_gluon_paged_config
+sys.path.insert(0, "tests")
+from helpers import registers
+
+variants = [(128, True, 128, 4096, False, False), (128, False, 128, 4096, False, False),
+            (128, True, 64, 34816, False, False), (128, False, 64, 2048, False, False),
+            (128, False, 256, 2048, True, True),
+            (64, True, 128, 4096, False, False), (64, False, 256, 16384, True, False)]
+# FA3's overlapped loop, forced through config= (the resolver does not take it over pages: it spilled 16 bytes)
+forced = [(128, False, 128, 4096, False, False, GluonFwdConfig(overlap=True, split_release=True))]
+for d, causal, page_size, keys, window, softcap, *given in (variants + forced)[SHARD::SHARDS]:
+    cfg = given[0] if given else resolve_gluon_paged_config(d, causal, page_size, keys)
+    kernel = compile_paged(d, causal, cfg, page_size, window, softcap)
+    ptx = kernel.asm["ptx"]
+    what = f"paged d{d} causal={causal} page={page_size} window={window} softcap={softcap} {cfg}"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
+    assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx, what + ": not the warp-specialised pipeline"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    spilled = spilled_bytes(kernel)
+    print(what, "registers", registers(kernel), "spilled", spilled, "shared", kernel.metadata.shared)
+    assert spilled == 0 or given or not SPILLS_CHECKED, what + ": spills"
+print("compiled")
+'''
+
+
+@pytest.mark.parametrize("shard", range(2))
+def test_gluon_paged_kernel_compiles_for_hopper_without_a_gpu(shard):
+    run_sm90_compile_script(f"SHARD, SHARDS = {shard}, 2\n" + _GLUON_PAGED_SCRIPT)

@@ -9,18 +9,7 @@ import torch
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.ops import gluon_plan
-
-
-class _FakeCompiled:
-    """Stands in for Triton's CompiledKernel: records the direct launches."""
-
-    def __init__(self):
-        self.launches = []
-        self.function, self.packed_metadata = "function-handle", "packed"
-        self.run = lambda *a: self.launches.append(a)
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
+from helpers import FakeCompiled as _FakeCompiled
 
 
 @pytest.fixture
@@ -297,3 +286,25 @@ def test_lpt_plans_launch_their_own_kernel_with_the_tile_lists(stubbed, monkeypa
     assert launch[10:] == tuple(constexprs[n] for n in attn_fwd_ws_lpt_kernel.arg_names[10:])
     with pytest.raises(ValueError, match="tile_order"):
         ga.GluonFwdConfig(q_buffers=2, tile_order="lpt")  # lists per persistent CTA
+
+
+@pytest.mark.parametrize("batch,sk,tile_order,v_tail", [(2, 200, "round_robin", True), (2, 256, "round_robin", False),
+                                                        (1, 200, "round_robin", False), (2, 1000, "lpt", True)])
+def test_batches_whose_keys_end_inside_a_block_zero_the_next_sequences_values(stubbed, monkeypatch, batch, sk,
+                                                                               tile_order, v_tail):
+    """A fixed-length batch reads its K / V as packed rows: where a sequence's keys end inside a key block and
+    another sequence follows, the launch sets V_TAIL (the consumers zero those V rows before PV, or a NaN value
+    of the next sequence reaches this one); other launches keep V_TAIL off (their instructions unchanged)."""
+    calls = []
+    _, compiled = stubbed
+
+    def fake_jit(grid, args, constexprs, **kernel):
+        calls.append(constexprs)
+        return compiled
+
+    monkeypatch.setattr(gluon_plan, "_jit_launch", fake_jit)
+    q, k, v = (x[:batch] for x in _qkv(sq=300, sk=sk))
+    persistent = tile_order == "lpt"
+    cfg = ga.GluonFwdConfig(persistent=persistent, q_buffers=2 if persistent else 1, tile_order=tile_order)
+    ga.gluon_attention_forward(q, k, v, causal=True, config=cfg)
+    assert calls[-1]["V_TAIL"] is v_tail

@@ -116,17 +116,25 @@ def test_benchmarks_page_renders_the_paged_prefill_record(tmp_path, monkeypatch)
     row = dict(mode="paged fwd", dtype="bf16", headdim=128, nheads=32, nheads_kv=8, batch=4, page_size=16, chunk=512,
                cached=32768, causal=True, paged=300.0, contig=320.0, FI=280.0, FI_backend="fa3")
     row.update({"paged/contig": 300.0 / 320.0, "paged/FI": 300.0 / 280.0})
+    # a row with both kernels: the Triton one the default dispatch takes, the Gluon one forced
+    row2 = dict(row, page_size=128, paged_backend="triton", triton=300.0, gluon=390.0, gluon_applies=True)
+    row2.update({"gluon/triton": 1.3, "gluon/FI": 390.0 / 280.0})
     record = {"kind": "paged_prefill", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"},
-              "git_commit": "abc", "command": "python -m flashdecode bench prefill --paged --no-grid", "rows": [row]}
+              "git_commit": "abc", "command": "python -m flashdecode bench prefill --paged --no-grid", "rows": [row, row2]}
     latest = tmp_path / "latest"
     latest.mkdir()
     (latest / "paged_prefill_a.json").write_text(json.dumps(record))
     page = tmp_path / "benchmarks.md"
     monkeypatch.setattr(sys, "argv", ["x", "--latest", str(latest), "--out", str(page)])
     assert md.main() == 0
-    assert "| 16 | 512 | 32768 | 4 | 300 | 320 | 280 | fa3 | 0.94 | 1.07 |" in page.read_text()
+    text = page.read_text()
+    assert "| 16 | 512 | 32768 | 4 | - | 300 | - | - | 320 | 280 | fa3 | 0.94 | 1.07 | - | - |" in text
+    assert "| 128 | 512 | 32768 | 4 | triton | 300 | 300 | 390 | 320 | 280 | fa3 | 0.94 | 1.07 | 1.30 | 1.39 |" in text
     assert paged_prefill.summary_line(row) == ("paged fwd page16 chunk512 +32768 cached: ours 300 TFLOP/s, contig 320 "
                                                "(0.94x), FI(fa3) 280 (1.07x)")
+    assert paged_prefill.summary_line(row2).endswith("ours (triton) 300 TFLOP/s, contig 320 (0.94x), FI(fa3) 280 "
+                                                     "(1.07x); gluon 390 (1.30x triton, 1.39x FI)")
+    assert not paged_prefill.failed(row2) and paged_prefill.failed(dict(row2, gluon=None))
 
 
 def test_prune_keeps_only_results_named_in_full(tmp_path):

@@ -7,7 +7,12 @@ scheduler) runs ``--steps`` timed tokens. Roofline tokens/s = batch x bandwidth 
 weight matrix once, the lm_head, one embedding row per sequence, each sequence's K/V and 8-bit scales;
 flashdecode.bench.roofline), at the copy bandwidth ("% roofline", the targets' measure) and, beside it, at the
 read-stream bandwidth ("% read roofline"), both measured in the same run. Prefill: one prompt of
-``--prefill`` tokens through the engine (flashdecode and sdpa backends), wall time.
+``--prefill`` tokens through the engine (flashdecode, flashinfer and sdpa backends), wall time.
+
+Peer ``flashinfer`` (in --backends, run where the flashinfer package imports, else dropped with the reason
+printed): the same engine, weights, pages and CUDA graphs with FlashInfer's paged decode / prefill as its attention
+backend (engine/flashinfer_backend.py), at every point flashdecode runs; the summary gives flashdecode's tokens/s
+over it at each point and whether it is >= 1.0x at all of them.
 
 Peer ``--hf sdpa,eager``: transformers' own *ForCausalLM whose parameters are views of our model's tensors (same
 random weights, no second 16 GB copy): batch-1 greedy decode as users run it (``model(next_token,
@@ -42,7 +47,8 @@ from flashdecode.bench.hf_peer import (HF_IMPLEMENTATIONS, HF_KV_NOTE, HF_PEER_T
 from flashdecode.bench.roofline import roofline_tokens_per_s
 from flashdecode.engine.cli import ON_OFF
 
-DEFAULT_BACKENDS = "flashdecode,flashdecode-nosplit,sdpa,eager"
+DEFAULT_BACKENDS = "flashdecode,flashinfer,flashdecode-nosplit,sdpa,eager"
+BATCHED_BACKENDS = ("flashdecode", "flashinfer", "sdpa")  # the backends of the batched points and the prefill
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=DEFAULT_BACKENDS)
     parser.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
     parser.add_argument("--batched", default="16,64", help="extra batch sizes run at --batched-context "
-                                                           "(flashdecode and sdpa); '' to skip")
+                                                           "(flashdecode, flashinfer and sdpa); '' to skip")
     parser.add_argument("--batched-context", type=int, default=4096)
     parser.add_argument("--prefill", type=int, default=65536, help="prefill length timed (0 to skip)")
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per point")
@@ -210,7 +216,9 @@ def run(args) -> int:
         args.repeats = min(args.repeats, 2)
         args.prefill = min(args.prefill, 65536)
     contexts, batches = _ints(args.contexts), _ints(args.batch)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backends, fi_note = flashinfer_plan([b.strip() for b in args.backends.split(",") if b.strip()])
+    print(fi_note)
+    args.flashinfer_note = fi_note
     batched = _ints(args.batched) if args.batched else []
     env = timing.env_info()
     bandwidth = timing.copy_bandwidth_bytes_per_s()
@@ -241,7 +249,7 @@ def run(args) -> int:
                if kv == "auto" or b.startswith("flashdecode")]
     points = [(col, c, bs) for bs in batches for c in contexts for col in columns]
     points += [(col, args.batched_context, bs) for bs in batched for col in columns
-               if col[0] in ("flashdecode", "sdpa")]
+               if col[0] in BATCHED_BACKENDS]
     if args.cublas_column and batched and "flashdecode" in backends:
         cublas_col = ("flashdecode", "auto", "flashdecode+cublas")
         points += [(cublas_col, args.batched_context, bs) for bs in batched]
@@ -261,7 +269,7 @@ def run(args) -> int:
                          **roofline_shares(rate, cfg, ctx, bs, bandwidths, kv), error=err))
     backends = list(dict.fromkeys(backends + [label for _, _, label in columns]))
     if args.prefill:
-        for backend in [b for b in ("flashdecode", "sdpa") if b in backends]:
+        for backend in [b for b in BATCHED_BACKENDS if b in backends]:
             secs = prefill_seconds(model, backend, args.prefill, args.page_size)
             rows.append(dict(kind="prefill", backend=backend, context=args.prefill, batch=1, seconds=secs,
                              tokens_per_s=args.prefill / secs))
@@ -321,6 +329,37 @@ def point_pdl(label: str, pdl: str):
     if label.endswith(PDL_SUFFIX):
         return True
     return {"auto": "auto", "on": True, "off": False, "both": False}[pdl]
+
+
+def flashinfer_plan(backends: list[str]) -> tuple[list[str], str]:
+    """(the backends to run: without flashinfer where its package cannot be imported, a line saying what)."""
+    if "flashinfer" not in backends:
+        return backends, "flashinfer peer: not run (--backends has no flashinfer)"
+    from flashdecode.engine.flashinfer_backend import import_flashinfer
+
+    try:
+        fi = import_flashinfer()
+    except ImportError as e:
+        return [b for b in backends if b != "flashinfer"], f"flashinfer peer: skipped, {e}"
+    return backends, (f"flashinfer peer: FlashInfer {getattr(fi, '__version__', '?')} as the engine's attention "
+                      f"backend (same weights, pages and CUDA graphs; its decode planned once per step)")
+
+
+def vs_flashinfer(rows: list) -> tuple[dict, str | None]:
+    """flashdecode's decode tokens/s over the flashinfer backend's at every point both ran: ({"b<batch> ctx<context>":
+    ratio}, a summary line; None without such points). The target: >= 1.0x at every point."""
+    ratios = {}
+    for r in rows:
+        if r["kind"] == "decode" and r["backend"] == "flashdecode" and r["tokens_per_s"]:
+            other = _rate(rows, "flashinfer", r["context"], r["batch"])
+            if other:
+                ratios[f"b{r['batch']} ctx{r['context']}"] = r["tokens_per_s"] / other
+    if not ratios:
+        return ratios, None
+    low = min(ratios, key=ratios.get)
+    verdict = "yes" if ratios[low] >= 1.0 else f"no (lowest {low})"
+    return ratios, (f"flashdecode vs the flashinfer backend: {min(ratios.values()):.3f}x-{max(ratios.values()):.3f}x "
+                    f"tokens/s over {len(ratios)} points; >= 1.0x at every point: {verdict}")
 
 
 def _hf_plan(args, model_type: str = "llama") -> tuple[list[str], str]:
@@ -429,12 +468,16 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth
             vs = ", ".join(f"{ours / row[f'{b} tok/s']:.2f}x {b}" for b in peers if row.get(f"{b} tok/s"))
             summary.append(f"b{bs} ctx{ctx}: {ours:.0f} tok/s ({row['flashdecode % roofline']:.1f}% roofline"
                            f"{_read_text(read)})" + (f", {vs}" if vs else "") + "".join(f"; {n}" for n in notes))
+    fi_ratios, fi_line = vs_flashinfer(rows)
+    if fi_line:
+        summary.append(fi_line)
     prefill_s = {r["backend"]: r["seconds"] for r in rows if r["kind"] == "prefill"}
     for r in rows:
         if r["kind"] == "prefill":
             ratio = ""
-            if r["backend"] == "flashdecode" and "hf-sdpa" in prefill_s:
-                ratio = f" ({prefill_s['hf-sdpa'] / r['seconds']:.2f}x hf-sdpa)"
+            if r["backend"] == "flashdecode":
+                ratio = "".join(f" ({prefill_s[p] / r['seconds']:.2f}x {p})" for p in ("flashinfer", "hf-sdpa")
+                                if p in prefill_s)
             summary.append(f"prefill {r['context']}: {r['backend']} {r['seconds']:.2f} s{ratio}")
     columns = list(dict.fromkeys(k for r in table_rows for k in r))
     md = report.markdown_table(table_rows, columns, {c: ".1f" for c in columns if c not in
@@ -451,7 +494,8 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth
               f"--contexts {args.contexts} --backends {','.join(b for b in backends if not b.startswith('hf-'))} "
               f"--batch {args.batch} --page-size {args.page_size} --hf {getattr(args, 'hf', 'none')} "
               f"--pdl {getattr(args, 'pdl', 'auto')} --async-scheduling {getattr(args, 'async_scheduling', 'auto')}\n"
-              f"{getattr(args, 'hf_note', 'hf peer: not run')}\n")
+              f"{getattr(args, 'hf_note', 'hf peer: not run')}\n"
+              f"{getattr(args, 'flashinfer_note', 'flashinfer peer: not run')}\n")
     print(header)
     print(md)
     print("\n".join(summary))
@@ -459,9 +503,12 @@ def _write(args, env, rows, cfg, name, what, bandwidth, backends, read_bandwidth
     stem = report.result_stem("e2e", env)
     path = report.write_json(out / f"{stem}.json", "e2e", env, rows,
                              {"summary": summary, "model": what, "copy_bandwidth_bytes_per_s": bandwidth,
+                              "vs_flashinfer": fi_ratios,
                               "read_bandwidth_bytes_per_s": read_bandwidth, "read_stream_rates": readers,
                               "table": table_rows, "notes": f"decode KV filled with random values instead of a "
                                                             f"prefill; {ROOFLINE_NOTE}; "
-                                                            + getattr(args, "hf_note", "hf peer: not run")})
+                                                            + getattr(args, "hf_note", "hf peer: not run") + "; "
+                                                            + getattr(args, "flashinfer_note",
+                                                                      "flashinfer peer: not run")})
     print(f"wrote {path}")
     return 0

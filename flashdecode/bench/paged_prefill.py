@@ -2,9 +2,12 @@
 keys already in cache pages plus its own, the engine's chunked-prefill / prefix-cache-hit call.
 
 Per row (page size, chunk, cached tokens; bf16, 32 q / 8 kv heads, hd128, ``PAGED["batch"]`` sequences, randomly
-permuted pages): ours through flash_attn_varlen(block_table=, seqused_k=) ("paged"), the same problem on a packed
-contiguous k/v through flash_attn_varlen ("contig"), and FlashInfer's BatchPrefillWithPagedKVCacheWrapper ("FI",
-backend fa3 where it plans, else fa2) when importable. TFLOP/s count the visible (query, key) pairs: 4 * d * h *
+permuted pages): ours through flash_attn_varlen(block_table=, seqused_k=) on the Triton kernel ("triton",
+backend="triton") and on the Gluon kernel ("gluon", config= its resolved GluonFwdConfig; skipped where the page holds
+no whole key block), "paged" = the one of the two the default dispatch takes (``paged_backend``: the Gluon kernel
+only while heuristics.PREFILL_PAGED_GLUON is on), the same problem on a packed contiguous k/v through
+flash_attn_varlen ("contig"), and FlashInfer's BatchPrefillWithPagedKVCacheWrapper ("FI", backend fa3 where it
+plans, else fa2) when importable. TFLOP/s count the visible (query, key) pairs: 4 * d * h *
 (chunk * cached + chunk * (chunk + 1) / 2) per sequence. Metadata lives on the device (no host sync in any call).
 """
 
@@ -12,11 +15,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import dataclasses
+
 import torch
 
-PAGED = dict(batch=4, nheads=32, nheads_kv=8, headdim=128, page_sizes=(16, 128), chunks=(512, 2048),
+PAGED = dict(batch=4, nheads=32, nheads_kv=8, headdim=128, page_sizes=(16, 64, 128), chunks=(512, 2048),
              cached=(0, 8192, 32768))
-PAGED_PEERS = ("paged", "contig", "FI")
+PAGED_PEERS = ("triton", "gluon", "contig", "FI")
 
 
 class _Problem:
@@ -47,11 +52,42 @@ class _Problem:
         return 4.0 * p["headdim"] * p["nheads"] * p["batch"] * pairs
 
 
-def _paged(x: _Problem) -> Callable:
+def _paged_call(x: _Problem, config) -> Callable:
     import flashdecode
 
     return lambda: flashdecode.flash_attn_varlen(x.q, x.k_cache, x.v_cache, x.cu_q, None, x.chunk, x.keys,
-                                                 block_table=x.table, seqused_k=x.used, causal=True)
+                                                 block_table=x.table, seqused_k=x.used, causal=True, config=config)
+
+
+def _triton(x: _Problem) -> Callable:
+    """The Triton paged prefill: the resolved AttentionConfig pinned to backend "triton"."""
+    from flashdecode.ops.attention_config import resolve_config
+
+    config = resolve_config(x.q, x.k_cache, x.v_cache, x.keys)
+    return _paged_call(x, dataclasses.replace(config, backend="triton"))
+
+
+def _gluon(x: _Problem) -> Callable:
+    """The Gluon paged prefill with the launch its resolver gives (whatever PREFILL_PAGED_GLUON says)."""
+    from flashdecode import heuristics
+
+    config = heuristics.resolve_gluon_paged_config(PAGED["headdim"], True, x.page_size, x.keys)
+    if config is None:
+        raise ValueError(f"pages of {x.page_size} hold no whole key block (the Triton kernel's)")
+    return _paged_call(x, config)
+
+
+def _gluon_applies(x: _Problem) -> bool:
+    from flashdecode import heuristics
+
+    return heuristics.resolve_gluon_paged_config(PAGED["headdim"], True, x.page_size, x.keys) is not None
+
+
+def _default_backend(x: _Problem) -> str:
+    """The kernel the default dispatch gives this row (ops/gluon_attention.py gluon_paged_forward_into)."""
+    from flashdecode import heuristics
+
+    return "gluon" if heuristics.PREFILL_PAGED_GLUON and _gluon_applies(x) else "triton"
 
 
 def _contig(x: _Problem) -> Callable:
@@ -110,7 +146,7 @@ def flashinfer_available() -> bool:
 
 def bench_rows(rep_ms: int, with_flashinfer: bool) -> list[dict]:
     """One row per (page size, chunk, cached tokens) of PAGED; prints each row's summary as it goes."""
-    builders = {"paged": _paged, "contig": _contig}
+    builders = {"triton": _triton, "gluon": _gluon, "contig": _contig}
     if with_flashinfer and flashinfer_available():
         builders["FI"] = _flashinfer
     rows = []
@@ -130,9 +166,14 @@ def bench_rows(rep_ms: int, with_flashinfer: bool) -> list[dict]:
                         row[f"{name}_backend"] = backend
                     if why:
                         row[f"{name}_skipped"] = why
-                for peer in ("contig", "FI"):
-                    if row.get("paged") and row.get(peer):
-                        row[f"paged/{peer}"] = row["paged"] / row[peer]
+                row["paged_backend"], row["gluon_applies"] = _default_backend(x), _gluon_applies(x)
+                row["paged"] = row.get(row["paged_backend"])
+                if row["paged"] is None:
+                    row["paged_skipped"] = row.get(f"{row['paged_backend']}_skipped", "?")
+                for ours, peer in (("paged", "contig"), ("paged", "FI"), ("gluon", "triton"), ("gluon", "contig"),
+                                   ("gluon", "FI")):
+                    if row.get(ours) and row.get(peer):
+                        row[f"{ours}/{peer}"] = row[ours] / row[peer]
                 rows.append(row)
                 print("  " + summary_line(row), flush=True)
                 del x
@@ -140,21 +181,34 @@ def bench_rows(rep_ms: int, with_flashinfer: bool) -> list[dict]:
     return rows
 
 
+def failed(r: dict) -> bool:
+    """Ours failed on row r: the default dispatch's kernel, or the Gluon one where its resolver takes the row."""
+    return r.get("paged") is None or (r.get("gluon_applies", False) and r.get("gluon") is None)
+
+
 def summary_line(r: dict) -> str:
-    """'paged fwd page16 chunk512 +32768 cached: ours 310 TFLOP/s vs contig 330 (0.94x), FI(fa3) 290 (1.07x)'."""
+    """'paged fwd page128 chunk512 +32768 cached: ours (triton) 310 TFLOP/s vs contig 330 (0.94x), FI(fa3) 290
+    (1.07x); gluon 400 (1.29x triton, 1.38x FI)'."""
     head = f"paged fwd page{r['page_size']} chunk{r['chunk']} +{r['cached']} cached"
     if r.get("paged") is None:
         return f"{head}: ours failed ({r.get('paged_skipped', '?')})"
-    s = f"{head}: ours {r['paged']:.0f} TFLOP/s"
+    kernel = f" ({r['paged_backend']})" if r.get("paged_backend") else ""  # (records before the Gluon column)
+    s = f"{head}: ours{kernel} {r['paged']:.0f} TFLOP/s"
     for peer in ("contig", "FI"):
         if r.get(peer):
             label = f"FI({r.get('FI_backend')})" if peer == "FI" else peer
             s += f", {label} {r[peer]:.0f} ({r[f'paged/{peer}']:.2f}x)"
         elif r.get(f"{peer}_skipped"):
             s += f", {peer} skipped ({r[f'{peer}_skipped']})"
+    if r.get("gluon"):
+        ratios = ", ".join(f"{r[f'gluon/{p}']:.2f}x {p}" for p in ("triton", "FI") if r.get(f"gluon/{p}"))
+        s += f"; gluon {r['gluon']:.0f} ({ratios})"
+    elif r.get("gluon_skipped"):
+        s += f"; gluon skipped ({r['gluon_skipped']})"
     return s
 
 
-TABLE_COLUMNS = ["page_size", "chunk", "cached", "batch", "paged", "contig", "FI", "FI_backend", "paged/contig",
-                 "paged/FI"]
-TABLE_FORMATS = {"paged": ".0f", "contig": ".0f", "FI": ".0f", "paged/contig": ".2f", "paged/FI": ".2f"}
+TABLE_COLUMNS = ["page_size", "chunk", "cached", "batch", "paged_backend", "paged", "triton", "gluon", "contig", "FI",
+                 "FI_backend", "paged/contig", "paged/FI", "gluon/triton", "gluon/FI"]
+TABLE_FORMATS = {"paged": ".0f", "triton": ".0f", "gluon": ".0f", "contig": ".0f", "FI": ".0f",
+                 "paged/contig": ".2f", "paged/FI": ".2f", "gluon/triton": ".2f", "gluon/FI": ".2f"}

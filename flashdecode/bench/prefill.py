@@ -16,8 +16,9 @@ quantisation itself is outside the timed call (a model would keep its K/V in fp8
 ``FA3fp8``, FlashAttention-3's FP8 forward through FlashInfer where its wheel plans it.
 ``--long`` adds the engine's prefill shape: one 64k causal sequence, 32 q / 8 kv heads, hd128, forward, through
 flash_attn_varlen and the dense flash_attn (SDPA peers get K/V repeated to 32 heads: same FLOPs).
-``--paged`` adds the paged-KV prefill rows (bench/paged_prefill.py: chunks of new tokens over cached pages, ours
-vs the same problem on a contiguous cache vs FlashInfer's paged prefill), written to a record of their own
+``--paged`` adds the paged-KV prefill rows (bench/paged_prefill.py: chunks of new tokens over cached pages, ours on
+the Triton and the Gluon kernel vs the same problem on a contiguous cache vs FlashInfer's paged prefill), written to
+a record of their own
 (paged_prefill_<device>_<date>.json); ``--no-grid`` skips the dense grid.
 
     python -m flashdecode bench prefill --quick --out DIR
@@ -410,7 +411,8 @@ def _run_paged(args, env: dict, out_dir, with_flashinfer: bool) -> bool:
     from flashdecode.bench import paged_prefill
     from flashdecode.bench.report import markdown_table, result_stem, write_json
 
-    print("# paged-KV prefill (bf16, 32/8 heads, hd128, causal): ours paged vs contiguous vs FlashInfer paged")
+    print("# paged-KV prefill (bf16, 32/8 heads, hd128, causal): ours paged (Triton and Gluon kernels) vs contiguous "
+          "vs FlashInfer paged")
     rows = paged_prefill.bench_rows(args.rep_ms, with_flashinfer)
     table = markdown_table(rows, paged_prefill.TABLE_COLUMNS, paged_prefill.TABLE_FORMATS)
     path = write_json(out_dir / f"{result_stem('paged_prefill', env)}.json", "paged_prefill", env, rows,
@@ -419,4 +421,4 @@ def _run_paged(args, env: dict, out_dir, with_flashinfer: bool) -> bool:
     print()
     print(table)
     print(f"\nwrote {path}")
-    return any(r.get("paged") is None for r in rows)
+    return any(paged_prefill.failed(r) for r in rows)

@@ -1,4 +1,4 @@
-"""Attention backends: one interface, five implementations, picked by name.
+"""Attention backends: one interface, six implementations, picked by name.
 
     prefill(q, k, v, meta) -> out    q (tokens, nheads, d), k/v (tokens, nheads_kv, d), causal per sequence
     prefill_last(q, k, v, meta) -> out    q (batch, nheads, d): each sequence's last query only, against all its keys
@@ -10,6 +10,8 @@
 Backends ("flashdecode" is the default on CUDA, "torch" on the CPU):
   flashdecode          flash_attn_varlen for prefill, flash_decode (split-KV, heuristic split count) for decode
   flashdecode-nosplit  the same with num_splits=1 (the no-split ablation; the seeds' FA2-style decode column)
+  flashinfer           FlashInfer's paged decode / prefill wrappers (vLLM's and SGLang's kernels), where the
+                       flashinfer package is installed: the serving peer (engine/flashinfer_backend.py)
   sdpa                 torch scaled_dot_product_attention (prefill per sequence); a REFERENCE for decode, not a
                        paged-attention peer: SDPA reads dense K/V, so every decode step first copies every page
                        of the block table into a dense tensor (CUDA-graph shapes: the table's full width)
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from flashdecode import reference
 from flashdecode.engine.kv_quant import QuantPages, write_quantized
 
-BACKENDS = ("flashdecode", "flashdecode-nosplit", "sdpa", "eager", "torch")
+BACKENDS = ("flashdecode", "flashdecode-nosplit", "flashinfer", "sdpa", "eager", "torch")
 
 
 @dataclasses.dataclass
@@ -96,6 +98,15 @@ class AttentionBackend(abc.ABC):
             twin.window_size, twin._window_twins = (window_left, 0), {self.window_size[0]: self}
             twins[window_left] = twin
         return twins[window_left]
+
+    @staticmethod
+    def check_engine(device, dtype, model_config) -> None:
+        """ValueError naming the option when an engine on this device / dtype / model cannot use the backend."""
+
+    def plan_decode(self, batch: int, context_lens, block_tables, page_size: int) -> None:
+        """Host-side planning of a decode step before it is launched (outside any CUDA graph): context_lens int
+        (batch,) keys per row including the new token, block_tables int32 (batch, width): numpy host copies of
+        what the step reads. Nothing here: these backends read the lengths on the device (FlashInfer plans)."""
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         if isinstance(k_cache, QuantPages):  # 8-bit pages: quantised by append_kv (engine/kv_quant.py)
@@ -474,19 +485,3 @@ class ContextParallelBackend(AttentionBackend):
         out, _ = self._exchange(q).merge_local(
             q.shape[0], lambda send: self.inner.decode_with_lse(q, k_cache, v_cache, meta, out=send))
         return out  # a view of the exchange's buffer: consumed by o_proj before the next layer's exchange
-
-
-_CLASSES = {c.name: c for c in (FlashDecodeBackend, FlashDecodeNoSplitBackend, SdpaBackend, EagerBackend,
-                                TorchBackend)}
-
-
-def default_backend(device: torch.device) -> str:
-    return "flashdecode" if torch.device(device).type == "cuda" else "torch"
-
-
-def make_backend(name: str | None, device, window_left: int = -1) -> AttentionBackend:
-    """Backend by name (None = the device's default). ValueError lists the names."""
-    name = name or default_backend(device)
-    if name not in _CLASSES:
-        raise ValueError(f"attn_backend must be one of {list(BACKENDS)}, got {name!r}")
-    return _CLASSES[name](window_left)

@@ -40,8 +40,9 @@ class EngineConfig:
             built engine model (e.g. another LLM's ``.model``: engines then share the weights).
         dtype: "bfloat16"/"float16"/"float32" (default bf16 on CUDA, fp32 on CPU).
         device: "cuda" / "cpu" (default cuda when available).
-        attn_backend: flashdecode | flashdecode-nosplit | sdpa | eager | torch (default flashdecode on CUDA,
-            torch on the CPU).
+        attn_backend: flashdecode | flashdecode-nosplit | flashinfer | sdpa | eager | torch (default flashdecode
+            on CUDA, torch on the CPU). flashinfer: FlashInfer's paged decode / prefill (the flashinfer package;
+            CUDA, fp16 / bf16, head_dim 64 / 128 / 256, 16-bit pages: engine/flashinfer_backend.py).
         page_size: tokens per KV page; default 128 on CUDA (a multiple of flash_decode's 128-key block, so its
             stage 1 reads pages through TMA like a contiguous cache: page 16 measured +8..+50% decode time on the
             H100, bench decode), 16 elsewhere.

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from flashdecode.distributed.groups import ParallelConfig, ParallelState
 from flashdecode.engine import engine_config as ec
-from flashdecode.engine.attention import make_backend
+from flashdecode.engine.backends import make_backend
 from flashdecode.engine.config import ModelConfig, load_config
 from flashdecode.engine.engine_config import EngineConfig, built_model, config_from_kwargs
 from flashdecode.engine.engine_core import EngineCore
@@ -114,6 +114,7 @@ class LLM:
         """The attention backend by name (None: the device's default), with its batch_invariant plans when asked
         (the flashdecode backends only: ValueError otherwise)."""
         backend = make_backend(cfg.attn_backend, self.device, self.config.base_window_left)
+        backend.check_engine(self.device, self.dtype, self.config)
         if backend.name.startswith("flashdecode") and not kernels_run_on(self.device):
             raise ValueError(f"attn_backend={backend.name!r} runs Triton kernels, which need a CUDA device "
                              f"(or TRITON_INTERPRET=1); on {self.device} leave attn_backend unset (torch) or use "

@@ -22,6 +22,7 @@ cache) and each rank keeps its pages.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from flashdecode.distributed.groups import ParallelState
@@ -169,6 +170,9 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             self.block_tables[:bs, dirty_from:width].copy_(self.h_block_tables[:bs, dirty_from:width],
                                                            non_blocking=True)
+        # a backend that plans on the host (FlashInfer) does it here: before the event below, so the next step's
+        # wait also covers the copies out of the plan's pinned buffers
+        self.backend.plan_decode(bs, step[3, :bs], bt[:bs], ps)
         if self.inputs_copied is not None:
             self.inputs_copied.record()
         if ahead:  # stream order: after the in-flight step wrote greedy_tokens, before this step reads input_ids
@@ -218,6 +222,9 @@ class ModelRunner:
         pool = None
         side = torch.cuda.Stream()
         for bs in reversed(self.buckets):
+            # every row one token on the scratch page, as the warm-up and the capture read it
+            self.backend.plan_decode(bs, self.h_step_np[3, :bs], np.full((bs, 1), self.scratch_page, np.int32),
+                                     self.page_size)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm up (Triton compiles/autotunes) outside the capture
                 for _ in range(2):

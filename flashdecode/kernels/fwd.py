@@ -472,8 +472,9 @@ def attn_fwd_kernel(
                                    IS_FP8, HAS_ALIBI, FP8_SOFT_ROUND, V_TMA, pages, PAGE_SIZE, kv_quant,
                                    KV_QUANT)
 
-    # epilogue: one division; rows that saw no key give out 0 and lse -inf
-    has_keys = l_i > 0.0
+    # epilogue: one division; rows that saw no key give out 0 and lse -inf (l == 0: a NaN l, from a NaN the row
+    # read, gives NaN out and lse)
+    has_keys = l_i != 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     m_lse = m_i
     if IS_FP8:

@@ -214,7 +214,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             (entries < 0 read as 0, entries past total as total, a decreasing pair as an empty sequence). Rows
             no sequence covers, query rows past max_seqlen_q within a sequence and (backward) keys past
             max_seqlen_k are left unwritten: out, lse, dq, dk, dv hold whatever the allocator gave there.
-        deterministic, config: as flash_attn.
+        deterministic, config: as flash_attn; with block_table, config may also be a GluonFwdConfig, which runs
+            the Gluon paged kernel with that launch (ops/paged_prefill.py).
         q_descale, k_descale, v_descale: FP8 as flash_attn, shape (batch, nheads_kv) with batch =
             len(cu_seqlens_q) - 1 (one descale per sequence and kv head).
         alibi_slopes: as flash_attn ((nheads,) or (batch, nheads)); positions are per sequence.

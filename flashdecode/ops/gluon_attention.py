@@ -1,12 +1,13 @@
 """The dispatch of the warp-specialised Gluon attention forward (flashdecode.kernels.gluon.attn_fwd) on Hopper:
 which calls it takes (``gluon_supported``; callers fall back to the Triton path otherwise), with which launch
-(heuristics.resolve_gluon_config and its fp8 / ragged siblings, a GluonFwdConfig from flashdecode/config.py;
+(heuristics.resolve_gluon_config and its fp8 / ragged / paged siblings, a GluonFwdConfig from flashdecode/config.py;
 ``config=`` overrides it), and the public forwards over ops/gluon_plan.py's launch plans. The backward is
 ops/gluon_backward.py.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ from flashdecode.ops.checks import FP8_DTYPE, LOG2E, check_bool, check_tensor, i
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.gluon_plan import (NOT_APPLICABLE, PLANS, GluonPlan, lpt_schedule, run_plan,  # noqa: F401
                                         tile_key_blocks)
-from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
+from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok, score_scale_args
 
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -194,6 +195,129 @@ def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), softmax_scale * LOG2E,
                     cu_seqlens=(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Paged KV caches: flash_attn_varlen(block_table=)'s forward (ops/paged_prefill.py) on the same kernel, each key block
+# loaded from its page (attn_fwd_ws_paged_kernel)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Every length, row and window bound the paged kernel adds or subtracts stays below this (int32 arithmetic on the
+# device; an unbounded window side is passed as this bound).
+PAGED_INDEX_BOUND = 2**30
+
+
+def paged_window_args(window_left: int, window_right: int) -> tuple[bool, bool, int, int]:
+    """(CAUSAL, WINDOW, window_left, window_right) of the paged kernel for ops/checks.py's normalised window (-1 =
+    unbounded, (-1, 0) = causal): causal alone takes the causal tile loop; any other bounded side a window, its
+    unbounded side (and any wider than the kernel's lengths) passed as PAGED_INDEX_BOUND."""
+    if window_left < 0 and window_right < 0:
+        return False, False, 0, 0
+    if window_left < 0 and window_right == 0:
+        return True, False, 0, 0
+    def bound(w: int) -> int:
+        return PAGED_INDEX_BOUND if w < 0 else min(w, PAGED_INDEX_BOUND)
+    return False, True, bound(window_left), bound(window_right)
+
+
+def paged_unsupported(q, k_cache, v_cache, block_table, config: Optional[GluonFwdConfig] = None) -> Optional[str]:
+    """Why the Gluon paged kernel cannot take this call (a phrase naming the argument), or None where it can (the
+    dispatch then asks resolve_gluon_paged_config whether it should, unless config is given). Shapes, strides,
+    dtypes, devices and addresses only - no metadata values, no sync. q (total_q, nheads, headdim); caches
+    (num_pages, page_size, nheads_kv, headdim) of q's dtype (not 8-bit), read by TMA as (num_pages * page_size,
+    nheads_kv * headdim) rows: unit head-dim stride, heads packed, pages back to back, 16-byte aligned bases and
+    token stride, k and v one set of strides; block_table int32 (batch, max_pages)."""
+    if interpreting():
+        return "the CPU interpreter runs no Gluon kernel"
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in GLUON_DTYPES and is_hopper(q.device)):
+        return "q: fp16 / bf16 (total_q, nheads, headdim) on an sm_90 GPU"
+    num_pages, page_size, nheads_kv, headdim = k_cache.shape
+    if headdim not in GLUON_HEAD_DIMS or q.shape[2] != headdim:
+        return f"q: head dim {q.shape[2]} (the kernel takes {GLUON_HEAD_DIMS})"
+    if not (k_cache.dtype == v_cache.dtype == q.dtype) or v_cache.shape != k_cache.shape:
+        return "k_cache, v_cache: q's dtype, one shape"
+    if k_cache.stride() != v_cache.stride() or not _pages_are_rows(k_cache) or not aligned16(q, k_cache, v_cache):
+        return ("k_cache, v_cache: pages back to back with packed heads and a unit head-dim stride, 16-byte aligned "
+                "(one set of strides)")
+    if not rows_layout_ok(q[None]):
+        return "q: packed heads, unit head-dim stride, 16-byte row stride"
+    if q.shape[1] % nheads_kv:
+        return "q: nheads a multiple of the cache's nheads_kv"
+    block_n = heuristics.gluon_paged_block_n(page_size) if config is None else config.block_n
+    if block_n == 0 or page_size % block_n:
+        what = "config.block_n" if config is not None else "k_cache"
+        return f"{what}: page size {page_size} holds no whole key block of {block_n or 64}"
+    if config is not None and config.tile_order == "lpt":
+        return "config.tile_order: 'lpt' needs the lengths on the host (a ragged launch takes no host tile lists)"
+    # the kernel clamps each key count into its table row: max_pages * page_size keys at most
+    if num_pages * page_size >= 2**31 or block_table.shape[1] * page_size + q.shape[0] >= PAGED_INDEX_BOUND:
+        return f"k_cache / block_table / q: keys and rows below {PAGED_INDEX_BOUND} (int32 positions)"
+    return None
+
+
+def _pages_are_rows(cache: torch.Tensor) -> bool:
+    """cache (num_pages, page_size, nheads_kv, headdim) read as (num_pages * page_size, nheads_kv * headdim) rows
+    of a TMA view: unit dim stride, heads packed, page stride = page_size token strides, 16-byte token stride."""
+    _, page_size, nheads_kv, headdim = cache.shape
+    st = cache.stride()
+    return (st[3] == 1 and st[2] == headdim and st[0] == page_size * st[1]
+            and (st[1] * cache.element_size()) % 16 == 0)
+
+
+_resolve_paged = functools.lru_cache(maxsize=1024)(heuristics.resolve_gluon_paged_config)
+
+
+def _paged_plan_for(q, k_cache, v_cache, block_table, batch: int, max_seqlen_q: int, window: tuple, softcap: bool,
+                    cfg: GluonFwdConfig) -> GluonPlan:
+    """The paged plan of this launch key: q's and the caches' shapes and strides, the table's, dtypes, device, the
+    mask constexprs and window bounds (paged_window_args), softcap or not, batch, the longest query count (it
+    numbers the tiles) and the launch cfg. The caller checked paged_unsupported."""
+    causal, windowed = window[0], window[1]
+    key = ("paged", q.shape, q.stride(), k_cache.shape, k_cache.stride(), block_table.shape, block_table.stride(),
+           q.dtype, q.device, window, softcap, cfg, batch, max_seqlen_q)
+    return PLANS.get_or_build(key, lambda: GluonPlan(q, k_cache, v_cache, causal, cfg, ragged=(batch, max_seqlen_q),
+                                                     paged=dict(WINDOW=windowed, SOFTCAP=softcap)))
+
+
+def gluon_paged_forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                             block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                             config: Optional[GluonFwdConfig] = None) -> bool:
+    """A paged prefill's forward on the Gluon kernel (ops/paged_prefill.py, after its checks): writes out and lse
+    and returns True; else returns False having touched nothing (take the Triton kernel). config None: only while
+    heuristics.PREFILL_PAGED_GLUON is on and resolve_gluon_paged_config gives a launch; a GluonFwdConfig: that
+    launch wherever paged_unsupported is None (the caller raises for the rest).
+
+    q (total_q, nheads, headdim) fp16/bf16 on sm_90, packed by cu_seqlens_q int32 (batch + 1,) contiguous;
+    k_cache / v_cache (num_pages, page_size, nheads_kv, headdim) as paged_unsupported takes them; seqused_k int32
+    (batch,) contiguous and block_table int32 (batch, max_pages) with a unit last stride (both read on the device:
+    no host sync); max_seqlen_q >= every sequence's query count (it numbers the tiles), max_seqlen_k the longest
+    key count (the resolver's length); out (total_q, nheads, headdim) contiguous in q's dtype; lse (nheads,
+    total_q) float32 contiguous (natural log; -inf and out 0 on rows that see no key). softmax_scale > 0; window as
+    ops/checks.py normalises it (bottom-right aligned per sequence), softcap 0 (off) or > 0."""
+    if config is None and not heuristics.PREFILL_PAGED_GLUON:
+        return False
+    if max_seqlen_q <= 0 or paged_unsupported(q, k_cache, v_cache, block_table, config) is not None:
+        return False
+    if not (out.is_contiguous() and lse.is_contiguous() and cu_seqlens_q.is_contiguous()
+            and seqused_k.is_contiguous() and block_table.stride(-1) == 1):
+        return False
+    window = paged_window_args(window_left, window_right)
+    cfg = config or _resolve_paged(q.shape[-1], window[0], k_cache.shape[1], max_seqlen_k)
+    if cfg is None:  # the resolver keeps this call on the Triton kernel
+        return False
+    plan = _paged_plan_for(q, k_cache, v_cache, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_q, window,
+                           softcap > 0.0, cfg)
+    scale, softcap_log2 = score_scale_args(softmax_scale, softcap)
+    pointers = (cu_seqlens_q, seqused_k, block_table)
+    if plan.compiled is not None:  # the first (JIT) launch takes tensors, later ones their addresses
+        out, lse = out.data_ptr(), lse.data_ptr()
+        pointers = tuple(t.data_ptr() for t in pointers)
+    extra = pointers + (block_table.stride(0), block_table.shape[1], k_cache.shape[0], window[2], window[3],
+                        softcap_log2)
+    plan.launch(q, k_cache, v_cache, out, lse, scale, cu_seqlens=extra)
     return True
 
 

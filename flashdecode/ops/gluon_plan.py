@@ -25,6 +25,9 @@ _RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_de
 _LPT_EXTRA_ARGS = 1  # attn_fwd_ws_lpt_kernel's sched_ptr after qk_scale_log2
 _FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
 _RAGGED_EXTRA_ARGS = 2  # attn_fwd_ws_varlen_kernel's cu_seqlens pointers after qk_scale_log2
+# attn_fwd_ws_paged_kernel's arguments after qk_scale_log2: cu_q_ptr, seqused_ptr, block_table_ptr, bt_stride,
+# max_pages, num_pages, window_left, window_right, softcap_log2
+_PAGED_EXTRA_ARGS = 9
 NOT_APPLICABLE = False  # the cached "no Gluon launch for this key" (a PlanCache miss is None)
 PLANS = PlanCache()  # launch key -> GluonPlan or NOT_APPLICABLE (ops/gluon_attention.py's dispatch fills it)
 
@@ -68,12 +71,14 @@ def _descriptor(x: torch.Tensor, view: tuple[list, list], block_rows: int, block
     return TensorDescriptor(rows, shape, strides, block, layout)
 
 
-def _kernel(fp8: bool = False, lpt: bool = False, ragged: bool = False):
+def _kernel(fp8: bool = False, lpt: bool = False, ragged: bool = False, paged: bool = False):
     """The Gluon forward kernel: fp16/bf16, e4m3 (which takes V^T and two descale pointers more), fp16/bf16 on
-    host-made tile lists (tile_order "lpt": the sched pointer after qk_scale_log2) or over a ragged batch (the
-    cu_seqlens pointers after qk_scale_log2)."""
+    host-made tile lists (tile_order "lpt": the sched pointer after qk_scale_log2), over a ragged batch (the
+    cu_seqlens pointers after qk_scale_log2) or over a paged KV cache (paged: its _PAGED_EXTRA_ARGS there)."""
     from flashdecode.kernels.gluon import attn_fwd
 
+    if paged:
+        return attn_fwd.attn_fwd_ws_paged_kernel
     if lpt:
         return attn_fwd.attn_fwd_ws_lpt_kernel
     if ragged:
@@ -82,14 +87,14 @@ def _kernel(fp8: bool = False, lpt: bool = False, ragged: bool = False):
 
 
 def _jit_launch(grid: tuple, args: tuple, constexprs: dict, fp8: bool = False, lpt: bool = False,
-                ragged: bool = False):
+                ragged: bool = False, paged: bool = False):
     """One launch through Triton's JIT (binds, specialises, compiles on a miss); returns the compiled kernel."""
-    compiled = _kernel(fp8, lpt, ragged)[grid](*args, **constexprs, num_warps=4)
+    compiled = _kernel(fp8, lpt, ragged, paged)[grid](*args, **constexprs, num_warps=4)
     return compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compilation
 
 
-def _kernel_arg_names(fp8: bool = False, lpt: bool = False, ragged: bool = False) -> list:
-    return _kernel(fp8, lpt, ragged).arg_names
+def _kernel_arg_names(fp8: bool = False, lpt: bool = False, ragged: bool = False, paged: bool = False) -> list:
+    return _kernel(fp8, lpt, ragged, paged).arg_names
 
 
 def tile_key_blocks(seqlen_q: int, seqlen_k: int, heads: int, cfg: GluonFwdConfig, causal: bool) -> list[int]:
@@ -128,6 +133,14 @@ def lpt_schedule(tile_blocks: list[int], num_ctas: int, overhead: float = LPT_TI
     return torch.tensor([1 + width] + [x for row in rows for x in row], dtype=torch.int32)
 
 
+def _reads_next_values(batch: int, seqlen_k: int, block_n: int) -> bool:
+    """Whether a fixed-length batch's last key block of a sequence reads the next sequence's values (its keys end
+    inside a block and another sequence follows): the kernel must then zero those V rows (V_TAIL), or a NaN / inf
+    value there would reach this sequence's rows through 0 * NaN in PV. The ragged and paged kernels always zero
+    them (no V_TAIL parameter), the e4m3 kernel's V^T holds zeros there (none either)."""
+    return batch > 1 and seqlen_k % block_n != 0
+
+
 class GluonPlan:
     """One launch key's launch: the resolved config, grid, lse shape, the TMA views of q, k, v, the constexprs, and
     (after the first launch) the compiled kernel with its launcher, handle and packed metadata, and its C launcher
@@ -136,16 +149,20 @@ class GluonPlan:
     descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "sched", "sched_ptr", "ragged",
+                 "sched", "sched_ptr", "ragged", "paged",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
                  "discard_lse", "q_contiguous", "lse_template", "fp8")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cfg: GluonFwdConfig,
-                 ragged: Optional[tuple] = None):
+                 ragged: Optional[tuple] = None, paged: Optional[dict] = None):
         """ragged: None for q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k, nheads_kv, headdim); or
         (batch, max_seqlen_q) for a ragged batch packed along the tokens: q (total_q, nheads, headdim), k / v
-        (total_k, nheads_kv, headdim), each launch given the int32 cu_seqlens (attn_fwd_ws_varlen_kernel)."""
+        (total_k, nheads_kv, headdim), each launch given the int32 cu_seqlens (attn_fwd_ws_varlen_kernel).
+        paged (with ragged): k / v are caches (num_pages, page_size, nheads_kv, headdim) read as rows (pages back
+        to back, heads packed: rows_view), and paged holds attn_fwd_ws_paged_kernel's score constexprs (WINDOW,
+        SOFTCAP); each launch gets its _PAGED_EXTRA_ARGS."""
         self.cfg = cfg
+        self.paged = paged is not None
         self.fp8 = q.dtype == FP8_DTYPE
         self.device, self.index = q.device, q.device.index
         self.q_contiguous = q.is_contiguous()
@@ -170,9 +187,12 @@ class GluonPlan:
                           NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers, CAUSAL=causal,
                           OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                           Q_BUFFERS=cfg.q_buffers,
-                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release)
+                          TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release,
+                          V_TAIL=not self.ragged and _reads_next_values(batch, self.seqlen_k, cfg.block_n))
+        if self.paged:
+            constexprs.update(paged, PAGE_SIZE=k.shape[1])
         # the ones this plan's kernel takes (lpt: Q_BUFFERS and TILE_ORDER fixed)
-        params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt", self.ragged))
+        params = set(_kernel_arg_names(self.fp8, cfg.tile_order == "lpt", self.ragged, self.paged))
         self.constexprs = {name: value for name, value in constexprs.items() if name in params}
         # tile_order "lpt": the host's tile lists, an argument after qk_scale_log2 (attn_fwd_ws_lpt_kernel)
         self.sched = ()
@@ -191,7 +211,8 @@ class GluonPlan:
         the caller has them. descales: () for fp16/bf16; (qk_descale (batch, nheads), v_descale (batch,
         nheads_kv)) float32 contiguous for e4m3 (v is then V^T, see _vt_view). cu_seqlens: () for fixed-length
         batches; a ragged plan's (cu_seqlens_q, cu_seqlens_k) int32 (batch + 1,) contiguous (tensors, or their
-        data_ptr() ints after the first launch)."""
+        data_ptr() ints after the first launch); a paged plan's _PAGED_EXTRA_ARGS (attn_fwd_ws_paged_kernel's
+        arguments after qk_scale_log2, pointers likewise)."""
         if self.index == _current_device():
             self._launch(q, k, v, out, lse, qk_scale_log2, ptrs, descales, cu_seqlens)
         else:
@@ -206,7 +227,7 @@ class GluonPlan:
                      _descriptor(v, self.views[2], *v_block))
             # (the bf16 call as it always was: tests stub it)
             kernel = (dict(fp8=True) if self.fp8 else dict(lpt=True) if self.sched
-                      else dict(ragged=True) if self.ragged else {})
+                      else dict(paged=True) if self.paged else dict(ragged=True) if self.ragged else {})
             self._record(_jit_launch(self.grid, descs + (out, lse) + descales + self.shapes
                                      + (qk_scale_log2, ) + self.sched + cu_seqlens, self.constexprs, **kernel))
             return
@@ -236,8 +257,8 @@ class GluonPlan:
         if not recordable(compiled):
             return
         extra = (_FP8_EXTRA_ARGS if self.fp8 else _LPT_EXTRA_ARGS if self.sched
-                 else _RAGGED_EXTRA_ARGS if self.ragged else 0)
-        names = _kernel_arg_names(self.fp8, bool(self.sched), self.ragged)[_RUNTIME_ARGS + extra:]
+                 else _PAGED_EXTRA_ARGS if self.paged else _RAGGED_EXTRA_ARGS if self.ragged else 0)
+        names = _kernel_arg_names(self.fp8, bool(self.sched), self.ragged, self.paged)[_RUNTIME_ARGS + extra:]
         if any(n not in self.constexprs for n in names):
             return
         self.tail = tuple(self.constexprs[n] for n in names)

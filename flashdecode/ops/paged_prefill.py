@@ -12,7 +12,10 @@ per sequence: query row i of a sequence with Lq new tokens and Lk keys sits at k
 
 Forward only (as in FlashAttention-3: no gradient flows into a cache). The Triton forward (kernels/fwd.py,
 PAGE_SIZE > 0) finds each key block's pages in the table; keys on an id outside the cache are absent (masked,
-never read). Metadata values (cu_seqlens_q, seqused_k, block_table ids, max_seqlen_q/k bounds) are checked on the
+never read). On sm_90 the warp-specialised Gluon forward (ops/gluon_attention.py gluon_paged_forward_into) takes
+16-bit calls whose pages hold whole key blocks (page sizes that are multiples of 64), without ALiBi, where its
+resolver says so (heuristics.PREFILL_PAGED_GLUON) or ``config=`` is a GluonFwdConfig (that launch, forced: a call
+it cannot take raises ValueError); there an id outside the cache reads zeros (never memory outside it). Metadata values (cu_seqlens_q, seqused_k, block_table ids, max_seqlen_q/k bounds) are checked on the
 host where they live there; device-resident metadata only with ``validate=True`` (one copy to the host, one sync).
 """
 
@@ -23,8 +26,9 @@ from typing import Optional
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks
-from flashdecode.ops.attention_config import config_for, config_id_of
+from flashdecode.config import GluonFwdConfig
+from flashdecode.ops import checks, gluon_attention
+from flashdecode.ops.attention_config import RESOLVE_CONFIG, config_for, config_id_of, gluon_allowed
 from flashdecode.ops.attention_plans import _FWD_TILE, _buckets, _common_constexprs
 from flashdecode.ops.decode_checks import _check_cache_pair, _check_lengths_and_table
 from flashdecode.ops.kv_quant import resolve_kv_quant
@@ -141,8 +145,9 @@ def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_se
 
 
 def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, left,
-             right, softcap, config_id, alibi_slopes, quant=None):
-    """(out like q, lse (nheads, total_q) float32) of checked inputs."""
+             right, softcap, config_id, alibi_slopes, quant=None, gluon_config=None):
+    """(out like q, lse (nheads, total_q) float32) of checked inputs; gluon_config: a GluonFwdConfig that forces
+    the Gluon kernel (prepare_paged_prefill checked that it takes the call)."""
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -150,6 +155,14 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     cu_seqlens_q, seqused_k = cu_seqlens_q.contiguous(), seqused_k.contiguous()  # read with a unit stride
+    # scale > 0: the Gluon kernel masks scores before it scales them (as flash_attn_varlen's dispatch)
+    if (quant is None and alibi_slopes is None and gluon_allowed(config_id) and scale > 0
+            and gluon_attention.gluon_paged_forward_into(q, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
+                                                         block_table, max_seqlen_q, max_seqlen_k, scale, left,
+                                                         right, softcap, config=gluon_config)):
+        return out, lse  # the Gluon kernel on Hopper where it applies (ops/gluon_attention.py)
+    if gluon_config is not None:  # prepare_paged_prefill found that it takes the call: never fall back silently
+        raise ValueError("config: the Gluon paged kernel did not take this call (see paged_unsupported)")
     alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     plan = _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left,
                  right, softcap, config_id, alibi_slopes, alibi_stride, quant)
@@ -163,6 +176,18 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
             (qk_scale, softcap_log2), max(left, 0), max(right, 0), alibi_stride, *plan.buckets, kv_pages)
     plan.kernel(lambda meta: (cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
+
+
+def _check_gluon_config(config: GluonFwdConfig, q, k_cache, v_cache, block_table, scale: float, alibi_slopes,
+                        quant) -> None:
+    """config= a GluonFwdConfig forces the Gluon kernel: ValueError naming what of the call it cannot take (a
+    config override never switches kernels silently)."""
+    config.check()
+    why = gluon_attention.paged_unsupported(q, k_cache, v_cache, block_table, config)
+    if why is None and (alibi_slopes is not None or quant is not None or not scale > 0):
+        why = "alibi_slopes / an 8-bit cache / softmax_scale <= 0 (the Gluon kernel takes none of them)"
+    if why is not None:
+        raise ValueError(f"config: a GluonFwdConfig runs the Gluon paged kernel, which cannot take this call ({why})")
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -191,7 +216,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             captured). Unchecked bad values never move a read or write outside the tensors: rows and keys are
             clamped into q and the table, ids outside the cache are absent keys; query rows past max_seqlen_q and
             rows no sequence covers are left unwritten.
-        config: an AttentionConfig (its fwd_tiles / fwd_autotune / fwd_tma) or None.
+        config: None, an AttentionConfig (its fwd_tiles / fwd_autotune / fwd_tma; backend "triton" pins the Triton
+            kernel) or a GluonFwdConfig: the Gluon kernel with that launch (sm_90, fp16/bf16, head dim 64 / 128,
+            pages holding whole blocks of config.block_n keys, no ALiBi, no 8-bit cache, softmax_scale > 0;
+            ValueError naming what it cannot take).
         k_scale, v_scale: with an 8-bit cache (float8_e4m3fn or int8, as flash_decode and append_kv take it):
             float32 scales broadcastable to (num_pages, page_size, nheads_kv): (), (nheads_kv,) or one per token
             and kv head; the attended keys are k_cache.float() * k_scale[..., None] (values likewise).
@@ -224,15 +252,18 @@ def prepare_paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_ta
         alibi_slopes = constant_slopes(checks.check_alibi_slopes(alibi_slopes, batch, q.shape[1], q.device))
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    config_id = config_id_of(config)
+    gluon_config = config if isinstance(config, GluonFwdConfig) else None
+    config_id = RESOLVE_CONFIG if gluon_config is not None else config_id_of(config)
     if check_seqlens or validate:
         _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
     scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
                                                                  softcap)
+    if gluon_config is not None:
+        _check_gluon_config(gluon_config, q, k_cache, v_cache, block_table, scale, alibi_slopes, quant)
 
     def run():
         out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                            scale, left, right, cap, config_id, alibi_slopes, quant)
+                            scale, left, right, cap, config_id, alibi_slopes, quant, gluon_config)
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks, "varlen")
         return (out, lse) if return_lse else out

@@ -42,7 +42,14 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) same dtype behind ``k_desc``/``v_desc`` (block [BLOCK_N, HEAD_DIM])
   out: (batch, seqlen_q, nheads, HEAD_DIM) same dtype; lse: (batch, nheads, seqlen_q) float32, natural log.
 Rows a TMA tile reads past a sequence's end belong to the next sequence (or are zero past the tensor): the key
-mask hides them and the output store skips them.
+mask hides their scores, the output store skips query rows past the sequence, and (V_TAIL: ragged and paged
+launches, fixed-length batches whose keys end inside a block) the consumers zero the V rows past the keys, since
+their zero probabilities times a NaN or inf value would be NaN. The e4m3 kernel's V^T holds zeros there.
+
+Paged KV caches (``attn_fwd_ws_paged_kernel``, prefill over cache pages): the same partitions; the producer maps
+each key block to its page through the block table (fwd_tiles.KVPages) and loads it by TMA from the cache viewed
+as rows, pages holding whole key blocks. It also takes a sliding window and a softcap (fwd_tiles.ScoreOptions,
+fwd_softmax.RowMask): a windowed tile visits only the blocks its rows see, all through the masked path.
 
 Code: the partitions and their channels (FwdConfig, QChannel, KVRing) are fwd_partitions, the per-block math
 fwd_softmax, the tile space (coordinates, ragged rows, tile orders) fwd_tiles; this module holds the entry kernels.
@@ -56,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from flashdecode.kernels.gluon.fwd_partitions import FwdConfig, FwdOutputs, KVRing, QChannel, consumer, producer
 from flashdecode.kernels.gluon.fwd_tiles import (TILE_ORDER_LPT, TILE_ORDER_PAIRS,  # noqa: F401 (re-exported)
-                                                 TILE_ORDER_ROUND_ROBIN, TileSpace)
+                                                 TILE_ORDER_ROUND_ROBIN, KVPages, ScoreOptions, TileSpace)
 
 
 @gluon.jit
@@ -65,17 +72,20 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seql
                        NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                        OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                       TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
+                       TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False,
+                       V_TAIL: gl.constexpr = False):
     """fp16/bf16: 1-D grid of up to num_tiles CTAs (num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS); a CTA takes tiles program_id, program_id + num_programs, ... (persistent when the grid is smaller
     than num_tiles). num_warps=4: the default partition is consumer 0. qk_scale_log2 = softmax_scale * log2(e).
     GROUP = nheads // nheads_kv (GQA). NUM_CONSUMERS 1, 2 or 3 (3: 192-row tiles, FA3's hd64 shape; its register
     budgets must fit 65536 per SM: see GluonFwdConfig). TILE_ORDER (Q_BUFFERS == 2): how CTAs walk the tiles
-    (TILE_ORDER_ROUND_ROBIN, TILE_ORDER_PAIRS; TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's)."""
+    (TILE_ORDER_ROUND_ROBIN, TILE_ORDER_PAIRS; TILE_ORDER_LPT is attn_fwd_ws_lpt_kernel's). V_TAIL (batch > 1
+    with seqlen_k not a multiple of BLOCK_N: a sequence's last key block reads the next one's rows): zero those V
+    rows before PV (FwdConfig); off, the instructions of the other launches stay as they were."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, None, None), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False, V_TAIL), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
@@ -83,15 +93,16 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
                            sched_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                            OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr = False):
+                           PRODUCER_REGS: gl.constexpr, SPLIT_KV_RELEASE: gl.constexpr = False,
+                           V_TAIL: gl.constexpr = False):
     """attn_fwd_ws_kernel (fp16/bf16) with persistent CTAs that walk host-made tile lists (TILE_ORDER_LPT, two Q
     buffer sets): sched_ptr int32, [S, then per CTA: count, tiles, padding] (fwd_tiles._lpt_row;
-    ops/gluon_attention.py lpt_schedule); a grid of as many CTAs as the lists. A kernel of its own so that the
-    others keep their parameter lists."""
+    ops/gluon_attention.py lpt_schedule); a grid of as many CTAs as the lists; V_TAIL as there. A kernel of its
+    own so that the others keep their parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, sched_ptr, seqlen_q, seqlen_k, None, None), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, 2, TILE_ORDER_LPT,
-                           SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
+                           SPLIT_KV_RELEASE, False, V_TAIL), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
@@ -108,11 +119,43 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
     cumulative lengths, read on the device (no host sync). seqlen_q = the longest sequence's query count (the
     tile numbering's rows per (sequence, head); num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS), seqlen_k = total_q (lse's head stride). Tiles past a sequence's rows are empty (TileSpace.coords).
-    A kernel of its own so that the others keep their parameter lists."""
+    A sequence's last key block reads the next sequence's rows: their V rows are zeroed before PV (V_TAIL in
+    FwdConfig), so a NaN or inf there reaches only the rows that read it. A kernel of its own so that the others
+    keep their parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False), CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False, True), CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def attn_fwd_ws_paged_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k,
+                             qk_scale_log2, cu_q_ptr, seqused_ptr, block_table_ptr, bt_stride, max_pages, num_pages,
+                             window_left, window_right, softcap_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                             CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
+                             TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False,
+                             WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+    """attn_fwd_ws_varlen_kernel (fp16/bf16, q packed by cu_q_ptr) over a paged KV cache: prefill of new tokens
+    against keys already in cache pages (ops/gluon_attention.py gluon_paged_forward_into).
+
+    k_desc / v_desc view the caches (num_pages, PAGE_SIZE, nheads_kv, HEAD_DIM) as (num_pages * PAGE_SIZE,
+    nheads_kv * HEAD_DIM) rows (pages back to back, heads packed), blocks [BLOCK_N, HEAD_DIM]; PAGE_SIZE a multiple
+    of BLOCK_N, so the producer loads each key block from one page: the block-table entry gives the page, the key's
+    place in it the row (fwd_tiles.KVPages). block_table_ptr int32 (batch, max_pages) with row stride bt_stride;
+    seqused_ptr int32 (batch,) key counts (read on the device; clamped into [0, max_pages * PAGE_SIZE]); num_pages
+    the cache's page count (ids outside [0, num_pages) read zeros, never memory outside the cache). Masks are
+    bottom-right aligned per sequence. WINDOW: keys j of row i visible for -window_left <= j - (i + len_k - len_q)
+    <= window_right (the host gives an unbounded side as 2**30, every length below it; CAUSAL False then, a causal
+    window has window_right 0); SOFTCAP: qk_scale_log2 = softmax_scale / softcap and softcap_log2 = softcap *
+    log2(e). out, lse, seqlen_q, seqlen_k, num_tiles as attn_fwd_ws_varlen_kernel's."""
+    _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
+                 TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, None,
+                           KVPages(block_table_ptr, seqused_ptr, bt_stride, max_pages, num_pages, PAGE_SIZE),
+                           ScoreOptions(window_left, window_right, softcap_log2, WINDOW, SOFTCAP)), qk_scale_log2,
+                 FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
+                           TILE_ORDER, SPLIT_KV_RELEASE, False, True), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit

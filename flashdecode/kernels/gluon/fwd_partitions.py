@@ -4,12 +4,13 @@ ring) and the launch's compile-time configuration (FwdConfig)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from flashdecode.kernels.gluon.compat import tma_load
-from flashdecode.kernels.gluon.fwd_softmax import (RowMask, p_operand, pv_operand, scale_before_mask, softmax_step,
-                                                   store_tile)
-from flashdecode.kernels.gluon.layouts import RUNTIME, aggregate, mma_layout, p_layout, p_log2_scale, runtime
+from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
+from flashdecode.kernels.gluon.fwd_softmax import RowMask, p_operand, pv_operand, softmax_step, store_tile
+from flashdecode.kernels.gluon.layouts import (RUNTIME, aggregate, mma_layout, p_layout, p_log2_scale, runtime,
+                                               store_layout)
 
 
 @aggregate
@@ -17,8 +18,10 @@ class FwdConfig:
     """The launch's compile-time choices (the entry kernels' constexprs; ops/gluon_attention.py GluonFwdConfig):
     NUM_HEADS query heads, GROUP = nheads // nheads_kv, BLOCK_N keys a block, NUM_STAGES K/V slots, NUM_CONSUMERS
     warpgroups of 64 rows (BLOCK_M = NUM_CONSUMERS * 64 rows a tile), CAUSAL, OVERLAP (FA3's intra-warpgroup
-    overlap), Q_BUFFERS Q buffer sets, TILE_ORDER (fwd_tiles), SPLIT_KV_RELEASE (K and V slots released apart) and
-    V_T (the V descriptor's blocks are V^T tiles: e4m3)."""
+    overlap), Q_BUFFERS Q buffer sets, TILE_ORDER (fwd_tiles), SPLIT_KV_RELEASE (K and V slots released apart),
+    V_T (the V descriptor's blocks are V^T tiles: e4m3) and V_TAIL (a key block's V rows past the sequence's keys
+    may be non-zero - another sequence's rows of a packed batch, a page's tail - so the consumers zero them before
+    PV: fwd_softmax.RowMask)."""
     NUM_HEADS: gl.constexpr
     GROUP: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -31,10 +34,11 @@ class FwdConfig:
     TILE_ORDER: gl.constexpr
     SPLIT_KV_RELEASE: gl.constexpr
     V_T: gl.constexpr
+    V_TAIL: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS, TILE_ORDER,
-                 SPLIT_KV_RELEASE, V_T):
+                 SPLIT_KV_RELEASE, V_T, V_TAIL=False):
         self.NUM_HEADS = gl.constexpr(NUM_HEADS)
         self.GROUP = gl.constexpr(GROUP)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -47,6 +51,7 @@ class FwdConfig:
         self.TILE_ORDER = gl.constexpr(TILE_ORDER)
         self.SPLIT_KV_RELEASE = gl.constexpr(SPLIT_KV_RELEASE)
         self.V_T = gl.constexpr(V_T)
+        self.V_TAIL = gl.constexpr(V_TAIL)
 
 
 @aggregate
@@ -172,6 +177,28 @@ class KVRing:
         return pv_operand(self.v_smem.index(g % self.NUM_STAGES))
 
     @gluon.jit
+    def clear_v_rows(self, g, valid):
+        """Zero block g's V slot from row ``valid`` on (nothing where valid >= BLOCK_N), after its load landed and
+        before the PV wgmma reads it: the rows past a sequence's keys may hold anything (the next sequence's values
+        of a packed batch, a paged cache's page tail), and their zero probabilities times NaN or inf would be NaN.
+        ROWS rows at a time through registers; every consumer warpgroup writes the same zeros (so no order among
+        them matters), then fences its generic stores against the wgmma's async reads and syncs its warps."""
+        BLOCK_N: gl.constexpr = self.v_smem.shape[1]
+        HEAD_DIM: gl.constexpr = self.v_smem.shape[2]
+        layout: gl.constexpr = store_layout(HEAD_DIM)
+        ROWS: gl.constexpr = 8  # rows a step: few registers beside a tile's live state
+        if valid < BLOCK_N:
+            slot = self.v_smem.index(g % self.NUM_STAGES)
+            for c in gl.static_range(BLOCK_N // ROWS):
+                if c * ROWS + ROWS > valid:
+                    chunk = slot.slice(c * ROWS, ROWS)
+                    rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                    x = chunk.load(layout)
+                    chunk.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
+            fence_async_shared()
+            thread_barrier()
+
+    @gluon.jit
     def release_k(self, g):
         """Block g's scores are in registers: its K slot may refill (SPLIT_KV_RELEASE; else a no-op)."""
         if self.SPLIT_KV_RELEASE:
@@ -247,17 +274,22 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, cfg, q_desc, k_des
             tma_load(q_desc, [t.q_base + t.m_start + c * 64, t.head * HEAD_DIM], ready,
                      q_chan.smem.index(BUF * cfg.NUM_CONSUMERS + c))
     kv_col = (t.head // cfg.GROUP) * HEAD_DIM
-    for i in range(t.n_end // BLOCK_N):
+    for i in range(t.num_blocks(BLOCK_N)):
         g = blocks_done + i
+        key = t.n_lo + i * BLOCK_N
+        if tiles.pages is not None:  # its page's rows; the table read before the slot wait, its latency under it
+            row = tiles.pages.row(t.kv_base, key)
         ready = ring.await_empty_k(g, k_desc.block_type.nbytes)
-        tma_load(k_desc, [t.kv_base + i * BLOCK_N, kv_col], ready, ring.k_smem.index(g % cfg.NUM_STAGES))
+        if tiles.pages is None:  # the packed sequence's rows
+            row = t.kv_base + key
+        tma_load(k_desc, [row, kv_col], ready, ring.k_smem.index(g % cfg.NUM_STAGES))
         ready = ring.await_empty_v(g, v_desc.block_type.nbytes)
         if cfg.V_T:
-            tma_load(v_desc, [(t.batch * (cfg.NUM_HEADS // cfg.GROUP) + t.head // cfg.GROUP) * HEAD_DIM, i * BLOCK_N],
+            tma_load(v_desc, [(t.batch * (cfg.NUM_HEADS // cfg.GROUP) + t.head // cfg.GROUP) * HEAD_DIM, key],
                      ready, ring.v_smem.index(g % cfg.NUM_STAGES))
         else:
-            tma_load(v_desc, [t.kv_base + i * BLOCK_N, kv_col], ready, ring.v_smem.index(g % cfg.NUM_STAGES))
-    return blocks_done + t.n_end // BLOCK_N, uses + t.live
+            tma_load(v_desc, [row, kv_col], ready, ring.v_smem.index(g % cfg.NUM_STAGES))
+    return blocks_done + t.num_blocks(BLOCK_N), uses + t.live
 
 
 # ---- consumers ------------------------------------------------------------------------------------------------
@@ -298,7 +330,7 @@ def _consume_tile(tile, uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.const
         _consume_rows(uses, blocks_done, BUF, CONSUMER, cfg, q_chan, ring, outs, t, tiles, qk_scale_log2)
     elif t.live != 0:
         _consume_rows(uses, blocks_done, BUF, CONSUMER, cfg, q_chan, ring, outs, t, tiles, qk_scale_log2)
-    return blocks_done + t.n_end // cfg.BLOCK_N, uses + t.live
+    return blocks_done + t.num_blocks(cfg.BLOCK_N), uses + t.live
 
 
 @gluon.jit
@@ -316,18 +348,19 @@ def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, 
         out_scale = gl.load(outs.v_descale_ptr + t.batch * (NUM_HEADS // cfg.GROUP) + t.head // cfg.GROUP)
         # A scale that is not > 0 (a descale of 0 or below) takes every block through the masked path, which
         # scales the scores before masking them (scale_before_mask); NaN descales give NaN either way.
-        n_full_end = gl.where(scale_log2 > 0.0, n_full_end, 0)
+        n_full_end = gl.where(scale_log2 > 0.0, n_full_end, t.n_lo)
     else:
         scale_log2 = qk_scale_log2
         out_scale = 1.0
     q_slot: gl.constexpr = BUF * cfg.NUM_CONSUMERS + CONSUMER
     q = q_chan.acquire(q_slot, uses)
-    n_blocks = t.n_end // BLOCK_N
-    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL)
+    n_blocks = t.num_blocks(BLOCK_N)
+    n_full = (n_full_end - t.n_lo) // BLOCK_N
+    mask = RowMask(rows, t.len_q, t.len_k, cfg.CAUSAL, tiles.opts, cfg.V_TAIL)
     if cfg.OVERLAP:
-        acc, m_i, l_i = _tile_overlap(ring, q, blocks_done, n_full_end // BLOCK_N, n_blocks, mask, scale_log2)
+        acc, m_i, l_i = _tile_overlap(ring, q, blocks_done, t.n_lo, n_full, n_blocks, mask, scale_log2)
     else:
-        acc, m_i, l_i = _tile_plain(ring, q, blocks_done, n_full_end // BLOCK_N, n_blocks, mask, scale_log2)
+        acc, m_i, l_i = _tile_plain(ring, q, blocks_done, t.n_lo, n_full, n_blocks, mask, scale_log2)
     # Every wgmma reading this Q has retired (the tile ends on a wait for 0 outstanding): free the buffer.
     q_chan.release(q_slot)
     # lse: (batch, NUM_HEADS, seqlen_q) for fixed-length batches, (NUM_HEADS, total_q = seqlen_k) for ragged ones;
@@ -341,9 +374,9 @@ def _consume_rows(uses, blocks_done, BUF: gl.constexpr, CONSUMER: gl.constexpr, 
 
 
 @gluon.jit
-def _tile_plain(ring, q, blocks_done, n_full, n_blocks, mask, qk_scale_log2):
-    """All key blocks of one tile for one warpgroup without cross-block overlap, unmasked blocks first. Returns
-    (acc, m_i, l_i)."""
+def _tile_plain(ring, q, blocks_done, n_lo, n_full, n_blocks, mask, qk_scale_log2):
+    """All key blocks of one tile for one warpgroup (block i: keys from n_lo + i * BLOCK_N) without cross-block
+    overlap, unmasked blocks first. Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     BLOCK_N: gl.constexpr = ring.k_smem.shape[1]
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout(BLOCK_N, q.dtype))
@@ -352,11 +385,11 @@ def _tile_plain(ring, q, blocks_done, n_full, n_blocks, mask, qk_scale_log2):
     l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
     for i in range(0, n_full):
-        acc, m_i, l_i = _block_plain(ring, q, blocks_done + i, i * BLOCK_N, mask, acc, m_i, l_i, qk_scale_log2,
-                                     False)
+        acc, m_i, l_i = _block_plain(ring, q, blocks_done + i, n_lo + i * BLOCK_N, mask, acc, m_i, l_i,
+                                     qk_scale_log2, False)
     for i in range(n_full, n_blocks):
-        acc, m_i, l_i = _block_plain(ring, q, blocks_done + i, i * BLOCK_N, mask, acc, m_i, l_i, qk_scale_log2,
-                                     True)
+        acc, m_i, l_i = _block_plain(ring, q, blocks_done + i, n_lo + i * BLOCK_N, mask, acc, m_i, l_i,
+                                     qk_scale_log2, True)
     return acc, m_i, l_i
 
 
@@ -375,14 +408,14 @@ def _block_plain(ring, q, g, n_start, mask, acc, m_i, l_i, qk_scale_log2, MASKED
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
     ring.release_k(g)
-    scale = qk_scale_log2
-    if MASKED:
-        s, scale = scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE)
-        s = mask.apply(s, n_start)
+    s, scale = mask.scores(s, qk_scale_log2, n_start, MASKED, P_LOG2_SCALE)
     p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, scale, P_LOG2_SCALE)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = p_operand(p.to(q.dtype), pv_layout)
     ring.wait_v(g)
+    if MASKED:
+        if mask.V_TAIL:  # (only a tile's last block holds keys past len_k)
+            ring.clear_v_rows(g, mask.len_k - n_start)
     acc = warpgroup_mma(p, ring.v_operand(g), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     ring.release(g)
@@ -390,9 +423,10 @@ def _block_plain(ring, q, g, n_start, mask, acc, m_i, l_i, qk_scale_log2, MASKED
 
 
 @gluon.jit
-def _tile_overlap(ring, q, blocks_done, n_full, n_blocks, mask, qk_scale_log2):
-    """All key blocks of one tile with FA3's intra-warpgroup overlap: block 0's scores and softmax alone, then the
-    overlapped steps (unmasked ones first), then the last block's PV. Returns (acc, m_i, l_i)."""
+def _tile_overlap(ring, q, blocks_done, n_lo, n_full, n_blocks, mask, qk_scale_log2):
+    """All key blocks of one tile (block i: keys from n_lo + i * BLOCK_N) with FA3's intra-warpgroup overlap: block
+    0's scores and softmax alone, then the overlapped steps (unmasked ones first), then the last block's PV.
+    Returns (acc, m_i, l_i)."""
     HEAD_DIM: gl.constexpr = q.type.shape[1]
     BLOCK_N: gl.constexpr = ring.k_smem.shape[1]
     s_layout: gl.constexpr = mma_layout(BLOCK_N, q.dtype)
@@ -410,21 +444,22 @@ def _tile_overlap(ring, q, blocks_done, n_full, n_blocks, mask, qk_scale_log2):
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         ring.release_k(blocks_done)
-        scale = qk_scale_log2
+        s, scale = mask.softcap(s, qk_scale_log2)
         if n_full == 0:
-            s, scale = scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE)
-            s = mask.apply(s, 0)
+            s, scale = mask.masked(s, scale, n_lo, P_LOG2_SCALE)
         p0, alpha, m_i, l_i = softmax_step(s, m_i, l_i, scale, P_LOG2_SCALE)
         p = p_operand(p0.to(q.dtype), pv_layout)
     for i in range(1, n_full):
-        acc, p, m_i, l_i = _block_overlap(ring, q, blocks_done + i, i * BLOCK_N, mask, acc, p, m_i, l_i,
+        acc, p, m_i, l_i = _block_overlap(ring, q, blocks_done + i, n_lo + i * BLOCK_N, mask, acc, p, m_i, l_i,
                                           qk_scale_log2, False)
     for i in range(gl.maximum(n_full, 1), n_blocks):
-        acc, p, m_i, l_i = _block_overlap(ring, q, blocks_done + i, i * BLOCK_N, mask, acc, p, m_i, l_i,
+        acc, p, m_i, l_i = _block_overlap(ring, q, blocks_done + i, n_lo + i * BLOCK_N, mask, acc, p, m_i, l_i,
                                           qk_scale_log2, True)
     if n_blocks > 0:
         g_last = blocks_done + n_blocks - 1
         mbarrier.wait(ring.v_ready.index(g_last % ring.NUM_STAGES), (g_last // ring.NUM_STAGES) & 1)
+        if mask.V_TAIL:  # (only a tile's last block holds keys past len_k)
+            ring.clear_v_rows(g_last, mask.len_k - (n_lo + (n_blocks - 1) * BLOCK_N))
         acc = warpgroup_mma(p, ring.v_operand(g_last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         ring.release(g_last)
@@ -455,10 +490,7 @@ def _block_overlap(ring, q, g, n_start, mask, acc, p, m_i, l_i, qk_scale_log2, M
     acc = warpgroup_mma(p, ring.v_operand(g - 1), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s, ))  # wgmma groups retire in order: S_g is done, PV may still run
     ring.release_k(g)
-    scale = qk_scale_log2
-    if MASKED:
-        s, scale = scale_before_mask(s, qk_scale_log2, P_LOG2_SCALE)
-        s = mask.apply(s, n_start)
+    s, scale = mask.scores(s, qk_scale_log2, n_start, MASKED, P_LOG2_SCALE)
     p_new, alpha, m_i, l_i = softmax_step(s, m_i, l_i, scale, P_LOG2_SCALE)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     ring.release(g - 1)

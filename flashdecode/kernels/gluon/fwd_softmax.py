@@ -4,38 +4,85 @@ V as the PV wgmma's operands, and the normalised output and lse store."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from flashdecode.kernels.gluon.layouts import RUNTIME, aggregate, runtime, store_layout
+from flashdecode.kernels.gluon.layouts import OPTIONAL, RUNTIME, aggregate, optional, runtime, store_layout
 
 LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
 
 
 @aggregate
 class RowMask:
-    """The keys a consumer's 64 query rows see: rows (64,) int32 (within the sequence, in the scores' row layout)
-    of a sequence of len_q queries and len_k keys; keys past len_k are hidden and, CAUSAL, keys right of the
-    bottom-right aligned diagonal (row i sees key j <= i + len_k - len_q)."""
+    """The keys a consumer's 64 query rows see and how their scores are made: rows (64,) int32 (within the
+    sequence, in the scores' row layout) of a sequence of len_q queries and len_k keys; keys past len_k are hidden
+    and, CAUSAL, keys right of the bottom-right aligned diagonal (row i sees key j <= i + len_k - len_q); opts (a
+    fwd_tiles.ScoreOptions, or None) adds a sliding window around that diagonal and a softcap. V_TAIL: the K / V
+    rows past len_k in a block may hold anything (the next sequence's rows of a packed batch, a paged cache's page
+    tail), so the consumer zeroes them in V before PV (fwd_partitions.KVRing.clear_v_rows): their probabilities
+    are 0, but 0 * NaN (or inf) in the PV wgmma is NaN; the key mask already hides their scores. Else they are
+    TMA's zeros past the tensor."""
     rows: gl.tensor
     len_q: RUNTIME
     len_k: RUNTIME
     CAUSAL: gl.constexpr
+    opts: OPTIONAL
+    V_TAIL: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, rows, len_q, len_k, CAUSAL):
+    def __init__(self, rows, len_q, len_k, CAUSAL, opts=None, V_TAIL=False):
         self.rows = rows
         self.len_q = runtime(len_q)
         self.len_k = runtime(len_k)
         self.CAUSAL = gl.constexpr(CAUSAL)
+        self.opts = optional(opts)
+        self.V_TAIL = gl.constexpr(V_TAIL)
 
     @gluon.jit
     def apply(self, s, n_start):
-        """Scores s (64, BLOCK_N) fp32 of keys from n_start with the hidden keys set to -inf."""
+        """Scores s (64, BLOCK_N) fp32 of keys from n_start with the hidden keys set to -inf (by position only:
+        a NaN score of a visible key stays NaN)."""
         BLOCK_N: gl.constexpr = s.shape[1]
         s_layout: gl.constexpr = s.type.layout
         cols = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(cols < self.len_k, 0)
         if self.CAUSAL:
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(self.rows + (self.len_k - self.len_q), 1))
+        if self.opts is not None:
+            if self.opts.window_left is not None:
+                # key offset from the row's diagonal; the host bounds every term below 2**30 (no int32 overflow)
+                rel = gl.expand_dims(cols, 0) - gl.expand_dims(self.rows + (self.len_k - self.len_q), 1)
+                visible = visible & (rel >= -self.opts.window_left) & (rel <= self.opts.window_right)
         return gl.where(visible, s, -float("inf"))
+
+    @gluon.jit
+    def softcap(self, s, qk_scale_log2):
+        """(scores, scale) of one block's raw dot products s for softmax_step: with a softcap (opts), the capped
+        scores in log2 units and scale 1; else s and qk_scale_log2 as they are."""
+        scale = qk_scale_log2
+        if self.opts is not None:
+            if self.opts.softcap_log2 is not None:
+                s = tanh_saturating(s * qk_scale_log2) * self.opts.softcap_log2
+                scale = 1.0
+        return s, scale
+
+    @gluon.jit
+    def masked(self, s, scale, n_start, P_LOG2_SCALE: gl.constexpr):
+        """(scores, scale) of a block that needs the mask: scaled as scale_before_mask says, hidden keys -inf."""
+        s, scale = scale_before_mask(s, scale, P_LOG2_SCALE)
+        return self.apply(s, n_start), scale
+
+    @gluon.jit
+    def scores(self, s, qk_scale_log2, n_start, MASKED: gl.constexpr, P_LOG2_SCALE: gl.constexpr):
+        """(scores, scale) of one block for softmax_step: softcap, then (MASKED) masked."""
+        s, scale = self.softcap(s, qk_scale_log2)
+        if MASKED:
+            s, scale = self.masked(s, scale, n_start, P_LOG2_SCALE)
+        return s, scale
+
+
+@gluon.jit
+def tanh_saturating(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1): +-1 for huge |x| (exp2 gives inf or 0), never NaN from a finite x; NaN
+    stays NaN."""
+    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @gluon.jit

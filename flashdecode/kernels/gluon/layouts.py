@@ -3,21 +3,30 @@
 Also ``aggregate`` (Triton's ``@aggregate`` class decorator, bound once here), ``RUNTIME``, the annotation of an
 aggregate field that holds a runtime value - a tensor, or a constexpr where Triton specialised the argument (an
 integer 1, a None pointer) -, and ``runtime``, which stores such a value from an aggregate's constructor (a
-constexpr_function: it receives constexprs unwrapped)."""
+constexpr_function: it receives constexprs unwrapped); ``OPTIONAL`` / ``optional`` likewise for a field that holds
+another aggregate or None."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate  # noqa: F401 (re-exported: the kernels' @aggregate)
+from triton.language.core import base_value
 
 RUNTIME = (gl.tensor, gl.constexpr)
+OPTIONAL = (base_value, gl.constexpr)  # an aggregate field holding another aggregate, or a constexpr None (optional)
 
 
 @gluon.constexpr_function
 def runtime(value):
     """``value`` as a RUNTIME field: a tensor as it is, a plain Python value (an unwrapped constexpr) rewrapped."""
     return value if isinstance(value, gl.tensor) else gl.constexpr(value)
+
+
+@gluon.constexpr_function
+def optional(value):
+    """``value`` (an aggregate) as an OPTIONAL field, None as a constexpr None."""
+    return gl.constexpr(None) if value is None else value
 
 
 @gluon.constexpr_function
