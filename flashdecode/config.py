@@ -347,7 +347,11 @@ class GluonBwdConfig:
     as GluonFwdConfig's. tail_heavy_first (causal, deterministic): the grid's last (batch, kv head) launches its key
     blocks heaviest first instead of last (kernels/gluon/bwd_channels.py key_block), so that the grid does not end
     on its heaviest blocks (the deterministic causal backward alone on the H200, 16k: hd128 496.4 -> 525.5
-    TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for)."""
+    TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for).
+    seq_bounded (ragged launches only): each CTA reads its sequence through descriptors made on the device that
+    end at the sequence's last row (another sequence's NaN or inf never reaches its gradients); False reads the
+    packed rows through the host's descriptors, as the dense kernel reads across batches (finite values past the
+    sequence contribute exact zeros either way)."""
 
     block_m: int = 64
     num_stages: int = 2
@@ -355,6 +359,7 @@ class GluonBwdConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     tail_heavy_first: bool = True
+    seq_bounded: bool = True  # ragged launches: loads through per-sequence descriptors (attn_bwd_ws_varlen_kernel)
 
     @property
     def block_n(self) -> int:
@@ -376,6 +381,6 @@ class GluonBwdConfig:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
         if self.block_m % 64:
             raise ValueError(f"{name}.block_m: whole warpgroup tiles of 64 rows, got {self.block_m}")
-        _check_bools(self, name, ("dq_tma", "tail_heavy_first"))
+        _check_bools(self, name, ("dq_tma", "tail_heavy_first", "seq_bounded"))
         _check_registers(self, name)
         return self

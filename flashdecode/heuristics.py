@@ -702,6 +702,10 @@ PREFILL_FWD_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (
 # 1.30-1.97x the Triton kernel on every ragged row of `bench prefill --ragged` (H100), its GPU tests pass
 # (docs/decisions.md, "Ragged prefill on the Gluon kernel"). False sends every ragged call to the Triton kernel.
 PREFILL_RAGGED_GLUON = True
+# flash_attn_varlen's backward takes the ragged Gluon kernel on sm_90 (ops/gluon_backward.py gluon_varlen_backward:
+# fp16/bf16, hd 64/128, causal, sliding windows, softcap; no ALiBi). Off until its GPU tests and `bench prefill
+# --ragged --modes fwd+bwd` are run on the H100; a GluonBwdConfig given to gluon_varlen_backward takes it regardless.
+PREFILL_RAGGED_GLUON_BWD = False
 PREFILL_FWD_LONG_MIN_KEYS = 16384
 PREFILL_FWD_LONG_CANDIDATES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2))
 # Deterministic backward, two launches: dK/dV (BLOCK_N held, BLOCK_M streamed, warps, stages) and dQ (BLOCK_M held,

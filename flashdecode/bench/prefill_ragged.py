@@ -8,7 +8,12 @@ kernel on sm_90 where the dispatch sends it), triton (the same call pinned to th
 backend), all timed per call with do_bench (median); FlashInfer's plan() stays outside the timed call, as an
 engine plans once per batch. TFLOP/s count each sequence's own 4 * h * lq * lk * d (halved for causal).
 Forward + backward (``--modes fwd,fwd+bwd``): ours on the ragged batch beside ours on a dense batch of the same
-total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer has no backward.
+total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer has no backward. Beside them:
+gluon_bwd (ours with the backward forced onto the ragged Gluon kernel, ops/gluon_backward.py gluon_varlen_backward
+with the resolved GluonBwdConfig, whatever heuristics.PREFILL_RAGGED_GLUON_BWD says; gluon_bwd_unbounded: with
+seq_bounded off, the A/B of the per-sequence descriptors), and FlashAttention's own
+varlen training call where installed: flash_attn3 (flash-attn's Hopper build, ``flash_attn_interface``) and
+flash_attn2 (``flash_attn``), deterministic=False as they default.
 """
 
 from __future__ import annotations
@@ -74,7 +79,63 @@ def _flashinfer(backend: str):
     return build
 
 
-BUILDERS = {"ours": _ours(False), "triton": _ours(True), "FA3": _flashinfer("fa3"), "fa2": _flashinfer("fa2")}
+class _GluonRaggedBackward(torch.autograd.Function):
+    """flash_attn_varlen's forward (its dispatch), then the backward on the ragged Gluon kernel, forced with a
+    GluonBwdConfig (a benchmark peer: the switch heuristics.PREFILL_RAGGED_GLUON_BWD stays as it is)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, causal, config):
+        import flashdecode
+
+        out, lse = flashdecode.flash_attn_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.options = (max_len, causal, config)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from flashdecode.ops.gluon_backward import gluon_varlen_backward
+
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        max_len, causal, config = ctx.options
+        grads = gluon_varlen_backward(dout, q, k, v, out, lse, cu, cu, max_len, max_len, q.shape[-1] ** -0.5, -1,
+                                      0 if causal else -1, 0.0, True, config)
+        if grads is None:
+            raise RuntimeError("the ragged Gluon backward does not take this call")
+        return (*grads, None, None, None, None)
+
+
+def _gluon_bwd(seq_bounded: bool):
+    """The gluon_bwd peers: the resolved GluonBwdConfig (seq_bounded, per-sequence descriptors) or it with
+    seq_bounded off (the host's descriptors: the A/B of that option)."""
+    def build(q, k, v, cu, max_len, causal):
+        from flashdecode.heuristics import resolve_gluon_bwd_config
+
+        config = dataclasses.replace(resolve_gluon_bwd_config(q.shape[-1]), seq_bounded=seq_bounded)
+        return lambda: _GluonRaggedBackward.apply(q, k, v, cu, max_len, causal, config)
+    return build
+
+
+def _flash_attn(module: str):
+    """FlashAttention's varlen call (forward and backward): flash-attn's Hopper build (flash_attn_interface) or
+    its FA2 package (flash_attn); the first output where it returns (out, lse)."""
+    def build(q, k, v, cu, max_len, causal):
+        import importlib
+
+        func = importlib.import_module(module).flash_attn_varlen_func
+
+        def step():
+            out = func(q, k, v, cu, cu, max_len, max_len, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+        return step
+    return build
+
+
+BUILDERS = {"ours": _ours(False), "triton": _ours(True), "FA3": _flashinfer("fa3"), "fa2": _flashinfer("fa2"),
+            "gluon_bwd": _gluon_bwd(True), "gluon_bwd_unbounded": _gluon_bwd(False),
+            "flash_attn3": _flash_attn("flash_attn_interface"), "flash_attn2": _flash_attn("flash_attn")}
+# the peers with a backward
+TRAINING_PEERS = ("ours", "triton", "gluon_bwd", "gluon_bwd_unbounded", "flash_attn3", "flash_attn2")
 
 
 def _time(step, rep_ms: int) -> tuple[Optional[float], Optional[str]]:
@@ -103,8 +164,8 @@ def ragged_point(name: str, lengths: list[int], headdim: int, causal: bool, mode
     flops = ragged_flops(lengths, nheads, headdim, causal, mode)
     (q, k, v), cu = _inputs(lengths, nheads, nheads_kv, headdim, torch.bfloat16, seed, grad=mode == "fwd+bwd")
     for peer in peers:
-        if mode == "fwd+bwd" and peer not in ("ours", "triton"):
-            continue
+        if (mode == "fwd+bwd") != (peer in TRAINING_PEERS) and peer not in ("ours", "triton"):
+            continue  # FlashInfer: forward only; gluon_bwd and FlashAttention's packages: fwd+bwd only
         forward = BUILDERS[peer](q, k, v, cu, max(lengths), causal)
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
             ms, why = _time(forward if mode == "fwd" else _fwd_bwd(forward), rep_ms)
@@ -114,9 +175,12 @@ def ragged_point(name: str, lengths: list[int], headdim: int, causal: bool, mode
             row[f"{peer}_skipped"] = why
     if mode == "fwd+bwd" and len(set(lengths)) == 1:  # the dense batch of the same tokens beside it
         row["dense"] = _dense_fwd_bwd(len(lengths), lengths[0], nheads, nheads_kv, headdim, causal, rep_ms, flops)
-    for peer in ("FA3", "fa2", "triton", "dense"):
+    for peer in ("FA3", "fa2", "triton", "dense", "flash_attn3"):
         if row.get("ours") and row.get(peer):
             row[f"ours/{peer}"] = row["ours"] / row[peer]
+    for peer in ("triton", "flash_attn3", "flash_attn2"):
+        if row.get("gluon_bwd") and row.get(peer):
+            row[f"gluon_bwd/{peer}"] = row["gluon_bwd"] / row[peer]
     del q, k, v
     torch.cuda.empty_cache()
     return row
@@ -132,13 +196,21 @@ def _dense_fwd_bwd(batch, seqlen, nheads, nheads_kv, headdim, causal, rep_ms, fl
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def peers_available() -> list[str]:
+def peers_available(modes: tuple = ("fwd", )) -> list[str]:
+    """The peers this machine has: ours, triton, FlashInfer's FA3 (sm_90) and FA2; for fwd+bwd (in modes) also
+    gluon_bwd (sm_90) and FlashAttention's packages where importable."""
+    import importlib.util
+
+    hopper = torch.cuda.get_device_capability()[0] == 9
     peers = ["ours", "triton"]
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        return peers
-    return peers + ["FA3", "fa2"] if torch.cuda.get_device_capability()[0] == 9 else peers + ["fa2"]
+    if importlib.util.find_spec("flashinfer") is not None:
+        peers += ["FA3", "fa2"] if hopper else ["fa2"]
+    if "fwd+bwd" in modes:
+        peers += ["gluon_bwd", "gluon_bwd_unbounded"] if hopper else []
+        peers += [name for name in ("flash_attn3", "flash_attn2")
+                  if importlib.util.find_spec({"flash_attn3": "flash_attn_interface",
+                                               "flash_attn2": "flash_attn"}[name]) is not None]
+    return peers
 
 
 def run_ragged(args) -> int:
@@ -147,7 +219,7 @@ def run_ragged(args) -> int:
 
     modes = (args.modes or "fwd").split(",")
     headdims = [int(x) for x in (args.headdims or "128,64").split(",")]
-    peers = peers_available()
+    peers = peers_available(tuple(modes))
     env = env_info()
     print(f"# ragged prefill on {env['device']} (torch {env['torch']}, triton {env['triton']}, {env['date']}); "
           f"peers: {', '.join(peers)}")
@@ -161,9 +233,12 @@ def run_ragged(args) -> int:
                     rows.append(row)
                     print("  " + "  ".join(f"{c}={row[c]:.3g}" if isinstance(row.get(c), float) else
                                            f"{c}={row.get(c)}" for c in
-                                           ["row", "mode", "headdim", "causal"] + peers + ["dense", "ours/FA3"]
+                                           ["row", "mode", "headdim", "causal"] + peers
+                                           + ["dense", "ours/FA3", "gluon_bwd/triton", "gluon_bwd/flash_attn3"]
                                            if c in row), flush=True)
-    ratios = [r for r in ("ours/FA3", "ours/fa2", "ours/triton", "ours/dense") if any(r in row for row in rows)]
+    ratios = [r for r in ("ours/FA3", "ours/fa2", "ours/triton", "ours/dense", "ours/flash_attn3",
+                          "gluon_bwd/triton", "gluon_bwd/flash_attn3", "gluon_bwd/flash_attn2")
+              if any(r in row for row in rows)]
     columns = ["row", "mode", "headdim", "nheads", "causal", "tokens"] + peers + ["dense"] + ratios
     table = markdown_table(rows, columns, {p: ".0f" for p in peers + ["dense"]} | {r: ".2f" for r in ratios})
     out_dir = results_dir(args.out)

@@ -92,6 +92,11 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             return grads
     if varlen:  # the kernels read cu_seqlens with a unit stride
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+        if alibi_slopes is None and gluon_allowed(config_id):  # sm_90, while PREFILL_RAGGED_GLUON_BWD is on
+            grads = gluon_backward.gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sq,
+                                                         sk, scale, left, right, softcap, deterministic)
+            if grads is not None:
+                return grads
     lse = lse.contiguous()  # the kernels take lse's strides as those of a contiguous tensor (a no-op for ours)
     strides = (_strides(q, varlen), _strides(k, varlen), _strides(v, varlen))
     do_strides = _strides(dout, varlen)

@@ -31,6 +31,15 @@ row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take th
 their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf,
 which the preprocess turns into +inf too.
 
+Ragged batches (attn_bwd_ws_varlen_kernel, flash_attn_varlen's packed layout): the same partitions, each CTA
+reading its sequence's rows from cu_seqlens on the device (bwd_channels.SeqRows; the grid numbers key blocks by
+the longest sequence, and a block past its sequence's keys has no query block). Causal is bottom-right per
+sequence. A tile never sees another sequence: q, dO, k and v are read through descriptors made per CTA that end at
+the sequence's last row (TMA zero-fills the rest), the row vectors carry +inf / 0 there, dQ's rows past the
+sequence land in slack rows of its own, and dK / dV are stored at its key rows only. The ragged entry also has
+sliding windows (WINDOW: each key block's walk cut to the query blocks the window reaches, masked at both edges)
+and softcap (SOFTCAP: P from softcap * tanh of the raw scores, dS times 1 - tanh^2).
+
 Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_attention``):
   q, do: (batch * seqlen_q, nheads * HEAD_DIM) fp16/bf16 behind ``q_desc`` / ``do_desc`` (TMA block [64, HEAD_DIM])
   k, v: (batch * seqlen_k, nheads_kv * HEAD_DIM) behind ``k_desc`` / ``v_desc`` (block [BLOCK_N, HEAD_DIM]) and
@@ -42,8 +51,8 @@ Tensors (all contiguous in (seq, head, dim) order, see ``flashdecode.ops.gluon_a
         [1, BLOCK_M]);
         sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC).
 
-Code: the configuration, channels and work decomposition (BwdConfig, BwdInputs, DqChannel, key_block) are
-bwd_channels; this module holds the partitions, the entry kernel and the preprocess.
+Code: the configuration, channels and work decomposition (BwdConfig, BwdInputs, DqChannel, SeqRows, key_block)
+are bwd_channels; this module holds the partitions, the entry kernels, the preprocesses and the ragged dQ copy.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
 from flashdecode.kernels.gluon.bwd_channels import (BwdConfig, BwdGlobals, BwdInputs, DqChannel, WarpgroupKeys,
-                                                   key_block, step_block)
+                                                   key_block, seq_rows, step_block)
 from flashdecode.kernels.gluon.layouts import mma_layout, store_layout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -91,18 +100,11 @@ def _atomic_layout(cols):
 
 
 @gluon.jit
-def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, seqlen_q,
-                  seqlen_k):
-    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
-    dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
-    order."""
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    HALF: gl.constexpr = HEAD_DIM // 2
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-    kb = key_block(cfg, seqlen_q, seqlen_k)
+def _load_kv(cfg, k_desc, v_desc, kh_desc, inputs, dq_aux, kv_row, kv_col):
+    """The producer's one-time loads: the key block's K and V (and, without DQ_TMA, K's column halves into
+    dq_aux), all completing kv_ready."""
+    HALF: gl.constexpr = k_desc.block_type.shape[1] // 2
     kv_ready = inputs.kv_ready
-    kv_row = kb.batch * seqlen_k + kb.n_start
-    kv_col = kb.head_kv * HEAD_DIM
     if cfg.DQ_TMA:
         mbarrier.expect(kv_ready.index(0), 2 * k_desc.block_type.nbytes)
     else:
@@ -111,25 +113,48 @@ def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
             tma_load(kh_desc, [kv_row, kv_col + h * HALF], kv_ready.index(0), dq_aux.index(h))
     tma_load(k_desc, [kv_row, kv_col], kv_ready.index(0), inputs.k_smem.index(0))
     tma_load(v_desc, [kv_row, kv_col], kv_ready.index(0), inputs.v_smem.index(0))
+
+
+@gluon.jit
+def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, seqlen_q,
+                  seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
+    """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
+    dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
+    order. Ragged (cu_q_ptr not None): nothing for a key block past its sequence's keys; the row tiles at the
+    sequence's acc_row of the (nheads, rows) row vectors (see SeqRows)."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
+    kv_row = kb.seq.kv_row + kb.n_start
+    kv_col = kb.head_kv * HEAD_DIM
     n_iter = kb.num_m - kb.m_lo
+    if cu_q_ptr is None:
+        _load_kv(cfg, k_desc, v_desc, kh_desc, inputs, dq_aux, kv_row, kv_col)
+    elif n_iter > 0:  # a ragged key block without query blocks (past its keys, or no queries) needs no K / V
+        _load_kv(cfg, k_desc, v_desc, kh_desc, inputs, dq_aux, kv_row, kv_col)
     for it in range(cfg.GROUP * n_iter):
         head = kb.head_kv * cfg.GROUP + it // n_iter
         m = step_block(it % n_iter, kb.m_lo, kb.num_m, kb.walk_down)
-        q_row = kb.batch * seqlen_q + m * cfg.BLOCK_M
-        row_tile = (kb.batch * cfg.NUM_HEADS + head) * kb.num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
+        q_row = kb.seq.q_row + m * cfg.BLOCK_M
+        if cu_q_ptr is None:
+            row_tile = (kb.batch * cfg.NUM_HEADS + head) * kb.num_m + m  # the (1, BLOCK_M) tile of lse2 / delta
+            row_col = 0
+        else:
+            row_tile = head
+            row_col = kb.seq.acc_row + m * cfg.BLOCK_M
         slot = it % NUM_STAGES
         # A slot's first use waits on the parity before the barrier's initial phase, which passes at once.
         mbarrier.wait(inputs.qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(inputs.q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, head * HEAD_DIM], inputs.q_ready.index(slot), inputs.q_smem.index(slot))
-        tma_load(lse_desc, [row_tile, 0], inputs.q_ready.index(slot), inputs.lse_smem.index(slot))
+        tma_load(lse_desc, [row_tile, row_col], inputs.q_ready.index(slot), inputs.lse_smem.index(slot))
         mbarrier.expect(inputs.do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma_load(do_desc, [q_row, head * HEAD_DIM], inputs.do_ready.index(slot), inputs.do_smem.index(slot))
-        tma_load(delta_desc, [row_tile, 0], inputs.do_ready.index(slot), inputs.delta_smem.index(slot))
+        tma_load(delta_desc, [row_tile, row_col], inputs.do_ready.index(slot), inputs.delta_smem.index(slot))
 
 
 @gluon.jit
-def _turn(kb, m, cfg, seqlen_q, seqlen_k):
+def _turn(kb, m, cfg, seqlen_q, seqlen_k, window_left):
     """DETERMINISTIC's order: how many key blocks add their dQ of query block m before key block pid_n does.
 
     The key blocks that visit query block m are 0 .. visiting - 1 (a block visits m unless causal hides it from
@@ -137,8 +162,12 @@ def _turn(kb, m, cfg, seqlen_q, seqlen_k):
     starts at its diagonal, where no later block has work, so with every block running at the same pace none
     waits (ascending, block j's first step would wait for block 0 to reach j's diagonal, and every block of a
     head would end with the longest) - except where the blocks walk down from the last query block (walk_down,
-    see key_block): there ascending."""
+    see key_block): there ascending. WINDOW (never CAUSAL): ascending from the first key block the window shows
+    query block m (window_left's bound; blocks before it do not visit m)."""
     turn = kb.pid_n
+    if cfg.WINDOW:
+        first_block = gl.maximum(m * cfg.BLOCK_M + seqlen_k - seqlen_q - window_left, 0) // cfg.BLOCK_N
+        turn = kb.pid_n - gl.where(window_left >= 0, first_block, 0)
     if cfg.CAUSAL:
         visiting = gl.minimum(gl.cdiv((m + 1) * cfg.BLOCK_M + seqlen_k - seqlen_q, cfg.BLOCK_N),
                               gl.cdiv(seqlen_k, cfg.BLOCK_N))
@@ -169,12 +198,12 @@ def _add_dq(dq, m, head, CONSUMER: gl.constexpr, cfg, glob, kb):
     dq = gl.convert_layout(dq, layout)
     rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    row_off = ((kb.batch * glob.seqlen_q + rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
+    row_off = ((kb.seq.acc_row + rows).to(gl.int64) * NUM_HEADS + head) * HEAD_DIM
     ptrs = glob.dq_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-    mask = gl.expand_dims(rows < glob.seqlen_q, 1)
+    mask = gl.expand_dims(rows < kb.seq.len_q, 1)
     if cfg.DETERMINISTIC:
-        sem = glob.sem_ptr + ((kb.batch * NUM_HEADS + head) * kb.num_m + m) * 2 + CONSUMER
-        _wait_turn(sem, _turn(kb, m, cfg, glob.seqlen_q, glob.seqlen_k))
+        sem = glob.sem_ptr + ((kb.batch * NUM_HEADS + head) * kb.seq.m_stride + m) * 2 + CONSUMER
+        _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k, glob.window_left))
         gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
         thread_barrier()  # every thread's additions before the release below
         gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -191,16 +220,16 @@ def _bulk_wait_done(x):
 
 
 @gluon.jit
-def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k):
+def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
     order), and after the release waits for the sums to be written before passing the turn on. Rows past
     seqlen_q add exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops
-    them)."""
+    them); in a ragged batch, to the sequence's own slack rows (SeqRows)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    kb = key_block(cfg, seqlen_q, seqlen_k)
+    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
     n_iter = kb.num_m - kb.m_lo
     # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
     # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
@@ -209,11 +238,11 @@ def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k):
             head = kb.head_kv * cfg.GROUP + it // n_iter
             m = step_block(it % n_iter, kb.m_lo, kb.num_m, kb.walk_down)
             mbarrier.wait(dqc.dq_full.index(0), it & 1)
-            sem = sem_ptr + ((kb.batch * cfg.NUM_HEADS + head) * kb.num_m + m) * 2
+            sem = sem_ptr + ((kb.batch * cfg.NUM_HEADS + head) * kb.seq.m_stride + m) * 2
             if cfg.DETERMINISTIC:
-                _wait_turn(sem, _turn(kb, m, cfg, seqlen_q, seqlen_k))
+                _wait_turn(sem, _turn(kb, m, cfg, kb.seq.len_q, kb.seq.len_k, window_left))
             for c in gl.static_range(2):
-                _tma_reduce_add(dq_desc, [kb.batch * seqlen_q + m * BLOCK_M, head * 2 * HALF + c * HALF],
+                _tma_reduce_add(dq_desc, [kb.seq.acc_row + m * BLOCK_M, head * 2 * HALF + c * HALF],
                                 dqc.dq_aux.index(c))
             tma.store_wait(0)  # (cp.async.bulk.wait_group.read: the buffer has been read)
             # The consumers may stage their next dQ now; DETERMINISTIC's wait for the sums to land (a round trip to
@@ -259,16 +288,30 @@ def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.
     # loaded with Q and dO, broadcast over the keys), so that S^T and dP^T come out already shifted: neither row
     # vector stays live in registers through the softmax and dS (the consumers run at the 240-register limit).
     mbarrier.wait(inputs.q_ready.index(slot), phase)
-    s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.lse_smem.index(slot).load(s_layout) / qk_scale_log2
+    if cfg.SOFTCAP:  # (tanh is not linear: the scores come out raw, lse2 applied after it)
+        s_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    else:
+        s_init = (gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+                  - inputs.lse_smem.index(slot).load(s_layout) / qk_scale_log2)
     s_t = warpgroup_mma(k_c, q.permute((1, 0)), s_init, is_async=True)
     mbarrier.wait(inputs.do_ready.index(slot), phase)
     dp_init = gl.zeros([64, BLOCK_M], gl.float32, s_layout) - inputs.delta_smem.index(slot).load(s_layout)
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
-    p_t = gl.exp2(s_t * qk_scale_log2)
+    if cfg.SOFTCAP:
+        # tanh(x) = 1 - 2 / (1 + e^(2x)) (e^(2x) overflowing to inf gives exactly 1: no NaN for any logit)
+        tanh = 1.0 - 2.0 / (1.0 + gl.exp2(s_t * glob.softcap_scale))
+        p_t = gl.exp2(tanh * glob.softcap_log2 - inputs.lse_smem.index(slot).load(s_layout))
+    else:
+        p_t = gl.exp2(s_t * qk_scale_log2)
     if MASKED:
-        p_t = gl.where(gl.expand_dims(keys.first_row, 1) <= gl.expand_dims(offs, 0), p_t, 0.0)
+        visible = gl.expand_dims(keys.first_row, 1) <= gl.expand_dims(offs, 0)
+        if cfg.WINDOW:
+            visible = visible & (gl.expand_dims(offs, 0) <= gl.expand_dims(keys.last_row, 1))
+        p_t = gl.where(visible, p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    if cfg.SOFTCAP:  # dS through softcap * tanh: times 1 - tanh^2 (P's fp32 copy is only dS's from here)
+        p_t = p_t * (1.0 - tanh * tanh)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     ds_t = (p_t * dp_t).to(dtype)
@@ -300,15 +343,15 @@ def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.
 
 
 @gluon.jit
-def _store_rows(x, rows, ptr, batch, head_kv, seqlen_k, NUM_HEADS_KV: gl.constexpr):
-    """Store x (64, HEAD_DIM) fp32 as ptr's dtype at key rows rows of (batch, seqlen_k, NUM_HEADS_KV, HEAD_DIM)
-    contiguous, rows past seqlen_k dropped."""
+def _store_rows(x, rows, ptr, base_row, seqlen_k, head_kv, NUM_HEADS_KV: gl.constexpr):
+    """Store x (64, HEAD_DIM) fp32 as ptr's dtype at key rows base_row + rows of (rows, NUM_HEADS_KV, HEAD_DIM)
+    contiguous (a sequence's keys from base_row), rows past seqlen_k dropped."""
     HEAD_DIM: gl.constexpr = x.type.shape[1]
     st_layout: gl.constexpr = store_layout(HEAD_DIM)
     x = gl.convert_layout(x.to(ptr.dtype.element_ty), st_layout)
     r = gl.convert_layout(rows, gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-    row_off = ((batch * seqlen_k + r).to(gl.int64) * NUM_HEADS_KV + head_kv) * HEAD_DIM
+    row_off = ((base_row + r).to(gl.int64) * NUM_HEADS_KV + head_kv) * HEAD_DIM
     gl.store(ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0), x, mask=gl.expand_dims(r < seqlen_k, 1))
 
 
@@ -318,24 +361,32 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
     block of the group's heads (the masked steps first), then its dK (times sm_scale) and dV rows."""
     HEAD_DIM: gl.constexpr = inputs.q_smem.type.shape[2]
     GROUP: gl.constexpr = cfg.GROUP
-    seqlen_q = glob.seqlen_q
-    seqlen_k = glob.seqlen_k
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)
-    kb = key_block(cfg, seqlen_q, seqlen_k)
+    kb = key_block(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, glob.window_left,
+                   glob.window_right)
+    seqlen_q = kb.seq.len_q
+    seqlen_k = kb.seq.len_k
     m_lo = kb.m_lo
     num_m = kb.num_m
     key_rows = kb.n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout(cfg.BLOCK_M)))
     # The first query row that sees each key (the masked steps keep P where first_row <= row): causal, key j is
     # seen from row j - (seqlen_k - seqlen_q) on; keys past seqlen_k by none.
     first_row = gl.zeros_like(key_rows)
+    last_row = first_row  # (unused without WINDOW)
     if cfg.CAUSAL:
         first_row = key_rows - (seqlen_k - seqlen_q)
+    if cfg.WINDOW:  # key j is seen from row j - diag - right to row j - diag + left (-1: unbounded)
+        first_row = gl.where(glob.window_right >= 0, key_rows - (seqlen_k - seqlen_q) - glob.window_right, 0)
+        last_row = gl.where(glob.window_left >= 0, key_rows - (seqlen_k - seqlen_q) + glob.window_left, 1 << 30)
     first_row = gl.where(key_rows < seqlen_k, first_row, 1 << 30)
-    keys = WarpgroupKeys(CONSUMER, first_row)
+    keys = WarpgroupKeys(CONSUMER, first_row, last_row)
     dk = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(inputs.kv_ready.index(0), 0)
     n_iter = num_m - m_lo
+    if glob.cu_q_ptr is None:
+        mbarrier.wait(inputs.kv_ready.index(0), 0)
+    elif n_iter > 0:  # (a ragged key block without query blocks: the producer loads no K / V)
+        mbarrier.wait(inputs.kv_ready.index(0), 0)
     for g in range(GROUP):
         head = kb.head_kv * GROUP + g
         if cfg.TAIL_HEAVY_FIRST:
@@ -351,11 +402,17 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
         else:
             for m in range(m_lo, kb.m_full):
                 dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, True)
-            for m in range(kb.m_full, num_m):
+            for m in range(kb.m_full, kb.m_end):
                 dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, False)
+            if cfg.WINDOW:  # the window's far side
+                for m in range(kb.m_end, num_m):
+                    dk, dv = _bwd_step(g * n_iter + m - m_lo, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys,
+                                       True)
     rows = kb.n_start + CONSUMER * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-    _store_rows(dk * glob.sm_scale, rows, glob.dk_ptr, kb.batch, kb.head_kv, seqlen_k, cfg.NUM_HEADS // GROUP)
-    _store_rows(dv, rows, glob.dv_ptr, kb.batch, kb.head_kv, seqlen_k, cfg.NUM_HEADS // GROUP)
+    # a ragged batch's key rows read again here: held across the loop, they cost hd64's consumers a spill
+    seq = seq_rows(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, kb.batch, kb.n_start)
+    _store_rows(dk * glob.sm_scale, rows, glob.dk_ptr, seq.kv_row, seq.len_k, kb.head_kv, cfg.NUM_HEADS // GROUP)
+    _store_rows(dv, rows, glob.dv_ptr, seq.kv_row, seq.len_k, kb.head_kv, cfg.NUM_HEADS // GROUP)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # (one compile for every length: nothing gains from it)
@@ -372,9 +429,85 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
     add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
     TAIL_HEAVY_FIRST (causal DETERMINISTIC only): the grid's last (batch, kv head) runs its key blocks heaviest
     first (see key_block). Tensors as the module docstring says."""
+    _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
+                 BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, None, None),
+                 BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
+                           DQ_TMA, TAIL_HEAVY_FIRST), CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr,
+                              dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
+                              cu_k_ptr, q_ptr, do_ptr, k_ptr, v_ptr, window_left, window_right, softcap_scale,
+                              softcap_log2, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr,
+                              SEQ_BOUNDED: gl.constexpr = True, WINDOW: gl.constexpr = False,
+                              SOFTCAP: gl.constexpr = False):
+    """attn_bwd_ws_kernel over a ragged batch packed along the tokens (flash_attn_varlen's layout): grid
+    (cdiv(max_seqlen_k, BLOCK_N), nheads_kv, batch); each CTA reads its sequence's rows from cu_q_ptr / cu_k_ptr
+    (int32 (batch + 1,), on the device: no host sync), and a key block past its sequence's keys loads and adds
+    nothing. seqlen_q = the longest sequence's query count (max_seqlen_q: it numbers the semaphores' query blocks);
+    seqlen_k unused (any value). Causal is bottom-right aligned per sequence. WINDOW (CAUSAL and TAIL_HEAVY_FIRST
+    False): a sliding window, row i of a sequence seeing keys i + diag - window_left .. i + diag + window_right
+    (diag = its key count - query count; -1: unbounded), the key blocks' walks cut to the query blocks it reaches
+    and masked on both of its edges; without WINDOW, window_left / window_right are unused. SOFTCAP: scores
+    softcap * tanh(x / softcap), softcap_scale = 2 * softmax_scale * log2(e) / softcap, softcap_log2 = softcap *
+    log2(e) (unused without it); lse is the capped scores'.
+
+    Rows past the sequence: the row vectors give them lse2 = +inf and delta = 0, so P = dS = 0 there exactly for
+    finite values. SEQ_BOUNDED (the default): each CTA reads q, dO, k and v through descriptors of its own (made
+    on the device from q_ptr, do_ptr, k_ptr, v_ptr and the host descriptors' strides) that end at its sequence's
+    last row, so TMA fills those rows with zeros - never the next sequence's values, which could be NaN or inf
+    (0 * NaN in a wgmma would carry them into this sequence's gradients). Without it the host descriptors read
+    the next sequence's rows, as the dense kernel reads the next batch's (4 descriptors fewer to make per CTA).
+    q_desc / do_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc / kh_desc: (total_k, nheads_kv *
+    HEAD_DIM) rows (their types and strides: the loads use the per-sequence copies); dk_ptr / dv_ptr: (total_k,
+    nheads_kv, HEAD_DIM) contiguous in q's dtype, stored at the sequence's rows only. dq_acc (dq_ptr / dq_desc's
+    (rows_pad, nheads * HEAD_DIM) rows, fp32, zeroed) and the row vectors (lse_desc / delta_desc: (nheads,
+    rows_pad) float32 contiguous, block [1, BLOCK_M]) hold sequence b's row r at cu_q[b] + b * BLOCK_M + r: each
+    sequence is followed by BLOCK_M slack rows (rows_pad >= total_q + batch * BLOCK_M), where a query block's dQ
+    rows past the sequence land (zeros); attn_bwd_varlen_prep_kernel fills the row vectors, attn_bwd_varlen_dq_
+    kernel takes dQ out. sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC). Other
+    arguments as attn_bwd_ws_kernel's; the launch needs Triton's allocator (the descriptors' global scratch)."""
+    if SEQ_BOUNDED:
+        seq = gl.program_id(2)
+        q_end = gl.load(cu_q_ptr + seq + 1)
+        kv_end = gl.load(cu_k_ptr + seq + 1)
+        q_desc = _rows_until(q_ptr, q_desc, q_end)
+        do_desc = _rows_until(do_ptr, do_desc, q_end)
+        k_desc = _rows_until(k_ptr, k_desc, kv_end)
+        v_desc = _rows_until(v_ptr, v_desc, kv_end)
+        if not DQ_TMA:  # (else unused: no descriptor to make)
+            kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
+    _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
+                 BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
+                            cu_k_ptr, window_left, window_right, softcap_scale, softcap_log2),
+                 BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
+                           DQ_TMA, TAIL_HEAVY_FIRST, WINDOW, SOFTCAP), CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _rows_until(ptr, desc, end):
+    """A device-made copy of desc (a 2-D rows view of the tensor at ptr) whose rows end at row end: TMA reads the
+    rows past it as zeros. (At least one row: a descriptor of none is malformed, and an empty sequence loads
+    nothing.)"""
+    return tma.make_tensor_descriptor(ptr, [gl.maximum(end, 1), desc.shape[1]], [desc.strides[0], 1],
+                                      desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, glob, cfg,
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Both entry kernels' body: shared memory, barriers, and the partitions (two consumer warpgroups, the first
+    the default partition, a producer warp and the dQ writer warp)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
     gl.static_assert(BLOCK_N == NUM_CONSUMERS * KEYS_PER_CONSUMER, "BLOCK_N is two warpgroups' 64 keys")
+    gl.static_assert(not (cfg.WINDOW and (cfg.CAUSAL or cfg.TAIL_HEAVY_FIRST)), "WINDOW holds its own bounds")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -382,7 +515,7 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    if DQ_TMA:
+    if cfg.DQ_TMA:
         dq_aux = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     else:
         dq_aux = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM // 2], kh_desc.layout)
@@ -403,18 +536,28 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
         mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=NUM_CONSUMERS)
-    cfg = BwdConfig(NUM_HEADS, GROUP, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC, DQ_TMA, TAIL_HEAVY_FIRST)
     inputs = BwdInputs(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_empty)
     dqc = DqChannel(dq_aux, ds_smem, ds_ready, dq_full, dq_empty)
-    glob = BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale)
     # Without DQ_TMA the writer warp has nothing to do and returns at once.
     gl.warp_specialize([
         (_bwd_consumer, (0, cfg, inputs, dqc, glob)),
         (_bwd_consumer, (1, cfg, inputs, dqc, glob)),
         (_bwd_producer, (cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux,
-                         seqlen_q, seqlen_k)),
-        (_dq_writer, (cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k)),
+                         glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, glob.window_left,
+                         glob.window_right)),
+        (_dq_writer, (cfg, dq_desc, dqc, glob.sem_ptr, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr,
+                      glob.window_left, glob.window_right)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+
+
+@triton.jit
+def _delta_lse2(o_ptrs, do_ptrs, lse_ptrs, inside):
+    """One block of rows of the preprocess: (D = rowsum(dO * O), lse2 = lse * log2(e) with +inf where lse = -inf -
+    and on rows outside the sequence, where D is 0) from O / dO tiles and lse values at these pointers."""
+    o = tl.load(o_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptrs, mask=inside, other=float("-inf"))
+    return tl.sum(o * do, 1), tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])
@@ -436,10 +579,57 @@ def attn_bwd_prep_kernel(Out, DO, Lse, Lse2, Delta, o_strides, do_strides, seqle
               + cols[None, :] * o_strides[3])
     do_ptrs = (DO + batch.to(tl.int64) * do_strides[0] + head * do_strides[2]
                + rows[:, None].to(tl.int64) * do_strides[1] + cols[None, :] * do_strides[3])
-    o = tl.load(o_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
     bh = batch * NUM_HEADS + head
-    lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + rows, mask=inside, other=float("-inf"))
+    delta, lse2 = _delta_lse2(o_ptrs, do_ptrs, Lse + bh.to(tl.int64) * seqlen_q + rows, inside)
     padded = bh.to(tl.int64) * (tl.num_programs(0) * BLOCK_M) + rows
-    tl.store(Delta + padded, tl.sum(o * do, 1))
-    tl.store(Lse2 + padded, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E))
+    tl.store(Delta + padded, delta)
+    tl.store(Lse2 + padded, lse2)
+
+
+@triton.jit
+def _ragged_rows(cu_q, BLOCK_M: tl.constexpr):
+    """This program's query block of its sequence (grid (cdiv(max_seqlen_q, BLOCK_M), nheads, batch)): (rows within
+    the sequence, inside = rows < its length, its first packed row, its first padded row - attn_bwd_ws_varlen_kernel's
+    acc_row - and whether the block holds any row of the sequence)."""
+    batch = tl.program_id(2)
+    q_row = tl.load(cu_q + batch)
+    len_q = tl.load(cu_q + batch + 1) - q_row
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, rows < len_q, q_row, q_row + batch * BLOCK_M, tl.program_id(0) * BLOCK_M < len_q
+
+
+@triton.jit
+def attn_bwd_varlen_prep_kernel(Out, DO, Lse, Lse2, Delta, cu_q, o_strides, do_strides, total_q, rows_pad,
+                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """attn_bwd_prep_kernel for a ragged batch (attn_bwd_ws_varlen_kernel's row vectors). Grid (cdiv(max_seqlen_q,
+    BLOCK_M), nheads, batch); cu_q int32 (batch + 1,). Out, DO: (total_q, nheads, HEAD_DIM) with (row, head, dim)
+    strides o_strides / do_strides; Lse: (nheads, total_q) float32 contiguous, natural log. Writes D and lse2 of
+    sequence b's row r at column cu_q[b] + b * BLOCK_M + r of (nheads, rows_pad) float32 contiguous Delta / Lse2,
+    every row of the sequence's query blocks (those past its length: D 0, lse2 +inf)."""
+    head = tl.program_id(1)
+    rows, inside, q_row, acc_row, any_row = _ragged_rows(cu_q, BLOCK_M)
+    if any_row:
+        cols = tl.arange(0, HEAD_DIM)
+        packed = (q_row + rows).to(tl.int64)
+        o_ptrs = Out + packed[:, None] * o_strides[0] + head * o_strides[1] + cols[None, :] * o_strides[2]
+        do_ptrs = DO + packed[:, None] * do_strides[0] + head * do_strides[1] + cols[None, :] * do_strides[2]
+        delta, lse2 = _delta_lse2(o_ptrs, do_ptrs, Lse + head.to(tl.int64) * total_q + packed, inside)
+        padded = head.to(tl.int64) * rows_pad + acc_row + rows
+        tl.store(Delta + padded, delta)
+        tl.store(Lse2 + padded, lse2)
+
+
+@triton.jit
+def attn_bwd_varlen_dq_kernel(DqAcc, Dq, cu_q, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_M: tl.constexpr):
+    """dQ of a ragged batch out of attn_bwd_ws_varlen_kernel's padded accumulator: Dq[cu_q[b] + r] =
+    DqAcc[cu_q[b] + b * BLOCK_M + r] in Dq's dtype. Grid (cdiv(max_seqlen_q, BLOCK_M), NUM_HEADS, batch); DqAcc
+    (rows_pad, NUM_HEADS, HEAD_DIM) float32 and Dq (total_q, NUM_HEADS, HEAD_DIM), both contiguous."""
+    head = tl.program_id(1)
+    rows, inside, q_row, acc_row, any_row = _ragged_rows(cu_q, BLOCK_M)
+    if any_row:
+        cols = tl.arange(0, HEAD_DIM)[None, :]
+        src = ((acc_row + rows).to(tl.int64) * NUM_HEADS + head) * HEAD_DIM
+        dst = ((q_row + rows).to(tl.int64) * NUM_HEADS + head) * HEAD_DIM
+        dq = tl.load(DqAcc + src[:, None] + cols, mask=inside[:, None])
+        tl.store(Dq + dst[:, None] + cols, dq.to(Dq.dtype.element_ty), mask=inside[:, None])
