@@ -348,10 +348,10 @@ class GluonBwdConfig:
     blocks heaviest first instead of last (kernels/gluon/bwd_channels.py key_block), so that the grid does not end
     on its heaviest blocks (the deterministic causal backward alone on the H200, 16k: hd128 496.4 -> 525.5
     TFLOP/s, hd64 422.9 -> 440.5; docs/decisions.md); other launches ignore it (tail_heavy_first_for).
-    seq_bounded (ragged launches only): each CTA reads its sequence through descriptors made on the device that
-    end at the sequence's last row (another sequence's NaN or inf never reaches its gradients); False reads the
-    packed rows through the host's descriptors, as the dense kernel reads across batches (finite values past the
-    sequence contribute exact zeros either way)."""
+    seq_bounded: each CTA reads its sequence through descriptors made on the device that end at the sequence's
+    last row (another sequence's NaN or inf never reaches its gradients) - every ragged launch, and the dense
+    launches whose tiles would read the next batch element's rows (seq_bounded_for); False reads the packed rows
+    through the host's descriptors (finite values past the sequence contribute exact zeros either way)."""
 
     block_m: int = 64
     num_stages: int = 2
@@ -359,7 +359,7 @@ class GluonBwdConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     tail_heavy_first: bool = True
-    seq_bounded: bool = True  # ragged launches: loads through per-sequence descriptors (attn_bwd_ws_varlen_kernel)
+    seq_bounded: bool = True  # loads through per-sequence descriptors (ragged; dense: seq_bounded_for)
 
     @property
     def block_n(self) -> int:
@@ -369,6 +369,12 @@ class GluonBwdConfig:
         """The kernel's TAIL_HEAVY_FIRST for a launch: only causal deterministic launches change their order; the
         others keep the kernels they were timed as (the option's loops would compile differently there)."""
         return self.tail_heavy_first and causal and deterministic
+
+    def seq_bounded_for(self, batch: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """The dense kernel's SEQ_BOUNDED for a launch: only where a tile runs past its batch element into the
+        next one's rows (batch > 1, seqlen_q or seqlen_k not a multiple of its block); elsewhere the host's
+        descriptors read only the element's rows or zeros past the tensor, and the kernels stay as timed."""
+        return self.seq_bounded and batch > 1 and bool(seqlen_q % self.block_m or seqlen_k % self.block_n)
 
     def __post_init__(self):
         self.check()

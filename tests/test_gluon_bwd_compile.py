@@ -35,15 +35,19 @@ def desc(dtype, rows, d):
 
 
 def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(16, 2), window=False,
-                    softcap=False):
+                    softcap=False, bounded=False):
     """attn_bwd_ws_kernel (varlen: attn_bwd_ws_varlen_kernel, window / softcap: its WINDOW / SOFTCAP variants) for
-    NUM_HEADS, GROUP = heads."""
+    NUM_HEADS, GROUP = heads. bounded: the dense kernel's SEQ_BOUNDED (else its pointers are None, as the launcher
+    passes them)."""
     fn = attn_bwd_ws_varlen_kernel if varlen else attn_bwd_ws_kernel
     consts = dict(NUM_HEADS=heads[0], GROUP=heads[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   CAUSAL=causal, DETERMINISTIC=deterministic, DQ_TMA=cfg.dq_tma, CONSUMER_REGS=cfg.consumer_regs,
                   PRODUCER_REGS=cfg.producer_regs, TAIL_HEAVY_FIRST=cfg.tail_heavy_first_for(causal, deterministic))
     if varlen:
         consts.update(SEQ_BOUNDED=cfg.seq_bounded, WINDOW=window, SOFTCAP=softcap)
+    else:
+        consts.update(SEQ_BOUNDED=bounded, **({} if bounded else dict(q_ptr=None, do_ptr=None, k_ptr=None,
+                                                                        v_ptr=None)))
     row_tile = f"tensordesc<fp32[1, {cfg.block_m}],{ROW_TILE!r}>"
     types = dict(q_desc=desc(dtype, cfg.block_m, d), do_desc=desc(dtype, cfg.block_m, d), lse_desc=row_tile,
                  delta_desc=row_tile, k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
@@ -54,7 +58,8 @@ def compile_variant(d, dtype, causal, deterministic, cfg, varlen=False, heads=(1
                  seqlen_q="i32", seqlen_k="i32", qk_scale_log2="fp32", sm_scale="fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     # the launcher specialises 16-byte aligned pointers (torch allocations are): so does this build
-    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in POINTERS if n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in POINTERS
+             if n in fn.arg_names and n not in consts}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -98,8 +103,21 @@ variants.append((128, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_
 variants += [(d, "bf16", True, True, dataclasses.replace(resolve_gluon_bwd_config(d), tail_heavy_first=False))
              for d in (64, 128)]
 for d, dtype, causal, det, cfg in variants:
-    check_variant(compile_variant(d, dtype, causal, det, cfg), d, causal, det, cfg,
-                  f"d{d} {dtype} causal={causal} deterministic={det} {cfg}")
+    kernel = compile_variant(d, dtype, causal, det, cfg)
+    what = f"d{d} {dtype} causal={causal} deterministic={det} {cfg}"
+    check_variant(kernel, d, causal, det, cfg, what)
+    assert "tensormap.replace" not in kernel.asm["ptx"], what + ": descriptors made on the device"
+# SEQ_BOUNDED (batch > 1, a length inside a block): q, dO, k, v (and kh without DQ_TMA) through descriptors ending
+# at the batch element, dQ's reduce-adds too - the resolved configs, one non-deterministic, the atomic ablation
+bounded = [(d, causal, True, resolve_gluon_bwd_config(d)) for d in (64, 128) for causal in (False, True)]
+bounded += [(128, False, False, resolve_gluon_bwd_config(128)),
+            (128, True, True, dataclasses.replace(resolve_gluon_bwd_config(128), dq_tma=False))]
+for d, causal, det, cfg in bounded:
+    kernel = compile_variant(d, "bf16", causal, det, cfg, bounded=True)
+    what = f"bounded d{d} causal={causal} deterministic={det} {cfg}"
+    check_variant(kernel, d, causal, det, cfg, what)
+    made = kernel.asm["ptx"].count("tensormap.replace.tile.global_dim")
+    assert made > 0, what + ": no per-element descriptors"
 print("compiled")
 '''
 

@@ -9,8 +9,8 @@ lse), and the backward gives sequence 0 and 2 the reference's gradients.
 
 Paths: the Triton forward and backward (the CPU interpreter runs them; on a GPU with the ragged Gluon dispatch off)
 and, on sm_90, the ragged Gluon forward in every launch family its resolver returns, the public dispatch to it, and
-the fixed-length Gluon forward over a batch whose keys end inside a block (the same packed rows); the dense Gluon
-backward is expected to fail (xfail: suspected from its code, not yet run)."""
+the fixed-length Gluon forward over a batch whose keys end inside a block (the same packed rows), and the dense Gluon
+backward over such a batch (its tiles read through descriptors that end at their batch element)."""
 
 import pytest
 import torch
@@ -211,25 +211,90 @@ def test_gluon_dense_batch_keeps_a_nan_in_its_sequence(d, causal, keys, which):
         assert (lse[b] - l64[b]).abs().max().item() < 1e-3
 
 
+class _LaunchRecorder:
+    """Stands in for attn_bwd_ws_kernel: records each launch's grid, arguments and keywords."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,seq_bounded,bounded", [
+    (1, 300, 300, True, False),  # one element: tiles run only past the tensor's end (TMA reads zeros there)
+    (2, 256, 128, True, False),  # whole blocks: no tile crosses into the next element
+    (2, 300, 256, True, True), (2, 256, 300, True, True), (3, 1, 300, True, True),
+    (2, 300, 300, False, False)])  # the option off (an ablation)
+def test_dense_gluon_backward_bounds_its_tiles_where_they_cross(monkeypatch, batch, seqlen_q, seqlen_k, seq_bounded,
+                                                                 bounded):
+    """The dense Gluon backward's launch (host side, on the CPU): SEQ_BOUNDED with q, dout, k, v as the
+    descriptors' tensors exactly where a query tile (64 rows) or key block (128) would read the next batch
+    element's rows; elsewhere no pointers (None: the kernel compiles as without the option)."""
+    import contextlib
+
+    from flashdecode.config import GluonBwdConfig
+    from flashdecode.kernels.gluon import attn_bwd
+    from flashdecode.ops.gluon_backward import gluon_attention_backward
+
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(attn_bwd, "attn_bwd_ws_kernel", recorder)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    gen = torch.Generator().manual_seed(9)
+    q, dout, out = (randn(batch, seqlen_q, 2, 64, gen=gen, dtype=torch.float16) for _ in range(3))
+    k, v = (randn(batch, seqlen_k, 1, 64, gen=gen, dtype=torch.float16) for _ in range(2))
+    lse = torch.zeros(batch, 2, seqlen_q)
+    gluon_attention_backward(dout, q, k, v, out, lse, 0.125, config=GluonBwdConfig(seq_bounded=seq_bounded))
+    [(grid, args, kwargs)] = recorder.launches
+    assert kwargs["SEQ_BOUNDED"] == bounded
+    pointers = args[16:20]  # q_ptr, do_ptr, k_ptr, v_ptr
+    assert all(p is want for p, want in zip(pointers, (q, dout, k, v) if bounded else (None, ) * 4))
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.xfail(strict=False, reason="suspected from the code, not yet run: the dense Gluon backward reads the "
-                   "next batch's Q / dO rows past seqlen_q (P = 0 there, but 0 * NaN in dV += P^T dO and dS = P dP) "
-                   "and its K / V rows past seqlen_k (dS = 0 there, but 0 * NaN in dQ += dS K)")
 @pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_dense_backward_keeps_a_nan_in_its_sequence(which, causal):
-    """The dense Gluon backward over a batch whose query and key counts end inside a block: a NaN in batch 1's
-    third row of q, k, v or dout leaves batches 0 and 2's gradients at the reference's (out and lse as the
-    float64 reference has them)."""
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (256, 300), (300, 256)])
+def test_gluon_dense_backward_keeps_a_nan_in_its_sequence(which, value, causal, seqlen_q, seqlen_k):
+    """The dense Gluon backward over a batch whose query or key count ends inside a block (the launch's
+    SEQ_BOUNDED): a NaN / inf in batch 1's third row of q, k, v or dout leaves batches 0 and 2's gradients at the
+    reference's (out and lse as the float64 reference has them)."""
+    _check_dense_backward_neighbours(which, value, causal, seqlen_q, seqlen_k)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "nondeterministic"])
+def test_gluon_dense_backward_variants_keep_a_nan_in_its_sequence(which, variant):
+    """The same with dQ added by the consumers' atomics (dq_tma off: K's column halves through a bounded
+    descriptor too) and without the deterministic order."""
+    import dataclasses
+
+    from flashdecode.heuristics import resolve_gluon_bwd_config
+
+    config = resolve_gluon_bwd_config(128)
+    if variant == "atomic_dq":
+        config = dataclasses.replace(config, dq_tma=False)
+    _check_dense_backward_neighbours(which, NAN, True, 300, 300, config=config,
+                                     deterministic=variant != "nondeterministic")
+
+
+def _check_dense_backward_neighbours(which, value, causal, seqlen_q, seqlen_k, **options):
+    """gluon_attention_backward over batch 3 (4 query heads on 2, hd128, bf16) with value at batch 1's row 2
+    (head 1, dim 5) of which: batches 0 and 2's dq, dk, dv within the FlashAttention rule (3x) of the float64
+    reference's."""
     from flashdecode.ops.gluon_backward import gluon_attention_backward
 
     gen = torch.Generator().manual_seed(8)
-    q, dout = (randn(3, 300, 4, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    k, v = (randn(3, 300, 2, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    {"q": q, "k": k, "v": v, "dout": dout}[which][1, 2, 1, 5] = NAN
+    q, dout = (randn(3, seqlen_q, 4, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (randn(3, seqlen_k, 2, 128, gen=gen, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    {"q": q, "k": k, "v": v, "dout": dout}[which][1, 2, 1, 5] = value
     o64, l64 = attention_ref(q.double(), k.double(), v.double(), causal=causal)
-    grads = gluon_attention_backward(dout, q, k, v, o64.to(q.dtype), l64.float(), 128 ** -0.5, causal=causal)
+    grads = gluon_attention_backward(dout, q, k, v, o64.to(q.dtype), l64.float(), 128 ** -0.5, causal=causal,
+                                     **options)
     for b in (0, 2):
         refs = []
         for dtype in (torch.float64, q.dtype):

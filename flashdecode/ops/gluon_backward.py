@@ -65,7 +65,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     q, dout, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), fp16/bf16 on an
     sm_90 GPU; lse: (batch, nheads, seqlen_q) float32, natural log (the forward's); scale: the softmax scale; causal
     bottom-right aligned. Returns dq, dk, dv contiguous like q, k, v in their dtype. deterministic: the dQ additions
-    happen in one fixed order (bitwise reproducible); otherwise in arrival order (fp32 atomics)."""
+    happen in one fixed order (bitwise reproducible); otherwise in arrival order (fp32 atomics). A NaN or inf in
+    one batch element reaches only that element's gradients (cfg.seq_bounded, see GluonBwdConfig)."""
     from flashdecode.kernels.gluon.attn_bwd import attn_bwd_prep_kernel, attn_bwd_ws_kernel
 
     cfg = config or resolve_gluon_bwd_config(q.shape[-1])
@@ -85,8 +86,14 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     descs = _descriptors(q, dout, k, v, dq_acc, cfg, _row_tile_descriptor(lse2, cfg.block_m),
                          _row_tile_descriptor(delta, cfg.block_m))
     grid = (cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
+    # a tile past its batch element would read the next one's rows: there the kernel makes descriptors that end at
+    # the element (SEQ_BOUNDED); elsewhere it gets no pointers and compiles as without the option
+    bounded = cfg.seq_bounded_for(batch, seqlen_q, seqlen_k)
     with torch.cuda.device(q.device):
+        if bounded:
+            ensure_triton_allocator()  # (the kernel makes its per-element descriptors in a global scratch)
         attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, scale * LOG2E, scale,
+                                 *((q, dout, k, v) if bounded else (None, ) * 4), SEQ_BOUNDED=bounded,
                                  **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
     return dq_acc.to(q.dtype), dk, dv
 

@@ -27,9 +27,12 @@ head of its GQA group (the group sum happens in registers). Its warps are split 
 
 Masking: query blocks whose rows all see all 128 keys take the unmasked loop; the causal diagonal (bottom-right:
 row i sees key j <= i + seqlen_k - seqlen_q) and a ragged last key block take the masked one. Rows past seqlen_q
-(a TMA tile reads them from the next sequence or as zeros past the tensor) get lse2 = +inf, hence P = dS = 0, and
-their dQ additions are masked off (atomics) or add exact zeros (TMA). Rows that see no key have lse = -inf,
-which the preprocess turns into +inf too.
+get lse2 = +inf, hence P = dS = 0 for finite values, and their dQ additions are masked off (atomics) or fall
+outside the batch element's rows (TMA). Rows that see no key have lse = -inf, which the preprocess turns into +inf
+too. A tile past its batch element's rows would read the next element's Q / dO / K / V, and 0 * NaN there is NaN:
+where a length ends inside a block of a batch > 1 (SEQ_BOUNDED), the CTA reads through descriptors made on the
+device that end at its element's last row (TMA reads zeros past it) and adds dQ through one that drops the rows
+past it; otherwise tiles only ever run past the tensor's end, where TMA reads zeros and drops writes.
 
 Ragged batches (attn_bwd_ws_varlen_kernel, flash_attn_varlen's packed layout): the same partitions, each CTA
 reading its sequence's rows from cu_seqlens on the device (bwd_channels.SeqRows; the grid numbers key blocks by
@@ -225,8 +228,9 @@ def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_pt
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
     order), and after the release waits for the sums to be written before passing the turn on. Rows past
-    seqlen_q add exact zeros (P = 0 there) to the next sequence's rows, or fall outside the tensor (TMA drops
-    them); in a ragged batch, to the sequence's own slack rows (SeqRows)."""
+    seqlen_q fall outside dq_desc's rows (SEQ_BOUNDED: they end at the batch element's; else the tile only runs
+    past the tensor's end) and TMA drops them; in a ragged batch they land in the sequence's own slack rows
+    (SeqRows). (seq_bounded off, an ablation: they add the next element's rows, exact zeros for finite values.)"""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
     kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
@@ -417,10 +421,11 @@ def _bwd_consumer(CONSUMER: gl.constexpr, cfg, inputs, dqc, glob):
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # (one compile for every length: nothing gains from it)
 def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc, dk_ptr, dv_ptr,
-                       dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, NUM_HEADS: gl.constexpr,
-                       GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, TAIL_HEAVY_FIRST: gl.constexpr):
+                       dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, q_ptr, do_ptr, k_ptr, v_ptr,
+                       NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                       DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                       TAIL_HEAVY_FIRST: gl.constexpr, SEQ_BOUNDED: gl.constexpr = False):
     """Grid (cdiv(seqlen_k, BLOCK_N), nheads_kv, batch), num_warps=4 (the default partition is consumer 0).
     BLOCK_N must be 128 (two warpgroups of 64 keys); BLOCK_M (query rows per step) is q_desc's block rows.
     qk_scale_log2 = softmax_scale * log2(e); sm_scale = softmax_scale. GROUP = nheads // nheads_kv (GQA).
@@ -428,7 +433,22 @@ def attn_bwd_ws_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh
     (batch * seqlen_q, nheads * HEAD_DIM) fp32, block [BLOCK_M, HEAD_DIM // 2]; kh_desc unused); else the consumers
     add it with vector atomics through dq_ptr and read K's column halves from their own copy (kh_desc).
     TAIL_HEAVY_FIRST (causal DETERMINISTIC only): the grid's last (batch, kv head) runs its key blocks heaviest
-    first (see key_block). Tensors as the module docstring says."""
+    first (see key_block). SEQ_BOUNDED (batch > 1 with seqlen_q or seqlen_k not a multiple of its block: the
+    tiles that would read the next batch element's rows): each CTA reads q, dO, k and v through descriptors of its
+    own, made on the device from q_ptr, do_ptr, k_ptr, v_ptr (the tensors behind q_desc, do_desc, k_desc / kh_desc,
+    v_desc) and ending at its batch element's last row, so that TMA reads zeros past it - never the next element's
+    values, whose NaN or inf would reach this element's gradients through 0 * NaN in a wgmma - and (DQ_TMA) adds
+    dQ through a copy of dq_desc ending there too (the query rows past the element: the next element's rows
+    otherwise; dropped by TMA). Without it q_ptr, do_ptr, k_ptr, v_ptr are unused (None: the launcher passes no
+    parameter, and the kernel compiles as before the option). The launch then needs Triton's allocator (the
+    descriptors' global scratch). Tensors as the module docstring says."""
+    if SEQ_BOUNDED:
+        batch = gl.program_id(2)
+        q_desc, do_desc, k_desc, v_desc, kh_desc = _seq_descriptors(
+            q_desc, do_desc, k_desc, v_desc, kh_desc, q_ptr, do_ptr, k_ptr, v_ptr, (batch + 1) * seqlen_q,
+            (batch + 1) * seqlen_k, DQ_TMA)
+        if DQ_TMA:
+            dq_desc = _rows_until(dq_ptr, dq_desc, (batch + 1) * seqlen_q)
     _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
                  BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, None, None),
                  BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
@@ -461,7 +481,7 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
     on the device from q_ptr, do_ptr, k_ptr, v_ptr and the host descriptors' strides) that end at its sequence's
     last row, so TMA fills those rows with zeros - never the next sequence's values, which could be NaN or inf
     (0 * NaN in a wgmma would carry them into this sequence's gradients). Without it the host descriptors read
-    the next sequence's rows, as the dense kernel reads the next batch's (4 descriptors fewer to make per CTA).
+    the next sequence's rows (4 descriptors fewer to make per CTA).
     q_desc / do_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc / kh_desc: (total_k, nheads_kv *
     HEAD_DIM) rows (their types and strides: the loads use the per-sequence copies); dk_ptr / dv_ptr: (total_k,
     nheads_kv, HEAD_DIM) contiguous in q's dtype, stored at the sequence's rows only. dq_acc (dq_ptr / dq_desc's
@@ -473,19 +493,29 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
     arguments as attn_bwd_ws_kernel's; the launch needs Triton's allocator (the descriptors' global scratch)."""
     if SEQ_BOUNDED:
         seq = gl.program_id(2)
-        q_end = gl.load(cu_q_ptr + seq + 1)
-        kv_end = gl.load(cu_k_ptr + seq + 1)
-        q_desc = _rows_until(q_ptr, q_desc, q_end)
-        do_desc = _rows_until(do_ptr, do_desc, q_end)
-        k_desc = _rows_until(k_ptr, k_desc, kv_end)
-        v_desc = _rows_until(v_ptr, v_desc, kv_end)
-        if not DQ_TMA:  # (else unused: no descriptor to make)
-            kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
+        q_desc, do_desc, k_desc, v_desc, kh_desc = _seq_descriptors(
+            q_desc, do_desc, k_desc, v_desc, kh_desc, q_ptr, do_ptr, k_ptr, v_ptr, gl.load(cu_q_ptr + seq + 1),
+            gl.load(cu_k_ptr + seq + 1), DQ_TMA)
     _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, dq_desc,
                  BwdGlobals(dk_ptr, dv_ptr, dq_ptr, sem_ptr, seqlen_q, seqlen_k, qk_scale_log2, sm_scale, cu_q_ptr,
                             cu_k_ptr, window_left, window_right, softcap_scale, softcap_log2),
                  BwdConfig(NUM_HEADS, GROUP, q_desc.block_type.shape[0], BLOCK_N, NUM_STAGES, CAUSAL, DETERMINISTIC,
                            DQ_TMA, TAIL_HEAVY_FIRST, WINDOW, SOFTCAP), CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _seq_descriptors(q_desc, do_desc, k_desc, v_desc, kh_desc, q_ptr, do_ptr, k_ptr, v_ptr, q_end, kv_end,
+                     DQ_TMA: gl.constexpr):
+    """SEQ_BOUNDED's loads: device-made copies of q_desc, do_desc (rows until q_end), k_desc, v_desc and, without
+    DQ_TMA, kh_desc (rows until kv_end) over the tensors at q_ptr, do_ptr, k_ptr, v_ptr. DQ_TMA: kh_desc is
+    unused and comes back as it was (no descriptor to make)."""
+    q_desc = _rows_until(q_ptr, q_desc, q_end)
+    do_desc = _rows_until(do_ptr, do_desc, q_end)
+    k_desc = _rows_until(k_ptr, k_desc, kv_end)
+    v_desc = _rows_until(v_ptr, v_desc, kv_end)
+    if not DQ_TMA:
+        kh_desc = _rows_until(k_ptr, kh_desc, kv_end)
+    return q_desc, do_desc, k_desc, v_desc, kh_desc
 
 
 @gluon.jit
