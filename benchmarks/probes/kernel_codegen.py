@@ -70,7 +70,7 @@ def _install_compile_only():
     def run(self, *args, grid, warmup, **kwargs):
         kernel = _compile_for_sm90(self, args, kwargs)
         _COMPILED.append((self.fn.__name__, kernel))
-        return kernel
+        return None  # nothing launched: the launch cache records no direct launcher (it would need a driver)
 
     def kernel_call(self, grid_fn, args, device):
         tuned = launch_cache.tuned(self.fn, self.tiles, self.names, False, self.reset_dq)
