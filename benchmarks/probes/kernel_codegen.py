@@ -284,6 +284,13 @@ VARIANTS = {
     "split_fp8_scalar_page16": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", scales="scalar",
                                                path="SPLIT_GRID"),
     "split_int8_page16": lambda: _decode(page=16, kv_dtype="int8", path="SPLIT_GRID"),
+    # the score transform in both decode loops: the shared one and the 8-bit warp-split one
+    "split_fp8_contig_2tok_softcap_window_alibi": lambda: _decode(seqlen_q=2, kv_dtype="float8_e4m3fn", softcap=30.0,
+                                                                  window=1000, alibi=True, path="SPLIT_GRID",
+                                                                  quant_warp_split=False),
+    "split_fp8_warps_2tok_softcap_window_alibi": lambda: _decode(seqlen_q=2, kv_dtype="float8_e4m3fn", softcap=30.0,
+                                                                 window=1000, alibi=True, path="SPLIT_GRID",
+                                                                 quant_warp_split=True),
     # the Llama-3-8B shape (32 / 8 heads) at batch 16, 8k keys, e4m3 on pages of 16: the path it resolves to
     "llama_b16_fp8_page16": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=8192, page=16,
                                             kv_dtype="float8_e4m3fn"),
