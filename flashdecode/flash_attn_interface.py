@@ -57,7 +57,7 @@ from typing import Optional, Union
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks, decode_host, direct_launch
+from flashdecode.ops import checks, decode_host, direct_launch, score_transform
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.append_kv import checked_append
 from flashdecode.ops.decode import (append_kv, decide_flash_decode, flash_decode, launch_decided,
@@ -324,17 +324,23 @@ def _seen_lengths(lengths, seqlen_new: int):
     return torch.add(lengths, seqlen_new, out=buffer)
 
 
-def _mask_plan(seqlen_q: int, causal: bool, window_size):
-    """How the decode kernels express flash-attn's (causal, window) for seqlen_q new query rows.
+def _score_of(headdim: int, causal, softmax_scale, window_size, softcap, alibi_slopes):
+    """The call's ScoreTransform (ops/score_transform.py), causal and window_size checked (a list window taken as
+    a tuple); softmax_scale and softcap checked before."""
+    checks.check_bool("causal", causal)
+    window = checks.check_window(tuple(window_size) if isinstance(window_size, list) else window_size)
+    return score_transform.build(headdim, causal, softmax_scale, window, softcap, alibi=alibi_slopes is not None)
+
+
+def _mask_plan(seqlen_q: int, score):
+    """How the decode kernels express flash-attn's (causal, window) - the call's ScoreTransform - for seqlen_q new
+    query rows.
 
     Returns (fold_rows_into_heads, left), or None where they cannot: the kernels always mask keys after a row's
     position (bottom-right aligned) and take a left window. seqlen_q == 1 or a causal right bound (0) map directly.
     Full attention of several rows (non-causal, no window that cuts a row) folds the rows into the head dim: each
     folded row then sees every key. Other non-causal windows with several rows give None."""
-    checks.check_bool("causal", causal)
-    left, right = checks.check_window(tuple(window_size) if isinstance(window_size, list) else window_size)
-    if causal:
-        right = 0
+    left, right = score.window_left, score.window_right
     if seqlen_q == 1 or right == 0:
         return False, left
     if left == -1 and (right == -1 or right >= seqlen_q - 1):
@@ -456,7 +462,8 @@ def _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
                          alibi_slopes, num_splits, return_softmax_lse) -> tuple:
     """Every check flash_attn_with_kvcache makes before it writes anything (flash_attn_with_kvcache's arguments);
     returns what they decide: (num_splits int, _mask_plan's answer, whether the paged prefill runs, the cache's
-    capacity in keys, rotary_dim (0 = no rotary)); an int cache_seqlens' value is checked per call."""
+    capacity in keys, rotary_dim (0 = no rotary), the call's ScoreTransform); an int cache_seqlens' value is
+    checked per call."""
     _check_unsupported(0.0, alibi_slopes, flash_decode)
     checks.check_tensor("q", q, (4,), checks.FLOAT_DTYPES)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -471,7 +478,8 @@ def _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     # flash_decode's bound on every route (the paged prefill ignores the count but not a count no call can take)
     num_splits = checks.check_int("num_splits", num_splits, minimum=0, maximum=checks.MAX_NUM_SPLITS)
     _check_cache_and_new(q, k_cache, v_cache, k, v)
-    mask = _mask_plan(seqlen_q, causal, window_size)
+    score = _score_of(headdim, causal, softmax_scale, window_size, softcap, alibi_slopes)
+    mask = _mask_plan(seqlen_q, score)
     check_alibi_slopes(alibi_slopes, batch, nheads, q.device)  # before the append writes anything
     decode_can_mask = mask is not None and not (mask[0] and alibi_slopes is not None)
     prefill = block_table is not None and heuristics.kvcache_uses_prefill(seqlen_q, decode_can_mask)
@@ -496,7 +504,7 @@ def _checked_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     if longest is None and lengths is not None and checks.host_resident(lengths) and lengths.numel():
         longest = int(lengths.max())  # host-resident lengths: read without a sync, named as the caller named them
     _check_fits(longest, seqlen_new, capacity)
-    return num_splits, mask, prefill, capacity, rotary_dim
+    return num_splits, mask, prefill, capacity, rotary_dim, score
 
 
 def _check_fits(longest: Optional[int], seqlen_new: int, capacity: int) -> None:
@@ -550,7 +558,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     elif checked.direct is not None and checked.direct.decided.in_capture == capturing(q.device):
         return _run_direct(checked, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                            alibi_slopes, return_softmax_lse)
-    num_splits, mask, prefill, capacity, rotary_dim = checked.decided
+    num_splits, mask, prefill, capacity, rotary_dim, score = checked.decided
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
     lengths, host_bound = cache_seqlens, None  # checked: an int32 (batch,) tensor, an int or None (a full cache)
@@ -569,7 +577,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         ro_len = rotary_cos.shape[0]
         k = _apply_rotary(k, rotary_cos, rotary_sin, _rotary_positions(lengths, seqlen_new, True, ro_len),
                           rotary_interleaved)
-        consecutive = causal or tuple(window_size) != (-1, -1)
+        consecutive = score.window_left >= 0 or score.window_right >= 0
         q = _apply_rotary(q, rotary_cos, rotary_sin, _rotary_positions(lengths, seqlen_q, consecutive, ro_len),
                           rotary_interleaved)
     k, v = _unit_stride_new(k, v)

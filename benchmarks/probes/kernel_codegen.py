@@ -1,4 +1,4 @@
-"""Code generated for the decode and backward kernels, compiled for sm_90 on the CPU (no GPU): a fingerprint per
+"""Code generated for the forward, paged prefill, decode and backward kernels, compiled for sm_90 on the CPU (no GPU): a fingerprint per
 launch variant, to show that a change of the kernels' argument lists (or of their launchers) leaves the machine
 code alone.
 
@@ -70,7 +70,7 @@ def _install_compile_only():
     def run(self, *args, grid, warmup, **kwargs):
         kernel = _compile_for_sm90(self, args, kwargs)
         _COMPILED.append((self.fn.__name__, kernel))
-        return kernel
+        return None  # nothing launched: the launch cache records no direct launcher (it would need a driver)
 
     def kernel_call(self, grid_fn, args, device):
         tuned = launch_cache.tuned(self.fn, self.tiles, self.names, False, self.reset_dq)
@@ -82,7 +82,7 @@ def _install_compile_only():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Variants: decode through run_decode, backward through the prefill op's backward
+# Variants: forward and backward through the prefill ops, paged prefill, decode through run_decode
 # ------------------------------------------------------------------------------------------------------------------
 
 HOPPER = dict(num_sms=132, interpret=False, hopper=True, pdl=True)
@@ -176,7 +176,88 @@ def _backward(*, headdim=128, deterministic=True, varlen=False, window=-1, causa
     return config
 
 
+def _prefill_config(q, k, v, headdim: int, seqlen: int, *, tma=None, tile=0):
+    """The AttentionConfig an H100 resolves for a bf16 / fp8 prefill of q, k, v, pinned to the Triton kernels
+    (the Gluon dispatch needs a real sm_90 device) with the ``tile``-th forward tile alone, ``tma`` overriding its
+    descriptor choice."""
+    from flashdecode import heuristics
+    from flashdecode.config import AttentionProblem
+    from flashdecode.ops import attention_config, util
+
+    problem = AttentionProblem(head_dim_pad=attention_config.head_dim_pad(headdim), elem_bytes=q.element_size(),
+                               max_seqlen_k=seqlen, deterministic=True, tma_layout=util.tma_layout_ok(q, k, v),
+                               capability_major=9, smem_limit=227 * 1024, interpret=False, autotune=False)
+    config = dataclasses.replace(heuristics.resolve_attention_config(problem), backend="triton")
+    config = dataclasses.replace(config, fwd_tiles=config.fwd_tiles[tile:tile + 1])
+    if tma is not None:
+        config = dataclasses.replace(config, fwd_tma=tma)
+    return config
+
+
+def _forward(*, headdim=128, causal=True, window=-1, softcap=0.0, alibi=False, varlen=False, fp8=False, tma=None,
+             seqlen=2048):
+    """Compile one Triton forward through the prefill op's forward (ops/attention_launch.py): bf16 (or e4m3 with
+    descales) (batch 2, ``seqlen``, 16 heads, 4 kv heads), dense or packed, the H100's config (_prefill_config)."""
+    import torch
+
+    from flashdecode.ops import attention_config, attention_launch
+
+    gen = torch.Generator().manual_seed(0)
+    batch, nheads, nheads_kv = 2, 16, 4
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    lead = (batch * seqlen,) if varlen else (batch, seqlen)
+    q, k, v = (torch.randn(*lead, h, headdim, generator=gen).to(dtype) for h in (nheads, nheads_kv, nheads_kv))
+    cu = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32) if varlen else None
+    qk_descale = torch.ones(batch, nheads) if fp8 else None
+    v_descale = torch.ones(batch, nheads_kv) if fp8 else None
+    slopes = torch.full((nheads,), 0.25) if alibi else None
+    config_id = attention_config.config_id_of(_prefill_config(q, k, v, headdim, seqlen, tma=tma))
+    attention_launch._fwd_impl(q, k, v, cu, cu, seqlen, seqlen, headdim ** -0.5, window, 0 if causal else -1,
+                               softcap, config_id, qk_descale, v_descale, slopes)
+
+
+def _paged_prefill(*, page=16, headdim=128, causal=True, window=-1, softcap=0.0, alibi=False, kv_dtype=None,
+                   tma=None, seqlen=2048, new=256):
+    """Compile one paged prefill (ops/paged_prefill.py): ``new`` bf16 query tokens per sequence (batch 2, 16 heads,
+    4 kv heads) against ``seqlen`` cached keys in ``page``-token pages (bf16, or ``kv_dtype`` with per-token
+    scales)."""
+    import torch
+
+    from flashdecode.ops import paged_prefill
+
+    gen = torch.Generator().manual_seed(0)
+    batch, nheads, nheads_kv = 2, 16, 4
+    pages_per_seq = -(-seqlen // page)
+    q = torch.randn(batch * new, nheads, headdim, generator=gen).to(torch.bfloat16)
+    shape = (batch * pages_per_seq, page, nheads_kv, headdim)
+    kv = dict(dtype=torch.bfloat16 if kv_dtype is None else getattr(torch, kv_dtype))
+    k_cache, v_cache = torch.zeros(shape, **kv), torch.zeros(shape, **kv)
+    scales = {} if kv_dtype is None else dict(k_scale=torch.ones(shape[:-1]), v_scale=torch.ones(shape[:-1]))
+    table = torch.arange(batch * pages_per_seq, dtype=torch.int32).view(batch, pages_per_seq)
+    cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
+    seqused = torch.full((batch,), seqlen, dtype=torch.int32)
+    config = _prefill_config(q, q[:, :nheads_kv], q[:, :nheads_kv], headdim, seqlen, tma=tma)
+    paged_prefill.paged_prefill(q, k_cache, v_cache, cu, seqused, table, new, seqlen, causal=causal,
+                                window_size=(window, -1), softcap=softcap,
+                                alibi_slopes=torch.full((nheads,), 0.25) if alibi else None,
+                                config=config, **scales)
+
+
 VARIANTS = {
+    # forward (Triton): causal / plain / softcap / ALiBi / window, dense and packed, fp8, with and without TMA
+    "fwd_hd128_causal": lambda: _forward(tma=False),
+    "fwd_hd128_causal_tma": lambda: _forward(tma=True),
+    "fwd_hd128_full_softcap": lambda: _forward(causal=False, softcap=30.0),
+    "fwd_hd64_causal_alibi": lambda: _forward(headdim=64, alibi=True),
+    "fwd_hd128_window_softcap_alibi_tma": lambda: _forward(window=256, softcap=30.0, alibi=True, tma=True),
+    "fwd_hd96_varlen_window": lambda: _forward(headdim=96, varlen=True, window=256),
+    "fwd_hd128_fp8_causal": lambda: _forward(fp8=True),
+    "fwd_hd128_fp8_softcap_tma": lambda: _forward(fp8=True, causal=False, softcap=30.0, tma=True),
+    # paged prefill: pages of 16 (pointers) and 128 (descriptors), ALiBi / softcap / window, an e4m3 cache
+    "paged_page16_causal": lambda: _paged_prefill(),
+    "paged_page128_tma_softcap_alibi": lambda: _paged_prefill(page=128, softcap=30.0, alibi=True, tma=True),
+    "paged_page16_window": lambda: _paged_prefill(window=512),
+    "paged_fp8_page16_causal_softcap": lambda: _paged_prefill(kv_dtype="float8_e4m3fn", softcap=30.0),
     # stage 1 + merge (split grid), as resolved for b1 16/2 hd128 at 32k keys: contiguous (TMA), pages of 16
     "split_contig": lambda: _decode(path="SPLIT_GRID"),
     "split_page16": lambda: _decode(page=16, path="SPLIT_GRID"),
@@ -203,6 +284,13 @@ VARIANTS = {
     "split_fp8_scalar_page16": lambda: _decode(page=16, kv_dtype="float8_e4m3fn", scales="scalar",
                                                path="SPLIT_GRID"),
     "split_int8_page16": lambda: _decode(page=16, kv_dtype="int8", path="SPLIT_GRID"),
+    # the score transform in both decode loops: the shared one and the 8-bit warp-split one
+    "split_fp8_contig_2tok_softcap_window_alibi": lambda: _decode(seqlen_q=2, kv_dtype="float8_e4m3fn", softcap=30.0,
+                                                                  window=1000, alibi=True, path="SPLIT_GRID",
+                                                                  quant_warp_split=False),
+    "split_fp8_warps_2tok_softcap_window_alibi": lambda: _decode(seqlen_q=2, kv_dtype="float8_e4m3fn", softcap=30.0,
+                                                                 window=1000, alibi=True, path="SPLIT_GRID",
+                                                                 quant_warp_split=True),
     # the Llama-3-8B shape (32 / 8 heads) at batch 16, 8k keys, e4m3 on pages of 16: the path it resolves to
     "llama_b16_fp8_page16": lambda: _decode(batch=16, nheads=32, nheads_kv=8, live=8192, page=16,
                                             kv_dtype="float8_e4m3fn"),
@@ -238,7 +326,7 @@ VARIANTS = {
 }
 
 # the kernels whose code is fingerprinted (the others a variant launches - merge, bwd preprocess - are skipped)
-KERNELS = ("decode_split_kernel", "decode_persistent_kernel", "merge_many_kernel", "attn_bwd_dkdv_kernel",
+KERNELS = ("attn_fwd_kernel", "decode_split_kernel", "decode_persistent_kernel", "merge_many_kernel", "attn_bwd_dkdv_kernel",
            "attn_bwd_dq_kernel")
 
 

@@ -30,17 +30,9 @@ import triton
 import triton.language as tl
 
 from flashdecode.kernels.dot import dot
-from flashdecode.kernels.fwd import (alibi_bias_log2, clamp_segments, head_base, kv_segments, load_rows, logits_log2,
-                                     lse_row_base, sequence_bounds, sequence_descriptor, visible)
-
-
-@triton.jit
-def load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI: tl.constexpr):
-    """The ALiBi slope of (batch, query head) in log2 units (0.0 without ALiBi)."""
-    if HAS_ALIBI:
-        return tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
-    else:
-        return 0.0
+from flashdecode.kernels.fwd import (clamp_segments, head_base, kv_segments, load_rows, lse_row_base, sequence_bounds,
+                                     sequence_descriptor)
+from flashdecode.kernels.score import alibi_bias_log2, alibi_slope_log2, logits_log2, softcap_grad, visible
 
 
 @triton.jit
@@ -51,16 +43,6 @@ def load_lse_log2(lse_ptrs, rows, nrows, CHECK_ROWS: tl.constexpr):
         return tl.load(lse_ptrs, mask=rows < nrows, other=float("inf"))
     else:
         return tl.load(lse_ptrs)
-
-
-@triton.jit
-def softcap_grad(ds, s, softcap_log2, SOFTCAP: tl.constexpr):
-    """Chain rule through softcap * tanh(x / softcap): multiply by 1 - tanh^2, tanh recovered from the logits s."""
-    if SOFTCAP:
-        t = s * (1.0 / softcap_log2)
-        return ds * (1.0 - t * t)
-    else:
-        return ds
 
 
 @triton.jit
@@ -232,7 +214,7 @@ def attn_bwd_dkdv_program(
         lse_base = lse_row_base(Lse, lse_strides, batch, head, q_start)
         delta_base = lse_row_base(Delta, delta_strides, batch, head, q_start)
         dq_base = head_base(DQ, dq_strides, batch, q_start, head)
-        alibi_slope = load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI)
+        alibi_slope = alibi_slope_log2((AlibiSlopes, (alibi_batch_stride, 1)), batch, head, HAS_ALIBI)
         if USE_TMA:
             q_desc = sequence_descriptor(q_base, seqlen_q, q_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             do_desc = sequence_descriptor(do_base, seqlen_q, do_strides[1], HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
@@ -303,7 +285,7 @@ def attn_bwd_dkdv_kernel(
 
     cu_seqlens: (cu_seqlens_q, cu_seqlens_k). strides: (q_strides, k_strides, v_strides, do_strides, dk_strides,
     dv_strides, dq_strides, lse_strides, delta_strides), each as attn_fwd_kernel's *_strides. scales: (qk_scale,
-    softcap_log2, sm_scale) as fwd.logits_log2 and the gradients take them. AlibiSlopes, alibi_batch_stride,
+    softcap_log2, sm_scale) as score.logits_log2 and the gradients take them. AlibiSlopes, alibi_batch_stride,
     HAS_ALIBI: as attn_fwd_kernel's. (The lengths and window stay separate arguments: Triton specialises the
     elements of a tuple whatever do_not_specialize says.)"""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
@@ -429,7 +411,7 @@ def attn_bwd_dq_program(
     delta = tl.load(lse_row_base(Delta, delta_strides, batch, head, q_start) + offs_m, mask=offs_m < seqlen_q,
                     other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    alibi_slope = load_alibi_slope_log2(AlibiSlopes, alibi_batch_stride, batch, head, HAS_ALIBI)
+    alibi_slope = alibi_slope_log2((AlibiSlopes, (alibi_batch_stride, 1)), batch, head, HAS_ALIBI)
     q_pos = offs_m + (seqlen_k - seqlen_q)
     lo, full_lo, full_hi, hi = kv_segments(m_start, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)

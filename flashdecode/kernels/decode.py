@@ -32,7 +32,8 @@ from flashdecode.kernels.decode_epilogue import finish_split, group_rows
 from flashdecode.kernels.decode_gather import prefetch_split_head, split_page_ids
 from flashdecode.kernels.decode_schedule import (device_split_counts, item_of, items_before, planned_item, split_range,
                                                  stale_split_range)
-from flashdecode.kernels.softmax_state import LN2, LOG2E
+from flashdecode.kernels.score import alibi_slope_log2
+from flashdecode.kernels.softmax_state import LN2
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def decode_split_kernel(
     0 also writes lse -inf into the partial slots its sequence does not use, so the merge over NUM_SPLITS slots
     sees them as empty.
     ALIBI: alibi = (ALIBI_SLOPES, stride_alibi): fp32 slopes per (sequence, query head) through (batch stride, head
-    stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (_alibi_log2).
+    stride) (batch stride 0 for (nheads,) slopes): the bias -slope * |qpos - key| (score.alibi_slope_log2).
     KV_QUANT > 0: kv_scales = (K_SCALE, V_SCALE, scale strides) of an 8-bit cache (attend_split);
     QUANT_TILES: _attend_blocks'.
     MERGE (with DEVICE_SPLITS; kernels/decode_args.MergeTile): no merge kernel follows. final = (O_FINAL, LSE_FINAL,
@@ -160,7 +161,7 @@ def decode_split_kernel(
     # q before the length: its address does not depend on it, so both loads are in flight together (issued after
     # the length, behind the empty-split branch, q's round trip delayed the first K/V loads)
     q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, BLOCK_D)
-    alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
+    alibi_log2 = alibi_slope_log2(alibi, b, head, ALIBI, row_ok)
     spec_pages = 0
     if SPEC:  # after the wait (the ids are current), before the length (their read overlaps its round trip)
         spec_pages = split_page_ids(bt_row, stale_start, stale_end, PAGE_SIZE, PRELOAD_PAGES)
@@ -201,18 +202,6 @@ def decode_split_kernel(
     else:
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse2, mask=row_ok)
-
-
-@triton.jit
-def _alibi_log2(alibi, b, head, row_ok, ALIBI: tl.constexpr):
-    """(ROWS,) ALiBi slopes of the rows' query heads (head: (ROWS,)) of sequence b times log2(e) (the scores are in
-    log2 units); 0.0 without ALIBI. alibi: (ALIBI_SLOPES, (batch stride, head stride)) of the fp32 slopes."""
-    if ALIBI:
-        ALIBI_SLOPES, stride_alibi = alibi
-        ptrs = ALIBI_SLOPES + b.to(tl.int64) * stride_alibi[0] + head * stride_alibi[1]
-        return tl.load(ptrs, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    else:
-        return 0.0
 
 
 @triton.jit
@@ -304,7 +293,7 @@ def decode_persistent_kernel(
         # (0, -inf): it still draws its ticket)
         bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_btb
         q = _load_q(Q, b, t, head, row_ok, stride_qb, stride_qt, stride_qh, stride_qd, HEADDIM, TILE.block_d)
-        alibi_log2 = _alibi_log2(alibi, b, head, row_ok, ALIBI)
+        alibi_log2 = alibi_slope_log2(alibi, b, head, ALIBI, row_ok)
         o, lse2 = attend_split(q, K, V, bt_row, b, hk, t, seqlen, start, end, window_left, scales, num_pages,
                                 stride_k, HEADDIM, TILE, PAGES, ROWS.seqlen_q, SOFTCAP, WINDOW, DOT_PRECISION, USE_TMA,
                                 OFFS_32, 0, 0, 0, False, alibi_log2, ALIBI, kv_scales, KV_QUANT,

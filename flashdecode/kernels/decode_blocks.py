@@ -1,7 +1,8 @@
 """Flash-Decoding stage 1's attention bodies: one split's KV loops over a row block (kernels.decode's kernels call
 attend_split). The program's warps either share each K/V block (_attend_blocks, the tensor-core path) or, for an
 8-bit cache, split the keys between them with a state each (_attend_blocks_warps, merged at the end). Masks and
-score transforms as kernels.decode's module docstring says."""
+score transforms as kernels.decode's module docstring says (the transform itself: kernels/score.py's decode
+family)."""
 
 import triton
 import triton.language as tl
@@ -11,18 +12,9 @@ from flashdecode.kernels.decode_gather import (ids_in_loop_ok, kv_rows, load_kv_
                                                tma_row)
 from flashdecode.kernels.dot import dot
 from flashdecode.kernels.kv_quant import CONVERT_BITS_ASM, key_scales, keys_operand, keys_tile, to_dot_dtype
-from flashdecode.kernels.softmax_state import (LOG2E, normalize_state, online_softmax_step,
-                                               online_softmax_step_sum_tile, safe_max)
-
-
-@triton.jit
-def _logits_log2(qk, score_scale, softcap_out, SOFTCAP: tl.constexpr):
-    """Scores of q.k in log2 units (any shape): qk * score_scale, or with SOFTCAP softcap * tanh(qk * scale /
-    softcap) * log2(e) (score_scale: tanh's argument scale, softcap_out: the softcap in log2 units)."""
-    if SOFTCAP:
-        # tanh(x) = 1 - 2 / (1 + e^(2x)); exp2 overflow to inf gives exactly 1, so no NaN for any logit.
-        return (1.0 - 2.0 / (1.0 + tl.exp2(qk * (score_scale * 2.0 * LOG2E)))) * softcap_out
-    return qk * score_scale
+from flashdecode.kernels.score import decode_alibi_log2, decode_logits_log2, decode_visible
+from flashdecode.kernels.softmax_state import (normalize_state, online_softmax_step, online_softmax_step_sum_tile,
+                                               safe_max)
 
 
 @triton.jit
@@ -82,13 +74,11 @@ def _attend_blocks(acc, m_i, l_i, q, k_src, v_src, bt_row, lo, hi, end, qpos, wi
             qk = dot(q_k, tl.trans(k), input_precision=DOT_PRECISION) * ks[None, :] * q_unscale
         else:
             qk = dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
+        s = decode_logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         if ALIBI:
-            s -= alibi_log2[:, None] * tl.abs(qpos[:, None] - offs_n[None, :]).to(tl.float32)
+            s = decode_alibi_log2(s, qpos[:, None], offs_n[None, :], alibi_log2[:, None])
         if MASKED:
-            visible = (offs_n[None, :] <= qpos[:, None]) & (offs_n < end)[None, :]
-            if WINDOW:
-                visible = visible & (offs_n[None, :] >= qpos[:, None] - window_left)
+            visible = decode_visible(qpos[:, None], offs_n, end, window_left, WINDOW, True)
             s = tl.where(visible, s, float("-inf"))
         if PAGE_SIZE > 0:
             # keys of absent pages (ids outside [0, num_pages); their loads zero-filled) masked by the ids, never
@@ -180,14 +170,12 @@ def _attend_blocks_warps(acc, m_i, l_i, q3, k_src, v_src, bt_row, lo, hi, end, q
         ks, vs = key_scales(k_scale, v_scale, srows, key_ok, offs_n, end, MASKED, PAGE_SIZE > 0, KV_QUANT)
         k = keys_tile(k, q_k.dtype, QUANT_TILES.convert, QUANT_TILES.k_first)
         qk = dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION) * ks[:, None, :] * q_unscale
-        s = _logits_log2(qk, score_scale, softcap_out, SOFTCAP)
+        s = decode_logits_log2(qk, score_scale, softcap_out, SOFTCAP)
         keys3 = offs_n[:, None, :]
         if ALIBI:
-            s -= alibi_log2[None, :, None] * tl.abs(qpos[None, :, None] - keys3).to(tl.float32)
+            s = decode_alibi_log2(s, qpos[None, :, None], keys3, alibi_log2[None, :, None])
         if MASKED:
-            visible = (keys3 <= qpos[None, :, None]) & (keys3 < end)
-            if WINDOW:
-                visible = visible & (keys3 >= qpos[None, :, None] - window_left)
+            visible = decode_visible(qpos[None, :, None], keys3, end, window_left, WINDOW, False)
             s = tl.where(visible, s, float("-inf"))
         if PAGE_SIZE > 0:  # absent pages, masked by their ids (as _attend_blocks)
             s = tl.where(key_ok[:, None, :], s, float("-inf"))

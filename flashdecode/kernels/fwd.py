@@ -9,7 +9,8 @@ KV range is cut into three segments: [lo, full_lo) blocks at the left window edg
 blocks every row sees entirely (no mask, no bounds checks), [full_hi, hi) the diagonal / right edge / ragged tail
 (masked). Blocks outside the band are never visited.
 
-The helpers below (block ranges, visibility mask, soft-capped logits, row loads) are shared with kernels/bwd.py.
+The score transform (logits in log2 units with the softcap, the ALiBi bias, the visibility mask) is kernels/score.py's;
+the helpers below (block ranges, row loads, sequence bounds) are shared with kernels/bwd.py.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import triton.language as tl
 
 from flashdecode.kernels.decode_gather import kv_rows
 from flashdecode.kernels.dot import dot
+from flashdecode.kernels.score import alibi_bias_log2, alibi_slope_log2, logits_log2, visible
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # FP8 forward: P (in [0, 1]) is multiplied by 2**8 before rounding to e4m3, so that probabilities down to 2**-17
 # stay representable (e4m3's smallest subnormal is 2**-9) instead of flushing to zero. The kernel gets it for free by
 # shifting the row max by 8 in the exponent: the row sum carries the same factor, which cancels in acc / l.
@@ -31,25 +31,6 @@ FP8_P_LOG2_SCALE = tl.constexpr(8.0)
 # ----------------------------------------------------------------------------------------------------------------
 # Small helpers (inlined by Triton)
 # ----------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def tanh_saturating(x):
-    """tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 for huge |x| (exp2 -> inf or 0), never NaN."""
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
-
-
-@triton.jit
-def logits_log2(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
-    """Raw dot products qk -> logits in log2 units.
-
-    Without softcap qk_scale = softmax_scale * log2(e). With softcap qk_scale = softmax_scale / softcap and
-    softcap_log2 = softcap * log2(e), so the result is log2(e) * softcap * tanh(scale * qk / softcap).
-    """
-    if SOFTCAP:
-        return tanh_saturating(qk * qk_scale) * softcap_log2
-    else:
-        return qk * qk_scale
-
 
 @triton.jit
 def round_to_e4m3(x):
@@ -62,27 +43,6 @@ def round_to_e4m3(x):
     ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = ulp * 12582912.0
     return (x + magic) - magic
-
-
-@triton.jit
-def alibi_bias_log2(q_pos, k_pos, alibi_slope):
-    """ALiBi bias (flash-attn's): -slope * |q_pos - k_pos| with q_pos the key-aligned query position, in the
-    units of alibi_slope (the kernels pass slope * log2(e))."""
-    return -alibi_slope * tl.abs(q_pos - k_pos).to(tl.float32)
-
-
-@triton.jit
-def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Bool mask, broadcast of q_pos and k_pos: key k_pos exists and lies in [q_pos - left, q_pos + right].
-
-    q_pos is the query's *key-aligned* position (row + seqlen_k - seqlen_q); causal is HAS_RIGHT with right = 0.
-    """
-    mask = k_pos < seqlen_k
-    if HAS_RIGHT:
-        mask = mask & (k_pos <= q_pos + window_right)
-    if HAS_LEFT:
-        mask = mask & (k_pos >= q_pos - window_left)
-    return mask
 
 
 @triton.jit
@@ -342,7 +302,7 @@ def attn_fwd_kernel(
     lengths). USE_TMA (Hopper): Q/K/V/Out move through device-side tensor descriptors (needs unit head-dim stride,
     16-byte aligned rows and a triton allocator).
 
-    logit_scales: (qk_scale, softcap_log2) as logits_log2 takes them.
+    logit_scales: (qk_scale, softcap_log2) as score.logits_log2 takes them (the host's ScoreTransform.logit_scales).
     IS_FP8 (forward only): Q, K, V float8_e4m3fn, Out bfloat16; fp8_descales = (QKDescale, VDescale) (None
     otherwise): QKDescale contiguous fp32 (batch, nheads):
     q_descale * k_descale of (sequence, head), folded into qk_scale; VDescale contiguous fp32 (batch, nheads_kv),
@@ -420,9 +380,7 @@ def attn_fwd_kernel(
         QKDescale, VDescale = fp8_descales
         qk_scale = qk_scale * tl.load(QKDescale + batch * tl.num_programs(1) + head)
         v_descale = tl.load(VDescale + batch * (tl.num_programs(1) // group_size) + head_kv)
-    alibi_slope = qk_scale * 0.0
-    if HAS_ALIBI:
-        alibi_slope = tl.load(AlibiSlopes + batch.to(tl.int64) * alibi_batch_stride + head) * 1.4426950408889634
+    alibi_slope = alibi_slope_log2((AlibiSlopes, (alibi_batch_stride, 1)), batch, head, HAS_ALIBI)
     if KV_TMA and PAGED:  # (num_pages * PAGE_SIZE, HEAD_DIM) rows of this kv head
         k_desc = sequence_descriptor(k_base, num_pages * PAGE_SIZE, k_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         v_desc = sequence_descriptor(v_base, num_pages * PAGE_SIZE, v_strides[1], HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)

@@ -47,7 +47,7 @@ import torch
 
 from flashdecode.config import AttentionConfig
 from flashdecode.kernels import fwd as fwd_kernels  # noqa: F401  (tests swap the forward kernel here)
-from flashdecode.ops import checks
+from flashdecode.ops import checks, score_transform
 from flashdecode.ops.attention_autograd import _dense_autograd, attention, attention_with_sinks
 from flashdecode.ops.attention_config import (RESOLVE_CONFIG, attention_problem, config_id_of,  # noqa: F401
                                              resolve_config)
@@ -160,10 +160,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     if sinks is not None:  # the kernels' (out, lse), then the sinks step (ops/sinks.py)
         _check_sinks_alone(config, q, q_descale, alibi_slopes)
         check_sinks(sinks, q.shape[2], q.device)
-        scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
-                                                                     softcap)
-        out, lse = attention_with_sinks(q, k, v, sinks, None, None, q.shape[1], k.shape[1], scale, left, right, cap,
-                                        deterministic)
+        score = score_transform.build(q.shape[-1], causal, softmax_scale, window_size, softcap, sinks=True)
+        out, lse = attention_with_sinks(q, k, v, sinks, None, None, q.shape[1], k.shape[1], score, deterministic)
         return (out, lse) if return_lse else out
     descales = None
     if q.dtype == FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
@@ -171,10 +169,10 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     if alibi_slopes is not None:
         alibi_slopes = constant_slopes(checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device))
     config_id = config_id_of(config)
-    scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
-                                                                 softcap)
-    out, lse = attention(q, k, v, None, None, q.shape[1], k.shape[1], scale, left, right, cap, deterministic,
-                          config_id, descales, alibi_slopes)
+    score = score_transform.build(q.shape[-1], causal, softmax_scale, window_size, softcap,
+                                  alibi=alibi_slopes is not None)
+    out, lse = attention(q, k, v, None, None, q.shape[1], k.shape[1], score, deterministic, config_id, descales,
+                         alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -252,14 +250,14 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if check_seqlens or validate:
         checks.check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
                                   ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
-    scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
-                                                                 softcap)
-    if sinks is not None:
-        out, lse = attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                        left, right, cap, deterministic)
+    score = score_transform.build(q.shape[-1], causal, softmax_scale, window_size, softcap,
+                                  alibi=alibi_slopes is not None, sinks=sinks is not None)
+    if score.sinks:
+        out, lse = attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, score,
+                                        deterministic)
     else:
-        out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                             cap, deterministic, config_id, descales, alibi_slopes)
+        out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, score, deterministic,
+                             config_id, descales, alibi_slopes)
     return (out, lse) if return_lse else out
 
 

@@ -146,10 +146,13 @@ def _dense_autograd(q, k, v, call, options):
     return _DENSE_C_APPLY(unwrap(q), unwrap(k), unwrap(v), call, options)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right, softcap,
-               deterministic, config_id, descales=None, alibi_slopes=None):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, score, deterministic, config_id,
+              descales=None, alibi_slopes=None):
     """(out, lse): through autograd only when a gradient can flow (its Function costs host time per call).
-    descales: FP8 inputs' (q_descale, k_descale, v_descale) (forward only, checked before), else None."""
+    score: the call's ScoreTransform (ops/score_transform.py; the ops below take its fields as scalars, the
+    custom ops' schema). descales: FP8 inputs' (q_descale, k_descale, v_descale) (forward only, checked before),
+    else None."""
+    scale, left, right, softcap = score.scale, score.window_left, score.window_right, score.softcap
     if descales is not None:
         q_descale, k_descale, v_descale = descales
         group = q.shape[-2] // k.shape[-2]
@@ -194,8 +197,10 @@ class _SinkAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
 
 
-def attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left,
-                         right, softcap, deterministic):
-    """(out, lse') of a checked call with sinks (checked, (nheads,)): differentiable in q, k, v and sinks."""
+def attention_with_sinks(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, score,
+                         deterministic):
+    """(out, lse') of a checked call with sinks (checked, (nheads,); score: its ScoreTransform, without ALiBi):
+    differentiable in q, k, v and sinks."""
     return _SinkAttentionFunction.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        scale, left, right, softcap, deterministic)
+                                        score.scale, score.window_left, score.window_right, score.softcap,
+                                        deterministic)

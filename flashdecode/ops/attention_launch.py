@@ -13,7 +13,8 @@ from flashdecode.ops.attention_plans import (_bwd_plan, _dense_call, _fwd_plan, 
                                              _strides)
 from flashdecode.ops.checks import FP8_DTYPE
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
-from flashdecode.ops.util import cdiv, score_scale_args
+from flashdecode.ops.score_transform import logit_scales_of
+from flashdecode.ops.util import cdiv
 
 FP8_OUT_DTYPE = torch.bfloat16
 
@@ -55,7 +56,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     strides = (_strides(q, varlen), _strides(k, varlen), v_strides)
     plan = _fwd_plan(q, k, v, v_kernel, out, strides, cu_seqlens_q, cu_seqlens_k, sq, sk, left, right, softcap,
                      config_id, alibi_slopes, alibi_stride, v_descale, v_layout)
-    qk_scale, softcap_log2 = score_scale_args(scale, softcap)
+    qk_scale, softcap_log2 = logit_scales_of(scale, softcap)
     fp8_descales = None if qk_descale is None else (qk_descale, v_descale)
     args = (q, k, v_kernel, out, lse, cu_seqlens_q, cu_seqlens_k, fp8_descales,
             alibi_slopes, *strides, _strides(out, varlen), _lse_strides(lse, varlen),
@@ -106,7 +107,7 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # atomic mode: fp32 accumulator (contiguous, shape of q), zeroed; deterministic mode: the output itself
     dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     delta, lse2 = _bwd_delta(plan, dout, out, lse, cu_seqlens_q, varlen, batch, sq, nheads)
-    qk_scale, softcap_log2 = score_scale_args(scale, softcap)
+    qk_scale, softcap_log2 = logit_scales_of(scale, softcap)
     row_strides = (_lse_strides(lse2, varlen), _lse_strides(delta, varlen))
     tail = (nheads // nheads_kv, sq, sk, q.shape[0], k.shape[0], (qk_scale, softcap_log2, scale), max(left, 0),
             max(right, 0), alibi_stride, *plan.buckets)

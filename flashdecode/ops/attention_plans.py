@@ -18,8 +18,8 @@ from flashdecode.ops import direct_launch, gluon_attention
 from flashdecode.ops.attention_config import config_for, gluon_allowed, head_dim_pad
 from flashdecode.ops.checks import FP8_DTYPE
 from flashdecode.ops.launch_cache import PlanCache, TunedKernel
-from flashdecode.ops.util import (aligned_bits, autotune_enabled, cdiv, interpreting_now, score_scale_args,
-                                  tma_layout_ok)
+from flashdecode.ops.score_transform import logit_scales_of
+from flashdecode.ops.util import aligned_bits, autotune_enabled, cdiv, interpreting_now, tma_layout_ok
 
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
@@ -236,7 +236,7 @@ class _DenseCall:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
             if self.empty:
                 return out, lse.fill_(float("-inf"))
-            qk_scale, softcap_log2 = score_scale_args(scale, softcap)
+            qk_scale, softcap_log2 = logit_scales_of(scale, softcap)
             args = ((q, k, v, out, lse, None, None, None, None) + self.fixed
                     + ((qk_scale, softcap_log2), max(left, 0), max(right, 0), 0) + self.buckets + (None,))
             self.kernel(self.grid, args, q.device)
@@ -247,7 +247,7 @@ class _DenseCall:
         if lse_ptr is None:
             lse = direct_launch.empty_from(self.lse_template, self.lse_shape, torch.float32, q.device)
             lse_ptr = lse.data_ptr()
-        qk_scale, softcap_log2 = score_scale_args(scale, softcap)
+        qk_scale, softcap_log2 = logit_scales_of(scale, softcap)
         grid, middle, end = bound
         if ptrs is None:
             ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())

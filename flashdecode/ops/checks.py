@@ -20,7 +20,7 @@ __all__ = [
     "check_device_arg", "check_host_lengths", "check_host_cu_seqlens", "first_bad_page", "check_host_block_table",
     "to_host_once", "check_cache_metadata", "FP8_DTYPE", "NO_WINDOW", "DENSE_LAYOUT", "check_attention_tensors",
     "check_attention_tensors_once", "check_attention_options", "checked_descales", "check_cu_seqlens_layout",
-    "check_cu_seqlens_values", "normalise_attention_options", "check_batch", "is_default_window",
+    "check_cu_seqlens_values", "check_batch", "is_default_window",
     "check_alibi_slopes",
 ]
 
@@ -303,7 +303,6 @@ def check_cache_metadata(cache_seqlens, block_table, *, capacity: int, page_size
 FP8_DTYPE = torch.float8_e4m3fn  # prefill forward only, with q/k/v descales (FA3's FP8 API); output bfloat16
 NO_WINDOW = (-1, -1)  # the default window_size: the options' fast checks pass it by identity
 DENSE_LAYOUT = "(batch, seqlen, nheads, headdim)"
-_INT32_MAX = 2 ** 31 - 1  # window bounds are clamped to it: a huge window means "unbounded", and stays an i32
 _CHECKED_MAX = 4096  # tensor signatures kept as checked (a set cleared when full: a check is cheap to redo)
 
 
@@ -453,16 +452,6 @@ def check_cu_seqlens_values(cu_checks):
         if max_len > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
                              f"in {name}")
-
-
-def normalise_attention_options(headdim, causal, softmax_scale, window_size, softcap):
-    """(scale, window left, window right (0 when causal), softcap) as the launches take them (checked options)."""
-    scale = headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if window_size is NO_WINDOW:
-        left, right = -1, -1
-    else:
-        left, right = min(int(window_size[0]), _INT32_MAX), min(int(window_size[1]), _INT32_MAX)
-    return scale, left, 0 if causal else right, float(softcap)
 
 
 def check_batch(q, k):

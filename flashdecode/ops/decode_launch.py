@@ -198,7 +198,7 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, 
             final_args = (out4, lse_final, tickets, _final_strides(out4, lse_final))
     runtime = (
         q4, k_src, v_src, cache_seqlens, bt, o4, lse3, (k_cache, v_cache, k_cache.stride(0)),
-        (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity, k_cache.shape[0],
+        shape.score.logit_scales, shape.score.kernel_window[0], shape.capacity, k_cache.shape[0],
         shape.batch, tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0,
         (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
@@ -238,7 +238,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
     k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
     runtime = (
         q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
-        shape.batch, (shape.score_scale, shape.softcap_log2), max(shape.window_left, 0), shape.capacity,
+        shape.batch, shape.score.logit_scales, shape.score.kernel_window[0], shape.capacity,
         tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
         bt.stride(0) if block_table is not None else 0, tuple(o5.stride()), tuple(lse4.stride()),
         _final_strides(out4, lse3), k_cache.shape[0], _alibi_arg(shape), _kv_scales_arg(shape, k_cache))
@@ -292,9 +292,9 @@ def _shared_constexprs(shape, launch: DecodeLaunch, num_splits: int, k_cache) ->
         SPLITS=Splits(num_splits=num_splits, min_chunk=launch.min_chunk,
                       merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
-        SOFTCAP=shape.softcap > 0, WINDOW=shape.window_left >= 0,
+        SOFTCAP=shape.score.softcap > 0, WINDOW=shape.score.window_left >= 0,
         DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
-        OFFS_32=config.offs_32, ALIBI=shape.alibi_slopes is not None,
+        OFFS_32=config.offs_32, ALIBI=shape.score.alibi,
         **{name: value for name, value in kv_quant_kernel_args(shape.kv_quant, k_cache, QuantTiles(
             config.quant_v_convert_first, config.quant_convert, config.quant_k_convert_first)).items()
            if name != "kv_scales"})

@@ -4,15 +4,17 @@ them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashdecode import heuristics
 from flashdecode.config import DecodeConfig, DecodePath, check_decode_config
-from flashdecode.ops import checks
+from flashdecode.ops import checks, score_transform
 from flashdecode.ops.decode_checks import (_cache_capacity, _check_cache_pair, _check_host_lengths,
                                            _check_lengths_and_table, check_out)
 from flashdecode.ops.kv_quant import resolve_kv_quant
-from flashdecode.ops.util import cache_rows_tma_ok, hopper_or_newer, num_sms, score_scale_args
+from flashdecode.ops.util import cache_rows_tma_ok, hopper_or_newer, num_sms
 
 _DTYPES = checks.FLOAT_DTYPES
 _MAX_HEADDIM = checks.MAX_HEAD_DIM
@@ -61,11 +63,9 @@ class _DecodeShape:
         self.num_pages = k_cache.shape[0]
         self.capacity = _cache_capacity(k_cache, block_table, self.batch)
         _check_host_lengths(cache_seqlens, self.capacity)
-        self.softcap = checks.check_softcap(softcap)
-        self.window_left = checks.check_window(window_size)[0]
-        self.scale = checks.resolve_scale(softmax_scale, self.headdim)
-        # stage 1's logit scale (softcap: tanh's argument, else log2 units for exp2) and the softcap in log2 units
-        self.score_scale, self.softcap_log2 = score_scale_args(self.scale, self.softcap)
+        # the score transform (checked): its logit_scales are stage 1's (softcap: tanh's argument scale, else
+        # log2 units for exp2; the softcap in log2 units)
+        self.score = score_transform.build_for_decode(self.headdim, softmax_scale, softcap, window_size)
         self.group = self.nheads // self.nheads_kv
         self.block_m = heuristics.decode_block_m(self.group * self.seqlen_q)
         self.num_m_blocks = heuristics.cdiv(self.group * self.seqlen_q, self.block_m)
@@ -82,6 +82,8 @@ class _DecodeShape:
     def with_alibi(self, alibi_slopes) -> "_DecodeShape":
         """Attach the call's ALiBi slopes: None, or fp32 (nheads,) / (batch, nheads) on q's device (checked)."""
         self.alibi_slopes = checks.check_alibi_slopes(alibi_slopes, self.batch, self.nheads, self.device)
+        if self.score.alibi != (alibi_slopes is not None):
+            self.score = dataclasses.replace(self.score, alibi=alibi_slopes is not None)
         return self
 
     def problem(self, live_keys, **kw) -> heuristics.DecodeProblem:
@@ -89,7 +91,7 @@ class _DecodeShape:
         return heuristics.DecodeProblem(
             batch=self.batch, grid_batch=self.grid_batch, seqlen_q=self.seqlen_q, group=self.group,
             nheads_kv=self.nheads_kv, headdim=self.headdim, elem_bytes=self.elem_bytes, page_size=self.page_size,
-            capacity=self.capacity, window_left=self.window_left, live_keys=live_keys,
+            capacity=self.capacity, window_left=self.score.window_left, live_keys=live_keys,
             cache_tma_ok=self.cache_tma_ok, cache_offsets_fit_int32=self.cache_offsets_fit_int32, **kw)
 
     def check_out(self, out, q):

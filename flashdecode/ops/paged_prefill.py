@@ -27,7 +27,7 @@ import torch
 
 from flashdecode import heuristics
 from flashdecode.config import GluonFwdConfig
-from flashdecode.ops import checks, gluon_attention
+from flashdecode.ops import checks, gluon_attention, score_transform
 from flashdecode.ops.attention_config import RESOLVE_CONFIG, config_for, config_id_of, gluon_allowed
 from flashdecode.ops.attention_plans import _FWD_TILE, _buckets, _common_constexprs
 from flashdecode.ops.decode_checks import _check_cache_pair, _check_lengths_and_table
@@ -35,7 +35,7 @@ from flashdecode.ops.kv_quant import resolve_kv_quant
 from flashdecode.ops.launch_cache import PlanCache, TunedKernel
 from flashdecode.ops.sinks import apply_sinks, check_sinks
 from flashdecode.ops.util import (aligned_bits, autotune_enabled, capturing, cdiv, constant_slopes, pages_tma_ok,
-                                  score_scale_args, tma_layout_ok)
+                                  tma_layout_ok)
 from flashdecode.kernels import fwd as fwd_kernels
 
 __all__ = ["paged_prefill", "prepare_paged_prefill"]
@@ -144,10 +144,12 @@ def _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_se
     return plan
 
 
-def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, left,
-             right, softcap, config_id, alibi_slopes, quant=None, gluon_config=None):
-    """(out like q, lse (nheads, total_q) float32) of checked inputs; gluon_config: a GluonFwdConfig that forces
-    the Gluon kernel (prepare_paged_prefill checked that it takes the call)."""
+def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, score, config_id,
+             alibi_slopes, quant=None, gluon_config=None):
+    """(out like q, lse (nheads, total_q) float32) of checked inputs; score: the call's ScoreTransform;
+    gluon_config: a GluonFwdConfig that forces the Gluon kernel (prepare_paged_prefill checked that it takes the
+    call)."""
+    scale, left, right, softcap = score.scale, score.window_left, score.window_right, score.softcap
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -166,14 +168,13 @@ def _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seql
     alibi_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     plan = _plan(q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, left,
                  right, softcap, config_id, alibi_slopes, alibi_stride, quant)
-    qk_scale, softcap_log2 = score_scale_args(scale, softcap)
     kv_pages = (block_table, seqused_k, block_table.stride(), block_table.shape[1], k_cache.shape[0])
     if quant is not None:
         kv_pages += ((quant.k_scale, quant.v_scale, quant.strides),)
     args = (q, k_cache, v_cache, out, lse, cu_seqlens_q, None, None, alibi_slopes,
             (0,) + q.stride(), k_cache.stride(), v_cache.stride(), (0,) + out.stride(), (0, total_q),
             nheads // k_cache.shape[2], max_seqlen_q, max_seqlen_k, total_q, 0,
-            (qk_scale, softcap_log2), max(left, 0), max(right, 0), alibi_stride, *plan.buckets, kv_pages)
+            score.logit_scales, *score.kernel_window, alibi_stride, *plan.buckets, kv_pages)
     plan.kernel(lambda meta: (cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch), args, q.device)
     return out, lse
 
@@ -256,15 +257,15 @@ def prepare_paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_ta
     config_id = RESOLVE_CONFIG if gluon_config is not None else config_id_of(config)
     if check_seqlens or validate:
         _check_metadata(q, k_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, validate)
-    scale, left, right, cap = checks.normalise_attention_options(q.shape[-1], causal, softmax_scale, window_size,
-                                                                 softcap)
+    score = score_transform.build(q.shape[-1], causal, softmax_scale, window_size, softcap,
+                                  alibi=alibi_slopes is not None, sinks=sinks is not None)
     if gluon_config is not None:
-        _check_gluon_config(gluon_config, q, k_cache, v_cache, block_table, scale, alibi_slopes, quant)
+        _check_gluon_config(gluon_config, q, k_cache, v_cache, block_table, score.scale, alibi_slopes, quant)
 
     def run():
         out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                            scale, left, right, cap, config_id, alibi_slopes, quant, gluon_config)
-        if sinks is not None:
+                            score, config_id, alibi_slopes, quant, gluon_config)
+        if score.sinks:
             out, lse = apply_sinks(out, lse, sinks, "varlen")
         return (out, lse) if return_lse else out
     return run

@@ -1,6 +1,7 @@
 """The small host helpers every op shares: integer arithmetic, the call's device facts (SM count, compute
 capability, shared memory), the interpreter / autotune switches read per call, CUDA-graph capture, the layout
-predicates of tensor descriptors (TMA) and the host half of the score transform (scale and softcap in log2 units).
+predicates of tensor descriptors (TMA) and the ALiBi slopes as the kernels read them (the score transform itself is
+ops/score_transform.py).
 
 Device facts are those of the CALL's device (a tensor's), never of the current device: a call on cuda:1 while
 cuda:0 is current must see cuda:1's SM count and architecture. Each is cached per device (no driver query per call).
@@ -13,12 +14,12 @@ import functools
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks
+from flashdecode.ops import checks, score_transform
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
            "num_sms", "device_facts", "capability_major", "is_hopper", "hopper_or_newer", "tma_layout_ok",
-           "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits", "score_scale_args",
-           "constant_slopes"]
+           "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
+           "score_scale_args", "constant_slopes"]
 
 cdiv = heuristics.cdiv  # pure Python: triton.cdiv is a constexpr function, ~10x slower on the host
 next_power_of_2 = heuristics.next_power_of_2
@@ -140,12 +141,8 @@ def aligned_bits(*tensors) -> int:
     return bits
 
 
-def score_scale_args(scale: float, softcap: float) -> tuple[float, float]:
-    """(score scale, softcap in log2 units) as the Triton kernels' logits_log2 takes them: with a softcap the scale
-    feeds tanh's argument (scale / softcap) and the cap carries log2(e); without, the scale carries log2(e)."""
-    if softcap > 0.0:
-        return scale / softcap, softcap * checks.LOG2E
-    return scale * checks.LOG2E, 0.0
+# the Gluon dispatch's name for score_transform.logit_scales_of (ops/gluon_attention.py still imports it here)
+score_scale_args = score_transform.logit_scales_of
 
 
 def constant_slopes(slopes):
