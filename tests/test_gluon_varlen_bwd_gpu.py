@@ -10,13 +10,14 @@ The backward's inputs out / lse come from the float64 reference (no forward comp
 (head layout, head dim, causal, deterministic) is one compile, the lengths are not specialised on."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 import flashdecode
 from flashdecode import heuristics
-from flashdecode.bench.prefill_ragged import random_lengths
+from flashdecode.bench.prefill_ragged import RAGGED_GLUON_BWD_OPT_IN, random_lengths
 from flashdecode.heuristics import resolve_gluon_bwd_config
 from flashdecode.ops import attention_launch
 from flashdecode.ops import gluon_backward as gb
@@ -25,7 +26,14 @@ from flashdecode.ops.attention_config import config_id_of
 from flashdecode.reference import attention_varlen_ref
 from helpers import HAS_CUDA, assert_fa_close, max_err
 
-pytestmark = pytest.mark.gpu
+# On the H100 the ragged kernel's first launch (random lengths, hd64, deterministic) ends in "an illegal
+# instruction was encountered", which poisons the worker's CUDA context for every test after it: the module runs only
+# when asked for (FLASHDECODE_RAGGED_GLUON_BWD=1, as the bench's gluon_bwd column), while the kernel stays off
+# (heuristics.PREFILL_RAGGED_GLUON_BWD) and is debugged. docs/decisions.md has the run.
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(os.environ.get(RAGGED_GLUON_BWD_OPT_IN) != "1",
+                                 reason="the ragged Gluon backward faults on the H100 (illegal instruction); opt in "
+                                        "with FLASHDECODE_RAGGED_GLUON_BWD=1 to debug it")]
 
 HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 only")
