@@ -22,7 +22,8 @@ from flashdecode.ops.checks import FP8_DTYPE, LOG2E, check_bool, check_tensor, i
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.gluon_plan import (NOT_APPLICABLE, PLANS, GluonPlan, lpt_schedule, run_plan,  # noqa: F401
                                         tile_key_blocks)
-from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok, score_scale_args
+from flashdecode.ops.score_transform import logit_scales_of
+from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -310,7 +311,7 @@ def gluon_paged_forward_into(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return False
     plan = _paged_plan_for(q, k_cache, v_cache, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_q, window,
                            softcap > 0.0, cfg)
-    scale, softcap_log2 = score_scale_args(softmax_scale, softcap)
+    scale, softcap_log2 = logit_scales_of(softmax_scale, softcap)
     pointers = (cu_seqlens_q, seqused_k, block_table)
     if plan.compiled is not None:  # the first (JIT) launch takes tensors, later ones their addresses
         out, lse = out.data_ptr(), lse.data_ptr()

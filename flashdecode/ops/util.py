@@ -14,12 +14,12 @@ import functools
 import torch
 
 from flashdecode import heuristics
-from flashdecode.ops import checks, score_transform
+from flashdecode.ops import checks
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
            "num_sms", "device_facts", "capability_major", "is_hopper", "hopper_or_newer", "tma_layout_ok",
            "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
-           "score_scale_args", "constant_slopes"]
+           "constant_slopes"]
 
 cdiv = heuristics.cdiv  # pure Python: triton.cdiv is a constexpr function, ~10x slower on the host
 next_power_of_2 = heuristics.next_power_of_2
@@ -141,8 +141,6 @@ def aligned_bits(*tensors) -> int:
     return bits
 
 
-# the Gluon dispatch's name for score_transform.logit_scales_of (ops/gluon_attention.py still imports it here)
-score_scale_args = score_transform.logit_scales_of
 
 
 def constant_slopes(slopes):
