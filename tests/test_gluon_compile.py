@@ -203,8 +203,9 @@ def test_gluon_varlen_kernel_compiles_for_hopper_without_a_gpu(shard):
 
 
 # The paged kernel (prefill over a paged KV cache) in the launches its resolver returns - causal and not, hd128 and
-# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop), and the overlapped loop forced: TMA + wgmma,
-# per-partition register budgets, no spills but the forced one (registers, spills and shared memory printed).
+# hd64, pages of 64 (64-key blocks), 128 and 256 - and under a window and a softcap (the plain loop), and the
+# overlapped loop forced: TMA + wgmma, per-partition register budgets, no spills but the forced one (registers,
+# spills and shared memory printed).
 _GLUON_PAGED_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_paged_config
 sys.path.insert(0, "tests")

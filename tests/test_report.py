@@ -120,7 +120,8 @@ def test_benchmarks_page_renders_the_paged_prefill_record(tmp_path, monkeypatch)
     row2 = dict(row, page_size=128, paged_backend="triton", triton=300.0, gluon=390.0, gluon_applies=True)
     row2.update({"gluon/triton": 1.3, "gluon/FI": 390.0 / 280.0})
     record = {"kind": "paged_prefill", "env": {"device": "test", "date": "2026-01-01 00:00 UTC"},
-              "git_commit": "abc", "command": "python -m flashdecode bench prefill --paged --no-grid", "rows": [row, row2]}
+              "git_commit": "abc", "command": "python -m flashdecode bench prefill --paged --no-grid",
+              "rows": [row, row2]}
     latest = tmp_path / "latest"
     latest.mkdir()
     (latest / "paged_prefill_a.json").write_text(json.dumps(record))

@@ -15,7 +15,8 @@ PAGE_SIZE > 0) finds each key block's pages in the table; keys on an id outside 
 never read). On sm_90 the warp-specialised Gluon forward (ops/gluon_attention.py gluon_paged_forward_into) takes
 16-bit calls whose pages hold whole key blocks (page sizes that are multiples of 64), without ALiBi, where its
 resolver says so (heuristics.PREFILL_PAGED_GLUON) or ``config=`` is a GluonFwdConfig (that launch, forced: a call
-it cannot take raises ValueError); there an id outside the cache reads zeros (never memory outside it). Metadata values (cu_seqlens_q, seqused_k, block_table ids, max_seqlen_q/k bounds) are checked on the
+it cannot take raises ValueError); there an id outside the cache reads zeros (never memory outside it). Metadata
+values (cu_seqlens_q, seqused_k, block_table ids, max_seqlen_q/k bounds) are checked on the
 host where they live there; device-resident metadata only with ``validate=True`` (one copy to the host, one sync).
 """
 

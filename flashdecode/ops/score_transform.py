@@ -4,7 +4,8 @@ Every op turns its options (softmax_scale, softcap, causal, window_size, alibi_s
 ScoreTransform: flash_attn / flash_attn_varlen and the paged prefill with ``build`` after their option checks,
 flash_decode / DecodePlan with ``build_for_decode`` (always causal among the new rows), flash_attn_with_kvcache for
 its own checks. The launches read the kernels' constants from it (``logit_scales``: the one place that folds
-log2(e) into the scale and the softcap, logit_scales_of) and the mask flags; the sinks step (ops/sinks.py) runs where ``sinks`` says.
+log2(e) into the scale and the softcap, logit_scales_of) and the mask flags; the sinks step (ops/sinks.py) runs where
+``sinks`` says.
 Masks are bottom-right aligned everywhere: query row i of a sequence with seqlen_q rows and seqlen_k keys sits at
 key position i + seqlen_k - seqlen_q. docs/architecture.md, "The score transform", describes it once.
 """
