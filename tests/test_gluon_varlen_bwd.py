@@ -31,15 +31,23 @@ def _cu(lens):
 def _acc_rows(lens, block_m=BLOCK_M):
     """For each sequence: (first packed row, first padded row, rows its query blocks cover)."""
     cu = _cu(lens).tolist()
-    return [(cu[b], cu[b] + b * block_m, -(-n // block_m) * block_m) for b, n in enumerate(lens)]
+    return [(cu[b], gluon_backward.varlen_acc_row(cu[b], b, block_m), -(-n // block_m) * block_m)
+            for b, n in enumerate(lens)]
 
 
-def test_rows_pad_leaves_every_sequence_a_block_of_slack():
-    assert gluon_backward.varlen_rows_pad(206, 5, 64) == 206 + 5 * 64 + 2  # rounded up to 4 (16-byte rows)
-    assert gluon_backward.varlen_rows_pad(1, 1, 128) % 4 == 0
-    for b, (_, acc, covered) in enumerate(_acc_rows(LENS)):
-        # the last query block of sequence b ends before sequence b + 1's first padded row
-        assert acc + covered <= (_cu(LENS)[b + 1] + (b + 1) * BLOCK_M)
+@pytest.mark.parametrize("lens,block_m", [(LENS, 64), ([1, 17, 200, 0, 1000, 1], 128), ([3, 129, 2, 250], 128)])
+def test_padded_rows_leave_slack_and_start_16_byte_aligned(lens, block_m):
+    """Each sequence's padded rows: its query blocks end before the next sequence's (or rows_pad), and they start
+    at a multiple of 4 rows - the kernel loads each query block's lse2 / delta (1, BLOCK_M) float32 tile by TMA at
+    column acc_row + m * BLOCK_M, and TMA faults ("illegal instruction") on an innermost coordinate that is not
+    16-byte aligned (acc_row = cu_q[b] + b * BLOCK_M was not, for lengths 1, 17, ...)."""
+    rows = _acc_rows(lens, block_m)
+    rows_pad = gluon_backward.varlen_rows_pad(sum(lens), len(lens), block_m)
+    assert rows_pad % 4 == 0  # (a row vector's 16-byte TMA row stride)
+    for b, (_, acc, covered) in enumerate(rows):
+        assert acc % 4 == 0, f"sequence {b}'s row tiles start unaligned"
+        end = rows[b + 1][1] if b + 1 < len(rows) else rows_pad
+        assert acc + covered <= end, f"sequence {b}'s last query block runs into the next one's rows"
 
 
 def test_varlen_preprocess_writes_padded_rows():
@@ -71,8 +79,8 @@ def test_varlen_preprocess_writes_padded_rows():
 
 
 def test_varlen_dq_kernel_takes_each_sequence_out_of_the_padded_rows():
-    """attn_bwd_varlen_dq_kernel (interpreter): dq[cu_q[b] + r] = dq_acc[cu_q[b] + b * BLOCK_M + r] cast to dq's
-    dtype; no other row of dq written."""
+    """attn_bwd_varlen_dq_kernel (interpreter): dq[cu_q[b] + r] = dq_acc[varlen_acc_row(cu_q[b], b) + r] cast to
+    dq's dtype; no other row of dq written."""
     gen = torch.Generator().manual_seed(1)
     heads, d, total = 2, 64, sum(LENS)
     rows_pad = gluon_backward.varlen_rows_pad(total, len(LENS), BLOCK_M)
@@ -112,7 +120,8 @@ class _EmulatedVarlenKernel:
         for b in range(cu_q.numel() - 1):
             q_row, len_q = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b])
             kv_row, len_k = int(cu_k[b]), int(cu_k[b + 1] - cu_k[b])
-            acc, rows = q_row + b * block_m, -(-len_q // block_m) * block_m
+            acc, rows = gluon_backward.varlen_acc_row(q_row, b, block_m), -(-len_q // block_m) * block_m
+            assert acc % 4 == 0, "a row tile's TMA load starts unaligned"
             pos = torch.arange(rows)
             keys, diag = torch.arange(len_k)[None, :], pos[:, None] + len_k - len_q
             visible = torch.ones(rows, len_k, dtype=torch.bool)

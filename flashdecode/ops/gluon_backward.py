@@ -22,7 +22,7 @@ from flashdecode.ops.launch_cache import ensure_triton_allocator
 from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
 __all__ = ["gluon_bwd_supported", "gluon_attention_backward", "gluon_backward_if_supported",
-           "gluon_varlen_bwd_supported", "gluon_varlen_backward", "varlen_rows_pad"]
+           "gluon_varlen_bwd_supported", "gluon_varlen_backward", "varlen_acc_row", "varlen_rows_pad"]
 
 
 def gluon_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -162,11 +162,20 @@ def gluon_backward_if_supported(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def varlen_acc_row(q_row: int, seq: int, block_m: int) -> int:
+    """Sequence seq's first row in the ragged backward's dQ accumulator and lse2 / delta row vectors, its first
+    packed row being q_row: q_row + seq * (block_m + 3) rounded up to 4. At least block_m slack rows follow each
+    sequence (a query block's tile past its sequence reads and adds there, not on the next sequence's rows), and
+    every row tile starts 16-byte aligned (the innermost coordinate of the kernel's TMA loads of the row vectors:
+    an unaligned one faults, "illegal instruction"). The kernels compute the same on the device
+    (kernels/gluon/bwd_channels.py seq_rows, kernels/gluon/attn_bwd.py _ragged_rows)."""
+    return cdiv(q_row + seq * (block_m + 3), 4) * 4
+
+
 def varlen_rows_pad(total_q: int, batch: int, block_m: int) -> int:
-    """Rows of the ragged backward's dQ accumulator and lse2 / delta row vectors: every sequence followed by
-    block_m slack rows (a query block's tile past its sequence reads and adds there, not on the next sequence's
-    rows; kernels/gluon/bwd_channels.py SeqRows), rounded up to 4 (a row vector's 16-byte TMA row stride)."""
-    return cdiv(total_q + batch * block_m, 4) * 4
+    """Rows of the ragged backward's dQ accumulator and lse2 / delta row vectors: past the last sequence's query
+    blocks (varlen_acc_row of a sequence after it), a multiple of 4 (a row vector's 16-byte TMA row stride)."""
+    return varlen_acc_row(total_q, batch, block_m)
 
 
 def gluon_varlen_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

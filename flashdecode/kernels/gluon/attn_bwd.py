@@ -486,8 +486,9 @@ def attn_bwd_ws_varlen_kernel(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_d
     HEAD_DIM) rows (their types and strides: the loads use the per-sequence copies); dk_ptr / dv_ptr: (total_k,
     nheads_kv, HEAD_DIM) contiguous in q's dtype, stored at the sequence's rows only. dq_acc (dq_ptr / dq_desc's
     (rows_pad, nheads * HEAD_DIM) rows, fp32, zeroed) and the row vectors (lse_desc / delta_desc: (nheads,
-    rows_pad) float32 contiguous, block [1, BLOCK_M]) hold sequence b's row r at cu_q[b] + b * BLOCK_M + r: each
-    sequence is followed by BLOCK_M slack rows (rows_pad >= total_q + batch * BLOCK_M), where a query block's dQ
+    rows_pad) float32 contiguous, block [1, BLOCK_M]) hold sequence b's row r at acc_row + r (acc_row = cu_q[b] + b
+    * (BLOCK_M + 3) rounded up to 4: 16-byte aligned row tiles, see SeqRows): each sequence is followed by at least
+    BLOCK_M slack rows (rows_pad = varlen_rows_pad(total_q, batch, BLOCK_M)), where a query block's dQ
     rows past the sequence land (zeros); attn_bwd_varlen_prep_kernel fills the row vectors, attn_bwd_varlen_dq_
     kernel takes dQ out. sem: (batch, nheads, cdiv(seqlen_q, BLOCK_M), 2) int32 zeroed (DETERMINISTIC). Other
     arguments as attn_bwd_ws_kernel's; the launch needs Triton's allocator (the descriptors' global scratch)."""
@@ -625,7 +626,8 @@ def _ragged_rows(cu_q, BLOCK_M: tl.constexpr):
     q_row = tl.load(cu_q + batch)
     len_q = tl.load(cu_q + batch + 1) - q_row
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return rows, rows < len_q, q_row, q_row + batch * BLOCK_M, tl.program_id(0) * BLOCK_M < len_q
+    acc_row = (q_row + batch * (BLOCK_M + 3) + 3) // 4 * 4  # (gluon_backward.varlen_acc_row's formula)
+    return rows, rows < len_q, q_row, acc_row, tl.program_id(0) * BLOCK_M < len_q
 
 
 @triton.jit
@@ -634,7 +636,7 @@ def attn_bwd_varlen_prep_kernel(Out, DO, Lse, Lse2, Delta, cu_q, o_strides, do_s
     """attn_bwd_prep_kernel for a ragged batch (attn_bwd_ws_varlen_kernel's row vectors). Grid (cdiv(max_seqlen_q,
     BLOCK_M), nheads, batch); cu_q int32 (batch + 1,). Out, DO: (total_q, nheads, HEAD_DIM) with (row, head, dim)
     strides o_strides / do_strides; Lse: (nheads, total_q) float32 contiguous, natural log. Writes D and lse2 of
-    sequence b's row r at column cu_q[b] + b * BLOCK_M + r of (nheads, rows_pad) float32 contiguous Delta / Lse2,
+    sequence b's row r at column acc_row + r (see _ragged_rows) of (nheads, rows_pad) float32 contiguous Delta / Lse2,
     every row of the sequence's query blocks (those past its length: D 0, lse2 +inf)."""
     head = tl.program_id(1)
     rows, inside, q_row, acc_row, any_row = _ragged_rows(cu_q, BLOCK_M)
@@ -653,7 +655,7 @@ def attn_bwd_varlen_prep_kernel(Out, DO, Lse, Lse2, Delta, cu_q, o_strides, do_s
 def attn_bwd_varlen_dq_kernel(DqAcc, Dq, cu_q, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_M: tl.constexpr):
     """dQ of a ragged batch out of attn_bwd_ws_varlen_kernel's padded accumulator: Dq[cu_q[b] + r] =
-    DqAcc[cu_q[b] + b * BLOCK_M + r] in Dq's dtype. Grid (cdiv(max_seqlen_q, BLOCK_M), NUM_HEADS, batch); DqAcc
+    DqAcc[acc_row + r] (see _ragged_rows) in Dq's dtype. Grid (cdiv(max_seqlen_q, BLOCK_M), NUM_HEADS, batch); DqAcc
     (rows_pad, NUM_HEADS, HEAD_DIM) float32 and Dq (total_q, NUM_HEADS, HEAD_DIM), both contiguous."""
     head = tl.program_id(1)
     rows, inside, q_row, acc_row, any_row = _ragged_rows(cu_q, BLOCK_M)

@@ -142,9 +142,10 @@ class SeqRows:
     0: it visits no query block).
     Fixed-length batches: rows batch * seqlen_q / batch * seqlen_k, acc_row = q_row.
     Ragged batches (cu_seqlens read on the device): q_row = cu_q[batch], kv_row = cu_k[batch], and acc_row =
-    q_row + batch * BLOCK_M - each sequence owns BLOCK_M rows of slack after its own in dq_acc and the row
-    vectors, so a query block's TMA reduce-add of the rows past the sequence (exact zeros) lands in its own
-    slack, never on the next sequence's rows."""
+    q_row + batch * (BLOCK_M + 3) rounded up to a multiple of 4 - each sequence owns at least BLOCK_M rows of
+    slack after its own in dq_acc and the row vectors, so a query block's TMA reduce-add of the rows past the
+    sequence (exact zeros) lands in its own slack, never on the next sequence's rows; and its row tiles start
+    16-byte aligned in the row vectors (their TMA loads' innermost coordinate: TMA faults on an unaligned one)."""
     len_q: RUNTIME
     len_k: RUNTIME
     q_row: RUNTIME
@@ -179,7 +180,10 @@ def seq_rows(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, batch, n_start):
         # a key block past its sequence's keys sees no query row: no query block to visit (no loads but K / V,
         # no steps; its dK / dV stores are masked off by len_k)
         len_q = gl.where(n_start < len_k, len_q, 0)
-        seq = SeqRows(len_q, len_k, q_row, kv_row, q_row + batch * BLOCK_M, gl.cdiv(seqlen_q, BLOCK_M))
+        # (ops.gluon_backward.varlen_acc_row's formula: rounded to 4 rows, so that the producer's TMA loads of the
+        # lse2 / delta row tiles start 16-byte aligned - an unaligned start is an illegal instruction)
+        acc_row = (q_row + batch * (BLOCK_M + 3) + 3) // 4 * 4
+        seq = SeqRows(len_q, len_k, q_row, kv_row, acc_row, gl.cdiv(seqlen_q, BLOCK_M))
     return seq
 
 
