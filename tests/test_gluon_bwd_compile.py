@@ -167,7 +167,7 @@ def test_gluon_varlen_backward_compiles_for_hopper_without_a_gpu():
 def test_backward_preprocess_pads_delta_and_lse2(seqlen_q, causal_empty_rows):
     """attn_bwd_prep_kernel (interpreter): Delta = rowsum(dO * O) and lse2 = lse * log2(e) with +inf for -inf, in
     buffers padded to whole 64-row blocks (padding Delta 0, lse2 +inf); strided O / dO."""
-    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_prep_kernel
+    from flashdecode.kernels.gluon.bwd_rows import attn_bwd_prep_kernel
 
     gen = torch.Generator().manual_seed(seqlen_q)
     batch, heads, d, block = 2, 3, 64, 64

@@ -15,7 +15,7 @@ import torch
 import flashdecode
 from flashdecode import heuristics
 from flashdecode.config import GluonBwdConfig
-from flashdecode.kernels.gluon import attn_bwd
+from flashdecode.kernels.gluon import attn_bwd, bwd_rows
 from flashdecode.ops import gluon_backward
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.reference import attention_varlen_ref
@@ -64,7 +64,7 @@ def test_varlen_preprocess_writes_padded_rows():
     lse2 = torch.full((heads, rows_pad), math.nan)
     delta = torch.full_like(lse2, math.nan)
     grid = (-(-max(LENS) // BLOCK_M), heads, len(LENS))
-    attn_bwd.attn_bwd_varlen_prep_kernel[grid](out, dout, lse, lse2, delta, _cu(LENS), out.stride(), dout.stride(),
+    bwd_rows.attn_bwd_varlen_prep_kernel[grid](out, dout, lse, lse2, delta, _cu(LENS), out.stride(), dout.stride(),
                                                total, rows_pad, HEAD_DIM=d, BLOCK_M=BLOCK_M)
     want_delta = (out.double() * dout.double()).sum(-1).transpose(0, 1)
     want_lse2 = torch.where(lse == -math.inf, math.inf, lse * 1.4426950408889634)
@@ -87,7 +87,7 @@ def test_varlen_dq_kernel_takes_each_sequence_out_of_the_padded_rows():
     dq_acc = torch.randn(rows_pad, heads, d, generator=gen)
     dq = torch.full((total + 3, heads, d), math.nan, dtype=torch.float16)  # 3 rows no sequence holds
     grid = (-(-max(LENS) // BLOCK_M), heads, len(LENS))
-    attn_bwd.attn_bwd_varlen_dq_kernel[grid](dq_acc, dq, _cu(LENS), NUM_HEADS=heads, HEAD_DIM=d, BLOCK_M=BLOCK_M)
+    bwd_rows.attn_bwd_varlen_dq_kernel[grid](dq_acc, dq, _cu(LENS), NUM_HEADS=heads, HEAD_DIM=d, BLOCK_M=BLOCK_M)
     for (q_row, acc, _), n in zip(_acc_rows(LENS), LENS):
         torch.testing.assert_close(dq[q_row:q_row + n], dq_acc[acc:acc + n].to(torch.float16))
     assert dq[total:].isnan().all()

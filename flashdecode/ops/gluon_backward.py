@@ -67,7 +67,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     bottom-right aligned. Returns dq, dk, dv contiguous like q, k, v in their dtype. deterministic: the dQ additions
     happen in one fixed order (bitwise reproducible); otherwise in arrival order (fp32 atomics). A NaN or inf in
     one batch element reaches only that element's gradients (cfg.seq_bounded, see GluonBwdConfig)."""
-    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_prep_kernel, attn_bwd_ws_kernel
+    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+    from flashdecode.kernels.gluon.bwd_rows import attn_bwd_prep_kernel
 
     cfg = config or resolve_gluon_bwd_config(q.shape[-1])
     batch, seqlen_q, nheads, headdim = q.shape
@@ -168,7 +169,7 @@ def varlen_acc_row(q_row: int, seq: int, block_m: int) -> int:
     sequence (a query block's tile past its sequence reads and adds there, not on the next sequence's rows), and
     every row tile starts 16-byte aligned (the innermost coordinate of the kernel's TMA loads of the row vectors:
     an unaligned one faults, "illegal instruction"). The kernels compute the same on the device
-    (kernels/gluon/bwd_channels.py seq_rows, kernels/gluon/attn_bwd.py _ragged_rows)."""
+    (kernels/gluon/bwd_channels.py seq_rows, kernels/gluon/bwd_rows.py _ragged_rows)."""
     return cdiv(q_row + seq * (block_m + 3), 4) * 4
 
 
@@ -237,8 +238,8 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seql
                      softcap: float, deterministic, cfg: GluonBwdConfig):
     """gluon_varlen_backward's launches: the preprocess into the padded row vectors, the kernel, dQ out of its
     padded accumulator (attn_bwd_varlen_dq_kernel). window: (left, right), (-1, 0) causal; softcap 0.0: off."""
-    from flashdecode.kernels.gluon.attn_bwd import (attn_bwd_varlen_dq_kernel, attn_bwd_varlen_prep_kernel,
-                                                    attn_bwd_ws_varlen_kernel)
+    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_varlen_kernel
+    from flashdecode.kernels.gluon.bwd_rows import attn_bwd_varlen_dq_kernel, attn_bwd_varlen_prep_kernel
 
     total_q, nheads, headdim = q.shape
     nheads_kv = k.shape[1]
