@@ -57,7 +57,9 @@ def warmup(nheads: int, nheads_kv: int, headdim: int, *, dtype=torch.bfloat16, d
            prefill_seqlens: Sequence[int] = (512,), backward: bool = False, workers: int = 4) -> dict:
     """Run the first call of every kernel variant a model of these heads needs (module doc). Returns
     {variant: seconds} (wall time of each first call, in its thread)."""
-    device = torch.device(device)
+    from flashdecode.ops.checks import full_device, interpreting
+
+    device = full_device(device)  # "cuda" -> "cuda:<current>": the worker threads set it (set_device needs an index)
     jobs = {}
     for capacity in capacities:
         for batch in batches:
@@ -73,8 +75,6 @@ def warmup(nheads: int, nheads_kv: int, headdim: int, *, dtype=torch.bfloat16, d
         start = time.perf_counter()
         fn(*args)
         return time.perf_counter() - start
-
-    from flashdecode.ops.checks import interpreting
 
     if workers <= 1 or interpreting(device):  # the CPU interpreter patches triton.language globally: one thread
         return {name: timed(fn, args) for name, (fn, args) in jobs.items()}

@@ -67,8 +67,11 @@ CPU_ONLY_TEST_FILES: dict[str, tuple[str, ...]] = {
     "tests/test_engine_config.py": (),  # EngineConfig checks; the engines it builds pin device="cpu"
     "tests/test_engine_flashinfer.py": (),  # a stand-in flashinfer on device="cpu" (the GPU one: *_gpu.py)
     "tests/test_engine_prefill_last.py": ("test_gpu_last_rows_prefill_matches_full_forward",),
+    "tests/test_gluon_bwd_compile.py": (),  # sm_90 compiles; the preprocess kernel in the interpreter
     "tests/test_gluon_compile.py": (),
     "tests/test_gluon_launch_cache.py": (),
+    "tests/test_gluon_paged.py": (),  # the paged Gluon dispatch on a faked Hopper (numerics: *_gpu.py)
+    "tests/test_gluon_varlen_bwd.py": (),  # host glue with the Gluon kernel emulated (numerics: *_gpu.py)
     "tests/test_gpu_check.py": (),
     "tests/test_heuristics.py": (),
     "tests/test_kv_cache.py": (),

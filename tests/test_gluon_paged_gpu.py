@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashdecode
-from flashdecode import heuristics
+from flashdecode import flash_attn_interface, heuristics
 from flashdecode import reference as ref
 from flashdecode.config import GluonFwdConfig
 from flashdecode.ops import attention_config, gluon_plan
@@ -189,8 +189,8 @@ def test_dispatch_switch_config_and_direct_launch(monkeypatch):
     qn = torch.randn(batch, chunk, 32, 128, device="cuda", dtype=torch.bfloat16)
     kn, vn = (torch.randn(batch, chunk, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lengths = torch.full((batch,), cached, dtype=torch.int32, device="cuda")
-    out = flashdecode.flash_attn_with_kvcache(qn, k_pages, v_pages, kn, vn, cache_seqlens=lengths,
-                                              block_table=table, causal=True)
+    out = flash_attn_interface.flash_attn_with_kvcache(qn, k_pages, v_pages, kn, vn, cache_seqlens=lengths,
+                                                       block_table=table, causal=True)
     assert paged_plans() - seen, "flash_attn_with_kvcache's chunk must take the paged Gluon plan"
     used = torch.full((batch,), cached + chunk, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, (batch + 1) * chunk, chunk, dtype=torch.int32, device="cuda")

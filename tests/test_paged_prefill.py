@@ -282,10 +282,11 @@ def test_with_kvcache_short_chunks_stay_on_the_decode_kernels(gen, monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _bad_call(gen, **changes):
-    """A valid paged call (two sequences, pages of 4) with ``changes`` applied to its arguments."""
+    """A valid paged call (two sequences, pages of 4) with ``changes`` applied to its arguments; validate=True so
+    that metadata on a GPU is read too (host-resident metadata is checked either way)."""
     q, kp, vp, table, cu_q, used = paged_inputs(gen, torch.float16, [3, 2], [6, 9], 2, 1, 16, 4, extra_pages=0)
     args = dict(q=q, k=kp, v=vp, cu_seqlens_q=cu_q, cu_seqlens_k=None, max_seqlen_q=3, max_seqlen_k=9,
-                block_table=table, seqused_k=used)
+                block_table=table, seqused_k=used, validate=True)
     args.update(changes)
     return flashdecode.flash_attn_varlen(**args)
 
