@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+from flashdecode.ops import checks
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.ops import gluon_plan
 from helpers import FakeCompiled as _FakeCompiled
@@ -64,7 +65,7 @@ def test_repeated_calls_launch_the_compiled_kernel_directly(stubbed):
     assert (stream, function, packed) == (7, "function-handle", "packed")
     # the kernel's whole parameter list: runtime arguments, then every constexpr in declaration order
     assert len(args) == len(attn_fwd_ws_kernel.arg_names) == len(jit_args) + len(constexprs)
-    assert args[5:9] == (num_tiles, 300, 200, 0.5 * ga.LOG2E)
+    assert args[5:9] == (num_tiles, 300, 200, 0.5 * checks.LOG2E)
     assert args[9:] == tuple(constexprs[n] for n in attn_fwd_ws_kernel.arg_names[9:])
     assert constexprs["GROUP"] == 2 and constexprs["CAUSAL"] is True
     for host, jit, x in zip(args[:3], jit_args[:3], (q, k, v)):  # descriptors: what the JIT launch described
@@ -282,7 +283,7 @@ def test_lpt_plans_launch_their_own_kernel_with_the_tile_lists(stubbed, monkeypa
     assert len(args) + len(constexprs) == len(attn_fwd_ws_lpt_kernel.arg_names)
     assert set(constexprs) == set(attn_fwd_ws_lpt_kernel.arg_names[10:])
     launch = compiled.launches[-1][9:]
-    assert launch[5:10] == (num_tiles, 1000, 1000, q.shape[-1] ** -0.5 * ga.LOG2E, plan.sched_ptr[0])
+    assert launch[5:10] == (num_tiles, 1000, 1000, q.shape[-1] ** -0.5 * checks.LOG2E, plan.sched_ptr[0])
     assert launch[10:] == tuple(constexprs[n] for n in attn_fwd_ws_lpt_kernel.arg_names[10:])
     with pytest.raises(ValueError, match="tile_order"):
         ga.GluonFwdConfig(q_buffers=2, tile_order="lpt")  # lists per persistent CTA

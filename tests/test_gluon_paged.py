@@ -11,6 +11,7 @@ import flashdecode
 from flashdecode import heuristics
 from flashdecode.config import GluonFwdConfig
 from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_paged_kernel
+from flashdecode.ops import checks
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.ops import gluon_plan
 from helpers import FakeCompiled
@@ -151,7 +152,7 @@ def test_launch_hands_the_kernel_its_paged_arguments(fake_hopper, monkeypatch):
                                                                                        softcap > 0)
         cfg = heuristics.resolve_gluon_paged_config(128, causal, 128, 256)
         num_tiles = -(-130 // cfg.block_m) * 3 * 8
-        scale, cap = (0.1 / softcap, softcap * ga.LOG2E) if softcap else (0.1 * ga.LOG2E, 0.0)
+        scale, cap = (0.1 / softcap, softcap * checks.LOG2E) if softcap else (0.1 * checks.LOG2E, 0.0)
         assert args[5:9] == (num_tiles, 130, q.shape[0], scale)
         assert args[9] is cu_q and args[10] is used and args[11] is table
         assert args[12:] == (2, 2, 6, left, right, cap)
@@ -188,7 +189,7 @@ def test_public_call_with_a_gluon_config_reaches_the_kernel(fake_hopper):
     assert kernel == dict(paged=True) and out.shape == q.shape and lse.shape == (8, q.shape[0])
     assert args[3] is out and args[4] is lse
     assert constexprs["NUM_STAGES"] == 3 and constexprs["WINDOW"] and constexprs["SOFTCAP"]
-    assert not constexprs["CAUSAL"] and args[8] == 0.25 / 30.0 and args[17] == 30.0 * ga.LOG2E
+    assert not constexprs["CAUSAL"] and args[8] == 0.25 / 30.0 and args[17] == 30.0 * checks.LOG2E
     assert args[15:17] == (16, 4)
     with pytest.raises(ValueError, match="alibi_slopes"):  # what the Gluon kernel does not take: refused up front
         flashdecode.flash_attn_varlen(q, k_cache, v_cache, cu_q, None, 130, 256, block_table=table, seqused_k=used,

@@ -17,7 +17,8 @@ import flashdecode
 from flashdecode import flash_attn_interface as fai
 from flashdecode.ops import attention as attn_ops
 from flashdecode.ops import checks, decode, paged_prefill, score_transform
-from flashdecode.ops.score_transform import ScoreTransform, build, build_for_decode, logit_scales_of
+from flashdecode.ops.score_transform import (ScoreTransform, build, build_for_decode, log2_scale_of, logit_scales_of,
+                                             tanh_log2_scales_of)
 from helpers import DEVICE
 
 LOG2E = 1 / math.log(2)
@@ -44,6 +45,19 @@ def test_logit_scales_fold_log2e_once():
     assert t.logit_scales == (qk_scale, softcap_log2)
     qk = 7.0  # the score the kernels compute from those constants, in natural units
     assert math.tanh(qk * qk_scale) * softcap_log2 / LOG2E == pytest.approx(30.0 * math.tanh(0.25 * qk / 30.0))
+
+
+def test_gluon_scales_share_the_fold():
+    """The Gluon launches' scalars: log2_scale_of is logit_scales_of's scale without a softcap; the backward's
+    (softcap_scale, softcap_log2) give, in its exp2 tanh (kernels/gluon/score.py), softcap * tanh(scale * qk /
+    softcap) in log2 units, the cap as logit_scales_of's; zeros without a softcap."""
+    assert log2_scale_of(0.25) == logit_scales_of(0.25, 0.0)[0]
+    assert tanh_log2_scales_of(0.25, 0.0) == (0.0, 0.0)
+    softcap_scale, softcap_log2 = tanh_log2_scales_of(0.25, 30.0)
+    assert softcap_log2 == logit_scales_of(0.25, 30.0)[1]
+    qk = 7.0
+    tanh = 1.0 - 2.0 / (2.0 ** (qk * softcap_scale) + 1.0)
+    assert tanh * softcap_log2 / LOG2E == pytest.approx(30.0 * math.tanh(0.25 * qk / 30.0), rel=1e-12)
 
 
 def test_transforms_compare_by_their_options():

@@ -18,11 +18,11 @@ from flashdecode.heuristics import (FP8_BN256_MIN_KEYS, FP8_HEAD_DIMS, GLUON_HD6
                                     GLUON_HEAD_DIMS, LPT_TILE_OVERHEAD_BLOCKS, RAGGED_PAIRS_MAX_KEYS,
                                     THREE_CONSUMERS_MIN_KEYS, gluon_pays, resolve_gluon_bwd_config,
                                     resolve_gluon_config, resolve_gluon_fp8_config, resolve_gluon_varlen_config)
-from flashdecode.ops.checks import FP8_DTYPE, LOG2E, check_bool, check_tensor, interpreting, resolve_scale
+from flashdecode.ops.checks import FP8_DTYPE, check_bool, check_tensor, interpreting, resolve_scale
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.gluon_plan import (NOT_APPLICABLE, PLANS, GluonPlan, lpt_schedule, run_plan,  # noqa: F401
                                         tile_key_blocks)
-from flashdecode.ops.score_transform import logit_scales_of
+from flashdecode.ops.score_transform import log2_scale_of, logit_scales_of
 from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
@@ -192,9 +192,9 @@ def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan is NOT_APPLICABLE or not aligned16(q, k, v):
         return False
     if plan.compiled is None:  # the first (JIT) launch takes tensors, later ones their addresses
-        plan.launch(q, k, v, out, lse, softmax_scale * LOG2E, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+        plan.launch(q, k, v, out, lse, log2_scale_of(softmax_scale), cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
     else:
-        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), softmax_scale * LOG2E,
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), log2_scale_of(softmax_scale),
                     cu_seqlens=(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
     return True
 
@@ -348,6 +348,6 @@ def gluon_fp8_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     if plan is None or not (out.is_contiguous() and lse.is_contiguous() and out.dtype == torch.bfloat16):
         return False
     vt, _ = fp8_v_transposed(v, key_order="wgmma")
-    plan.launch(q, k, vt, out, lse, softmax_scale * LOG2E,
+    plan.launch(q, k, vt, out, lse, log2_scale_of(softmax_scale),
                 descales=(qk_descale.contiguous(), v_descale.contiguous()))
     return True

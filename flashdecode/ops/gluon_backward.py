@@ -15,10 +15,11 @@ import torch
 from flashdecode import heuristics
 from flashdecode.config import GluonBwdConfig
 from flashdecode.heuristics import resolve_gluon_bwd_config
-from flashdecode.ops.checks import LOG2E, interpreting
+from flashdecode.ops.checks import interpreting
 from flashdecode.ops.gluon_attention import supported_problem
 from flashdecode.ops.gluon_plan import rows_view
 from flashdecode.ops.launch_cache import ensure_triton_allocator
+from flashdecode.ops.score_transform import log2_scale_of, tanh_log2_scales_of
 from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
 __all__ = ["gluon_bwd_supported", "gluon_attention_backward", "gluon_backward_if_supported",
@@ -93,7 +94,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     with torch.cuda.device(q.device):
         if bounded:
             ensure_triton_allocator()  # (the kernel makes its per-element descriptors in a global scratch)
-        attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, scale * LOG2E, scale,
+        attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, log2_scale_of(scale), scale,
                                  *((q, dout, k, v) if bounded else (None, ) * 4), SEQ_BOUNDED=bounded,
                                  **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
     return dq_acc.to(q.dtype), dk, dv
@@ -265,23 +266,15 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seql
     with torch.cuda.device(q.device):
         if cfg.seq_bounded:
             ensure_triton_allocator()  # (the kernel makes its per-sequence descriptors in a global scratch)
-        attn_bwd_ws_varlen_kernel[grid](*descs, dk, dv, dq_acc, sem, max_seqlen_q, max_seqlen_k, scale * LOG2E,
+        attn_bwd_ws_varlen_kernel[grid](*descs, dk, dv, dq_acc, sem, max_seqlen_q, max_seqlen_k, log2_scale_of(scale),
                                         scale, cu_q, cu_k, q, dout, k, v, left, right,
-                                        *_softcap_args(softcap, scale), SEQ_BOUNDED=cfg.seq_bounded,
+                                        *tanh_log2_scales_of(scale, softcap), SEQ_BOUNDED=cfg.seq_bounded,
                                         WINDOW=sliding, SOFTCAP=softcap > 0.0,
                                         **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
     dq = torch.empty((total_q, nheads, headdim), dtype=q.dtype, device=q.device)
     attn_bwd_varlen_dq_kernel[row_grid](dq_acc, dq, cu_q, NUM_HEADS=nheads, HEAD_DIM=headdim, BLOCK_M=cfg.block_m,
                                         num_warps=4)
     return dq, dk, dv
-
-
-def _softcap_args(softcap: float, scale: float) -> tuple:
-    """The ragged kernel's softcap_scale, softcap_log2 (tanh's argument doubled for its exp2 form, and the cap in
-    log2 units; zeros when softcap is off)."""
-    if softcap == 0.0:
-        return 0.0, 0.0
-    return 2.0 * scale * LOG2E / softcap, softcap * LOG2E
 
 
 def _row_vector_descriptor(rows: torch.Tensor, block_m: int):

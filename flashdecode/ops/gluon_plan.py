@@ -15,8 +15,9 @@ import torch
 from flashdecode.config import TILE_ORDERS, GluonFwdConfig
 from flashdecode.heuristics import LPT_TILE_OVERHEAD_BLOCKS
 from flashdecode.ops import direct_launch
-from flashdecode.ops.checks import FP8_DTYPE, LOG2E
+from flashdecode.ops.checks import FP8_DTYPE
 from flashdecode.ops.launch_cache import PlanCache, launch_through_triton, recordable
+from flashdecode.ops.score_transform import log2_scale_of
 from flashdecode.ops.util import cdiv, num_sms
 
 __all__ = ["GluonPlan", "PLANS", "NOT_APPLICABLE", "run_plan", "tile_key_blocks", "lpt_schedule", "rows_view"]
@@ -276,12 +277,12 @@ def run_plan(plan: GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptrs
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     if plan.compiled is None:  # the first (JIT) launch takes tensors
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
-        plan.launch(q, k, v, out, lse, scale * LOG2E)
+        plan.launch(q, k, v, out, lse, log2_scale_of(scale))
         return out, lse if need_lse else None
     lse_ptr = None if need_lse else plan.lse_discard()
     if lse_ptr is None:
         lse = direct_launch.empty_from(plan.lse_template, plan.lse_shape, torch.float32, q.device)
-        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), scale * LOG2E, ptrs)
+        plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), log2_scale_of(scale), ptrs)
         return out, lse if need_lse else None
-    plan.launch(q, k, v, out.data_ptr(), lse_ptr, scale * LOG2E, ptrs)
+    plan.launch(q, k, v, out.data_ptr(), lse_ptr, log2_scale_of(scale), ptrs)
     return out, None

@@ -1,11 +1,13 @@
-"""The score transform of an attention call, described once on the host (its kernel half: kernels/score.py).
+"""The score transform of an attention call, described once on the host (its kernel halves: kernels/score.py for
+the Triton kernels, kernels/gluon/score.py for the Gluon ones).
 
 Every op turns its options (softmax_scale, softcap, causal, window_size, alibi_slopes, sinks) into one frozen
 ScoreTransform: flash_attn / flash_attn_varlen and the paged prefill with ``build`` after their option checks,
 flash_decode / DecodePlan with ``build_for_decode`` (always causal among the new rows), flash_attn_with_kvcache for
 its own checks. The launches read the kernels' constants from it (``logit_scales``: the one place that folds
 log2(e) into the scale and the softcap, logit_scales_of) and the mask flags; the sinks step (ops/sinks.py) runs where
-``sinks`` says.
+``sinks`` says. The Gluon launches take their scalars from the same functions: log2_scale_of, logit_scales_of (the
+paged forward's softcap) and tanh_log2_scales_of (the ragged backward's softcap).
 Masks are bottom-right aligned everywhere: query row i of a sequence with seqlen_q rows and seqlen_k keys sits at
 key position i + seqlen_k - seqlen_q. docs/architecture.md, "The score transform", describes it once.
 """
@@ -16,9 +18,15 @@ from dataclasses import dataclass, field
 
 from flashdecode.ops import checks
 
-__all__ = ["ScoreTransform", "build", "build_for_decode", "logit_scales_of"]
+__all__ = ["ScoreTransform", "build", "build_for_decode", "log2_scale_of", "logit_scales_of", "tanh_log2_scales_of"]
 
 _INT32_MAX = 2 ** 31 - 1  # window bounds are clamped to it: a huge window means "unbounded", and stays an i32
+
+
+def log2_scale_of(scale: float) -> float:
+    """scale * log2(e): the scores' scale in log2 units without a softcap (the kernels use exp2). The Gluon
+    forward's and backward's qk_scale_log2 (kernels/gluon/score.py)."""
+    return scale * checks.LOG2E
 
 
 def logit_scales_of(scale: float, softcap: float) -> tuple[float, float]:
@@ -28,7 +36,17 @@ def logit_scales_of(scale: float, softcap: float) -> tuple[float, float]:
     their per-call scale; everything else reads ScoreTransform.logit_scales."""
     if softcap > 0.0:
         return scale / softcap, softcap * checks.LOG2E
-    return scale * checks.LOG2E, 0.0
+    return log2_scale_of(scale), 0.0
+
+
+def tanh_log2_scales_of(scale: float, softcap: float) -> tuple[float, float]:
+    """(softcap_scale, softcap_log2), the Gluon backward's softcap constants (kernels/gluon/score.py
+    capped_scores_and_tanh): tanh's exp2 argument per raw score, 2 * scale * log2(e) / softcap (folded here, where
+    logit_scales_of leaves scale / softcap for the kernel to double), and the cap softcap * log2(e), as in
+    logit_scales_of; (0.0, 0.0) without a softcap."""
+    if softcap > 0.0:
+        return 2.0 * scale * checks.LOG2E / softcap, softcap * checks.LOG2E
+    return 0.0, 0.0
 
 
 @dataclass(frozen=True)

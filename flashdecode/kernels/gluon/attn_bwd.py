@@ -71,6 +71,7 @@ from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
 from flashdecode.kernels.gluon.bwd_channels import (BwdConfig, BwdGlobals, BwdInputs, DqChannel, WarpgroupKeys,
                                                    key_block, seq_rows, step_block)
 from flashdecode.kernels.gluon.layouts import mma_layout, store_layout
+from flashdecode.kernels.gluon.score import capped_scores_and_tanh, softcap_grad
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's wgmma M
 NUM_CONSUMERS = gl.constexpr(2)
@@ -300,9 +301,8 @@ def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.
     dp_t = warpgroup_mma(v_c, do.permute((1, 0)), dp_init, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # wgmma groups retire in order: S^T done, dP^T may still run
     if cfg.SOFTCAP:
-        # tanh(x) = 1 - 2 / (1 + e^(2x)) (e^(2x) overflowing to inf gives exactly 1: no NaN for any logit)
-        tanh = 1.0 - 2.0 / (1.0 + gl.exp2(s_t * glob.softcap_scale))
-        p_t = gl.exp2(tanh * glob.softcap_log2 - inputs.lse_smem.index(slot).load(s_layout))
+        capped, tanh = capped_scores_and_tanh(s_t, glob.softcap_scale, glob.softcap_log2)
+        p_t = gl.exp2(capped - inputs.lse_smem.index(slot).load(s_layout))
     else:
         p_t = gl.exp2(s_t * qk_scale_log2)
     if MASKED:
@@ -311,8 +311,8 @@ def _bwd_step(it, m, head, dk, dv, cfg, inputs, dqc, glob, kb, keys, MASKED: gl.
             visible = visible & (gl.expand_dims(offs, 0) <= gl.expand_dims(keys.last_row, 1))
         p_t = gl.where(visible, p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-    if cfg.SOFTCAP:  # dS through softcap * tanh: times 1 - tanh^2 (P's fp32 copy is only dS's from here)
-        p_t = p_t * (1.0 - tanh * tanh)
+    if cfg.SOFTCAP:  # dS through softcap * tanh (P's fp32 copy is only dS's from here)
+        p_t = softcap_grad(p_t, tanh)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
     ds_t = (p_t * dp_t).to(dtype)

@@ -99,7 +99,7 @@ class BwdGlobals:
     1,) cumulative lengths cu_q_ptr / cu_k_ptr (None: fixed-length; key_block reads them), WINDOW's bounds
     window_left / window_right (-1: unbounded; -1 constants without WINDOW), and SOFTCAP's softcap_scale = 2 *
     softmax_scale * log2(e) / softcap (tanh's argument, doubled for its exp2 form) and softcap_log2 = softcap *
-    log2(e) (0.0 constants without SOFTCAP)."""
+    log2(e) (0.0 constants without SOFTCAP; the score transform: kernels/gluon/score.py)."""
     dk_ptr: gl.tensor
     dv_ptr: gl.tensor
     dq_ptr: gl.tensor

@@ -5,6 +5,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from flashdecode.kernels.gluon.layouts import OPTIONAL, RUNTIME, aggregate, optional, runtime, store_layout
+from flashdecode.kernels.gluon.score import capped_scores_log2
 
 LN2 = gl.constexpr(0.6931471805599453)  # lse is stored in natural-log units
 
@@ -55,11 +56,11 @@ class RowMask:
     @gluon.jit
     def softcap(self, s, qk_scale_log2):
         """(scores, scale) of one block's raw dot products s for softmax_step: with a softcap (opts), the capped
-        scores in log2 units and scale 1; else s and qk_scale_log2 as they are."""
+        scores in log2 units (score.capped_scores_log2) and scale 1; else s and qk_scale_log2 as they are."""
         scale = qk_scale_log2
         if self.opts is not None:
             if self.opts.softcap_log2 is not None:
-                s = tanh_saturating(s * qk_scale_log2) * self.opts.softcap_log2
+                s = capped_scores_log2(s, qk_scale_log2, self.opts.softcap_log2)
                 scale = 1.0
         return s, scale
 
@@ -76,13 +77,6 @@ class RowMask:
         if MASKED:
             s, scale = self.masked(s, scale, n_start, P_LOG2_SCALE)
         return s, scale
-
-
-@gluon.jit
-def tanh_saturating(x):
-    """tanh(x) = 1 - 2 / (exp(2x) + 1): +-1 for huge |x| (exp2 gives inf or 0), never NaN from a finite x; NaN
-    stays NaN."""
-    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @gluon.jit
