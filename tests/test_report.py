@@ -244,3 +244,15 @@ def test_benchmarks_page_renders_the_hf_generate_records_eager_and_compiled_apar
     assert "| dynamic | 1 | 4k | 120.0 | 100.0 | 1.20x | 1.10x | 0.050 / 0.060 |" in text
     assert "| static | 1 | 4k | 300.0 | - |" in text and "static 1x4096 sdpa: RuntimeError: boom" in text
     assert text.count("## transformers generate with our attention backend") == 2
+
+
+def test_records_of_one_minute_do_not_overwrite_each_other(tmp_path):
+    """Two runs named by the same minute keep both records (-2 before the suffix); overwrite=True rewrites one
+    record in place (a record written as its rows complete)."""
+    path = tmp_path / "serve_gpu_2026-01-01T0000.json"
+    first = report.write_json(path, "custom", {}, [{"a": 1}])
+    second = report.write_json(path, "custom", {}, [{"a": 2}])
+    assert first == path and second == tmp_path / "serve_gpu_2026-01-01T0000-2.json"
+    assert json.loads(first.read_text())["rows"] == [{"a": 1}] and json.loads(second.read_text())["rows"] == [{"a": 2}]
+    again = report.write_json(path, "custom", {}, [{"a": 3}], overwrite=True)
+    assert again == path and json.loads(path.read_text())["rows"] == [{"a": 3}]

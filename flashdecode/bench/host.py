@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     import json
     import pathlib
 
-    from flashdecode.bench.report import result_stem, results_dir, write_json
+    from flashdecode.bench.report import free_path, result_stem, results_dir, write_json
     from flashdecode.timing import env_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -400,9 +400,10 @@ def main(argv=None) -> int:
         print(f"wrote {path}", flush=True)
     if args.generate:
         print(f"# transformers generate, {args.layers} layers, rows {args.rows} on {env['device']}", flush=True)
-        path = pathlib.Path(out_dir) / f"{result_stem('hf_generate', env)}.json"
+        path = free_path(pathlib.Path(out_dir) / f"{result_stem('hf_generate', env)}.json")
         generate_rows(args.layers, rows, on_row=lambda done: print(
-            f"wrote {write_json(path, 'hf_generate', env, done)} ({len(done)} of {len(rows)} rows)", flush=True))
+            f"wrote {write_json(path, 'hf_generate', env, done, overwrite=True)} ({len(done)} of {len(rows)} rows)",
+            flush=True))
     return 0
 
 

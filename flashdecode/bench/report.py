@@ -96,11 +96,23 @@ def markdown_table(rows: list[dict], columns: list[str], fmt: dict | None = None
     return "\n".join(lines)
 
 
-def write_json(path: Path, kind: str, env: dict, rows: list[dict], extra: dict | None = None) -> Path:
+def free_path(path: Path) -> Path:
+    """path, or path with -2, -3, ... before its suffix where a file is there already (records are named by the
+    minute: two runs in one minute must not overwrite each other)."""
+    n, free = 2, path
+    while free.exists():
+        free, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return free
+
+
+def write_json(path: Path, kind: str, env: dict, rows: list[dict], extra: dict | None = None,
+               overwrite: bool = False) -> Path:
     """The record every benchmark writes: kind, env, git_commit, command (pasteable), rows, then ``extra``; and,
-    for the kinds ``plot_record`` draws, its figure beside it (same stem, .png; listed under "plots")."""
+    for the kinds ``plot_record`` draws, its figure beside it (same stem, .png; listed under "plots"). A record
+    already at path is kept (free_path) unless ``overwrite`` (a record rewritten as its rows complete)."""
     record = {"kind": kind, "env": env, "git_commit": git_commit(), "command": user_command(sys.argv), "rows": rows}
     record.update(extra or {})
+    path = path if overwrite else free_path(path)
     path.write_text(json.dumps(record, indent=1))  # the numbers first: a figure that fails must not lose them
     try:
         png = plot_record(record, path.with_suffix(".png"))
