@@ -3,6 +3,7 @@ without them, whatever was cached, shared, evicted, preempted or chunked."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -292,14 +293,45 @@ def test_prefill_paged_reads_8bit_pages_with_their_scales(name, gen, device):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+def test_flashdecode_backend_prefills_with_resolved_untimed_tiles(gen, device):
+    """The flashdecode backend's prefill calls pass config= the resolved configuration with autotuning off (one per
+    length class: a new key-length bucket never times tiles inside a request), or None with prefill_autotune."""
+    from flashdecode.engine.backends import make_backend
+    from flashdecode.heuristics import PREFILL_LENGTH_THRESHOLDS
+    from flashdecode.ops.attention_config import resolve_config
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    q, k_cache, v_cache, meta, tables = paged_case(gen, device, dtype)
+    backend = make_backend("flashdecode", device)
+    seen, varlen = [], backend._varlen
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["config"])
+        return varlen(*args, **kwargs)
+    backend._varlen = spy
+    backend.prefill_paged(q, k_cache, v_cache, meta)
+    backend.prefill_paged(q, k_cache, v_cache, meta)
+    want = resolve_config(q, k_cache, v_cache, meta.max_seqlen_k)
+    assert seen[0] is seen[1] and not seen[0].fwd_autotune
+    assert seen[0] == dataclasses.replace(want, fwd_autotune=False)
+    long = backend._config(q, k_cache, v_cache, max(PREFILL_LENGTH_THRESHOLDS))
+    assert long is not seen[0] and long == dataclasses.replace(
+        resolve_config(q, k_cache, v_cache, max(PREFILL_LENGTH_THRESHOLDS)), fwd_autotune=False)
+    backend.prefill_autotune = True
+    backend.prefill_paged(q, k_cache, v_cache, meta)
+    assert seen[2] is None
+
+
 def test_flashdecode_backend_prefix_caching_and_chunks_match_it_without(ckpt):
     """The Triton paged prefill in the engine (the interpreter on the CPU): a shared prefix, then a prompt in
-    chunks; greedy tokens equal to the same backend with both features off."""
+    chunks; greedy tokens equal to the same backend with both features off (that one with prefill_autotune)."""
     prompts = shared_prefix_prompts(system_len=9, tails=(3, 11))
     kw = dict(attn_backend="flashdecode", max_num_seqs=1, device="cuda" if torch.cuda.is_available() else "cpu")
-    want = run(make(ckpt, enable_prefix_caching=False, **kw), prompts, greedy(3, logprobs=False))
+    off = make(ckpt, enable_prefix_caching=False, prefill_autotune=True, **kw)
+    assert off.backend.prefill_autotune
+    want = run(off, prompts, greedy(3, logprobs=False))
     llm = make(ckpt, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=6, **kw)
-    assert llm.backend.paged_varlen
+    assert llm.backend.paged_varlen and not llm.backend.prefill_autotune
     assert_same(run(llm, prompts, greedy(3, logprobs=False)), want)
     assert llm.stats.prefix_cache_hits == 8
 

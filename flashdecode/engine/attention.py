@@ -369,19 +369,46 @@ class FlashDecodeBackend(AttentionBackend):
         self.num_splits = num_splits
         self.batch_invariant = False  # LLM(batch_invariant=True): plans made with it (ops/decode.py DecodePlan)
         self.plans: dict[tuple, object] = {}
+        # LLM(prefill_autotune=True): the prefill kernels time their candidate tiles on the first call of each
+        # (query, key) length bucket - about a second inside a request; off, they take the resolved first tile
+        self.prefill_autotune = False
+        self._prefill_configs: dict[tuple, object] = {}
+
+    def _config(self, q, k, v, max_seqlen_k: int):
+        """config= of a prefill call: None (resolved per call, autotuned) with prefill_autotune, else the
+        resolved configuration with autotuning off, made once per length class, dtype, head dim, cache layout and
+        tensor-descriptor eligibility (what resolve_config looks at). q (tokens, nheads, headdim) or (1, tokens,
+        nheads, headdim); k, v as the call takes them (packed, dense or pages)."""
+        if self.prefill_autotune:
+            return None
+        from flashdecode.heuristics import prefill_length_class
+        from flashdecode.ops.attention_config import resolve_config
+        from flashdecode.ops.util import tma_layout_ok
+
+        key = (prefill_length_class(max_seqlen_k), q.dtype, k.dtype, q.shape[-1], k.dim(), q.device,
+               tma_layout_ok(q, k, v))
+        config = self._prefill_configs.get(key)
+        if config is None:
+            config = dataclasses.replace(resolve_config(q, k, v, max_seqlen_k), fwd_autotune=False)
+            self._prefill_configs[key] = config
+        return config
 
     def prefill(self, q, k, v, meta):
         if meta.seqlens is not None and len(meta.seqlens) == 1:
             # one prompt (a long-context prefill): the dense call, which takes the Hopper (Gluon) kernel on sm_90;
             # varlen runs the Triton kernel everywhere
-            return self._dense(q[None], k[None], v[None], causal=True, window_size=self.window_size)[0]
+            q, k, v = q[None], k[None], v[None]
+            return self._dense(q, k, v, causal=True, window_size=self.window_size,
+                               config=self._config(q, k, v, k.shape[1]))[0]
         # the runner built cu_seqlens from host lengths: skip the value check's host sync (one per layer)
         return self._varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-                            causal=True, window_size=self.window_size, check_seqlens=False)
+                            causal=True, window_size=self.window_size, check_seqlens=False,
+                            config=self._config(q, k, v, meta.max_seqlen))
 
     def prefill_last(self, q, k, v, meta):
         return self._varlen(q, k, v, _one_query_each(q), meta.cu_seqlens, 1, meta.max_seqlen, causal=True,
-                            window_size=self.window_size, check_seqlens=False)
+                            window_size=self.window_size, check_seqlens=False,
+                            config=self._config(q, k, v, meta.max_seqlen))
 
     def prefill_paged(self, q, k_cache, v_cache, meta, last_only: bool = False):
         quant = isinstance(k_cache, QuantPages)
@@ -394,11 +421,13 @@ class FlashDecodeBackend(AttentionBackend):
         cu_q, max_q, _ = _paged_queries(q, meta, last_only)
         return self._varlen(q, k_cache, v_cache, cu_q, None, max_q, meta.max_seqlen_k, causal=True,
                             window_size=self.window_size, block_table=meta.block_tables,
-                            seqused_k=meta.context_lens, check_seqlens=False, **scales)
+                            seqused_k=meta.context_lens, check_seqlens=False,
+                            config=self._config(q, k_cache, v_cache, meta.max_seqlen_k), **scales)
 
     def attend_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_lens, k_lens):
         return self._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
-                            window_size=self.window_size, check_seqlens=False)
+                            window_size=self.window_size, check_seqlens=False,
+                            config=self._config(q, k, v, max_seqlen_k))
 
     def _plan(self, q, k_cache, block_tables):
         capacity = block_tables.shape[1] * k_cache.shape[1]

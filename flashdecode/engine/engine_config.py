@@ -69,6 +69,10 @@ class EngineConfig:
             or the other sequences' lengths (flash_decode(batch_invariant=True); flashdecode backends only).
             The linear layers stay the library's (cuBLAS may pick other kernels per batch size), so bitwise
             equal logits across batches also need batch-invariant GEMMs; attention is what this flag fixes.
+        prefill_autotune: let the Triton prefill kernels (flashdecode backends) time their candidate tiles on the
+            first call of each (query, key) length bucket, as a direct flash_attn call does: about a second inside
+            the request that meets a new bucket (a prefix-cache hit with a longer history, a longer chunk). False
+            (default): the resolved first tile of each length class, never timed inside a request (vLLM's rule).
         kv_cache_dtype: "auto" (the model's dtype), "fp8" (float8_e4m3fn) or "int8": 8-bit K/V pages with a float32
             scale per token and kv head (~1.94x the tokens in the same memory at head dim 128; flashdecode
             backends, or torch on the CPU; engine/kv_quant.py).
@@ -114,6 +118,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     batch_invariant: bool = False
+    prefill_autotune: bool = False
     kv_cache_dtype: str = "auto"
     pdl: str | bool = "auto"
     async_scheduling: str | bool = "auto"
@@ -139,7 +144,7 @@ class EngineConfig:
         check_int("seed", self.seed)
         _check_kv_cache_memory(self.kv_cache_memory)
         resolve_kv_cache_dtype(self.kv_cache_dtype)
-        for name in ("enforce_eager", "use_tqdm", "batch_invariant", "enable_chunked_prefill",
+        for name in ("enforce_eager", "use_tqdm", "batch_invariant", "prefill_autotune", "enable_chunked_prefill",
                      "chunked_prefill_single_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

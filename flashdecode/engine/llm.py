@@ -124,6 +124,8 @@ class LLM:
                 raise ValueError(f"batch_invariant=True needs attn_backend 'flashdecode' or 'flashdecode-nosplit', "
                                  f"got {backend.name!r}")
             backend.batch_invariant = True
+        if hasattr(backend, "prefill_autotune"):
+            backend.prefill_autotune = cfg.prefill_autotune
         return backend
 
     def _model(self, cfg: EngineConfig, prebuilt) -> torch.nn.Module:
