@@ -8,6 +8,7 @@ forward outputs, 3 for gradients and decode.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -19,6 +20,25 @@ from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
 # tests/test_bf16.py runs bf16 through the README's tour on the CPU (the FP8 forward's bf16 output:
 # quant_helpers.check_fp8).
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
+
+
+def pairwise(*axes) -> list[tuple]:
+    """Cases covering every pair of values of any two axes (a greedy covering array, in a fixed order): on the CPU
+    interpreter, where a full grid of slow kernel cases costs minutes, a parametrisation runs these; on a GPU,
+    grid() runs the whole cartesian product."""
+    every = list(itertools.product(*axes))
+    pairs = lambda case: {(i, a, j, b) for i, a in enumerate(case) for j, b in enumerate(case) if i < j}  # noqa: E731
+    missing, cases = set().union(*map(pairs, every)), []
+    while missing:
+        best = max(every, key=lambda case: len(pairs(case) & missing))  # the first of the most new pairs
+        cases.append(best)
+        missing -= pairs(best)
+    return cases
+
+
+def grid(*axes) -> list[tuple]:
+    """A parametrisation's cases: the cartesian product of the axes on a GPU, a pairwise covering on the CPU."""
+    return list(itertools.product(*axes)) if HAS_CUDA else pairwise(*axes)
 
 
 def pack_present_keys(k, v, lens, present):

@@ -16,7 +16,8 @@ from flashdecode import DecodePath
 from flashdecode import reference as ref
 from flashdecode.ops.decode import decode_config
 from flashdecode.kernels.decode_schedule import device_split_counts, split_range
-from helpers import DEVICE, KERNEL_DTYPES, assert_fa_close, pack_present_keys, randn, run_sm90_compile_script
+from helpers import (DEVICE, KERNEL_DTYPES, assert_fa_close, grid, pack_present_keys, randn,
+                     run_sm90_compile_script)
 
 
 def _lens(values):
@@ -825,8 +826,15 @@ def test_queue_splits_equal_lengths_only_where_the_last_round_would_idle():
     assert _device_splits([8192] * 17, 0) == [1] * 17
 
 
-@pytest.fixture(params=[(3, False), (40, False), (3, True), (40, True)],
-                ids=["3slots", "40slots", "3slots-in-kernel-merge", "40slots-in-kernel-merge"])
+DEVICE_SPLIT_TWEAKS = [(3, False), (40, False), (3, True), (40, True)]
+
+
+def _device_split_id(case):
+    slots, in_kernel = case
+    return f"{slots}slots" + ("-in-kernel-merge" if in_kernel else "")
+
+
+@pytest.fixture(params=DEVICE_SPLIT_TWEAKS, ids=_device_split_id)
 def device_splits(request):
     """A config tweak onto the DEVICE_SPLIT_GRID path with 3 work-item slots (short sequences share them: one split
     each) or 40 (a long sequence takes many splits); the merge kernel reading live slots only, as resolved, or no
@@ -842,7 +850,10 @@ def device_splits(request):
     return tweak
 
 
-@pytest.mark.parametrize("page_size", [None, 3, 8, 32])
+# each tweak with each layout on a GPU; on the CPU each layout with both slot counts and both merges (8 of 16 cases)
+@pytest.mark.parametrize("device_splits, page_size", [
+    pytest.param((slots, in_kernel), page, id=f"{_device_split_id((slots, in_kernel))}-{page}")
+    for slots, in_kernel, page in grid([3, 40], [False, True], [None, 3, 8, 32])], indirect=["device_splits"])
 def test_device_splits_ragged_and_paged(gen, device_splits, page_size):
     """A plan's policy split count (sized for the worst mix) with each sequence's count chosen on the device:
     ragged lengths (a long one, an empty one, one token, short ones), then equal ones; contiguous, pages whose ids

@@ -13,6 +13,10 @@ from flashdecode.engine import LLM, SamplingParams
 from flashdecode.engine.kv_quant import QuantPages
 
 NEW_TOKENS = 10
+# The decode plan's capacity (block-table width x page size): above 128 keys the interpreter's policy splits it in
+# 16-key splits, one program each per (sequence, kv head) however short the sequences; 144 keeps the split path (9
+# splits and their merge) at about half the programs of the default 256.
+MAX_MODEL_LEN = 144
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def _run(path, kv_cache_dtype, backend, prompts, new_tokens):
     device = DEVICE if backend == "flashdecode" else torch.device("cpu")
     dtype = "float32" if device.type == "cpu" else "bfloat16"
     llm = LLM(path, device=device, dtype=dtype, attn_backend=backend, max_num_seqs=4, page_size=4,
-              kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 20)
+              kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
     steps = []
     decode = llm.runner.decode
 
