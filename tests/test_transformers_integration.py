@@ -381,6 +381,7 @@ def compare_with_sdpa(config, name, lengths, new_tokens, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("gpu_bigmem")  # ~10-15 GB (bf16, bf16 SDPA and float32 copies of a 128k-vocab model)
 def test_llama3_8b_shape_tokens_per_second_vs_sdpa(name):
     """Llama-3-8B's shapes (32 q / 8 kv heads, head dim 128, hidden 4096, vocab 128256), 2 layers, random weights,
     bf16, batch 4 left-padded to 512: our last-position logits within 2x SDPA's error against the float32 model,
