@@ -228,9 +228,10 @@ class _LaunchRecorder:
     (2, 300, 300, False, False)])  # the option off (an ablation)
 def test_dense_gluon_backward_bounds_its_tiles_where_they_cross(monkeypatch, batch, seqlen_q, seqlen_k, seq_bounded,
                                                                  bounded):
-    """The dense Gluon backward's launch (host side, on the CPU): SEQ_BOUNDED with q, dout, k, v as the
-    descriptors' tensors exactly where a query tile (64 rows) or key block (128) would read the next batch
-    element's rows; elsewhere no pointers (None: the kernel compiles as without the option)."""
+    """The dense Gluon backward's launch (host side; its Triton preprocess runs on DEVICE, the warp-specialised
+    kernel is recorded, not run): SEQ_BOUNDED with q, dout, k, v as the descriptors' tensors exactly where a query
+    tile (64 rows) or key block (128) would read the next batch element's rows; elsewhere no pointers (None: the
+    kernel compiles as without the option)."""
     import contextlib
 
     from flashdecode.config import GluonBwdConfig
@@ -241,9 +242,9 @@ def test_dense_gluon_backward_bounds_its_tiles_where_they_cross(monkeypatch, bat
     monkeypatch.setattr(attn_bwd, "attn_bwd_ws_kernel", recorder)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     gen = torch.Generator().manual_seed(9)
-    q, dout, out = (randn(batch, seqlen_q, 2, 64, gen=gen, dtype=torch.float16) for _ in range(3))
-    k, v = (randn(batch, seqlen_k, 1, 64, gen=gen, dtype=torch.float16) for _ in range(2))
-    lse = torch.zeros(batch, 2, seqlen_q)
+    q, dout, out = (randn(batch, seqlen_q, 2, 64, gen=gen, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    k, v = (randn(batch, seqlen_k, 1, 64, gen=gen, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    lse = torch.zeros(batch, 2, seqlen_q, device=DEVICE)
     gluon_attention_backward(dout, q, k, v, out, lse, 0.125, config=GluonBwdConfig(seq_bounded=seq_bounded))
     [(grid, args, kwargs)] = recorder.launches
     assert kwargs["SEQ_BOUNDED"] == bounded
