@@ -66,6 +66,10 @@ def benchmark_key(record: dict) -> str:
         return f"{KERNEL_TIME}:" + ",".join(sorted({r["mode"] for r in record["rows"]}))
     if record.get("kind") == "hf_generate":  # eager and compiled rows may come from separate runs
         return "hf_generate:" + ",".join(sorted({r["cache"] for r in record["rows"]}))
+    if record.get("kind") == "serve" and record["rows"][0].get("workload"):  # a serving workload, features on / off
+        r = record["rows"][0]
+        return (f"serve:{r['workload']}:prefix-caching-{'on' if r.get('prefix_caching') else 'off'}"
+                f":chunked-{'on' if r.get('chunked_prefill') else 'off'}")
     return str(record.get("kind"))
 
 
@@ -310,8 +314,18 @@ def _serve_section(record: dict) -> list[str]:
              f"{_num(ratio, '.2f')} | {_num(t.get('p50'))} / {_num(t.get('p99'))} | "
              f"{_num(p.get('p50'))} / {_num(p.get('p99'))} |"]
     text = (f"`flashdecode serve` on loopback with {r['model']} ({r.get('layers')} layers, random weights), "
-            f"streaming {r['endpoint']} requests, against `LLM.generate` on the same batch in the same process.")
-    return [text, ""] + lines
+            f"streaming {r['endpoint']} requests")
+    if r.get("workload"):
+        text += (f"; workload {r['workload']}, prefix caching {'on' if r.get('prefix_caching') else 'off'}, "
+                 f"chunked prefill {'on' if r.get('chunked_prefill') else 'off'}")
+    if "itl_ms" in r:
+        itl, during = r["itl_ms"], r.get("itl_during_long_prefill_ms", {})
+        text += (f"; the streams' inter-token latency p50 / p99 {_num(itl.get('p50'))} / {_num(itl.get('p99'))} ms "
+                 f"(max {_num(r.get('itl_max_ms'))}), while the long prompt prefilled {_num(during.get('p50'))} / "
+                 f"{_num(during.get('p99'))} ms; the long prompt's TTFT {_num(r.get('long_prompt_ttft_s', 0) * 1e3)} ms")
+    if ratio is not None:
+        text += ", against `LLM.generate` on the same batch in the same process"
+    return [text + ".", ""] + lines
 
 
 def _hf_generate_section(record: dict) -> list[str]:
@@ -472,6 +486,8 @@ def _e2e_headline(name: str, record: dict) -> str:
 
 def _serve_headline(name: str, record: dict) -> str:
     r = record["rows"][0]
+    if r.get("serve_vs_generate") is None:
+        return ""  # a serving workload without the LLM.generate comparison (its section and targets row say it)
     return (f"- **Serving** ({_card(record)}, {r['concurrency']} streams of {r['prompt_len']}-token prompts and "
             f"{r['output_len']} new tokens): {r['output_tokens_per_s']:.0f} output tokens/s, "
             f"{r['serve_vs_generate']:.2f}x `LLM.generate` on the same batch, {r['failed']} failed, TTFT p50 "
@@ -538,6 +554,8 @@ def section(path: Path, record: dict, png: Path | None) -> str:
     key = benchmark_key(record)
     if kind == "decode":
         title += ": " + " and ".join(report.layout_title(x) for x in key.split(":")[1].split(","))
+    if kind == "serve" and key != "serve":
+        title += ": the " + key.split(":")[1] + " workload"
     env = record.get("env", {})
     parts = [f"## {title}", "",
              f"`{record['command']}` - {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}, "
