@@ -987,10 +987,10 @@ def resolve_gluon_varlen_config(headdim: int, causal: bool, mean_keys: int) -> G
 
 
 # flash_attn_varlen(block_table=) and flash_attn_with_kvcache's paged prefill take the Gluon kernel
-# (ops/gluon_attention.py gluon_paged_forward_into) where resolve_gluon_paged_config gives a launch. Off until its
-# GPU tests and `bench prefill --paged` rows are in (docs/decisions.md, "Paged prefill on the Gluon kernel"):
-# False sends every paged prefill to the Triton kernel unless config= asks for the Gluon one.
-PREFILL_PAGED_GLUON = False
+# (ops/gluon_attention.py gluon_paged_forward_into) where resolve_gluon_paged_config gives a launch: its GPU tests
+# pass and it is 1.09-1.74x the Triton paged kernel on every timed row (docs/decisions.md, "Paged prefill on the
+# Gluon kernel"). False sends every paged prefill to the Triton kernel unless config= asks for the Gluon one.
+PREFILL_PAGED_GLUON = True
 GLUON_PAGED_BLOCK_NS = (128, 64)  # key blocks a page must hold whole (the largest that divides the page size)
 
 

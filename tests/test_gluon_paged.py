@@ -87,7 +87,7 @@ def test_block_n_and_resolver():
     plain = heuristics.resolve_gluon_paged_config(128, False, 256, 2048)  # the ragged resolver's overlapped one
     assert heuristics.resolve_gluon_varlen_config(128, False, 2048).overlap
     assert not plain.overlap and not plain.split_release and plain.block_n == 128
-    assert heuristics.PREFILL_PAGED_GLUON is False  # off until the GPU verifies it
+    assert heuristics.PREFILL_PAGED_GLUON is True  # on: tests/test_gluon_paged_gpu.py passed on the H100
 
 
 def test_window_arguments():
@@ -122,8 +122,9 @@ def test_what_the_gluon_paged_kernel_takes(fake_hopper):
     assert "tile_order" in ga.paged_unsupported(q, k_cache, v_cache, table, lpt)
 
 
-def test_switch_off_keeps_the_triton_kernel(fake_hopper):
+def test_switch_off_keeps_the_triton_kernel(fake_hopper, monkeypatch):
     calls, _ = fake_hopper
+    monkeypatch.setattr(heuristics, "PREFILL_PAGED_GLUON", False)
     q, k_cache, v_cache, cu_q, used, table = _problem()
     out, lse = torch.empty_like(q), torch.empty(8, q.shape[0])
     assert not ga.gluon_paged_forward_into(q, k_cache, v_cache, out, lse, cu_q, used, table, 130, 256, 0.1)
