@@ -376,3 +376,53 @@ def test_async_scheduling_with_chunks_and_cached_prefixes(ckpt):
     assert victim.finish_reason == "abort" and victim.num_generated == 0
     assert [[(s.output_token_ids, None)] for s in seqs] == [[(t, None) for t, _ in r] for r in want]
     assert not llm.block_manager.tables and llm.block_manager.num_free == llm.block_manager.num_pages
+
+
+def test_prefill_warmup_is_resolved_once():
+    """prefill_warmup "auto": on for flashdecode backends on CUDA only; the lengths fit a step and half the
+    context; a value that is neither "auto" nor a bool is refused naming the option."""
+    from flashdecode.engine import engine_config as ec
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert ec.resolve_prefill_warmup("auto", cuda, "flashdecode") and ec.resolve_prefill_warmup("auto", cuda,
+                                                                                                "flashdecode-nosplit")
+    assert not ec.resolve_prefill_warmup("auto", cpu, "flashdecode")
+    assert not ec.resolve_prefill_warmup("auto", cuda, "flashinfer")
+    assert ec.resolve_prefill_warmup(True, cpu, "torch") and not ec.resolve_prefill_warmup(False, cuda, "flashdecode")
+    assert ec.prefill_warmup_lengths(2048, 131072) == ec.PREFILL_WARMUP_TOKENS == (256, 2048)
+    assert ec.prefill_warmup_lengths(2048, 96) == (48, )
+    assert ec.prefill_warmup_lengths(6, 96) == (6, )
+    assert ec.prefill_warmup_lengths(2048, 3) == ()
+    with pytest.raises((TypeError, ValueError), match="prefill_warmup"):
+        ec.EngineConfig("llama3-8b", prefill_warmup="yes")
+
+
+def test_prefill_warmup_runs_each_prefill_kernel_on_the_scratch_page(ckpt, monkeypatch):
+    """LLM(prefill_warmup=True) runs the dense, ragged and paged prefills (and the last layer's last-rows
+    variants) once per warm-up length before the first request, writing only the scratch page (every other page
+    of the pool stays zero) and touching no prefix-cache statistic; the greedy tokens after it are those of an
+    engine without it."""
+    from flashdecode.engine.attention import FlashDecodeBackend
+
+    calls = []
+    for name in ("prefill", "prefill_last", "prefill_paged"):
+        original = getattr(FlashDecodeBackend, name)
+
+        def spy(self, q, *args, _original=original, _name=name, **kwargs):
+            meta = args[2]
+            calls.append((_name, len(meta.seqlens), meta.max_seqlen_k, q.shape[0]))
+            return _original(self, q, *args, **kwargs)
+        monkeypatch.setattr(FlashDecodeBackend, name, spy)
+    kw = dict(attn_backend="flashdecode", device="cuda" if torch.cuda.is_available() else "cpu",
+              max_num_batched_tokens=8, enable_prefix_caching=True)
+    llm = make(ckpt, prefill_warmup=True, **kw)
+    inner = llm.config.num_hidden_layers - 1  # the last layer computes its sequences' last rows only
+    assert calls == ([("prefill", 1, 0, 8)] * inner + [("prefill_last", 1, 0, 1)]
+                     + [("prefill", 2, 0, 8)] * inner + [("prefill_last", 2, 0, 2)]
+                     + [("prefill_paged", 1, 16, 8)] * inner + [("prefill_paged", 1, 16, 1)])
+    pool = llm.runner.pool
+    assert pool[:, :, -1].abs().sum() > 0 and pool[:, :, :-1].abs().sum() == 0
+    assert llm.stats.prefix_cache_queries == 0
+    prompts = shared_prefix_prompts(system_len=9, tails=(3, 5))
+    got = run(llm, prompts, greedy(3, logprobs=False))
+    assert_same(got, run(make(ckpt, prefill_warmup=False, **kw), prompts, greedy(3, logprobs=False)))

@@ -78,6 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_max_num_seqs: 
     parser.add_argument("--prefill-autotune", action="store_true",
                         help="let the Triton prefill kernels time their tiles on the first call of each length "
                              "bucket (about a second inside that request); default: the resolved tile, never timed")
+    parser.add_argument("--prefill-warmup", choices=("auto", "on", "off"), default="auto",
+                        help="compile the prefill kernels at start-up (auto: flashdecode backends on CUDA)")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
 
 
@@ -101,7 +103,7 @@ def engine_config(args, max_model_len: int | None = None):
                         enforce_eager=args.enforce_eager, seed=args.weights_seed, flat_gemm=ON_OFF[args.flat_gemm],
                         tensor_parallel_size=getattr(args, "tp", 1), context_parallel_size=getattr(args, "cp", 1),
                         kv_cache_dtype=args.kv_cache_dtype, pdl=ON_OFF[args.pdl],
-                        prefill_autotune=args.prefill_autotune,
+                        prefill_autotune=args.prefill_autotune, prefill_warmup=ON_OFF[args.prefill_warmup],
                         async_scheduling=ON_OFF[args.async_scheduling],
                         enable_prefix_caching=args.enable_prefix_caching,
                         enable_chunked_prefill=args.enable_chunked_prefill,

@@ -73,6 +73,11 @@ class EngineConfig:
             first call of each (query, key) length bucket, as a direct flash_attn call does: about a second inside
             the request that meets a new bucket (a prefix-cache hit with a longer history, a longer chunk). False
             (default): the resolved first tile of each length class, never timed inside a request (vLLM's rule).
+        prefill_warmup: compile the prefill kernels while the engine starts, not in the first requests (Triton and
+            Gluon compile a variant on its first call: seconds each without Triton's disk cache): at each length of
+            PREFILL_WARMUP_TOKENS (capped by the step budget and half the context) one prompt (the dense kernel),
+            two (the ragged one) and a chunk after as many cached keys (the paged one), all on the pool's scratch
+            page. "auto" (default): on for the flashdecode backends on CUDA; True / False as given.
         kv_cache_dtype: "auto" (the model's dtype), "fp8" (float8_e4m3fn) or "int8": 8-bit K/V pages with a float32
             scale per token and kv head (~1.94x the tokens in the same memory at head dim 128; flashdecode
             backends, or torch on the CPU; engine/kv_quant.py).
@@ -119,6 +124,7 @@ class EngineConfig:
     context_parallel_size: int = 1
     batch_invariant: bool = False
     prefill_autotune: bool = False
+    prefill_warmup: str | bool = "auto"
     kv_cache_dtype: str = "auto"
     pdl: str | bool = "auto"
     async_scheduling: str | bool = "auto"
@@ -150,7 +156,7 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool or None, got {self.enable_prefix_caching!r}")
-        for name in ("pdl", "async_scheduling"):
+        for name in ("pdl", "async_scheduling", "prefill_warmup"):
             _check_auto_or_bool(name, getattr(self, name))
         _check_flat_gemm(self.flat_gemm)
         if self.enable_chunked_prefill and self.context_parallel_size > 1:
@@ -284,6 +290,23 @@ def resolve_prefix_caching(enable: bool | None, cp_size: int, model_config: Mode
     if enable is None:
         return unsafe is None and not quantized_pages
     return enable
+
+
+PREFILL_WARMUP_TOKENS = (256, 2048)  # prompt lengths of the start-up prefills: short and long kernel variants
+
+
+def resolve_prefill_warmup(value: str | bool, device: torch.device, backend_name: str) -> bool:
+    """"auto": on for a flashdecode backend on CUDA (whose kernels compile on first use); a bool as given."""
+    if value == "auto":
+        return device.type == "cuda" and backend_name.startswith("flashdecode")
+    return value
+
+
+def prefill_warmup_lengths(max_num_batched_tokens: int, max_model_len: int) -> tuple[int, ...]:
+    """PREFILL_WARMUP_TOKENS within one step's budget and half the context (the paged warm-up's chunk follows as
+    many keys), at least 2 tokens (the ragged warm-up's two prompts)."""
+    cap = min(max_num_batched_tokens, max_model_len // 2)
+    return tuple(sorted({min(n, cap) for n in PREFILL_WARMUP_TOKENS if min(n, cap) >= 2}))
 
 
 def resolve_async_scheduling(value: str | bool, device: torch.device, world_size: int) -> bool:

@@ -89,6 +89,8 @@ class LLM:
                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs, device=self.device,
                                   dtype=self.dtype, use_cuda_graphs=use_graphs, parallel=self.parallel,
                                   kv_cache_dtype=self.kv_cache_dtype)
+        if ec.resolve_prefill_warmup(cfg.prefill_warmup, self.device, self.backend.name):
+            self.runner.warm_up_prefill(ec.prefill_warmup_lengths(self.scheduler_tokens, self.max_model_len))
         self.core = EngineCore(self.scheduler, self.block_manager, self.runner, self.parallel, self.max_model_len,
                                async_scheduling=ec.resolve_async_scheduling(cfg.async_scheduling, self.device,
                                                                             self.parallel.world_size),

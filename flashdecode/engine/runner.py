@@ -319,6 +319,38 @@ class ModelRunner:
         return ids, positions.to(dev), meta, (cu[1:] - 1).to(dev)
 
     @torch.inference_mode()
+    def warm_up_prefill(self, lengths) -> None:
+        """Run, before the first request, the prefill kernels' first calls (where Triton and Gluon compile): for each
+        n of ``lengths``, the model's forward over one prompt of n tokens (the dense kernel), two of n // 2 (the
+        ragged one) and, without context parallelism, a chunk of n tokens after n keys in the pages (the paged
+        one). Every K/V write and page read is the scratch page's: the pool's pages and the prefix cache are
+        untouched, and no logits are computed."""
+        for n in lengths:
+            batches = [[[0] * n], [[0] * (n // 2)] * 2]
+            steps = [self._prefill_inputs(tokens, None) for tokens in batches]
+            if self.cp_size == 1:
+                steps.append(self._scratch_chunk_inputs(n))
+            for ids, pos, meta, last in steps:
+                self.model(ids, pos, meta, self.kv_caches, self.backend, last_rows=last)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _scratch_chunk_inputs(self, n: int):
+        """Paged-prefill inputs of one chunk of n tokens (positions n .. 2n - 1) after n keys, every page of its
+        block table the scratch page (which its K/V are written to as well)."""
+        ps, dev = self.page_size, self.device
+        positions = torch.arange(n, 2 * n, dtype=torch.int64)
+        table = torch.full((1, -(-2 * n // ps)), self.scratch_page, dtype=torch.int32)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=(self.scratch_page * ps + positions % ps).to(dev),
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32).to(dev), max_seqlen=n, seqlens=[n],
+            block_tables=table.to(dev), context_lens=torch.tensor([2 * n], dtype=torch.int32).to(dev),
+            seqlens_k=[2 * n], max_seqlen_k=2 * n,
+            rope_lens=torch.full((n,), 2 * n, dtype=torch.int64).to(dev) if self.dynamic_rope else None)
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        return ids, positions.to(dev), meta, torch.tensor([n - 1], dtype=torch.int64, device=dev)
+
+    @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits (len, vocab) of every position of one prompt (no pages used)."""
         ids, pos, meta, _ = self._prefill_inputs([list(token_ids)], None)
