@@ -322,7 +322,8 @@ def _serve_section(record: dict) -> list[str]:
         itl, during = r["itl_ms"], r.get("itl_during_long_prefill_ms", {})
         text += (f"; the streams' inter-token latency p50 / p99 {_num(itl.get('p50'))} / {_num(itl.get('p99'))} ms "
                  f"(max {_num(r.get('itl_max_ms'))}), while the long prompt prefilled {_num(during.get('p50'))} / "
-                 f"{_num(during.get('p99'))} ms; the long prompt's TTFT {_num(r.get('long_prompt_ttft_s', 0) * 1e3)} ms")
+                 f"{_num(during.get('p99'))} ms; the long prompt's TTFT "
+                 f"{_num(r.get('long_prompt_ttft_s', 0) * 1e3)} ms")
     if ratio is not None:
         text += ", against `LLM.generate` on the same batch in the same process"
     return [text + ".", ""] + lines
