@@ -146,9 +146,10 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
-    """One test part. Its xdist workers share the card: a test that ran out of GPU memory beside them is run again
-    alone afterwards (one worker, the card to itself), and the part passes if every failure was such a test and it
-    passes alone; a test that runs out of memory alone fails."""
+    """One test part. Its xdist workers share the card: a test that runs out of GPU memory beside them runs again
+    once in its worker after the memory frees (tests/conftest.py); one that fails so again is run alone after the
+    part (one worker, the card to itself), and the part passes if every failure was such a test and it passes
+    alone; a test that runs out of memory alone fails. The log ends with the tests' largest memory peaks."""
     t0 = time.time()
     report = out / f"gpu_{part.replace('-', '_')}.xml"
     rc, log = run_pytest(f"{args} --junitxml={report}", timeout_s)
@@ -162,6 +163,9 @@ def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
             rc, again = run_pytest("-n 0 " + " ".join(shlex.quote(t) for t in oom), left)
             log += f"\n[gpu-check] {len(oom)} tests out of GPU memory beside other workers, run again alone: " + \
                 ("passed" if rc == 0 else f"rc={rc}") + "\n" + again
+    heavy = gpu_peaks(report)[:HEAVY_LISTED]
+    if heavy:
+        log += "\n[gpu-check] largest GPU memory peaks (GiB, reserved): " + ", ".join(f"{t} {g:.1f}" for t, g in heavy)
     print("\n".join(log.strip().splitlines()[-15:]))
     (out / f"gpu_{part.replace('-', '_')}.log").write_text(f"$ pytest {args}\n{log}")
     tails = [l.strip("= ") for l in log.splitlines()
@@ -169,6 +173,24 @@ def run_tests(part: str, out: Path, args: str, timeout_s: int) -> dict:
     tails += [l for l in log.splitlines() if l.startswith("[gpu-check]")]
     return {"part": part, "status": "ok" if rc == 0 else f"rc={rc}", "summary": " | ".join(tails),
             "seconds": round(time.time() - t0)}
+
+
+HEAVY_LISTED = 10  # tests named in a part's log with their GPU memory peaks (candidates for the gpu_bigmem group)
+
+
+def gpu_peaks(report: Path) -> list[tuple[str, float]]:
+    """(test name, peak reserved GPU memory in GiB) of each test of a --junitxml report that recorded one
+    (tests/conftest.py's gpu_peak_gib property), largest first."""
+    import xml.etree.ElementTree as ET
+
+    if not report.exists():
+        return []
+    peaks = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name") == "gpu_peak_gib":
+                peaks.append((f"{case.get('classname', '')}::{case.get('name', '')}", float(prop.get("value"))))
+    return sorted(peaks, key=lambda tp: -tp[1])
 
 
 def junit_failures(report: Path) -> tuple[list[str], list[str]]:

@@ -100,12 +100,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+GPU_PEAK_PROPERTY = "gpu_peak_gib"  # junit-xml property: a test's peak of reserved GPU memory (scripts/gpu_check.py)
+
+
 @pytest.fixture(autouse=True)
-def _release_cached_gpu_memory():
+def _release_cached_gpu_memory(request):
     """GPU suites run several pytest-xdist workers on one GPU: give each test's cached blocks back to the driver so
-    one worker's peak (a 16k float64 reference, a 2**31-element cache) does not starve the others."""
+    one worker's peak (a 16k float64 reference, a 2**31-element cache) does not starve the others, and record the
+    test's peak of reserved memory (GiB) as a junit-xml property, which gpu_check lists to group the heavy tests."""
+    if HAS_CUDA:
+        torch.cuda.reset_peak_memory_stats()
     yield
     if HAS_CUDA:
+        request.node.user_properties.append((GPU_PEAK_PROPERTY, round(torch.cuda.max_memory_reserved() / 2**30, 2)))
         torch.cuda.empty_cache()
 
 

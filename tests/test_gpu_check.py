@@ -68,3 +68,19 @@ def test_out_of_memory_reruns_share_the_parts_limit(tmp_path, monkeypatch):
             assert result["status"] == "ok"
         else:
             assert len(calls) == 1 and result["status"] == "rc=1" and "too few" in result["summary"]
+
+
+def test_gpu_memory_peaks_are_listed_largest_first(tmp_path):
+    """The gpu_peak_gib property tests/conftest.py records per test on a GPU comes back from the junit report,
+    largest first; tests without it are left out."""
+    gc = _gpu_check()
+    report = tmp_path / "r.xml"
+    report.write_text("""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_decode" name="test_a" time="1.0"><properties>
+  <property name="gpu_peak_gib" value="2.5"/></properties></testcase>
+<testcase classname="tests.test_attention" name="test_b" time="1.0"><properties>
+  <property name="gpu_peak_gib" value="15.25"/></properties></testcase>
+<testcase classname="tests.test_attention" name="test_c" time="1.0"/>
+</testsuite></testsuites>""")
+    assert gc.gpu_peaks(report) == [("tests.test_attention::test_b", 15.25), ("tests.test_decode::test_a", 2.5)]
+    assert gc.gpu_peaks(tmp_path / "absent.xml") == []
