@@ -298,7 +298,10 @@ class GluonFwdConfig:
     hardware's block dispatch does for one CTA per tile, with the next tile's loads under the current tile's end;
     lpt_schedule); split_release = the consumers release a slot's K as soon as their scores are in registers and its V
     after PV (FA3's two pipelines), so the producer can load the next K into it during the softmax and PV (else one
-    release after PV frees both)."""
+    release after PV frees both); v_tail = zero a key block's V rows past its sequence's keys before PV where they
+    hold another sequence's rows (ragged batches; fixed-length ones whose keys end inside a block): their zero
+    probabilities times a NaN or inf there would be NaN. False is a timing ablation only (a neighbour's NaN / inf
+    then reaches these rows; the paged kernel always zeroes a page's tail)."""
 
     num_consumers: int = 2
     block_n: int = 128
@@ -310,6 +313,7 @@ class GluonFwdConfig:
     producer_regs: int = 24
     tile_order: str = "round_robin"
     split_release: bool = False
+    v_tail: bool = True
 
     def __post_init__(self):
         self.check()
@@ -322,7 +326,7 @@ class GluonFwdConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
-        _check_bools(self, name, ("overlap", "persistent", "split_release"))
+        _check_bools(self, name, ("overlap", "persistent", "split_release", "v_tail"))
         _check_register_budget(self, name, self.num_consumers)
         if self.tile_order not in TILE_ORDERS:
             raise ValueError(f"{name}.tile_order: one of {tuple(TILE_ORDERS)}, got {self.tile_order!r}")

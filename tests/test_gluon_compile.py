@@ -40,7 +40,8 @@ def desc(dtype, rows, d):
 
 def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False):
     """fp16/bf16 on attn_fwd_ws_kernel (varlen: attn_fwd_ws_varlen_kernel); fp8e4nv on attn_fwd_fp8_ws_kernel (V^T
-    blocks [d, block_n], bf16 out). v_tail: the fixed-length kernels' V_TAIL (zero V rows past the keys)."""
+    blocks [d, block_n], bf16 out). v_tail: the V_TAIL of the kernels that take it (zero V rows past the keys:
+    the fixed-length kernel where a batch's keys end inside a block; the ragged kernel always, but in an ablation)."""
     fp8 = dtype == "fp8e4nv"
     lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
     fn = (attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_varlen_kernel if varlen
@@ -182,8 +183,7 @@ variants = [(d, causal, resolve_gluon_varlen_config(d, causal, keys), True)
 variants += [(d, causal, resolve_gluon_config(d, causal, keys), False)
              for d, causal, keys in [(128, False, 16384), (128, True, 1024)]]
 for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
-    kernel = (compile_variant(d, "bf16", causal, cfg, varlen=True) if varlen
-              else compile_variant(d, "bf16", causal, cfg, v_tail=True))
+    kernel = compile_variant(d, "bf16", causal, cfg, varlen=varlen, v_tail=True)
     ptx = kernel.asm["ptx"]
     what = f"{'varlen' if varlen else 'V_TAIL'} d{d} causal={causal} {cfg}"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what + ": not on TMA + wgmma"
@@ -193,6 +193,9 @@ for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
     print(what, "registers", registers(kernel), "spilled", spilled)
     allowed = 8 if cfg.overlap or cfg.num_consumers == 3 else 0
     assert spilled <= allowed or not SPILLS_CHECKED, what + ": spills"
+    if varlen and SHARD == 0 and d == 128 and causal:  # the ablation (GluonFwdConfig.v_tail=False) compiles too
+        ablated = compile_variant(d, "bf16", causal, cfg, varlen=True, v_tail=False)
+        assert ablated.asm["ptx"] != ptx and "wgmma.mma_async" in ablated.asm["ptx"], what + ": v_tail=False"
 print("compiled")
 '''
 

@@ -29,3 +29,12 @@ def test_gluon_config_refuses_what_the_kernel_cannot_take():
         GluonFwdConfig(tile_order="lpt", q_buffers=2)  # a list per persistent CTA
     assert GluonFwdConfig(num_consumers=3, consumer_regs=160).block_m == 192
     assert GluonFwdConfig(tile_order="pairs", q_buffers=2).tile_order == "pairs"
+
+
+
+def test_v_tail_is_a_checked_bool():
+    """GluonFwdConfig.v_tail (the ragged forward's V-tail zeroing; False is a timing ablation) is on by default and
+    takes a bool only, named in the error."""
+    assert GluonFwdConfig().v_tail is True
+    with pytest.raises(TypeError, match="v_tail"):
+        GluonFwdConfig(v_tail=1)

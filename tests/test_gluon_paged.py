@@ -120,6 +120,8 @@ def test_what_the_gluon_paged_kernel_takes(fake_hopper):
     assert "config.block_n" in ga.paged_unsupported(q, *_cache(page_size=64), table, GluonFwdConfig())
     lpt = GluonFwdConfig(persistent=True, q_buffers=2, tile_order="lpt")
     assert "tile_order" in ga.paged_unsupported(q, k_cache, v_cache, table, lpt)
+    # the paged kernel always zeroes a page's tail: the ragged kernel's ablation is refused, naming it
+    assert "config.v_tail" in ga.paged_unsupported(q, k_cache, v_cache, table, GluonFwdConfig(v_tail=False))
 
 
 def test_switch_off_keeps_the_triton_kernel(fake_hopper, monkeypatch):

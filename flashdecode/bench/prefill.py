@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measurement window per point")
     parser.add_argument("--variants", default=None,
                         help="comma list of our extra variants timed as peers: nd (deterministic=False), bwdtma / "
-                             "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd")
+                             "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd; with --ragged: "
+                             "vtail (the ragged Gluon forward with and without its V-tail zeroing, an A/B)")
     parser.add_argument("--ragged", action="store_true",
                         help="the ragged (varlen) rows instead: random lengths, 16 x 1k, 64 x 256, 2 x 8k vs FA3 "
                              "and FlashInfer's FA2 (flashdecode/bench/prefill_ragged.py); --modes fwd,fwd+bwd")

@@ -6,7 +6,9 @@ heads and hd64 with 16 / 16 heads; causal and not. Columns: ours (flash_attn_var
 kernel on sm_90 where the dispatch sends it), triton (the same call pinned to the Triton kernel through
 ``config=``), FA3 (FlashInfer's ``BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")``), fa2 (its "fa2"
 backend), all timed per call with do_bench (median); FlashInfer's plan() stays outside the timed call, as an
-engine plans once per batch. TFLOP/s count each sequence's own 4 * h * lq * lk * d (halved for causal).
+engine plans once per batch. ``--variants vtail`` adds gluon_vtail / gluon_novtail: the ragged Gluon forward
+launched directly with its V-tail zeroing on and off (GluonFwdConfig.v_tail, an ablation), the cost of the NaN
+fix's zeroing. TFLOP/s count each sequence's own 4 * h * lq * lk * d (halved for causal).
 Forward + backward (``--modes fwd,fwd+bwd``): ours on the ragged batch beside ours on a dense batch of the same
 total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer has no backward. Beside them:
 gluon_bwd (ours with the backward forced onto the ragged Gluon kernel, ops/gluon_backward.py gluon_varlen_backward
@@ -118,6 +120,29 @@ def _gluon_bwd(seq_bounded: bool):
     return build
 
 
+def _gluon_fwd(v_tail: bool):
+    """The gluon_vtail / gluon_novtail peers: the ragged Gluon forward launched directly (ops/gluon_attention.py
+    gluon_varlen_forward_into, the launch flash_attn_varlen's dispatch resolves) with its V-tail zeroing on or off
+    (GluonFwdConfig.v_tail, a timing ablation): the A/B of what zeroing the last key block's V rows costs."""
+    def build(q, k, v, cu, max_len, causal):
+        from flashdecode.heuristics import resolve_gluon_varlen_config
+        from flashdecode.ops.gluon_attention import gluon_varlen_forward_into
+
+        batch = cu.shape[0] - 1
+        config = dataclasses.replace(resolve_gluon_varlen_config(q.shape[-1], causal, -(-k.shape[0] // batch)),
+                                     v_tail=v_tail)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+
+        def step():
+            if not gluon_varlen_forward_into(q, k, v, out, lse, cu, cu, max_len, q.shape[-1] ** -0.5, -1,
+                                             0 if causal else -1, 0.0, config):
+                raise RuntimeError("the ragged Gluon forward does not take this call")
+            return out
+        return step
+    return build
+
+
 def _flash_attn(module: str):
     """FlashAttention's varlen call (forward and backward): flash-attn's Hopper build (flash_attn_interface) or
     its FA2 package (flash_attn); the first output where it returns (out, lse)."""
@@ -135,6 +160,7 @@ def _flash_attn(module: str):
 
 BUILDERS = {"ours": _ours(False), "triton": _ours(True), "FA3": _flashinfer("fa3"), "fa2": _flashinfer("fa2"),
             "gluon_bwd": _gluon_bwd(True), "gluon_bwd_unbounded": _gluon_bwd(False),
+            "gluon_vtail": _gluon_fwd(True), "gluon_novtail": _gluon_fwd(False),
             "flash_attn3": _flash_attn("flash_attn_interface"), "flash_attn2": _flash_attn("flash_attn")}
 # the peers with a backward
 TRAINING_PEERS = ("ours", "triton", "gluon_bwd", "gluon_bwd_unbounded", "flash_attn3", "flash_attn2")
@@ -167,7 +193,7 @@ def ragged_point(name: str, lengths: list[int], headdim: int, causal: bool, mode
     (q, k, v), cu = _inputs(lengths, nheads, nheads_kv, headdim, torch.bfloat16, seed, grad=mode == "fwd+bwd")
     for peer in peers:
         if (mode == "fwd+bwd") != (peer in TRAINING_PEERS) and peer not in ("ours", "triton"):
-            continue  # FlashInfer: forward only; gluon_bwd and FlashAttention's packages: fwd+bwd only
+            continue  # FlashInfer and the V-tail A/B: forward only; gluon_bwd, FlashAttention's: fwd+bwd only
         forward = BUILDERS[peer](q, k, v, cu, max(lengths), causal)
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
             ms, why = _time(forward if mode == "fwd" else _fwd_bwd(forward), rep_ms)
@@ -183,6 +209,8 @@ def ragged_point(name: str, lengths: list[int], headdim: int, causal: bool, mode
     for peer in ("triton", "flash_attn3", "flash_attn2"):
         if row.get("gluon_bwd") and row.get(peer):
             row[f"gluon_bwd/{peer}"] = row["gluon_bwd"] / row[peer]
+    if row.get("gluon_vtail") and row.get("gluon_novtail"):
+        row["gluon_vtail/gluon_novtail"] = row["gluon_vtail"] / row["gluon_novtail"]
     del q, k, v
     torch.cuda.empty_cache()
     return row
@@ -198,18 +226,21 @@ def _dense_fwd_bwd(batch, seqlen, nheads, nheads_kv, headdim, causal, rep_ms, fl
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def peers_available(modes: tuple = ("fwd", )) -> list[str]:
-    """The peers this machine has: ours, triton, FlashInfer's FA3 (sm_90) and FA2; for fwd+bwd (in modes) also
-    gluon_bwd (sm_90, with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where importable."""
+def peers_available(modes: tuple = ("fwd", ), variants: tuple = ()) -> list[str]:
+    """The peers this machine has: ours, triton, FlashInfer's FA3 (sm_90) and FA2; on sm_90 with "vtail" in
+    variants the forward's V-tail A/B (gluon_vtail, gluon_novtail); for fwd+bwd (in modes) also gluon_bwd (sm_90,
+    with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where importable."""
     import importlib.util
 
     hopper = torch.cuda.get_device_capability()[0] == 9
     peers = ["ours", "triton"]
     if importlib.util.find_spec("flashinfer") is not None:
         peers += ["FA3", "fa2"] if hopper else ["fa2"]
+    if hopper and "vtail" in variants and "fwd" in modes:
+        peers += ["gluon_vtail", "gluon_novtail"]
     if "fwd+bwd" in modes:
-        # the ragged Gluon backward hits an illegal instruction on the H100 (docs/decisions.md): timed only once a
-        # run opts in, since the fault ends the process's CUDA context and every column after it
+        # the ragged Gluon backward once hit an illegal instruction on the H100 (docs/decisions.md); timed only once
+        # a run opts in until its GPU tests pass whole, since a fault ends the process's CUDA context
         if hopper and os.environ.get(RAGGED_GLUON_BWD_OPT_IN) == "1":
             peers += ["gluon_bwd", "gluon_bwd_unbounded"]
         peers += [name for name in ("flash_attn3", "flash_attn2")
@@ -224,7 +255,7 @@ def run_ragged(args) -> int:
 
     modes = (args.modes or "fwd").split(",")
     headdims = [int(x) for x in (args.headdims or "128,64").split(",")]
-    peers = peers_available(tuple(modes))
+    peers = peers_available(tuple(modes), tuple((args.variants or "").split(",")))
     env = env_info()
     print(f"# ragged prefill on {env['device']} (torch {env['torch']}, triton {env['triton']}, {env['date']}); "
           f"peers: {', '.join(peers)}")
@@ -242,7 +273,8 @@ def run_ragged(args) -> int:
                                            + ["dense", "ours/FA3", "gluon_bwd/triton", "gluon_bwd/flash_attn3"]
                                            if c in row), flush=True)
     ratios = [r for r in ("ours/FA3", "ours/fa2", "ours/triton", "ours/dense", "ours/flash_attn3",
-                          "gluon_bwd/triton", "gluon_bwd/flash_attn3", "gluon_bwd/flash_attn2")
+                          "gluon_bwd/triton", "gluon_bwd/flash_attn3", "gluon_bwd/flash_attn2",
+                          "gluon_vtail/gluon_novtail")
               if any(r in row for row in rows)]
     columns = ["row", "mode", "headdim", "nheads", "causal", "tokens"] + peers + ["dense"] + ratios
     table = markdown_table(rows, columns, {p: ".0f" for p in peers + ["dense"]} | {r: ".2f" for r in ratios})

@@ -251,6 +251,8 @@ def paged_unsupported(q, k_cache, v_cache, block_table, config: Optional[GluonFw
         return f"{what}: page size {page_size} holds no whole key block of {block_n or 64}"
     if config is not None and config.tile_order == "lpt":
         return "config.tile_order: 'lpt' needs the lengths on the host (a ragged launch takes no host tile lists)"
+    if config is not None and not config.v_tail:
+        return "config.v_tail: the paged kernel always zeroes a page's tail (v_tail=False is a ragged ablation)"
     # the kernel clamps each key count into its table row: max_pages * page_size keys at most
     if num_pages * page_size >= 2**31 or block_table.shape[1] * page_size + q.shape[0] >= PAGED_INDEX_BOUND:
         return f"k_cache / block_table / q: keys and rows below {PAGED_INDEX_BOUND} (int32 positions)"

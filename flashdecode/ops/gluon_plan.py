@@ -137,8 +137,9 @@ def lpt_schedule(tile_blocks: list[int], num_ctas: int, overhead: float = LPT_TI
 def _reads_next_values(batch: int, seqlen_k: int, block_n: int) -> bool:
     """Whether a fixed-length batch's last key block of a sequence reads the next sequence's values (its keys end
     inside a block and another sequence follows): the kernel must then zero those V rows (V_TAIL), or a NaN / inf
-    value there would reach this sequence's rows through 0 * NaN in PV. The ragged and paged kernels always zero
-    them (no V_TAIL parameter), the e4m3 kernel's V^T holds zeros there (none either)."""
+    value there would reach this sequence's rows through 0 * NaN in PV. The ragged kernel zeroes them always
+    (V_TAIL True, unless GluonFwdConfig.v_tail's ablation), the paged one always (no V_TAIL parameter), and the e4m3
+    kernel's V^T holds zeros there (none either)."""
     return batch > 1 and seqlen_k % block_n != 0
 
 
@@ -189,7 +190,8 @@ class GluonPlan:
                           OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                           Q_BUFFERS=cfg.q_buffers,
                           TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release,
-                          V_TAIL=not self.ragged and _reads_next_values(batch, self.seqlen_k, cfg.block_n))
+                          V_TAIL=cfg.v_tail and (self.ragged or _reads_next_values(batch, self.seqlen_k,
+                                                                                   cfg.block_n)))
         if self.paged:
             constexprs.update(paged, PAGE_SIZE=k.shape[1])
         # the ones this plan's kernel takes (lpt: Q_BUFFERS and TILE_ORDER fixed)

@@ -111,7 +111,8 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                               CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
-                              TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False):
+                              TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False,
+                              V_TAIL: gl.constexpr = True):
     """attn_fwd_ws_kernel (fp16/bf16) over a ragged batch packed along the tokens (flash_attn_varlen's layout).
 
     q_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc: (total_k, nheads_kv * HEAD_DIM) rows; out (total_q,
@@ -120,12 +121,12 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
     tile numbering's rows per (sequence, head); num_tiles = cdiv(seqlen_q, NUM_CONSUMERS * 64) * batch *
     NUM_HEADS), seqlen_k = total_q (lse's head stride). Tiles past a sequence's rows are empty (TileSpace.coords).
     A sequence's last key block reads the next sequence's rows: their V rows are zeroed before PV (V_TAIL in
-    FwdConfig), so a NaN or inf there reaches only the rows that read it. A kernel of its own so that the others
-    keep their parameter lists."""
+    FwdConfig), so a NaN or inf there reaches only the rows that read it (V_TAIL False: GluonFwdConfig.v_tail's
+    timing ablation). A kernel of its own so that the others keep their parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
                  TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr), qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False, True), CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False, V_TAIL), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
