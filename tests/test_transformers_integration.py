@@ -308,6 +308,17 @@ def test_step_tables_stand_for_their_masks():
         fd_transformers._read_step_table(torch.zeros(1, 1, 1, 5, dtype=torch.int32), 2, 2, 4)
 
 
+def test_a_static_cache_step_keeps_its_table_when_the_cache_fills():
+    """A StaticCache's decode step (q_offset, the tokens seen, a tensor) whose mask has every cache position valid -
+    the step that fills the cache, where transformers 5.17 hands generate's 2-D mask of the tokens seen - still gets
+    the lengths table: a None would drop attention_mask from the compiled forward's inputs and compile it again. A
+    DynamicCache's (q_offset an int) gets None (no table to build)."""
+    full = torch.ones(2, 4, dtype=torch.bool)
+    table = fd_transformers.padding_mask(2, 1, 4, q_offset=torch.tensor(3), attention_mask=full)
+    assert table.dtype == torch.int32 and table.shape == (1, 1, 1, 2) and table.flatten().tolist() == [4, 4]
+    assert fd_transformers.padding_mask(2, 1, 4, q_offset=3, attention_mask=full) is None
+
+
 def _gpt_oss(attn, dtype=torch.float32):
     """A tiny GPT-OSS (random weights, seeded): attention sinks (s_aux) on every layer, a sliding-window layer
     (window 4) and a full one, GQA; sinks drawn large enough to matter."""

@@ -60,8 +60,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     """transformers mask interface, called once per forward step (per layer type) before the layers run: what every
     layer's attention reads of the step's keys (module doc, "One metadata build per step").
 
-    Returns None when every key position [0, kv_length) holds a token; for a decode step (q_length 1) otherwise a
-    step table (int32 (1, 1, 1, n), see "the decode step table" below); for several query tokens the 2-D boolean
+    Returns None when every key position [0, kv_length) holds a token (but never for a StaticCache's decode step,
+    see below); for a decode step (q_length 1) otherwise a step table (int32 (1, 1, 1, n), see "the decode step table" below); for several query tokens the 2-D boolean
     padding mask (batch, L <= kv_length) whose last q_length positions are the queries (the attention reads keys
     [0, L)).
 
@@ -100,7 +100,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 #   n == b * hk * (1 + s)    positions: b * hk lengths, then a (b * hk, s) block table over one-token pages, page
 #                            (i * hk + j) * s + t holding token t of kv head j of sequence i, valid positions first
 # Its shape depends on the batch and the cache's length only, so a StaticCache's compiled decode step keeps one
-# graph for every step.
+# graph for every step. A StaticCache's step (q_offset, the tokens seen, a device tensor) gets a table even where
+# every position holds a token (the step that fills the cache): a None there would drop attention_mask from the
+# compiled forward's inputs and compile it again (transformers 5.17 hands generate's 2-D mask of the tokens seen
+# to the mask function, so the last step of a generation that fills its cache is such a step).
 
 
 def _decode_step_table(batch: int, kv_length: int, q_offset, kv_offset: int, attention_mask, device, config):
@@ -116,7 +119,7 @@ def _decode_step_table(batch: int, kv_length: int, q_offset, kv_offset: int, att
     if not torch.compiler.is_compiling():
         # one host read a step: is each row its valid keys then padding (a prefix), and is every key valid
         prefix, full = torch.stack([(mask[:, 1:] <= mask[:, :-1]).all(), mask.all()]).tolist()
-        if full:
+        if full and not isinstance(q_offset, torch.Tensor):
             return None
         if prefix:
             return mask.sum(1, dtype=torch.int32).view(1, 1, 1, batch)
