@@ -280,6 +280,34 @@ def test_discard_buffers_grow_and_are_never_freed():
     assert direct_launch.discard_buffer(device, direct_launch.DISCARD_MAX_BYTES + 1) is None
 
 
+def test_call_scoped_buffers_keep_nothing(monkeypatch):
+    """Inside util.call_scoped_buffers (the transformers op torch.compile runs) the launch scratch is each launch's
+    own and no discard buffer, tensor template or decode workspace pool is made or kept; outside it they are."""
+    from flashdecode.ops import decode_workspace, direct_launch
+    from flashdecode.ops.util import call_scoped, call_scoped_buffers
+
+    device = torch.device("cpu")
+    monkeypatch.setattr(direct_launch, "SCRATCH", direct_launch.StreamScratch())
+    monkeypatch.setattr(direct_launch, "_DISCARD", {})
+    monkeypatch.setattr(decode_workspace, "_POOLS", {})
+    with call_scoped_buffers():
+        with call_scoped_buffers():
+            assert call_scoped()
+        assert call_scoped()  # (nested scopes restore the outer one)
+        first = direct_launch.SCRATCH.get(64, device, None)
+        assert direct_launch.SCRATCH.get(64, device, None) is not first and direct_launch.SCRATCH.buffers == {}
+        assert direct_launch.discard_buffer(device, 64) is None and direct_launch._DISCARD == {}
+        assert direct_launch.empty_template((2, 3), torch.float32, device) is None
+        partial_o, partial_lse, tickets = decode_workspace.call_workspace(device, (1, 1, 2, 3, 4), 5)
+        assert (partial_o.shape, partial_lse.shape) == ((1, 1, 2, 3, 4), (1, 1, 2, 3)) and torch.all(tickets == 0)
+        assert decode_workspace._POOLS == {}
+    assert not call_scoped()
+    kept = direct_launch.SCRATCH.get(64, device, None)
+    assert direct_launch.SCRATCH.get(64, device, None) is kept
+    assert direct_launch.discard_buffer(device, 64) is not None
+    assert direct_launch.empty_template((2, 3), torch.float32, device).shape == (2, 3)
+
+
 @pytest.mark.parametrize("headdim", [128, 96], ids=["gluon", "triton"])
 def test_no_hit_across_dtypes_strides_alignment_or_flags(hopper, headdim):
     """Each of these calls differs from the first in one thing its launch depends on: none may take another's

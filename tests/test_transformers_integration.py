@@ -9,7 +9,9 @@ CPU (Triton interpreter) in float32; the GPU-marked test times the Llama-3-8B sh
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -306,6 +308,65 @@ def test_step_tables_stand_for_their_masks():
     assert table.flatten().tolist() == [4]
     with pytest.raises(ValueError, match="step table"):
         fd_transformers._read_step_table(torch.zeros(1, 1, 1, 5, dtype=torch.int32), 2, 2, 4)
+
+
+def test_a_static_cache_step_keeps_its_table_when_the_cache_fills():
+    """A StaticCache's decode step (q_offset, the tokens seen, a tensor) whose mask has every cache position valid -
+    the step that fills the cache, where transformers 5.17 hands generate's 2-D mask of the tokens seen - still gets
+    the lengths table: a None would drop attention_mask from the compiled forward's inputs and compile it again. A
+    DynamicCache's (q_offset an int) gets None (no table to build)."""
+    full = torch.ones(2, 4, dtype=torch.bool)
+    table = fd_transformers.padding_mask(2, 1, 4, q_offset=torch.tensor(3), attention_mask=full)
+    assert table.dtype == torch.int32 and table.shape == (1, 1, 1, 2) and table.flatten().tolist() == [4, 4]
+    assert fd_transformers.padding_mask(2, 1, 4, q_offset=3, attention_mask=full) is None
+
+
+def _new_tensors(before: dict) -> list:
+    """The tensors alive now (after a collection) that were not in ``before`` (id -> weakref of the tensors alive
+    then, as _live_tensors returns)."""
+    gc.collect()
+    return [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)
+            and not (id(t) in before and before[id(t)]() is t)]
+
+
+def _live_tensors() -> dict:
+    gc.collect()
+    return {id(t): weakref.ref(t) for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
+
+
+@pytest.mark.parametrize("form", ["lengths", "none", "positions"])
+def test_the_compiled_op_keeps_no_tensor_it_makes(gen, form, device_resident, monkeypatch):
+    """The attention op torch.compile runs (flashdecode_transformers::attention) keeps no tensor it makes beyond the
+    call: in a cudagraph tree's warmup its allocations come from the graph's memory pool, and a block still held
+    afterwards that the graph did not return raises ("tensor(s) in the cudagraph pool not tracked as outputs"). A
+    decode step of each step-table form (lengths: the contiguous read; none: every position valid; positions: the
+    one-token pages), with empty module caches: the op's call leaves no new tensor alive but its output, where the
+    same call made eagerly keeps its workspace pools and the shared lengths (the control: those caches are what
+    the op must not fill)."""
+    from flashdecode.ops import decode_host, decode_workspace
+
+    b, h, hk, s, d = 2, 4, 2, 12, 16
+    q = torch.randn(b, h, 1, d, generator=gen).to(DEVICE)
+    key, value = (torch.randn(b, hk, s, d, generator=gen).to(DEVICE) for _ in range(2))
+    valid = torch.arange(s).view(1, s) < torch.tensor([[9], [s]])
+    if form == "positions":
+        valid = valid.flip(1)  # left padding: not a prefix
+    mask = None if form == "none" else fd_transformers.padding_mask(
+        b, 1, s, attention_mask=valid.to(DEVICE), config=_config("llama"))
+    assert (mask is None) == (form == "none") and (form != "lengths" or mask.shape[-1] == b)
+    args = (q, key, value, mask, True, None, -1, 0.0, None)
+    monkeypatch.setattr(decode_workspace, "_POOLS", {})
+    monkeypatch.setattr(fd_transformers, "_LENGTHS", {})
+    decode_host.clear()
+    before = _live_tensors()
+    out = torch.ops.flashdecode_transformers.attention(*args)
+    results = [out.untyped_storage().data_ptr()]  # (and the tensors the results are views of)
+    kept = [t for t in _new_tensors(before) if t.untyped_storage().data_ptr() not in results]
+    assert kept == [], f"the op kept {len(kept)} tensor(s) it made: {[tuple(t.shape) for t in kept]}"
+    eager = fd_transformers._attention(*args)
+    results.append(eager.untyped_storage().data_ptr())
+    assert [t for t in _new_tensors(before) if t.untyped_storage().data_ptr() not in results]  # the pools
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
 def _gpt_oss(attn, dtype=torch.float32):

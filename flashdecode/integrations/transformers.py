@@ -48,6 +48,7 @@ import torch
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen, flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from flashdecode.ops.decode import flash_decode
 from flashdecode.ops.sinks import apply_sinks
+from flashdecode.ops.util import call_scoped, call_scoped_buffers
 
 __all__ = ["NAME", "register", "attention_forward", "padding_mask"]
 
@@ -60,8 +61,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     """transformers mask interface, called once per forward step (per layer type) before the layers run: what every
     layer's attention reads of the step's keys (module doc, "One metadata build per step").
 
-    Returns None when every key position [0, kv_length) holds a token; for a decode step (q_length 1) otherwise a
-    step table (int32 (1, 1, 1, n), see "the decode step table" below); for several query tokens the 2-D boolean
+    Returns None when every key position [0, kv_length) holds a token (but never for a StaticCache's decode step,
+    see below); for a decode step (q_length 1) otherwise a step table (int32 (1, 1, 1, n), see "the decode step table" below); for several query tokens the 2-D boolean
     padding mask (batch, L <= kv_length) whose last q_length positions are the queries (the attention reads keys
     [0, L)).
 
@@ -100,7 +101,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 #   n == b * hk * (1 + s)    positions: b * hk lengths, then a (b * hk, s) block table over one-token pages, page
 #                            (i * hk + j) * s + t holding token t of kv head j of sequence i, valid positions first
 # Its shape depends on the batch and the cache's length only, so a StaticCache's compiled decode step keeps one
-# graph for every step.
+# graph for every step. A StaticCache's step (q_offset, the tokens seen, a device tensor) gets a table even where
+# every position holds a token (the step that fills the cache): a None there would drop attention_mask from the
+# compiled forward's inputs and compile it again (transformers 5.17 hands generate's 2-D mask of the tokens seen
+# to the mask function, so the last step of a generation that fills its cache is such a step).
 
 
 def _decode_step_table(batch: int, kv_length: int, q_offset, kv_offset: int, attention_mask, device, config):
@@ -116,7 +120,7 @@ def _decode_step_table(batch: int, kv_length: int, q_offset, kv_offset: int, att
     if not torch.compiler.is_compiling():
         # one host read a step: is each row its valid keys then padding (a prefix), and is every key valid
         prefix, full = torch.stack([(mask[:, 1:] <= mask[:, :-1]).all(), mask.all()]).tolist()
-        if full:
+        if full and not isinstance(q_offset, torch.Tensor):
             return None
         if prefix:
             return mask.sum(1, dtype=torch.int32).view(1, 1, 1, batch)
@@ -227,12 +231,13 @@ _LENGTHS: dict = {}  # (device, batch, length) -> int32 (batch,) filled with len
 
 def _full_lengths(batch: int, length: int, device) -> torch.Tensor:
     """An int32 (batch,) tensor of ``length`` on ``device``, made once per (batch, length) and shared by the layers
-    of a step (made anew while a CUDA graph is captured: a tensor of the graph's pool is not kept)."""
+    of a step (made anew while a CUDA graph is captured or inside the compiled op: a tensor of a graph's pool is
+    not kept)."""
     key = (device, batch, length)
     lens = _LENGTHS.get(key)
     if lens is None:
         lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if call_scoped() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return lens
         if len(_LENGTHS) >= 64:
             _LENGTHS.clear()
@@ -272,14 +277,15 @@ _STEP_MASKS: dict = {}  # (id(mask), seqlen_q) -> (mask, its version, _PrefillRo
 def _prefill_rows(mask: torch.Tensor, seqlen_q: int) -> _PrefillRows:
     """The _PrefillRows of ``mask``, shared by the layers of a step: transformers hands every layer the same mask
     tensor, so the step's first layer reads it and the others find it here by identity (and version: a mask
-    written in place is read again). Not kept while a CUDA graph is captured (nothing of a capture's pool is)."""
+    written in place is read again). Not kept while a CUDA graph is captured nor inside the compiled op (nothing of
+    a graph's pool is)."""
     version = getattr(mask, "_version", -1) if not mask.is_inference() else -1
     key = (id(mask), seqlen_q)
     entry = _STEP_MASKS.get(key)
     if entry is not None and entry[0] is mask and entry[1] == version:
         return entry[2]
     rows = _PrefillRows(mask, seqlen_q)
-    if not (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not (call_scoped() or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
         if len(_STEP_MASKS) >= 8:
             _STEP_MASKS.clear()
         _STEP_MASKS[key] = (mask, version, rows)
@@ -402,8 +408,12 @@ def _attention(query, key, value, mask, causal, scale, window_left, softcap, sin
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                   causal: bool, scale: Optional[float], window_left: int, softcap: float,
                   sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """_attention as a torch.library op, so torch.compile traces the attention as one node (no graph break)."""
-    return _attention(query, key, value, mask, causal, scale, window_left, softcap, sinks).contiguous()
+    """_attention as a torch.library op, so torch.compile traces the attention as one node (no graph break). Its
+    body runs while the compiled graph runs - inside a cudagraph tree's warmup (whose allocations come from the
+    graph's memory pool, which must hold nothing the graph does not return) and capture - so it keeps no tensor it
+    makes (util.call_scoped_buffers: the decode workspace is the call's own, no cache or pool grows)."""
+    with call_scoped_buffers():
+        return _attention(query, key, value, mask, causal, scale, window_left, softcap, sinks).contiguous()
 
 
 @_attention_op.register_fake

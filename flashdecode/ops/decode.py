@@ -29,9 +29,9 @@ from flashdecode.ops import checks
 from flashdecode.ops.append_kv import append_kv
 from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch, run_decode
 from flashdecode.ops.decode_policy import _DecodeShape, check_config_fits, choose_live_keys, decode_device
-from flashdecode.ops.util import capturing
+from flashdecode.ops.util import call_scoped, capturing
 from flashdecode.ops import decode_host, direct_launch
-from flashdecode.ops.decode_workspace import stream_workspace, workspace
+from flashdecode.ops.decode_workspace import call_workspace, stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
 from flashdecode.ops.sinks import apply_sinks, check_sinks
 
@@ -174,7 +174,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
     Under CUDA-graph capture (torch.cuda.is_current_stream_capturing()) the call never syncs the host: without
     num_splits / max_seqlen_k the split count is sized from the cache capacity (the device-side split counts then
     follow the live lengths), and the split workspace comes from a per-device pool that eager calls of the same
-    shapes have sized (a capture that needs more grows it inside the graph's memory pool).
+    shapes have sized (a capture that needs more grows it inside the graph's memory pool). Inside
+    util.call_scoped_buffers (the transformers op torch.compile runs) every buffer is the call's own (no pool).
     Returns:
         out like q, and if return_lse, lse float32 (batch, [seqlen_q,] nheads), natural log.
     """
@@ -339,7 +340,10 @@ def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaun
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     out4 = out.unsqueeze(1) if q.dim() == 3 else out
     partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
-    if in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
+    if call_scoped():  # an op torch.compile runs (a cudagraph tree's warmup or capture): this call's own buffers
+        lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
+        partial_o, partial_lse, tickets = call_workspace(q.device, partial_shape, n_tickets)
+    elif in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
         lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
         partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)
     else:  # the eager pool of this stream: nothing allocated but the results

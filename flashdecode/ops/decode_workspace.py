@@ -2,7 +2,8 @@
 flash_decode calls under CUDA-graph capture, which must not allocate (eager calls size it, reserve; captured calls
 take views of it, take), and one per (device, stream) for eager calls, which take views of it instead of allocating
 per call (the launches of one stream run in order, so one call's workspace is free when the next call's kernels
-start; a stream of its own never shares it with another stream's kernels)."""
+start; a stream of its own never shares it with another stream's kernels). Calls inside
+util.call_scoped_buffers (an op that torch.compile runs) touch neither: each gets its own (``call_workspace``)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ class _Workspace:
                 self._lengths.clear()
             found = self._lengths[key] = torch.zeros(batch, dtype=torch.int32, device=self.device)
         return found
+
+
+def call_workspace(device: torch.device, partial_shape, n_tickets: int) -> tuple:
+    """(partial_o, partial_lse, tickets) of one call that keeps nothing (util.call_scoped_buffers): new tensors,
+    freed when the call's last reference goes (None where not needed; tickets zeros)."""
+    partial_o = partial_lse = tickets = None
+    if partial_shape is not None:
+        partial_o = torch.empty(partial_shape, dtype=torch.float32, device=device)
+        partial_lse = torch.empty(partial_shape[:-1], dtype=torch.float32, device=device)
+    if n_tickets:
+        tickets = torch.zeros(n_tickets, dtype=torch.int32, device=device)
+    return partial_o, partial_lse, tickets
 
 
 def stream_workspace(device: torch.device, stream) -> _Workspace:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from flashdecode.ops.util import capturing
+from flashdecode.ops.util import call_scoped, capturing
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,11 +162,13 @@ def empty_template(shape: tuple, dtype: torch.dtype, device: torch.device):
     (what torch.empty(shape, dtype=dtype, device=device) makes, without parsing shape, dtype and device per call:
     6.7 against 4.1 us on the H100 host, scripts/host_overhead.py): one element expanded over the shape (all strides 0:
     not dense, so empty_like lays the new tensor out contiguously), or None where the shape has at most one element
-    or more than 3 dims (empty_like would keep the expanded strides, or could pick channels-last)."""
+    or more than 3 dims (empty_like would keep the expanded strides, or could pick channels-last), or inside
+    util.call_scoped_buffers (the template would be a kept tensor made in the call; the plan that asked then
+    allocates with torch.empty)."""
     numel = 1
     for n in shape:
         numel *= n
-    if numel <= 1 or len(shape) > 3:
+    if numel <= 1 or len(shape) > 3 or call_scoped():
         return None
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
@@ -188,8 +190,10 @@ def discard_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     Every such output of ``device`` goes to the same memory, written by any number of kernels at once, on any
     stream: harmless because nothing reads it. Buffers are never freed (a larger request adds one of at least twice
     the size), so an address handed out stays valid for every launch that got it, including CUDA graphs that
-    captured it; what is held stays below four times the largest request (each buffer at least doubles the last)."""
-    if nbytes > DISCARD_MAX_BYTES:
+    captured it; what is held stays below four times the largest request (each buffer at least doubles the last).
+    None too inside util.call_scoped_buffers (a buffer made there must not be kept; the caller allocates, and does
+    not remember that answer)."""
+    if nbytes > DISCARD_MAX_BYTES or call_scoped():
         return None
     held = _DISCARD.setdefault(device, [])
     if not held or held[-1].numel() < nbytes:
@@ -204,7 +208,8 @@ class StreamScratch:
     launches on one stream, which run one after another (callers use it only for launches without programmatic
     dependent launch, whose next kernel may start before the previous one ends). While the stream is capturing a
     CUDA graph, every launch gets a buffer of its own (the graph keeps it; its replays may overlap other work on
-    any stream), as Triton's own launcher does. A replaced buffer goes back to the caching allocator, which hands
+    any stream), as Triton's own launcher does; so does every launch inside util.call_scoped_buffers (nothing made
+    there is kept). A replaced buffer goes back to the caching allocator, which hands
     it out again in the order of the stream it was allocated on: the stream of every launch that used it."""
 
     def __init__(self):
@@ -213,7 +218,7 @@ class StreamScratch:
 
     def get(self, nbytes: int, device: torch.device, stream):
         """The scratch (a device tensor of at least nbytes) for one launch on ``stream`` of ``device``."""
-        if capturing():
+        if capturing() or call_scoped():
             self.allocations += 1
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         key = (device, stream)

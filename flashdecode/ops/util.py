@@ -1,5 +1,6 @@
 """The small host helpers every op shares: integer arithmetic, the call's device facts (SM count, compute
-capability, shared memory), the interpreter / autotune switches read per call, CUDA-graph capture, the layout
+capability, shared memory), the interpreter / autotune switches read per call, CUDA-graph capture and
+call-scoped buffers (call_scoped_buffers), the layout
 predicates of tensor descriptors (TMA) and the ALiBi slopes as the kernels read them (the score transform itself is
 ops/score_transform.py).
 
@@ -9,7 +10,9 @@ cuda:0 is current must see cuda:1's SM count and architecture. Each is cached pe
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
@@ -17,7 +20,7 @@ from flashdecode import heuristics
 from flashdecode.ops import checks
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
-           "num_sms", "device_facts", "capability_major", "is_hopper", "hopper_or_newer", "tma_layout_ok",
+           "call_scoped_buffers", "call_scoped", "num_sms", "device_facts", "capability_major", "is_hopper", "hopper_or_newer", "tma_layout_ok",
            "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
            "constant_slopes"]
 
@@ -58,6 +61,30 @@ def capturing(device: torch.device | None = None) -> bool:
     if device is not None and device.type != "cuda":
         return False
     return _cuda_capturing is not None and _cuda_capturing()
+
+
+_CALL_SCOPED = threading.local()  # .on: inside call_scoped_buffers on this thread
+
+
+@contextlib.contextmanager
+def call_scoped_buffers():
+    """Within it (on this thread) the ops keep no tensor they make beyond the call that made it: decode workspace,
+    launch scratch, discard buffers, tensor templates, cached lengths are each call's own (allocated per call,
+    freed when it returns) and no pool or cache grows. For callers whose allocations must not outlive the call: an
+    op that torch.compile runs (a cudagraph tree's warmup allocates from the graph's memory pool and raises on any
+    block still held afterwards that the graph did not return; a capture's pool is reused by the tree's other
+    graphs). Host-side records (checks, configs, launch records) are kept as usual."""
+    before = getattr(_CALL_SCOPED, "on", False)
+    _CALL_SCOPED.on = True
+    try:
+        yield
+    finally:
+        _CALL_SCOPED.on = before
+
+
+def call_scoped() -> bool:
+    """Whether this thread is inside call_scoped_buffers (then keep no tensor made in the call)."""
+    return getattr(_CALL_SCOPED, "on", False)
 
 
 @functools.lru_cache(maxsize=None)
