@@ -11,7 +11,8 @@ import torch
 
 import flashdecode
 from flashdecode.ops import attention as attn_ops
-from flashdecode.ops import attention_autograd, attention_config, attention_launch, attention_plans, checks, launch_cache
+from flashdecode.ops import (attention_autograd, attention_config, attention_launch, attention_plans, checks,
+                             launch_cache)
 from helpers import HAS_CUDA, KERNEL_DTYPES, SUBPROCESS_TIMEOUT_S, randn
 
 SHAPE_Q, SHAPE_KV = (1, 19, 4, 32), (1, 23, 2, 32)
@@ -423,7 +424,8 @@ def test_dense_autograd_is_the_functions_c_apply_unless_functorch_is_active(monk
     assert torch.equal(fast, slow)
     applied = []
     real_apply = attention_autograd._DenseCallFunction.apply
-    monkeypatch.setattr(attention_autograd._DenseCallFunction, "apply", lambda *a: (applied.append(1), real_apply(*a))[1])
+    monkeypatch.setattr(attention_autograd._DenseCallFunction, "apply",
+                        lambda *a: (applied.append(1), real_apply(*a))[1])
     attn_ops._dense_autograd(q, k, v, call, options)
     assert applied == []
     monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)

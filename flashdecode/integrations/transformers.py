@@ -62,9 +62,9 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     layer's attention reads of the step's keys (module doc, "One metadata build per step").
 
     Returns None when every key position [0, kv_length) holds a token (but never for a StaticCache's decode step,
-    see below); for a decode step (q_length 1) otherwise a step table (int32 (1, 1, 1, n), see "the decode step table" below); for several query tokens the 2-D boolean
-    padding mask (batch, L <= kv_length) whose last q_length positions are the queries (the attention reads keys
-    [0, L)).
+    see below); for a decode step (q_length 1) otherwise a step table (int32 (1, 1, 1, n), see "the decode step
+    table" below); for several query tokens the 2-D boolean padding mask (batch, L <= kv_length) whose last
+    q_length positions are the queries (the attention reads keys [0, L)).
 
     attention_mask is cut to its last kv_length positions (sliding-window layers keep only those). Without an
     attention_mask, a cache longer than the tokens seen (StaticCache: q_offset is a device tensor) holds

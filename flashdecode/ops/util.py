@@ -20,7 +20,8 @@ from flashdecode import heuristics
 from flashdecode.ops import checks
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
-           "call_scoped_buffers", "call_scoped", "num_sms", "device_facts", "capability_major", "is_hopper", "hopper_or_newer", "tma_layout_ok",
+           "call_scoped_buffers", "call_scoped", "num_sms", "device_facts", "capability_major", "is_hopper",
+           "hopper_or_newer", "tma_layout_ok",
            "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
            "constant_slopes"]
 
