@@ -193,9 +193,6 @@ for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
     print(what, "registers", registers(kernel), "spilled", spilled)
     allowed = 8 if cfg.overlap or cfg.num_consumers == 3 else 0
     assert spilled <= allowed or not SPILLS_CHECKED, what + ": spills"
-    if varlen and SHARD == 0 and d == 128 and causal:  # the ablation (GluonFwdConfig.v_tail=False) compiles too
-        ablated = compile_variant(d, "bf16", causal, cfg, varlen=True, v_tail=False)
-        assert ablated.asm["ptx"] != ptx and "wgmma.mma_async" in ablated.asm["ptx"], what + ": v_tail=False"
 print("compiled")
 '''
 

@@ -84,7 +84,7 @@ def test_time_point_rows(gen, monkeypatch):
     monkeypatch.setattr(probe, "kernel_times_us", one_call)
     cpu = torch.Generator(device=DEVICE).manual_seed(1)
     # 160 keys: the resolved call still splits (10 splits of 16 keys in the interpreter), at half the programs of 300
-    rows = probe.time_point(160, ["4x16x1s*2", "2x16x1@3"], cpu, batch=2, nheads=16, nheads_kv=2, headdim=32,
+    rows = probe.time_point(160, ["4x16x1s*2", "2x16x1@3"], cpu, batch=1, nheads=8, nheads_kv=1, headdim=32,
                             calls=1, dtype=torch.float16, quant_convert=1, v_first=False)
     assert [r["variant"] for r in rows] == ["resolved", "4x16x1s*2", "2x16x1@3"]
     assert rows[0]["stage1_us"] == 2.0 and rows[0]["all_kernels_us"] == 4.5
