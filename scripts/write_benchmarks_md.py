@@ -495,6 +495,23 @@ def _serve_headline(name: str, record: dict) -> str:
             f"{r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms {_link(name)}.")
 
 
+PREFIX_ON, PREFIX_OFF = ("serve:shared-prefix:prefix-caching-on:chunked-off",
+                         "serve:shared-prefix:prefix-caching-off:chunked-off")
+
+
+def _prefix_caching_headline(by_key: dict) -> str:
+    """The shared-prefix workload with prefix caching on against off (two records of one commit), or ""."""
+    if PREFIX_ON not in by_key or PREFIX_OFF not in by_key:
+        return ""
+    (name, on), (off_name, off) = by_key[PREFIX_ON], by_key[PREFIX_OFF]
+    a, b = on["rows"][0], off["rows"][0]
+    ttft, total = b["ttft_ms"]["p50"] / a["ttft_ms"]["p50"], b["duration_s"] / a["duration_s"]
+    return (f"- **Prefix caching** ({_card(on)}, {a['num_requests']} requests sharing a {a['prefix_len']}-token "
+            f"prefix, {a['prompt_len']} new prompt and {a['output_len']} output tokens each): TTFT p50 "
+            f"{a['ttft_ms']['p50']:.0f} ms against {b['ttft_ms']['p50']:.0f} ms without it ({ttft:.1f}x), total "
+            f"{a['duration_s']:.2f} s against {b['duration_s']:.2f} s ({total:.1f}x) {_link(name)}, {_link(off_name)}.")
+
+
 HEADLINES = {"decode:contig,page16": _decode_headline, "fp8_decode": _fp8_decode_headline,
              "prefill_ragged": _ragged_headline, "e2e": _e2e_headline, "serve": _serve_headline}
 
@@ -508,6 +525,7 @@ def speed_block(records: dict[Path, dict], kernel_time: dict[str, dict]) -> str:
             lines.append(headline(*by_key[key]))
         if key == "fp8_decode" and kernel_time:
             lines.append(_kernel_time_headline(kernel_time))
+    lines.append(_prefix_caching_headline(by_key))
     return "\n".join([SPEED_BEGIN] + [line for line in lines if line] + [SPEED_END])
 
 

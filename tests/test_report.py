@@ -256,3 +256,31 @@ def test_records_of_one_minute_do_not_overwrite_each_other(tmp_path):
     assert json.loads(first.read_text())["rows"] == [{"a": 1}] and json.loads(second.read_text())["rows"] == [{"a": 2}]
     again = report.write_json(path, "custom", {}, [{"a": 3}], overwrite=True)
     assert again == path and json.loads(path.read_text())["rows"] == [{"a": 3}]
+
+
+def test_serving_workloads_get_their_own_sections_and_the_prefix_caching_headline(tmp_path):
+    """Records of `bench serve --workload` (no LLM.generate beside them) are keyed by workload and features, each
+    with its section; the shared-prefix pair, caching on and off, gives README's prefix-caching line (its ratios
+    computed from the two records), and a record without the generate comparison gives no serving headline."""
+    md = _load_script("write_benchmarks_md")
+    env = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-01-01 00:00 UTC"}
+
+    def record(caching: bool, ttft: float, seconds: float) -> dict:
+        row = {"ok": 64, "failed": 0, "concurrency": 64, "prompt_len": 128, "output_len": 128, "prefix_len": 4096,
+               "num_requests": 64, "output_tokens_per_s": 1000.0, "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+               "tpot_ms": {"p50": 10.0, "p99": 12.0}, "endpoint": "completions", "model": "m", "layers": 2,
+               "workload": "shared-prefix", "prefix_caching": caching, "chunked_prefill": False,
+               "duration_s": seconds}
+        return {"kind": "serve", "env": env, "git_commit": "abc", "command": "flashdecode bench serve", "rows": [row]}
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    (latest / "serve_on.json").write_text(json.dumps(record(True, 500.0, 2.0)))
+    (latest / "serve_off.json").write_text(json.dumps(record(False, 3500.0, 9.0)))
+    records, kernel_time = md.load_latest(latest)
+    assert {md.benchmark_key(r) for r in records.values()} == {md.PREFIX_ON, md.PREFIX_OFF}
+    block = md.speed_block(records, kernel_time)
+    assert "- **Prefix caching** (H100, 64 requests sharing a 4096-token prefix" in block
+    assert "TTFT p50 500 ms against 3500 ms without it (7.0x), total 2.00 s against 9.00 s (4.5x)" in block
+    assert "serve_on.json" in block and "serve_off.json" in block and "**Serving**" not in block
+    sections = [md.section(path, r, None) for path, r in records.items()]
+    assert all("the shared-prefix workload" in s and "against `LLM.generate`" not in s for s in sections)
