@@ -55,8 +55,8 @@ $(STAMP): pyproject.toml
 PYTEST_COMPACT := -q --compact --tb=short --disable-warnings
 
 # --dist worksteal: an idle worker takes queued tests from the busy one, so the suite's long tests do not leave one
-# core idle at the end (CPU: 538 against 600-620 s with loadgroup). The CPU suite has no xdist_group (the GPU's
-# gpu_bigmem group is gpu_check's, which passes its own --dist).
+# core idle at the end. The CPU suite has no xdist_group (the GPU's gpu_bigmem group is gpu_check's, which passes its
+# own --dist).
 test: $(SETUP)
 	$(RUN) -m pytest $(PYTEST_COMPACT) -n $(PYTEST_WORKERS) --dist worksteal tests
 
