@@ -48,7 +48,7 @@ import torch
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen, flash_attn_varlen_with_sinks, flash_attn_with_sinks
 from flashdecode.ops.decode import flash_decode
 from flashdecode.ops.sinks import apply_sinks
-from flashdecode.ops.util import call_scoped, call_scoped_buffers
+from flashdecode.ops.util import call_scoped_buffers, keeps_nothing
 
 __all__ = ["NAME", "register", "attention_forward", "padding_mask"]
 
@@ -237,7 +237,7 @@ def _full_lengths(batch: int, length: int, device) -> torch.Tensor:
     lens = _LENGTHS.get(key)
     if lens is None:
         lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-        if call_scoped() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if keeps_nothing(device):
             return lens
         if len(_LENGTHS) >= 64:
             _LENGTHS.clear()
@@ -285,7 +285,7 @@ def _prefill_rows(mask: torch.Tensor, seqlen_q: int) -> _PrefillRows:
     if entry is not None and entry[0] is mask and entry[1] == version:
         return entry[2]
     rows = _PrefillRows(mask, seqlen_q)
-    if not (call_scoped() or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if not keeps_nothing(mask.device):
         if len(_STEP_MASKS) >= 8:
             _STEP_MASKS.clear()
         _STEP_MASKS[key] = (mask, version, rows)

@@ -19,7 +19,7 @@ from flashdecode.ops.attention_config import config_for, gluon_allowed, head_dim
 from flashdecode.ops.checks import FP8_DTYPE
 from flashdecode.ops.launch_cache import PlanCache, TunedKernel
 from flashdecode.ops.score_transform import logit_scales_of
-from flashdecode.ops.util import aligned_bits, autotune_enabled, call_scoped, cdiv, interpreting_now, tma_layout_ok
+from flashdecode.ops.util import aligned_bits, autotune_enabled, cdiv, interpreting_now, tma_layout_ok
 
 # the tile constexprs of each kernel, in the order of a tile tuple (warps and stages follow them)
 _FWD_TILE = ("BLOCK_M", "BLOCK_N")
@@ -266,10 +266,7 @@ class _DenseCall:
         """As GluonPlan.lse_discard: the address the kernel may write an unwanted lse to, or None."""
         if self.discard_lse is None:
             nbytes = self.lse_shape[0] * self.lse_shape[1] * self.lse_shape[2] * 4
-            buffer = direct_launch.discard_buffer(self.device, nbytes)
-            if buffer is None and call_scoped():  # no buffer inside call_scoped_buffers: ask again outside
-                return None
-            self.discard_lse = False if buffer is None else buffer.data_ptr()
+            self.discard_lse = direct_launch.discard_address(self.device, nbytes)
         return self.discard_lse or None
 
 

@@ -202,6 +202,16 @@ def discard_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     return held[-1]
 
 
+def discard_address(device: torch.device, nbytes: int):
+    """What a plan keeps for an output it must write but nobody reads: discard_buffer(device, nbytes)'s address;
+    False where nbytes is too large (allocate it every call); None inside util.call_scoped_buffers (allocate it
+    this call, and ask again on the next)."""
+    if call_scoped():
+        return None
+    buffer = discard_buffer(device, nbytes)
+    return False if buffer is None else buffer.data_ptr()
+
+
 class StreamScratch:
     """Global scratch of the kernels launched directly (Triton's device-side tensor descriptors live there): one
     buffer per (device, stream), grown as needed. A kernel reads what it wrote there, so a buffer is shared only by

@@ -18,7 +18,7 @@ from flashdecode.ops import direct_launch
 from flashdecode.ops.checks import FP8_DTYPE
 from flashdecode.ops.launch_cache import PlanCache, launch_through_triton, recordable
 from flashdecode.ops.score_transform import log2_scale_of
-from flashdecode.ops.util import call_scoped, cdiv, num_sms
+from flashdecode.ops.util import cdiv, num_sms
 
 __all__ = ["GluonPlan", "PLANS", "NOT_APPLICABLE", "run_plan", "tile_key_blocks", "lpt_schedule", "rows_view"]
 
@@ -250,11 +250,7 @@ class GluonPlan:
         """Where a call that wants no lse lets the kernel write it: a data_ptr() int into
         direct_launch.discard_buffer (shared, never read), or None where it is too large (allocate it)."""
         if self.discard_lse is None:
-            nbytes = math.prod(self.lse_shape) * 4
-            buffer = direct_launch.discard_buffer(self.device, nbytes)
-            if buffer is None and call_scoped():  # no buffer inside call_scoped_buffers: ask again outside
-                return None
-            self.discard_lse = False if buffer is None else buffer.data_ptr()
+            self.discard_lse = direct_launch.discard_address(self.device, math.prod(self.lse_shape) * 4)
         return self.discard_lse or None
 
     def _record(self, compiled) -> None:

@@ -20,7 +20,7 @@ from flashdecode import heuristics
 from flashdecode.ops import checks
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
-           "call_scoped_buffers", "call_scoped", "num_sms", "device_facts", "capability_major", "is_hopper",
+           "call_scoped_buffers", "call_scoped", "keeps_nothing", "num_sms", "device_facts", "capability_major", "is_hopper",
            "hopper_or_newer", "tma_layout_ok",
            "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
            "constant_slopes"]
@@ -86,6 +86,12 @@ def call_scoped_buffers():
 def call_scoped() -> bool:
     """Whether this thread is inside call_scoped_buffers (then keep no tensor made in the call)."""
     return getattr(_CALL_SCOPED, "on", False)
+
+
+def keeps_nothing(device: torch.device | None = None) -> bool:
+    """Whether a tensor made now must not be kept in a cache or pool past the call: inside call_scoped_buffers, or
+    while the current CUDA stream captures a graph (capturing(device))."""
+    return call_scoped() or capturing(device)
 
 
 @functools.lru_cache(maxsize=None)
