@@ -20,10 +20,9 @@ from flashdecode import heuristics
 from flashdecode.ops import checks
 
 __all__ = ["cdiv", "next_power_of_2", "interpreting_now", "autotune_enabled", "AUTOTUNE_ENV", "capturing",
-           "call_scoped_buffers", "call_scoped", "keeps_nothing", "num_sms", "device_facts", "capability_major", "is_hopper",
-           "hopper_or_newer", "tma_layout_ok",
-           "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok", "aligned16", "aligned_bits",
-           "constant_slopes"]
+           "call_scoped_buffers", "call_scoped", "keeps_nothing", "num_sms", "device_facts", "capability_major",
+           "is_hopper", "hopper_or_newer", "tma_layout_ok", "rows_layout_ok", "cache_rows_tma_ok", "pages_tma_ok",
+           "aligned16", "aligned_bits", "constant_slopes"]
 
 cdiv = heuristics.cdiv  # pure Python: triton.cdiv is a constexpr function, ~10x slower on the host
 next_power_of_2 = heuristics.next_power_of_2
