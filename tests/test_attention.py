@@ -743,6 +743,32 @@ def test_varlen_rejects_bad_cu_seqlens():
         _varlen_call(good, [0, 3, 8])
 
 
+def test_varlen_reads_a_cu_seqlens_tensor_again_only_after_a_write():
+    """The value check (a host sync) runs once per cu_seqlens tensor and version: an in-place torch write, another
+    max_seqlen or validate=True checks again; a write torch cannot see (.data) is caught by validate=True; an
+    inference-mode tensor (no version counter) is checked on every call."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    _varlen_call(cu, cu)
+    with pytest.raises(ValueError, match="max_seqlen_q = 4 is smaller"):
+        _varlen_call(cu, cu, max_q=4)
+    cu.data[2] = 9  # unseen by the version counter: the earlier pass stands (the documented limit)
+    _varlen_call(cu, cu)
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] = 9 must equal the 8 packed tokens"):
+        flashdecode.flash_attn_varlen(*(x.flatten(0, 1) for x in _ok(q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64))),
+                                      cu, cu, 8, 8, validate=True)
+    cu.data[2] = 8
+    _varlen_call(cu, cu)
+    cu[2] = 9  # an in-place torch write bumps the version: checked again
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] = 9"):
+        _varlen_call(cu, cu)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+        _varlen_call(frozen, frozen)
+        frozen[1] = 9
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+            _varlen_call(frozen, frozen)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: large shapes, bf16, every head dim, determinism, the autotuned path
 # ----------------------------------------------------------------------------------------------------------------

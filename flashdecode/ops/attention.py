@@ -205,7 +205,10 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             for the first two).
         k_scale, v_scale: with block_table, an 8-bit (float8_e4m3fn / int8) cache's float32 scales, as
             flash_decode takes them ((), (nheads_kv,) or (num_pages, page_size, nheads_kv)).
-        The cu_seqlens values are checked with one host sync per call (prefill only; skipped under torch.compile).
+        The cu_seqlens values are checked with one host sync (skipped under torch.compile), once per tensor: a
+            cu_seqlens tensor that passed with the same total and max_seqlen and has had no in-place torch write
+            since (its version counter) is not read again, so a model's layers sharing one cost one sync a step.
+            validate=True checks again (a write from outside torch, e.g. a kernel, bumps no version counter).
         check_seqlens: False skips that value check (and its sync) for callers that build cu_seqlens themselves,
             e.g. a serving engine's prefill step or a CUDA graph. Wrong values then give wrong results, never
             memory accesses outside q, k, v, out or lse: the kernels clamp every sequence into the packed rows
@@ -249,7 +252,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     config_id = config_id_of(config)
     if check_seqlens or validate:
         checks.check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-                                  ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")])
+                                        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")],
+                                       recheck=validate)
     score = score_transform.build(q.shape[-1], causal, softmax_scale, window_size, softcap,
                                   alibi=alibi_slopes is not None, sinks=sinks is not None)
     if score.sinks:

@@ -2,13 +2,15 @@
 
 Every check raises ValueError (a bad value or shape) or TypeError (a bad type or dtype) whose message names the
 argument; none asserts (asserts vanish under ``python -O``) and none reads a device tensor (no host sync): checks
-that need values read them only from host tensors.
+that need values read them only from host tensors. The one exception is check_cu_seqlens_values (flash_attn_varlen's
+cu_seqlens, one sync the first time a tensor is seen, see there).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -434,10 +436,42 @@ def check_cu_seqlens_layout(name: str, cu, batch: Optional[int], max_seqlen, max
     return cu.numel() - 1
 
 
-def check_cu_seqlens_values(cu_checks):
+# The cu_seqlens tensors whose values passed check_cu_seqlens_values: id -> (weakref, data_ptr, version counter,
+# total, max_seqlen) at that check. A model's layers (and a benchmark's loop) pass one cu_seqlens tensor to every
+# call of a step: it is read back once, not once a layer (a host sync and five small kernels each time).
+_CHECKED_CU_SEQLENS: dict = {}
+
+
+def _cu_key(cu: torch.Tensor, total: int, max_seqlen: int) -> Optional[tuple]:
+    """What a passed check of cu against (total, max_seqlen) depends on, or None where it cannot be known: an
+    inference-mode tensor keeps no version counter, so a write into it would go unseen."""
+    if cu.is_inference():
+        return None
+    return (cu.data_ptr(), cu._version, total, max_seqlen)
+
+
+def _checked_before(cu: torch.Tensor, total: int, max_seqlen: int) -> bool:
+    entry = _CHECKED_CU_SEQLENS.get(id(cu))
+    return entry is not None and entry[0]() is cu and entry[1:] == _cu_key(cu, total, max_seqlen)
+
+
+def _remember_checked(cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+    key = _cu_key(cu, total, max_seqlen)
+    if key is not None:
+        ident = id(cu)
+        ref = weakref.ref(cu, lambda _, ident=ident: _CHECKED_CU_SEQLENS.pop(ident, None))
+        _CHECKED_CU_SEQLENS[ident] = (ref, *key)
+
+
+def check_cu_seqlens_values(cu_checks, recheck: bool = False):
     """cu_checks: [(name, cu, total, max_seqlen, max_name)]. Starts at 0, non-decreasing, ends at the packed tokens,
-    longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces)."""
+    longest sequence <= max_seqlen. One host sync for all of them (skipped while torch.compile traces), and none
+    where each cu already passed against the same total and max_seqlen and has not been written since (its version
+    counter: every in-place torch op on it or a view bumps it; writes from outside torch - a kernel given its
+    address - do not, so recheck=True checks again). Inference-mode tensors are checked on every call."""
     if torch.compiler.is_compiling() or cu_checks[0][1].numel() < 2:
+        return
+    if not recheck and all(_checked_before(cu, total, max_seqlen) for _, cu, total, max_seqlen, _ in cu_checks):
         return
     stats = []
     for _, cu, _, _, _ in cu_checks:
@@ -452,6 +486,8 @@ def check_cu_seqlens_values(cu_checks):
         if max_len > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max_len}) "
                              f"in {name}")
+    for _, cu, total, max_seqlen, _ in cu_checks:
+        _remember_checked(cu, total, max_seqlen)
 
 
 def check_batch(q, k):
