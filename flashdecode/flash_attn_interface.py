@@ -600,9 +600,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if append is not None and not append.run(k_cache, v_cache, k, v, lengths, table, None, seen if fused else None) \
             and fused:
         seen = lengths  # nothing appended (an empty batch)
-    out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse))
+    out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse),
+                              alibi_slopes)
     if (host_bound is None or cache_seqlens is None) and (fused or k is None):  # no per-call value decided it
-        checked.direct = _DirectKvcache(decided.kept(), append)
+        checked.direct = _DirectKvcache(decided.kept(q_rows), append)
     return _decode_result(out, lse, q.shape, fold, return_softmax_lse)
 
 

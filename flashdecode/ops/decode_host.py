@@ -28,8 +28,8 @@ from operator import is_
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "options_key", "remember", "recall", "detach", "bind", "keep", "kept", "keep_checks",
-           "kept_checks", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
+__all__ = ["call_key", "options_key", "remember", "recall", "detach", "keep", "kept", "keep_checks", "kept_checks",
+           "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -179,37 +179,41 @@ def remember(key, shape, config, launch, growing: GrowingCache | None = None) ->
     _CALLS[key] = _Entry(kept, config, launch)
 
 
-def recall(key, q, alibi_slopes, growing: GrowingCache | None = None):
-    """(shape, config, launch) of a call whose key was remembered, the shape bound to this call's q and ALiBi
-    slopes (and a growing cache's capacity and launch key); None where it was not."""
+def recall(key, growing: GrowingCache | None = None):
+    """(shape, config, launch) of a call whose key was remembered (a growing cache's: a copy of the shape with its
+    capacity and launch key in place); None where it was not."""
     entry = None if key is None else _CALLS.get(key)
     if entry is None:
         return None
-    shape = _copy(entry.shape)
+    shape = entry.shape
     if growing is not None:
+        shape = _copy(shape)
         shape.capacity = growing.capacity
         shape.launch_key = (shape.launch_key, growing.spec)
-    return _bind(shape, q, alibi_slopes), entry.config, entry.launch
+    return shape, entry.config, entry.launch
+
+
+_BOUND: dict = {}  # exact call key -> the decision bound to that layout (ops/decode.py DecidedDecode, kept)
+
+
+def keep_bound(key, value) -> None:
+    """Keep what a call of one exact layout runs (its record of _CALLS with a growing cache's capacity and launch
+    key in place, and what its launch derives per layout) under its exact call key, in a store of its own: a
+    growing cache's steps each add one, which must not crowd out the records they share."""
+    _store(_BOUND, key, value)
+
+
+def bound(key):
+    """What ``keep_bound`` kept under ``key`` (None: nothing, or key None)."""
+    return None if key is None else _BOUND.get(key)
 
 
 def detach(shape):
     """A copy of a checked call's _DecodeShape without its tensors (q, the ALiBi slopes), to keep beside a
-    wrapper's own record (``bind`` gives it a later call's tensors)."""
+    wrapper's own record: the launches take a call's tensors as arguments."""
     kept = _copy(shape)
     kept.q4 = kept.alibi_slopes = None
     return kept
-
-
-def bind(kept, q, alibi_slopes):
-    """A copy of a ``detach``-ed shape bound to a later call's q and ALiBi slopes (of the layouts it was checked
-    for)."""
-    return _bind(_copy(kept), q, alibi_slopes)
-
-
-def _bind(shape, q, alibi_slopes):
-    shape.q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    shape.alibi_slopes = alibi_slopes
-    return shape
 
 
 def _copy(shape):
@@ -222,4 +226,5 @@ def _copy(shape):
 def clear() -> None:
     _CALLS.clear()
     _CHECKS.clear()
+    _BOUND.clear()
     _GROWING.clear()

@@ -12,7 +12,7 @@ from flashdecode.ops import checks
 from flashdecode.ops.util import interpreting_now
 from flashdecode.ops.launch_cache import LaunchSite, tensor_key
 
-__all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
+__all__ = ["merge_states", "merge_states_many", "launch_merge_many", "relaunch_merge"]
 
 _DTYPES = checks.FLOAT_DTYPES
 _TILE_ELEMS = 8192  # fp32 elements of the (rows, states, headdim) tile one merge program holds: 64 splits x hd128
@@ -94,6 +94,20 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
     if plan.grid is not None:
         _MERGE_MANY.launch(key, plan.grid, (o_in_s, lse_in_s, o_out, lse_out) + plan.ints, plan.constexprs,
                            o_out.device)
+
+
+def relaunch_merge(key, o_in, lse_in, o_out, lse_out) -> bool:
+    """launch_merge_many's launch under a caller's ``key`` (states_dim 2) where that key is planned, with tensors at
+    the data pointers of the views it was planned for (o_in, lse_in, o_out, lse_out: the kernel reads only their
+    pointers and dtypes; the plan holds the views' strides), so a caller whose key fixes every layout reshapes
+    nothing per call. False where the key has no plan yet (call launch_merge_many with the views)."""
+    plan = _MERGE_MANY.plans.get(key)
+    if plan is None:
+        return False
+    if plan.grid is not None:
+        _MERGE_MANY.launch(key, plan.grid, (o_in, lse_in, o_out, lse_out) + plan.ints, plan.constexprs,
+                           o_out.device)
+    return True
 
 
 class _MergePlan:
