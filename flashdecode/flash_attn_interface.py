@@ -603,7 +603,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse),
                               alibi_slopes)
     if (host_bound is None or cache_seqlens is None) and (fused or k is None):  # no per-call value decided it
-        checked.direct = _DirectKvcache(decided.kept(q_rows), append)
+        checked.direct = _DirectKvcache(decided.kept(), append)
     return _decode_result(out, lse, q.shape, fold, return_softmax_lse)
 
 

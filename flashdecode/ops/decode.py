@@ -31,7 +31,6 @@ from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch
 from flashdecode.ops.decode_policy import _DecodeShape, check_config_fits, choose_live_keys, decode_device
 from flashdecode.ops.util import call_scoped, capturing
 from flashdecode.ops import decode_host, direct_launch
-from flashdecode.ops.direct_launch import empty_from
 from flashdecode.ops.decode_workspace import call_workspace, stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
 from flashdecode.ops.sinks import apply_sinks, check_sinks
@@ -259,21 +258,19 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
 class DecidedDecode:
     """What prepare_flash_decode decides for one call: the checked shape facts (shape.launch_key keys its launches;
     a growing cache's capacity in place), the config and launch geometry, whether the stream was capturing, whether
-    this is the first call of its exact layout (which sizes the device pool for captures of it) and a template of
-    its output (direct_launch.empty_template; None: torch.empty). Kept per exact call key (decode_host.keep_bound):
-    a repeated call finds it whole and only launches."""
+    this is the first call of its exact layout (which sizes the device pool for captures of it). Kept per exact
+    call key (decode_host.keep_bound): a repeated call finds it whole and only launches."""
 
-    __slots__ = ("shape", "config", "launch", "in_capture", "new_key", "out_template")
+    __slots__ = ("shape", "config", "launch", "in_capture", "new_key")
 
-    def __init__(self, shape, config, launch, in_capture: bool, new_key: bool, out_template=None):
+    def __init__(self, shape, config, launch, in_capture: bool, new_key: bool):
         self.shape, self.config, self.launch = shape, config, launch
-        self.in_capture, self.new_key, self.out_template = in_capture, new_key, out_template
+        self.in_capture, self.new_key = in_capture, new_key
 
-    def kept(self, q) -> "DecidedDecode":
-        """A copy to keep for later calls of this layout (q: this call's): its shape without the call's tensors
-        (decode_host.detach), not a new key any more, with a template of an output like q."""
-        return DecidedDecode(decode_host.detach(self.shape), self.config, self.launch, self.in_capture, False,
-                             direct_launch.empty_template(q.shape, q.dtype, q.device))
+    def kept(self) -> "DecidedDecode":
+        """A copy to keep for later calls of this layout: its shape without the call's tensors
+        (decode_host.detach), not a new key any more."""
+        return DecidedDecode(decode_host.detach(self.shape), self.config, self.launch, self.in_capture, False)
 
     def relaunch(self, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, return_lse: bool):
         """A kept decision launched for a later call on tensors of the layouts it was decided for (no out=; the
@@ -307,7 +304,7 @@ def decide_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                              window_size, out, max_seqlen_k, config, validate, batch_invariant, alibi_slopes, k_scale,
                              v_scale, in_capture)
     if key is not None:
-        decode_host.keep_bound(key, decided.kept(q))
+        decode_host.keep_bound(key, decided.kept())
     return decided
 
 
@@ -366,9 +363,10 @@ def _launch_decode(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, b
     [seqlen_q,] nheads) or None unless return_lse)."""
     shape, launch = decided.shape, decided.launch
     device = shape.device
-    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
+    # contiguous whatever q's layout: the merge writes (batch * seqlen_q) rows through one collapsed view (and
+    # empty_like parses less per call than torch.empty with its options)
     if out is None:
-        out = empty_from(decided.out_template, q.shape, q.dtype, device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_shape = (shape.batch, shape.seqlen_q, shape.nheads)
     partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
     if call_scoped():  # an op torch.compile runs (a cudagraph tree's warmup or capture): this call's own buffers

@@ -23,7 +23,6 @@ launch key).
 from __future__ import annotations
 
 import itertools
-from operator import is_
 
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
@@ -34,36 +33,26 @@ __all__ = ["call_key", "options_key", "remember", "recall", "detach", "keep", "k
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
 _LAUNCH_IDS = itertools.count()
-_NONE = itertools.repeat(None)
-
-
-def _option(x):
-    """An option in a key: its value and type (an unhashable value makes the call take the full path)."""
-    cls = x.__class__
-    if cls is tuple or cls is list:
-        types = tuple(map(type, x))
-        if tuple in types or list in types:
-            return (cls,) + tuple(map(_option, x))
-        return cls, tuple(x), types
-    return cls, x
 
 
 def options_key(options: tuple) -> tuple:
     """Options in a key: their values and types, so that 3.0 never passes where 3 was checked, nor True where 1 was
-    (a tuple or list of them, e.g. window_size, element by element)."""
+    (a tuple or list of them, e.g. window_size, element by element: the options_key of each, a list as a tuple)."""
     types = tuple(map(type, options))
     if tuple in types or list in types:
-        return ("nested",) + tuple([_option(x) if t is tuple or t is list else (t, x) for x, t in zip(options, types)])
+        inner = tuple([options_key(x) for x, t in zip(options, types) if t is tuple or t is list])
+        if list in types:
+            options = tuple([tuple(x) if t is list else x for x, t in zip(options, types)])
+        return options, types, inner
     return options, types
 
 
 def call_key(tag, tensors: tuple, options: tuple):
     """The key of a call (``tag``: the op, or a plan), or None where an argument cannot be keyed (not a tensor, an
     unhashable option): that call takes the full path, whose checks then name the argument."""
-    try:  # launch_cache.tensor_key of each tensor, inlined (the key is built on every call), and where None passed
-        key = (tag, tuple(map(is_, tensors, _NONE)), tuple([
-            (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in tensors if x is not None]),
-            options_key(options))
+    try:  # launch_cache.tensor_key of each tensor (None where None passed), inlined: the key is built on every call
+        key = (tag, tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+                           for x in tensors]), options_key(options))
         hash(key)
     except (AttributeError, TypeError, RuntimeError):
         return None

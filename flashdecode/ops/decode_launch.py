@@ -241,6 +241,8 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k
             _STAGE1.plans.put(key, args)
     runtime = args.runtime(shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse3,
                            merged)
+    if key is not None and _STAGE1.launch_recorded(key, args.grid, runtime, shape.device):
+        return
 
     def constexprs(num_stages):
         device_splits = merge = None
@@ -301,6 +303,8 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
             _PERSISTENT.plans.put(key, args)
     runtime = args.runtime(shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
                            o5, lse4, tickets)
+    if key is not None and _PERSISTENT.launch_recorded(key, (launch.programs, 1, 1), runtime, shape.device):
+        return
 
     def constexprs(num_stages):
         dynamic = config.path is DecodePath.PERSISTENT_QUEUE

@@ -201,23 +201,28 @@ class LaunchSite:
         """Launch on ``grid`` (3 entries) with ``runtime`` (the runtime parameters in signature order: tensors,
         ints, floats, tuples of them, None) and, on a key's first launch, ``constexprs()`` (constexpr parameters
         by name plus Triton's launch options). key None: Triton's launch, nothing recorded."""
-        record = None if key is None else self.records.get(key)
-        if record is not None:
-            if _CHECK[0]:
-                record.check(key, self.name, runtime)
-            if record.direct is not None:
-                enter, _ = direct_launch.launch_hooks()
-                if enter is None:
-                    if device.index == direct_launch.current_device():
-                        record.direct(grid, direct_launch.current_stream(device.index), device,
-                                      record.arguments(runtime))
-                    else:
-                        with torch.cuda.device(device):
-                            record.direct(grid, direct_launch.current_stream(device.index), device,
-                                          record.arguments(runtime))
-                    record.launches += 1
-                    return
-        self._jit_launch(key, grid, runtime, constexprs(), device, record)
+        if key is not None and self.launch_recorded(key, grid, runtime, device):
+            return
+        self._jit_launch(key, grid, runtime, constexprs(), device, None if key is None else self.records.get(key))
+
+    def launch_recorded(self, key, grid: tuple, runtime: tuple, device: torch.device) -> bool:
+        """``launch`` of a key whose record launches directly now (True); False where it has none, or its kernel
+        must go through Triton's JIT (the interpreter, a launch hook registered): call ``launch`` then. For
+        callers that build their constexprs only where they are needed."""
+        record = self.records.get(key)
+        if record is None:
+            return False
+        if _CHECK[0]:
+            record.check(key, self.name, runtime)
+        if record.direct is None or direct_launch.launch_hooks()[0] is not None:
+            return False
+        if device.index == direct_launch.current_device():
+            record.direct(grid, direct_launch.current_stream(device.index), device, record.arguments(runtime))
+        else:
+            with torch.cuda.device(device):
+                record.direct(grid, direct_launch.current_stream(device.index), device, record.arguments(runtime))
+        record.launches += 1
+        return True
 
     def _jit_launch(self, key, grid, runtime, constexprs: dict, device, record):
         self.jit_launches += 1
