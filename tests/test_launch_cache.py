@@ -198,10 +198,12 @@ def test_eager_pool_views_follow_the_buffers_as_they_grow():
     small = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
     assert pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2)) is small  # kept: nothing sliced again
     big = pool.take_eager((2, 1, 4, 8, 16), 40, (2, 1, 4))
-    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4)]
+    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4), (2,)]
+    assert big[4].data_ptr() == big[2][38:].data_ptr()  # the persistent kernel's queue: the last two tickets
     again = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
     assert again is not small and again[0].data_ptr() == pool.o.data_ptr()  # views of the grown buffers
     assert again[2].data_ptr() == pool.tickets.data_ptr() and torch.all(pool.tickets == 0)
+    assert again[4].data_ptr() == pool.tickets[1:].data_ptr()
 
 
 def _counted_resolver(monkeypatch) -> list:

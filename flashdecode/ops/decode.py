@@ -31,7 +31,7 @@ from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch
 from flashdecode.ops.decode_policy import _DecodeShape, check_config_fits, choose_live_keys, decode_device
 from flashdecode.ops.util import call_scoped, capturing
 from flashdecode.ops import decode_host, direct_launch
-from flashdecode.ops.decode_workspace import call_workspace, stream_workspace, workspace
+from flashdecode.ops.decode_workspace import QUEUE_SLOTS, call_workspace, stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
 from flashdecode.ops.sinks import apply_sinks, check_sinks
 
@@ -369,6 +369,7 @@ def _launch_decode(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, b
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse_shape = (shape.batch, shape.seqlen_q, shape.nheads)
     partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
+    queue = None  # (run_decode slices it where the pool keeps no view)
     if call_scoped():  # an op torch.compile runs (a cudagraph tree's warmup or capture): this call's own buffers
         lse3 = torch.empty(lse_shape, dtype=torch.float32, device=device)
         partial_o, partial_lse, tickets = call_workspace(device, partial_shape, n_tickets)
@@ -379,12 +380,12 @@ def _launch_decode(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, b
         if decided.new_key:
             workspace(device).reserve(partial_shape, n_tickets)
         pool = stream_workspace(device, direct_launch.current_stream(device.index) if device.type == "cuda" else None)
-        partial_o, partial_lse, tickets, lse3 = pool.take_eager(partial_shape, n_tickets,
-                                                                None if return_lse else lse_shape)
+        partial_o, partial_lse, tickets, lse3, queue = pool.take_eager(partial_shape, n_tickets,
+                                                                       None if return_lse else lse_shape)
         if return_lse:
             lse3 = torch.empty(lse_shape, dtype=torch.float32, device=device)
     run_decode(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3, partial_o,
-               partial_lse, tickets)
+               partial_lse, tickets, queue)
     return out, (_lse_view(lse3, q) if return_lse else None)
 
 
@@ -489,6 +490,7 @@ class DecodePlan:
         # again). Row blocks per kv head never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
         self._tickets = torch.zeros(num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)
+        self._queue = self._tickets[self._tickets.numel() - QUEUE_SLOTS:]
 
     def _launch_for(self, shape: _DecodeShape) -> DecodeLaunch:
         key = (shape.batch, shape.seqlen_q, shape.page_size, shape.capacity, shape.cache_tma_ok,
@@ -556,14 +558,14 @@ class DecodePlan:
                 and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
             key = decode_host.call_key(self._key_tag, (q, k_cache, v_cache, cache_seqlens, block_table, out,
                                                        alibi_slopes), (softmax_scale, softcap, window_size))
-            found = self._runs.get(key)
+            found = decode_host.lookup(self._runs, key)
         if found is None:
             found = self._checked_run(key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap,
                                       window_size, out, validate, alibi_slopes, k_scale, v_scale)
         shape, launch, plan_out, lse3, partial_o, partial_lse = found
         result = plan_out if out is None else out
         run_decode(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, result, lse3,
-                   partial_o, partial_lse, self._tickets)
+                   partial_o, partial_lse, self._tickets, self._queue)
         if sinks is not None:  # the result is then a new tensor (or out), not a plan buffer
             return _sinks_step(result, _lse_view(lse3, q), sinks, out, return_lse)
         return (result, _lse_view(lse3, q)) if return_lse else result
@@ -581,7 +583,7 @@ class DecodePlan:
         launch = self._launch_for(shape)
         decode_host.remember(key, shape, launch.config, launch)
         run = (decode_host.detach(shape), launch) + self._buffer_views(q.shape, shape.q4.shape, launch)
-        if key is not None:
+        if key is not None and shape.launch_key is not None:  # (an unhashable key was not remembered)
             if len(self._runs) >= _PLAN_RUNS:
                 self._runs.clear()
             self._runs[key] = run

@@ -27,7 +27,7 @@ import itertools
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "options_key", "remember", "recall", "detach", "keep", "kept", "keep_checks", "kept_checks",
+__all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", "keep", "kept", "keep_checks", "kept_checks",
            "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
@@ -48,15 +48,25 @@ def options_key(options: tuple) -> tuple:
 
 
 def call_key(tag, tensors: tuple, options: tuple):
-    """The key of a call (``tag``: the op, or a plan), or None where an argument cannot be keyed (not a tensor, an
-    unhashable option): that call takes the full path, whose checks then name the argument."""
+    """The key of a call (``tag``: the op, or a plan), or None where an argument is not a tensor: that call takes
+    the full path, whose checks then name the argument. A key with an unhashable option is found in no store and
+    kept in none (``lookup``, _store): that call too takes the full path every time (its hash is left to the one
+    lookup that needs it)."""
     try:  # launch_cache.tensor_key of each tensor (None where None passed), inlined: the key is built on every call
-        key = (tag, tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
-                           for x in tensors]), options_key(options))
-        hash(key)
+        return (tag, tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+                            for x in tensors]), options_key(options))
     except (AttributeError, TypeError, RuntimeError):
         return None
-    return key
+
+
+def lookup(store: dict, key):
+    """store.get(key); None where key is None or unhashable (call_key's keys are hashed here, once)."""
+    if key is None:
+        return None
+    try:
+        return store.get(key)
+    except TypeError:
+        return None
 
 
 def capacity_bucket(n: int) -> int:
@@ -114,12 +124,17 @@ def growing_cache(k_cache, v_cache) -> GrowingCache | None:
     return found
 
 
-def _store(store: dict, key, value) -> None:
-    """store[key] = value (key None: nothing), the store cleared first when full."""
-    if key is not None:
-        if len(store) >= _MAX_CALLS:
-            store.clear()
+def _store(store: dict, key, value) -> bool:
+    """store[key] = value (key None or unhashable: nothing, False), the store cleared first when full."""
+    if key is None:
+        return False
+    if len(store) >= _MAX_CALLS:
+        store.clear()
+    try:
         store[key] = value
+    except TypeError:
+        return False
+    return True
 
 
 def keep(key, value) -> None:
@@ -129,7 +144,7 @@ def keep(key, value) -> None:
 
 def kept(key):
     """What ``keep`` kept under ``key`` (None: nothing, or key None)."""
-    return None if key is None else _CALLS.get(key)
+    return lookup(_CALLS, key)
 
 
 _CHECKS: dict = {}  # wrappers' kept checks (flash_attn_with_kvcache), apart from the decode records (below)
@@ -144,7 +159,7 @@ def keep_checks(key, value) -> None:
 
 def kept_checks(key):
     """What ``keep_checks`` kept under ``key`` (None: nothing, or key None)."""
-    return None if key is None else _CHECKS.get(key)
+    return lookup(_CHECKS, key)
 
 
 class _Entry:
@@ -157,21 +172,17 @@ class _Entry:
 def remember(key, shape, config, launch, growing: GrowingCache | None = None) -> None:
     """Keep a checked call's shape facts (without its tensors), config and launch geometry under ``key``
     (``growing``: a growing cache's, whose specialisation joins the launch key)."""
-    if key is None:
-        return
     launch_id = next(_LAUNCH_IDS)
     kept = detach(shape)
     kept.launch_key = launch_id
-    shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
-    if len(_CALLS) >= _MAX_CALLS:
-        _CALLS.clear()
-    _CALLS[key] = _Entry(kept, config, launch)
+    if _store(_CALLS, key, _Entry(kept, config, launch)):  # (an unhashable key: launched without recording)
+        shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
 
 
 def recall(key, growing: GrowingCache | None = None):
     """(shape, config, launch) of a call whose key was remembered (a growing cache's: a copy of the shape with its
     capacity and launch key in place); None where it was not."""
-    entry = None if key is None else _CALLS.get(key)
+    entry = lookup(_CALLS, key)
     if entry is None:
         return None
     shape = entry.shape
@@ -194,7 +205,7 @@ def keep_bound(key, value) -> None:
 
 def bound(key):
     """What ``keep_bound`` kept under ``key`` (None: nothing, or key None)."""
-    return None if key is None else _BOUND.get(key)
+    return lookup(_BOUND, key)
 
 
 def detach(shape):

@@ -18,6 +18,7 @@ from flashdecode.config import DecodeConfig, DecodePath
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, QuantTiles, Rows, Splits,
                                              Tile, WorkSchedule)
+from flashdecode.ops.decode_workspace import QUEUE_SLOTS
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
 from flashdecode.ops.launch_cache import LaunchSite
 from flashdecode.ops.merge import launch_merge_many, relaunch_merge
@@ -33,7 +34,7 @@ _PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
 _PERSISTENT_MERGE_TILE_ELEMS = 2048
 
 # the persistent kernel's work queue: the next item, and the programs that found none (kernels/decode.py DYNAMIC)
-_QUEUE_SLOTS = 2
+_QUEUE_SLOTS = QUEUE_SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +118,12 @@ def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
 
 
 def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
-               block_table, out, lse3, partial_o, partial_lse, tickets=None):
+               block_table, out, lse3, partial_o, partial_lse, tickets=None, queue=None):
     """Decode into out (like q: (batch, [seqlen_q,] nheads, headdim)) and lse3 (batch, seqlen_q, nheads) fp32
     natural log, on launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) /
     partial_lse (..., splits) fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero
-    again): the persistent paths' and config.merge_in_kernel's merge counters, and the persistent queue. ``shape``
+    again): the persistent paths' and config.merge_in_kernel's merge counters, and the persistent queue (the last
+    _QUEUE_SLOTS of them; ``queue``, that view where the caller keeps one, else sliced here). ``shape``
     holds the checked facts (the capacity of this cache, the launch key); q and alibi_slopes are the call's, of the
     layouts ``shape`` was checked for. The kernels take pointers and explicit strides, so no tensor is reshaped per
     call: each launch key keeps the strides of the views it stands for (_Stage1Args, _PersistentArgs)."""
@@ -130,8 +132,10 @@ def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cac
         _launch_stage1(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
                        final=True)
     elif path in _PERSISTENT_PATHS:  # one launch: the kernel merges the sequences that split
+        if queue is None:
+            queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
         _launch_persistent(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
-                           partial_o, partial_lse, tickets)
+                           partial_o, partial_lse, tickets, queue)
     elif launch.config.merge_in_kernel:  # one launch: one-split sequences write out, the last split merges
         _launch_stage1(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, partial_o,
                        partial_lse, final=False, merged=(out, lse3, tickets))
@@ -278,22 +282,23 @@ class _PersistentArgs:
         self.alibi = _alibi_strides(alibi_slopes)
 
     def runtime(self, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3, o5,
-                lse4, tickets) -> tuple:
+                lse4, tickets, queue) -> tuple:
         """decode_persistent_kernel's runtime arguments in signature order for this call's tensors."""
         k_shape, k_stride = k_cache.shape, k_cache.stride()
         k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
         return (q, k_src, v_src, cache_seqlens, cache_seqlens if block_table is None else block_table, o5, lse4,
-                out, lse3, tickets, tickets[tickets.numel() - _QUEUE_SLOTS:], *self.head, shape.capacity,
+                out, lse3, tickets, queue, *self.head, shape.capacity,
                 self.stride_q, (stride_kb, k_stride[1], k_stride[2]), self.stride_btb, *self.strides, k_shape[0],
                 (q if alibi_slopes is None else alibi_slopes, self.alibi), _kv_scales_arg(shape, k_cache))
 
 
 def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
-                       block_table, out, lse3, o5, lse4, tickets):
+                       block_table, out, lse3, o5, lse4, tickets, queue):
     """All of decode in one decode_persistent_kernel launch: a fixed grid of launch.programs programs; each
     sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out (like q) and
     lse3; o5 / lse4 fp32 partials and tickets (int32 zeros, >= num_tickets(...); left zero again) serve the
-    sequences that split, and the last _QUEUE_SLOTS tickets are the PERSISTENT_QUEUE path's work queue."""
+    sequences that split, and the last _QUEUE_SLOTS tickets (``queue``) are the PERSISTENT_QUEUE path's work
+    queue."""
     config = launch.config
     key = _site_key(shape, ("persistent",))
     args = None if key is None else _PERSISTENT.plans.get(key)
@@ -302,7 +307,7 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
         if key is not None:
             _PERSISTENT.plans.put(key, args)
     runtime = args.runtime(shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
-                           o5, lse4, tickets)
+                           o5, lse4, tickets, queue)
     if key is not None and _PERSISTENT.launch_recorded(key, (launch.programs, 1, 1), runtime, shape.device):
         return
 

@@ -177,13 +177,16 @@ def merge_states(o_a, lse_a, o_b, lse_b):
                              f"{o_a.dtype} and {tuple(o_b.shape)} {o_b.dtype}")
         # (key is not None here: an argument that is not a tensor has failed the checks)
         plan = _MERGE_TWO.plans.put(key, _MergeTwoPlan(o_a, lse_a, o_b, lse_b))
-    out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
-    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
+    # new contiguous results (lse_a is float32: checked); empty_like parses less per call than torch.empty
+    out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
+    lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
     if plan.grid is None:
         return out, lse
-    a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
-    o3, l2 = out.view(plan.o3_shape), lse.view(plan.l2_shape)
-    _MERGE_TWO.launch(key, plan.grid, (a, la, b_, lb, o3, l2) + plan.ints, plan.constexprs, o_a.device)
+    if plan.in_place:  # every row view is a view: the kernel reads the tensors' own pointers
+        tensors = (o_a, lse_a, o_b, lse_b, out, lse)
+    else:
+        tensors = (_rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False), out, lse)
+    _MERGE_TWO.launch(key, plan.grid, tensors + plan.ints, plan.constexprs, o_a.device)
     return out, lse
 
 
@@ -191,17 +194,22 @@ def _merge_two_key(o_a, lse_a, o_b, lse_b):
     """The key under which merge_states keeps its checks and launch (every tensor's shape, strides, dtype, device
     and alignment, and the interpreter switch for CPU tensors, which decides whether they are accepted), or None
     where an argument is not a tensor (the checks then name it)."""
-    if not all(isinstance(x, torch.Tensor) for x in (o_a, lse_a, o_b, lse_b)):
+    tensor = torch.Tensor
+    if not (isinstance(o_a, tensor) and isinstance(lse_a, tensor) and isinstance(o_b, tensor)
+            and isinstance(lse_b, tensor)):
         return None
-    return ("merge_states", tensor_key(o_a), tensor_key(lse_a), tensor_key(o_b), tensor_key(lse_b),
-            o_a.is_cpu and interpreting_now())
+    # launch_cache.tensor_key of each, inlined (the key is built on every call)
+    return ("merge_states", tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+                                   for x in (o_a, lse_a, o_b, lse_b)]), o_a.is_cpu and interpreting_now())
 
 
 class _MergeTwoPlan:
-    """What merge_states' key fixes (checked tensors): the grid (None: an empty result), the result's row views'
-    shapes, the kernel's integer arguments (the row views' strides) and its constexprs."""
+    """What merge_states' key fixes (checked tensors): the grid (None: an empty result), whether the inputs' row
+    views (_rows3) are views (in_place: the launch passes the tensors themselves, at the same pointers; else the
+    reshapes that copy run per call), the kernel's integer arguments (the row views' strides) and its constexprs.
+    The results are new contiguous tensors, passed as they are."""
 
-    __slots__ = ("grid", "o3_shape", "l2_shape", "ints", "constexprs")
+    __slots__ = ("grid", "in_place", "ints", "constexprs")
 
     def __init__(self, o_a, lse_a, o_b, lse_b):
         self.grid = None
@@ -209,7 +217,7 @@ class _MergeTwoPlan:
             return
         a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
         outer, inner, headdim = a.shape
-        self.o3_shape, self.l2_shape = (outer, inner, headdim), (outer, inner)
+        self.in_place = all(r.data_ptr() == x.data_ptr() for r, x in ((a, o_a), (la, lse_a), (b_, o_b), (lb, lse_b)))
         block_d = heuristics.next_power_of_2(max(16, headdim))
         block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
         self.grid = (outer, heuristics.cdiv(inner, block_r), 1)
