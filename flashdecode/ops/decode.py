@@ -40,6 +40,15 @@ __all__ = ["flash_decode", "flash_decode_with_sinks", "decode_config", "DecodePl
 _DTYPES = checks.FLOAT_DTYPES
 _PLAN_IDS = itertools.count()  # a key per DecodePlan that no later plan reuses (id() may be)
 _PLAN_RUNS = 256  # exact call keys a DecodePlan keeps (cleared when full)
+# the default window_size, and what a call key holds for it when the call passed this very object: a token no
+# argument can be, so the key stays flat (decode_host.options_key reads a tuple option element by element)
+NO_WINDOW = (-1, -1)
+_NO_WINDOW_KEY = object()
+
+
+def window_key(window_size):
+    """window_size in a call key (module constants above)."""
+    return _NO_WINDOW_KEY if window_size is NO_WINDOW else window_size
 
 
 def _lse_view(lse3, q):
@@ -115,7 +124,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
-                 softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
+                 softcap=0.0, window_size=NO_WINDOW, return_lse=False, out=None, max_seqlen_k=None, plan=None,
                  config: DecodeConfig | None = None, validate=False, sinks=None, batch_invariant: bool = False,
                  alibi_slopes=None, k_scale=None, v_scale=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
@@ -233,7 +242,7 @@ def _sinks_step(o, lse, sinks, out, return_lse: bool):
 
 
 def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                         num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                         num_splits=None, softcap=0.0, window_size=NO_WINDOW, out=None, max_seqlen_k=None,
                          config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
                          alibi_slopes=None, k_scale=None, v_scale=None, return_lse: bool = True):
     """Every check and launch decision of flash_decode(...) (same arguments, no sinks / plan), and nothing written:
@@ -280,7 +289,7 @@ class DecidedDecode:
 
 
 def decide_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                        num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                        num_splits=None, softcap=0.0, window_size=NO_WINDOW, out=None, max_seqlen_k=None,
                         config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
                         alibi_slopes=None, k_scale=None, v_scale=None) -> DecidedDecode:
     """prepare_flash_decode's checks and decisions (its arguments), as a DecidedDecode; launch_decided runs it.
@@ -295,8 +304,8 @@ def decide_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
         key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
                                                     alibi_slopes),
-                                   (softmax_scale, num_splits, softcap, window_size, config, batch_invariant,
-                                    in_capture, max_seqlen_k))
+                                   (softmax_scale, num_splits, softcap, window_key(window_size), config,
+                                    batch_invariant, in_capture, max_seqlen_k))
         found = decode_host.bound(key)
         if found is not None:
             return found
@@ -546,7 +555,7 @@ class DecodePlan:
                                             v_scale=v_scale)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None,
+            window_size=NO_WINDOW, return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None,
             k_scale=None, v_scale=None):
         """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
         syncs, so it is for eager debugging runs, not captured ones)."""
@@ -557,7 +566,8 @@ class DecodePlan:
         if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
                 and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
             key = decode_host.call_key(self._key_tag, (q, k_cache, v_cache, cache_seqlens, block_table, out,
-                                                       alibi_slopes), (softmax_scale, softcap, window_size))
+                                                       alibi_slopes), (softmax_scale, softcap,
+                                                                       window_key(window_size)))
             found = decode_host.lookup(self._runs, key)
         if found is None:
             found = self._checked_run(key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap,

@@ -20,7 +20,7 @@ from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl
                                              Tile, WorkSchedule)
 from flashdecode.ops.decode_workspace import QUEUE_SLOTS
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
-from flashdecode.ops.launch_cache import LaunchSite
+from flashdecode.ops.launch_cache import BoundLaunch, LaunchSite
 from flashdecode.ops.merge import launch_merge_many, relaunch_merge
 
 if TYPE_CHECKING:
@@ -191,12 +191,13 @@ def _descriptor(base, rows: int, width: int, box: list):
 class _Stage1Args:
     """What one stage-1 launch key fixes (the call key fixes every tensor's layout): the grid and the runtime
     arguments that follow from shapes and strides, computed once from the views the kernel reads (q and a final
-    out as (batch, seqlen_q, nheads, headdim)); ``runtime`` adds a call's tensors, of which the launch reads only
-    the data pointers, and what follows from the cache itself (a growing cache's capacity and strides)."""
+    out as (batch, seqlen_q, nheads, headdim)), in a BoundLaunch; ``fill`` writes a call's tensors (the launch
+    reads only their data pointers) and what follows from the cache itself (a growing cache's capacity and
+    strides)."""
 
-    __slots__ = ("grid", "num_splits", "kv_programs", "head", "mid", "stride_o", "alibi", "final")
+    __slots__ = ("grid", "num_splits", "kv_programs", "alibi", "final", "bound")
 
-    def __init__(self, shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, block_table, o, lse3,
+    def __init__(self, key, shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, block_table, o, lse3,
                  final: bool, merged):
         config = launch.config
         self.num_splits = 1 if final else launch.grid_splits
@@ -205,26 +206,32 @@ class _Stage1Args:
         self.grid = (self.num_splits, self.kv_programs, shape.batch)
         if config.path is DecodePath.DEVICE_SPLIT_GRID:
             self.grid = (launch.programs, 1, 1)
-        self.head = (shape.score.logit_scales, shape.score.kernel_window[0])
-        self.mid = (shape.batch, tuple(_as4(q).stride()))
-        stride_bt = block_table.stride(0) if block_table is not None else 0
-        self.stride_o = (stride_bt, (o4.stride(0), o4.stride(1), o4.stride(2), 0 if final else o4.stride(3),
-                                     o4.stride(3) if final else o4.stride(4)),
-                         (lse3.stride(0), lse3.stride(1), lse3.stride(2), 0 if final else lse3.stride(3)))
         self.alibi = _alibi_strides(alibi_slopes)
         self.final = None if merged is None else _final_strides(_as4(merged[0]), merged[1])
+        self.bound = BoundLaunch(_STAGE1, key, dict(
+            scales=shape.score.logit_scales, window_left=shape.score.kernel_window[0], batch=shape.batch,
+            stride_q=tuple(_as4(q).stride()), stride_btb=block_table.stride(0) if block_table is not None else 0,
+            stride_o=(o4.stride(0), o4.stride(1), o4.stride(2), 0 if final else o4.stride(3),
+                      o4.stride(3) if final else o4.stride(4)),
+            stride_l=(lse3.stride(0), lse3.stride(1), lse3.stride(2), 0 if final else lse3.stride(3))))
 
-    def runtime(self, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse,
-                merged) -> tuple:
-        """decode_split_kernel's runtime arguments in signature order for this call's tensors."""
+    def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse,
+             merged) -> list:
+        """``full`` (a BoundLaunch list) with this call's arguments of decode_split_kernel in place."""
         k_shape, k_stride = k_cache.shape, k_cache.stride()
         k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
-        final_args = None if merged is None else (merged[0], merged[1], merged[2], self.final)
-        return (q, k_src, v_src, cache_seqlens, cache_seqlens if block_table is None else block_table, o, lse,
-                (k_cache, v_cache, k_stride[0]), *self.head, shape.capacity, k_shape[0], *self.mid,
-                (stride_kb, k_stride[1], k_stride[2]), *self.stride_o,
-                (q if alibi_slopes is None else alibi_slopes, self.alibi), _kv_scales_arg(shape, k_cache),
-                final_args)
+        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_raw, at_capacity, at_pages, at_stride_k, at_alibi,
+         at_scales, at_final) = _STAGE1_CALL
+        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
+            cache_seqlens, o, lse
+        full[at_bt] = cache_seqlens if block_table is None else block_table
+        full[at_raw] = (k_cache, v_cache, k_stride[0])
+        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
+        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
+        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
+        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        full[at_final] = None if merged is None else (merged[0], merged[1], merged[2], self.final)
+        return full
 
 
 def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
@@ -240,13 +247,16 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k
     key = _site_key(shape, ("stage1", final, merged is not None))
     args = None if key is None else _STAGE1.plans.get(key)
     if args is None:
-        args = _Stage1Args(shape, launch, q, alibi_slopes, block_table, o, lse3, final, merged)
+        args = _Stage1Args(key, shape, launch, q, alibi_slopes, block_table, o, lse3, final, merged)
         if key is not None:
             _STAGE1.plans.put(key, args)
-    runtime = args.runtime(shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse3,
-                           merged)
-    if key is not None and _STAGE1.launch_recorded(key, args.grid, runtime, shape.device):
+    full = args.bound.full()
+    if full is not None:  # the key's recorded launch: its argument list, this call's values written in
+        args.bound.launch(args.grid, args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
+                                               block_table, o, lse3, merged), shape.device)
         return
+    runtime = _STAGE1.runtime_of(args.fill(args.bound.blank(), shape, config, q, alibi_slopes, k_cache, v_cache,
+                                           cache_seqlens, block_table, o, lse3, merged))
 
     def constexprs(num_stages):
         device_splits = merge = None
@@ -269,27 +279,34 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k
 
 
 class _PersistentArgs:
-    """What one persistent launch key fixes: the runtime arguments that follow from shapes and strides (as
-    _Stage1Args); ``runtime`` adds a call's tensors."""
+    """What one persistent launch key fixes: the runtime arguments that follow from shapes and strides, in a
+    BoundLaunch (as _Stage1Args); ``fill`` writes a call's tensors."""
 
-    __slots__ = ("head", "stride_q", "stride_btb", "strides", "alibi")
+    __slots__ = ("alibi", "bound")
 
-    def __init__(self, shape: _DecodeShape, q, alibi_slopes, block_table, out, lse3, o5, lse4):
-        self.head = (shape.batch, shape.score.logit_scales, shape.score.kernel_window[0])
-        self.stride_q = tuple(_as4(q).stride())
-        self.stride_btb = block_table.stride(0) if block_table is not None else 0
-        self.strides = (tuple(o5.stride()), tuple(lse4.stride()), _final_strides(_as4(out), lse3))
+    def __init__(self, key, shape: _DecodeShape, q, alibi_slopes, block_table, out, lse3, o5, lse4):
         self.alibi = _alibi_strides(alibi_slopes)
+        self.bound = BoundLaunch(_PERSISTENT, key, dict(
+            batch=shape.batch, scales=shape.score.logit_scales, window_left=shape.score.kernel_window[0],
+            stride_q=tuple(_as4(q).stride()), stride_btb=block_table.stride(0) if block_table is not None else 0,
+            stride_o=tuple(o5.stride()), stride_l=tuple(lse4.stride()), stride_final=_final_strides(_as4(out), lse3)))
 
-    def runtime(self, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3, o5,
-                lse4, tickets, queue) -> tuple:
-        """decode_persistent_kernel's runtime arguments in signature order for this call's tensors."""
+    def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out,
+             lse3, o5, lse4, tickets, queue) -> list:
+        """``full`` (a BoundLaunch list) with this call's arguments of decode_persistent_kernel in place."""
         k_shape, k_stride = k_cache.shape, k_cache.stride()
         k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
-        return (q, k_src, v_src, cache_seqlens, cache_seqlens if block_table is None else block_table, o5, lse4,
-                out, lse3, tickets, queue, *self.head, shape.capacity,
-                self.stride_q, (stride_kb, k_stride[1], k_stride[2]), self.stride_btb, *self.strides, k_shape[0],
-                (q if alibi_slopes is None else alibi_slopes, self.alibi), _kv_scales_arg(shape, k_cache))
+        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_out, at_lse_final, at_tickets, at_queue, at_capacity,
+         at_stride_k, at_pages, at_alibi, at_scales) = _PERSISTENT_CALL
+        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
+            cache_seqlens, o5, lse4
+        full[at_bt] = cache_seqlens if block_table is None else block_table
+        full[at_out], full[at_lse_final], full[at_tickets], full[at_queue] = out, lse3, tickets, queue
+        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
+        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
+        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
+        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        return full
 
 
 def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
@@ -303,13 +320,17 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
     key = _site_key(shape, ("persistent",))
     args = None if key is None else _PERSISTENT.plans.get(key)
     if args is None:
-        args = _PersistentArgs(shape, q, alibi_slopes, block_table, out, lse3, o5, lse4)
+        args = _PersistentArgs(key, shape, q, alibi_slopes, block_table, out, lse3, o5, lse4)
         if key is not None:
             _PERSISTENT.plans.put(key, args)
-    runtime = args.runtime(shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
-                           o5, lse4, tickets, queue)
-    if key is not None and _PERSISTENT.launch_recorded(key, (launch.programs, 1, 1), runtime, shape.device):
+    full = args.bound.full()
+    if full is not None:  # the key's recorded launch: its argument list, this call's values written in
+        args.bound.launch((launch.programs, 1, 1), args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache,
+                                                             cache_seqlens, block_table, out, lse3, o5, lse4,
+                                                             tickets, queue), shape.device)
         return
+    runtime = _PERSISTENT.runtime_of(args.fill(args.bound.blank(), shape, config, q, alibi_slopes, k_cache, v_cache,
+                                               cache_seqlens, block_table, out, lse3, o5, lse4, tickets, queue))
 
     def constexprs(num_stages):
         dynamic = config.path is DecodePath.PERSISTENT_QUEUE
@@ -333,6 +354,12 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
 
 _STAGE1 = LaunchSite(decode_split_kernel, "decode_split_kernel")
 _PERSISTENT = LaunchSite(decode_persistent_kernel, "decode_persistent_kernel")
+# the parameters a call writes (_Stage1Args.fill, _PersistentArgs.fill): its tensors, and what the cache decides
+_STAGE1_CALL = _STAGE1.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "kv_raw", "capacity",
+                                 "num_pages", "stride_k", "alibi", "kv_scales", "final")
+_PERSISTENT_CALL = _PERSISTENT.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "O_FINAL", "LSE_FINAL",
+                                         "TICKETS", "QUEUE", "capacity", "stride_k", "num_pages", "alibi",
+                                         "kv_scales")
 
 
 def _site_key(shape, tag: tuple):

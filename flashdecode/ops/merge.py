@@ -10,7 +10,7 @@ from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.util import interpreting_now
-from flashdecode.ops.launch_cache import LaunchSite, tensor_key
+from flashdecode.ops.launch_cache import BoundLaunch, LaunchSite, tensor_key
 
 __all__ = ["merge_states", "merge_states_many", "launch_merge_many", "relaunch_merge"]
 
@@ -89,7 +89,7 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
                early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only)
     plan = _MERGE_MANY.plans.get(key)
     if plan is None:
-        plan = _MERGE_MANY.plans.put(key, _MergePlan(o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
+        plan = _MERGE_MANY.plans.put(key, _MergePlan(key, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
                                                      early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only))
     if plan.grid is not None:
         _MERGE_MANY.launch(key, plan.grid, (o_in_s, lse_in_s, o_out, lse_out) + plan.ints, plan.constexprs,
@@ -104,19 +104,27 @@ def relaunch_merge(key, o_in, lse_in, o_out, lse_out) -> bool:
     plan = _MERGE_MANY.plans.get(key)
     if plan is None:
         return False
-    if plan.grid is not None:
+    if plan.grid is None:
+        return True
+    full = plan.bound.full()
+    if full is None:
         _MERGE_MANY.launch(key, plan.grid, (o_in, lse_in, o_out, lse_out) + plan.ints, plan.constexprs,
                            o_out.device)
+    else:  # the key's recorded launch: its argument list, the four tensors written in
+        at_o_in, at_lse_in, at_o_out, at_lse_out = _MERGE_MANY_TENSORS
+        full[at_o_in], full[at_lse_in], full[at_o_out], full[at_lse_out] = o_in, lse_in, o_out, lse_out
+        plan.bound.launch(plan.grid, full, o_out.device)
     return True
 
 
 class _MergePlan:
     """What a launch_merge_many key fixes (the tensors' shapes and strides, the options): the grid (None: nothing to
-    merge), the kernel's integer arguments and its constexprs; made once per key (kept beside the site's records)."""
+    merge), the kernel's integer arguments (also in place in ``bound``, the key's BoundLaunch) and its constexprs;
+    made once per key (kept beside the site's records)."""
 
-    __slots__ = ("grid", "ints", "constexprs")
+    __slots__ = ("grid", "ints", "constexprs", "bound")
 
-    def __init__(self, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger, d_chunks, max_rows,
+    def __init__(self, key, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger, d_chunks, max_rows,
                  block_s, skip_empty, live_only):
         outer, inner, num_states, headdim = o_in_s.shape
         self.grid = self.ints = None
@@ -141,6 +149,7 @@ class _MergePlan:
             block_r = min(block_r, max_rows)
         self.grid = (outer, heuristics.cdiv(inner, block_r), heuristics.cdiv(headdim, block_d))
         self.ints = (num_states, inner, *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride())
+        self.bound = BoundLaunch(_MERGE_MANY, key, dict(zip(_MERGE_MANY.runtime_names[4:], self.ints)))
         options = dict(
             HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
             EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
@@ -149,6 +158,7 @@ class _MergePlan:
 
 
 _MERGE_MANY = LaunchSite(merge_many_kernel, "merge_many_kernel")
+_MERGE_MANY_TENSORS = _MERGE_MANY.positions("O_IN", "LSE_IN", "O_OUT", "LSE_OUT")
 _MERGE_TWO = LaunchSite(merge_two_kernel, "merge_two_kernel")
 
 
