@@ -299,3 +299,37 @@ def test_a_growing_cache_record_never_serves_a_stale_decision(gen, device_reside
     assert call(55, out=out) == before + 5
     with pytest.raises(ValueError, match="out"):
         call(56, out=torch.empty(batch, h, d + 1, device=DEVICE))
+
+
+def test_descriptor_launcher_hands_the_c_launcher_what_tritons_wrappers_do(monkeypatch):
+    """A LaunchSite kernel with host tensor descriptors past its first parameter (decode stage 1 reads K and V so):
+    direct_launch.DescriptorLauncher passes the C launcher what Triton's CudaLauncher and wrap_handle_tensordesc
+    pass it, and fills a CUtensorMap once per descriptor parameter and (address, extent): a cache that grows gets a
+    new one, the same cache again none."""
+    import triton
+
+    from flashdecode.ops import direct_launch
+    from flashdecode.ops.decode_launch import _descriptor
+    from helpers import FakeCompiled, FakeTmaDriver, triton_launcher
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", FakeTmaDriver())
+    c_calls = []
+    signature = {0: "*fp16", 1: "tensordesc<fp16[64,16]>", 2: "tensordesc<fp16[64,16]>", 3: "i32", 4: "constexpr"}
+    metas = [dict(swizzle=32, elem_size=2, elem_type=6, block_size=[64, 16], fp4_padded=False) for _ in range(2)]
+    compiled = FakeCompiled()
+    compiled.run = triton_launcher(c_calls, signature, metas)
+    direct = direct_launch.DescriptorLauncher.of(compiled)
+    assert direct is not None and direct_launch.PlainLauncher.of(compiled) is None
+    q = torch.zeros(8, dtype=torch.float16)
+    caches = {rows: (torch.zeros(rows, 16, dtype=torch.float16), torch.zeros(rows, 16, dtype=torch.float16))
+              for rows in (128, 192)}
+    for rows in (128, 128, 192, 128):
+        k, v = caches[rows]
+        args = [q, _descriptor(k, rows, 16, [64, 16]), _descriptor(v, rows, 16, [64, 16]), rows, 64]
+        compiled.run(2, 1, 1, 7, compiled.function, compiled.packed_metadata, None, None, None, *args)  # Triton's
+        direct((2, 1, 1), 7, torch.device("cpu"), args)
+        wrapped, ours = c_calls[-2], c_calls[-1]
+        assert ours == wrapped and len(ours) == 13 + 1 + 2 * 5 + 2  # each descriptor: its map, 2 shape, 2 strides
+        assert ours[14] == ("tensormap", k.data_ptr(), 32, 2, 6, (64, 16), (rows, 16), (16, 1), 0)
+        assert ours[19][1] == v.data_ptr()
+    assert direct.fills == 4 and direct.launches == 4

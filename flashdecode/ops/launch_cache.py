@@ -299,7 +299,8 @@ class LaunchSite:
         direct = None
         if compiled is not None and not checks.interpreting() and all(
                 hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            direct = direct_launch.PlainLauncher.of(compiled) or _TritonLauncher(compiled)
+            direct = (direct_launch.PlainLauncher.of(compiled) or direct_launch.DescriptorLauncher.of(compiled)
+                      or _TritonLauncher(compiled))
         template = []
         for name, default in zip(self.param_names, self.defaults):
             if name in constexprs:
