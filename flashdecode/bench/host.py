@@ -220,37 +220,55 @@ class _StubJit:
         return _StubCompiled()
 
 
-def stub_launches() -> None:
-    """Patches (for the rest of the process) that make CPU tensors take the GPU's eager host path (module doc,
-    ``--cpu``): the kernels run nowhere (TRITON_INTERPRET off, CPU tensors accepted), the decode policy sees a
-    Hopper of 132 SMs, metadata counts as device-resident (never read on the host, as CUDA tensors), and every
-    launch site's first launch of a key records a stub kernel whose C launch does nothing (behind Triton's own
-    descriptor-handling launcher where the launch passes host tensor descriptors, the CUtensorMap encoding stubbed
-    too: triton.runtime.driver's active driver is replaced), so later launches take the direct launch
-    (direct_launch.PlainLauncher, DescriptorLauncher, else Triton's launcher) as on the GPU."""
+class _ForTheProcess:
+    """stub_launches' default way to patch: plain assignments, kept for the rest of the process."""
+
+    @staticmethod
+    def setattr(obj, name: str, value) -> None:
+        setattr(obj, name, value)
+
+    @staticmethod
+    def setitem(mapping, name: str, value) -> None:
+        mapping[name] = value
+
+
+def stub_launches(patch=_ForTheProcess) -> None:
+    """Patches that make CPU tensors take the GPU's eager host path (module doc, ``--cpu``): the kernels run nowhere
+    (TRITON_INTERPRET off, CPU tensors accepted), the decode policy sees a Hopper of 132 SMs, metadata counts as
+    device-resident (never read on the host, as CUDA tensors), and every launch site's first launch of a key
+    records a stub kernel whose C launch does nothing (behind Triton's own descriptor-handling launcher where the
+    launch passes host tensor descriptors, the CUtensorMap encoding stubbed too: triton.runtime.driver's active
+    driver is replaced), so later launches take the direct launch (direct_launch.PlainLauncher, DescriptorLauncher,
+    else Triton's launcher) as on the GPU. ``patch``: what applies them (setattr / setitem; default for the rest of
+    the process, a test's pytest.MonkeyPatch undoes them)."""
     import os
 
-    from flashdecode.ops import append_kv, checks, decode_policy, direct_launch, launch_cache
-
-    os.environ["TRITON_INTERPRET"] = "0"
-    cpu = torch.device("cpu")
-    checks.interpreting = lambda device=None: False
-    checks.kernels_run_on = lambda device: device.type in ("cpu", "cuda")
-    checks.host_resident = lambda x: False
-    device_arg = checks.check_device_arg
-    checks.check_device_arg = lambda name, value: cpu if str(value) == "cpu" else device_arg(name, value)
-    decode_policy._interpreting = append_kv._interpreting = lambda device=None: False
-    decode_policy.hopper_or_newer = lambda device: True
-    decode_policy.num_sms = lambda device: 132
-    direct_launch.current_device = launch_cache._current_device = lambda: None  # a CPU tensor's device index
-    direct_launch.current_stream = launch_cache._current_stream = lambda index: 0
-    import flashdecode.ops.decode  # noqa: F401 - every decode launch site exists before the patch below
-    import flashdecode.ops.merge  # noqa: F401
-    for site in launch_cache.sites():
-        site.fn = _StubJit(site.param_names)
     import triton
 
-    triton.runtime.driver.set_active(_StubTmaDriver())
+    import flashdecode.ops.decode  # noqa: F401 - every decode launch site exists before the patches below
+    import flashdecode.ops.merge  # noqa: F401
+    from flashdecode.ops import append_kv, checks, decode_policy, direct_launch, launch_cache
+
+    patch.setitem(os.environ, "TRITON_INTERPRET", "0")
+    cpu = torch.device("cpu")
+    device_arg = checks.check_device_arg
+    for obj, name, value in (
+            (checks, "interpreting", lambda device=None: False),
+            (checks, "kernels_run_on", lambda device: device.type in ("cpu", "cuda")),
+            (checks, "host_resident", lambda x: False),
+            (checks, "check_device_arg", lambda name, value: cpu if str(value) == "cpu" else device_arg(name, value)),
+            (decode_policy, "_interpreting", lambda device=None: False),
+            (append_kv, "_interpreting", lambda device=None: False),
+            (decode_policy, "hopper_or_newer", lambda device: True),
+            (decode_policy, "num_sms", lambda device: 132),
+            (direct_launch, "current_device", lambda: None),  # a CPU tensor's device index
+            (launch_cache, "_current_device", lambda: None),
+            (direct_launch, "current_stream", lambda index: 0),
+            (launch_cache, "_current_stream", lambda index: 0),
+            (triton.runtime.driver, "_active", _StubTmaDriver())):
+        patch.setattr(obj, name, value)
+    for site in launch_cache.sites():
+        patch.setattr(site, "fn", _StubJit(site.param_names))
 
 
 def mixed_calls(device) -> dict:
