@@ -439,7 +439,7 @@ def _assert_direct_launches_bind_as_the_jit(proxy_launches, first, again):
     del direct[:]
     out_again = again()
     assert len(jit) == len(launched) and not direct
-    alias = {out.data_ptr(): out_again.data_ptr()}
+    alias = {} if out is None else {out.data_ptr(): out_again.data_ptr()}  # (append_kv returns nothing)
     for (grid, full), (names, kwargs) in zip(launched, jit):
         assert len(full) == len(names)
         for name, value in zip(names, full):
@@ -451,14 +451,15 @@ def _assert_direct_launches_bind_as_the_jit(proxy_launches, first, again):
 def test_direct_decode_launches_bind_what_the_jit_binds(proxy_launches, table):
     """bench.host's rows (Llama-3-8B heads, bf16; "uniform": a contiguous cache read through tensor descriptors,
     the device-split grid and the merge; "mixed": pages, the persistent kernel) on the faked Hopper: flash_decode,
-    DecodePlan.run and flash_attn_with_kvcache (with an append) launch directly with the arguments the JIT binds."""
+    DecodePlan.run, flash_attn_with_kvcache (with an append) and append_kv launch directly with the arguments the
+    JIT binds."""
     from flashdecode.bench import host
 
     device = torch.device("cpu")
     one, two = (host._decode_calls(device, reference=False) if table == "uniform" else host.mixed_calls(device)
                 for _ in range(2))
     for name in one:
-        if name in ("append_kv", "merge_states"):
+        if name == "merge_states":
             continue
         # (each table has its own DecodePlan, whose runs are keyed apart: the plan's call again)
         _assert_direct_launches_bind_as_the_jit(proxy_launches, one[name], (one if "Plan" in name else two)[name])
