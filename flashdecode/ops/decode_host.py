@@ -27,8 +27,8 @@ import itertools
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", "keep", "kept", "keep_checks", "kept_checks",
-           "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
+__all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", "keep", "kept", "keep_checks",
+           "kept_checks", "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
