@@ -487,6 +487,7 @@ class DecodePlan:
                 problem, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
         self._runs: dict = {}  # a run's exact call key -> what it launches (_checked_run)
+        self._views: dict = {}  # (q shape, id of a launch in _launches) -> views of the buffers (_buffer_views)
         self._key_tag = ("DecodePlan", next(_PLAN_IDS))  # the host path's key of its runs (ops/decode_host.py)
         rows = max_batch * max_seqlen_q * nheads
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -592,7 +593,11 @@ class DecodePlan:
         _check_metadata(shape, cache_seqlens, block_table, validate)
         launch = self._launch_for(shape)
         decode_host.remember(key, shape, launch.config, launch)
-        run = (decode_host.detach(shape), launch) + self._buffer_views(q.shape, shape.q4.shape, launch)
+        # (id: hashing the launch's config per run would cost more than the views; the plan keeps its launches)
+        views = self._views.get((q.shape, id(launch)))
+        if views is None:
+            views = self._views[(q.shape, id(launch))] = self._buffer_views(q.shape, shape.q4.shape, launch)
+        run = (decode_host.detach(shape), launch) + views
         if key is not None and shape.launch_key is not None:  # (an unhashable key was not remembered)
             if len(self._runs) >= _PLAN_RUNS:
                 self._runs.clear()
