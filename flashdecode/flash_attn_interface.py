@@ -60,8 +60,8 @@ from flashdecode import heuristics
 from flashdecode.ops import checks, decode_host, direct_launch, score_transform
 from flashdecode.ops.attention import flash_attn, flash_attn_varlen
 from flashdecode.ops.append_kv import checked_append
-from flashdecode.ops.decode import (append_kv, decide_flash_decode, flash_decode, launch_decided,
-                                    prepare_flash_decode)
+from flashdecode.ops.decode import (NO_WINDOW, append_kv, decide_flash_decode, flash_decode, launch_decided,
+                                    prepare_flash_decode, window_key)
 from flashdecode.ops.paged_prefill import prepare_paged_prefill
 from flashdecode.ops.checks import check_alibi_slopes
 from flashdecode.ops.decode_workspace import stream_workspace
@@ -518,7 +518,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
                             cache_batch_idx: Optional[torch.Tensor] = None,
                             cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash-attn's flash_attn_with_kvcache: attention of new query tokens against a KV cache, optionally
     appending new keys/values (in place) and applying rotary embeddings first. No backward.
@@ -546,8 +546,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim) [, softmax_lse].
     """
     key = _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, block_table, alibi_slopes, (softmax_scale, causal, window_size, softcap,
-                                                                  rotary_interleaved, num_splits, return_softmax_lse))
+                       cache_leftpad, block_table, alibi_slopes, (softmax_scale, causal, window_key(window_size),
+                                                                  softcap, rotary_interleaved, num_splits,
+                                                                  return_softmax_lse))
     checked = decode_host.kept_checks(key)
     if checked is None:
         checked = _KvcacheChecks(*_checked_kvcache_call(
@@ -600,7 +601,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if append is not None and not append.run(k_cache, v_cache, k, v, lengths, table, None, seen if fused else None) \
             and fused:
         seen = lengths  # nothing appended (an empty batch)
-    out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse))
+    out, lse = launch_decided(decided, q_rows, k_cache, v_cache, seen, table, None, bool(return_softmax_lse),
+                              alibi_slopes)
     if (host_bound is None or cache_seqlens is None) and (fused or k is None):  # no per-call value decided it
         checked.direct = _DirectKvcache(decided.kept(), append)
     return _decode_result(out, lse, q.shape, fold, return_softmax_lse)

@@ -259,3 +259,31 @@ class FakeCompiled:
 
     def launch_metadata(self, grid, stream, *args):
         return None
+
+
+class FakeTmaDriver:
+    """triton.runtime.driver.active as Triton's make_tensordesc_arg reads it: fill_tma_descriptor returns its inputs
+    (as the CUtensorMap stand-in) and counts the fills."""
+
+    def __init__(self):
+        self.fills = []
+        self.utils = self
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
+        self.fills.append(ptr)
+        return ("tensormap", ptr, swizzle, elem_size, elem_type, tuple(block_size), tuple(shape), tuple(strides),
+                padding)
+
+
+def triton_launcher(c_calls: list, signature: dict, metas: list):
+    """Triton 3.6's own CudaLauncher (its __call__, scratch handling and wrap_handle_tensordesc) around a recording
+    C launch (each call's arguments appended to c_calls), for a kernel of ``signature`` (parameter index -> Triton
+    type, "tensordesc<...>" for a host tensor descriptor) and TMA metadata ``metas`` (one per descriptor)."""
+    from triton.backends.nvidia import driver as nv
+
+    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher: not here
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.launch = nv.wrap_handle_tensordesc(lambda *args: c_calls.append(args), signature, metas)
+    return launcher

@@ -179,7 +179,8 @@ def hopper(monkeypatch):
     from types import SimpleNamespace
 
     import triton
-    from test_gluon_launch_cache import _FakeTmaDriver, _triton_launcher
+    from helpers import FakeTmaDriver
+    from test_gluon_launch_cache import _triton_launcher
     from triton.runtime.jit import JITFunction
 
     from flashdecode.ops import direct_launch, gluon_backward, gluon_plan
@@ -190,7 +191,7 @@ def hopper(monkeypatch):
 
     def gluon_compiled(grid, args, constexprs):
         state.jit.append((grid, args, constexprs))
-        monkeypatch.setattr(triton.runtime.driver, "_active", _FakeTmaDriver())
+        monkeypatch.setattr(triton.runtime.driver, "_active", FakeTmaDriver())
         compiled = _FakeCompiled(state.c_calls)
         compiled.run = _triton_launcher(state.c_calls.calls)
         return compiled

@@ -459,8 +459,8 @@ def test_kvcache_mixed_batch_takes_flash_decodes_split_policy(gen, device_reside
     monkeypatch.setattr(decode_policy, "num_sms", lambda device: 132)
     configs = []
 
-    def no_launch(shape, config, launch, q, *args):  # the decisions only: nothing of this size runs here
-        configs.append(config)
+    def no_launch(decided, q, *args):  # the decisions only: nothing of this size runs here
+        configs.append(decided.config)
         return torch.zeros_like(q), None
     monkeypatch.setattr(decode_ops, "_launch_decode", no_launch)
     lens = [131072] + [1024] * 15

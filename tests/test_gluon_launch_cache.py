@@ -11,6 +11,7 @@ from flashdecode.ops import checks
 from flashdecode.ops import gluon_attention as ga
 from flashdecode.ops import gluon_plan
 from helpers import FakeCompiled as _FakeCompiled
+from helpers import FakeTmaDriver, triton_launcher
 
 
 @pytest.fixture
@@ -124,35 +125,13 @@ def test_dispatch_rule_decides_once_per_launch_key(stubbed):
     assert len(gluon_plan.PLANS) == 4
 
 
-class _FakeTmaDriver:
-    """triton.runtime.driver.active as Triton's make_tensordesc_arg reads it: fill_tma_descriptor returns its inputs
-    (as the CUtensorMap stand-in) and counts the fills."""
-
-    def __init__(self):
-        self.fills = []
-        self.utils = self
-
-    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
-        self.fills.append(ptr)
-        return ("tensormap", ptr, swizzle, elem_size, elem_type, tuple(block_size), tuple(shape), tuple(strides),
-                padding)
-
-
 def _triton_launcher(c_calls: list):
-    """Triton 3.6's own CudaLauncher (its __call__, scratch handling and wrap_handle_tensordesc) around a recording
-    C launch, for attn_fwd_ws_kernel's signature: three host tensor descriptors first."""
-    from triton.backends.nvidia import driver as nv
-
+    """helpers.triton_launcher for attn_fwd_ws_kernel's signature: three host tensor descriptors first."""
     names = attn_fwd_ws_kernel.arg_names
     signature = {i: ("tensordesc<fp16[64,128]>" if i < 3 else "*fp16" if i < 5 else "i32") for i in range(len(names))}
     metas = [dict(swizzle=128, elem_size=2, elem_type=6, block_size=[rows, 128], fp4_padded=False)
              for rows in (64, 128, 128)]
-    launcher = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher: not here
-    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
-    launcher.global_scratch_size = launcher.profile_scratch_size = 0
-    launcher.global_scratch_align = launcher.profile_scratch_align = 1
-    launcher.launch = nv.wrap_handle_tensordesc(lambda *args: c_calls.append(args), signature, metas)
-    return launcher
+    return triton_launcher(c_calls, signature, metas)
 
 
 def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, monkeypatch):
@@ -161,7 +140,7 @@ def test_direct_launch_hands_the_c_launcher_what_tritons_wrappers_do(stubbed, mo
     launch hook is registered), except the metadata and hooks; the CUtensorMaps are filled once per address."""
     import triton
 
-    fake = _FakeTmaDriver()
+    fake = FakeTmaDriver()
     monkeypatch.setattr(triton.runtime.driver, "_active", fake)
     c_calls = []
     compiled = _FakeCompiled()

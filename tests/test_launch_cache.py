@@ -115,6 +115,46 @@ def test_plan_runs_reuse_shapes_with_other_page_sizes(gen, device_resident):
         torch.testing.assert_close(got.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_plan_runs_reuse_shapes_with_other_outputs_and_options(gen, device_resident):
+    """A DecodePlan keeps what it launches per exact call key: runs of one shape that differ in out= (none, a
+    strided view, a contiguous one), the softmax scale (3 against 3.0: the same value, other types) or the window
+    each match the reference - no run replays another's decision -, and an out= or dtype that does not fit raises
+    after all those keys were remembered."""
+    batch, h, hk, d, cap = 2, 4, 2, 16, 32
+    plan = flashdecode.DecodePlan(batch, h, hk, d, max_seqlen_k=cap, dtype=torch.float32, device=DEVICE)
+    lens = torch.tensor([30, 9], dtype=torch.int32, device=DEVICE)
+    k, v, _ = _cache(gen, batch, cap, hk, d, torch.float32)
+    q = randn(batch, h, d, gen=gen)
+    for _ in range(2):
+        for out in (None, torch.empty(batch, h, 2 * d, device=DEVICE)[..., ::2], torch.empty(batch, h, d,
+                                                                                          device=DEVICE)):
+            for scale, window in ((None, (-1, -1)), (3, (-1, -1)), (3.0, (-1, -1)), (None, (4, -1))):
+                got = plan.run(q, k, v, lens, out=out, softmax_scale=scale, window_size=window)
+                ref, _ = reference.decode_ref(q.double(), k.double(), v.double(), lens, softmax_scale=scale,
+                                              window_size=window)
+                torch.testing.assert_close(got.double(), ref, atol=2e-3, rtol=2e-3)
+                if out is not None:
+                    assert got is out
+    with pytest.raises(ValueError, match="out"):  # a remembered key's shapes with an out that does not fit
+        plan.run(q, k, v, lens, out=torch.empty(batch, h, d + 1, device=DEVICE))
+    with pytest.raises(TypeError, match="k_cache dtype"):  # the same shapes in another dtype
+        plan.run(q.half(), k.half(), v.half(), lens)
+
+
+def test_merge_states_reuses_shapes_with_other_layouts(gen):
+    """merge_states keeps its launch per exact key, whether the inputs' rows are views of them (launched as they
+    are) or copies (a permuted layout): calls of one shape alternating between the two layouts each give the
+    contiguous inputs' exact result."""
+    o_a, o_b = randn(4, 2, 3, 32, gen=gen), randn(4, 2, 3, 32, gen=gen)
+    l_a, l_b = randn(4, 2, 3, gen=gen), randn(4, 2, 3, gen=gen)
+    ref = flashdecode.merge_states(o_a, l_a, o_b, l_b)
+    permuted = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (o_a, l_a, o_b, l_b)]
+    for _ in range(2):
+        for args in ((o_a, l_a, o_b, l_b), permuted):
+            o, lse = flashdecode.merge_states(*args)
+            assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1]) and o.is_contiguous()
+
+
 def test_remembered_calls_still_raise(gen, device_resident):
     batch, h, hk, d, cap = 2, 4, 2, 16, 16
     k, v, _ = _cache(gen, batch, cap, hk, d, torch.float16)
@@ -198,10 +238,12 @@ def test_eager_pool_views_follow_the_buffers_as_they_grow():
     small = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
     assert pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2)) is small  # kept: nothing sliced again
     big = pool.take_eager((2, 1, 4, 8, 16), 40, (2, 1, 4))
-    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4)]
+    assert [tuple(x.shape) for x in big] == [(2, 1, 4, 8, 16), (2, 1, 4, 8), (40,), (2, 1, 4), (2,)]
+    assert big[4].data_ptr() == big[2][38:].data_ptr()  # the persistent kernel's queue: the last two tickets
     again = pool.take_eager((1, 1, 2, 2, 4), 3, (1, 1, 2))
     assert again is not small and again[0].data_ptr() == pool.o.data_ptr()  # views of the grown buffers
     assert again[2].data_ptr() == pool.tickets.data_ptr() and torch.all(pool.tickets == 0)
+    assert again[4].data_ptr() == pool.tickets[1:].data_ptr()
 
 
 def _counted_resolver(monkeypatch) -> list:
@@ -297,3 +339,139 @@ def test_a_growing_cache_record_never_serves_a_stale_decision(gen, device_reside
     assert call(55, out=out) == before + 5
     with pytest.raises(ValueError, match="out"):
         call(56, out=torch.empty(batch, h, d + 1, device=DEVICE))
+
+
+def test_descriptor_launcher_hands_the_c_launcher_what_tritons_wrappers_do(monkeypatch):
+    """A LaunchSite kernel with host tensor descriptors past its first parameter (decode stage 1 reads K and V so):
+    direct_launch.DescriptorLauncher passes the C launcher what Triton's CudaLauncher and wrap_handle_tensordesc
+    pass it, and fills a CUtensorMap once per descriptor parameter and (address, extent): a cache that grows gets a
+    new one, the same cache again none."""
+    import triton
+
+    from flashdecode.ops import direct_launch
+    from flashdecode.ops.decode_launch import _descriptor
+    from helpers import FakeCompiled, FakeTmaDriver, triton_launcher
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", FakeTmaDriver())
+    c_calls = []
+    signature = {0: "*fp16", 1: "tensordesc<fp16[64,16]>", 2: "tensordesc<fp16[64,16]>", 3: "i32", 4: "constexpr"}
+    metas = [dict(swizzle=32, elem_size=2, elem_type=6, block_size=[64, 16], fp4_padded=False) for _ in range(2)]
+    compiled = FakeCompiled()
+    compiled.run = triton_launcher(c_calls, signature, metas)
+    direct = direct_launch.DescriptorLauncher.of(compiled)
+    assert direct is not None and direct_launch.PlainLauncher.of(compiled) is None
+    q = torch.zeros(8, dtype=torch.float16)
+    caches = {rows: (torch.zeros(rows, 16, dtype=torch.float16), torch.zeros(rows, 16, dtype=torch.float16))
+              for rows in (128, 192)}
+    for rows in (128, 128, 192, 128):
+        k, v = caches[rows]
+        args = [q, _descriptor(k, rows, 16, [64, 16]), _descriptor(v, rows, 16, [64, 16]), rows, 64]
+        compiled.run(2, 1, 1, 7, compiled.function, compiled.packed_metadata, None, None, None, *args)  # Triton's
+        direct((2, 1, 1), 7, torch.device("cpu"), args)
+        wrapped, ours = c_calls[-2], c_calls[-1]
+        assert ours == wrapped and len(ours) == 13 + 1 + 2 * 5 + 2  # each descriptor: its map, 2 shape, 2 strides
+        assert ours[14] == ("tensormap", k.data_ptr(), 32, 2, 6, (64, 16), (rows, 16), (16, 1), 0)
+        assert ours[19][1] == v.data_ptr()
+    assert direct.fills == 4 and direct.launches == 4
+
+
+@pytest.fixture
+def proxy_launches(monkeypatch):
+    """bench.host's CPU proxy (a faked Hopper of 132 SMs, device-resident metadata, every launch site's kernel a
+    stub recorded as the GPU records a compiled one), undone after the test: yields (direct, jit), the launches
+    made directly from a record, [(grid, full argument list)], and through Triton's JIT, [(parameter names,
+    keyword arguments)]."""
+    from flashdecode.bench import host
+
+    host.stub_launches(monkeypatch)
+    launch_cache.check_keys(False)  # (the check's specialisation of a descriptor imports Gluon, which needs the
+    launch_cache.clear()            # interpreter this process loaded Triton under; the autouse fixture restores it)
+    decode_host.clear()
+    direct, jit = [], []
+    real_direct, real_compiled = launch_cache._launch_direct, host._StubJit._compiled
+
+    def recorded_direct(record, grid, args, device):
+        direct.append((grid, list(args)))
+        real_direct(record, grid, args, device)
+
+    def recorded_compiled(self, *args, **kwargs):
+        jit.append((self.arg_names, kwargs))
+        return real_compiled(self, *args, **kwargs)
+    monkeypatch.setattr(launch_cache, "_launch_direct", recorded_direct)
+    monkeypatch.setattr(host._StubJit, "_compiled", recorded_compiled)
+    yield direct, jit
+    launch_cache.clear()  # no stub kernel outlives the test
+    decode_host.clear()
+
+
+def _same_argument(a, b, alias: dict) -> bool:
+    """Two launch arguments the kernel reads alike: tensors at one address (``alias``: the address of the first
+    call's output -> the second's) of one dtype, host tensor descriptors over one address with one shape and
+    strides, tuples element by element, anything else equal."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and alias.get(a.data_ptr(), a.data_ptr()) == b.data_ptr()
+    if isinstance(a, TensorDescriptor) or isinstance(b, TensorDescriptor):
+        return _same_argument(a.base, b.base, alias) and list(a.shape) == list(b.shape) \
+            and list(a.strides) == list(b.strides)
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
+            and all(_same_argument(x, y, alias) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _assert_direct_launches_bind_as_the_jit(proxy_launches, first, again):
+    """first() records the launches of a call layout; again() (other tensors, or another extent of a growing cache,
+    with the same records) launches directly, from each key's BoundLaunch or record: its full argument lists must be
+    what Triton's JIT binds for that very call (again() once more with the sites' records dropped; its new output
+    stands for the first one's)."""
+    direct, jit = proxy_launches
+    first()
+    assert jit
+    del direct[:], jit[:]
+    out = again()
+    launched = list(direct)
+    assert launched and not jit
+    for site in launch_cache.sites():
+        site.records.clear()  # (the per-key argument plans stay: the JIT launches bind what they fill in)
+    del direct[:]
+    out_again = again()
+    assert len(jit) == len(launched) and not direct
+    alias = {} if out is None else {out.data_ptr(): out_again.data_ptr()}  # (append_kv returns nothing)
+    for (grid, full), (names, kwargs) in zip(launched, jit):
+        assert len(full) == len(names)
+        for name, value in zip(names, full):
+            if name in kwargs:
+                assert _same_argument(value, kwargs[name], alias), (name, value, kwargs[name])
+
+
+@pytest.mark.parametrize("table", ["uniform", "mixed"])
+def test_direct_decode_launches_bind_what_the_jit_binds(proxy_launches, table):
+    """bench.host's rows (Llama-3-8B heads, bf16; "uniform": a contiguous cache read through tensor descriptors,
+    the device-split grid and the merge; "mixed": pages, the persistent kernel) on the faked Hopper: flash_decode,
+    DecodePlan.run, flash_attn_with_kvcache (with an append) and append_kv launch directly with the arguments the
+    JIT binds."""
+    from flashdecode.bench import host
+
+    device = torch.device("cpu")
+    one, two = (host._decode_calls(device, reference=False) if table == "uniform" else host.mixed_calls(device)
+                for _ in range(2))
+    for name in one:
+        if name == "merge_states":
+            continue
+        # (each table has its own DecodePlan, whose runs are keyed apart: the plan's call again)
+        _assert_direct_launches_bind_as_the_jit(proxy_launches, one[name], (one if "Plan" in name else two)[name])
+
+
+def test_direct_decode_launches_follow_a_growing_cache(proxy_launches, gen):
+    """A contiguous cache one token longer per step (one record per capacity bucket): each step's direct launches
+    carry that step's capacity, strides and addresses, as the JIT binds them."""
+    buf = randn(2, 64, 2, 16, gen=gen)
+
+    def step(length):
+        k = buf[:, :length].transpose(1, 2).contiguous().transpose(1, 2)  # a new tensor per step (DynamicCache)
+        q, lens = randn(2, 4, 16, gen=gen), torch.full((2,), length, dtype=torch.int32)
+        return lambda: flashdecode.flash_decode(q, k, k, lens)
+    _assert_direct_launches_bind_as_the_jit(proxy_launches, step(40), step(41))

@@ -3,12 +3,15 @@ and merge_states launch the compiled kernels directly (the direct launchers coun
 specialisation checked on every launch (launch_cache.check_keys), and stay correct across layouts, dtypes, page
 sizes, out=, other streams and CUDA-graph capture; flash_attn_with_kvcache runs the config flash_decode runs."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import flashdecode
 from flashdecode import flash_attn_interface as fai
 from flashdecode.ops import decode_host, launch_cache
+from flashdecode.ops.decode import decode_config
 from flashdecode.reference import decode_ref
 from helpers import HAS_CUDA, randn
 
@@ -138,3 +141,35 @@ def test_kvcache_append_and_attend_launch_directly_in_and_out_of_a_graph():
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, ref)
     torch.testing.assert_close(call(), ref)
+
+
+def test_tma_read_cache_launches_stage1_through_the_descriptor_launcher():
+    """A dense bf16 cache read through tensor descriptors (sm_90: stage 1's K and V are host descriptors): stage 1's
+    record launches through direct_launch.DescriptorLauncher, which fills one CUtensorMap per cache address and
+    extent (not one per call, as Triton's own launcher does), and a cache that grows by a new dense tensor per step
+    (another address and extent each) stays correct step by step."""
+    from flashdecode.ops import decode_launch, direct_launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90")
+    gen = torch.Generator().manual_seed(3)
+    launch_cache.clear()
+    decode_host.clear()
+    q = randn(4, 32, 128, gen=gen, dtype=torch.bfloat16)
+    k, v, _ = _cache(gen, torch.bfloat16, 0)
+    lens = torch.tensor([2000, 17, 1500, 2048], dtype=torch.int32, device="cuda")
+    ref, _ = decode_ref(q.double(), k.double(), v.double(), lens)
+    config = dataclasses.replace(decode_config(q, k, v, lens), use_tma=True)  # (the policy's, read so)
+    for _ in range(4):
+        got = flashdecode.flash_decode(q, k, v, lens, config=config)
+        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+    launchers = [r.direct for r in decode_launch._STAGE1.records.values()]
+    assert launchers and all(isinstance(x, direct_launch.DescriptorLauncher) for x in launchers)
+    assert launchers[0].launches == 3 and launchers[0].fills == 2  # K and V, once
+    buf_k, buf_v = (randn(2, 1100, 8, 128, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    for length in range(1000, 1004):
+        k, v = buf_k[:, :length].contiguous(), buf_v[:, :length].contiguous()
+        q = randn(2, 32, 128, gen=gen, dtype=torch.bfloat16)
+        lens = torch.tensor([length, length - 300], dtype=torch.int32, device="cuda")
+        ref, _ = decode_ref(q.double(), k.double(), v.double(), lens)
+        torch.testing.assert_close(flashdecode.flash_decode(q, k, v, lens).double(), ref, atol=2e-2, rtol=2e-2)

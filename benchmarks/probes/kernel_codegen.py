@@ -132,7 +132,8 @@ def _decode(*, batch=1, nheads=16, nheads_kv=2, headdim=128, seqlen_q=1, live=32
     partial_o = torch.empty(b, sq, h, s, d) if s > 1 else None
     partial_lse = torch.empty(b, sq, h, s) if s > 1 else None
     tickets = torch.zeros(num_tickets(b, sq, h, nheads_kv), dtype=torch.int32)
-    run_decode(shape_, launch, k_cache, v_cache, lens, table, out4, lse3, partial_o, partial_lse, tickets)
+    run_decode(shape_, launch, q, shape_.alibi_slopes, k_cache, v_cache, lens, table, out4, lse3, partial_o,
+               partial_lse, tickets)
     return config
 
 

@@ -23,8 +23,9 @@ tokens/s = batch x 64 / t64. Targets (H100, decode tokens/s vs SDPA): eager >= 1
 CPU proxy (``--cpu``, no GPU): the decode host table's ops on CPU tensors of the same shapes, the launch policy
 told it runs on a Hopper of 132 SMs with device-resident metadata, every kernel launch stubbed where the compiled
 kernel's C launcher would be called (``stub_launches``): the Python each eager call runs (checks, the host
-records, the launch cache's direct launch, the outputs' CPU allocation), CPU us per call in a loop of ``--calls``
-(cpu_us_per_call), and the ratio of ``flash_attn_with_kvcache`` to ``flash_decode`` on the same inputs (rows
+records, the launch cache's direct launch - through Triton's own descriptor-handling launcher where the kernel
+takes host tensor descriptors and no direct launcher knows it, as on the GPU -, the outputs' CPU allocation), CPU
+us per call in a loop of ``--calls`` (cpu_us_per_call), and the ratio of ``flash_attn_with_kvcache`` to ``flash_decode`` on the same inputs (rows
 "uniform", the table's batch, and "mixed", one 128k sequence among 15 short ones in pages of 16). Ratios are the
 claim; absolute numbers are the CPU's.
 
@@ -167,39 +168,107 @@ class _StubCompiled:
     function, packed_metadata, run = 0, (4, 1, 0), _StubRun()
 
 
+class _StubTmaDriver:
+    """triton.runtime.driver.active as Triton's make_tensordesc_arg reads it: fill_tma_descriptor (a C call that
+    encodes a CUtensorMap on the GPU) returns a stand-in."""
+
+    def __init__(self):
+        self.utils = self
+
+    @staticmethod
+    def fill_tma_descriptor(ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
+        return ptr
+
+
+def _stub_compiled_with_descriptors(arg_names: tuple, kwargs: dict):
+    """A stub compiled kernel whose launcher is Triton's own CudaLauncher (its __call__ and wrap_handle_tensordesc,
+    which fills a CUtensorMap per descriptor and launch) around a C launch that does nothing, for a kernel launched
+    with host tensor descriptors: what a GPU's first launch records for decode stage 1 over a TMA-read cache."""
+    from triton.backends.nvidia import driver as nv
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = {i: ("tensordesc<bf16[64,128]>" if isinstance(kwargs.get(name), TensorDescriptor) else "i32")
+                 for i, name in enumerate(arg_names)}
+    metas = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=list(kwargs[name].block_shape),
+                  fp4_padded=False) for name in arg_names if isinstance(kwargs.get(name), TensorDescriptor)]
+    run = nv.CudaLauncher.__new__(nv.CudaLauncher)  # its constructor compiles the C launcher: not here
+    for name in ("global_scratch_size", "profile_scratch_size", "global_scratch_align", "num_ctas",
+                 "launch_cooperative_grid", "launch_pdl"):
+        setattr(run, name, getattr(_StubRun, name))
+    run.profile_scratch_align = 1
+    run.launch = nv.wrap_handle_tensordesc(_StubRun.launch, signature, metas)
+    compiled = _StubCompiled()
+    compiled.run = run
+    return compiled
+
+
 class _StubJit:
-    """Stands in for a @triton.jit kernel: ``kernel[grid](**kwargs)`` returns the stub compiled kernel."""
+    """Stands in for a @triton.jit kernel: ``kernel[grid](**kwargs)`` returns the stub compiled kernel (with Triton's
+    descriptor-handling launcher where a kwarg is a host tensor descriptor)."""
+
+    def __init__(self, arg_names: tuple):
+        self.arg_names = arg_names
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: _StubCompiled()
+        return self._compiled
+
+    def _compiled(self, *args, **kwargs):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if any(isinstance(x, TensorDescriptor) for x in kwargs.values()):
+            return _stub_compiled_with_descriptors(self.arg_names, kwargs)
+        return _StubCompiled()
 
 
-def stub_launches() -> None:
-    """Patches (for the rest of the process) that make CPU tensors take the GPU's eager host path (module doc,
-    ``--cpu``): the kernels run nowhere (TRITON_INTERPRET off, CPU tensors accepted), the decode policy sees a
-    Hopper of 132 SMs, metadata counts as device-resident (never read on the host, as CUDA tensors), and every
-    launch site's first launch of a key records a stub kernel whose C launch does nothing, so later launches take
-    the direct launch (direct_launch.PlainLauncher) as on the GPU."""
+class _ForTheProcess:
+    """stub_launches' default way to patch: plain assignments, kept for the rest of the process."""
+
+    @staticmethod
+    def setattr(obj, name: str, value) -> None:
+        setattr(obj, name, value)
+
+    @staticmethod
+    def setitem(mapping, name: str, value) -> None:
+        mapping[name] = value
+
+
+def stub_launches(patch=_ForTheProcess) -> None:
+    """Patches that make CPU tensors take the GPU's eager host path (module doc, ``--cpu``): the kernels run nowhere
+    (TRITON_INTERPRET off, CPU tensors accepted), the decode policy sees a Hopper of 132 SMs, metadata counts as
+    device-resident (never read on the host, as CUDA tensors), and every launch site's first launch of a key
+    records a stub kernel whose C launch does nothing (behind Triton's own descriptor-handling launcher where the
+    launch passes host tensor descriptors, the CUtensorMap encoding stubbed too: triton.runtime.driver's active
+    driver is replaced), so later launches take the direct launch (direct_launch.PlainLauncher, DescriptorLauncher,
+    else Triton's launcher) as on the GPU. ``patch``: what applies them (setattr / setitem; default for the rest of
+    the process, a test's pytest.MonkeyPatch undoes them)."""
     import os
 
+    import triton
+
+    import flashdecode.ops.decode  # noqa: F401 - every decode launch site exists before the patches below
+    import flashdecode.ops.merge  # noqa: F401
     from flashdecode.ops import append_kv, checks, decode_policy, direct_launch, launch_cache
 
-    os.environ["TRITON_INTERPRET"] = "0"
+    patch.setitem(os.environ, "TRITON_INTERPRET", "0")
     cpu = torch.device("cpu")
-    checks.interpreting = lambda device=None: False
-    checks.kernels_run_on = lambda device: device.type in ("cpu", "cuda")
-    checks.host_resident = lambda x: False
     device_arg = checks.check_device_arg
-    checks.check_device_arg = lambda name, value: cpu if str(value) == "cpu" else device_arg(name, value)
-    decode_policy._interpreting = append_kv._interpreting = lambda device=None: False
-    decode_policy.hopper_or_newer = lambda device: True
-    decode_policy.num_sms = lambda device: 132
-    direct_launch.current_device = launch_cache._current_device = lambda: None  # a CPU tensor's device index
-    direct_launch.current_stream = launch_cache._current_stream = lambda index: 0
-    import flashdecode.ops.decode  # noqa: F401 - every decode launch site exists before the patch below
-    import flashdecode.ops.merge  # noqa: F401
+    for obj, name, value in (
+            (checks, "interpreting", lambda device=None: False),
+            (checks, "kernels_run_on", lambda device: device.type in ("cpu", "cuda")),
+            (checks, "host_resident", lambda x: False),
+            (checks, "check_device_arg", lambda name, value: cpu if str(value) == "cpu" else device_arg(name, value)),
+            (decode_policy, "_interpreting", lambda device=None: False),
+            (append_kv, "_interpreting", lambda device=None: False),
+            (decode_policy, "hopper_or_newer", lambda device: True),
+            (decode_policy, "num_sms", lambda device: 132),
+            (direct_launch, "current_device", lambda: None),  # a CPU tensor's device index
+            (launch_cache, "_current_device", lambda: None),
+            (direct_launch, "current_stream", lambda index: 0),
+            (launch_cache, "_current_stream", lambda index: 0),
+            (triton.runtime.driver, "_active", _StubTmaDriver())):
+        patch.setattr(obj, name, value)
     for site in launch_cache.sites():
-        site.fn = _StubJit()
+        patch.setattr(site, "fn", _StubJit(site.param_names))
 
 
 def mixed_calls(device) -> dict:

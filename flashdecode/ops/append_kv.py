@@ -10,7 +10,7 @@ from flashdecode.ops import checks
 from flashdecode.ops.decode_checks import _cache_capacity, _check_cache_pair, _check_lengths_and_table
 from flashdecode.ops import decode_host
 from flashdecode.ops.kv_quant import QMAX, resolve_kv_quant
-from flashdecode.ops.launch_cache import LaunchSite
+from flashdecode.ops.launch_cache import BoundLaunch, LaunchSite
 
 __all__ = ["append_kv", "checked_append"]
 
@@ -124,10 +124,11 @@ def checked_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=No
 
 class _AppendLaunch:
     """What a checked append_kv call's metadata fixes: the grid, the kernel's arguments after its tensors (the
-    integers the shapes and strides give, an 8-bit cache's scales), the constexprs and the launch-cache key (None: a
-    call whose checks read values, launched without recording)."""
+    integers the shapes and strides give, an 8-bit cache's scales; also in place in the BoundLaunch of each launch
+    key), the constexprs and the launch-cache key (None: a call whose checks read values, launched without
+    recording)."""
 
-    __slots__ = ("key", "seen_key", "grid", "tail", "constexprs", "varlen", "paged")
+    __slots__ = ("key", "seen_key", "grid", "tail", "constexprs", "varlen", "paged", "bound", "seen_bound")
 
     def __init__(self, key, batch, max_new, k_cache, block_table, varlen, k_new, v_new, quant, write_scales):
         headdim, nheads_kv = k_new.shape[-1], k_new.shape[-2]
@@ -148,6 +149,9 @@ class _AppendLaunch:
             PAGE_SIZE=k_cache.shape[1] if self.paged else 0, VARLEN=varlen, num_warps=4,
             **{n: x for n, x in quant_args.items() if n not in _RUNTIME_QUANT_ARGS})
         self.constexprs = lambda: constexprs
+        fixed = dict(zip(_SITE.runtime_names[7:-1], self.tail))  # (the tensors first, SEEN last)
+        self.bound = None if key is None else BoundLaunch(_SITE, key, fixed)
+        self.seen_bound = None if key is None else BoundLaunch(_SITE, self.seen_key, fixed)
 
     def run(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_new, seen=None):
         """The append on these tensors (of the checked layouts); ``seen``: None, or a contiguous int32 (batch,)
@@ -155,6 +159,17 @@ class _AppendLaunch:
         Returns whether a kernel ran (none for no sequence or no new token: ``seen`` is then not written)."""
         if self.grid is None:
             return False
+        bound = self.bound if seen is None else self.seen_bound
+        full = None if bound is None else bound.full()
+        if full is not None:  # the key's recorded launch: its argument list, this call's tensors written in
+            at_k, at_v, at_kc, at_vc, at_lens, at_cu, at_bt, at_seen = _CALL_TENSORS
+            full[at_k], full[at_v], full[at_kc], full[at_vc], full[at_lens] = k_new, v_new, k_cache, v_cache, \
+                cache_seqlens
+            full[at_cu] = cu_seqlens_new if self.varlen else cache_seqlens
+            full[at_bt] = block_table if self.paged else cache_seqlens
+            full[at_seen] = seen
+            bound.launch(self.grid, full, k_new.device)
+            return True
         runtime = (k_new, v_new, k_cache, v_cache, cache_seqlens, cu_seqlens_new if self.varlen else cache_seqlens,
                    block_table if self.paged else cache_seqlens) + self.tail + (seen,)
         _SITE.launch(self.key if seen is None else self.seen_key, self.grid, runtime, self.constexprs, k_new.device)
@@ -162,6 +177,7 @@ class _AppendLaunch:
 
 
 _SITE = LaunchSite(append_kv_kernel, "append_kv_kernel")
+_CALL_TENSORS = _SITE.positions("K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "SEQLENS", "CU_NEW", "BLOCK_TABLE", "SEEN")
 _RUNTIME_QUANT_ARGS = ("K_SCALE", "V_SCALE", "stride_sb", "stride_st", "stride_sh")
 
 

@@ -31,7 +31,7 @@ from flashdecode.ops.decode_launch import DecodeLaunch, num_tickets, plan_launch
 from flashdecode.ops.decode_policy import _DecodeShape, check_config_fits, choose_live_keys, decode_device
 from flashdecode.ops.util import call_scoped, capturing
 from flashdecode.ops import decode_host, direct_launch
-from flashdecode.ops.decode_workspace import call_workspace, stream_workspace, workspace
+from flashdecode.ops.decode_workspace import QUEUE_SLOTS, call_workspace, stream_workspace, workspace
 from flashdecode.ops.kv_quant import QUANT_DTYPES
 from flashdecode.ops.sinks import apply_sinks, check_sinks
 
@@ -39,6 +39,16 @@ __all__ = ["flash_decode", "flash_decode_with_sinks", "decode_config", "DecodePl
 
 _DTYPES = checks.FLOAT_DTYPES
 _PLAN_IDS = itertools.count()  # a key per DecodePlan that no later plan reuses (id() may be)
+_PLAN_RUNS = 256  # exact call keys a DecodePlan keeps (cleared when full)
+# the default window_size, and what a call key holds for it when the call passed this very object: a token no
+# argument can be, so the key stays flat (decode_host.options_key reads a tuple option element by element)
+NO_WINDOW = (-1, -1)
+_NO_WINDOW_KEY = object()
+
+
+def window_key(window_size):
+    """window_size in a call key (module constants above)."""
+    return _NO_WINDOW_KEY if window_size is NO_WINDOW else window_size
 
 
 def _lse_view(lse3, q):
@@ -114,7 +124,7 @@ def decode_config(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_s
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, num_splits=None,
-                 softcap=0.0, window_size=(-1, -1), return_lse=False, out=None, max_seqlen_k=None, plan=None,
+                 softcap=0.0, window_size=NO_WINDOW, return_lse=False, out=None, max_seqlen_k=None, plan=None,
                  config: DecodeConfig | None = None, validate=False, sinks=None, batch_invariant: bool = False,
                  alibi_slopes=None, k_scale=None, v_scale=None):
     """Flash-Decoding: attention of a few new query tokens against a KV cache, split over the KV length.
@@ -200,7 +210,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softma
                                   validate=validate, batch_invariant=batch_invariant, alibi_slopes=alibi_slopes,
                                   k_scale=k_scale, v_scale=v_scale)
     result, lse = launch_decided(decided, q, k_cache, v_cache, cache_seqlens, block_table, out,
-                                 return_lse or sinks is not None)
+                                 return_lse or sinks is not None, alibi_slopes)
     if sinks is not None:
         return _sinks_step(result, lse, sinks, out, return_lse)
     return (result, lse) if return_lse else result
@@ -232,7 +242,7 @@ def _sinks_step(o, lse, sinks, out, return_lse: bool):
 
 
 def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                         num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                         num_splits=None, softcap=0.0, window_size=NO_WINDOW, out=None, max_seqlen_k=None,
                          config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
                          alibi_slopes=None, k_scale=None, v_scale=None, return_lse: bool = True):
     """Every check and launch decision of flash_decode(...) (same arguments, no sinks / plan), and nothing written:
@@ -249,14 +259,16 @@ def prepare_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None
                                   k_scale=k_scale, v_scale=v_scale)
 
     def run():
-        return launch_decided(decided, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse)
+        return launch_decided(decided, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse,
+                              alibi_slopes)
     return run
 
 
 class DecidedDecode:
-    """What prepare_flash_decode decides for one call: the checked shape facts (bound to the call's q and ALiBi
-    slopes; shape.launch_key keys its launches), the config and launch geometry, whether the stream was capturing
-    and whether the call key was new (its first call sizes the device pool for captures of it)."""
+    """What prepare_flash_decode decides for one call: the checked shape facts (shape.launch_key keys its launches;
+    a growing cache's capacity in place), the config and launch geometry, whether the stream was capturing, whether
+    this is the first call of its exact layout (which sizes the device pool for captures of it). Kept per exact
+    call key (decode_host.keep_bound): a repeated call finds it whole and only launches."""
 
     __slots__ = ("shape", "config", "launch", "in_capture", "new_key")
 
@@ -265,52 +277,76 @@ class DecidedDecode:
         self.in_capture, self.new_key = in_capture, new_key
 
     def kept(self) -> "DecidedDecode":
-        """A copy to keep beside a caller's own per-key record: its shape without the call's tensors
-        (decode_host.detach), not a new key any more (``relaunch`` binds a later call's tensors)."""
+        """A copy to keep for later calls of this layout: its shape without the call's tensors
+        (decode_host.detach), not a new key any more."""
         return DecidedDecode(decode_host.detach(self.shape), self.config, self.launch, self.in_capture, False)
 
     def relaunch(self, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, return_lse: bool):
         """A kept decision launched for a later call on tensors of the layouts it was decided for (no out=; the
         caller's key fixes every layout and checks that the stream's capture state is the decided one)."""
-        shape = decode_host.bind(self.shape, q, alibi_slopes)
-        return _launch_decode(shape, self.config, self.launch, q, k_cache, v_cache, cache_seqlens, block_table,
-                              None, self.in_capture, False, return_lse)
+        return _launch_decode(self, q, k_cache, v_cache, cache_seqlens, block_table, None, return_lse,
+                              alibi_slopes)
 
 
 def decide_flash_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                        num_splits=None, softcap=0.0, window_size=(-1, -1), out=None, max_seqlen_k=None,
+                        num_splits=None, softcap=0.0, window_size=NO_WINDOW, out=None, max_seqlen_k=None,
                         config: DecodeConfig | None = None, validate=False, batch_invariant: bool = False,
                         alibi_slopes=None, k_scale=None, v_scale=None) -> DecidedDecode:
-    """prepare_flash_decode's checks and decisions (its arguments), as a DecidedDecode; launch_decided runs it."""
+    """prepare_flash_decode's checks and decisions (its arguments), as a DecidedDecode; launch_decided runs it.
+    A call whose checks read no value (device-resident lengths, validate=False, no 8-bit scales) is keyed by the
+    exact layout of every tensor and its options (decode_host.call_key): a repeated key returns the kept decision
+    at once, a new one is decided from its record (a growing cache's bucket, ops/decode_host.py) or checked and
+    resolved in full."""
     batch_invariant = _check_batch_invariant(batch_invariant, num_splits, config)
     in_capture = capturing(q.device) if isinstance(q, torch.Tensor) else False
-    key = growing = None
+    key = None
     if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
             and not checks.host_resident(cache_seqlens):  # the checks and the config read no value: keep them
-        options = (softmax_scale, num_splits, softcap, window_size, config, batch_invariant, in_capture)
+        key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
+                                                    alibi_slopes),
+                                   (softmax_scale, num_splits, softcap, window_key(window_size), config,
+                                    batch_invariant, in_capture, max_seqlen_k))
+        found = decode_host.bound(key)
+        if found is not None:
+            return found
+    decided = _decide_layout(key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, softcap,
+                             window_size, out, max_seqlen_k, config, validate, batch_invariant, alibi_slopes, k_scale,
+                             v_scale, in_capture)
+    if key is not None:
+        decode_host.keep_bound(key, decided.kept())
+    return decided
+
+
+def _decide_layout(key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, softcap,
+                   window_size, out, max_seqlen_k, config, validate, batch_invariant, alibi_slopes, k_scale, v_scale,
+                   in_capture) -> DecidedDecode:
+    """The decision of a call layout met for the first time (``key``: its exact key, None where its checks read
+    values): the remembered record of its call key - one per capacity bucket for a growing cache - bound to this
+    layout, else every check and the resolution, remembered."""
+    bucket_key, growing = key, None
+    if key is not None:
         growing = _growing_cache(k_cache, v_cache, block_table, config, batch_invariant)
-        if growing is None:
-            key = decode_host.call_key("flash_decode", (q, k_cache, v_cache, cache_seqlens, block_table, out,
-                                                        alibi_slopes), options + (max_seqlen_k,))
-        else:  # one record per capacity bucket: a growing cache's calls share it (ops/decode_host.py)
-            key = decode_host.call_key(("flash_decode", growing.key), (q, cache_seqlens, out, alibi_slopes),
-                                       options + (_length_bound_key(max_seqlen_k),))
-    found = decode_host.recall(key, q, alibi_slopes, growing)
+        if growing is not None:  # one record per capacity bucket: a growing cache's calls share it
+            bucket_key = decode_host.call_key(
+                ("flash_decode", growing.key), (q, cache_seqlens, out, alibi_slopes),
+                (softmax_scale, num_splits, softcap, window_size, config, batch_invariant, in_capture,
+                 _length_bound_key(max_seqlen_k)))
+    found = decode_host.recall(bucket_key, growing)
     if found is None:
         shape, config, launch = _checked_call(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
                                               num_splits, softcap, window_size, out, max_seqlen_k, config, validate,
                                               batch_invariant, alibi_slopes, k_scale, v_scale, in_capture)
-        decode_host.remember(key, shape, config, launch, growing)
+        decode_host.remember(bucket_key, shape, config, launch, growing)
     else:
         shape, config, launch = found
-    return DecidedDecode(shape, config, launch, in_capture, found is None)
+    return DecidedDecode(shape, config, launch, in_capture, True)
 
 
-def launch_decided(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse: bool):
-    """Launch a decided call on tensors of the layouts it was decided for (q bound to decided.shape); returns (out
-    like q, lse float32 (batch, [seqlen_q,] nheads) or None unless return_lse)."""
-    return _launch_decode(decided.shape, decided.config, decided.launch, q, k_cache, v_cache, cache_seqlens,
-                          block_table, out, decided.in_capture, decided.new_key, return_lse)
+def launch_decided(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse: bool,
+                   alibi_slopes=None):
+    """Launch a decided call on tensors of the layouts it was decided for; returns (out like q, lse float32
+    (batch, [seqlen_q,] nheads) or None unless return_lse)."""
+    return _launch_decode(decided, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse, alibi_slopes)
 
 
 def _growing_cache(k_cache, v_cache, block_table, config, batch_invariant):
@@ -329,33 +365,36 @@ def _length_bound_key(max_seqlen_k):
     return max_seqlen_k
 
 
-def _launch_decode(shape: _DecodeShape, config: DecodeConfig, launch: DecodeLaunch, q, k_cache, v_cache,
-                   cache_seqlens, block_table, out, in_capture: bool, new_key: bool, return_lse: bool):
+def _launch_decode(decided: DecidedDecode, q, k_cache, v_cache, cache_seqlens, block_table, out, return_lse: bool,
+                   alibi_slopes):
     """flash_decode's launch of a checked, resolved call: its outputs (new, or ``out``) and the split workspace
-    (the pool's: nothing allocated but the results), then the kernels. new_key: the first call of this call shape,
-    which sizes the device's pool for captures of it (they cannot allocate). Returns (out like q, lse float32
-    (batch, [seqlen_q,] nheads) or None unless return_lse)."""
-    b, sq, h, d = shape.q4.shape
-    # contiguous, not empty_like(q): the merge writes (batch * seqlen_q) rows through one collapsed view
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    out4 = out.unsqueeze(1) if q.dim() == 3 else out
+    (the pool's: nothing allocated but the results), then the kernels. Returns (out like q, lse float32 (batch,
+    [seqlen_q,] nheads) or None unless return_lse)."""
+    shape, launch = decided.shape, decided.launch
+    device = shape.device
+    # contiguous whatever q's layout: the merge writes (batch * seqlen_q) rows through one collapsed view (and
+    # empty_like parses less per call than torch.empty with its options)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_shape = (shape.batch, shape.seqlen_q, shape.nheads)
     partial_shape, n_tickets = launch.partial_shape, launch.tickets  # (the call's problem fixed them)
+    queue = None  # (run_decode slices it where the pool keeps no view)
     if call_scoped():  # an op torch.compile runs (a cudagraph tree's warmup or capture): this call's own buffers
-        lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
-        partial_o, partial_lse, tickets = call_workspace(q.device, partial_shape, n_tickets)
-    elif in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
-        lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
-        partial_o, partial_lse, tickets = workspace(q.device).take(partial_shape, n_tickets)
+        lse3 = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        partial_o, partial_lse, tickets = call_workspace(device, partial_shape, n_tickets)
+    elif decided.in_capture:  # no allocation, no sync: the pool's buffers (zeros at rest for the tickets)
+        lse3 = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        partial_o, partial_lse, tickets = workspace(device).take(partial_shape, n_tickets)
     else:  # the eager pool of this stream: nothing allocated but the results
-        if new_key:
-            workspace(q.device).reserve(partial_shape, n_tickets)
-        pool = stream_workspace(q.device, direct_launch.current_stream(q.device.index) if q.is_cuda else None)
-        partial_o, partial_lse, tickets, lse3 = pool.take_eager(partial_shape, n_tickets,
-                                                                None if return_lse else (b, sq, h))
+        if decided.new_key:
+            workspace(device).reserve(partial_shape, n_tickets)
+        pool = stream_workspace(device, direct_launch.current_stream(device.index) if device.type == "cuda" else None)
+        partial_o, partial_lse, tickets, lse3, queue = pool.take_eager(partial_shape, n_tickets,
+                                                                       None if return_lse else lse_shape)
         if return_lse:
-            lse3 = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
-    run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-               tickets)
+            lse3 = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    run_decode(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3, partial_o,
+               partial_lse, tickets, queue)
     return out, (_lse_view(lse3, q) if return_lse else None)
 
 
@@ -447,6 +486,7 @@ class DecodePlan:
             self.num_splits = num_splits if num_splits is not None else heuristics.decode_plan_splits(
                 problem, self._dev, balance_mixed)
         self._launches: dict = {}  # run shape -> DecodeLaunch, resolved once each
+        self._runs: dict = {}  # a run's exact call key -> what it launches (_checked_run)
         self._views: dict = {}  # (q shape, id of a launch in _launches) -> views of the buffers (_buffer_views)
         self._key_tag = ("DecodePlan", next(_PLAN_IDS))  # the host path's key of its runs (ops/decode_host.py)
         rows = max_batch * max_seqlen_q * nheads
@@ -460,6 +500,7 @@ class DecodePlan:
         # again). Row blocks per kv head never decrease with seqlen_q, so sizing for max_seqlen_q covers every run.
         self._tickets = torch.zeros(num_tickets(max_batch, max_seqlen_q, nheads, nheads_kv),
                                     dtype=torch.int32, device=self.device)
+        self._queue = self._tickets[self._tickets.numel() - QUEUE_SLOTS:]
 
     def _launch_for(self, shape: _DecodeShape) -> DecodeLaunch:
         key = (shape.batch, shape.seqlen_q, shape.page_size, shape.capacity, shape.cache_tma_ok,
@@ -515,38 +556,50 @@ class DecodePlan:
                                             v_scale=v_scale)).config
 
     def run(self, q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, softcap=0.0,
-            window_size=(-1, -1), return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None,
+            window_size=NO_WINDOW, return_lse=False, out=None, validate=False, sinks=None, alibi_slopes=None,
             k_scale=None, v_scale=None):
         """flash_decode with the plan's split count and buffers (same arguments, checks and results; validate=True
         syncs, so it is for eager debugging runs, not captured ones)."""
         checks.check_bool("return_lse", return_lse)
         if sinks is not None:
             _check_sinks_before_kernels(sinks, q)
-        key = None
+        key = found = None
         if validate is False and k_scale is None and v_scale is None and isinstance(cache_seqlens, torch.Tensor) \
                 and not checks.host_resident(cache_seqlens):  # the checks read no value: keep them per key
             key = decode_host.call_key(self._key_tag, (q, k_cache, v_cache, cache_seqlens, block_table, out,
-                                                       alibi_slopes), (softmax_scale, softcap, window_size))
-        found = decode_host.recall(key, q, alibi_slopes)
+                                                       alibi_slopes), (softmax_scale, softcap,
+                                                                       window_key(window_size)))
+            found = decode_host.lookup(self._runs, key)
         if found is None:
-            shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap,
-                                window_size, k_scale, v_scale)
-            shape.with_alibi(alibi_slopes)
-            shape.check_out(out, q)
-            _check_metadata(shape, cache_seqlens, block_table, validate)
-            launch = self._launch_for(shape)
-            decode_host.remember(key, shape, launch.config, launch)
-        else:
-            shape, _, launch = found
+            found = self._checked_run(key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap,
+                                      window_size, out, validate, alibi_slopes, k_scale, v_scale)
+        shape, launch, plan_out, lse3, partial_o, partial_lse = found
+        result = plan_out if out is None else out
+        run_decode(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, result, lse3,
+                   partial_o, partial_lse, self._tickets, self._queue)
+        if sinks is not None:  # the result is then a new tensor (or out), not a plan buffer
+            return _sinks_step(result, _lse_view(lse3, q), sinks, out, return_lse)
+        return (result, _lse_view(lse3, q)) if return_lse else result
+
+    def _checked_run(self, key, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                     out, validate, alibi_slopes, k_scale, v_scale) -> tuple:
+        """Every check of a run and what it launches: (shape, launch, out like q, lse3, partial_o, partial_lse) -
+        the views of the plan's buffers for its shape (_buffer_views) -, kept under ``key`` (None: not kept, the
+        checks read values)."""
+        shape = self._shape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
+                            k_scale, v_scale)
+        shape.with_alibi(alibi_slopes)
+        shape.check_out(out, q)
+        _check_metadata(shape, cache_seqlens, block_table, validate)
+        launch = self._launch_for(shape)
+        decode_host.remember(key, shape, launch.config, launch)
         # (id: hashing the launch's config per run would cost more than the views; the plan keeps its launches)
         views = self._views.get((q.shape, id(launch)))
         if views is None:
             views = self._views[(q.shape, id(launch))] = self._buffer_views(q.shape, shape.q4.shape, launch)
-        plan_out, lse3, partial_o, partial_lse = views
-        result = plan_out if out is None else out
-        out4 = result.unsqueeze(1) if q.dim() == 3 else result
-        run_decode(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o, partial_lse,
-                   self._tickets)
-        if sinks is not None:  # the result is then a new tensor (or out), not a plan buffer
-            return _sinks_step(result, _lse_view(lse3, q), sinks, out, return_lse)
-        return (result, _lse_view(lse3, q)) if return_lse else result
+        run = (decode_host.detach(shape), launch) + views
+        if key is not None and shape.launch_key is not None:  # (an unhashable key was not remembered)
+            if len(self._runs) >= _PLAN_RUNS:
+                self._runs.clear()
+            self._runs[key] = run
+        return run

@@ -23,51 +23,50 @@ launch key).
 from __future__ import annotations
 
 import itertools
-from operator import is_
 
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
-__all__ = ["call_key", "options_key", "remember", "recall", "detach", "bind", "keep", "kept", "keep_checks",
-           "kept_checks", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
+__all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", "keep", "kept", "keep_checks",
+           "kept_checks", "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
 _LAUNCH_IDS = itertools.count()
-_NONE = itertools.repeat(None)
-
-
-def _option(x):
-    """An option in a key: its value and type (an unhashable value makes the call take the full path)."""
-    cls = x.__class__
-    if cls is tuple or cls is list:
-        types = tuple(map(type, x))
-        if tuple in types or list in types:
-            return (cls,) + tuple(map(_option, x))
-        return cls, tuple(x), types
-    return cls, x
 
 
 def options_key(options: tuple) -> tuple:
     """Options in a key: their values and types, so that 3.0 never passes where 3 was checked, nor True where 1 was
-    (a tuple or list of them, e.g. window_size, element by element)."""
+    (a tuple or list of them, e.g. window_size, element by element: the options_key of each, a list as a tuple)."""
     types = tuple(map(type, options))
     if tuple in types or list in types:
-        return ("nested",) + tuple([_option(x) if t is tuple or t is list else (t, x) for x, t in zip(options, types)])
+        inner = tuple([options_key(x) for x, t in zip(options, types) if t is tuple or t is list])
+        if list in types:
+            options = tuple([tuple(x) if t is list else x for x, t in zip(options, types)])
+        return options, types, inner
     return options, types
 
 
 def call_key(tag, tensors: tuple, options: tuple):
-    """The key of a call (``tag``: the op, or a plan), or None where an argument cannot be keyed (not a tensor, an
-    unhashable option): that call takes the full path, whose checks then name the argument."""
-    try:  # launch_cache.tensor_key of each tensor, inlined (the key is built on every call), and where None passed
-        key = (tag, tuple(map(is_, tensors, _NONE)), tuple([
-            (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0) for x in tensors if x is not None]),
-            options_key(options))
-        hash(key)
+    """The key of a call (``tag``: the op, or a plan), or None where an argument is not a tensor: that call takes
+    the full path, whose checks then name the argument. A key with an unhashable option is found in no store and
+    kept in none (``lookup``, _store): that call too takes the full path every time (its hash is left to the one
+    lookup that needs it)."""
+    try:  # launch_cache.tensor_key of each tensor (None where None passed), inlined: the key is built on every call
+        return (tag, tuple([None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+                            for x in tensors]), options_key(options))
     except (AttributeError, TypeError, RuntimeError):
         return None
-    return key
+
+
+def lookup(store: dict, key):
+    """store.get(key); None where key is None or unhashable (call_key's keys are hashed here, once)."""
+    if key is None:
+        return None
+    try:
+        return store.get(key)
+    except TypeError:
+        return None
 
 
 def capacity_bucket(n: int) -> int:
@@ -125,12 +124,17 @@ def growing_cache(k_cache, v_cache) -> GrowingCache | None:
     return found
 
 
-def _store(store: dict, key, value) -> None:
-    """store[key] = value (key None: nothing), the store cleared first when full."""
-    if key is not None:
-        if len(store) >= _MAX_CALLS:
-            store.clear()
+def _store(store: dict, key, value) -> bool:
+    """store[key] = value (key None or unhashable: nothing, False), the store cleared first when full."""
+    if key is None:
+        return False
+    if len(store) >= _MAX_CALLS:
+        store.clear()
+    try:
         store[key] = value
+    except TypeError:
+        return False
+    return True
 
 
 def keep(key, value) -> None:
@@ -140,7 +144,7 @@ def keep(key, value) -> None:
 
 def kept(key):
     """What ``keep`` kept under ``key`` (None: nothing, or key None)."""
-    return None if key is None else _CALLS.get(key)
+    return lookup(_CALLS, key)
 
 
 _CHECKS: dict = {}  # wrappers' kept checks (flash_attn_with_kvcache), apart from the decode records (below)
@@ -155,7 +159,7 @@ def keep_checks(key, value) -> None:
 
 def kept_checks(key):
     """What ``keep_checks`` kept under ``key`` (None: nothing, or key None)."""
-    return None if key is None else _CHECKS.get(key)
+    return lookup(_CHECKS, key)
 
 
 class _Entry:
@@ -168,48 +172,48 @@ class _Entry:
 def remember(key, shape, config, launch, growing: GrowingCache | None = None) -> None:
     """Keep a checked call's shape facts (without its tensors), config and launch geometry under ``key``
     (``growing``: a growing cache's, whose specialisation joins the launch key)."""
-    if key is None:
-        return
     launch_id = next(_LAUNCH_IDS)
     kept = detach(shape)
     kept.launch_key = launch_id
-    shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
-    if len(_CALLS) >= _MAX_CALLS:
-        _CALLS.clear()
-    _CALLS[key] = _Entry(kept, config, launch)
+    if _store(_CALLS, key, _Entry(kept, config, launch)):  # (an unhashable key: launched without recording)
+        shape.launch_key = launch_id if growing is None else (launch_id, growing.spec)
 
 
-def recall(key, q, alibi_slopes, growing: GrowingCache | None = None):
-    """(shape, config, launch) of a call whose key was remembered, the shape bound to this call's q and ALiBi
-    slopes (and a growing cache's capacity and launch key); None where it was not."""
-    entry = None if key is None else _CALLS.get(key)
+def recall(key, growing: GrowingCache | None = None):
+    """(shape, config, launch) of a call whose key was remembered (a growing cache's: a copy of the shape with its
+    capacity and launch key in place); None where it was not."""
+    entry = lookup(_CALLS, key)
     if entry is None:
         return None
-    shape = _copy(entry.shape)
+    shape = entry.shape
     if growing is not None:
+        shape = _copy(shape)
         shape.capacity = growing.capacity
         shape.launch_key = (shape.launch_key, growing.spec)
-    return _bind(shape, q, alibi_slopes), entry.config, entry.launch
+    return shape, entry.config, entry.launch
+
+
+_BOUND: dict = {}  # exact call key -> the decision bound to that layout (ops/decode.py DecidedDecode, kept)
+
+
+def keep_bound(key, value) -> None:
+    """Keep what a call of one exact layout runs (its record of _CALLS with a growing cache's capacity and launch
+    key in place, and what its launch derives per layout) under its exact call key, in a store of its own: a
+    growing cache's steps each add one, which must not crowd out the records they share."""
+    _store(_BOUND, key, value)
+
+
+def bound(key):
+    """What ``keep_bound`` kept under ``key`` (None: nothing, or key None)."""
+    return lookup(_BOUND, key)
 
 
 def detach(shape):
     """A copy of a checked call's _DecodeShape without its tensors (q, the ALiBi slopes), to keep beside a
-    wrapper's own record (``bind`` gives it a later call's tensors)."""
+    wrapper's own record: the launches take a call's tensors as arguments."""
     kept = _copy(shape)
     kept.q4 = kept.alibi_slopes = None
     return kept
-
-
-def bind(kept, q, alibi_slopes):
-    """A copy of a ``detach``-ed shape bound to a later call's q and ALiBi slopes (of the layouts it was checked
-    for)."""
-    return _bind(_copy(kept), q, alibi_slopes)
-
-
-def _bind(shape, q, alibi_slopes):
-    shape.q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    shape.alibi_slopes = alibi_slopes
-    return shape
 
 
 def _copy(shape):
@@ -222,4 +226,5 @@ def _copy(shape):
 def clear() -> None:
     _CALLS.clear()
     _CHECKS.clear()
+    _BOUND.clear()
     _GROWING.clear()

@@ -18,9 +18,10 @@ from flashdecode.config import DecodeConfig, DecodePath
 from flashdecode.kernels.decode import decode_persistent_kernel, decode_split_kernel
 from flashdecode.kernels.decode_args import (DeviceSplits, MergeTile, Pages, Pdl, Prefetch, QuantTiles, Rows, Splits,
                                              Tile, WorkSchedule)
+from flashdecode.ops.decode_workspace import QUEUE_SLOTS
 from flashdecode.ops.kv_quant import kv_quant_kernel_args
-from flashdecode.ops.launch_cache import LaunchSite
-from flashdecode.ops.merge import launch_merge_many
+from flashdecode.ops.launch_cache import BoundLaunch, LaunchSite
+from flashdecode.ops.merge import launch_merge_many, relaunch_merge
 
 if TYPE_CHECKING:
     from flashdecode.ops.decode_policy import _DecodeShape
@@ -33,7 +34,7 @@ _PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
 _PERSISTENT_MERGE_TILE_ELEMS = 2048
 
 # the persistent kernel's work queue: the next item, and the programs that found none (kernels/decode.py DYNAMIC)
-_QUEUE_SLOTS = 2
+_QUEUE_SLOTS = QUEUE_SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,49 +117,65 @@ def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
     return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + _QUEUE_SLOTS
 
 
-def run_decode(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3,
-               partial_o, partial_lse, tickets=None):
-    """Decode into out4 (batch, seqlen_q, nheads, headdim) and lse3 (batch, seqlen_q, nheads) fp32 natural log, on
-    launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) / partial_lse (..., splits)
-    fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero again): the persistent
-    paths' and config.merge_in_kernel's merge counters, and the persistent queue."""
+def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
+               block_table, out, lse3, partial_o, partial_lse, tickets=None, queue=None):
+    """Decode into out (like q: (batch, [seqlen_q,] nheads, headdim)) and lse3 (batch, seqlen_q, nheads) fp32
+    natural log, on launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) /
+    partial_lse (..., splits) fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero
+    again): the persistent paths' and config.merge_in_kernel's merge counters, and the persistent queue (the last
+    _QUEUE_SLOTS of them; ``queue``, that view where the caller keeps one, else sliced here). ``shape``
+    holds the checked facts (the capacity of this cache, the launch key); q and alibi_slopes are the call's, of the
+    layouts ``shape`` was checked for. The kernels take pointers and explicit strides, so no tensor is reshaped per
+    call: each launch key keeps the strides of the views it stands for (_Stage1Args, _PersistentArgs)."""
     path = launch.config.path
     if path is DecodePath.UNSPLIT:  # no partials, no second kernel
-        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, final=True)
+        _launch_stage1(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
+                       final=True)
     elif path in _PERSISTENT_PATHS:  # one launch: the kernel merges the sequences that split
-        _launch_persistent(shape, launch, k_cache, v_cache, cache_seqlens, block_table, out4, lse3, partial_o,
-                           partial_lse, tickets)
-    elif launch.config.merge_in_kernel:  # one launch: one-split sequences write out4, the last split merges
-        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
-                       final=False, merged=(out4, lse3, tickets))
+        if queue is None:
+            queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
+        _launch_persistent(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
+                           partial_o, partial_lse, tickets, queue)
+    elif launch.config.merge_in_kernel:  # one launch: one-split sequences write out, the last split merges
+        _launch_stage1(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, partial_o,
+                       partial_lse, final=False, merged=(out, lse3, tickets))
     else:
-        _launch_stage1(shape, launch, k_cache, v_cache, cache_seqlens, block_table, partial_o, partial_lse,
-                       final=False)
-        _launch_merge(shape, launch, partial_o, partial_lse, out4, lse3)
+        _launch_stage1(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, partial_o,
+                       partial_lse, final=False)
+        _launch_merge(shape, launch, partial_o, partial_lse, out, lse3)
 
 
-def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out4, lse3):
+def _launch_merge(shape, launch: DecodeLaunch, partial_o, partial_lse, out, lse3):
+    """The split paths' merge into out (like q) and lse3: relaunched from its key's plan with the buffers as they
+    are (the plan holds the strides of the row views below), else planned from those views."""
+    key = _site_key(shape, ("merge",))
+    if key is not None and relaunch_merge(key, partial_o, partial_lse, out, lse3):
+        return
     config = launch.config
     b, sq, h, s = shape.batch, shape.seqlen_q, shape.nheads, launch.grid_splits
     launch_merge_many(
         partial_o.view(b * sq, h, s, shape.headdim), partial_lse.view(b * sq, h, s),
-        _collapse_bt(out4), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
+        _collapse_bt(_as4(out)), lse3.view(b * sq, h), states_dim=2, lse_log2=True, use_pdl=config.use_pdl,
         early_trigger=config.merge_early_trigger and config.pdl_wait, d_chunks=config.merge_d_chunks,
         max_rows=config.merge_max_rows, block_s=config.merge_block_s,
-        skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only,
-        key=_site_key(shape, ("merge",)))
+        skip_empty=config.path is DecodePath.FIXED_SPLIT, live_only=config.merge_live_only, key=key)
 
 
-def _kv_sources(config: DecodeConfig, k_cache, v_cache):
+def _as4(x):
+    """A decode output like q as its (batch, seqlen_q, nheads, headdim) view (3-d: seqlen_q 1)."""
+    return x.unsqueeze(1) if x.dim() == 3 else x
+
+
+def _kv_sources(config: DecodeConfig, k_cache, v_cache, k_shape, k_stride):
     """(K, V, stride_kb) for the kernel: raw tensors, or TMA descriptors over (rows, nheads_kv * headdim), which
     read rows past the end as zeros (paged: the blocks of page ids outside the pool, whose scores the kernel masks
     by the ids)."""
     if not config.use_tma:
-        return k_cache, v_cache, k_cache.stride(0)
-    rows = k_cache.shape[0] * k_cache.shape[1]
-    width = k_cache.shape[2] * k_cache.shape[3]
-    box = [config.block_n, k_cache.shape[3]]
-    return _descriptor(k_cache, rows, width, box), _descriptor(v_cache, rows, width, box), k_cache.shape[1]
+        return k_cache, v_cache, k_stride[0]
+    rows = k_shape[0] * k_shape[1]
+    width = k_shape[2] * k_shape[3]
+    box = [config.block_n, k_shape[3]]
+    return _descriptor(k_cache, rows, width, box), _descriptor(v_cache, rows, width, box), k_shape[1]
 
 
 def _descriptor(base, rows: int, width: int, box: list):
@@ -171,77 +188,149 @@ def _descriptor(base, rows: int, width: int, box: list):
     return desc
 
 
-def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table, o4,
-                   lse3, final: bool, merged=None):
-    """decode_split_kernel. o4/lse3: (batch, seqlen_q, nheads[, splits], headdim) views (final output, or fp32
-    partials). On DEVICE_SPLIT_GRID the split counts are chosen on the device (<= num_splits per sequence), one
-    program per work item. FIXED_SPLIT: the grid's splits follow from the cache, while the kernel's NUM_SPLITS (unused
-    there: every split holds SPLIT_KEYS keys) stays the config's, so a new capacity never compiles a new variant.
-    merged (DEVICE_SPLIT_GRID with config.merge_in_kernel): (out4, lse3, tickets), where the kernel writes the
-    results itself (kernels/decode.py MERGE). Launched through the launch cache under shape.launch_key (the call's
-    metadata), the launch geometry and the outputs' layout."""
+class _Stage1Args:
+    """What one stage-1 launch key fixes (the call key fixes every tensor's layout): the grid and the runtime
+    arguments that follow from shapes and strides, computed once from the views the kernel reads (q and a final
+    out as (batch, seqlen_q, nheads, headdim)), in a BoundLaunch; ``fill`` writes a call's tensors (the launch
+    reads only their data pointers) and what follows from the cache itself (a growing cache's capacity and
+    strides)."""
+
+    __slots__ = ("grid", "num_splits", "kv_programs", "alibi", "final", "bound")
+
+    def __init__(self, key, shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, block_table, o, lse3,
+                 final: bool, merged):
+        config = launch.config
+        self.num_splits = 1 if final else launch.grid_splits
+        o4 = _as4(o) if final else o
+        self.kv_programs = shape.nheads_kv * shape.num_m_blocks
+        self.grid = (self.num_splits, self.kv_programs, shape.batch)
+        if config.path is DecodePath.DEVICE_SPLIT_GRID:
+            self.grid = (launch.programs, 1, 1)
+        self.alibi = _alibi_strides(alibi_slopes)
+        self.final = None if merged is None else _final_strides(_as4(merged[0]), merged[1])
+        self.bound = BoundLaunch(_STAGE1, key, dict(
+            scales=shape.score.logit_scales, window_left=shape.score.kernel_window[0], batch=shape.batch,
+            stride_q=tuple(_as4(q).stride()), stride_btb=block_table.stride(0) if block_table is not None else 0,
+            stride_o=(o4.stride(0), o4.stride(1), o4.stride(2), 0 if final else o4.stride(3),
+                      o4.stride(3) if final else o4.stride(4)),
+            stride_l=(lse3.stride(0), lse3.stride(1), lse3.stride(2), 0 if final else lse3.stride(3))))
+
+    def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse,
+             merged) -> list:
+        """``full`` (a BoundLaunch list) with this call's arguments of decode_split_kernel in place."""
+        k_shape, k_stride = k_cache.shape, k_cache.stride()
+        k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
+        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_raw, at_capacity, at_pages, at_stride_k, at_alibi,
+         at_scales, at_final) = _STAGE1_CALL
+        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
+            cache_seqlens, o, lse
+        full[at_bt] = cache_seqlens if block_table is None else block_table
+        full[at_raw] = (k_cache, v_cache, k_stride[0])
+        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
+        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
+        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
+        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        full[at_final] = None if merged is None else (merged[0], merged[1], merged[2], self.final)
+        return full
+
+
+def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
+                   block_table, o, lse3, final: bool, merged=None):
+    """decode_split_kernel. o / lse3: the final output (like q) and (batch, seqlen_q, nheads) lse, or the fp32
+    partials (batch, seqlen_q, nheads, splits[, headdim]). On DEVICE_SPLIT_GRID the split counts are chosen on the
+    device (<= num_splits per sequence), one program per work item. FIXED_SPLIT: the grid's splits follow from the
+    cache, while the kernel's NUM_SPLITS (unused there: every split holds SPLIT_KEYS keys) stays the config's, so a
+    new capacity never compiles a new variant. merged (DEVICE_SPLIT_GRID with config.merge_in_kernel): (out like q,
+    lse3, tickets), where the kernel writes the results itself (kernels/decode.py MERGE). Launched through the launch
+    cache under shape.launch_key (the call's metadata), the launch geometry and the outputs' layout."""
     config = launch.config
-    num_splits = 1 if final else launch.grid_splits
-    q4 = shape.q4
-    bt = block_table if block_table is not None else cache_seqlens
-    stride_os = 0 if final else o4.stride(3)
-    stride_od = o4.stride(3) if final else o4.stride(4)
-    stride_ls = 0 if final else lse3.stride(3)
-    kv_programs = shape.nheads_kv * shape.num_m_blocks
-    grid = (num_splits, kv_programs, shape.batch)
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
-    final_args = None
-    if config.path is DecodePath.DEVICE_SPLIT_GRID:
-        grid = (launch.programs, 1, 1)
-        if merged is not None:
-            out4, lse_final, tickets = merged
-            final_args = (out4, lse_final, tickets, _final_strides(out4, lse_final))
-    runtime = (
-        q4, k_src, v_src, cache_seqlens, bt, o4, lse3, (k_cache, v_cache, k_cache.stride(0)),
-        shape.score.logit_scales, shape.score.kernel_window[0], shape.capacity, k_cache.shape[0],
-        shape.batch, tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
-        bt.stride(0) if block_table is not None else 0,
-        (o4.stride(0), o4.stride(1), o4.stride(2), stride_os, stride_od),
-        (lse3.stride(0), lse3.stride(1), lse3.stride(2), stride_ls), _alibi_arg(shape),
-        _kv_scales_arg(shape, k_cache), final_args)
+    key = _site_key(shape, ("stage1", final, merged is not None))
+    args = None if key is None else _STAGE1.plans.get(key)
+    if args is None:
+        args = _Stage1Args(key, shape, launch, q, alibi_slopes, block_table, o, lse3, final, merged)
+        if key is not None:
+            _STAGE1.plans.put(key, args)
+    full = args.bound.full()
+    if full is not None:  # the key's recorded launch: its argument list, this call's values written in
+        args.bound.launch(args.grid, args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
+                                               block_table, o, lse3, merged), shape.device)
+        return
+    runtime = _STAGE1.runtime_of(args.fill(args.bound.blank(), shape, config, q, alibi_slopes, k_cache, v_cache,
+                                           cache_seqlens, block_table, o, lse3, merged))
 
     def constexprs(num_stages):
         device_splits = merge = None
         if config.path is DecodePath.DEVICE_SPLIT_GRID:
             device_splits = DeviceSplits(slots=config.device_split_slots, batch_pad=launch.batch_pad,
-                                         max_split_keys=launch.max_split_keys, kv_programs=kv_programs)
+                                         max_split_keys=launch.max_split_keys, kv_programs=args.kv_programs)
             merge = _merge_tile(shape, config.num_splits) if merged is not None else None
         return dict(
             FINAL=final, PDL=Pdl(launch_dependents=config.use_pdl and not final, wait=config.pdl_wait),
             PREFETCH=Prefetch(*launch.prefetch), DEVICE_SPLITS=device_splits, SPEC_PAGES=config.spec_pages,
             **({"MERGE": merge} if merge is not None else {}),
-            **_shared_constexprs(shape, launch, config.num_splits if config.split_keys else num_splits, k_cache),
+            **_shared_constexprs(shape, launch, config.num_splits if config.split_keys else args.num_splits, q,
+                                 k_cache),
             num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
             **({"launch_pdl": True} if config.pdl_wait else {}))
 
-    key = _site_key(shape, ("stage1", final, merged is not None))
     _launch_fitting_shared_memory(
-        lambda num_stages: _STAGE1.launch(key, grid, runtime, lambda: constexprs(num_stages), shape.device),
+        lambda num_stages: _STAGE1.launch(key, args.grid, runtime, lambda: constexprs(num_stages), shape.device),
         launch.num_stages)
 
 
-def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cache, cache_seqlens, block_table,
-                       out4, lse3, o5, lse4, tickets):
+class _PersistentArgs:
+    """What one persistent launch key fixes: the runtime arguments that follow from shapes and strides, in a
+    BoundLaunch (as _Stage1Args); ``fill`` writes a call's tensors."""
+
+    __slots__ = ("alibi", "bound")
+
+    def __init__(self, key, shape: _DecodeShape, q, alibi_slopes, block_table, out, lse3, o5, lse4):
+        self.alibi = _alibi_strides(alibi_slopes)
+        self.bound = BoundLaunch(_PERSISTENT, key, dict(
+            batch=shape.batch, scales=shape.score.logit_scales, window_left=shape.score.kernel_window[0],
+            stride_q=tuple(_as4(q).stride()), stride_btb=block_table.stride(0) if block_table is not None else 0,
+            stride_o=tuple(o5.stride()), stride_l=tuple(lse4.stride()), stride_final=_final_strides(_as4(out), lse3)))
+
+    def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out,
+             lse3, o5, lse4, tickets, queue) -> list:
+        """``full`` (a BoundLaunch list) with this call's arguments of decode_persistent_kernel in place."""
+        k_shape, k_stride = k_cache.shape, k_cache.stride()
+        k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
+        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_out, at_lse_final, at_tickets, at_queue, at_capacity,
+         at_stride_k, at_pages, at_alibi, at_scales) = _PERSISTENT_CALL
+        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
+            cache_seqlens, o5, lse4
+        full[at_bt] = cache_seqlens if block_table is None else block_table
+        full[at_out], full[at_lse_final], full[at_tickets], full[at_queue] = out, lse3, tickets, queue
+        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
+        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
+        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
+        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        return full
+
+
+def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
+                       block_table, out, lse3, o5, lse4, tickets, queue):
     """All of decode in one decode_persistent_kernel launch: a fixed grid of launch.programs programs; each
-    sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out4 and lse3;
-    o5 / lse4 fp32 partials and tickets (int32 zeros, >= num_tickets(...); left zero again) serve the sequences
-    that split, and the last _QUEUE_SLOTS tickets are the PERSISTENT_QUEUE path's work queue."""
+    sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out (like q) and
+    lse3; o5 / lse4 fp32 partials and tickets (int32 zeros, >= num_tickets(...); left zero again) serve the
+    sequences that split, and the last _QUEUE_SLOTS tickets (``queue``) are the PERSISTENT_QUEUE path's work
+    queue."""
     config = launch.config
-    q4 = shape.q4
-    queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
-    bt = block_table if block_table is not None else cache_seqlens
-    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache)
-    runtime = (
-        q4, k_src, v_src, cache_seqlens, bt, o5, lse4, out4, lse3, tickets, queue,
-        shape.batch, shape.score.logit_scales, shape.score.kernel_window[0], shape.capacity,
-        tuple(q4.stride()), (stride_kb, k_cache.stride(1), k_cache.stride(2)),
-        bt.stride(0) if block_table is not None else 0, tuple(o5.stride()), tuple(lse4.stride()),
-        _final_strides(out4, lse3), k_cache.shape[0], _alibi_arg(shape), _kv_scales_arg(shape, k_cache))
+    key = _site_key(shape, ("persistent",))
+    args = None if key is None else _PERSISTENT.plans.get(key)
+    if args is None:
+        args = _PersistentArgs(key, shape, q, alibi_slopes, block_table, out, lse3, o5, lse4)
+        if key is not None:
+            _PERSISTENT.plans.put(key, args)
+    full = args.bound.full()
+    if full is not None:  # the key's recorded launch: its argument list, this call's values written in
+        args.bound.launch((launch.programs, 1, 1), args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache,
+                                                             cache_seqlens, block_table, out, lse3, o5, lse4,
+                                                             tickets, queue), shape.device)
+        return
+    runtime = _PERSISTENT.runtime_of(args.fill(args.bound.blank(), shape, config, q, alibi_slopes, k_cache, v_cache,
+                                               cache_seqlens, block_table, out, lse3, o5, lse4, tickets, queue))
 
     def constexprs(num_stages):
         dynamic = config.path is DecodePath.PERSISTENT_QUEUE
@@ -253,11 +342,10 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
         return dict(
             PDL=Pdl(launch_dependents=config.use_pdl, wait=config.pdl_wait), SCHEDULE=schedule,
             MERGE=_merge_tile(shape, config.num_splits),
-            **_shared_constexprs(shape, launch, config.num_splits, k_cache),
+            **_shared_constexprs(shape, launch, config.num_splits, q, k_cache),
             num_warps=config.num_warps, num_stages=num_stages, **_register_cap(config),
             **({"launch_pdl": True} if config.pdl_wait else {}))
 
-    key = _site_key(shape, ("persistent",))
     _launch_fitting_shared_memory(
         lambda num_stages: _PERSISTENT.launch(key, (launch.programs, 1, 1), runtime, lambda: constexprs(num_stages),
                                               shape.device),
@@ -266,6 +354,12 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, k_cache, v_cac
 
 _STAGE1 = LaunchSite(decode_split_kernel, "decode_split_kernel")
 _PERSISTENT = LaunchSite(decode_persistent_kernel, "decode_persistent_kernel")
+# the parameters a call writes (_Stage1Args.fill, _PersistentArgs.fill): its tensors, and what the cache decides
+_STAGE1_CALL = _STAGE1.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "kv_raw", "capacity",
+                                 "num_pages", "stride_k", "alibi", "kv_scales", "final")
+_PERSISTENT_CALL = _PERSISTENT.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "O_FINAL", "LSE_FINAL",
+                                         "TICKETS", "QUEUE", "capacity", "stride_k", "num_pages", "alibi",
+                                         "kv_scales")
 
 
 def _site_key(shape, tag: tuple):
@@ -280,7 +374,7 @@ def _register_cap(config) -> dict:
     return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
-def _shared_constexprs(shape, launch: DecodeLaunch, num_splits: int, k_cache) -> dict:
+def _shared_constexprs(shape, launch: DecodeLaunch, num_splits: int, q, k_cache) -> dict:
     """The constexprs both decode kernels take alike, by keyword: the query rows, tiles, splits and pages
     (kernels/decode_args.py), the score options, the K/V read path, ALiBi and an 8-bit cache's mode."""
     config = launch.config
@@ -293,7 +387,7 @@ def _shared_constexprs(shape, launch: DecodeLaunch, num_splits: int, k_cache) ->
                       merge_splits=heuristics.next_power_of_2(num_splits), split_keys=config.split_keys),
         PAGES=Pages(page_size=shape.page_size, preload=launch.preload_pages),
         SOFTCAP=shape.score.softcap > 0, WINDOW=shape.score.window_left >= 0,
-        DOT_PRECISION="ieee" if shape.q4.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_TMA=config.use_tma,
         OFFS_32=config.offs_32, ALIBI=shape.score.alibi,
         **{name: value for name, value in kv_quant_kernel_args(shape.kv_quant, k_cache, QuantTiles(
             config.quant_v_convert_first, config.quant_convert, config.quant_k_convert_first)).items()
@@ -307,13 +401,12 @@ def _kv_scales_arg(shape, k_cache):
     return kv_quant_kernel_args(shape.kv_quant, k_cache)["kv_scales"]
 
 
-def _alibi_arg(shape):
-    """The kernels' alibi argument: (fp32 slopes (batch, nheads) - a (nheads,) tensor with batch stride 0 -, their
-    strides), or, without ALiBi, q as an unread placeholder."""
-    slopes = shape.alibi_slopes
-    if slopes is None:
-        return (shape.q4, (0, 0))
-    return (slopes, (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride()))
+def _alibi_strides(alibi_slopes) -> tuple:
+    """The strides of the kernels' alibi argument (slopes, strides): fp32 slopes (batch, nheads) - a (nheads,)
+    tensor with batch stride 0 -; without ALiBi (0, 0), beside q as an unread placeholder."""
+    if alibi_slopes is None:
+        return (0, 0)
+    return (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else tuple(alibi_slopes.stride())
 
 
 def _final_strides(out4, lse3) -> tuple:

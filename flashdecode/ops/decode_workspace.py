@@ -12,6 +12,7 @@ import math
 import torch
 
 _POOLS: dict = {}
+QUEUE_SLOTS = 2  # the persistent decode kernel's work queue: the last tickets of a draw (ops/decode_launch.py)
 
 
 class _Workspace:
@@ -52,9 +53,10 @@ class _Workspace:
         return partial_o, partial_lse, tickets
 
     def take_eager(self, partial_shape, n_tickets: int, lse_shape) -> tuple:
-        """take()'s views and, where ``lse_shape`` is not None, a float32 view of that shape for an lse the caller
-        did not ask for (written, never read); the views of each request are kept until a buffer grows (an eager
-        call of a stream's pool then slices nothing)."""
+        """take()'s views, where ``lse_shape`` is not None a float32 view of that shape for an lse the caller did
+        not ask for (written, never read), else None, and the last ``queue_slots`` tickets (the persistent kernel's
+        work queue; None without tickets); the views of each request are kept until a buffer grows (an eager call
+        of a stream's pool then slices nothing)."""
         key = (partial_shape, n_tickets, lse_shape)
         found = self._views.get(key)
         if found is None:
@@ -70,7 +72,9 @@ class _Workspace:
             grown = any(a is not b for a, b in zip(buffers, (self.o, self.lse, self.tickets)))
             if grown:  # the views kept so far point at the old buffers
                 self._views.clear()
-            found = self._views[key] = views + (lse,)
+            tickets = views[2]
+            queue = None if tickets is None else tickets[n_tickets - QUEUE_SLOTS:]
+            found = self._views[key] = views + (lse, queue)
         return found
 
 

@@ -72,6 +72,84 @@ class HostDescriptor:
 _TENSORMAPS_PER_OPERAND = 64  # base addresses kept per descriptor operand (a dict cleared when full)
 
 
+def _descriptor_launch(compiled):
+    """(C launcher, descriptor parameter indices, TMA metadata per descriptor, cooperative grid, PDL) of a compiled
+    kernel whose launcher is Triton 3.6's CudaLauncher over wrap_handle_tensordesc with TMA metadata for every
+    descriptor parameter and no scratch; None otherwise."""
+    run = getattr(compiled, "run", None)
+    inner = getattr(run, "launch", None)
+    code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+    if code is None or not closure or getattr(run, "global_scratch_size", 1) or getattr(
+            run, "profile_scratch_size", 1):
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
+    launcher, indices, metas = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+    if (not callable(launcher) or not isinstance(indices, set) or not indices or not isinstance(metas, list)
+            or len(metas) != len(indices) or not all(metas)):
+        return None
+    coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+    if not isinstance(coop, bool) or not isinstance(pdl, bool):
+        return None
+    return launcher, indices, metas, coop, pdl
+
+
+class DescriptorLauncher:
+    """Triton's C launcher of a compiled kernel with host tensor descriptor parameters anywhere in its list (a
+    LaunchSite kernel: decode stage 1 reads the cache's rows through two), called as PlainLauncher calls a kernel
+    without them: not through CudaLauncher.__call__ and wrap_handle_tensordesc's loop over every argument, which
+    fills a CUtensorMap per descriptor and launch. Each descriptor's launcher arguments (make_tensordesc_arg: the
+    CUtensorMap, shape and strides) are kept per parameter and (base address, shape, strides, padding) - everything
+    the map encodes besides the block shape and swizzle, which the compiled kernel fixes - and the argument list is
+    spliced around the descriptors by slices. The launcher copies a map into the kernel's parameters at each launch
+    (and a CUDA graph at capture), so a kept map is only read. Built by ``of`` only where the launcher has exactly
+    this layout and needs no scratch; LaunchSite keeps Triton's launcher otherwise."""
+
+    __slots__ = ("launcher", "at", "mid", "maps", "fills", "launches")
+
+    def __init__(self, launcher, indices, metas: list, coop: bool, pdl: bool, function, packed):
+        self.launcher = launcher
+        self.at = tuple(zip(sorted(indices), metas))  # (parameter index, its TMA metadata), in parameter order
+        # the C launcher's arguments between the stream and the kernel's: no scratch, no launch metadata, no hooks
+        self.mid = (function, coop, pdl, None, None, packed, None, None, None)
+        self.maps = tuple({} for _ in self.at)  # per descriptor: (address, shape, strides, padding) -> arguments
+        self.fills = 0  # CUtensorMaps filled (the tests read it)
+        self.launches = 0
+
+    @classmethod
+    def of(cls, compiled):
+        found = _descriptor_launch(compiled)
+        if found is None:
+            return None
+        launcher, indices, metas, coop, pdl = found
+        return cls(launcher, indices, metas, coop, pdl, compiled.function, compiled.packed_metadata)
+
+    def _arguments(self, i: int, desc) -> tuple:
+        """Descriptor i's launcher arguments for ``desc`` (a host TensorDescriptor)."""
+        maps = self.maps[i]
+        key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+        found = maps.get(key)
+        if found is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            if len(maps) >= _TENSORMAPS_PER_OPERAND:
+                maps.clear()
+            found = maps[key] = tuple(make_tensordesc_arg(desc, self.at[i][1]))
+            self.fills += 1
+        return found
+
+    def __call__(self, grid: tuple, stream, device: torch.device, args: list):
+        """Launch on ``grid`` on ``stream`` with the kernel's parameters ``args`` (as PlainLauncher takes them, the
+        descriptors as TensorDescriptor objects)."""
+        spliced, start = [], 0
+        for i, (index, _) in enumerate(self.at):
+            spliced += args[start:index]
+            spliced += self._arguments(i, args[index])
+            start = index + 1
+        spliced += args[start:]
+        self.launcher(grid[0], grid[1], grid[2], stream, *self.mid, *spliced)
+        self.launches += 1
+
+
 class TensormapLauncher:
     """Triton's C launcher of a compiled kernel whose first parameters are host tensor descriptors, called without
     Triton's Python wrappers (Triton 3.6: CudaLauncher.__call__, which allocates the scratch buffers, and
@@ -101,20 +179,10 @@ class TensormapLauncher:
         through ``views`` ((shape, strides) lists per descriptor), launched on ``grid``, or None where its launcher
         is not Triton 3.6's CudaLauncher over wrap_handle_tensordesc with TMA metadata for exactly those
         parameters, or needs scratch."""
-        run = getattr(compiled, "run", None)
-        inner = getattr(run, "launch", None)
-        code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
-        if code is None or not closure or getattr(run, "global_scratch_size", 1) or getattr(
-                run, "profile_scratch_size", 1):
+        found = _descriptor_launch(compiled)
+        if found is None or found[1] != set(range(len(views))):
             return None
-        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
-        launcher, metas = cells.get("launcher"), cells.get("tensordesc_meta")
-        if (not callable(launcher) or cells.get("tensordesc_indices") != set(range(len(views)))
-                or not isinstance(metas, list) or len(metas) != len(views) or not all(metas)):
-            return None
-        coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
-        if not isinstance(coop, bool) or not isinstance(pdl, bool):
-            return None
+        launcher, _, metas, coop, pdl = found
         return cls(launcher, metas, views, coop, pdl, grid, compiled.function, compiled.packed_metadata)
 
     def _map(self, i: int, x) -> tuple:

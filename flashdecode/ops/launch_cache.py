@@ -43,7 +43,7 @@ import torch
 from flashdecode.ops import checks, direct_launch
 from flashdecode.ops.util import interpreting_now
 
-__all__ = ["LaunchSite", "TunedKernel", "PlanCache", "check_keys", "clear", "sites", "tensor_key",
+__all__ = ["LaunchSite", "BoundLaunch", "TunedKernel", "PlanCache", "check_keys", "clear", "sites", "tensor_key",
            "ensure_triton_allocator", "recordable", "launch_through_triton"]
 
 _MAX_KEYS = 1024  # recorded keys per site (cleared when full: a workload of ever new shapes recompiles nothing)
@@ -167,6 +167,57 @@ def _slot_runs(slots: tuple) -> tuple:
     return tuple(map(tuple, runs))
 
 
+def _launch_direct(record: _Record, grid: tuple, args: list, device: torch.device) -> None:
+    """A record's direct launch of the full argument list ``args`` on the current stream of ``device``."""
+    if device.index == direct_launch.current_device():
+        record.direct(grid, direct_launch.current_stream(device.index), device, args)
+    else:
+        with torch.cuda.device(device):
+            record.direct(grid, direct_launch.current_stream(device.index), device, args)
+    record.launches += 1
+
+
+class BoundLaunch:
+    """One key's launch with every argument the caller's key fixes in place: the full argument list (the kernel's
+    parameters in order, ``LaunchSite.index``) holding the record's constexprs and the caller's ``fixed`` runtime
+    values, into which a call writes only its own values by index before the record's direct launcher runs it. For
+    callers whose key fixes all but a few tensors and extents (decode): no runtime tuple, no argument merge, one
+    record lookup. ``blank()`` is the list with the fixed values alone (the caller fills it and launches through
+    LaunchSite.launch with ``runtime_of``: the first launch of the key, the interpreter, a launch hook)."""
+
+    __slots__ = ("site", "key", "fixed", "record", "template")
+
+    def __init__(self, site: "LaunchSite", key, fixed: dict):
+        self.site, self.key, self.fixed = site, key, tuple((site.index[n], v) for n, v in fixed.items())
+        self.record = self.template = None
+
+    def blank(self) -> list:
+        full = [None] * len(self.site.param_names)
+        for i, value in self.fixed:
+            full[i] = value
+        return full
+
+    def full(self):
+        """A copy of the full list to fill, or None where this launch must go through LaunchSite.launch (the key
+        has no record yet, or one that launches through Triton; a launch hook registered)."""
+        record = None if self.key is None else self.site.records.get(self.key)
+        if record is None or record.direct is None or direct_launch.launch_hooks()[0] is not None:
+            return None
+        if record is not self.record:  # (a record made again after the site was cleared)
+            template = record.template.copy()
+            for i, value in self.fixed:
+                template[i] = value
+            self.record, self.template = record, template
+        return self.template.copy()
+
+    def launch(self, grid: tuple, full: list, device: torch.device) -> None:
+        """Launch ``full`` (a filled ``full()``) on ``grid``; with the key check on, its runtime values are first
+        checked against the record's specialisation, as LaunchSite.launch checks them."""
+        if _CHECK[0]:
+            self.record.check(self.key, self.site.name, self.site.runtime_of(full))
+        _launch_direct(self.record, grid, full, device)
+
+
 class _TritonLauncher:
     """A compiled kernel's own launcher (Triton's CudaLauncher: it expands host tensor descriptors and allocates
     the scratch), called as Triton's JIT calls it but without the binder, the cache-key hashing and the launch
@@ -192,6 +243,7 @@ class LaunchSite:
         self.runtime_names = tuple(p.name for p in params if not _is_constexpr(p))
         self.slots = tuple(i for i, p in enumerate(params) if not _is_constexpr(p))
         self.runs = _slot_runs(self.slots)
+        self.index = {name: i for i, name in enumerate(self.param_names)}  # parameter -> place in the full list
         self.records = PlanCache(_MAX_KEYS)
         self.plans = PlanCache(_MAX_KEYS)  # what a caller derives per key beside the record (cleared with it)
         self.jit_launches = 0  # launches through Triton's JIT (first of a key, interpreter, hooks)
@@ -201,23 +253,31 @@ class LaunchSite:
         """Launch on ``grid`` (3 entries) with ``runtime`` (the runtime parameters in signature order: tensors,
         ints, floats, tuples of them, None) and, on a key's first launch, ``constexprs()`` (constexpr parameters
         by name plus Triton's launch options). key None: Triton's launch, nothing recorded."""
-        record = None if key is None else self.records.get(key)
-        if record is not None:
-            if _CHECK[0]:
-                record.check(key, self.name, runtime)
-            if record.direct is not None:
-                enter, _ = direct_launch.launch_hooks()
-                if enter is None:
-                    if device.index == direct_launch.current_device():
-                        record.direct(grid, direct_launch.current_stream(device.index), device,
-                                      record.arguments(runtime))
-                    else:
-                        with torch.cuda.device(device):
-                            record.direct(grid, direct_launch.current_stream(device.index), device,
-                                          record.arguments(runtime))
-                    record.launches += 1
-                    return
-        self._jit_launch(key, grid, runtime, constexprs(), device, record)
+        if key is not None and self.launch_recorded(key, grid, runtime, device):
+            return
+        self._jit_launch(key, grid, runtime, constexprs(), device, None if key is None else self.records.get(key))
+
+    def launch_recorded(self, key, grid: tuple, runtime: tuple, device: torch.device) -> bool:
+        """``launch`` of a key whose record launches directly now (True); False where it has none, or its kernel
+        must go through Triton's JIT (the interpreter, a launch hook registered): call ``launch`` then. For
+        callers that build their constexprs only where they are needed."""
+        record = self.records.get(key)
+        if record is None:
+            return False
+        if _CHECK[0]:
+            record.check(key, self.name, runtime)
+        if record.direct is None or direct_launch.launch_hooks()[0] is not None:
+            return False
+        _launch_direct(record, grid, record.arguments(runtime), device)
+        return True
+
+    def positions(self, *names: str) -> tuple:
+        """The places of parameters ``names`` in the full argument list (BoundLaunch fills them by index)."""
+        return tuple(self.index[name] for name in names)
+
+    def runtime_of(self, full: list) -> tuple:
+        """The runtime arguments (``launch``'s tuple) of a full argument list."""
+        return tuple([full[i] for i in self.slots])
 
     def _jit_launch(self, key, grid, runtime, constexprs: dict, device, record):
         self.jit_launches += 1
@@ -239,7 +299,8 @@ class LaunchSite:
         direct = None
         if compiled is not None and not checks.interpreting() and all(
                 hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            direct = direct_launch.PlainLauncher.of(compiled) or _TritonLauncher(compiled)
+            direct = (direct_launch.PlainLauncher.of(compiled) or direct_launch.DescriptorLauncher.of(compiled)
+                      or _TritonLauncher(compiled))
         template = []
         for name, default in zip(self.param_names, self.defaults):
             if name in constexprs:

@@ -10,9 +10,9 @@ from flashdecode import heuristics
 from flashdecode.kernels.merge import merge_many_kernel, merge_two_kernel
 from flashdecode.ops import checks
 from flashdecode.ops.util import interpreting_now
-from flashdecode.ops.launch_cache import LaunchSite, tensor_key
+from flashdecode.ops.launch_cache import BoundLaunch, LaunchSite, tensor_key
 
-__all__ = ["merge_states", "merge_states_many", "launch_merge_many"]
+__all__ = ["merge_states", "merge_states_many", "launch_merge_many", "relaunch_merge"]
 
 _DTYPES = checks.FLOAT_DTYPES
 _TILE_ELEMS = 8192  # fp32 elements of the (rows, states, headdim) tile one merge program holds: 64 splits x hd128
@@ -89,20 +89,42 @@ def launch_merge_many(o_in, lse_in, o_out, lse_out, *, states_dim: int, lse_log2
                early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only)
     plan = _MERGE_MANY.plans.get(key)
     if plan is None:
-        plan = _MERGE_MANY.plans.put(key, _MergePlan(o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
+        plan = _MERGE_MANY.plans.put(key, _MergePlan(key, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl,
                                                      early_trigger, d_chunks, max_rows, block_s, skip_empty, live_only))
     if plan.grid is not None:
         _MERGE_MANY.launch(key, plan.grid, (o_in_s, lse_in_s, o_out, lse_out) + plan.ints, plan.constexprs,
                            o_out.device)
 
 
+def relaunch_merge(key, o_in, lse_in, o_out, lse_out) -> bool:
+    """launch_merge_many's launch under a caller's ``key`` (states_dim 2) where that key is planned, with tensors at
+    the data pointers of the views it was planned for (o_in, lse_in, o_out, lse_out: the kernel reads only their
+    pointers and dtypes; the plan holds the views' strides), so a caller whose key fixes every layout reshapes
+    nothing per call. False where the key has no plan yet (call launch_merge_many with the views)."""
+    plan = _MERGE_MANY.plans.get(key)
+    if plan is None:
+        return False
+    if plan.grid is None:
+        return True
+    full = plan.bound.full()
+    if full is None:
+        _MERGE_MANY.launch(key, plan.grid, (o_in, lse_in, o_out, lse_out) + plan.ints, plan.constexprs,
+                           o_out.device)
+    else:  # the key's recorded launch: its argument list, the four tensors written in
+        at_o_in, at_lse_in, at_o_out, at_lse_out = _MERGE_MANY_TENSORS
+        full[at_o_in], full[at_lse_in], full[at_o_out], full[at_lse_out] = o_in, lse_in, o_out, lse_out
+        plan.bound.launch(plan.grid, full, o_out.device)
+    return True
+
+
 class _MergePlan:
     """What a launch_merge_many key fixes (the tensors' shapes and strides, the options): the grid (None: nothing to
-    merge), the kernel's integer arguments and its constexprs; made once per key (kept beside the site's records)."""
+    merge), the kernel's integer arguments (also in place in ``bound``, the key's BoundLaunch) and its constexprs;
+    made once per key (kept beside the site's records)."""
 
-    __slots__ = ("grid", "ints", "constexprs")
+    __slots__ = ("grid", "ints", "constexprs", "bound")
 
-    def __init__(self, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger, d_chunks, max_rows,
+    def __init__(self, key, o_in_s, lse_in_s, o_out, lse_out, lse_log2, use_pdl, early_trigger, d_chunks, max_rows,
                  block_s, skip_empty, live_only):
         outer, inner, num_states, headdim = o_in_s.shape
         self.grid = self.ints = None
@@ -127,6 +149,7 @@ class _MergePlan:
             block_r = min(block_r, max_rows)
         self.grid = (outer, heuristics.cdiv(inner, block_r), heuristics.cdiv(headdim, block_d))
         self.ints = (num_states, inner, *o_in_s.stride(), *lse_in_s.stride(), *o_out.stride(), *lse_out.stride())
+        self.bound = BoundLaunch(_MERGE_MANY, key, dict(zip(_MERGE_MANY.runtime_names[4:], self.ints)))
         options = dict(
             HEADDIM=headdim, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, LSE_LOG2=lse_log2, USE_PDL=use_pdl,
             EARLY_TRIGGER=bool(use_pdl and early_trigger), SKIP_EMPTY=bool(skip_empty), LIVE_ONLY=bool(live_only),
@@ -135,6 +158,7 @@ class _MergePlan:
 
 
 _MERGE_MANY = LaunchSite(merge_many_kernel, "merge_many_kernel")
+_MERGE_MANY_TENSORS = _MERGE_MANY.positions("O_IN", "LSE_IN", "O_OUT", "LSE_OUT")
 _MERGE_TWO = LaunchSite(merge_two_kernel, "merge_two_kernel")
 
 
@@ -163,13 +187,16 @@ def merge_states(o_a, lse_a, o_b, lse_b):
                              f"{o_a.dtype} and {tuple(o_b.shape)} {o_b.dtype}")
         # (key is not None here: an argument that is not a tensor has failed the checks)
         plan = _MERGE_TWO.plans.put(key, _MergeTwoPlan(o_a, lse_a, o_b, lse_b))
-    out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
-    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
+    # new contiguous results (lse_a is float32: checked); empty_like parses less per call than torch.empty
+    out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
+    lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
     if plan.grid is None:
         return out, lse
-    a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
-    o3, l2 = out.view(plan.o3_shape), lse.view(plan.l2_shape)
-    _MERGE_TWO.launch(key, plan.grid, (a, la, b_, lb, o3, l2) + plan.ints, plan.constexprs, o_a.device)
+    if plan.in_place:  # every row view is a view: the kernel reads the tensors' own pointers
+        tensors = (o_a, lse_a, o_b, lse_b, out, lse)
+    else:
+        tensors = (_rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False), out, lse)
+    _MERGE_TWO.launch(key, plan.grid, tensors + plan.ints, plan.constexprs, o_a.device)
     return out, lse
 
 
@@ -177,17 +204,22 @@ def _merge_two_key(o_a, lse_a, o_b, lse_b):
     """The key under which merge_states keeps its checks and launch (every tensor's shape, strides, dtype, device
     and alignment, and the interpreter switch for CPU tensors, which decides whether they are accepted), or None
     where an argument is not a tensor (the checks then name it)."""
-    if not all(isinstance(x, torch.Tensor) for x in (o_a, lse_a, o_b, lse_b)):
+    tensor = torch.Tensor
+    if not (isinstance(o_a, tensor) and isinstance(lse_a, tensor) and isinstance(o_b, tensor)
+            and isinstance(lse_b, tensor)):
         return None
-    return ("merge_states", tensor_key(o_a), tensor_key(lse_a), tensor_key(o_b), tensor_key(lse_b),
-            o_a.is_cpu and interpreting_now())
+    # launch_cache.tensor_key of each, inlined (the key is built on every call)
+    return ("merge_states", tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+                                   for x in (o_a, lse_a, o_b, lse_b)]), o_a.is_cpu and interpreting_now())
 
 
 class _MergeTwoPlan:
-    """What merge_states' key fixes (checked tensors): the grid (None: an empty result), the result's row views'
-    shapes, the kernel's integer arguments (the row views' strides) and its constexprs."""
+    """What merge_states' key fixes (checked tensors): the grid (None: an empty result), whether the inputs' row
+    views (_rows3) are views (in_place: the launch passes the tensors themselves, at the same pointers; else the
+    reshapes that copy run per call), the kernel's integer arguments (the row views' strides) and its constexprs.
+    The results are new contiguous tensors, passed as they are."""
 
-    __slots__ = ("grid", "o3_shape", "l2_shape", "ints", "constexprs")
+    __slots__ = ("grid", "in_place", "ints", "constexprs")
 
     def __init__(self, o_a, lse_a, o_b, lse_b):
         self.grid = None
@@ -195,7 +227,7 @@ class _MergeTwoPlan:
             return
         a, la, b_, lb = _rows3(o_a, True), _rows3(lse_a, False), _rows3(o_b, True), _rows3(lse_b, False)
         outer, inner, headdim = a.shape
-        self.o3_shape, self.l2_shape = (outer, inner, headdim), (outer, inner)
+        self.in_place = all(r.data_ptr() == x.data_ptr() for r, x in ((a, o_a), (la, lse_a), (b_, o_b), (lb, lse_b)))
         block_d = heuristics.next_power_of_2(max(16, headdim))
         block_r = max(1, min(heuristics.next_power_of_2(inner), _TILE_ELEMS // block_d))
         self.grid = (outer, heuristics.cdiv(inner, block_r), 1)

@@ -63,7 +63,14 @@ def capturing(device: torch.device | None = None) -> bool:
     return _cuda_capturing is not None and _cuda_capturing()
 
 
-_CALL_SCOPED = threading.local()  # .on: inside call_scoped_buffers on this thread
+class _CallScoped(threading.local):
+    """.on: inside call_scoped_buffers on this thread (False by default: a class attribute, so a thread that never
+    set it reads it without the AttributeError a getattr default would raise and catch on every call)."""
+
+    on = False
+
+
+_CALL_SCOPED = _CallScoped()
 
 
 @contextlib.contextmanager
@@ -74,7 +81,7 @@ def call_scoped_buffers():
     op that torch.compile runs (a cudagraph tree's warmup allocates from the graph's memory pool and raises on any
     block still held afterwards that the graph did not return; a capture's pool is reused by the tree's other
     graphs). Host-side records (checks, configs, launch records) are kept as usual."""
-    before = getattr(_CALL_SCOPED, "on", False)
+    before = _CALL_SCOPED.on
     _CALL_SCOPED.on = True
     try:
         yield
@@ -84,7 +91,7 @@ def call_scoped_buffers():
 
 def call_scoped() -> bool:
     """Whether this thread is inside call_scoped_buffers (then keep no tensor made in the call)."""
-    return getattr(_CALL_SCOPED, "on", False)
+    return _CALL_SCOPED.on
 
 
 def keeps_nothing(device: torch.device | None = None) -> bool:
