@@ -353,6 +353,7 @@ def test_descriptor_launcher_hands_the_c_launcher_what_tritons_wrappers_do(monke
     from helpers import FakeCompiled, FakeTmaDriver, triton_launcher
 
     monkeypatch.setattr(triton.runtime.driver, "_active", FakeTmaDriver())
+    monkeypatch.setattr(direct_launch, "DESCRIPTOR_LAUNCHER", True)
     c_calls = []
     signature = {0: "*fp16", 1: "tensordesc<fp16[64,16]>", 2: "tensordesc<fp16[64,16]>", 3: "i32", 4: "constexpr"}
     metas = [dict(swizzle=32, elem_size=2, elem_type=6, block_size=[64, 16], fp4_padded=False) for _ in range(2)]

@@ -143,7 +143,7 @@ def test_kvcache_append_and_attend_launch_directly_in_and_out_of_a_graph():
     torch.testing.assert_close(call(), ref)
 
 
-def test_tma_read_cache_launches_stage1_through_the_descriptor_launcher():
+def test_tma_read_cache_launches_stage1_through_the_descriptor_launcher(monkeypatch):
     """A dense bf16 cache read through tensor descriptors (sm_90: stage 1's K and V are host descriptors): stage 1's
     record launches through direct_launch.DescriptorLauncher, which fills one CUtensorMap per cache address and
     extent (not one per call, as Triton's own launcher does), and a cache that grows by a new dense tensor per step
@@ -152,6 +152,7 @@ def test_tma_read_cache_launches_stage1_through_the_descriptor_launcher():
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm_90")
+    monkeypatch.setattr(direct_launch, "DESCRIPTOR_LAUNCHER", True)  # the gate this test opens (direct_launch.py)
     gen = torch.Generator().manual_seed(3)
     launch_cache.clear()
     decode_host.clear()

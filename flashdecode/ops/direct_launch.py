@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from flashdecode.ops import checks
 from flashdecode.ops.util import call_scoped, capturing
 
 
@@ -70,6 +71,12 @@ class HostDescriptor:
 
 
 _TENSORMAPS_PER_OPERAND = 64  # base addresses kept per descriptor operand (a dict cleared when full)
+# Whether LaunchSite records take DescriptorLauncher (kernels with host tensor descriptors: decode stage 1 over a
+# TMA-read cache). Off until its GPU test (tests/test_launch_cache_gpu.py) has passed on an sm_90 machine: its
+# argument splicing matches Triton's wrappers on the CPU (tests/test_launch_cache.py), but the C launch with kept
+# CUtensorMaps has not yet run on a GPU. Off, those kernels keep Triton's own launcher (one map fill per call).
+# FLASHDECODE_DESCRIPTOR_LAUNCHER=1 turns it on (the GPU check runs the decode tests so).
+DESCRIPTOR_LAUNCHER = checks.env_value("FLASHDECODE_DESCRIPTOR_LAUNCHER", "0") == "1"
 
 
 def _descriptor_launch(compiled):
@@ -117,6 +124,8 @@ class DescriptorLauncher:
 
     @classmethod
     def of(cls, compiled):
+        if not DESCRIPTOR_LAUNCHER:
+            return None
         found = _descriptor_launch(compiled)
         if found is None:
             return None
