@@ -25,9 +25,10 @@ told it runs on a Hopper of 132 SMs with device-resident metadata, every kernel 
 kernel's C launcher would be called (``stub_launches``): the Python each eager call runs (checks, the host
 records, the launch cache's direct launch - through Triton's own descriptor-handling launcher where the kernel
 takes host tensor descriptors and no direct launcher knows it, as on the GPU -, the outputs' CPU allocation), CPU
-us per call in a loop of ``--calls`` (cpu_us_per_call), and the ratio of ``flash_attn_with_kvcache`` to ``flash_decode`` on the same inputs (rows
-"uniform", the table's batch, and "mixed", one 128k sequence among 15 short ones in pages of 16). Ratios are the
-claim; absolute numbers are the CPU's.
+us per call in a loop of ``--calls`` (cpu_us_per_call), and the ratio of ``flash_attn_with_kvcache`` to
+``flash_decode`` on the same inputs (rows "uniform", the table's batch, and "mixed", one 128k sequence among 15
+short ones in pages of 16). Ratios are the claim; absolute numbers are the CPU's. The descriptor launcher
+(direct_launch.DESCRIPTOR_LAUNCHER) follows its gate here as on the GPU.
 
     python -m flashdecode.bench.host --cpu [--calls 200]
 """
