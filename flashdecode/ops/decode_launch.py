@@ -33,9 +33,6 @@ _PERSISTENT_PATHS = (DecodePath.PERSISTENT, DecodePath.PERSISTENT_QUEUE)
 # values per step compile without spills, 4096 spill 40-152 bytes).
 _PERSISTENT_MERGE_TILE_ELEMS = 2048
 
-# the persistent kernel's work queue: the next item, and the programs that found none (kernels/decode.py DYNAMIC)
-_QUEUE_SLOTS = QUEUE_SLOTS
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
@@ -112,9 +109,9 @@ def _device_split_programs(problem: heuristics.DecodeProblem, config: DecodeConf
 
 def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
     """In-kernel merge counters: one per (batch, kv head, stage-1 row block) of a launch with seqlen_q new tokens,
-    then the persistent kernel's work queue (_QUEUE_SLOTS counters)."""
+    then the persistent kernel's work queue (QUEUE_SLOTS counters)."""
     group_rows = (nheads // nheads_kv) * seqlen_q
-    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + _QUEUE_SLOTS
+    return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + QUEUE_SLOTS
 
 
 def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
@@ -123,7 +120,7 @@ def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cac
     natural log, on launch.config.path. partial_o (batch, seqlen_q, nheads, launch.grid_splits, headdim) /
     partial_lse (..., splits) fp32: the split paths' partials; tickets int32 zeros (>= num_tickets(...); left zero
     again): the persistent paths' and config.merge_in_kernel's merge counters, and the persistent queue (the last
-    _QUEUE_SLOTS of them; ``queue``, that view where the caller keeps one, else sliced here). ``shape``
+    QUEUE_SLOTS of them; ``queue``, that view where the caller keeps one, else sliced here). ``shape``
     holds the checked facts (the capacity of this cache, the launch key); q and alibi_slopes are the call's, of the
     layouts ``shape`` was checked for. The kernels take pointers and explicit strides, so no tensor is reshaped per
     call: each launch key keeps the strides of the views it stands for (_Stage1Args, _PersistentArgs)."""
@@ -133,7 +130,7 @@ def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cac
                        final=True)
     elif path in _PERSISTENT_PATHS:  # one launch: the kernel merges the sequences that split
         if queue is None:
-            queue = tickets[tickets.numel() - _QUEUE_SLOTS:]
+            queue = tickets[tickets.numel() - QUEUE_SLOTS:]
         _launch_persistent(shape, launch, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out, lse3,
                            partial_o, partial_lse, tickets, queue)
     elif launch.config.merge_in_kernel:  # one launch: one-split sequences write out, the last split merges
@@ -218,20 +215,35 @@ class _Stage1Args:
     def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, o, lse,
              merged) -> list:
         """``full`` (a BoundLaunch list) with this call's arguments of decode_split_kernel in place."""
-        k_shape, k_stride = k_cache.shape, k_cache.stride()
-        k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
-        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_raw, at_capacity, at_pages, at_stride_k, at_alibi,
-         at_scales, at_final) = _STAGE1_CALL
-        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
-            cache_seqlens, o, lse
-        full[at_bt] = cache_seqlens if block_table is None else block_table
-        full[at_raw] = (k_cache, v_cache, k_stride[0])
-        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
-        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
-        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
-        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        _fill_shared(full, _STAGE1_SHARED, shape, config, q, alibi_slopes, self.alibi, k_cache, v_cache,
+                     cache_seqlens, block_table)
+        at_o, at_lse, at_raw, at_final = _STAGE1_CALL
+        full[at_o], full[at_lse] = o, lse
+        full[at_raw] = (k_cache, v_cache, k_cache.stride(0))
         full[at_final] = None if merged is None else (merged[0], merged[1], merged[2], self.final)
         return full
+
+
+def _fill_shared(full: list, at: tuple, shape, config, q, alibi_slopes, alibi_strides, k_cache, v_cache,
+                 cache_seqlens, block_table) -> None:
+    """Write into ``full`` the arguments both decode kernels take alike (``at``: their places, _SHARED_CALL's
+    order): q, the cache (raw, or TMA descriptors) with its extent and strides, lengths, block table, ALiBi, an
+    8-bit cache's scales."""
+    k_shape, k_stride = k_cache.shape, k_cache.stride()
+    k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
+    at_q, at_k, at_v, at_lens, at_bt, at_capacity, at_pages, at_stride_k, at_alibi, at_scales = at
+    full[at_q], full[at_k], full[at_v], full[at_lens] = q, k_src, v_src, cache_seqlens
+    full[at_bt] = cache_seqlens if block_table is None else block_table
+    full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
+    full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
+    full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, alibi_strides)
+    full[at_scales] = _kv_scales_arg(shape, k_cache)
+
+
+def _launch_args(site: LaunchSite, key, build):
+    """The per-key launch arguments (_Stage1Args, _PersistentArgs) kept beside ``site``'s record of ``key``, made
+    by ``build()`` on the key's first launch (key None: made for this call alone)."""
+    return build() if key is None else site.plans.get_or_build(key, build)
 
 
 def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
@@ -245,11 +257,8 @@ def _launch_stage1(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k
     cache under shape.launch_key (the call's metadata), the launch geometry and the outputs' layout."""
     config = launch.config
     key = _site_key(shape, ("stage1", final, merged is not None))
-    args = None if key is None else _STAGE1.plans.get(key)
-    if args is None:
-        args = _Stage1Args(key, shape, launch, q, alibi_slopes, block_table, o, lse3, final, merged)
-        if key is not None:
-            _STAGE1.plans.put(key, args)
+    args = _launch_args(_STAGE1, key, lambda: _Stage1Args(key, shape, launch, q, alibi_slopes, block_table, o, lse3,
+                                                          final, merged))
     full = args.bound.full()
     if full is not None:  # the key's recorded launch: its argument list, this call's values written in
         args.bound.launch(args.grid, args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
@@ -294,18 +303,11 @@ class _PersistentArgs:
     def fill(self, full: list, shape, config, q, alibi_slopes, k_cache, v_cache, cache_seqlens, block_table, out,
              lse3, o5, lse4, tickets, queue) -> list:
         """``full`` (a BoundLaunch list) with this call's arguments of decode_persistent_kernel in place."""
-        k_shape, k_stride = k_cache.shape, k_cache.stride()
-        k_src, v_src, stride_kb = _kv_sources(config, k_cache, v_cache, k_shape, k_stride)
-        (at_q, at_k, at_v, at_lens, at_bt, at_o, at_lse, at_out, at_lse_final, at_tickets, at_queue, at_capacity,
-         at_stride_k, at_pages, at_alibi, at_scales) = _PERSISTENT_CALL
-        full[at_q], full[at_k], full[at_v], full[at_lens], full[at_o], full[at_lse] = q, k_src, v_src, \
-            cache_seqlens, o5, lse4
-        full[at_bt] = cache_seqlens if block_table is None else block_table
-        full[at_out], full[at_lse_final], full[at_tickets], full[at_queue] = out, lse3, tickets, queue
-        full[at_capacity], full[at_pages] = shape.capacity, k_shape[0]
-        full[at_stride_k] = (stride_kb, k_stride[1], k_stride[2])
-        full[at_alibi] = (q if alibi_slopes is None else alibi_slopes, self.alibi)
-        full[at_scales] = _kv_scales_arg(shape, k_cache)
+        _fill_shared(full, _PERSISTENT_SHARED, shape, config, q, alibi_slopes, self.alibi, k_cache, v_cache,
+                     cache_seqlens, block_table)
+        at_o, at_lse, at_out, at_lse_final, at_tickets, at_queue = _PERSISTENT_CALL
+        full[at_o], full[at_lse], full[at_out], full[at_lse_final] = o5, lse4, out, lse3
+        full[at_tickets], full[at_queue] = tickets, queue
         return full
 
 
@@ -314,15 +316,12 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
     """All of decode in one decode_persistent_kernel launch: a fixed grid of launch.programs programs; each
     sequence's split count (<= num_splits) is chosen on the device from the live lengths. Writes out (like q) and
     lse3; o5 / lse4 fp32 partials and tickets (int32 zeros, >= num_tickets(...); left zero again) serve the
-    sequences that split, and the last _QUEUE_SLOTS tickets (``queue``) are the PERSISTENT_QUEUE path's work
+    sequences that split, and the last QUEUE_SLOTS tickets (``queue``) are the PERSISTENT_QUEUE path's work
     queue."""
     config = launch.config
     key = _site_key(shape, ("persistent",))
-    args = None if key is None else _PERSISTENT.plans.get(key)
-    if args is None:
-        args = _PersistentArgs(key, shape, q, alibi_slopes, block_table, out, lse3, o5, lse4)
-        if key is not None:
-            _PERSISTENT.plans.put(key, args)
+    args = _launch_args(_PERSISTENT, key, lambda: _PersistentArgs(key, shape, q, alibi_slopes, block_table, out,
+                                                                  lse3, o5, lse4))
     full = args.bound.full()
     if full is not None:  # the key's recorded launch: its argument list, this call's values written in
         args.bound.launch((launch.programs, 1, 1), args.fill(full, shape, config, q, alibi_slopes, k_cache, v_cache,
@@ -354,12 +353,13 @@ def _launch_persistent(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slope
 
 _STAGE1 = LaunchSite(decode_split_kernel, "decode_split_kernel")
 _PERSISTENT = LaunchSite(decode_persistent_kernel, "decode_persistent_kernel")
-# the parameters a call writes (_Stage1Args.fill, _PersistentArgs.fill): its tensors, and what the cache decides
-_STAGE1_CALL = _STAGE1.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "kv_raw", "capacity",
-                                 "num_pages", "stride_k", "alibi", "kv_scales", "final")
-_PERSISTENT_CALL = _PERSISTENT.positions("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "O", "LSE", "O_FINAL", "LSE_FINAL",
-                                         "TICKETS", "QUEUE", "capacity", "stride_k", "num_pages", "alibi",
-                                         "kv_scales")
+# the parameters a call writes (_Stage1Args.fill, _PersistentArgs.fill): its tensors, and what the cache decides;
+# those both kernels take alike first (_fill_shared), then each kernel's own
+_SHARED_CALL = ("Q", "K", "V", "SEQLENS", "BLOCK_TABLE", "capacity", "num_pages", "stride_k", "alibi", "kv_scales")
+_STAGE1_SHARED = _STAGE1.positions(*_SHARED_CALL)
+_STAGE1_CALL = _STAGE1.positions("O", "LSE", "kv_raw", "final")
+_PERSISTENT_SHARED = _PERSISTENT.positions(*_SHARED_CALL)
+_PERSISTENT_CALL = _PERSISTENT.positions("O", "LSE", "O_FINAL", "LSE_FINAL", "TICKETS", "QUEUE")
 
 
 def _site_key(shape, tag: tuple):

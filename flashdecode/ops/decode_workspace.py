@@ -12,7 +12,9 @@ import math
 import torch
 
 _POOLS: dict = {}
-QUEUE_SLOTS = 2  # the persistent decode kernel's work queue: the last tickets of a draw (ops/decode_launch.py)
+# the persistent decode kernel's work queue, the last tickets of a draw: the next item, and the programs that found
+# none (kernels/decode.py DYNAMIC; ops/decode_launch.py)
+QUEUE_SLOTS = 2
 
 
 class _Workspace:
