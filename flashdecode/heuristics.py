@@ -962,6 +962,15 @@ def gluon_pays(headdim: int, seqlen_k: int) -> bool:
     return headdim == 128 or seqlen_k >= GLUON_HD64_MIN_KEYS
 
 
+def gluon_varlen_pays(headdim: int) -> bool:
+    """The ragged (varlen) forward's dispatch rule: the Gluon kernel at hd128 and hd64 whatever the mean length.
+    A ragged batch fills the card with tiles where a short dense call does not, so gluon_pays's hd64 floor does not
+    carry over (H100, 16 / 16 heads hd64, 16k tokens, kernel TFLOP/s Gluon vs Triton, causal / not: 64 x 256
+    107 / 281 vs 93 / 168, random 100..4000 311 / 356 vs 292 / 363, 16 x 1k 281 / 405 vs 203 / 313; docs/decisions.md,
+    "Ragged hd64 on the Gluon kernel")."""
+    return headdim in GLUON_HEAD_DIMS
+
+
 RAGGED_PAIRS_MAX_KEYS = 1024  # causal ragged batches: persistent tile pairs up to this mean length (below)
 
 

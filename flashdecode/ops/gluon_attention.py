@@ -16,7 +16,7 @@ from flashdecode import heuristics
 from flashdecode.config import TILE_ORDERS, GluonBwdConfig, GluonFwdConfig  # noqa: F401
 from flashdecode.heuristics import (FP8_BN256_MIN_KEYS, FP8_HEAD_DIMS, GLUON_HD64_MIN_KEYS,  # noqa: F401
                                     GLUON_HEAD_DIMS, LPT_TILE_OVERHEAD_BLOCKS, RAGGED_PAIRS_MAX_KEYS,
-                                    THREE_CONSUMERS_MIN_KEYS, gluon_pays, resolve_gluon_bwd_config,
+                                    THREE_CONSUMERS_MIN_KEYS, gluon_pays, gluon_varlen_pays, resolve_gluon_bwd_config,
                                     resolve_gluon_config, resolve_gluon_fp8_config, resolve_gluon_varlen_config)
 from flashdecode.ops.checks import FP8_DTYPE, check_bool, check_tensor, interpreting, resolve_scale
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
@@ -156,7 +156,7 @@ def _ragged_plan_for(q, k, v, batch: int, max_seqlen_q: int, causal: bool, confi
         mean_keys = cdiv(k.shape[0], batch)
         # the packed tensors as one sequence of total rows: _supported_problem's checks of a fixed-length batch
         if (supported_problem(q[None], k[None], v[None])
-                and (config is not None or gluon_pays(q.shape[-1], mean_keys))):
+                and (config is not None or gluon_varlen_pays(q.shape[-1]))):
             cfg = config or resolve_gluon_varlen_config(q.shape[-1], causal, mean_keys)
             if cfg.tile_order != "lpt":
                 return GluonPlan(q, k, v, causal, cfg, ragged=(batch, max_seqlen_q))
