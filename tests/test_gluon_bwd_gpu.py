@@ -117,6 +117,29 @@ def test_gluon_backward_long_and_bitwise_reproducible(causal):
         assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
 
 
+@needs_hopper
+def test_gluon_backward_repeats_a_key_without_the_jit_and_records_a_new_layout():
+    """The launch cache of the dense backward (gb._launch_sites): a key's second call launches both kernels
+    directly (no JIT launch) with bitwise-equal gradients; a dout of other strides (a new key) goes through the JIT
+    once and still matches the reference."""
+    prep_site, bwd_site = gb._launch_sites()
+    q, k, v, dout = _inputs(2, 517, 333, 128, torch.bfloat16, seed=21)
+    first = _check(q, k, v, dout, True)
+    jit = prep_site.jit_launches + bwd_site.jit_launches
+    out, lse = _forward(q, k, v, True)
+    again = gluon_attention_backward(dout, q, k, v, out, lse, 128 ** -0.5, True, True)
+    assert prep_site.jit_launches + bwd_site.jit_launches == jit
+    assert all(torch.equal(a, b_) for a, b_ in zip(first, again))
+    # the same values in rows padded by 8 elements (still a TMA rows view): dout's strides differ, so does the key
+    b, sq, h, d = dout.shape
+    padded = torch.zeros(b, sq, h * d + 8, dtype=dout.dtype, device=dout.device)
+    padded[..., :h * d] = dout.reshape(b, sq, h * d)
+    strided = padded[..., :h * d].view(b, sq, h, d)
+    assert strided.stride() != dout.stride() and torch.equal(strided, dout)
+    _check(q, k, v, strided, True)
+    assert prep_site.jit_launches + bwd_site.jit_launches == jit + 2
+
+
 @pytest.mark.xdist_group("gpu_bigmem")  # ~6 GB (float64 reference): gpu_check's bigmem part, 4 workers
 @needs_hopper
 def test_gluon_backward_tail_heavy_first():

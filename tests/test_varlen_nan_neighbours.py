@@ -211,14 +211,19 @@ def test_gluon_dense_batch_keeps_a_nan_in_its_sequence(d, causal, keys, which):
         assert (lse[b] - l64[b]).abs().max().item() < 1e-3
 
 
-class _LaunchRecorder:
-    """Stands in for attn_bwd_ws_kernel: records each launch's grid, arguments and keywords."""
+def _launch_recorder():
+    """Stands in for the dense Gluon backward's launch site of attn_bwd_ws_kernel: records each launch's grid,
+    runtime arguments by name and constexprs."""
+    from flashdecode.kernels.gluon import attn_bwd
+    from flashdecode.ops.launch_cache import LaunchSite
 
-    def __init__(self):
-        self.launches = []
+    class Recorder(LaunchSite):
+        def launch(self, key, grid, runtime, constexprs, device):
+            self.launches.append((grid, dict(zip(self.runtime_names, runtime)), constexprs()))
 
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+    recorder = Recorder(attn_bwd.attn_bwd_ws_kernel, "recorded gluon bwd")
+    recorder.launches = []
+    return recorder
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,seq_bounded,bounded", [
@@ -235,20 +240,21 @@ def test_dense_gluon_backward_bounds_its_tiles_where_they_cross(monkeypatch, bat
     import contextlib
 
     from flashdecode.config import GluonBwdConfig
-    from flashdecode.kernels.gluon import attn_bwd
+    from flashdecode.ops import gluon_backward
     from flashdecode.ops.gluon_backward import gluon_attention_backward
 
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(attn_bwd, "attn_bwd_ws_kernel", recorder)
+    recorder = _launch_recorder()
+    prep_site = gluon_backward._launch_sites()[0]
+    monkeypatch.setattr(gluon_backward, "_launch_sites", lambda: (prep_site, recorder))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     gen = torch.Generator().manual_seed(9)
     q, dout, out = (randn(batch, seqlen_q, 2, 64, gen=gen, dtype=torch.float16, device=DEVICE) for _ in range(3))
     k, v = (randn(batch, seqlen_k, 1, 64, gen=gen, dtype=torch.float16, device=DEVICE) for _ in range(2))
     lse = torch.zeros(batch, 2, seqlen_q, device=DEVICE)
     gluon_attention_backward(dout, q, k, v, out, lse, 0.125, config=GluonBwdConfig(seq_bounded=seq_bounded))
-    [(grid, args, kwargs)] = recorder.launches
-    assert kwargs["SEQ_BOUNDED"] == bounded
-    pointers = args[16:20]  # q_ptr, do_ptr, k_ptr, v_ptr
+    [(grid, args, constexprs)] = recorder.launches
+    assert constexprs["SEQ_BOUNDED"] == bounded
+    pointers = [args[name] for name in ("q_ptr", "do_ptr", "k_ptr", "v_ptr")]
     assert all(p is want for p, want in zip(pointers, (q, dout, k, v) if bounded else (None, ) * 4))
 
 

@@ -8,6 +8,7 @@ heuristics.PREFILL_RAGGED_GLUON_BWD is on.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,7 +19,7 @@ from flashdecode.heuristics import resolve_gluon_bwd_config
 from flashdecode.ops.checks import interpreting
 from flashdecode.ops.gluon_attention import supported_problem
 from flashdecode.ops.gluon_plan import rows_view
-from flashdecode.ops.launch_cache import ensure_triton_allocator
+from flashdecode.ops.launch_cache import LaunchSite, ensure_triton_allocator, tensor_key
 from flashdecode.ops.score_transform import log2_scale_of, tanh_log2_scales_of
 from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
@@ -68,19 +69,21 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     bottom-right aligned. Returns dq, dk, dv contiguous like q, k, v in their dtype. deterministic: the dQ additions
     happen in one fixed order (bitwise reproducible); otherwise in arrival order (fp32 atomics). A NaN or inf in
     one batch element reaches only that element's gradients (cfg.seq_bounded, see GluonBwdConfig)."""
-    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
-    from flashdecode.kernels.gluon.bwd_rows import attn_bwd_prep_kernel
-
     cfg = config or resolve_gluon_bwd_config(q.shape[-1])
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     num_m = cdiv(seqlen_q, cfg.block_m)
+    lse = lse.contiguous()
+    # what both launches specialise on (the buffers made here are fresh, hence aligned): their launch-cache key
+    key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(dout), tensor_key(out), tensor_key(lse), cfg,
+           causal, deterministic)
+    prep_site, bwd_site = _launch_sites()
     # Padded row vectors (see attn_bwd_prep_kernel): the backward loads them without masks.
     lse2 = torch.empty((batch, nheads, num_m * cfg.block_m), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    attn_bwd_prep_kernel[(num_m, nheads, batch)](out, dout, lse.contiguous(), lse2, delta, out.stride(),
-                                                 dout.stride(), seqlen_q, NUM_HEADS=nheads, HEAD_DIM=headdim,
-                                                 BLOCK_M=cfg.block_m, num_warps=4)
+    prep_site.launch(key, (num_m, nheads, batch),
+                     (out, dout, lse, lse2, delta, out.stride(), dout.stride(), seqlen_q),
+                     lambda: dict(NUM_HEADS=nheads, HEAD_DIM=headdim, BLOCK_M=cfg.block_m, num_warps=4), q.device)
     dq_acc = torch.zeros((batch, seqlen_q, nheads, headdim), dtype=torch.float32, device=q.device)
     sem = torch.zeros((batch, nheads, num_m, 2) if deterministic else (1, ), dtype=torch.int32, device=q.device)
     dk = torch.empty((batch, seqlen_k, nheads_kv, headdim), dtype=k.dtype, device=k.device)
@@ -91,13 +94,24 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # a tile past its batch element would read the next one's rows: there the kernel makes descriptors that end at
     # the element (SEQ_BOUNDED); elsewhere it gets no pointers and compiles as without the option
     bounded = cfg.seq_bounded_for(batch, seqlen_q, seqlen_k)
-    with torch.cuda.device(q.device):
-        if bounded:
-            ensure_triton_allocator()  # (the kernel makes its per-element descriptors in a global scratch)
-        attn_bwd_ws_kernel[grid](*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, log2_scale_of(scale), scale,
-                                 *((q, dout, k, v) if bounded else (None, ) * 4), SEQ_BOUNDED=bounded,
-                                 **_constexprs(cfg, nheads, nheads_kv, causal, deterministic), num_warps=4)
+    if bounded:
+        ensure_triton_allocator()  # (the kernel makes its per-element descriptors in a global scratch)
+    bwd_site.launch(key, grid, (*descs, dk, dv, dq_acc, sem, seqlen_q, seqlen_k, log2_scale_of(scale), scale,
+                                *((q, dout, k, v) if bounded else (None, ) * 4)),
+                    lambda: dict(SEQ_BOUNDED=bounded, **_constexprs(cfg, nheads, nheads_kv, causal, deterministic),
+                                 num_warps=4), q.device)
     return dq_acc.to(q.dtype), dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_sites() -> tuple:
+    """The launch-cache sites (ops/launch_cache.py) of the dense backward's preprocess and kernel: a call key's
+    first launch goes through Triton's JIT, later ones straight to the compiled kernel's launcher (no binder, no
+    specialisation hashing). Made on first use (the Gluon import)."""
+    from flashdecode.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+    from flashdecode.kernels.gluon.bwd_rows import attn_bwd_prep_kernel
+
+    return LaunchSite(attn_bwd_prep_kernel, "gluon bwd prep"), LaunchSite(attn_bwd_ws_kernel, "gluon bwd")
 
 
 def _descriptors(q, dout, k, v, dq_acc, cfg: GluonBwdConfig, lse_desc, delta_desc) -> tuple:
@@ -120,13 +134,21 @@ def _constexprs(cfg: GluonBwdConfig, nheads: int, nheads_kv: int, causal: bool, 
 def _block_descriptor(x: torch.Tensor, block: list):
     """TensorDescriptor of x's rows view (see rows_view) with TMA block [rows, cols] (the backward also reads K
     in column halves)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     shape, strides = rows_view(x)
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[x.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(x.as_strided(shape, strides), shape, strides, block, layout)
+    return TensorDescriptor(x.as_strided(shape, strides), shape, strides, block,
+                            _shared_layout(block[0], block[1], x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The default NVMMA shared layout of a [rows, cols] TMA block of dtype (fp16 / bf16 / fp32): made once per
+    block, not per descriptor (Gluon's get_default_for costs microseconds a call)."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
 
 
 def _row_tile_descriptor(rows: torch.Tensor, block_m: int):
