@@ -104,6 +104,22 @@ def test_flash_attn_varlen_dispatches_to_gluon(causal, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_hd64_short_rows_take_gluon(causal):
+    """Ragged hd64 batches of short sequences (mean well under gluon_pays's 1024 keys) take the Gluon kernel by
+    default (heuristics.gluon_varlen_pays) with the config resolved at their mean length, and match the
+    reference: sequences ending inside a key block, one of length 1, one empty."""
+    lens = [256, 200, 1, 0, 300, 129, 64, 256]
+    q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, 64, torch.bfloat16, seed=11)
+    before = {key for key in gluon_plan.PLANS if key[0] == "ragged"}
+    out = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
+    new = [key for key in gluon_plan.PLANS if key[0] == "ragged" and key not in before]
+    assert new and gluon_plan.PLANS[new[0]] is not gluon_plan.NOT_APPLICABLE
+    ref, _, same = _reference(q, k, v, lens, lens, causal)
+    assert_fa_close(out, ref, same, name="out")
+
+
+@needs_hopper
 def test_flash_attn_varlen_gluon_backward_matches_reference(monkeypatch):
     """Training through the ragged Gluon forward: the backward reads its out and lse (nheads, total_q)."""
     from flashdecode import heuristics
