@@ -83,6 +83,23 @@ def test_gluon_varlen_every_config_family(config, causal):
     _check([700, 1, 0, 2000, 333], [700, 1, 0, 2000, 400], 8, 2, d, causal, torch.float16, config, seed=3)
 
 
+def _public_call_on_gluon(lens, d, causal, seed):
+    """flash_attn_varlen on a fresh bf16 ragged batch (8 / 2 heads, head dim d, equal query and key lengths):
+    asserts that the call built a ragged Gluon plan and matches the reference. Returns (out (total, 8, d), the
+    same call again as a function)."""
+    q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, d, torch.bfloat16, seed=seed)
+    before = {key for key in gluon_plan.PLANS if key[0] == "ragged"}
+
+    def call():
+        return flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
+    out = call()
+    new = [key for key in gluon_plan.PLANS if key[0] == "ragged" and key not in before]
+    assert new and gluon_plan.PLANS[new[0]] is not gluon_plan.NOT_APPLICABLE
+    ref, _, same = _reference(q, k, v, lens, lens, causal)
+    assert_fa_close(out, ref, same, name="out")
+    return out, call
+
+
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attn_varlen_dispatches_to_gluon(causal, monkeypatch):
@@ -91,16 +108,8 @@ def test_flash_attn_varlen_dispatches_to_gluon(causal, monkeypatch):
     from flashdecode import heuristics
 
     monkeypatch.setattr(heuristics, "PREFILL_RAGGED_GLUON", True)
-    lens = [100, 4000, 1, 2500]
-    q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, 128, torch.bfloat16, seed=5)
-    before = {key for key in gluon_plan.PLANS if key[0] == "ragged"}
-    out = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
-    new = [key for key in gluon_plan.PLANS if key[0] == "ragged" and key not in before]
-    assert new and gluon_plan.PLANS[new[0]] is not gluon_plan.NOT_APPLICABLE
-    ref, _, same = _reference(q, k, v, lens, lens, causal)
-    assert_fa_close(out, ref, same, name="out")
-    out2 = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
-    assert torch.equal(out, out2), "the direct launch must give the first call's answer"
+    out, call = _public_call_on_gluon([100, 4000, 1, 2500], 128, causal, seed=5)
+    assert torch.equal(out, call()), "the direct launch must give the first call's answer"
 
 
 @needs_hopper
@@ -109,14 +118,7 @@ def test_flash_attn_varlen_hd64_short_rows_take_gluon(causal):
     """Ragged hd64 batches of short sequences (mean well under gluon_pays's 1024 keys) take the Gluon kernel by
     default (heuristics.gluon_varlen_pays) with the config resolved at their mean length, and match the
     reference: sequences ending inside a key block, one of length 1, one empty."""
-    lens = [256, 200, 1, 0, 300, 129, 64, 256]
-    q, k, v, cu_q, cu_k = _ragged(lens, lens, 8, 2, 64, torch.bfloat16, seed=11)
-    before = {key for key in gluon_plan.PLANS if key[0] == "ragged"}
-    out = flashdecode.flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=causal)
-    new = [key for key in gluon_plan.PLANS if key[0] == "ragged" and key not in before]
-    assert new and gluon_plan.PLANS[new[0]] is not gluon_plan.NOT_APPLICABLE
-    ref, _, same = _reference(q, k, v, lens, lens, causal)
-    assert_fa_close(out, ref, same, name="out")
+    _public_call_on_gluon([256, 200, 1, 0, 300, 129, 64, 256], 64, causal, seed=11)
 
 
 @needs_hopper

@@ -1,13 +1,13 @@
 """Where an eager call's host microseconds go: bench.host's calls (decode table and the flash_attn prefill pair) timed
-in a plain loop of 200, then profiled with cProfile over 200 more (the 28 costliest functions by own time and by
-cumulative time). Profiler numbers run about 2x the plain loop's: read them as shares, the loop as the figure.
+in a plain loop of 200 (bench.host.time_calls: host and wall time per call), then profiled with cProfile over 200
+more (the 28 costliest functions by own time and by cumulative time). Profiler numbers run about 2x the plain
+loop's: read them as shares, the loop as the figure.
     PYTHONPATH=. python benchmarks/probes/host_profile.py ["flash_decode" "flash_attn fwd+bwd" ...]
 FLASHDECODE_DESCRIPTOR_LAUNCHER=1 profiles with the descriptor launcher's gate open. Prints to stdout."""
 import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
@@ -16,19 +16,6 @@ from flashdecode.ops import direct_launch
 
 CALLS = 200
 DEFAULT = ["flash_decode", "flash_attn_with_kvcache", "flash_attn fwd", "flash_attn fwd+bwd"]
-
-
-def loop_us(fn) -> float:
-    """Host us per call of CALLS asynchronous calls (after 20 warm-up calls and a sync)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    us = (time.perf_counter() - start) / CALLS * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def profile_text(fn) -> str:
@@ -52,8 +39,8 @@ def main(names) -> None:
     calls.update(host._prefill_calls(device))
     print("descriptor launcher:", direct_launch.DESCRIPTOR_LAUNCHER)
     for name in names:
-        us = loop_us(calls[name])
-        print(f"==== {name}: {us:.1f} us per call (plain loop)")
+        host_us, wall_us = host.time_calls(calls[name], CALLS)
+        print(f"==== {name}: host {host_us:.1f} us, wall {wall_us:.1f} us per call (plain loop)")
         print(profile_text(calls[name]))
 
 
