@@ -141,7 +141,7 @@ def test_plan_runs_reuse_shapes_with_other_outputs_and_options(gen, device_resid
         plan.run(q.half(), k.half(), v.half(), lens)
 
 
-def test_merge_states_reuses_shapes_with_other_layouts(gen):
+def test_merge_states_alternating_views_and_permuted_copies_match_exactly(gen):
     """merge_states keeps its launch per exact key, whether the inputs' rows are views of them (launched as they
     are) or copies (a permuted layout): calls of one shape alternating between the two layouts each give the
     contiguous inputs' exact result."""
