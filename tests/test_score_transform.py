@@ -16,7 +16,7 @@ import torch
 import flashdecode
 from flashdecode import flash_attn_interface as fai
 from flashdecode.ops import attention as attn_ops
-from flashdecode.ops import checks, decode, paged_prefill, score_transform
+from flashdecode.ops import checks, decode, decode_plan, paged_prefill, score_transform
 from flashdecode.ops.score_transform import (ScoreTransform, build, build_for_decode, log2_scale_of, logit_scales_of,
                                              tanh_log2_scales_of)
 from helpers import DEVICE
@@ -101,6 +101,7 @@ def launched(monkeypatch):
     monkeypatch.setattr(attn_ops, "attention_with_sinks", lambda *a, **k: stop(a[8]))
     monkeypatch.setattr(paged_prefill, "_forward", lambda *a, **k: stop(a[8]))
     monkeypatch.setattr(decode, "run_decode", lambda shape, *a, **k: stop(shape.score))
+    monkeypatch.setattr(decode_plan, "run_decode", lambda shape, *a, **k: stop(shape.score))
     return seen
 
 

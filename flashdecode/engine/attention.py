@@ -367,7 +367,7 @@ class FlashDecodeBackend(AttentionBackend):
         self._dense = flashdecode.flash_attn
         self._plan_cls = flashdecode.DecodePlan
         self.num_splits = num_splits
-        self.batch_invariant = False  # LLM(batch_invariant=True): plans made with it (ops/decode.py DecodePlan)
+        self.batch_invariant = False  # LLM(batch_invariant=True): plans made with it (ops/decode_plan.py DecodePlan)
         self.plans: dict[tuple, object] = {}
         # LLM(prefill_autotune=True): the prefill kernels time their candidate tiles on the first call of each
         # (query, key) length bucket - about a second inside a request; off, they take the resolved first tile

@@ -69,3 +69,23 @@ def check_out(out, q, seqlen_q):
     if q.dim() == 4 and seqlen_q > 1 and out.stride(0) != seqlen_q * out.stride(1):
         raise ValueError("out must have collapsible (batch, seqlen_q) dims (e.g. be contiguous)")
 
+
+def _check_metadata(shape, cache_seqlens, block_table, validate):
+    """Block-table ids (and, with validate, device-resident lengths) of the keys a decode call reads (``shape``: the
+    call's checked ops.decode_policy._DecodeShape)."""
+    checks.check_cache_metadata(cache_seqlens, block_table, capacity=shape.capacity, page_size=shape.page_size,
+                                num_pages=shape.num_pages, validate=validate)
+
+
+def _check_batch_invariant(batch_invariant, num_splits, config):
+    """batch_invariant as a bool; it fixes the launch itself, so it excludes num_splits > 1 and config= (a config
+    of the FIXED_SPLIT path is batch-invariant by itself: pass it without the flag)."""
+    checks.check_bool("batch_invariant", batch_invariant)
+    if batch_invariant and config is not None:
+        raise ValueError("batch_invariant=True chooses the config itself; do not pass config= with it (a "
+                         "FIXED_SPLIT config, e.g. dataclasses.replace of decode_config(..., batch_invariant=True), "
+                         "is batch-invariant without the flag)")
+    if batch_invariant and num_splits not in (None, 1):
+        raise ValueError(f"batch_invariant=True splits every sequence at fixed key offsets (None) or not at all "
+                         f"(1); num_splits must be None or 1, got {num_splits}")
+    return batch_invariant

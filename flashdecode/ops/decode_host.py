@@ -28,7 +28,13 @@ from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
 __all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", "keep", "kept", "keep_checks",
-           "kept_checks", "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache"]
+           "kept_checks", "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache",
+           "NO_WINDOW", "window_key"]
+
+# the decode ops' default window_size, and what a call key holds for it when the call passed this very object: a
+# token no argument can be, so the key stays flat (options_key reads a tuple option element by element)
+NO_WINDOW = (-1, -1)
+_NO_WINDOW_KEY = object()
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)
 _CALLS: dict = {}
@@ -45,6 +51,11 @@ def options_key(options: tuple) -> tuple:
             options = tuple([tuple(x) if t is list else x for x, t in zip(options, types)])
         return options, types, inner
     return options, types
+
+
+def window_key(window_size):
+    """window_size in a call key (module constants above)."""
+    return _NO_WINDOW_KEY if window_size is NO_WINDOW else window_size
 
 
 def call_key(tag, tensors: tuple, options: tuple):

@@ -114,6 +114,12 @@ def num_tickets(batch, seqlen_q, nheads, nheads_kv) -> int:
     return batch * nheads_kv * heuristics.cdiv(group_rows, heuristics.decode_block_m(group_rows)) + QUEUE_SLOTS
 
 
+def lse_view(lse3, q):
+    """The lse a call returns from the (batch, seqlen_q, nheads) buffer run_decode writes: (batch, nheads) for a
+    3-d q, else lse3 itself."""
+    return lse3[:, 0] if q.dim() == 3 else lse3
+
+
 def run_decode(shape: _DecodeShape, launch: DecodeLaunch, q, alibi_slopes, k_cache, v_cache, cache_seqlens,
                block_table, out, lse3, partial_o, partial_lse, tickets=None, queue=None):
     """Decode into out (like q: (batch, [seqlen_q,] nheads, headdim)) and lse3 (batch, seqlen_q, nheads) fp32

@@ -15,6 +15,7 @@ A step the ops apply after their kernels (flash_attn / flash_attn_varlen / paged
 ``sinks=``; ops/attention_autograd.py adds the backward): this module calls no op (it imports only ops/checks.py).
   apply_sinks(out, lse, sinks, layout)      -> (out', lse') for results already computed (no gradient)
   sinks_grad(dout, out, lse', sinks, layout) -> d sinks, for the ops' backward
+  check_decode_sinks / decode_sinks_step     -> flash_decode's and DecodePlan.run's check and step
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from flashdecode.ops import checks
 
-__all__ = ["apply_sinks", "check_sinks", "sinks_grad", "LAYOUTS"]
+__all__ = ["apply_sinks", "check_sinks", "sinks_grad", "check_decode_sinks", "decode_sinks_step", "LAYOUTS"]
 
 # Where the head axis of lse sits relative to out, per producer:
 #   "dense":  out (batch, seqlen_q, nheads, headdim),   lse (batch, nheads, seqlen_q)   (flash_attn)
@@ -100,3 +101,19 @@ def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse_new: torch.Tensor, sin
     delta = (dout.float() * out.float()).sum(-1)  # D_i, (..., nheads) aligned with out
     p_sink = torch.exp(sinks.float() - _rows_view(lse_new, layout))
     return -(p_sink * delta).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
+
+
+def check_decode_sinks(sinks, q):
+    """A decode call's sinks, before its kernels: (nheads,) float on q's device (a malformed q is left to the decode
+    checks)."""
+    if isinstance(q, torch.Tensor) and q.dim() in (3, 4):
+        check_sinks(sinks, q.shape[-2], q.device)
+
+
+def decode_sinks_step(o, lse, sinks, out, return_lse: bool):
+    """The sinks step after a decode call's kernels: (out', lse') from their (o, lse) in the "decode" layout; out' is
+    a new tensor, or ``out`` (the caller's, written in place) where one was given."""
+    result, lse = apply_sinks(o, lse, sinks, "decode")
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
