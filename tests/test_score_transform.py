@@ -180,3 +180,16 @@ def test_kvcache_checks_build_the_same_transform(monkeypatch):
     checked = fai._checked_kvcache_call(q, cache, cache, None, None, None, None, lens, None, None, None, 0.3, True,
                                         (5, -1), 4.0, False, None, 0, False)
     assert checked[-1] == built[0] == ScoreTransform(scale=0.3, softcap=4.0, window_left=5, window_right=0)
+
+
+def test_decode_ops_default_window_is_checks_own():
+    """One default window for every op: score_transform.build and the checks test it by identity, so a decode
+    op's default must be checks.NO_WINDOW itself, not an equal tuple of its own."""
+    import inspect
+
+    from flashdecode.ops import checks, decode, decode_plan
+
+    for fn in (decode.flash_decode, decode_plan.DecodePlan.run, decode_plan.DecodePlan._shape):
+        params = inspect.signature(fn).parameters
+        if "window_size" in params:
+            assert params["window_size"].default is checks.NO_WINDOW, fn

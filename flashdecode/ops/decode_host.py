@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 
+from flashdecode.ops import checks
 from flashdecode.ops.decode_policy import _offsets_fit_int32
 from flashdecode.ops.util import cache_rows_tma_ok
 
@@ -31,9 +32,10 @@ __all__ = ["call_key", "options_key", "lookup", "remember", "recall", "detach", 
            "kept_checks", "keep_bound", "bound", "clear", "capacity_bucket", "growing_cache", "GrowingCache",
            "NO_WINDOW", "window_key"]
 
-# the decode ops' default window_size, and what a call key holds for it when the call passed this very object: a
-# token no argument can be, so the key stays flat (options_key reads a tuple option element by element)
-NO_WINDOW = (-1, -1)
+# the decode ops' default window_size (checks' own, so score_transform's identity test sees it too), and what a call
+# key holds for it when the call passed this very object: a token no argument can be, so the key stays flat
+# (options_key reads a tuple option element by element)
+NO_WINDOW = checks.NO_WINDOW
 _NO_WINDOW_KEY = object()
 
 _MAX_CALLS = 1024  # remembered call keys (cleared when full)

@@ -142,7 +142,7 @@ class DecodePlan:
         return launch
 
     def _shape(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, softcap=0.0,
-               window_size=(-1, -1), k_scale=None, v_scale=None) -> _DecodeShape:
+               window_size=NO_WINDOW, k_scale=None, v_scale=None) -> _DecodeShape:
         shape = _DecodeShape(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, softcap, window_size,
                              grid_batch=self.max_batch, k_scale=k_scale, v_scale=v_scale)
         if k_cache.dtype != self.kv_dtype:
