@@ -454,15 +454,22 @@ def _kernel_time_headline(records: dict[str, dict]) -> str:
 
 
 def _ragged_headline(name: str, record: dict) -> str:
-    rows, r0 = record["rows"], record["rows"][0]
+    """One clause per head dim of the record (hd128 at 32 / 8 heads, hd64 at 16 / 16, ...): its rows' ratios to our
+    Triton kernel and to FA3, non-causal and causal."""
+    rows = record["rows"]
 
-    def fa3(causal):
-        return _ratio_range([r["ours/FA3"] for r in rows if r["causal"] == causal and r.get("ours/FA3")])
+    def ratios(group, key, causal=None):
+        return _ratio_range([r[key] for r in group if r.get(key) and (causal is None or r["causal"] == causal)])
 
-    return (f"- **Ragged (varlen) prefill** ({_card(record)}, {r0['nheads']} / {r0['nheads_kv']} heads, head dim "
-            f"{r0['headdim']}, {_fmt_tokens(r0['tokens'])} tokens a call): "
-            f"{_ratio_range([r['ours/triton'] for r in rows])} our Triton kernel; {fa3(False)} FlashAttention-3 "
-            f"non-causal, {fa3(True)} causal {_link(name)}.")
+    clauses = []
+    for headdim in sorted({r["headdim"] for r in rows}, reverse=True):
+        group = [r for r in rows if r["headdim"] == headdim]
+        r0 = group[0]
+        clauses.append(f"head dim {headdim} ({r0['nheads']} / {r0['nheads_kv']} heads): "
+                       f"{ratios(group, 'ours/triton')} our Triton kernel, {ratios(group, 'ours/FA3', False)} "
+                       f"FlashAttention-3 non-causal, {ratios(group, 'ours/FA3', True)} causal")
+    return (f"- **Ragged (varlen) prefill** ({_card(record)}, {_fmt_tokens(rows[0]['tokens'])} tokens a call): "
+            f"{'; '.join(clauses)} {_link(name)}.")
 
 
 def _e2e_headline(name: str, record: dict) -> str:
