@@ -72,10 +72,9 @@ class HostDescriptor:
 
 _TENSORMAPS_PER_OPERAND = 64  # base addresses kept per descriptor operand (a dict cleared when full)
 # Whether LaunchSite records take DescriptorLauncher (kernels with host tensor descriptors: decode stage 1 over a
-# TMA-read cache). Off until its GPU test (tests/test_launch_cache_gpu.py) has passed on an sm_90 machine: its
-# argument splicing matches Triton's wrappers on the CPU (tests/test_launch_cache.py), but the C launch with kept
-# CUtensorMaps has not yet run on a GPU. Off, those kernels keep Triton's own launcher (one map fill per call).
-# FLASHDECODE_DESCRIPTOR_LAUNCHER=1 turns it on (the GPU check runs the decode tests so).
+# TMA-read cache, the dense Gluon backward). Off: its GPU tests ran on an H100 without a failure, but two H100 host
+# samples disagreed on whether it saves time (docs/decisions.md); off, those kernels keep Triton's own launcher (one
+# map fill per call). FLASHDECODE_DESCRIPTOR_LAUNCHER=1 turns it on (the GPU check runs the decode tests so).
 DESCRIPTOR_LAUNCHER = checks.env_value("FLASHDECODE_DESCRIPTOR_LAUNCHER", "0") == "1"
 
 
