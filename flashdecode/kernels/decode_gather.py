@@ -60,7 +60,12 @@ def kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, sp
         else:
             page = tl.load(bt_row + offs_n // PAGE_SIZE)
         page_ok = (page >= 0) & (page < num_pages)
-        key_ok = key_ok & page_ok  # (BLOCK_N,) also for one page id per block
+        if PAGE_SIZE % BLOCK_N == 0:
+            # one flag for the block, made (BLOCK_N,) by a compare: Triton 3.9's interpreter rejects a load mask
+            # made by AND-ing a scalar flag into a vector
+            key_ok = tl.where(page_ok, key_ok, offs_n < 0)
+        else:
+            key_ok = key_ok & page_ok  # (BLOCK_N,)
         in_page = (offs_n.to(tl.uint32) % PAGE_SIZE).to(tl.int32) * stride_tok  # offs_n >= 0: unsigned is cheaper
         if OFFS_32:
             rows = page * stride_page + in_page
