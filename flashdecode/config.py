@@ -301,7 +301,11 @@ class GluonFwdConfig:
     release after PV frees both); v_tail = zero a key block's V rows past its sequence's keys before PV where they
     hold another sequence's rows (ragged batches; fixed-length ones whose keys end inside a block): their zero
     probabilities times a NaN or inf there would be NaN. False is a timing ablation only (a neighbour's NaN / inf
-    then reaches these rows; the paged kernel always zeroes a page's tail)."""
+    then reaches these rows; the paged kernel always zeroes a page's tail). v_bound = the ragged kernel's other way
+    to the same zeros: the producer loads a sequence's last V block through a descriptor made on the device that
+    ends at its last key (TMA reads zeros past it), so the consumers' loop carries no zeroing code (v_tail is then
+    moot); an experiment, off until its GPU tests and timing say otherwise (docs/decisions.md); ragged launches only.
+    """
 
     num_consumers: int = 2
     block_n: int = 128
@@ -314,6 +318,7 @@ class GluonFwdConfig:
     tile_order: str = "round_robin"
     split_release: bool = False
     v_tail: bool = True
+    v_bound: bool = False
 
     def __post_init__(self):
         self.check()
@@ -326,7 +331,7 @@ class GluonFwdConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
-        _check_bools(self, name, ("overlap", "persistent", "split_release", "v_tail"))
+        _check_bools(self, name, ("overlap", "persistent", "split_release", "v_tail", "v_bound"))
         _check_register_budget(self, name, self.num_consumers)
         if self.tile_order not in TILE_ORDERS:
             raise ValueError(f"{name}.tile_order: one of {tuple(TILE_ORDERS)}, got {self.tile_order!r}")

@@ -38,10 +38,12 @@ def desc(dtype, rows, d):
     return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
 
 
-def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False):
+def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False, v_bound=False):
     """fp16/bf16 on attn_fwd_ws_kernel (varlen: attn_fwd_ws_varlen_kernel); fp8e4nv on attn_fwd_fp8_ws_kernel (V^T
     blocks [d, block_n], bf16 out). v_tail: the V_TAIL of the kernels that take it (zero V rows past the keys:
-    the fixed-length kernel where a batch's keys end inside a block; the ragged kernel always, but in an ablation)."""
+    the fixed-length kernel where a batch's keys end inside a block; the ragged kernel always, but in an ablation);
+    v_bound: the ragged kernel's V_BOUND (its last V blocks through device-made descriptors; v_rows_ptr typed,
+    else None)."""
     fp8 = dtype == "fp8e4nv"
     lpt = cfg.tile_order == "lpt"  # its own kernel: the schedule pointer, Q_BUFFERS / TILE_ORDER fixed
     fn = (attn_fwd_fp8_ws_kernel if fp8 else attn_fwd_ws_lpt_kernel if lpt else attn_fwd_ws_varlen_kernel if varlen
@@ -54,10 +56,15 @@ def compile_variant(d, dtype, causal, cfg, varlen=False, v_tail=False):
         consts.update(Q_BUFFERS=cfg.q_buffers, TILE_ORDER=TILE_ORDERS[cfg.tile_order])
     if "V_TAIL" in fn.arg_names:
         consts.update(V_TAIL=v_tail)
+    if "V_BOUND" in fn.arg_names:
+        consts.update(V_BOUND=v_bound)
+        if not v_bound:
+            consts.update(v_rows_ptr=None)
     types = dict(q_desc=desc(dtype, 64, d), k_desc=desc(dtype, cfg.block_n, d), v_desc=desc(dtype, cfg.block_n, d),
                  vt_desc=desc(dtype, d, cfg.block_n), out_ptr="*bf16" if fp8 else "*" + dtype, lse_ptr="*fp32",
                  qk_descale_ptr="*fp32", v_descale_ptr="*fp32", num_tiles="i32", seqlen_q="i32", seqlen_k="i32",
-                 qk_scale_log2="fp32", sched_ptr="*i32", cu_q_ptr="*i32", cu_k_ptr="*i32")
+                 qk_scale_log2="fp32", sched_ptr="*i32", cu_q_ptr="*i32", cu_k_ptr="*i32",
+                 v_rows_ptr="*" + dtype)
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     return triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
@@ -172,7 +179,8 @@ def test_gluon_forward_candidates_compile_for_hopper_without_a_gpu(shard):
 # keys) - and the fixed-length kernel with V_TAIL (a batch whose keys end inside a block): TMA + wgmma. Zeroing
 # the last block's V rows past the keys (V_TAIL: the next sequence's rows) costs the overlapped loop and the
 # three-warpgroup tile 8 bytes of spills (sm_90 SASS: at a partition's start and the tile's epilogue, never in
-# the key-block loop), the only spills these variants may have; host tile lists keep their allowance above.
+# the key-block loop), the only spills these variants may have; host tile lists keep their allowance above. And the
+# ragged kernel with V_BOUND instead (bounded V descriptors made by the producer).
 _GLUON_VARLEN_SCRIPT = _COMPILE_PRELUDE + r'''
 from flashdecode.heuristics import resolve_gluon_varlen_config
 sys.path.insert(0, "tests")
@@ -193,6 +201,19 @@ for d, causal, cfg, varlen in variants[SHARD::SHARDS]:
     print(what, "registers", registers(kernel), "spilled", spilled)
     allowed = 8 if cfg.overlap or cfg.num_consumers == 3 else 0
     assert spilled <= allowed or not SPILLS_CHECKED, what + ": spills"
+# V_BOUND (GluonFwdConfig.v_bound): the last V blocks through device-made descriptors (the tensormap is built
+# and fenced by the producer), no zeroing in the consumers, no spills
+for d, causal, keys in [(128, True, 256), (64, False, 1024), (128, False, 2048)][SHARD::SHARDS]:
+    cfg = resolve_gluon_varlen_config(d, causal, keys)
+    kernel = compile_variant(d, "bf16", causal, cfg, varlen=True, v_bound=True)
+    ptx = kernel.asm["ptx"]
+    what = f"V_BOUND d{d} causal={causal} {cfg}"
+    assert "tensormap.cp_fenceproxy" in ptx and "fence.proxy.tensormap" in ptx, what + ": no device-made descriptor"
+    assert "fence.proxy.async" not in ptx, what + ": the consumers still zero V rows"
+    assert kernel.metadata.shared <= 227 * 1024, what + ": shared memory"
+    spilled = spilled_bytes(kernel)
+    print(what, "registers", registers(kernel), "spilled", spilled)
+    assert spilled == 0 or not SPILLS_CHECKED, what + ": spills"
 print("compiled")
 '''
 

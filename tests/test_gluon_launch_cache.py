@@ -288,3 +288,41 @@ def test_batches_whose_keys_end_inside_a_block_zero_the_next_sequences_values(st
     cfg = ga.GluonFwdConfig(persistent=persistent, q_buffers=2 if persistent else 1, tile_order=tile_order)
     ga.gluon_attention_forward(q, k, v, causal=True, config=cfg)
     assert calls[-1]["V_TAIL"] is v_tail
+
+
+@pytest.mark.parametrize("v_bound", [False, True])
+def test_ragged_v_bound_passes_the_v_tensor_and_turns_the_consumers_zeroing_off(stubbed, monkeypatch, v_bound):
+    """GluonFwdConfig.v_bound (ragged launches): the kernel takes V_BOUND and, as its v_rows_ptr, v itself (the
+    first launch) or v's address (direct launches), with V_TAIL off (the producer's bounded loads give the zeros);
+    without it v_rows_ptr is None (compiled without the parameter) and the consumers zero the tail (V_TAIL)."""
+    from flashdecode.kernels.gluon.attn_fwd import attn_fwd_ws_varlen_kernel
+
+    calls = []
+    _, compiled = stubbed
+
+    def fake_jit(grid, args, constexprs, **kernel):
+        calls.append((args, constexprs, kernel))
+        return compiled
+
+    monkeypatch.setattr(gluon_plan, "_jit_launch", fake_jit)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter never takes the Gluon path
+    gen = torch.Generator().manual_seed(0)
+    lens = [100, 37, 300]
+    total = sum(lens)
+    q = torch.randn(total, 4, 128, generator=gen, dtype=torch.float16)
+    k, v = (torch.randn(total, 2, 128, generator=gen, dtype=torch.float16) for _ in range(2))
+    cu = torch.tensor([0, 100, 137, 437], dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(4, total)
+    cfg = ga.GluonFwdConfig(v_bound=v_bound)
+    for _ in range(2):
+        assert ga.gluon_varlen_forward_into(q, k, v, out, lse, cu, cu, max(lens), 0.1, -1, 0, 0.0, cfg)
+    (args, constexprs, kernel), = calls
+    assert kernel == dict(ragged=True)
+    assert constexprs["V_BOUND"] is v_bound and constexprs["V_TAIL"] is (not v_bound)
+    assert len(args) + len(constexprs) == len(attn_fwd_ws_varlen_kernel.arg_names)
+    names = attn_fwd_ws_varlen_kernel.arg_names
+    assert args[names.index("v_rows_ptr")] is (v if v_bound else None)
+    launch = compiled.launches[-1][9:]  # the direct launch: its arguments after the C launcher's own
+    assert launch[names.index("v_rows_ptr")] == (v.data_ptr() if v_bound else None)
+    with pytest.raises(TypeError, match="v_bound"):
+        ga.GluonFwdConfig(v_bound=1)

@@ -71,7 +71,9 @@ def test_gluon_varlen_matches_reference(lens, causal, d):
 CONFIGS = [GluonFwdConfig(), GluonFwdConfig(overlap=True, split_release=True),
            GluonFwdConfig(persistent=True, q_buffers=2), GluonFwdConfig(persistent=True, q_buffers=2,
                                                                         tile_order="pairs"),
-           GluonFwdConfig(num_consumers=3, consumer_regs=160, num_stages=3)]
+           GluonFwdConfig(num_consumers=3, consumer_regs=160, num_stages=3),
+           # the last V blocks through the producer's bounded descriptors (one and two Q buffer sets)
+           GluonFwdConfig(v_bound=True), GluonFwdConfig(persistent=True, q_buffers=2, tile_order="pairs", v_bound=True)]
 
 
 @needs_hopper

@@ -12,6 +12,8 @@ and, on sm_90, the ragged Gluon forward in every launch family its resolver retu
 the fixed-length Gluon forward over a batch whose keys end inside a block (the same packed rows), and the dense Gluon
 backward over such a batch (its tiles read through descriptors that end at their batch element)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,7 +152,10 @@ def _gluon_varlen_configs():
     resolved = [(d, causal, resolve_gluon_varlen_config(d, causal, keys)) for d in (64, 128)
                 for causal in (False, True) for keys in (256, 4096, 16384)]
     forced = [(128, False, GluonFwdConfig()), (128, True, GluonFwdConfig(overlap=True, split_release=True))]
-    return list(dict.fromkeys(resolved + forced))  # each launch once
+    # v_bound: the zeros past a sequence's keys from the producer's bounded V descriptors instead
+    bounded = [(d, causal, dataclasses.replace(resolve_gluon_varlen_config(d, causal, keys), v_bound=True))
+               for d, causal, keys in [(128, True, 256), (128, False, 4096), (64, True, 16384)]]
+    return list(dict.fromkeys(resolved + forced + bounded))  # each launch once
 
 
 @pytest.mark.gpu

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help="comma list of our extra variants timed as peers: nd (deterministic=False), bwdtma / "
                              "bwdptr (backward through TMA / pointers), fp8 (FP8 forward); default nd; with --ragged: "
-                             "vtail (the ragged Gluon forward with and without its V-tail zeroing, an A/B)")
+                             "vtail (the ragged Gluon forward with and without its V-tail zeroing, an A/B), vbound "
+                             "(vtail's pair and the forward with bounded V descriptors, GluonFwdConfig.v_bound)")
     parser.add_argument("--ragged", action="store_true",
                         help="the ragged (varlen) rows instead: random lengths, 16 x 1k, 64 x 256, 2 x 8k vs FA3 "
                              "and FlashInfer's FA2 (flashdecode/bench/prefill_ragged.py); --modes fwd,fwd+bwd")

@@ -8,7 +8,8 @@ kernel on sm_90 where the dispatch sends it), triton (the same call pinned to th
 backend), all timed per call with do_bench (median); FlashInfer's plan() stays outside the timed call, as an
 engine plans once per batch. ``--variants vtail`` adds gluon_vtail / gluon_novtail: the ragged Gluon forward
 launched directly with its V-tail zeroing on and off (GluonFwdConfig.v_tail, an ablation), the cost of the NaN
-fix's zeroing. TFLOP/s count each sequence's own 4 * h * lq * lk * d (halved for causal).
+fix's zeroing; ``--variants vbound`` adds gluon_vbound beside them: the same zeros from the producer's bounded V
+descriptors instead (GluonFwdConfig.v_bound). TFLOP/s count each sequence's own 4 * h * lq * lk * d (halved for causal).
 Forward + backward (``--modes fwd,fwd+bwd``): ours on the ragged batch beside ours on a dense batch of the same
 total tokens (the 16 x 1k row against flash_attn on (16, 1024, ...)); FlashInfer has no backward. Beside them:
 gluon_bwd (ours with the backward forced onto the ragged Gluon kernel, ops/gluon_backward.py gluon_varlen_backward
@@ -120,17 +121,18 @@ def _gluon_bwd(seq_bounded: bool):
     return build
 
 
-def _gluon_fwd(v_tail: bool):
-    """The gluon_vtail / gluon_novtail peers: the ragged Gluon forward launched directly (ops/gluon_attention.py
-    gluon_varlen_forward_into, the launch flash_attn_varlen's dispatch resolves) with its V-tail zeroing on or off
-    (GluonFwdConfig.v_tail, a timing ablation): the A/B of what zeroing the last key block's V rows costs."""
+def _gluon_fwd(v_tail: bool, v_bound: bool = False):
+    """The gluon_vtail / gluon_novtail / gluon_vbound peers: the ragged Gluon forward launched directly
+    (ops/gluon_attention.py gluon_varlen_forward_into, the launch flash_attn_varlen's dispatch resolves) with its
+    V-tail zeroing on or off (GluonFwdConfig.v_tail, a timing ablation), or its last V blocks read through bounded
+    descriptors (v_bound): the A/B of what zeroing the last key block's V rows costs."""
     def build(q, k, v, cu, max_len, causal):
         from flashdecode.heuristics import resolve_gluon_varlen_config
         from flashdecode.ops.gluon_attention import gluon_varlen_forward_into
 
         batch = cu.shape[0] - 1
         config = dataclasses.replace(resolve_gluon_varlen_config(q.shape[-1], causal, -(-k.shape[0] // batch)),
-                                     v_tail=v_tail)
+                                     v_tail=v_tail, v_bound=v_bound)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
 
@@ -161,6 +163,7 @@ def _flash_attn(module: str):
 BUILDERS = {"ours": _ours(False), "triton": _ours(True), "FA3": _flashinfer("fa3"), "fa2": _flashinfer("fa2"),
             "gluon_bwd": _gluon_bwd(True), "gluon_bwd_unbounded": _gluon_bwd(False),
             "gluon_vtail": _gluon_fwd(True), "gluon_novtail": _gluon_fwd(False),
+            "gluon_vbound": _gluon_fwd(False, v_bound=True),
             "flash_attn3": _flash_attn("flash_attn_interface"), "flash_attn2": _flash_attn("flash_attn")}
 # the peers with a backward
 TRAINING_PEERS = ("ours", "triton", "gluon_bwd", "gluon_bwd_unbounded", "flash_attn3", "flash_attn2")
@@ -209,8 +212,9 @@ def ragged_point(name: str, lengths: list[int], headdim: int, causal: bool, mode
     for peer in ("triton", "flash_attn3", "flash_attn2"):
         if row.get("gluon_bwd") and row.get(peer):
             row[f"gluon_bwd/{peer}"] = row["gluon_bwd"] / row[peer]
-    if row.get("gluon_vtail") and row.get("gluon_novtail"):
-        row["gluon_vtail/gluon_novtail"] = row["gluon_vtail"] / row["gluon_novtail"]
+    for peer in ("gluon_vtail", "gluon_vbound"):
+        if row.get(peer) and row.get("gluon_novtail"):
+            row[f"{peer}/gluon_novtail"] = row[peer] / row["gluon_novtail"]
     del q, k, v
     torch.cuda.empty_cache()
     return row
@@ -228,16 +232,16 @@ def _dense_fwd_bwd(batch, seqlen, nheads, nheads_kv, headdim, causal, rep_ms, fl
 
 def peers_available(modes: tuple = ("fwd", ), variants: tuple = ()) -> list[str]:
     """The peers this machine has: ours, triton, FlashInfer's FA3 (sm_90) and FA2; on sm_90 with "vtail" in
-    variants the forward's V-tail A/B (gluon_vtail, gluon_novtail); for fwd+bwd (in modes) also gluon_bwd (sm_90,
-    with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where importable."""
+    variants the forward's V-tail A/B (gluon_vtail, gluon_novtail; "vbound": gluon_vbound too); for fwd+bwd (in
+    modes) also gluon_bwd (sm_90, with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where importable."""
     import importlib.util
 
     hopper = torch.cuda.get_device_capability()[0] == 9
     peers = ["ours", "triton"]
     if importlib.util.find_spec("flashinfer") is not None:
         peers += ["FA3", "fa2"] if hopper else ["fa2"]
-    if hopper and "vtail" in variants and "fwd" in modes:
-        peers += ["gluon_vtail", "gluon_novtail"]
+    if hopper and ("vtail" in variants or "vbound" in variants) and "fwd" in modes:
+        peers += ["gluon_vtail", "gluon_novtail"] + (["gluon_vbound"] if "vbound" in variants else [])
     if "fwd+bwd" in modes:
         # the ragged Gluon backward once hit an illegal instruction on the H100 (docs/decisions.md); timed only once
         # a run opts in until its GPU tests pass whole, since a fault ends the process's CUDA context
@@ -274,7 +278,7 @@ def run_ragged(args) -> int:
                                            if c in row), flush=True)
     ratios = [r for r in ("ours/FA3", "ours/fa2", "ours/triton", "ours/dense", "ours/flash_attn3",
                           "gluon_bwd/triton", "gluon_bwd/flash_attn3", "gluon_bwd/flash_attn2",
-                          "gluon_vtail/gluon_novtail")
+                          "gluon_vtail/gluon_novtail", "gluon_vbound/gluon_novtail")
               if any(r in row for row in rows)]
     columns = ["row", "mode", "headdim", "nheads", "causal", "tokens"] + peers + ["dense"] + ratios
     table = markdown_table(rows, columns, {p: ".0f" for p in peers + ["dense"]} | {r: ".2f" for r in ratios})

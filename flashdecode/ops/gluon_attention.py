@@ -21,7 +21,7 @@ from flashdecode.heuristics import (FP8_BN256_MIN_KEYS, FP8_HEAD_DIMS, GLUON_HD6
 from flashdecode.ops.checks import FP8_DTYPE, check_bool, check_tensor, interpreting, resolve_scale
 from flashdecode.ops.fp8_v_transpose import fp8_v_transposed
 from flashdecode.ops.gluon_plan import (NOT_APPLICABLE, PLANS, GluonPlan, lpt_schedule, run_plan,  # noqa: F401
-                                        tile_key_blocks)
+                                        tile_key_blocks, v_rows)
 from flashdecode.ops.score_transform import log2_scale_of, logit_scales_of
 from flashdecode.ops.util import aligned16, cdiv, is_hopper, rows_layout_ok
 
@@ -192,10 +192,11 @@ def gluon_varlen_forward_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan is NOT_APPLICABLE or not aligned16(q, k, v):
         return False
     if plan.compiled is None:  # the first (JIT) launch takes tensors, later ones their addresses
-        plan.launch(q, k, v, out, lse, log2_scale_of(softmax_scale), cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+        plan.launch(q, k, v, out, lse, log2_scale_of(softmax_scale),
+                    cu_seqlens=(cu_seqlens_q, cu_seqlens_k, v_rows(plan, v)))
     else:
         plan.launch(q, k, v, out.data_ptr(), lse.data_ptr(), log2_scale_of(softmax_scale),
-                    cu_seqlens=(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
+                    cu_seqlens=(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), v_rows(plan, v.data_ptr())))
     return True
 
 
@@ -253,6 +254,8 @@ def paged_unsupported(q, k_cache, v_cache, block_table, config: Optional[GluonFw
         return "config.tile_order: 'lpt' needs the lengths on the host (a ragged launch takes no host tile lists)"
     if config is not None and not config.v_tail:
         return "config.v_tail: the paged kernel always zeroes a page's tail (v_tail=False is a ragged ablation)"
+    if config is not None and config.v_bound:
+        return "config.v_bound: the paged kernel zeroes a page's tail in shared memory (v_bound is the ragged kernel's)"
     # the kernel clamps each key count into its table row: max_pages * page_size keys at most
     if num_pages * page_size >= 2**31 or block_table.shape[1] * page_size + q.shape[0] >= PAGED_INDEX_BOUND:
         return f"k_cache / block_table / q: keys and rows below {PAGED_INDEX_BOUND} (int32 positions)"

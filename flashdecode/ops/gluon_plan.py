@@ -25,7 +25,9 @@ __all__ = ["GluonPlan", "PLANS", "NOT_APPLICABLE", "run_plan", "tile_key_blocks"
 _RUNTIME_ARGS = 9  # attn_fwd_ws_kernel's parameters before its constexprs: q_desc ... qk_scale_log2
 _LPT_EXTRA_ARGS = 1  # attn_fwd_ws_lpt_kernel's sched_ptr after qk_scale_log2
 _FP8_EXTRA_ARGS = 2  # attn_fwd_fp8_ws_kernel's descale pointers after out_ptr and lse_ptr
-_RAGGED_EXTRA_ARGS = 2  # attn_fwd_ws_varlen_kernel's cu_seqlens pointers after qk_scale_log2
+# attn_fwd_ws_varlen_kernel's arguments after qk_scale_log2: the cu_seqlens pointers and v_rows_ptr (V_BOUND's
+# V tensor, else None)
+_RAGGED_EXTRA_ARGS = 3
 # attn_fwd_ws_paged_kernel's arguments after qk_scale_log2: cu_q_ptr, seqused_ptr, block_table_ptr, bt_stride,
 # max_pages, num_pages, window_left, window_right, softcap_log2
 _PAGED_EXTRA_ARGS = 9
@@ -151,7 +153,7 @@ class GluonPlan:
     descale pointers after out and lse."""
 
     __slots__ = ("cfg", "grid", "num_tiles", "seqlen_q", "seqlen_k", "lse_shape", "views", "constexprs", "tail",
-                 "sched", "sched_ptr", "ragged", "paged",
+                 "sched", "sched_ptr", "ragged", "paged", "v_bound",
                  "compiled", "run", "function", "packed", "direct", "direct_launches", "device", "index", "shapes",
                  "discard_lse", "q_contiguous", "lse_template", "fp8")
 
@@ -169,6 +171,7 @@ class GluonPlan:
         self.device, self.index = q.device, q.device.index
         self.q_contiguous = q.is_contiguous()
         self.ragged = ragged is not None
+        self.v_bound = self.ragged and not self.paged and cfg.v_bound  # launches pass v_rows(v) with cu_seqlens
         if self.ragged:  # the tiles are numbered by the longest sequence; lse (nheads, total_q), its head stride
             (batch, seqlen_q), nheads = ragged, q.shape[1]
             self.seqlen_q, self.seqlen_k = seqlen_q, q.shape[0]
@@ -190,8 +193,8 @@ class GluonPlan:
                           OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                           Q_BUFFERS=cfg.q_buffers,
                           TILE_ORDER=TILE_ORDERS[cfg.tile_order], SPLIT_KV_RELEASE=cfg.split_release,
-                          V_TAIL=cfg.v_tail and (self.ragged or _reads_next_values(batch, self.seqlen_k,
-                                                                                   cfg.block_n)))
+                          V_TAIL=cfg.v_tail and not self.v_bound and (self.ragged or _reads_next_values(
+                              batch, self.seqlen_k, cfg.block_n)), V_BOUND=self.v_bound)
         if self.paged:
             constexprs.update(paged, PAGE_SIZE=k.shape[1])
         # the ones this plan's kernel takes (lpt: Q_BUFFERS and TILE_ORDER fixed)
@@ -266,6 +269,12 @@ class GluonPlan:
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
         self.direct = direct_launch.TensormapLauncher.of(compiled, self.views, self.grid)
         self.compiled = compiled
+
+
+def v_rows(plan: GluonPlan, v):
+    """The ragged kernel's v_rows_ptr argument for v (a tensor or its data_ptr() int): v itself where the plan
+    bounds its last V blocks (V_BOUND), else None (the kernel compiled without the parameter)."""
+    return v if plan.v_bound else None
 
 
 def run_plan(plan: GluonPlan, q, k, v, scale: float, need_lse: bool = True, ptrs: Optional[tuple] = None):

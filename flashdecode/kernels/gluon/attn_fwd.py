@@ -107,12 +107,13 @@ def attn_fwd_ws_lpt_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, 
 
 @gluon.jit
 def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tiles, seqlen_q, seqlen_k,
-                              qk_scale_log2, cu_q_ptr, cu_k_ptr, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+                              qk_scale_log2, cu_q_ptr, cu_k_ptr, v_rows_ptr, NUM_HEADS: gl.constexpr,
+                              GROUP: gl.constexpr,
                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                               CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_BUFFERS: gl.constexpr = 1,
                               TILE_ORDER: gl.constexpr = 0, SPLIT_KV_RELEASE: gl.constexpr = False,
-                              V_TAIL: gl.constexpr = True):
+                              V_TAIL: gl.constexpr = True, V_BOUND: gl.constexpr = False):
     """attn_fwd_ws_kernel (fp16/bf16) over a ragged batch packed along the tokens (flash_attn_varlen's layout).
 
     q_desc: (total_q, nheads * HEAD_DIM) rows; k_desc / v_desc: (total_k, nheads_kv * HEAD_DIM) rows; out (total_q,
@@ -122,11 +123,15 @@ def attn_fwd_ws_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, num_tile
     NUM_HEADS), seqlen_k = total_q (lse's head stride). Tiles past a sequence's rows are empty (TileSpace.coords).
     A sequence's last key block reads the next sequence's rows: their V rows are zeroed before PV (V_TAIL in
     FwdConfig), so a NaN or inf there reaches only the rows that read it (V_TAIL False: GluonFwdConfig.v_tail's
-    timing ablation). A kernel of its own so that the others keep their parameter lists."""
+    timing ablation). V_BOUND (V_TAIL False; GluonFwdConfig.v_bound): the producer reads those blocks' V through a
+    descriptor made on the device from v_rows_ptr (the tensor behind v_desc) that ends at the sequence's last key,
+    so TMA reads zeros past it (FwdConfig); the launch then needs global scratch for that descriptor. Without it
+    v_rows_ptr is unused (None). A kernel of its own so that the others keep their parameter lists."""
     _attn_fwd_ws(q_desc, k_desc, v_desc, FwdOutputs(out_ptr, lse_ptr, None, None),
-                 TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr), qk_scale_log2,
+                 TileSpace(num_tiles, None, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, v_rows_ptr=v_rows_ptr),
+                 qk_scale_log2,
                  FwdConfig(NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS,
-                           TILE_ORDER, SPLIT_KV_RELEASE, False, V_TAIL), CONSUMER_REGS, PRODUCER_REGS)
+                           TILE_ORDER, SPLIT_KV_RELEASE, False, V_TAIL, V_BOUND), CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit

@@ -4,7 +4,7 @@ ring) and the launch's compile-time configuration (FwdConfig)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from flashdecode.kernels.gluon.compat import thread_barrier, tma_load
@@ -21,7 +21,9 @@ class FwdConfig:
     overlap), Q_BUFFERS Q buffer sets, TILE_ORDER (fwd_tiles), SPLIT_KV_RELEASE (K and V slots released apart),
     V_T (the V descriptor's blocks are V^T tiles: e4m3) and V_TAIL (a key block's V rows past the sequence's keys
     may be non-zero - another sequence's rows of a packed batch, a page's tail - so the consumers zero them before
-    PV: fwd_softmax.RowMask)."""
+    PV: fwd_softmax.RowMask). V_BOUND (ragged batches, V_TAIL False): the producer loads a sequence's last V block
+    through a descriptor made on the device that ends at the sequence's last key, so TMA fills the rows past it with
+    zeros and the consumers' loop stays as without V_TAIL (bounded_v_load)."""
     NUM_HEADS: gl.constexpr
     GROUP: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -35,10 +37,11 @@ class FwdConfig:
     SPLIT_KV_RELEASE: gl.constexpr
     V_T: gl.constexpr
     V_TAIL: gl.constexpr
+    V_BOUND: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, NUM_HEADS, GROUP, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, OVERLAP, Q_BUFFERS, TILE_ORDER,
-                 SPLIT_KV_RELEASE, V_T, V_TAIL=False):
+                 SPLIT_KV_RELEASE, V_T, V_TAIL=False, V_BOUND=False):
         self.NUM_HEADS = gl.constexpr(NUM_HEADS)
         self.GROUP = gl.constexpr(GROUP)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -52,6 +55,7 @@ class FwdConfig:
         self.SPLIT_KV_RELEASE = gl.constexpr(SPLIT_KV_RELEASE)
         self.V_T = gl.constexpr(V_T)
         self.V_TAIL = gl.constexpr(V_TAIL)
+        self.V_BOUND = gl.constexpr(V_BOUND)
 
 
 @aggregate
@@ -242,29 +246,32 @@ def producer(cfg, q_desc, k_desc, v_desc, q_chan, ring, tiles):
     tiles a loop step takes (TileSpace.units, unit_tiles)."""
     blocks_done = 0
     uses = 0
+    v_last = -cfg.NUM_STAGES  # the last block loaded through a bounded V descriptor (V_BOUND): none yet
     if cfg.Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), tiles.num_tiles, gl.num_programs(0)):
-            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, cfg, q_desc, k_desc, v_desc, q_chan, ring,
-                                              tiles)
+            blocks_done, uses, v_last = _produce_tile(tile, uses, blocks_done, v_last, 0, cfg, q_desc, k_desc, v_desc,
+                                                      q_chan, ring, tiles)
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
         start, stop, step = tiles.units(cfg)
         for unit in range(start, stop, step):
             tile, second = tiles.unit_tiles(unit, cfg)
-            blocks_done, uses = _produce_tile(tile, uses, blocks_done, 0, cfg, q_desc, k_desc, v_desc, q_chan, ring,
-                                              tiles)
+            blocks_done, uses, v_last = _produce_tile(tile, uses, blocks_done, v_last, 0, cfg, q_desc, k_desc, v_desc,
+                                                      q_chan, ring, tiles)
             if second < tiles.num_tiles:
-                blocks_done, uses_second = _produce_tile(second, uses_second, blocks_done, 1, cfg, q_desc, k_desc,
-                                                         v_desc, q_chan, ring, tiles)
+                blocks_done, uses_second, v_last = _produce_tile(second, uses_second, blocks_done, v_last, 1, cfg,
+                                                                 q_desc, k_desc, v_desc, q_chan, ring, tiles)
 
 
 @gluon.jit
-def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, cfg, q_desc, k_desc, v_desc, q_chan, ring, tiles):
+def _produce_tile(tile, uses, blocks_done, v_last, BUF: gl.constexpr, cfg, q_desc, k_desc, v_desc, q_chan, ring,
+                  tiles):
     """The producer's work for one tile: its Q rows into Q buffer set BUF (``uses`` = tiles the set held before),
     then every visited K/V block into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter);
     an empty tile (ragged batches) loads nothing. V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim)
     and one column per key, so a block is the [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys.
-    Returns the new (block counter, uses)."""
+    V_BOUND: a block that ends past the sequence's keys loads its V through bounded_v_load (v_last: the CTA's last
+    block loaded so). Returns the new (block counter, uses, v_last)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     t = tiles.coords(tile, cfg)
@@ -287,9 +294,31 @@ def _produce_tile(tile, uses, blocks_done, BUF: gl.constexpr, cfg, q_desc, k_des
         if cfg.V_T:
             tma_load(v_desc, [(t.batch * (cfg.NUM_HEADS // cfg.GROUP) + t.head // cfg.GROUP) * HEAD_DIM, key],
                      ready, ring.v_smem.index(g % cfg.NUM_STAGES))
+        elif cfg.V_BOUND:
+            if key + BLOCK_N > t.len_k:
+                bounded_v_load(v_desc, tiles.v_rows_ptr, t.kv_base + t.len_k, [row, kv_col], ready, ring, g, v_last)
+                v_last = g
+            else:
+                tma_load(v_desc, [row, kv_col], ready, ring.v_smem.index(g % cfg.NUM_STAGES))
         else:
             tma_load(v_desc, [row, kv_col], ready, ring.v_smem.index(g % cfg.NUM_STAGES))
-    return blocks_done + t.num_blocks(BLOCK_N), uses + t.live
+    return blocks_done + t.num_blocks(BLOCK_N), uses + t.live, v_last
+
+
+@gluon.jit
+def bounded_v_load(v_desc, v_rows_ptr, end_row, coord, ready, ring, g, v_last):
+    """Block g's V tile at coord through a copy of v_desc (the (total_k, nheads_kv * HEAD_DIM) rows at
+    v_rows_ptr) made on the device and ending at row end_row, the sequence's last key + 1: TMA fills the rows past
+    it with zeros (never the next sequence's values, whose NaN or inf would reach this sequence's rows through
+    0 * NaN in PV), and still counts the whole box's bytes on ``ready``. The copy lives in one global-scratch slot
+    that each such load rewrites, so the last one (block v_last) must have landed first: where its slot has not
+    been refilled since (g - v_last < NUM_STAGES) the producer waits for it; otherwise refilling that slot already
+    waited for its release, which came after it landed."""
+    if g - v_last < ring.NUM_STAGES:
+        mbarrier.wait(ring.v_ready.index(v_last % ring.NUM_STAGES), (v_last // ring.NUM_STAGES) & 1)
+    bounded = tma.make_tensor_descriptor(v_rows_ptr, [gl.maximum(end_row, 1), v_desc.shape[1]],
+                                         [v_desc.strides[0], 1], v_desc.block_type.shape, v_desc.layout)
+    tma_load(bounded, coord, ready, ring.v_smem.index(g % ring.NUM_STAGES))
 
 
 # ---- consumers ------------------------------------------------------------------------------------------------

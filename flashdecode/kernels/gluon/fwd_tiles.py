@@ -121,7 +121,8 @@ class TileSpace:
     ragged batch the longest sequence's query count (it numbers the tiles) and total_q (lse's head stride);
     cu_q_ptr / cu_k_ptr int32 (batch + 1,) cumulative lengths of a ragged batch (None: fixed-length; cu_k_ptr None
     too over a paged cache); sched_ptr the host's per-CTA tile lists (TILE_ORDER_LPT; else None); pages the paged
-    cache's KVPages (else None); opts the ScoreOptions (else None: causal or no mask, no softcap)."""
+    cache's KVPages (else None); opts the ScoreOptions (else None: causal or no mask, no softcap); v_rows_ptr the V
+    tensor behind v_desc (FwdConfig.V_BOUND; else None)."""
     num_tiles: RUNTIME
     sched_ptr: RUNTIME
     seqlen_q: RUNTIME
@@ -130,9 +131,11 @@ class TileSpace:
     cu_k_ptr: RUNTIME
     pages: OPTIONAL
     opts: OPTIONAL
+    v_rows_ptr: RUNTIME
 
     @gluon.constexpr_function
-    def __init__(self, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, pages=None, opts=None):
+    def __init__(self, num_tiles, sched_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, pages=None, opts=None,
+                 v_rows_ptr=None):
         self.num_tiles = runtime(num_tiles)
         self.sched_ptr = runtime(sched_ptr)
         self.seqlen_q = runtime(seqlen_q)
@@ -141,6 +144,7 @@ class TileSpace:
         self.cu_k_ptr = runtime(cu_k_ptr)
         self.pages = optional(pages)
         self.opts = optional(opts)
+        self.v_rows_ptr = runtime(v_rows_ptr)
 
     @gluon.jit
     def coords(self, tile, cfg):
