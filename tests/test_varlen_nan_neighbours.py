@@ -13,12 +13,14 @@ the fixed-length Gluon forward over a batch whose keys end inside a block (the s
 backward over such a batch (its tiles read through descriptors that end at their batch element)."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 import flashdecode
 from flashdecode import heuristics
+from flashdecode.bench.prefill_ragged import V_BOUND_OPT_IN
 from flashdecode.reference import attention_ref
 from helpers import DEVICE, HAS_CUDA, assert_fa_close, randn
 
@@ -152,10 +154,16 @@ def _gluon_varlen_configs():
     resolved = [(d, causal, resolve_gluon_varlen_config(d, causal, keys)) for d in (64, 128)
                 for causal in (False, True) for keys in (256, 4096, 16384)]
     forced = [(128, False, GluonFwdConfig()), (128, True, GluonFwdConfig(overlap=True, split_release=True))]
-    # v_bound: the zeros past a sequence's keys from the producer's bounded V descriptors instead
-    bounded = [(d, causal, dataclasses.replace(resolve_gluon_varlen_config(d, causal, keys), v_bound=True))
-               for d, causal, keys in [(128, True, 256), (128, False, 4096), (64, True, 16384)]]
-    return list(dict.fromkeys(resolved + forced + bounded))  # each launch once
+    return list(dict.fromkeys(resolved + forced))  # each launch once
+
+
+def _v_bound_configs():
+    """Resolved launches with GluonFwdConfig.v_bound: the zeros past a sequence's keys from the producer's
+    bounded V descriptors (an experiment: its tests run with FLASHDECODE_V_BOUND=1, test_gluon_varlen_gpu.py)."""
+    from flashdecode.ops.gluon_attention import resolve_gluon_varlen_config
+
+    return [(d, causal, dataclasses.replace(resolve_gluon_varlen_config(d, causal, keys), v_bound=True))
+            for d, causal, keys in [(128, True, 256), (128, False, 4096), (64, True, 16384)]]
 
 
 @pytest.mark.gpu
@@ -174,6 +182,17 @@ def test_gluon_varlen_keeps_a_nan_in_its_sequence(d, causal, config, which, valu
                                      window_right=0 if causal else -1, config=config)
     assert took, "the ragged Gluon kernel did not take a supported call"
     _assert_only_its_rows(out, lse, _reference(q, k, v, cu_q, cu_k, causal), cu_q, value)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.skipif(os.environ.get(V_BOUND_OPT_IN) != "1", reason="v_bound is an experiment not yet run on a GPU: "
+                                                                  "run with FLASHDECODE_V_BOUND=1")
+@pytest.mark.parametrize("d,causal,config", _v_bound_configs() if HOPPER else [], ids=str)
+@pytest.mark.parametrize("which", list(SPOTS))
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+def test_gluon_varlen_v_bound_keeps_a_nan_in_its_sequence(d, causal, config, which, value):
+    test_gluon_varlen_keeps_a_nan_in_its_sequence(d, causal, config, which, value)
 
 
 @pytest.mark.gpu

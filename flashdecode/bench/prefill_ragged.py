@@ -33,6 +33,7 @@ HEADS = {128: (32, 8), 64: (16, 16)}
 RANDOM_TOKENS = 16384
 RANDOM_RANGE = (100, 4000)
 RAGGED_GLUON_BWD_OPT_IN = "FLASHDECODE_RAGGED_GLUON_BWD"  # "1": time the ragged Gluon backward (gluon_bwd)
+V_BOUND_OPT_IN = "FLASHDECODE_V_BOUND"  # "1": run the GPU tests of GluonFwdConfig.v_bound (not yet run on a GPU)
 
 
 def random_lengths(seed: int = 0, tokens: int = RANDOM_TOKENS, lo: int = RANDOM_RANGE[0],
