@@ -234,7 +234,8 @@ def _dense_fwd_bwd(batch, seqlen, nheads, nheads_kv, headdim, causal, rep_ms, fl
 def peers_available(modes: tuple = ("fwd", ), variants: tuple = ()) -> list[str]:
     """The peers this machine has: ours, triton, FlashInfer's FA3 (sm_90) and FA2; on sm_90 with "vtail" in
     variants the forward's V-tail A/B (gluon_vtail, gluon_novtail; "vbound": gluon_vbound too); for fwd+bwd (in
-    modes) also gluon_bwd (sm_90, with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where importable."""
+    modes) also gluon_bwd (sm_90, with FLASHDECODE_RAGGED_GLUON_BWD=1 set) and FlashAttention's packages where
+    importable."""
     import importlib.util
 
     hopper = torch.cuda.get_device_capability()[0] == 9
