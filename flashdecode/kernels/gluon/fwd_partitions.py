@@ -246,21 +246,25 @@ def producer(cfg, q_desc, k_desc, v_desc, q_chan, ring, tiles):
     tiles a loop step takes (TileSpace.units, unit_tiles)."""
     blocks_done = 0
     uses = 0
-    v_last = -cfg.NUM_STAGES  # the last block loaded through a bounded V descriptor (V_BOUND): none yet
+    # the last block each Q buffer set's tiles loaded through a bounded V descriptor (V_BOUND): none yet. One per
+    # set because each of _produce_tile's two call sites makes its descriptors in a global-scratch slot of its own
+    v_last = -cfg.NUM_STAGES
     if cfg.Q_BUFFERS == 1:
         for tile in range(gl.program_id(0), tiles.num_tiles, gl.num_programs(0)):
             blocks_done, uses, v_last = _produce_tile(tile, uses, blocks_done, v_last, 0, cfg, q_desc, k_desc, v_desc,
                                                       q_chan, ring, tiles)
     else:
         uses_second = 0  # the second set can sit out a unit (no second tile), so it keeps its own phase count
+        v_last_second = -cfg.NUM_STAGES
         start, stop, step = tiles.units(cfg)
         for unit in range(start, stop, step):
             tile, second = tiles.unit_tiles(unit, cfg)
             blocks_done, uses, v_last = _produce_tile(tile, uses, blocks_done, v_last, 0, cfg, q_desc, k_desc, v_desc,
                                                       q_chan, ring, tiles)
             if second < tiles.num_tiles:
-                blocks_done, uses_second, v_last = _produce_tile(second, uses_second, blocks_done, v_last, 1, cfg,
-                                                                 q_desc, k_desc, v_desc, q_chan, ring, tiles)
+                blocks_done, uses_second, v_last_second = _produce_tile(second, uses_second, blocks_done,
+                                                                        v_last_second, 1, cfg, q_desc, k_desc,
+                                                                        v_desc, q_chan, ring, tiles)
 
 
 @gluon.jit
@@ -270,8 +274,8 @@ def _produce_tile(tile, uses, blocks_done, v_last, BUF: gl.constexpr, cfg, q_des
     then every visited K/V block into the slot ring (slot and phase from ``blocks_done``, the CTA's block counter);
     an empty tile (ragged batches) loads nothing. V_T (e4m3): v_desc views V^T, one row per (batch, kv head, dim)
     and one column per key, so a block is the [HEAD_DIM, BLOCK_N] tile at the kv head's rows and the block's keys.
-    V_BOUND: a block that ends past the sequence's keys loads its V through bounded_v_load (v_last: the CTA's last
-    block loaded so). Returns the new (block counter, uses, v_last)."""
+    V_BOUND: a block that ends past the sequence's keys loads its V through bounded_v_load (v_last: the last block
+    this call site loaded so, in the CTA's count). Returns the new (block counter, uses, v_last)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     t = tiles.coords(tile, cfg)
@@ -310,10 +314,10 @@ def bounded_v_load(v_desc, v_rows_ptr, end_row, coord, ready, ring, g, v_last):
     """Block g's V tile at coord through a copy of v_desc (the (total_k, nheads_kv * HEAD_DIM) rows at
     v_rows_ptr) made on the device and ending at row end_row, the sequence's last key + 1: TMA fills the rows past
     it with zeros (never the next sequence's values, whose NaN or inf would reach this sequence's rows through
-    0 * NaN in PV), and still counts the whole box's bytes on ``ready``. The copy lives in one global-scratch slot
-    that each such load rewrites, so the last one (block v_last) must have landed first: where its slot has not
-    been refilled since (g - v_last < NUM_STAGES) the producer waits for it; otherwise refilling that slot already
-    waited for its release, which came after it landed."""
+    0 * NaN in PV), and still counts the whole box's bytes on ``ready``. The copy lives in the global-scratch slot
+    of this call site (inlined), which its every such load rewrites, so its last one (block v_last) must have
+    landed first: where that block's ring slot has not been refilled since (g - v_last < NUM_STAGES) the producer
+    waits for it; otherwise the refill already waited for the slot's release, which came after the load landed."""
     if g - v_last < ring.NUM_STAGES:
         mbarrier.wait(ring.v_ready.index(v_last % ring.NUM_STAGES), (v_last // ring.NUM_STAGES) & 1)
     bounded = tma.make_tensor_descriptor(v_rows_ptr, [gl.maximum(end_row, 1), v_desc.shape[1]],
