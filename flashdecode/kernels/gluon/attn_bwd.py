@@ -117,15 +117,16 @@ def _load_kv(cfg, k_desc, v_desc, kh_desc, inputs, dq_aux, kv_row, kv_col):
 
 
 @gluon.jit
-def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, seqlen_q,
-                  seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
+def _bwd_producer(cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux, glob):
     """One warp: K, V (and, without DQ_TMA, K's column halves into dq_aux) once, then Q with its lse2 row tile and
     dO with its delta row tile for each visited (query head, query block) into the slot ring, in the consumers'
-    order. Ragged (cu_q_ptr not None): nothing for a key block past its sequence's keys; the row tiles at the
-    sequence's acc_row of the (nheads, rows) row vectors (see SeqRows)."""
+    order. Ragged (glob.cu_q_ptr not None): nothing for a key block past its sequence's keys; the row tiles at the
+    sequence's acc_row of the (nheads, rows) row vectors (see SeqRows). glob: the BwdGlobals (its lengths, cumulative
+    lengths and window walk the key block)."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
+    cu_q_ptr = glob.cu_q_ptr
+    kb = key_block(cfg, glob.seqlen_q, glob.seqlen_k, cu_q_ptr, glob.cu_k_ptr, glob.window_left, glob.window_right)
     kv_row = kb.seq.kv_row + kb.n_start
     kv_col = kb.head_kv * HEAD_DIM
     n_iter = kb.num_m - kb.m_lo
@@ -221,17 +222,19 @@ def _bulk_wait_done(x):
 
 
 @gluon.jit
-def _dq_writer(cfg, dq_desc, dqc, sem_ptr, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right):
+def _dq_writer(cfg, dq_desc, dqc, glob):
     """DQ_TMA's writer warp: for each visited (query head, query block), once both consumers have staged their
     dQ column halves in dq_aux (fp32, (2, BLOCK_M, HEAD_DIM // 2)), add them into dq_acc with two TMA
     reduce-adds and release the buffer once TMA has read it. DETERMINISTIC: waits for its turn first (key-block
     order), and after the release waits for the sums to be written before passing the turn on. Rows past
     seqlen_q fall outside dq_desc's rows (SEQ_BOUNDED: they end at the batch element's; else the tile only runs
     past the tensor's end) and TMA drops them; in a ragged batch they land in the sequence's own slack rows
-    (SeqRows). (seq_bounded off, an ablation: they add the next element's rows, exact zeros for finite values.)"""
+    (SeqRows). (seq_bounded off, an ablation: they add the next element's rows, exact zeros for finite values.)
+    glob: the BwdGlobals (sem_ptr, and what walks the key block as in _bwd_producer)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF: gl.constexpr = dq_desc.block_type.shape[1]
-    kb = key_block(cfg, seqlen_q, seqlen_k, cu_q_ptr, cu_k_ptr, window_left, window_right)
+    sem_ptr, window_left = glob.sem_ptr, glob.window_left
+    kb = key_block(cfg, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, window_left, glob.window_right)
     n_iter = kb.num_m - kb.m_lo
     # a constexpr branch, not a zero-trip loop: without DQ_TMA, dq_aux is another buffer (16-bit) whose reduce-add
     # into the fp32 dQ would still be traced (Triton 3.9's verifier refuses it)
@@ -571,8 +574,6 @@ def _attn_bwd_ws(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc,
         (_bwd_consumer, (0, cfg, inputs, dqc, glob)),
         (_bwd_consumer, (1, cfg, inputs, dqc, glob)),
         (_bwd_producer, (cfg, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, kh_desc, inputs, dq_aux,
-                         glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr, glob.window_left,
-                         glob.window_right)),
-        (_dq_writer, (cfg, dq_desc, dqc, glob.sem_ptr, glob.seqlen_q, glob.seqlen_k, glob.cu_q_ptr, glob.cu_k_ptr,
-                      glob.window_left, glob.window_right)),
+                         glob)),
+        (_dq_writer, (cfg, dq_desc, dqc, glob)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
