@@ -16,7 +16,7 @@ from flashdecode.config import TILE_ORDERS, GluonFwdConfig
 from flashdecode.heuristics import LPT_TILE_OVERHEAD_BLOCKS
 from flashdecode.ops import direct_launch
 from flashdecode.ops.checks import FP8_DTYPE
-from flashdecode.ops.launch_cache import PlanCache, launch_through_triton, recordable
+from flashdecode.ops.launch_cache import PlanCache, ensure_triton_allocator, launch_through_triton, recordable
 from flashdecode.ops.score_transform import log2_scale_of
 from flashdecode.ops.util import cdiv, num_sms
 
@@ -227,6 +227,8 @@ class GluonPlan:
 
     def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple], descales: tuple,
                 cu_seqlens: tuple) -> None:
+        if self.v_bound:  # the kernel makes its bounded V descriptors in a global scratch: Triton's launcher then
+            ensure_triton_allocator()  # asks this thread's allocator for it (the C launcher takes no such kernel)
         if self.compiled is None:
             v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n,)
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
