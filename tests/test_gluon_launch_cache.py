@@ -326,3 +326,38 @@ def test_ragged_v_bound_passes_the_v_tensor_and_turns_the_consumers_zeroing_off(
     assert launch[names.index("v_rows_ptr")] == (v.data_ptr() if v_bound else None)
     with pytest.raises(TypeError, match="v_bound"):
         ga.GluonFwdConfig(v_bound=1)
+
+
+def test_direct_launch_of_a_kernel_with_global_scratch_hands_it_an_aligned_buffer(stubbed, monkeypatch):
+    """A kernel that makes descriptors on the device (GluonFwdConfig.v_bound's ragged launch) needs global scratch:
+    the plan's C launcher (direct_launch.TensormapLauncher, given the plan's device) hands each launch an aligned
+    address in the stream's SCRATCH buffer of grid * per-program bytes, reused while it is large enough; without a
+    device, or with programmatic dependent launch, it refuses such a kernel (Triton's own launcher takes it)."""
+    import triton
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", FakeTmaDriver())
+    c_calls = []
+    compiled = _FakeCompiled()
+    compiled.run = _triton_launcher(c_calls)
+    compiled.run.global_scratch_size, compiled.run.global_scratch_align = 128, 128
+    monkeypatch.setattr(gluon_plan, "_jit_launch", lambda grid, args, constexprs: compiled)
+    q, k, v = _qkv()
+    ga.gluon_attention_forward(q, k, v, causal=True)  # the key's JIT launch (stubbed)
+    plan, = gluon_plan.PLANS.values()
+    direct = plan.direct
+    assert isinstance(direct, gluon_plan.direct_launch.TensormapLauncher)
+    grid = plan.grid[0] * plan.grid[1] * plan.grid[2]
+    assert direct.scratch == (128 * grid, 128, q.device)
+    allocations = gluon_plan.direct_launch.SCRATCH.allocations
+    for _ in range(2):
+        ga.gluon_attention_forward(q, k, v, causal=True)
+    first, second = c_calls
+    assert type(first[7]) is int and first[7] % 128 == 0 and first[7] == second[7]
+    out_at = 13 + 3 * 5  # the descriptors' arguments end here (then out and lse: each call's own)
+    assert first[:7] == second[:7] and first[8:out_at] == second[8:out_at]
+    buffer = gluon_plan.direct_launch.SCRATCH.buffers[(q.device, 7)]  # the stubbed stream
+    assert buffer.numel() >= 128 * grid and buffer.data_ptr() <= first[7] < buffer.data_ptr() + 128
+    assert gluon_plan.direct_launch.SCRATCH.allocations <= allocations + 1
+    assert gluon_plan.direct_launch.TensormapLauncher.of(compiled, plan.views, plan.grid) is None  # no device
+    compiled.run.launch_pdl = True
+    assert gluon_plan.direct_launch.TensormapLauncher.of(compiled, plan.views, plan.grid, q.device) is None

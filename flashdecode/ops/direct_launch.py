@@ -78,15 +78,17 @@ _TENSORMAPS_PER_OPERAND = 64  # base addresses kept per descriptor operand (a di
 DESCRIPTOR_LAUNCHER = checks.env_value("FLASHDECODE_DESCRIPTOR_LAUNCHER", "0") == "1"
 
 
-def _descriptor_launch(compiled):
-    """(C launcher, descriptor parameter indices, TMA metadata per descriptor, cooperative grid, PDL) of a compiled
-    kernel whose launcher is Triton 3.6's CudaLauncher over wrap_handle_tensordesc with TMA metadata for every
-    descriptor parameter and no scratch; None otherwise."""
+def _descriptor_launch(compiled, scratch_ok: bool = False):
+    """(C launcher, descriptor parameter indices, TMA metadata per descriptor, cooperative grid, PDL, global scratch
+    bytes per program, its alignment) of a compiled kernel whose launcher is Triton 3.6's CudaLauncher over
+    wrap_handle_tensordesc with TMA metadata for every descriptor parameter, no profile scratch and (unless
+    scratch_ok; never with PDL) no global scratch; None otherwise."""
     run = getattr(compiled, "run", None)
     inner = getattr(run, "launch", None)
     code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
-    if code is None or not closure or getattr(run, "global_scratch_size", 1) or getattr(
-            run, "profile_scratch_size", 1):
+    scratch = [getattr(run, a, None) for a in ("global_scratch_size", "global_scratch_align", "num_ctas")]
+    if code is None or not closure or getattr(run, "profile_scratch_size", 1) or not all(
+            type(x) is int for x in scratch) or (scratch[0] and not scratch_ok):
         return None
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
     launcher, indices, metas = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
@@ -94,9 +96,9 @@ def _descriptor_launch(compiled):
             or len(metas) != len(indices) or not all(metas)):
         return None
     coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
-    if not isinstance(coop, bool) or not isinstance(pdl, bool):
+    if not isinstance(coop, bool) or not isinstance(pdl, bool) or (pdl and scratch[0]):
         return None
-    return launcher, indices, metas, coop, pdl
+    return launcher, indices, metas, coop, pdl, scratch[0] * scratch[2], scratch[1]
 
 
 class DescriptorLauncher:
@@ -128,7 +130,7 @@ class DescriptorLauncher:
         found = _descriptor_launch(compiled)
         if found is None:
             return None
-        launcher, indices, metas, coop, pdl = found
+        launcher, indices, metas, coop, pdl, _, _ = found
         return cls(launcher, indices, metas, coop, pdl, compiled.function, compiled.packed_metadata)
 
     def _arguments(self, i: int, desc) -> tuple:
@@ -169,29 +171,34 @@ class TensormapLauncher:
     launcher arguments of all descriptors per tuple of addresses (one lookup per launch). The launcher copies the
     map into the kernel's parameters at each launch (and a CUDA graph at capture), so a kept map is only read.
     Built by ``of`` only where the compiled kernel has exactly the layout described here; callers keep Triton's
-    path otherwise, and while a launch hook is registered (the hooks need the launch metadata)."""
+    path otherwise, and while a launch hook is registered (the hooks need the launch metadata). A kernel that makes
+    descriptors on the device (global scratch; given ``device``) gets its scratch from SCRATCH at each launch."""
 
-    __slots__ = ("launcher", "metas", "views", "grid", "mid", "maps", "descs", "fills")
+    __slots__ = ("launcher", "metas", "views", "grid", "mid", "maps", "descs", "fills", "scratch")
 
-    def __init__(self, launcher, metas: list, views: tuple, coop: bool, pdl: bool, grid: tuple, function, packed):
+    def __init__(self, launcher, metas: list, views: tuple, coop: bool, pdl: bool, grid: tuple, function, packed,
+                 scratch: tuple = ()):
         self.launcher, self.metas, self.views, self.grid = launcher, metas, views, tuple(grid)
         # the C launcher's arguments between the stream and the kernel's: no scratch, no launch metadata, no hooks
         self.mid = (function, coop, pdl, None, None, packed, None, None, None)
         self.maps = tuple({} for _ in views)  # per operand: address -> its launcher arguments
         self.descs: dict = {}  # addresses of all operands -> the launcher arguments of all descriptors
         self.fills = 0  # CUtensorMaps filled (the launch-cache tests read it)
+        # () without global scratch, else (bytes for the whole grid, alignment, device)
+        self.scratch = scratch
 
     @classmethod
-    def of(cls, compiled, views: tuple, grid: tuple):
+    def of(cls, compiled, views: tuple, grid: tuple, device: torch.device | None = None):
         """For ``compiled`` (a CompiledKernel) whose first len(views) parameters are host tensor descriptors read
         through ``views`` ((shape, strides) lists per descriptor), launched on ``grid``, or None where its launcher
         is not Triton 3.6's CudaLauncher over wrap_handle_tensordesc with TMA metadata for exactly those
-        parameters, or needs scratch."""
-        found = _descriptor_launch(compiled)
+        parameters, or needs global scratch and no ``device`` is given (or profile scratch)."""
+        found = _descriptor_launch(compiled, scratch_ok=device is not None)
         if found is None or found[1] != set(range(len(views))):
             return None
-        launcher, _, metas, coop, pdl = found
-        return cls(launcher, metas, views, coop, pdl, grid, compiled.function, compiled.packed_metadata)
+        launcher, _, metas, coop, pdl, per_program, align = found
+        scratch = (per_program * grid[0] * grid[1] * grid[2], align, device) if per_program else ()
+        return cls(launcher, metas, views, coop, pdl, grid, compiled.function, compiled.packed_metadata, scratch)
 
     def _map(self, i: int, x) -> tuple:
         """(CUtensorMap, *shape, *strides): descriptor i's launcher arguments for tensor x."""
@@ -226,7 +233,17 @@ class TensormapLauncher:
         if descs is None:
             descs = self._descs(ptrs, bases)
         grid = self.grid
-        self.launcher(grid[0], grid[1], grid[2], stream, *self.mid, *descs, *rest)
+        if not self.scratch:
+            self.launcher(grid[0], grid[1], grid[2], stream, *self.mid, *descs, *rest)
+            return
+        nbytes, align, device = self.scratch
+        # held until the launch is enqueued: a buffer that another thread replaces meanwhile is freed after it
+        buffer = SCRATCH.get(nbytes + align, device, stream)
+        address = buffer.data_ptr()
+        function, coop, pdl, _, _, packed, _, _, _ = self.mid
+        self.launcher(grid[0], grid[1], grid[2], stream, function, coop, pdl, address + -address % align, None,
+                      packed, None, None, None, *descs, *rest)
+        del buffer
 
 
 # ----------------------------------------------------------------------------------------------------------------

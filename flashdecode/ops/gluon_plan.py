@@ -227,8 +227,8 @@ class GluonPlan:
 
     def _launch(self, q, k, v, out, lse, qk_scale_log2: float, ptrs: Optional[tuple], descales: tuple,
                 cu_seqlens: tuple) -> None:
-        if self.v_bound:  # the kernel makes its bounded V descriptors in a global scratch: Triton's launcher then
-            ensure_triton_allocator()  # asks this thread's allocator for it (the C launcher takes no such kernel)
+        if self.v_bound:  # the kernel makes its bounded V descriptors in a global scratch: Triton's launcher (the
+            ensure_triton_allocator()  # first launch, launch hooks) asks this thread's allocator for it
         if self.compiled is None:
             v_block = (v.shape[2], self.cfg.block_n) if self.fp8 else (self.cfg.block_n,)
             descs = (_descriptor(q, self.views[0], 64), _descriptor(k, self.views[1], self.cfg.block_n),
@@ -269,7 +269,7 @@ class GluonPlan:
             return
         self.tail = tuple(self.constexprs[n] for n in names)
         self.run, self.function, self.packed = compiled.run, compiled.function, compiled.packed_metadata
-        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views, self.grid)
+        self.direct = direct_launch.TensormapLauncher.of(compiled, self.views, self.grid, self.device)
         self.compiled = compiled
 
 
