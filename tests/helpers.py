@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 
 import pytest
 import torch
 
 from conftest import DEVICE, HAS_CUDA  # noqa: F401  (re-exported for tests)
 
+from flashdecode.bench.prefill_ragged import V_BOUND_OPT_IN
+
 # The Triton interpreter casts fp32 to bf16 toward zero (a GPU rounds to nearest) and would multiply bf16 tl.dot
 # operands as raw bits (kernels/dot.py upcasts them there): the parametrised CPU kernel tests use fp16/fp32, and
 # tests/test_bf16.py runs bf16 through the README's tour on the CPU (the FP8 forward's bf16 output:
 # quant_helpers.check_fp8).
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16, torch.float32]
+
+# GluonFwdConfig.v_bound (the ragged forward's last V blocks through the producer's bounded descriptors) runs its GPU
+# tests only when asked for (FLASHDECODE_V_BOUND=1) until it has run whole on a GPU: a fault or a hang there would
+# stop the rest of the suite. docs/decisions.md has the state of it.
+needs_v_bound_opt_in = pytest.mark.skipif(os.environ.get(V_BOUND_OPT_IN) != "1",
+                                          reason="v_bound is an experiment not yet run on a GPU: run with "
+                                                 "FLASHDECODE_V_BOUND=1")
 
 
 def pairwise(*axes) -> list[tuple]:

@@ -3,17 +3,14 @@ the float64 reference with the FlashAttention rule - lengths 0 and 1, sequences 
 than keys, GQA, causal or not, every config family the ragged resolver can return - and the dispatch itself (the
 call reaches the ragged Gluon plan; what it cannot take goes to the Triton path)."""
 
-import os
-
 import pytest
 import torch
 
 import flashdecode
-from flashdecode.bench.prefill_ragged import V_BOUND_OPT_IN
 from flashdecode.ops import gluon_attention, gluon_plan
 from flashdecode.ops.gluon_attention import GluonFwdConfig, gluon_varlen_forward_into, resolve_gluon_varlen_config
 from flashdecode.reference import attention_ref
-from helpers import HAS_CUDA, assert_fa_close, max_err
+from helpers import HAS_CUDA, assert_fa_close, max_err, needs_v_bound_opt_in
 
 pytestmark = pytest.mark.gpu
 
@@ -86,14 +83,9 @@ def test_gluon_varlen_every_config_family(config, causal):
     _check([700, 1, 0, 2000, 333], [700, 1, 0, 2000, 400], 8, 2, d, causal, torch.float16, config, seed=3)
 
 
-# GluonFwdConfig.v_bound (off: the last V blocks through the producer's bounded descriptors) runs only when asked
-# for (FLASHDECODE_V_BOUND=1) until it has run whole on a GPU: a fault or a hang there would stop the rest of the
-# suite. docs/decisions.md has the state of it.
+# the last V blocks through the producer's bounded descriptors (run with FLASHDECODE_V_BOUND=1: helpers.py)
 V_BOUND_CONFIGS = [GluonFwdConfig(v_bound=True), GluonFwdConfig(overlap=True, split_release=True, v_bound=True),
                    GluonFwdConfig(persistent=True, q_buffers=2, tile_order="pairs", v_bound=True)]
-needs_v_bound_opt_in = pytest.mark.skipif(os.environ.get(V_BOUND_OPT_IN) != "1",
-                                          reason="v_bound is an experiment not yet run on a GPU: run with "
-                                                 "FLASHDECODE_V_BOUND=1")
 
 
 @needs_hopper

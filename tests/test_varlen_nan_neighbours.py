@@ -13,16 +13,14 @@ the fixed-length Gluon forward over a batch whose keys end inside a block (the s
 backward over such a batch (its tiles read through descriptors that end at their batch element)."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 import flashdecode
 from flashdecode import heuristics
-from flashdecode.bench.prefill_ragged import V_BOUND_OPT_IN
 from flashdecode.reference import attention_ref
-from helpers import DEVICE, HAS_CUDA, assert_fa_close, randn
+from helpers import DEVICE, HAS_CUDA, assert_fa_close, needs_v_bound_opt_in, randn
 
 NAN, INF = float("nan"), float("inf")
 # the interpreter's numpy reductions warn on rows of NaN
@@ -159,7 +157,7 @@ def _gluon_varlen_configs():
 
 def _v_bound_configs():
     """Resolved launches with GluonFwdConfig.v_bound: the zeros past a sequence's keys from the producer's
-    bounded V descriptors (an experiment: its tests run with FLASHDECODE_V_BOUND=1, test_gluon_varlen_gpu.py)."""
+    bounded V descriptors (an experiment: its tests run with FLASHDECODE_V_BOUND=1, helpers.py)."""
     from flashdecode.ops.gluon_attention import resolve_gluon_varlen_config
 
     return [(d, causal, dataclasses.replace(resolve_gluon_varlen_config(d, causal, keys), v_bound=True))
@@ -186,8 +184,7 @@ def test_gluon_varlen_keeps_a_nan_in_its_sequence(d, causal, config, which, valu
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.skipif(os.environ.get(V_BOUND_OPT_IN) != "1", reason="v_bound is an experiment not yet run on a GPU: "
-                                                                  "run with FLASHDECODE_V_BOUND=1")
+@needs_v_bound_opt_in
 @pytest.mark.parametrize("d,causal,config", _v_bound_configs() if HOPPER else [], ids=str)
 @pytest.mark.parametrize("which", list(SPOTS))
 @pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])

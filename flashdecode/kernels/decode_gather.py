@@ -61,7 +61,7 @@ def kv_rows(bt_row, start_n, offs_n, end, num_pages, stride_page, stride_tok, sp
             page = tl.load(bt_row + offs_n // PAGE_SIZE)
         page_ok = (page >= 0) & (page < num_pages)
         if PAGE_SIZE % BLOCK_N == 0:
-            # one flag for the block, made (BLOCK_N,) by a compare: Triton 3.9's interpreter rejects a load mask
+            # one flag for the block, made (BLOCK_N,) by a select: Triton 3.9's interpreter rejects a load mask
             # made by AND-ing a scalar flag into a vector
             key_ok = tl.where(page_ok, key_ok, offs_n < 0)
         else:

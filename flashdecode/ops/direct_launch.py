@@ -240,9 +240,9 @@ class TensormapLauncher:
         # held until the launch is enqueued: a buffer that another thread replaces meanwhile is freed after it
         buffer = SCRATCH.get(nbytes + align, device, stream)
         address = buffer.data_ptr()
-        function, coop, pdl, _, _, packed, _, _, _ = self.mid
-        self.launcher(grid[0], grid[1], grid[2], stream, function, coop, pdl, address + -address % align, None,
-                      packed, None, None, None, *descs, *rest)
+        mid = self.mid  # its fourth entry is the global scratch
+        self.launcher(grid[0], grid[1], grid[2], stream, *mid[:3], address + -address % align, *mid[4:], *descs,
+                      *rest)
         del buffer
 
 
